@@ -1,0 +1,8 @@
+//! # kvbm-block
+//!
+//! The logical view of a KV block, with no memory attached: tokens, token
+//! blocks and sequences, the chained sequence hashes that name a block by
+//! the token prefix it holds (pluggable schemes, wire-compatible with
+//! Dynamo's router and vLLM's prefix cache), and the block lifecycle as
+//! typestate RAII handles. It sits beside kvbm-layout at the bottom of the
+//! stack; kvbm-pool builds pools and the tier engine on top of it.

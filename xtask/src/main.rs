@@ -1,0 +1,32 @@
+//! Project automation, run as `cargo xtask <command>`.
+//!
+//! - `ci`: everything CI checks, in the order a developer wants to see failures:
+//!   install what the tests need, format, lint, test, docs.
+//! - `bench`: run the criterion benches (extra arguments go to `cargo bench`).
+
+mod ci;
+
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("ci") => ci::run(),
+        Some("bench") => ci::bench(&args[1..]),
+        Some(other) => Err(format!("unknown command `{other}`\n\n{USAGE}")),
+        None => Err(USAGE.to_string()),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(msg) => {
+            eprintln!("xtask: {msg}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+const USAGE: &str = "usage: cargo xtask <command>
+
+commands:
+  ci       install test prerequisites, then fmt --check, clippy -D warnings, tests, docs
+  bench    run the criterion benches (arguments after `bench` go to cargo bench)";
