@@ -6,3 +6,9 @@
 //! Dynamo's router and vLLM's prefix cache), and the block lifecycle as
 //! typestate RAII handles. It sits beside kvbm-layout at the bottom of the
 //! stack; kvbm-pool builds pools and the tier engine on top of it.
+
+pub mod hash;
+pub mod tokens;
+
+pub use hash::{BlockHash, SequenceHash};
+pub use tokens::Token;
