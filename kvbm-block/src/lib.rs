@@ -8,7 +8,11 @@
 //! stack; kvbm-pool builds pools and the tier engine on top of it.
 
 pub mod hash;
+pub mod sequence;
 pub mod tokens;
 
 pub use hash::{BlockHash, SequenceHash};
+pub use hash::{DynamoXxh3, HashError, SequenceDigest, SequenceHasher, VllmBlockHash, VllmSha256};
+pub use sequence::{BlockRef, TokenBlockSequence};
 pub use tokens::Token;
+pub use tokens::{PageSize, TokenBlock, TokenError};
