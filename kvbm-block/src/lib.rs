@@ -8,6 +8,7 @@
 //! stack; kvbm-pool builds pools and the tier engine on top of it.
 
 pub mod hash;
+pub mod lifecycle;
 pub mod sequence;
 pub mod tokens;
 

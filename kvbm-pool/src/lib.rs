@@ -7,3 +7,53 @@
 //! an engine's scheduler through the slot API. It builds on kvbm-block for
 //! the logical state and kvbm-transfer for moving bytes, and never talks to
 //! the network; kvbm-dist spreads it over processes.
+//!
+//! ## The block pool
+//!
+//! [`BlockPool`] keeps the books of one tier: which of its `capacity`
+//! blocks are free, which are in use, and which are cached (registered
+//! under their sequence hash, evictable when nobody holds them). It owns
+//! no memory: block `i` of the pool is block `i` of the tier's layout.
+//! Blocks move through the typestate handles of
+//! [`kvbm_block::lifecycle`]:
+//!
+//! ```
+//! use kvbm_block::SequenceHash;
+//! use kvbm_pool::{BlockPool, PoolConfig, Tier};
+//!
+//! let pool = BlockPool::new(PoolConfig::new(64, 16, Tier::G2)).unwrap();
+//! let blocks = pool.allocate(2).unwrap();
+//! let (h0, h1) = (SequenceHash(0xa), SequenceHash(0xb));
+//! let complete = blocks
+//!     .into_iter()
+//!     .zip([(h0, None), (h1, Some(h0))])
+//!     .map(|(b, (h, p))| b.complete(h, p).unwrap())
+//!     .collect();
+//! let held = pool.register(complete).unwrap();
+//! drop(held); // now inactive: cached, evictable
+//! let hit = pool.match_prefix(&[h0, h1, SequenceHash(0xc)]);
+//! assert_eq!(hit.len(), 2);
+//! ```
+//!
+//! Everything a hot path does takes each lock at most once per call, not
+//! once per block; see the `core` module docs for the locking scheme.
+
+mod audit;
+mod config;
+mod core;
+mod error;
+mod events;
+pub mod policy;
+mod pool;
+mod registry;
+mod slab;
+
+pub use audit::AuditError;
+pub use config::{DuplicatePolicy, EvictionKind, PoolConfig, Tier};
+pub use core::PoolCore;
+pub use error::{PoolError, RegisterError};
+pub use events::{KvEvent, KvEventBatch};
+pub use policy::{BlockInfo, BlockView, EvictionPolicy};
+pub use pool::{
+    BlockPool, CompleteBlock, ImmutableBlock, ImmutableBlocks, MutableBlock, PoolCounts, WeakBlock,
+};

@@ -1,0 +1,117 @@
+//! A full consistency check of a pool, for tests and debugging.
+
+use std::sync::atomic::Ordering::{Acquire, Relaxed};
+
+use crate::core::PoolCore;
+use crate::pool::PoolCounts;
+use crate::slab::{NO_PARENT, State};
+
+/// An invariant that does not hold.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("pool invariant broken: {0}")]
+pub struct AuditError(pub String);
+
+macro_rules! ensure {
+    ($cond:expr, $($fmt:tt)+) => {
+        if !$cond {
+            return Err(AuditError(format!($($fmt)+)));
+        }
+    };
+}
+
+pub(crate) fn audit(core: &PoolCore) -> Result<PoolCounts, AuditError> {
+    let registry = core.registry.write();
+    let _policy = core.policy.lock();
+    let free = core.free.lock();
+    let capacity = core.slab.len();
+
+    let mut on_free_list = vec![false; capacity];
+    for &id in free.iter() {
+        let i = id as usize;
+        ensure!(i < capacity, "free list holds out-of-range id {id}");
+        ensure!(!on_free_list[i], "block {id} is on the free list twice");
+        on_free_list[i] = true;
+    }
+
+    let mut children = vec![0u32; capacity];
+    let (mut n_free, mut active, mut inactive, mut registered) = (0, 0, 0, 0);
+    for (i, e) in core.slab.iter().enumerate() {
+        let id = i as u32;
+        let state = e.state();
+        ensure!(
+            (state == State::Free) == on_free_list[i],
+            "block {id} is {state:?} but free-list membership is {}",
+            on_free_list[i]
+        );
+        match state {
+            State::Free => n_free += 1,
+            State::Allocated => active += 1,
+            State::Duplicate => {
+                ensure!(
+                    e.holders.load(Acquire) > 0,
+                    "duplicate block {id} has no holder"
+                );
+                ensure!(
+                    registry.get(&e.hash()) != Some(&id),
+                    "duplicate block {id} is in the registry"
+                );
+                active += 1;
+            }
+            State::Registered => {
+                registered += 1;
+                ensure!(
+                    registry.get(&e.hash()) == Some(&id),
+                    "registered block {id} is not the registry's primary for its hash"
+                );
+                if e.holders.load(Acquire) == 0 {
+                    inactive += 1;
+                } else {
+                    active += 1;
+                }
+                let pid = e.parent_id.load(Relaxed);
+                if pid != NO_PARENT {
+                    let p = &core.slab[pid as usize];
+                    if p.state() == State::Registered
+                        && p.generation.load(Relaxed) == e.parent_gen.load(Relaxed)
+                    {
+                        ensure!(
+                            Some(p.hash()) == e.parent(),
+                            "block {id} links to parent {pid} of another hash"
+                        );
+                        children[pid as usize] += 1;
+                    }
+                }
+            }
+        }
+    }
+    ensure!(
+        registry.len() == registered,
+        "registry holds {} hashes but {registered} blocks are registered",
+        registry.len()
+    );
+    ensure!(
+        core.inactive.load(Relaxed) == inactive as i64,
+        "inactive counter {} but {inactive} blocks are inactive",
+        core.inactive.load(Relaxed)
+    );
+    for (i, e) in core.slab.iter().enumerate() {
+        if e.state() == State::Registered {
+            ensure!(
+                e.children.load(Relaxed) == children[i],
+                "block {i} counts {} children, {} link to it",
+                e.children.load(Relaxed),
+                children[i]
+            );
+        }
+    }
+    ensure!(
+        n_free + active + inactive == capacity,
+        "counts do not add up"
+    );
+    Ok(PoolCounts {
+        capacity,
+        free: n_free,
+        active,
+        inactive,
+    })
+}

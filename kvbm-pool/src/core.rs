@@ -1,0 +1,498 @@
+//! The shared state of one pool and every operation on it.
+//!
+//! Locks, always taken in this order:
+//! 1. `registry` (`RwLock`): shared for matching, presence checks and
+//!    releasing handles; exclusive for registering and evicting — the only
+//!    operations that change which hashes are cached.
+//! 2. `policy` (`Mutex`): the eviction policy and its clock; taken when a
+//!    block becomes inactive (once per released batch) and to evict.
+//! 3. `free` (`Mutex`): the free list; taken alone on the allocation fast
+//!    path.
+//!
+//! Holder counts are atomics in the slab, so a match of `L` blocks takes the
+//! shared lock once and does `L` atomic increments; two threads matching
+//! different prefixes only share the lock word, not the blocks' cache lines.
+//! Eviction needs the exclusive lock, so it never races a match: a block a
+//! matcher found cannot disappear under it.
+
+use std::sync::atomic::AtomicI64;
+use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
+
+use kvbm_block::SequenceHash;
+use kvbm_block::lifecycle::{BlockStore, CompleteParts};
+use parking_lot::{Mutex, MutexGuard, RwLock};
+
+use crate::config::{DuplicatePolicy, PoolConfig, Tier};
+use crate::error::PoolError;
+use crate::events::{EventHub, KvEvent};
+use crate::policy::{BlockView, EvictionPolicy, info};
+use crate::registry::{Registry, new_registry};
+use crate::slab::{Entry, NO_PARENT, State, new_slab};
+
+/// The policy and the clock that stamps releases.
+pub(crate) struct PolicyState {
+    pub(crate) clock: u64,
+    pub(crate) policy: Box<dyn EvictionPolicy>,
+}
+
+/// The state of one pool, shared by the pool and every handle on it.
+///
+/// It has no public constructor: it exists only inside a
+/// [`BlockPool`](crate::BlockPool), and handles are generic over it.
+pub struct PoolCore {
+    pub(crate) slab: Box<[Entry]>,
+    pub(crate) registry: RwLock<Registry>,
+    pub(crate) policy: Mutex<PolicyState>,
+    pub(crate) free: Mutex<Vec<u32>>,
+    /// Registered blocks without holders. Exact whenever the registry is
+    /// held exclusively; may lag by in-flight batches otherwise.
+    pub(crate) inactive: AtomicI64,
+    pub(crate) events: EventHub,
+    pub(crate) tier: Tier,
+    pub(crate) block_size: usize,
+    pub(crate) duplicates: DuplicatePolicy,
+    compact_above: usize,
+    /// The policy counts accesses (fixed at construction), so matches and
+    /// registrations must tell it; otherwise they skip its lock.
+    tracks_access: bool,
+}
+
+impl std::fmt::Debug for PoolCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PoolCore")
+            .field("capacity", &self.slab.len())
+            .field("tier", &self.tier)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Blocks pulled off the free list.
+pub(crate) type Taken = Vec<u32>;
+
+impl PoolCore {
+    pub(crate) fn new(
+        config: &PoolConfig,
+        policy: Box<dyn EvictionPolicy>,
+    ) -> Result<Self, PoolError> {
+        if config.capacity == 0 {
+            return Err(PoolError::InvalidConfig("capacity must be at least 1"));
+        }
+        if config.capacity >= u32::MAX as usize {
+            return Err(PoolError::InvalidConfig("capacity must be below u32::MAX"));
+        }
+        if config.block_size == 0 {
+            return Err(PoolError::InvalidConfig("block_size must be at least 1"));
+        }
+        let capacity = config.capacity;
+        // Popping from the end hands out block 0 first.
+        let free: Vec<u32> = (0..capacity as u32).rev().collect();
+        let tracks_access = policy.tracks_access();
+        Ok(Self {
+            tracks_access,
+            slab: new_slab(capacity),
+            registry: RwLock::new(new_registry(capacity)),
+            policy: Mutex::new(PolicyState { clock: 0, policy }),
+            free: Mutex::new(free),
+            inactive: AtomicI64::new(0),
+            events: EventHub::default(),
+            tier: config.tier,
+            block_size: config.block_size,
+            duplicates: config.duplicates,
+            compact_above: capacity.saturating_mul(2).saturating_add(1024),
+        })
+    }
+
+    pub(crate) fn capacity(&self) -> usize {
+        self.slab.len()
+    }
+
+    fn entry(&self, id: u32) -> &Entry {
+        &self.slab[id as usize]
+    }
+
+    pub(crate) fn inactive_count(&self) -> usize {
+        usize::try_from(self.inactive.load(Relaxed)).unwrap_or(0)
+    }
+
+    /// Takes `n` blocks off the free list, evicting inactive blocks when
+    /// there are not enough. All or nothing: on error no block is taken
+    /// (blocks evicted along the way stay on the free list).
+    pub(crate) fn take(&self, n: usize) -> Result<Taken, PoolError> {
+        {
+            let mut free = self.free.lock();
+            if free.len() >= n {
+                return Ok(self.pop_free(&mut free, n));
+            }
+        }
+        let mut registry = self.registry.write();
+        let mut policy = self.policy.lock();
+        let mut free = self.free.lock();
+        if free.len() < n {
+            let need = n - free.len();
+            if self.inactive_count() < need {
+                return Err(PoolError::Exhausted {
+                    requested: n,
+                    free: free.len(),
+                    evictable: self.inactive_count(),
+                });
+            }
+            self.evict_locked(&mut registry, &mut policy, &mut free, need);
+            if free.len() < n {
+                return Err(PoolError::Exhausted {
+                    requested: n,
+                    free: free.len(),
+                    evictable: 0,
+                });
+            }
+        }
+        Ok(self.pop_free(&mut free, n))
+    }
+
+    fn pop_free(&self, free: &mut MutexGuard<'_, Vec<u32>>, n: usize) -> Taken {
+        let at = free.len() - n;
+        let taken: Taken = free.split_off(at);
+        for &id in &taken {
+            self.entry(id).set_state(State::Allocated);
+        }
+        taken
+    }
+
+    /// Evicts up to `n` inactive blocks onto the free list; returns how many.
+    pub(crate) fn evict(&self, n: usize) -> usize {
+        let mut registry = self.registry.write();
+        let mut policy = self.policy.lock();
+        let mut free = self.free.lock();
+        self.evict_locked(&mut registry, &mut policy, &mut free, n)
+    }
+
+    fn evict_locked(
+        &self,
+        registry: &mut Registry,
+        policy: &mut PolicyState,
+        free: &mut Vec<u32>,
+        n: usize,
+    ) -> usize {
+        let mut events = self.events.active().then(Vec::new);
+        let mut evicted = 0;
+        while evicted < n {
+            let Some(id) = policy.policy.next_victim(&BlockView::new(&self.slab)) else {
+                break;
+            };
+            let e = self.entry(id);
+            let hash = e.hash();
+            registry.remove(&hash);
+            self.unlink_parent(e, policy);
+            e.generation.fetch_add(1, Relaxed);
+            e.children.store(0, Relaxed);
+            e.set_state(State::Free);
+            free.push(id);
+            evicted += 1;
+            if let Some(ev) = events.as_mut() {
+                ev.push(KvEvent::Removed {
+                    hash,
+                    tier: self.tier,
+                });
+            }
+        }
+        self.inactive.fetch_sub(evicted as i64, Relaxed);
+        if let Some(ev) = events {
+            self.events.publish(ev);
+        }
+        evicted
+    }
+
+    /// Drops a leaving block's count in its parent, telling the policy when
+    /// an inactive parent becomes a leaf.
+    fn unlink_parent(&self, e: &Entry, policy: &mut PolicyState) {
+        let pid = e.parent_id.load(Relaxed);
+        if pid == NO_PARENT {
+            return;
+        }
+        e.parent_id.store(NO_PARENT, Relaxed);
+        let p = self.entry(pid);
+        if p.state() != State::Registered
+            || p.generation.load(Relaxed) != e.parent_gen.load(Relaxed)
+        {
+            return;
+        }
+        let left = p.children.load(Relaxed).saturating_sub(1);
+        p.children.store(left, Relaxed);
+        if left == 0 && p.holders.load(Acquire) == 0 {
+            policy.policy.on_became_leaf(&info(pid, p));
+        }
+    }
+
+    /// Registers complete blocks in order; returns one held id per block
+    /// (the existing block for a deduplicated hash).
+    pub(crate) fn register(&self, parts: &[CompleteParts<PoolCore>]) -> Vec<u32> {
+        let mut out = Vec::with_capacity(parts.len());
+        let mut freed: Vec<u32> = Vec::new();
+        let mut events = self
+            .events
+            .active()
+            .then(|| Vec::with_capacity(parts.len()));
+        let mut registry = self.registry.write();
+        let mut policy = self.policy_if_tracking();
+        let mut reactivated = 0i64;
+        for part in parts {
+            let e = self.entry(part.id);
+            if let Some(&existing) = registry.get(&part.hash) {
+                match self.duplicates {
+                    DuplicatePolicy::ReuseExisting => {
+                        if self.entry(existing).holders.fetch_add(1, AcqRel) == 0 {
+                            reactivated += 1;
+                        }
+                        e.set_state(State::Free);
+                        freed.push(part.id);
+                        out.push(existing);
+                    }
+                    DuplicatePolicy::KeepDuplicate => {
+                        e.set_names(part.hash, part.parent);
+                        e.priority.store(part.priority, Relaxed);
+                        e.parent_id.store(NO_PARENT, Relaxed);
+                        e.holders.store(1, Release);
+                        e.set_state(State::Duplicate);
+                        out.push(part.id);
+                    }
+                }
+            } else {
+                registry.insert(part.hash, part.id);
+                e.set_names(part.hash, part.parent);
+                e.priority.store(part.priority, Relaxed);
+                e.children.store(0, Relaxed);
+                self.link_parent(&registry, e, part.parent);
+                e.holders.store(1, Release);
+                e.set_state(State::Registered);
+                out.push(part.id);
+                if let Some(ev) = events.as_mut() {
+                    ev.push(KvEvent::Stored {
+                        hash: part.hash,
+                        parent: part.parent,
+                        tier: self.tier,
+                    });
+                }
+            }
+            if let Some(p) = policy.as_mut() {
+                p.policy.on_access(part.hash);
+            }
+        }
+        if reactivated != 0 {
+            self.inactive.fetch_sub(reactivated, Relaxed);
+        }
+        if let Some(ev) = events {
+            self.events.publish(ev);
+        }
+        drop(policy);
+        if !freed.is_empty() {
+            self.free.lock().extend_from_slice(&freed);
+        }
+        drop(registry);
+        out
+    }
+
+    fn link_parent(&self, registry: &Registry, e: &Entry, parent: Option<SequenceHash>) {
+        let pid = parent.and_then(|p| registry.get(&p).copied());
+        match pid {
+            Some(pid) => {
+                let p = self.entry(pid);
+                e.parent_id.store(pid, Relaxed);
+                e.parent_gen.store(p.generation.load(Relaxed), Relaxed);
+                p.children.fetch_add(1, Relaxed);
+            }
+            None => e.parent_id.store(NO_PARENT, Relaxed),
+        }
+    }
+
+    fn policy_if_tracking(&self) -> Option<MutexGuard<'_, PolicyState>> {
+        self.tracks_access.then(|| self.policy.lock())
+    }
+
+    /// Takes a holder on each block of the longest cached prefix of
+    /// `hashes`; returns their ids.
+    pub(crate) fn match_prefix(&self, hashes: &[SequenceHash]) -> Vec<u32> {
+        let Some(first) = hashes.first() else {
+            return Vec::new();
+        };
+        let registry = self.registry.read();
+        let Some(&first_id) = registry.get(first) else {
+            return Vec::new();
+        };
+        let mut ids = Vec::with_capacity(hashes.len());
+        let mut reactivated = 0i64;
+        let mut take = |id: u32| {
+            if self.entry(id).holders.fetch_add(1, AcqRel) == 0 {
+                reactivated += 1;
+            }
+            ids.push(id);
+        };
+        take(first_id);
+        for hash in &hashes[1..] {
+            match registry.get(hash) {
+                Some(&id) => take(id),
+                None => break,
+            }
+        }
+        if reactivated != 0 {
+            self.inactive.fetch_sub(reactivated, Relaxed);
+        }
+        if self.tracks_access {
+            let mut policy = self.policy.lock();
+            for hash in &hashes[..ids.len()] {
+                policy.policy.on_access(*hash);
+            }
+        }
+        drop(registry);
+        ids
+    }
+
+    /// Length of the longest cached prefix, without taking holders.
+    pub(crate) fn cached_prefix_len(&self, hashes: &[SequenceHash]) -> usize {
+        let registry = self.registry.read();
+        hashes
+            .iter()
+            .take_while(|h| registry.contains_key(h))
+            .count()
+    }
+
+    /// Marks inactive blocks among `hashes` as just used; returns how many
+    /// of them are cached.
+    pub(crate) fn touch(&self, hashes: &[SequenceHash]) -> usize {
+        let registry = self.registry.read();
+        let mut policy = self.policy.lock();
+        let mut found = 0;
+        for hash in hashes {
+            if let Some(&id) = registry.get(hash) {
+                found += 1;
+                let e = self.entry(id);
+                if e.holders.load(Acquire) == 0 {
+                    self.restamp(&mut policy, id, e);
+                }
+                if policy.policy.tracks_access() {
+                    policy.policy.on_access(*hash);
+                }
+            }
+        }
+        found
+    }
+
+    /// Changes a cached block's priority; `false` if the hash is not cached.
+    pub(crate) fn set_priority(&self, hash: SequenceHash, priority: u8) -> bool {
+        let registry = self.registry.read();
+        let Some(&id) = registry.get(&hash) else {
+            return false;
+        };
+        let mut policy = self.policy.lock();
+        let e = self.entry(id);
+        e.priority.store(priority.min(100), Relaxed);
+        if e.holders.load(Acquire) == 0 {
+            self.restamp(&mut policy, id, e);
+        }
+        true
+    }
+
+    /// Queues an inactive block again with a fresh stamp (its old entries
+    /// become stale).
+    fn restamp(&self, policy: &mut PolicyState, id: u32, e: &Entry) {
+        policy.clock += 1;
+        e.stamp.store(policy.clock, Relaxed);
+        policy.policy.on_release(&info(id, e));
+    }
+
+    /// Whether `hash` should be cached, asking the policy only when caching
+    /// it would mean evicting.
+    pub(crate) fn admit(&self, hash: SequenceHash) -> bool {
+        if !self.free.lock().is_empty() {
+            return true;
+        }
+        let _registry = self.registry.read();
+        let mut policy = self.policy.lock();
+        policy.policy.admit(hash, &BlockView::new(&self.slab))
+    }
+
+    fn maybe_compact(&self, policy: &mut PolicyState) {
+        if policy.policy.queued() > self.compact_above {
+            policy.policy.compact(&BlockView::new(&self.slab));
+        }
+    }
+}
+
+impl BlockStore for PoolCore {
+    fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    fn release_unregistered(&self, ids: &[u32]) {
+        let mut free = self.free.lock();
+        for &id in ids {
+            self.entry(id).set_state(State::Free);
+            free.push(id);
+        }
+    }
+
+    fn retain(&self, id: u32) {
+        // The caller holds the block already, so it cannot change state.
+        self.entry(id).holders.fetch_add(1, Relaxed);
+    }
+
+    fn release(&self, ids: &[u32]) {
+        if ids.is_empty() {
+            return;
+        }
+        let _registry = self.registry.read();
+        let mut policy: Option<MutexGuard<'_, PolicyState>> = None;
+        let mut inactive = 0i64;
+        for &id in ids {
+            let e = self.entry(id);
+            if e.holders.fetch_sub(1, AcqRel) != 1 {
+                continue;
+            }
+            match e.state() {
+                State::Registered => {
+                    let p = policy.get_or_insert_with(|| self.policy.lock());
+                    self.restamp(p, id, e);
+                    inactive += 1;
+                }
+                State::Duplicate => {
+                    e.set_state(State::Free);
+                    self.free.lock().push(id);
+                }
+                State::Free | State::Allocated => {}
+            }
+        }
+        if inactive != 0 {
+            self.inactive.fetch_add(inactive, Relaxed);
+        }
+        if let Some(mut p) = policy {
+            self.maybe_compact(&mut p);
+        }
+    }
+
+    fn try_upgrade(&self, id: u32, hash: SequenceHash) -> bool {
+        let Some(e) = self.slab.get(id as usize) else {
+            return false;
+        };
+        let _registry = self.registry.read();
+        if e.hash() != hash {
+            return false;
+        }
+        match e.state() {
+            State::Registered => {
+                if e.holders.fetch_add(1, AcqRel) == 0 {
+                    self.inactive.fetch_sub(1, Relaxed);
+                }
+                true
+            }
+            State::Duplicate => e
+                .holders
+                .fetch_update(AcqRel, Acquire, |h| (h > 0).then_some(h + 1))
+                .is_ok(),
+            State::Free | State::Allocated => false,
+        }
+    }
+
+    fn sequence_hash(&self, id: u32) -> SequenceHash {
+        self.slab
+            .get(id as usize)
+            .map_or(SequenceHash(0), Entry::hash)
+    }
+}

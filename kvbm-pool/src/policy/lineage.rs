@@ -1,0 +1,85 @@
+//! Leaf first: prefixes stay whole.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+
+use super::{BlockInfo, BlockView, EvictionPolicy};
+
+/// LRU among leaves: a block is evicted only when no registered block is
+/// built on it, so a cached prefix never loses an inner block (a match can
+/// use every block up to the cached leaf).
+///
+/// Releases arrive in clock order and go to a FIFO; a block that becomes a
+/// leaf later (its last child was evicted) carries an older stamp and goes
+/// to a small min-heap. The victim is the older of the two fronts.
+#[derive(Debug, Default)]
+pub struct LeafFirstPolicy {
+    released: VecDeque<(u64, u32)>,
+    late_leaves: BinaryHeap<Reverse<(u64, u32)>>,
+}
+
+impl LeafFirstPolicy {
+    /// An empty policy with room for `capacity` entries.
+    pub fn with_capacity(capacity: usize) -> Self {
+        Self {
+            released: VecDeque::with_capacity(capacity),
+            late_leaves: BinaryHeap::new(),
+        }
+    }
+}
+
+fn is_leaf_victim(view: &BlockView<'_>, stamp: u64, id: u32) -> bool {
+    view.evictable(id, stamp).is_some_and(|b| b.children == 0)
+}
+
+impl EvictionPolicy for LeafFirstPolicy {
+    fn name(&self) -> &'static str {
+        "leaf-first"
+    }
+
+    fn on_release(&mut self, block: &BlockInfo) {
+        if block.children == 0 {
+            self.released.push_back((block.stamp, block.id));
+        }
+    }
+
+    fn on_became_leaf(&mut self, block: &BlockInfo) {
+        self.late_leaves.push(Reverse((block.stamp, block.id)));
+    }
+
+    fn next_victim(&mut self, view: &BlockView<'_>) -> Option<u32> {
+        loop {
+            let fifo = self.released.front().copied();
+            let heap = self.late_leaves.peek().map(|r| r.0);
+            let (stamp, id) = match (fifo, heap) {
+                (None, None) => return None,
+                (Some(f), Some(h)) if h < f => {
+                    self.late_leaves.pop();
+                    h
+                }
+                (Some(f), _) => {
+                    self.released.pop_front();
+                    f
+                }
+                (None, Some(h)) => {
+                    self.late_leaves.pop();
+                    h
+                }
+            };
+            if is_leaf_victim(view, stamp, id) {
+                return Some(id);
+            }
+        }
+    }
+
+    fn compact(&mut self, view: &BlockView<'_>) {
+        self.released
+            .retain(|&(stamp, id)| is_leaf_victim(view, stamp, id));
+        self.late_leaves
+            .retain(|Reverse((stamp, id))| is_leaf_victim(view, *stamp, *id));
+    }
+
+    fn queued(&self) -> usize {
+        self.released.len() + self.late_leaves.len()
+    }
+}

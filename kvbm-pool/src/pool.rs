@@ -1,0 +1,231 @@
+//! The public face of a pool: [`BlockPool`] and its handle types.
+
+use std::sync::Arc;
+use std::sync::mpsc::Receiver;
+
+use kvbm_block::SequenceHash;
+use kvbm_block::lifecycle;
+
+use crate::config::{EvictionKind, PoolConfig, Tier};
+use crate::core::PoolCore;
+use crate::error::{PoolError, RegisterError};
+use crate::events::{KvEvent, KvEventBatch};
+use crate::policy::{EvictionPolicy, FrequencyPolicy, LeafFirstPolicy, LruPolicy, Prioritized};
+
+/// A block being filled (see [`lifecycle::MutableBlock`]).
+pub type MutableBlock = lifecycle::MutableBlock<PoolCore>;
+/// A full, hashed block ready to register (see [`lifecycle::CompleteBlock`]).
+pub type CompleteBlock = lifecycle::CompleteBlock<PoolCore>;
+/// A registered, shareable block (see [`lifecycle::ImmutableBlock`]).
+pub type ImmutableBlock = lifecycle::ImmutableBlock<PoolCore>;
+/// Registered blocks held together (see [`lifecycle::ImmutableBlocks`]).
+pub type ImmutableBlocks = lifecycle::ImmutableBlocks<PoolCore>;
+/// A weak reference to a registered block (see [`lifecycle::WeakBlock`]).
+pub type WeakBlock = lifecycle::WeakBlock<PoolCore>;
+
+/// Block counts of a pool. `free + active + inactive == capacity`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct PoolCounts {
+    /// Blocks in the pool.
+    pub capacity: usize,
+    /// Blocks on the free list.
+    pub free: usize,
+    /// Blocks in use: being filled, complete, or registered and held.
+    pub active: usize,
+    /// Registered blocks nobody holds: evictable, still matchable.
+    pub inactive: usize,
+}
+
+/// The block pool of one tier: fixed capacity, `Send + Sync`, cheap to
+/// clone (clones share the pool).
+///
+/// Block ids are `0..capacity` and are the blocks' indices in the tier's
+/// memory layout.
+#[derive(Clone, Debug)]
+pub struct BlockPool {
+    core: Arc<PoolCore>,
+}
+
+/// Builds the policy a configuration names.
+fn policy_for(config: &PoolConfig) -> Box<dyn EvictionPolicy> {
+    let capacity = config.capacity;
+    let kind = config.eviction;
+    let make = move |cap: usize| -> Box<dyn EvictionPolicy> {
+        match kind {
+            EvictionKind::Lru => Box::new(LruPolicy::with_capacity(cap)),
+            EvictionKind::LeafFirst => Box::new(LeafFirstPolicy::with_capacity(cap)),
+            EvictionKind::Frequency { sample } => Box::new(FrequencyPolicy::new(cap, sample)),
+        }
+    };
+    if config.priorities {
+        // Levels grow on demand instead of each reserving the whole pool.
+        Box::new(Prioritized::new(Box::new(move || make(0))))
+    } else {
+        make(capacity)
+    }
+}
+
+impl BlockPool {
+    /// A pool with the policy `config` names.
+    pub fn new(config: PoolConfig) -> Result<Self, PoolError> {
+        let policy = policy_for(&config);
+        Self::with_policy(config, policy)
+    }
+
+    /// A pool with a policy of your own (`config.eviction` and
+    /// `config.priorities` are ignored).
+    pub fn with_policy(
+        config: PoolConfig,
+        policy: Box<dyn EvictionPolicy>,
+    ) -> Result<Self, PoolError> {
+        Ok(Self {
+            core: Arc::new(PoolCore::new(&config, policy)?),
+        })
+    }
+
+    /// Blocks in the pool.
+    pub fn capacity(&self) -> usize {
+        self.core.capacity()
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.core.block_size
+    }
+
+    /// The tier named in this pool's events.
+    pub fn tier(&self) -> Tier {
+        self.core.tier
+    }
+
+    /// `n` blocks to fill: free blocks first, then evicted inactive ones.
+    /// All or nothing: on error no block is handed out.
+    pub fn allocate(&self, n: usize) -> Result<Vec<MutableBlock>, PoolError> {
+        if n > self.capacity() {
+            return Err(PoolError::Exhausted {
+                requested: n,
+                free: self.counts().free,
+                evictable: self.core.inactive_count(),
+            });
+        }
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let ids = self.core.take(n)?;
+        Ok(ids
+            .into_iter()
+            .map(|id| MutableBlock::from_store(Arc::clone(&self.core), id))
+            .collect())
+    }
+
+    /// Registers complete blocks (in order: a parent before its children)
+    /// and returns a held handle per block, in the same order. A hash that is
+    /// already registered is deduplicated per the pool's
+    /// [`DuplicatePolicy`](crate::DuplicatePolicy). Blocks of another pool
+    /// refuse the whole call and come back in the error.
+    pub fn register(&self, blocks: Vec<CompleteBlock>) -> Result<ImmutableBlocks, RegisterError> {
+        if blocks.iter().any(|b| !b.belongs_to(&self.core)) {
+            return Err(RegisterError { blocks });
+        }
+        let parts: Vec<_> = blocks
+            .into_iter()
+            .filter_map(lifecycle::CompleteBlock::into_parts)
+            .collect();
+        let ids = self.core.register(&parts);
+        drop(parts);
+        Ok(ImmutableBlocks::from_store(Arc::clone(&self.core), ids))
+    }
+
+    /// Registers one block (see [`register`](Self::register)).
+    pub fn register_block(&self, block: CompleteBlock) -> Result<ImmutableBlock, RegisterError> {
+        if !block.belongs_to(&self.core) {
+            return Err(RegisterError {
+                blocks: vec![block],
+            });
+        }
+        let mut held = self.register(vec![block])?.into_blocks();
+        held.pop().ok_or(RegisterError { blocks: Vec::new() })
+    }
+
+    /// The longest prefix of `hashes` whose blocks are all cached, held
+    /// (inactive blocks become active). Contiguous only: it stops at the
+    /// first hash that is not cached.
+    pub fn match_prefix(&self, hashes: &[SequenceHash]) -> ImmutableBlocks {
+        let ids = self.core.match_prefix(hashes);
+        ImmutableBlocks::from_store(Arc::clone(&self.core), ids)
+    }
+
+    /// How many leading `hashes` are cached, without holding or reactivating
+    /// anything.
+    pub fn cached_prefix_len(&self, hashes: &[SequenceHash]) -> usize {
+        self.core.cached_prefix_len(hashes)
+    }
+
+    /// Whether `hash` is cached.
+    pub fn contains(&self, hash: SequenceHash) -> bool {
+        self.core.cached_prefix_len(std::slice::from_ref(&hash)) == 1
+    }
+
+    /// Marks cached inactive blocks among `hashes` as just used (they move
+    /// to the back of the eviction order); returns how many are cached.
+    pub fn touch(&self, hashes: &[SequenceHash]) -> usize {
+        self.core.touch(hashes)
+    }
+
+    /// Sets a cached block's priority (0–100, higher is kept longer; larger
+    /// values clamp to 100). `false` when `hash` is not cached.
+    pub fn set_priority(&self, hash: SequenceHash, priority: u8) -> bool {
+        self.core.set_priority(hash, priority)
+    }
+
+    /// Evicts up to `n` inactive blocks to the free list now; returns how
+    /// many were evicted.
+    pub fn evict(&self, n: usize) -> usize {
+        self.core.evict(n)
+    }
+
+    /// Admission: whether a block named `hash` is worth caching now. Always
+    /// yes while free blocks remain; otherwise the policy compares it with
+    /// the block it would evict.
+    pub fn admit(&self, hash: SequenceHash) -> bool {
+        self.core.admit(hash)
+    }
+
+    /// Current counts. Exact when no other thread is mid-operation; under
+    /// concurrency a snapshot that may lag by in-flight batches.
+    pub fn counts(&self) -> PoolCounts {
+        let capacity = self.capacity();
+        let free = self.core.free.lock().len();
+        let inactive = self.core.inactive_count().min(capacity - free);
+        PoolCounts {
+            capacity,
+            free,
+            active: capacity - free - inactive,
+            inactive,
+        }
+    }
+
+    /// Subscribes to this pool's KV events. The first batch is a snapshot of
+    /// every cached block (as `Stored` events); later batches follow the
+    /// pool's changes in order.
+    pub fn subscribe(&self) -> Receiver<KvEventBatch> {
+        let registry = self.core.registry.write();
+        let snapshot = registry
+            .iter()
+            .map(|(&hash, &id)| KvEvent::Stored {
+                hash,
+                parent: self.core.slab[id as usize].parent(),
+                tier: self.core.tier,
+            })
+            .collect();
+        let rx = self.core.events.subscribe(snapshot);
+        drop(registry);
+        rx
+    }
+
+    /// Checks every internal invariant (expensive: scans the whole pool
+    /// under its locks; for tests and debugging) and returns exact counts.
+    pub fn audit(&self) -> Result<PoolCounts, crate::audit::AuditError> {
+        crate::audit::audit(&self.core)
+    }
+}
