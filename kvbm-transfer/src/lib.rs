@@ -19,6 +19,7 @@
 
 pub mod backend;
 pub mod completion;
+pub mod disk;
 pub mod error;
 pub mod memory;
 mod pool;
