@@ -97,6 +97,9 @@ pub enum TransferError {
     /// A physical layout's regions do not match its layout.
     #[error("physical layout mismatch: {0}")]
     LayoutMismatch(String),
+    /// The layout planner refused the request.
+    #[error("copy planning failed: {0}")]
+    Plan(#[from] kvbm_layout::LayoutError),
     /// A request is malformed (duplicate destination blocks, zero sizes...).
     #[error("invalid request: {0}")]
     InvalidRequest(String),

@@ -34,27 +34,7 @@ use crate::completion::{CancelToken, Completion};
 use crate::error::{Result, TransferError};
 use crate::memory::{MemoryKind, MemoryRegion};
 
-/// One contiguous copy: `len` bytes from `src_region` at `src_offset` to
-/// `dst_region` at `dst_offset`.
-///
-/// Mirrors kvbm-layout's `CopyRun` field for field (`#[repr(C)]`, so a copy
-/// kernel can read a run list directly); it becomes a re-export of that type
-/// once kvbm-layout's planner lands, and callers keep naming
-/// `kvbm_transfer::CopyRun`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct CopyRun {
-    /// Index into the source region table.
-    pub src_region: u32,
-    /// Byte offset within the source region.
-    pub src_offset: u64,
-    /// Index into the destination region table.
-    pub dst_region: u32,
-    /// Byte offset within the destination region.
-    pub dst_offset: u64,
-    /// Bytes to copy.
-    pub len: u64,
-}
+pub use kvbm_layout::CopyRun;
 
 /// Names a backend in the strategy table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -1,0 +1,389 @@
+//! The copy planner: which contiguous byte ranges to copy so that each
+//! destination block receives its source block.
+//!
+//! A plan is pure data (`CopyRun`s, a `#[repr(C)]` array a copy kernel or a
+//! batched-copy call consumes directly); executing it is the transfer crate's
+//! job. Fewer, longer runs are what makes copies fast (each API call costs
+//! microseconds of CPU; each kernel work item wants big contiguous ranges), so
+//! the planner coalesces chunks that are adjacent in both layouts.
+//!
+//! # Why the plan is minimal
+//! Every chunk has the same length `L`, and destination chunks never overlap.
+//! A chunk can only extend the run of the chunk that ends exactly where it
+//! begins in the destination, which — among chunks sorted by destination
+//! address — is its immediate predecessor. So the planner walks chunks in
+//! destination address order (pairs sorted by destination block, the loop
+//! nest ordered by the destination's strides) and merges each chunk into the
+//! previous run when it continues it in both source and destination. One pass,
+//! no search, and the result has the fewest runs any plan of these pairs can
+//! have.
+//!
+//! # Cost
+//! One allocation for the runs, sized from the upper bound
+//! (`pairs * layers * outer`), plus one for a sorted copy of the pairs only
+//! when the caller's pairs are not already in increasing destination order.
+
+use crate::error::{LayoutError, Result};
+use crate::layout::{BlockOrder, Layout, LayoutKind};
+
+/// One contiguous copy: `len` bytes from `src_region + src_offset` to
+/// `dst_region + dst_offset`.
+///
+/// `#[repr(C)]` with the fields in this order (40 bytes, 4 bytes of padding
+/// after each region index), so a copy kernel can read `CopyPlan::runs()`
+/// as a plain array.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct CopyRun {
+    /// Source region index.
+    pub src_region: u32,
+    /// Byte offset in the source region.
+    pub src_offset: u64,
+    /// Destination region index.
+    pub dst_region: u32,
+    /// Byte offset in the destination region.
+    pub dst_offset: u64,
+    /// Bytes to copy.
+    pub len: u64,
+}
+
+/// The runs that copy a set of blocks from one layout to another, in
+/// increasing destination address order, coalesced to the minimum.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CopyPlan {
+    runs: Vec<CopyRun>,
+    total_bytes: u64,
+    num_chunks: usize,
+    src_num_regions: usize,
+    dst_num_regions: usize,
+}
+
+impl CopyPlan {
+    /// The runs, in increasing `(dst_region, dst_offset)` order.
+    pub fn runs(&self) -> &[CopyRun] {
+        &self.runs
+    }
+
+    /// Takes the runs out of the plan.
+    pub fn into_runs(self) -> Vec<CopyRun> {
+        self.runs
+    }
+
+    /// Bytes the plan moves (the sum of the run lengths).
+    pub fn total_bytes(&self) -> u64 {
+        self.total_bytes
+    }
+
+    /// Number of runs.
+    pub fn len(&self) -> usize {
+        self.runs.len()
+    }
+
+    /// Whether the plan copies nothing.
+    pub fn is_empty(&self) -> bool {
+        self.runs.is_empty()
+    }
+
+    /// Number of `(block, layer, outer)` chunks the plan covers, i.e. the run
+    /// count before coalescing.
+    pub fn num_chunks(&self) -> usize {
+        self.num_chunks
+    }
+
+    /// Number of regions of the source layout (every `src_region` is below).
+    pub fn src_num_regions(&self) -> usize {
+        self.src_num_regions
+    }
+
+    /// Number of regions of the destination layout (every `dst_region` is
+    /// below).
+    pub fn dst_num_regions(&self) -> usize {
+        self.dst_num_regions
+    }
+}
+
+/// Loop nest of the destination, outermost index first.
+#[derive(Debug, Clone, Copy)]
+enum DstOrder {
+    BlockLayerOuter,
+    BlockOuterLayer,
+    LayerBlockOuter,
+    LayerOuterBlock,
+}
+
+/// The order in which `dst` addresses increase: the region index first, then
+/// the moving indices by decreasing stride (an index with one value can go
+/// anywhere).
+fn dst_order(dst: &Layout) -> DstOrder {
+    let c = dst.config();
+    let s = dst.strides();
+    match dst.kind() {
+        LayoutKind::FullyContiguous => {
+            if c.num_layers() > 1 && c.outer_dim() > 1 && s.outer > s.layer {
+                DstOrder::BlockOuterLayer
+            } else {
+                DstOrder::BlockLayerOuter
+            }
+        }
+        LayoutKind::LayerSeparate(BlockOrder::BlockFirst) => DstOrder::LayerBlockOuter,
+        LayoutKind::LayerSeparate(BlockOrder::OuterFirst) => DstOrder::LayerOuterBlock,
+    }
+}
+
+/// Appends chunk copies to a run list, extending the last run when the new
+/// chunk continues it in both layouts.
+struct Coalescer<'a> {
+    src: &'a Layout,
+    dst: &'a Layout,
+    len: u64,
+    runs: Vec<CopyRun>,
+}
+
+impl Coalescer<'_> {
+    #[inline(always)]
+    fn push(&mut self, (sb, db): (usize, usize), layer: usize, outer: usize) {
+        let (src_region, src_offset) = self.src.locate(sb, layer, outer);
+        let (dst_region, dst_offset) = self.dst.locate(db, layer, outer);
+        if let Some(last) = self.runs.last_mut()
+            && last.dst_region == dst_region
+            && last.src_region == src_region
+            && last.dst_offset + last.len == dst_offset
+            && last.src_offset + last.len == src_offset
+        {
+            last.len += self.len;
+            return;
+        }
+        self.runs.push(CopyRun {
+            src_region,
+            src_offset,
+            dst_region,
+            dst_offset,
+            len: self.len,
+        });
+    }
+}
+
+/// Plans copying block `s` of `src` into block `d` of `dst` for every
+/// `(s, d)` in `pairs`.
+///
+/// Errors: the layouts' block shapes differ, a block index is out of range,
+/// or a destination block appears twice. A source block may appear several
+/// times (fan-out). The pairs may come in any order.
+pub fn plan_copy(src: &Layout, dst: &Layout, pairs: &[(usize, usize)]) -> Result<CopyPlan> {
+    let sc = src.config();
+    let dc = dst.config();
+    sc.same_block_shape(dc)?;
+
+    let mut sorted_by_dst = true;
+    let mut prev_dst: Option<usize> = None;
+    for &(s, d) in pairs {
+        if s >= sc.num_blocks() {
+            return Err(LayoutError::BlockOutOfRange {
+                index: s,
+                count: sc.num_blocks(),
+            });
+        }
+        if d >= dc.num_blocks() {
+            return Err(LayoutError::BlockOutOfRange {
+                index: d,
+                count: dc.num_blocks(),
+            });
+        }
+        if let Some(p) = prev_dst
+            && p >= d
+        {
+            sorted_by_dst = false;
+        }
+        prev_dst = Some(d);
+    }
+    let owned;
+    let pairs: &[(usize, usize)] = if sorted_by_dst {
+        pairs
+    } else {
+        let mut v = pairs.to_vec();
+        v.sort_unstable_by_key(|&(_, d)| d);
+        if let Some(w) = v.windows(2).find(|w| w[0].1 == w[1].1) {
+            return Err(LayoutError::DuplicateDestination(w[0].1));
+        }
+        owned = v;
+        &owned
+    };
+
+    // No overflow: pairs have distinct in-range destinations, so
+    // `pairs.len() <= dst blocks`, and the whole destination fits u64/usize.
+    let layers = sc.num_layers();
+    let outers = sc.outer_dim();
+    let num_chunks = pairs.len() * layers * outers;
+    let mut co = Coalescer {
+        src,
+        dst,
+        len: sc.chunk_bytes(),
+        runs: Vec::with_capacity(num_chunks),
+    };
+    match dst_order(dst) {
+        DstOrder::BlockLayerOuter => {
+            for &p in pairs {
+                for l in 0..layers {
+                    for o in 0..outers {
+                        co.push(p, l, o);
+                    }
+                }
+            }
+        }
+        DstOrder::BlockOuterLayer => {
+            for &p in pairs {
+                for o in 0..outers {
+                    for l in 0..layers {
+                        co.push(p, l, o);
+                    }
+                }
+            }
+        }
+        DstOrder::LayerBlockOuter => {
+            for l in 0..layers {
+                for &p in pairs {
+                    for o in 0..outers {
+                        co.push(p, l, o);
+                    }
+                }
+            }
+        }
+        DstOrder::LayerOuterBlock => {
+            for l in 0..layers {
+                for o in 0..outers {
+                    for &p in pairs {
+                        co.push(p, l, o);
+                    }
+                }
+            }
+        }
+    }
+    Ok(CopyPlan {
+        runs: co.runs,
+        total_bytes: pairs.len() as u64 * sc.block_bytes(),
+        num_chunks,
+        src_num_regions: src.num_regions(),
+        dst_num_regions: dst.num_regions(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::LayoutConfig;
+
+    const FC: LayoutKind = LayoutKind::FullyContiguous;
+    const BF: LayoutKind = LayoutKind::LayerSeparate(BlockOrder::BlockFirst);
+    const OF: LayoutKind = LayoutKind::LayerSeparate(BlockOrder::OuterFirst);
+
+    fn layout(kind: LayoutKind) -> Layout {
+        Layout::new(LayoutConfig::new(8, 4, 2, 16, 64, 2).unwrap(), kind).unwrap()
+    }
+
+    #[test]
+    fn consecutive_fc_to_fc_is_one_run() {
+        let (s, d) = (layout(FC), layout(FC));
+        let pairs: Vec<_> = (0..5).map(|i| (i + 2, i + 1)).collect();
+        let plan = plan_copy(&s, &d, &pairs).unwrap();
+        let bb = s.config().block_bytes();
+        assert_eq!(
+            plan.runs(),
+            &[CopyRun {
+                src_region: 0,
+                src_offset: 2 * bb,
+                dst_region: 0,
+                dst_offset: bb,
+                len: 5 * bb
+            }]
+        );
+        assert_eq!(plan.total_bytes(), 5 * bb);
+        assert_eq!(plan.num_chunks(), 5 * 8);
+    }
+
+    #[test]
+    fn block_first_to_fc_is_one_run_per_block_and_layer() {
+        let plan = plan_copy(&layout(BF), &layout(FC), &[(3, 0), (1, 5)]).unwrap();
+        assert_eq!(plan.len(), 2 * 4);
+        assert!(plan.runs().iter().all(|r| r.len == 2 * 2048));
+    }
+
+    #[test]
+    fn outer_first_to_fc_is_one_run_per_chunk() {
+        let plan = plan_copy(&layout(OF), &layout(FC), &[(3, 0), (1, 5)]).unwrap();
+        assert_eq!(plan.len(), 2 * 4 * 2);
+    }
+
+    #[test]
+    fn layer_separate_consecutive_is_one_run_per_region() {
+        let pairs: Vec<_> = (0..8).map(|i| (i, i)).collect();
+        assert_eq!(
+            plan_copy(&layout(BF), &layout(BF), &pairs).unwrap().len(),
+            4
+        );
+        // Outer-first, all blocks: the K plane runs straight into the V plane.
+        assert_eq!(
+            plan_copy(&layout(OF), &layout(OF), &pairs).unwrap().len(),
+            4
+        );
+        // Outer-first, all but the last block: K and V of each layer apart.
+        assert_eq!(
+            plan_copy(&layout(OF), &layout(OF), &pairs[..7])
+                .unwrap()
+                .len(),
+            8
+        );
+    }
+
+    #[test]
+    fn unsorted_pairs_give_the_same_plan_as_sorted_ones() {
+        let sorted = plan_copy(&layout(FC), &layout(FC), &[(0, 1), (1, 2), (5, 3)]).unwrap();
+        let shuffled = plan_copy(&layout(FC), &layout(FC), &[(5, 3), (0, 1), (1, 2)]).unwrap();
+        assert_eq!(sorted, shuffled);
+        assert_eq!(sorted.len(), 2);
+    }
+
+    #[test]
+    fn errors() {
+        let (s, d) = (layout(FC), layout(BF));
+        assert_eq!(
+            plan_copy(&s, &d, &[(8, 0)]),
+            Err(LayoutError::BlockOutOfRange { index: 8, count: 8 })
+        );
+        assert_eq!(
+            plan_copy(&s, &d, &[(0, 9)]),
+            Err(LayoutError::BlockOutOfRange { index: 9, count: 8 })
+        );
+        assert_eq!(
+            plan_copy(&s, &d, &[(0, 2), (1, 2)]),
+            Err(LayoutError::DuplicateDestination(2))
+        );
+        assert_eq!(
+            plan_copy(&s, &d, &[(0, 4), (1, 2), (3, 4)]),
+            Err(LayoutError::DuplicateDestination(4))
+        );
+        let other = Layout::new(LayoutConfig::new(8, 4, 1, 16, 64, 2).unwrap(), FC).unwrap();
+        assert!(matches!(
+            plan_copy(&s, &other, &[(0, 0)]),
+            Err(LayoutError::ShapeMismatch {
+                field: "outer_dim",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn fan_out_and_empty_plans() {
+        let plan = plan_copy(&layout(FC), &layout(FC), &[(1, 0), (1, 1)]).unwrap();
+        assert_eq!(plan.len(), 2);
+        let empty = plan_copy(&layout(FC), &layout(OF), &[]).unwrap();
+        assert!(empty.is_empty());
+        assert_eq!(empty.total_bytes(), 0);
+        assert_eq!(empty.dst_num_regions(), 4);
+    }
+
+    #[test]
+    fn copy_run_is_plain_c_data() {
+        assert_eq!(std::mem::size_of::<CopyRun>(), 40);
+        assert_eq!(std::mem::align_of::<CopyRun>(), 8);
+    }
+}
