@@ -100,7 +100,10 @@ pub struct EngineConfig {
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { queue_depth: 16, force_pread: false }
+        EngineConfig {
+            queue_depth: 16,
+            force_pread: false,
+        }
     }
 }
 
@@ -111,10 +114,14 @@ impl DefaultEngine {
         if !config.force_pread {
             match super::uring::UringEngine::new(config.queue_depth) {
                 Ok(e) => return Ok(DefaultEngine::Uring(e)),
-                Err(e) => tracing::warn!(error = %e, "io_uring unavailable; using pread/pwrite threads"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "io_uring unavailable; using pread/pwrite threads")
+                }
             }
         }
-        Ok(DefaultEngine::Pread(super::pread::PreadEngine::new(config.queue_depth as usize)?))
+        Ok(DefaultEngine::Pread(super::pread::PreadEngine::new(
+            config.queue_depth as usize,
+        )?))
     }
 }
 

@@ -43,7 +43,10 @@ pub struct DiskConfig {
 
 impl Default for DiskConfig {
     fn default() -> Self {
-        DiskConfig { engine: EngineConfig::default(), max_io_bytes: 2 << 20 }
+        DiskConfig {
+            engine: EngineConfig::default(),
+            max_io_bytes: 2 << 20,
+        }
     }
 }
 
@@ -56,7 +59,10 @@ pub struct DiskBackend<E: IoEngine = DefaultEngine> {
 impl DiskBackend<DefaultEngine> {
     /// A backend on io_uring if available, pread/pwrite threads otherwise.
     pub fn new(config: &DiskConfig) -> Result<Self> {
-        Ok(Self::with_engine(DefaultEngine::new(&config.engine)?, config.max_io_bytes))
+        Ok(Self::with_engine(
+            DefaultEngine::new(&config.engine)?,
+            config.max_io_bytes,
+        ))
     }
 }
 
@@ -64,7 +70,10 @@ impl<E: IoEngine> DiskBackend<E> {
     /// A backend on a given engine (tests put a fault injector here).
     pub fn with_engine(engine: E, max_io_bytes: u32) -> Self {
         let max = (max_io_bytes as u64 / DISK_ALIGNMENT).max(1) * DISK_ALIGNMENT;
-        DiskBackend { engine: Arc::new(engine), max_io_bytes: max as u32 }
+        DiskBackend {
+            engine: Arc::new(engine),
+            max_io_bytes: max as u32,
+        }
     }
 
     /// The engine's name (`io_uring` or `pread`).
@@ -140,7 +149,12 @@ impl<E: IoEngine> DiskJob<E> {
 
     fn io_error(&self, i: usize, source: io::Error) -> TransferError {
         let m = &self.ops[i];
-        TransferError::Io { path: m.file.path().to_path_buf(), offset: m.file_offset, len: m.len as u64, source }
+        TransferError::Io {
+            path: m.file.path().to_path_buf(),
+            offset: m.file_offset,
+            len: m.len as u64,
+            source,
+        }
     }
 }
 
@@ -170,11 +184,21 @@ impl<E: IoEngine> IoSink for DiskJob<E> {
                 self.settle()
             }
             Ok(_) => {
-                let kind = if self.dir == IoDir::Read { io::ErrorKind::UnexpectedEof } else { io::ErrorKind::WriteZero };
-                self.fail(self.io_error(i, io::Error::new(kind, "no progress: the file ends before the request")));
+                let kind = if self.dir == IoDir::Read {
+                    io::ErrorKind::UnexpectedEof
+                } else {
+                    io::ErrorKind::WriteZero
+                };
+                self.fail(self.io_error(
+                    i,
+                    io::Error::new(kind, "no progress: the file ends before the request"),
+                ));
                 self.settle()
             }
-            Err(e) if e.raw_os_error() == Some(libc::ECANCELED) && !self.failed.load(Ordering::Acquire) => {
+            Err(e)
+                if e.raw_os_error() == Some(libc::ECANCELED)
+                    && !self.failed.load(Ordering::Acquire) =>
+            {
                 self.fail(TransferError::Cancelled);
                 self.settle()
             }
@@ -198,7 +222,7 @@ impl<E: IoEngine> IoSink for DiskJob<E> {
 }
 
 fn check_aligned(what: &'static str, value: u64, file: &DiskFile) -> Result<()> {
-    if value % DISK_ALIGNMENT != 0 {
+    if !value.is_multiple_of(DISK_ALIGNMENT) {
         return Err(TransferError::Misaligned {
             alignment: DISK_ALIGNMENT,
             what,
@@ -221,11 +245,23 @@ impl<E: IoEngine> DiskBackend<E> {
         let mut ops = Vec::new();
         for run in job.runs.iter() {
             let (disk_region, disk_off, mem_region, mem_off) = match dir {
-                IoDir::Write => (run.dst_region, run.dst_offset, run.src_region, run.src_offset),
-                IoDir::Read => (run.src_region, run.src_offset, run.dst_region, run.dst_offset),
+                IoDir::Write => (
+                    run.dst_region,
+                    run.dst_offset,
+                    run.src_region,
+                    run.src_offset,
+                ),
+                IoDir::Read => (
+                    run.src_region,
+                    run.src_offset,
+                    run.dst_region,
+                    run.dst_offset,
+                ),
             };
             let Some((file, base)) = disks[disk_region as usize].file_location() else {
-                return Err(TransferError::InvalidRequest("disk side region is not a file".into()));
+                return Err(TransferError::InvalidRequest(
+                    "disk side region is not a file".into(),
+                ));
             };
             let file_offset = base + disk_off;
             let addr = mem[mem_region as usize] + mem_off;
@@ -264,15 +300,25 @@ impl<E: IoEngine> TransferBackend for DiskBackend<E> {
     }
 
     fn submit(&self, job: TransferJob) -> Completion {
-        let _span = tracing::trace_span!("disk", runs = job.runs.len(), engine = self.engine.name()).entered();
+        let _span =
+            tracing::trace_span!("disk", runs = job.runs.len(), engine = self.engine.name())
+                .entered();
         let (src, dst) = match (job.kind(Side::Source), job.kind(Side::Destination)) {
             (Ok(s), Ok(d)) => (s, d),
             (Err(e), _) | (_, Err(e)) => return Completion::ready(Err(e)),
         };
         if !self.supports(src, dst) {
-            return Completion::ready(Err(TransferError::BackendMismatch { backend: self.name(), src, dst }));
+            return Completion::ready(Err(TransferError::BackendMismatch {
+                backend: self.name(),
+                src,
+                dst,
+            }));
         }
-        let dir = if dst == MemoryKind::Disk { IoDir::Write } else { IoDir::Read };
+        let dir = if dst == MemoryKind::Disk {
+            IoDir::Write
+        } else {
+            IoDir::Read
+        };
         let ops = match self.plan_ops(&job, dir) {
             Ok(ops) => ops,
             Err(e) => return Completion::ready(Err(e)),

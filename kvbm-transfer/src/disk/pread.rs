@@ -18,8 +18,11 @@ pub struct PreadEngine {
 impl PreadEngine {
     /// An engine with `threads` workers.
     pub fn new(threads: usize) -> Result<Self> {
-        let pool = WorkerPool::new("kvbm-pread", threads)
-            .map_err(|source| TransferError::Alloc { what: "pread worker threads".into(), source })?;
+        let pool =
+            WorkerPool::new("kvbm-pread", threads).map_err(|source| TransferError::Alloc {
+                what: "pread worker threads".into(),
+                source,
+            })?;
         Ok(PreadEngine { pool })
     }
 }
@@ -36,7 +39,11 @@ fn run(op: &IoOp) -> io::Result<usize> {
         // SAFETY: as above, the memory is valid and readable.
         IoDir::Write => unsafe { libc::pwrite(fd, op.addr as *const libc::c_void, len, off) },
     };
-    if rc < 0 { Err(io::Error::last_os_error()) } else { Ok(rc as usize) }
+    if rc < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(rc as usize)
+    }
 }
 
 impl IoEngine for PreadEngine {
@@ -47,7 +54,11 @@ impl IoEngine for PreadEngine {
     fn submit(&self, ops: Vec<IoOp>) {
         for op in ops {
             self.pool.spawn(move || {
-                let result = if op.sink.wanted() { run(&op) } else { Err(cancelled()) };
+                let result = if op.sink.wanted() {
+                    run(&op)
+                } else {
+                    Err(cancelled())
+                };
                 op.sink.complete(op.token, result);
             });
         }

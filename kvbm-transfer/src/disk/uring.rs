@@ -67,12 +67,22 @@ impl UringEngine {
     /// starts its completion thread.
     pub fn new(queue_depth: u32) -> Result<Self> {
         let qd = queue_depth.clamp(1, 4096);
-        let err = |source| TransferError::Alloc { what: "io_uring".into(), source };
+        let err = |source| TransferError::Alloc {
+            what: "io_uring".into(),
+            source,
+        };
         let ring: IoUring = IoUring::new((qd + 1).next_power_of_two()).map_err(err)?;
         let fixed_files = ring.submitter().register_files_sparse(FILE_SLOTS).is_ok();
-        let fixed_buffers = ring.submitter().register_buffers_sparse(BUFFER_SLOTS).is_ok();
+        let fixed_buffers = ring
+            .submitter()
+            .register_buffers_sparse(BUFFER_SLOTS)
+            .is_ok();
         if !fixed_files || !fixed_buffers {
-            tracing::warn!(fixed_files, fixed_buffers, "io_uring registration unavailable; using plain descriptors");
+            tracing::warn!(
+                fixed_files,
+                fixed_buffers,
+                "io_uring registration unavailable; using plain descriptors"
+            );
         }
         // SAFETY: plain syscall; the result is checked before use.
         let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
@@ -81,7 +91,10 @@ impl UringEngine {
         }
         // SAFETY: `fd` is a fresh descriptor that nothing else owns.
         let wake_fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        let shared = Arc::new(Shared { requests: Mutex::new(Requests::default()), wake_fd });
+        let shared = Arc::new(Shared {
+            requests: Mutex::new(Requests::default()),
+            wake_fd,
+        });
         let mut worker = RingThread {
             ring,
             shared: shared.clone(),
@@ -91,7 +104,11 @@ impl UringEngine {
             free_slots: Vec::new(),
             inflight_count: 0,
             files: HashMap::new(),
-            free_files: if fixed_files { (0..FILE_SLOTS).rev().collect() } else { Vec::new() },
+            free_files: if fixed_files {
+                (0..FILE_SLOTS).rev().collect()
+            } else {
+                Vec::new()
+            },
             buffers: Vec::new(),
             fixed_buffers,
             wake_buf: Box::new(0),
@@ -101,7 +118,10 @@ impl UringEngine {
             .name("kvbm-uring".into())
             .spawn(move || worker.run())
             .map_err(err)?;
-        Ok(UringEngine { shared, thread: Some(thread) })
+        Ok(UringEngine {
+            shared,
+            thread: Some(thread),
+        })
     }
 }
 
@@ -123,9 +143,14 @@ impl IoEngine for UringEngine {
             return Ok(false);
         }
         let (tx, rx) = mpsc::channel();
-        self.shared.requests.lock().registrations.push((region.clone(), tx));
+        self.shared
+            .requests
+            .lock()
+            .registrations
+            .push((region.clone(), tx));
         self.shared.wake();
-        rx.recv().unwrap_or(Err(TransferError::Abandoned("io_uring thread stopped")))
+        rx.recv()
+            .unwrap_or(Err(TransferError::Abandoned("io_uring thread stopped")))
     }
 }
 
@@ -178,15 +203,23 @@ impl RingThread {
             }
             self.start_pending();
             if !self.wake_armed {
-                let e = opcode::Read::new(types::Fd(self.shared.wake_fd.as_raw_fd()), (&raw mut *self.wake_buf).cast(), 8)
-                    .build()
-                    .user_data(WAKE_TOKEN);
+                let e = opcode::Read::new(
+                    types::Fd(self.shared.wake_fd.as_raw_fd()),
+                    (&raw mut *self.wake_buf).cast(),
+                    8,
+                )
+                .build()
+                .user_data(WAKE_TOKEN);
                 self.push(&e);
                 self.wake_armed = true;
             }
             match self.ring.submit_and_wait(1) {
                 Ok(_) => {}
-                Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::EBUSY)) => {}
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::EBUSY)
+                    ) => {}
                 Err(e) => tracing::error!(error = %e, "io_uring_enter failed"),
             }
             self.reap();
@@ -196,7 +229,11 @@ impl RingThread {
     fn take_requests(&mut self) -> bool {
         let (ops, regs, shutdown) = {
             let mut r = self.shared.requests.lock();
-            (std::mem::take(&mut r.ops), std::mem::take(&mut r.registrations), r.shutdown)
+            (
+                std::mem::take(&mut r.ops),
+                std::mem::take(&mut r.registrations),
+                r.shutdown,
+            )
         };
         for (region, reply) in regs {
             // The caller may have given up waiting; nothing to do then.
@@ -206,7 +243,11 @@ impl RingThread {
             if let Some((_, refs)) = self.files.get_mut(&op.file.id()) {
                 *refs += 1;
             } else if let Some(slot) = self.free_files.pop() {
-                match self.ring.submitter().register_files_update(slot, &[op.file.raw_fd()]) {
+                match self
+                    .ring
+                    .submitter()
+                    .register_files_update(slot, &[op.file.raw_fd()])
+                {
                     Ok(_) => {
                         self.files.insert(op.file.id(), (slot, 1));
                     }
@@ -222,7 +263,9 @@ impl RingThread {
     }
 
     fn register(&mut self, region: MemoryRegion) -> Result<bool> {
-        let Some(addr) = region.addr() else { return Ok(false) };
+        let Some(addr) = region.addr() else {
+            return Ok(false);
+        };
         if !self.fixed_buffers {
             return Ok(false);
         }
@@ -234,13 +277,23 @@ impl RingThread {
                 tracing::warn!("io_uring fixed buffer table full; remaining memory uses plain I/O");
                 return Ok(off > 0);
             }
-            let iov = libc::iovec { iov_base: (addr + off) as *mut libc::c_void, iov_len: len as usize };
+            let iov = libc::iovec {
+                iov_base: (addr + off) as *mut libc::c_void,
+                iov_len: len as usize,
+            };
             // SAFETY: the iovec describes live host memory owned by `region`,
             // which `FixedBuffer::_keep` holds until the ring is dropped, so
             // it stays valid for as long as it is registered.
-            let r = unsafe { self.ring.submitter().register_buffers_update(index, &[iov], None) };
+            let r = unsafe {
+                self.ring
+                    .submitter()
+                    .register_buffers_update(index, &[iov], None)
+            };
             if let Err(source) = r {
-                return Err(TransferError::Alloc { what: format!("io_uring fixed buffer of {len} bytes"), source });
+                return Err(TransferError::Alloc {
+                    what: format!("io_uring fixed buffer of {len} bytes"),
+                    source,
+                });
             }
             self.buffers.push(FixedBuffer {
                 start: addr + off,
@@ -270,7 +323,9 @@ impl RingThread {
 
     fn start_pending(&mut self) {
         while self.inflight_count < self.queue_depth {
-            let Some(op) = self.pending.pop_front() else { break };
+            let Some(op) = self.pending.pop_front() else {
+                break;
+            };
             let fixed_file = self.files.get(&op.file.id()).map(|(slot, _)| *slot);
             if !op.sink.wanted() {
                 if fixed_file.is_some() {
@@ -284,7 +339,10 @@ impl RingThread {
                 self.inflight.len() - 1
             });
             let entry = self.build(&op, fixed_file).user_data(slot as u64);
-            self.inflight[slot] = Some(Inflight { file_id: fixed_file.map(|_| op.file.id()), op });
+            self.inflight[slot] = Some(Inflight {
+                file_id: fixed_file.map(|_| op.file.id()),
+                op,
+            });
             self.inflight_count += 1;
             self.push(&entry);
         }
@@ -300,12 +358,18 @@ impl RingThread {
         macro_rules! entry {
             ($fd:expr) => {
                 match (op.dir, buf) {
-                    (IoDir::Read, Some(i)) => opcode::ReadFixed::new($fd, ptr, op.len, i).offset(op.file_offset).build(),
-                    (IoDir::Write, Some(i)) => {
-                        opcode::WriteFixed::new($fd, ptr, op.len, i).offset(op.file_offset).build()
-                    }
-                    (IoDir::Read, None) => opcode::Read::new($fd, ptr, op.len).offset(op.file_offset).build(),
-                    (IoDir::Write, None) => opcode::Write::new($fd, ptr, op.len).offset(op.file_offset).build(),
+                    (IoDir::Read, Some(i)) => opcode::ReadFixed::new($fd, ptr, op.len, i)
+                        .offset(op.file_offset)
+                        .build(),
+                    (IoDir::Write, Some(i)) => opcode::WriteFixed::new($fd, ptr, op.len, i)
+                        .offset(op.file_offset)
+                        .build(),
+                    (IoDir::Read, None) => opcode::Read::new($fd, ptr, op.len)
+                        .offset(op.file_offset)
+                        .build(),
+                    (IoDir::Write, None) => opcode::Write::new($fd, ptr, op.len)
+                        .offset(op.file_offset)
+                        .build(),
                 }
             };
         }
@@ -333,13 +397,19 @@ impl RingThread {
     }
 
     fn reap(&mut self) {
-        let done: Vec<(u64, i32)> = self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
+        let done: Vec<(u64, i32)> = self
+            .ring
+            .completion()
+            .map(|c| (c.user_data(), c.result()))
+            .collect();
         for (token, res) in done {
             if token == WAKE_TOKEN {
                 self.wake_armed = false;
                 continue;
             }
-            let Some(Inflight { op, file_id }) = self.inflight.get_mut(token as usize).and_then(Option::take) else {
+            let Some(Inflight { op, file_id }) =
+                self.inflight.get_mut(token as usize).and_then(Option::take)
+            else {
                 continue;
             };
             self.free_slots.push(token as usize);
@@ -347,7 +417,11 @@ impl RingThread {
             if let Some(id) = file_id {
                 self.release_file(id);
             }
-            let result = if res < 0 { Err(io::Error::from_raw_os_error(-res)) } else { Ok(res as usize) };
+            let result = if res < 0 {
+                Err(io::Error::from_raw_os_error(-res))
+            } else {
+                Ok(res as usize)
+            };
             op.sink.complete(op.token, result);
         }
     }
