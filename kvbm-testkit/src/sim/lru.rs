@@ -92,10 +92,11 @@ impl LruSim {
     }
 
     fn touch_one(&mut self, block: BlockId) {
-        if !self.list.touch(block) && self.list.len() > self.capacity {
-            if let Some(victim) = self.list.pop_lru() {
-                self.evicted.push(victim);
-            }
+        if !self.list.touch(block)
+            && self.list.len() > self.capacity
+            && let Some(victim) = self.list.pop_lru()
+        {
+            self.evicted.push(victim);
         }
     }
 }

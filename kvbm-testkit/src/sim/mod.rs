@@ -6,13 +6,13 @@
 //! [`lru::LruSim`] and [`belady::BeladySim`] are the single-cache
 //! references that bracket what policy can win; [`tiered`] puts the engine's
 //! G1 in front of kvbm's G2/G3 and reports the per-tier split; the policy
-//! study's winner lives in [`prefix_value`].
+//! study's winner lives in [`reuse_score`].
 
 pub mod belady;
 pub mod lru;
-pub mod prefix_value;
 pub mod recency;
 pub mod replay;
+pub mod reuse_score;
 pub mod tiered;
 
 pub use belady::BeladySim;

@@ -20,7 +20,7 @@ struct Node {
 }
 
 /// Blocks ordered from least to most recently touched.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct RecencyList {
     nodes: Vec<Node>,
     free: Vec<u32>,
@@ -29,6 +29,12 @@ pub struct RecencyList {
     head: u32,
     /// Most recent end.
     tail: u32,
+}
+
+impl Default for RecencyList {
+    fn default() -> Self {
+        Self::with_capacity(0)
+    }
 }
 
 impl RecencyList {

@@ -132,7 +132,7 @@ impl LruTiers {
         }
     }
 
-    fn into_g2(&mut self, blocks: &[BlockId]) {
+    fn admit_to_g2(&mut self, blocks: &[BlockId]) {
         self.spill.clear();
         self.spill.extend_from_slice(self.g2.touch_all(blocks));
         let spill = std::mem::take(&mut self.spill);
@@ -165,7 +165,7 @@ impl KvbmTiers for LruTiers {
                 // G1 evicts its least recent first; G2 receives them in that
                 // order so its own recency order stays consistent.
                 for &b in g1_evicted {
-                    self.into_g2(&[b]);
+                    self.admit_to_g2(&[b]);
                 }
             }
             LruFeed::WriteThrough => {
@@ -174,7 +174,7 @@ impl KvbmTiers for LruTiers {
                         self.g3.remove(b);
                     }
                 }
-                self.into_g2(ctx.blocks());
+                self.admit_to_g2(ctx.blocks());
             }
         }
         self.hits = hits;

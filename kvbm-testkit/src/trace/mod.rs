@@ -49,7 +49,7 @@ impl Request {
     /// registers a partial block under a hash, so the next turn of the same
     /// conversation names that position with a new id.
     pub fn last_block_partial(&self, block_tokens: u32) -> bool {
-        block_tokens != 0 && self.input_length % block_tokens != 0
+        block_tokens != 0 && !self.input_length.is_multiple_of(block_tokens)
     }
 }
 

@@ -137,7 +137,7 @@ pub fn generate_synthetic(config: &SyntheticConfig) -> Vec<Request> {
                 full.push(fresh());
             }
             let mut hash_ids = full.clone();
-            if tokens % block_tokens != 0 {
+            if !tokens.is_multiple_of(block_tokens) {
                 hash_ids.push(fresh());
             }
             let output_length = rng.around(config.output_tokens).max(1);
