@@ -69,18 +69,28 @@ fn policy_study() {
             let s = tiered(&requests, caps.g1, LruTiers::new(caps.g2, caps.g3, feed));
             row(&format!("tiered LRU {feed:?}"), name, f, &s);
         }
-        for (skip_partial, history_factor) in [(false, 1.0), (true, 1.0), (true, 4.0), (true, 16.0)]
-        {
+        for (skip_partial, history_factor, weight_exponent) in [
+            (false, 1.0, 1.0),
+            (true, 1.0, 1.0),
+            (true, 4.0, 1.0),
+            (true, 16.0, 1.0),
+            (true, 4.0, 2.0),
+            (true, 4.0, 3.0),
+            (true, 4.0, 0.5),
+        ] {
             let cfg = ReuseScoreConfig {
                 g1: caps.g1,
                 g2: caps.g2,
                 g3: caps.g3,
                 history_factor,
                 skip_partial,
+                weight_exponent,
             };
             let s = tiered(&requests, caps.g1, ReuseScoreTiers::new(cfg));
             row(
-                &format!("reuse-score skip_partial={skip_partial} history={history_factor}x"),
+                &format!(
+                    "reuse-score skip_partial={skip_partial} history={history_factor}x w^{weight_exponent}"
+                ),
                 name,
                 f,
                 &s,

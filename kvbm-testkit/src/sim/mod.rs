@@ -1,7 +1,7 @@
 //! Cache simulators: how many prompt blocks would a cache of a given size,
 //! under a given admission and eviction policy, have served?
 //!
-//! [`replay`] holds the one replay loop and hit-rate definition (prefix
+//! [`replay`](mod@replay) holds the one replay loop and hit-rate definition (prefix
 //! contiguous, every block recorded after its lookup). Around it:
 //! [`lru::LruSim`] and [`belady::BeladySim`] are the single-cache
 //! references that bracket what policy can win; [`tiered`] puts the engine's

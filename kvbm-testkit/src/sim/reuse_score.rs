@@ -54,7 +54,7 @@ impl Default for ReuseWeights {
             weights: [0.0; CLASSES],
         };
         w.repeats = w.reached[CLASSES] * 3.0;
-        w.refresh();
+        w.refresh(1.0);
         w
     }
 }
@@ -74,8 +74,9 @@ impl ReuseWeights {
         }
     }
 
-    /// Recomputes the weights from the counters (cheap; call periodically).
-    pub fn refresh(&mut self) {
+    /// Recomputes the weights from the counters (cheap; call periodically),
+    /// raised to `exponent`.
+    pub fn refresh(&mut self, exponent: f64) {
         let mut best = 0.0f64;
         for k in 0..CLASSES {
             let w = if k + 1 < CLASSES {
@@ -85,7 +86,7 @@ impl ReuseWeights {
                 self.repeats / (self.repeats + self.reached[CLASSES - 1]).max(1.0)
             };
             best = best.max(w);
-            self.weights[k] = best.max(1e-6);
+            self.weights[k] = best.max(1e-6).powf(exponent);
         }
     }
 
@@ -208,6 +209,24 @@ pub struct ReuseScoreConfig {
     pub g1: usize,
     /// Never admit a partially filled last block (engines never reuse one).
     pub skip_partial: bool,
+    /// Scores use `w^exponent`: above 1 favours frequently used blocks
+    /// more strongly over recent ones.
+    pub weight_exponent: f64,
+}
+
+impl ReuseScoreConfig {
+    /// The study's winning settings for tiers of `caps`: partial blocks
+    /// skipped, history of 4× the total capacity, weights used as learned.
+    pub fn for_tiers(caps: super::tiered::TierCapacities) -> Self {
+        Self {
+            g1: caps.g1,
+            g2: caps.g2,
+            g3: caps.g3,
+            history_factor: 4.0,
+            skip_partial: true,
+            weight_exponent: 1.0,
+        }
+    }
 }
 
 /// kvbm's G2 and G3 ranked by reuse score; G2 is a victim cache of G1 and
@@ -293,8 +312,8 @@ impl KvbmTiers for ReuseScoreTiers {
         for (i, &b) in blocks.iter().enumerate().rev() {
             self.see(b, ctx.last_block_partial && i + 1 == blocks.len());
         }
-        if ctx.index % 256 == 0 {
-            self.weights.refresh();
+        if ctx.index.is_multiple_of(256) {
+            self.weights.refresh(self.config.weight_exponent);
         }
         for b in std::mem::take(&mut self.served) {
             self.g2.remove(b);
