@@ -1,0 +1,112 @@
+//! Least-recently-used reference simulator: one cache, every block admitted.
+
+use super::recency::RecencyList;
+use super::replay::{CacheSim, RequestCtx, Tier};
+use crate::trace::BlockId;
+
+/// In which order a request's blocks are refreshed after its lookup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TouchOrder {
+    /// Prompt order: the first block is refreshed first, so it becomes the
+    /// *older* of the request's blocks. This is the reference definition.
+    #[default]
+    Prompt,
+    /// Reverse prompt order ("leaf first"): the last block is refreshed
+    /// first, so a request's deepest blocks are evicted before its prefix.
+    /// This is what vLLM's free-block queue does.
+    LeafFirst,
+}
+
+/// An LRU cache of `capacity` blocks.
+#[derive(Debug, Clone)]
+pub struct LruSim {
+    list: RecencyList,
+    capacity: usize,
+    order: TouchOrder,
+    evicted: Vec<BlockId>,
+}
+
+impl LruSim {
+    /// The reference LRU: prompt order, every block admitted.
+    pub fn new(capacity: usize) -> Self {
+        Self::with_order(capacity, TouchOrder::Prompt)
+    }
+
+    /// An LRU refreshing blocks in `order`.
+    pub fn with_order(capacity: usize, order: TouchOrder) -> Self {
+        Self {
+            list: RecencyList::with_capacity(capacity + 1),
+            capacity,
+            order,
+            evicted: Vec::new(),
+        }
+    }
+
+    /// Whether `block` is cached (no side effect).
+    pub fn contains(&self, block: BlockId) -> bool {
+        self.list.contains(block)
+    }
+
+    /// Blocks cached.
+    pub fn len(&self) -> usize {
+        self.list.len()
+    }
+
+    /// Whether nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+
+    /// Capacity in blocks.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Removes `block`; returns whether it was cached.
+    pub fn remove(&mut self, block: BlockId) -> bool {
+        self.list.remove(block)
+    }
+
+    /// Refreshes `blocks` in this cache's order, evicting as needed; the
+    /// blocks evicted (in eviction order) are returned and stay valid until
+    /// the next call.
+    pub fn touch_all(&mut self, blocks: &[BlockId]) -> &[BlockId] {
+        self.evicted.clear();
+        if self.capacity == 0 {
+            self.evicted.extend_from_slice(blocks);
+            return &self.evicted;
+        }
+        match self.order {
+            TouchOrder::Prompt => {
+                for &b in blocks {
+                    self.touch_one(b);
+                }
+            }
+            TouchOrder::LeafFirst => {
+                for &b in blocks.iter().rev() {
+                    self.touch_one(b);
+                }
+            }
+        }
+        &self.evicted
+    }
+
+    fn touch_one(&mut self, block: BlockId) {
+        if !self.list.touch(block)
+            && self.list.len() > self.capacity
+            && let Some(victim) = self.list.pop_lru()
+        {
+            self.evicted.push(victim);
+        }
+    }
+}
+
+impl CacheSim for LruSim {
+    fn lookup(&mut self, block: BlockId) -> Option<Tier> {
+        self.contains(block).then_some(Tier::G1)
+    }
+
+    fn record(&mut self, ctx: &RequestCtx<'_>) {
+        self.touch_all(ctx.blocks());
+    }
+}

@@ -1,0 +1,83 @@
+//! Workload traces: what requests arrive, when, and which prompt blocks
+//! they carry.
+//!
+//! A request is reduced to what a KV cache can see of it: its arrival time,
+//! its prompt and output lengths in tokens, and the chained hash of every
+//! prompt block (`hash_ids`). Equal ids at equal positions mean a reusable
+//! prefix, exactly as kvbm's sequence hashes do, so a trace can drive the
+//! cache simulators in [`crate::sim`] and kvbm's own replay benchmark.
+//!
+//! Two sources: the public Mooncake traces ([`mooncake`], JSONL, 512-token
+//! blocks) and a deterministic synthetic multi-turn workload
+//! ([`synthetic`]) that needs no data files.
+
+pub mod mooncake;
+pub mod synthetic;
+
+pub use mooncake::{LineError, MooncakeReader, TraceError, read_mooncake};
+pub use synthetic::{SyntheticConfig, generate_synthetic};
+
+/// Tokens per block in the Mooncake traces.
+pub const MOONCAKE_BLOCK_TOKENS: u32 = 512;
+
+/// Identifier of one prompt block: a chained prefix hash, remapped to a
+/// small integer by the trace's producer.
+pub type BlockId = u64;
+
+/// One request of a workload trace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    /// Arrival time in milliseconds from the start of the trace.
+    pub timestamp_ms: u64,
+    /// Prompt length in tokens.
+    pub input_length: u32,
+    /// Generated tokens.
+    pub output_length: u32,
+    /// Chained hash of every prompt block, the last one possibly partial:
+    /// `hash_ids.len() == ceil(input_length / block_tokens)`.
+    pub hash_ids: Vec<BlockId>,
+}
+
+impl Request {
+    /// Number of prompt blocks a request of `input_length` tokens has with
+    /// blocks of `block_tokens` tokens (the last one may be partial).
+    pub fn blocks_for(input_length: u32, block_tokens: u32) -> usize {
+        input_length.div_ceil(block_tokens.max(1)) as usize
+    }
+
+    /// Whether the last prompt block is only partly filled. An engine never
+    /// registers a partial block under a hash, so the next turn of the same
+    /// conversation names that position with a new id.
+    pub fn last_block_partial(&self, block_tokens: u32) -> bool {
+        block_tokens != 0 && !self.input_length.is_multiple_of(block_tokens)
+    }
+}
+
+/// Summary figures of a trace, used to size caches and to check that a
+/// file was read completely.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TraceFacts {
+    /// Requests in the trace.
+    pub requests: usize,
+    /// Prompt block references (sum of `hash_ids.len()`).
+    pub block_references: usize,
+    /// Distinct block ids.
+    pub unique_blocks: usize,
+}
+
+impl TraceFacts {
+    /// Counts the facts of `requests`.
+    pub fn of(requests: &[Request]) -> Self {
+        let mut unique = std::collections::HashSet::new();
+        let mut refs = 0;
+        for r in requests {
+            refs += r.hash_ids.len();
+            unique.extend(r.hash_ids.iter().copied());
+        }
+        Self {
+            requests: requests.len(),
+            block_references: refs,
+            unique_blocks: unique.len(),
+        }
+    }
+}
