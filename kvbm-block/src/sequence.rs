@@ -8,14 +8,15 @@
 //! state is just the two hashes, so extending costs no allocation per block
 //! (beyond amortised vector growth).
 
-use crate::hash::{HashedBlock, SequenceDigest, SequenceHash, SequenceHasher};
+use crate::hash::{DynamoXxh3, HashedBlock, SequenceDigest, SequenceHash, SequenceHasher};
 use crate::tokens::{PageSize, Token, TokenBlock, TokenError};
 use std::ops::Range;
 
 /// A token stream as complete, hashed blocks of `page_size` tokens plus a
-/// partial tail of fewer than `page_size` tokens.
+/// partial tail of fewer than `page_size` tokens, named by the hash scheme
+/// `H` (dynamo-xxh3 unless chosen otherwise).
 #[derive(Clone, Debug)]
-pub struct TokenBlockSequence<H: SequenceHasher> {
+pub struct TokenBlockSequence<H: SequenceHasher = DynamoXxh3> {
     hasher: H,
     page_size: PageSize,
     tokens: Vec<Token>,
@@ -37,6 +38,14 @@ impl<H: SequenceHasher> TokenBlockSequence<H> {
     pub fn from_tokens(hasher: H, page_size: PageSize, tokens: &[Token]) -> Self {
         let mut sequence = Self::new(hasher, page_size);
         sequence.extend(tokens);
+        sequence
+    }
+
+    /// A sequence that takes ownership of `tokens` (no copy).
+    pub fn from_vec(hasher: H, page_size: PageSize, tokens: Vec<Token>) -> Self {
+        let mut sequence = Self::new(hasher, page_size);
+        sequence.tokens = tokens;
+        sequence.hash_complete_blocks();
         sequence
     }
 

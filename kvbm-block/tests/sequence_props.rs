@@ -39,8 +39,10 @@ fn extend_then_truncate_is_prefix<H: SequenceHasher>(
     let mut s = TokenBlockSequence::from_tokens(hasher.clone(), page, prefix);
     s.extend(more);
     s.truncate(prefix.len()).unwrap();
-    let fresh = TokenBlockSequence::from_tokens(hasher, page, prefix);
+    let fresh = TokenBlockSequence::from_tokens(hasher.clone(), page, prefix);
     assert_eq!(snapshot(&s), snapshot(&fresh));
+    let owned = TokenBlockSequence::from_vec(hasher, page, prefix.to_vec());
+    assert_eq!(snapshot(&owned), snapshot(&fresh));
     assert_eq!(
         s.tail(),
         &prefix[prefix.len() / page.as_usize() * page.as_usize()..]
@@ -294,7 +296,8 @@ fn a_token_block_must_hold_exactly_page_size_tokens() {
 #[test]
 fn push_reports_the_block_it_completes() {
     let page = PageSize::new(2).unwrap();
-    let mut s = TokenBlockSequence::new(DynamoXxh3::default(), page);
+    // dynamo-xxh3 is the default scheme.
+    let mut s: TokenBlockSequence = TokenBlockSequence::new(DynamoXxh3::default(), page);
     assert_eq!(s.push(1), None);
     assert_eq!(s.push(2), Some(0));
     assert_eq!(s.push(3), None);
