@@ -7,6 +7,26 @@
 //! that become complete. Tokens live in one contiguous vector and per-block
 //! state is just the two hashes, so extending costs no allocation per block
 //! (beyond amortised vector growth).
+//!
+//! ```
+//! use kvbm_block::{DynamoXxh3, PageSize, TokenBlockSequence, VllmSha256};
+//!
+//! let page = PageSize::new(4)?;
+//! // Dynamo's router format, salted per request (e.g. by LoRA name).
+//! let mut seq = TokenBlockSequence::new(DynamoXxh3::new(b"lora:sql"), page);
+//! assert_eq!(seq.extend(&[1, 2, 3, 4, 5, 6, 7, 8, 9]), 0..2); // two blocks completed
+//! assert_eq!(seq.tail(), &[9]);
+//! let keys: Vec<_> = seq.sequence_hashes().collect(); // pool keys, in order
+//! seq.truncate(6)?; // rejected speculative tokens: block 1 is incomplete again
+//! assert_eq!(seq.num_blocks(), 1);
+//! assert_eq!(seq.block(0).map(|b| b.sequence_hash()), Some(keys[0]));
+//!
+//! // vLLM's prefix-cache hash for the same tokens, full 32 bytes kept.
+//! let vllm = TokenBlockSequence::from_tokens(VllmSha256::from_env(), page, &[1, 2, 3, 4]);
+//! let first = vllm.block(0).map(|b| *b.digest());
+//! assert!(first.is_some());
+//! # Ok::<(), kvbm_block::TokenError>(())
+//! ```
 
 use crate::hash::{DynamoXxh3, HashedBlock, SequenceDigest, SequenceHash, SequenceHasher};
 use crate::tokens::{PageSize, Token, TokenBlock, TokenError};
