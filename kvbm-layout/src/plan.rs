@@ -130,36 +130,132 @@ fn dst_order(dst: &Layout) -> DstOrder {
     }
 }
 
-/// Appends chunk copies to a run list, extending the last run when the new
-/// chunk continues it in both layouts.
-struct Coalescer<'a> {
-    src: &'a Layout,
-    dst: &'a Layout,
-    len: u64,
-    runs: Vec<CopyRun>,
+/// A layout's address math with the kind folded into numbers:
+/// region = `layer * region_per_layer`,
+/// offset = `block * block + layer * layer + outer * outer`
+/// (`layer` is 0 for per-layer layouts, `region_per_layer` is 0 for one
+/// region), so the planner's inner loops have no branches on the kind.
+#[derive(Debug, Clone, Copy)]
+struct Affine {
+    block: u64,
+    layer: u64,
+    outer: u64,
+    region_per_layer: u32,
 }
 
-impl Coalescer<'_> {
-    #[inline(always)]
-    fn push(&mut self, (sb, db): (usize, usize), layer: usize, outer: usize) {
-        let (src_region, src_offset) = self.src.locate(sb, layer, outer);
-        let (dst_region, dst_offset) = self.dst.locate(db, layer, outer);
-        if let Some(last) = self.runs.last_mut()
-            && last.dst_region == dst_region
-            && last.src_region == src_region
-            && last.dst_offset + last.len == dst_offset
-            && last.src_offset + last.len == src_offset
-        {
-            last.len += self.len;
-            return;
+impl Affine {
+    fn of(layout: &Layout) -> Affine {
+        let s = layout.strides();
+        Affine {
+            block: s.block,
+            layer: s.layer,
+            outer: s.outer,
+            region_per_layer: u32::from(matches!(layout.kind(), LayoutKind::LayerSeparate(_))),
         }
-        self.runs.push(CopyRun {
+    }
+
+    /// Region and offset of `(layer, outer)` relative to the block's start.
+    /// For per-layer layouts `layer < num_regions <= u32::MAX`; for one
+    /// region the truncated layer is multiplied by 0.
+    #[inline(always)]
+    fn within_block(&self, layer: usize, outer: usize) -> (u32, u64) {
+        (
+            layer as u32 * self.region_per_layer,
+            layer as u64 * self.layer + outer as u64 * self.outer,
+        )
+    }
+}
+
+/// Adds one chunk copy: extends `current` when the chunk continues it in
+/// both layouts, otherwise stores `current` (unless it is the empty start)
+/// and starts a new run. `current` is a local of the caller, so the hot loop
+/// keeps it in registers.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn push_chunk(
+    runs: &mut Vec<CopyRun>,
+    current: &mut CopyRun,
+    chunk: u64,
+    src_region: u32,
+    src_offset: u64,
+    dst_region: u32,
+    dst_offset: u64,
+) {
+    // The empty start run either continues trivially into a chunk at offset
+    // 0 of region 0 on both sides (giving that very chunk), or is replaced
+    // without being stored.
+    if current.dst_offset + current.len == dst_offset
+        && current.src_offset + current.len == src_offset
+        && current.dst_region == dst_region
+        && current.src_region == src_region
+    {
+        current.len += chunk;
+    } else {
+        if current.len != 0 {
+            runs.push(*current);
+        }
+        *current = CopyRun {
             src_region,
             src_offset,
             dst_region,
             dst_offset,
-            len: self.len,
+            len: chunk,
+        };
+    }
+}
+
+/// Number of runs one block's chunks form on their own, walking `(layer,
+/// outer)` in `order`: where two consecutive chunks of one block continue
+/// each other is the same for every block, so `pairs * segments` bounds the
+/// plan's length when the block is the destination's outermost index.
+fn segments_per_block(
+    s: Affine,
+    d: Affine,
+    chunk: u64,
+    order: impl Iterator<Item = (usize, usize)>,
+) -> usize {
+    let mut segments = 0;
+    let mut prev: Option<((u32, u64), (u32, u64))> = None;
+    for (l, o) in order {
+        let (a, b) = (s.within_block(l, o), d.within_block(l, o));
+        let continues = prev.is_some_and(|(pa, pb)| {
+            pa.0 == a.0 && pb.0 == b.0 && pa.1 + chunk == a.1 && pb.1 + chunk == b.1
         });
+        if !continues {
+            segments += 1;
+        }
+        prev = Some((a, b));
+    }
+    segments
+}
+
+/// An upper bound on the plan's run count, tight for the common cases (so
+/// the one allocation is not several times larger than the result).
+fn run_bound(
+    order: DstOrder,
+    s: Affine,
+    d: Affine,
+    chunk: u64,
+    layers: usize,
+    outers: usize,
+) -> usize {
+    match order {
+        DstOrder::BlockLayerOuter => segments_per_block(
+            s,
+            d,
+            chunk,
+            (0..layers).flat_map(|l| (0..outers).map(move |o| (l, o))),
+        ),
+        DstOrder::BlockOuterLayer => segments_per_block(
+            s,
+            d,
+            chunk,
+            (0..outers).flat_map(|o| (0..layers).map(move |l| (l, o))),
+        ),
+        DstOrder::LayerBlockOuter => {
+            layers * segments_per_block(s, d, chunk, (0..outers).map(|o| (0, o)))
+        }
+        DstOrder::LayerOuterBlock => layers * outers,
     }
 }
 
@@ -209,41 +305,68 @@ pub fn plan_copy(src: &Layout, dst: &Layout, pairs: &[(usize, usize)]) -> Result
         &owned
     };
 
-    // No overflow: pairs have distinct in-range destinations, so
-    // `pairs.len() <= dst blocks`, and the whole destination fits u64/usize.
+    // No overflow below: pairs have distinct in-range destinations, so
+    // `pairs.len() <= dst blocks`, and every offset stays below its region's
+    // size, which fits u64 (checked when the layouts were built).
     let layers = sc.num_layers();
     let outers = sc.outer_dim();
-    let num_chunks = pairs.len() * layers * outers;
-    let mut co = Coalescer {
-        src,
-        dst,
-        len: sc.chunk_bytes(),
-        runs: Vec::with_capacity(num_chunks),
-    };
-    match dst_order(dst) {
+    let chunk = sc.chunk_bytes();
+    let (s, d) = (Affine::of(src), Affine::of(dst));
+    let order = dst_order(dst);
+    let bound = pairs.len() * run_bound(order, s, d, chunk, layers, outers);
+    let mut runs = Vec::with_capacity(bound);
+    let mut cur = CopyRun::default();
+    match order {
         DstOrder::BlockLayerOuter => {
-            for &p in pairs {
+            for &(sb, db) in pairs {
+                let (s0, d0) = (sb as u64 * s.block, db as u64 * d.block);
                 for l in 0..layers {
+                    let (sr, sl) = s.within_block(l, 0);
+                    let (dr, dl) = d.within_block(l, 0);
                     for o in 0..outers {
-                        co.push(p, l, o);
+                        let o = o as u64;
+                        push_chunk(
+                            &mut runs,
+                            &mut cur,
+                            chunk,
+                            sr,
+                            s0 + sl + o * s.outer,
+                            dr,
+                            d0 + dl + o * d.outer,
+                        );
                     }
                 }
             }
         }
         DstOrder::BlockOuterLayer => {
-            for &p in pairs {
+            for &(sb, db) in pairs {
+                let (s0, d0) = (sb as u64 * s.block, db as u64 * d.block);
                 for o in 0..outers {
                     for l in 0..layers {
-                        co.push(p, l, o);
+                        let (sr, so) = s.within_block(l, o);
+                        let (dr, dof) = d.within_block(l, o);
+                        push_chunk(&mut runs, &mut cur, chunk, sr, s0 + so, dr, d0 + dof);
                     }
                 }
             }
         }
         DstOrder::LayerBlockOuter => {
             for l in 0..layers {
-                for &p in pairs {
+                let (sr, sl) = s.within_block(l, 0);
+                let (dr, dl) = d.within_block(l, 0);
+                for &(sb, db) in pairs {
+                    let (s0, d0) = (sb as u64 * s.block + sl, db as u64 * d.block + dl);
                     for o in 0..outers {
-                        co.push(p, l, o);
+                        let o = o as u64;
+                        push_chunk(
+                            &mut runs,
+                            &mut cur,
+                            chunk,
+                            sr,
+                            s0 + o * s.outer,
+                            dr,
+                            d0 + o * d.outer,
+                        );
                     }
                 }
             }
@@ -251,17 +374,35 @@ pub fn plan_copy(src: &Layout, dst: &Layout, pairs: &[(usize, usize)]) -> Result
         DstOrder::LayerOuterBlock => {
             for l in 0..layers {
                 for o in 0..outers {
-                    for &p in pairs {
-                        co.push(p, l, o);
+                    let (sr, so) = s.within_block(l, o);
+                    let (dr, dof) = d.within_block(l, o);
+                    for &(sb, db) in pairs {
+                        push_chunk(
+                            &mut runs,
+                            &mut cur,
+                            chunk,
+                            sr,
+                            sb as u64 * s.block + so,
+                            dr,
+                            db as u64 * d.block + dof,
+                        );
                     }
                 }
             }
         }
     }
+    if cur.len != 0 {
+        runs.push(cur);
+    }
+    debug_assert!(
+        runs.len() <= bound,
+        "run bound {bound} < {} runs",
+        runs.len()
+    );
     Ok(CopyPlan {
-        runs: co.runs,
+        runs,
         total_bytes: pairs.len() as u64 * sc.block_bytes(),
-        num_chunks,
+        num_chunks: pairs.len() * layers * outers,
         src_num_regions: src.num_regions(),
         dst_num_regions: dst.num_regions(),
     })
