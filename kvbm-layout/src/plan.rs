@@ -166,30 +166,30 @@ impl Affine {
     }
 }
 
-/// Adds one chunk copy: extends `current` when the chunk continues it in
-/// both layouts, otherwise stores `current` (unless it is the empty start)
-/// and starts a new run. `current` is a local of the caller, so the hot loop
+/// Adds one piece (one or more chunks adjacent in both layouts): extends
+/// `current` when the piece continues it in both layouts, otherwise stores
+/// `current` (unless it is the empty start) and starts a new run. `current` is a local of the caller, so the hot loop
 /// keeps it in registers.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn push_chunk(
+fn push_piece(
     runs: &mut Vec<CopyRun>,
     current: &mut CopyRun,
-    chunk: u64,
+    len: u64,
     src_region: u32,
     src_offset: u64,
     dst_region: u32,
     dst_offset: u64,
 ) {
     // The empty start run either continues trivially into a chunk at offset
-    // 0 of region 0 on both sides (giving that very chunk), or is replaced
+    // 0 of region 0 on both sides (giving that very piece), or is replaced
     // without being stored.
     if current.dst_offset + current.len == dst_offset
         && current.src_offset + current.len == src_offset
         && current.dst_region == dst_region
         && current.src_region == src_region
     {
-        current.len += chunk;
+        current.len += len;
     } else {
         if current.len != 0 {
             runs.push(*current);
@@ -199,63 +199,41 @@ fn push_chunk(
             src_offset,
             dst_region,
             dst_offset,
-            len: chunk,
+            len,
         };
     }
 }
 
-/// Number of runs one block's chunks form on their own, walking `(layer,
-/// outer)` in `order`: where two consecutive chunks of one block continue
-/// each other is the same for every block, so `pairs * segments` bounds the
-/// plan's length when the block is the destination's outermost index.
-fn segments_per_block(
-    s: Affine,
-    d: Affine,
-    chunk: u64,
-    order: impl Iterator<Item = (usize, usize)>,
-) -> usize {
-    let mut segments = 0;
-    let mut prev: Option<((u32, u64), (u32, u64))> = None;
-    for (l, o) in order {
-        let (a, b) = (s.within_block(l, o), d.within_block(l, o));
-        let continues = prev.is_some_and(|(pa, pb)| {
-            pa.0 == a.0 && pb.0 == b.0 && pa.1 + chunk == a.1 && pb.1 + chunk == b.1
-        });
-        if !continues {
-            segments += 1;
-        }
-        prev = Some((a, b));
-    }
-    segments
-}
-
-/// An upper bound on the plan's run count, tight for the common cases (so
-/// the one allocation is not several times larger than the result).
-fn run_bound(
+/// How many chunks of a block the planner takes as one piece: `(outers,
+/// layers)` per piece.
+///
+/// Whether two consecutive chunks of one block continue each other is the
+/// same for every block (offsets are the block's base plus a part that does
+/// not depend on the block), and it only depends on two facts: are the K and
+/// V chunks of a layer adjacent in both layouts, and does a layer end where
+/// the next one starts in both. When they are, the planner pushes a layer's
+/// or the whole block's chunks as one piece instead of one by one: the runs
+/// are the same, the work per block drops from `layers * outer` steps to
+/// `layers` or 1.
+fn piece_shape(
     order: DstOrder,
     s: Affine,
     d: Affine,
     chunk: u64,
     layers: usize,
     outers: usize,
-) -> usize {
+) -> (usize, usize) {
+    let outer_joins = outers == 1 || (s.outer == chunk && d.outer == chunk);
+    let layer_bytes = chunk * outers as u64;
+    let layer_joins = layers == 1
+        || (s.region_per_layer == 0
+            && d.region_per_layer == 0
+            && s.layer == layer_bytes
+            && d.layer == layer_bytes);
     match order {
-        DstOrder::BlockLayerOuter => segments_per_block(
-            s,
-            d,
-            chunk,
-            (0..layers).flat_map(|l| (0..outers).map(move |o| (l, o))),
-        ),
-        DstOrder::BlockOuterLayer => segments_per_block(
-            s,
-            d,
-            chunk,
-            (0..outers).flat_map(|o| (0..layers).map(move |l| (l, o))),
-        ),
-        DstOrder::LayerBlockOuter => {
-            layers * segments_per_block(s, d, chunk, (0..outers).map(|o| (0, o)))
-        }
-        DstOrder::LayerOuterBlock => layers * outers,
+        DstOrder::BlockLayerOuter if outer_joins && layer_joins => (outers, layers),
+        DstOrder::BlockLayerOuter | DstOrder::LayerBlockOuter if outer_joins => (outers, 1),
+        _ => (1, 1),
     }
 }
 
@@ -313,27 +291,21 @@ pub fn plan_copy(src: &Layout, dst: &Layout, pairs: &[(usize, usize)]) -> Result
     let chunk = sc.chunk_bytes();
     let (s, d) = (Affine::of(src), Affine::of(dst));
     let order = dst_order(dst);
-    let bound = pairs.len() * run_bound(order, s, d, chunk, layers, outers);
+    let (outer_step, layer_step) = piece_shape(order, s, d, chunk, layers, outers);
+    let piece = chunk * (outer_step * layer_step) as u64;
+    // Every piece is at most one run, so this bounds the plan's length.
+    let bound = pairs.len() * (layers / layer_step) * (outers / outer_step);
     let mut runs = Vec::with_capacity(bound);
     let mut cur = CopyRun::default();
     match order {
         DstOrder::BlockLayerOuter => {
             for &(sb, db) in pairs {
                 let (s0, d0) = (sb as u64 * s.block, db as u64 * d.block);
-                for l in 0..layers {
-                    let (sr, sl) = s.within_block(l, 0);
-                    let (dr, dl) = d.within_block(l, 0);
-                    for o in 0..outers {
-                        let o = o as u64;
-                        push_chunk(
-                            &mut runs,
-                            &mut cur,
-                            chunk,
-                            sr,
-                            s0 + sl + o * s.outer,
-                            dr,
-                            d0 + dl + o * d.outer,
-                        );
+                for l in (0..layers).step_by(layer_step) {
+                    for o in (0..outers).step_by(outer_step) {
+                        let (sr, so) = s.within_block(l, o);
+                        let (dr, dof) = d.within_block(l, o);
+                        push_piece(&mut runs, &mut cur, piece, sr, s0 + so, dr, d0 + dof);
                     }
                 }
             }
@@ -345,28 +317,19 @@ pub fn plan_copy(src: &Layout, dst: &Layout, pairs: &[(usize, usize)]) -> Result
                     for l in 0..layers {
                         let (sr, so) = s.within_block(l, o);
                         let (dr, dof) = d.within_block(l, o);
-                        push_chunk(&mut runs, &mut cur, chunk, sr, s0 + so, dr, d0 + dof);
+                        push_piece(&mut runs, &mut cur, piece, sr, s0 + so, dr, d0 + dof);
                     }
                 }
             }
         }
         DstOrder::LayerBlockOuter => {
             for l in 0..layers {
-                let (sr, sl) = s.within_block(l, 0);
-                let (dr, dl) = d.within_block(l, 0);
                 for &(sb, db) in pairs {
-                    let (s0, d0) = (sb as u64 * s.block + sl, db as u64 * d.block + dl);
-                    for o in 0..outers {
-                        let o = o as u64;
-                        push_chunk(
-                            &mut runs,
-                            &mut cur,
-                            chunk,
-                            sr,
-                            s0 + o * s.outer,
-                            dr,
-                            d0 + o * d.outer,
-                        );
+                    let (s0, d0) = (sb as u64 * s.block, db as u64 * d.block);
+                    for o in (0..outers).step_by(outer_step) {
+                        let (sr, so) = s.within_block(l, o);
+                        let (dr, dof) = d.within_block(l, o);
+                        push_piece(&mut runs, &mut cur, piece, sr, s0 + so, dr, d0 + dof);
                     }
                 }
             }
@@ -377,15 +340,8 @@ pub fn plan_copy(src: &Layout, dst: &Layout, pairs: &[(usize, usize)]) -> Result
                     let (sr, so) = s.within_block(l, o);
                     let (dr, dof) = d.within_block(l, o);
                     for &(sb, db) in pairs {
-                        push_chunk(
-                            &mut runs,
-                            &mut cur,
-                            chunk,
-                            sr,
-                            sb as u64 * s.block + so,
-                            dr,
-                            db as u64 * d.block + dof,
-                        );
+                        let (s0, d0) = (sb as u64 * s.block, db as u64 * d.block);
+                        push_piece(&mut runs, &mut cur, piece, sr, s0 + so, dr, d0 + dof);
                     }
                 }
             }
