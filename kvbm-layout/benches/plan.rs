@@ -5,7 +5,9 @@
 //! the copy it plans. Each case runs twice: `plan_copy` measures wall time
 //! (criterion's default), `plan_copy_cpu` measures the planning thread's CPU
 //! time, which stays meaningful when the machine is shared with builds.
-//! Throughput lines read as ns per block.
+//! Throughput lines read as ns per block. `reference/memcpy_one_block`
+//! copies one block's bytes with memcpy, to put the planning cost next to the
+//! copy it plans.
 
 #![allow(missing_docs)] // criterion's macros generate undocumented items
 
@@ -129,6 +131,15 @@ fn run_cases<M: Measurement>(c: &mut Criterion<M>, group_name: &str) {
             b.iter(|| plan_copy(black_box(src), black_box(dst), black_box(pairs)))
         });
     }
+    // The reference: copying one block's bytes (counted from the layout)
+    // host to host with memcpy, the cheapest copy a plan can lead to here.
+    let block_bytes = fc.config().block_bytes() as usize;
+    let from = vec![0x5au8; block_bytes];
+    let mut to = vec![0u8; block_bytes];
+    group.throughput(Throughput::Elements(1));
+    group.bench_function("reference/memcpy_one_block", |b| {
+        b.iter(|| to.copy_from_slice(black_box(&from)))
+    });
     group.finish();
 }
 

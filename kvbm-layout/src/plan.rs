@@ -242,47 +242,96 @@ fn piece_shape(
 ///
 /// Errors: the layouts' block shapes differ, a block index is out of range,
 /// or a destination block appears twice. A source block may appear several
-/// times (fan-out). The pairs may come in any order.
+/// times (fan-out). The pairs may come in any order. Allocates the run list
+/// once (from an upper bound), plus a sorted copy of the pairs when they are
+/// not in increasing destination order; [`CopyPlanner`] reuses both.
 pub fn plan_copy(src: &Layout, dst: &Layout, pairs: &[(usize, usize)]) -> Result<CopyPlan> {
-    let sc = src.config();
-    let dc = dst.config();
-    sc.same_block_shape(dc)?;
+    let mut plan = CopyPlan::default();
+    CopyPlanner::new().plan_into(src, dst, pairs, &mut plan)?;
+    Ok(plan)
+}
 
-    let mut sorted_by_dst = true;
-    let mut prev_dst: Option<usize> = None;
-    for &(s, d) in pairs {
-        if s >= sc.num_blocks() {
-            return Err(LayoutError::BlockOutOfRange {
-                index: s,
-                count: sc.num_blocks(),
-            });
-        }
-        if d >= dc.num_blocks() {
-            return Err(LayoutError::BlockOutOfRange {
-                index: d,
-                count: dc.num_blocks(),
-            });
-        }
-        if let Some(p) = prev_dst
-            && p >= d
-        {
-            sorted_by_dst = false;
-        }
-        prev_dst = Some(d);
+/// A reusable planner: plans into a caller's [`CopyPlan`] and keeps its own
+/// scratch, so that once the buffers have grown, planning allocates nothing.
+#[derive(Debug, Clone, Default)]
+pub struct CopyPlanner {
+    sorted: Vec<(usize, usize)>,
+}
+
+impl CopyPlanner {
+    /// A planner with empty buffers.
+    pub fn new() -> CopyPlanner {
+        CopyPlanner::default()
     }
-    let owned;
-    let pairs: &[(usize, usize)] = if sorted_by_dst {
-        pairs
-    } else {
-        let mut v = pairs.to_vec();
-        v.sort_unstable_by_key(|&(_, d)| d);
-        if let Some(w) = v.windows(2).find(|w| w[0].1 == w[1].1) {
+
+    /// Plans like [`plan_copy`], replacing `plan`'s contents and reusing its
+    /// run buffer. On error `plan` is left empty.
+    pub fn plan_into(
+        &mut self,
+        src: &Layout,
+        dst: &Layout,
+        pairs: &[(usize, usize)],
+        plan: &mut CopyPlan,
+    ) -> Result<()> {
+        plan.runs.clear();
+        plan.total_bytes = 0;
+        plan.num_chunks = 0;
+        plan.src_num_regions = src.num_regions();
+        plan.dst_num_regions = dst.num_regions();
+        let pairs = self.checked_in_dst_order(src, dst, pairs)?;
+        fill(src, dst, pairs, plan);
+        Ok(())
+    }
+
+    /// Validates the pairs and returns them in increasing destination order
+    /// (the caller's slice when it already is, else the sorted scratch).
+    fn checked_in_dst_order<'p>(
+        &'p mut self,
+        src: &Layout,
+        dst: &Layout,
+        pairs: &'p [(usize, usize)],
+    ) -> Result<&'p [(usize, usize)]> {
+        let sc = src.config();
+        let dc = dst.config();
+        sc.same_block_shape(dc)?;
+        let mut sorted_by_dst = true;
+        let mut prev_dst: Option<usize> = None;
+        for &(s, d) in pairs {
+            if s >= sc.num_blocks() {
+                return Err(LayoutError::BlockOutOfRange {
+                    index: s,
+                    count: sc.num_blocks(),
+                });
+            }
+            if d >= dc.num_blocks() {
+                return Err(LayoutError::BlockOutOfRange {
+                    index: d,
+                    count: dc.num_blocks(),
+                });
+            }
+            if let Some(p) = prev_dst
+                && p >= d
+            {
+                sorted_by_dst = false;
+            }
+            prev_dst = Some(d);
+        }
+        if sorted_by_dst {
+            return Ok(pairs);
+        }
+        self.sorted.clear();
+        self.sorted.extend_from_slice(pairs);
+        self.sorted.sort_unstable_by_key(|&(_, d)| d);
+        if let Some(w) = self.sorted.windows(2).find(|w| w[0].1 == w[1].1) {
             return Err(LayoutError::DuplicateDestination(w[0].1));
         }
-        owned = v;
-        &owned
-    };
+        Ok(&self.sorted)
+    }
+}
 
+/// Fills `plan` for validated pairs in increasing destination order.
+fn fill(src: &Layout, dst: &Layout, pairs: &[(usize, usize)], plan: &mut CopyPlan) {
+    let sc = src.config();
     // No overflow below: pairs have distinct in-range destinations, so
     // `pairs.len() <= dst blocks`, and every offset stays below its region's
     // size, which fits u64 (checked when the layouts were built).
@@ -295,7 +344,8 @@ pub fn plan_copy(src: &Layout, dst: &Layout, pairs: &[(usize, usize)]) -> Result
     let piece = chunk * (outer_step * layer_step) as u64;
     // Every piece is at most one run, so this bounds the plan's length.
     let bound = pairs.len() * (layers / layer_step) * (outers / outer_step);
-    let mut runs = Vec::with_capacity(bound);
+    let runs = &mut plan.runs;
+    runs.reserve(bound);
     let mut cur = CopyRun::default();
     match order {
         DstOrder::BlockLayerOuter => {
@@ -305,7 +355,7 @@ pub fn plan_copy(src: &Layout, dst: &Layout, pairs: &[(usize, usize)]) -> Result
                     for o in (0..outers).step_by(outer_step) {
                         let (sr, so) = s.within_block(l, o);
                         let (dr, dof) = d.within_block(l, o);
-                        push_piece(&mut runs, &mut cur, piece, sr, s0 + so, dr, d0 + dof);
+                        push_piece(runs, &mut cur, piece, sr, s0 + so, dr, d0 + dof);
                     }
                 }
             }
@@ -317,7 +367,7 @@ pub fn plan_copy(src: &Layout, dst: &Layout, pairs: &[(usize, usize)]) -> Result
                     for l in 0..layers {
                         let (sr, so) = s.within_block(l, o);
                         let (dr, dof) = d.within_block(l, o);
-                        push_piece(&mut runs, &mut cur, piece, sr, s0 + so, dr, d0 + dof);
+                        push_piece(runs, &mut cur, piece, sr, s0 + so, dr, d0 + dof);
                     }
                 }
             }
@@ -329,7 +379,7 @@ pub fn plan_copy(src: &Layout, dst: &Layout, pairs: &[(usize, usize)]) -> Result
                     for o in (0..outers).step_by(outer_step) {
                         let (sr, so) = s.within_block(l, o);
                         let (dr, dof) = d.within_block(l, o);
-                        push_piece(&mut runs, &mut cur, piece, sr, s0 + so, dr, d0 + dof);
+                        push_piece(runs, &mut cur, piece, sr, s0 + so, dr, d0 + dof);
                     }
                 }
             }
@@ -341,7 +391,7 @@ pub fn plan_copy(src: &Layout, dst: &Layout, pairs: &[(usize, usize)]) -> Result
                     let (dr, dof) = d.within_block(l, o);
                     for &(sb, db) in pairs {
                         let (s0, d0) = (sb as u64 * s.block, db as u64 * d.block);
-                        push_piece(&mut runs, &mut cur, piece, sr, s0 + so, dr, d0 + dof);
+                        push_piece(runs, &mut cur, piece, sr, s0 + so, dr, d0 + dof);
                     }
                 }
             }
@@ -355,13 +405,8 @@ pub fn plan_copy(src: &Layout, dst: &Layout, pairs: &[(usize, usize)]) -> Result
         "run bound {bound} < {} runs",
         runs.len()
     );
-    Ok(CopyPlan {
-        runs,
-        total_bytes: pairs.len() as u64 * sc.block_bytes(),
-        num_chunks: pairs.len() * layers * outers,
-        src_num_regions: src.num_regions(),
-        dst_num_regions: dst.num_regions(),
-    })
+    plan.total_bytes = pairs.len() as u64 * sc.block_bytes();
+    plan.num_chunks = pairs.len() * layers * outers;
 }
 
 #[cfg(test)]
@@ -476,6 +521,37 @@ mod tests {
         assert!(empty.is_empty());
         assert_eq!(empty.total_bytes(), 0);
         assert_eq!(empty.dst_num_regions(), 4);
+    }
+
+    #[test]
+    fn planner_reuses_its_buffers() {
+        let (bf, fc) = (layout(BF), layout(FC));
+        let mut planner = CopyPlanner::new();
+        let mut plan = CopyPlan::default();
+        planner
+            .plan_into(&bf, &fc, &[(5, 2), (1, 0), (2, 7)], &mut plan)
+            .unwrap();
+        assert_eq!(
+            plan,
+            plan_copy(&bf, &fc, &[(5, 2), (1, 0), (2, 7)]).unwrap()
+        );
+        let buffer = plan.runs().as_ptr();
+        planner
+            .plan_into(&bf, &fc, &[(0, 3), (4, 1), (6, 4)], &mut plan)
+            .unwrap();
+        assert_eq!(
+            plan,
+            plan_copy(&bf, &fc, &[(0, 3), (4, 1), (6, 4)]).unwrap()
+        );
+        assert_eq!(plan.runs().as_ptr(), buffer, "same-size replan reallocated");
+        // An error leaves the plan empty, not stale.
+        assert!(
+            planner
+                .plan_into(&bf, &fc, &[(0, 1), (2, 1)], &mut plan)
+                .is_err()
+        );
+        assert!(plan.is_empty());
+        assert_eq!(plan.total_bytes(), 0);
     }
 
     #[test]

@@ -184,6 +184,16 @@ proptest! {
     }
 
     #[test]
+    fn a_reused_planner_plans_like_a_fresh_one(cases in prop::collection::vec(copy_case(), 1..4)) {
+        let mut planner = CopyPlanner::new();
+        let mut plan = CopyPlan::default();
+        for (src_l, dst_l, pairs) in &cases {
+            planner.plan_into(src_l, dst_l, pairs, &mut plan).unwrap();
+            prop_assert_eq!(&plan, &plan_copy(src_l, dst_l, pairs).unwrap());
+        }
+    }
+
+    #[test]
     fn descriptors_round_trip(layout in layout()) {
         let d = layout.descriptor();
         let json = d.to_json();
