@@ -5,8 +5,8 @@ use std::collections::{HashMap, HashSet};
 
 use kvbm_layout::strategies::{block_shape, copy_case, layout};
 use kvbm_layout::{
-    BlockOrder, CopyPlan, Layout, LayoutConfig, LayoutDescriptor, LayoutError, LayoutKind,
-    plan_copy,
+    BlockOrder, CopyPlan, CopyPlanner, Layout, LayoutConfig, LayoutDescriptor, LayoutError,
+    LayoutKind, plan_copy,
 };
 use proptest::prelude::*;
 
