@@ -62,6 +62,11 @@ impl LruSim {
         self.capacity
     }
 
+    /// The block the next insertion into a full cache would evict.
+    pub fn peek_lru(&self) -> Option<BlockId> {
+        self.list.peek_lru()
+    }
+
     /// Removes `block`; returns whether it was cached.
     pub fn remove(&mut self, block: BlockId) -> bool {
         self.list.remove(block)

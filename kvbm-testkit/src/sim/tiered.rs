@@ -101,8 +101,8 @@ impl<K: KvbmTiers> CacheSim for TieredSim<K> {
 /// How the LRU baseline feeds kvbm's tiers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LruFeed {
-    /// Exclusive victim caches: G1's evictions enter G2, G2's enter G3; a
-    /// block served from G2 or G3 moves back to G1 and leaves kvbm.
+    /// Exclusive victim caches: G1's evictions enter G2, G2's enter G3; the
+    /// blocks of each request are in G1 afterwards, so they leave kvbm.
     Victim,
     /// Write-through: every block of every request is refreshed in G2
     /// (inclusive of G1), G2's evictions enter G3, and a G3 hit moves the
@@ -158,7 +158,8 @@ impl KvbmTiers for LruTiers {
         let hits = std::mem::take(&mut self.hits);
         match self.feed {
             LruFeed::Victim => {
-                for &(b, _) in &hits {
+                // The engine holds the request's blocks in G1 now.
+                for &b in ctx.blocks() {
                     self.g2.remove(b);
                     self.g3.remove(b);
                 }
