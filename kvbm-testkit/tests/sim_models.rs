@@ -211,3 +211,53 @@ fn victim_lru_tiers_serve_what_g1_dropped() {
     assert_eq!(sim.lookup(1), Some(Tier::G1));
     assert_eq!(sim.kvbm().occupancy().0, 2);
 }
+
+mod weights {
+    use kvbm_testkit::sim::reuse_score::{COUNT_CLASSES, ReuseWeights, ScoreModel};
+    use proptest::prelude::*;
+
+    fn model() -> impl Strategy<Value = ScoreModel> {
+        prop_oneof![
+            (0.25f64..3.0).prop_map(|exponent| ScoreModel::Hyperbolic { exponent }),
+            (1u64..5_000).prop_map(|horizon| ScoreModel::ReturnWithin { horizon }),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(100))]
+
+        /// The two orderings eviction relies on hold for any learned state:
+        /// older never scores above younger within a class (so a class's
+        /// least recent block is its minimum), and more uses never score
+        /// below fewer (so a parent never ranks below its child), across
+        /// depth groups too when groups are depths.
+        #[test]
+        fn scores_are_monotone(
+            model in model(),
+            groups in 1usize..4,
+            depth_groups: bool,
+            events in prop::collection::vec((0usize..16, 0u64..20_000, 0usize..16, any::<bool>()), 0..400),
+        ) {
+            let classes = groups * COUNT_CLASSES;
+            let mut w = ReuseWeights::new(classes, model, depth_groups);
+            for (prev, age, now, has_prev) in events {
+                w.observe(has_prev.then_some((prev % classes, age)), now % classes);
+            }
+            w.refresh();
+            let ages = [0u64, 1, 5, 30, 200, 1_000, 7_000, 50_000];
+            for c in 0..classes {
+                for pair in ages.windows(2) {
+                    prop_assert!(w.score(c, pair[0]) >= w.score(c, pair[1]), "class {c} ages {pair:?}");
+                }
+                for &a in &ages {
+                    if c % COUNT_CLASSES + 1 < COUNT_CLASSES {
+                        prop_assert!(w.score(c + 1, a) >= w.score(c, a), "count order, class {c} age {a}");
+                    }
+                    if depth_groups && c + COUNT_CLASSES < classes {
+                        prop_assert!(w.score(c, a) >= w.score(c + COUNT_CLASSES, a), "depth order, class {c} age {a}");
+                    }
+                }
+            }
+        }
+    }
+}
