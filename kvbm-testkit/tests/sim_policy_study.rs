@@ -80,7 +80,7 @@ fn policy_study() {
             feature,
             ..base
         };
-        use ClassFeature::{Depth, None as CountOnly, OutputLength};
+        use ClassFeature::{Depth, None as CountOnly, OutputLength, SeenPrefix};
         let variants = [
             (
                 "reuse-score, hyperbolic, keep partial, history 1x",
@@ -146,6 +146,14 @@ fn policy_study() {
             (
                 "reuse-score, return within 250, count x depth",
                 v(true, 4.0, within(250), Depth),
+            ),
+            (
+                "reuse-score, return within 250, count x seen prefix",
+                v(true, 4.0, within(250), SeenPrefix),
+            ),
+            (
+                "reuse-score, hyperbolic, count x seen prefix",
+                v(true, 4.0, hyp(1.0), SeenPrefix),
             ),
             (
                 "reuse-score, return within 250, count x output length",

@@ -1,29 +1,35 @@
-//! The policy study's winner: rank cached blocks by estimated reuse per
-//! unit of age, with the reuse probability learned online from how often
-//! blocks seen `k` times came back a `k+1`-th time.
+//! The policy study's winner: keep the blocks most likely to be used again
+//! soon, with that likelihood learned online per *use-count class* and age.
 //!
 //! Every block kvbm has seen has a *use count* `k` (requests that carried
-//! it) and a *last use* time `t` (index of the last such request). A block
-//! that has come back often is far more likely to come back again: in the
-//! Mooncake conversation trace a block seen once returns 26% of the time,
-//! seen twice 42%, three times 50%, four or more 78%. Its score is
+//! it) and a *last use* `t` (index of the last such request). Blocks that
+//! came back before come back more often: in the Mooncake conversation
+//! trace a block seen once returns 26% of the time, seen twice 42%, three
+//! times 50%, four or more 78%. For each class `c = min(k, 4)` the policy
+//! counts blocks that entered the class and, per quarter-octave age bucket,
+//! those that returned at that age (the history of recently seen ids keeps
+//! returns observable after a block left every tier). From these it derives
+//! the winning score ([`ScoreModel::ReturnWithin`]):
 //!
-//! `score = w[class] / (now - t + 1)`, class = min(k, 4) (optionally split
-//! by a request feature, [`ClassFeature`])
+//! `score(c, a) = P(used within the next H requests | class c, unused for a)`
 //!
-//! where `w[k]` is the learned probability that a block used `k` times is
-//! used again (monotone non-decreasing in `k`, see [`ReuseWeights`]). The
-//! lowest score is evicted. Because a prompt's blocks form a chain, a parent
-//! is used at least as often and at least as recently as each child, so its
-//! score is never lower: eviction always takes leaves first and never leaves
-//! a cached block behind a missing parent (which could never hit). Within a
-//! request, blocks are stamped deepest first, so equal scores also break
-//! toward the leaf.
+//! (H = 250), and evicts the lowest. The alternative
+//! [`ScoreModel::Hyperbolic`] uses `P(ever used again | c) / (a + 1)`.
 //!
-//! Because the score's order among blocks of the same class never changes
-//! as time passes, each class keeps a recency list and the eviction victim
-//! is the least recent entry of one of the `K` lists: eviction is O(K),
-//! everything else O(1).
+//! Two orderings make this cheap and safe, and [`ReuseWeights::refresh`]
+//! enforces both on the learned table:
+//! - the score never increases with age within a class, so each class's
+//!   least recent block is its lowest-scored one: eviction compares the
+//!   tails of `K` per-class recency lists, O(K); everything else is O(1);
+//! - the score never decreases with the use count. A prompt's blocks form
+//!   a chain and a parent is used at least as often and as recently as
+//!   each child, so a parent never scores below its child: eviction takes
+//!   leaves first and does not strand a child behind a missing parent
+//!   (which could never hit, as hits are prefix-contiguous). Within a
+//!   request, blocks are stamped deepest first so ties also go to the leaf.
+//!
+//! Optional [`ClassFeature`]s split the classes by a request feature; the
+//! study found none that helps enough to keep.
 
 use std::collections::HashMap;
 
@@ -51,7 +57,13 @@ pub enum ClassFeature {
     /// Use count × log2 of the block's depth in its prompt (position + 1).
     /// Scores never increase with depth, so parents still outrank children.
     Depth,
+    /// Use count × log2 of how many leading blocks of the block's last
+    /// request kvbm had seen before (1 = only a shared system prompt).
+    SeenPrefix,
 }
+
+/// Number of seen-prefix groups when [`ClassFeature::SeenPrefix`] is on.
+pub const SEEN_PREFIX_GROUPS: usize = 6;
 
 /// Number of depth groups when [`ClassFeature::Depth`] is on.
 pub const DEPTH_GROUPS: usize = 8;
@@ -62,14 +74,18 @@ impl ClassFeature {
             ClassFeature::None => 1,
             ClassFeature::OutputLength => OUTPUT_GROUPS,
             ClassFeature::Depth => DEPTH_GROUPS,
+            ClassFeature::SeenPrefix => SEEN_PREFIX_GROUPS,
         }
     }
 
-    fn group_of(self, output_length: u32, position: usize) -> usize {
+    fn group_of(self, output_length: u32, position: usize, seen_prefix: usize) -> usize {
         match self {
             ClassFeature::None => 0,
             ClassFeature::OutputLength => {
                 (u32::BITS - output_length.leading_zeros()).min(OUTPUT_GROUPS as u32 - 1) as usize
+            }
+            ClassFeature::SeenPrefix => {
+                ((usize::BITS - seen_prefix.leading_zeros()) as usize).min(SEEN_PREFIX_GROUPS - 1)
             }
             ClassFeature::Depth => {
                 (usize::BITS - (position + 1).leading_zeros()).min(DEPTH_GROUPS as u32) as usize - 1
@@ -453,8 +469,12 @@ impl KvbmTiers for ReuseScoreTiers {
         let feature = self.config.feature;
         let output_length = ctx.request.output_length;
         let blocks = ctx.blocks();
+        let seen_prefix = blocks
+            .iter()
+            .take_while(|b| self.history.contains_key(b))
+            .count();
         for (i, &b) in blocks.iter().enumerate().rev() {
-            let group = feature.group_of(output_length, i);
+            let group = feature.group_of(output_length, i, seen_prefix);
             self.see(b, ctx.last_block_partial && i + 1 == blocks.len(), group);
             self.g2.remove(b);
             self.g3.remove(b);
