@@ -311,3 +311,64 @@ fn admission_study(name: &str, f: [f64; 3], requests: &[Request], caps: TierCapa
 fn wanted(label: &str) -> bool {
     std::env::var("KVBM_STUDY_FILTER").map_or(true, |f| label.contains(&f))
 }
+
+/// Splits a policy's hits by how often the block had been used before the
+/// hit (1 = first reuse), next to what an infinite cache would hit.
+struct ReuseSplit<C> {
+    inner: C,
+    uses: std::collections::HashMap<u64, u32>,
+    hits_by_prior: [u64; 4],
+}
+
+impl<C: CacheSim> CacheSim for ReuseSplit<C> {
+    fn lookup(&mut self, block: u64) -> Option<Tier> {
+        let t = self.inner.lookup(block);
+        if t.is_some() {
+            let prior = self.uses.get(&block).copied().unwrap_or(0) as usize;
+            self.hits_by_prior[prior.clamp(1, 4) - 1] += 1;
+        }
+        t
+    }
+    fn record(&mut self, ctx: &RequestCtx<'_>) {
+        for &b in ctx.blocks() {
+            *self.uses.entry(b).or_default() += 1;
+        }
+        self.inner.record(ctx);
+    }
+}
+
+#[test]
+#[ignore = "diagnostic: hits by prior use count"]
+fn reuse_split() {
+    for (name, f) in CONFIGS {
+        let Some((requests, facts)) = sim_support::load(name) else {
+            return;
+        };
+        let caps = TierCapacities::from_fractions(f[0], f[1], f[2], facts.unique_blocks);
+        let inf = split(&requests, LruSim::new(facts.unique_blocks));
+        let lru = split(
+            &requests,
+            TieredSim::new(caps.g1, LruTiers::new(caps.g2, caps.g3, LruFeed::Victim)),
+        );
+        let win = split(
+            &requests,
+            TieredSim::new(
+                caps.g1,
+                ReuseScoreTiers::new(ReuseScoreConfig::for_tiers(caps)),
+            ),
+        );
+        println!(
+            "{name} {f:?} hits by prior uses 1/2/3/4+: infinite {inf:?} lru {lru:?} winner {win:?}"
+        );
+    }
+}
+
+fn split<C: CacheSim>(requests: &[Request], inner: C) -> [u64; 4] {
+    let mut s = ReuseSplit {
+        inner,
+        uses: Default::default(),
+        hits_by_prior: [0; 4],
+    };
+    replay(requests, MOONCAKE_BLOCK_TOKENS, &mut s);
+    s.hits_by_prior
+}
