@@ -152,6 +152,74 @@ proptest! {
     }
 }
 
+/// Like `trace_strategy`, but a partially filled last block always gets a
+/// fresh id, as with real chained hashes (its tokens differ every time).
+fn realistic_trace_strategy() -> impl Strategy<Value = Vec<Request>> {
+    trace_strategy().prop_map(|mut reqs| {
+        for (i, r) in reqs.iter_mut().enumerate() {
+            if r.last_block_partial(BT) {
+                let last = r.hash_ids.len() - 1;
+                r.hash_ids[last] = 1_000_000 + i as u64;
+            }
+        }
+        reqs
+    })
+}
+
+/// Counts, after every request, kvbm blocks whose parent is in no tier.
+struct OrphanCheck<K> {
+    sim: TieredSim<K>,
+    parent: HashMap<BlockId, BlockId>,
+    orphans: usize,
+}
+
+impl<K: KvbmTiers> CacheSim for OrphanCheck<K> {
+    fn lookup(&mut self, block: BlockId) -> Option<Tier> {
+        self.sim.lookup(block)
+    }
+    fn record(&mut self, ctx: &RequestCtx<'_>) {
+        self.sim.record(ctx);
+        let cached = self.sim.kvbm().cached();
+        let held: HashSet<BlockId> = cached.iter().map(|c| c.0).collect();
+        self.orphans += cached
+            .iter()
+            .filter(|(b, _)| {
+                self.parent
+                    .get(b)
+                    .is_some_and(|p| !held.contains(p) && !self.sim.g1_contains(*p))
+            })
+            .count();
+    }
+}
+
+fn orphans<K: KvbmTiers>(reqs: &[Request], g1: usize, kvbm: K) -> usize {
+    let mut parent = HashMap::new();
+    for r in reqs {
+        for w in r.hash_ids.windows(2) {
+            parent.insert(w[1], w[0]);
+        }
+    }
+    let mut check = OrphanCheck {
+        sim: TieredSim::new(g1, kvbm),
+        parent,
+        orphans: 0,
+    };
+    replay(reqs, BT, &mut check);
+    check.orphans
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Leaf-first ordering keeps kvbm free of blocks that can never hit.
+    #[test]
+    fn kvbm_tiers_hold_no_orphans(reqs in realistic_trace_strategy(), g1 in 0usize..5, g2 in 0usize..6, g3 in 0usize..6) {
+        let caps = TierCapacities { g1, g2, g3 };
+        prop_assert_eq!(orphans(&reqs, g1, ReuseScoreTiers::new(ReuseScoreConfig::for_tiers(caps))), 0);
+        prop_assert_eq!(orphans(&reqs, g1, LruTiers::new(g2, g3, LruFeed::Victim)), 0);
+    }
+}
+
 /// Wraps a policy and checks occupancy after every request.
 struct Checked<K> {
     inner: K,
@@ -170,6 +238,9 @@ impl<K: KvbmTiers> KvbmTiers for Checked<K> {
     }
     fn occupancy(&self) -> (usize, usize) {
         self.inner.occupancy()
+    }
+    fn cached(&self) -> Vec<(BlockId, Tier)> {
+        self.inner.cached()
     }
 }
 

@@ -4,7 +4,9 @@
 
 mod sim_support;
 
-use kvbm_testkit::sim::reuse_score::{ClassFeature, ReuseScoreConfig, ReuseScoreTiers, ScoreModel};
+use kvbm_testkit::sim::reuse_score::{
+    ClassFeature, Clock, ReuseScoreConfig, ReuseScoreTiers, ScoreModel,
+};
 use kvbm_testkit::sim::{
     BeladySim, CacheSim, KvbmTiers, LruFeed, LruSim, LruTiers, ReplayStats, RequestCtx, Tier,
     TierCapacities, TieredSim, capacity_for, replay,
@@ -148,6 +150,27 @@ fn policy_study() {
                 v(true, 4.0, within(250), Depth),
             ),
             (
+                "reuse-score, block clock, return within 6000 blocks",
+                ReuseScoreConfig {
+                    clock: Clock::Blocks,
+                    ..v(true, 4.0, within(6000), CountOnly)
+                },
+            ),
+            (
+                "reuse-score, return within 250, decay 0.9 per 256 requests",
+                ReuseScoreConfig {
+                    decay: 0.9,
+                    ..v(true, 4.0, within(250), CountOnly)
+                },
+            ),
+            (
+                "reuse-score, return within 250, decay 0.5 per 256 requests",
+                ReuseScoreConfig {
+                    decay: 0.5,
+                    ..v(true, 4.0, within(250), CountOnly)
+                },
+            ),
+            (
                 "reuse-score, return within 250, count x seen prefix",
                 v(true, 4.0, within(250), SeenPrefix),
             ),
@@ -273,6 +296,11 @@ impl<F: FnMut(&Candidate) -> bool> KvbmTiers for AdmitLru<F> {
     fn occupancy(&self) -> (usize, usize) {
         (self.g2.len(), self.g3.len())
     }
+
+    fn cached(&self) -> Vec<(u64, Tier)> {
+        let g2 = self.g2.blocks().map(|b| (b, Tier::G2));
+        g2.chain(self.g3.blocks().map(|b| (b, Tier::G3))).collect()
+    }
 }
 
 fn admission_study(name: &str, f: [f64; 3], requests: &[Request], caps: TierCapacities) {
@@ -371,4 +399,80 @@ fn split<C: CacheSim>(requests: &[Request], inner: C) -> [u64; 4] {
     };
     replay(requests, MOONCAKE_BLOCK_TOKENS, &mut s);
     s.hits_by_prior
+}
+
+/// Samples, every 50 requests, how many of kvbm's blocks are orphans
+/// (their parent is in no tier, so they cannot hit).
+struct OrphanProbe<K> {
+    sim: TieredSim<K>,
+    parent: std::collections::HashMap<u64, u64>,
+    orphans: usize,
+    held: usize,
+}
+
+impl<K: KvbmTiers> CacheSim for OrphanProbe<K> {
+    fn lookup(&mut self, block: u64) -> Option<Tier> {
+        self.sim.lookup(block)
+    }
+    fn record(&mut self, ctx: &RequestCtx<'_>) {
+        self.sim.record(ctx);
+        if !ctx.index.is_multiple_of(50) {
+            return;
+        }
+        let cached = self.sim.kvbm().cached();
+        let set: std::collections::HashSet<u64> = cached.iter().map(|c| c.0).collect();
+        self.held += cached.len();
+        self.orphans += cached
+            .iter()
+            .filter(|(b, _)| {
+                self.parent
+                    .get(b)
+                    .is_some_and(|p| !set.contains(p) && !self.sim.g1_contains(*p))
+            })
+            .count();
+    }
+}
+
+/// Average share of kvbm's blocks that are orphans.
+fn orphan_share<K: KvbmTiers>(requests: &[Request], g1: usize, kvbm: K) -> f64 {
+    let mut parent = std::collections::HashMap::new();
+    for r in requests {
+        for w in r.hash_ids.windows(2) {
+            parent.entry(w[1]).or_insert(w[0]);
+        }
+    }
+    let mut probe = OrphanProbe {
+        sim: TieredSim::new(g1, kvbm),
+        parent,
+        orphans: 0,
+        held: 0,
+    };
+    replay(requests, MOONCAKE_BLOCK_TOKENS, &mut probe);
+    probe.orphans as f64 / probe.held.max(1) as f64
+}
+
+#[test]
+#[ignore = "diagnostic: orphaned blocks in kvbm's tiers"]
+fn orphans() {
+    for (name, f) in CONFIGS {
+        let Some((requests, facts)) = sim_support::load(name) else {
+            return;
+        };
+        let caps = TierCapacities::from_fractions(f[0], f[1], f[2], facts.unique_blocks);
+        let lru = orphan_share(
+            &requests,
+            caps.g1,
+            LruTiers::new(caps.g2, caps.g3, LruFeed::Victim),
+        );
+        let win = orphan_share(
+            &requests,
+            caps.g1,
+            ReuseScoreTiers::new(ReuseScoreConfig::for_tiers(caps)),
+        );
+        println!(
+            "{name} {f:?} orphan share: lru victim {:.2}% winner {:.2}%",
+            lru * 100.0,
+            win * 100.0
+        );
+    }
 }

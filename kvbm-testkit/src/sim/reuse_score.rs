@@ -174,6 +174,19 @@ impl ReuseWeights {
         self.entered[now] += 1.0;
     }
 
+    /// Multiplies every learned count by `factor` (no-op at 1 or above).
+    pub fn decay(&mut self, factor: f64) {
+        if factor >= 1.0 {
+            return;
+        }
+        for c in 0..self.entered.len() {
+            self.entered[c] *= factor;
+            for r in self.returned[c].iter_mut() {
+                *r *= factor;
+            }
+        }
+    }
+
     /// Recomputes the score table from the counters (cheap; call
     /// periodically).
     pub fn refresh(&mut self) {
@@ -328,7 +341,7 @@ impl ScoredTier {
             return None;
         }
         let (victim, low) = self.lowest(weights, now)?;
-        if score(seen, weights, now) <= low {
+        if score(seen, weights, now) < low {
             return Some((b, seen));
         }
         let out = self.remove(victim).map(|s| (victim, s));
@@ -350,8 +363,9 @@ pub struct ReuseScoreConfig {
     pub g2: usize,
     /// G3 capacity in blocks.
     pub g3: usize,
-    /// Blocks whose use count is remembered after they left every tier,
-    /// as a multiple of the total capacity (G1 + G2 + G3).
+    /// Blocks whose statistics are remembered after they left every tier
+    /// ("ghosts"), as a multiple of the total capacity (G1 + G2 + G3).
+    /// Blocks in a tier are always remembered.
     pub history_factor: f64,
     /// Never admit a partially filled last block (engines never reuse one).
     pub skip_partial: bool,
@@ -359,6 +373,21 @@ pub struct ReuseScoreConfig {
     pub model: ScoreModel,
     /// Request feature splitting the classes.
     pub feature: ClassFeature,
+    /// What the policy's clock counts (ages and the horizon are in its unit).
+    pub clock: Clock,
+    /// Factor applied to all learned counts at each refresh (1 = never
+    /// forget; below 1 follows a changing workload).
+    pub decay: f64,
+}
+
+/// The unit of the policy's clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Clock {
+    /// One tick per request.
+    #[default]
+    Requests,
+    /// One tick per prompt block of each request (cache pressure).
+    Blocks,
 }
 
 impl ReuseScoreConfig {
@@ -374,6 +403,8 @@ impl ReuseScoreConfig {
             skip_partial: true,
             model: ScoreModel::ReturnWithin { horizon: 250 },
             feature: ClassFeature::None,
+            clock: Clock::Requests,
+            decay: 1.0,
         }
     }
 }
@@ -392,9 +423,11 @@ pub struct ReuseScoreTiers {
     config: ReuseScoreConfig,
     g2: ScoredTier,
     g3: ScoredTier,
+    /// Every block in some tier (G1 included), plus ghosts.
     history: HashMap<BlockId, Seen>,
-    history_order: RecencyList,
-    history_cap: usize,
+    /// Ghosts: blocks that left every tier, oldest departure first.
+    ghosts: RecencyList,
+    ghost_cap: usize,
     weights: ReuseWeights,
     now: u64,
 }
@@ -403,15 +436,15 @@ impl ReuseScoreTiers {
     /// A policy with `config`.
     pub fn new(config: ReuseScoreConfig) -> Self {
         let total = config.g1 + config.g2 + config.g3;
-        let history_cap = ((total as f64) * config.history_factor.max(1.0)).ceil() as usize;
+        let ghost_cap = ((total as f64) * config.history_factor.max(0.0)).ceil() as usize;
         let classes = config.feature.groups() * COUNT_CLASSES;
         Self {
             config,
             g2: ScoredTier::new(config.g2, classes),
             g3: ScoredTier::new(config.g3, classes),
-            history: HashMap::with_capacity(history_cap),
-            history_order: RecencyList::with_capacity(history_cap),
-            history_cap,
+            history: HashMap::with_capacity(total + ghost_cap),
+            ghosts: RecencyList::with_capacity(ghost_cap),
+            ghost_cap,
             weights: ReuseWeights::new(
                 classes,
                 config.model,
@@ -444,9 +477,15 @@ impl ReuseScoreTiers {
                 partial: partial || previous.is_some_and(|s| s.partial),
             },
         );
-        self.history_order.touch(b);
-        while self.history_order.len() > self.history_cap {
-            if let Some(old) = self.history_order.pop_lru() {
+        // Resident again (the engine holds it in G1): not a ghost.
+        self.ghosts.remove(b);
+    }
+
+    /// `b` left every tier: remember it as a ghost, forgetting the oldest.
+    fn depart(&mut self, b: BlockId) {
+        self.ghosts.touch(b);
+        while self.ghosts.len() > self.ghost_cap {
+            if let Some(old) = self.ghosts.pop_lru() {
                 self.history.remove(&old);
             }
         }
@@ -465,7 +504,10 @@ impl KvbmTiers for ReuseScoreTiers {
     }
 
     fn record(&mut self, ctx: &RequestCtx<'_>, g1_evicted: &[BlockId]) {
-        self.now = ctx.index as u64 + 1;
+        self.now = match self.config.clock {
+            Clock::Requests => ctx.index as u64 + 1,
+            Clock::Blocks => (ctx.first_position + ctx.blocks().len()) as u64,
+        };
         let feature = self.config.feature;
         let output_length = ctx.request.output_length;
         let blocks = ctx.blocks();
@@ -480,6 +522,7 @@ impl KvbmTiers for ReuseScoreTiers {
             self.g3.remove(b);
         }
         if ctx.index.is_multiple_of(256) {
+            self.weights.decay(self.config.decay);
             self.weights.refresh();
         }
         let now = self.now;
@@ -493,15 +536,24 @@ impl KvbmTiers for ReuseScoreTiers {
                 partial: false,
             });
             if self.config.skip_partial && seen.partial {
+                self.depart(b);
                 continue;
             }
-            if let Some((out, s)) = self.g2.offer(b, seen, &self.weights, now) {
-                self.g3.offer(out, s, &self.weights, now);
+            if let Some((out, s)) = self.g2.offer(b, seen, &self.weights, now)
+                && let Some((gone, _)) = self.g3.offer(out, s, &self.weights, now)
+            {
+                self.depart(gone);
             }
         }
     }
 
     fn occupancy(&self) -> (usize, usize) {
         (self.g2.len(), self.g3.len())
+    }
+
+    fn cached(&self) -> Vec<(BlockId, Tier)> {
+        let g2 = self.g2.meta.keys().map(|&b| (b, Tier::G2));
+        g2.chain(self.g3.meta.keys().map(|&b| (b, Tier::G3)))
+            .collect()
     }
 }

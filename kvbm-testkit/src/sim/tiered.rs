@@ -54,6 +54,10 @@ pub trait KvbmTiers {
 
     /// Blocks held in (G2, G3), for checking capacity invariants.
     fn occupancy(&self) -> (usize, usize);
+
+    /// Every block kvbm holds and its tier (for invariant checks and
+    /// diagnostics; O(blocks held)).
+    fn cached(&self) -> Vec<(BlockId, Tier)>;
 }
 
 /// The engine's G1 followed by kvbm's tiers under policy `K`.
@@ -80,6 +84,11 @@ impl<K: KvbmTiers> TieredSim<K> {
     /// Blocks held in G1.
     pub fn g1_len(&self) -> usize {
         self.g1.len()
+    }
+
+    /// Whether G1 holds `block`.
+    pub fn g1_contains(&self, block: BlockId) -> bool {
+        self.g1.contains(block)
     }
 }
 
@@ -184,5 +193,10 @@ impl KvbmTiers for LruTiers {
 
     fn occupancy(&self) -> (usize, usize) {
         (self.g2.len(), self.g3.len())
+    }
+
+    fn cached(&self) -> Vec<(BlockId, Tier)> {
+        let g2 = self.g2.blocks().map(|b| (b, Tier::G2));
+        g2.chain(self.g3.blocks().map(|b| (b, Tier::G3))).collect()
     }
 }
