@@ -126,6 +126,10 @@ fn policy_study() {
                 v(false, 4.0, within(250), CountOnly),
             ),
             (
+                "reuse-score, return within 250, no ghosts",
+                v(true, 0.0, within(250), CountOnly),
+            ),
+            (
                 "reuse-score, return within 250, history 1x",
                 v(true, 1.0, within(250), CountOnly),
             ),
