@@ -527,8 +527,9 @@ impl KvbmTiers for ReuseScoreTiers {
         }
         let now = self.now;
         for &b in g1_evicted {
-            // The history may have forgotten a block G1 held for long:
-            // treat it as seen once, in the least favoured group.
+            // Blocks in G1 are never forgotten, so this fallback only
+            // serves a caller reporting evictions of blocks it never showed:
+            // seen once, in the least favoured group.
             let seen = self.history.get(&b).copied().unwrap_or(Seen {
                 count: 1,
                 last: now,
