@@ -291,6 +291,7 @@ mod weights {
         prop_oneof![
             (0.25f64..3.0).prop_map(|exponent| ScoreModel::Hyperbolic { exponent }),
             (1u64..5_000).prop_map(|horizon| ScoreModel::ReturnWithin { horizon }),
+            (1u64..5_000).prop_map(|horizon| ScoreModel::DensityWithin { horizon }),
         ]
     }
 

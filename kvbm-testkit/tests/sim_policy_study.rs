@@ -126,6 +126,33 @@ fn policy_study() {
                 v(false, 4.0, within(250), CountOnly),
             ),
             (
+                "reuse-score, density within 250",
+                v(
+                    true,
+                    4.0,
+                    ScoreModel::DensityWithin { horizon: 250 },
+                    CountOnly,
+                ),
+            ),
+            (
+                "reuse-score, density within 1000",
+                v(
+                    true,
+                    4.0,
+                    ScoreModel::DensityWithin { horizon: 1000 },
+                    CountOnly,
+                ),
+            ),
+            (
+                "reuse-score, density within 4000",
+                v(
+                    true,
+                    4.0,
+                    ScoreModel::DensityWithin { horizon: 4000 },
+                    CountOnly,
+                ),
+            ),
+            (
                 "reuse-score, return within 250, no ghosts",
                 v(true, 0.0, within(250), CountOnly),
             ),

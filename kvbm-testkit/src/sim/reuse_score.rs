@@ -113,6 +113,13 @@ pub enum ScoreModel {
         /// Look-ahead window in requests.
         horizon: u64,
     },
+    /// Like `ReturnWithin`, divided by the expected cache time the block
+    /// occupies until it returns or the horizon ends (hits per request of
+    /// occupancy).
+    DensityWithin {
+        /// Look-ahead window in requests.
+        horizon: u64,
+    },
 }
 
 /// Age buckets: quarter octaves of the age in requests.
@@ -209,6 +216,20 @@ impl ReuseWeights {
                         let end = age_bucket(age as u64 + horizon);
                         (suffix[i] - suffix[end]) / alive
                     }
+                    ScoreModel::DensityWithin { horizon } => {
+                        // Returns within the horizon per request of
+                        // occupancy until the return or the horizon.
+                        let age = 2f64.powf(i as f64 / 4.0) - 1.0;
+                        let end = age_bucket(age as u64 + horizon);
+                        let mut occupancy = 0.0;
+                        for (j, &returns) in r.iter().enumerate().take(end).skip(i) {
+                            let at = 2f64.powf(j as f64 / 4.0) - 1.0;
+                            occupancy += returns * (at - age).max(1.0);
+                        }
+                        let within = suffix[i] - suffix[end];
+                        occupancy += (alive - within).max(0.0) * horizon as f64;
+                        within / occupancy.max(1e-9)
+                    }
                 };
             }
             for i in (0..AGE_BUCKETS - 1).rev() {
@@ -247,7 +268,7 @@ impl ReuseWeights {
     pub fn score(&self, class: usize, age: u64) -> f64 {
         match self.model {
             ScoreModel::Hyperbolic { .. } => self.table[class][0] / (age + 1) as f64,
-            ScoreModel::ReturnWithin { .. } => {
+            ScoreModel::ReturnWithin { .. } | ScoreModel::DensityWithin { .. } => {
                 // Ties (equal buckets) go to the younger block.
                 self.table[class][age_bucket(age)] - age as f64 * 1e-15
             }
