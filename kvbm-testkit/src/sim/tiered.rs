@@ -2,7 +2,8 @@
 //!
 //! G1 is the engine's GPU prefix cache: the engine inserts every block of
 //! every request it runs, and evicts by recency, deepest blocks first
-//! (vLLM frees a finished request's blocks tail-first). kvbm does not choose
+//! (vLLM frees a finished request's blocks tail-first), never a block of
+//! the request it is admitting unless that request alone overflows G1. kvbm does not choose
 //! what G1 holds; it sees every request and every block G1 evicts, and
 //! decides what G2 and G3 admit and evict: that is a [`KvbmTiers`] policy.
 //!
