@@ -22,7 +22,7 @@ const MIN_PIECE_BYTES: u64 = 4 << 20;
 /// the read-for-ownership of every destination line saves a third of the
 /// memory traffic. One large `memcpy` does the same internally; many 32 KiB
 /// `memcpy` calls do not, because each one looks small.
-const STREAMING_JOB_BYTES: u64 = 16 << 20;
+const STREAMING_JOB_BYTES: u64 = 2 << 20;
 
 /// Copies `len` bytes, with non-temporal stores when `streaming`.
 ///
