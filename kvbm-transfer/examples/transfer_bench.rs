@@ -375,10 +375,7 @@ fn bench_bounce(runs: usize, dir: &std::path::Path) {
     let slot = env("KVBM_SLOT_MIB", 8) * MIB;
     let per_batch = env("KVBM_SLOTS", 2);
     let batches = env("KVBM_BATCHES", 2);
-    let pinned_buf = SystemAllocator::new()
-        .populate(true)
-        .allocate(per_batch * batches * slot)
-        .unwrap();
+    let pinned_buf = allocator().allocate(per_batch * batches * slot).unwrap();
     // SAFETY: a live system allocation owned by the region.
     let pinned = unsafe {
         MemoryRegion::from_raw(
@@ -439,26 +436,33 @@ fn bench_bounce(runs: usize, dir: &std::path::Path) {
     let dev = PhysicalLayout::new(dev_l.clone(), dev_regions).unwrap();
     let staging = host(fc.clone());
     let (mut piped, mut serial, mut hop1, mut hop2) = (vec![], vec![], vec![], vec![]);
+    let (mut cpu_p, mut cpu_s) = (vec![], vec![]);
     for _ in 0..runs {
-        let (t, _) = measure(|| {
+        let (t, c) = measure(|| {
             exec.transfer(&file, &dev, &pairs).wait().unwrap();
         });
         piped.push(t);
+        cpu_p.push(c);
         // Hop 1 for everything, then hop 2 for everything.
-        let (t1, _) = measure(|| {
+        let (t1, c1) = measure(|| {
             exec.transfer(&file, &staging, &pairs).wait().unwrap();
         });
-        let (t2, _) = measure(|| {
+        let (t2, c2) = measure(|| {
             exec.transfer(&staging, &dev, &pairs).wait().unwrap();
         });
         serial.push(t1 + t2);
+        cpu_s.push(c1 + c2);
         hop1.push(bytes as f64 / t1 / 1e9);
         hop2.push(bytes as f64 / t2 / 1e9);
     }
     println!(
-        "  hop 1 alone {:.2} GB/s, hop 2 alone {:.2} GB/s",
+        "  hop 1 alone {:.2} GB/s, hop 2 alone {:.2} GB/s; CPU s: pipelined {:.3}, serial {:.3}; wall s: pipelined {:.3}, serial {:.3}",
         median(&mut hop1),
-        median(&mut hop2)
+        median(&mut hop2),
+        median(&mut cpu_p),
+        median(&mut cpu_s),
+        median(&mut piped.clone()),
+        median(&mut serial.clone()),
     );
     assert_eq!(pool.available(), pool.capacity());
     let ratio = report(
