@@ -212,13 +212,16 @@ fn bench_disk(runs: usize, dir: &std::path::Path) {
     let back = host(layout.clone());
     let disk_cfg = DiskConfig {
         engine: EngineConfig {
-            queue_depth: 8,
-            force_pread: false,
+            queue_depth: std::env::var("KVBM_QD")
+                .ok()
+                .and_then(|q| q.parse().ok())
+                .unwrap_or(8),
+            force_pread: std::env::var_os("KVBM_PREAD").is_some(),
         },
         max_io_bytes: 2 * MIB as u32,
     };
     let backend = DiskBackend::new(&disk_cfg).unwrap();
-    println!("disk engine: {}", backend.engine_name());
+    let (engine, qd) = (backend.engine_name(), disk_cfg.engine.queue_depth);
     for p in [&src, &back] {
         for r in p.regions().iter() {
             backend.register_memory(r).unwrap();
@@ -255,23 +258,36 @@ fn bench_disk(runs: usize, dir: &std::path::Path) {
         vec![],
         vec![],
     );
-    for _ in 0..runs {
-        let (t, c) = measure(|| {
-            exec.transfer(&src, &disk, &pairs).wait().unwrap();
-        });
-        w.push(t);
-        wcpu.push(c / (bytes as f64 / GIB));
-        let (t, c) = measure(|| raw_direct(&path, &back.regions()[0], bytes, true));
-        wr.push(t);
-        wrcpu.push(c / (bytes as f64 / GIB));
-        let (t, c) = measure(|| {
-            exec.transfer(&disk, &back, &pairs).wait().unwrap();
-        });
-        r.push(t);
-        rcpu.push(c / (bytes as f64 / GIB));
-        let (t, c) = measure(|| raw_direct(&path, &back.regions()[0], bytes, false));
-        rr.push(t);
-        rrcpu.push(c / (bytes as f64 / GIB));
+    let gib = bytes as f64 / GIB;
+    for i in 0..runs {
+        // Alternate which of subject and reference goes first, so neither
+        // always inherits the other's write-back or cache state.
+        for first in [i % 2 == 0, i % 2 == 1] {
+            if first {
+                let (t, c) = measure(|| {
+                    exec.transfer(&src, &disk, &pairs).wait().unwrap();
+                });
+                w.push(t);
+                wcpu.push(c / gib);
+            } else {
+                let (t, c) = measure(|| raw_direct(&path, &back.regions()[0], bytes, true));
+                wr.push(t);
+                wrcpu.push(c / gib);
+            }
+        }
+        for first in [i % 2 == 0, i % 2 == 1] {
+            if first {
+                let (t, c) = measure(|| {
+                    exec.transfer(&disk, &back, &pairs).wait().unwrap();
+                });
+                r.push(t);
+                rcpu.push(c / gib);
+            } else {
+                let (t, c) = measure(|| raw_direct(&path, &back.regions()[0], bytes, false));
+                rr.push(t);
+                rrcpu.push(c / gib);
+            }
+        }
     }
     // Verify the last round trip: disk holds `back`'s bytes from the raw
     // write... so redo a clean write/read and compare.
@@ -289,14 +305,14 @@ fn bench_disk(runs: usize, dir: &std::path::Path) {
     };
     assert!(same, "disk round trip corrupted data");
     let wratio = report(
-        "host→disk io_uring (2 MiB, QD 8)",
+        &format!("host→disk {engine} (2 MiB, QD {qd})"),
         bytes,
         &mut w,
         &mut wr,
         "raw O_DIRECT pwrite 2 MiB",
     );
     let rratio = report(
-        "disk→host io_uring (2 MiB, QD 8)",
+        &format!("disk→host {engine} (2 MiB, QD {qd})"),
         bytes,
         &mut r,
         &mut rr,
