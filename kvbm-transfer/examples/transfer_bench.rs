@@ -482,7 +482,7 @@ fn bench_bounce(runs: usize, dir: &std::path::Path) {
     );
     assert_eq!(pool.available(), pool.capacity());
     let ratio = report(
-        "bounce pipeline (page cache → 8 MiB slots ×2 → host-as-device)",
+        &format!("bounce pipeline (page cache → {} MiB slots ×{per_batch} → host-as-device)", slot / MIB),
         bytes,
         &mut piped,
         &mut serial,
