@@ -482,7 +482,10 @@ fn bench_bounce(runs: usize, dir: &std::path::Path) {
     );
     assert_eq!(pool.available(), pool.capacity());
     let ratio = report(
-        &format!("bounce pipeline (page cache → {} MiB slots ×{per_batch} → host-as-device)", slot / MIB),
+        &format!(
+            "bounce pipeline (page cache → {} MiB slots ×{per_batch} → host-as-device)",
+            slot / MIB
+        ),
         bytes,
         &mut piped,
         &mut serial,
