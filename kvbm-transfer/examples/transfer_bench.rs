@@ -222,15 +222,12 @@ fn bench_disk(runs: usize, dir: &std::path::Path) {
     };
     let backend = DiskBackend::new(&disk_cfg).unwrap();
     let (engine, qd) = (backend.engine_name(), disk_cfg.engine.queue_depth);
-    for p in [&src, &back] {
-        for r in p.regions().iter() {
-            backend.register_memory(r).unwrap();
-        }
-    }
     let exec = Executor::builder()
         .backend(Arc::new(backend))
         .build()
         .unwrap();
+    exec.register(&src).unwrap();
+    exec.register(&back).unwrap();
     let alloc = DiskAllocator::new(
         dir,
         DiskOptions {
@@ -410,9 +407,6 @@ fn bench_bounce(runs: usize, dir: &std::path::Path) {
         max_io_bytes: 2 * MIB as u32,
     };
     let disk_backend = DiskBackend::new(&disk_cfg).unwrap();
-    if std::env::var_os("KVBM_NO_REGISTER").is_none() {
-        disk_backend.register_memory(pool.region()).unwrap();
-    }
     let exec = Executor::builder()
         .backend(Arc::new(disk_backend))
         .backend(Arc::new(MemcpyBackend::new(1).unwrap()))
@@ -525,7 +519,6 @@ fn bench_bounce_disk(runs: usize, dir: &std::path::Path) {
     };
     let pool = BouncePool::system((per_batch * batches) as usize, slot).unwrap();
     let disk_backend = DiskBackend::new(&disk_cfg).unwrap();
-    disk_backend.register_memory(pool.region()).unwrap();
     let exec = Executor::builder()
         .backend(Arc::new(disk_backend))
         .bounce_pool(pool.clone())

@@ -90,6 +90,13 @@ impl ExecutorBuilder {
                 "executor limits must be at least 1".into(),
             ));
         }
+        // Bounce slots take part in every two-hop transfer: register them
+        // with every backend that can use that (io_uring fixed buffers).
+        for pool in &self.bounce {
+            for b in &self.backends {
+                b.register_memory(pool.region())?;
+            }
+        }
         let caps = Capabilities {
             backends: self.backends.iter().map(|b| b.kind()).collect(),
             bounce_pools: self.bounce.iter().map(|b| b.kind()).collect(),
@@ -267,7 +274,6 @@ impl Executor {
     ) -> Result<Executor> {
         let disk = crate::disk::DiskBackend::new(disk)?;
         let pool = BouncePool::system(bounce_slots, bounce_slot_bytes)?;
-        disk.register_memory(pool.region())?;
         Executor::builder()
             .backend(Arc::new(crate::backend::memcpy::MemcpyBackend::new(
                 memcpy_threads,
@@ -281,6 +287,20 @@ impl Executor {
     /// A builder with no backends.
     pub fn builder() -> ExecutorBuilder {
         ExecutorBuilder::default()
+    }
+
+    /// Registers the regions of a long-lived physical layout (a host tier's
+    /// pool) with every backend that can make later transfers cheaper with
+    /// it (io_uring fixed buffers, page-locking). Returns how many
+    /// (backend, region) registrations were taken up.
+    pub fn register(&self, layout: &PhysicalLayout) -> Result<usize> {
+        let mut used = 0;
+        for region in layout.regions().iter() {
+            for b in &self.inner.backends {
+                used += usize::from(b.register_memory(region)?);
+            }
+        }
+        Ok(used)
     }
 
     /// The strategy this executor uses between two kinds.

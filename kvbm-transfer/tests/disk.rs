@@ -57,6 +57,11 @@ fn roundtrip(
     common::fill(&src, seed);
     common::fill(&back, !seed);
     let disk = PhysicalLayout::allocate_disk(disk_l, &alloc()).unwrap();
+    // Under io_uring, seeds with an even low bit use fixed buffers.
+    if seed.is_multiple_of(2) {
+        let used = exec.register(&src).unwrap() + exec.register(&back).unwrap();
+        assert_eq!(used > 0, !force_pread && cfg!(feature = "io-uring"));
+    }
     let snap = common::snapshot(&src);
     exec.transfer(&src, &disk, pairs).wait().unwrap();
     let back_pairs: Vec<_> = pairs.iter().map(|&(_, d)| (d, d)).collect();

@@ -106,7 +106,6 @@ fn rig(slot_bytes: u64, slots: usize, per_batch: usize, batch: usize, delay: Dur
     .unwrap();
     let system_pool = BouncePool::system(slots, slot_bytes).unwrap();
     let pinned_pool = pinned_pool(slots, slot_bytes);
-    disk.register_memory(system_pool.region()).unwrap();
     let exec = Executor::builder()
         .backend(Arc::new(MemcpyBackend::new(2).unwrap()))
         .backend(Arc::new(disk))
@@ -381,4 +380,37 @@ fn hop_one_of_the_next_chunk_runs_while_hop_two_of_this_one_is_in_flight() {
         &common::snapshot(&back),
         &pairs,
     );
+}
+
+#[test]
+fn dropping_the_executor_mid_transfer_lets_the_transfer_finish() {
+    // A worker joining itself panics on its own thread, which the handles
+    // would not show: count panics anywhere in the process instead.
+    static PANICS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        PANICS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        previous(info);
+    }));
+    for round in 0..4 {
+        let r = rig(8192, 2, 2, 3, Duration::ZERO);
+        let cfg = config(24);
+        let l = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
+        let (dev, host) = (fake_device(l.clone()), common::host(l.clone()));
+        common::fill(&dev, round);
+        common::fill(&host, round + 100);
+        let d = PhysicalLayout::allocate_disk(l.clone(), &alloc()).unwrap();
+        let pairs: Vec<_> = (0..24).map(|i| (i, i)).collect();
+        // Two-hop (device -> disk) and direct (host -> host) at once; the
+        // last handles to the backends and pools then die on their own
+        // worker threads.
+        let a = r.exec.transfer(&dev, &d, &pairs);
+        let b = r.exec.transfer(&host, &dev, &pairs[..12]);
+        drop(r);
+        a.wait().unwrap();
+        b.wait().unwrap();
+    }
+    // Give detached workers time to run their exit path.
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(PANICS.load(std::sync::atomic::Ordering::SeqCst), 0);
 }

@@ -194,8 +194,13 @@ impl Drop for Ring {
         self.shared.requests.lock().shutdown = true;
         self.shared.wake();
         if let Some(t) = self.thread.take() {
-            // A panicked ring thread already reported itself.
-            let _ = t.join();
+            // The last handle can be dropped by a completion callback on the
+            // ring thread itself; it then leaves its loop on its own once
+            // the callback returns, and joining would deadlock.
+            if t.thread().id() != std::thread::current().id() {
+                // A panicked ring thread already reported itself.
+                let _ = t.join();
+            }
         }
     }
 }
