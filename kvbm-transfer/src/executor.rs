@@ -210,6 +210,7 @@ impl Outcome for TransferOutcome {
 pub struct TransferHandle {
     completion: Completion<TransferOutcome>,
     cancel: CancelToken,
+    limiter: Option<Arc<Limiter>>,
 }
 
 impl TransferHandle {
@@ -222,11 +223,23 @@ impl TransferHandle {
     /// after this returns nothing more is written to the destination and all
     /// bounce slots are back. Reports which blocks did land.
     pub fn cancel(self) -> TransferOutcome {
-        self.cancel.cancel();
+        self.request_cancel();
         self.completion.wait()
     }
 
-    /// The cancellation token (cancel without waiting).
+    /// Cancels without waiting: batches not started yet are dropped at once
+    /// (even those queued behind other transfers' batches for the in-flight
+    /// limit); started ones stop at their next unit of work.
+    pub fn request_cancel(&self) {
+        self.cancel.cancel();
+        if let Some(l) = &self.limiter {
+            l.flush_cancelled();
+        }
+    }
+
+    /// The cancellation token. Setting it directly also cancels, but batches
+    /// queued for the in-flight limit leave only when a permit reaches them;
+    /// [`TransferHandle::request_cancel`] flushes them at once.
     pub fn cancel_token(&self) -> &CancelToken {
         &self.cancel
     }
@@ -257,6 +270,7 @@ fn failed_now(error: TransferError, pairs: &[(usize, usize)]) -> TransferHandle 
             culprit: None,
         }))),
         cancel: CancelToken::new(),
+        limiter: None,
     }
 }
 
@@ -342,6 +356,7 @@ impl Executor {
                     bytes: 0,
                 })),
                 cancel,
+                limiter: None,
             };
         }
         let batches: Vec<Vec<(usize, usize)>> = pairs
@@ -370,9 +385,13 @@ impl Executor {
             let d = driver.clone();
             self.inner
                 .limiter
-                .acquire(move |permit| d.run_batch(batch, permit));
+                .acquire(&cancel, move |permit| d.run_batch(batch, permit));
         }
-        TransferHandle { completion, cancel }
+        TransferHandle {
+            completion,
+            cancel,
+            limiter: Some(self.inner.limiter.clone()),
+        }
     }
 }
 
@@ -421,12 +440,13 @@ struct Driver {
 }
 
 impl Driver {
-    fn run_batch(&self, batch: Vec<(usize, usize)>, permit: Permit) {
+    /// Runs one batch; `None` means it was flushed out of the limiter's
+    /// queue by a cancel.
+    fn run_batch(&self, batch: Vec<(usize, usize)>, permit: Option<Permit>) {
         let stop = self.cancel.is_cancelled() || self.state.lock().error.is_some();
-        if stop {
-            drop(permit);
+        let Some(permit) = permit.filter(|_| !stop) else {
             return self.batch_done(batch, 0, Err(TransferError::Cancelled));
-        }
+        };
         let plan = match plan_copy(self.src.layout(), self.dst.layout(), &batch) {
             Ok(p) => p,
             Err(e) => {

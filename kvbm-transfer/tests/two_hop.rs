@@ -414,3 +414,79 @@ fn dropping_the_executor_mid_transfer_lets_the_transfer_finish() {
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(PANICS.load(std::sync::atomic::Ordering::SeqCst), 0);
 }
+
+/// A device stand-in whose copies wait until the test opens the gate.
+struct GatedDevice {
+    inner: FakeDevice,
+    gate: Arc<(parking_lot::Mutex<bool>, parking_lot::Condvar)>,
+}
+
+impl TransferBackend for GatedDevice {
+    fn name(&self) -> &'static str {
+        "gated-device"
+    }
+    fn kind(&self) -> BackendKind {
+        BackendKind::Cuda
+    }
+    fn supports(&self, s: MemoryKind, d: MemoryKind) -> bool {
+        self.inner.supports(s, d)
+    }
+    fn submit(&self, job: TransferJob) -> Completion {
+        let (tx, rx) = kvbm_transfer::completion_pair();
+        let gate = self.gate.clone();
+        let done = self.inner.submit(job);
+        std::thread::spawn(move || {
+            let mut open = gate.0.lock();
+            while !*open {
+                gate.1.wait(&mut open);
+            }
+            drop(open);
+            tx.complete(done.wait());
+        });
+        rx
+    }
+}
+
+#[test]
+fn cancelling_a_transfer_queued_behind_another_does_not_wait_for_it() {
+    let gate = Arc::new((parking_lot::Mutex::new(false), parking_lot::Condvar::new()));
+    let exec = Executor::builder()
+        .backend(Arc::new(GatedDevice {
+            inner: FakeDevice {
+                inner: MemcpyBackend::new(1).unwrap(),
+                delay: Duration::ZERO,
+            },
+            gate: gate.clone(),
+        }))
+        .config(ExecutorConfig {
+            max_blocks_per_batch: 2,
+            max_batches_in_flight: 1,
+            bounce_slots_per_batch: 1,
+        })
+        .build()
+        .unwrap();
+    let l = Layout::new(config(8), LayoutKind::FullyContiguous).unwrap();
+    let (a_src, b_src, dst) = (
+        fake_device(l.clone()),
+        fake_device(l.clone()),
+        fake_device(l.clone()),
+    );
+    let dst2 = fake_device(l);
+    let pairs: Vec<_> = (0..8).map(|i| (i, i)).collect();
+    // A holds the only in-flight permit until the gate opens; B queues.
+    let a = exec.transfer(&a_src, &dst, &pairs);
+    let b = exec.transfer(&b_src, &dst2, &pairs);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(b.cancel()).unwrap());
+    let b_outcome = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("cancel waited for another transfer");
+    let f = b_outcome.unwrap_err();
+    assert!(matches!(f.error, TransferError::Cancelled));
+    assert!(f.completed.is_empty());
+    assert_eq!(f.failed.len(), 8);
+    // A was held at the gate all along; let it finish normally.
+    *gate.0.lock() = true;
+    gate.1.notify_all();
+    assert_eq!(a.wait().unwrap().blocks, 8);
+}
