@@ -25,9 +25,9 @@ use parking_lot::{Mutex, MutexGuard, RwLock};
 use crate::config::{DuplicatePolicy, PoolConfig, Tier};
 use crate::error::PoolError;
 use crate::events::{EventHub, KvEvent};
-use crate::policy::{BlockView, EvictionPolicy, info};
-use crate::registry::{Registry, new_registry};
-use crate::slab::{Entry, NO_PARENT, State, new_slab};
+use crate::policy::{BlockView, EvictionPolicy, block_ref};
+use crate::registry::Registry;
+use crate::slab::{Entry, NO_PARENT, Slab, State};
 
 /// The policy and the clock that stamps releases.
 pub(crate) struct PolicyState {
@@ -40,7 +40,7 @@ pub(crate) struct PolicyState {
 /// It has no public constructor: it exists only inside a
 /// [`BlockPool`](crate::BlockPool), and handles are generic over it.
 pub struct PoolCore {
-    pub(crate) slab: Box<[Entry]>,
+    pub(crate) slab: Slab,
     pub(crate) registry: RwLock<Registry>,
     pub(crate) policy: Mutex<PolicyState>,
     pub(crate) free: Mutex<Vec<u32>>,
@@ -89,8 +89,8 @@ impl PoolCore {
         let tracks_access = policy.tracks_access();
         Ok(Self {
             tracks_access,
-            slab: new_slab(capacity),
-            registry: RwLock::new(new_registry(capacity)),
+            slab: Slab::new(capacity),
+            registry: RwLock::new(Registry::new(capacity)),
             policy: Mutex::new(PolicyState { clock: 0, policy }),
             free: Mutex::new(free),
             inactive: AtomicI64::new(0),
@@ -98,7 +98,7 @@ impl PoolCore {
             tier: config.tier,
             block_size: config.block_size,
             duplicates: config.duplicates,
-            compact_above: capacity.saturating_mul(2).saturating_add(1024),
+            compact_above: capacity.saturating_mul(2).saturating_add(64),
         })
     }
 
@@ -106,8 +106,8 @@ impl PoolCore {
         self.slab.len()
     }
 
-    fn entry(&self, id: u32) -> &Entry {
-        &self.slab[id as usize]
+    fn entry(&self, id: u32) -> Entry<'_> {
+        self.slab.entry(id)
     }
 
     pub(crate) fn inactive_count(&self) -> usize {
@@ -180,10 +180,10 @@ impl PoolCore {
             };
             let e = self.entry(id);
             let hash = e.hash();
-            registry.remove(&hash);
-            self.unlink_parent(e, policy);
-            e.generation.fetch_add(1, Relaxed);
-            e.children.store(0, Relaxed);
+            registry.remove(&self.slab, hash, id);
+            self.unlink_parent(registry, id, e, policy);
+            e.cold.generation.fetch_add(1, Relaxed);
+            e.cold.children.store(0, Relaxed);
             e.set_state(State::Free);
             free.push(id);
             evicted += 1;
@@ -203,22 +203,31 @@ impl PoolCore {
 
     /// Drops a leaving block's count in its parent, telling the policy when
     /// an inactive parent becomes a leaf.
-    fn unlink_parent(&self, e: &Entry, policy: &mut PolicyState) {
-        let pid = e.parent_id.load(Relaxed);
+    fn unlink_parent(
+        &self,
+        registry: &mut Registry,
+        id: u32,
+        e: Entry<'_>,
+        policy: &mut PolicyState,
+    ) {
+        let pid = e.cold.parent_id.load(Relaxed);
         if pid == NO_PARENT {
+            if let Some(parent) = e.parent() {
+                registry.remove_orphan(parent, id);
+            }
             return;
         }
-        e.parent_id.store(NO_PARENT, Relaxed);
+        e.cold.parent_id.store(NO_PARENT, Relaxed);
         let p = self.entry(pid);
         if p.state() != State::Registered
-            || p.generation.load(Relaxed) != e.parent_gen.load(Relaxed)
+            || p.cold.generation.load(Relaxed) != e.cold.parent_gen.load(Relaxed)
         {
             return;
         }
-        let left = p.children.load(Relaxed).saturating_sub(1);
-        p.children.store(left, Relaxed);
-        if left == 0 && p.holders.load(Acquire) == 0 {
-            policy.policy.on_became_leaf(&info(pid, p));
+        let left = p.cold.children.load(Relaxed).saturating_sub(1);
+        p.cold.children.store(left, Relaxed);
+        if left == 0 && p.hot.holders.load(Acquire) == 0 {
+            policy.policy.on_became_leaf(block_ref(pid, p));
         }
     }
 
@@ -236,10 +245,10 @@ impl PoolCore {
         let mut reactivated = 0i64;
         for part in parts {
             let e = self.entry(part.id);
-            if let Some(&existing) = registry.get(&part.hash) {
+            if let Some(existing) = registry.get(&self.slab, part.hash) {
                 match self.duplicates {
                     DuplicatePolicy::ReuseExisting => {
-                        if self.entry(existing).holders.fetch_add(1, AcqRel) == 0 {
+                        if self.entry(existing).hot.holders.fetch_add(1, AcqRel) == 0 {
                             reactivated += 1;
                         }
                         e.set_state(State::Free);
@@ -248,9 +257,9 @@ impl PoolCore {
                     }
                     DuplicatePolicy::KeepDuplicate => {
                         e.set_names(part.hash, part.parent);
-                        e.priority.store(part.priority, Relaxed);
-                        e.parent_id.store(NO_PARENT, Relaxed);
-                        e.holders.store(1, Release);
+                        e.hot.priority.store(part.priority, Relaxed);
+                        e.cold.parent_id.store(NO_PARENT, Relaxed);
+                        e.hot.holders.store(1, Release);
                         e.set_state(State::Duplicate);
                         out.push(part.id);
                     }
@@ -258,10 +267,10 @@ impl PoolCore {
             } else {
                 registry.insert(part.hash, part.id);
                 e.set_names(part.hash, part.parent);
-                e.priority.store(part.priority, Relaxed);
-                e.children.store(0, Relaxed);
-                self.link_parent(&registry, e, part.parent);
-                e.holders.store(1, Release);
+                e.hot.priority.store(part.priority, Relaxed);
+                e.cold.children.store(0, Relaxed);
+                self.link_lineage(&mut registry, part.id, e);
+                e.hot.holders.store(1, Release);
                 e.set_state(State::Registered);
                 out.push(part.id);
                 if let Some(ev) = events.as_mut() {
@@ -290,17 +299,32 @@ impl PoolCore {
         out
     }
 
-    fn link_parent(&self, registry: &Registry, e: &Entry, parent: Option<SequenceHash>) {
-        let pid = parent.and_then(|p| registry.get(&p).copied());
-        match pid {
-            Some(pid) => {
-                let p = self.entry(pid);
-                e.parent_id.store(pid, Relaxed);
-                e.parent_gen.store(p.generation.load(Relaxed), Relaxed);
-                p.children.fetch_add(1, Relaxed);
+    /// Links a newly registered block to its cached parent, or records it
+    /// as an orphan the parent adopts when it is registered later; then
+    /// adopts the block's own orphans (children registered before it).
+    fn link_lineage(&self, registry: &mut Registry, id: u32, e: Entry<'_>) {
+        e.cold.parent_id.store(NO_PARENT, Relaxed);
+        if let Some(parent) = e.parent() {
+            match registry.get(&self.slab, parent) {
+                Some(pid) => self.link(e, pid),
+                None => registry.add_orphan(parent, id),
             }
-            None => e.parent_id.store(NO_PARENT, Relaxed),
         }
+        if let Some(kids) = registry.take_orphans(e.hash()) {
+            for kid in kids {
+                self.link(self.entry(kid), id);
+            }
+        }
+    }
+
+    fn link(&self, child: Entry<'_>, pid: u32) {
+        let p = self.entry(pid);
+        child.cold.parent_id.store(pid, Relaxed);
+        child
+            .cold
+            .parent_gen
+            .store(p.cold.generation.load(Relaxed), Relaxed);
+        p.cold.children.fetch_add(1, Relaxed);
     }
 
     fn policy_if_tracking(&self) -> Option<MutexGuard<'_, PolicyState>> {
@@ -309,27 +333,64 @@ impl PoolCore {
 
     /// Takes a holder on each block of the longest cached prefix of
     /// `hashes`; returns their ids.
+    ///
+    /// The lookups run in small batches: first every table slot of the
+    /// batch is loaded, then every candidate slab entry, then the holders
+    /// are taken in order, stopping at the first miss. The loads of a batch
+    /// are independent, so their cache misses overlap instead of queueing;
+    /// only the last pass changes anything, so a miss leaves later blocks
+    /// untouched.
     pub(crate) fn match_prefix(&self, hashes: &[SequenceHash]) -> Vec<u32> {
-        let Some(first) = hashes.first() else {
+        const BATCH: usize = 16;
+        let Some(&first) = hashes.first() else {
             return Vec::new();
         };
         let registry = self.registry.read();
-        let Some(&first_id) = registry.get(first) else {
+        let Some(first_id) = registry.get(&self.slab, first) else {
             return Vec::new();
         };
         let mut ids = Vec::with_capacity(hashes.len());
         let mut reactivated = 0i64;
-        let mut take = |id: u32| {
-            if self.entry(id).holders.fetch_add(1, AcqRel) == 0 {
+        let mut take = |id: u32, ids: &mut Vec<u32>| {
+            if self.slab.hot(id).holders.fetch_add(1, AcqRel) == 0 {
                 reactivated += 1;
             }
             ids.push(id);
         };
-        take(first_id);
-        for hash in &hashes[1..] {
-            match registry.get(hash) {
-                Some(&id) => take(id),
-                None => break,
+        take(first_id, &mut ids);
+        let mut candidates = [u32::MAX; BATCH];
+        'outer: for chunk in hashes[1..].chunks(BATCH) {
+            if chunk.len() > 2 {
+                let mut sink = 0u64;
+                for &h in chunk {
+                    sink ^= registry.peek(h);
+                }
+                std::hint::black_box(sink);
+            }
+            for (c, &h) in candidates.iter_mut().zip(chunk) {
+                *c = registry.candidate(h).unwrap_or(u32::MAX);
+            }
+            if chunk.len() > 2 {
+                let mut sink = 0u64;
+                for &c in &candidates[..chunk.len()] {
+                    if c != u32::MAX {
+                        sink ^= self.slab.hot(c).hash.load(Relaxed);
+                    }
+                }
+                std::hint::black_box(sink);
+            }
+            for (&c, &h) in candidates.iter().zip(chunk) {
+                let id = if c != u32::MAX && self.slab.hot(c).hash.load(Relaxed) == h.0 {
+                    c
+                } else {
+                    // No candidate, or a fingerprint collision: the full
+                    // lookup decides.
+                    match registry.get(&self.slab, h) {
+                        Some(id) => id,
+                        None => break 'outer,
+                    }
+                };
+                take(id, &mut ids);
             }
         }
         if reactivated != 0 {
@@ -350,7 +411,7 @@ impl PoolCore {
         let registry = self.registry.read();
         hashes
             .iter()
-            .take_while(|h| registry.contains_key(h))
+            .take_while(|&&h| registry.get(&self.slab, h).is_some())
             .count()
     }
 
@@ -361,10 +422,10 @@ impl PoolCore {
         let mut policy = self.policy.lock();
         let mut found = 0;
         for hash in hashes {
-            if let Some(&id) = registry.get(hash) {
+            if let Some(id) = registry.get(&self.slab, *hash) {
                 found += 1;
                 let e = self.entry(id);
-                if e.holders.load(Acquire) == 0 {
+                if e.hot.holders.load(Acquire) == 0 {
                     self.restamp(&mut policy, id, e);
                 }
                 if policy.policy.tracks_access() {
@@ -378,13 +439,13 @@ impl PoolCore {
     /// Changes a cached block's priority; `false` if the hash is not cached.
     pub(crate) fn set_priority(&self, hash: SequenceHash, priority: u8) -> bool {
         let registry = self.registry.read();
-        let Some(&id) = registry.get(&hash) else {
+        let Some(id) = registry.get(&self.slab, hash) else {
             return false;
         };
         let mut policy = self.policy.lock();
         let e = self.entry(id);
-        e.priority.store(priority.min(100), Relaxed);
-        if e.holders.load(Acquire) == 0 {
+        e.hot.priority.store(priority.min(100), Relaxed);
+        if e.hot.holders.load(Acquire) == 0 {
             self.restamp(&mut policy, id, e);
         }
         true
@@ -392,10 +453,10 @@ impl PoolCore {
 
     /// Queues an inactive block again with a fresh stamp (its old entries
     /// become stale).
-    fn restamp(&self, policy: &mut PolicyState, id: u32, e: &Entry) {
+    fn restamp(&self, policy: &mut PolicyState, id: u32, e: Entry<'_>) {
         policy.clock += 1;
-        e.stamp.store(policy.clock, Relaxed);
-        policy.policy.on_release(&info(id, e));
+        e.hot.stamp.store(policy.clock, Relaxed);
+        policy.policy.on_release(block_ref(id, e));
     }
 
     /// Whether `hash` should be cached, asking the policy only when caching
@@ -431,7 +492,7 @@ impl BlockStore for PoolCore {
 
     fn retain(&self, id: u32) {
         // The caller holds the block already, so it cannot change state.
-        self.entry(id).holders.fetch_add(1, Relaxed);
+        self.entry(id).hot.holders.fetch_add(1, Relaxed);
     }
 
     fn release(&self, ids: &[u32]) {
@@ -443,7 +504,7 @@ impl BlockStore for PoolCore {
         let mut inactive = 0i64;
         for &id in ids {
             let e = self.entry(id);
-            if e.holders.fetch_sub(1, AcqRel) != 1 {
+            if e.hot.holders.fetch_sub(1, AcqRel) != 1 {
                 continue;
             }
             match e.state() {
@@ -468,7 +529,7 @@ impl BlockStore for PoolCore {
     }
 
     fn try_upgrade(&self, id: u32, hash: SequenceHash) -> bool {
-        let Some(e) = self.slab.get(id as usize) else {
+        let Some(e) = self.slab.get(id) else {
             return false;
         };
         let _registry = self.registry.read();
@@ -477,12 +538,13 @@ impl BlockStore for PoolCore {
         }
         match e.state() {
             State::Registered => {
-                if e.holders.fetch_add(1, AcqRel) == 0 {
+                if e.hot.holders.fetch_add(1, AcqRel) == 0 {
                     self.inactive.fetch_sub(1, Relaxed);
                 }
                 true
             }
             State::Duplicate => e
+                .hot
                 .holders
                 .fetch_update(AcqRel, Acquire, |h| (h > 0).then_some(h + 1))
                 .is_ok(),
@@ -491,8 +553,6 @@ impl BlockStore for PoolCore {
     }
 
     fn sequence_hash(&self, id: u32) -> SequenceHash {
-        self.slab
-            .get(id as usize)
-            .map_or(SequenceHash(0), Entry::hash)
+        self.slab.get(id).map_or(SequenceHash(0), |e| e.hash())
     }
 }

@@ -211,11 +211,14 @@ impl BlockPool {
     pub fn subscribe(&self) -> Receiver<KvEventBatch> {
         let registry = self.core.registry.write();
         let snapshot = registry
-            .iter()
-            .map(|(&hash, &id)| KvEvent::Stored {
-                hash,
-                parent: self.core.slab[id as usize].parent(),
-                tier: self.core.tier,
+            .ids()
+            .map(|id| {
+                let e = self.core.slab.entry(id);
+                KvEvent::Stored {
+                    hash: e.hash(),
+                    parent: e.parent(),
+                    tier: self.core.tier,
+                }
             })
             .collect();
         let rx = self.core.events.subscribe(snapshot);

@@ -2,7 +2,7 @@
 
 use kvbm_block::SequenceHash;
 
-use super::{BlockInfo, BlockView, CountMinSketch, EvictionPolicy, LruPolicy};
+use super::{BlockRef, BlockView, CountMinSketch, EvictionPolicy, LruPolicy};
 
 /// Counts every registration and match in a [`CountMinSketch`]. Eviction
 /// takes the `sample` least recently released blocks and evicts the one
@@ -14,7 +14,8 @@ pub struct FrequencyPolicy {
     lru: LruPolicy,
     sketch: CountMinSketch,
     sample: usize,
-    candidates: Vec<BlockInfo>,
+    /// (stamp, id, hash) of the candidates of one eviction.
+    candidates: Vec<(u64, u32, SequenceHash)>,
 }
 
 impl FrequencyPolicy {
@@ -40,13 +41,13 @@ impl FrequencyPolicy {
         self.candidates.clear();
         while self.candidates.len() < self.sample {
             match self.lru.pop_valid(view) {
-                Some(b) => self.candidates.push(b),
+                Some(b) => self.candidates.push((b.stamp(), b.id(), b.hash())),
                 None => break,
             }
         }
         let mut best: Option<(usize, u8)> = None;
-        for (i, b) in self.candidates.iter().enumerate() {
-            let f = self.sketch.estimate(b.hash);
+        for (i, &(_, _, hash)) in self.candidates.iter().enumerate() {
+            let f = self.sketch.estimate(hash);
             if best.is_none_or(|(_, bf)| f < bf) {
                 best = Some((i, f));
             }
@@ -56,9 +57,9 @@ impl FrequencyPolicy {
 
     /// Puts the gathered candidates except `skip` back in front, in order.
     fn restore(&mut self, skip: Option<usize>) {
-        for (i, b) in self.candidates.iter().enumerate().rev() {
+        for (i, &(stamp, id, _)) in self.candidates.iter().enumerate().rev() {
             if Some(i) != skip {
-                self.lru.push_front(b);
+                self.lru.push_front(stamp, id);
             }
         }
         self.candidates.clear();
@@ -70,13 +71,13 @@ impl EvictionPolicy for FrequencyPolicy {
         "tinylfu"
     }
 
-    fn on_release(&mut self, block: &BlockInfo) {
+    fn on_release(&mut self, block: BlockRef<'_>) {
         self.lru.on_release(block);
     }
 
     fn next_victim(&mut self, view: &BlockView<'_>) -> Option<u32> {
         let pick = self.gather(view);
-        let victim = pick.map(|i| self.candidates[i].id);
+        let victim = pick.map(|i| self.candidates[i].1);
         self.restore(pick);
         victim
     }
@@ -92,9 +93,7 @@ impl EvictionPolicy for FrequencyPolicy {
     fn admit(&mut self, candidate: SequenceHash, view: &BlockView<'_>) -> bool {
         let pick = self.gather(view);
         let admit = match pick {
-            Some(i) => {
-                self.sketch.estimate(candidate) > self.sketch.estimate(self.candidates[i].hash)
-            }
+            Some(i) => self.sketch.estimate(candidate) > self.sketch.estimate(self.candidates[i].2),
             None => false,
         };
         self.restore(None);

@@ -2,34 +2,39 @@
 
 use std::collections::VecDeque;
 
-use super::{BlockInfo, BlockView, EvictionPolicy};
+use super::{BlockRef, BlockView, EvictionPolicy, LatestStamps};
 
 /// LRU: a FIFO of releases; the oldest still-valid release is the victim.
 /// O(1) per release and per eviction, no allocation once warmed up.
 #[derive(Debug, Default)]
 pub struct LruPolicy {
     queue: VecDeque<(u64, u32)>,
+    latest: LatestStamps,
 }
 
 impl LruPolicy {
-    /// An empty policy with room for `capacity` entries.
+    /// An empty policy for a pool of `capacity` blocks.
     pub fn with_capacity(capacity: usize) -> Self {
         Self {
             queue: VecDeque::with_capacity(capacity),
+            latest: LatestStamps::with_capacity(capacity),
         }
     }
 
-    pub(crate) fn pop_valid(&mut self, view: &BlockView<'_>) -> Option<BlockInfo> {
+    /// The oldest evictable entry, taken off the queue.
+    pub(crate) fn pop_valid<'a>(&mut self, view: &BlockView<'a>) -> Option<BlockRef<'a>> {
         while let Some((stamp, id)) = self.queue.pop_front() {
-            if let Some(info) = view.evictable(id, stamp) {
-                return Some(info);
+            if let Some(b) = view.evictable(id, stamp) {
+                return Some(b);
             }
         }
         None
     }
 
-    pub(crate) fn push_front(&mut self, block: &BlockInfo) {
-        self.queue.push_front((block.stamp, block.id));
+    /// Puts an entry taken with [`pop_valid`](Self::pop_valid) back in
+    /// front.
+    pub(crate) fn push_front(&mut self, stamp: u64, id: u32) {
+        self.queue.push_front((stamp, id));
     }
 }
 
@@ -38,17 +43,20 @@ impl EvictionPolicy for LruPolicy {
         "lru"
     }
 
-    fn on_release(&mut self, block: &BlockInfo) {
-        self.queue.push_back((block.stamp, block.id));
+    fn on_release(&mut self, block: BlockRef<'_>) {
+        let (stamp, id) = (block.stamp(), block.id());
+        self.latest.set(id, stamp);
+        self.queue.push_back((stamp, id));
     }
 
     fn next_victim(&mut self, view: &BlockView<'_>) -> Option<u32> {
-        self.pop_valid(view).map(|b| b.id)
+        self.pop_valid(view).map(|b| b.id())
     }
 
-    fn compact(&mut self, view: &BlockView<'_>) {
+    fn compact(&mut self, _view: &BlockView<'_>) {
+        let latest = &self.latest;
         self.queue
-            .retain(|&(stamp, id)| view.evictable(id, stamp).is_some());
+            .retain(|&(stamp, id)| latest.may_be_live(id, stamp));
     }
 
     fn queued(&self) -> usize {

@@ -2,7 +2,7 @@
 
 use kvbm_block::SequenceHash;
 
-use super::{BlockInfo, BlockView, EvictionPolicy};
+use super::{BlockRef, BlockView, EvictionPolicy};
 
 /// Factory of the per-priority inner policies.
 pub type PolicyFactory = Box<dyn Fn() -> Box<dyn EvictionPolicy> + Send>;
@@ -56,12 +56,12 @@ impl EvictionPolicy for Prioritized {
         self.name
     }
 
-    fn on_release(&mut self, block: &BlockInfo) {
-        self.level(block.priority).on_release(block);
+    fn on_release(&mut self, block: BlockRef<'_>) {
+        self.level(block.priority()).on_release(block);
     }
 
-    fn on_became_leaf(&mut self, block: &BlockInfo) {
-        self.level(block.priority).on_became_leaf(block);
+    fn on_became_leaf(&mut self, block: BlockRef<'_>) {
+        self.level(block.priority()).on_became_leaf(block);
     }
 
     fn next_victim(&mut self, view: &BlockView<'_>) -> Option<u32> {
@@ -71,7 +71,10 @@ impl EvictionPolicy for Prioritized {
                 // A candidate queued here may have changed priority since:
                 // it was re-queued in its new level and is stale here.
                 while let Some(id) = level.next_victim(view) {
-                    if view.info(id).is_some_and(|b| usize::from(b.priority) == p) {
+                    if view
+                        .block(id)
+                        .is_some_and(|b| usize::from(b.priority()) == p)
+                    {
                         return Some(id);
                     }
                 }
