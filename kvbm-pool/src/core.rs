@@ -84,8 +84,8 @@ impl PoolCore {
             return Err(PoolError::InvalidConfig("block_size must be at least 1"));
         }
         let capacity = config.capacity;
-        // Popping from the end hands out block 0 first.
-        let free: Vec<u32> = (0..capacity as u32).rev().collect();
+        // Allocation takes the tail in order: ascending ids.
+        let free: Vec<u32> = (0..capacity as u32).collect();
         let tracks_access = policy.tracks_access();
         Ok(Self {
             tracks_access,
@@ -180,7 +180,7 @@ impl PoolCore {
             };
             let e = self.entry(id);
             let hash = e.hash();
-            registry.remove(&self.slab, hash, id);
+            registry.remove(hash, id);
             self.unlink_parent(registry, id, e, policy);
             e.cold.generation.fetch_add(1, Relaxed);
             e.cold.children.store(0, Relaxed);
@@ -243,6 +243,16 @@ impl PoolCore {
         let mut registry = self.registry.write();
         let mut policy = self.policy_if_tracking();
         let mut reactivated = 0i64;
+        if parts.len() > 2 {
+            // Load every table slot and entry the batch will touch first:
+            // independent loads whose cache misses overlap.
+            let mut sink = 0u64;
+            for part in parts {
+                sink ^= registry.peek(part.hash);
+                sink ^= self.entry(part.id).cold.parent.load(Relaxed);
+            }
+            std::hint::black_box(sink);
+        }
         for part in parts {
             let e = self.entry(part.id);
             if let Some(existing) = registry.get(&self.slab, part.hash) {
@@ -334,14 +344,17 @@ impl PoolCore {
     /// Takes a holder on each block of the longest cached prefix of
     /// `hashes`; returns their ids.
     ///
-    /// The lookups run in small batches: first every table slot of the
-    /// batch is loaded, then every candidate slab entry, then the holders
-    /// are taken in order, stopping at the first miss. The loads of a batch
-    /// are independent, so their cache misses overlap instead of queueing;
-    /// only the last pass changes anything, so a miss leaves later blocks
-    /// untouched.
+    /// Blocks of one sequence are usually allocated together and so have
+    /// consecutive ids: the block after `id` is first looked for at
+    /// `id + 1` and `id - 1`, in the slab, whose hot entries sit next to each other. A
+    /// registered entry with the right hash *is* the registry's primary for
+    /// that hash (there is one registered block per hash), so the guess
+    /// needs no table access when it is right. Otherwise the table is asked,
+    /// with the slots of the next few hashes loaded together first so that
+    /// their cache misses overlap. Holders are taken in order and the walk
+    /// stops at the first miss, so later blocks are never touched.
     pub(crate) fn match_prefix(&self, hashes: &[SequenceHash]) -> Vec<u32> {
-        const BATCH: usize = 16;
+        const AHEAD: usize = 16;
         let Some(&first) = hashes.first() else {
             return Vec::new();
         };
@@ -358,40 +371,30 @@ impl PoolCore {
             ids.push(id);
         };
         take(first_id, &mut ids);
-        let mut candidates = [u32::MAX; BATCH];
-        'outer: for chunk in hashes[1..].chunks(BATCH) {
-            if chunk.len() > 2 {
-                let mut sink = 0u64;
-                for &h in chunk {
-                    sink ^= registry.peek(h);
-                }
-                std::hint::black_box(sink);
-            }
-            for (c, &h) in candidates.iter_mut().zip(chunk) {
-                *c = registry.candidate(h).unwrap_or(u32::MAX);
-            }
-            if chunk.len() > 2 {
-                let mut sink = 0u64;
-                for &c in &candidates[..chunk.len()] {
-                    if c != u32::MAX {
-                        sink ^= self.slab.hot(c).hash.load(Relaxed);
+        let mut prev = first_id;
+        let mut loaded_until = 1;
+        for (i, &h) in hashes.iter().enumerate().skip(1) {
+            let (up, down) = (prev.wrapping_add(1), prev.wrapping_sub(1));
+            let id = if self.slab.is_registered_as(up, h) {
+                up
+            } else if self.slab.is_registered_as(down, h) {
+                down
+            } else {
+                if i >= loaded_until && hashes.len() - i > 2 {
+                    loaded_until = (i + AHEAD).min(hashes.len());
+                    let mut sink = 0u64;
+                    for &ahead in &hashes[i..loaded_until] {
+                        sink ^= registry.peek(ahead);
                     }
+                    std::hint::black_box(sink);
                 }
-                std::hint::black_box(sink);
-            }
-            for (&c, &h) in candidates.iter().zip(chunk) {
-                let id = if c != u32::MAX && self.slab.hot(c).hash.load(Relaxed) == h.0 {
-                    c
-                } else {
-                    // No candidate, or a fingerprint collision: the full
-                    // lookup decides.
-                    match registry.get(&self.slab, h) {
-                        Some(id) => id,
-                        None => break 'outer,
-                    }
-                };
-                take(id, &mut ids);
-            }
+                match registry.get(&self.slab, h) {
+                    Some(id) => id,
+                    None => break,
+                }
+            };
+            take(id, &mut ids);
+            prev = id;
         }
         if reactivated != 0 {
             self.inactive.fetch_sub(reactivated, Relaxed);

@@ -152,6 +152,9 @@ impl BlockPool {
     /// first hash that is not cached.
     pub fn match_prefix(&self, hashes: &[SequenceHash]) -> ImmutableBlocks {
         let ids = self.core.match_prefix(hashes);
+        if ids.is_empty() {
+            return ImmutableBlocks::empty();
+        }
         ImmutableBlocks::from_store(Arc::clone(&self.core), ids)
     }
 

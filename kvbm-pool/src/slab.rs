@@ -130,6 +130,14 @@ impl Slab {
         &self.hot[id as usize]
     }
 
+    /// Whether block `id` exists and is registered under `hash` (which
+    /// makes it the registry's primary for `hash`).
+    pub(crate) fn is_registered_as(&self, id: u32, hash: SequenceHash) -> bool {
+        self.hot.get(id as usize).is_some_and(|h| {
+            h.hash.load(Relaxed) == hash.0 && h.state.load(Relaxed) == State::Registered as u8
+        })
+    }
+
     /// Block `id`'s entry (which must be below the capacity).
     pub(crate) fn entry(&self, id: u32) -> Entry<'_> {
         Entry {

@@ -4,6 +4,9 @@ use std::collections::VecDeque;
 
 use super::{BlockRef, BlockView, EvictionPolicy, LatestStamps};
 
+/// How far ahead of the queue's front eviction loads entries.
+const TOUCH_AHEAD: usize = 4;
+
 /// LRU: a FIFO of releases; the oldest still-valid release is the victim.
 /// O(1) per release and per eviction, no allocation once warmed up.
 #[derive(Debug, Default)]
@@ -24,6 +27,9 @@ impl LruPolicy {
     /// The oldest evictable entry, taken off the queue.
     pub(crate) fn pop_valid<'a>(&mut self, view: &BlockView<'a>) -> Option<BlockRef<'a>> {
         while let Some((stamp, id)) = self.queue.pop_front() {
+            if let Some(&(_, ahead)) = self.queue.get(TOUCH_AHEAD) {
+                view.touch(ahead);
+            }
             if let Some(b) = view.evictable(id, stamp) {
                 return Some(b);
             }

@@ -134,6 +134,14 @@ impl<'a> BlockView<'a> {
         Some(BlockRef { id, entry: e })
     }
 
+    /// Loads block `id`'s entry into cache ahead of use (a policy walking
+    /// its queue touches a few entries ahead so their misses overlap).
+    pub fn touch(&self, id: u32) {
+        if let Some(e) = self.slab.get(id) {
+            std::hint::black_box(e.hot.stamp.load(Relaxed));
+        }
+    }
+
     /// The block, whatever its state.
     pub fn block(&self, id: u32) -> Option<BlockRef<'a>> {
         self.slab.get(id).map(|entry| BlockRef { id, entry })
