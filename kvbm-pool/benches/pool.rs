@@ -4,16 +4,37 @@
 //!
 //! Blocks are 16 tokens; sequence hashes are precomputed or made by one
 //! multiply, so hashing is excluded from timing.
+//!
+//! `KVBM_BENCH_CLOCK=cpu` times the single-thread benches with the
+//! thread's CPU time instead of wall time: on a shared, overloaded machine
+//! wall time also counts the time other processes held the core.
 
 use std::hint::black_box;
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use cpu_time::ThreadTime;
+use criterion::{Bencher, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvbm_block::SequenceHash;
 use kvbm_pool::{BlockPool, EvictionKind, ImmutableBlocks, PoolConfig, Tier};
 
 const BLOCK: usize = 16;
+
+/// Times `iters` runs of `work` with the chosen clock.
+fn run(b: &mut Bencher<'_>, mut work: impl FnMut()) {
+    let cpu = std::env::var("KVBM_BENCH_CLOCK").is_ok_and(|v| v == "cpu");
+    b.iter_custom(|iters| {
+        let (wall, thread) = (Instant::now(), ThreadTime::now());
+        for _ in 0..iters {
+            work();
+        }
+        if cpu {
+            thread.elapsed()
+        } else {
+            wall.elapsed()
+        }
+    });
+}
 
 fn mix(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -65,7 +86,7 @@ fn bench_register_cycle(c: &mut Criterion) {
         let mut counter = 0u64;
         let mut hashes = vec![SequenceHash(0); SEQ];
         g.bench_function(BenchmarkId::new(label, SEQ), |b| {
-            b.iter(|| {
+            run(b, || {
                 for h in hashes.iter_mut() {
                     counter += 1;
                     *h = SequenceHash(counter.wrapping_mul(0x9E37_79B9_7F4A_7C15));
@@ -88,11 +109,45 @@ fn bench_match(c: &mut Criterion) {
         g.throughput(Throughput::Elements(len as u64));
         let mut next = 0usize;
         g.bench_function(BenchmarkId::from_parameter(len), |b| {
-            b.iter(|| {
+            run(b, || {
                 next = (next + 7) % seqs.len();
                 let hit = pool.match_prefix(&seqs[next]);
                 debug_assert_eq!(hit.len(), len);
                 drop(black_box(hit));
+            })
+        });
+    }
+    g.finish();
+
+    // The same with every block at a random id (blocks allocated one at a
+    // time across requests): the consecutive-id guess never hits.
+    let mut g = c.benchmark_group("match_inactive_scattered");
+    {
+        use rand::seq::SliceRandom;
+        let len = 128;
+        let pool = lru_pool(65_536);
+        let seqs = sequences(65_536 / len, len, 6);
+        let mut blocks = pool.allocate(65_536).expect("allocate");
+        blocks.shuffle(&mut rand::rng());
+        for s in &seqs {
+            let mut parent = None;
+            let complete = blocks
+                .drain(..len)
+                .zip(s)
+                .map(|(b, &h)| {
+                    let c = b.complete(h, parent).expect("complete");
+                    parent = Some(h);
+                    c
+                })
+                .collect();
+            drop(pool.register(complete).expect("register"));
+        }
+        g.throughput(Throughput::Elements(len as u64));
+        let mut next = 0usize;
+        g.bench_function(BenchmarkId::from_parameter(len), |b| {
+            run(b, || {
+                next = (next + 7) % seqs.len();
+                drop(black_box(pool.match_prefix(&seqs[next])));
             })
         });
     }
@@ -106,7 +161,7 @@ fn bench_match(c: &mut Criterion) {
     g.throughput(Throughput::Elements(len as u64));
     let mut next = 0usize;
     g.bench_function(BenchmarkId::from_parameter(len), |b| {
-        b.iter(|| {
+        run(b, || {
             next = (next + 7) % seqs.len();
             drop(black_box(pool.match_prefix(&seqs[next])));
         })
@@ -118,9 +173,15 @@ fn bench_match(c: &mut Criterion) {
     let absent = sequences(1024, 128, 3);
     let mut next = 0usize;
     g.bench_function("first_hash_absent", |b| {
-        b.iter(|| {
+        run(b, || {
             next = (next + 1) % absent.len();
             drop(black_box(pool.match_prefix(&absent[next])));
+        })
+    });
+    // The same absent prefix every time: its table slot stays in cache.
+    g.bench_function("first_hash_absent_hot", |b| {
+        run(b, || {
+            drop(black_box(pool.match_prefix(black_box(&absent[0]))))
         })
     });
     g.finish();
@@ -143,7 +204,7 @@ fn bench_churn(c: &mut Criterion) {
         let mut counter = 1u64 << 40;
         let mut hashes = vec![SequenceHash(0); SEQ];
         g.bench_function(BenchmarkId::new(label, SEQ), |b| {
-            b.iter(|| {
+            run(b, || {
                 for h in hashes.iter_mut() {
                     counter += 1;
                     *h = SequenceHash(counter.wrapping_mul(0x9E37_79B9_7F4A_7C15));

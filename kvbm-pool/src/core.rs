@@ -175,7 +175,8 @@ impl PoolCore {
         let mut events = self.events.active().then(Vec::new);
         let mut evicted = 0;
         while evicted < n {
-            let Some(id) = policy.policy.next_victim(&BlockView::new(&self.slab)) else {
+            let view = BlockView::with_registry(&self.slab, registry);
+            let Some(id) = policy.policy.next_victim(&view) else {
                 break;
             };
             let e = self.entry(id);

@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 use super::{BlockRef, BlockView, EvictionPolicy, LatestStamps};
 
 /// How far ahead of the queue's front eviction loads entries.
-const TOUCH_AHEAD: usize = 4;
+const TOUCH_AHEAD: usize = 8;
 
 /// LRU: a FIFO of releases; the oldest still-valid release is the victim.
 /// O(1) per release and per eviction, no allocation once warmed up.

@@ -28,6 +28,7 @@ use std::sync::atomic::Ordering::{Acquire, Relaxed};
 
 use kvbm_block::SequenceHash;
 
+use crate::registry::Registry;
 use crate::slab::{Entry, Slab, State};
 
 /// A snapshot of what a policy may know about a block.
@@ -113,11 +114,24 @@ pub(crate) fn block_ref(id: u32, entry: Entry<'_>) -> BlockRef<'_> {
 /// A read-only view of the pool's blocks, for policies to check candidates.
 pub struct BlockView<'a> {
     slab: &'a Slab,
+    registry: Option<&'a Registry>,
 }
 
 impl<'a> BlockView<'a> {
     pub(crate) fn new(slab: &'a Slab) -> Self {
-        Self { slab }
+        Self {
+            slab,
+            registry: None,
+        }
+    }
+
+    /// A view that can also warm the registry slots of blocks (eviction
+    /// removes them from the registry next).
+    pub(crate) fn with_registry(slab: &'a Slab, registry: &'a Registry) -> Self {
+        Self {
+            slab,
+            registry: Some(registry),
+        }
     }
 
     /// The block, if it is still inactive since the release that gave it
@@ -138,7 +152,9 @@ impl<'a> BlockView<'a> {
     /// its queue touches a few entries ahead so their misses overlap).
     pub fn touch(&self, id: u32) {
         if let Some(e) = self.slab.get(id) {
-            std::hint::black_box(e.hot.stamp.load(Relaxed));
+            let hash = e.hash();
+            let slot = self.registry.map_or(0, |r| r.peek(hash));
+            std::hint::black_box((e.hot.stamp.load(Relaxed), slot));
         }
     }
 
