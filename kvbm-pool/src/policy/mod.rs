@@ -158,6 +158,18 @@ impl<'a> BlockView<'a> {
         }
     }
 
+    /// [`evictable`](Self::evictable) for a stamp kept as its low 32 bits.
+    pub fn evictable_low32(&self, id: u32, stamp: u32) -> Option<BlockRef<'a>> {
+        let e = self.slab.get(id)?;
+        if e.hot.stamp.load(Relaxed) as u32 != stamp
+            || e.state() != State::Registered
+            || e.hot.holders.load(Acquire) != 0
+        {
+            return None;
+        }
+        Some(BlockRef { id, entry: e })
+    }
+
     /// The block, whatever its state.
     pub fn block(&self, id: u32) -> Option<BlockRef<'a>> {
         self.slab.get(id).map(|entry| BlockRef { id, entry })
