@@ -258,3 +258,45 @@ fn weak_handles_follow_the_cache() {
     drop(chain(&p, &[2]));
     assert!(weak.upgrade().is_none(), "evicted");
 }
+
+mod lru_order {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        /// Hundreds of match/release cycles (enough to make the eviction
+        /// queue compact itself several times), then the eviction order
+        /// must be exactly least recently released first.
+        #[test]
+        fn eviction_order_survives_compaction(
+            touches in prop::collection::vec(prop::collection::vec(0u64..6, 1..4), 100..400),
+            frequency in any::<bool>(),
+        ) {
+            let kind = if frequency { EvictionKind::Frequency { sample: 1 } } else { EvictionKind::Lru };
+            let p = pool(6, kind);
+            let mut order: Vec<u64> = Vec::new();
+            for v in 0..6 {
+                drop(chain(&p, &[v + 1]));
+                order.push(v + 1);
+            }
+            for group in touches {
+                let held: Vec<_> = group.iter().map(|&v| p.match_prefix(&[h(v + 1)])).collect();
+                // Released in this order: each becomes the most recent.
+                for (v, b) in group.iter().zip(held) {
+                    drop(b);
+                    if let Some(pos) = order.iter().position(|&x| x == v + 1) {
+                        let x = order.remove(pos);
+                        order.push(x);
+                    }
+                }
+            }
+            for expected in order {
+                prop_assert_eq!(p.evict(1), 1);
+                prop_assert!(!p.contains(h(expected)), "evicted out of LRU order");
+            }
+            p.audit().unwrap();
+        }
+    }
+}
