@@ -53,7 +53,7 @@ pub use config::{DuplicatePolicy, EvictionKind, PoolConfig, Tier};
 pub use core::PoolCore;
 pub use error::{PoolError, RegisterError};
 pub use events::{KvEvent, KvEventBatch};
-pub use policy::{BlockInfo, BlockRef, BlockView, EvictionPolicy};
+pub use policy::{BlockInfo, BlockRef, BlockView, EvictionPolicy, Victim};
 pub use pool::{
     BlockPool, CompleteBlock, ImmutableBlock, ImmutableBlocks, MutableBlock, PoolCounts, WeakBlock,
 };

@@ -2,7 +2,7 @@
 
 use kvbm_block::SequenceHash;
 
-use super::{BlockRef, BlockView, CountMinSketch, EvictionPolicy, LruPolicy};
+use super::{BlockRef, BlockView, CountMinSketch, EvictionPolicy, LruPolicy, Victim};
 
 /// Counts every registration and match in a [`CountMinSketch`]. Eviction
 /// takes the `sample` least recently released blocks and evicts the one
@@ -16,6 +16,8 @@ pub struct FrequencyPolicy {
     sample: usize,
     /// (stamp, id, hash) of the candidates of one eviction.
     candidates: Vec<(u64, u32, SequenceHash)>,
+    /// The last peeked victim, out of the queue until popped.
+    peeked: Option<(u64, u32, SequenceHash)>,
 }
 
 impl FrequencyPolicy {
@@ -27,6 +29,7 @@ impl FrequencyPolicy {
             sketch: CountMinSketch::new(capacity),
             sample: sample.max(1),
             candidates: Vec::with_capacity(sample.max(1)),
+            peeked: None,
         }
     }
 
@@ -75,11 +78,23 @@ impl EvictionPolicy for FrequencyPolicy {
         self.lru.on_release(block);
     }
 
-    fn next_victim(&mut self, view: &BlockView<'_>) -> Option<u32> {
+    fn peek_victim(&mut self, view: &BlockView<'_>) -> Option<Victim> {
+        if let Some((stamp, id, _)) = self.peeked.take() {
+            self.lru.push_front(stamp, id);
+        }
         let pick = self.gather(view);
-        let victim = pick.map(|i| self.candidates[i].1);
+        let victim = pick.map(|i| self.candidates[i]);
         self.restore(pick);
-        victim
+        // The victim stays out of the queue until popped (or peeked again).
+        self.peeked = victim;
+        victim.map(|(stamp, id, _)| Victim {
+            id,
+            key: u128::from(stamp),
+        })
+    }
+
+    fn pop_victim(&mut self) {
+        self.peeked = None;
     }
 
     fn tracks_access(&self) -> bool {
@@ -91,6 +106,9 @@ impl EvictionPolicy for FrequencyPolicy {
     }
 
     fn admit(&mut self, candidate: SequenceHash, view: &BlockView<'_>) -> bool {
+        if let Some((stamp, id, _)) = self.peeked.take() {
+            self.lru.push_front(stamp, id);
+        }
         let pick = self.gather(view);
         let admit = match pick {
             Some(i) => self.sketch.estimate(candidate) > self.sketch.estimate(self.candidates[i].2),

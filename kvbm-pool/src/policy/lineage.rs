@@ -3,7 +3,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 
-use super::{BlockRef, BlockView, EvictionPolicy, LatestStamps};
+use super::{BlockRef, BlockView, EvictionPolicy, LatestStamps, Victim};
 
 /// LRU among leaves: a block is evicted only when no registered block is
 /// built on it, so a cached prefix never loses an inner block (a match can
@@ -17,6 +17,8 @@ pub struct LeafFirstPolicy {
     released: VecDeque<(u64, u32)>,
     late_leaves: BinaryHeap<Reverse<(u64, u32)>>,
     latest: LatestStamps,
+    /// Where the last peeked victim sits.
+    peeked_heap: bool,
 }
 
 impl LeafFirstPolicy {
@@ -26,6 +28,7 @@ impl LeafFirstPolicy {
             released: VecDeque::with_capacity(capacity),
             late_leaves: BinaryHeap::new(),
             latest: LatestStamps::with_capacity(capacity),
+            peeked_heap: false,
         }
     }
 }
@@ -53,28 +56,36 @@ impl EvictionPolicy for LeafFirstPolicy {
         self.late_leaves.push(Reverse((stamp, id)));
     }
 
-    fn next_victim(&mut self, view: &BlockView<'_>) -> Option<u32> {
+    fn peek_victim(&mut self, view: &BlockView<'_>) -> Option<Victim> {
         loop {
             let fifo = self.released.front().copied();
             let heap = self.late_leaves.peek().map(|r| r.0);
-            let (stamp, id) = match (fifo, heap) {
+            let (from_heap, (stamp, id)) = match (fifo, heap) {
                 (None, None) => return None,
-                (Some(f), Some(h)) if h < f => {
-                    self.late_leaves.pop();
-                    h
-                }
-                (Some(f), _) => {
-                    self.released.pop_front();
-                    f
-                }
-                (None, Some(h)) => {
-                    self.late_leaves.pop();
-                    h
-                }
+                (Some(f), Some(h)) if h < f => (true, h),
+                (Some(f), _) => (false, f),
+                (None, Some(h)) => (true, h),
             };
             if is_leaf_victim(view, stamp, id) {
-                return Some(id);
+                self.peeked_heap = from_heap;
+                return Some(Victim {
+                    id,
+                    key: u128::from(stamp),
+                });
             }
+            if from_heap {
+                self.late_leaves.pop();
+            } else {
+                self.released.pop_front();
+            }
+        }
+    }
+
+    fn pop_victim(&mut self) {
+        if self.peeked_heap {
+            self.late_leaves.pop();
+        } else {
+            self.released.pop_front();
         }
     }
 

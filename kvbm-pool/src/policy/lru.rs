@@ -2,7 +2,7 @@
 
 use std::collections::VecDeque;
 
-use super::{BlockRef, BlockView, EvictionPolicy, LatestStamps};
+use super::{BlockRef, BlockView, EvictionPolicy, LatestStamps, Victim};
 
 /// How far ahead of the queue's front eviction loads entries.
 const TOUCH_AHEAD: usize = 8;
@@ -51,9 +51,10 @@ impl LruPolicy {
         });
     }
 
-    /// The oldest evictable entry, taken off the queue.
-    pub(crate) fn pop_valid<'a>(&mut self, view: &BlockView<'a>) -> Option<BlockRef<'a>> {
-        while let Some(entry) = self.queue.pop_front() {
+    /// The oldest evictable entry, left at the front (stale entries before
+    /// it are dropped).
+    pub(crate) fn peek_valid<'a>(&mut self, view: &BlockView<'a>) -> Option<BlockRef<'a>> {
+        while let Some(&entry) = self.queue.front() {
             if let Some(&ahead) = self.queue.get(TOUCH_AHEAD) {
                 view.touch(unpack(ahead).1);
             }
@@ -61,8 +62,16 @@ impl LruPolicy {
             if let Some(b) = view.evictable_low32(id, stamp) {
                 return Some(b);
             }
+            self.queue.pop_front();
         }
         None
+    }
+
+    /// The oldest evictable entry, taken off the queue.
+    pub(crate) fn pop_valid<'a>(&mut self, view: &BlockView<'a>) -> Option<BlockRef<'a>> {
+        let b = self.peek_valid(view)?;
+        self.queue.pop_front();
+        Some(b)
     }
 
     /// Puts an entry taken with [`pop_valid`](Self::pop_valid) back in
@@ -97,8 +106,15 @@ impl EvictionPolicy for LruPolicy {
         self.queue.push_back(pack(stamp, id));
     }
 
-    fn next_victim(&mut self, view: &BlockView<'_>) -> Option<u32> {
-        self.pop_valid(view).map(|b| b.id())
+    fn peek_victim(&mut self, view: &BlockView<'_>) -> Option<Victim> {
+        self.peek_valid(view).map(|b| Victim {
+            id: b.id(),
+            key: u128::from(b.stamp()),
+        })
+    }
+
+    fn pop_victim(&mut self) {
+        self.queue.pop_front();
     }
 
     fn compact(&mut self, _view: &BlockView<'_>) {

@@ -203,6 +203,19 @@ impl LatestStamps {
     }
 }
 
+/// A candidate for eviction. A pool may spread releases over several
+/// instances of a policy (one per shard, so threads releasing blocks do not
+/// share a queue); it then evicts the candidate with the smallest `key`
+/// among the shards' candidates, so keys must order candidates globally
+/// (the release stamp does: the pool's clock is shared).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Victim {
+    /// The block.
+    pub id: u32,
+    /// Smaller goes first.
+    pub key: u128,
+}
+
 /// An eviction (and admission) policy.
 ///
 /// All calls happen under the pool's policy lock, so implementations are
@@ -221,10 +234,23 @@ pub trait EvictionPolicy: Send + 'static {
         let _ = block;
     }
 
-    /// The next block to evict, or `None` when no queued candidate is
-    /// evictable. Must return only blocks [`BlockView::evictable`] accepts
-    /// with the stamp they were queued with.
-    fn next_victim(&mut self, view: &BlockView<'_>) -> Option<u32>;
+    /// The block this policy would evict next, without removing it, or
+    /// `None` when no queued candidate is evictable. Must return only blocks
+    /// [`BlockView::evictable`] accepts with the stamp they were queued with.
+    /// May be called again without [`pop_victim`](Self::pop_victim) (the
+    /// answer may then change only if the policy was told something new).
+    fn peek_victim(&mut self, view: &BlockView<'_>) -> Option<Victim>;
+
+    /// Removes the victim the last [`peek_victim`](Self::peek_victim)
+    /// returned: the pool is evicting it.
+    fn pop_victim(&mut self);
+
+    /// Peek and pop at once.
+    fn next_victim(&mut self, view: &BlockView<'_>) -> Option<u32> {
+        let v = self.peek_victim(view)?;
+        self.pop_victim();
+        Some(v.id)
+    }
 
     /// Whether the policy wants [`on_access`](Self::on_access) calls
     /// (registrations and matches); they take the policy lock, so policies
