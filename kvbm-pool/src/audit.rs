@@ -21,7 +21,7 @@ macro_rules! ensure {
 
 pub(crate) fn audit(core: &PoolCore) -> Result<PoolCounts, AuditError> {
     let registry = core.registry.write();
-    let _policy = core.policy.lock();
+    let _policies = core.lock_all();
     let free = core.free.lock();
     let capacity = core.slab.len();
 

@@ -15,8 +15,8 @@
 //! Eviction needs the exclusive lock, so it never races a match: a block a
 //! matcher found cannot disappear under it.
 
-use std::sync::atomic::AtomicI64;
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
+use std::sync::atomic::{AtomicI64, AtomicU64};
 
 use kvbm_block::SequenceHash;
 use kvbm_block::lifecycle::{BlockStore, CompleteParts};
@@ -25,14 +25,38 @@ use parking_lot::{Mutex, MutexGuard, RwLock};
 use crate::config::{DuplicatePolicy, PoolConfig, Tier};
 use crate::error::PoolError;
 use crate::events::{EventHub, KvEvent};
-use crate::policy::{BlockView, EvictionPolicy, block_ref};
+use crate::policy::{BlockView, EvictionPolicy, Victim, block_ref};
 use crate::registry::Registry;
 use crate::slab::{Entry, NO_PARENT, Slab, State};
 
-/// The policy and the clock that stamps releases.
+/// One shard of the eviction policy, with the stamps it has reserved from
+/// the pool's clock.
 pub(crate) struct PolicyState {
-    pub(crate) clock: u64,
     pub(crate) policy: Box<dyn EvictionPolicy>,
+    next_stamp: u64,
+    stamp_end: u64,
+}
+
+/// Keeps each shard's lock on its own cache lines.
+#[repr(align(128))]
+pub(crate) struct Padded<T>(pub(crate) T);
+
+/// Which policy shard the calling thread releases into: threads are
+/// numbered once, round robin, so concurrent threads use different shards.
+fn thread_shard(shards: usize) -> usize {
+    use std::cell::Cell;
+    use std::sync::atomic::AtomicUsize;
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static INDEX: Cell<usize> = const { Cell::new(usize::MAX) };
+    }
+    let index = INDEX.with(|i| {
+        if i.get() == usize::MAX {
+            i.set(NEXT.fetch_add(1, Relaxed));
+        }
+        i.get()
+    });
+    index % shards
 }
 
 /// The state of one pool, shared by the pool and every handle on it.
@@ -42,7 +66,14 @@ pub(crate) struct PolicyState {
 pub struct PoolCore {
     pub(crate) slab: Slab,
     pub(crate) registry: RwLock<Registry>,
-    pub(crate) policy: Mutex<PolicyState>,
+    /// The eviction policy, one instance per shard: releases go to the
+    /// releasing thread's shard, eviction takes the smallest key over all
+    /// shards (all locked: it holds the registry exclusively anyway).
+    pub(crate) policies: Box<[Padded<Mutex<PolicyState>>]>,
+    /// The release clock; shards reserve stamps from it a batch at a time,
+    /// so recency is exact within a thread and across threads up to one
+    /// release call.
+    clock: AtomicU64,
     pub(crate) free: Mutex<Vec<u32>>,
     /// Registered blocks without holders. Exact whenever the registry is
     /// held exclusively; may lag by in-flight batches otherwise.
@@ -72,8 +103,11 @@ pub(crate) type Taken = Vec<u32>;
 impl PoolCore {
     pub(crate) fn new(
         config: &PoolConfig,
-        policy: Box<dyn EvictionPolicy>,
+        policies: Vec<Box<dyn EvictionPolicy>>,
     ) -> Result<Self, PoolError> {
+        if policies.is_empty() {
+            return Err(PoolError::InvalidConfig("at least one policy shard"));
+        }
         if config.capacity == 0 {
             return Err(PoolError::InvalidConfig("capacity must be at least 1"));
         }
@@ -86,12 +120,22 @@ impl PoolCore {
         let capacity = config.capacity;
         // Allocation takes the tail in order: ascending ids.
         let free: Vec<u32> = (0..capacity as u32).collect();
-        let tracks_access = policy.tracks_access();
+        let tracks_access = policies.iter().any(|p| p.tracks_access());
         Ok(Self {
             tracks_access,
             slab: Slab::new(capacity),
             registry: RwLock::new(Registry::new(capacity)),
-            policy: Mutex::new(PolicyState { clock: 0, policy }),
+            policies: policies
+                .into_iter()
+                .map(|policy| {
+                    Padded(Mutex::new(PolicyState {
+                        policy,
+                        next_stamp: 0,
+                        stamp_end: 0,
+                    }))
+                })
+                .collect(),
+            clock: AtomicU64::new(1),
             free: Mutex::new(free),
             inactive: AtomicI64::new(0),
             events: EventHub::default(),
@@ -114,6 +158,28 @@ impl PoolCore {
         usize::try_from(self.inactive.load(Relaxed)).unwrap_or(0)
     }
 
+    /// The calling thread's policy shard.
+    pub(crate) fn shard(&self) -> &Mutex<PolicyState> {
+        &self.policies[thread_shard(self.policies.len())].0
+    }
+
+    /// Every shard, locked in order.
+    pub(crate) fn lock_all(&self) -> Vec<MutexGuard<'_, PolicyState>> {
+        self.policies.iter().map(|p| p.0.lock()).collect()
+    }
+
+    /// A fresh stamp for a release, reserving up to `want` at once.
+    fn next_stamp(&self, p: &mut PolicyState, want: usize) -> u64 {
+        if p.next_stamp == p.stamp_end {
+            let want = want.clamp(1, 1024) as u64;
+            p.next_stamp = self.clock.fetch_add(want, Relaxed);
+            p.stamp_end = p.next_stamp + want;
+        }
+        let stamp = p.next_stamp;
+        p.next_stamp += 1;
+        stamp
+    }
+
     /// Takes `n` blocks off the free list, evicting inactive blocks when
     /// there are not enough. All or nothing: on error no block is taken
     /// (blocks evicted along the way stay on the free list).
@@ -125,7 +191,7 @@ impl PoolCore {
             }
         }
         let mut registry = self.registry.write();
-        let mut policy = self.policy.lock();
+        let mut policies = self.lock_all();
         let mut free = self.free.lock();
         if free.len() < n {
             let need = n - free.len();
@@ -136,7 +202,7 @@ impl PoolCore {
                     evictable: self.inactive_count(),
                 });
             }
-            self.evict_locked(&mut registry, &mut policy, &mut free, need);
+            self.evict_locked(&mut registry, &mut policies, &mut free, need);
             if free.len() < n {
                 return Err(PoolError::Exhausted {
                     requested: n,
@@ -160,29 +226,47 @@ impl PoolCore {
     /// Evicts up to `n` inactive blocks onto the free list; returns how many.
     pub(crate) fn evict(&self, n: usize) -> usize {
         let mut registry = self.registry.write();
-        let mut policy = self.policy.lock();
+        let mut policies = self.lock_all();
         let mut free = self.free.lock();
-        self.evict_locked(&mut registry, &mut policy, &mut free, n)
+        self.evict_locked(&mut registry, &mut policies, &mut free, n)
     }
 
     fn evict_locked(
         &self,
         registry: &mut Registry,
-        policy: &mut PolicyState,
+        policies: &mut [MutexGuard<'_, PolicyState>],
         free: &mut Vec<u32>,
         n: usize,
     ) -> usize {
         let mut events = self.events.active().then(Vec::new);
         let mut evicted = 0;
+        // Each shard's current candidate; only the shard that just gave a
+        // victim (and was told about a new leaf) needs asking again.
+        let mut heads: Vec<Option<Victim>> = vec![None; policies.len()];
+        let mut stale: Vec<bool> = vec![true; policies.len()];
         while evicted < n {
             let view = BlockView::with_registry(&self.slab, registry);
-            let Some(id) = policy.policy.next_victim(&view) else {
+            for (i, p) in policies.iter_mut().enumerate() {
+                if stale[i] {
+                    heads[i] = p.policy.peek_victim(&view);
+                    stale[i] = false;
+                }
+            }
+            let Some((shard, id)) = heads
+                .iter()
+                .enumerate()
+                .filter_map(|(i, h)| h.map(|v| (v.key, i, v.id)))
+                .min()
+                .map(|(_, i, id)| (i, id))
+            else {
                 break;
             };
+            policies[shard].policy.pop_victim();
+            stale[shard] = true;
             let e = self.entry(id);
             let hash = e.hash();
             registry.remove(hash, id);
-            self.unlink_parent(registry, id, e, policy);
+            self.unlink_parent(registry, id, e, &mut policies[shard]);
             e.cold.generation.fetch_add(1, Relaxed);
             e.cold.children.store(0, Relaxed);
             e.set_state(State::Free);
@@ -229,6 +313,7 @@ impl PoolCore {
         p.cold.children.store(left, Relaxed);
         if left == 0 && p.hot.holders.load(Acquire) == 0 {
             policy.policy.on_became_leaf(block_ref(pid, p));
+            // The parent keeps its release stamp: it is as old as it was.
         }
     }
 
@@ -339,7 +424,7 @@ impl PoolCore {
     }
 
     fn policy_if_tracking(&self) -> Option<MutexGuard<'_, PolicyState>> {
-        self.tracks_access.then(|| self.policy.lock())
+        self.tracks_access.then(|| self.shard().lock())
     }
 
     /// Takes a holder on each block of the longest cached prefix of
@@ -401,7 +486,7 @@ impl PoolCore {
             self.inactive.fetch_sub(reactivated, Relaxed);
         }
         if self.tracks_access {
-            let mut policy = self.policy.lock();
+            let mut policy = self.shard().lock();
             for hash in &hashes[..ids.len()] {
                 policy.policy.on_access(*hash);
             }
@@ -423,14 +508,14 @@ impl PoolCore {
     /// of them are cached.
     pub(crate) fn touch(&self, hashes: &[SequenceHash]) -> usize {
         let registry = self.registry.read();
-        let mut policy = self.policy.lock();
+        let mut policy = self.shard().lock();
         let mut found = 0;
         for hash in hashes {
             if let Some(id) = registry.get(&self.slab, *hash) {
                 found += 1;
                 let e = self.entry(id);
                 if e.hot.holders.load(Acquire) == 0 {
-                    self.restamp(&mut policy, id, e);
+                    self.restamp(&mut policy, id, e, hashes.len());
                 }
                 if policy.policy.tracks_access() {
                     policy.policy.on_access(*hash);
@@ -446,20 +531,20 @@ impl PoolCore {
         let Some(id) = registry.get(&self.slab, hash) else {
             return false;
         };
-        let mut policy = self.policy.lock();
+        let mut policy = self.shard().lock();
         let e = self.entry(id);
         e.hot.priority.store(priority.min(100), Relaxed);
         if e.hot.holders.load(Acquire) == 0 {
-            self.restamp(&mut policy, id, e);
+            self.restamp(&mut policy, id, e, 1);
         }
         true
     }
 
     /// Queues an inactive block again with a fresh stamp (its old entries
     /// become stale).
-    fn restamp(&self, policy: &mut PolicyState, id: u32, e: Entry<'_>) {
-        policy.clock += 1;
-        e.hot.stamp.store(policy.clock, Relaxed);
+    fn restamp(&self, policy: &mut PolicyState, id: u32, e: Entry<'_>, want: usize) {
+        let stamp = self.next_stamp(policy, want);
+        e.hot.stamp.store(stamp, Relaxed);
         policy.policy.on_release(block_ref(id, e));
     }
 
@@ -470,7 +555,7 @@ impl PoolCore {
             return true;
         }
         let _registry = self.registry.read();
-        let mut policy = self.policy.lock();
+        let mut policy = self.shard().lock();
         policy.policy.admit(hash, &BlockView::new(&self.slab))
     }
 
@@ -506,15 +591,15 @@ impl BlockStore for PoolCore {
         let _registry = self.registry.read();
         let mut policy: Option<MutexGuard<'_, PolicyState>> = None;
         let mut inactive = 0i64;
-        for &id in ids {
+        for (i, &id) in ids.iter().enumerate() {
             let e = self.entry(id);
             if e.hot.holders.fetch_sub(1, AcqRel) != 1 {
                 continue;
             }
             match e.state() {
                 State::Registered => {
-                    let p = policy.get_or_insert_with(|| self.policy.lock());
-                    self.restamp(p, id, e);
+                    let p = policy.get_or_insert_with(|| self.shard().lock());
+                    self.restamp(p, id, e, ids.len() - i);
                     inactive += 1;
                 }
                 State::Duplicate => {

@@ -55,5 +55,6 @@ pub use error::{PoolError, RegisterError};
 pub use events::{KvEvent, KvEventBatch};
 pub use policy::{BlockInfo, BlockRef, BlockView, EvictionPolicy, Victim};
 pub use pool::{
-    BlockPool, CompleteBlock, ImmutableBlock, ImmutableBlocks, MutableBlock, PoolCounts, WeakBlock,
+    BlockPool, CompleteBlock, ImmutableBlock, ImmutableBlocks, MutableBlock, POLICY_SHARDS,
+    PoolCounts, WeakBlock,
 };

@@ -300,3 +300,23 @@ mod lru_order {
         }
     }
 }
+
+#[test]
+fn eviction_order_is_global_across_threads() {
+    // Each release happens on a fresh thread, so releases land in different
+    // policy shards; eviction must still follow the global release order.
+    for kind in [EvictionKind::Lru, EvictionKind::LeafFirst] {
+        let p = pool(8, kind);
+        let order = [5u64, 2, 7, 1, 8, 3, 6, 4];
+        let held: Vec<_> = order.iter().map(|&v| chain(&p, &[v])).collect();
+        for b in held {
+            std::thread::scope(|s| {
+                s.spawn(move || drop(b));
+            });
+        }
+        for v in order {
+            assert_eq!(p.evict(1), 1);
+            assert!(!p.contains(h(v)), "{kind:?}: {v} should have gone next");
+        }
+    }
+}

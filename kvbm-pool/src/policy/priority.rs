@@ -74,7 +74,10 @@ impl EvictionPolicy for Prioritized {
                 // A candidate queued here may have changed priority since:
                 // it was re-queued in its new level and is stale here.
                 while let Some(v) = level.peek_victim(view) {
-                    if view.block(v.id).is_some_and(|b| usize::from(b.priority()) == p) {
+                    if view
+                        .block(v.id)
+                        .is_some_and(|b| usize::from(b.priority()) == p)
+                    {
                         self.peeked_level = p;
                         return Some(Victim {
                             id: v.id,
