@@ -4,16 +4,22 @@
 //! 1. `registry` (`RwLock`): shared for matching, presence checks and
 //!    releasing handles; exclusive for registering and evicting — the only
 //!    operations that change which hashes are cached.
-//! 2. `policy` (`Mutex`): the eviction policy and its clock; taken when a
-//!    block becomes inactive (once per released batch) and to evict.
+//! 2. `policies` (one `Mutex` per shard): a thread releasing blocks takes
+//!    its own shard once per released batch; eviction takes all of them (in
+//!    order) and evicts the smallest key among the shards' candidates.
 //! 3. `free` (`Mutex`): the free list; taken alone on the allocation fast
 //!    path.
 //!
 //! Holder counts are atomics in the slab, so a match of `L` blocks takes the
 //! shared lock once and does `L` atomic increments; two threads matching
-//! different prefixes only share the lock word, not the blocks' cache lines.
-//! Eviction needs the exclusive lock, so it never races a match: a block a
-//! matcher found cannot disappear under it.
+//! different prefixes share the lock word and a few counters, not the
+//! blocks' cache lines, and release into different policy shards. Eviction
+//! needs the exclusive lock, so it never races a match: a block a matcher
+//! found cannot disappear under it.
+//!
+//! Reactivating an inactive block does not touch the policy (see the
+//! `policy` module): its queue entry just goes stale, which is what keeps
+//! the policy lock off the match path.
 
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
 use std::sync::atomic::{AtomicI64, AtomicU64};
