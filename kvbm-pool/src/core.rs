@@ -43,6 +43,9 @@ pub(crate) struct PolicyState {
     stamp_end: u64,
 }
 
+/// Evictions whose candidates are loaded into cache together.
+const WARM_BATCH: usize = 32;
+
 /// Keeps each shard's lock on its own cache lines.
 #[repr(align(128))]
 pub(crate) struct Padded<T>(pub(crate) T);
@@ -252,6 +255,11 @@ impl PoolCore {
         let mut stale: Vec<bool> = vec![true; policies.len()];
         while evicted < n {
             let view = BlockView::with_registry(&self.slab, registry);
+            if evicted % WARM_BATCH == 0 {
+                for p in policies.iter() {
+                    p.policy.warm(&view, WARM_BATCH.min(n - evicted));
+                }
+            }
             for (i, p) in policies.iter_mut().enumerate() {
                 if stale[i] {
                     heads[i] = p.policy.peek_victim(&view);
@@ -345,9 +353,16 @@ impl PoolCore {
             }
             std::hint::black_box(sink);
         }
+        // The previous block's primary: usually the parent of the next one,
+        // which then needs no registry lookup.
+        let mut previous: Option<(SequenceHash, u32)> = None;
         for part in parts {
             let e = self.entry(part.id);
-            if let Some(existing) = registry.get(&self.slab, part.hash) {
+            // Named first, so the slot inserted below never points at a
+            // stale hash.
+            e.set_names(part.hash, part.parent);
+            if let Some(existing) = registry.get_or_insert(&self.slab, part.hash, part.id) {
+                previous = Some((part.hash, existing));
                 match self.duplicates {
                     DuplicatePolicy::ReuseExisting => {
                         if self.entry(existing).hot.holders.fetch_add(1, AcqRel) == 0 {
@@ -358,7 +373,6 @@ impl PoolCore {
                         out.push(existing);
                     }
                     DuplicatePolicy::KeepDuplicate => {
-                        e.set_names(part.hash, part.parent);
                         e.hot.priority.store(part.priority, Relaxed);
                         e.cold.parent_id.store(NO_PARENT, Relaxed);
                         e.hot.holders.store(1, Release);
@@ -367,11 +381,10 @@ impl PoolCore {
                     }
                 }
             } else {
-                registry.insert(part.hash, part.id);
-                e.set_names(part.hash, part.parent);
                 e.hot.priority.store(part.priority, Relaxed);
                 e.cold.children.store(0, Relaxed);
-                self.link_lineage(&mut registry, part.id, e);
+                self.link_lineage(&mut registry, part.id, e, previous);
+                previous = Some((part.hash, part.id));
                 e.hot.holders.store(1, Release);
                 e.set_state(State::Registered);
                 out.push(part.id);
@@ -404,10 +417,20 @@ impl PoolCore {
     /// Links a newly registered block to its cached parent, or records it
     /// as an orphan the parent adopts when it is registered later; then
     /// adopts the block's own orphans (children registered before it).
-    fn link_lineage(&self, registry: &mut Registry, id: u32, e: Entry<'_>) {
+    fn link_lineage(
+        &self,
+        registry: &mut Registry,
+        id: u32,
+        e: Entry<'_>,
+        previous: Option<(SequenceHash, u32)>,
+    ) {
         e.cold.parent_id.store(NO_PARENT, Relaxed);
         if let Some(parent) = e.parent() {
-            match registry.get(&self.slab, parent) {
+            let pid = match previous {
+                Some((hash, pid)) if hash == parent => Some(pid),
+                _ => registry.get(&self.slab, parent),
+            };
+            match pid {
                 Some(pid) => self.link(e, pid),
                 None => registry.add_orphan(parent, id),
             }

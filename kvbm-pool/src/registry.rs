@@ -104,16 +104,23 @@ impl Registry {
         }
     }
 
-    /// Registers `id` under `h`, which must not be registered yet (the pool
-    /// checks with [`get`](Self::get) first). The table never fills: it has
-    /// twice as many slots as the pool has blocks.
-    pub(crate) fn insert(&mut self, h: SequenceHash, id: u32) {
+    /// The block registered under `h`, or, when there is none, registers
+    /// `id` under it (one probe walk for both).
+    pub(crate) fn get_or_insert(&mut self, slab: &Slab, h: SequenceHash, id: u32) -> Option<u32> {
+        let fp = fingerprint(h);
         let mut i = self.home(h);
-        while self.slots[i] != EMPTY {
+        loop {
+            let s = self.slots[i];
+            if s == EMPTY {
+                self.slots[i] = pack(h, id);
+                self.len += 1;
+                return None;
+            }
+            if s >> 32 == fp && slab.entry(id_of(s)).hash() == h {
+                return Some(id_of(s));
+            }
             i = (i + 1) & self.mask;
         }
-        self.slots[i] = pack(h, id);
-        self.len += 1;
     }
 
     /// Removes block `id`, registered under `h`; `false` if it was not.
@@ -222,7 +229,7 @@ mod tests {
                     if model.contains_key(&h.0) { continue; }
                     let Some(id) = free.pop() else { continue };
                     slab.entry(id).set_names(h, None);
-                    reg.insert(h, id);
+                    prop_assert_eq!(reg.get_or_insert(&slab, h, id), None);
                     model.insert(h.0, id);
                 } else if let Some(id) = model.remove(&h.0) {
                     prop_assert!(reg.remove(h, id));
@@ -250,7 +257,7 @@ mod probe_tests {
         for (id, k) in keys.take(cap).enumerate() {
             let h = SequenceHash(k);
             slab.entry(id as u32).set_names(h, None);
-            reg.insert(h, id as u32);
+            reg.get_or_insert(&slab, h, id as u32);
         }
         let mut total = 0usize;
         for (i, &s) in reg.slots.iter().enumerate() {

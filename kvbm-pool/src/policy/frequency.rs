@@ -93,6 +93,10 @@ impl EvictionPolicy for FrequencyPolicy {
         })
     }
 
+    fn warm(&self, view: &BlockView<'_>, n: usize) {
+        self.lru.warm(view, n);
+    }
+
     fn pop_victim(&mut self) {
         self.peeked = None;
     }

@@ -81,6 +81,10 @@ impl EvictionPolicy for LeafFirstPolicy {
         }
     }
 
+    fn warm(&self, view: &BlockView<'_>, n: usize) {
+        view.touch_all(self.released.iter().take(n).map(|&(_, id)| id));
+    }
+
     fn pop_victim(&mut self) {
         if self.peeked_heap {
             self.late_leaves.pop();

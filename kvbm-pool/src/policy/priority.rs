@@ -92,6 +92,15 @@ impl EvictionPolicy for Prioritized {
         None
     }
 
+    fn warm(&self, view: &BlockView<'_>, n: usize) {
+        if self.occupied != 0 {
+            let p = self.occupied.trailing_zeros() as usize;
+            if let Some(level) = self.levels[p].as_ref() {
+                level.warm(view, n);
+            }
+        }
+    }
+
     fn pop_victim(&mut self) {
         if let Some(level) = self.levels[self.peeked_level].as_mut() {
             level.pop_victim();
