@@ -90,9 +90,9 @@ pub(crate) fn audit(core: &PoolCore) -> Result<PoolCounts, AuditError> {
         registry.len()
     );
     ensure!(
-        core.inactive.load(Relaxed) == inactive as i64,
+        core.inactive_raw() == inactive as i64,
         "inactive counter {} but {inactive} blocks are inactive",
-        core.inactive.load(Relaxed)
+        core.inactive_raw()
     );
     for (i, e) in core.slab.iter().enumerate() {
         if e.state() == State::Registered {

@@ -86,7 +86,9 @@ pub struct PoolCore {
     pub(crate) free: Mutex<Vec<u32>>,
     /// Registered blocks without holders. Exact whenever the registry is
     /// held exclusively; may lag by in-flight batches otherwise.
-    pub(crate) inactive: AtomicI64,
+    /// Per shard (the thread's own, like the policy shard) so that threads
+    /// do not bounce one counter's cache line; the sum is the count.
+    inactive: Box<[Padded<AtomicI64>]>,
     pub(crate) events: EventHub,
     pub(crate) tier: Tier,
     pub(crate) block_size: usize,
@@ -130,6 +132,7 @@ impl PoolCore {
         // Allocation takes the tail in order: ascending ids.
         let free: Vec<u32> = (0..capacity as u32).collect();
         let tracks_access = policies.iter().any(|p| p.tracks_access());
+        let shards = policies.len();
         Ok(Self {
             tracks_access,
             slab: Slab::new(capacity),
@@ -146,7 +149,7 @@ impl PoolCore {
                 .collect(),
             clock: AtomicU64::new(1),
             free: Mutex::new(free),
-            inactive: AtomicI64::new(0),
+            inactive: (0..shards).map(|_| Padded(AtomicI64::new(0))).collect(),
             events: EventHub::default(),
             tier: config.tier,
             block_size: config.block_size,
@@ -163,8 +166,21 @@ impl PoolCore {
         self.slab.entry(id)
     }
 
+    /// Registered blocks without holders. Exact whenever the registry is
+    /// held exclusively; may lag by in-flight batches otherwise.
     pub(crate) fn inactive_count(&self) -> usize {
-        usize::try_from(self.inactive.load(Relaxed)).unwrap_or(0)
+        usize::try_from(self.inactive_raw()).unwrap_or(0)
+    }
+
+    pub(crate) fn inactive_raw(&self) -> i64 {
+        self.inactive.iter().map(|c| c.0.load(Relaxed)).sum()
+    }
+
+    /// Adds `delta` to the calling thread's inactive counter.
+    fn add_inactive(&self, delta: i64) {
+        self.inactive[thread_shard(self.inactive.len())]
+            .0
+            .fetch_add(delta, Relaxed);
     }
 
     /// The calling thread's policy shard.
@@ -293,7 +309,7 @@ impl PoolCore {
                 });
             }
         }
-        self.inactive.fetch_sub(evicted as i64, Relaxed);
+        self.add_inactive(-(evicted as i64));
         if let Some(ev) = events {
             self.events.publish(ev);
         }
@@ -401,7 +417,7 @@ impl PoolCore {
             }
         }
         if reactivated != 0 {
-            self.inactive.fetch_sub(reactivated, Relaxed);
+            self.add_inactive(-reactivated);
         }
         if let Some(ev) = events {
             self.events.publish(ev);
@@ -512,7 +528,7 @@ impl PoolCore {
             prev = id;
         }
         if reactivated != 0 {
-            self.inactive.fetch_sub(reactivated, Relaxed);
+            self.add_inactive(-reactivated);
         }
         if self.tracks_access {
             let mut policy = self.shard().lock();
@@ -639,7 +655,7 @@ impl BlockStore for PoolCore {
             }
         }
         if inactive != 0 {
-            self.inactive.fetch_add(inactive, Relaxed);
+            self.add_inactive(inactive);
         }
         if let Some(mut p) = policy {
             self.maybe_compact(&mut p);
@@ -657,7 +673,7 @@ impl BlockStore for PoolCore {
         match e.state() {
             State::Registered => {
                 if e.hot.holders.fetch_add(1, AcqRel) == 0 {
-                    self.inactive.fetch_sub(1, Relaxed);
+                    self.add_inactive(-1);
                 }
                 true
             }
