@@ -7,3 +7,6 @@
 //! two-hop pipelines through bounce buffers, batching, back-pressure,
 //! cancellation and completion futures. It sits on kvbm-layout and knows
 //! nothing of hashes or pools; kvbm-pool drives it.
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
