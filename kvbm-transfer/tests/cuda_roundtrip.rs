@@ -139,7 +139,9 @@ fn paths() -> Vec<(&'static str, CopyOptions)> {
 }
 
 /// A copier whose staging slots are small and not a multiple of the run
-/// size, so rings wrap many times and runs split across slots.
+/// size, so rings wrap many times and runs split across slots; it also
+/// takes the other kernel work split (a CTA per run) and the loop of
+/// single DMA copies instead of the batch call.
 fn tight_copier(dev: &CudaDevice) -> CudaCopier {
     CudaCopier::new(
         dev,
@@ -147,6 +149,8 @@ fn tight_copier(dev: &CudaDevice) -> CudaCopier {
             staging_slot_bytes: 12 * 1024 + 4096,
             staging_slots: 3,
             lanes_per_direction: 1,
+            warp_per_run: !CopierConfig::default().warp_per_run,
+            use_batch_copy: false,
             ..CopierConfig::default()
         },
     )
@@ -354,6 +358,52 @@ fn pinned_memory_grows_in_the_background() {
     let mut out = vec![0u8; 4096];
     mem.read((96 << 20) - 4096, &mut out).unwrap();
     assert_eq!(out, random_bytes(4096, 5));
+}
+
+#[test]
+fn copies_cross_registration_chunks() {
+    // Pinned memory registered in 2 MiB chunks; one run spans four chunks on
+    // the host side. DMA paths must split it, the kernel reads straight on.
+    let Some(dev) = device_or_skip() else { return };
+    let copier = CudaCopier::new(&dev, CopierConfig::default()).unwrap();
+    let len = 8 << 20;
+    let opts = PinnedOptions {
+        chunk_bytes: 2 << 20,
+        ..PinnedOptions::for_device(&dev)
+    };
+    for (pname, o) in paths() {
+        let a = Arc::new(PinnedMemory::allocate(&dev, len, opts.clone()).unwrap());
+        let b = Arc::new(PinnedMemory::allocate(&dev, len, opts.clone()).unwrap());
+        let g = Arc::new(DeviceBuffer::new(&dev, len).unwrap());
+        let data = random_bytes(len, 77);
+        a.write(0, &data).unwrap();
+        b.write(0, &random_bytes(len, 78)).unwrap();
+        let run = kvbm_transfer::cuda::CopyRun {
+            src_region: 0,
+            src_offset: 50,
+            dst_region: 0,
+            dst_offset: 50,
+            len: len as u64 - 100,
+        };
+        let regs = |r: &Arc<PinnedMemory>| vec![Arc::clone(r) as Arc<dyn CudaRegion>];
+        let greg = vec![Arc::clone(&g) as Arc<dyn CudaRegion>];
+        copier
+            .copy(&[run], &regs(&a), &greg, o)
+            .unwrap()
+            .wait()
+            .unwrap();
+        copier
+            .copy(&[run], &greg, &regs(&b), o)
+            .unwrap()
+            .wait()
+            .unwrap();
+        let mut out = vec![0u8; len];
+        b.read(0, &mut out).unwrap();
+        assert!(
+            out[50..len - 50] == data[50..len - 50],
+            "{pname}: bytes differ"
+        );
+    }
 }
 
 #[test]

@@ -23,7 +23,14 @@ pub fn run(root: &Path, args: &[String]) -> Result<(), String> {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let output = Command::new(cargo)
             .current_dir(root)
-            .args(["build", "--release", "-p", "kvbm-transfer", "--features", "cuda"])
+            .args([
+                "build",
+                "--release",
+                "-p",
+                "kvbm-transfer",
+                "--features",
+                "cuda",
+            ])
             .args(what)
             .arg("--message-format=json")
             .stderr(Stdio::inherit())

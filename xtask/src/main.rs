@@ -42,5 +42,8 @@ commands:
 /// The workspace root (xtask lives one level below it).
 fn workspace_root() -> std::path::PathBuf {
     let manifest = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    manifest.parent().map(std::path::Path::to_path_buf).unwrap_or(manifest)
+    manifest
+        .parent()
+        .map(std::path::Path::to_path_buf)
+        .unwrap_or(manifest)
 }

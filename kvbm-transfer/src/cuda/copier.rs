@@ -32,7 +32,8 @@ use super::device::CudaDevice;
 use super::error::{CudaError, CudaResult, check};
 use super::kernel::Grid;
 use super::memory::{CudaRegion, DeviceBuffer, Location};
-use super::plan::{CopyRun, HostSide, Span, absolute_spans, plan_staged};
+use super::pinned::registration_bounds;
+use super::plan::{CopyRun, HostSide, Span, absolute_spans, plan_staged, split_at_bounds};
 
 /// How a copy moves its bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -96,8 +97,14 @@ pub struct CopierConfig {
     pub staging_slots: usize,
     /// Kernel path, idle GPU: threads per CTA.
     pub idle_threads: u32,
-    /// Kernel path, idle GPU: at most this many CTAs per SM.
-    pub idle_ctas_per_sm: u32,
+    /// Kernel path, idle GPU: at most this many CTAs. Few enough that an
+    /// offload and an onboard kernel fit on the GPU at the same time.
+    pub idle_max_ctas: u32,
+    /// Kernels give each warp its own run (more loads in flight for small
+    /// runs) rather than each CTA.
+    pub warp_per_run: bool,
+    /// Use `cuMemcpyBatchAsync_v2` where the driver has it.
+    pub use_batch_copy: bool,
     /// Kernel path, busy GPU: CTAs.
     pub busy_ctas: u32,
     /// Kernel path, busy GPU: threads per CTA.
@@ -118,8 +125,10 @@ impl Default for CopierConfig {
             lanes_per_direction: 2,
             staging_slot_bytes: 8 << 20,
             staging_slots: 4,
-            idle_threads: 256,
-            idle_ctas_per_sm: 8,
+            idle_threads: 512,
+            idle_max_ctas: 64,
+            warp_per_run: true,
+            use_batch_copy: true,
             busy_ctas: 8,
             busy_threads: 512,
             staged_ctas: 16,
@@ -199,12 +208,13 @@ impl CudaCopier {
     /// The path [`CudaCopier::copy`] takes for a plan of `n_runs` runs and
     /// `total_bytes` bytes when none is forced.
     ///
-    /// The rule, from the H200 measurements in docs/benchmarks.md: small
-    /// copies take the kernel (one launch, lowest latency); runs of a MiB or
-    /// more take the copy engines (the driver's per-copy cost is amortised);
-    /// everything else between host and device goes through the staging
-    /// ring, which reaches DMA rate and keeps SMs free; device-to-device
-    /// copies take the kernel.
+    /// The rule, from the H200 measurements in docs/benchmarks.md: on an idle
+    /// GPU the kernel is fastest at every run size and has the lowest
+    /// latency, device-to-device too. On a busy GPU the kernel would take SMs
+    /// from the model: runs of a MiB or more go to the copy engines (the
+    /// driver's per-copy cost is amortised), everything else through the
+    /// staging ring (SMs busy only for brief HBM-speed gathers). Small
+    /// copies take the kernel either way: one launch, done in microseconds.
     pub fn choose(
         &self,
         dir: Direction,
@@ -212,15 +222,18 @@ impl CudaCopier {
         total_bytes: u64,
         load: GpuLoad,
     ) -> CopyPath {
-        let _ = load;
-        if dir == Direction::DeviceToDevice || total_bytes <= self.config.small_copy_bytes {
+        if dir == Direction::DeviceToDevice
+            || load == GpuLoad::Idle
+            || total_bytes <= self.config.small_copy_bytes
+        {
             return CopyPath::Kernel;
         }
         let mean = total_bytes / n_runs.max(1) as u64;
         if mean >= self.config.large_run_bytes {
-            return CopyPath::CopyEngine;
+            CopyPath::CopyEngine
+        } else {
+            CopyPath::Staged
         }
-        CopyPath::Staged
     }
 
     /// Copies every run from the `src` regions to the `dst` regions.
@@ -264,7 +277,14 @@ impl CudaCopier {
             CopyPath::CopyEngine => {
                 let spans = absolute_spans(runs, &src_bases, &dst_bases);
                 let (src_loc, dst_loc) = (src[0].location(), dst[0].location());
-                enqueue_dma(&self.device, lane.copy_stream, &spans, src_loc, dst_loc)?;
+                enqueue_dma(
+                    &self.device,
+                    self.batch(),
+                    lane.copy_stream,
+                    &spans,
+                    src_loc,
+                    dst_loc,
+                )?;
                 lane.copy_stream
             }
             CopyPath::Kernel => {
@@ -317,6 +337,7 @@ impl CudaCopier {
                 let grid = Grid {
                     ctas: self.config.staged_ctas,
                     threads: self.config.staged_threads,
+                    per_warp: self.config.warp_per_run,
                 };
                 for chunk in &plan.chunks {
                     let k = ring.next;
@@ -364,6 +385,7 @@ impl CudaCopier {
                             wait_event(lane.copy_stream, slot.filled)?;
                             enqueue_dma(
                                 &self.device,
+                                self.batch(),
                                 lane.copy_stream,
                                 &pieces,
                                 Location::Device,
@@ -377,6 +399,7 @@ impl CudaCopier {
                             }
                             enqueue_dma(
                                 &self.device,
+                                self.batch(),
                                 lane.copy_stream,
                                 &pieces,
                                 Location::PinnedHost,
@@ -413,18 +436,32 @@ impl CudaCopier {
         completion
     }
 
+    fn batch(&self) -> bool {
+        self.config.use_batch_copy && self.device.has_batch_copy()
+    }
+
     fn kernel_grid(&self, n_runs: usize, total: u64, load: GpuLoad) -> Grid {
         match load {
             GpuLoad::Busy => Grid {
                 ctas: self.config.busy_ctas.max(1),
                 threads: self.config.busy_threads,
+                per_warp: self.config.warp_per_run,
             },
             GpuLoad::Idle => {
+                // One worker per run (or per 64 KiB), up to the cap.
                 let items = (n_runs as u64).max(total / (64 << 10)).max(1);
-                let cap = u64::from(self.device.sm_count() * self.config.idle_ctas_per_sm);
+                let per_cta = if self.config.warp_per_run {
+                    u64::from(self.config.idle_threads / 32).max(1)
+                } else {
+                    1
+                };
                 Grid {
-                    ctas: items.min(cap).max(1) as u32,
+                    ctas: items
+                        .div_ceil(per_cta)
+                        .min(u64::from(self.config.idle_max_ctas))
+                        .max(1) as u32,
                     threads: self.config.idle_threads,
+                    per_warp: self.config.warp_per_run,
                 }
             }
         }
@@ -491,12 +528,20 @@ fn validate(
 /// Enqueues DMA copies on `stream`: one batch call where the driver has it.
 fn enqueue_dma(
     device: &CudaDevice,
+    batch: bool,
     stream: CUstream,
     spans: &[Span],
     src_loc: Location,
     dst_loc: Location,
 ) -> CudaResult<()> {
-    if spans.len() > 1 && device.has_batch_copy() {
+    let split;
+    let spans = if src_loc == Location::PinnedHost || dst_loc == Location::PinnedHost {
+        split = split_at_bounds(spans, &registration_bounds());
+        &split[..]
+    } else {
+        spans
+    };
+    if spans.len() > 1 && batch {
         const MAX_BATCH: usize = 4096;
         let loc = |l: Location| sys::CUmemLocation {
             type_: match l {

@@ -35,6 +35,8 @@ pub(crate) struct Grid {
     pub ctas: u32,
     /// Threads per CTA (a multiple of 32, at most 1024).
     pub threads: u32,
+    /// Each warp works on its own run (true) or each CTA does (false).
+    pub per_warp: bool,
 }
 
 impl CopyKernel {
@@ -101,14 +103,16 @@ impl CopyKernel {
         let mut n_runs = n_runs;
         let mut src_bases = src_bases;
         let mut dst_bases = dst_bases;
-        let mut params: [*mut c_void; 4] = [
+        let mut per_warp = u32::from(grid.per_warp);
+        let mut params: [*mut c_void; 5] = [
             (&mut runs as *mut CUdeviceptr).cast(),
             (&mut n_runs as *mut u32).cast(),
             (&mut src_bases as *mut CUdeviceptr).cast(),
             (&mut dst_bases as *mut CUdeviceptr).cast(),
+            (&mut per_warp as *mut u32).cast(),
         ];
         // SAFETY: `params` matches the kernel's signature (pointer, u32,
-        // pointer, pointer) and lives across the call, which copies it; the
+        // pointer, pointer, u32) and lives across the call, which copies it; the
         // caller guarantees the pointed-to memory.
         check("cuLaunchKernel", unsafe {
             sys::cuLaunchKernel(

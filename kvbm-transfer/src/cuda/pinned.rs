@@ -13,7 +13,7 @@
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
 
 use cudarc::driver::sys;
@@ -23,6 +23,28 @@ use super::error::{CudaError, CudaResult};
 use super::memory::{CudaRegion, Location, bounds};
 
 const HUGE_PAGE: usize = 2 << 20;
+
+/// Start and end addresses of every live host registration, sorted. A DMA
+/// copy must not cross one of these (the driver refuses a copy spanning two
+/// registrations), so the copy-engine paths split spans at them.
+static BOUNDS: RwLock<Option<Arc<Vec<u64>>>> = RwLock::new(None);
+
+/// A snapshot of the registration boundaries.
+pub(crate) fn registration_bounds() -> Arc<Vec<u64>> {
+    BOUNDS
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone()
+        .unwrap_or_default()
+}
+
+fn update_bounds(f: impl FnOnce(&mut Vec<u64>)) {
+    let mut guard = BOUNDS.write().unwrap_or_else(|p| p.into_inner());
+    let mut v: Vec<u64> = guard.as_deref().cloned().unwrap_or_default();
+    f(&mut v);
+    v.sort_unstable();
+    *guard = Some(Arc::new(v));
+}
 const PAGE: usize = 4096;
 
 /// How [`PinnedMemory`] pins.
@@ -115,7 +137,7 @@ impl PinnedMemory {
         opts: PinnedOptions,
     ) -> CudaResult<Self> {
         let inner = Arc::new(Inner::map(device, len, opts)?);
-        let first = round_up(first_bytes.min(len), HUGE_PAGE).min(len);
+        let first = round_up(first_bytes.min(len), inner.opts.chunk_bytes).min(len);
         inner.pin_range(0, first)?;
         let worker = if first < len {
             let bg = Arc::clone(&inner);
@@ -345,6 +367,8 @@ impl Inner {
             });
         }
         lock(&self.chunks).push((a, b));
+        let base = self.ptr as u64;
+        update_bounds(|v| v.extend([base + a as u64, base + b as u64]));
         Ok(())
     }
 
@@ -379,8 +403,19 @@ impl Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        let base = self.ptr as u64;
+        let chunks = lock(&self.chunks).clone();
+        update_bounds(|v| {
+            for &(a, b) in &chunks {
+                for edge in [base + a as u64, base + b as u64] {
+                    if let Some(i) = v.iter().position(|&x| x == edge) {
+                        v.swap_remove(i);
+                    }
+                }
+            }
+        });
         if self.device.bind().is_ok() {
-            for &(a, _) in lock(&self.chunks).iter() {
+            for &(a, _) in chunks.iter() {
                 // SAFETY: each chunk was registered once at this address; no
                 // copy holds the memory any more (copies hold an Arc).
                 unsafe { sys::cuMemHostUnregister(self.ptr.add(a).cast::<c_void>()) };

@@ -54,6 +54,44 @@ pub(crate) fn absolute_spans(runs: &[CopyRun], src_bases: &[u64], dst_bases: &[u
     out
 }
 
+/// Splits spans so that none crosses an address in `bounds` (sorted) on
+/// either side. The driver refuses a DMA copy that spans two separate host
+/// registrations, and pinned memory is registered in chunks.
+pub(crate) fn split_at_bounds(spans: &[Span], bounds: &[u64]) -> Vec<Span> {
+    let next_bound = |from: u64, to: u64| -> Option<u64> {
+        let i = bounds.partition_point(|&b| b <= from);
+        bounds.get(i).copied().filter(|&b| b < to)
+    };
+    let mut out = Vec::with_capacity(spans.len());
+    for s in spans {
+        let mut s = *s;
+        loop {
+            let cut = [
+                next_bound(s.src, s.src + s.len).map(|b| b - s.src),
+                next_bound(s.dst, s.dst + s.len).map(|b| b - s.dst),
+            ]
+            .into_iter()
+            .flatten()
+            .min();
+            match cut {
+                Some(c) if c > 0 && c < s.len => {
+                    out.push(Span { len: c, ..s });
+                    s = Span {
+                        src: s.src + c,
+                        dst: s.dst + c,
+                        len: s.len - c,
+                    };
+                }
+                _ => {
+                    out.push(s);
+                    break;
+                }
+            }
+        }
+    }
+    out
+}
+
 /// Which side of a staged copy the host is on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum HostSide {
@@ -108,7 +146,7 @@ pub(crate) fn plan_staged(
         HostSide::Destination => dst_bases[r.dst_region as usize] + r.dst_offset,
     };
     let mut order: Vec<&CopyRun> = runs.iter().filter(|r| r.len > 0).collect();
-    order.sort_by_key(|r| host_addr(r));
+    order.sort_unstable_by_key(|r| host_addr(r));
 
     let mut plan = StagedPlan::default();
     let mut used = 0u64; // bytes used in the current slot
@@ -288,6 +326,60 @@ mod tests {
                 prop_assert_eq!(hits, 1);
             }
         }
+    }
+
+    #[test]
+    fn spans_split_at_registration_bounds_on_either_side() {
+        let spans = [
+            Span {
+                src: 0,
+                dst: 1000,
+                len: 100,
+            },
+            Span {
+                src: 500,
+                dst: 5000,
+                len: 10,
+            },
+        ];
+        // Bound 50 cuts the first span on the source side, 1070 on the
+        // destination side; 505 cuts the second span.
+        let got = split_at_bounds(&spans, &[50, 505, 1070]);
+        assert_eq!(
+            got,
+            vec![
+                Span {
+                    src: 0,
+                    dst: 1000,
+                    len: 50
+                },
+                Span {
+                    src: 50,
+                    dst: 1050,
+                    len: 20
+                },
+                Span {
+                    src: 70,
+                    dst: 1070,
+                    len: 30
+                },
+                Span {
+                    src: 500,
+                    dst: 5000,
+                    len: 5
+                },
+                Span {
+                    src: 505,
+                    dst: 5005,
+                    len: 5
+                },
+            ]
+        );
+        // A bound at a span's start or end cuts nothing.
+        assert_eq!(
+            split_at_bounds(&spans[..1], &[0, 100, 1000, 1100]),
+            spans[..1].to_vec()
+        );
     }
 
     #[test]
