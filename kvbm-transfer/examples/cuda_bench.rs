@@ -95,9 +95,7 @@ fn opts(path: Option<CopyPath>, load: GpuLoad) -> CopyOptions {
 /// The copiers compared: the default one and one per alternative setting.
 struct Copiers {
     main: CudaCopier,
-    cta: CudaCopier,
-    big_slots: CudaCopier,
-    no_batch: CudaCopier,
+    small_ring: CudaCopier,
 }
 
 impl Copiers {
@@ -106,16 +104,11 @@ impl Copiers {
         let mk = |c: CopierConfig| CudaCopier::new(dev, c).expect("copier");
         Copiers {
             main: mk(d()),
-            cta: mk(CopierConfig {
-                warp_per_run: false,
-                ..d()
-            }),
-            big_slots: mk(CopierConfig {
-                staging_slot_bytes: 32 << 20,
-                ..d()
-            }),
-            no_batch: mk(CopierConfig {
-                use_batch_copy: false,
+            // The earlier default: 8 × 8 MiB ring, 16-CTA staging kernel.
+            small_ring: mk(CopierConfig {
+                staging_slot_bytes: 8 << 20,
+                staged_ctas: 16,
+                staged_threads: 256,
                 ..d()
             }),
         }
@@ -130,13 +123,10 @@ impl Copiers {
         let (i, b) = (GpuLoad::Idle, GpuLoad::Busy);
         vec![
             ("copy-engine", &self.main, opts(ce, i)),
-            ("ce-no-batch", &self.no_batch, opts(ce, i)),
             ("kernel-idle", &self.main, opts(k, i)),
-            ("kernel-cta", &self.cta, opts(k, i)),
             ("kernel-busy", &self.main, opts(k, b)),
             ("staged", &self.main, opts(st, i)),
-            ("staged-32M", &self.big_slots, opts(st, i)),
-            ("staged-nobat", &self.no_batch, opts(st, i)),
+            ("staged-small", &self.small_ring, opts(st, i)),
             ("auto-idle", &self.main, opts(None, i)),
             ("auto-busy", &self.main, opts(None, b)),
         ]
@@ -282,6 +272,8 @@ fn main() {
         std::process::exit(3);
     });
     let quick = std::env::args().any(|a| a == "quick");
+    // `gemm`: only the reference and the copies beside a GEMM loop.
+    let gemm_only = std::env::args().any(|a| a == "gemm");
     let reps = if quick { 3 } else { 5 };
     println!(
         "device: {} ({} SMs, NUMA node {:?}, batch copy {})",
@@ -292,11 +284,11 @@ fn main() {
     );
 
     // --- Pinned allocation: 16 GiB, first 1 GiB usable at once. ---
-    let arena_len = 16 * GIB;
+    let arena_len = if gemm_only { 2 * GIB } else { 16 * GIB };
     let mut firsts = Vec::new();
     let mut alls = Vec::new();
     let mut arena = None;
-    for _ in 0..3 {
+    for _ in 0..(if gemm_only { 1 } else { 3 }) {
         drop(arena.take());
         let t = Instant::now();
         let mem = PinnedMemory::allocate_in_background(
@@ -311,6 +303,10 @@ fn main() {
         alls.push(t.elapsed().as_secs_f64());
         arena = Some(mem);
     }
+    println!(
+        "pinned 16 GiB per run (first 1 GiB usable / all pinned, s): {:?} / {:?}",
+        firsts, alls
+    );
     let (f, fmin, fmax) = median(firsts);
     let (a, amin, amax) = median(alls);
     println!(
@@ -395,7 +391,8 @@ fn main() {
         println!("GEMM bf16 8192^3 alone: {t:.0} TFLOP/s");
     }
 
-    for tokens in [16usize, 4, 128] {
+    let shapes: &[usize] = if gemm_only { &[16, 4] } else { &[16, 4, 128] };
+    for &tokens in shapes {
         let run_bytes = tokens * 8 * 128 * 2;
         let pool = 512;
         let dl = Layout {
@@ -448,8 +445,14 @@ fn main() {
             }
         };
         let kib = run_bytes >> 10;
-        for d in [Direction::HostToDevice, Direction::DeviceToHost] {
+        let directions: &[Direction] = if gemm_only {
+            &[]
+        } else {
+            &[Direction::HostToDevice, Direction::DeviceToHost]
+        };
+        for &d in directions {
             let case = mk(d, 0..256);
+            let reps = if tokens > 16 { 3 } else { reps };
             let reference = if d == Direction::HostToDevice {
                 ref_h2d
             } else {
@@ -463,8 +466,15 @@ fn main() {
                     continue;
                 }
                 let (m, lo, hi) = gbps(case.bytes, reps, || case.run(copier, o));
+                let submit = {
+                    let t = Instant::now();
+                    let c = copier.copy(&case.runs, &case.src, &case.dst, o);
+                    let us = t.elapsed().as_secs_f64() * 1e6;
+                    let _ = c.map(|c| c.wait());
+                    us
+                };
                 println!(
-                    "{kib:>3} KiB runs {d:?} 256 blocks ({} runs, {} MiB) {name:<12} {m:6.1} GB/s [{lo:.1}-{hi:.1}] ratio {:.3}",
+                    "{kib:>3} KiB runs {d:?} 256 blocks ({} runs, {} MiB) {name:<12} {m:6.1} GB/s [{lo:.1}-{hi:.1}] ratio {:.3} (submit call {submit:.0} us)",
                     case.runs.len(),
                     case.bytes >> 20,
                     m / reference
@@ -504,9 +514,22 @@ fn main() {
         // Offload and onboard at once (disjoint blocks).
         let on = mk(Direction::HostToDevice, 0..256);
         let off = mk(Direction::DeviceToHost, 256..512);
+        let reps = if tokens > 16 { 3 } else { reps };
         let mut best_bi = 0f64;
-        for (name, copier, o) in copiers.variants() {
+        for (name, copier, o) in copiers.variants().into_iter().filter(|_| !gemm_only) {
             let (m, lo, hi) = gbps(on.bytes + off.bytes, reps, || both(copier, &on, &off, o));
+            // The same submitted from two threads, as an engine's offload
+            // and onboard tasks would.
+            let (m2, lo2, hi2) = gbps(on.bytes + off.bytes, reps, || {
+                std::thread::scope(|s| {
+                    s.spawn(|| on.run(copier, o));
+                    off.run(copier, o);
+                })
+            });
+            println!(
+                "{kib:>3} KiB runs both directions {name:<12} two threads {m2:6.1} GB/s total [{lo2:.1}-{hi2:.1}] ratio {:.3}",
+                m2 / ref_bi
+            );
             if name.starts_with("auto") {
                 println!(
                     "{kib:>3} KiB runs both directions {name} / best path = {:.3}",
@@ -521,7 +544,7 @@ fn main() {
             );
         }
         // Beside a GEMM loop.
-        if let (Some(g), Some(_), true) = (gemm.as_ref(), gemm_alone, tokens == 16) {
+        if let (Some(g), Some(_), true) = (gemm.as_ref(), gemm_alone, tokens <= 16) {
             // Long enough for several copies to fit inside the GEMM window
             // (one GEMM is about 1.5 ms; copies assumed no faster than 40 GB/s).
             let copy_s = on.bytes as f64 / 40e9;
@@ -530,32 +553,34 @@ fn main() {
             // throughput) and, run from two threads, block it entirely, so
             // only the SM-sparing variants run beside it.
             for (name, copier, o) in copiers.variants().into_iter().filter(|v| {
-                matches!(
-                    v.0,
-                    "copy-engine"
-                        | "kernel-busy"
-                        | "staged"
-                        | "staged-32M"
-                        | "staged-nobat"
-                        | "auto-busy"
-                )
+                matches!(v.0, "copy-engine" | "kernel-busy" | "staged" | "auto-busy")
+                    && !(gemm_only && v.0 == "kernel-busy")
             }) {
                 for (label, cases) in [
                     ("H2D", vec![(&on, o)]),
                     ("D2H", vec![(&off, o)]),
                     ("both", vec![(&on, o), (&off, o)]),
                 ] {
-                    let alone = g.run(gemm_n);
-                    let (t, c) = interfere(copier, g, &cases, gemm_n);
+                    // Alternate alone / beside three times; GEMM clocks drift,
+                    // so each loss is against the run just before it.
+                    let mut losses = Vec::new();
+                    let mut rates = Vec::new();
+                    for _ in 0..3 {
+                        let alone = g.run(gemm_n);
+                        let (t, c) = interfere(copier, g, &cases, gemm_n);
+                        losses.push((1.0 - t / alone) * 100.0);
+                        rates.push(c);
+                    }
                     let reference = match label {
                         "H2D" => ref_h2d,
                         "D2H" => ref_d2h,
                         _ => ref_bi,
                     };
+                    let (c, clo, chi) = median(rates);
+                    let (l, llo, lhi) = median(losses);
                     println!(
-                        "{kib:>3} KiB runs {label:<4} beside GEMM {name:<12} copy {c:6.1} GB/s ratio {:.3}; GEMM {t:.0} TFLOP/s (alone just before {alone:.0}), loss {:.1}%",
-                        c / reference,
-                        (1.0 - t / alone) * 100.0
+                        "{kib:>3} KiB runs {label:<4} beside GEMM {name:<12} copy {c:6.1} GB/s [{clo:.1}-{chi:.1}] ratio {:.3}; GEMM loss {l:.1}% [{llo:.1}-{lhi:.1}] (3 alternations)",
+                        c / reference
                     );
                 }
             }

@@ -348,8 +348,8 @@ fn pinned_memory_grows_in_the_background() {
         dst_offset: (96 << 20) - 4096,
         len: 4096,
     };
-    let (src, dst): (Vec<Arc<dyn CudaRegion>>, Vec<Arc<dyn CudaRegion>>) =
-        (vec![gpu], vec![mem.clone()]);
+    type Regions = Vec<Arc<dyn CudaRegion>>;
+    let (src, dst): (Regions, Regions) = (vec![gpu], vec![mem.clone()]);
     copier
         .copy(&[run], &src, &dst, CopyOptions::default())
         .unwrap()

@@ -89,11 +89,16 @@ impl Direction {
 /// Tunables of a [`CudaCopier`]. The defaults are the measured choices.
 #[derive(Debug, Clone)]
 pub struct CopierConfig {
-    /// Lanes (stream pairs with their own staging ring) per direction.
+    /// Lanes (kernel stream + copy stream + watcher) per direction; the
+    /// first lane of each host direction also holds the staging ring.
     pub lanes_per_direction: usize,
     /// Bytes per staging slot.
     pub staging_slot_bytes: usize,
-    /// Slots per staging ring.
+    /// Slots per staging ring. Under a model that holds every SM (a large
+    /// GEMM), the staging kernels only run between the model's kernels, so
+    /// the ring must hold what the DMA moves during one of them: 8 × 32 MiB
+    /// reached 0.84 of line rate beside a 1.5 ms GEMM where 8 × 8 MiB
+    /// reached 0.45.
     pub staging_slots: usize,
     /// Kernel path, idle GPU: threads per CTA.
     pub idle_threads: u32,
@@ -109,32 +114,36 @@ pub struct CopierConfig {
     pub busy_ctas: u32,
     /// Kernel path, busy GPU: threads per CTA.
     pub busy_threads: u32,
-    /// Staged path: CTAs of the staging kernel.
+    /// Staged path: CTAs of the staging kernel. Wide, so the gather that
+    /// runs in the gaps between the model's kernels finishes quickly.
     pub staged_ctas: u32,
     /// Staged path: threads per CTA of the staging kernel.
     pub staged_threads: u32,
     /// Copies up to this many bytes take the kernel path (latency).
     pub small_copy_bytes: u64,
-    /// Runs of at least this mean size take the copy engines.
+    /// Busy GPU: runs of at least this mean size take the copy engines.
     pub large_run_bytes: u64,
+    /// Idle GPU: runs of at least this mean size take the staging ring.
+    pub staged_run_bytes: u64,
 }
 
 impl Default for CopierConfig {
     fn default() -> Self {
         CopierConfig {
             lanes_per_direction: 2,
-            staging_slot_bytes: 8 << 20,
-            staging_slots: 4,
+            staging_slot_bytes: 32 << 20,
+            staging_slots: 8,
             idle_threads: 512,
             idle_max_ctas: 64,
             warp_per_run: true,
             use_batch_copy: true,
             busy_ctas: 8,
             busy_threads: 512,
-            staged_ctas: 16,
-            staged_threads: 256,
+            staged_ctas: 264,
+            staged_threads: 512,
             small_copy_bytes: 4 << 20,
             large_run_bytes: 1 << 20,
+            staged_run_bytes: 128 << 10,
         }
     }
 }
@@ -174,7 +183,9 @@ impl CudaCopier {
         let mut lanes: [Vec<Lane>; 3] = Default::default();
         for (d, name) in [(0, "h2d"), (1, "d2h"), (2, "d2d")] {
             for i in 0..config.lanes_per_direction {
-                let staged = d != 2;
+                // One staging ring per direction, on lane 0: staged copies
+                // all go there (the ring is large; see `staging_slots`).
+                let staged = d != 2 && i == 0;
                 lanes[d].push(Lane::new(
                     device,
                     &config,
@@ -208,13 +219,17 @@ impl CudaCopier {
     /// The path [`CudaCopier::copy`] takes for a plan of `n_runs` runs and
     /// `total_bytes` bytes when none is forced.
     ///
-    /// The rule, from the H200 measurements in docs/benchmarks.md: on an idle
-    /// GPU the kernel is fastest at every run size and has the lowest
-    /// latency, device-to-device too. On a busy GPU the kernel would take SMs
-    /// from the model: runs of a MiB or more go to the copy engines (the
-    /// driver's per-copy cost is amortised), everything else through the
-    /// staging ring (SMs busy only for brief HBM-speed gathers). Small
-    /// copies take the kernel either way: one launch, done in microseconds.
+    /// The rule, from the H200 measurements in docs/benchmarks.md (8, 32 and
+    /// 256 KiB runs, 256 random blocks, idle and beside a bf16 GEMM loop):
+    ///
+    /// - small copies (up to `small_copy_bytes`) and device-to-device copies
+    ///   take the kernel: one launch, the lowest latency;
+    /// - idle GPU: the kernel for runs under `staged_run_bytes` (it reads
+    ///   pinned memory at 0.80–0.92 of line rate at 8–32 KiB where DMA per
+    ///   run is far slower), the staging ring above (0.97–0.98 at 256 KiB);
+    /// - busy GPU: no long-running kernel (a few CTAs held for a whole copy
+    ///   cost a GEMM 5–66 %): the staging ring, or the copy engines alone
+    ///   for runs of `large_run_bytes` and more.
     pub fn choose(
         &self,
         dir: Direction,
@@ -222,17 +237,15 @@ impl CudaCopier {
         total_bytes: u64,
         load: GpuLoad,
     ) -> CopyPath {
-        if dir == Direction::DeviceToDevice
-            || load == GpuLoad::Idle
-            || total_bytes <= self.config.small_copy_bytes
-        {
+        if dir == Direction::DeviceToDevice || total_bytes <= self.config.small_copy_bytes {
             return CopyPath::Kernel;
         }
         let mean = total_bytes / n_runs.max(1) as u64;
-        if mean >= self.config.large_run_bytes {
-            CopyPath::CopyEngine
-        } else {
-            CopyPath::Staged
+        match load {
+            GpuLoad::Idle if mean < self.config.staged_run_bytes => CopyPath::Kernel,
+            GpuLoad::Idle => CopyPath::Staged,
+            GpuLoad::Busy if mean >= self.config.large_run_bytes => CopyPath::CopyEngine,
+            GpuLoad::Busy => CopyPath::Staged,
         }
     }
 
@@ -268,8 +281,11 @@ impl CudaCopier {
         let src_bases: Vec<u64> = src.iter().map(|r| r.device_ptr()).collect();
         let dst_bases: Vec<u64> = dst.iter().map(|r| r.device_ptr()).collect();
         let lanes = &self.lanes[dir.index()];
-        let lane =
-            &lanes[self.next_lane[dir.index()].fetch_add(1, Ordering::Relaxed) % lanes.len()];
+        let lane = if path == CopyPath::Staged {
+            &lanes[0]
+        } else {
+            &lanes[self.next_lane[dir.index()].fetch_add(1, Ordering::Relaxed) % lanes.len()]
+        };
         let mut keep: Vec<Box<dyn Any + Send>> =
             vec![Box::new(src.to_vec()), Box::new(dst.to_vec())];
         let mut guard = lane.state.lock().unwrap_or_else(|p| p.into_inner());

@@ -1,6 +1,6 @@
 //! Errors of the CUDA backend.
 //!
-//! Every driver call that can fail goes through [`check`], which turns a
+//! Every driver call that can fail goes through `check`, which turns a
 //! non-success `CUresult` into [`CudaError::Driver`] naming the call. A copy
 //! whose stream reports an error resolves its completion with that error: a
 //! failed copy never reports success.

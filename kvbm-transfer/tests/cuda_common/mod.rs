@@ -93,15 +93,14 @@ pub fn plan(src: &Layout, dst: &Layout, pairs: &[(usize, usize)]) -> Vec<CopyRun
                 let (sr, so) = src.at(sb, l, o);
                 let (dr, d) = dst.at(db, l, o);
                 let len = src.run_bytes as u64;
-                if let Some(p) = runs.last_mut() {
-                    if p.src_region == sr
-                        && p.dst_region == dr
-                        && p.src_offset + p.len == so
-                        && p.dst_offset + p.len == d
-                    {
-                        p.len += len;
-                        continue;
-                    }
+                if let Some(p) = runs.last_mut()
+                    && p.src_region == sr
+                    && p.dst_region == dr
+                    && p.src_offset + p.len == so
+                    && p.dst_offset + p.len == d
+                {
+                    p.len += len;
+                    continue;
                 }
                 runs.push(CopyRun {
                     src_region: sr,
