@@ -5,3 +5,5 @@
 //! fault-injecting files and backends), reference models for model-based
 //! tests, workload trace readers (Mooncake JSONL), offline-optimal (Belady)
 //! and LRU reference simulators, and the `kvbm-bench` binary.
+
+pub mod fault;

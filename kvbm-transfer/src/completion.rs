@@ -1,0 +1,381 @@
+//! Completion handles and cancellation.
+//!
+//! A [`Completion`] is the receiving half of a transfer: a std future (no
+//! runtime needed), a blocking [`Completion::wait`], or a callback
+//! ([`Completion::on_complete`]) for code that chains work — backends and the
+//! executor chain on callbacks so that nothing ever polls. A completion made
+//! from an already-known result ([`Completion::ready`]) allocates nothing and
+//! never blocks. The sending half, [`Completer`], is handed to whoever does
+//! the work (a worker thread, an io_uring completion thread, a CUDA host
+//! callback); if it is dropped unresolved the completion resolves to
+//! [`Outcome::abandoned`] instead of hanging.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::task::{Context, Poll, Waker};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::error::TransferError;
+
+/// A value a completion can resolve to; it knows what to say when the worker
+/// vanished without resolving it.
+pub trait Outcome: Send + 'static {
+    /// The value reported when the [`Completer`] was dropped unresolved.
+    fn abandoned() -> Self;
+}
+
+impl<T: Send + 'static> Outcome for Result<T, TransferError> {
+    fn abandoned() -> Self {
+        Err(TransferError::Abandoned("completer dropped"))
+    }
+}
+
+type Callback<T> = Box<dyn FnOnce(T) + Send>;
+
+enum State<T> {
+    Pending {
+        waker: Option<Waker>,
+        callback: Option<Callback<T>>,
+    },
+    Done(Option<T>),
+}
+
+struct Shared<T> {
+    state: Mutex<State<T>>,
+    cv: Condvar,
+}
+
+/// The receiving half: resolves once to a `T`.
+#[must_use = "a completion does nothing unless waited on, awaited or given a callback"]
+pub struct Completion<T: Outcome = Result<(), TransferError>> {
+    inner: Inner<T>,
+}
+
+enum Inner<T> {
+    Ready(Option<T>),
+    Pending(Arc<Shared<T>>),
+}
+
+/// The sending half: resolve it exactly once with [`Completer::complete`].
+pub struct Completer<T: Outcome = Result<(), TransferError>> {
+    shared: Option<Arc<Shared<T>>>,
+}
+
+/// Makes a linked completer/completion pair.
+pub fn completion_pair<T: Outcome>() -> (Completer<T>, Completion<T>) {
+    let shared = Arc::new(Shared {
+        state: Mutex::new(State::Pending {
+            waker: None,
+            callback: None,
+        }),
+        cv: Condvar::new(),
+    });
+    (
+        Completer {
+            shared: Some(shared.clone()),
+        },
+        Completion {
+            inner: Inner::Pending(shared),
+        },
+    )
+}
+
+impl<T: Outcome> Completer<T> {
+    /// Resolves the completion. Runs its callback, if one is set, on this
+    /// thread.
+    pub fn complete(mut self, value: T) {
+        if let Some(shared) = self.shared.take() {
+            resolve(&shared, value);
+        }
+    }
+}
+
+impl<T: Outcome> Drop for Completer<T> {
+    fn drop(&mut self) {
+        if let Some(shared) = self.shared.take() {
+            resolve(&shared, T::abandoned());
+        }
+    }
+}
+
+fn resolve<T: Outcome>(shared: &Shared<T>, value: T) {
+    let mut state = shared.state.lock();
+    match std::mem::replace(&mut *state, State::Done(None)) {
+        State::Pending {
+            callback: Some(cb), ..
+        } => {
+            drop(state);
+            cb(value);
+        }
+        State::Pending {
+            waker,
+            callback: None,
+        } => {
+            *state = State::Done(Some(value));
+            drop(state);
+            shared.cv.notify_all();
+            if let Some(w) = waker {
+                w.wake();
+            }
+        }
+        // Resolving twice is impossible: `complete` consumes the completer.
+        State::Done(v) => *state = State::Done(v),
+    }
+}
+
+impl<T: Outcome> Completion<T> {
+    /// A completion that is already resolved; costs no allocation.
+    pub fn ready(value: T) -> Self {
+        Completion {
+            inner: Inner::Ready(Some(value)),
+        }
+    }
+
+    /// True when the result is available without waiting.
+    pub fn is_done(&self) -> bool {
+        match &self.inner {
+            Inner::Ready(_) => true,
+            Inner::Pending(s) => matches!(*s.state.lock(), State::Done(_)),
+        }
+    }
+
+    /// Blocks the calling thread until the result is available.
+    pub fn wait(self) -> T {
+        match self.inner {
+            Inner::Ready(v) => v.unwrap_or_else(T::abandoned),
+            Inner::Pending(shared) => {
+                let mut state = shared.state.lock();
+                loop {
+                    if let State::Done(v) = &mut *state {
+                        return v.take().unwrap_or_else(T::abandoned);
+                    }
+                    shared.cv.wait(&mut state);
+                }
+            }
+        }
+    }
+
+    /// Runs `f` with the result: right now if it is available, otherwise on
+    /// the thread that resolves it. `f` must not block.
+    pub fn on_complete(self, f: impl FnOnce(T) + Send + 'static) {
+        match self.inner {
+            Inner::Ready(v) => f(v.unwrap_or_else(T::abandoned)),
+            Inner::Pending(shared) => {
+                let mut state = shared.state.lock();
+                match &mut *state {
+                    State::Done(v) => {
+                        let v = v.take().unwrap_or_else(T::abandoned);
+                        drop(state);
+                        f(v);
+                    }
+                    State::Pending { callback, .. } => *callback = Some(Box::new(f)),
+                }
+            }
+        }
+    }
+}
+
+impl<E: Send + 'static> Completion<Result<(), E>>
+where
+    Result<(), E>: Outcome,
+{
+    /// One completion for many: resolves when all have, to the first error
+    /// (in completion order) or `Ok(())`. Free when they are all ready.
+    pub fn join_all(parts: impl IntoIterator<Item = Completion<Result<(), E>>>) -> Self {
+        let parts: Vec<_> = parts.into_iter().collect();
+        let mut first_err = None;
+        let mut pending = Vec::new();
+        for p in parts {
+            match p.inner {
+                Inner::Ready(v) => {
+                    if let Some(Err(e)) = v
+                        && first_err.is_none()
+                    {
+                        first_err = Some(e);
+                    }
+                }
+                Inner::Pending(_) => pending.push(p),
+            }
+        }
+        if pending.is_empty() {
+            return Completion::ready(first_err.map_or(Ok(()), Err));
+        }
+        let (completer, completion) = completion_pair();
+        let join = Arc::new(JoinState {
+            remaining: AtomicUsize::new(pending.len()),
+            first_err: Mutex::new(first_err),
+            completer: Mutex::new(Some(completer)),
+        });
+        for p in pending {
+            let join = join.clone();
+            p.on_complete(move |r| join.arrive(r));
+        }
+        completion
+    }
+}
+
+struct JoinState<E: Send + 'static>
+where
+    Result<(), E>: Outcome,
+{
+    remaining: AtomicUsize,
+    first_err: Mutex<Option<E>>,
+    completer: Mutex<Option<Completer<Result<(), E>>>>,
+}
+
+impl<E: Send + 'static> JoinState<E>
+where
+    Result<(), E>: Outcome,
+{
+    fn arrive(&self, r: Result<(), E>) {
+        if let Err(e) = r {
+            let mut first = self.first_err.lock();
+            if first.is_none() {
+                *first = Some(e);
+            }
+        }
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let err = self.first_err.lock().take();
+            if let Some(c) = self.completer.lock().take() {
+                c.complete(err.map_or(Ok(()), Err));
+            }
+        }
+    }
+}
+
+// The value is never pinned structurally: `poll` only moves it out.
+impl<T: Outcome> Unpin for Completion<T> {}
+
+impl<T: Outcome> Future for Completion<T> {
+    type Output = T;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+        let this = self.get_mut();
+        match &mut this.inner {
+            Inner::Ready(v) => Poll::Ready(v.take().unwrap_or_else(T::abandoned)),
+            Inner::Pending(shared) => {
+                let mut state = shared.state.lock();
+                match &mut *state {
+                    State::Done(v) => Poll::Ready(v.take().unwrap_or_else(T::abandoned)),
+                    State::Pending { waker, .. } => {
+                        match waker {
+                            Some(w) if w.will_wake(cx.waker()) => {}
+                            _ => *waker = Some(cx.waker().clone()),
+                        }
+                        Poll::Pending
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A shared cancellation flag. Backends check it between units of work and
+/// resolve with [`TransferError::Cancelled`] once everything they started
+/// has settled.
+#[derive(Debug, Clone, Default)]
+pub struct CancelToken {
+    flag: Arc<AtomicBool>,
+}
+
+impl CancelToken {
+    /// A fresh, uncancelled token.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Requests cancellation; work not yet started will not start.
+    pub fn cancel(&self) {
+        self.flag.store(true, Ordering::Release);
+    }
+
+    /// Whether cancellation was requested.
+    pub fn is_cancelled(&self) -> bool {
+        self.flag.load(Ordering::Acquire)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    type R = Result<(), TransferError>;
+
+    #[test]
+    fn ready_is_done_and_free() {
+        let c: Completion<R> = Completion::ready(Ok(()));
+        assert!(c.is_done());
+        assert!(c.wait().is_ok());
+        let c: Completion<R> = Completion::ready(Err(TransferError::Cancelled));
+        assert!(matches!(
+            futures::executor::block_on(c),
+            Err(TransferError::Cancelled)
+        ));
+    }
+
+    #[test]
+    fn wait_blocks_until_another_thread_completes() {
+        let (tx, rx) = completion_pair::<R>();
+        assert!(!rx.is_done());
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            tx.complete(Err(TransferError::Cancelled));
+        });
+        assert!(matches!(rx.wait(), Err(TransferError::Cancelled)));
+        t.join().unwrap();
+    }
+
+    #[test]
+    fn future_is_woken() {
+        let (tx, rx) = completion_pair::<R>();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            tx.complete(Ok(()));
+        });
+        assert!(futures::executor::block_on(rx).is_ok());
+        t.join().unwrap();
+    }
+
+    #[test]
+    fn dropped_completer_reports_abandoned_not_success() {
+        let (tx, rx) = completion_pair::<R>();
+        drop(tx);
+        assert!(matches!(rx.wait(), Err(TransferError::Abandoned(_))));
+    }
+
+    #[test]
+    fn callback_runs_before_or_after_resolution() {
+        let (got_tx, got_rx) = std::sync::mpsc::channel();
+        let (tx, rx) = completion_pair::<R>();
+        let g = got_tx.clone();
+        rx.on_complete(move |r| g.send(r.is_ok()).unwrap());
+        tx.complete(Ok(()));
+        let (tx, rx) = completion_pair::<R>();
+        tx.complete(Err(TransferError::Cancelled));
+        rx.on_complete(move |r| got_tx.send(r.is_ok()).unwrap());
+        assert_eq!(got_rx.iter().take(2).collect::<Vec<_>>(), vec![true, false]);
+    }
+
+    #[test]
+    fn join_all_waits_for_every_part_and_keeps_the_first_error() {
+        let pairs: Vec<_> = (0..4).map(|_| completion_pair::<R>()).collect();
+        let (txs, rxs): (Vec<_>, Vec<_>) = pairs.into_iter().unzip();
+        let mut parts = rxs;
+        parts.push(Completion::ready(Ok(())));
+        let joined = Completion::join_all(parts);
+        let mut txs = txs.into_iter();
+        txs.next().unwrap().complete(Ok(()));
+        txs.next().unwrap().complete(Err(TransferError::Cancelled));
+        assert!(!joined.is_done());
+        txs.next()
+            .unwrap()
+            .complete(Err(TransferError::InvalidRequest("later".into())));
+        txs.next().unwrap().complete(Ok(()));
+        assert!(matches!(joined.wait(), Err(TransferError::Cancelled)));
+        assert!(Completion::<R>::join_all(Vec::new()).wait().is_ok());
+    }
+}

@@ -1,0 +1,250 @@
+//! Disk files: the G3 tier's backing store.
+//!
+//! Files are created in a configured directory, sized up front with
+//! `fallocate` (so later writes cannot run out of space half-way), opened
+//! with `O_DIRECT` where the file system supports it (the page cache would
+//! only duplicate what kvbm already caches in G2), and removed on drop
+//! unless asked to persist. Every fallback (no `fallocate`, no `O_DIRECT`)
+//! is taken with a warning, never silently.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use crate::error::{Result, TransferError};
+
+/// Alignment of disk extents, offsets and lengths, and of memory used for
+/// `O_DIRECT` I/O.
+pub const DISK_ALIGNMENT: u64 = 4096;
+
+/// How a disk file is opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IoMode {
+    /// `O_DIRECT` when the file system supports it, buffered with a warning
+    /// otherwise.
+    #[default]
+    Auto,
+    /// `O_DIRECT` or an error.
+    Direct,
+    /// Through the page cache.
+    Buffered,
+}
+
+/// Options for [`DiskAllocator`].
+#[derive(Debug, Clone, Default)]
+pub struct DiskOptions {
+    /// How files are opened.
+    pub io_mode: IoMode,
+    /// Keep files on drop (default: remove them).
+    pub persist: bool,
+    /// When `fallocate` is refused, write zeros instead of truncating to a
+    /// sparse file (slower, but reserves the space).
+    pub zero_fill_fallback: bool,
+}
+
+/// Creates disk files in one directory.
+#[derive(Debug, Clone)]
+pub struct DiskAllocator {
+    dir: PathBuf,
+    options: DiskOptions,
+}
+
+static NEXT_FILE: AtomicU64 = AtomicU64::new(0);
+
+impl DiskAllocator {
+    /// An allocator for files under `dir` (created if missing).
+    pub fn new(dir: impl Into<PathBuf>, options: DiskOptions) -> Result<Self> {
+        let dir = dir.into();
+        std::fs::create_dir_all(&dir).map_err(|source| TransferError::Alloc {
+            what: format!("directory {}", dir.display()),
+            source,
+        })?;
+        Ok(DiskAllocator { dir, options })
+    }
+
+    /// The directory files are created in.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Creates a file of at least `len` bytes (rounded up to
+    /// [`DISK_ALIGNMENT`]).
+    pub fn allocate(&self, len: u64) -> Result<Arc<DiskFile>> {
+        if len == 0 {
+            return Err(TransferError::InvalidRequest(
+                "cannot allocate an empty disk file".into(),
+            ));
+        }
+        let len = len.div_ceil(DISK_ALIGNMENT) * DISK_ALIGNMENT;
+        let n = NEXT_FILE.fetch_add(1, Ordering::Relaxed);
+        let path = self
+            .dir
+            .join(format!("kvbm-{}-{n}.blocks", std::process::id()));
+        let (file, direct) = open_file(&path, self.options.io_mode, true)?;
+        let disk = DiskFile {
+            path,
+            file,
+            len,
+            direct,
+            persist: AtomicBool::new(self.options.persist),
+            id: n,
+        };
+        disk.preallocate(self.options.zero_fill_fallback)?;
+        Ok(Arc::new(disk))
+    }
+}
+
+fn open_file(path: &Path, mode: IoMode, create: bool) -> Result<(File, bool)> {
+    let open = |direct: bool| {
+        let mut o = OpenOptions::new();
+        o.read(true).write(true);
+        if create {
+            o.create_new(true);
+        }
+        if direct {
+            o.custom_flags(libc::O_DIRECT);
+        }
+        o.open(path)
+    };
+    let err = |source| TransferError::Alloc {
+        what: format!("file {}", path.display()),
+        source,
+    };
+    match mode {
+        IoMode::Buffered => Ok((open(false).map_err(err)?, false)),
+        IoMode::Direct => Ok((open(true).map_err(err)?, true)),
+        IoMode::Auto => match open(true) {
+            Ok(f) => Ok((f, true)),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                tracing::warn!(path = %path.display(), "file system refuses O_DIRECT; using buffered I/O");
+                Ok((open(false).map_err(err)?, false))
+            }
+            Err(e) => Err(err(e)),
+        },
+    }
+}
+
+/// A file that backs disk regions.
+#[derive(Debug)]
+pub struct DiskFile {
+    path: PathBuf,
+    file: File,
+    len: u64,
+    direct: bool,
+    persist: AtomicBool,
+    id: u64,
+}
+
+impl DiskFile {
+    /// Opens an existing file (kept on drop), `len` bytes of it usable.
+    pub fn open(path: impl Into<PathBuf>, mode: IoMode) -> Result<Arc<DiskFile>> {
+        let path = path.into();
+        let (file, direct) = open_file(&path, mode, false)?;
+        let len = file
+            .metadata()
+            .map_err(|source| TransferError::Alloc {
+                what: format!("file {}", path.display()),
+                source,
+            })?
+            .len();
+        let id = NEXT_FILE.fetch_add(1, Ordering::Relaxed);
+        Ok(Arc::new(DiskFile {
+            path,
+            file,
+            len,
+            direct,
+            persist: AtomicBool::new(true),
+            id,
+        }))
+    }
+
+    fn preallocate(&self, zero_fill: bool) -> Result<()> {
+        let fd = self.file.as_raw_fd();
+        let len = self.len as libc::off_t;
+        // SAFETY: `fd` is an open file descriptor owned by `self.file`.
+        let rc = unsafe { libc::fallocate(fd, 0, 0, len) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        let err = |source| TransferError::Alloc {
+            what: format!("file {}", self.path.display()),
+            source,
+        };
+        if !matches!(
+            e.raw_os_error(),
+            Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS)
+        ) {
+            return Err(err(e));
+        }
+        if zero_fill {
+            tracing::warn!(path = %self.path.display(), "fallocate unsupported; zero-filling");
+            // Zero-fill through a buffered handle so O_DIRECT alignment rules
+            // do not apply.
+            let f = OpenOptions::new()
+                .write(true)
+                .open(&self.path)
+                .map_err(err)?;
+            let zeros = vec![0u8; 1 << 20];
+            let mut off = 0u64;
+            while off < self.len {
+                let n = (self.len - off).min(zeros.len() as u64) as usize;
+                std::os::unix::fs::FileExt::write_all_at(&f, &zeros[..n], off).map_err(err)?;
+                off += n as u64;
+            }
+            Ok(())
+        } else {
+            tracing::warn!(path = %self.path.display(), "fallocate unsupported; truncating to a sparse file");
+            self.file.set_len(self.len).map_err(err)
+        }
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Usable length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// True when the file has no usable bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether the file is open with `O_DIRECT`.
+    pub fn is_direct(&self) -> bool {
+        self.direct
+    }
+
+    /// The raw file descriptor (valid while `self` lives).
+    pub fn raw_fd(&self) -> RawFd {
+        self.file.as_raw_fd()
+    }
+
+    /// A process-unique id for this file.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Keep (true) or remove (false) the file when it is dropped.
+    pub fn set_persist(&self, persist: bool) {
+        self.persist.store(persist, Ordering::Relaxed);
+    }
+}
+
+impl Drop for DiskFile {
+    fn drop(&mut self) {
+        if !self.persist.load(Ordering::Relaxed)
+            && let Err(e) = std::fs::remove_file(&self.path)
+        {
+            tracing::warn!(path = %self.path.display(), error = %e, "could not remove disk file");
+        }
+    }
+}

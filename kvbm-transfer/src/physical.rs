@@ -1,0 +1,98 @@
+//! Physical layouts: a kvbm-layout [`Layout`] bound to the memory regions
+//! that hold it.
+//!
+//! The layout says where every `(block, layer, K/V)` chunk sits relative to
+//! its region; the physical layout adds where each region is. All regions of
+//! one physical layout have the same [`MemoryKind`], so one strategy serves a
+//! whole transfer.
+
+use std::sync::Arc;
+
+use kvbm_layout::Layout;
+
+use crate::error::{Result, TransferError};
+use crate::memory::{DISK_ALIGNMENT, DiskAllocator, MemoryKind, MemoryRegion, SystemAllocator};
+
+/// A layout and its regions.
+#[derive(Debug, Clone)]
+pub struct PhysicalLayout {
+    layout: Layout,
+    regions: Arc<[MemoryRegion]>,
+    kind: MemoryKind,
+}
+
+impl PhysicalLayout {
+    /// Binds `layout` to `regions`: one region per layout region, each at
+    /// least as long as the layout needs, all of one kind.
+    pub fn new(layout: Layout, regions: Vec<MemoryRegion>) -> Result<Self> {
+        if regions.len() != layout.num_regions() {
+            return Err(TransferError::LayoutMismatch(format!(
+                "layout has {} regions, {} given",
+                layout.num_regions(),
+                regions.len()
+            )));
+        }
+        let kind = regions[0].kind();
+        for (i, r) in regions.iter().enumerate() {
+            let need = layout.region_size(i)?;
+            if r.len() < need {
+                return Err(TransferError::LayoutMismatch(format!(
+                    "region {i} is {} bytes, the layout needs {need}",
+                    r.len()
+                )));
+            }
+            if r.kind() != kind {
+                return Err(TransferError::LayoutMismatch(format!(
+                    "region {i} is {:?}, region 0 is {kind:?}",
+                    r.kind()
+                )));
+            }
+        }
+        Ok(PhysicalLayout {
+            layout,
+            regions: regions.into(),
+            kind,
+        })
+    }
+
+    /// Allocates system memory for every region of `layout`.
+    pub fn allocate_system(layout: Layout, alloc: &SystemAllocator) -> Result<Self> {
+        let regions = (0..layout.num_regions())
+            .map(|r| Ok(alloc.allocate(layout.region_size(r)?)?.region()))
+            .collect::<Result<Vec<_>>>()?;
+        Self::new(layout, regions)
+    }
+
+    /// Allocates one disk file holding every region of `layout`, each region
+    /// starting on a [`DISK_ALIGNMENT`] boundary.
+    pub fn allocate_disk(layout: Layout, alloc: &DiskAllocator) -> Result<Self> {
+        let mut offsets = Vec::with_capacity(layout.num_regions());
+        let mut end = 0u64;
+        for r in 0..layout.num_regions() {
+            offsets.push(end);
+            end += layout.region_size(r)?.div_ceil(DISK_ALIGNMENT) * DISK_ALIGNMENT;
+        }
+        let file = alloc.allocate(end)?;
+        let regions = offsets
+            .iter()
+            .enumerate()
+            .map(|(r, &off)| MemoryRegion::file(file.clone(), off, layout.region_size(r)?))
+            .collect::<Result<Vec<_>>>()?;
+        Self::new(layout, regions)
+    }
+
+    /// The logical layout.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// The regions, indexed like the layout's regions.
+    pub fn regions(&self) -> &Arc<[MemoryRegion]> {
+        &self.regions
+    }
+
+    /// The memory kind of every region.
+    pub fn kind(&self) -> MemoryKind {
+        self.kind
+    }
+}

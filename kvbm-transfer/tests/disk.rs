@@ -1,0 +1,173 @@
+//! Host ↔ disk transfers on both I/O engines, and the alignment rule.
+
+mod common;
+
+use std::sync::Arc;
+
+use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
+use kvbm_transfer::backend::memcpy::MemcpyBackend;
+use kvbm_transfer::disk::{DiskBackend, DiskConfig, EngineConfig};
+use kvbm_transfer::memory::{DiskAllocator, DiskOptions};
+use kvbm_transfer::{Executor, ExecutorConfig, PhysicalLayout, TransferError};
+use proptest::prelude::*;
+
+fn executor(force_pread: bool, max_io: u32, batch: usize) -> Executor {
+    let disk = DiskBackend::new(&DiskConfig {
+        engine: EngineConfig {
+            queue_depth: 4,
+            force_pread,
+        },
+        max_io_bytes: max_io,
+    })
+    .unwrap();
+    if !force_pread && cfg!(feature = "io-uring") {
+        assert_eq!(disk.engine_name(), "io_uring");
+    }
+    Executor::builder()
+        .backend(Arc::new(MemcpyBackend::new(2).unwrap()))
+        .backend(Arc::new(disk))
+        .config(ExecutorConfig {
+            max_blocks_per_batch: batch,
+            max_batches_in_flight: 3,
+            ..Default::default()
+        })
+        .build()
+        .unwrap()
+}
+
+fn alloc() -> DiskAllocator {
+    DiskAllocator::new(common::bench_dir(), DiskOptions::default()).unwrap()
+}
+
+fn roundtrip(
+    force_pread: bool,
+    blocks: usize,
+    pairs: &[(usize, usize)],
+    max_io: u32,
+    batch: usize,
+    seed: u64,
+) {
+    let exec = executor(force_pread, max_io, batch);
+    let cfg = LayoutConfig::new(blocks, 2, 2, 16, 128, 2).unwrap();
+    let host_l = Layout::new(cfg, LayoutKind::LayerSeparate(BlockOrder::OuterFirst)).unwrap();
+    let disk_l = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
+    let back_l = Layout::new(cfg, LayoutKind::LayerSeparate(BlockOrder::BlockFirst)).unwrap();
+    let src = common::host(host_l.clone());
+    let back = common::host(back_l.clone());
+    common::fill(&src, seed);
+    common::fill(&back, !seed);
+    let disk = PhysicalLayout::allocate_disk(disk_l, &alloc()).unwrap();
+    let snap = common::snapshot(&src);
+    exec.transfer(&src, &disk, pairs).wait().unwrap();
+    let back_pairs: Vec<_> = pairs.iter().map(|&(_, d)| (d, d)).collect();
+    let before = common::snapshot(&back);
+    exec.transfer(&disk, &back, &back_pairs).wait().unwrap();
+    // What went to disk block d came from source block s.
+    let expect_pairs: Vec<_> = pairs.to_vec();
+    common::assert_copied(
+        &host_l,
+        &snap,
+        &back_l,
+        &before,
+        &common::snapshot(&back),
+        &expect_pairs,
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(12))]
+    #[test]
+    fn disk_roundtrip_is_byte_exact(
+        pairs in kvbm_layout::strategies::block_pairs(12, 12, 12),
+        force_pread in any::<bool>(),
+        max_io_pages in 1u32..6,
+        batch in 1usize..5,
+        seed in any::<u64>(),
+    ) {
+        roundtrip(force_pread, 12, &pairs, max_io_pages * 4096, batch, seed);
+    }
+}
+
+#[test]
+fn big_blocks_through_io_uring_and_pread() {
+    let pairs: Vec<_> = (0..24).map(|b| (b, (b * 7) % 24)).collect();
+    roundtrip(false, 24, &pairs, 2 << 20, 8, 1);
+    roundtrip(true, 24, &pairs, 2 << 20, 8, 2);
+}
+
+#[test]
+fn misaligned_requests_name_the_alignment() {
+    let exec = executor(false, 1 << 20, 4);
+    // 100-byte chunks cannot sit on 4096-byte extents.
+    let cfg = LayoutConfig::new(4, 1, 1, 10, 5, 2).unwrap();
+    let l = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
+    let src = common::host(l.clone());
+    let disk = PhysicalLayout::allocate_disk(l, &alloc()).unwrap();
+    let f = exec.transfer(&src, &disk, &[(0, 1)]).wait().unwrap_err();
+    assert!(
+        matches!(
+            f.error,
+            TransferError::Misaligned {
+                alignment: 4096,
+                ..
+            }
+        ),
+        "{f}"
+    );
+    assert!(f.to_string().contains("4096"), "{f}");
+    assert_eq!(f.failed, vec![(0, 1)]);
+    assert!(f.completed.is_empty());
+}
+
+#[test]
+fn disk_files_are_removed_on_drop_unless_persisted() {
+    let a = alloc();
+    let f = a.allocate(10_000).unwrap();
+    assert_eq!(f.len(), 12_288);
+    let path = f.path().to_path_buf();
+    assert!(path.exists());
+    drop(f);
+    assert!(!path.exists());
+    let f = a.allocate(4096).unwrap();
+    f.set_persist(true);
+    let path = f.path().to_path_buf();
+    drop(f);
+    assert!(path.exists());
+    std::fs::remove_file(path).unwrap();
+}
+
+#[test]
+fn buffered_files_round_trip_too() {
+    let a = DiskAllocator::new(
+        common::bench_dir().join("buffered"),
+        DiskOptions {
+            io_mode: kvbm_transfer::memory::IoMode::Buffered,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let exec = executor(false, 8192, 2);
+    let cfg = LayoutConfig::new(6, 2, 2, 16, 128, 2).unwrap();
+    let l = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
+    let disk = PhysicalLayout::allocate_disk(l.clone(), &a).unwrap();
+    assert!(
+        disk.regions()[0]
+            .file_location()
+            .is_some_and(|(f, _)| !f.is_direct())
+    );
+    let (src, back) = (common::host(l.clone()), common::host(l.clone()));
+    common::fill(&src, 3);
+    let pairs = [(0, 5), (1, 0), (4, 3)];
+    exec.transfer(&src, &disk, &pairs).wait().unwrap();
+    let back_pairs = [(5, 5), (0, 0), (3, 3)];
+    let before = common::snapshot(&back);
+    exec.transfer(&disk, &back, &back_pairs).wait().unwrap();
+    common::assert_copied(
+        &l,
+        &common::snapshot(&src),
+        &l,
+        &before,
+        &common::snapshot(&back),
+        &pairs,
+    );
+}

@@ -1,0 +1,260 @@
+//! Two-hop transfers through bounce buffers: disk → disk, and device ↔ disk
+//! with host memory standing in for the device (a memcpy backend that
+//! claims the CUDA row of the strategy table).
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
+use kvbm_transfer::backend::memcpy::MemcpyBackend;
+use kvbm_transfer::disk::{DiskBackend, DiskConfig, EngineConfig};
+use kvbm_transfer::memory::{DiskAllocator, DiskOptions, SystemAllocator};
+use kvbm_transfer::{
+    BackendKind, BouncePool, Completion, Executor, ExecutorConfig, MemoryKind, MemoryRegion,
+    PhysicalLayout, Strategy, TransferBackend, TransferError, TransferJob,
+};
+
+/// Host memory labelled as device memory, moved by memcpy, optionally slowly.
+struct FakeDevice {
+    inner: MemcpyBackend,
+    delay: Duration,
+}
+
+impl TransferBackend for FakeDevice {
+    fn name(&self) -> &'static str {
+        "fake-device"
+    }
+    fn kind(&self) -> BackendKind {
+        BackendKind::Cuda
+    }
+    fn supports(&self, _src: MemoryKind, _dst: MemoryKind) -> bool {
+        true
+    }
+    fn submit(&self, job: TransferJob) -> Completion {
+        // Relabel device regions as pinned so memcpy accepts them.
+        let relabel = |rs: &[MemoryRegion]| -> Arc<[MemoryRegion]> {
+            rs.iter()
+                .map(|r| {
+                    // SAFETY: the "device" regions are system allocations
+                    // kept alive by their owner, which the clone carries.
+                    unsafe {
+                        MemoryRegion::from_raw(
+                            r.addr().unwrap(),
+                            r.len(),
+                            MemoryKind::Pinned,
+                            r.owner().cloned(),
+                        )
+                    }
+                })
+                .collect()
+        };
+        let job = TransferJob::new(
+            relabel(&job.src),
+            relabel(&job.dst),
+            job.runs.clone(),
+            job.cancel.clone(),
+        );
+        if self.delay.is_zero() {
+            return self.inner.submit(job);
+        }
+        std::thread::sleep(self.delay);
+        self.inner.submit(job)
+    }
+}
+
+fn fake_device(layout: Layout) -> PhysicalLayout {
+    let regions = (0..layout.num_regions())
+        .map(|r| {
+            let buf = SystemAllocator::new()
+                .allocate(layout.region_size(r).unwrap())
+                .unwrap();
+            // SAFETY: a live system allocation, owned by the region.
+            unsafe {
+                MemoryRegion::from_raw(buf.addr(), buf.len(), MemoryKind::Device(0), Some(buf))
+            }
+        })
+        .collect();
+    PhysicalLayout::new(layout, regions).unwrap()
+}
+
+fn pinned_pool(slots: usize, slot_bytes: u64) -> Arc<BouncePool> {
+    let buf = SystemAllocator::new()
+        .allocate(slots as u64 * slot_bytes)
+        .unwrap();
+    // SAFETY: a live system allocation, owned by the region.
+    let region =
+        unsafe { MemoryRegion::from_raw(buf.addr(), buf.len(), MemoryKind::Pinned, Some(buf)) };
+    BouncePool::new(region, slot_bytes).unwrap()
+}
+
+struct Rig {
+    exec: Executor,
+    system_pool: Arc<BouncePool>,
+    pinned_pool: Arc<BouncePool>,
+}
+
+fn rig(slot_bytes: u64, slots: usize, per_batch: usize, batch: usize, delay: Duration) -> Rig {
+    let disk = DiskBackend::new(&DiskConfig {
+        engine: EngineConfig {
+            queue_depth: 4,
+            force_pread: false,
+        },
+        max_io_bytes: 8192,
+    })
+    .unwrap();
+    let system_pool = BouncePool::system(slots, slot_bytes).unwrap();
+    let pinned_pool = pinned_pool(slots, slot_bytes);
+    disk.register_memory(system_pool.region()).unwrap();
+    let exec = Executor::builder()
+        .backend(Arc::new(MemcpyBackend::new(2).unwrap()))
+        .backend(Arc::new(disk))
+        .backend(Arc::new(FakeDevice {
+            inner: MemcpyBackend::new(1).unwrap(),
+            delay,
+        }))
+        .bounce_pool(system_pool.clone())
+        .bounce_pool(pinned_pool.clone())
+        .config(ExecutorConfig {
+            max_blocks_per_batch: batch,
+            max_batches_in_flight: 2,
+            bounce_slots_per_batch: per_batch,
+        })
+        .build()
+        .unwrap();
+    Rig {
+        exec,
+        system_pool,
+        pinned_pool,
+    }
+}
+
+fn alloc() -> DiskAllocator {
+    DiskAllocator::new(common::bench_dir(), DiskOptions::default()).unwrap()
+}
+
+fn config(blocks: usize) -> LayoutConfig {
+    LayoutConfig::new(blocks, 2, 2, 16, 128, 2).unwrap()
+}
+
+#[test]
+fn disk_to_disk_through_small_slots_is_byte_exact() {
+    for (slot, per_batch, batch) in [(4096, 1, 3), (8192, 2, 16), (12288, 3, 5), (65536, 4, 16)] {
+        let r = rig(slot, 3, per_batch, batch, Duration::ZERO);
+        let cfg = config(16);
+        let host_l = Layout::new(cfg, LayoutKind::LayerSeparate(BlockOrder::OuterFirst)).unwrap();
+        let disk_l = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
+        let disk2_l = Layout::new(cfg, LayoutKind::LayerSeparate(BlockOrder::BlockFirst)).unwrap();
+        assert!(matches!(
+            r.exec.strategy(MemoryKind::Disk, MemoryKind::Disk).unwrap(),
+            Strategy::TwoHop { .. }
+        ));
+        let (src, back) = (common::host(host_l.clone()), common::host(host_l.clone()));
+        common::fill(&src, slot);
+        let (a, b) = (
+            PhysicalLayout::allocate_disk(disk_l, &alloc()).unwrap(),
+            PhysicalLayout::allocate_disk(disk2_l, &alloc()).unwrap(),
+        );
+        let all: Vec<_> = (0..16).map(|i| (i, i)).collect();
+        r.exec.transfer(&src, &a, &all).wait().unwrap();
+        let pairs: Vec<_> = (0..16).map(|i| (i, (i * 5 + 3) % 16)).collect();
+        r.exec.transfer(&a, &b, &pairs).wait().unwrap();
+        assert_eq!(r.system_pool.available(), r.system_pool.capacity());
+        let before = common::snapshot(&back);
+        r.exec.transfer(&b, &back, &all).wait().unwrap();
+        common::assert_copied(
+            &host_l,
+            &common::snapshot(&src),
+            &host_l,
+            &before,
+            &common::snapshot(&back),
+            &pairs,
+        );
+    }
+}
+
+#[test]
+fn device_to_disk_and_back_through_pinned_bounce() {
+    let r = rig(16384, 4, 2, 8, Duration::ZERO);
+    let cfg = config(20);
+    let dev_l = Layout::new(cfg, LayoutKind::LayerSeparate(BlockOrder::OuterFirst)).unwrap();
+    let disk_l = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
+    let (dev, dev2) = (fake_device(dev_l.clone()), fake_device(dev_l.clone()));
+    common::fill(&dev, 11);
+    common::fill(&dev2, 12);
+    let disk = PhysicalLayout::allocate_disk(disk_l, &alloc()).unwrap();
+    assert_eq!(
+        r.exec
+            .strategy(MemoryKind::Device(0), MemoryKind::Disk)
+            .unwrap(),
+        Strategy::TwoHop {
+            first: BackendKind::Cuda,
+            bounce: MemoryKind::Pinned,
+            second: BackendKind::Disk
+        }
+    );
+    let pairs: Vec<_> = (0..20).map(|i| (i, 19 - i)).collect();
+    r.exec.transfer(&dev, &disk, &pairs).wait().unwrap();
+    let back: Vec<_> = (0..20).map(|i| (i, i)).collect();
+    let before = common::snapshot(&dev2);
+    r.exec.transfer(&disk, &dev2, &back).wait().unwrap();
+    assert_eq!(r.pinned_pool.available(), r.pinned_pool.capacity());
+    common::assert_copied(
+        &dev_l,
+        &common::snapshot(&dev),
+        &dev_l,
+        &before,
+        &common::snapshot(&dev2),
+        &pairs,
+    );
+}
+
+#[test]
+fn cancel_stops_writes_returns_slots_and_reports_landed_blocks() {
+    // Slow hop 1 so the cancel lands mid-transfer.
+    let r = rig(16384, 2, 2, 2, Duration::from_millis(3));
+    let cfg = config(64);
+    let dev_l = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
+    let dev = fake_device(dev_l.clone());
+    common::fill(&dev, 5);
+    let disk = PhysicalLayout::allocate_disk(dev_l.clone(), &alloc()).unwrap();
+    let path = disk.regions()[0]
+        .file_location()
+        .unwrap()
+        .0
+        .path()
+        .to_path_buf();
+    let pairs: Vec<_> = (0..64).map(|i| (i, i)).collect();
+    let handle = r.exec.transfer(&dev, &disk, &pairs);
+    std::thread::sleep(Duration::from_millis(40));
+    let failure = handle.cancel().unwrap_err();
+    assert!(
+        matches!(failure.error, TransferError::Cancelled),
+        "{failure}"
+    );
+    assert_eq!(failure.completed.len() + failure.failed.len(), 64);
+    assert!(
+        !failure.failed.is_empty(),
+        "cancel came too late to test anything"
+    );
+    assert_eq!(r.pinned_pool.available(), r.pinned_pool.capacity());
+    // Nothing reaches the destination after cancel returned.
+    let after_cancel = std::fs::read(&path).unwrap();
+    std::thread::sleep(Duration::from_millis(60));
+    assert!(
+        std::fs::read(&path).unwrap() == after_cancel,
+        "destination changed after cancel returned"
+    );
+    // Blocks reported as landed really did.
+    let back = common::host(dev_l.clone());
+    let landed: Vec<_> = failure.completed.iter().map(|&(_, d)| (d, d)).collect();
+    r.exec.transfer(&disk, &back, &landed).wait().unwrap();
+    common::assert_blocks_match(
+        &dev_l,
+        &common::snapshot(&dev),
+        &dev_l,
+        &common::snapshot(&back),
+        &failure.completed,
+    );
+}
