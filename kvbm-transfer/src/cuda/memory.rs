@@ -79,6 +79,11 @@ impl DeviceBuffer {
         self.ptr
     }
 
+    /// The ordinal of the device holding the buffer.
+    pub fn device_ordinal(&self) -> usize {
+        self.device.ordinal()
+    }
+
     /// Copies `data` to `offset` and waits (for set-up and checks, not the
     /// data path).
     pub fn write(&self, offset: usize, data: &[u8]) -> CudaResult<()> {
