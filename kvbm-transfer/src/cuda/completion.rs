@@ -65,20 +65,26 @@ impl Watcher {
     }
 
     /// Records a completion event on `stream` and returns the completion the
-    /// watcher will resolve. `keep_alive` is dropped after the event fired.
+    /// watcher will resolve. `keep_alive` is dropped after the event fired;
+    /// if the event cannot be recorded it is handed back with the error, so
+    /// the caller can drain the GPU before releasing it.
+    #[allow(clippy::type_complexity)]
     pub(crate) fn watch(
         &self,
         stream: sys::CUstream,
         keep_alive: Vec<Box<dyn Any + Send>>,
-    ) -> CudaResult<Completion> {
-        let event = new_event(true)?;
+    ) -> Result<Completion, (CudaError, Vec<Box<dyn Any + Send>>)> {
+        let event = match new_event(true) {
+            Ok(e) => e,
+            Err(e) => return Err((e, keep_alive)),
+        };
         // SAFETY: `event` was just created in the current context; `stream`
         // belongs to the same context.
         if let Err(e) = check("cuEventRecord", unsafe {
             sys::cuEventRecord(event, stream)
         }) {
             destroy_event(event);
-            return Err(e);
+            return Err((e, keep_alive));
         }
         let (completer, completion) = completion_pair();
         let watch = Watch {
@@ -97,7 +103,7 @@ impl Watcher {
                 w.completer.complete(r);
                 Ok(completion)
             }
-            None => Err(CudaError::CompletionLost),
+            None => Err((CudaError::CompletionLost, Vec::new())),
         }
     }
 }

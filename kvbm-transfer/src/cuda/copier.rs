@@ -289,167 +289,203 @@ impl CudaCopier {
         let mut keep: Vec<Box<dyn Any + Send>> =
             vec![Box::new(src.to_vec()), Box::new(dst.to_vec())];
         let mut guard = lane.state.lock().unwrap_or_else(|p| p.into_inner());
-        let stream = match path {
-            CopyPath::CopyEngine => {
-                let spans = absolute_spans(runs, &src_bases, &dst_bases);
-                let (src_loc, dst_loc) = (src[0].location(), dst[0].location());
-                enqueue_dma(
-                    &self.device,
-                    self.batch(),
-                    lane.copy_stream,
-                    &spans,
-                    src_loc,
-                    dst_loc,
-                )?;
-                lane.copy_stream
-            }
-            CopyPath::Kernel => {
-                let live: Vec<CopyRun> = runs.iter().copied().filter(|r| r.len > 0).collect();
-                let desc = self
-                    .descs
-                    .upload(lane.kernel_stream, &live, &src_bases, &dst_bases)?;
-                let grid = self.kernel_grid(n_runs, total, opts.load);
-                // SAFETY: the descriptor holds `live` and both base tables in
-                // device memory; every run was bounds-checked against its
-                // region, and the regions are kept alive until completion.
-                unsafe {
-                    self.device.inner.kernel.launch(
-                        lane.kernel_stream,
-                        grid,
-                        desc.runs_ptr(),
-                        live.len() as u32,
-                        desc.table_ptr(0),
-                        desc.table_ptr(src_bases.len()),
-                    )?
-                };
-                keep.push(Box::new(desc));
-                lane.kernel_stream
-            }
-            CopyPath::Staged => {
-                let ring = guard.ring.as_mut().ok_or_else(|| {
-                    CudaError::InvalidCopy("this lane has no staging ring".into())
-                })?;
-                let host = if dir == Direction::HostToDevice {
-                    HostSide::Source
-                } else {
-                    HostSide::Destination
-                };
-                let plan = plan_staged(runs, &src_bases, &dst_bases, host, ring.slot_bytes as u64);
-                // Base tables: user sources, user destinations, then the
-                // start of every staging slot (region 0 of a chunk is the
-                // table entry of its slot).
-                let slot_bases: Vec<u64> = (0..ring.slots.len())
-                    .map(|k| ring.buf.ptr() + (k * ring.slot_bytes) as u64)
-                    .collect();
-                let mut tables = src_bases.clone();
-                tables.extend_from_slice(&dst_bases);
-                tables.extend_from_slice(&slot_bases);
-                let desc =
-                    self.descs
-                        .upload_tables(lane.kernel_stream, &plan.kernel_runs, &tables)?;
-                let user_src = desc.table_ptr(0);
-                let user_dst = desc.table_ptr(src_bases.len());
-                let slot_table = src_bases.len() + dst_bases.len();
-                let grid = Grid {
-                    ctas: self.config.staged_ctas,
-                    threads: self.config.staged_threads,
-                    per_warp: self.config.warp_per_run,
-                };
-                for chunk in &plan.chunks {
-                    let k = ring.next;
-                    ring.next = (k + 1) % ring.slots.len();
-                    let slot = &mut ring.slots[k];
-                    let slot_ptr = desc.table_ptr(slot_table + k);
-                    let pieces: Vec<Span> = plan.pieces[chunk.pieces.clone()]
-                        .iter()
-                        .map(|p| {
-                            let at = slot_bases[k] + p.slot_offset;
-                            match host {
-                                HostSide::Source => Span {
-                                    src: p.host,
-                                    dst: at,
-                                    len: p.len,
-                                },
-                                HostSide::Destination => Span {
-                                    src: at,
-                                    dst: p.host,
-                                    len: p.len,
-                                },
-                            }
-                        })
+        let mut enqueue = || -> CudaResult<CUstream> {
+            Ok(match path {
+                CopyPath::CopyEngine => {
+                    let spans = absolute_spans(runs, &src_bases, &dst_bases);
+                    let (src_loc, dst_loc) = (src[0].location(), dst[0].location());
+                    enqueue_dma(
+                        &self.device,
+                        self.batch(),
+                        lane.copy_stream,
+                        &spans,
+                        src_loc,
+                        dst_loc,
+                    )?;
+                    lane.copy_stream
+                }
+                CopyPath::Kernel => {
+                    let live: Vec<CopyRun> = runs.iter().copied().filter(|r| r.len > 0).collect();
+                    self.launch_part(lane, &live, &src_bases, &dst_bases, opts.load, &mut keep)?;
+                    lane.kernel_stream
+                }
+                CopyPath::Staged => {
+                    let ring = guard.ring.as_mut().ok_or_else(|| {
+                        CudaError::InvalidCopy("this lane has no staging ring".into())
+                    })?;
+                    let host = if dir == Direction::HostToDevice {
+                        HostSide::Source
+                    } else {
+                        HostSide::Destination
+                    };
+                    let plan =
+                        plan_staged(runs, &src_bases, &dst_bases, host, ring.slot_bytes as u64);
+                    // Base tables: user sources, user destinations, then the
+                    // start of every staging slot (region 0 of a chunk is the
+                    // table entry of its slot).
+                    let slot_bases: Vec<u64> = (0..ring.slots.len())
+                        .map(|k| ring.buf.ptr() + (k * ring.slot_bytes) as u64)
                         .collect();
-                    let n = chunk.kernel_runs.len() as u32;
-                    let runs_ptr = desc.runs_ptr() + (chunk.kernel_runs.start * 40) as u64;
-                    match host {
-                        HostSide::Destination => {
-                            if slot.used {
-                                wait_event(lane.kernel_stream, slot.free)?;
+                    let mut tables = src_bases.clone();
+                    tables.extend_from_slice(&dst_bases);
+                    tables.extend_from_slice(&slot_bases);
+                    let desc =
+                        self.descs
+                            .upload_tables(lane.kernel_stream, &plan.kernel_runs, &tables)?;
+                    let user_src = desc.table_ptr(0);
+                    let user_dst = desc.table_ptr(src_bases.len());
+                    let slot_table = src_bases.len() + dst_bases.len();
+                    let grid = Grid {
+                        ctas: self.config.staged_ctas,
+                        threads: self.config.staged_threads,
+                        per_warp: self.config.warp_per_run,
+                    };
+                    for chunk in &plan.chunks {
+                        let k = ring.next;
+                        ring.next = (k + 1) % ring.slots.len();
+                        let slot = &mut ring.slots[k];
+                        let slot_ptr = desc.table_ptr(slot_table + k);
+                        let pieces: Vec<Span> = plan.pieces[chunk.pieces.clone()]
+                            .iter()
+                            .map(|p| {
+                                let at = slot_bases[k] + p.slot_offset;
+                                match host {
+                                    HostSide::Source => Span {
+                                        src: p.host,
+                                        dst: at,
+                                        len: p.len,
+                                    },
+                                    HostSide::Destination => Span {
+                                        src: at,
+                                        dst: p.host,
+                                        len: p.len,
+                                    },
+                                }
+                            })
+                            .collect();
+                        let n = chunk.kernel_runs.len() as u32;
+                        let runs_ptr = desc.runs_ptr() + (chunk.kernel_runs.start * 40) as u64;
+                        match host {
+                            HostSide::Destination => {
+                                if slot.used {
+                                    wait_event(lane.kernel_stream, slot.free)?;
+                                }
+                                // SAFETY: kernel runs address user sources
+                                // (bounds-checked) and this slot (planned to fit).
+                                unsafe {
+                                    self.device.inner.kernel.launch(
+                                        lane.kernel_stream,
+                                        grid,
+                                        runs_ptr,
+                                        n,
+                                        user_src,
+                                        slot_ptr,
+                                    )?
+                                };
+                                record_event(slot.filled, lane.kernel_stream)?;
+                                wait_event(lane.copy_stream, slot.filled)?;
+                                enqueue_dma(
+                                    &self.device,
+                                    self.batch(),
+                                    lane.copy_stream,
+                                    &pieces,
+                                    Location::Device,
+                                    Location::PinnedHost,
+                                )?;
+                                record_event(slot.free, lane.copy_stream)?;
                             }
-                            // SAFETY: kernel runs address user sources
-                            // (bounds-checked) and this slot (planned to fit).
-                            unsafe {
-                                self.device.inner.kernel.launch(
-                                    lane.kernel_stream,
-                                    grid,
-                                    runs_ptr,
-                                    n,
-                                    user_src,
-                                    slot_ptr,
-                                )?
-                            };
-                            record_event(slot.filled, lane.kernel_stream)?;
-                            wait_event(lane.copy_stream, slot.filled)?;
-                            enqueue_dma(
-                                &self.device,
-                                self.batch(),
-                                lane.copy_stream,
-                                &pieces,
-                                Location::Device,
-                                Location::PinnedHost,
-                            )?;
-                            record_event(slot.free, lane.copy_stream)?;
-                        }
-                        HostSide::Source => {
-                            if slot.used {
-                                wait_event(lane.copy_stream, slot.free)?;
+                            HostSide::Source => {
+                                if slot.used {
+                                    wait_event(lane.copy_stream, slot.free)?;
+                                }
+                                enqueue_dma(
+                                    &self.device,
+                                    self.batch(),
+                                    lane.copy_stream,
+                                    &pieces,
+                                    Location::PinnedHost,
+                                    Location::Device,
+                                )?;
+                                record_event(slot.filled, lane.copy_stream)?;
+                                wait_event(lane.kernel_stream, slot.filled)?;
+                                // SAFETY: as above, from the slot to user
+                                // destinations.
+                                unsafe {
+                                    self.device.inner.kernel.launch(
+                                        lane.kernel_stream,
+                                        grid,
+                                        runs_ptr,
+                                        n,
+                                        slot_ptr,
+                                        user_dst,
+                                    )?
+                                };
+                                record_event(slot.free, lane.kernel_stream)?;
                             }
-                            enqueue_dma(
-                                &self.device,
-                                self.batch(),
-                                lane.copy_stream,
-                                &pieces,
-                                Location::PinnedHost,
-                                Location::Device,
-                            )?;
-                            record_event(slot.filled, lane.copy_stream)?;
-                            wait_event(lane.kernel_stream, slot.filled)?;
-                            // SAFETY: as above, from the slot to user
-                            // destinations.
-                            unsafe {
-                                self.device.inner.kernel.launch(
-                                    lane.kernel_stream,
-                                    grid,
-                                    runs_ptr,
-                                    n,
-                                    slot_ptr,
-                                    user_dst,
-                                )?
-                            };
-                            record_event(slot.free, lane.kernel_stream)?;
                         }
+                        slot.used = true;
                     }
-                    slot.used = true;
+                    keep.push(Box::new(desc));
+                    match host {
+                        HostSide::Destination => lane.copy_stream,
+                        HostSide::Source => lane.kernel_stream,
+                    }
                 }
-                keep.push(Box::new(desc));
-                match host {
-                    HostSide::Destination => lane.copy_stream,
-                    HostSide::Source => lane.kernel_stream,
-                }
+            })
+        };
+        let stream = match enqueue() {
+            Ok(s) => s,
+            Err(e) => {
+                // Part of the copy may already be on the GPU: let it drain
+                // before the regions (in `keep`) can be freed.
+                lane.drain();
+                return Err(e);
             }
         };
-        let completion = lane.watcher.watch(stream, keep);
+        let completion = match lane.watcher.watch(stream, keep) {
+            Ok(c) => Ok(c),
+            Err((e, keep)) => {
+                lane.drain();
+                drop(keep);
+                Err(e)
+            }
+        };
         drop(guard);
         completion
+    }
+
+    /// Uploads `part`'s descriptors and launches the copy kernel over them
+    /// on the lane's kernel stream. (Launching the first 1024 runs ahead of
+    /// the rest, to start the GPU sooner, measured the same; not kept.)
+    fn launch_part(
+        &self,
+        lane: &Lane,
+        part: &[CopyRun],
+        src_bases: &[u64],
+        dst_bases: &[u64],
+        load: GpuLoad,
+        keep: &mut Vec<Box<dyn Any + Send>>,
+    ) -> CudaResult<()> {
+        let desc = self
+            .descs
+            .upload(lane.kernel_stream, part, src_bases, dst_bases)?;
+        let total = part.iter().map(|r| r.len).sum();
+        let grid = self.kernel_grid(part.len(), total, load);
+        // SAFETY: the descriptor holds `part` and both base tables in device
+        // memory; every run was bounds-checked against its region, and the
+        // regions are kept alive (in `keep`) until completion.
+        unsafe {
+            self.device.inner.kernel.launch(
+                lane.kernel_stream,
+                grid,
+                desc.runs_ptr(),
+                part.len() as u32,
+                desc.table_ptr(0),
+                desc.table_ptr(src_bases.len()),
+            )?
+        };
+        keep.push(Box::new(desc));
+        Ok(())
     }
 
     fn batch(&self) -> bool {
@@ -703,6 +739,19 @@ impl Lane {
             });
         }
         Ok(lane)
+    }
+}
+
+impl Lane {
+    /// Waits until both streams are idle (errors ignored: the caller is
+    /// already reporting one).
+    fn drain(&self) {
+        // SAFETY: both streams belong to this lane's context, which the
+        // submitting thread made current.
+        unsafe {
+            sys::cuStreamSynchronize(self.kernel_stream);
+            sys::cuStreamSynchronize(self.copy_stream);
+        }
     }
 }
 
