@@ -7,7 +7,8 @@
 //!   + `cuMemHostRegister`) and grows in the background.
 //! - [`plan`]: the pure part of executing a copy plan (merging, staging).
 //! - [`copier`]: the executor with its three paths (copy engines, kernel,
-//!   staged) and the measured rule choosing between them.
+//!   staged) and the measured rule choosing between them; its lanes
+//!   (streams, staging ring, descriptor buffers) live in a private module.
 //! - [`completion`]: GPU completion as the crate's completion future,
 //!   resolved by a thread sleeping in `cuEventSynchronize`.
 //! - [`backend`]: [`CudaBackend`], the copier behind the crate's
@@ -22,6 +23,7 @@ pub mod copier;
 pub mod device;
 pub mod error;
 mod kernel;
+mod lanes;
 pub mod memory;
 pub mod pinned;
 pub mod plan;
