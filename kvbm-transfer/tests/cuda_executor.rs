@@ -187,3 +187,65 @@ fn backend_refuses_what_it_cannot_move() {
         .wait()
         .unwrap();
 }
+
+#[test]
+fn engine_tensors_wrapped_in_place_take_an_onboard() {
+    // Four per-layer tensors in vLLM's flash-attention shape
+    // [2, blocks, 16 tokens, 8 heads, 128], bf16, allocated as a stand-in for
+    // an engine's cache and wrapped without copying.
+    let Some(dev) = device_or_skip() else { return };
+    let (layers, blocks) = (4usize, 32usize);
+    let shape = [2, blocks, 16, 8, 128];
+    let strides = [blocks * 16 * 8 * 128, 16 * 8 * 128, 8 * 128, 128, 1];
+    let bytes = 2 * blocks * 16 * 8 * 128 * 2;
+    let engine: Vec<Arc<DeviceBuffer>> = (0..layers)
+        .map(|_| Arc::new(DeviceBuffer::new(&dev, bytes).unwrap()))
+        .collect();
+    let views: Vec<kvbm_layout::TensorView<'_>> = (0..layers)
+        .map(|_| kvbm_layout::TensorView {
+            shape: &shape,
+            strides: &strides,
+        })
+        .collect();
+    let recognised =
+        kvbm_layout::recognise_kv_tensors(&kvbm_layout::KvTensorFormat::FlashAttn, &views, 2)
+            .unwrap();
+    let tensors: Vec<(u64, usize)> = engine.iter().map(|b| (b.ptr(), bytes)).collect();
+    // SAFETY: `engine` keeps the buffers allocated for the whole test.
+    let wrapped =
+        unsafe { kvbm_transfer::cuda::ExternalDeviceMemory::wrap_all(&dev, &tensors) }.unwrap();
+    let mut regions = vec![None; layers];
+    for (t, r) in wrapped.into_iter().enumerate() {
+        regions[recognised.tensor_regions[t]] = Some(r);
+    }
+    let gpu_l = recognised.layout.clone();
+    let gpu = PhysicalLayout::new(
+        gpu_l.clone(),
+        regions.into_iter().map(Option::unwrap).collect(),
+    )
+    .unwrap();
+
+    let copier = Arc::new(CudaCopier::new(&dev, CopierConfig::default()).unwrap());
+    let exec = Executor::builder()
+        .backend(Arc::new(CudaBackend::new(copier)))
+        .build()
+        .unwrap();
+    let host_l = Layout::new(*gpu_l.config(), LayoutKind::FullyContiguous).unwrap();
+    let host = Placed::new(&dev, host_l.clone(), false, 9);
+    let pairs: Vec<_> = random_blocks(8, blocks, 10)
+        .into_iter()
+        .zip(random_blocks(8, blocks, 11))
+        .collect();
+    exec.transfer(&host.phys, &gpu, &pairs).wait().unwrap();
+    let h_img = host.image();
+    for &(h, g) in &pairs {
+        for l in 0..layers {
+            for o in 0..2 {
+                let c = gpu_l.chunk(g, l, o).unwrap();
+                let mut got = vec![0u8; c.len as usize];
+                engine[c.region].read(c.offset as usize, &mut got).unwrap();
+                assert_eq!(got, chunk_bytes(&host_l, &h_img, h, l, o));
+            }
+        }
+    }
+}

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 use super::copier::{CopyOptions, CopyPath, CudaCopier, GpuLoad};
 use super::error::CudaError;
-use super::memory::{CudaRegion, DeviceBuffer, Location};
+use super::memory::{CudaRegion, DeviceBuffer, ExternalDeviceMemory, Location};
 use super::pinned::PinnedMemory;
 use crate::backend::{BackendKind, Side, TransferBackend, TransferJob};
 use crate::completion::{Completion, completion_pair};
@@ -209,6 +209,24 @@ impl DeviceBuffer {
         unsafe {
             MemoryRegion::from_raw(
                 self.ptr(),
+                CudaRegion::len(&**self) as u64,
+                MemoryKind::Device(self.device_ordinal() as u32),
+                Some(Arc::clone(self) as crate::memory::Owner),
+            )
+        }
+    }
+}
+
+impl ExternalDeviceMemory {
+    /// The wrapped memory as a [`MemoryRegion`] of kind `Device(ordinal)`.
+    /// The region does not own the memory: its owner (the engine) must keep
+    /// it allocated, as promised to [`ExternalDeviceMemory::wrap`].
+    pub fn region(self: &Arc<Self>) -> MemoryRegion {
+        // SAFETY: `wrap` checked that the range is device memory and its
+        // caller promised it stays allocated while any region exists.
+        unsafe {
+            MemoryRegion::from_raw(
+                self.device_ptr(),
                 CudaRegion::len(&**self) as u64,
                 MemoryKind::Device(self.device_ordinal() as u32),
                 Some(Arc::clone(self) as crate::memory::Owner),
