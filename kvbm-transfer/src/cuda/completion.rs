@@ -1,0 +1,159 @@
+//! Turning "the GPU finished" into a future, without polling.
+//!
+//! Each lane of streams has one watcher thread. A copy records a
+//! blocking-sync event after its last operation and hands the event to the
+//! watcher, which sleeps in `cuEventSynchronize` (the driver wakes it; no
+//! spinning, no timer) and then resolves the copy's [`Completion`] with the
+//! driver's verdict: a stream error resolves the completion with that error,
+//! so a failed copy never reports success. The watcher also releases what
+//! the copy had to keep alive (memory regions, descriptor buffers) only then.
+
+use std::any::Any;
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::thread::JoinHandle;
+
+use cudarc::driver::sys::{self, CUevent};
+
+use super::device::CudaDevice;
+use super::error::{CudaError, CudaResult, check};
+use crate::completion::{Completer, Outcome, completion_pair};
+
+/// The outcome of one CUDA copy: the crate's [`crate::Completion`] (a
+/// future, a blocking wait or a callback), resolved by the driver's verdict.
+pub type Completion = crate::completion::Completion<CudaResult<()>>;
+
+impl Outcome for CudaResult<()> {
+    fn abandoned() -> Self {
+        Err(CudaError::CompletionLost)
+    }
+}
+
+/// A copy handed to the watcher: the event after its last operation and
+/// what must stay alive until then.
+struct Watch {
+    event: CUevent,
+    keep_alive: Vec<Box<dyn Any + Send>>,
+    completer: Completer<CudaResult<()>>,
+}
+
+// SAFETY: a CUevent is a driver handle usable from any thread with the
+// context current; it moves to the watcher and is used only there.
+unsafe impl Send for Watch {}
+
+/// One watcher thread and the channel feeding it.
+pub(crate) struct Watcher {
+    tx: Option<Sender<Watch>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Watcher {
+    pub(crate) fn spawn(device: &CudaDevice, name: &str) -> CudaResult<Self> {
+        let (tx, rx) = channel::<Watch>();
+        let device = device.clone();
+        let thread = std::thread::Builder::new()
+            .name(name.into())
+            .spawn(move || watch_loop(&device, rx))
+            .map_err(|e| CudaError::Os {
+                call: "thread spawn",
+                source: Arc::new(e),
+            })?;
+        Ok(Watcher {
+            tx: Some(tx),
+            thread: Some(thread),
+        })
+    }
+
+    /// Records a completion event on `stream` and returns the completion the
+    /// watcher will resolve. `keep_alive` is dropped after the event fired;
+    /// if the event cannot be recorded it is handed back with the error, so
+    /// the caller can drain the GPU before releasing it.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn watch(
+        &self,
+        stream: sys::CUstream,
+        keep_alive: Vec<Box<dyn Any + Send>>,
+    ) -> Result<Completion, (CudaError, Vec<Box<dyn Any + Send>>)> {
+        let event = match new_event(true) {
+            Ok(e) => e,
+            Err(e) => return Err((e, keep_alive)),
+        };
+        // SAFETY: `event` was just created in the current context; `stream`
+        // belongs to the same context.
+        if let Err(e) = check("cuEventRecord", unsafe {
+            sys::cuEventRecord(event, stream)
+        }) {
+            destroy_event(event);
+            return Err((e, keep_alive));
+        }
+        let (completer, completion) = completion_pair();
+        let watch = Watch {
+            event,
+            keep_alive,
+            completer,
+        };
+        match self.tx.as_ref().map(|tx| tx.send(watch)) {
+            Some(Ok(())) => Ok(completion),
+            Some(Err(std::sync::mpsc::SendError(w))) => {
+                // The watcher is gone: wait here instead, so the verdict is
+                // still the driver's.
+                let r = synchronize_event(w.event);
+                destroy_event(w.event);
+                drop(w.keep_alive);
+                w.completer.complete(r);
+                Ok(completion)
+            }
+            None => Err((CudaError::CompletionLost, Vec::new())),
+        }
+    }
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        self.tx.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn watch_loop(device: &CudaDevice, rx: Receiver<Watch>) {
+    let bound = device.bind();
+    for w in rx {
+        let result = match &bound {
+            Ok(()) => synchronize_event(w.event),
+            Err(e) => Err(e.clone()),
+        };
+        destroy_event(w.event);
+        drop(w.keep_alive);
+        w.completer.complete(result);
+    }
+}
+
+fn synchronize_event(event: CUevent) -> CudaResult<()> {
+    // SAFETY: `event` is a live event of the current context.
+    check("cuEventSynchronize", unsafe {
+        sys::cuEventSynchronize(event)
+    })
+}
+
+/// Creates an event; `blocking` makes waiters sleep instead of spin.
+pub(crate) fn new_event(blocking: bool) -> CudaResult<CUevent> {
+    let mut flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+    if blocking {
+        flags |= sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32;
+    }
+    let mut event: CUevent = std::ptr::null_mut();
+    // SAFETY: `event` is a valid out-pointer; the caller made the context
+    // current.
+    check("cuEventCreate", unsafe {
+        sys::cuEventCreate(&mut event, flags)
+    })?;
+    Ok(event)
+}
+
+/// Destroys an event (errors ignored: nothing useful to do on teardown).
+pub(crate) fn destroy_event(event: CUevent) {
+    // SAFETY: the event was created by `new_event` and is destroyed once.
+    unsafe { sys::cuEventDestroy_v2(event) };
+}
