@@ -31,7 +31,9 @@ pub struct TierMatch {
     pub g1_blocks: usize,
     /// Blocks after those that kvbm holds in G2, ready to onboard.
     pub g2_blocks: usize,
-    /// Blocks after those that kvbm holds in G3, ready to onboard.
+    /// Blocks after those that kvbm holds in G3, ready to onboard. (The
+    /// walk takes each next block from whichever of G2 and G3 holds it, so
+    /// G2 and G3 blocks may alternate along the prefix.)
     pub g3_blocks: usize,
     /// Whether one block was given back because the whole prompt hit.
     pub gave_back: bool,
@@ -62,15 +64,21 @@ impl TierMatch {
     }
 }
 
+/// A run of consecutive matched blocks held in one kvbm tier.
+pub(crate) struct Segment {
+    /// `true` for G3, `false` for G2.
+    pub(crate) g3: bool,
+    pub(crate) blocks: ImmutableBlocks,
+}
+
 /// What the engine keeps per live request.
 pub(crate) struct RequestState {
     /// The prompt's block hashes.
     pub(crate) hashes: Vec<SequenceHash>,
     /// Index of the first block to onboard (the G1 prefix length).
     pub(crate) start: usize,
-    /// Held G2 blocks, then held G3 blocks, in prefix order.
-    pub(crate) g2: ImmutableBlocks,
-    pub(crate) g3: ImmutableBlocks,
+    /// Held runs of G2 and G3 blocks, in prefix order.
+    pub(crate) segments: Vec<Segment>,
     /// The onboard, once started.
     pub(crate) onboard: Option<Arc<OnboardJob>>,
 }
@@ -109,30 +117,53 @@ pub(crate) fn match_request(
         }
         G1Lookup::Engine { blocks } => (ImmutableBlocks::empty(), blocks.min(usable)),
     };
+    // Walk on in G2 and G3 block by block: each run is taken from whichever
+    // tier holds the next block, so the prefix may alternate between them.
     let mut at = g1_blocks;
-    let mut g2 = match &shared.g2 {
-        Some(t) => t.pool.match_prefix(&hashes[at..]),
-        None => ImmutableBlocks::empty(),
-    };
-    at += g2.len();
-    let mut g3 = match &shared.g3 {
-        Some(t) => t.pool.match_prefix(&hashes[at..]),
-        None => ImmutableBlocks::empty(),
-    };
-    at += g3.len();
+    let mut segments: Vec<Segment> = Vec::new();
+    let (mut in_g2, mut in_g3) = (0usize, 0usize);
+    loop {
+        let before = at;
+        for (is_g3, tier) in [(false, &shared.g2), (true, &shared.g3)] {
+            let Some(tier) = tier else { continue };
+            let run = tier.pool.match_prefix(&hashes[at..]);
+            if run.is_empty() {
+                continue;
+            }
+            at += run.len();
+            if is_g3 {
+                in_g3 += run.len();
+            } else {
+                in_g2 += run.len();
+            }
+            segments.push(Segment {
+                g3: is_g3,
+                blocks: run,
+            });
+        }
+        if at == before || at == hashes.len() {
+            break;
+        }
+    }
     shared.metrics.matched(
         hashes.len() as u64,
-        [g1_blocks as u64, g2.len() as u64, g3.len() as u64],
+        [g1_blocks as u64, in_g2 as u64, in_g3 as u64],
     );
 
     // The full-prompt rule: the engine must compute at least one token.
     let mut gave_back = false;
     if at > 0 && at * bs >= prompt_tokens {
         gave_back = true;
-        if !g3.is_empty() {
-            g3.truncate(g3.len() - 1);
-        } else if !g2.is_empty() {
-            g2.truncate(g2.len() - 1);
+        if let Some(last) = segments.last_mut() {
+            if last.g3 {
+                in_g3 -= 1;
+            } else {
+                in_g2 -= 1;
+            }
+            last.blocks.truncate(last.blocks.len() - 1);
+            if last.blocks.is_empty() {
+                segments.pop();
+            }
         } else if !g1_held.is_empty() {
             g1_held.truncate(g1_held.len() - 1);
         } else {
@@ -149,16 +180,15 @@ pub(crate) fn match_request(
     let result = TierMatch {
         g1: g1_held,
         g1_blocks,
-        g2_blocks: g2.len(),
-        g3_blocks: g3.len(),
+        g2_blocks: in_g2,
+        g3_blocks: in_g3,
         gave_back,
         block_size: bs,
     };
     let state = RequestState {
         hashes: hashes.to_vec(),
         start: g1_blocks,
-        g2,
-        g3,
+        segments,
         onboard: None,
     };
     let mut requests = shared.requests.lock();

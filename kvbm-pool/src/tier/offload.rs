@@ -119,7 +119,7 @@ pub(crate) fn run_worker(shared: &Arc<Shared>) {
                 shared.metrics.skipped(SkipReason::SourceGone, left);
                 return;
             }
-            let n = shared.config.offload_batch.min(s.items.len());
+            let n = batch_limit(shared).min(s.items.len());
             s.busy = true;
             let batch = s.items.drain(..n).collect();
             shared.metrics.queue_depth(s.items.len());
@@ -130,6 +130,13 @@ pub(crate) fn run_worker(shared: &Arc<Shared>) {
         q.state.lock().busy = false;
         q.cv.notify_all();
     }
+}
+
+/// Blocks per batch: the configured size, and never more than a quarter
+/// of G2, so that one batch cannot evict blocks it just stored.
+fn batch_limit(shared: &Shared) -> usize {
+    let g2 = shared.g2.as_ref().map_or(usize::MAX, |t| t.pool.capacity());
+    shared.config.offload_batch.min((g2 / 4).max(1))
 }
 
 fn admitted(shared: &Shared, tier: &TierSlot, policy: TierPolicy, hash: SequenceHash) -> bool {

@@ -144,10 +144,10 @@ struct JobState {
     own: Vec<usize>,
     /// Indices whose block another request is loading.
     waited: Vec<usize>,
-    /// How many of the blocks came from G2 (the rest from G3).
-    from_g2: usize,
+    /// Whether each block (indexed like `hashes`) comes from G3.
+    from_g3: Vec<bool>,
     dst: Dst,
-    holds: (ImmutableBlocks, ImmutableBlocks),
+    holds: Vec<super::matching::Segment>,
     owned_inflight: Vec<(SequenceHash, Arc<Inflight>)>,
     error: Option<TransferError>,
     bytes: [u64; 2],
@@ -207,8 +207,13 @@ pub(crate) fn start(
     if state.onboard.is_some() {
         return Err(TierError::AlreadyOnboarding(request));
     }
-    let from_g2 = state.g2.len();
-    let n = from_g2 + state.g3.len();
+    let mut from_g3 = Vec::new();
+    let mut sources = Vec::new();
+    for seg in &state.segments {
+        from_g3.extend(std::iter::repeat_n(seg.g3, seg.blocks.len()));
+        sources.extend_from_slice(seg.blocks.block_ids());
+    }
+    let n = sources.len();
     if let OnboardTarget::Blocks(ids) = &target
         && ids.len() != n
     {
@@ -267,13 +272,13 @@ pub(crate) fn start(
     let mut g3_pairs = Vec::new();
     for (k, &i) in own.iter().enumerate() {
         let d = dst_ids[k] as usize;
-        if i < from_g2 {
-            g2_pairs.push((state.g2.block_ids()[i] as usize, d));
+        if from_g3[i] {
+            g3_pairs.push((sources[i] as usize, d));
         } else {
-            g3_pairs.push((state.g3.block_ids()[i - from_g2] as usize, d));
+            g2_pairs.push((sources[i] as usize, d));
         }
     }
-    let holds = (std::mem::take(&mut state.g2), std::mem::take(&mut state.g3));
+    let holds = std::mem::take(&mut state.segments);
     let (completer, completion) = completion_pair::<Done>();
     let transfers = usize::from(!g2_pairs.is_empty()) + usize::from(!g3_pairs.is_empty());
     let job = Arc::new(OnboardJob {
@@ -289,7 +294,7 @@ pub(crate) fn start(
             parents,
             own,
             waited,
-            from_g2,
+            from_g3,
             dst,
             holds,
             owned_inflight,
@@ -359,7 +364,7 @@ fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
         parents,
         own,
         waited,
-        from_g2,
+        from_g3,
         dst,
         holds,
         owned_inflight,
@@ -392,7 +397,7 @@ fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
         }
     }
     let took = job.started.elapsed();
-    let g3_count = own.iter().filter(|&&i| i >= from_g2).count() as u64;
+    let g3_count = own.iter().filter(|&&i| from_g3[i]).count() as u64;
     let g2_count = own.len() as u64 - g3_count;
     let result = match result {
         Ok(done) => {
@@ -406,7 +411,7 @@ fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
                     .metrics
                     .copied(Path::G3ToG1, g3_count, bytes[1], took);
                 if shared.config.g3_onboard == G3Onboard::KeepG2Copy {
-                    keep_g2_copies(shared, &done, &own, from_g2, &parents);
+                    keep_g2_copies(shared, &done, &own, &from_g3, &parents);
                 }
             }
             if job.released.load(Ordering::Acquire) {
@@ -492,12 +497,12 @@ fn keep_g2_copies(
     shared: &Shared,
     done: &Onboarded,
     own: &[usize],
-    from_g2: usize,
+    from_g3: &[bool],
     parents: &[Option<SequenceHash>],
 ) {
     let items: Vec<_> = own
         .iter()
-        .filter(|&&i| i >= from_g2)
+        .filter(|&&i| from_g3[i])
         .filter_map(|&i| done.blocks.get(i).map(|b| (b.downgrade(), parents[i])))
         .collect();
     super::offload::enqueue(shared, items);
