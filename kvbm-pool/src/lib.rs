@@ -43,10 +43,13 @@ mod config;
 mod core;
 mod error;
 mod events;
+pub mod metrics;
 pub mod policy;
 mod pool;
 mod registry;
 mod slab;
+pub mod slot;
+pub mod tier;
 
 pub use audit::AuditError;
 pub use config::{DuplicatePolicy, EvictionKind, PoolConfig, Tier};
@@ -57,3 +60,5 @@ pub use policy::{BlockInfo, BlockView, EvictionPolicy};
 pub use pool::{
     BlockPool, CompleteBlock, ImmutableBlock, ImmutableBlocks, MutableBlock, PoolCounts, WeakBlock,
 };
+pub use slot::SlotManager;
+pub use tier::{TierEngine, TierEngineConfig, TierError, TierLayouts};
