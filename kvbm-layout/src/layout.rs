@@ -295,7 +295,7 @@ impl Layout {
     /// Region and offset of an in-range chunk. Callers guarantee the indices
     /// are in range; then nothing overflows (`offset < region_size`).
     #[inline(always)]
-    pub(crate) fn locate(&self, block: usize, layer: usize, outer: usize) -> (u32, u64) {
+    fn locate(&self, block: usize, layer: usize, outer: usize) -> (u32, u64) {
         let s = &self.strides;
         let base = block as u64 * s.block + outer as u64 * s.outer;
         match self.kind {

@@ -8,6 +8,17 @@
 //! layout descriptors for peers. It does no I/O, uses no `unsafe` and knows
 //! nothing about CUDA; every crate above it executes the plans made here.
 //!
+//! Where to start:
+//! * [`LayoutConfig`] (the block shape, validated) and [`Layout`] (a kind
+//!   plus strides; [`Layout::chunk`] is the address math);
+//! * [`recognise_kv_tensors`] turns an engine's tensors (shape, strides,
+//!   dtype) into a [`Layout`], refusing what it cannot address exactly;
+//! * [`plan_copy`] / [`CopyPlanner`] produce a [`CopyPlan`]: the fewest
+//!   contiguous [`CopyRun`]s that move a set of blocks between two layouts;
+//! * [`LayoutDescriptor`] is the versioned wire form a peer validates;
+//! * with the `proptest` feature, `strategies` generates layouts and copy
+//!   cases for the property tests of crates above.
+//!
 //! ```
 //! use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind, plan_copy};
 //!
@@ -35,5 +46,5 @@ pub use config::LayoutConfig;
 pub use descriptor::{LAYOUT_DESCRIPTOR_VERSION, LayoutDescriptor};
 pub use error::{LayoutError, Result};
 pub use layout::{BlockOrder, Chunk, Layout, LayoutKind, LayoutStrides};
-pub use plan::{CopyPlan, CopyRun, plan_copy};
+pub use plan::{CopyPlan, CopyPlanner, CopyRun, plan_copy};
 pub use tensor::{KvAxis, KvTensorFormat, RecognisedLayout, TensorView, recognise_kv_tensors};

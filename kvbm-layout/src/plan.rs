@@ -19,9 +19,17 @@
 //! have.
 //!
 //! # Cost
-//! One allocation for the runs, sized from the upper bound
-//! (`pairs * layers * outer`), plus one for a sorted copy of the pairs only
-//! when the caller's pairs are not already in increasing destination order.
+//! Whether consecutive chunks of one block continue each other is the same
+//! for every block, so when a layer's K and V (or a whole block) are adjacent
+//! in both layouts the planner takes them as one piece: the loop runs once
+//! per piece, not once per chunk, and FullyContiguous → FullyContiguous costs
+//! a few nanoseconds per block. The inner loop keeps the open run in
+//! registers and has no branch on the layout kinds.
+//!
+//! One allocation for the runs, sized from an upper bound (pieces per block
+//! × pairs), plus one for a sorted copy of the pairs only when they are not
+//! already in increasing destination order. [`CopyPlanner`] keeps both
+//! buffers across plans, so steady-state planning allocates nothing.
 
 use crate::error::{LayoutError, Result};
 use crate::layout::{BlockOrder, Layout, LayoutKind};
@@ -130,36 +138,110 @@ fn dst_order(dst: &Layout) -> DstOrder {
     }
 }
 
-/// Appends chunk copies to a run list, extending the last run when the new
-/// chunk continues it in both layouts.
-struct Coalescer<'a> {
-    src: &'a Layout,
-    dst: &'a Layout,
-    len: u64,
-    runs: Vec<CopyRun>,
+/// A layout's address math with the kind folded into numbers:
+/// region = `layer * region_per_layer`,
+/// offset = `block * block + layer * layer + outer * outer`
+/// (`layer` is 0 for per-layer layouts, `region_per_layer` is 0 for one
+/// region), so the planner's inner loops have no branches on the kind.
+#[derive(Debug, Clone, Copy)]
+struct Affine {
+    block: u64,
+    layer: u64,
+    outer: u64,
+    region_per_layer: u32,
 }
 
-impl Coalescer<'_> {
-    #[inline(always)]
-    fn push(&mut self, (sb, db): (usize, usize), layer: usize, outer: usize) {
-        let (src_region, src_offset) = self.src.locate(sb, layer, outer);
-        let (dst_region, dst_offset) = self.dst.locate(db, layer, outer);
-        if let Some(last) = self.runs.last_mut()
-            && last.dst_region == dst_region
-            && last.src_region == src_region
-            && last.dst_offset + last.len == dst_offset
-            && last.src_offset + last.len == src_offset
-        {
-            last.len += self.len;
-            return;
+impl Affine {
+    fn of(layout: &Layout) -> Affine {
+        let s = layout.strides();
+        Affine {
+            block: s.block,
+            layer: s.layer,
+            outer: s.outer,
+            region_per_layer: u32::from(matches!(layout.kind(), LayoutKind::LayerSeparate(_))),
         }
-        self.runs.push(CopyRun {
+    }
+
+    /// Region and offset of `(layer, outer)` relative to the block's start.
+    /// For per-layer layouts `layer < num_regions <= u32::MAX`; for one
+    /// region the truncated layer is multiplied by 0.
+    #[inline(always)]
+    fn within_block(&self, layer: usize, outer: usize) -> (u32, u64) {
+        (
+            layer as u32 * self.region_per_layer,
+            layer as u64 * self.layer + outer as u64 * self.outer,
+        )
+    }
+}
+
+/// Adds one piece (one or more chunks adjacent in both layouts): extends
+/// `current` when the piece continues it in both layouts, otherwise stores
+/// `current` (unless it is the empty start) and starts a new run. `current` is a local of the caller, so the hot loop
+/// keeps it in registers.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn push_piece(
+    runs: &mut Vec<CopyRun>,
+    current: &mut CopyRun,
+    len: u64,
+    src_region: u32,
+    src_offset: u64,
+    dst_region: u32,
+    dst_offset: u64,
+) {
+    // The empty start run either continues trivially into a chunk at offset
+    // 0 of region 0 on both sides (giving that very piece), or is replaced
+    // without being stored.
+    if current.dst_offset + current.len == dst_offset
+        && current.src_offset + current.len == src_offset
+        && current.dst_region == dst_region
+        && current.src_region == src_region
+    {
+        current.len += len;
+    } else {
+        if current.len != 0 {
+            runs.push(*current);
+        }
+        *current = CopyRun {
             src_region,
             src_offset,
             dst_region,
             dst_offset,
-            len: self.len,
-        });
+            len,
+        };
+    }
+}
+
+/// How many chunks of a block the planner takes as one piece: `(outers,
+/// layers)` per piece.
+///
+/// Whether two consecutive chunks of one block continue each other is the
+/// same for every block (offsets are the block's base plus a part that does
+/// not depend on the block), and it only depends on two facts: are the K and
+/// V chunks of a layer adjacent in both layouts, and does a layer end where
+/// the next one starts in both. When they are, the planner pushes a layer's
+/// or the whole block's chunks as one piece instead of one by one: the runs
+/// are the same, the work per block drops from `layers * outer` steps to
+/// `layers` or 1.
+fn piece_shape(
+    order: DstOrder,
+    s: Affine,
+    d: Affine,
+    chunk: u64,
+    layers: usize,
+    outers: usize,
+) -> (usize, usize) {
+    let outer_joins = outers == 1 || (s.outer == chunk && d.outer == chunk);
+    let layer_bytes = chunk * outers as u64;
+    let layer_joins = layers == 1
+        || (s.region_per_layer == 0
+            && d.region_per_layer == 0
+            && s.layer == layer_bytes
+            && d.layer == layer_bytes);
+    match order {
+        DstOrder::BlockLayerOuter if outer_joins && layer_joins => (outers, layers),
+        DstOrder::BlockLayerOuter | DstOrder::LayerBlockOuter if outer_joins => (outers, 1),
+        _ => (1, 1),
     }
 }
 
@@ -168,82 +250,144 @@ impl Coalescer<'_> {
 ///
 /// Errors: the layouts' block shapes differ, a block index is out of range,
 /// or a destination block appears twice. A source block may appear several
-/// times (fan-out). The pairs may come in any order.
+/// times (fan-out). The pairs may come in any order. Allocates the run list
+/// once (from an upper bound), plus a sorted copy of the pairs when they are
+/// not in increasing destination order; [`CopyPlanner`] reuses both.
 pub fn plan_copy(src: &Layout, dst: &Layout, pairs: &[(usize, usize)]) -> Result<CopyPlan> {
-    let sc = src.config();
-    let dc = dst.config();
-    sc.same_block_shape(dc)?;
+    let mut plan = CopyPlan::default();
+    CopyPlanner::new().plan_into(src, dst, pairs, &mut plan)?;
+    Ok(plan)
+}
 
-    let mut sorted_by_dst = true;
-    let mut prev_dst: Option<usize> = None;
-    for &(s, d) in pairs {
-        if s >= sc.num_blocks() {
-            return Err(LayoutError::BlockOutOfRange {
-                index: s,
-                count: sc.num_blocks(),
-            });
-        }
-        if d >= dc.num_blocks() {
-            return Err(LayoutError::BlockOutOfRange {
-                index: d,
-                count: dc.num_blocks(),
-            });
-        }
-        if let Some(p) = prev_dst
-            && p >= d
-        {
-            sorted_by_dst = false;
-        }
-        prev_dst = Some(d);
+/// A reusable planner: plans into a caller's [`CopyPlan`] and keeps its own
+/// scratch, so that once the buffers have grown, planning allocates nothing.
+#[derive(Debug, Clone, Default)]
+pub struct CopyPlanner {
+    sorted: Vec<(usize, usize)>,
+}
+
+impl CopyPlanner {
+    /// A planner with empty buffers.
+    pub fn new() -> CopyPlanner {
+        CopyPlanner::default()
     }
-    let owned;
-    let pairs: &[(usize, usize)] = if sorted_by_dst {
-        pairs
-    } else {
-        let mut v = pairs.to_vec();
-        v.sort_unstable_by_key(|&(_, d)| d);
-        if let Some(w) = v.windows(2).find(|w| w[0].1 == w[1].1) {
+
+    /// Plans like [`plan_copy`], replacing `plan`'s contents and reusing its
+    /// run buffer. On error `plan` is left empty.
+    pub fn plan_into(
+        &mut self,
+        src: &Layout,
+        dst: &Layout,
+        pairs: &[(usize, usize)],
+        plan: &mut CopyPlan,
+    ) -> Result<()> {
+        plan.runs.clear();
+        plan.total_bytes = 0;
+        plan.num_chunks = 0;
+        plan.src_num_regions = src.num_regions();
+        plan.dst_num_regions = dst.num_regions();
+        let pairs = self.checked_in_dst_order(src, dst, pairs)?;
+        fill(src, dst, pairs, plan);
+        Ok(())
+    }
+
+    /// Validates the pairs and returns them in increasing destination order
+    /// (the caller's slice when it already is, else the sorted scratch).
+    fn checked_in_dst_order<'p>(
+        &'p mut self,
+        src: &Layout,
+        dst: &Layout,
+        pairs: &'p [(usize, usize)],
+    ) -> Result<&'p [(usize, usize)]> {
+        let sc = src.config();
+        let dc = dst.config();
+        sc.same_block_shape(dc)?;
+        let mut sorted_by_dst = true;
+        let mut prev_dst: Option<usize> = None;
+        for &(s, d) in pairs {
+            if s >= sc.num_blocks() {
+                return Err(LayoutError::BlockOutOfRange {
+                    index: s,
+                    count: sc.num_blocks(),
+                });
+            }
+            if d >= dc.num_blocks() {
+                return Err(LayoutError::BlockOutOfRange {
+                    index: d,
+                    count: dc.num_blocks(),
+                });
+            }
+            if let Some(p) = prev_dst
+                && p >= d
+            {
+                sorted_by_dst = false;
+            }
+            prev_dst = Some(d);
+        }
+        if sorted_by_dst {
+            return Ok(pairs);
+        }
+        self.sorted.clear();
+        self.sorted.extend_from_slice(pairs);
+        self.sorted.sort_unstable_by_key(|&(_, d)| d);
+        if let Some(w) = self.sorted.windows(2).find(|w| w[0].1 == w[1].1) {
             return Err(LayoutError::DuplicateDestination(w[0].1));
         }
-        owned = v;
-        &owned
-    };
+        Ok(&self.sorted)
+    }
+}
 
-    // No overflow: pairs have distinct in-range destinations, so
-    // `pairs.len() <= dst blocks`, and the whole destination fits u64/usize.
+/// Fills `plan` for validated pairs in increasing destination order.
+fn fill(src: &Layout, dst: &Layout, pairs: &[(usize, usize)], plan: &mut CopyPlan) {
+    let sc = src.config();
+    // No overflow below: pairs have distinct in-range destinations, so
+    // `pairs.len() <= dst blocks`, and every offset stays below its region's
+    // size, which fits u64 (checked when the layouts were built).
     let layers = sc.num_layers();
     let outers = sc.outer_dim();
-    let num_chunks = pairs.len() * layers * outers;
-    let mut co = Coalescer {
-        src,
-        dst,
-        len: sc.chunk_bytes(),
-        runs: Vec::with_capacity(num_chunks),
-    };
-    match dst_order(dst) {
+    let chunk = sc.chunk_bytes();
+    let (s, d) = (Affine::of(src), Affine::of(dst));
+    let order = dst_order(dst);
+    let (outer_step, layer_step) = piece_shape(order, s, d, chunk, layers, outers);
+    let piece = chunk * (outer_step * layer_step) as u64;
+    // Every piece is at most one run, so this bounds the plan's length.
+    let bound = pairs.len() * (layers / layer_step) * (outers / outer_step);
+    let runs = &mut plan.runs;
+    runs.reserve(bound);
+    let mut cur = CopyRun::default();
+    match order {
         DstOrder::BlockLayerOuter => {
-            for &p in pairs {
-                for l in 0..layers {
-                    for o in 0..outers {
-                        co.push(p, l, o);
+            for &(sb, db) in pairs {
+                let (s0, d0) = (sb as u64 * s.block, db as u64 * d.block);
+                for l in (0..layers).step_by(layer_step) {
+                    for o in (0..outers).step_by(outer_step) {
+                        let (sr, so) = s.within_block(l, o);
+                        let (dr, dof) = d.within_block(l, o);
+                        push_piece(runs, &mut cur, piece, sr, s0 + so, dr, d0 + dof);
                     }
                 }
             }
         }
         DstOrder::BlockOuterLayer => {
-            for &p in pairs {
+            for &(sb, db) in pairs {
+                let (s0, d0) = (sb as u64 * s.block, db as u64 * d.block);
                 for o in 0..outers {
                     for l in 0..layers {
-                        co.push(p, l, o);
+                        let (sr, so) = s.within_block(l, o);
+                        let (dr, dof) = d.within_block(l, o);
+                        push_piece(runs, &mut cur, piece, sr, s0 + so, dr, d0 + dof);
                     }
                 }
             }
         }
         DstOrder::LayerBlockOuter => {
             for l in 0..layers {
-                for &p in pairs {
-                    for o in 0..outers {
-                        co.push(p, l, o);
+                for &(sb, db) in pairs {
+                    let (s0, d0) = (sb as u64 * s.block, db as u64 * d.block);
+                    for o in (0..outers).step_by(outer_step) {
+                        let (sr, so) = s.within_block(l, o);
+                        let (dr, dof) = d.within_block(l, o);
+                        push_piece(runs, &mut cur, piece, sr, s0 + so, dr, d0 + dof);
                     }
                 }
             }
@@ -251,20 +395,26 @@ pub fn plan_copy(src: &Layout, dst: &Layout, pairs: &[(usize, usize)]) -> Result
         DstOrder::LayerOuterBlock => {
             for l in 0..layers {
                 for o in 0..outers {
-                    for &p in pairs {
-                        co.push(p, l, o);
+                    let (sr, so) = s.within_block(l, o);
+                    let (dr, dof) = d.within_block(l, o);
+                    for &(sb, db) in pairs {
+                        let (s0, d0) = (sb as u64 * s.block, db as u64 * d.block);
+                        push_piece(runs, &mut cur, piece, sr, s0 + so, dr, d0 + dof);
                     }
                 }
             }
         }
     }
-    Ok(CopyPlan {
-        runs: co.runs,
-        total_bytes: pairs.len() as u64 * sc.block_bytes(),
-        num_chunks,
-        src_num_regions: src.num_regions(),
-        dst_num_regions: dst.num_regions(),
-    })
+    if cur.len != 0 {
+        runs.push(cur);
+    }
+    debug_assert!(
+        runs.len() <= bound,
+        "run bound {bound} < {} runs",
+        runs.len()
+    );
+    plan.total_bytes = pairs.len() as u64 * sc.block_bytes();
+    plan.num_chunks = pairs.len() * layers * outers;
 }
 
 #[cfg(test)]
@@ -379,6 +529,37 @@ mod tests {
         assert!(empty.is_empty());
         assert_eq!(empty.total_bytes(), 0);
         assert_eq!(empty.dst_num_regions(), 4);
+    }
+
+    #[test]
+    fn planner_reuses_its_buffers() {
+        let (bf, fc) = (layout(BF), layout(FC));
+        let mut planner = CopyPlanner::new();
+        let mut plan = CopyPlan::default();
+        planner
+            .plan_into(&bf, &fc, &[(5, 2), (1, 0), (2, 7)], &mut plan)
+            .unwrap();
+        assert_eq!(
+            plan,
+            plan_copy(&bf, &fc, &[(5, 2), (1, 0), (2, 7)]).unwrap()
+        );
+        let buffer = plan.runs().as_ptr();
+        planner
+            .plan_into(&bf, &fc, &[(0, 3), (4, 1), (6, 4)], &mut plan)
+            .unwrap();
+        assert_eq!(
+            plan,
+            plan_copy(&bf, &fc, &[(0, 3), (4, 1), (6, 4)]).unwrap()
+        );
+        assert_eq!(plan.runs().as_ptr(), buffer, "same-size replan reallocated");
+        // An error leaves the plan empty, not stale.
+        assert!(
+            planner
+                .plan_into(&bf, &fc, &[(0, 1), (2, 1)], &mut plan)
+                .is_err()
+        );
+        assert!(plan.is_empty());
+        assert_eq!(plan.total_bytes(), 0);
     }
 
     #[test]

@@ -296,3 +296,23 @@ fn malformed_custom_formats() {
     );
     assert_eq!(dtype.unwrap_err(), LayoutError::InvalidDtypeBytes(3));
 }
+
+#[test]
+fn flash_attention_view_over_block_first_memory() {
+    // vLLM can allocate `[num_blocks, 2, ...]` and hand out the
+    // `[2, num_blocks, ...]` view (a permute): the strides, not the shape,
+    // decide the order.
+    let shape = [2, 10, 16, 8, 128];
+    let chunk = 16 * 8 * 128;
+    let strides = [chunk, 2 * chunk, 8 * 128, 128, 1];
+    let r = recognise(KvTensorFormat::FlashAttn, &shape, &strides, 3).unwrap();
+    assert_eq!(
+        r.layout.kind(),
+        LayoutKind::LayerSeparate(BlockOrder::BlockFirst)
+    );
+    assert_eq!(
+        r.layout,
+        Layout::new(*r.layout.config(), r.layout.kind()).unwrap()
+    );
+    assert_matches_tensor(&r, &KvTensorFormat::FlashAttn, &shape, &strides);
+}

@@ -5,8 +5,8 @@ use std::collections::{HashMap, HashSet};
 
 use kvbm_layout::strategies::{block_shape, copy_case, layout};
 use kvbm_layout::{
-    BlockOrder, CopyPlan, Layout, LayoutConfig, LayoutDescriptor, LayoutError, LayoutKind,
-    plan_copy,
+    BlockOrder, CopyPlan, CopyPlanner, Layout, LayoutConfig, LayoutDescriptor, LayoutError,
+    LayoutKind, plan_copy,
 };
 use proptest::prelude::*;
 
@@ -175,10 +175,22 @@ proptest! {
 
     #[test]
     fn duplicate_destinations_are_rejected((src_l, dst_l, mut pairs) in copy_case()) {
-        prop_assume!(!pairs.is_empty());
-        let (_, d) = pairs[0];
+        let d = pairs.first().map_or(0, |&(_, d)| d);
         pairs.push((0, d));
+        if pairs.len() == 1 {
+            pairs.push((0, d));
+        }
         prop_assert_eq!(plan_copy(&src_l, &dst_l, &pairs), Err(LayoutError::DuplicateDestination(d)));
+    }
+
+    #[test]
+    fn a_reused_planner_plans_like_a_fresh_one(cases in prop::collection::vec(copy_case(), 1..4)) {
+        let mut planner = CopyPlanner::new();
+        let mut plan = CopyPlan::default();
+        for (src_l, dst_l, pairs) in &cases {
+            planner.plan_into(src_l, dst_l, pairs, &mut plan).unwrap();
+            prop_assert_eq!(&plan, &plan_copy(src_l, dst_l, pairs).unwrap());
+        }
     }
 
     #[test]

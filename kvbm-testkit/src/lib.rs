@@ -7,5 +7,6 @@
 //! and LRU reference simulators, and the `kvbm-bench` binary.
 
 pub mod bench;
+pub mod fault;
 pub mod sim;
 pub mod trace;

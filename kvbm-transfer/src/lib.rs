@@ -21,6 +21,8 @@
 //!   itself is internal to the executor.
 //! - [`executor`]: [`Executor`] — batching, the in-flight limit, strategy
 //!   dispatch, per-block outcome.
+//! - `cuda` (feature `cuda`): device and fast pinned memory, the copy
+//!   kernel, and the CUDA backend (copy engines, kernel, staged paths).
 //!
 //! No async runtime is needed: completions are std futures and can be
 //! waited on from any thread. Worker threads block; nothing polls.
@@ -28,6 +30,8 @@
 pub mod backend;
 pub mod bounce;
 pub mod completion;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod disk;
 pub mod error;
 pub mod executor;

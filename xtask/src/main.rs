@@ -3,8 +3,12 @@
 //! - `ci`: everything CI checks, in the order a developer wants to see failures:
 //!   install what the tests need, format, lint, test, docs.
 //! - `bench`: run the criterion benches (extra arguments go to `cargo bench`).
+//! - `kernels`: rebuild the committed CUDA fatbins with nvcc.
+//! - `gpu`: build the release binaries for the GPU machine into `.device-bin/`.
 
 mod ci;
+mod gpu;
+mod kernels;
 
 use std::process::ExitCode;
 
@@ -13,6 +17,8 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("ci") => ci::run(),
         Some("bench") => ci::bench(&args[1..]),
+        Some("kernels") => kernels::run(&workspace_root()),
+        Some("gpu") => gpu::run(&workspace_root(), &args[1..]),
         Some(other) => Err(format!("unknown command `{other}`\n\n{USAGE}")),
         None => Err(USAGE.to_string()),
     };
@@ -29,4 +35,15 @@ const USAGE: &str = "usage: cargo xtask <command>
 
 commands:
   ci       install test prerequisites, then fmt --check, clippy -D warnings, tests, docs
-  bench    run the criterion benches (arguments after `bench` go to cargo bench)";
+  bench    run the criterion benches (arguments after `bench` go to cargo bench)
+  kernels  rebuild the CUDA fatbins (needs nvcc: $NVCC, PATH or /usr/local/cuda)
+  gpu      build release GPU test/bench binaries into .device-bin/ (--out DIR)";
+
+/// The workspace root (xtask lives one level below it).
+fn workspace_root() -> std::path::PathBuf {
+    let manifest = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest
+        .parent()
+        .map(std::path::Path::to_path_buf)
+        .unwrap_or(manifest)
+}

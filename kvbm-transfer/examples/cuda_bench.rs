@@ -1,0 +1,590 @@
+//! GPU benchmark of the CUDA backend (run on the H200 machine).
+//!
+//! Shape: 32 layers, K and V, 8 KV heads × 128, bf16; device LayerSeparate
+//! (outer-first, as vLLM) ↔ pinned FullyContiguous; 256 random
+//! non-consecutive blocks out of 512. Run sizes 8, 32 and 256 KiB (4, 16 and
+//! 128 tokens per block). Every figure is also printed as a ratio to one
+//! large pinned copy measured in the same run. Byte counts come from the
+//! plan (the sum of its runs), never from hand arithmetic.
+//!
+//! `cargo run --release --example cuda_bench --features cuda [-- quick]`
+
+#[path = "../tests/cuda_common/mod.rs"]
+mod cuda_common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cuda_common::{Kind, Layout, device_or_skip, plan, random_blocks, random_bytes};
+use kvbm_transfer::cuda::{
+    CopierConfig, CopyOptions, CopyPath, CopyRun, CudaCopier, CudaDevice, CudaError, CudaRegion,
+    DeviceBuffer, Direction, GpuLoad, Location, PinnedMemory, PinnedOptions,
+};
+
+const GIB: usize = 1 << 30;
+
+/// A window of the pinned arena, as its own region.
+struct Window {
+    mem: Arc<PinnedMemory>,
+    offset: usize,
+    len: usize,
+}
+
+impl CudaRegion for Window {
+    fn device_ptr(&self) -> u64 {
+        self.mem.device_ptr() + self.offset as u64
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn location(&self) -> Location {
+        Location::PinnedHost
+    }
+}
+
+fn window(mem: &Arc<PinnedMemory>, offset: usize, len: usize) -> Arc<dyn CudaRegion> {
+    Arc::new(Window {
+        mem: Arc::clone(mem),
+        offset,
+        len,
+    })
+}
+
+fn median(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(|a, b| a.total_cmp(b));
+    (v[v.len() / 2], v[0], v[v.len() - 1])
+}
+
+/// Times `reps` runs of `f` (after one warm-up); returns GB/s (median, min, max).
+fn gbps(bytes: u64, reps: usize, mut f: impl FnMut()) -> (f64, f64, f64) {
+    f();
+    let v = (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            bytes as f64 / t.elapsed().as_secs_f64() / 1e9
+        })
+        .collect();
+    median(v)
+}
+
+struct Case {
+    runs: Vec<CopyRun>,
+    src: Vec<Arc<dyn CudaRegion>>,
+    dst: Vec<Arc<dyn CudaRegion>>,
+    bytes: u64,
+}
+
+impl Case {
+    fn try_run(&self, copier: &CudaCopier, opts: CopyOptions) -> Result<(), CudaError> {
+        copier.copy(&self.runs, &self.src, &self.dst, opts)?.wait()
+    }
+
+    fn run(&self, copier: &CudaCopier, opts: CopyOptions) {
+        if let Err(e) = self.try_run(copier, opts) {
+            println!("FAILED copy ({opts:?}): {e}");
+        }
+    }
+}
+
+fn opts(path: Option<CopyPath>, load: GpuLoad) -> CopyOptions {
+    CopyOptions { path, load }
+}
+
+/// The copiers compared: the default one and one per alternative setting.
+struct Copiers {
+    main: CudaCopier,
+    small_ring: CudaCopier,
+}
+
+impl Copiers {
+    fn new(dev: &CudaDevice) -> Copiers {
+        let d = CopierConfig::default;
+        let mk = |c: CopierConfig| CudaCopier::new(dev, c).expect("copier");
+        Copiers {
+            main: mk(d()),
+            // The earlier default: 8 × 8 MiB ring, 16-CTA staging kernel.
+            small_ring: mk(CopierConfig {
+                staging_slot_bytes: 8 << 20,
+                staged_ctas: 16,
+                staged_threads: 256,
+                ..d()
+            }),
+        }
+    }
+
+    fn variants(&self) -> Vec<(&'static str, &CudaCopier, CopyOptions)> {
+        let (ce, k, st) = (
+            Some(CopyPath::CopyEngine),
+            Some(CopyPath::Kernel),
+            Some(CopyPath::Staged),
+        );
+        let (i, b) = (GpuLoad::Idle, GpuLoad::Busy);
+        vec![
+            ("copy-engine", &self.main, opts(ce, i)),
+            ("kernel-idle", &self.main, opts(k, i)),
+            ("kernel-busy", &self.main, opts(k, b)),
+            ("staged", &self.main, opts(st, i)),
+            ("staged-small", &self.small_ring, opts(st, i)),
+            ("auto-idle", &self.main, opts(None, i)),
+            ("auto-busy", &self.main, opts(None, b)),
+        ]
+    }
+}
+
+/// bf16 8192³ GEMM loop through cuBLAS on its own stream.
+struct Gemm {
+    handle: cudarc::cublas::sys::cublasHandle_t,
+    stream: cudarc::driver::sys::CUstream,
+    a: DeviceBuffer,
+    b: DeviceBuffer,
+    c: DeviceBuffer,
+}
+
+const N: usize = 8192;
+
+impl Gemm {
+    fn new(dev: &CudaDevice) -> Option<Gemm> {
+        // SAFETY: only tries to dlopen libcublas.
+        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+            println!("skipped: cuBLAS not found (GEMM interference not measured)");
+            return None;
+        }
+        dev.bind().ok()?;
+        let mut stream = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; context current.
+        unsafe {
+            cudarc::driver::sys::cuStreamCreate(&mut stream, 1);
+        }
+        let handle = cudarc::cublas::result::create_handle().ok()?;
+        // SAFETY: handle and stream are live.
+        unsafe { cudarc::cublas::result::set_stream(handle, stream as _) }.ok()?;
+        let bytes = N * N * 2;
+        // Random bf16 in [-1, 1): the top half of random f32s.
+        let mut host = Vec::with_capacity(bytes);
+        let raw = random_bytes(N * N * 4, 99);
+        for w in raw.chunks_exact(4) {
+            let x = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
+            let f = (x as f32 / u32::MAX as f32) * 2.0 - 1.0;
+            host.extend_from_slice(&((f.to_bits() >> 16) as u16).to_le_bytes());
+        }
+        let mk = || {
+            let b = DeviceBuffer::new(dev, bytes).ok()?;
+            b.write(0, &host).ok()?;
+            Some(b)
+        };
+        Some(Gemm {
+            handle,
+            stream,
+            a: mk()?,
+            b: mk()?,
+            c: mk()?,
+        })
+    }
+
+    /// Runs `n` GEMMs and returns TFLOP/s.
+    fn run(&self, n: usize) -> f64 {
+        use cudarc::cublas::sys::*;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let t = Instant::now();
+        for _ in 0..n {
+            // SAFETY: the buffers hold N×N bf16 each; handle and stream live.
+            unsafe {
+                cudarc::cublas::result::gemm_ex(
+                    self.handle,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    N as i32,
+                    N as i32,
+                    N as i32,
+                    (&alpha as *const f32).cast(),
+                    self.a.ptr() as *const _,
+                    cudaDataType::CUDA_R_16BF,
+                    N as i32,
+                    self.b.ptr() as *const _,
+                    cudaDataType::CUDA_R_16BF,
+                    N as i32,
+                    (&beta as *const f32).cast(),
+                    self.c.ptr() as *mut _,
+                    cudaDataType::CUDA_R_16BF,
+                    N as i32,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
+                )
+            }
+            .expect("gemm");
+        }
+        // SAFETY: the stream is live.
+        unsafe { cudarc::driver::sys::cuStreamSynchronize(self.stream) };
+        2.0 * (N as f64).powi(3) * n as f64 / t.elapsed().as_secs_f64() / 1e12
+    }
+}
+
+/// Runs `case` copies back to back on a thread while `n` GEMMs run; returns
+/// (GEMM TFLOP/s, copy GB/s inside the GEMM window).
+fn interfere(
+    copier: &CudaCopier,
+    gemm: &Gemm,
+    cases: &[(&Case, CopyOptions)],
+    n: usize,
+) -> (f64, f64) {
+    let stop = AtomicBool::new(false);
+    let log: Mutex<Vec<(Instant, Instant, u64)>> = Mutex::new(Vec::new());
+    let (tflops, t0, t1) = std::thread::scope(|s| {
+        for &(case, o) in cases {
+            let (stop, log) = (&stop, &log);
+            s.spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let a = Instant::now();
+                    case.run(copier, o);
+                    log.lock().unwrap().push((a, Instant::now(), case.bytes));
+                }
+            });
+        }
+        std::thread::sleep(Duration::from_millis(30));
+        let t0 = Instant::now();
+        let tflops = gemm.run(n);
+        let t1 = Instant::now();
+        stop.store(true, Ordering::Relaxed);
+        (tflops, t0, t1)
+    });
+    let log = log.into_inner().unwrap();
+    let inside: Vec<_> = log
+        .iter()
+        .filter(|(a, b, _)| *a >= t0 && *b <= t1)
+        .collect();
+    let bytes: u64 = inside.iter().map(|x| x.2).sum();
+    let span = inside
+        .iter()
+        .map(|x| x.0)
+        .min()
+        .zip(inside.iter().map(|x| x.1).max())
+        .map_or(1e-9, |(a, b)| (b - a).as_secs_f64());
+    (tflops, bytes as f64 / span / 1e9)
+}
+
+fn main() {
+    let Some(dev) = device_or_skip() else { return };
+    std::thread::spawn(|| {
+        std::thread::sleep(Duration::from_secs(300));
+        println!("bench watchdog: still running after 300 s, exiting");
+        std::process::exit(3);
+    });
+    let quick = std::env::args().any(|a| a == "quick");
+    // `gemm`: only the reference and the copies beside a GEMM loop.
+    let gemm_only = std::env::args().any(|a| a == "gemm");
+    let reps = if quick { 3 } else { 5 };
+    println!(
+        "device: {} ({} SMs, NUMA node {:?}, batch copy {})",
+        dev.name(),
+        dev.sm_count(),
+        dev.numa_node(),
+        dev.has_batch_copy()
+    );
+
+    // --- Pinned allocation: 16 GiB, first 1 GiB usable at once. ---
+    let arena_len = if gemm_only { 2 * GIB } else { 16 * GIB };
+    let mut firsts = Vec::new();
+    let mut alls = Vec::new();
+    let mut arena = None;
+    for _ in 0..(if gemm_only { 1 } else { 3 }) {
+        drop(arena.take());
+        let t = Instant::now();
+        let mem = PinnedMemory::allocate_in_background(
+            &dev,
+            arena_len,
+            GIB,
+            PinnedOptions::for_device(&dev),
+        )
+        .expect("pinned arena");
+        firsts.push(t.elapsed().as_secs_f64());
+        mem.wait_pinned(arena_len).expect("pins");
+        alls.push(t.elapsed().as_secs_f64());
+        arena = Some(mem);
+    }
+    println!(
+        "pinned 16 GiB per run (first 1 GiB usable / all pinned, s): {:?} / {:?}",
+        firsts, alls
+    );
+    let (f, fmin, fmax) = median(firsts);
+    let (a, amin, amax) = median(alls);
+    println!(
+        "pinned 16 GiB: first 1 GiB usable {f:.3} s [{fmin:.3}-{fmax:.3}], all pinned {a:.3} s [{amin:.3}-{amax:.3}] (3 runs)"
+    );
+    let arena = Arc::new(arena.expect("allocated"));
+    {
+        // Non-zero contents for the host side.
+        let pattern = random_bytes(1 << 20, 3);
+        for off in (0..arena_len / 2).step_by(1 << 20) {
+            arena.write(off, &pattern).expect("fill");
+        }
+    }
+    let copiers = Copiers::new(&dev);
+    let copier = &copiers.main;
+
+    // --- Reference: one large pinned copy. ---
+    let big = Arc::new(DeviceBuffer::new(&dev, 2 * GIB).expect("device"));
+    let one = |src_off: u64, dst_off: u64| CopyRun {
+        src_region: 0,
+        src_offset: src_off,
+        dst_region: 0,
+        dst_offset: dst_off,
+        len: GIB as u64,
+    };
+    let dev_r: Vec<Arc<dyn CudaRegion>> = vec![big.clone()];
+    // One registration, so the reference really is one copy per direction.
+    let ref_host = Arc::new(
+        PinnedMemory::allocate(
+            &dev,
+            2 * GIB,
+            PinnedOptions {
+                chunk_bytes: 2 * GIB,
+                ..PinnedOptions::for_device(&dev)
+            },
+        )
+        .expect("reference pinned"),
+    );
+    ref_host.write(0, &random_bytes(1 << 20, 4)).expect("fill");
+    let host_r: Vec<Arc<dyn CudaRegion>> = vec![window(&ref_host, 0, 2 * GIB)];
+    let ce = opts(Some(CopyPath::CopyEngine), GpuLoad::Idle);
+    let h2d_ref = Case {
+        runs: vec![one(0, 0)],
+        src: host_r.clone(),
+        dst: dev_r.clone(),
+        bytes: GIB as u64,
+    };
+    let d2h_ref = Case {
+        runs: vec![one(GIB as u64, GIB as u64)],
+        src: dev_r.clone(),
+        dst: host_r.clone(),
+        bytes: GIB as u64,
+    };
+    let (ref_h2d, lo, hi) = gbps(GIB as u64, reps, || h2d_ref.run(copier, ce));
+    println!("reference single 1 GiB copy H2D {ref_h2d:.1} GB/s [{lo:.1}-{hi:.1}]");
+    let (ref_d2h, lo, hi) = gbps(GIB as u64, reps, || d2h_ref.run(copier, ce));
+    println!("reference single 1 GiB copy D2H {ref_d2h:.1} GB/s [{lo:.1}-{hi:.1}]");
+    let both = |copier: &CudaCopier, a: &Case, b: &Case, o: CopyOptions| {
+        let r = copier.copy(&a.runs, &a.src, &a.dst, o).and_then(|c1| {
+            let c2 = copier.copy(&b.runs, &b.src, &b.dst, o)?;
+            c1.wait()?;
+            c2.wait()
+        });
+        if let Err(e) = r {
+            println!("FAILED both directions ({o:?}): {e}");
+        }
+    };
+    let (ref_bi, lo, hi) = gbps(2 * GIB as u64, reps, || {
+        both(copier, &h2d_ref, &d2h_ref, ce)
+    });
+    println!(
+        "reference single 1 GiB copy both directions {ref_bi:.1} GB/s total [{lo:.1}-{hi:.1}]"
+    );
+    drop((h2d_ref, d2h_ref, dev_r, host_r, big, ref_host));
+
+    let gemm = Gemm::new(&dev);
+    let gemm_alone = gemm.as_ref().map(|g| {
+        g.run(10);
+        median((0..3).map(|_| g.run(40)).collect()).0
+    });
+    if let Some(t) = gemm_alone {
+        println!("GEMM bf16 8192^3 alone: {t:.0} TFLOP/s");
+    }
+
+    let shapes: &[usize] = if gemm_only { &[16, 4] } else { &[16, 4, 128] };
+    for &tokens in shapes {
+        let run_bytes = tokens * 8 * 128 * 2;
+        let pool = 512;
+        let dl = Layout {
+            kind: Kind::LayerSeparate,
+            blocks: pool,
+            layers: 32,
+            outer: 2,
+            run_bytes,
+        };
+        let hl = Layout {
+            kind: Kind::FullyContiguous,
+            ..dl
+        };
+        let dev_regions: Vec<Arc<dyn CudaRegion>> = dl
+            .region_sizes()
+            .into_iter()
+            .map(|s| {
+                Arc::new(DeviceBuffer::new(&dev, s).expect("device layer")) as Arc<dyn CudaRegion>
+            })
+            .collect();
+        let host_regions = vec![window(&arena, 0, hl.region_sizes()[0])];
+        let dev_ids = random_blocks(pool, pool, 11);
+        let host_ids = random_blocks(pool, pool, 12);
+        let pairs = |range: std::ops::Range<usize>| -> Vec<(usize, usize)> {
+            range.map(|i| (host_ids[i], dev_ids[i])).collect()
+        };
+        let mk = |d: Direction, range: std::ops::Range<usize>| {
+            let p = pairs(range);
+            let (runs, src, dst) = match d {
+                Direction::HostToDevice => (
+                    plan(&hl, &dl, &p),
+                    host_regions.clone(),
+                    dev_regions.clone(),
+                ),
+                _ => {
+                    let rev: Vec<_> = p.iter().map(|&(h, g)| (g, h)).collect();
+                    (
+                        plan(&dl, &hl, &rev),
+                        dev_regions.clone(),
+                        host_regions.clone(),
+                    )
+                }
+            };
+            let bytes = runs.iter().map(|r| r.len).sum();
+            Case {
+                runs,
+                src,
+                dst,
+                bytes,
+            }
+        };
+        let kib = run_bytes >> 10;
+        let directions: &[Direction] = if gemm_only {
+            &[]
+        } else {
+            &[Direction::HostToDevice, Direction::DeviceToHost]
+        };
+        for &d in directions {
+            let case = mk(d, 0..256);
+            let reps = if tokens > 16 { 3 } else { reps };
+            let reference = if d == Direction::HostToDevice {
+                ref_h2d
+            } else {
+                ref_d2h
+            };
+            let mut best = 0f64;
+            let mut auto = Vec::new();
+            for (name, copier, o) in copiers.variants() {
+                if let Err(e) = case.try_run(copier, o) {
+                    println!("{kib:>3} KiB runs {d:?} {name}: FAILED {e}");
+                    continue;
+                }
+                let (m, lo, hi) = gbps(case.bytes, reps, || case.run(copier, o));
+                let submit = {
+                    let t = Instant::now();
+                    let c = copier.copy(&case.runs, &case.src, &case.dst, o);
+                    let us = t.elapsed().as_secs_f64() * 1e6;
+                    let _ = c.map(|c| c.wait());
+                    us
+                };
+                println!(
+                    "{kib:>3} KiB runs {d:?} 256 blocks ({} runs, {} MiB) {name:<12} {m:6.1} GB/s [{lo:.1}-{hi:.1}] ratio {:.3} (submit call {submit:.0} us)",
+                    case.runs.len(),
+                    case.bytes >> 20,
+                    m / reference
+                );
+                if name.starts_with("auto") {
+                    auto.push((name, m));
+                } else {
+                    best = best.max(m);
+                }
+            }
+            for (name, m) in auto {
+                println!(
+                    "{kib:>3} KiB runs {d:?} {name} / best path = {:.3}",
+                    m / best
+                );
+            }
+            // Latency of one 2 MiB block (at 32 KiB runs) per path.
+            if tokens == 16 {
+                let single = mk(d, 300..301);
+                for (name, copier, o) in copiers.variants() {
+                    single.run(copier, o);
+                    let mut lat: Vec<f64> = (0..100)
+                        .map(|_| {
+                            let t = Instant::now();
+                            single.run(copier, o);
+                            t.elapsed().as_secs_f64() * 1e6
+                        })
+                        .collect();
+                    lat.sort_by(|a, b| a.total_cmp(b));
+                    println!(
+                        "single 2 MiB block {d:?} {name:<12} p50 {:.1} us p99 {:.1} us",
+                        lat[50], lat[98]
+                    );
+                }
+            }
+        }
+        // Offload and onboard at once (disjoint blocks).
+        let on = mk(Direction::HostToDevice, 0..256);
+        let off = mk(Direction::DeviceToHost, 256..512);
+        let reps = if tokens > 16 { 3 } else { reps };
+        let mut best_bi = 0f64;
+        for (name, copier, o) in copiers.variants().into_iter().filter(|_| !gemm_only) {
+            let (m, lo, hi) = gbps(on.bytes + off.bytes, reps, || both(copier, &on, &off, o));
+            // The same submitted from two threads, as an engine's offload
+            // and onboard tasks would.
+            let (m2, lo2, hi2) = gbps(on.bytes + off.bytes, reps, || {
+                std::thread::scope(|s| {
+                    s.spawn(|| on.run(copier, o));
+                    off.run(copier, o);
+                })
+            });
+            println!(
+                "{kib:>3} KiB runs both directions {name:<12} two threads {m2:6.1} GB/s total [{lo2:.1}-{hi2:.1}] ratio {:.3}",
+                m2 / ref_bi
+            );
+            if name.starts_with("auto") {
+                println!(
+                    "{kib:>3} KiB runs both directions {name} / best path = {:.3}",
+                    m / best_bi
+                );
+            } else {
+                best_bi = best_bi.max(m);
+            }
+            println!(
+                "{kib:>3} KiB runs both directions {name:<12} {m:6.1} GB/s total [{lo:.1}-{hi:.1}] ratio {:.3}",
+                m / ref_bi
+            );
+        }
+        // Beside a GEMM loop.
+        if let (Some(g), Some(_), true) = (gemm.as_ref(), gemm_alone, tokens <= 16) {
+            // Long enough for several copies to fit inside the GEMM window
+            // (one GEMM is about 1.5 ms; copies assumed no faster than 40 GB/s).
+            let copy_s = on.bytes as f64 / 40e9;
+            let gemm_n = ((6.0 * copy_s / 1.5e-3) as usize).max(60);
+            // Kernels on an idle-sized grid starve the GEMM (measured: -86%
+            // throughput) and, run from two threads, block it entirely, so
+            // only the SM-sparing variants run beside it.
+            for (name, copier, o) in copiers.variants().into_iter().filter(|v| {
+                matches!(v.0, "copy-engine" | "kernel-busy" | "staged" | "auto-busy")
+                    && !(gemm_only && v.0 == "kernel-busy")
+            }) {
+                for (label, cases) in [
+                    ("H2D", vec![(&on, o)]),
+                    ("D2H", vec![(&off, o)]),
+                    ("both", vec![(&on, o), (&off, o)]),
+                ] {
+                    // Alternate alone / beside three times; GEMM clocks drift,
+                    // so each loss is against the run just before it.
+                    let mut losses = Vec::new();
+                    let mut rates = Vec::new();
+                    for _ in 0..3 {
+                        let alone = g.run(gemm_n);
+                        let (t, c) = interfere(copier, g, &cases, gemm_n);
+                        losses.push((1.0 - t / alone) * 100.0);
+                        rates.push(c);
+                    }
+                    let reference = match label {
+                        "H2D" => ref_h2d,
+                        "D2H" => ref_d2h,
+                        _ => ref_bi,
+                    };
+                    let (c, clo, chi) = median(rates);
+                    let (l, llo, lhi) = median(losses);
+                    println!(
+                        "{kib:>3} KiB runs {label:<4} beside GEMM {name:<12} copy {c:6.1} GB/s [{clo:.1}-{chi:.1}] ratio {:.3}; GEMM loss {l:.1}% [{llo:.1}-{lhi:.1}] (3 alternations)",
+                        c / reference
+                    );
+                }
+            }
+            println!("GEMM alone again: {:.0} TFLOP/s", g.run(40));
+        }
+    }
+}

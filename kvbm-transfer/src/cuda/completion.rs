@@ -1,0 +1,247 @@
+//! Turning "the GPU finished" into a future, without polling.
+//!
+//! Each lane of streams has one watcher thread. A copy records a
+//! blocking-sync event after its last operation and hands the event to the
+//! watcher, which sleeps in `cuEventSynchronize` (the driver wakes it; no
+//! spinning, no timer) and then resolves the copy's [`Completion`] with the
+//! driver's verdict: a stream error resolves the completion with that error,
+//! so a failed copy never reports success. The watcher also releases what
+//! the copy had to keep alive (memory regions, descriptor buffers) only then.
+
+use std::any::Any;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Condvar, Mutex};
+use std::task::{Context, Poll, Waker};
+use std::thread::JoinHandle;
+
+use cudarc::driver::sys::{self, CUevent};
+
+use super::device::CudaDevice;
+use super::error::{CudaError, CudaResult, check};
+
+/// The outcome of one copy: ready at once or resolved by the GPU.
+///
+/// Await it, or call [`Completion::wait`] from synchronous code. Several can
+/// be combined with [`Completion::all`].
+#[derive(Debug)]
+pub struct Completion {
+    state: Arc<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    slot: Mutex<Slot>,
+    cond: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct Slot {
+    result: Option<CudaResult<()>>,
+    waker: Option<Waker>,
+}
+
+impl Completion {
+    /// A completion that is already resolved (costs nothing to await).
+    pub fn ready(result: CudaResult<()>) -> Self {
+        let state = Arc::new(State::default());
+        lock(&state.slot).result = Some(result);
+        Completion { state }
+    }
+
+    fn pending() -> (Self, Arc<State>) {
+        let state = Arc::new(State::default());
+        (
+            Completion {
+                state: Arc::clone(&state),
+            },
+            state,
+        )
+    }
+
+    /// True once the outcome is known.
+    pub fn is_done(&self) -> bool {
+        lock(&self.state.slot).result.is_some()
+    }
+
+    /// Blocks the calling thread until the copy finished.
+    pub fn wait(self) -> CudaResult<()> {
+        let mut slot = lock(&self.state.slot);
+        loop {
+            if let Some(r) = slot.result.take() {
+                return r;
+            }
+            slot = self
+                .state
+                .cond
+                .wait(slot)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// Waits for all of `completions`; the first error wins.
+    pub fn all(completions: impl IntoIterator<Item = Completion>) -> CudaResult<()> {
+        let mut first = Ok(());
+        for c in completions {
+            let r = c.wait();
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+}
+
+impl Future for Completion {
+    type Output = CudaResult<()>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut slot = lock(&self.state.slot);
+        match slot.result.take() {
+            Some(r) => Poll::Ready(r),
+            None => {
+                slot.waker = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
+    }
+}
+
+fn resolve(state: &State, result: CudaResult<()>) {
+    let waker = {
+        let mut slot = lock(&state.slot);
+        slot.result = Some(result);
+        slot.waker.take()
+    };
+    state.cond.notify_all();
+    if let Some(w) = waker {
+        w.wake();
+    }
+}
+
+/// A copy handed to the watcher: the event after its last operation and
+/// what must stay alive until then.
+struct Watch {
+    event: CUevent,
+    keep_alive: Vec<Box<dyn Any + Send>>,
+    state: Arc<State>,
+}
+
+// SAFETY: a CUevent is a driver handle usable from any thread with the
+// context current; it moves to the watcher and is used only there.
+unsafe impl Send for Watch {}
+
+/// One watcher thread and the channel feeding it.
+pub(crate) struct Watcher {
+    tx: Option<Sender<Watch>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Watcher {
+    pub(crate) fn spawn(device: &CudaDevice, name: &str) -> CudaResult<Self> {
+        let (tx, rx) = channel::<Watch>();
+        let device = device.clone();
+        let thread = std::thread::Builder::new()
+            .name(name.into())
+            .spawn(move || watch_loop(&device, rx))
+            .map_err(|e| CudaError::Os {
+                call: "thread spawn",
+                source: Arc::new(e),
+            })?;
+        Ok(Watcher {
+            tx: Some(tx),
+            thread: Some(thread),
+        })
+    }
+
+    /// Records a completion event on `stream` and returns the completion the
+    /// watcher will resolve. `keep_alive` is dropped after the event fired.
+    pub(crate) fn watch(
+        &self,
+        stream: sys::CUstream,
+        keep_alive: Vec<Box<dyn Any + Send>>,
+    ) -> CudaResult<Completion> {
+        let event = new_event(true)?;
+        // SAFETY: `event` was just created in the current context; `stream`
+        // belongs to the same context.
+        if let Err(e) = check("cuEventRecord", unsafe {
+            sys::cuEventRecord(event, stream)
+        }) {
+            destroy_event(event);
+            return Err(e);
+        }
+        let (completion, state) = Completion::pending();
+        let watch = Watch {
+            event,
+            keep_alive,
+            state,
+        };
+        match self.tx.as_ref().map(|tx| tx.send(watch)) {
+            Some(Ok(())) => Ok(completion),
+            Some(Err(std::sync::mpsc::SendError(w))) => {
+                // The watcher is gone: wait here instead, so the verdict is
+                // still the driver's.
+                let r = synchronize_event(w.event);
+                destroy_event(w.event);
+                resolve(&w.state, r);
+                Ok(completion)
+            }
+            None => Err(CudaError::CompletionLost),
+        }
+    }
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        self.tx.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn watch_loop(device: &CudaDevice, rx: Receiver<Watch>) {
+    let bound = device.bind();
+    for w in rx {
+        let result = match &bound {
+            Ok(()) => synchronize_event(w.event),
+            Err(e) => Err(e.clone()),
+        };
+        destroy_event(w.event);
+        drop(w.keep_alive);
+        resolve(&w.state, result);
+    }
+}
+
+fn synchronize_event(event: CUevent) -> CudaResult<()> {
+    // SAFETY: `event` is a live event of the current context.
+    check("cuEventSynchronize", unsafe {
+        sys::cuEventSynchronize(event)
+    })
+}
+
+/// Creates an event; `blocking` makes waiters sleep instead of spin.
+pub(crate) fn new_event(blocking: bool) -> CudaResult<CUevent> {
+    let mut flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+    if blocking {
+        flags |= sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32;
+    }
+    let mut event: CUevent = std::ptr::null_mut();
+    // SAFETY: `event` is a valid out-pointer; the caller made the context
+    // current.
+    check("cuEventCreate", unsafe {
+        sys::cuEventCreate(&mut event, flags)
+    })?;
+    Ok(event)
+}
+
+/// Destroys an event (errors ignored: nothing useful to do on teardown).
+pub(crate) fn destroy_event(event: CUevent) {
+    // SAFETY: the event was created by `new_event` and is destroyed once.
+    unsafe { sys::cuEventDestroy_v2(event) };
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}

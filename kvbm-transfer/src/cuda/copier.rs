@@ -1,0 +1,900 @@
+//! The executor of copy plans between G1 (device) and G2 (pinned host).
+//!
+//! Three paths, because no single one is best everywhere (figures from the
+//! H200 machine, see docs/benchmarks.md):
+//!
+//! - [`CopyPath::CopyEngine`]: DMA on the copy engines, one
+//!   `cuMemcpyBatchAsync_v2` per batch where the driver has it, a loop of
+//!   `cuMemcpyAsync` where it does not. Uses no SMs; reaches line rate only
+//!   for large runs (each copy costs the driver microseconds).
+//! - [`CopyPath::Kernel`]: one launch of the gather/scatter kernel reading or
+//!   writing pinned memory through its device pointer. Line rate at every run
+//!   size and the lowest latency, but it occupies SMs while it runs.
+//! - [`CopyPath::Staged`]: the kernel gathers device runs into a dense
+//!   device staging slot (or scatters from one) at HBM speed, and the copy
+//!   engines move whole slots to and from the host; a ring of slots
+//!   pipelines the two. DMA rate with SMs busy only briefly.
+//!
+//! [`CudaCopier::choose`] picks by direction, size, run size and whether the
+//! caller said the GPU is busy; callers can force a path. Each direction has
+//! its own lanes (a kernel stream, a copy stream, a staging ring and a
+//! completion watcher), so offload and onboard overlap.
+
+use std::any::Any;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys::{self, CUdeviceptr, CUevent, CUstream};
+
+use super::completion::{Completion, Watcher, destroy_event, new_event};
+use super::device::CudaDevice;
+use super::error::{CudaError, CudaResult, check};
+use super::kernel::Grid;
+use super::memory::{CudaRegion, DeviceBuffer, Location};
+use super::pinned::registration_bounds;
+use super::plan::{CopyRun, HostSide, Span, absolute_spans, plan_staged, split_at_bounds};
+
+/// How a copy moves its bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CopyPath {
+    /// DMA on the copy engines (no SMs).
+    CopyEngine,
+    /// The gather/scatter kernel, directly between the two layouts.
+    Kernel,
+    /// Kernel to/from a device staging ring, DMA between ring and host.
+    Staged,
+}
+
+/// What the caller knows about the GPU's other work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum GpuLoad {
+    /// Nothing else needs the SMs: take the fastest path.
+    #[default]
+    Idle,
+    /// The model is running: keep SM use minimal.
+    Busy,
+}
+
+/// Per-copy options.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CopyOptions {
+    /// Force a path; `None` lets [`CudaCopier::choose`] pick.
+    pub path: Option<CopyPath>,
+    /// Whether the GPU is busy with other work.
+    pub load: GpuLoad,
+}
+
+/// Direction of a copy, from the locations of its two sides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Direction {
+    /// Pinned host → device (onboard).
+    HostToDevice,
+    /// Device → pinned host (offload).
+    DeviceToHost,
+    /// Device → device.
+    DeviceToDevice,
+}
+
+impl Direction {
+    fn index(self) -> usize {
+        match self {
+            Direction::HostToDevice => 0,
+            Direction::DeviceToHost => 1,
+            Direction::DeviceToDevice => 2,
+        }
+    }
+}
+
+/// Tunables of a [`CudaCopier`]. The defaults are the measured choices.
+#[derive(Debug, Clone)]
+pub struct CopierConfig {
+    /// Lanes (kernel stream + copy stream + watcher) per direction; the
+    /// first lane of each host direction also holds the staging ring.
+    pub lanes_per_direction: usize,
+    /// Bytes per staging slot.
+    pub staging_slot_bytes: usize,
+    /// Slots per staging ring. Under a model that holds every SM (a large
+    /// GEMM), the staging kernels only run between the model's kernels, so
+    /// the ring must hold what the DMA moves during one of them: 8 × 32 MiB
+    /// reached 0.84 of line rate beside a 1.5 ms GEMM where 8 × 8 MiB
+    /// reached 0.45.
+    pub staging_slots: usize,
+    /// Kernel path, idle GPU: threads per CTA.
+    pub idle_threads: u32,
+    /// Kernel path, idle GPU: at most this many CTAs. Few enough that an
+    /// offload and an onboard kernel fit on the GPU at the same time.
+    pub idle_max_ctas: u32,
+    /// Kernels give each warp its own run (more loads in flight for small
+    /// runs) rather than each CTA.
+    pub warp_per_run: bool,
+    /// Use `cuMemcpyBatchAsync_v2` where the driver has it.
+    pub use_batch_copy: bool,
+    /// Kernel path, busy GPU: CTAs.
+    pub busy_ctas: u32,
+    /// Kernel path, busy GPU: threads per CTA.
+    pub busy_threads: u32,
+    /// Staged path: CTAs of the staging kernel. Wide, so the gather that
+    /// runs in the gaps between the model's kernels finishes quickly.
+    pub staged_ctas: u32,
+    /// Staged path: threads per CTA of the staging kernel.
+    pub staged_threads: u32,
+    /// Copies up to this many bytes take the kernel path (latency).
+    pub small_copy_bytes: u64,
+    /// Busy GPU: runs of at least this mean size take the copy engines.
+    pub large_run_bytes: u64,
+    /// Idle GPU: runs of at least this mean size take the staging ring.
+    pub staged_run_bytes: u64,
+}
+
+impl Default for CopierConfig {
+    fn default() -> Self {
+        CopierConfig {
+            lanes_per_direction: 2,
+            staging_slot_bytes: 32 << 20,
+            staging_slots: 8,
+            idle_threads: 512,
+            idle_max_ctas: 64,
+            warp_per_run: true,
+            use_batch_copy: true,
+            busy_ctas: 8,
+            busy_threads: 512,
+            staged_ctas: 264,
+            staged_threads: 512,
+            small_copy_bytes: 4 << 20,
+            large_run_bytes: 1 << 20,
+            staged_run_bytes: 128 << 10,
+        }
+    }
+}
+
+/// Executes copy plans on one device. `Send + Sync`; share it by reference
+/// or `Arc`.
+pub struct CudaCopier {
+    // Lanes first: their watchers drain before descriptors and device go.
+    lanes: [Vec<Lane>; 3],
+    next_lane: [AtomicUsize; 3],
+    descs: Arc<DescPool>,
+    config: CopierConfig,
+    device: CudaDevice,
+}
+
+impl std::fmt::Debug for CudaCopier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaCopier")
+            .field("device", &self.device)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl CudaCopier {
+    /// Creates the lanes, staging rings and watchers for `device`.
+    pub fn new(device: &CudaDevice, config: CopierConfig) -> CudaResult<Self> {
+        if config.lanes_per_direction == 0
+            || config.staging_slots == 0
+            || config.staging_slot_bytes < 4096
+        {
+            return Err(CudaError::InvalidCopy(format!(
+                "copier needs at least one lane, one slot and 4 KiB slots: {config:?}"
+            )));
+        }
+        device.bind()?;
+        let mut lanes: [Vec<Lane>; 3] = Default::default();
+        for (d, name) in [(0, "h2d"), (1, "d2h"), (2, "d2d")] {
+            for i in 0..config.lanes_per_direction {
+                // One staging ring per direction, on lane 0: staged copies
+                // all go there (the ring is large; see `staging_slots`).
+                let staged = d != 2 && i == 0;
+                lanes[d].push(Lane::new(
+                    device,
+                    &config,
+                    staged,
+                    &format!("kvbm-{name}-{i}"),
+                )?);
+            }
+        }
+        Ok(CudaCopier {
+            lanes,
+            next_lane: Default::default(),
+            descs: Arc::new(DescPool {
+                device: device.clone(),
+                free: Mutex::new(Vec::new()),
+            }),
+            config,
+            device: device.clone(),
+        })
+    }
+
+    /// The device this copier runs on.
+    pub fn device(&self) -> &CudaDevice {
+        &self.device
+    }
+
+    /// The configuration in use.
+    pub fn config(&self) -> &CopierConfig {
+        &self.config
+    }
+
+    /// The path [`CudaCopier::copy`] takes for a plan of `n_runs` runs and
+    /// `total_bytes` bytes when none is forced.
+    ///
+    /// The rule, from the H200 measurements in docs/benchmarks.md (8, 32 and
+    /// 256 KiB runs, 256 random blocks, idle and beside a bf16 GEMM loop):
+    ///
+    /// - small copies (up to `small_copy_bytes`) and device-to-device copies
+    ///   take the kernel: one launch, the lowest latency;
+    /// - idle GPU: the kernel for runs under `staged_run_bytes` (it reads
+    ///   pinned memory at 0.80–0.92 of line rate at 8–32 KiB where DMA per
+    ///   run is far slower), the staging ring above (0.97–0.98 at 256 KiB);
+    /// - busy GPU: no long-running kernel (a few CTAs held for a whole copy
+    ///   cost a GEMM 5–66 %): the staging ring, or the copy engines alone
+    ///   for runs of `large_run_bytes` and more.
+    pub fn choose(
+        &self,
+        dir: Direction,
+        n_runs: usize,
+        total_bytes: u64,
+        load: GpuLoad,
+    ) -> CopyPath {
+        if dir == Direction::DeviceToDevice || total_bytes <= self.config.small_copy_bytes {
+            return CopyPath::Kernel;
+        }
+        let mean = total_bytes / n_runs.max(1) as u64;
+        match load {
+            GpuLoad::Idle if mean < self.config.staged_run_bytes => CopyPath::Kernel,
+            GpuLoad::Idle => CopyPath::Staged,
+            GpuLoad::Busy if mean >= self.config.large_run_bytes => CopyPath::CopyEngine,
+            GpuLoad::Busy => CopyPath::Staged,
+        }
+    }
+
+    /// Copies every run from the `src` regions to the `dst` regions.
+    ///
+    /// All source regions must share one location, and all destination
+    /// regions another (or the same, for device-to-device). Every run is
+    /// bounds-checked. The regions are kept alive until the copy completes.
+    /// The returned [`Completion`] resolves when the bytes have landed, or
+    /// with the driver's error.
+    pub fn copy(
+        &self,
+        runs: &[CopyRun],
+        src: &[Arc<dyn CudaRegion>],
+        dst: &[Arc<dyn CudaRegion>],
+        opts: CopyOptions,
+    ) -> CudaResult<Completion> {
+        let dir = direction(src, dst)?;
+        let total = validate(runs, src, dst)?;
+        if total == 0 {
+            return Ok(Completion::ready(Ok(())));
+        }
+        let n_runs = runs.iter().filter(|r| r.len > 0).count();
+        let path = opts
+            .path
+            .unwrap_or_else(|| self.choose(dir, n_runs, total, opts.load));
+        let path = match (path, dir) {
+            (CopyPath::Staged, Direction::DeviceToDevice) => CopyPath::Kernel,
+            (p, _) => p,
+        };
+        let _span = tracing::debug_span!("cuda_copy", ?dir, ?path, n_runs, total).entered();
+        self.device.bind()?;
+        let src_bases: Vec<u64> = src.iter().map(|r| r.device_ptr()).collect();
+        let dst_bases: Vec<u64> = dst.iter().map(|r| r.device_ptr()).collect();
+        let lanes = &self.lanes[dir.index()];
+        let lane = if path == CopyPath::Staged {
+            &lanes[0]
+        } else {
+            &lanes[self.next_lane[dir.index()].fetch_add(1, Ordering::Relaxed) % lanes.len()]
+        };
+        let mut keep: Vec<Box<dyn Any + Send>> =
+            vec![Box::new(src.to_vec()), Box::new(dst.to_vec())];
+        let mut guard = lane.state.lock().unwrap_or_else(|p| p.into_inner());
+        let stream = match path {
+            CopyPath::CopyEngine => {
+                let spans = absolute_spans(runs, &src_bases, &dst_bases);
+                let (src_loc, dst_loc) = (src[0].location(), dst[0].location());
+                enqueue_dma(
+                    &self.device,
+                    self.batch(),
+                    lane.copy_stream,
+                    &spans,
+                    src_loc,
+                    dst_loc,
+                )?;
+                lane.copy_stream
+            }
+            CopyPath::Kernel => {
+                let live: Vec<CopyRun> = runs.iter().copied().filter(|r| r.len > 0).collect();
+                let desc = self
+                    .descs
+                    .upload(lane.kernel_stream, &live, &src_bases, &dst_bases)?;
+                let grid = self.kernel_grid(n_runs, total, opts.load);
+                // SAFETY: the descriptor holds `live` and both base tables in
+                // device memory; every run was bounds-checked against its
+                // region, and the regions are kept alive until completion.
+                unsafe {
+                    self.device.inner.kernel.launch(
+                        lane.kernel_stream,
+                        grid,
+                        desc.runs_ptr(),
+                        live.len() as u32,
+                        desc.table_ptr(0),
+                        desc.table_ptr(src_bases.len()),
+                    )?
+                };
+                keep.push(Box::new(desc));
+                lane.kernel_stream
+            }
+            CopyPath::Staged => {
+                let ring = guard.ring.as_mut().ok_or_else(|| {
+                    CudaError::InvalidCopy("this lane has no staging ring".into())
+                })?;
+                let host = if dir == Direction::HostToDevice {
+                    HostSide::Source
+                } else {
+                    HostSide::Destination
+                };
+                let plan = plan_staged(runs, &src_bases, &dst_bases, host, ring.slot_bytes as u64);
+                // Base tables: user sources, user destinations, then the
+                // start of every staging slot (region 0 of a chunk is the
+                // table entry of its slot).
+                let slot_bases: Vec<u64> = (0..ring.slots.len())
+                    .map(|k| ring.buf.ptr() + (k * ring.slot_bytes) as u64)
+                    .collect();
+                let mut tables = src_bases.clone();
+                tables.extend_from_slice(&dst_bases);
+                tables.extend_from_slice(&slot_bases);
+                let desc =
+                    self.descs
+                        .upload_tables(lane.kernel_stream, &plan.kernel_runs, &tables)?;
+                let user_src = desc.table_ptr(0);
+                let user_dst = desc.table_ptr(src_bases.len());
+                let slot_table = src_bases.len() + dst_bases.len();
+                let grid = Grid {
+                    ctas: self.config.staged_ctas,
+                    threads: self.config.staged_threads,
+                    per_warp: self.config.warp_per_run,
+                };
+                for chunk in &plan.chunks {
+                    let k = ring.next;
+                    ring.next = (k + 1) % ring.slots.len();
+                    let slot = &mut ring.slots[k];
+                    let slot_ptr = desc.table_ptr(slot_table + k);
+                    let pieces: Vec<Span> = plan.pieces[chunk.pieces.clone()]
+                        .iter()
+                        .map(|p| {
+                            let at = slot_bases[k] + p.slot_offset;
+                            match host {
+                                HostSide::Source => Span {
+                                    src: p.host,
+                                    dst: at,
+                                    len: p.len,
+                                },
+                                HostSide::Destination => Span {
+                                    src: at,
+                                    dst: p.host,
+                                    len: p.len,
+                                },
+                            }
+                        })
+                        .collect();
+                    let n = chunk.kernel_runs.len() as u32;
+                    let runs_ptr = desc.runs_ptr() + (chunk.kernel_runs.start * 40) as u64;
+                    match host {
+                        HostSide::Destination => {
+                            if slot.used {
+                                wait_event(lane.kernel_stream, slot.free)?;
+                            }
+                            // SAFETY: kernel runs address user sources
+                            // (bounds-checked) and this slot (planned to fit).
+                            unsafe {
+                                self.device.inner.kernel.launch(
+                                    lane.kernel_stream,
+                                    grid,
+                                    runs_ptr,
+                                    n,
+                                    user_src,
+                                    slot_ptr,
+                                )?
+                            };
+                            record_event(slot.filled, lane.kernel_stream)?;
+                            wait_event(lane.copy_stream, slot.filled)?;
+                            enqueue_dma(
+                                &self.device,
+                                self.batch(),
+                                lane.copy_stream,
+                                &pieces,
+                                Location::Device,
+                                Location::PinnedHost,
+                            )?;
+                            record_event(slot.free, lane.copy_stream)?;
+                        }
+                        HostSide::Source => {
+                            if slot.used {
+                                wait_event(lane.copy_stream, slot.free)?;
+                            }
+                            enqueue_dma(
+                                &self.device,
+                                self.batch(),
+                                lane.copy_stream,
+                                &pieces,
+                                Location::PinnedHost,
+                                Location::Device,
+                            )?;
+                            record_event(slot.filled, lane.copy_stream)?;
+                            wait_event(lane.kernel_stream, slot.filled)?;
+                            // SAFETY: as above, from the slot to user
+                            // destinations.
+                            unsafe {
+                                self.device.inner.kernel.launch(
+                                    lane.kernel_stream,
+                                    grid,
+                                    runs_ptr,
+                                    n,
+                                    slot_ptr,
+                                    user_dst,
+                                )?
+                            };
+                            record_event(slot.free, lane.kernel_stream)?;
+                        }
+                    }
+                    slot.used = true;
+                }
+                keep.push(Box::new(desc));
+                match host {
+                    HostSide::Destination => lane.copy_stream,
+                    HostSide::Source => lane.kernel_stream,
+                }
+            }
+        };
+        let completion = lane.watcher.watch(stream, keep);
+        drop(guard);
+        completion
+    }
+
+    fn batch(&self) -> bool {
+        self.config.use_batch_copy && self.device.has_batch_copy()
+    }
+
+    fn kernel_grid(&self, n_runs: usize, total: u64, load: GpuLoad) -> Grid {
+        match load {
+            GpuLoad::Busy => Grid {
+                ctas: self.config.busy_ctas.max(1),
+                threads: self.config.busy_threads,
+                per_warp: self.config.warp_per_run,
+            },
+            GpuLoad::Idle => {
+                // One worker per run (or per 64 KiB), up to the cap.
+                let items = (n_runs as u64).max(total / (64 << 10)).max(1);
+                let per_cta = if self.config.warp_per_run {
+                    u64::from(self.config.idle_threads / 32).max(1)
+                } else {
+                    1
+                };
+                Grid {
+                    ctas: items
+                        .div_ceil(per_cta)
+                        .min(u64::from(self.config.idle_max_ctas))
+                        .max(1) as u32,
+                    threads: self.config.idle_threads,
+                    per_warp: self.config.warp_per_run,
+                }
+            }
+        }
+    }
+}
+
+/// Figures out the direction and checks the locations are consistent.
+fn direction(src: &[Arc<dyn CudaRegion>], dst: &[Arc<dyn CudaRegion>]) -> CudaResult<Direction> {
+    let one = |regions: &[Arc<dyn CudaRegion>], side: &str| -> CudaResult<Location> {
+        let first = regions
+            .first()
+            .ok_or_else(|| CudaError::InvalidCopy(format!("no {side} regions")))?
+            .location();
+        if regions.iter().any(|r| r.location() != first) {
+            return Err(CudaError::InvalidCopy(format!(
+                "{side} regions mix device and host memory"
+            )));
+        }
+        Ok(first)
+    };
+    match (one(src, "source")?, one(dst, "destination")?) {
+        (Location::PinnedHost, Location::Device) => Ok(Direction::HostToDevice),
+        (Location::Device, Location::PinnedHost) => Ok(Direction::DeviceToHost),
+        (Location::Device, Location::Device) => Ok(Direction::DeviceToDevice),
+        (Location::PinnedHost, Location::PinnedHost) => Err(CudaError::InvalidCopy(
+            "host-to-host copies belong to the memcpy backend".into(),
+        )),
+    }
+}
+
+/// Bounds-checks every run; returns the total bytes.
+fn validate(
+    runs: &[CopyRun],
+    src: &[Arc<dyn CudaRegion>],
+    dst: &[Arc<dyn CudaRegion>],
+) -> CudaResult<u64> {
+    if runs.len() > u32::MAX as usize {
+        return Err(CudaError::InvalidCopy(
+            "more than 2^32 runs in one copy".into(),
+        ));
+    }
+    let mut total = 0u64;
+    for (i, r) in runs.iter().enumerate() {
+        let side = |region: u32, offset: u64, regions: &[Arc<dyn CudaRegion>], name: &str| {
+            let reg = regions.get(region as usize).ok_or_else(|| {
+                CudaError::InvalidCopy(format!("run {i}: {name} region {region} does not exist"))
+            })?;
+            match offset.checked_add(r.len) {
+                Some(end) if end <= reg.len() as u64 => Ok(()),
+                _ => Err(CudaError::InvalidCopy(format!(
+                    "run {i}: {name} bytes {offset}+{} outside region {region} of {} bytes",
+                    r.len,
+                    reg.len()
+                ))),
+            }
+        };
+        side(r.src_region, r.src_offset, src, "source")?;
+        side(r.dst_region, r.dst_offset, dst, "destination")?;
+        total += r.len;
+    }
+    Ok(total)
+}
+
+/// Enqueues DMA copies on `stream`: one batch call where the driver has it.
+fn enqueue_dma(
+    device: &CudaDevice,
+    batch: bool,
+    stream: CUstream,
+    spans: &[Span],
+    src_loc: Location,
+    dst_loc: Location,
+) -> CudaResult<()> {
+    let split;
+    let spans = if src_loc == Location::PinnedHost || dst_loc == Location::PinnedHost {
+        split = split_at_bounds(spans, &registration_bounds());
+        &split[..]
+    } else {
+        spans
+    };
+    if spans.len() > 1 && batch {
+        const MAX_BATCH: usize = 4096;
+        let loc = |l: Location| sys::CUmemLocation {
+            type_: match l {
+                Location::Device => sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                Location::PinnedHost => sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
+            },
+            id: match l {
+                Location::Device => device.ordinal() as i32,
+                Location::PinnedHost => 0,
+            },
+        };
+        let mut attrs = [sys::CUmemcpyAttributes {
+            srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            srcLocHint: loc(src_loc),
+            dstLocHint: loc(dst_loc),
+            flags: sys::CUmemcpyFlags::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE as u32,
+        }];
+        let mut attr_idx = [0usize];
+        for batch in spans.chunks(MAX_BATCH) {
+            let mut dsts: Vec<CUdeviceptr> = batch.iter().map(|s| s.dst).collect();
+            let mut srcs: Vec<CUdeviceptr> = batch.iter().map(|s| s.src).collect();
+            let mut sizes: Vec<usize> = batch.iter().map(|s| s.len as usize).collect();
+            // SAFETY: the three arrays hold `batch.len()` entries; the
+            // attribute array holds one entry applying from index 0; the
+            // driver reads them during the call. Addresses were
+            // bounds-checked by the caller and stay alive until completion.
+            check("cuMemcpyBatchAsync_v2", unsafe {
+                sys::cuMemcpyBatchAsync_v2(
+                    dsts.as_mut_ptr(),
+                    srcs.as_mut_ptr(),
+                    sizes.as_mut_ptr(),
+                    batch.len(),
+                    attrs.as_mut_ptr(),
+                    attr_idx.as_mut_ptr(),
+                    1,
+                    stream,
+                )
+            })?;
+        }
+        return Ok(());
+    }
+    for s in spans {
+        // SAFETY: unified addressing makes both addresses valid for
+        // cuMemcpyAsync; ranges were bounds-checked and stay alive.
+        check("cuMemcpyAsync", unsafe {
+            sys::cuMemcpyAsync(s.dst, s.src, s.len as usize, stream)
+        })?;
+    }
+    Ok(())
+}
+
+fn record_event(event: CUevent, stream: CUstream) -> CudaResult<()> {
+    // SAFETY: event and stream belong to the current context.
+    check("cuEventRecord", unsafe {
+        sys::cuEventRecord(event, stream)
+    })
+}
+
+fn wait_event(stream: CUstream, event: CUevent) -> CudaResult<()> {
+    // SAFETY: event and stream belong to the current context.
+    check("cuStreamWaitEvent", unsafe {
+        sys::cuStreamWaitEvent(stream, event, 0)
+    })
+}
+
+/// A kernel stream (high priority), a copy stream, an optional staging ring
+/// and the watcher resolving their copies.
+struct Lane {
+    watcher: Watcher,
+    kernel_stream: CUstream,
+    copy_stream: CUstream,
+    state: Mutex<LaneState>,
+    device: CudaDevice,
+}
+
+struct LaneState {
+    ring: Option<Ring>,
+}
+
+struct Ring {
+    buf: DeviceBuffer,
+    slot_bytes: usize,
+    slots: Vec<Slot>,
+    next: usize,
+}
+
+struct Slot {
+    /// Recorded when the producer side filled the slot.
+    filled: CUevent,
+    /// Recorded when the consumer side is done with it.
+    free: CUevent,
+    used: bool,
+}
+
+// SAFETY: streams and events are driver handles usable from any thread with
+// the context current; ring state is behind the lane's mutex.
+unsafe impl Send for Lane {}
+// SAFETY: as above.
+unsafe impl Sync for Lane {}
+
+impl Lane {
+    fn new(
+        device: &CudaDevice,
+        config: &CopierConfig,
+        staged: bool,
+        name: &str,
+    ) -> CudaResult<Self> {
+        let (mut least, mut greatest) = (0i32, 0i32);
+        // SAFETY: out-pointers are valid; context is current.
+        check("cuCtxGetStreamPriorityRange", unsafe {
+            sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest)
+        })?;
+        let kernel_stream = new_stream(greatest)?;
+        let copy_stream = match new_stream(least) {
+            Ok(s) => s,
+            Err(e) => {
+                destroy_stream(kernel_stream);
+                return Err(e);
+            }
+        };
+        let mut lane = Lane {
+            watcher: Watcher::spawn(device, name)?,
+            kernel_stream,
+            copy_stream,
+            state: Mutex::new(LaneState { ring: None }),
+            device: device.clone(),
+        };
+        if staged {
+            let buf = DeviceBuffer::new(device, config.staging_slot_bytes * config.staging_slots)?;
+            let mut slots = Vec::with_capacity(config.staging_slots);
+            for _ in 0..config.staging_slots {
+                slots.push(Slot {
+                    filled: new_event(false)?,
+                    free: new_event(false)?,
+                    used: false,
+                });
+            }
+            lane.state.get_mut().unwrap_or_else(|p| p.into_inner()).ring = Some(Ring {
+                buf,
+                slot_bytes: config.staging_slot_bytes,
+                slots,
+                next: 0,
+            });
+        }
+        Ok(lane)
+    }
+}
+
+impl Drop for Lane {
+    fn drop(&mut self) {
+        // Drain: the watcher resolves every copy in flight before it exits.
+        let _ = self.device.bind();
+        // SAFETY: streams belong to this lane's context; synchronising them
+        // makes sure nothing uses the ring when it is freed.
+        unsafe {
+            sys::cuStreamSynchronize(self.kernel_stream);
+            sys::cuStreamSynchronize(self.copy_stream);
+        }
+        if let Some(ring) = self
+            .state
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .ring
+            .take()
+        {
+            for s in &ring.slots {
+                destroy_event(s.filled);
+                destroy_event(s.free);
+            }
+        }
+        destroy_stream(self.kernel_stream);
+        destroy_stream(self.copy_stream);
+    }
+}
+
+fn new_stream(priority: i32) -> CudaResult<CUstream> {
+    let mut s: CUstream = std::ptr::null_mut();
+    // SAFETY: `s` is a valid out-pointer; context is current.
+    check("cuStreamCreateWithPriority", unsafe {
+        sys::cuStreamCreateWithPriority(
+            &mut s,
+            sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+            priority,
+        )
+    })?;
+    Ok(s)
+}
+
+fn destroy_stream(s: CUstream) {
+    // SAFETY: the stream was created by `new_stream` and is destroyed once.
+    unsafe { sys::cuStreamDestroy_v2(s) };
+}
+
+/// Reusable descriptor buffers: pinned host staging plus device copy of a
+/// kernel's run list and base tables.
+struct DescPool {
+    device: CudaDevice,
+    free: Mutex<Vec<DescBuf>>,
+}
+
+struct DescBuf {
+    host: *mut u8,
+    dev: CUdeviceptr,
+    cap: usize,
+}
+
+// SAFETY: plain driver allocations, used by one copy at a time.
+unsafe impl Send for DescBuf {}
+
+/// A descriptor buffer lent to one copy; returns to the pool on drop (after
+/// the copy completed, since the watcher holds it until then).
+struct DescLease {
+    buf: Option<DescBuf>,
+    pool: Arc<DescPool>,
+    runs_bytes: usize,
+}
+
+// SAFETY: see DescBuf.
+unsafe impl Send for DescLease {}
+
+impl DescLease {
+    fn runs_ptr(&self) -> u64 {
+        self.buf.as_ref().map_or(0, |b| b.dev)
+    }
+    fn table_ptr(&self, index: usize) -> u64 {
+        self.runs_ptr() + (self.runs_bytes + index * 8) as u64
+    }
+}
+
+impl Drop for DescLease {
+    fn drop(&mut self) {
+        if let Some(b) = self.buf.take() {
+            self.pool
+                .free
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(b);
+        }
+    }
+}
+
+impl DescPool {
+    fn upload(
+        self: &Arc<Self>,
+        stream: CUstream,
+        runs: &[CopyRun],
+        src_bases: &[u64],
+        dst_bases: &[u64],
+    ) -> CudaResult<DescLease> {
+        let mut tables = src_bases.to_vec();
+        tables.extend_from_slice(dst_bases);
+        self.upload_tables(stream, runs, &tables)
+    }
+
+    /// Writes `runs` then `tables` into a pinned buffer and enqueues their
+    /// copy to the device on `stream`.
+    fn upload_tables(
+        self: &Arc<Self>,
+        stream: CUstream,
+        runs: &[CopyRun],
+        tables: &[u64],
+    ) -> CudaResult<DescLease> {
+        let runs_bytes = std::mem::size_of_val(runs);
+        let need = runs_bytes + std::mem::size_of_val(tables);
+        let buf = self.take(need)?;
+        // SAFETY: `buf.host` holds `cap >= need` bytes and is not in use by
+        // any copy (leases return only after completion); the sources are
+        // plain-old-data slices.
+        unsafe {
+            std::ptr::copy_nonoverlapping(runs.as_ptr().cast::<u8>(), buf.host, runs_bytes);
+            std::ptr::copy_nonoverlapping(
+                tables.as_ptr().cast::<u8>(),
+                buf.host.add(runs_bytes),
+                need - runs_bytes,
+            );
+        }
+        let lease = DescLease {
+            buf: Some(buf),
+            pool: Arc::clone(self),
+            runs_bytes,
+        };
+        let b = lease.buf.as_ref().map(|b| (b.dev, b.host));
+        if let Some((dev, host)) = b {
+            // SAFETY: both buffers hold `need` bytes; the pinned source
+            // stays untouched until the lease returns after completion.
+            check("cuMemcpyHtoDAsync", unsafe {
+                sys::cuMemcpyHtoDAsync_v2(dev, host.cast::<c_void>(), need, stream)
+            })?;
+        }
+        Ok(lease)
+    }
+
+    fn take(&self, need: usize) -> CudaResult<DescBuf> {
+        {
+            let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(i) = free.iter().position(|b| b.cap >= need) {
+                return Ok(free.swap_remove(i));
+            }
+        }
+        let cap = need.next_power_of_two().max(64 << 10);
+        let mut host: *mut c_void = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; context is current (the copier bound it).
+        check("cuMemHostAlloc", unsafe {
+            sys::cuMemHostAlloc(&mut host, cap, 0)
+        })?;
+        let mut dev: CUdeviceptr = 0;
+        // SAFETY: as above.
+        if let Err(e) = check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut dev, cap) }) {
+            // SAFETY: `host` was just allocated and is not shared.
+            unsafe { sys::cuMemFreeHost(host) };
+            return Err(e);
+        }
+        Ok(DescBuf {
+            host: host.cast::<u8>(),
+            dev,
+            cap,
+        })
+    }
+}
+
+impl Drop for DescPool {
+    fn drop(&mut self) {
+        if self.device.bind().is_err() {
+            return;
+        }
+        for b in self
+            .free
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
+            // SAFETY: allocated in `take`, freed once; no copy holds it (all
+            // leases have returned, since they hold an Arc of the pool).
+            unsafe {
+                sys::cuMemFreeHost(b.host.cast::<c_void>());
+                sys::cuMemFree_v2(b.dev);
+            }
+        }
+    }
+}

@@ -1,0 +1,133 @@
+//! The gather/scatter copy kernel: loading the committed fatbin and launching.
+//!
+//! The CUDA C source is `kernels/copy_runs.cu`; `cargo xtask kernels` rebuilds
+//! `kernels/copy_runs.fatbin` (sm_80, sm_90 and compute_90 PTX), which is
+//! committed and embedded here, so building kvbm never needs nvcc.
+
+use std::ffi::c_void;
+
+use cudarc::driver::sys::{self, CUdeviceptr, CUfunction, CUmodule, CUstream};
+
+use super::error::{CudaResult, check};
+
+/// The fatbin built from `kernels/copy_runs.cu`.
+static FATBIN: &[u8] = include_bytes!("../../kernels/copy_runs.fatbin");
+
+/// Name of the kernel entry point in the fatbin.
+const ENTRY: &std::ffi::CStr = c"kvbm_copy_runs";
+
+/// The loaded module and its one function.
+pub(crate) struct CopyKernel {
+    module: CUmodule,
+    func: CUfunction,
+}
+
+// SAFETY: module and function handles are plain driver handles, valid from
+// any thread on which their context is current; the driver serialises use.
+unsafe impl Send for CopyKernel {}
+// SAFETY: as above; launching takes no mutable state on our side.
+unsafe impl Sync for CopyKernel {}
+
+/// Launch geometry of one copy-kernel launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Grid {
+    /// Number of CTAs.
+    pub ctas: u32,
+    /// Threads per CTA (a multiple of 32, at most 1024).
+    pub threads: u32,
+    /// Each warp works on its own run (true) or each CTA does (false).
+    pub per_warp: bool,
+}
+
+impl CopyKernel {
+    /// Loads the embedded fatbin into the current context.
+    pub(crate) fn load() -> CudaResult<Self> {
+        // The fatbin is embedded with byte alignment; the driver wants it
+        // 8-byte aligned, so hand it an aligned copy.
+        let mut aligned = vec![0u64; FATBIN.len().div_ceil(8)];
+        // SAFETY: `aligned` holds at least FATBIN.len() bytes; the regions
+        // do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                FATBIN.as_ptr(),
+                aligned.as_mut_ptr().cast::<u8>(),
+                FATBIN.len(),
+            );
+        }
+        let mut module: CUmodule = std::ptr::null_mut();
+        // SAFETY: `aligned` is a complete fatbin image that outlives the call;
+        // the caller made the context current.
+        check("cuModuleLoadData", unsafe {
+            sys::cuModuleLoadData(&mut module, aligned.as_ptr().cast::<c_void>())
+        })?;
+        let mut func: CUfunction = std::ptr::null_mut();
+        // SAFETY: `module` was just loaded; ENTRY is NUL-terminated.
+        let rc = unsafe { sys::cuModuleGetFunction(&mut func, module, ENTRY.as_ptr()) };
+        if let Err(e) = check("cuModuleGetFunction", rc) {
+            // SAFETY: the module was loaded above and has no other user.
+            unsafe { sys::cuModuleUnload(module) };
+            return Err(e);
+        }
+        Ok(CopyKernel { module, func })
+    }
+
+    /// Unloads the module; the owning context must be current.
+    pub(crate) fn unload(&mut self) {
+        if !self.module.is_null() {
+            // SAFETY: the module was loaded by `load` and is unloaded once
+            // (the handle is nulled below); no launch can be in flight
+            // because every copy holds the device alive until it completes.
+            unsafe { sys::cuModuleUnload(self.module) };
+            self.module = std::ptr::null_mut();
+        }
+    }
+
+    /// Enqueues one launch copying `n_runs` runs on `stream`.
+    ///
+    /// # Safety
+    /// `runs` must point to `n_runs` `CopyRun`s in device-readable memory,
+    /// `src_bases`/`dst_bases` to the base address tables every run's region
+    /// index is in bounds of, and every addressed byte range must be valid
+    /// device-accessible memory until the launch completes. The context must
+    /// be current.
+    pub(crate) unsafe fn launch(
+        &self,
+        stream: CUstream,
+        grid: Grid,
+        runs: CUdeviceptr,
+        n_runs: u32,
+        src_bases: CUdeviceptr,
+        dst_bases: CUdeviceptr,
+    ) -> CudaResult<()> {
+        let mut runs = runs;
+        let mut n_runs = n_runs;
+        let mut src_bases = src_bases;
+        let mut dst_bases = dst_bases;
+        let mut per_warp = u32::from(grid.per_warp);
+        let mut params: [*mut c_void; 5] = [
+            (&mut runs as *mut CUdeviceptr).cast(),
+            (&mut n_runs as *mut u32).cast(),
+            (&mut src_bases as *mut CUdeviceptr).cast(),
+            (&mut dst_bases as *mut CUdeviceptr).cast(),
+            (&mut per_warp as *mut u32).cast(),
+        ];
+        // SAFETY: `params` matches the kernel's signature (pointer, u32,
+        // pointer, pointer, u32) and lives across the call, which copies it; the
+        // caller guarantees the pointed-to memory.
+        check("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                self.func,
+                grid.ctas.max(1),
+                1,
+                1,
+                grid.threads,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
+}

@@ -1,0 +1,32 @@
+//! The CUDA backend: G1 (GPU memory) ↔ G2 (pinned host memory) at line rate.
+//!
+//! - [`device`]: a probe that reports "no CUDA" instead of panicking, and the
+//!   opened device with what the copy paths need to know about it.
+//! - [`memory`]: device buffers, and an engine's KV tensors wrapped in place.
+//! - [`pinned`]: pinned host memory that is fast to get (parallel first touch
+//!   + `cuMemHostRegister`) and grows in the background.
+//! - [`plan`]: the pure part of executing a copy plan (merging, staging).
+//! - [`copier`]: the executor with its three paths (copy engines, kernel,
+//!   staged) and the measured rule choosing between them.
+//! - [`completion`]: GPU completion as a future, resolved by a thread
+//!   sleeping in `cuEventSynchronize`.
+//!
+//! libcuda is loaded at run time; a build needs no CUDA toolkit, and the
+//! copy kernel ships as a committed fatbin (`kernels/`).
+
+pub mod completion;
+pub mod copier;
+pub mod device;
+pub mod error;
+mod kernel;
+pub mod memory;
+pub mod pinned;
+pub mod plan;
+
+pub use completion::Completion;
+pub use copier::{CopierConfig, CopyOptions, CopyPath, CudaCopier, Direction, GpuLoad};
+pub use device::{CudaDevice, Probe, probe};
+pub use error::{CudaError, CudaResult};
+pub use memory::{CudaRegion, DeviceBuffer, ExternalDeviceMemory, Location};
+pub use pinned::{PinnedMemory, PinnedOptions};
+pub use plan::CopyRun;

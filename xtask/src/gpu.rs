@@ -1,0 +1,82 @@
+//! `cargo xtask gpu [--out DIR]`: build the release binaries that run on
+//! the GPU machine (which has no cargo) and copy them into one folder.
+//!
+//! Builds the `cuda` feature's test executables and examples of
+//! kvbm-transfer in release mode, reads their paths from cargo's JSON
+//! messages, and copies them to `DIR` (default `.device-bin` in the
+//! workspace root). There, run the tests with `KVBM_REQUIRE_GPU=1` so a
+//! missing GPU fails instead of skipping.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+/// Builds and collects the binaries.
+pub fn run(root: &Path, args: &[String]) -> Result<(), String> {
+    let out = match args {
+        [flag, dir] if flag == "--out" => PathBuf::from(dir),
+        [] => root.join(".device-bin"),
+        _ => return Err("usage: cargo xtask gpu [--out DIR]".into()),
+    };
+    std::fs::create_dir_all(&out).map_err(|e| format!("create {}: {e}", out.display()))?;
+    let mut copied = 0;
+    for what in [&["--tests"][..], &["--examples"][..]] {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let output = Command::new(cargo)
+            .current_dir(root)
+            .args([
+                "build",
+                "--release",
+                "-p",
+                "kvbm-transfer",
+                "--features",
+                "cuda",
+            ])
+            .args(what)
+            .arg("--message-format=json")
+            .stderr(Stdio::inherit())
+            .output()
+            .map_err(|e| format!("could not run cargo: {e}"))?;
+        if !output.status.success() {
+            return Err(format!("cargo build {what:?} failed"));
+        }
+        for exe in executables(&String::from_utf8_lossy(&output.stdout)) {
+            let name = exe
+                .file_name()
+                .ok_or_else(|| format!("odd executable path {}", exe.display()))?;
+            let dest = out.join(name);
+            std::fs::copy(&exe, &dest).map_err(|e| format!("copy {}: {e}", exe.display()))?;
+            println!("xtask gpu: {}", dest.display());
+            copied += 1;
+        }
+    }
+    println!("xtask gpu: {copied} binaries in {}", out.display());
+    Ok(())
+}
+
+/// Paths of `"executable":"…"` entries in cargo's JSON messages.
+fn executables(json: &str) -> Vec<PathBuf> {
+    const KEY: &str = "\"executable\":\"";
+    json.lines()
+        .filter_map(|line| {
+            let start = line.find(KEY)? + KEY.len();
+            let end = line[start..].find('"')? + start;
+            Some(PathBuf::from(&line[start..end]))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_executables_in_cargo_json() {
+        let json = "{\"reason\":\"compiler-artifact\",\"executable\":\"/t/release/deps/cuda_roundtrip-ab\",\"fresh\":true}\n\
+                    {\"reason\":\"compiler-artifact\",\"executable\":null}\n\
+                    {\"reason\":\"build-finished\",\"success\":true}";
+        assert_eq!(
+            executables(json),
+            vec![PathBuf::from("/t/release/deps/cuda_roundtrip-ab")]
+        );
+    }
+}
