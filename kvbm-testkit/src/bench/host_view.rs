@@ -52,56 +52,54 @@ impl HostTier {
         &self.physical
     }
 
-    fn for_each_chunk(
-        &self,
-        block: usize,
-        mut f: impl FnMut(usize, usize, &Arc<SystemBuffer>, usize, usize) -> Option<Mismatch>,
-    ) -> Result<Option<Mismatch>> {
-        let cfg = self.physical.layout().config();
+    /// The chunks of `block` as `(layer, outer, address, length)`.
+    fn chunks(&self, block: usize) -> Result<Vec<(usize, usize, u64, usize)>> {
+        let layout = self.physical.layout();
+        let cfg = layout.config();
+        let mut out = Vec::with_capacity(cfg.chunks_per_block());
         for layer in 0..cfg.num_layers() {
             for outer in 0..cfg.outer_dim() {
-                let c = self.physical.layout().chunk(block, layer, outer)?;
-                // Layout chunks lie inside their region, and every region
-                // was allocated at the layout's region size.
-                let (start, len) = (c.offset as usize, c.len as usize);
-                if let Some(m) = f(layer, outer, &self.buffers[c.region], start, len) {
-                    return Ok(Some(m));
-                }
+                let c = layout.chunk(block, layer, outer)?;
+                // Every region is one of our buffers: an address region.
+                let base = self.buffers[c.region].addr();
+                out.push((layer, outer, base + c.offset, c.len as usize));
             }
         }
-        Ok(None)
+        Ok(out)
     }
 
     /// Writes block `block`'s pattern for sequence hash `hash`.
     ///
     /// # Safety
-    /// No transfer may be reading or writing this tier's memory while the
-    /// call runs (wait for every transfer that touches it first).
+    /// No transfer may be reading or writing this block while the call
+    /// runs, and no other thread may access it.
     pub unsafe fn fill(&self, block: usize, hash: u64) -> Result<()> {
-        self.for_each_chunk(block, |layer, outer, buf, start, len| {
-            // SAFETY: the caller guarantees no transfer touches this memory
-            // now, and this is the only slice of the buffer alive.
-            let bytes = unsafe { buf.as_mut_slice() };
-            fill_chunk(&mut bytes[start..start + len], hash, layer, outer);
-            None
-        })?;
+        for (layer, outer, addr, len) in self.chunks(block)? {
+            // SAFETY: the chunk lies inside its region (the layout proves
+            // it) and the region's buffer is alive (we hold it); the caller
+            // guarantees nothing else touches this block now.
+            let bytes = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
+            fill_chunk(bytes, hash, layer, outer);
+        }
         Ok(())
     }
 
     /// Checks block `block` against the pattern of `hash`.
     ///
     /// # Safety
-    /// No transfer may be writing this tier's memory while the call runs.
+    /// No transfer may be writing this block while the call runs.
     pub unsafe fn check(&self, block: usize, hash: u64) -> Result<Option<Mismatch>> {
-        self.for_each_chunk(block, |layer, outer, buf, start, len| {
-            // SAFETY: the caller guarantees no transfer writes this memory
-            // now.
-            let bytes = unsafe { buf.as_slice() };
-            check_chunk(&bytes[start..start + len], hash, layer, outer).map(|offset| Mismatch {
-                layer,
-                outer,
-                offset,
-            })
-        })
+        for (layer, outer, addr, len) in self.chunks(block)? {
+            // SAFETY: as in `fill`; the caller guarantees no writer.
+            let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+            if let Some(offset) = check_chunk(bytes, hash, layer, outer) {
+                return Ok(Some(Mismatch {
+                    layer,
+                    outer,
+                    offset,
+                }));
+            }
+        }
+        Ok(None)
     }
 }

@@ -9,27 +9,28 @@
 //! calls "tokens of prefill avoided" are trace tokens; the modelled TTFT
 //! saving divides them by a prefill rate the user states.
 //!
-//! The data plane is [`driver::TierDriver`]. kvbm-pool's tier engine is
-//! not on this branch yet; until it is, placement is LRU victim caching in
-//! the driver, and the report says so.
+//! The data plane is kvbm-pool's tier engine, driven by
+//! [`engine::EngineDriver`]; the simulators give the references.
 
-pub mod driver;
-
+pub mod engine;
 use std::path::PathBuf;
 use std::time::Instant;
 
 use kvbm_layout::{BlockOrder, Layout, LayoutKind};
+use kvbm_pool::tier::{TierEngine, TierEngineConfig, TierLayouts, TierPolicy};
 use kvbm_transfer::memory::{DiskAllocator, DiskOptions};
 use kvbm_transfer::{DiskConfig, Executor, ExecutorConfig, PhysicalLayout};
 use serde::Serialize;
 
-use self::driver::{PATHS, TierDriver};
+use self::engine::{EngineDriver, PATHS};
 use super::error::{BenchError, Result};
 use super::host_view::HostTier;
 use super::model::{KvModel, check_disk_alignment};
 use super::stats::percentile;
+use crate::sim::reuse_score::{ReuseScoreConfig, ReuseScoreTiers};
 use crate::sim::{
-    BeladySim, LruFeed, LruSim, LruTiers, ReplayStats, Tier, TieredSim, capacity_for, replay,
+    BeladySim, LruFeed, LruSim, LruTiers, ReplayStats, Tier, TierCapacities, TieredSim,
+    capacity_for, replay,
 };
 use crate::trace::{Request, TraceFacts};
 
@@ -56,6 +57,8 @@ pub struct ReplayConfig {
     pub disk_dir: PathBuf,
     /// Refuse to allocate more host memory than this (bytes).
     pub max_host_bytes: u64,
+    /// Admission and eviction in G2 and G3.
+    pub policy: TierPolicy,
     /// Total capacities (fractions of distinct blocks) to sweep with the
     /// simulators; empty for none.
     pub sweep: Vec<f64>,
@@ -79,13 +82,12 @@ pub struct TierHits {
 pub struct PathReport {
     /// `G1->G2` etc.
     pub path: &'static str,
-    /// Transfers issued.
-    pub transfers: u64,
     /// Blocks moved.
     pub blocks: u64,
     /// Bytes moved (copy planner's count).
     pub bytes: u64,
-    /// Bytes ÷ summed submit-to-completion time, GB/s.
+    /// Bytes ÷ time over the phases in which this path alone moved bytes
+    /// (0 when it never did), GB/s.
     pub gbps: f64,
 }
 
@@ -96,7 +98,9 @@ pub struct SweepPoint {
     pub fraction: f64,
     /// Total capacity in blocks (G1 + G2 + G3).
     pub capacity_blocks: usize,
-    /// The driver's policy (LRU victim tiers) in the reference model.
+    /// The engine's default policy (reuse score) in the tiered simulator.
+    pub tiered_reuse_pct: f64,
+    /// LRU victim tiers in the tiered simulator.
     pub tiered_lru_pct: f64,
     /// One LRU cache of the same total size.
     pub lru_pct: f64,
@@ -147,6 +151,12 @@ pub struct ReplayReport {
     pub onboard_total_s: f64,
     /// Per-path bytes and speed.
     pub paths: Vec<PathReport>,
+    /// All onboard phases together (G2 and G3 → G1, mixed), GB/s.
+    pub onboard_gbps: f64,
+    /// All offload phases together (G1 → G2 and G2 → G3, mixed), GB/s.
+    pub offload_gbps: f64,
+    /// Offloads the engine skipped (admission refused, queue full, ...).
+    pub offloads_skipped: u64,
     /// Requests that onboarded from G2/G3.
     pub onboards: usize,
     /// Onboard latency median, milliseconds.
@@ -155,11 +165,10 @@ pub struct ReplayReport {
     pub onboard_p99_ms: f64,
     /// Onboarded blocks whose bytes were checked.
     pub verified_blocks: u64,
-    /// Hit rate of the same policy in the reference model (must equal
-    /// `hit_rate_pct`).
-    pub model_hit_rate_pct: f64,
-    /// Whether the driver's per-tier hits equal the reference model's.
-    pub model_agrees: bool,
+    /// The tiered simulator with reuse-score G2/G3 at the same capacities.
+    pub sim_reuse_hit_rate_pct: f64,
+    /// The tiered simulator with LRU victim G2/G3 at the same capacities.
+    pub sim_lru_tiers_hit_rate_pct: f64,
     /// One LRU cache of capacity G1 + G2 + G3.
     pub lru_hit_rate_pct: f64,
     /// Belady's optimum of capacity G1 + G2 + G3.
@@ -192,6 +201,14 @@ fn tokens_avoided(request: &Request, block_tokens: u32, tiers: &[Tier]) -> [u64;
     out
 }
 
+fn phase_gbps((bytes, secs): (u64, f64)) -> f64 {
+    if secs > 0.0 {
+        bytes as f64 / secs / 1e9
+    } else {
+        0.0
+    }
+}
+
 /// Splits `total` blocks over the tiers in the proportions of `fractions`.
 fn split(total: usize, fractions: [f64; 3]) -> [usize; 3] {
     let sum: f64 = fractions.iter().sum();
@@ -203,8 +220,21 @@ fn split(total: usize, fractions: [f64; 3]) -> [usize; 3] {
     [g1, g2, total.saturating_sub(g1 + g2)]
 }
 
-fn model_stats(requests: &[Request], block_tokens: u32, caps: [usize; 3]) -> ReplayStats {
+fn lru_tiers_stats(requests: &[Request], block_tokens: u32, caps: [usize; 3]) -> ReplayStats {
     let mut sim = TieredSim::new(caps[0], LruTiers::new(caps[1], caps[2], LruFeed::Victim));
+    replay(requests, block_tokens, &mut sim)
+}
+
+fn reuse_stats(requests: &[Request], block_tokens: u32, caps: [usize; 3]) -> ReplayStats {
+    let tiers = TierCapacities {
+        g1: caps[0],
+        g2: caps[1],
+        g3: caps[2],
+    };
+    let mut sim = TieredSim::new(
+        caps[0],
+        ReuseScoreTiers::new(ReuseScoreConfig::for_tiers(tiers)),
+    );
     replay(requests, block_tokens, &mut sim)
 }
 
@@ -214,7 +244,8 @@ fn sweep_point(requests: &[Request], cfg: &ReplayConfig, unique: usize, f: f64) 
     SweepPoint {
         fraction: f,
         capacity_blocks: total,
-        tiered_lru_pct: model_stats(requests, cfg.block_tokens, caps).hit_rate_pct(),
+        tiered_reuse_pct: reuse_stats(requests, cfg.block_tokens, caps).hit_rate_pct(),
+        tiered_lru_pct: lru_tiers_stats(requests, cfg.block_tokens, caps).hit_rate_pct(),
         lru_pct: replay(requests, cfg.block_tokens, &mut LruSim::new(total)).hit_rate_pct(),
         belady_pct: replay(
             requests,
@@ -241,14 +272,14 @@ pub fn run_replay(
     let requests = &cfg.requests;
     let facts = TraceFacts::of(requests);
     let page = cfg.model.scaled_page(cfg.block_tokens, cfg.scale)?;
-    check_disk_alignment(&cfg.model, page)?;
+    check_disk_alignment(&cfg.model, page)?; // G1 must hold the longest request while it runs.
+    let longest = requests.iter().map(|r| r.hash_ids.len()).max().unwrap_or(0);
     let caps = [
-        capacity_for(cfg.fractions[0], facts.unique_blocks),
+        capacity_for(cfg.fractions[0], facts.unique_blocks).max(longest + 1),
         capacity_for(cfg.fractions[1], facts.unique_blocks),
         capacity_for(cfg.fractions[2], facts.unique_blocks),
     ];
-    let longest = requests.iter().map(|r| r.hash_ids.len()).max().unwrap_or(0);
-    let g1_slots = caps[0] + longest;
+    let g1_slots = caps[0];
     let block_bytes = cfg.model.layout_config(1, page)?.block_bytes();
     let host_bytes = (g1_slots + caps[1]) as u64 * block_bytes;
     if host_bytes > cfg.max_host_bytes {
@@ -263,21 +294,35 @@ pub fn run_replay(
         cfg.model.layout_config(g1_slots.max(1), page)?,
         LayoutKind::LayerSeparate(BlockOrder::OuterFirst),
     )?)?;
-    let g2 = HostTier::allocate(Layout::new(
-        cfg.model.layout_config(caps[1].max(1), page)?,
-        LayoutKind::FullyContiguous,
-    )?)?;
-    let alloc = DiskAllocator::new(&cfg.disk_dir, DiskOptions::default())?;
-    let g3 = PhysicalLayout::allocate_disk(
-        Layout::new(
-            cfg.model.layout_config(caps[2].max(1), page)?,
-            LayoutKind::FullyContiguous,
-        )?,
-        &alloc,
-    )?;
-    let g3_direct = g3.regions()[0]
-        .file_location()
-        .is_some_and(|(f, _)| f.is_direct());
+    let g2 = match caps[1] {
+        0 => None,
+        n => Some(
+            HostTier::allocate(Layout::new(
+                cfg.model.layout_config(n, page)?,
+                LayoutKind::FullyContiguous,
+            )?)?
+            .physical()
+            .clone(),
+        ),
+    };
+    let g3 = match caps[2] {
+        0 => None,
+        n => {
+            let alloc = DiskAllocator::new(&cfg.disk_dir, DiskOptions::default())?;
+            Some(PhysicalLayout::allocate_disk(
+                Layout::new(
+                    cfg.model.layout_config(n, page)?,
+                    LayoutKind::FullyContiguous,
+                )?,
+                &alloc,
+            )?)
+        }
+    };
+    let g3_direct = g3.as_ref().is_some_and(|l| {
+        l.regions()[0]
+            .file_location()
+            .is_some_and(|(f, _)| f.is_direct())
+    });
     let exec = Executor::cpu(
         cfg.memcpy_threads,
         &DiskConfig::default(),
@@ -285,8 +330,19 @@ pub fn run_replay(
         4 << 20,
         ExecutorConfig::default(),
     )?;
-    let mut driver = TierDriver::new(exec, g1, g2, g3, caps);
-
+    let engine = TierEngine::new(
+        TierEngineConfig::new(cfg.block_tokens as usize)
+            .g2_policy(cfg.policy)
+            .g3_policy(cfg.policy),
+        TierLayouts {
+            g1: g1.physical().clone(),
+            g2,
+            g3,
+        },
+        exec,
+    )
+    .map_err(|e| BenchError::Tier(e.to_string()))?;
+    let mut driver = EngineDriver::new(engine, g1, cfg.block_tokens);
     let start = Instant::now();
     let mut hits = [0u64; 3];
     let mut avoided = [0u64; 3];
@@ -294,7 +350,7 @@ pub fn run_replay(
     let mut refs = 0u64;
     let mut prompt_tokens = 0u64;
     for (i, r) in requests.iter().enumerate() {
-        let out = driver.request(r)?;
+        let out = driver.request(i, r)?;
         let a = tokens_avoided(r, cfg.block_tokens, &out.prefix);
         for t in 0..3 {
             avoided[t] += a[t];
@@ -310,8 +366,9 @@ pub fn run_replay(
         progress(i + 1, requests.len());
     }
     let wall_s = start.elapsed().as_secs_f64();
-
-    let model = model_stats(requests, cfg.block_tokens, caps);
+    let sim_reuse = reuse_stats(requests, cfg.block_tokens, caps);
+    let sim_lru_tiers = lru_tiers_stats(requests, cfg.block_tokens, caps);
+    let skipped: u64 = driver.engine().stats().skipped.iter().sum();
     let total_cap: usize = caps.iter().sum();
     let lru = replay(requests, cfg.block_tokens, &mut LruSim::new(total_cap));
     let belady = replay(
@@ -341,7 +398,8 @@ pub fn run_replay(
         g1_memory: "host-memory stand-in (engine layout, layer-separate K/V); no GPU in this build"
             .into(),
         placement: format!(
-            "LRU victim caching in the bench driver (kvbm-pool's tier engine is not merged yet); G3 {}",
+            "kvbm-pool TierEngine, G2/G3 policy {:?}; G3 {}",
+            cfg.policy,
             if g3_direct {
                 "O_DIRECT"
             } else {
@@ -369,22 +427,24 @@ pub fn run_replay(
             .zip(PATHS)
             .map(|(t, path)| PathReport {
                 path,
-                transfers: t.transfers,
                 blocks: t.blocks,
                 bytes: t.bytes,
-                gbps: if t.secs > 0.0 {
-                    t.bytes as f64 / t.secs / 1e9
+                gbps: if t.timed_secs > 0.0 {
+                    t.timed_bytes as f64 / t.timed_secs / 1e9
                 } else {
                     0.0
                 },
             })
             .collect(),
+        onboard_gbps: phase_gbps(driver.onboard_phase),
+        offload_gbps: phase_gbps(driver.offload_phase),
+        offloads_skipped: skipped,
         onboards: onboard.len(),
         onboard_p50_ms: percentile(&onboard_ms, 50.0),
         onboard_p99_ms: percentile(&onboard_ms, 99.0),
         verified_blocks: driver.verified_blocks,
-        model_hit_rate_pct: model.hit_rate_pct(),
-        model_agrees: model.hits == hits,
+        sim_reuse_hit_rate_pct: sim_reuse.hit_rate_pct(),
+        sim_lru_tiers_hit_rate_pct: sim_lru_tiers.hit_rate_pct(),
         lru_hit_rate_pct: lru.hit_rate_pct(),
         belady_hit_rate_pct: belady.hit_rate_pct(),
         sweep: cfg

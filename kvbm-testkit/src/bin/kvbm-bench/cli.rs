@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 /// kvbm's benchmarks: the tier-to-tier bandwidth matrix and the workload
 /// replay through real tiers.
@@ -92,14 +92,17 @@ pub struct ReplayArgs {
     #[arg(long, default_value_t = 128)]
     pub scale: u32,
     /// G1 capacity as a fraction of the workload's distinct blocks.
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, default_value_t = 0.02)]
     pub g1: f64,
     /// G2 capacity, same unit.
-    #[arg(long, default_value_t = 0.15)]
+    #[arg(long, default_value_t = 0.06)]
     pub g2: f64,
     /// G3 capacity, same unit.
-    #[arg(long, default_value_t = 0.5)]
+    #[arg(long, default_value_t = 0.12)]
     pub g3: f64,
+    /// G2/G3 admission and eviction of the tier engine.
+    #[arg(long, value_enum, default_value_t = Policy::ReuseScore)]
+    pub policy: Policy,
     /// Prefill rate for the modelled TTFT saving, tokens per second.
     #[arg(long, default_value_t = 10_000.0)]
     pub prefill_rate: f64,
@@ -111,4 +114,13 @@ pub struct ReplayArgs {
     /// against capacity.
     #[arg(long)]
     pub sweep: bool,
+}
+
+/// The tier engine's G2/G3 policies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Policy {
+    /// Learned reuse probability per unit of age (the engine's default).
+    ReuseScore,
+    /// Admit everything, evict the least recently used.
+    WriteThrough,
 }

@@ -10,6 +10,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
+use kvbm_pool::tier::TierPolicy;
 use kvbm_testkit::bench::matrix::{MatrixConfig, matrix_cells, run_matrix};
 use kvbm_testkit::bench::replay::{ReplayConfig, run_replay};
 use kvbm_testkit::bench::{BenchError, KvModel};
@@ -17,7 +18,7 @@ use kvbm_testkit::trace::{
     MOONCAKE_BLOCK_TOKENS, SyntheticConfig, generate_synthetic, read_mooncake,
 };
 
-use crate::cli::{Cli, Command, ReplayArgs, TransferArgs};
+use crate::cli::{Cli, Command, Policy, ReplayArgs, TransferArgs};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -113,6 +114,10 @@ fn replay(cli: &Cli, args: &ReplayArgs) -> Result<(), BenchError> {
         model: KvModel::parse(&args.model)?,
         scale: args.scale,
         fractions: [args.g1, args.g2, args.g3],
+        policy: match args.policy {
+            Policy::ReuseScore => TierPolicy::ReuseScore,
+            Policy::WriteThrough => TierPolicy::WriteThrough,
+        },
         prefill_tokens_per_s: args.prefill_rate,
         memcpy_threads: cli.threads.into(),
         disk_dir: cli.dir.clone(),

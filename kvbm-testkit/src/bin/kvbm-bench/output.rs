@@ -143,7 +143,8 @@ pub fn replay(cli: &Cli, r: &ReplayReport) -> Result<(), BenchError> {
                 name: name.to_string(),
                 points: r.sweep.iter().map(|p| (p.fraction * 100.0, f(p))).collect(),
             };
-        series.push(line("tiered LRU (model)", &|p| p.tiered_lru_pct));
+        series.push(line("tiered reuse-score (sim)", &|p| p.tiered_reuse_pct));
+        series.push(line("tiered LRU victim (sim)", &|p| p.tiered_lru_pct));
         series.push(line("single LRU", &|p| p.lru_pct));
         series.push(line("Belady optimum", &|p| p.belady_pct));
     } else {
@@ -220,15 +221,12 @@ pub fn replay(cli: &Cli, r: &ReplayReport) -> Result<(), BenchError> {
         format!("{:.2}", r.hit_rate_pct),
     ]);
     t.row([
-        format!(
-            "tiered LRU model ({})",
-            if r.model_agrees {
-                "agrees"
-            } else {
-                "DISAGREES"
-            }
-        ),
-        format!("{:.2}", r.model_hit_rate_pct),
+        "tiered reuse-score (sim)".to_string(),
+        format!("{:.2}", r.sim_reuse_hit_rate_pct),
+    ]);
+    t.row([
+        "tiered LRU victim (sim)".to_string(),
+        format!("{:.2}", r.sim_lru_tiers_hit_rate_pct),
     ]);
     t.row([
         "single LRU".to_string(),
@@ -252,23 +250,32 @@ pub fn replay(cli: &Cli, r: &ReplayReport) -> Result<(), BenchError> {
         "  onboard latency: p50 {:.3} ms, p99 {:.3} ms over {} onboards; {} blocks verified byte for byte",
         r.onboard_p50_ms, r.onboard_p99_ms, r.onboards, r.verified_blocks
     );
+    println!("  offloads skipped by the engine: {}", r.offloads_skipped);
     println!();
-    let mut t = Table::new(["path", "transfers", "blocks", "bytes", "GB/s"]);
+    let mut t = Table::new(["path", "blocks", "bytes", "GB/s (single-path phases)"]);
     for p in &r.paths {
         t.row([
             p.path.to_string(),
-            p.transfers.to_string(),
             p.blocks.to_string(),
             format_bytes(p.bytes as f64),
-            format!("{:.2}", p.gbps),
+            if p.gbps > 0.0 {
+                format!("{:.2}", p.gbps)
+            } else {
+                "-".to_string()
+            },
         ]);
     }
     print!("{}", t.render());
+    println!(
+        "  all onboard phases: {:.2} GB/s; all offload phases (G1->G2->G3 drained per request): {:.2} GB/s",
+        r.onboard_gbps, r.offload_gbps
+    );
     if !r.sweep.is_empty() {
         println!();
         let mut t = Table::new([
             "capacity % distinct",
             "blocks",
+            "tiered reuse %",
             "tiered LRU %",
             "single LRU %",
             "Belady %",
@@ -277,6 +284,7 @@ pub fn replay(cli: &Cli, r: &ReplayReport) -> Result<(), BenchError> {
             t.row([
                 format!("{:.0}", p.fraction * 100.0),
                 p.capacity_blocks.to_string(),
+                format!("{:.2}", p.tiered_reuse_pct),
                 format!("{:.2}", p.tiered_lru_pct),
                 format!("{:.2}", p.lru_pct),
                 format!("{:.2}", p.belady_pct),
