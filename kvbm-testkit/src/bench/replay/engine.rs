@@ -5,7 +5,7 @@
 //! vLLM allocates it) in host memory standing in for GPU memory; G2 is
 //! kvbm's fully contiguous host layout; G3 a fully contiguous `O_DIRECT`
 //! file. For each request, following the simulators' rules
-//! ([`crate::sim::replay`]): match the prompt (G1, then G2/G3, one
+//! ([`crate::sim::replay()`]): match the prompt (G1, then G2/G3, one
 //! contiguous prefix), onboard what kvbm holds and check every byte of
 //! every onboarded block, compute the rest into fresh G1 blocks (their
 //! bytes a function of their sequence hash) and register them (the engine
