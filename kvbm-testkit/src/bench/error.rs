@@ -32,6 +32,9 @@ pub enum BenchError {
     /// Allocating memory or files, or starting a backend, failed.
     #[error("transfer setup: {0}")]
     Transfer(#[from] TransferError),
+    /// A CUDA call failed.
+    #[error("CUDA: {0}")]
+    Cuda(String),
     /// The tier engine refused a call.
     #[error("tier engine: {0}")]
     Tier(String),

@@ -294,6 +294,7 @@ impl Cell {
             reference: match self.path {
                 TierPath::HostToDisk => "raw O_DIRECT write",
                 TierPath::DiskToHost => "raw O_DIRECT read",
+                TierPath::DeviceToHost | TierPath::HostToDevice => "one large DMA copy",
                 _ => "one large copy",
             },
             reference_gbps: zero,
@@ -321,6 +322,7 @@ pub fn run_matrix(
         ));
     }
     let memcpy = Arc::new(MemcpyBackend::new(config.memcpy_threads)?);
+    let gpu = open_gpu();
     let mut rows = Vec::new();
     for (path, src_kind, dst_kind) in matrix_cells() {
         if config
@@ -339,7 +341,7 @@ pub fn run_matrix(
                     tokens,
                     per_batch,
                 };
-                let row = measure(config, &memcpy, &cell)?;
+                let row = measure(config, &memcpy, &gpu, &cell)?;
                 progress(&row);
                 rows.push(row);
             }
@@ -348,11 +350,65 @@ pub fn run_matrix(
     Ok(rows)
 }
 
-fn measure(config: &MatrixConfig, memcpy: &Arc<MemcpyBackend>, cell: &Cell) -> Result<MatrixRow> {
+#[cfg(feature = "cuda")]
+type GpuState = std::result::Result<super::cuda_rows::Gpu, String>;
+#[cfg(not(feature = "cuda"))]
+type GpuState = std::result::Result<(), String>;
+
+fn open_gpu() -> GpuState {
+    #[cfg(feature = "cuda")]
+    {
+        super::cuda_rows::open()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err("no CUDA device (built without feature `cuda`)".into())
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn measure_cuda(
+    config: &MatrixConfig,
+    gpu: &super::cuda_rows::Gpu,
+    cell: &Cell,
+    block_bytes: u64,
+) -> Result<MatrixRow> {
+    let batches = (config.bytes_per_rep / (block_bytes * cell.per_batch as u64)).max(1) as usize;
+    let n = batches * cell.per_batch;
+    let cfg = config.model.layout_config(n, cell.tokens)?;
+    let perm = scatter(n, (cell.tokens * 31 + cell.per_batch) as u64);
+    let pairs: Vec<(usize, usize)> = (0..n).map(|i| (i, perm[i])).collect();
+    let m = super::cuda_rows::measure(
+        gpu,
+        cfg,
+        cell.src_kind,
+        cell.dst_kind,
+        cell.path == TierPath::HostToDevice,
+        &pairs,
+        cell.per_batch,
+        config.reps,
+        cell.path.name(),
+    )?;
+    let row = cell.row(block_bytes, format!("ok ({:?} path)", m.path));
+    Ok(finish(row, n, m.bytes, &m.samples, &m.refs, true))
+}
+
+fn measure(
+    config: &MatrixConfig,
+    memcpy: &Arc<MemcpyBackend>,
+    gpu: &GpuState,
+    cell: &Cell,
+) -> Result<MatrixRow> {
     let block_bytes = config.model.layout_config(1, cell.tokens)?.block_bytes();
     let disk = matches!(cell.path, TierPath::HostToDisk | TierPath::DiskToHost);
     if matches!(cell.path, TierPath::DeviceToHost | TierPath::HostToDevice) {
-        return Ok(cell.row(block_bytes, "skipped: no CUDA device".into()));
+        return match gpu {
+            Err(why) => Ok(cell.row(block_bytes, format!("skipped: {why}"))),
+            #[cfg(feature = "cuda")]
+            Ok(gpu) => measure_cuda(config, gpu, cell, block_bytes),
+            #[cfg(not(feature = "cuda"))]
+            Ok(()) => Ok(cell.row(block_bytes, "skipped: no CUDA device".into())),
+        };
     }
     if disk && let Err(e) = check_disk_alignment(&config.model, cell.tokens) {
         return Ok(cell.row(block_bytes, format!("skipped: {e}")));

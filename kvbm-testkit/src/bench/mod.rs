@@ -15,6 +15,8 @@
 //! [`model`] holds the KV shapes (presets and explicit dimensions) both
 //! share; [`table`] and [`svg`] render results without any plotting crate.
 
+#[cfg(feature = "cuda")]
+pub mod cuda_rows;
 pub mod error;
 mod host_view;
 pub mod matrix;

@@ -18,6 +18,9 @@ pub struct Cli {
     /// Print results as JSON instead of tables.
     #[arg(long, global = true)]
     pub json: bool,
+    /// Also write the JSON results to this file (whatever `--json` says).
+    #[arg(long, global = true)]
+    pub json_file: Option<PathBuf>,
     /// Where to write the SVG plot (default: next to the JSON/table output,
     /// `kvbm-bench-<command>.svg` in the current directory).
     #[arg(long, global = true)]

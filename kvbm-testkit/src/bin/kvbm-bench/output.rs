@@ -34,11 +34,21 @@ fn write_svg(cli: &Cli, default_name: &str, plot: &LinePlot) -> Result<(), Bench
     Ok(())
 }
 
-fn print_json(value: &serde_json::Value) -> Result<(), BenchError> {
+/// Writes `value` to `--json-file` when given, and prints it with `--json`.
+/// Returns whether it was printed (then the table is not).
+fn emit_json(cli: &Cli, value: &serde_json::Value) -> Result<bool, BenchError> {
     let text = serde_json::to_string_pretty(value)
         .map_err(|e| BenchError::Config(format!("cannot encode JSON: {e}")))?;
-    println!("{text}");
-    Ok(())
+    if let Some(path) = &cli.json_file {
+        std::fs::write(path, format!("{text}\n")).map_err(|source| BenchError::Output {
+            path: path.clone(),
+            source,
+        })?;
+    }
+    if cli.json {
+        println!("{text}");
+    }
+    Ok(cli.json)
 }
 
 /// The transfer matrix.
@@ -74,15 +84,17 @@ pub fn matrix(cli: &Cli, config: &MatrixConfig, rows: &[MatrixRow]) -> Result<()
             series,
         },
     )?;
-    if cli.json {
-        return print_json(&json!({
+    if emit_json(
+        cli,
+        &json!({
             "benchmark": "transfer",
             "model": config.model,
             "bytes_per_rep": config.bytes_per_rep,
             "reps": config.reps,
-            "memcpy_threads": config.memcpy_threads,
-            "rows": rows,
-        }));
+            "memcpy_threads": config.memcpy_threads,            "rows": rows,
+        }),
+    )? {
+        return Ok(());
     }
     println!(
         "kvbm transfer matrix — model {} ({} per token), {} per repetition, median of {} (min–max)",
@@ -173,10 +185,10 @@ pub fn replay(cli: &Cli, r: &ReplayReport) -> Result<(), BenchError> {
             series,
         },
     )?;
-    if cli.json {
-        let value = serde_json::to_value(r)
-            .map_err(|e| BenchError::Config(format!("cannot encode JSON: {e}")))?;
-        return print_json(&value);
+    let value = serde_json::to_value(r)
+        .map_err(|e| BenchError::Config(format!("cannot encode JSON: {e}")))?;
+    if emit_json(cli, &value)? {
+        return Ok(());
     }
     println!("kvbm replay — {}", r.workload);
     println!(
