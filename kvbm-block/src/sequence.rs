@@ -7,15 +7,36 @@
 //! that become complete. Tokens live in one contiguous vector and per-block
 //! state is just the two hashes, so extending costs no allocation per block
 //! (beyond amortised vector growth).
+//!
+//! ```
+//! use kvbm_block::{DynamoXxh3, PageSize, TokenBlockSequence, VllmSha256};
+//!
+//! let page = PageSize::new(4)?;
+//! // Dynamo's router format, salted per request (e.g. by LoRA name).
+//! let mut seq = TokenBlockSequence::new(DynamoXxh3::new(b"lora:sql"), page);
+//! assert_eq!(seq.extend(&[1, 2, 3, 4, 5, 6, 7, 8, 9]), 0..2); // two blocks completed
+//! assert_eq!(seq.tail(), &[9]);
+//! let keys: Vec<_> = seq.sequence_hashes().collect(); // pool keys, in order
+//! seq.truncate(6)?; // rejected speculative tokens: block 1 is incomplete again
+//! assert_eq!(seq.num_blocks(), 1);
+//! assert_eq!(seq.block(0).map(|b| b.sequence_hash()), Some(keys[0]));
+//!
+//! // vLLM's prefix-cache hash for the same tokens, full 32 bytes kept.
+//! let vllm = TokenBlockSequence::from_tokens(VllmSha256::from_env(), page, &[1, 2, 3, 4]);
+//! let first = vllm.block(0).map(|b| *b.digest());
+//! assert!(first.is_some());
+//! # Ok::<(), kvbm_block::TokenError>(())
+//! ```
 
-use crate::hash::{HashedBlock, SequenceDigest, SequenceHash, SequenceHasher};
+use crate::hash::{DynamoXxh3, HashedBlock, SequenceDigest, SequenceHash, SequenceHasher};
 use crate::tokens::{PageSize, Token, TokenBlock, TokenError};
 use std::ops::Range;
 
 /// A token stream as complete, hashed blocks of `page_size` tokens plus a
-/// partial tail of fewer than `page_size` tokens.
+/// partial tail of fewer than `page_size` tokens, named by the hash scheme
+/// `H` (dynamo-xxh3 unless chosen otherwise).
 #[derive(Clone, Debug)]
-pub struct TokenBlockSequence<H: SequenceHasher> {
+pub struct TokenBlockSequence<H: SequenceHasher = DynamoXxh3> {
     hasher: H,
     page_size: PageSize,
     tokens: Vec<Token>,
@@ -37,6 +58,14 @@ impl<H: SequenceHasher> TokenBlockSequence<H> {
     pub fn from_tokens(hasher: H, page_size: PageSize, tokens: &[Token]) -> Self {
         let mut sequence = Self::new(hasher, page_size);
         sequence.extend(tokens);
+        sequence
+    }
+
+    /// A sequence that takes ownership of `tokens` (no copy).
+    pub fn from_vec(hasher: H, page_size: PageSize, tokens: Vec<Token>) -> Self {
+        let mut sequence = Self::new(hasher, page_size);
+        sequence.tokens = tokens;
+        sequence.hash_complete_blocks();
         sequence
     }
 

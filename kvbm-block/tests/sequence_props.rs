@@ -39,8 +39,10 @@ fn extend_then_truncate_is_prefix<H: SequenceHasher>(
     let mut s = TokenBlockSequence::from_tokens(hasher.clone(), page, prefix);
     s.extend(more);
     s.truncate(prefix.len()).unwrap();
-    let fresh = TokenBlockSequence::from_tokens(hasher, page, prefix);
+    let fresh = TokenBlockSequence::from_tokens(hasher.clone(), page, prefix);
     assert_eq!(snapshot(&s), snapshot(&fresh));
+    let owned = TokenBlockSequence::from_vec(hasher, page, prefix.to_vec());
+    assert_eq!(snapshot(&owned), snapshot(&fresh));
     assert_eq!(
         s.tail(),
         &prefix[prefix.len() / page.as_usize() * page.as_usize()..]
@@ -294,7 +296,8 @@ fn a_token_block_must_hold_exactly_page_size_tokens() {
 #[test]
 fn push_reports_the_block_it_completes() {
     let page = PageSize::new(2).unwrap();
-    let mut s = TokenBlockSequence::new(DynamoXxh3::default(), page);
+    // dynamo-xxh3 is the default scheme.
+    let mut s: TokenBlockSequence = TokenBlockSequence::new(DynamoXxh3::default(), page);
     assert_eq!(s.push(1), None);
     assert_eq!(s.push(2), Some(0));
     assert_eq!(s.push(3), None);
@@ -302,4 +305,98 @@ fn push_reports_the_block_it_completes() {
     assert_eq!(s.extend(&[]), 3..3);
     assert_eq!(s.tail(), &[7]);
     assert!(s.block(3).is_none());
+}
+
+/// One edit of a sequence, for the model-based test.
+#[derive(Clone, Debug)]
+enum Op {
+    Extend(Vec<Token>),
+    Push(Token),
+    Pop,
+    Truncate(usize),
+    Unwind(usize),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        prop::collection::vec(any::<Token>(), 0..40).prop_map(Op::Extend),
+        any::<Token>().prop_map(Op::Push),
+        Just(Op::Pop),
+        (0usize..120).prop_map(Op::Truncate),
+        (0usize..50).prop_map(Op::Unwind),
+    ]
+}
+
+/// Applies `ops` to a sequence and to a plain token vector (the model);
+/// after every step the sequence equals one built from scratch from the
+/// model's tokens, and errors happen exactly when the model says so.
+fn follows_the_model<H: SequenceHasher>(hasher: H, page: PageSize, ops: &[Op]) {
+    let mut s = TokenBlockSequence::new(hasher.clone(), page);
+    let mut model: Vec<Token> = Vec::new();
+    for op in ops {
+        let blocks_before = s.num_blocks();
+        match op {
+            Op::Extend(tokens) => {
+                model.extend_from_slice(tokens);
+                let completed = s.extend(tokens);
+                assert_eq!(completed, blocks_before..model.len() / page.as_usize());
+            }
+            Op::Push(t) => {
+                model.push(*t);
+                let completed = s.push(*t);
+                let expect = model
+                    .len()
+                    .is_multiple_of(page.as_usize())
+                    .then_some(blocks_before);
+                assert_eq!(completed, expect);
+            }
+            Op::Pop => assert_eq!(s.pop(), model.pop()),
+            Op::Truncate(len) => {
+                let result = s.truncate(*len);
+                if *len <= model.len() {
+                    assert_eq!(result, Ok(()));
+                    model.truncate(*len);
+                } else {
+                    assert_eq!(
+                        result,
+                        Err(TokenError::TruncatePastEnd {
+                            len: *len,
+                            total: model.len()
+                        })
+                    );
+                }
+            }
+            Op::Unwind(count) => {
+                let result = s.unwind(*count);
+                if *count <= model.len() {
+                    assert_eq!(result, Ok(()));
+                    model.truncate(model.len() - count);
+                } else {
+                    assert_eq!(
+                        result,
+                        Err(TokenError::UnwindPastStart {
+                            count: *count,
+                            total: model.len()
+                        })
+                    );
+                }
+            }
+        }
+        let fresh = TokenBlockSequence::from_tokens(hasher.clone(), page, &model);
+        assert_eq!(snapshot(&s), snapshot(&fresh));
+        assert_eq!(s.num_blocks(), model.len() / page.as_usize());
+        assert_eq!(s.tail().len(), model.len() % page.as_usize());
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn sequences_follow_the_token_vector_model(
+        page in page_size(), ops in prop::collection::vec(op(), 1..40)
+    ) {
+        follows_the_model(DynamoXxh3::new(b"model"), page, &ops);
+        follows_the_model(VllmSha256::default().with_cache_salt("m"), page, &ops);
+    }
 }

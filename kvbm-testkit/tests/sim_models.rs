@@ -152,6 +152,74 @@ proptest! {
     }
 }
 
+/// Like `trace_strategy`, but a partially filled last block always gets a
+/// fresh id, as with real chained hashes (its tokens differ every time).
+fn realistic_trace_strategy() -> impl Strategy<Value = Vec<Request>> {
+    trace_strategy().prop_map(|mut reqs| {
+        for (i, r) in reqs.iter_mut().enumerate() {
+            if r.last_block_partial(BT) {
+                let last = r.hash_ids.len() - 1;
+                r.hash_ids[last] = 1_000_000 + i as u64;
+            }
+        }
+        reqs
+    })
+}
+
+/// Counts, after every request, kvbm blocks whose parent is in no tier.
+struct OrphanCheck<K> {
+    sim: TieredSim<K>,
+    parent: HashMap<BlockId, BlockId>,
+    orphans: usize,
+}
+
+impl<K: KvbmTiers> CacheSim for OrphanCheck<K> {
+    fn lookup(&mut self, block: BlockId) -> Option<Tier> {
+        self.sim.lookup(block)
+    }
+    fn record(&mut self, ctx: &RequestCtx<'_>) {
+        self.sim.record(ctx);
+        let cached = self.sim.kvbm().cached();
+        let held: HashSet<BlockId> = cached.iter().map(|c| c.0).collect();
+        self.orphans += cached
+            .iter()
+            .filter(|(b, _)| {
+                self.parent
+                    .get(b)
+                    .is_some_and(|p| !held.contains(p) && !self.sim.g1_contains(*p))
+            })
+            .count();
+    }
+}
+
+fn orphans<K: KvbmTiers>(reqs: &[Request], g1: usize, kvbm: K) -> usize {
+    let mut parent = HashMap::new();
+    for r in reqs {
+        for w in r.hash_ids.windows(2) {
+            parent.insert(w[1], w[0]);
+        }
+    }
+    let mut check = OrphanCheck {
+        sim: TieredSim::new(g1, kvbm),
+        parent,
+        orphans: 0,
+    };
+    replay(reqs, BT, &mut check);
+    check.orphans
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Leaf-first ordering keeps kvbm free of blocks that can never hit.
+    #[test]
+    fn kvbm_tiers_hold_no_orphans(reqs in realistic_trace_strategy(), g1 in 0usize..5, g2 in 0usize..6, g3 in 0usize..6) {
+        let caps = TierCapacities { g1, g2, g3 };
+        prop_assert_eq!(orphans(&reqs, g1, ReuseScoreTiers::new(ReuseScoreConfig::for_tiers(caps))), 0);
+        prop_assert_eq!(orphans(&reqs, g1, LruTiers::new(g2, g3, LruFeed::Victim)), 0);
+    }
+}
+
 /// Wraps a policy and checks occupancy after every request.
 struct Checked<K> {
     inner: K,
@@ -170,6 +238,9 @@ impl<K: KvbmTiers> KvbmTiers for Checked<K> {
     }
     fn occupancy(&self) -> (usize, usize) {
         self.inner.occupancy()
+    }
+    fn cached(&self) -> Vec<(BlockId, Tier)> {
+        self.inner.cached()
     }
 }
 
@@ -210,4 +281,55 @@ fn victim_lru_tiers_serve_what_g1_dropped() {
     // Served blocks moved back to G1 and left kvbm (exclusive tiers).
     assert_eq!(sim.lookup(1), Some(Tier::G1));
     assert_eq!(sim.kvbm().occupancy().0, 2);
+}
+
+mod weights {
+    use kvbm_testkit::sim::reuse_score::{COUNT_CLASSES, ReuseWeights, ScoreModel};
+    use proptest::prelude::*;
+
+    fn model() -> impl Strategy<Value = ScoreModel> {
+        prop_oneof![
+            (0.25f64..3.0).prop_map(|exponent| ScoreModel::Hyperbolic { exponent }),
+            (1u64..5_000).prop_map(|horizon| ScoreModel::ReturnWithin { horizon }),
+            (1u64..5_000).prop_map(|horizon| ScoreModel::DensityWithin { horizon }),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(100))]
+
+        /// The two orderings eviction relies on hold for any learned state:
+        /// older never scores above younger within a class (so a class's
+        /// least recent block is its minimum), and more uses never score
+        /// below fewer (so a parent never ranks below its child), across
+        /// depth groups too when groups are depths.
+        #[test]
+        fn scores_are_monotone(
+            model in model(),
+            groups in 1usize..4,
+            depth_groups: bool,
+            events in prop::collection::vec((0usize..16, 0u64..20_000, 0usize..16, any::<bool>()), 0..400),
+        ) {
+            let classes = groups * COUNT_CLASSES;
+            let mut w = ReuseWeights::new(classes, model, depth_groups);
+            for (prev, age, now, has_prev) in events {
+                w.observe(has_prev.then_some((prev % classes, age)), now % classes);
+            }
+            w.refresh();
+            let ages = [0u64, 1, 5, 30, 200, 1_000, 7_000, 50_000];
+            for c in 0..classes {
+                for pair in ages.windows(2) {
+                    prop_assert!(w.score(c, pair[0]) >= w.score(c, pair[1]), "class {c} ages {pair:?}");
+                }
+                for &a in &ages {
+                    if c % COUNT_CLASSES + 1 < COUNT_CLASSES {
+                        prop_assert!(w.score(c + 1, a) >= w.score(c, a), "count order, class {c} age {a}");
+                    }
+                    if depth_groups && c + COUNT_CLASSES < classes {
+                        prop_assert!(w.score(c, a) >= w.score(c + COUNT_CLASSES, a), "depth order, class {c} age {a}");
+                    }
+                }
+            }
+        }
+    }
 }

@@ -155,3 +155,29 @@ fn synthetic_default_has_reuse_that_lru_can_find() {
     );
     assert!(small.hit_rate_pct() < infinite.hit_rate_pct());
 }
+
+#[test]
+fn synthetic_default_facts() {
+    let reqs = generate_synthetic(&SyntheticConfig::default());
+    let facts = TraceFacts::of(&reqs);
+    let infinite = replay(
+        &reqs,
+        MOONCAKE_BLOCK_TOKENS,
+        &mut LruSim::new(facts.unique_blocks),
+    );
+    println!(
+        "synthetic default: {} requests, {} block references, {} unique, infinite-cache hit {:.2}%, span {} s",
+        facts.requests,
+        facts.block_references,
+        facts.unique_blocks,
+        infinite.hit_rate_pct(),
+        reqs.last().map_or(0, |r| r.timestamp_ms / 1000),
+    );
+    // Pinned so that a change to the generator is a visible decision.
+    assert_eq!(
+        (facts.requests, facts.block_references, facts.unique_blocks),
+        PINNED_DEFAULT_FACTS
+    );
+}
+
+const PINNED_DEFAULT_FACTS: (usize, usize, usize) = (1_604, 19_694, 6_058);

@@ -90,6 +90,13 @@ impl ExecutorBuilder {
                 "executor limits must be at least 1".into(),
             ));
         }
+        // Bounce slots take part in every two-hop transfer: register them
+        // with every backend that can use that (io_uring fixed buffers).
+        for pool in &self.bounce {
+            for b in &self.backends {
+                b.register_memory(pool.region())?;
+            }
+        }
         let caps = Capabilities {
             backends: self.backends.iter().map(|b| b.kind()).collect(),
             bounce_pools: self.bounce.iter().map(|b| b.kind()).collect(),
@@ -203,6 +210,7 @@ impl Outcome for TransferOutcome {
 pub struct TransferHandle {
     completion: Completion<TransferOutcome>,
     cancel: CancelToken,
+    limiter: Option<Arc<Limiter>>,
 }
 
 impl TransferHandle {
@@ -215,11 +223,23 @@ impl TransferHandle {
     /// after this returns nothing more is written to the destination and all
     /// bounce slots are back. Reports which blocks did land.
     pub fn cancel(self) -> TransferOutcome {
-        self.cancel.cancel();
+        self.request_cancel();
         self.completion.wait()
     }
 
-    /// The cancellation token (cancel without waiting).
+    /// Cancels without waiting: batches not started yet are dropped at once
+    /// (even those queued behind other transfers' batches for the in-flight
+    /// limit); started ones stop at their next unit of work.
+    pub fn request_cancel(&self) {
+        self.cancel.cancel();
+        if let Some(l) = &self.limiter {
+            l.flush_cancelled();
+        }
+    }
+
+    /// The cancellation token. Setting it directly also cancels, but batches
+    /// queued for the in-flight limit leave only when a permit reaches them;
+    /// [`TransferHandle::request_cancel`] flushes them at once.
     pub fn cancel_token(&self) -> &CancelToken {
         &self.cancel
     }
@@ -250,6 +270,7 @@ fn failed_now(error: TransferError, pairs: &[(usize, usize)]) -> TransferHandle 
             culprit: None,
         }))),
         cancel: CancelToken::new(),
+        limiter: None,
     }
 }
 
@@ -267,7 +288,6 @@ impl Executor {
     ) -> Result<Executor> {
         let disk = crate::disk::DiskBackend::new(disk)?;
         let pool = BouncePool::system(bounce_slots, bounce_slot_bytes)?;
-        disk.register_memory(pool.region())?;
         Executor::builder()
             .backend(Arc::new(crate::backend::memcpy::MemcpyBackend::new(
                 memcpy_threads,
@@ -281,6 +301,20 @@ impl Executor {
     /// A builder with no backends.
     pub fn builder() -> ExecutorBuilder {
         ExecutorBuilder::default()
+    }
+
+    /// Registers the regions of a long-lived physical layout (a host tier's
+    /// pool) with every backend that can make later transfers cheaper with
+    /// it (io_uring fixed buffers, page-locking). Returns how many
+    /// (backend, region) registrations were taken up.
+    pub fn register(&self, layout: &PhysicalLayout) -> Result<usize> {
+        let mut used = 0;
+        for region in layout.regions().iter() {
+            for b in &self.inner.backends {
+                used += usize::from(b.register_memory(region)?);
+            }
+        }
+        Ok(used)
     }
 
     /// The strategy this executor uses between two kinds.
@@ -322,6 +356,7 @@ impl Executor {
                     bytes: 0,
                 })),
                 cancel,
+                limiter: None,
             };
         }
         let batches: Vec<Vec<(usize, usize)>> = pairs
@@ -350,9 +385,13 @@ impl Executor {
             let d = driver.clone();
             self.inner
                 .limiter
-                .acquire(move |permit| d.run_batch(batch, permit));
+                .acquire(&cancel, move |permit| d.run_batch(batch, permit));
         }
-        TransferHandle { completion, cancel }
+        TransferHandle {
+            completion,
+            cancel,
+            limiter: Some(self.inner.limiter.clone()),
+        }
     }
 }
 
@@ -401,12 +440,13 @@ struct Driver {
 }
 
 impl Driver {
-    fn run_batch(&self, batch: Vec<(usize, usize)>, permit: Permit) {
+    /// Runs one batch; `None` means it was flushed out of the limiter's
+    /// queue by a cancel.
+    fn run_batch(&self, batch: Vec<(usize, usize)>, permit: Option<Permit>) {
         let stop = self.cancel.is_cancelled() || self.state.lock().error.is_some();
-        if stop {
-            drop(permit);
+        let Some(permit) = permit.filter(|_| !stop) else {
             return self.batch_done(batch, 0, Err(TransferError::Cancelled));
-        }
+        };
         let plan = match plan_copy(self.src.layout(), self.dst.layout(), &batch) {
             Ok(p) => p,
             Err(e) => {

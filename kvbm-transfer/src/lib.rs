@@ -26,6 +26,29 @@
 //!
 //! No async runtime is needed: completions are std futures and can be
 //! waited on from any thread. Worker threads block; nothing polls.
+//!
+//! ```
+//! use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
+//! use kvbm_transfer::memory::{DiskAllocator, DiskOptions, SystemAllocator};
+//! use kvbm_transfer::{disk::DiskConfig, Executor, ExecutorConfig, PhysicalLayout};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // 8 blocks of 2 layers x K/V x 16 tokens x 128 bf16 values (4 KiB chunks).
+//! let cfg = LayoutConfig::new(8, 2, 2, 16, 128, 2)?;
+//! let engine_like = Layout::new(cfg, LayoutKind::LayerSeparate(BlockOrder::OuterFirst))?;
+//! let tier = Layout::new(cfg, LayoutKind::FullyContiguous)?;
+//!
+//! let exec = Executor::cpu(2, &DiskConfig::default(), 4, 1 << 20, ExecutorConfig::default())?;
+//! let host = PhysicalLayout::allocate_system(engine_like, &SystemAllocator::new())?;
+//! let dir = std::env::temp_dir().join("kvbm-transfer-doc");
+//! let disk = PhysicalLayout::allocate_disk(tier, &DiskAllocator::new(dir, DiskOptions::default())?)?;
+//!
+//! // Offload host blocks 3 and 5 into disk blocks 0 and 1, then wait.
+//! let report = exec.transfer(&host, &disk, &[(3, 0), (5, 1)]).wait()?;
+//! assert_eq!(report.blocks, 2);
+//! # Ok(())
+//! # }
+//! ```
 
 pub mod backend;
 pub mod bounce;

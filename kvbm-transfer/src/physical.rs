@@ -65,7 +65,28 @@ impl PhysicalLayout {
 
     /// Allocates one disk file holding every region of `layout`, each region
     /// starting on a [`DISK_ALIGNMENT`] boundary.
+    ///
+    /// Disk blocks occupy aligned extents: the layout's chunk size and
+    /// strides must be multiples of [`DISK_ALIGNMENT`] (pad blocks with
+    /// `LayoutConfig::with_alignment` or explicit strides), otherwise this is
+    /// a [`TransferError::Misaligned`] naming the alignment.
     pub fn allocate_disk(layout: Layout, alloc: &DiskAllocator) -> Result<Self> {
+        let strides = layout.strides();
+        for (what, value) in [
+            ("chunk size", layout.config().chunk_bytes()),
+            ("block stride", strides.block),
+            ("layer stride", strides.layer),
+            ("outer stride", strides.outer),
+        ] {
+            if !value.is_multiple_of(DISK_ALIGNMENT) {
+                return Err(TransferError::Misaligned {
+                    alignment: DISK_ALIGNMENT,
+                    what,
+                    value,
+                    path: alloc.dir().to_path_buf(),
+                });
+            }
+        }
         let mut offsets = Vec::with_capacity(layout.num_regions());
         let mut end = 0u64;
         for r in 0..layout.num_regions() {

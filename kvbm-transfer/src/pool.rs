@@ -76,9 +76,15 @@ impl Drop for WorkerPool {
     fn drop(&mut self) {
         self.queue.tasks.lock().1 = true;
         self.queue.cv.notify_all();
+        let me = std::thread::current().id();
         for t in self.threads.drain(..) {
-            // A worker that panicked has already reported it; nothing to add.
-            let _ = t.join();
+            // The last handle may be dropped by a task on one of the workers;
+            // that worker exits by itself after the task, and joining it
+            // from itself would deadlock.
+            if t.thread().id() != me {
+                // A worker that panicked has already reported it.
+                let _ = t.join();
+            }
         }
     }
 }

@@ -106,7 +106,6 @@ fn rig(slot_bytes: u64, slots: usize, per_batch: usize, batch: usize, delay: Dur
     .unwrap();
     let system_pool = BouncePool::system(slots, slot_bytes).unwrap();
     let pinned_pool = pinned_pool(slots, slot_bytes);
-    disk.register_memory(system_pool.region()).unwrap();
     let exec = Executor::builder()
         .backend(Arc::new(MemcpyBackend::new(2).unwrap()))
         .backend(Arc::new(disk))
@@ -257,4 +256,237 @@ fn cancel_stops_writes_returns_slots_and_reports_landed_blocks() {
         &common::snapshot(&back),
         &failure.completed,
     );
+}
+
+/// Counts hop-1 submissions (the device side of device → disk).
+struct CountingDevice {
+    inner: FakeDevice,
+    started: Arc<(parking_lot::Mutex<usize>, parking_lot::Condvar)>,
+}
+
+impl TransferBackend for CountingDevice {
+    fn name(&self) -> &'static str {
+        "counting-device"
+    }
+    fn kind(&self) -> BackendKind {
+        BackendKind::Cuda
+    }
+    fn supports(&self, s: MemoryKind, d: MemoryKind) -> bool {
+        self.inner.supports(s, d)
+    }
+    fn submit(&self, job: TransferJob) -> Completion {
+        *self.started.0.lock() += 1;
+        self.started.1.notify_all();
+        self.inner.submit(job)
+    }
+}
+
+/// Holds each hop-2 write back until hop 1 of the next chunk has started
+/// (or five seconds pass), and counts how often that happened: a pipeline
+/// overlaps them, a serial two-hop never does.
+struct GatedDisk {
+    inner: Arc<DiskBackend>,
+    hop1: Arc<(parking_lot::Mutex<usize>, parking_lot::Condvar)>,
+    calls: std::sync::atomic::AtomicUsize,
+    chunks: usize,
+    overlapped: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl TransferBackend for GatedDisk {
+    fn name(&self) -> &'static str {
+        "gated-disk"
+    }
+    fn kind(&self) -> BackendKind {
+        BackendKind::Disk
+    }
+    fn supports(&self, s: MemoryKind, d: MemoryKind) -> bool {
+        self.inner.supports(s, d)
+    }
+    fn submit(&self, job: TransferJob) -> Completion {
+        use std::sync::atomic::Ordering;
+        let k = self.calls.fetch_add(1, Ordering::SeqCst);
+        let (tx, rx) = kvbm_transfer::completion_pair();
+        let (hop1, inner, overlapped, chunks) = (
+            self.hop1.clone(),
+            self.inner.clone(),
+            self.overlapped.clone(),
+            self.chunks,
+        );
+        std::thread::spawn(move || {
+            if k + 2 <= chunks {
+                let deadline = std::time::Instant::now() + Duration::from_secs(5);
+                let mut started = hop1.0.lock();
+                while *started < k + 2 && !hop1.1.wait_until(&mut started, deadline).timed_out() {}
+                if *started >= k + 2 {
+                    overlapped.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+            inner.submit(job).on_complete(move |r| tx.complete(r));
+        });
+        rx
+    }
+}
+
+#[test]
+fn hop_one_of_the_next_chunk_runs_while_hop_two_of_this_one_is_in_flight() {
+    let slot = 16384u64;
+    let cfg = config(8); // 8 blocks × 16 KiB = 8 chunks of one slot
+    let dev_l = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
+    let chunks = (dev_l.total_bytes() / slot) as usize;
+    let started = Arc::new((parking_lot::Mutex::new(0), parking_lot::Condvar::new()));
+    let overlapped = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let disk = DiskBackend::new(&DiskConfig::default()).unwrap();
+    let pool = pinned_pool(2, slot);
+    let exec = Executor::builder()
+        .backend(Arc::new(CountingDevice {
+            inner: FakeDevice {
+                inner: MemcpyBackend::new(1).unwrap(),
+                delay: Duration::ZERO,
+            },
+            started: started.clone(),
+        }))
+        .backend(Arc::new(GatedDisk {
+            inner: Arc::new(disk),
+            hop1: started.clone(),
+            calls: Default::default(),
+            chunks,
+            overlapped: overlapped.clone(),
+        }))
+        .bounce_pool(pool.clone())
+        .config(ExecutorConfig {
+            max_blocks_per_batch: 8,
+            max_batches_in_flight: 1,
+            bounce_slots_per_batch: 2,
+        })
+        .build()
+        .unwrap();
+    let dev = fake_device(dev_l.clone());
+    common::fill(&dev, 9);
+    let d = PhysicalLayout::allocate_disk(dev_l.clone(), &alloc()).unwrap();
+    let pairs: Vec<_> = (0..8).map(|i| (i, i)).collect();
+    exec.transfer(&dev, &d, &pairs).wait().unwrap();
+    assert_eq!(
+        overlapped.load(std::sync::atomic::Ordering::SeqCst),
+        chunks - 1
+    );
+    assert_eq!(*started.0.lock(), chunks);
+    assert_eq!(pool.available(), 2);
+    let back = common::host(dev_l.clone());
+    exec.transfer(&d, &back, &pairs).wait().unwrap();
+    common::assert_blocks_match(
+        &dev_l,
+        &common::snapshot(&dev),
+        &dev_l,
+        &common::snapshot(&back),
+        &pairs,
+    );
+}
+
+#[test]
+fn dropping_the_executor_mid_transfer_lets_the_transfer_finish() {
+    // A worker joining itself panics on its own thread, which the handles
+    // would not show: count panics anywhere in the process instead.
+    static PANICS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        PANICS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        previous(info);
+    }));
+    for round in 0..4 {
+        let r = rig(8192, 2, 2, 3, Duration::ZERO);
+        let cfg = config(24);
+        let l = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
+        let (dev, host) = (fake_device(l.clone()), common::host(l.clone()));
+        common::fill(&dev, round);
+        common::fill(&host, round + 100);
+        let d = PhysicalLayout::allocate_disk(l.clone(), &alloc()).unwrap();
+        let pairs: Vec<_> = (0..24).map(|i| (i, i)).collect();
+        // Two-hop (device -> disk) and direct (host -> host) at once; the
+        // last handles to the backends and pools then die on their own
+        // worker threads.
+        let a = r.exec.transfer(&dev, &d, &pairs);
+        let b = r.exec.transfer(&host, &dev, &pairs[..12]);
+        drop(r);
+        a.wait().unwrap();
+        b.wait().unwrap();
+    }
+    // Give detached workers time to run their exit path.
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(PANICS.load(std::sync::atomic::Ordering::SeqCst), 0);
+}
+
+/// A device stand-in whose copies wait until the test opens the gate.
+struct GatedDevice {
+    inner: FakeDevice,
+    gate: Arc<(parking_lot::Mutex<bool>, parking_lot::Condvar)>,
+}
+
+impl TransferBackend for GatedDevice {
+    fn name(&self) -> &'static str {
+        "gated-device"
+    }
+    fn kind(&self) -> BackendKind {
+        BackendKind::Cuda
+    }
+    fn supports(&self, s: MemoryKind, d: MemoryKind) -> bool {
+        self.inner.supports(s, d)
+    }
+    fn submit(&self, job: TransferJob) -> Completion {
+        let (tx, rx) = kvbm_transfer::completion_pair();
+        let gate = self.gate.clone();
+        let done = self.inner.submit(job);
+        std::thread::spawn(move || {
+            let mut open = gate.0.lock();
+            while !*open {
+                gate.1.wait(&mut open);
+            }
+            drop(open);
+            tx.complete(done.wait());
+        });
+        rx
+    }
+}
+
+#[test]
+fn cancelling_a_transfer_queued_behind_another_does_not_wait_for_it() {
+    let gate = Arc::new((parking_lot::Mutex::new(false), parking_lot::Condvar::new()));
+    let exec = Executor::builder()
+        .backend(Arc::new(GatedDevice {
+            inner: FakeDevice {
+                inner: MemcpyBackend::new(1).unwrap(),
+                delay: Duration::ZERO,
+            },
+            gate: gate.clone(),
+        }))
+        .config(ExecutorConfig {
+            max_blocks_per_batch: 2,
+            max_batches_in_flight: 1,
+            bounce_slots_per_batch: 1,
+        })
+        .build()
+        .unwrap();
+    let l = Layout::new(config(8), LayoutKind::FullyContiguous).unwrap();
+    let (a_src, b_src, dst) = (
+        fake_device(l.clone()),
+        fake_device(l.clone()),
+        fake_device(l.clone()),
+    );
+    let dst2 = fake_device(l);
+    let pairs: Vec<_> = (0..8).map(|i| (i, i)).collect();
+    // A holds the only in-flight permit until the gate opens; B queues.
+    let a = exec.transfer(&a_src, &dst, &pairs);
+    let b = exec.transfer(&b_src, &dst2, &pairs);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(b.cancel()).unwrap());
+    let b_outcome = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("cancel waited for another transfer");
+    let f = b_outcome.unwrap_err();
+    assert!(matches!(f.error, TransferError::Cancelled));
+    assert!(f.completed.is_empty());
+    assert_eq!(f.failed.len(), 8);
+    // A was held at the gate all along; let it finish normally.
+    *gate.0.lock() = true;
+    gate.1.notify_all();
+    assert_eq!(a.wait().unwrap().blocks, 8);
 }

@@ -89,9 +89,7 @@ fn write_block_prefix(sink: &mut Sha256Sink, parent: &VllmBlockHash, tokens: &[T
     write_head(sink, MAJOR_BYTES, 32);
     sink.write(&parent.0);
     write_head(sink, MAJOR_ARRAY, tokens.len() as u64);
-    for &t in tokens {
-        write_head(sink, cbor::MAJOR_UINT, t.into());
-    }
+    sink.write_tokens(tokens);
 }
 
 /// A SHA-256 state fed through a small stack buffer, so that the many tiny
@@ -111,9 +109,50 @@ impl Sha256Sink {
         }
     }
 
-    fn finish(mut self) -> VllmBlockHash {
+    /// Writes each token as a CBOR unsigned integer, exactly as
+    /// `write_head(MAJOR_UINT, t)` would (the hot loop: a specialised head
+    /// encoder straight into the buffer, a flush check per chunk rather than
+    /// per token).
+    #[inline]
+    fn write_tokens(&mut self, tokens: &[Token]) {
+        const MAX_HEAD: usize = 5;
+        for chunk in tokens.chunks(self.buf.len() / MAX_HEAD) {
+            if self.len + chunk.len() * MAX_HEAD > self.buf.len() {
+                self.state.update(&self.buf[..self.len]);
+                self.len = 0;
+            }
+            let mut at = self.len;
+            for &t in chunk {
+                // Branch-free: token ids are spread over every head size,
+                // so a branch per size would mispredict about every other
+                // token. The class picks the head byte and argument length;
+                // all five bytes are written, and `at` advances by the used.
+                let class = usize::from(t >= 24) + usize::from(t >= 256) + usize::from(t >= 65536);
+                // class 0: the value is the head; 1, 2, 3: heads 0x18, 0x19,
+                // 0x1a with 1, 2, 4 argument bytes. Arithmetic, not lookup
+                // tables, which the compiler rebuilt on the stack per token.
+                let head = if class == 0 {
+                    t as u8
+                } else {
+                    0x17 + class as u8
+                };
+                let arg_len = (1usize << class) >> 1;
+                let arg = (u64::from(t) << (8 * (4 - arg_len))) as u32;
+                let out = &mut self.buf[at..at + MAX_HEAD];
+                out[0] = head;
+                out[1..].copy_from_slice(&arg.to_be_bytes());
+                at += 1 + arg_len;
+            }
+            self.len = at;
+        }
+    }
+
+    /// The digest; borrows rather than consumes so the large state is not
+    /// moved on the hot path.
+    fn finish(&mut self) -> VllmBlockHash {
         self.state.update(&self.buf[..self.len]);
-        VllmBlockHash(self.state.finalize().into())
+        self.len = 0;
+        VllmBlockHash(self.state.finalize_reset().into())
     }
 }
 

@@ -96,21 +96,22 @@ impl DynamoXxh3 {
     }
 
     /// The block hash of `tokens` starting at token `start` of the request.
+    #[inline]
     pub fn block_hash(&self, start: usize, tokens: &[Token]) -> BlockHash {
-        let runs = self.mm_runs();
-        // Runs are sorted and disjoint, so their ends are sorted too.
-        let first = runs.partition_point(|r| r.end() <= start);
-        let end = start.saturating_add(tokens.len());
-        match runs.get(first) {
-            Some(run) if run.offset < end => {
-                BlockHash(self.hash_mm_block(start, tokens, &runs[first..]))
+        if let Some(runs) = self.mm_runs.as_deref() {
+            // Runs are sorted and disjoint, so their ends are sorted too.
+            let first = runs.partition_point(|r| r.end() <= start);
+            let end = start.saturating_add(tokens.len());
+            if runs.get(first).is_some_and(|run| run.offset < end) {
+                return BlockHash(self.hash_mm_block(start, tokens, &runs[first..]));
             }
-            _ => BlockHash(hash_tokens_le(tokens, self.salt_hash)),
         }
+        BlockHash(hash_tokens_le(tokens, self.salt_hash))
     }
 
     /// One chain step: the sequence hash after `parent` for a block whose
     /// block hash is `block`.
+    #[inline]
     pub fn chain(parent: SequenceHash, block: BlockHash) -> SequenceHash {
         let mut bytes = [0u8; 16];
         bytes[..8].copy_from_slice(&parent.0.to_le_bytes());
@@ -158,6 +159,7 @@ impl DynamoXxh3 {
 /// xxh3-64 of `tokens` as little-endian bytes, without copying on
 /// little-endian machines.
 #[cfg(target_endian = "little")]
+#[inline]
 fn hash_tokens_le(tokens: &[Token], seed: u64) -> u64 {
     xxh3_64_with_seed(bytemuck::cast_slice(tokens), seed)
 }
@@ -179,6 +181,7 @@ fn hash_tokens_le(tokens: &[Token], seed: u64) -> u64 {
 impl SequenceHasher for DynamoXxh3 {
     type Digest = SequenceHash;
 
+    #[inline]
     fn hash_block(
         &self,
         position: usize,

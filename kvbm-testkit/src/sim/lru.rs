@@ -62,42 +62,48 @@ impl LruSim {
         self.capacity
     }
 
+    /// Cached blocks from least to most recent.
+    pub fn blocks(&self) -> impl Iterator<Item = BlockId> + '_ {
+        self.list.iter_lru()
+    }
+
+    /// The block the next insertion into a full cache would evict.
+    pub fn peek_lru(&self) -> Option<BlockId> {
+        self.list.peek_lru()
+    }
+
     /// Removes `block`; returns whether it was cached.
     pub fn remove(&mut self, block: BlockId) -> bool {
         self.list.remove(block)
     }
 
-    /// Refreshes `blocks` in this cache's order, evicting as needed; the
-    /// blocks evicted (in eviction order) are returned and stay valid until
-    /// the next call.
+    /// Refreshes `blocks` in this cache's order, then evicts the least
+    /// recent blocks until it fits. The request's blocks are all in use
+    /// together, so a block is never evicted and re-admitted within one
+    /// call: eviction only takes one of them when the request alone
+    /// exceeds the capacity (its least recent ones). The evicted blocks, in
+    /// eviction order, are returned and stay valid until the next call.
     pub fn touch_all(&mut self, blocks: &[BlockId]) -> &[BlockId] {
         self.evicted.clear();
-        if self.capacity == 0 {
-            self.evicted.extend_from_slice(blocks);
-            return &self.evicted;
-        }
         match self.order {
             TouchOrder::Prompt => {
                 for &b in blocks {
-                    self.touch_one(b);
+                    self.list.touch(b);
                 }
             }
             TouchOrder::LeafFirst => {
                 for &b in blocks.iter().rev() {
-                    self.touch_one(b);
+                    self.list.touch(b);
                 }
             }
         }
-        &self.evicted
-    }
-
-    fn touch_one(&mut self, block: BlockId) {
-        if !self.list.touch(block)
-            && self.list.len() > self.capacity
-            && let Some(victim) = self.list.pop_lru()
-        {
-            self.evicted.push(victim);
+        while self.list.len() > self.capacity {
+            match self.list.pop_lru() {
+                Some(victim) => self.evicted.push(victim),
+                None => break,
+            }
         }
+        &self.evicted
     }
 }
 

@@ -2,7 +2,8 @@
 //!
 //! G1 is the engine's GPU prefix cache: the engine inserts every block of
 //! every request it runs, and evicts by recency, deepest blocks first
-//! (vLLM frees a finished request's blocks tail-first). kvbm does not choose
+//! (vLLM frees a finished request's blocks tail-first), never a block of
+//! the request it is admitting unless that request alone overflows G1. kvbm does not choose
 //! what G1 holds; it sees every request and every block G1 evicts, and
 //! decides what G2 and G3 admit and evict: that is a [`KvbmTiers`] policy.
 //!
@@ -54,6 +55,10 @@ pub trait KvbmTiers {
 
     /// Blocks held in (G2, G3), for checking capacity invariants.
     fn occupancy(&self) -> (usize, usize);
+
+    /// Every block kvbm holds and its tier (for invariant checks and
+    /// diagnostics; O(blocks held)).
+    fn cached(&self) -> Vec<(BlockId, Tier)>;
 }
 
 /// The engine's G1 followed by kvbm's tiers under policy `K`.
@@ -81,6 +86,11 @@ impl<K: KvbmTiers> TieredSim<K> {
     pub fn g1_len(&self) -> usize {
         self.g1.len()
     }
+
+    /// Whether G1 holds `block`.
+    pub fn g1_contains(&self, block: BlockId) -> bool {
+        self.g1.contains(block)
+    }
 }
 
 impl<K: KvbmTiers> CacheSim for TieredSim<K> {
@@ -101,8 +111,8 @@ impl<K: KvbmTiers> CacheSim for TieredSim<K> {
 /// How the LRU baseline feeds kvbm's tiers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LruFeed {
-    /// Exclusive victim caches: G1's evictions enter G2, G2's enter G3; a
-    /// block served from G2 or G3 moves back to G1 and leaves kvbm.
+    /// Exclusive victim caches: G1's evictions enter G2, G2's enter G3; the
+    /// blocks of each request are in G1 afterwards, so they leave kvbm.
     Victim,
     /// Write-through: every block of every request is refreshed in G2
     /// (inclusive of G1), G2's evictions enter G3, and a G3 hit moves the
@@ -158,7 +168,8 @@ impl KvbmTiers for LruTiers {
         let hits = std::mem::take(&mut self.hits);
         match self.feed {
             LruFeed::Victim => {
-                for &(b, _) in &hits {
+                // The engine holds the request's blocks in G1 now.
+                for &b in ctx.blocks() {
                     self.g2.remove(b);
                     self.g3.remove(b);
                 }
@@ -183,5 +194,10 @@ impl KvbmTiers for LruTiers {
 
     fn occupancy(&self) -> (usize, usize) {
         (self.g2.len(), self.g3.len())
+    }
+
+    fn cached(&self) -> Vec<(BlockId, Tier)> {
+        let g2 = self.g2.blocks().map(|b| (b, Tier::G2));
+        g2.chain(self.g3.blocks().map(|b| (b, Tier::G3))).collect()
     }
 }

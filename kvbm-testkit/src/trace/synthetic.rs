@@ -10,13 +10,14 @@
 //! (its tokens change as the conversation grows).
 //!
 //! Everything is drawn from one seeded SplitMix64 generator written here,
-//! so the same configuration yields the same trace on every platform and
-//! every version of every dependency.
+//! and logarithms use IEEE basic operations only, so the same configuration
+//! yields the same trace on every platform and every dependency version.
 
 use super::{BlockId, Request};
 
-/// Parameters of the synthetic workload. [`Default`] is small: about 1,600
-/// requests that replay in milliseconds.
+/// Parameters of the synthetic workload. [`Default`] is small: 1,604
+/// requests over 6.5 minutes, 19,694 block references, 6,058 unique blocks
+/// (69% hit rate with an infinite cache); it replays in milliseconds.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SyntheticConfig {
     /// Seed of the generator; equal configurations give equal traces.
@@ -49,11 +50,11 @@ impl Default for SyntheticConfig {
         Self {
             seed: 0x6b76_626d,
             block_tokens: super::MOONCAKE_BLOCK_TOKENS,
-            conversations: 400,
-            mean_turns: 4.0,
-            system_prompts: 8,
+            conversations: 600,
+            mean_turns: 2.5,
+            system_prompts: 16,
             system_prompt_blocks: 4,
-            first_message_tokens: 1_500,
+            first_message_tokens: 3_000,
             followup_message_tokens: 300,
             output_tokens: 300,
             mean_conversation_gap_ms: 250.0,
@@ -80,7 +81,7 @@ impl SplitMix64 {
     }
 
     fn exponential(&mut self, mean: f64) -> f64 {
-        -mean.max(0.0) * self.unit().ln()
+        -mean.max(0.0) * portable_ln(self.unit())
     }
 
     /// Uniform integer in `[mean / 2, 3 * mean / 2]`.
@@ -89,6 +90,29 @@ impl SplitMix64 {
         let span = u64::from(mean) + 1;
         lo + (self.next_u64() % span) as u32
     }
+}
+
+/// Natural logarithm of `x > 0` from IEEE basic operations only, so the
+/// result does not depend on the platform's libm (whose `ln` may differ in
+/// the last bit and shift a truncated timestamp).
+fn portable_ln(x: f64) -> f64 {
+    if x <= 0.0 || !x.is_finite() {
+        return f64::NEG_INFINITY;
+    }
+    // x = m * 2^e with m in [1, 2); the inputs here are normal numbers.
+    let bits = x.to_bits();
+    let e = ((bits >> 52) & 0x7ff) as i64 - 1023;
+    let m = f64::from_bits((bits & ((1u64 << 52) - 1)) | (1023u64 << 52));
+    // ln m = 2 atanh(z), z = (m - 1) / (m + 1) in [0, 1/3).
+    let z = (m - 1.0) / (m + 1.0);
+    let z2 = z * z;
+    let mut term = z;
+    let mut sum = 0.0;
+    for k in 0..24 {
+        sum += term / (2 * k + 1) as f64;
+        term *= z2;
+    }
+    e as f64 * std::f64::consts::LN_2 + 2.0 * sum
 }
 
 /// Generates the workload described by `config`, sorted by arrival time.
@@ -164,4 +188,17 @@ pub fn generate_synthetic(config: &SyntheticConfig) -> Vec<Request> {
     }
     out.sort_by_key(|(t, conv, turn, _)| (*t, *conv, *turn));
     out.into_iter().map(|(.., r)| r).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::portable_ln;
+
+    #[test]
+    fn portable_ln_agrees_with_libm() {
+        for &x in &[1e-12, 1e-3, 0.1, 0.5, 0.999, 1.0, 1.5, 2.0, 3.7, 1e6] {
+            let (a, b) = (portable_ln(x), x.ln());
+            assert!((a - b).abs() <= 1e-12 * b.abs().max(1.0), "{x}: {a} vs {b}");
+        }
+    }
 }

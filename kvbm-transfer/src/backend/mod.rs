@@ -204,4 +204,13 @@ pub trait TransferBackend: Send + Sync + 'static {
     /// cancellation it resolves to the error once nothing of the job is
     /// still in flight.
     fn submit(&self, job: TransferJob) -> Completion;
+
+    /// Prepares long-lived memory for fast transfers: the disk backend makes
+    /// host memory an io_uring fixed buffer; a CUDA backend may page-lock it.
+    /// The backend keeps `region` alive while it relies on the registration.
+    /// Returns whether the backend made use of it; the default ignores it.
+    fn register_memory(&self, region: &MemoryRegion) -> Result<bool> {
+        let _ = region;
+        Ok(false)
+    }
 }

@@ -9,114 +9,23 @@
 //! the copy had to keep alive (memory regions, descriptor buffers) only then.
 
 use std::any::Any;
-use std::future::Future;
-use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender, channel};
-use std::sync::{Arc, Condvar, Mutex};
-use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
 
 use cudarc::driver::sys::{self, CUevent};
 
 use super::device::CudaDevice;
 use super::error::{CudaError, CudaResult, check};
+use crate::completion::{Completer, Outcome, completion_pair};
 
-/// The outcome of one copy: ready at once or resolved by the GPU.
-///
-/// Await it, or call [`Completion::wait`] from synchronous code. Several can
-/// be combined with [`Completion::all`].
-#[derive(Debug)]
-pub struct Completion {
-    state: Arc<State>,
-}
+/// The outcome of one CUDA copy: the crate's [`crate::Completion`] (a
+/// future, a blocking wait or a callback), resolved by the driver's verdict.
+pub type Completion = crate::completion::Completion<CudaResult<()>>;
 
-#[derive(Debug, Default)]
-struct State {
-    slot: Mutex<Slot>,
-    cond: Condvar,
-}
-
-#[derive(Debug, Default)]
-struct Slot {
-    result: Option<CudaResult<()>>,
-    waker: Option<Waker>,
-}
-
-impl Completion {
-    /// A completion that is already resolved (costs nothing to await).
-    pub fn ready(result: CudaResult<()>) -> Self {
-        let state = Arc::new(State::default());
-        lock(&state.slot).result = Some(result);
-        Completion { state }
-    }
-
-    fn pending() -> (Self, Arc<State>) {
-        let state = Arc::new(State::default());
-        (
-            Completion {
-                state: Arc::clone(&state),
-            },
-            state,
-        )
-    }
-
-    /// True once the outcome is known.
-    pub fn is_done(&self) -> bool {
-        lock(&self.state.slot).result.is_some()
-    }
-
-    /// Blocks the calling thread until the copy finished.
-    pub fn wait(self) -> CudaResult<()> {
-        let mut slot = lock(&self.state.slot);
-        loop {
-            if let Some(r) = slot.result.take() {
-                return r;
-            }
-            slot = self
-                .state
-                .cond
-                .wait(slot)
-                .unwrap_or_else(|p| p.into_inner());
-        }
-    }
-
-    /// Waits for all of `completions`; the first error wins.
-    pub fn all(completions: impl IntoIterator<Item = Completion>) -> CudaResult<()> {
-        let mut first = Ok(());
-        for c in completions {
-            let r = c.wait();
-            if first.is_ok() {
-                first = r;
-            }
-        }
-        first
-    }
-}
-
-impl Future for Completion {
-    type Output = CudaResult<()>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut slot = lock(&self.state.slot);
-        match slot.result.take() {
-            Some(r) => Poll::Ready(r),
-            None => {
-                slot.waker = Some(cx.waker().clone());
-                Poll::Pending
-            }
-        }
-    }
-}
-
-fn resolve(state: &State, result: CudaResult<()>) {
-    let waker = {
-        let mut slot = lock(&state.slot);
-        slot.result = Some(result);
-        slot.waker.take()
-    };
-    state.cond.notify_all();
-    if let Some(w) = waker {
-        w.wake();
+impl Outcome for CudaResult<()> {
+    fn abandoned() -> Self {
+        Err(CudaError::CompletionLost)
     }
 }
 
@@ -125,7 +34,7 @@ fn resolve(state: &State, result: CudaResult<()>) {
 struct Watch {
     event: CUevent,
     keep_alive: Vec<Box<dyn Any + Send>>,
-    state: Arc<State>,
+    completer: Completer<CudaResult<()>>,
 }
 
 // SAFETY: a CUevent is a driver handle usable from any thread with the
@@ -156,26 +65,32 @@ impl Watcher {
     }
 
     /// Records a completion event on `stream` and returns the completion the
-    /// watcher will resolve. `keep_alive` is dropped after the event fired.
+    /// watcher will resolve. `keep_alive` is dropped after the event fired;
+    /// if the event cannot be recorded it is handed back with the error, so
+    /// the caller can drain the GPU before releasing it.
+    #[allow(clippy::type_complexity)]
     pub(crate) fn watch(
         &self,
         stream: sys::CUstream,
         keep_alive: Vec<Box<dyn Any + Send>>,
-    ) -> CudaResult<Completion> {
-        let event = new_event(true)?;
+    ) -> Result<Completion, (CudaError, Vec<Box<dyn Any + Send>>)> {
+        let event = match new_event(true) {
+            Ok(e) => e,
+            Err(e) => return Err((e, keep_alive)),
+        };
         // SAFETY: `event` was just created in the current context; `stream`
         // belongs to the same context.
         if let Err(e) = check("cuEventRecord", unsafe {
             sys::cuEventRecord(event, stream)
         }) {
             destroy_event(event);
-            return Err(e);
+            return Err((e, keep_alive));
         }
-        let (completion, state) = Completion::pending();
+        let (completer, completion) = completion_pair();
         let watch = Watch {
             event,
             keep_alive,
-            state,
+            completer,
         };
         match self.tx.as_ref().map(|tx| tx.send(watch)) {
             Some(Ok(())) => Ok(completion),
@@ -184,10 +99,11 @@ impl Watcher {
                 // still the driver's.
                 let r = synchronize_event(w.event);
                 destroy_event(w.event);
-                resolve(&w.state, r);
+                drop(w.keep_alive);
+                w.completer.complete(r);
                 Ok(completion)
             }
-            None => Err(CudaError::CompletionLost),
+            None => Err((CudaError::CompletionLost, Vec::new())),
         }
     }
 }
@@ -210,7 +126,7 @@ fn watch_loop(device: &CudaDevice, rx: Receiver<Watch>) {
         };
         destroy_event(w.event);
         drop(w.keep_alive);
-        resolve(&w.state, result);
+        w.completer.complete(result);
     }
 }
 
@@ -240,8 +156,4 @@ pub(crate) fn new_event(blocking: bool) -> CudaResult<CUevent> {
 pub(crate) fn destroy_event(event: CUevent) {
     // SAFETY: the event was created by `new_event` and is destroyed once.
     unsafe { sys::cuEventDestroy_v2(event) };
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }

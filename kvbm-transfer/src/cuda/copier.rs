@@ -21,17 +21,17 @@
 //! completion watcher), so offload and onboard overlap.
 
 use std::any::Any;
-use std::ffi::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{self, CUdeviceptr, CUevent, CUstream};
 
-use super::completion::{Completion, Watcher, destroy_event, new_event};
+use super::completion::Completion;
 use super::device::CudaDevice;
 use super::error::{CudaError, CudaResult, check};
 use super::kernel::Grid;
-use super::memory::{CudaRegion, DeviceBuffer, Location};
+use super::lanes::{DescPool, Lane};
+use super::memory::{CudaRegion, Location};
 use super::pinned::registration_bounds;
 use super::plan::{CopyRun, HostSide, Span, absolute_spans, plan_staged, split_at_bounds};
 
@@ -289,167 +289,203 @@ impl CudaCopier {
         let mut keep: Vec<Box<dyn Any + Send>> =
             vec![Box::new(src.to_vec()), Box::new(dst.to_vec())];
         let mut guard = lane.state.lock().unwrap_or_else(|p| p.into_inner());
-        let stream = match path {
-            CopyPath::CopyEngine => {
-                let spans = absolute_spans(runs, &src_bases, &dst_bases);
-                let (src_loc, dst_loc) = (src[0].location(), dst[0].location());
-                enqueue_dma(
-                    &self.device,
-                    self.batch(),
-                    lane.copy_stream,
-                    &spans,
-                    src_loc,
-                    dst_loc,
-                )?;
-                lane.copy_stream
-            }
-            CopyPath::Kernel => {
-                let live: Vec<CopyRun> = runs.iter().copied().filter(|r| r.len > 0).collect();
-                let desc = self
-                    .descs
-                    .upload(lane.kernel_stream, &live, &src_bases, &dst_bases)?;
-                let grid = self.kernel_grid(n_runs, total, opts.load);
-                // SAFETY: the descriptor holds `live` and both base tables in
-                // device memory; every run was bounds-checked against its
-                // region, and the regions are kept alive until completion.
-                unsafe {
-                    self.device.inner.kernel.launch(
-                        lane.kernel_stream,
-                        grid,
-                        desc.runs_ptr(),
-                        live.len() as u32,
-                        desc.table_ptr(0),
-                        desc.table_ptr(src_bases.len()),
-                    )?
-                };
-                keep.push(Box::new(desc));
-                lane.kernel_stream
-            }
-            CopyPath::Staged => {
-                let ring = guard.ring.as_mut().ok_or_else(|| {
-                    CudaError::InvalidCopy("this lane has no staging ring".into())
-                })?;
-                let host = if dir == Direction::HostToDevice {
-                    HostSide::Source
-                } else {
-                    HostSide::Destination
-                };
-                let plan = plan_staged(runs, &src_bases, &dst_bases, host, ring.slot_bytes as u64);
-                // Base tables: user sources, user destinations, then the
-                // start of every staging slot (region 0 of a chunk is the
-                // table entry of its slot).
-                let slot_bases: Vec<u64> = (0..ring.slots.len())
-                    .map(|k| ring.buf.ptr() + (k * ring.slot_bytes) as u64)
-                    .collect();
-                let mut tables = src_bases.clone();
-                tables.extend_from_slice(&dst_bases);
-                tables.extend_from_slice(&slot_bases);
-                let desc =
-                    self.descs
-                        .upload_tables(lane.kernel_stream, &plan.kernel_runs, &tables)?;
-                let user_src = desc.table_ptr(0);
-                let user_dst = desc.table_ptr(src_bases.len());
-                let slot_table = src_bases.len() + dst_bases.len();
-                let grid = Grid {
-                    ctas: self.config.staged_ctas,
-                    threads: self.config.staged_threads,
-                    per_warp: self.config.warp_per_run,
-                };
-                for chunk in &plan.chunks {
-                    let k = ring.next;
-                    ring.next = (k + 1) % ring.slots.len();
-                    let slot = &mut ring.slots[k];
-                    let slot_ptr = desc.table_ptr(slot_table + k);
-                    let pieces: Vec<Span> = plan.pieces[chunk.pieces.clone()]
-                        .iter()
-                        .map(|p| {
-                            let at = slot_bases[k] + p.slot_offset;
-                            match host {
-                                HostSide::Source => Span {
-                                    src: p.host,
-                                    dst: at,
-                                    len: p.len,
-                                },
-                                HostSide::Destination => Span {
-                                    src: at,
-                                    dst: p.host,
-                                    len: p.len,
-                                },
-                            }
-                        })
+        let mut enqueue = || -> CudaResult<CUstream> {
+            Ok(match path {
+                CopyPath::CopyEngine => {
+                    let spans = absolute_spans(runs, &src_bases, &dst_bases);
+                    let (src_loc, dst_loc) = (src[0].location(), dst[0].location());
+                    enqueue_dma(
+                        &self.device,
+                        self.batch(),
+                        lane.copy_stream,
+                        &spans,
+                        src_loc,
+                        dst_loc,
+                    )?;
+                    lane.copy_stream
+                }
+                CopyPath::Kernel => {
+                    let live: Vec<CopyRun> = runs.iter().copied().filter(|r| r.len > 0).collect();
+                    self.launch_part(lane, &live, &src_bases, &dst_bases, opts.load, &mut keep)?;
+                    lane.kernel_stream
+                }
+                CopyPath::Staged => {
+                    let ring = guard.ring.as_mut().ok_or_else(|| {
+                        CudaError::InvalidCopy("this lane has no staging ring".into())
+                    })?;
+                    let host = if dir == Direction::HostToDevice {
+                        HostSide::Source
+                    } else {
+                        HostSide::Destination
+                    };
+                    let plan =
+                        plan_staged(runs, &src_bases, &dst_bases, host, ring.slot_bytes as u64);
+                    // Base tables: user sources, user destinations, then the
+                    // start of every staging slot (region 0 of a chunk is the
+                    // table entry of its slot).
+                    let slot_bases: Vec<u64> = (0..ring.slots.len())
+                        .map(|k| ring.buf.ptr() + (k * ring.slot_bytes) as u64)
                         .collect();
-                    let n = chunk.kernel_runs.len() as u32;
-                    let runs_ptr = desc.runs_ptr() + (chunk.kernel_runs.start * 40) as u64;
-                    match host {
-                        HostSide::Destination => {
-                            if slot.used {
-                                wait_event(lane.kernel_stream, slot.free)?;
+                    let mut tables = src_bases.clone();
+                    tables.extend_from_slice(&dst_bases);
+                    tables.extend_from_slice(&slot_bases);
+                    let desc =
+                        self.descs
+                            .upload_tables(lane.kernel_stream, &plan.kernel_runs, &tables)?;
+                    let user_src = desc.table_ptr(0);
+                    let user_dst = desc.table_ptr(src_bases.len());
+                    let slot_table = src_bases.len() + dst_bases.len();
+                    let grid = Grid {
+                        ctas: self.config.staged_ctas,
+                        threads: self.config.staged_threads,
+                        per_warp: self.config.warp_per_run,
+                    };
+                    for chunk in &plan.chunks {
+                        let k = ring.next;
+                        ring.next = (k + 1) % ring.slots.len();
+                        let slot = &mut ring.slots[k];
+                        let slot_ptr = desc.table_ptr(slot_table + k);
+                        let pieces: Vec<Span> = plan.pieces[chunk.pieces.clone()]
+                            .iter()
+                            .map(|p| {
+                                let at = slot_bases[k] + p.slot_offset;
+                                match host {
+                                    HostSide::Source => Span {
+                                        src: p.host,
+                                        dst: at,
+                                        len: p.len,
+                                    },
+                                    HostSide::Destination => Span {
+                                        src: at,
+                                        dst: p.host,
+                                        len: p.len,
+                                    },
+                                }
+                            })
+                            .collect();
+                        let n = chunk.kernel_runs.len() as u32;
+                        let runs_ptr = desc.runs_ptr() + (chunk.kernel_runs.start * 40) as u64;
+                        match host {
+                            HostSide::Destination => {
+                                if slot.used {
+                                    wait_event(lane.kernel_stream, slot.free)?;
+                                }
+                                // SAFETY: kernel runs address user sources
+                                // (bounds-checked) and this slot (planned to fit).
+                                unsafe {
+                                    self.device.inner.kernel.launch(
+                                        lane.kernel_stream,
+                                        grid,
+                                        runs_ptr,
+                                        n,
+                                        user_src,
+                                        slot_ptr,
+                                    )?
+                                };
+                                record_event(slot.filled, lane.kernel_stream)?;
+                                wait_event(lane.copy_stream, slot.filled)?;
+                                enqueue_dma(
+                                    &self.device,
+                                    self.batch(),
+                                    lane.copy_stream,
+                                    &pieces,
+                                    Location::Device,
+                                    Location::PinnedHost,
+                                )?;
+                                record_event(slot.free, lane.copy_stream)?;
                             }
-                            // SAFETY: kernel runs address user sources
-                            // (bounds-checked) and this slot (planned to fit).
-                            unsafe {
-                                self.device.inner.kernel.launch(
-                                    lane.kernel_stream,
-                                    grid,
-                                    runs_ptr,
-                                    n,
-                                    user_src,
-                                    slot_ptr,
-                                )?
-                            };
-                            record_event(slot.filled, lane.kernel_stream)?;
-                            wait_event(lane.copy_stream, slot.filled)?;
-                            enqueue_dma(
-                                &self.device,
-                                self.batch(),
-                                lane.copy_stream,
-                                &pieces,
-                                Location::Device,
-                                Location::PinnedHost,
-                            )?;
-                            record_event(slot.free, lane.copy_stream)?;
-                        }
-                        HostSide::Source => {
-                            if slot.used {
-                                wait_event(lane.copy_stream, slot.free)?;
+                            HostSide::Source => {
+                                if slot.used {
+                                    wait_event(lane.copy_stream, slot.free)?;
+                                }
+                                enqueue_dma(
+                                    &self.device,
+                                    self.batch(),
+                                    lane.copy_stream,
+                                    &pieces,
+                                    Location::PinnedHost,
+                                    Location::Device,
+                                )?;
+                                record_event(slot.filled, lane.copy_stream)?;
+                                wait_event(lane.kernel_stream, slot.filled)?;
+                                // SAFETY: as above, from the slot to user
+                                // destinations.
+                                unsafe {
+                                    self.device.inner.kernel.launch(
+                                        lane.kernel_stream,
+                                        grid,
+                                        runs_ptr,
+                                        n,
+                                        slot_ptr,
+                                        user_dst,
+                                    )?
+                                };
+                                record_event(slot.free, lane.kernel_stream)?;
                             }
-                            enqueue_dma(
-                                &self.device,
-                                self.batch(),
-                                lane.copy_stream,
-                                &pieces,
-                                Location::PinnedHost,
-                                Location::Device,
-                            )?;
-                            record_event(slot.filled, lane.copy_stream)?;
-                            wait_event(lane.kernel_stream, slot.filled)?;
-                            // SAFETY: as above, from the slot to user
-                            // destinations.
-                            unsafe {
-                                self.device.inner.kernel.launch(
-                                    lane.kernel_stream,
-                                    grid,
-                                    runs_ptr,
-                                    n,
-                                    slot_ptr,
-                                    user_dst,
-                                )?
-                            };
-                            record_event(slot.free, lane.kernel_stream)?;
                         }
+                        slot.used = true;
                     }
-                    slot.used = true;
+                    keep.push(Box::new(desc));
+                    match host {
+                        HostSide::Destination => lane.copy_stream,
+                        HostSide::Source => lane.kernel_stream,
+                    }
                 }
-                keep.push(Box::new(desc));
-                match host {
-                    HostSide::Destination => lane.copy_stream,
-                    HostSide::Source => lane.kernel_stream,
-                }
+            })
+        };
+        let stream = match enqueue() {
+            Ok(s) => s,
+            Err(e) => {
+                // Part of the copy may already be on the GPU: let it drain
+                // before the regions (in `keep`) can be freed.
+                lane.drain();
+                return Err(e);
             }
         };
-        let completion = lane.watcher.watch(stream, keep);
+        let completion = match lane.watcher.watch(stream, keep) {
+            Ok(c) => Ok(c),
+            Err((e, keep)) => {
+                lane.drain();
+                drop(keep);
+                Err(e)
+            }
+        };
         drop(guard);
         completion
+    }
+
+    /// Uploads `part`'s descriptors and launches the copy kernel over them
+    /// on the lane's kernel stream. (Launching the first 1024 runs ahead of
+    /// the rest, to start the GPU sooner, measured the same; not kept.)
+    fn launch_part(
+        &self,
+        lane: &Lane,
+        part: &[CopyRun],
+        src_bases: &[u64],
+        dst_bases: &[u64],
+        load: GpuLoad,
+        keep: &mut Vec<Box<dyn Any + Send>>,
+    ) -> CudaResult<()> {
+        let desc = self
+            .descs
+            .upload(lane.kernel_stream, part, src_bases, dst_bases)?;
+        let total = part.iter().map(|r| r.len).sum();
+        let grid = self.kernel_grid(part.len(), total, load);
+        // SAFETY: the descriptor holds `part` and both base tables in device
+        // memory; every run was bounds-checked against its region, and the
+        // regions are kept alive (in `keep`) until completion.
+        unsafe {
+            self.device.inner.kernel.launch(
+                lane.kernel_stream,
+                grid,
+                desc.runs_ptr(),
+                part.len() as u32,
+                desc.table_ptr(0),
+                desc.table_ptr(src_bases.len()),
+            )?
+        };
+        keep.push(Box::new(desc));
+        Ok(())
     }
 
     fn batch(&self) -> bool {
@@ -621,280 +657,4 @@ fn wait_event(stream: CUstream, event: CUevent) -> CudaResult<()> {
     check("cuStreamWaitEvent", unsafe {
         sys::cuStreamWaitEvent(stream, event, 0)
     })
-}
-
-/// A kernel stream (high priority), a copy stream, an optional staging ring
-/// and the watcher resolving their copies.
-struct Lane {
-    watcher: Watcher,
-    kernel_stream: CUstream,
-    copy_stream: CUstream,
-    state: Mutex<LaneState>,
-    device: CudaDevice,
-}
-
-struct LaneState {
-    ring: Option<Ring>,
-}
-
-struct Ring {
-    buf: DeviceBuffer,
-    slot_bytes: usize,
-    slots: Vec<Slot>,
-    next: usize,
-}
-
-struct Slot {
-    /// Recorded when the producer side filled the slot.
-    filled: CUevent,
-    /// Recorded when the consumer side is done with it.
-    free: CUevent,
-    used: bool,
-}
-
-// SAFETY: streams and events are driver handles usable from any thread with
-// the context current; ring state is behind the lane's mutex.
-unsafe impl Send for Lane {}
-// SAFETY: as above.
-unsafe impl Sync for Lane {}
-
-impl Lane {
-    fn new(
-        device: &CudaDevice,
-        config: &CopierConfig,
-        staged: bool,
-        name: &str,
-    ) -> CudaResult<Self> {
-        let (mut least, mut greatest) = (0i32, 0i32);
-        // SAFETY: out-pointers are valid; context is current.
-        check("cuCtxGetStreamPriorityRange", unsafe {
-            sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest)
-        })?;
-        let kernel_stream = new_stream(greatest)?;
-        let copy_stream = match new_stream(least) {
-            Ok(s) => s,
-            Err(e) => {
-                destroy_stream(kernel_stream);
-                return Err(e);
-            }
-        };
-        let mut lane = Lane {
-            watcher: Watcher::spawn(device, name)?,
-            kernel_stream,
-            copy_stream,
-            state: Mutex::new(LaneState { ring: None }),
-            device: device.clone(),
-        };
-        if staged {
-            let buf = DeviceBuffer::new(device, config.staging_slot_bytes * config.staging_slots)?;
-            let mut slots = Vec::with_capacity(config.staging_slots);
-            for _ in 0..config.staging_slots {
-                slots.push(Slot {
-                    filled: new_event(false)?,
-                    free: new_event(false)?,
-                    used: false,
-                });
-            }
-            lane.state.get_mut().unwrap_or_else(|p| p.into_inner()).ring = Some(Ring {
-                buf,
-                slot_bytes: config.staging_slot_bytes,
-                slots,
-                next: 0,
-            });
-        }
-        Ok(lane)
-    }
-}
-
-impl Drop for Lane {
-    fn drop(&mut self) {
-        // Drain: the watcher resolves every copy in flight before it exits.
-        let _ = self.device.bind();
-        // SAFETY: streams belong to this lane's context; synchronising them
-        // makes sure nothing uses the ring when it is freed.
-        unsafe {
-            sys::cuStreamSynchronize(self.kernel_stream);
-            sys::cuStreamSynchronize(self.copy_stream);
-        }
-        if let Some(ring) = self
-            .state
-            .get_mut()
-            .unwrap_or_else(|p| p.into_inner())
-            .ring
-            .take()
-        {
-            for s in &ring.slots {
-                destroy_event(s.filled);
-                destroy_event(s.free);
-            }
-        }
-        destroy_stream(self.kernel_stream);
-        destroy_stream(self.copy_stream);
-    }
-}
-
-fn new_stream(priority: i32) -> CudaResult<CUstream> {
-    let mut s: CUstream = std::ptr::null_mut();
-    // SAFETY: `s` is a valid out-pointer; context is current.
-    check("cuStreamCreateWithPriority", unsafe {
-        sys::cuStreamCreateWithPriority(
-            &mut s,
-            sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
-            priority,
-        )
-    })?;
-    Ok(s)
-}
-
-fn destroy_stream(s: CUstream) {
-    // SAFETY: the stream was created by `new_stream` and is destroyed once.
-    unsafe { sys::cuStreamDestroy_v2(s) };
-}
-
-/// Reusable descriptor buffers: pinned host staging plus device copy of a
-/// kernel's run list and base tables.
-struct DescPool {
-    device: CudaDevice,
-    free: Mutex<Vec<DescBuf>>,
-}
-
-struct DescBuf {
-    host: *mut u8,
-    dev: CUdeviceptr,
-    cap: usize,
-}
-
-// SAFETY: plain driver allocations, used by one copy at a time.
-unsafe impl Send for DescBuf {}
-
-/// A descriptor buffer lent to one copy; returns to the pool on drop (after
-/// the copy completed, since the watcher holds it until then).
-struct DescLease {
-    buf: Option<DescBuf>,
-    pool: Arc<DescPool>,
-    runs_bytes: usize,
-}
-
-// SAFETY: see DescBuf.
-unsafe impl Send for DescLease {}
-
-impl DescLease {
-    fn runs_ptr(&self) -> u64 {
-        self.buf.as_ref().map_or(0, |b| b.dev)
-    }
-    fn table_ptr(&self, index: usize) -> u64 {
-        self.runs_ptr() + (self.runs_bytes + index * 8) as u64
-    }
-}
-
-impl Drop for DescLease {
-    fn drop(&mut self) {
-        if let Some(b) = self.buf.take() {
-            self.pool
-                .free
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(b);
-        }
-    }
-}
-
-impl DescPool {
-    fn upload(
-        self: &Arc<Self>,
-        stream: CUstream,
-        runs: &[CopyRun],
-        src_bases: &[u64],
-        dst_bases: &[u64],
-    ) -> CudaResult<DescLease> {
-        let mut tables = src_bases.to_vec();
-        tables.extend_from_slice(dst_bases);
-        self.upload_tables(stream, runs, &tables)
-    }
-
-    /// Writes `runs` then `tables` into a pinned buffer and enqueues their
-    /// copy to the device on `stream`.
-    fn upload_tables(
-        self: &Arc<Self>,
-        stream: CUstream,
-        runs: &[CopyRun],
-        tables: &[u64],
-    ) -> CudaResult<DescLease> {
-        let runs_bytes = std::mem::size_of_val(runs);
-        let need = runs_bytes + std::mem::size_of_val(tables);
-        let buf = self.take(need)?;
-        // SAFETY: `buf.host` holds `cap >= need` bytes and is not in use by
-        // any copy (leases return only after completion); the sources are
-        // plain-old-data slices.
-        unsafe {
-            std::ptr::copy_nonoverlapping(runs.as_ptr().cast::<u8>(), buf.host, runs_bytes);
-            std::ptr::copy_nonoverlapping(
-                tables.as_ptr().cast::<u8>(),
-                buf.host.add(runs_bytes),
-                need - runs_bytes,
-            );
-        }
-        let lease = DescLease {
-            buf: Some(buf),
-            pool: Arc::clone(self),
-            runs_bytes,
-        };
-        let b = lease.buf.as_ref().map(|b| (b.dev, b.host));
-        if let Some((dev, host)) = b {
-            // SAFETY: both buffers hold `need` bytes; the pinned source
-            // stays untouched until the lease returns after completion.
-            check("cuMemcpyHtoDAsync", unsafe {
-                sys::cuMemcpyHtoDAsync_v2(dev, host.cast::<c_void>(), need, stream)
-            })?;
-        }
-        Ok(lease)
-    }
-
-    fn take(&self, need: usize) -> CudaResult<DescBuf> {
-        {
-            let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(i) = free.iter().position(|b| b.cap >= need) {
-                return Ok(free.swap_remove(i));
-            }
-        }
-        let cap = need.next_power_of_two().max(64 << 10);
-        let mut host: *mut c_void = std::ptr::null_mut();
-        // SAFETY: valid out-pointer; context is current (the copier bound it).
-        check("cuMemHostAlloc", unsafe {
-            sys::cuMemHostAlloc(&mut host, cap, 0)
-        })?;
-        let mut dev: CUdeviceptr = 0;
-        // SAFETY: as above.
-        if let Err(e) = check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut dev, cap) }) {
-            // SAFETY: `host` was just allocated and is not shared.
-            unsafe { sys::cuMemFreeHost(host) };
-            return Err(e);
-        }
-        Ok(DescBuf {
-            host: host.cast::<u8>(),
-            dev,
-            cap,
-        })
-    }
-}
-
-impl Drop for DescPool {
-    fn drop(&mut self) {
-        if self.device.bind().is_err() {
-            return;
-        }
-        for b in self
-            .free
-            .get_mut()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain(..)
-        {
-            // SAFETY: allocated in `take`, freed once; no copy holds it (all
-            // leases have returned, since they hold an Arc of the pool).
-            unsafe {
-                sys::cuMemFreeHost(b.host.cast::<c_void>());
-                sys::cuMemFree_v2(b.dev);
-            }
-        }
-    }
 }

@@ -79,6 +79,11 @@ impl DeviceBuffer {
         self.ptr
     }
 
+    /// The ordinal of the device holding the buffer.
+    pub fn device_ordinal(&self) -> usize {
+        self.device.ordinal()
+    }
+
     /// Copies `data` to `offset` and waits (for set-up and checks, not the
     /// data path).
     pub fn write(&self, offset: usize, data: &[u8]) -> CudaResult<()> {
@@ -138,6 +143,7 @@ impl Drop for DeviceBuffer {
 pub struct ExternalDeviceMemory {
     ptr: CUdeviceptr,
     len: usize,
+    ordinal: usize,
 }
 
 impl std::fmt::Debug for ExternalDeviceMemory {
@@ -178,23 +184,34 @@ impl ExternalDeviceMemory {
                 )));
             }
         }
-        Ok(ExternalDeviceMemory { ptr, len })
+        Ok(ExternalDeviceMemory {
+            ptr,
+            len,
+            ordinal: device.ordinal(),
+        })
+    }
+
+    /// The ordinal of the device the memory is on.
+    pub fn device_ordinal(&self) -> usize {
+        self.ordinal
     }
 
     /// Wraps each tensor of an engine's KV cache (one per layer in vLLM's
-    /// layout), given as (device pointer, byte length).
+    /// layout), given as (device pointer, byte length), as memory regions in
+    /// tensor order: with the layout kvbm-layout's `recognise_kv_tensors`
+    /// finds for the same tensors, they make a `PhysicalLayout`.
     ///
     /// # Safety
     /// As [`ExternalDeviceMemory::wrap`], for every tensor.
     pub unsafe fn wrap_all(
         device: &CudaDevice,
         tensors: &[(u64, usize)],
-    ) -> CudaResult<Vec<Arc<dyn CudaRegion>>> {
+    ) -> CudaResult<Vec<crate::memory::MemoryRegion>> {
         tensors
             .iter()
             .map(|&(ptr, len)| {
                 // SAFETY: forwarded from the caller.
-                unsafe { Self::wrap(device, ptr, len) }.map(|m| Arc::new(m) as Arc<dyn CudaRegion>)
+                unsafe { Self::wrap(device, ptr, len) }.map(|m| Arc::new(m).region())
             })
             .collect()
     }

@@ -7,22 +7,28 @@
 //!   + `cuMemHostRegister`) and grows in the background.
 //! - [`plan`]: the pure part of executing a copy plan (merging, staging).
 //! - [`copier`]: the executor with its three paths (copy engines, kernel,
-//!   staged) and the measured rule choosing between them.
-//! - [`completion`]: GPU completion as a future, resolved by a thread
-//!   sleeping in `cuEventSynchronize`.
+//!   staged) and the measured rule choosing between them; its lanes
+//!   (streams, staging ring, descriptor buffers) live in a private module.
+//! - [`completion`]: GPU completion as the crate's completion future,
+//!   resolved by a thread sleeping in `cuEventSynchronize`.
+//! - [`backend`]: [`CudaBackend`], the copier behind the crate's
+//!   `TransferBackend` trait, and pinned/device memory as `MemoryRegion`s.
 //!
 //! libcuda is loaded at run time; a build needs no CUDA toolkit, and the
 //! copy kernel ships as a committed fatbin (`kernels/`).
 
+pub mod backend;
 pub mod completion;
 pub mod copier;
 pub mod device;
 pub mod error;
 mod kernel;
+mod lanes;
 pub mod memory;
 pub mod pinned;
 pub mod plan;
 
+pub use backend::{CudaBackend, to_transfer_error};
 pub use completion::Completion;
 pub use copier::{CopierConfig, CopyOptions, CopyPath, CudaCopier, Direction, GpuLoad};
 pub use device::{CudaDevice, Probe, probe};

@@ -9,22 +9,9 @@
 //! moves as a few large DMA copies, because runs are ordered by their host
 //! address and so land next to each other in the slot.
 
-/// One contiguous piece of a copy plan. Same layout as kvbm-layout's run and
-/// as the kernel's `CopyRun` (`#[repr(C)]`, 40 bytes).
-#[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub struct CopyRun {
-    /// Index of the source region in the source base table.
-    pub src_region: u32,
-    /// Byte offset inside the source region.
-    pub src_offset: u64,
-    /// Index of the destination region in the destination base table.
-    pub dst_region: u32,
-    /// Byte offset inside the destination region.
-    pub dst_offset: u64,
-    /// Bytes to copy.
-    pub len: u64,
-}
+/// One contiguous piece of a copy plan: kvbm-layout's run, whose
+/// `#[repr(C)]` layout (40 bytes) the copy kernel reads as is.
+pub use kvbm_layout::CopyRun;
 
 const _: () = assert!(std::mem::size_of::<CopyRun>() == 40);
 
@@ -146,7 +133,11 @@ pub(crate) fn plan_staged(
         HostSide::Destination => dst_bases[r.dst_region as usize] + r.dst_offset,
     };
     let mut order: Vec<&CopyRun> = runs.iter().filter(|r| r.len > 0).collect();
-    order.sort_unstable_by_key(|r| host_addr(r));
+    // Plans from kvbm-layout come in destination order, so offloads are
+    // usually sorted already; onboards need the sort to merge host bytes.
+    if !order.is_sorted_by_key(|r| host_addr(r)) {
+        order.sort_unstable_by_key(|r| host_addr(r));
+    }
 
     let mut plan = StagedPlan::default();
     let mut used = 0u64; // bytes used in the current slot

@@ -83,7 +83,8 @@ impl<E: IoEngine> DiskBackend<E> {
 
     /// Registers host memory that will take part in many transfers (a
     /// pinned pool, a bounce pool) so the engine can skip per-request page
-    /// pinning. Returns whether the engine uses it.
+    /// pinning. Returns whether the engine uses it. Must not be called from
+    /// a completion callback (the io_uring thread answers it).
     pub fn register_memory(&self, region: &MemoryRegion) -> Result<bool> {
         self.engine.register_memory(region)
     }
@@ -297,6 +298,10 @@ impl<E: IoEngine> TransferBackend for DiskBackend<E> {
 
     fn supports(&self, src: MemoryKind, dst: MemoryKind) -> bool {
         (src.is_host() && dst == MemoryKind::Disk) || (src == MemoryKind::Disk && dst.is_host())
+    }
+
+    fn register_memory(&self, region: &MemoryRegion) -> Result<bool> {
+        self.engine.register_memory(region)
     }
 
     fn submit(&self, job: TransferJob) -> Completion {

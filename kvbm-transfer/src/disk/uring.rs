@@ -56,16 +56,55 @@ impl Shared {
     }
 }
 
-/// io_uring-backed positional I/O.
+/// io_uring-backed positional I/O: one ring for reads and one for writes,
+/// each with its own completion thread, so that CPU-heavy buffered reads
+/// (page-cache copies happen inline in `io_uring_enter`) never hold up the
+/// submission of writes — the two hops of a disk → disk pipeline overlap.
 pub struct UringEngine {
+    read: Ring,
+    write: Ring,
+}
+
+impl UringEngine {
+    /// Creates the rings, each with room for `queue_depth` operations in
+    /// flight, and starts their completion threads.
+    pub fn new(queue_depth: u32) -> Result<Self> {
+        Ok(UringEngine {
+            read: Ring::new(queue_depth, "kvbm-uring-rd")?,
+            write: Ring::new(queue_depth, "kvbm-uring-wr")?,
+        })
+    }
+}
+
+impl IoEngine for UringEngine {
+    fn name(&self) -> &'static str {
+        "io_uring"
+    }
+
+    fn submit(&self, ops: Vec<IoOp>) {
+        let (reads, writes): (Vec<_>, Vec<_>) =
+            ops.into_iter().partition(|op| op.dir == IoDir::Read);
+        self.read.submit(reads);
+        self.write.submit(writes);
+    }
+
+    fn register_memory(&self, region: &MemoryRegion) -> Result<bool> {
+        let r = self.read.register_memory(region)?;
+        let w = self.write.register_memory(region)?;
+        Ok(r && w)
+    }
+}
+
+/// One ring and the thread that owns it.
+struct Ring {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
 }
 
-impl UringEngine {
+impl Ring {
     /// Creates a ring with room for `queue_depth` operations in flight and
     /// starts its completion thread.
-    pub fn new(queue_depth: u32) -> Result<Self> {
+    fn new(queue_depth: u32, name: &str) -> Result<Self> {
         let qd = queue_depth.clamp(1, 4096);
         let err = |source| TransferError::Alloc {
             what: "io_uring".into(),
@@ -115,21 +154,17 @@ impl UringEngine {
             wake_armed: false,
         };
         let thread = std::thread::Builder::new()
-            .name("kvbm-uring".into())
+            .name(name.into())
             .spawn(move || worker.run())
             .map_err(err)?;
-        Ok(UringEngine {
+        Ok(Ring {
             shared,
             thread: Some(thread),
         })
     }
 }
 
-impl IoEngine for UringEngine {
-    fn name(&self) -> &'static str {
-        "io_uring"
-    }
-
+impl Ring {
     fn submit(&self, ops: Vec<IoOp>) {
         if ops.is_empty() {
             return;
@@ -154,13 +189,18 @@ impl IoEngine for UringEngine {
     }
 }
 
-impl Drop for UringEngine {
+impl Drop for Ring {
     fn drop(&mut self) {
         self.shared.requests.lock().shutdown = true;
         self.shared.wake();
         if let Some(t) = self.thread.take() {
-            // A panicked ring thread already reported itself.
-            let _ = t.join();
+            // The last handle can be dropped by a completion callback on the
+            // ring thread itself; it then leaves its loop on its own once
+            // the callback returns, and joining would deadlock.
+            if t.thread().id() != std::thread::current().id() {
+                // A panicked ring thread already reported itself.
+                let _ = t.join();
+            }
         }
     }
 }
