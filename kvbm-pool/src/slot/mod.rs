@@ -101,7 +101,8 @@ impl SlotManager {
 
     /// A new request with the sequence hashes of its prompt's full blocks
     /// and its prompt length in tokens: matches G1, G2 and G3 and holds
-    /// what it found. Calling it again for a live request re-matches it.
+    /// what it found. Calling it again for a live request frees that slot
+    /// first (a preempted request starts over).
     pub fn create_slot(
         &self,
         request: impl Into<RequestId>,
@@ -109,6 +110,7 @@ impl SlotManager {
         prompt_tokens: usize,
     ) -> Result<SlotMatch, TierError> {
         let request = request.into();
+        self.free(&request);
         let m = self
             .engine
             .match_request(&request, &hashes, prompt_tokens, G1Lookup::Pool)?;
