@@ -6,5 +6,6 @@
 //! tests, workload trace readers (Mooncake JSONL), offline-optimal (Belady)
 //! and LRU reference simulators, and the `kvbm-bench` binary.
 
+pub mod fault;
 pub mod sim;
 pub mod trace;

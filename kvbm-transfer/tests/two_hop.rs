@@ -258,3 +258,127 @@ fn cancel_stops_writes_returns_slots_and_reports_landed_blocks() {
         &failure.completed,
     );
 }
+
+/// Counts hop-1 submissions (the device side of device → disk).
+struct CountingDevice {
+    inner: FakeDevice,
+    started: Arc<(parking_lot::Mutex<usize>, parking_lot::Condvar)>,
+}
+
+impl TransferBackend for CountingDevice {
+    fn name(&self) -> &'static str {
+        "counting-device"
+    }
+    fn kind(&self) -> BackendKind {
+        BackendKind::Cuda
+    }
+    fn supports(&self, s: MemoryKind, d: MemoryKind) -> bool {
+        self.inner.supports(s, d)
+    }
+    fn submit(&self, job: TransferJob) -> Completion {
+        *self.started.0.lock() += 1;
+        self.started.1.notify_all();
+        self.inner.submit(job)
+    }
+}
+
+/// Holds each hop-2 write back until hop 1 of the next chunk has started
+/// (or five seconds pass), and counts how often that happened: a pipeline
+/// overlaps them, a serial two-hop never does.
+struct GatedDisk {
+    inner: Arc<DiskBackend>,
+    hop1: Arc<(parking_lot::Mutex<usize>, parking_lot::Condvar)>,
+    calls: std::sync::atomic::AtomicUsize,
+    chunks: usize,
+    overlapped: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl TransferBackend for GatedDisk {
+    fn name(&self) -> &'static str {
+        "gated-disk"
+    }
+    fn kind(&self) -> BackendKind {
+        BackendKind::Disk
+    }
+    fn supports(&self, s: MemoryKind, d: MemoryKind) -> bool {
+        self.inner.supports(s, d)
+    }
+    fn submit(&self, job: TransferJob) -> Completion {
+        use std::sync::atomic::Ordering;
+        let k = self.calls.fetch_add(1, Ordering::SeqCst);
+        let (tx, rx) = kvbm_transfer::completion_pair();
+        let (hop1, inner, overlapped, chunks) = (
+            self.hop1.clone(),
+            self.inner.clone(),
+            self.overlapped.clone(),
+            self.chunks,
+        );
+        std::thread::spawn(move || {
+            if k + 2 <= chunks {
+                let deadline = std::time::Instant::now() + Duration::from_secs(5);
+                let mut started = hop1.0.lock();
+                while *started < k + 2 && !hop1.1.wait_until(&mut started, deadline).timed_out() {}
+                if *started >= k + 2 {
+                    overlapped.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+            inner.submit(job).on_complete(move |r| tx.complete(r));
+        });
+        rx
+    }
+}
+
+#[test]
+fn hop_one_of_the_next_chunk_runs_while_hop_two_of_this_one_is_in_flight() {
+    let slot = 16384u64;
+    let cfg = config(8); // 8 blocks × 16 KiB = 8 chunks of one slot
+    let dev_l = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
+    let chunks = (dev_l.total_bytes() / slot) as usize;
+    let started = Arc::new((parking_lot::Mutex::new(0), parking_lot::Condvar::new()));
+    let overlapped = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let disk = DiskBackend::new(&DiskConfig::default()).unwrap();
+    let pool = pinned_pool(2, slot);
+    let exec = Executor::builder()
+        .backend(Arc::new(CountingDevice {
+            inner: FakeDevice {
+                inner: MemcpyBackend::new(1).unwrap(),
+                delay: Duration::ZERO,
+            },
+            started: started.clone(),
+        }))
+        .backend(Arc::new(GatedDisk {
+            inner: Arc::new(disk),
+            hop1: started.clone(),
+            calls: Default::default(),
+            chunks,
+            overlapped: overlapped.clone(),
+        }))
+        .bounce_pool(pool.clone())
+        .config(ExecutorConfig {
+            max_blocks_per_batch: 8,
+            max_batches_in_flight: 1,
+            bounce_slots_per_batch: 2,
+        })
+        .build()
+        .unwrap();
+    let dev = fake_device(dev_l.clone());
+    common::fill(&dev, 9);
+    let d = PhysicalLayout::allocate_disk(dev_l.clone(), &alloc()).unwrap();
+    let pairs: Vec<_> = (0..8).map(|i| (i, i)).collect();
+    exec.transfer(&dev, &d, &pairs).wait().unwrap();
+    assert_eq!(
+        overlapped.load(std::sync::atomic::Ordering::SeqCst),
+        chunks - 1
+    );
+    assert_eq!(*started.0.lock(), chunks);
+    assert_eq!(pool.available(), 2);
+    let back = common::host(dev_l.clone());
+    exec.transfer(&d, &back, &pairs).wait().unwrap();
+    common::assert_blocks_match(
+        &dev_l,
+        &common::snapshot(&dev),
+        &dev_l,
+        &common::snapshot(&back),
+        &pairs,
+    );
+}

@@ -21,6 +21,26 @@ pub use system::{HugePages, SystemAllocator, SystemBuffer};
 
 use crate::error::{Result, TransferError};
 
+/// Allocates `len` bytes of `kind` memory with default settings.
+///
+/// System memory is always available. Pinned and device memory are provided
+/// by the CUDA backend (feature `cuda`); without it, asking for them is
+/// [`TransferError::MemoryUnavailable`], never a panic. Disk regions come
+/// from a [`DiskAllocator`], which needs a directory.
+pub fn allocate(kind: MemoryKind, len: u64) -> Result<MemoryRegion> {
+    match kind {
+        MemoryKind::System => Ok(SystemAllocator::new().allocate(len)?.region()),
+        MemoryKind::Pinned | MemoryKind::Device(_) => Err(TransferError::MemoryUnavailable {
+            kind,
+            reason: "pinned and device memory come with the CUDA backend (feature `cuda`)",
+        }),
+        MemoryKind::Disk => Err(TransferError::MemoryUnavailable {
+            kind,
+            reason: "disk regions are allocated by a DiskAllocator in a configured directory",
+        }),
+    }
+}
+
 /// Where a region lives. Transfer strategies are chosen by the kinds of the
 /// source and destination.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -194,5 +214,32 @@ impl MemoryRegion {
             kind: self.kind,
             owner: self.owner.clone(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_memory_kinds_are_errors() {
+        assert_eq!(allocate(MemoryKind::System, 8192).unwrap().len(), 8192);
+        for kind in [MemoryKind::Pinned, MemoryKind::Device(0), MemoryKind::Disk] {
+            assert!(matches!(
+                allocate(kind, 4096),
+                Err(TransferError::MemoryUnavailable { .. })
+            ));
+        }
+        assert!(allocate(MemoryKind::System, 0).is_err());
+    }
+
+    #[test]
+    fn slices_stay_inside_and_share_the_owner() {
+        let r = allocate(MemoryKind::System, 3 * 4096).unwrap();
+        let s = r.slice(4096, 4096).unwrap();
+        assert_eq!(s.addr(), r.addr().map(|a| a + 4096));
+        assert!(s.owner().is_some());
+        assert!(r.slice(8192, 4097).is_err());
+        assert!(r.slice(u64::MAX, 2).is_err());
     }
 }
