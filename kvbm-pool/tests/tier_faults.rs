@@ -64,8 +64,12 @@ fn g3_read_error_fails_only_that_request() {
     let (a, b) = (chain(1, 4), chain(2, 4));
     push_to_g3(&engine, &[a.clone(), b.clone()]);
     let tokens = 4 * BLOCK_TOKENS + 1;
-    let ma = engine.match_request("a", &a, tokens, G1Lookup::Pool).unwrap();
-    let mb = engine.match_request("b", &b, tokens, G1Lookup::Pool).unwrap();
+    let ma = engine
+        .match_request("a", &a, tokens, G1Lookup::Pool)
+        .unwrap();
+    let mb = engine
+        .match_request("b", &b, tokens, G1Lookup::Pool)
+        .unwrap();
     assert_eq!((ma.g3_blocks, mb.g3_blocks), (4, 4));
     let free_before = engine.g1().counts().free;
 
@@ -97,8 +101,14 @@ fn g3_read_error_fails_only_that_request() {
         assert_eq!(counts.active, 0, "{t:?} holds blocks after release");
     }
     // A retry succeeds: the fault fired once.
-    engine.match_request("a2", &a, tokens, G1Lookup::Pool).unwrap();
-    let again = engine.onboard("a2", OnboardTarget::Pool).unwrap().wait().unwrap();
+    engine
+        .match_request("a2", &a, tokens, G1Lookup::Pool)
+        .unwrap();
+    let again = engine
+        .onboard("a2", OnboardTarget::Pool)
+        .unwrap()
+        .wait()
+        .unwrap();
     verify(&engine, &again.blocks.into_blocks());
 }
 
@@ -111,10 +121,14 @@ fn shared_prefix_is_onboarded_once() {
     );
     let engine = engine_with(config(), 64, 4, 64, dir.path(), exec);
     let a = chain(3, 6);
-    push_to_g3(&engine, &[a.clone()]);
+    push_to_g3(&engine, std::slice::from_ref(&a));
     let tokens = 6 * BLOCK_TOKENS + 1;
-    engine.match_request("x", &a, tokens, G1Lookup::Pool).unwrap();
-    engine.match_request("y", &a[..4], tokens, G1Lookup::Pool).unwrap();
+    engine
+        .match_request("x", &a, tokens, G1Lookup::Pool)
+        .unwrap();
+    engine
+        .match_request("y", &a[..4], tokens, G1Lookup::Pool)
+        .unwrap();
     let hx = engine.onboard("x", OnboardTarget::Pool).unwrap();
     let hy = engine.onboard("y", OnboardTarget::Pool).unwrap();
     let x = hx.wait().unwrap();
@@ -139,7 +153,7 @@ fn release_during_onboard_frees_everything() {
     );
     let engine = engine_with(config(), 64, 4, 64, dir.path(), exec);
     let a = chain(4, 4);
-    push_to_g3(&engine, &[a.clone()]);
+    push_to_g3(&engine, std::slice::from_ref(&a));
     engine
         .match_request("z", &a, 4 * BLOCK_TOKENS + 1, G1Lookup::Pool)
         .unwrap();

@@ -23,16 +23,27 @@ use tier_support::*;
 
 #[derive(Debug, Clone)]
 enum Op {
-    Arrive { id: u64, seed: u64, len: usize, extra: usize },
-    Allocate { id: u64 },
-    Compute { id: u64 },
-    Finish { id: u64 },
+    Arrive {
+        id: u64,
+        seed: u64,
+        len: usize,
+        extra: usize,
+    },
+    Allocate {
+        id: u64,
+    },
+    Compute {
+        id: u64,
+    },
+    Finish {
+        id: u64,
+    },
     EvictG1,
 }
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        3 => (0..5u64, 0..3u64, 1..10usize, 0..17usize)
+        3 => (0..5u64, 0..3u64, 1..10usize, prop_oneof![Just(0usize), 1..17usize])
             .prop_map(|(id, seed, len, extra)| Op::Arrive { id, seed, len, extra }),
         3 => (0..5u64).prop_map(|id| Op::Allocate { id }),
         3 => (0..5u64).prop_map(|id| Op::Compute { id }),
@@ -57,7 +68,10 @@ fn check_table(slots: &SlotManager, id: u64, hashes: &[SequenceHash]) {
     let computed = slots.computed_tokens(id).unwrap() / BLOCK_TOKENS;
     let table = slots.block_ids(id).unwrap();
     for (k, &block) in table.iter().take(computed).enumerate() {
-        assert!(holds(g1, block, hashes[k]), "slot {id} block {k} has wrong bytes");
+        assert!(
+            holds(g1, block, hashes[k]),
+            "slot {id} block {k} has wrong bytes"
+        );
     }
 }
 
@@ -72,11 +86,18 @@ fn run(ops: Vec<Op>) {
 
     for op in ops {
         match op {
-            Op::Arrive { id, seed, len, extra } => {
+            Op::Arrive {
+                id,
+                seed,
+                len,
+                extra,
+            } => {
                 let hashes = chain(seed, len);
                 // A partial last block when extra > 0.
                 let prompt_tokens = len * BLOCK_TOKENS + extra;
-                let m = slots.create_slot(id, hashes.clone(), prompt_tokens).unwrap();
+                let m = slots
+                    .create_slot(id, hashes.clone(), prompt_tokens)
+                    .unwrap();
                 let mut want = known_prefix(&known, &hashes);
                 if want > 0 && want * BLOCK_TOKENS >= prompt_tokens {
                     want -= 1;
@@ -86,7 +107,14 @@ fn run(ops: Vec<Op>) {
                     want * BLOCK_TOKENS,
                     "match of {hashes:?}"
                 );
-                live.insert(id, Live { hashes, prompt_tokens, allocated: false });
+                live.insert(
+                    id,
+                    Live {
+                        hashes,
+                        prompt_tokens,
+                        allocated: false,
+                    },
+                );
             }
             Op::Allocate { id } => match live.get_mut(&id) {
                 None => {
@@ -118,12 +146,11 @@ fn run(ops: Vec<Op>) {
                     engine.flush();
                     check_table(&slots, id, &l.hashes);
                 }
-                Some(_) => {
+                Some(l) => {
                     // Nothing allocated yet: committing anything must fail.
-                    if slots.computed_tokens(id).unwrap() / BLOCK_TOKENS < live[&id].hashes.len() {
-                        let h = live[&id].hashes.clone();
-                        let c = slots.computed_tokens(id).unwrap() / BLOCK_TOKENS;
-                        let e = slots.commit_blocks(id, &h[c..]).unwrap_err();
+                    let c = slots.computed_tokens(id).unwrap() / BLOCK_TOKENS;
+                    if c < l.hashes.len() {
+                        let e = slots.commit_blocks(id, &l.hashes[c..]).unwrap_err();
                         assert!(matches!(
                             e,
                             TierError::NotAllocated { .. } | TierError::StillOnboarding(_)

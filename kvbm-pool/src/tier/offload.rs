@@ -96,10 +96,9 @@ pub(crate) fn enqueue(
             s.items.push_back(Pending { block, parent });
         }
     }
-    let depth = s.items.len();
+    shared.metrics.queue_depth(s.items.len());
     drop(s);
     q.cv.notify_all();
-    shared.metrics.queue_depth(depth);
     shared.metrics.skipped(SkipReason::QueueFull, dropped);
 }
 
