@@ -18,7 +18,9 @@ mod tier_support;
 use std::path::PathBuf;
 
 use kvbm_block::SequenceHash;
-use kvbm_pool::tier::{G1Lookup, OnboardTarget, TierEngine, TierEngineConfig, TierPolicy};
+use kvbm_pool::tier::{
+    G1Lookup, OffloadMode, OnboardTarget, TierEngine, TierEngineConfig, TierPolicy,
+};
 use kvbm_testkit::trace::{MOONCAKE_BLOCK_TOKENS, Request, TraceFacts, read_mooncake};
 use tier_support::*;
 
@@ -96,7 +98,7 @@ fn replay(engine: &TierEngine, requests: &[Request]) -> Figures {
             }
             if partial && at < n {
                 // The partial last block stays in G1 only (never offloaded).
-                let b = engine.g1().allocate(1).unwrap().pop().unwrap();
+                let b = engine.allocate_g1(1).unwrap().pop().unwrap();
                 let c = b.complete(hashes[n - 1], n.checked_sub(2).map(|p| hashes[p]));
                 held.push(engine.g1().register_block(c.unwrap()).unwrap());
             }
@@ -112,6 +114,7 @@ fn run(
     name: &str,
     fractions: [f64; 3],
     policy: TierPolicy,
+    mode: OffloadMode,
     limit: Option<usize>,
 ) -> Option<Figures> {
     let (mut requests, facts) = load(name)?;
@@ -128,7 +131,7 @@ fn run(
     let started = std::time::Instant::now();
     let f = replay(&engine, &requests);
     println!(
-        "| {name} | {:.0}%+{:.0}%+{:.0}% ({} / {} / {} blocks) | {policy:?} | {:.2} | {:.2} / {:.2} / {:.2} | {} verified | {:.1} s |",
+        "| {name} | {:.0}%+{:.0}%+{:.0}% ({} / {} / {} blocks) | {policy:?} {mode:?} | {:.2} | {:.2} / {:.2} / {:.2} | {} verified | {:.1} s |",
         fractions[0] * 100.0,
         fractions[1] * 100.0,
         fractions[2] * 100.0,
@@ -150,19 +153,22 @@ fn run(
 
 #[test]
 fn short_conversation_replay_runs_and_verifies() {
-    let Some(f) = run(
-        "conversation",
-        [0.01, 0.04, 0.15],
-        TierPolicy::ReuseScore,
-        Some(400),
-    ) else {
-        return;
-    };
-    assert!(f.lookups > 0);
-    assert!(
-        f.hits[1] + f.hits[2] > 0,
-        "kvbm's tiers served nothing: {f:?}"
-    );
+    for mode in [OffloadMode::WriteThrough, OffloadMode::WriteBack] {
+        let Some(f) = run(
+            "conversation",
+            [0.01, 0.04, 0.15],
+            TierPolicy::ReuseScore,
+            mode,
+            Some(150),
+        ) else {
+            return;
+        };
+        assert!(f.lookups > 0);
+        assert!(
+            f.hits[1] + f.hits[2] > 0,
+            "kvbm's tiers served nothing: {f:?}"
+        );
+    }
 }
 
 #[test]
@@ -176,7 +182,9 @@ fn mooncake_replay_table() {
         ("synthetic", [0.01, 0.09, 0.0]),
     ] {
         for policy in [TierPolicy::WriteThrough, TierPolicy::ReuseScore] {
-            run(name, f, policy, None);
+            for mode in [OffloadMode::WriteThrough, OffloadMode::WriteBack] {
+                run(name, f, policy, mode, None);
+            }
         }
     }
 }

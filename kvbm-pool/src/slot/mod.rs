@@ -149,7 +149,7 @@ impl SlotManager {
         let need = total_tokens.div_ceil(self.engine.block_size());
         let have = slot.blocks.len() + slot.external + slot.mutable.len();
         if need > have {
-            let more = self.engine.g1().allocate(need - have)?;
+            let more = self.engine.allocate_g1(need - have)?;
             slot.mutable.extend(more);
         }
         if slot.external > 0 && !slot.onboard_started {

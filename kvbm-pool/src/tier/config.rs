@@ -30,6 +30,22 @@ pub enum G3Onboard {
     KeepG2Copy,
 }
 
+/// When G1 blocks are copied to G2.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OffloadMode {
+    /// When the engine registers a complete block (asynchronously, by the
+    /// offload worker). G2 then also holds what G1 holds.
+    #[default]
+    WriteThrough,
+    /// When G1 evicts a block to reuse its slot: the copy runs before the
+    /// slot is handed out, so allocation through
+    /// [`TierEngine::allocate_g1`](super::TierEngine::allocate_g1) waits for
+    /// it. G2 then holds only what G1 lost (an exclusive victim cache: more
+    /// distinct blocks for the same memory), at the price of copies on the
+    /// allocation path.
+    WriteBack,
+}
+
 /// A tier engine's parameters.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TierEngineConfig {
@@ -43,6 +59,8 @@ pub struct TierEngineConfig {
     pub g3_policy: TierPolicy,
     /// The G3 → G1 path.
     pub g3_onboard: G3Onboard,
+    /// When G1 blocks go to G2.
+    pub offload_mode: OffloadMode,
     /// Most blocks one offload batch moves.
     pub offload_batch: usize,
     /// Most blocks waiting in the offload queue; beyond it new offloads are
@@ -64,6 +82,7 @@ impl TierEngineConfig {
             g2_policy: TierPolicy::ReuseScore,
             g3_policy: TierPolicy::ReuseScore,
             g3_onboard: G3Onboard::Direct,
+            offload_mode: OffloadMode::WriteThrough,
             offload_batch: 64,
             offload_queue: 4096,
             history_factor: 4.0,
@@ -91,6 +110,12 @@ impl TierEngineConfig {
     /// Sets the G3 onboarding path.
     pub fn g3_onboard(mut self, path: G3Onboard) -> Self {
         self.g3_onboard = path;
+        self
+    }
+
+    /// Sets when G1 blocks go to G2.
+    pub fn offload_mode(mut self, mode: OffloadMode) -> Self {
+        self.offload_mode = mode;
         self
     }
 

@@ -31,9 +31,18 @@ struct Pending {
     parent: Option<SequenceHash>,
 }
 
+/// G1 victims to save before their slots are reused, and whether that is
+/// done.
+struct WriteBack {
+    victims: Vec<Victim>,
+    done: Arc<(Mutex<bool>, Condvar)>,
+}
+
 #[derive(Default)]
 struct QueueState {
     items: VecDeque<Pending>,
+    /// Write-back batches: they run before anything else, onboards or not.
+    urgent: VecDeque<WriteBack>,
     /// Onboards running: the worker does not start a batch meanwhile.
     onboards: usize,
     /// The worker is processing a batch.
@@ -50,8 +59,35 @@ pub(crate) struct OffloadQueue {
 
 impl OffloadQueue {
     pub(crate) fn shutdown(&self) {
-        self.state.lock().shutdown = true;
+        let mut s = self.state.lock();
+        s.shutdown = true;
+        for wb in s.urgent.drain(..) {
+            *wb.done.0.lock() = true;
+            wb.done.1.notify_all();
+        }
+        drop(s);
         self.cv.notify_all();
+    }
+
+    /// Hands G1's victims to the worker and waits until they are saved (or
+    /// skipped): their slots may then be overwritten.
+    pub(crate) fn write_back(&self, victims: Vec<Victim>) {
+        let done = Arc::new((Mutex::new(false), Condvar::new()));
+        {
+            let mut s = self.state.lock();
+            if s.shutdown {
+                return;
+            }
+            s.urgent.push_back(WriteBack {
+                victims,
+                done: Arc::clone(&done),
+            });
+        }
+        self.cv.notify_all();
+        let mut d = done.0.lock();
+        while !*d {
+            done.1.wait(&mut d);
+        }
     }
 
     pub(crate) fn flush(&self) {
@@ -107,8 +143,20 @@ pub(crate) fn run_worker(shared: &Arc<Shared>) {
     loop {
         let batch: Vec<Pending> = {
             let mut s = q.state.lock();
-            while !s.shutdown && (s.items.is_empty() || s.onboards > 0) {
+            while !s.shutdown && s.urgent.is_empty() && (s.items.is_empty() || s.onboards > 0) {
                 q.cv.wait(&mut s);
+            }
+            if !s.shutdown
+                && let Some(wb) = s.urgent.pop_front()
+            {
+                s.busy = true;
+                drop(s);
+                save_g1_victims(shared, wb.victims);
+                *wb.done.0.lock() = true;
+                wb.done.1.notify_all();
+                q.state.lock().busy = false;
+                q.cv.notify_all();
+                continue;
             }
             if s.shutdown {
                 let left = s.items.len() as u64;
@@ -224,6 +272,54 @@ fn offload_batch(shared: &Shared, batch: Vec<Pending>) {
         &items,
     );
     drop(sources);
+}
+
+/// Write-back: copies G1's victims (whose slots nobody writes until this
+/// returns) to G2, through G2's admission.
+fn save_g1_victims(shared: &Shared, victims: Vec<Victim>) {
+    let Some(g2) = shared.g2.as_ref() else {
+        shared
+            .metrics
+            .skipped(SkipReason::NoTier, victims.len() as u64);
+        return;
+    };
+    let mut keep = Vec::with_capacity(victims.len());
+    let (mut present, mut refused) = (0u64, 0u64);
+    for v in victims {
+        if g2.pool.contains(v.hash) {
+            present += 1;
+        } else if !admitted(shared, g2, shared.config.g2_policy, v.hash) {
+            refused += 1;
+        } else {
+            keep.push(v);
+        }
+    }
+    shared.metrics.skipped(SkipReason::Present, present);
+    shared.metrics.skipped(SkipReason::NotAdmitted, refused);
+    for part in keep.chunks(batch_limit(shared)) {
+        let targets = allocate_up_to(g2, part.len());
+        shared
+            .metrics
+            .skipped(SkipReason::TierFull, (part.len() - targets.len()) as u64);
+        let part = &part[..targets.len()];
+        let g2_victims = std::mem::take(&mut *shared.g2_victims.lock());
+        spill_to_g3(shared, g2, g2_victims);
+        let pairs: Vec<(usize, usize)> = part
+            .iter()
+            .zip(&targets)
+            .map(|(v, t)| (v.id as usize, t.block_id() as usize))
+            .collect();
+        let items: Vec<_> = part.iter().map(|v| (v.hash, v.parent)).collect();
+        copy_and_register(
+            shared,
+            &shared.g1,
+            g2,
+            Path::G1ToG2,
+            &pairs,
+            targets,
+            &items,
+        );
+    }
 }
 
 /// Copies G2's victims to G3 (those G3 admits and does not hold yet).

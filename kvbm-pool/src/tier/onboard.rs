@@ -253,7 +253,7 @@ pub(crate) fn start(
                     None => own.push(i),
                 }
             }
-            let blocks = shared.g1.pool.allocate(own.len())?;
+            let blocks = super::allocate_g1(shared, own.len())?;
             for &i in &own {
                 let entry = Arc::new(Inflight {
                     waiters: Mutex::new(Some(Vec::new())),

@@ -141,7 +141,7 @@ pub fn compute(
     hashes: &[SequenceHash],
     parent: Option<SequenceHash>,
 ) -> ImmutableBlocks {
-    let blocks = engine.g1().allocate(hashes.len()).unwrap();
+    let blocks = engine.allocate_g1(hashes.len()).unwrap();
     let g1 = engine.layout(kvbm_pool::Tier::G1).unwrap();
     let mut prev = parent;
     let mut complete = Vec::new();
