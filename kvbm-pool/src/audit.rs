@@ -21,7 +21,7 @@ macro_rules! ensure {
 
 pub(crate) fn audit(core: &PoolCore) -> Result<PoolCounts, AuditError> {
     let registry = core.registry.write();
-    let _policy = core.policy.lock();
+    let _policies = core.lock_all();
     let free = core.free.lock();
     let capacity = core.slab.len();
 
@@ -48,11 +48,11 @@ pub(crate) fn audit(core: &PoolCore) -> Result<PoolCounts, AuditError> {
             State::Allocated => active += 1,
             State::Duplicate => {
                 ensure!(
-                    e.holders.load(Acquire) > 0,
+                    e.hot.holders.load(Acquire) > 0,
                     "duplicate block {id} has no holder"
                 );
                 ensure!(
-                    registry.get(&e.hash()) != Some(&id),
+                    registry.get(&core.slab, e.hash()) != Some(id),
                     "duplicate block {id} is in the registry"
                 );
                 active += 1;
@@ -60,19 +60,19 @@ pub(crate) fn audit(core: &PoolCore) -> Result<PoolCounts, AuditError> {
             State::Registered => {
                 registered += 1;
                 ensure!(
-                    registry.get(&e.hash()) == Some(&id),
+                    registry.get(&core.slab, e.hash()) == Some(id),
                     "registered block {id} is not the registry's primary for its hash"
                 );
-                if e.holders.load(Acquire) == 0 {
+                if e.hot.holders.load(Acquire) == 0 {
                     inactive += 1;
                 } else {
                     active += 1;
                 }
-                let pid = e.parent_id.load(Relaxed);
+                let pid = e.cold.parent_id.load(Relaxed);
                 if pid != NO_PARENT {
-                    let p = &core.slab[pid as usize];
+                    let p = core.slab.entry(pid);
                     if p.state() == State::Registered
-                        && p.generation.load(Relaxed) == e.parent_gen.load(Relaxed)
+                        && p.cold.generation.load(Relaxed) == e.cold.parent_gen.load(Relaxed)
                     {
                         ensure!(
                             Some(p.hash()) == e.parent(),
@@ -97,12 +97,23 @@ pub(crate) fn audit(core: &PoolCore) -> Result<PoolCounts, AuditError> {
     for (i, e) in core.slab.iter().enumerate() {
         if e.state() == State::Registered {
             ensure!(
-                e.children.load(Relaxed) == children[i],
+                e.cold.children.load(Relaxed) == children[i],
                 "block {i} counts {} children, {} link to it",
-                e.children.load(Relaxed),
+                e.cold.children.load(Relaxed),
                 children[i]
             );
         }
+    }
+    for (parent, id) in registry.orphans() {
+        let e = core.slab.get(id);
+        ensure!(
+            e.is_some_and(|e| e.state() == State::Registered && e.parent() == Some(parent)),
+            "orphan {id} of {parent:?} is not a registered child of it"
+        );
+        ensure!(
+            registry.get(&core.slab, parent).is_none(),
+            "orphan {id} waits for {parent:?}, which is registered"
+        );
     }
     ensure!(
         n_free + active + inactive == capacity,

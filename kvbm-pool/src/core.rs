@@ -4,19 +4,25 @@
 //! 1. `registry` (`RwLock`): shared for matching, presence checks and
 //!    releasing handles; exclusive for registering and evicting — the only
 //!    operations that change which hashes are cached.
-//! 2. `policy` (`Mutex`): the eviction policy and its clock; taken when a
-//!    block becomes inactive (once per released batch) and to evict.
+//! 2. `policies` (one `Mutex` per shard): a thread releasing blocks takes
+//!    its own shard once per released batch; eviction takes all of them (in
+//!    order) and evicts the smallest key among the shards' candidates.
 //! 3. `free` (`Mutex`): the free list; taken alone on the allocation fast
 //!    path.
 //!
 //! Holder counts are atomics in the slab, so a match of `L` blocks takes the
 //! shared lock once and does `L` atomic increments; two threads matching
-//! different prefixes only share the lock word, not the blocks' cache lines.
-//! Eviction needs the exclusive lock, so it never races a match: a block a
-//! matcher found cannot disappear under it.
+//! different prefixes share the lock word and a few counters, not the
+//! blocks' cache lines, and release into different policy shards. Eviction
+//! needs the exclusive lock, so it never races a match: a block a matcher
+//! found cannot disappear under it.
+//!
+//! Reactivating an inactive block does not touch the policy (see the
+//! `policy` module): its queue entry just goes stale, which is what keeps
+//! the policy lock off the match path.
 
-use std::sync::atomic::AtomicI64;
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
+use std::sync::atomic::{AtomicI64, AtomicU64};
 
 use kvbm_block::SequenceHash;
 use kvbm_block::lifecycle::{BlockStore, CompleteParts};
@@ -25,14 +31,38 @@ use parking_lot::{Mutex, MutexGuard, RwLock};
 use crate::config::{DuplicatePolicy, PoolConfig, Tier};
 use crate::error::PoolError;
 use crate::events::{EventHub, KvEvent};
-use crate::policy::{BlockView, EvictionPolicy, info};
-use crate::registry::{Registry, new_registry};
-use crate::slab::{Entry, NO_PARENT, State, new_slab};
+use crate::policy::{BlockView, EvictionPolicy, Victim, block_ref};
+use crate::registry::Registry;
+use crate::slab::{Entry, NO_PARENT, Slab, State};
 
-/// The policy and the clock that stamps releases.
+/// One shard of the eviction policy, with the stamps it has reserved from
+/// the pool's clock.
 pub(crate) struct PolicyState {
-    pub(crate) clock: u64,
     pub(crate) policy: Box<dyn EvictionPolicy>,
+    next_stamp: u64,
+    stamp_end: u64,
+}
+
+/// Keeps each shard's lock on its own cache lines.
+#[repr(align(128))]
+pub(crate) struct Padded<T>(pub(crate) T);
+
+/// Which policy shard the calling thread releases into: threads are
+/// numbered once, round robin, so concurrent threads use different shards.
+fn thread_shard(shards: usize) -> usize {
+    use std::cell::Cell;
+    use std::sync::atomic::AtomicUsize;
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static INDEX: Cell<usize> = const { Cell::new(usize::MAX) };
+    }
+    let index = INDEX.with(|i| {
+        if i.get() == usize::MAX {
+            i.set(NEXT.fetch_add(1, Relaxed));
+        }
+        i.get()
+    });
+    index % shards
 }
 
 /// The state of one pool, shared by the pool and every handle on it.
@@ -40,9 +70,16 @@ pub(crate) struct PolicyState {
 /// It has no public constructor: it exists only inside a
 /// [`BlockPool`](crate::BlockPool), and handles are generic over it.
 pub struct PoolCore {
-    pub(crate) slab: Box<[Entry]>,
+    pub(crate) slab: Slab,
     pub(crate) registry: RwLock<Registry>,
-    pub(crate) policy: Mutex<PolicyState>,
+    /// The eviction policy, one instance per shard: releases go to the
+    /// releasing thread's shard, eviction takes the smallest key over all
+    /// shards (all locked: it holds the registry exclusively anyway).
+    pub(crate) policies: Box<[Padded<Mutex<PolicyState>>]>,
+    /// The release clock; shards reserve stamps from it a batch at a time,
+    /// so recency is exact within a thread and across threads up to one
+    /// release call.
+    clock: AtomicU64,
     pub(crate) free: Mutex<Vec<u32>>,
     /// Registered blocks without holders. Exact whenever the registry is
     /// held exclusively; may lag by in-flight batches otherwise.
@@ -72,8 +109,11 @@ pub(crate) type Taken = Vec<u32>;
 impl PoolCore {
     pub(crate) fn new(
         config: &PoolConfig,
-        policy: Box<dyn EvictionPolicy>,
+        policies: Vec<Box<dyn EvictionPolicy>>,
     ) -> Result<Self, PoolError> {
+        if policies.is_empty() {
+            return Err(PoolError::InvalidConfig("at least one policy shard"));
+        }
         if config.capacity == 0 {
             return Err(PoolError::InvalidConfig("capacity must be at least 1"));
         }
@@ -84,21 +124,31 @@ impl PoolCore {
             return Err(PoolError::InvalidConfig("block_size must be at least 1"));
         }
         let capacity = config.capacity;
-        // Popping from the end hands out block 0 first.
-        let free: Vec<u32> = (0..capacity as u32).rev().collect();
-        let tracks_access = policy.tracks_access();
+        // Allocation takes the tail in order: ascending ids.
+        let free: Vec<u32> = (0..capacity as u32).collect();
+        let tracks_access = policies.iter().any(|p| p.tracks_access());
         Ok(Self {
             tracks_access,
-            slab: new_slab(capacity),
-            registry: RwLock::new(new_registry(capacity)),
-            policy: Mutex::new(PolicyState { clock: 0, policy }),
+            slab: Slab::new(capacity),
+            registry: RwLock::new(Registry::new(capacity)),
+            policies: policies
+                .into_iter()
+                .map(|policy| {
+                    Padded(Mutex::new(PolicyState {
+                        policy,
+                        next_stamp: 0,
+                        stamp_end: 0,
+                    }))
+                })
+                .collect(),
+            clock: AtomicU64::new(1),
             free: Mutex::new(free),
             inactive: AtomicI64::new(0),
             events: EventHub::default(),
             tier: config.tier,
             block_size: config.block_size,
             duplicates: config.duplicates,
-            compact_above: capacity.saturating_mul(2).saturating_add(1024),
+            compact_above: capacity.saturating_mul(2).saturating_add(64),
         })
     }
 
@@ -106,12 +156,34 @@ impl PoolCore {
         self.slab.len()
     }
 
-    fn entry(&self, id: u32) -> &Entry {
-        &self.slab[id as usize]
+    fn entry(&self, id: u32) -> Entry<'_> {
+        self.slab.entry(id)
     }
 
     pub(crate) fn inactive_count(&self) -> usize {
         usize::try_from(self.inactive.load(Relaxed)).unwrap_or(0)
+    }
+
+    /// The calling thread's policy shard.
+    pub(crate) fn shard(&self) -> &Mutex<PolicyState> {
+        &self.policies[thread_shard(self.policies.len())].0
+    }
+
+    /// Every shard, locked in order.
+    pub(crate) fn lock_all(&self) -> Vec<MutexGuard<'_, PolicyState>> {
+        self.policies.iter().map(|p| p.0.lock()).collect()
+    }
+
+    /// A fresh stamp for a release, reserving up to `want` at once.
+    fn next_stamp(&self, p: &mut PolicyState, want: usize) -> u64 {
+        if p.next_stamp == p.stamp_end {
+            let want = want.clamp(1, 1024) as u64;
+            p.next_stamp = self.clock.fetch_add(want, Relaxed);
+            p.stamp_end = p.next_stamp + want;
+        }
+        let stamp = p.next_stamp;
+        p.next_stamp += 1;
+        stamp
     }
 
     /// Takes `n` blocks off the free list, evicting inactive blocks when
@@ -125,7 +197,7 @@ impl PoolCore {
             }
         }
         let mut registry = self.registry.write();
-        let mut policy = self.policy.lock();
+        let mut policies = self.lock_all();
         let mut free = self.free.lock();
         if free.len() < n {
             let need = n - free.len();
@@ -136,7 +208,7 @@ impl PoolCore {
                     evictable: self.inactive_count(),
                 });
             }
-            self.evict_locked(&mut registry, &mut policy, &mut free, need);
+            self.evict_locked(&mut registry, &mut policies, &mut free, need);
             if free.len() < n {
                 return Err(PoolError::Exhausted {
                     requested: n,
@@ -160,30 +232,49 @@ impl PoolCore {
     /// Evicts up to `n` inactive blocks onto the free list; returns how many.
     pub(crate) fn evict(&self, n: usize) -> usize {
         let mut registry = self.registry.write();
-        let mut policy = self.policy.lock();
+        let mut policies = self.lock_all();
         let mut free = self.free.lock();
-        self.evict_locked(&mut registry, &mut policy, &mut free, n)
+        self.evict_locked(&mut registry, &mut policies, &mut free, n)
     }
 
     fn evict_locked(
         &self,
         registry: &mut Registry,
-        policy: &mut PolicyState,
+        policies: &mut [MutexGuard<'_, PolicyState>],
         free: &mut Vec<u32>,
         n: usize,
     ) -> usize {
         let mut events = self.events.active().then(Vec::new);
         let mut evicted = 0;
+        // Each shard's current candidate; only the shard that just gave a
+        // victim (and was told about a new leaf) needs asking again.
+        let mut heads: Vec<Option<Victim>> = vec![None; policies.len()];
+        let mut stale: Vec<bool> = vec![true; policies.len()];
         while evicted < n {
-            let Some(id) = policy.policy.next_victim(&BlockView::new(&self.slab)) else {
+            let view = BlockView::with_registry(&self.slab, registry);
+            for (i, p) in policies.iter_mut().enumerate() {
+                if stale[i] {
+                    heads[i] = p.policy.peek_victim(&view);
+                    stale[i] = false;
+                }
+            }
+            let Some((shard, id)) = heads
+                .iter()
+                .enumerate()
+                .filter_map(|(i, h)| h.map(|v| (v.key, i, v.id)))
+                .min()
+                .map(|(_, i, id)| (i, id))
+            else {
                 break;
             };
+            policies[shard].policy.pop_victim();
+            stale[shard] = true;
             let e = self.entry(id);
             let hash = e.hash();
-            registry.remove(&hash);
-            self.unlink_parent(e, policy);
-            e.generation.fetch_add(1, Relaxed);
-            e.children.store(0, Relaxed);
+            registry.remove(hash, id);
+            self.unlink_parent(registry, id, e, &mut policies[shard]);
+            e.cold.generation.fetch_add(1, Relaxed);
+            e.cold.children.store(0, Relaxed);
             e.set_state(State::Free);
             free.push(id);
             evicted += 1;
@@ -203,22 +294,32 @@ impl PoolCore {
 
     /// Drops a leaving block's count in its parent, telling the policy when
     /// an inactive parent becomes a leaf.
-    fn unlink_parent(&self, e: &Entry, policy: &mut PolicyState) {
-        let pid = e.parent_id.load(Relaxed);
+    fn unlink_parent(
+        &self,
+        registry: &mut Registry,
+        id: u32,
+        e: Entry<'_>,
+        policy: &mut PolicyState,
+    ) {
+        let pid = e.cold.parent_id.load(Relaxed);
         if pid == NO_PARENT {
+            if let Some(parent) = e.parent() {
+                registry.remove_orphan(parent, id);
+            }
             return;
         }
-        e.parent_id.store(NO_PARENT, Relaxed);
+        e.cold.parent_id.store(NO_PARENT, Relaxed);
         let p = self.entry(pid);
         if p.state() != State::Registered
-            || p.generation.load(Relaxed) != e.parent_gen.load(Relaxed)
+            || p.cold.generation.load(Relaxed) != e.cold.parent_gen.load(Relaxed)
         {
             return;
         }
-        let left = p.children.load(Relaxed).saturating_sub(1);
-        p.children.store(left, Relaxed);
-        if left == 0 && p.holders.load(Acquire) == 0 {
-            policy.policy.on_became_leaf(&info(pid, p));
+        let left = p.cold.children.load(Relaxed).saturating_sub(1);
+        p.cold.children.store(left, Relaxed);
+        if left == 0 && p.hot.holders.load(Acquire) == 0 {
+            policy.policy.on_became_leaf(block_ref(pid, p));
+            // The parent keeps its release stamp: it is as old as it was.
         }
     }
 
@@ -234,12 +335,22 @@ impl PoolCore {
         let mut registry = self.registry.write();
         let mut policy = self.policy_if_tracking();
         let mut reactivated = 0i64;
+        if parts.len() > 2 {
+            // Load every table slot and entry the batch will touch first:
+            // independent loads whose cache misses overlap.
+            let mut sink = 0u64;
+            for part in parts {
+                sink ^= registry.peek(part.hash);
+                sink ^= self.entry(part.id).cold.parent.load(Relaxed);
+            }
+            std::hint::black_box(sink);
+        }
         for part in parts {
             let e = self.entry(part.id);
-            if let Some(&existing) = registry.get(&part.hash) {
+            if let Some(existing) = registry.get(&self.slab, part.hash) {
                 match self.duplicates {
                     DuplicatePolicy::ReuseExisting => {
-                        if self.entry(existing).holders.fetch_add(1, AcqRel) == 0 {
+                        if self.entry(existing).hot.holders.fetch_add(1, AcqRel) == 0 {
                             reactivated += 1;
                         }
                         e.set_state(State::Free);
@@ -248,9 +359,9 @@ impl PoolCore {
                     }
                     DuplicatePolicy::KeepDuplicate => {
                         e.set_names(part.hash, part.parent);
-                        e.priority.store(part.priority, Relaxed);
-                        e.parent_id.store(NO_PARENT, Relaxed);
-                        e.holders.store(1, Release);
+                        e.hot.priority.store(part.priority, Relaxed);
+                        e.cold.parent_id.store(NO_PARENT, Relaxed);
+                        e.hot.holders.store(1, Release);
                         e.set_state(State::Duplicate);
                         out.push(part.id);
                     }
@@ -258,10 +369,10 @@ impl PoolCore {
             } else {
                 registry.insert(part.hash, part.id);
                 e.set_names(part.hash, part.parent);
-                e.priority.store(part.priority, Relaxed);
-                e.children.store(0, Relaxed);
-                self.link_parent(&registry, e, part.parent);
-                e.holders.store(1, Release);
+                e.hot.priority.store(part.priority, Relaxed);
+                e.cold.children.store(0, Relaxed);
+                self.link_lineage(&mut registry, part.id, e);
+                e.hot.holders.store(1, Release);
                 e.set_state(State::Registered);
                 out.push(part.id);
                 if let Some(ev) = events.as_mut() {
@@ -290,53 +401,98 @@ impl PoolCore {
         out
     }
 
-    fn link_parent(&self, registry: &Registry, e: &Entry, parent: Option<SequenceHash>) {
-        let pid = parent.and_then(|p| registry.get(&p).copied());
-        match pid {
-            Some(pid) => {
-                let p = self.entry(pid);
-                e.parent_id.store(pid, Relaxed);
-                e.parent_gen.store(p.generation.load(Relaxed), Relaxed);
-                p.children.fetch_add(1, Relaxed);
+    /// Links a newly registered block to its cached parent, or records it
+    /// as an orphan the parent adopts when it is registered later; then
+    /// adopts the block's own orphans (children registered before it).
+    fn link_lineage(&self, registry: &mut Registry, id: u32, e: Entry<'_>) {
+        e.cold.parent_id.store(NO_PARENT, Relaxed);
+        if let Some(parent) = e.parent() {
+            match registry.get(&self.slab, parent) {
+                Some(pid) => self.link(e, pid),
+                None => registry.add_orphan(parent, id),
             }
-            None => e.parent_id.store(NO_PARENT, Relaxed),
+        }
+        if let Some(kids) = registry.take_orphans(e.hash()) {
+            for kid in kids {
+                self.link(self.entry(kid), id);
+            }
         }
     }
 
+    fn link(&self, child: Entry<'_>, pid: u32) {
+        let p = self.entry(pid);
+        child.cold.parent_id.store(pid, Relaxed);
+        child
+            .cold
+            .parent_gen
+            .store(p.cold.generation.load(Relaxed), Relaxed);
+        p.cold.children.fetch_add(1, Relaxed);
+    }
+
     fn policy_if_tracking(&self) -> Option<MutexGuard<'_, PolicyState>> {
-        self.tracks_access.then(|| self.policy.lock())
+        self.tracks_access.then(|| self.shard().lock())
     }
 
     /// Takes a holder on each block of the longest cached prefix of
     /// `hashes`; returns their ids.
+    ///
+    /// Blocks of one sequence are usually allocated together and so have
+    /// consecutive ids: the block after `id` is first looked for at
+    /// `id + 1` and `id - 1`, in the slab, whose hot entries sit next to each other. A
+    /// registered entry with the right hash *is* the registry's primary for
+    /// that hash (there is one registered block per hash), so the guess
+    /// needs no table access when it is right. Otherwise the table is asked,
+    /// with the slots of the next few hashes loaded together first so that
+    /// their cache misses overlap. Holders are taken in order and the walk
+    /// stops at the first miss, so later blocks are never touched.
     pub(crate) fn match_prefix(&self, hashes: &[SequenceHash]) -> Vec<u32> {
-        let Some(first) = hashes.first() else {
+        const AHEAD: usize = 16;
+        let Some(&first) = hashes.first() else {
             return Vec::new();
         };
         let registry = self.registry.read();
-        let Some(&first_id) = registry.get(first) else {
+        let Some(first_id) = registry.get(&self.slab, first) else {
             return Vec::new();
         };
         let mut ids = Vec::with_capacity(hashes.len());
         let mut reactivated = 0i64;
-        let mut take = |id: u32| {
-            if self.entry(id).holders.fetch_add(1, AcqRel) == 0 {
+        let mut take = |id: u32, ids: &mut Vec<u32>| {
+            if self.slab.hot(id).holders.fetch_add(1, AcqRel) == 0 {
                 reactivated += 1;
             }
             ids.push(id);
         };
-        take(first_id);
-        for hash in &hashes[1..] {
-            match registry.get(hash) {
-                Some(&id) => take(id),
-                None => break,
-            }
+        take(first_id, &mut ids);
+        let mut prev = first_id;
+        let mut loaded_until = 1;
+        for (i, &h) in hashes.iter().enumerate().skip(1) {
+            let (up, down) = (prev.wrapping_add(1), prev.wrapping_sub(1));
+            let id = if self.slab.is_registered_as(up, h) {
+                up
+            } else if self.slab.is_registered_as(down, h) {
+                down
+            } else {
+                if i >= loaded_until && hashes.len() - i > 2 {
+                    loaded_until = (i + AHEAD).min(hashes.len());
+                    let mut sink = 0u64;
+                    for &ahead in &hashes[i..loaded_until] {
+                        sink ^= registry.peek(ahead);
+                    }
+                    std::hint::black_box(sink);
+                }
+                match registry.get(&self.slab, h) {
+                    Some(id) => id,
+                    None => break,
+                }
+            };
+            take(id, &mut ids);
+            prev = id;
         }
         if reactivated != 0 {
             self.inactive.fetch_sub(reactivated, Relaxed);
         }
         if self.tracks_access {
-            let mut policy = self.policy.lock();
+            let mut policy = self.shard().lock();
             for hash in &hashes[..ids.len()] {
                 policy.policy.on_access(*hash);
             }
@@ -350,7 +506,7 @@ impl PoolCore {
         let registry = self.registry.read();
         hashes
             .iter()
-            .take_while(|h| registry.contains_key(h))
+            .take_while(|&&h| registry.get(&self.slab, h).is_some())
             .count()
     }
 
@@ -358,14 +514,14 @@ impl PoolCore {
     /// of them are cached.
     pub(crate) fn touch(&self, hashes: &[SequenceHash]) -> usize {
         let registry = self.registry.read();
-        let mut policy = self.policy.lock();
+        let mut policy = self.shard().lock();
         let mut found = 0;
         for hash in hashes {
-            if let Some(&id) = registry.get(hash) {
+            if let Some(id) = registry.get(&self.slab, *hash) {
                 found += 1;
                 let e = self.entry(id);
-                if e.holders.load(Acquire) == 0 {
-                    self.restamp(&mut policy, id, e);
+                if e.hot.holders.load(Acquire) == 0 {
+                    self.restamp(&mut policy, id, e, hashes.len());
                 }
                 if policy.policy.tracks_access() {
                     policy.policy.on_access(*hash);
@@ -378,24 +534,24 @@ impl PoolCore {
     /// Changes a cached block's priority; `false` if the hash is not cached.
     pub(crate) fn set_priority(&self, hash: SequenceHash, priority: u8) -> bool {
         let registry = self.registry.read();
-        let Some(&id) = registry.get(&hash) else {
+        let Some(id) = registry.get(&self.slab, hash) else {
             return false;
         };
-        let mut policy = self.policy.lock();
+        let mut policy = self.shard().lock();
         let e = self.entry(id);
-        e.priority.store(priority.min(100), Relaxed);
-        if e.holders.load(Acquire) == 0 {
-            self.restamp(&mut policy, id, e);
+        e.hot.priority.store(priority.min(100), Relaxed);
+        if e.hot.holders.load(Acquire) == 0 {
+            self.restamp(&mut policy, id, e, 1);
         }
         true
     }
 
     /// Queues an inactive block again with a fresh stamp (its old entries
     /// become stale).
-    fn restamp(&self, policy: &mut PolicyState, id: u32, e: &Entry) {
-        policy.clock += 1;
-        e.stamp.store(policy.clock, Relaxed);
-        policy.policy.on_release(&info(id, e));
+    fn restamp(&self, policy: &mut PolicyState, id: u32, e: Entry<'_>, want: usize) {
+        let stamp = self.next_stamp(policy, want);
+        e.hot.stamp.store(stamp, Relaxed);
+        policy.policy.on_release(block_ref(id, e));
     }
 
     /// Whether `hash` should be cached, asking the policy only when caching
@@ -405,7 +561,7 @@ impl PoolCore {
             return true;
         }
         let _registry = self.registry.read();
-        let mut policy = self.policy.lock();
+        let mut policy = self.shard().lock();
         policy.policy.admit(hash, &BlockView::new(&self.slab))
     }
 
@@ -431,7 +587,7 @@ impl BlockStore for PoolCore {
 
     fn retain(&self, id: u32) {
         // The caller holds the block already, so it cannot change state.
-        self.entry(id).holders.fetch_add(1, Relaxed);
+        self.entry(id).hot.holders.fetch_add(1, Relaxed);
     }
 
     fn release(&self, ids: &[u32]) {
@@ -441,15 +597,15 @@ impl BlockStore for PoolCore {
         let _registry = self.registry.read();
         let mut policy: Option<MutexGuard<'_, PolicyState>> = None;
         let mut inactive = 0i64;
-        for &id in ids {
+        for (i, &id) in ids.iter().enumerate() {
             let e = self.entry(id);
-            if e.holders.fetch_sub(1, AcqRel) != 1 {
+            if e.hot.holders.fetch_sub(1, AcqRel) != 1 {
                 continue;
             }
             match e.state() {
                 State::Registered => {
-                    let p = policy.get_or_insert_with(|| self.policy.lock());
-                    self.restamp(p, id, e);
+                    let p = policy.get_or_insert_with(|| self.shard().lock());
+                    self.restamp(p, id, e, ids.len() - i);
                     inactive += 1;
                 }
                 State::Duplicate => {
@@ -468,7 +624,7 @@ impl BlockStore for PoolCore {
     }
 
     fn try_upgrade(&self, id: u32, hash: SequenceHash) -> bool {
-        let Some(e) = self.slab.get(id as usize) else {
+        let Some(e) = self.slab.get(id) else {
             return false;
         };
         let _registry = self.registry.read();
@@ -477,12 +633,13 @@ impl BlockStore for PoolCore {
         }
         match e.state() {
             State::Registered => {
-                if e.holders.fetch_add(1, AcqRel) == 0 {
+                if e.hot.holders.fetch_add(1, AcqRel) == 0 {
                     self.inactive.fetch_sub(1, Relaxed);
                 }
                 true
             }
             State::Duplicate => e
+                .hot
                 .holders
                 .fetch_update(AcqRel, Acquire, |h| (h > 0).then_some(h + 1))
                 .is_ok(),
@@ -491,8 +648,6 @@ impl BlockStore for PoolCore {
     }
 
     fn sequence_hash(&self, id: u32) -> SequenceHash {
-        self.slab
-            .get(id as usize)
-            .map_or(SequenceHash(0), Entry::hash)
+        self.slab.get(id).map_or(SequenceHash(0), |e| e.hash())
     }
 }

@@ -56,9 +56,10 @@ pub use config::{DuplicatePolicy, EvictionKind, PoolConfig, Tier};
 pub use core::PoolCore;
 pub use error::{PoolError, RegisterError};
 pub use events::{KvEvent, KvEventBatch};
-pub use policy::{BlockInfo, BlockView, EvictionPolicy};
+pub use policy::{BlockInfo, BlockRef, BlockView, EvictionPolicy, Victim};
 pub use pool::{
-    BlockPool, CompleteBlock, ImmutableBlock, ImmutableBlocks, MutableBlock, PoolCounts, WeakBlock,
+    BlockPool, CompleteBlock, ImmutableBlock, ImmutableBlocks, MutableBlock, POLICY_SHARDS,
+    PoolCounts, WeakBlock,
 };
 pub use slot::SlotManager;
 pub use tier::{TierEngine, TierEngineConfig, TierError, TierLayouts};

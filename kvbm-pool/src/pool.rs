@@ -46,9 +46,12 @@ pub struct BlockPool {
     core: Arc<PoolCore>,
 }
 
-/// Builds the policy a configuration names.
-fn policy_for(config: &PoolConfig) -> Box<dyn EvictionPolicy> {
-    let capacity = config.capacity;
+/// Policy instances a built-in shardable policy runs as.
+pub const POLICY_SHARDS: usize = 4;
+
+/// Builds one shard of the policy a configuration names.
+fn policy_for(config: &PoolConfig, shards: usize) -> Box<dyn EvictionPolicy> {
+    let capacity = config.capacity.div_ceil(shards);
     let kind = config.eviction;
     let make = move |cap: usize| -> Box<dyn EvictionPolicy> {
         match kind {
@@ -66,10 +69,19 @@ fn policy_for(config: &PoolConfig) -> Box<dyn EvictionPolicy> {
 }
 
 impl BlockPool {
-    /// A pool with the policy `config` names.
+    /// A pool with the policy `config` names. LRU and leaf-first (with or
+    /// without priorities) run as [`POLICY_SHARDS`] instances so threads
+    /// releasing blocks do not share one queue; the frequency policy keeps
+    /// one shared sketch, so it runs as one.
     pub fn new(config: PoolConfig) -> Result<Self, PoolError> {
-        let policy = policy_for(&config);
-        Self::with_policy(config, policy)
+        let shards = match config.eviction {
+            EvictionKind::Frequency { .. } => 1,
+            EvictionKind::Lru | EvictionKind::LeafFirst => POLICY_SHARDS,
+        };
+        let policies = (0..shards).map(|_| policy_for(&config, shards)).collect();
+        Ok(Self {
+            core: Arc::new(PoolCore::new(&config, policies)?),
+        })
     }
 
     /// A pool with a policy of your own (`config.eviction` and
@@ -79,7 +91,7 @@ impl BlockPool {
         policy: Box<dyn EvictionPolicy>,
     ) -> Result<Self, PoolError> {
         Ok(Self {
-            core: Arc::new(PoolCore::new(&config, policy)?),
+            core: Arc::new(PoolCore::new(&config, vec![policy])?),
         })
     }
 
@@ -152,6 +164,9 @@ impl BlockPool {
     /// first hash that is not cached.
     pub fn match_prefix(&self, hashes: &[SequenceHash]) -> ImmutableBlocks {
         let ids = self.core.match_prefix(hashes);
+        if ids.is_empty() {
+            return ImmutableBlocks::empty();
+        }
         ImmutableBlocks::from_store(Arc::clone(&self.core), ids)
     }
 
@@ -211,11 +226,14 @@ impl BlockPool {
     pub fn subscribe(&self) -> Receiver<KvEventBatch> {
         let registry = self.core.registry.write();
         let snapshot = registry
-            .iter()
-            .map(|(&hash, &id)| KvEvent::Stored {
-                hash,
-                parent: self.core.slab[id as usize].parent(),
-                tier: self.core.tier,
+            .ids()
+            .map(|id| {
+                let e = self.core.slab.entry(id);
+                KvEvent::Stored {
+                    hash: e.hash(),
+                    parent: e.parent(),
+                    tier: self.core.tier,
+                }
             })
             .collect();
         let rx = self.core.events.subscribe(snapshot);

@@ -74,3 +74,6 @@ pub trait BlockStore: Send + Sync + 'static {
     /// The sequence hash of a block currently held by an immutable handle.
     fn sequence_hash(&self, id: u32) -> SequenceHash;
 }
+
+#[cfg(test)]
+mod tests;

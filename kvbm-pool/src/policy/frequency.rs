@@ -2,7 +2,7 @@
 
 use kvbm_block::SequenceHash;
 
-use super::{BlockInfo, BlockView, CountMinSketch, EvictionPolicy, LruPolicy};
+use super::{BlockRef, BlockView, CountMinSketch, EvictionPolicy, LruPolicy, Victim};
 
 /// Counts every registration and match in a [`CountMinSketch`]. Eviction
 /// takes the `sample` least recently released blocks and evicts the one
@@ -14,7 +14,10 @@ pub struct FrequencyPolicy {
     lru: LruPolicy,
     sketch: CountMinSketch,
     sample: usize,
-    candidates: Vec<BlockInfo>,
+    /// (stamp, id, hash) of the candidates of one eviction.
+    candidates: Vec<(u64, u32, SequenceHash)>,
+    /// The last peeked victim, out of the queue until popped.
+    peeked: Option<(u64, u32, SequenceHash)>,
 }
 
 impl FrequencyPolicy {
@@ -26,6 +29,7 @@ impl FrequencyPolicy {
             sketch: CountMinSketch::new(capacity),
             sample: sample.max(1),
             candidates: Vec::with_capacity(sample.max(1)),
+            peeked: None,
         }
     }
 
@@ -40,13 +44,13 @@ impl FrequencyPolicy {
         self.candidates.clear();
         while self.candidates.len() < self.sample {
             match self.lru.pop_valid(view) {
-                Some(b) => self.candidates.push(b),
+                Some(b) => self.candidates.push((b.stamp(), b.id(), b.hash())),
                 None => break,
             }
         }
         let mut best: Option<(usize, u8)> = None;
-        for (i, b) in self.candidates.iter().enumerate() {
-            let f = self.sketch.estimate(b.hash);
+        for (i, &(_, _, hash)) in self.candidates.iter().enumerate() {
+            let f = self.sketch.estimate(hash);
             if best.is_none_or(|(_, bf)| f < bf) {
                 best = Some((i, f));
             }
@@ -56,9 +60,9 @@ impl FrequencyPolicy {
 
     /// Puts the gathered candidates except `skip` back in front, in order.
     fn restore(&mut self, skip: Option<usize>) {
-        for (i, b) in self.candidates.iter().enumerate().rev() {
+        for (i, &(stamp, id, _)) in self.candidates.iter().enumerate().rev() {
             if Some(i) != skip {
-                self.lru.push_front(b);
+                self.lru.push_front(stamp, id);
             }
         }
         self.candidates.clear();
@@ -70,15 +74,27 @@ impl EvictionPolicy for FrequencyPolicy {
         "tinylfu"
     }
 
-    fn on_release(&mut self, block: &BlockInfo) {
+    fn on_release(&mut self, block: BlockRef<'_>) {
         self.lru.on_release(block);
     }
 
-    fn next_victim(&mut self, view: &BlockView<'_>) -> Option<u32> {
+    fn peek_victim(&mut self, view: &BlockView<'_>) -> Option<Victim> {
+        if let Some((stamp, id, _)) = self.peeked.take() {
+            self.lru.push_front(stamp, id);
+        }
         let pick = self.gather(view);
-        let victim = pick.map(|i| self.candidates[i].id);
+        let victim = pick.map(|i| self.candidates[i]);
         self.restore(pick);
-        victim
+        // The victim stays out of the queue until popped (or peeked again).
+        self.peeked = victim;
+        victim.map(|(stamp, id, _)| Victim {
+            id,
+            key: u128::from(stamp),
+        })
+    }
+
+    fn pop_victim(&mut self) {
+        self.peeked = None;
     }
 
     fn tracks_access(&self) -> bool {
@@ -90,11 +106,12 @@ impl EvictionPolicy for FrequencyPolicy {
     }
 
     fn admit(&mut self, candidate: SequenceHash, view: &BlockView<'_>) -> bool {
+        if let Some((stamp, id, _)) = self.peeked.take() {
+            self.lru.push_front(stamp, id);
+        }
         let pick = self.gather(view);
         let admit = match pick {
-            Some(i) => {
-                self.sketch.estimate(candidate) > self.sketch.estimate(self.candidates[i].hash)
-            }
+            Some(i) => self.sketch.estimate(candidate) > self.sketch.estimate(self.candidates[i].2),
             None => false,
         };
         self.restore(None);

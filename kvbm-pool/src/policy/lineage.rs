@@ -3,7 +3,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 
-use super::{BlockInfo, BlockView, EvictionPolicy};
+use super::{BlockRef, BlockView, EvictionPolicy, LatestStamps, Victim};
 
 /// LRU among leaves: a block is evicted only when no registered block is
 /// built on it, so a cached prefix never loses an inner block (a match can
@@ -16,6 +16,9 @@ use super::{BlockInfo, BlockView, EvictionPolicy};
 pub struct LeafFirstPolicy {
     released: VecDeque<(u64, u32)>,
     late_leaves: BinaryHeap<Reverse<(u64, u32)>>,
+    latest: LatestStamps,
+    /// Where the last peeked victim sits.
+    peeked_heap: bool,
 }
 
 impl LeafFirstPolicy {
@@ -24,12 +27,14 @@ impl LeafFirstPolicy {
         Self {
             released: VecDeque::with_capacity(capacity),
             late_leaves: BinaryHeap::new(),
+            latest: LatestStamps::with_capacity(capacity),
+            peeked_heap: false,
         }
     }
 }
 
 fn is_leaf_victim(view: &BlockView<'_>, stamp: u64, id: u32) -> bool {
-    view.evictable(id, stamp).is_some_and(|b| b.children == 0)
+    view.evictable(id, stamp).is_some_and(|b| b.children() == 0)
 }
 
 impl EvictionPolicy for LeafFirstPolicy {
@@ -37,46 +42,59 @@ impl EvictionPolicy for LeafFirstPolicy {
         "leaf-first"
     }
 
-    fn on_release(&mut self, block: &BlockInfo) {
-        if block.children == 0 {
-            self.released.push_back((block.stamp, block.id));
+    fn on_release(&mut self, block: BlockRef<'_>) {
+        let (stamp, id) = (block.stamp(), block.id());
+        self.latest.set(id, stamp);
+        if block.children() == 0 {
+            self.released.push_back((stamp, id));
         }
     }
 
-    fn on_became_leaf(&mut self, block: &BlockInfo) {
-        self.late_leaves.push(Reverse((block.stamp, block.id)));
+    fn on_became_leaf(&mut self, block: BlockRef<'_>) {
+        let (stamp, id) = (block.stamp(), block.id());
+        self.latest.set(id, stamp);
+        self.late_leaves.push(Reverse((stamp, id)));
     }
 
-    fn next_victim(&mut self, view: &BlockView<'_>) -> Option<u32> {
+    fn peek_victim(&mut self, view: &BlockView<'_>) -> Option<Victim> {
         loop {
             let fifo = self.released.front().copied();
             let heap = self.late_leaves.peek().map(|r| r.0);
-            let (stamp, id) = match (fifo, heap) {
+            let (from_heap, (stamp, id)) = match (fifo, heap) {
                 (None, None) => return None,
-                (Some(f), Some(h)) if h < f => {
-                    self.late_leaves.pop();
-                    h
-                }
-                (Some(f), _) => {
-                    self.released.pop_front();
-                    f
-                }
-                (None, Some(h)) => {
-                    self.late_leaves.pop();
-                    h
-                }
+                (Some(f), Some(h)) if h < f => (true, h),
+                (Some(f), _) => (false, f),
+                (None, Some(h)) => (true, h),
             };
             if is_leaf_victim(view, stamp, id) {
-                return Some(id);
+                self.peeked_heap = from_heap;
+                return Some(Victim {
+                    id,
+                    key: u128::from(stamp),
+                });
+            }
+            if from_heap {
+                self.late_leaves.pop();
+            } else {
+                self.released.pop_front();
             }
         }
     }
 
-    fn compact(&mut self, view: &BlockView<'_>) {
+    fn pop_victim(&mut self) {
+        if self.peeked_heap {
+            self.late_leaves.pop();
+        } else {
+            self.released.pop_front();
+        }
+    }
+
+    fn compact(&mut self, _view: &BlockView<'_>) {
+        let latest = &self.latest;
         self.released
-            .retain(|&(stamp, id)| is_leaf_victim(view, stamp, id));
+            .retain(|&(stamp, id)| latest.may_be_live(id, stamp));
         self.late_leaves
-            .retain(|Reverse((stamp, id))| is_leaf_victim(view, *stamp, *id));
+            .retain(|Reverse((stamp, id))| latest.may_be_live(*id, *stamp));
     }
 
     fn queued(&self) -> usize {

@@ -2,34 +2,88 @@
 
 use std::collections::VecDeque;
 
-use super::{BlockInfo, BlockView, EvictionPolicy};
+use super::{BlockRef, BlockView, EvictionPolicy, LatestStamps, Victim};
+
+/// How far ahead of the queue's front eviction loads entries.
+const TOUCH_AHEAD: usize = 8;
 
 /// LRU: a FIFO of releases; the oldest still-valid release is the victim.
 /// O(1) per release and per eviction, no allocation once warmed up.
-#[derive(Debug, Default)]
+///
+/// An entry is 8 bytes: the block id and the low 32 bits of its release
+/// stamp. The FIFO's order carries the recency, so the stamp only has to
+/// tell a stale entry from the block's latest release; a truncated match
+/// (the same block released again exactly 2^32 releases later) can only
+/// make an inactive block leave a little early, never an active one.
+#[derive(Debug)]
 pub struct LruPolicy {
-    queue: VecDeque<(u64, u32)>,
+    queue: VecDeque<u64>,
+    latest: LatestStamps,
+    /// The queue compacts itself at this length (its reserved size), so it
+    /// never reallocates: compaction leaves at most one entry per block.
+    limit: usize,
+}
+
+fn pack(stamp: u64, id: u32) -> u64 {
+    (stamp << 32) | u64::from(id)
+}
+
+fn unpack(entry: u64) -> (u32, u32) {
+    ((entry >> 32) as u32, entry as u32)
 }
 
 impl LruPolicy {
-    /// An empty policy with room for `capacity` entries.
+    /// An empty policy for a pool of `capacity` blocks.
     pub fn with_capacity(capacity: usize) -> Self {
+        let limit = capacity.saturating_mul(2).saturating_add(64);
         Self {
-            queue: VecDeque::with_capacity(capacity),
+            queue: VecDeque::with_capacity(limit),
+            latest: LatestStamps::with_capacity(capacity),
+            limit,
         }
     }
 
-    pub(crate) fn pop_valid(&mut self, view: &BlockView<'_>) -> Option<BlockInfo> {
-        while let Some((stamp, id)) = self.queue.pop_front() {
-            if let Some(info) = view.evictable(id, stamp) {
-                return Some(info);
+    fn compact_stale(&mut self) {
+        let latest = &self.latest;
+        self.queue.retain(|&entry| {
+            let (stamp, id) = unpack(entry);
+            latest.may_be_live(id, u64::from(stamp))
+        });
+    }
+
+    /// The oldest evictable entry, left at the front (stale entries before
+    /// it are dropped).
+    pub(crate) fn peek_valid<'a>(&mut self, view: &BlockView<'a>) -> Option<BlockRef<'a>> {
+        while let Some(&entry) = self.queue.front() {
+            if let Some(&ahead) = self.queue.get(TOUCH_AHEAD) {
+                view.touch(unpack(ahead).1);
             }
+            let (stamp, id) = unpack(entry);
+            if let Some(b) = view.evictable_low32(id, stamp) {
+                return Some(b);
+            }
+            self.queue.pop_front();
         }
         None
     }
 
-    pub(crate) fn push_front(&mut self, block: &BlockInfo) {
-        self.queue.push_front((block.stamp, block.id));
+    /// The oldest evictable entry, taken off the queue.
+    pub(crate) fn pop_valid<'a>(&mut self, view: &BlockView<'a>) -> Option<BlockRef<'a>> {
+        let b = self.peek_valid(view)?;
+        self.queue.pop_front();
+        Some(b)
+    }
+
+    /// Puts an entry taken with [`pop_valid`](Self::pop_valid) back in
+    /// front.
+    pub(crate) fn push_front(&mut self, stamp: u64, id: u32) {
+        self.queue.push_front(pack(stamp, id));
+    }
+}
+
+impl Default for LruPolicy {
+    fn default() -> Self {
+        Self::with_capacity(0)
     }
 }
 
@@ -38,17 +92,33 @@ impl EvictionPolicy for LruPolicy {
         "lru"
     }
 
-    fn on_release(&mut self, block: &BlockInfo) {
-        self.queue.push_back((block.stamp, block.id));
+    fn on_release(&mut self, block: BlockRef<'_>) {
+        let (stamp, id) = (block.stamp(), block.id());
+        self.latest.set(id, stamp);
+        if self.queue.len() >= self.limit {
+            self.compact_stale();
+            // Mostly live entries (a pool bigger than announced): grow, so
+            // compaction stays amortised O(1) per release.
+            if self.queue.len().saturating_mul(2) > self.limit {
+                self.limit = self.limit.saturating_mul(2);
+            }
+        }
+        self.queue.push_back(pack(stamp, id));
     }
 
-    fn next_victim(&mut self, view: &BlockView<'_>) -> Option<u32> {
-        self.pop_valid(view).map(|b| b.id)
+    fn peek_victim(&mut self, view: &BlockView<'_>) -> Option<Victim> {
+        self.peek_valid(view).map(|b| Victim {
+            id: b.id(),
+            key: u128::from(b.stamp()),
+        })
     }
 
-    fn compact(&mut self, view: &BlockView<'_>) {
-        self.queue
-            .retain(|&(stamp, id)| view.evictable(id, stamp).is_some());
+    fn pop_victim(&mut self) {
+        self.queue.pop_front();
+    }
+
+    fn compact(&mut self, _view: &BlockView<'_>) {
+        self.compact_stale();
     }
 
     fn queued(&self) -> usize {

@@ -34,9 +34,10 @@ use std::sync::atomic::Ordering::{Acquire, Relaxed};
 
 use kvbm_block::SequenceHash;
 
-use crate::slab::{Entry, State};
+use crate::registry::Registry;
+use crate::slab::{Entry, Slab, State};
 
-/// What a policy may know about a block.
+/// A snapshot of what a policy may know about a block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BlockInfo {
     /// The block's id in its pool.
@@ -53,45 +54,172 @@ pub struct BlockInfo {
     pub children: u32,
 }
 
+/// A block as a policy sees it during a call: each accessor reads the
+/// pool's entry when asked, so a policy pays only for what it uses (LRU
+/// reads the stamp and nothing else).
+#[derive(Clone, Copy)]
+pub struct BlockRef<'a> {
+    id: u32,
+    entry: Entry<'a>,
+}
+
+impl BlockRef<'_> {
+    /// The block's id in its pool.
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// Its sequence hash.
+    pub fn hash(&self) -> SequenceHash {
+        self.entry.hash()
+    }
+
+    /// Its parent's sequence hash.
+    pub fn parent(&self) -> Option<SequenceHash> {
+        self.entry.parent()
+    }
+
+    /// Engine-given priority, 0–100 (higher is kept longer).
+    pub fn priority(&self) -> u8 {
+        self.entry.hot.priority.load(Relaxed)
+    }
+
+    /// The pool clock when the block last became inactive.
+    pub fn stamp(&self) -> u64 {
+        self.entry.hot.stamp.load(Relaxed)
+    }
+
+    /// Registered blocks built directly on this one.
+    pub fn children(&self) -> u32 {
+        self.entry.cold.children.load(Relaxed)
+    }
+
+    /// Everything at once.
+    pub fn info(&self) -> BlockInfo {
+        BlockInfo {
+            id: self.id,
+            hash: self.hash(),
+            parent: self.parent(),
+            priority: self.priority(),
+            stamp: self.stamp(),
+            children: self.children(),
+        }
+    }
+}
+
+impl std::fmt::Debug for BlockRef<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.info().fmt(f)
+    }
+}
+
+pub(crate) fn block_ref(id: u32, entry: Entry<'_>) -> BlockRef<'_> {
+    BlockRef { id, entry }
+}
+
 /// A read-only view of the pool's blocks, for policies to check candidates.
 pub struct BlockView<'a> {
-    slab: &'a [Entry],
+    slab: &'a Slab,
+    registry: Option<&'a Registry>,
 }
 
 impl<'a> BlockView<'a> {
-    pub(crate) fn new(slab: &'a [Entry]) -> Self {
-        Self { slab }
+    pub(crate) fn new(slab: &'a Slab) -> Self {
+        Self {
+            slab,
+            registry: None,
+        }
+    }
+
+    /// A view that can also warm the registry slots of blocks (eviction
+    /// removes them from the registry next).
+    pub(crate) fn with_registry(slab: &'a Slab, registry: &'a Registry) -> Self {
+        Self {
+            slab,
+            registry: Some(registry),
+        }
     }
 
     /// The block, if it is still inactive since the release that gave it
     /// `stamp` (registered, no holders, same stamp); `None` for stale
     /// entries.
-    pub fn evictable(&self, id: u32, stamp: u64) -> Option<BlockInfo> {
-        let e = self.slab.get(id as usize)?;
-        if e.state() != State::Registered
-            || e.holders.load(Acquire) != 0
-            || e.stamp.load(Relaxed) != stamp
+    pub fn evictable(&self, id: u32, stamp: u64) -> Option<BlockRef<'a>> {
+        let e = self.slab.get(id)?;
+        if e.hot.stamp.load(Relaxed) != stamp
+            || e.state() != State::Registered
+            || e.hot.holders.load(Acquire) != 0
         {
             return None;
         }
-        Some(info(id, e))
+        Some(BlockRef { id, entry: e })
     }
 
-    /// The block's current bookkeeping, whatever its state.
-    pub fn info(&self, id: u32) -> Option<BlockInfo> {
-        self.slab.get(id as usize).map(|e| info(id, e))
+    /// Loads block `id`'s entry into cache ahead of use (a policy walking
+    /// its queue touches a few entries ahead so their misses overlap).
+    pub fn touch(&self, id: u32) {
+        if let Some(e) = self.slab.get(id) {
+            let hash = e.hash();
+            let slot = self.registry.map_or(0, |r| r.peek(hash));
+            std::hint::black_box((e.hot.stamp.load(Relaxed), slot));
+        }
+    }
+
+    /// [`evictable`](Self::evictable) for a stamp kept as its low 32 bits.
+    pub fn evictable_low32(&self, id: u32, stamp: u32) -> Option<BlockRef<'a>> {
+        let e = self.slab.get(id)?;
+        if e.hot.stamp.load(Relaxed) as u32 != stamp
+            || e.state() != State::Registered
+            || e.hot.holders.load(Acquire) != 0
+        {
+            return None;
+        }
+        Some(BlockRef { id, entry: e })
+    }
+
+    /// The block, whatever its state.
+    pub fn block(&self, id: u32) -> Option<BlockRef<'a>> {
+        self.slab.get(id).map(|entry| BlockRef { id, entry })
     }
 }
 
-pub(crate) fn info(id: u32, e: &Entry) -> BlockInfo {
-    BlockInfo {
-        id,
-        hash: e.hash(),
-        parent: e.parent(),
-        priority: e.priority.load(Relaxed),
-        stamp: e.stamp.load(Relaxed),
-        children: e.children.load(Relaxed),
+/// The latest stamp each block was queued with, truncated to 32 bits: a
+/// policy-local array that tells most stale queue entries apart without
+/// touching the pool's entries, so compaction streams through the queue.
+/// (A truncated match keeps a stale entry until it is popped and checked in
+/// full; it never drops a live one.)
+#[derive(Debug, Default, Clone)]
+pub(crate) struct LatestStamps(Vec<u32>);
+
+impl LatestStamps {
+    pub(crate) fn with_capacity(capacity: usize) -> Self {
+        Self(vec![0; capacity])
     }
+
+    pub(crate) fn set(&mut self, id: u32, stamp: u64) {
+        let i = id as usize;
+        if i >= self.0.len() {
+            self.0.resize(i + 1, 0);
+        }
+        self.0[i] = stamp as u32;
+    }
+
+    /// Whether `(stamp, id)` may still be live.
+    pub(crate) fn may_be_live(&self, id: u32, stamp: u64) -> bool {
+        self.0.get(id as usize) == Some(&(stamp as u32))
+    }
+}
+
+/// A candidate for eviction. A pool may spread releases over several
+/// instances of a policy (one per shard, so threads releasing blocks do not
+/// share a queue); it then evicts the candidate with the smallest `key`
+/// among the shards' candidates, so keys must order candidates globally
+/// (the release stamp does: the pool's clock is shared).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Victim {
+    /// The block.
+    pub id: u32,
+    /// Smaller goes first.
+    pub key: u128,
 }
 
 /// An eviction (and admission) policy.
@@ -104,18 +232,31 @@ pub trait EvictionPolicy: Send + 'static {
 
     /// `block` just became inactive (its last holder left), with a fresh
     /// stamp: it is now a candidate.
-    fn on_release(&mut self, block: &BlockInfo);
+    fn on_release(&mut self, block: BlockRef<'_>);
 
     /// An inactive block just lost its last registered child. Policies that
     /// keep lineage (leaf first) queue it now; others ignore it.
-    fn on_became_leaf(&mut self, block: &BlockInfo) {
+    fn on_became_leaf(&mut self, block: BlockRef<'_>) {
         let _ = block;
     }
 
-    /// The next block to evict, or `None` when no queued candidate is
-    /// evictable. Must return only blocks [`BlockView::evictable`] accepts
-    /// with the stamp they were queued with.
-    fn next_victim(&mut self, view: &BlockView<'_>) -> Option<u32>;
+    /// The block this policy would evict next, without removing it, or
+    /// `None` when no queued candidate is evictable. Must return only blocks
+    /// [`BlockView::evictable`] accepts with the stamp they were queued with.
+    /// May be called again without [`pop_victim`](Self::pop_victim) (the
+    /// answer may then change only if the policy was told something new).
+    fn peek_victim(&mut self, view: &BlockView<'_>) -> Option<Victim>;
+
+    /// Removes the victim the last [`peek_victim`](Self::peek_victim)
+    /// returned: the pool is evicting it.
+    fn pop_victim(&mut self);
+
+    /// Peek and pop at once.
+    fn next_victim(&mut self, view: &BlockView<'_>) -> Option<u32> {
+        let v = self.peek_victim(view)?;
+        self.pop_victim();
+        Some(v.id)
+    }
 
     /// Whether the policy wants [`on_access`](Self::on_access) calls
     /// (registrations and matches); they take the policy lock, so policies
@@ -137,7 +278,9 @@ pub trait EvictionPolicy: Send + 'static {
         true
     }
 
-    /// Drops queued entries that are no longer evictable.
+    /// Drops queued entries that are stale (at least those whose block was
+    /// released again since); runs under the shared registry lock, so it
+    /// must not rely on holder counts staying put.
     fn compact(&mut self, view: &BlockView<'_>);
 
     /// Entries queued, stale ones included (the pool compacts when this

@@ -2,7 +2,7 @@
 
 use kvbm_block::SequenceHash;
 
-use super::{BlockInfo, BlockView, EvictionPolicy};
+use super::{BlockRef, BlockView, EvictionPolicy, Victim};
 
 /// Factory of the per-priority inner policies.
 pub type PolicyFactory = Box<dyn Fn() -> Box<dyn EvictionPolicy> + Send>;
@@ -10,7 +10,8 @@ pub type PolicyFactory = Box<dyn Fn() -> Box<dyn EvictionPolicy> + Send>;
 const LEVELS: usize = 101;
 
 /// Lower priority goes first; within one priority level, the inner policy
-/// decides. One inner policy per level in use (created on first use), and a
+/// decides. Victim keys are `(priority, inner key)`, so shards compare
+/// priorities first. One inner policy per level in use (created on first use), and a
 /// bitmap of levels that may hold candidates, so finding the lowest one is
 /// a couple of bit scans.
 pub struct Prioritized {
@@ -19,6 +20,7 @@ pub struct Prioritized {
     factory: PolicyFactory,
     name: &'static str,
     tracks_access: bool,
+    peeked_level: usize,
 }
 
 impl Prioritized {
@@ -30,6 +32,7 @@ impl Prioritized {
             occupied: 0,
             name: probe.name(),
             tracks_access: probe.tracks_access(),
+            peeked_level: 0,
             factory,
         }
     }
@@ -56,29 +59,43 @@ impl EvictionPolicy for Prioritized {
         self.name
     }
 
-    fn on_release(&mut self, block: &BlockInfo) {
-        self.level(block.priority).on_release(block);
+    fn on_release(&mut self, block: BlockRef<'_>) {
+        self.level(block.priority()).on_release(block);
     }
 
-    fn on_became_leaf(&mut self, block: &BlockInfo) {
-        self.level(block.priority).on_became_leaf(block);
+    fn on_became_leaf(&mut self, block: BlockRef<'_>) {
+        self.level(block.priority()).on_became_leaf(block);
     }
 
-    fn next_victim(&mut self, view: &BlockView<'_>) -> Option<u32> {
+    fn peek_victim(&mut self, view: &BlockView<'_>) -> Option<Victim> {
         while self.occupied != 0 {
             let p = self.occupied.trailing_zeros() as usize;
             if let Some(level) = self.levels[p].as_mut() {
                 // A candidate queued here may have changed priority since:
                 // it was re-queued in its new level and is stale here.
-                while let Some(id) = level.next_victim(view) {
-                    if view.info(id).is_some_and(|b| usize::from(b.priority) == p) {
-                        return Some(id);
+                while let Some(v) = level.peek_victim(view) {
+                    if view
+                        .block(v.id)
+                        .is_some_and(|b| usize::from(b.priority()) == p)
+                    {
+                        self.peeked_level = p;
+                        return Some(Victim {
+                            id: v.id,
+                            key: ((p as u128) << 64) | (v.key & u128::from(u64::MAX)),
+                        });
                     }
+                    level.pop_victim();
                 }
             }
             self.occupied &= !(1u128 << p);
         }
         None
+    }
+
+    fn pop_victim(&mut self) {
+        if let Some(level) = self.levels[self.peeked_level].as_mut() {
+            level.pop_victim();
+        }
     }
 
     fn tracks_access(&self) -> bool {
