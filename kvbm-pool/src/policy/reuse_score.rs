@@ -36,7 +36,7 @@ use std::sync::Arc;
 use kvbm_block::SequenceHash;
 use parking_lot::Mutex;
 
-use super::{BlockInfo, BlockView, EvictionPolicy};
+use super::{BlockRef, BlockView, EvictionPolicy, Victim};
 
 /// Number of use-count classes: 1, 2, 3, and 4 or more.
 pub const USE_CLASSES: usize = 4;
@@ -245,6 +245,8 @@ type Key = (u64, u64, u32, u64);
 pub struct ReuseScorePolicy {
     history: SharedHistory,
     classes: [BTreeSet<Key>; USE_CLASSES],
+    /// The entry the last peek named: `(class, key)`.
+    peeked: Option<(usize, Key)>,
 }
 
 impl ReuseScorePolicy {
@@ -253,11 +255,12 @@ impl ReuseScorePolicy {
         Self {
             history,
             classes: std::array::from_fn(|_| BTreeSet::new()),
+            peeked: None,
         }
     }
 
-    fn key_for(history: &UseHistory, info: &BlockInfo) -> (usize, Seen) {
-        let seen = history.get(info.hash).unwrap_or(Seen {
+    fn key_for(history: &UseHistory, hash: SequenceHash) -> (usize, Seen) {
+        let seen = history.get(hash).unwrap_or(Seen {
             count: 1,
             last: history.now(),
             seq: 0,
@@ -280,7 +283,7 @@ impl ReuseScorePolicy {
                 classes[c].remove(&key);
                 continue;
             };
-            match history.get(info.hash) {
+            match history.get(info.hash()) {
                 Some(s) if (class_of(s.count), s.last, s.seq) != (c, last, seq) => {
                     classes[c].remove(&key);
                     classes[class_of(s.count)].insert((s.last, s.seq, id, stamp));
@@ -325,18 +328,30 @@ impl EvictionPolicy for ReuseScorePolicy {
         "reuse-score"
     }
 
-    fn on_release(&mut self, block: &BlockInfo) {
+    fn on_release(&mut self, block: BlockRef<'_>) {
         let (c, s) = {
             let history = self.history.lock();
-            Self::key_for(&history, block)
+            Self::key_for(&history, block.hash())
         };
-        self.classes[c].insert((s.last, s.seq, block.id, block.stamp));
+        self.classes[c].insert((s.last, s.seq, block.id(), block.stamp()));
     }
 
-    fn next_victim(&mut self, view: &BlockView<'_>) -> Option<u32> {
-        let (c, key, _) = self.lowest(view)?;
-        self.classes[c].remove(&key);
-        Some(key.2)
+    fn peek_victim(&mut self, view: &BlockView<'_>) -> Option<Victim> {
+        let (c, key, score) = self.lowest(view)?;
+        self.peeked = Some((c, key));
+        // Scores are non-negative, so their bit patterns order like them;
+        // the last use breaks ties (older first).
+        let key128 = (u128::from(score.to_bits()) << 64) | u128::from(key.0);
+        Some(Victim {
+            id: key.2,
+            key: key128,
+        })
+    }
+
+    fn pop_victim(&mut self) {
+        if let Some((c, key)) = self.peeked.take() {
+            self.classes[c].remove(&key);
+        }
     }
 
     fn admit(&mut self, candidate: SequenceHash, view: &BlockView<'_>) -> bool {

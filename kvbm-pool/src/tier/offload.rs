@@ -23,7 +23,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::{Shared, TierPolicy, TierSlot};
 use crate::metrics::{Path, SkipReason};
-use crate::policy::Victim;
+use crate::policy::Evicted;
 use crate::pool::{ImmutableBlock, MutableBlock, WeakBlock};
 
 struct Pending {
@@ -34,7 +34,7 @@ struct Pending {
 /// G1 victims to save before their slots are reused, and whether that is
 /// done.
 struct WriteBack {
-    victims: Vec<Victim>,
+    victims: Vec<Evicted>,
     done: Arc<(Mutex<bool>, Condvar)>,
 }
 
@@ -71,7 +71,7 @@ impl OffloadQueue {
 
     /// Hands G1's victims to the worker and waits until they are saved (or
     /// skipped): their slots may then be overwritten.
-    pub(crate) fn write_back(&self, victims: Vec<Victim>) {
+    pub(crate) fn write_back(&self, victims: Vec<Evicted>) {
         let done = Arc::new((Mutex::new(false), Condvar::new()));
         {
             let mut s = self.state.lock();
@@ -276,7 +276,7 @@ fn offload_batch(shared: &Shared, batch: Vec<Pending>) {
 
 /// Write-back: copies G1's victims (whose slots nobody writes until this
 /// returns) to G2, through G2's admission.
-fn save_g1_victims(shared: &Shared, victims: Vec<Victim>) {
+fn save_g1_victims(shared: &Shared, victims: Vec<Evicted>) {
     let Some(g2) = shared.g2.as_ref() else {
         shared
             .metrics
@@ -323,7 +323,7 @@ fn save_g1_victims(shared: &Shared, victims: Vec<Victim>) {
 }
 
 /// Copies G2's victims to G3 (those G3 admits and does not hold yet).
-fn spill_to_g3(shared: &Shared, g2: &TierSlot, victims: Vec<Victim>) {
+fn spill_to_g3(shared: &Shared, g2: &TierSlot, victims: Vec<Evicted>) {
     let Some(g3) = shared.g3.as_ref() else {
         return;
     };
