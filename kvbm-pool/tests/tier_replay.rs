@@ -126,7 +126,8 @@ fn run(
     let dir = tempdir();
     let config = TierEngineConfig::new(16)
         .g2_policy(policy)
-        .g3_policy(policy);
+        .g3_policy(policy)
+        .offload_mode(mode);
     let engine = engine(config, caps[0].max(1), caps[1], caps[2], dir.path());
     let started = std::time::Instant::now();
     let f = replay(&engine, &requests);
