@@ -253,3 +253,52 @@ fn write_back_saves_g1_victims_before_their_slots_are_reused() {
     engine.g1().audit().unwrap();
     engine.pool(Tier::G2).unwrap().audit().unwrap();
 }
+
+#[test]
+fn engine_owned_g1_blocks_offload_and_come_back() {
+    let dir = tempdir();
+    let engine = engine(write_through(), 16, 16, 0, dir.path());
+    let g1 = engine.layout(Tier::G1).unwrap();
+    let h = chain(12, 3);
+    // vLLM-style: the engine owns G1 block ids 5, 6, 7 and filled them.
+    for (k, id) in (5..8).enumerate() {
+        fill(g1, id, h[k]);
+    }
+    let blocks: Vec<_> = (0..3)
+        .map(|k| (5 + k as u32, h[k], k.checked_sub(1).map(|p| h[p])))
+        .collect();
+    engine.offload_engine_blocks("e", &blocks);
+    engine.flush();
+    assert!(engine.release("e"));
+    assert_eq!(engine.stats().blocks_on(Path::G1ToG2), 3);
+    // The engine reuses its blocks; a later request loads the prefix back
+    // into other engine-owned blocks.
+    for id in 5..8 {
+        fill(g1, id, kvbm_block::SequenceHash(0xbad));
+    }
+    let m = engine
+        .match_request(
+            "f",
+            &h,
+            3 * BLOCK_TOKENS + 1,
+            G1Lookup::Engine { blocks: 0 },
+        )
+        .unwrap();
+    assert_eq!(m.g2_blocks, 3);
+    let done = engine
+        .onboard("f", OnboardTarget::Blocks(vec![9, 10, 11]))
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(done.count, 3);
+    for (k, id) in (9..12).enumerate() {
+        assert!(holds(g1, id, h[k]));
+    }
+    engine.release("f");
+    // Released at once: the copy is cancelled or has finished when release
+    // returns; either way it is counted at most once.
+    engine.offload_engine_blocks("g", &[(12, chain(13, 1)[0], None)]);
+    engine.release("g");
+    engine.flush();
+    assert!(engine.stats().blocks_on(Path::G1ToG2) <= 4);
+}

@@ -114,6 +114,8 @@ pub(crate) struct Shared {
     pub(crate) requests: Mutex<HashMap<RequestId, matching::RequestState>>,
     pub(crate) inflight: Mutex<HashMap<SequenceHash, Arc<onboard::Inflight>>>,
     pub(crate) offload: offload::OffloadQueue,
+    /// Requests with engine-owned G1 blocks queued for offload.
+    pub(crate) engine_guards: Mutex<HashMap<RequestId, Arc<offload::EngineGuard>>>,
     pub(crate) metrics: EngineMetrics,
 }
 
@@ -246,6 +248,7 @@ impl TierEngine {
             requests: Mutex::default(),
             inflight: Mutex::default(),
             offload: offload::OffloadQueue::default(),
+            engine_guards: Mutex::default(),
             metrics: EngineMetrics::default(),
         });
         let worker = {
@@ -328,6 +331,26 @@ impl TierEngine {
     /// to G2. Never blocks and never fails: a full queue skips and counts.
     pub fn offload(&self, blocks: impl IntoIterator<Item = (WeakBlock, Option<SequenceHash>)>) {
         offload::enqueue(&self.shared, blocks);
+    }
+
+    /// Queues blocks the engine owns in G1 — `(block id, hash, parent)`,
+    /// e.g. vLLM's newly computed blocks of `request` — for offload to G2.
+    /// The engine must leave their bytes unchanged until
+    /// [`release`](Self::release) of the request returns: release cancels
+    /// copies not yet started and waits for those running.
+    pub fn offload_engine_blocks(
+        &self,
+        request: impl Into<RequestId>,
+        blocks: &[(u32, SequenceHash, Option<SequenceHash>)],
+    ) {
+        let guard = Arc::clone(
+            self.shared
+                .engine_guards
+                .lock()
+                .entry(request.into())
+                .or_default(),
+        );
+        offload::enqueue_engine(&self.shared, &guard, blocks);
     }
 
     /// Blocks until every queued offload has been processed (for tests,

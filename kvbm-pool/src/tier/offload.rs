@@ -27,8 +27,85 @@ use crate::policy::Evicted;
 use crate::pool::{ImmutableBlock, MutableBlock, WeakBlock};
 
 struct Pending {
-    block: WeakBlock,
+    source: Source,
     parent: Option<SequenceHash>,
+}
+
+/// Where a queued offload reads from.
+enum Source {
+    /// A block of kvbm's G1 pool, held only weakly until its copy starts.
+    Pool(WeakBlock),
+    /// A block the engine owns, valid until its request is released.
+    Engine {
+        id: u32,
+        hash: SequenceHash,
+        guard: Arc<EngineGuard>,
+    },
+}
+
+impl Source {
+    fn hash(&self) -> SequenceHash {
+        match self {
+            Source::Pool(w) => w.sequence_hash(),
+            Source::Engine { hash, .. } => *hash,
+        }
+    }
+}
+
+/// What keeps a source's bytes valid while they are copied.
+enum Hold {
+    Block { _block: ImmutableBlock },
+    Engine(Arc<EngineGuard>),
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        if let Hold::Engine(g) = self {
+            g.copy_ended();
+        }
+    }
+}
+
+#[derive(Default)]
+struct GuardState {
+    released: bool,
+    copying: usize,
+}
+
+/// Engine-owned G1 blocks of one request queued for offload: the request's
+/// release waits for copies in progress and cancels the others.
+#[derive(Default)]
+pub(crate) struct EngineGuard {
+    state: Mutex<GuardState>,
+    cv: Condvar,
+}
+
+impl EngineGuard {
+    fn copy_started(&self) -> bool {
+        let mut s = self.state.lock();
+        if s.released {
+            return false;
+        }
+        s.copying += 1;
+        true
+    }
+
+    fn copy_ended(&self) {
+        let mut s = self.state.lock();
+        s.copying = s.copying.saturating_sub(1);
+        if s.copying == 0 {
+            self.cv.notify_all();
+        }
+    }
+
+    /// No copy starts after this returns, and none is running.
+    pub(crate) fn release(&self) {
+        let mut s = self.state.lock();
+        s.released = true;
+        while s.copying > 0 {
+            self.cv.wait(&mut s);
+        }
+    }
 }
 
 /// G1 victims to save before their slots are reused, and whether that is
@@ -121,15 +198,44 @@ pub(crate) fn enqueue(
     shared: &Shared,
     blocks: impl IntoIterator<Item = (WeakBlock, Option<SequenceHash>)>,
 ) {
+    enqueue_sources(
+        shared,
+        blocks.into_iter().map(|(b, parent)| Pending {
+            source: Source::Pool(b),
+            parent,
+        }),
+    );
+}
+
+/// Queues engine-owned G1 blocks `(id, hash, parent)` under `guard`.
+pub(crate) fn enqueue_engine(
+    shared: &Shared,
+    guard: &Arc<EngineGuard>,
+    blocks: &[(u32, SequenceHash, Option<SequenceHash>)],
+) {
+    enqueue_sources(
+        shared,
+        blocks.iter().map(|&(id, hash, parent)| Pending {
+            source: Source::Engine {
+                id,
+                hash,
+                guard: Arc::clone(guard),
+            },
+            parent,
+        }),
+    );
+}
+
+fn enqueue_sources(shared: &Shared, blocks: impl Iterator<Item = Pending>) {
     let q = &shared.offload;
     let limit = shared.config.offload_queue;
     let mut dropped = 0u64;
     let mut s = q.state.lock();
-    for (block, parent) in blocks {
+    for p in blocks {
         if s.items.len() >= limit || s.shutdown {
             dropped += 1;
         } else {
-            s.items.push_back(Pending { block, parent });
+            s.items.push_back(p);
         }
     }
     shared.metrics.queue_depth(s.items.len());
@@ -219,10 +325,12 @@ fn offload_batch(shared: &Shared, batch: Vec<Pending>) {
         return;
     };
     let mut seen = HashSet::with_capacity(batch.len());
-    let mut sources: Vec<(ImmutableBlock, Option<SequenceHash>)> = Vec::with_capacity(batch.len());
+    // (source block id, hash, parent, what keeps the source valid)
+    let mut sources: Vec<(u32, SequenceHash, Option<SequenceHash>, Hold)> =
+        Vec::with_capacity(batch.len());
     let (mut gone, mut present, mut refused) = (0u64, 0u64, 0u64);
     for p in batch {
-        let hash = p.block.sequence_hash();
+        let hash = p.source.hash();
         if !seen.insert(hash) || g2.pool.contains(hash) {
             present += 1;
             continue;
@@ -231,8 +339,16 @@ fn offload_batch(shared: &Shared, batch: Vec<Pending>) {
             refused += 1;
             continue;
         }
-        match p.block.upgrade() {
-            Some(b) => sources.push((b, p.parent)),
+        let held = match p.source {
+            Source::Pool(w) => w
+                .upgrade()
+                .map(|b| (b.block_id(), Hold::Block { _block: b })),
+            Source::Engine { id, guard, .. } => {
+                guard.copy_started().then(|| (id, Hold::Engine(guard)))
+            }
+        };
+        match held {
+            Some((id, hold)) => sources.push((id, hash, p.parent, hold)),
             None => gone += 1,
         }
     }
@@ -255,12 +371,12 @@ fn offload_batch(shared: &Shared, batch: Vec<Pending>) {
     }
     let items: Vec<(SequenceHash, Option<SequenceHash>)> = sources
         .iter()
-        .map(|(b, parent)| (b.sequence_hash(), *parent))
+        .map(|&(_, hash, parent, _)| (hash, parent))
         .collect();
     let pairs: Vec<(usize, usize)> = sources
         .iter()
         .zip(&targets)
-        .map(|((s, _), t)| (s.block_id() as usize, t.block_id() as usize))
+        .map(|((id, ..), t)| (*id as usize, t.block_id() as usize))
         .collect();
     copy_and_register(
         shared,
