@@ -371,3 +371,82 @@ impl EvictionPolicy for ReuseScorePolicy {
         self.classes.iter().map(BTreeSet::len).sum()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{BlockPool, PoolConfig, Tier};
+
+    fn h(x: u64) -> SequenceHash {
+        SequenceHash(x)
+    }
+
+    fn pool(history: &SharedHistory, capacity: usize) -> BlockPool {
+        let policy = Box::new(ReuseScorePolicy::new(Arc::clone(history)));
+        BlockPool::with_policy(PoolConfig::new(capacity, 4, Tier::G2), policy).unwrap()
+    }
+
+    fn store(pool: &BlockPool, hashes: &[u64]) {
+        let blocks = pool.allocate(hashes.len()).unwrap();
+        let complete = blocks
+            .into_iter()
+            .zip(hashes)
+            .map(|(b, &x)| b.complete(h(x), None).unwrap())
+            .collect();
+        drop(pool.register(complete).unwrap());
+    }
+
+    #[test]
+    fn popular_blocks_outlive_recent_one_offs() {
+        let history = UseHistory::shared(1000);
+        // Block 1 carried by five requests, block 2 by one, later.
+        for _ in 0..5 {
+            history.lock().record_request(&[h(1)]);
+        }
+        history.lock().record_request(&[h(2)]);
+        let pool = pool(&history, 2);
+        store(&pool, &[1, 2]);
+        // A third block needs room: the one-off goes, the popular one stays.
+        history.lock().record_request(&[h(3)]);
+        store(&pool, &[3]);
+        assert!(pool.contains(h(1)));
+        assert!(!pool.contains(h(2)));
+        assert!(pool.contains(h(3)));
+    }
+
+    #[test]
+    fn admission_refuses_blocks_that_score_lower_than_the_victim() {
+        let history = UseHistory::shared(1000);
+        for _ in 0..4 {
+            history.lock().record_request(&[h(1), h(2)]);
+        }
+        let pool = pool(&history, 2);
+        store(&pool, &[1, 2]);
+        // An old one-off (seen once, long ago) is not worth a popular block.
+        history.lock().record_request(&[h(9)]);
+        for _ in 0..20 {
+            history.lock().record_request(&[h(1), h(2)]);
+        }
+        assert!(!pool.admit(h(9)));
+        // A block carried by many recent requests is.
+        for _ in 0..30 {
+            history.lock().record_request(&[h(7)]);
+        }
+        assert!(pool.admit(h(7)));
+    }
+
+    #[test]
+    fn history_forgets_least_recent_first_and_learns_weights() {
+        let mut u = UseHistory::new(3);
+        u.record_request(&[h(1), h(2)]);
+        u.record_request(&[h(3)]);
+        u.record_request(&[h(4)]);
+        assert_eq!(u.uses(h(1)) + u.uses(h(2)), 1, "one of the oldest is gone");
+        assert_eq!(u.uses(h(4)), 1);
+        let w = u.weights().weights();
+        assert!(
+            w.windows(2).all(|p| p[0] <= p[1]),
+            "weights {w:?} must not decrease"
+        );
+    }
+}
