@@ -97,8 +97,15 @@ fn replay(engine: &TierEngine, requests: &[Request]) -> Figures {
                 held.extend(compute(engine, &hashes[at..full_end], parent).into_blocks());
             }
             if partial && at < n {
-                // The partial last block stays in G1 only (never offloaded).
+                // The partial last block is registered in G1 only (in
+                // write-back mode G1 may still evict it to G2, so it gets
+                // its bytes like any other).
                 let b = engine.allocate_g1(1).unwrap().pop().unwrap();
+                fill(
+                    engine.layout(kvbm_pool::Tier::G1).unwrap(),
+                    b.block_id(),
+                    hashes[n - 1],
+                );
                 let c = b.complete(hashes[n - 1], n.checked_sub(2).map(|p| hashes[p]));
                 held.push(engine.g1().register_block(c.unwrap()).unwrap());
             }
