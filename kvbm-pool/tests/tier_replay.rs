@@ -124,6 +124,17 @@ fn run(
     mode: OffloadMode,
     limit: Option<usize>,
 ) -> Option<Figures> {
+    run_with(name, fractions, policy, mode, limit, 1.0)
+}
+
+fn run_with(
+    name: &str,
+    fractions: [f64; 3],
+    policy: TierPolicy,
+    mode: OffloadMode,
+    limit: Option<usize>,
+    age_exponent: f64,
+) -> Option<Figures> {
     let (mut requests, facts) = load(name)?;
     if let Some(l) = limit {
         requests.truncate(l);
@@ -134,7 +145,8 @@ fn run(
     let config = TierEngineConfig::new(16)
         .g2_policy(policy)
         .g3_policy(policy)
-        .offload_mode(mode);
+        .offload_mode(mode)
+        .reuse_age_exponent(age_exponent);
     let engine = engine(config, caps[0].max(1), caps[1], caps[2], dir.path());
     let started = std::time::Instant::now();
     let f = replay(&engine, &requests);
@@ -193,6 +205,33 @@ fn mooncake_replay_table() {
             for mode in [OffloadMode::WriteThrough, OffloadMode::WriteBack] {
                 run(name, f, policy, mode, None);
             }
+        }
+    }
+}
+
+#[test]
+#[ignore = "policy experiments"]
+fn policy_experiments() {
+    let exps: Vec<f64> = std::env::var("KVBM_AGE_EXPONENTS")
+        .unwrap_or_else(|_| "0.5".into())
+        .split(',')
+        .map(|x| x.parse().unwrap())
+        .collect();
+    for (name, f) in [
+        ("conversation", [0.01, 0.04, 0.0]),
+        ("synthetic", [0.01, 0.09, 0.0]),
+        ("conversation", [0.01, 0.04, 0.15]),
+    ] {
+        for &e in &exps {
+            println!("age exponent {e}");
+            run_with(
+                name,
+                f,
+                TierPolicy::ReuseScore,
+                OffloadMode::WriteBack,
+                None,
+                e,
+            );
         }
     }
 }

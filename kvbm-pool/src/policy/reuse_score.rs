@@ -134,6 +134,7 @@ pub struct UseHistory {
     weights: ReuseWeights,
     now: u64,
     seq: u64,
+    age_exponent: f64,
 }
 
 /// A [`UseHistory`] behind a lock, as the engine and policies share it.
@@ -150,7 +151,18 @@ impl UseHistory {
             weights: ReuseWeights::default(),
             now: 0,
             seq: 0,
+            age_exponent: 1.0,
         }
+    }
+
+    /// Scores divide by `(age + 1)^exponent` (default 1). Below 1, blocks
+    /// that were used often keep their rank for longer: the right choice
+    /// when reuse gaps are long compared with the cache's turnover.
+    pub fn with_age_exponent(mut self, exponent: f64) -> Self {
+        if exponent.is_finite() && exponent > 0.0 {
+            self.age_exponent = exponent;
+        }
+        self
     }
 
     /// A shared history of `capacity` blocks.
@@ -217,7 +229,13 @@ impl UseHistory {
 
     /// The score of a block with this history entry.
     pub fn score_of(&self, seen: Seen) -> f64 {
-        self.weights.weight(seen.count) / (self.now.saturating_sub(seen.last) + 1) as f64
+        let age = (self.now.saturating_sub(seen.last) + 1) as f64;
+        let decay = if self.age_exponent == 1.0 {
+            age
+        } else {
+            age.powf(self.age_exponent)
+        };
+        self.weights.weight(seen.count) / decay
     }
 
     /// The score of `hash` (an unknown block counts as used once, now).

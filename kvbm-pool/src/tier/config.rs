@@ -69,6 +69,9 @@ pub struct TierEngineConfig {
     /// Use counts are remembered for this many blocks per block of total
     /// capacity (G1 + G2 + G3), also for blocks no tier holds any more.
     pub history_factor: f64,
+    /// Reuse-score ages decay as `(age + 1)^-exponent` (see
+    /// [`UseHistory::with_age_exponent`](crate::policy::UseHistory::with_age_exponent)).
+    pub reuse_age_exponent: f64,
 }
 
 impl TierEngineConfig {
@@ -86,6 +89,7 @@ impl TierEngineConfig {
             offload_batch: 64,
             offload_queue: 4096,
             history_factor: 4.0,
+            reuse_age_exponent: 1.0,
         }
     }
 
@@ -119,6 +123,12 @@ impl TierEngineConfig {
         self
     }
 
+    /// Sets the reuse-score age exponent.
+    pub fn reuse_age_exponent(mut self, exponent: f64) -> Self {
+        self.reuse_age_exponent = exponent;
+        self
+    }
+
     /// Sets the offload batch size and queue bound.
     pub fn offload_limits(mut self, batch: usize, queue: usize) -> Self {
         self.offload_batch = batch;
@@ -138,6 +148,9 @@ impl TierEngineConfig {
         }
         if let TierPolicy::MinUses(0) = self.g3_policy {
             return Err("MinUses needs at least 1".into());
+        }
+        if !(self.reuse_age_exponent.is_finite() && self.reuse_age_exponent > 0.0) {
+            return Err("reuse_age_exponent must be positive".into());
         }
         if !(self.history_factor.is_finite() && self.history_factor >= 1.0) {
             return Err("history_factor must be at least 1".into());

@@ -183,7 +183,10 @@ impl TierEngine {
             .flatten()
             .map(|l| l.layout().config().num_blocks())
             .sum();
-        let history = UseHistory::shared((total as f64 * config.history_factor).ceil() as usize);
+        let history = Arc::new(Mutex::new(
+            UseHistory::new((total as f64 * config.history_factor).ceil() as usize)
+                .with_age_exponent(config.reuse_age_exponent),
+        ));
         let bs = config.block_size;
         let g1_victims = (config.offload_mode == OffloadMode::WriteBack).then(VictimLog::default);
         let g1 = {
