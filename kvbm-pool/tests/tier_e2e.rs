@@ -4,7 +4,7 @@
 mod tier_support;
 
 use kvbm_pool::metrics::{Path, SkipReason};
-use kvbm_pool::tier::{G1Lookup, OnboardTarget, TierEngineConfig, TierPolicy};
+use kvbm_pool::tier::{G1Lookup, OffloadMode, OnboardTarget, TierEngineConfig, TierPolicy};
 use kvbm_pool::{KvEvent, Tier};
 use tier_support::*;
 
@@ -209,4 +209,96 @@ fn events_report_stores_and_removals_per_tier() {
     assert_eq!(stored.get(&Tier::G2), Some(&4));
     assert_eq!(stored.get(&Tier::G3), Some(&2));
     assert_eq!(removed.get(&Tier::G2), Some(&2));
+}
+
+#[test]
+fn write_back_saves_g1_victims_before_their_slots_are_reused() {
+    let dir = tempdir();
+    let config = write_through().offload_mode(OffloadMode::WriteBack);
+    let engine = engine(config, 8, 32, 0, dir.path());
+    let hashes = chain(11, 24);
+    for (k, part) in hashes.chunks(4).enumerate() {
+        let parent = (k > 0).then(|| hashes[k * 4 - 1]);
+        drop(compute(&engine, part, parent));
+    }
+    engine.flush();
+    // Nothing is written through; only what G1 evicted (16 of 24) is in G2.
+    let stats = engine.stats();
+    assert_eq!(stats.blocks_on(Path::G1ToG2), 16);
+    assert_eq!(
+        engine.pool(Tier::G2).unwrap().cached_prefix_len(&hashes),
+        16
+    );
+    let m = engine
+        .match_request(1u64, &hashes, 24 * BLOCK_TOKENS + 1, G1Lookup::Pool)
+        .unwrap();
+    // G1 kept the last 8 (a suffix), so the prefix comes from G2.
+    assert_eq!((m.g1_blocks, m.g2_blocks), (0, 16));
+    drop(m);
+    // Onboarding 16 blocks into G1 (8 blocks) cannot fit: typed error.
+    let err = engine.onboard(1u64, OnboardTarget::Pool).unwrap_err();
+    assert!(matches!(err, kvbm_pool::TierError::Pool(_)), "{err}");
+    engine.release(1u64);
+    let m = engine
+        .match_request(2u64, &hashes[..6], 6 * BLOCK_TOKENS + 1, G1Lookup::Pool)
+        .unwrap();
+    assert_eq!(m.g2_blocks, 6);
+    let done = engine
+        .onboard(2u64, OnboardTarget::Pool)
+        .unwrap()
+        .wait()
+        .unwrap();
+    verify(&engine, &done.blocks.into_blocks());
+    engine.release(2u64);
+    engine.g1().audit().unwrap();
+    engine.pool(Tier::G2).unwrap().audit().unwrap();
+}
+
+#[test]
+fn engine_owned_g1_blocks_offload_and_come_back() {
+    let dir = tempdir();
+    let engine = engine(write_through(), 16, 16, 0, dir.path());
+    let g1 = engine.layout(Tier::G1).unwrap();
+    let h = chain(12, 3);
+    // vLLM-style: the engine owns G1 block ids 5, 6, 7 and filled them.
+    for (k, id) in (5..8).enumerate() {
+        fill(g1, id, h[k]);
+    }
+    let blocks: Vec<_> = (0..3)
+        .map(|k| (5 + k as u32, h[k], k.checked_sub(1).map(|p| h[p])))
+        .collect();
+    engine.offload_engine_blocks("e", &blocks);
+    engine.flush();
+    assert!(engine.release("e"));
+    assert_eq!(engine.stats().blocks_on(Path::G1ToG2), 3);
+    // The engine reuses its blocks; a later request loads the prefix back
+    // into other engine-owned blocks.
+    for id in 5..8 {
+        fill(g1, id, kvbm_block::SequenceHash(0xbad));
+    }
+    let m = engine
+        .match_request(
+            "f",
+            &h,
+            3 * BLOCK_TOKENS + 1,
+            G1Lookup::Engine { blocks: 0 },
+        )
+        .unwrap();
+    assert_eq!(m.g2_blocks, 3);
+    let done = engine
+        .onboard("f", OnboardTarget::Blocks(vec![9, 10, 11]))
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(done.count, 3);
+    for (k, id) in (9..12).enumerate() {
+        assert!(holds(g1, id, h[k]));
+    }
+    engine.release("f");
+    // Released at once: the copy is cancelled or has finished when release
+    // returns; either way it is counted at most once.
+    engine.offload_engine_blocks("g", &[(12, chain(13, 1)[0], None)]);
+    engine.release("g");
+    engine.flush();
+    assert!(engine.stats().blocks_on(Path::G1ToG2) <= 4);
 }

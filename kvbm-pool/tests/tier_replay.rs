@@ -18,7 +18,9 @@ mod tier_support;
 use std::path::PathBuf;
 
 use kvbm_block::SequenceHash;
-use kvbm_pool::tier::{G1Lookup, OnboardTarget, TierEngine, TierEngineConfig, TierPolicy};
+use kvbm_pool::tier::{
+    G1Lookup, OffloadMode, OnboardTarget, TierEngine, TierEngineConfig, TierPolicy,
+};
 use kvbm_testkit::trace::{MOONCAKE_BLOCK_TOKENS, Request, TraceFacts, read_mooncake};
 use tier_support::*;
 
@@ -95,8 +97,15 @@ fn replay(engine: &TierEngine, requests: &[Request]) -> Figures {
                 held.extend(compute(engine, &hashes[at..full_end], parent).into_blocks());
             }
             if partial && at < n {
-                // The partial last block stays in G1 only (never offloaded).
-                let b = engine.g1().allocate(1).unwrap().pop().unwrap();
+                // The partial last block is registered in G1 only (in
+                // write-back mode G1 may still evict it to G2, so it gets
+                // its bytes like any other).
+                let b = engine.allocate_g1(1).unwrap().pop().unwrap();
+                fill(
+                    engine.layout(kvbm_pool::Tier::G1).unwrap(),
+                    b.block_id(),
+                    hashes[n - 1],
+                );
                 let c = b.complete(hashes[n - 1], n.checked_sub(2).map(|p| hashes[p]));
                 held.push(engine.g1().register_block(c.unwrap()).unwrap());
             }
@@ -112,7 +121,19 @@ fn run(
     name: &str,
     fractions: [f64; 3],
     policy: TierPolicy,
+    mode: OffloadMode,
     limit: Option<usize>,
+) -> Option<Figures> {
+    run_with(name, fractions, policy, mode, limit, 1.0)
+}
+
+fn run_with(
+    name: &str,
+    fractions: [f64; 3],
+    policy: TierPolicy,
+    mode: OffloadMode,
+    limit: Option<usize>,
+    age_exponent: f64,
 ) -> Option<Figures> {
     let (mut requests, facts) = load(name)?;
     if let Some(l) = limit {
@@ -123,12 +144,14 @@ fn run(
     let dir = tempdir();
     let config = TierEngineConfig::new(16)
         .g2_policy(policy)
-        .g3_policy(policy);
+        .g3_policy(policy)
+        .offload_mode(mode)
+        .reuse_age_exponent(age_exponent);
     let engine = engine(config, caps[0].max(1), caps[1], caps[2], dir.path());
     let started = std::time::Instant::now();
     let f = replay(&engine, &requests);
     println!(
-        "| {name} | {:.0}%+{:.0}%+{:.0}% ({} / {} / {} blocks) | {policy:?} | {:.2} | {:.2} / {:.2} / {:.2} | {} verified | {:.1} s |",
+        "| {name} | {:.0}%+{:.0}%+{:.0}% ({} / {} / {} blocks) | {policy:?} {mode:?} | {:.2} | {:.2} / {:.2} / {:.2} | {} verified | {:.1} s |",
         fractions[0] * 100.0,
         fractions[1] * 100.0,
         fractions[2] * 100.0,
@@ -150,19 +173,22 @@ fn run(
 
 #[test]
 fn short_conversation_replay_runs_and_verifies() {
-    let Some(f) = run(
-        "conversation",
-        [0.01, 0.04, 0.15],
-        TierPolicy::ReuseScore,
-        Some(400),
-    ) else {
-        return;
-    };
-    assert!(f.lookups > 0);
-    assert!(
-        f.hits[1] + f.hits[2] > 0,
-        "kvbm's tiers served nothing: {f:?}"
-    );
+    for mode in [OffloadMode::WriteThrough, OffloadMode::WriteBack] {
+        let Some(f) = run(
+            "conversation",
+            [0.01, 0.04, 0.15],
+            TierPolicy::ReuseScore,
+            mode,
+            Some(150),
+        ) else {
+            return;
+        };
+        assert!(f.lookups > 0);
+        assert!(
+            f.hits[1] + f.hits[2] > 0,
+            "kvbm's tiers served nothing: {f:?}"
+        );
+    }
 }
 
 #[test]
@@ -176,7 +202,36 @@ fn mooncake_replay_table() {
         ("synthetic", [0.01, 0.09, 0.0]),
     ] {
         for policy in [TierPolicy::WriteThrough, TierPolicy::ReuseScore] {
-            run(name, f, policy, None);
+            for mode in [OffloadMode::WriteThrough, OffloadMode::WriteBack] {
+                run(name, f, policy, mode, None);
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "policy experiments"]
+fn policy_experiments() {
+    let exps: Vec<f64> = std::env::var("KVBM_AGE_EXPONENTS")
+        .unwrap_or_else(|_| "0.5".into())
+        .split(',')
+        .map(|x| x.parse().unwrap())
+        .collect();
+    for (name, f) in [
+        ("conversation", [0.01, 0.04, 0.0]),
+        ("synthetic", [0.01, 0.09, 0.0]),
+        ("conversation", [0.01, 0.04, 0.15]),
+    ] {
+        for &e in &exps {
+            println!("age exponent {e}");
+            run_with(
+                name,
+                f,
+                TierPolicy::ReuseScore,
+                OffloadMode::WriteBack,
+                None,
+                e,
+            );
         }
     }
 }

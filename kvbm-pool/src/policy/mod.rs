@@ -28,7 +28,7 @@ pub use reuse_score::{
     ReuseScorePolicy, ReuseWeights, Seen, SharedHistory, USE_CLASSES, UseHistory,
 };
 pub use sketch::CountMinSketch;
-pub use spill::{SpillRecorder, Victim, VictimLog};
+pub use spill::{Evicted, SpillRecorder, VictimLog};
 
 use std::sync::atomic::Ordering::{Acquire, Relaxed};
 

@@ -36,7 +36,7 @@ use std::sync::Arc;
 use kvbm_block::SequenceHash;
 use parking_lot::Mutex;
 
-use super::{BlockInfo, BlockView, EvictionPolicy};
+use super::{BlockRef, BlockView, EvictionPolicy, Victim};
 
 /// Number of use-count classes: 1, 2, 3, and 4 or more.
 pub const USE_CLASSES: usize = 4;
@@ -134,6 +134,7 @@ pub struct UseHistory {
     weights: ReuseWeights,
     now: u64,
     seq: u64,
+    age_exponent: f64,
 }
 
 /// A [`UseHistory`] behind a lock, as the engine and policies share it.
@@ -150,7 +151,18 @@ impl UseHistory {
             weights: ReuseWeights::default(),
             now: 0,
             seq: 0,
+            age_exponent: 1.0,
         }
+    }
+
+    /// Scores divide by `(age + 1)^exponent` (default 1). Below 1, blocks
+    /// that were used often keep their rank for longer: the right choice
+    /// when reuse gaps are long compared with the cache's turnover.
+    pub fn with_age_exponent(mut self, exponent: f64) -> Self {
+        if exponent.is_finite() && exponent > 0.0 {
+            self.age_exponent = exponent;
+        }
+        self
     }
 
     /// A shared history of `capacity` blocks.
@@ -217,7 +229,13 @@ impl UseHistory {
 
     /// The score of a block with this history entry.
     pub fn score_of(&self, seen: Seen) -> f64 {
-        self.weights.weight(seen.count) / (self.now.saturating_sub(seen.last) + 1) as f64
+        let age = (self.now.saturating_sub(seen.last) + 1) as f64;
+        let decay = if self.age_exponent == 1.0 {
+            age
+        } else {
+            age.powf(self.age_exponent)
+        };
+        self.weights.weight(seen.count) / decay
     }
 
     /// The score of `hash` (an unknown block counts as used once, now).
@@ -245,6 +263,8 @@ type Key = (u64, u64, u32, u64);
 pub struct ReuseScorePolicy {
     history: SharedHistory,
     classes: [BTreeSet<Key>; USE_CLASSES],
+    /// The entry the last peek named: `(class, key)`.
+    peeked: Option<(usize, Key)>,
 }
 
 impl ReuseScorePolicy {
@@ -253,11 +273,12 @@ impl ReuseScorePolicy {
         Self {
             history,
             classes: std::array::from_fn(|_| BTreeSet::new()),
+            peeked: None,
         }
     }
 
-    fn key_for(history: &UseHistory, info: &BlockInfo) -> (usize, Seen) {
-        let seen = history.get(info.hash).unwrap_or(Seen {
+    fn key_for(history: &UseHistory, hash: SequenceHash) -> (usize, Seen) {
+        let seen = history.get(hash).unwrap_or(Seen {
             count: 1,
             last: history.now(),
             seq: 0,
@@ -280,7 +301,7 @@ impl ReuseScorePolicy {
                 classes[c].remove(&key);
                 continue;
             };
-            match history.get(info.hash) {
+            match history.get(info.hash()) {
                 Some(s) if (class_of(s.count), s.last, s.seq) != (c, last, seq) => {
                     classes[c].remove(&key);
                     classes[class_of(s.count)].insert((s.last, s.seq, id, stamp));
@@ -325,18 +346,30 @@ impl EvictionPolicy for ReuseScorePolicy {
         "reuse-score"
     }
 
-    fn on_release(&mut self, block: &BlockInfo) {
+    fn on_release(&mut self, block: BlockRef<'_>) {
         let (c, s) = {
             let history = self.history.lock();
-            Self::key_for(&history, block)
+            Self::key_for(&history, block.hash())
         };
-        self.classes[c].insert((s.last, s.seq, block.id, block.stamp));
+        self.classes[c].insert((s.last, s.seq, block.id(), block.stamp()));
     }
 
-    fn next_victim(&mut self, view: &BlockView<'_>) -> Option<u32> {
-        let (c, key, _) = self.lowest(view)?;
-        self.classes[c].remove(&key);
-        Some(key.2)
+    fn peek_victim(&mut self, view: &BlockView<'_>) -> Option<Victim> {
+        let (c, key, score) = self.lowest(view)?;
+        self.peeked = Some((c, key));
+        // Scores are non-negative, so their bit patterns order like them;
+        // the last use breaks ties (older first).
+        let key128 = (u128::from(score.to_bits()) << 64) | u128::from(key.0);
+        Some(Victim {
+            id: key.2,
+            key: key128,
+        })
+    }
+
+    fn pop_victim(&mut self) {
+        if let Some((c, key)) = self.peeked.take() {
+            self.classes[c].remove(&key);
+        }
     }
 
     fn admit(&mut self, candidate: SequenceHash, view: &BlockView<'_>) -> bool {
@@ -354,5 +387,84 @@ impl EvictionPolicy for ReuseScorePolicy {
 
     fn queued(&self) -> usize {
         self.classes.iter().map(BTreeSet::len).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{BlockPool, PoolConfig, Tier};
+
+    fn h(x: u64) -> SequenceHash {
+        SequenceHash(x)
+    }
+
+    fn pool(history: &SharedHistory, capacity: usize) -> BlockPool {
+        let policy = Box::new(ReuseScorePolicy::new(Arc::clone(history)));
+        BlockPool::with_policy(PoolConfig::new(capacity, 4, Tier::G2), policy).unwrap()
+    }
+
+    fn store(pool: &BlockPool, hashes: &[u64]) {
+        let blocks = pool.allocate(hashes.len()).unwrap();
+        let complete = blocks
+            .into_iter()
+            .zip(hashes)
+            .map(|(b, &x)| b.complete(h(x), None).unwrap())
+            .collect();
+        drop(pool.register(complete).unwrap());
+    }
+
+    #[test]
+    fn popular_blocks_outlive_recent_one_offs() {
+        let history = UseHistory::shared(1000);
+        // Block 1 carried by five requests, block 2 by one, later.
+        for _ in 0..5 {
+            history.lock().record_request(&[h(1)]);
+        }
+        history.lock().record_request(&[h(2)]);
+        let pool = pool(&history, 2);
+        store(&pool, &[1, 2]);
+        // A third block needs room: the one-off goes, the popular one stays.
+        history.lock().record_request(&[h(3)]);
+        store(&pool, &[3]);
+        assert!(pool.contains(h(1)));
+        assert!(!pool.contains(h(2)));
+        assert!(pool.contains(h(3)));
+    }
+
+    #[test]
+    fn admission_refuses_blocks_that_score_lower_than_the_victim() {
+        let history = UseHistory::shared(1000);
+        for _ in 0..4 {
+            history.lock().record_request(&[h(1), h(2)]);
+        }
+        let pool = pool(&history, 2);
+        store(&pool, &[1, 2]);
+        // An old one-off (seen once, long ago) is not worth a popular block.
+        history.lock().record_request(&[h(9)]);
+        for _ in 0..20 {
+            history.lock().record_request(&[h(1), h(2)]);
+        }
+        assert!(!pool.admit(h(9)));
+        // A block carried by many recent requests is.
+        for _ in 0..30 {
+            history.lock().record_request(&[h(7)]);
+        }
+        assert!(pool.admit(h(7)));
+    }
+
+    #[test]
+    fn history_forgets_least_recent_first_and_learns_weights() {
+        let mut u = UseHistory::new(3);
+        u.record_request(&[h(1), h(2)]);
+        u.record_request(&[h(3)]);
+        u.record_request(&[h(4)]);
+        assert_eq!(u.uses(h(1)) + u.uses(h(2)), 1, "one of the oldest is gone");
+        assert_eq!(u.uses(h(4)), 1);
+        let w = u.weights().weights();
+        assert!(
+            w.windows(2).all(|p| p[0] <= p[1]),
+            "weights {w:?} must not decrease"
+        );
     }
 }

@@ -7,12 +7,12 @@ use std::sync::Arc;
 use kvbm_block::SequenceHash;
 use parking_lot::Mutex;
 
-use super::{BlockInfo, BlockView, EvictionPolicy};
+use super::{BlockRef, BlockView, EvictionPolicy, Victim};
 
 /// A block a pool just evicted. Its bytes stay intact until whoever
 /// allocates its slot writes into it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Victim {
+pub struct Evicted {
     /// The evicted block's id (its slot in the tier's layout).
     pub id: u32,
     /// The hash it was registered under.
@@ -22,18 +22,24 @@ pub struct Victim {
 }
 
 /// Victims recorded since the last drain.
-pub type VictimLog = Arc<Mutex<Vec<Victim>>>;
+pub type VictimLog = Arc<Mutex<Vec<Evicted>>>;
 
 /// Records the victims of the policy it wraps into a [`VictimLog`].
 pub struct SpillRecorder {
     inner: Box<dyn EvictionPolicy>,
     log: VictimLog,
+    /// The block the last peek named, recorded when it is popped.
+    peeked: Option<Evicted>,
 }
 
 impl SpillRecorder {
     /// Wraps `inner`, recording into `log`.
     pub fn new(inner: Box<dyn EvictionPolicy>, log: VictimLog) -> Self {
-        Self { inner, log }
+        Self {
+            inner,
+            log,
+            peeked: None,
+        }
     }
 }
 
@@ -42,24 +48,29 @@ impl EvictionPolicy for SpillRecorder {
         self.inner.name()
     }
 
-    fn on_release(&mut self, block: &BlockInfo) {
+    fn on_release(&mut self, block: BlockRef<'_>) {
         self.inner.on_release(block);
     }
 
-    fn on_became_leaf(&mut self, block: &BlockInfo) {
+    fn on_became_leaf(&mut self, block: BlockRef<'_>) {
         self.inner.on_became_leaf(block);
     }
 
-    fn next_victim(&mut self, view: &BlockView<'_>) -> Option<u32> {
-        let id = self.inner.next_victim(view)?;
-        if let Some(info) = view.info(id) {
-            self.log.lock().push(Victim {
-                id,
-                hash: info.hash,
-                parent: info.parent,
-            });
+    fn peek_victim(&mut self, view: &BlockView<'_>) -> Option<Victim> {
+        let v = self.inner.peek_victim(view)?;
+        self.peeked = view.block(v.id).map(|b| Evicted {
+            id: v.id,
+            hash: b.hash(),
+            parent: b.parent(),
+        });
+        Some(v)
+    }
+
+    fn pop_victim(&mut self) {
+        self.inner.pop_victim();
+        if let Some(e) = self.peeked.take() {
+            self.log.lock().push(e);
         }
-        Some(id)
     }
 
     fn tracks_access(&self) -> bool {

@@ -101,7 +101,8 @@ impl SlotManager {
 
     /// A new request with the sequence hashes of its prompt's full blocks
     /// and its prompt length in tokens: matches G1, G2 and G3 and holds
-    /// what it found. Calling it again for a live request re-matches it.
+    /// what it found. Calling it again for a live request frees that slot
+    /// first (a preempted request starts over).
     pub fn create_slot(
         &self,
         request: impl Into<RequestId>,
@@ -109,6 +110,7 @@ impl SlotManager {
         prompt_tokens: usize,
     ) -> Result<SlotMatch, TierError> {
         let request = request.into();
+        self.free(&request);
         let m = self
             .engine
             .match_request(&request, &hashes, prompt_tokens, G1Lookup::Pool)?;
@@ -147,7 +149,7 @@ impl SlotManager {
         let need = total_tokens.div_ceil(self.engine.block_size());
         let have = slot.blocks.len() + slot.external + slot.mutable.len();
         if need > have {
-            let more = self.engine.g1().allocate(need - have)?;
+            let more = self.engine.allocate_g1(need - have)?;
             slot.mutable.extend(more);
         }
         if slot.external > 0 && !slot.onboard_started {

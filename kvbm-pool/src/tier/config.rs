@@ -30,6 +30,22 @@ pub enum G3Onboard {
     KeepG2Copy,
 }
 
+/// When G1 blocks are copied to G2.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OffloadMode {
+    /// When the engine registers a complete block (asynchronously, by the
+    /// offload worker). G2 then also holds what G1 holds.
+    #[default]
+    WriteThrough,
+    /// When G1 evicts a block to reuse its slot: the copy runs before the
+    /// slot is handed out, so allocation through
+    /// [`TierEngine::allocate_g1`](super::TierEngine::allocate_g1) waits for
+    /// it. G2 then holds only what G1 lost (an exclusive victim cache: more
+    /// distinct blocks for the same memory), at the price of copies on the
+    /// allocation path.
+    WriteBack,
+}
+
 /// A tier engine's parameters.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TierEngineConfig {
@@ -43,6 +59,8 @@ pub struct TierEngineConfig {
     pub g3_policy: TierPolicy,
     /// The G3 → G1 path.
     pub g3_onboard: G3Onboard,
+    /// When G1 blocks go to G2.
+    pub offload_mode: OffloadMode,
     /// Most blocks one offload batch moves.
     pub offload_batch: usize,
     /// Most blocks waiting in the offload queue; beyond it new offloads are
@@ -51,6 +69,9 @@ pub struct TierEngineConfig {
     /// Use counts are remembered for this many blocks per block of total
     /// capacity (G1 + G2 + G3), also for blocks no tier holds any more.
     pub history_factor: f64,
+    /// Reuse-score ages decay as `(age + 1)^-exponent` (see
+    /// [`UseHistory::with_age_exponent`](crate::policy::UseHistory::with_age_exponent)).
+    pub reuse_age_exponent: f64,
 }
 
 impl TierEngineConfig {
@@ -64,9 +85,11 @@ impl TierEngineConfig {
             g2_policy: TierPolicy::ReuseScore,
             g3_policy: TierPolicy::ReuseScore,
             g3_onboard: G3Onboard::Direct,
+            offload_mode: OffloadMode::WriteThrough,
             offload_batch: 64,
             offload_queue: 4096,
             history_factor: 4.0,
+            reuse_age_exponent: 1.0,
         }
     }
 
@@ -94,6 +117,18 @@ impl TierEngineConfig {
         self
     }
 
+    /// Sets when G1 blocks go to G2.
+    pub fn offload_mode(mut self, mode: OffloadMode) -> Self {
+        self.offload_mode = mode;
+        self
+    }
+
+    /// Sets the reuse-score age exponent.
+    pub fn reuse_age_exponent(mut self, exponent: f64) -> Self {
+        self.reuse_age_exponent = exponent;
+        self
+    }
+
     /// Sets the offload batch size and queue bound.
     pub fn offload_limits(mut self, batch: usize, queue: usize) -> Self {
         self.offload_batch = batch;
@@ -113,6 +148,9 @@ impl TierEngineConfig {
         }
         if let TierPolicy::MinUses(0) = self.g3_policy {
             return Err("MinUses needs at least 1".into());
+        }
+        if !(self.reuse_age_exponent.is_finite() && self.reuse_age_exponent > 0.0) {
+            return Err("reuse_age_exponent must be positive".into());
         }
         if !(self.history_factor.is_finite() && self.history_factor >= 1.0) {
             return Err("history_factor must be at least 1".into());

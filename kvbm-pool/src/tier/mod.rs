@@ -48,20 +48,34 @@ use kvbm_block::SequenceHash;
 use kvbm_transfer::{Executor, PhysicalLayout};
 use parking_lot::Mutex;
 
-pub use config::{G3Onboard, TierEngineConfig, TierPolicy};
+pub use config::{G3Onboard, OffloadMode, TierEngineConfig, TierPolicy};
 pub use error::TierError;
 pub use matching::{G1Lookup, TierMatch};
 pub use onboard::{OnboardHandle, OnboardTarget, Onboarded};
 pub use request::RequestId;
 
-use crate::config::{PoolConfig, Tier};
+use crate::config::{EvictionKind, PoolConfig, Tier};
 use crate::events::KvEventBatch;
 use crate::metrics::{EngineMetrics, TierStats};
 use crate::policy::{
-    EvictionPolicy, LruPolicy, ReuseScorePolicy, SharedHistory, SpillRecorder, UseHistory,
-    VictimLog,
+    EvictionPolicy, FrequencyPolicy, LeafFirstPolicy, LruPolicy, ReuseScorePolicy, SharedHistory,
+    SpillRecorder, UseHistory, VictimLog,
 };
-use crate::pool::{BlockPool, CompleteBlock, ImmutableBlocks, WeakBlock};
+use crate::pool::{BlockPool, CompleteBlock, ImmutableBlocks, MutableBlock, WeakBlock};
+
+/// Allocates G1 blocks, saving G1's victims to G2 first in write-back mode.
+pub(crate) fn allocate_g1(shared: &Shared, n: usize) -> Result<Vec<MutableBlock>, TierError> {
+    let Some(log) = &shared.g1_victims else {
+        return Ok(shared.g1.pool.allocate(n)?);
+    };
+    let _serial = shared.g1_alloc.lock();
+    let blocks = shared.g1.pool.allocate(n)?;
+    let victims = std::mem::take(&mut *log.lock());
+    if !victims.is_empty() {
+        shared.offload.write_back(victims);
+    }
+    Ok(blocks)
+}
 
 /// The memory of each tier. G1 is required; without G2 nothing is
 /// offloaded, and without G3 G2's victims are dropped.
@@ -90,11 +104,18 @@ pub(crate) struct Shared {
     pub(crate) g2: Option<TierSlot>,
     pub(crate) g3: Option<TierSlot>,
     pub(crate) g2_victims: VictimLog,
+    /// G1's evictions, recorded in write-back mode only.
+    pub(crate) g1_victims: Option<VictimLog>,
+    /// Serialises G1 allocations in write-back mode, so each allocation
+    /// saves exactly the victims it made.
+    pub(crate) g1_alloc: Mutex<()>,
     pub(crate) executor: Executor,
     pub(crate) history: SharedHistory,
     pub(crate) requests: Mutex<HashMap<RequestId, matching::RequestState>>,
     pub(crate) inflight: Mutex<HashMap<SequenceHash, Arc<onboard::Inflight>>>,
     pub(crate) offload: offload::OffloadQueue,
+    /// Requests with engine-owned G1 blocks queued for offload.
+    pub(crate) engine_guards: Mutex<HashMap<RequestId, Arc<offload::EngineGuard>>>,
     pub(crate) metrics: EngineMetrics,
 }
 
@@ -162,13 +183,31 @@ impl TierEngine {
             .flatten()
             .map(|l| l.layout().config().num_blocks())
             .sum();
-        let history = UseHistory::shared((total as f64 * config.history_factor).ceil() as usize);
+        let history = Arc::new(Mutex::new(
+            UseHistory::new((total as f64 * config.history_factor).ceil() as usize)
+                .with_age_exponent(config.reuse_age_exponent),
+        ));
         let bs = config.block_size;
+        let g1_victims = (config.offload_mode == OffloadMode::WriteBack).then(VictimLog::default);
         let g1 = {
             let capacity = g1_cfg.num_blocks();
-            let pool = BlockPool::new(
-                PoolConfig::new(capacity, bs, Tier::G1).eviction(config.g1_eviction),
-            )?;
+            let pool_config = PoolConfig::new(capacity, bs, Tier::G1).eviction(config.g1_eviction);
+            let pool = match &g1_victims {
+                None => BlockPool::new(pool_config)?,
+                Some(log) => {
+                    let inner: Box<dyn EvictionPolicy> = match config.g1_eviction {
+                        EvictionKind::Lru => Box::new(LruPolicy::with_capacity(capacity)),
+                        EvictionKind::LeafFirst => {
+                            Box::new(LeafFirstPolicy::with_capacity(capacity))
+                        }
+                        EvictionKind::Frequency { sample } => {
+                            Box::new(FrequencyPolicy::new(capacity, sample))
+                        }
+                    };
+                    let policy = Box::new(SpillRecorder::new(inner, Arc::clone(log)));
+                    BlockPool::with_policy(pool_config, policy)?
+                }
+            };
             TierSlot {
                 pool,
                 block_bytes: g1_cfg.block_bytes(),
@@ -205,11 +244,14 @@ impl TierEngine {
             g2,
             g3,
             g2_victims,
+            g1_victims,
+            g1_alloc: Mutex::new(()),
             executor,
             history,
             requests: Mutex::default(),
             inflight: Mutex::default(),
             offload: offload::OffloadQueue::default(),
+            engine_guards: Mutex::default(),
             metrics: EngineMetrics::default(),
         });
         let worker = {
@@ -261,9 +303,17 @@ impl TierEngine {
         }
     }
 
+    /// `n` G1 blocks for the engine to fill. In write-back mode the blocks
+    /// G1 evicts to make room are copied to G2 before this returns (so the
+    /// engine may overwrite them); in write-through mode this is
+    /// `g1().allocate(n)`. All or nothing.
+    pub fn allocate_g1(&self, n: usize) -> Result<Vec<MutableBlock>, TierError> {
+        allocate_g1(&self.shared, n)
+    }
+
     /// Registers blocks the engine completed in G1 (a parent before its
-    /// children) and queues them for offload to G2. Returns the held G1
-    /// blocks in the same order.
+    /// children) and, in write-through mode, queues them for offload to G2.
+    /// Returns the held G1 blocks in the same order.
     pub fn register_g1(&self, blocks: Vec<CompleteBlock>) -> Result<ImmutableBlocks, TierError> {
         let parents: Vec<Option<SequenceHash>> = blocks.iter().map(|b| b.parent()).collect();
         let held = self.shared.g1.pool.register(blocks).map_err(|e| {
@@ -272,9 +322,11 @@ impl TierEngine {
                 e.blocks.len()
             ))
         })?;
-        let items =
-            (0..held.len()).filter_map(|i| held.get(i).map(|b| (b.downgrade(), parents[i])));
-        self.offload(items);
+        if self.shared.config.offload_mode == OffloadMode::WriteThrough {
+            let items =
+                (0..held.len()).filter_map(|i| held.get(i).map(|b| (b.downgrade(), parents[i])));
+            self.offload(items);
+        }
         Ok(held)
     }
 
@@ -282,6 +334,26 @@ impl TierEngine {
     /// to G2. Never blocks and never fails: a full queue skips and counts.
     pub fn offload(&self, blocks: impl IntoIterator<Item = (WeakBlock, Option<SequenceHash>)>) {
         offload::enqueue(&self.shared, blocks);
+    }
+
+    /// Queues blocks the engine owns in G1 — `(block id, hash, parent)`,
+    /// e.g. vLLM's newly computed blocks of `request` — for offload to G2.
+    /// The engine must leave their bytes unchanged until
+    /// [`release`](Self::release) of the request returns: release cancels
+    /// copies not yet started and waits for those running.
+    pub fn offload_engine_blocks(
+        &self,
+        request: impl Into<RequestId>,
+        blocks: &[(u32, SequenceHash, Option<SequenceHash>)],
+    ) {
+        let guard = Arc::clone(
+            self.shared
+                .engine_guards
+                .lock()
+                .entry(request.into())
+                .or_default(),
+        );
+        offload::enqueue_engine(&self.shared, &guard, blocks);
     }
 
     /// Blocks until every queued offload has been processed (for tests,

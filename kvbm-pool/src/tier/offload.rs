@@ -23,17 +23,103 @@ use parking_lot::{Condvar, Mutex};
 
 use super::{Shared, TierPolicy, TierSlot};
 use crate::metrics::{Path, SkipReason};
-use crate::policy::Victim;
+use crate::policy::Evicted;
 use crate::pool::{ImmutableBlock, MutableBlock, WeakBlock};
 
 struct Pending {
-    block: WeakBlock,
+    source: Source,
     parent: Option<SequenceHash>,
+}
+
+/// Where a queued offload reads from.
+enum Source {
+    /// A block of kvbm's G1 pool, held only weakly until its copy starts.
+    Pool(WeakBlock),
+    /// A block the engine owns, valid until its request is released.
+    Engine {
+        id: u32,
+        hash: SequenceHash,
+        guard: Arc<EngineGuard>,
+    },
+}
+
+impl Source {
+    fn hash(&self) -> SequenceHash {
+        match self {
+            Source::Pool(w) => w.sequence_hash(),
+            Source::Engine { hash, .. } => *hash,
+        }
+    }
+}
+
+/// What keeps a source's bytes valid while they are copied.
+enum Hold {
+    Block { _block: ImmutableBlock },
+    Engine(Arc<EngineGuard>),
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        if let Hold::Engine(g) = self {
+            g.copy_ended();
+        }
+    }
+}
+
+#[derive(Default)]
+struct GuardState {
+    released: bool,
+    copying: usize,
+}
+
+/// Engine-owned G1 blocks of one request queued for offload: the request's
+/// release waits for copies in progress and cancels the others.
+#[derive(Default)]
+pub(crate) struct EngineGuard {
+    state: Mutex<GuardState>,
+    cv: Condvar,
+}
+
+impl EngineGuard {
+    fn copy_started(&self) -> bool {
+        let mut s = self.state.lock();
+        if s.released {
+            return false;
+        }
+        s.copying += 1;
+        true
+    }
+
+    fn copy_ended(&self) {
+        let mut s = self.state.lock();
+        s.copying = s.copying.saturating_sub(1);
+        if s.copying == 0 {
+            self.cv.notify_all();
+        }
+    }
+
+    /// No copy starts after this returns, and none is running.
+    pub(crate) fn release(&self) {
+        let mut s = self.state.lock();
+        s.released = true;
+        while s.copying > 0 {
+            self.cv.wait(&mut s);
+        }
+    }
+}
+
+/// G1 victims to save before their slots are reused, and whether that is
+/// done.
+struct WriteBack {
+    victims: Vec<Evicted>,
+    done: Arc<(Mutex<bool>, Condvar)>,
 }
 
 #[derive(Default)]
 struct QueueState {
     items: VecDeque<Pending>,
+    /// Write-back batches: they run before anything else, onboards or not.
+    urgent: VecDeque<WriteBack>,
     /// Onboards running: the worker does not start a batch meanwhile.
     onboards: usize,
     /// The worker is processing a batch.
@@ -50,8 +136,35 @@ pub(crate) struct OffloadQueue {
 
 impl OffloadQueue {
     pub(crate) fn shutdown(&self) {
-        self.state.lock().shutdown = true;
+        let mut s = self.state.lock();
+        s.shutdown = true;
+        for wb in s.urgent.drain(..) {
+            *wb.done.0.lock() = true;
+            wb.done.1.notify_all();
+        }
+        drop(s);
         self.cv.notify_all();
+    }
+
+    /// Hands G1's victims to the worker and waits until they are saved (or
+    /// skipped): their slots may then be overwritten.
+    pub(crate) fn write_back(&self, victims: Vec<Evicted>) {
+        let done = Arc::new((Mutex::new(false), Condvar::new()));
+        {
+            let mut s = self.state.lock();
+            if s.shutdown {
+                return;
+            }
+            s.urgent.push_back(WriteBack {
+                victims,
+                done: Arc::clone(&done),
+            });
+        }
+        self.cv.notify_all();
+        let mut d = done.0.lock();
+        while !*d {
+            done.1.wait(&mut d);
+        }
     }
 
     pub(crate) fn flush(&self) {
@@ -85,21 +198,49 @@ pub(crate) fn enqueue(
     shared: &Shared,
     blocks: impl IntoIterator<Item = (WeakBlock, Option<SequenceHash>)>,
 ) {
+    enqueue_sources(
+        shared,
+        blocks.into_iter().map(|(b, parent)| Pending {
+            source: Source::Pool(b),
+            parent,
+        }),
+    );
+}
+
+/// Queues engine-owned G1 blocks `(id, hash, parent)` under `guard`.
+pub(crate) fn enqueue_engine(
+    shared: &Shared,
+    guard: &Arc<EngineGuard>,
+    blocks: &[(u32, SequenceHash, Option<SequenceHash>)],
+) {
+    enqueue_sources(
+        shared,
+        blocks.iter().map(|&(id, hash, parent)| Pending {
+            source: Source::Engine {
+                id,
+                hash,
+                guard: Arc::clone(guard),
+            },
+            parent,
+        }),
+    );
+}
+
+fn enqueue_sources(shared: &Shared, blocks: impl Iterator<Item = Pending>) {
     let q = &shared.offload;
     let limit = shared.config.offload_queue;
     let mut dropped = 0u64;
     let mut s = q.state.lock();
-    for (block, parent) in blocks {
+    for p in blocks {
         if s.items.len() >= limit || s.shutdown {
             dropped += 1;
         } else {
-            s.items.push_back(Pending { block, parent });
+            s.items.push_back(p);
         }
     }
-    let depth = s.items.len();
+    shared.metrics.queue_depth(s.items.len());
     drop(s);
     q.cv.notify_all();
-    shared.metrics.queue_depth(depth);
     shared.metrics.skipped(SkipReason::QueueFull, dropped);
 }
 
@@ -108,8 +249,20 @@ pub(crate) fn run_worker(shared: &Arc<Shared>) {
     loop {
         let batch: Vec<Pending> = {
             let mut s = q.state.lock();
-            while !s.shutdown && (s.items.is_empty() || s.onboards > 0) {
+            while !s.shutdown && s.urgent.is_empty() && (s.items.is_empty() || s.onboards > 0) {
                 q.cv.wait(&mut s);
+            }
+            if !s.shutdown
+                && let Some(wb) = s.urgent.pop_front()
+            {
+                s.busy = true;
+                drop(s);
+                save_g1_victims(shared, wb.victims);
+                *wb.done.0.lock() = true;
+                wb.done.1.notify_all();
+                q.state.lock().busy = false;
+                q.cv.notify_all();
+                continue;
             }
             if s.shutdown {
                 let left = s.items.len() as u64;
@@ -172,10 +325,12 @@ fn offload_batch(shared: &Shared, batch: Vec<Pending>) {
         return;
     };
     let mut seen = HashSet::with_capacity(batch.len());
-    let mut sources: Vec<(ImmutableBlock, Option<SequenceHash>)> = Vec::with_capacity(batch.len());
+    // (source block id, hash, parent, what keeps the source valid)
+    let mut sources: Vec<(u32, SequenceHash, Option<SequenceHash>, Hold)> =
+        Vec::with_capacity(batch.len());
     let (mut gone, mut present, mut refused) = (0u64, 0u64, 0u64);
     for p in batch {
-        let hash = p.block.sequence_hash();
+        let hash = p.source.hash();
         if !seen.insert(hash) || g2.pool.contains(hash) {
             present += 1;
             continue;
@@ -184,8 +339,16 @@ fn offload_batch(shared: &Shared, batch: Vec<Pending>) {
             refused += 1;
             continue;
         }
-        match p.block.upgrade() {
-            Some(b) => sources.push((b, p.parent)),
+        let held = match p.source {
+            Source::Pool(w) => w
+                .upgrade()
+                .map(|b| (b.block_id(), Hold::Block { _block: b })),
+            Source::Engine { id, guard, .. } => {
+                guard.copy_started().then(|| (id, Hold::Engine(guard)))
+            }
+        };
+        match held {
+            Some((id, hold)) => sources.push((id, hash, p.parent, hold)),
             None => gone += 1,
         }
     }
@@ -208,12 +371,12 @@ fn offload_batch(shared: &Shared, batch: Vec<Pending>) {
     }
     let items: Vec<(SequenceHash, Option<SequenceHash>)> = sources
         .iter()
-        .map(|(b, parent)| (b.sequence_hash(), *parent))
+        .map(|&(_, hash, parent, _)| (hash, parent))
         .collect();
     let pairs: Vec<(usize, usize)> = sources
         .iter()
         .zip(&targets)
-        .map(|((s, _), t)| (s.block_id() as usize, t.block_id() as usize))
+        .map(|((id, ..), t)| (*id as usize, t.block_id() as usize))
         .collect();
     copy_and_register(
         shared,
@@ -227,8 +390,56 @@ fn offload_batch(shared: &Shared, batch: Vec<Pending>) {
     drop(sources);
 }
 
+/// Write-back: copies G1's victims (whose slots nobody writes until this
+/// returns) to G2, through G2's admission.
+fn save_g1_victims(shared: &Shared, victims: Vec<Evicted>) {
+    let Some(g2) = shared.g2.as_ref() else {
+        shared
+            .metrics
+            .skipped(SkipReason::NoTier, victims.len() as u64);
+        return;
+    };
+    let mut keep = Vec::with_capacity(victims.len());
+    let (mut present, mut refused) = (0u64, 0u64);
+    for v in victims {
+        if g2.pool.contains(v.hash) {
+            present += 1;
+        } else if !admitted(shared, g2, shared.config.g2_policy, v.hash) {
+            refused += 1;
+        } else {
+            keep.push(v);
+        }
+    }
+    shared.metrics.skipped(SkipReason::Present, present);
+    shared.metrics.skipped(SkipReason::NotAdmitted, refused);
+    for part in keep.chunks(batch_limit(shared)) {
+        let targets = allocate_up_to(g2, part.len());
+        shared
+            .metrics
+            .skipped(SkipReason::TierFull, (part.len() - targets.len()) as u64);
+        let part = &part[..targets.len()];
+        let g2_victims = std::mem::take(&mut *shared.g2_victims.lock());
+        spill_to_g3(shared, g2, g2_victims);
+        let pairs: Vec<(usize, usize)> = part
+            .iter()
+            .zip(&targets)
+            .map(|(v, t)| (v.id as usize, t.block_id() as usize))
+            .collect();
+        let items: Vec<_> = part.iter().map(|v| (v.hash, v.parent)).collect();
+        copy_and_register(
+            shared,
+            &shared.g1,
+            g2,
+            Path::G1ToG2,
+            &pairs,
+            targets,
+            &items,
+        );
+    }
+}
+
 /// Copies G2's victims to G3 (those G3 admits and does not hold yet).
-fn spill_to_g3(shared: &Shared, g2: &TierSlot, victims: Vec<Victim>) {
+fn spill_to_g3(shared: &Shared, g2: &TierSlot, victims: Vec<Evicted>) {
     let Some(g3) = shared.g3.as_ref() else {
         return;
     };

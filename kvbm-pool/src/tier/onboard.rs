@@ -253,7 +253,7 @@ pub(crate) fn start(
                     None => own.push(i),
                 }
             }
-            let blocks = shared.g1.pool.allocate(own.len())?;
+            let blocks = super::allocate_g1(shared, own.len())?;
             for &i in &own {
                 let entry = Arc::new(Inflight {
                     waiters: Mutex::new(Some(Vec::new())),
@@ -509,8 +509,12 @@ fn keep_g2_copies(
 }
 
 pub(crate) fn release(shared: &Shared, request: &RequestId) -> bool {
+    let guard = shared.engine_guards.lock().remove(request);
+    if let Some(g) = &guard {
+        g.release();
+    }
     let Some(state) = shared.requests.lock().remove(request) else {
-        return false;
+        return guard.is_some();
     };
     if let Some(job) = &state.onboard {
         job.released.store(true, Ordering::Release);

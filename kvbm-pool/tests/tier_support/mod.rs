@@ -52,12 +52,24 @@ pub fn engine(
     g3: usize,
     dir: &std::path::Path,
 ) -> TierEngine {
+    engine_with(config, g1, g2, g3, dir, executor())
+}
+
+/// [`engine`] with an executor of your own.
+pub fn engine_with(
+    config: TierEngineConfig,
+    g1: usize,
+    g2: usize,
+    g3: usize,
+    dir: &std::path::Path,
+    executor: Executor,
+) -> TierEngine {
     let layouts = TierLayouts {
         g1: host(g1),
         g2: (g2 > 0).then(|| host(g2)),
         g3: (g3 > 0).then(|| disk(g3, dir)),
     };
-    TierEngine::new(config, layouts, executor()).unwrap()
+    TierEngine::new(config, layouts, executor).unwrap()
 }
 
 /// A chain of `n` sequence hashes starting from `seed`.
@@ -129,7 +141,7 @@ pub fn compute(
     hashes: &[SequenceHash],
     parent: Option<SequenceHash>,
 ) -> ImmutableBlocks {
-    let blocks = engine.g1().allocate(hashes.len()).unwrap();
+    let blocks = engine.allocate_g1(hashes.len()).unwrap();
     let g1 = engine.layout(kvbm_pool::Tier::G1).unwrap();
     let mut prev = parent;
     let mut complete = Vec::new();
