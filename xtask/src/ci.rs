@@ -41,7 +41,13 @@ pub fn run() -> Result<(), String> {
     )?;
     let passed = run_tests()?;
     println!("xtask ci: {passed} tests passed");
-    let mut doc = cargo(&["doc", "--workspace", "--all-features", "--no-deps", "--locked"]);
+    let mut doc = cargo(&[
+        "doc",
+        "--workspace",
+        "--all-features",
+        "--no-deps",
+        "--locked",
+    ]);
     doc.env("RUSTDOCFLAGS", "-D warnings");
     step("doc", doc)?;
     println!("xtask ci: all steps passed");

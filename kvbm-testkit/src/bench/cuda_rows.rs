@@ -239,7 +239,12 @@ pub fn measure(
                     .map_err(cuda_err)?,
             );
         }
-        Completion::all(pending).map_err(cuda_err)?;
+        // Wait for all of them, then report the first failure.
+        let results: Vec<_> = pending.into_iter().map(Completion::wait).collect();
+        results
+            .into_iter()
+            .collect::<std::result::Result<(), _>>()
+            .map_err(cuda_err)?;
         samples.push(bytes as f64 / t0.elapsed().as_secs_f64() / 1e9);
         if rep == 0 {
             dst.check(pairs, name)?;
