@@ -395,8 +395,9 @@ pub fn run_replay(
         scale: cfg.scale,
         stored_tokens_per_block: page,
         block_bytes,
-        g1_memory: "host-memory stand-in (engine layout, layer-separate K/V); no GPU in this build"
-            .into(),
+        g1_memory:
+            "host-memory stand-in (engine layout, layer-separate K/V); the replay has no GPU G1 yet"
+                .into(),
         placement: format!(
             "kvbm-pool TierEngine, G2/G3 policy {:?}; G3 {}",
             cfg.policy,
