@@ -18,7 +18,7 @@
 #[cfg(feature = "cuda")]
 pub mod cuda_rows;
 pub mod error;
-mod host_view;
+pub mod host_view;
 pub mod matrix;
 pub mod model;
 pub mod pattern;

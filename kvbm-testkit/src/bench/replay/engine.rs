@@ -19,7 +19,7 @@ use kvbm_pool::metrics::TierStats;
 use kvbm_pool::tier::{G1Lookup, OnboardTarget, TierEngine};
 
 use super::super::error::{BenchError, Result};
-use super::super::host_view::HostTier;
+use super::super::host_view::{HostTier, Mismatch};
 use crate::sim::Tier;
 use crate::trace::Request;
 
@@ -49,10 +49,56 @@ pub struct RequestOutcome {
     pub onboard_secs: Option<f64>,
 }
 
+/// G1's memory: host memory standing in for the GPU, or the GPU.
+pub enum G1Memory {
+    /// A host-memory stand-in.
+    Host(HostTier),
+    /// Device memory (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    Device(super::gpu::DeviceTier),
+}
+
+impl G1Memory {
+    /// The physical layout, for the engine.
+    pub fn physical(&self) -> &kvbm_transfer::PhysicalLayout {
+        match self {
+            G1Memory::Host(h) => h.physical(),
+            #[cfg(feature = "cuda")]
+            G1Memory::Device(d) => d.physical(),
+        }
+    }
+
+    /// Writes block `block`'s pattern for `hash`.
+    ///
+    /// # Safety
+    /// No transfer may touch this block while the call runs.
+    unsafe fn fill(&self, block: usize, hash: u64) -> Result<()> {
+        match self {
+            // SAFETY: forwarded from the caller.
+            G1Memory::Host(h) => unsafe { h.fill(block, hash) },
+            #[cfg(feature = "cuda")]
+            G1Memory::Device(d) => d.fill(block, hash),
+        }
+    }
+
+    /// Checks block `block` against the pattern of `hash`.
+    ///
+    /// # Safety
+    /// No transfer may write this block while the call runs.
+    unsafe fn check(&self, block: usize, hash: u64) -> Result<Option<Mismatch>> {
+        match self {
+            // SAFETY: forwarded from the caller.
+            G1Memory::Host(h) => unsafe { h.check(block, hash) },
+            #[cfg(feature = "cuda")]
+            G1Memory::Device(d) => d.check(block, hash),
+        }
+    }
+}
+
 /// Drives a [`TierEngine`] whose G1 is `g1`.
 pub struct EngineDriver {
     engine: TierEngine,
-    g1: HostTier,
+    g1: G1Memory,
     trace_block_tokens: u32,
     /// Per-path totals, indexed like [`PATHS`].
     pub paths: [PathTotals; 4],
@@ -71,7 +117,7 @@ fn tier_err(e: impl std::fmt::Display) -> BenchError {
 
 impl EngineDriver {
     /// Wraps `engine`, whose G1 layout is `g1`'s.
-    pub fn new(engine: TierEngine, g1: HostTier, trace_block_tokens: u32) -> Self {
+    pub fn new(engine: TierEngine, g1: G1Memory, trace_block_tokens: u32) -> Self {
         let last = engine.stats();
         EngineDriver {
             engine,

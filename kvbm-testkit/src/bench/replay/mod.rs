@@ -13,6 +13,8 @@
 //! [`engine::EngineDriver`]; the simulators give the references.
 
 pub mod engine;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -22,7 +24,7 @@ use kvbm_transfer::memory::{DiskAllocator, DiskOptions};
 use kvbm_transfer::{DiskConfig, Executor, ExecutorConfig, PhysicalLayout};
 use serde::Serialize;
 
-use self::engine::{EngineDriver, PATHS};
+use self::engine::{EngineDriver, G1Memory, PATHS};
 use super::error::{BenchError, Result};
 use super::host_view::HostTier;
 use super::model::{KvModel, check_disk_alignment};
@@ -59,6 +61,8 @@ pub struct ReplayConfig {
     pub max_host_bytes: u64,
     /// Admission and eviction in G2 and G3.
     pub policy: TierPolicy,
+    /// Keep G1 in host memory even when a GPU is present.
+    pub host_g1: bool,
     /// Total capacities (fractions of distinct blocks) to sweep with the
     /// simulators; empty for none.
     pub sweep: Vec<f64>,
@@ -256,6 +260,37 @@ fn sweep_point(requests: &[Request], cfg: &ReplayConfig, unique: usize, f: f64) 
     }
 }
 
+/// Host tiers: G1 a host-memory stand-in, G2 system memory, a CPU
+/// executor.
+fn host_tiers(
+    cfg: &ReplayConfig,
+    g1_layout: Layout,
+    g2_layout: Option<Layout>,
+) -> Result<(G1Memory, Option<PhysicalLayout>, Executor, String)> {
+    let g2 = match g2_layout {
+        Some(l) => Some(HostTier::allocate(l)?.physical().clone()),
+        None => None,
+    };
+    let exec = Executor::cpu(
+        cfg.memcpy_threads,
+        &DiskConfig::default(),
+        4,
+        4 << 20,
+        ExecutorConfig::default(),
+    )?;
+    Ok((
+        G1Memory::Host(HostTier::allocate(g1_layout)?),
+        g2,
+        exec,
+        if cfg!(feature = "cuda") && !cfg.host_g1 {
+            "host-memory stand-in (engine layout, layer-separate K/V): no CUDA device found"
+        } else {
+            "host-memory stand-in (engine layout, layer-separate K/V)"
+        }
+        .to_string(),
+    ))
+}
+
 /// Runs the replay; `progress(done, total)` is called after each request.
 pub fn run_replay(
     cfg: &ReplayConfig,
@@ -290,21 +325,34 @@ pub fn run_replay(
         )));
     }
     // Layouts: G1 as an engine allocates it, G2 and G3 as kvbm does.
-    let g1 = HostTier::allocate(Layout::new(
+    let g1_layout = Layout::new(
         cfg.model.layout_config(g1_slots.max(1), page)?,
         LayoutKind::LayerSeparate(BlockOrder::OuterFirst),
-    )?)?;
-    let g2 = match caps[1] {
+    )?;
+    let g2_layout = match caps[1] {
         0 => None,
-        n => Some(
-            HostTier::allocate(Layout::new(
-                cfg.model.layout_config(n, page)?,
-                LayoutKind::FullyContiguous,
-            )?)?
-            .physical()
-            .clone(),
-        ),
+        n => Some(Layout::new(
+            cfg.model.layout_config(n, page)?,
+            LayoutKind::FullyContiguous,
+        )?),
     };
+    #[cfg(feature = "cuda")]
+    let gpu = if cfg.host_g1 { None } else { gpu::device() };
+    #[cfg(feature = "cuda")]
+    let (g1, g2, exec, g1_memory) = match &gpu {
+        Some(dev) => (
+            G1Memory::Device(gpu::DeviceTier::allocate(dev, g1_layout)?),
+            g2_layout.map(|l| gpu::pinned_layout(dev, l)).transpose()?,
+            gpu::executor(dev, cfg.memcpy_threads)?,
+            format!(
+                "GPU memory of {} (engine layout, layer-separate K/V); G2 pinned host memory",
+                dev.name()
+            ),
+        ),
+        None => host_tiers(cfg, g1_layout, g2_layout)?,
+    };
+    #[cfg(not(feature = "cuda"))]
+    let (g1, g2, exec, g1_memory) = host_tiers(cfg, g1_layout, g2_layout)?;
     let g3 = match caps[2] {
         0 => None,
         n => {
@@ -323,13 +371,6 @@ pub fn run_replay(
             .file_location()
             .is_some_and(|(f, _)| f.is_direct())
     });
-    let exec = Executor::cpu(
-        cfg.memcpy_threads,
-        &DiskConfig::default(),
-        4,
-        4 << 20,
-        ExecutorConfig::default(),
-    )?;
     let engine = TierEngine::new(
         TierEngineConfig::new(cfg.block_tokens as usize)
             .g2_policy(cfg.policy)
@@ -395,9 +436,7 @@ pub fn run_replay(
         scale: cfg.scale,
         stored_tokens_per_block: page,
         block_bytes,
-        g1_memory:
-            "host-memory stand-in (engine layout, layer-separate K/V); the replay has no GPU G1 yet"
-                .into(),
+        g1_memory,
         placement: format!(
             "kvbm-pool TierEngine, G2/G3 policy {:?}; G3 {}",
             cfg.policy,
@@ -516,6 +555,7 @@ mod tests {
             disk_dir: std::env::temp_dir(),
             max_host_bytes: 1 << 30,
             policy: TierPolicy::WriteThrough,
+            host_g1: true,
             sweep: Vec::new(),
         };
         assert!(matches!(

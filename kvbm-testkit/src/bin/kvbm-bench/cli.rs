@@ -103,6 +103,10 @@ pub struct ReplayArgs {
     /// G3 capacity, same unit.
     #[arg(long, default_value_t = 0.12)]
     pub g3: f64,
+    /// Keep G1 in host memory even when built with `cuda` and a GPU is
+    /// present (G1 is on the GPU then by default).
+    #[arg(long)]
+    pub host_g1: bool,
     /// G2/G3 admission and eviction of the tier engine.
     #[arg(long, value_enum, default_value_t = Policy::ReuseScore)]
     pub policy: Policy,

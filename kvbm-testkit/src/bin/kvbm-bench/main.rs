@@ -114,6 +114,7 @@ fn replay(cli: &Cli, args: &ReplayArgs) -> Result<(), BenchError> {
         model: KvModel::parse(&args.model)?,
         scale: args.scale,
         fractions: [args.g1, args.g2, args.g3],
+        host_g1: args.host_g1,
         policy: match args.policy {
             Policy::ReuseScore => TierPolicy::ReuseScore,
             Policy::WriteThrough => TierPolicy::WriteThrough,
