@@ -43,10 +43,13 @@ mod config;
 mod core;
 mod error;
 mod events;
+pub mod metrics;
 pub mod policy;
 mod pool;
 mod registry;
 mod slab;
+pub mod slot;
+pub mod tier;
 
 pub use audit::AuditError;
 pub use config::{DuplicatePolicy, EvictionKind, PoolConfig, Tier};
@@ -58,3 +61,5 @@ pub use pool::{
     BlockPool, CompleteBlock, ImmutableBlock, ImmutableBlocks, MutableBlock, POLICY_SHARDS,
     PoolCounts, WeakBlock,
 };
+pub use slot::SlotManager;
+pub use tier::{TierEngine, TierEngineConfig, TierError, TierLayouts};

@@ -6,6 +6,7 @@
 //! tests, workload trace readers (Mooncake JSONL), offline-optimal (Belady)
 //! and LRU reference simulators, and the `kvbm-bench` binary.
 
+pub mod bench;
 pub mod fault;
 pub mod sim;
 pub mod trace;

@@ -16,13 +16,19 @@ mod frequency;
 mod lineage;
 mod lru;
 mod priority;
+mod reuse_score;
 mod sketch;
+mod spill;
 
 pub use frequency::FrequencyPolicy;
 pub use lineage::LeafFirstPolicy;
 pub use lru::LruPolicy;
 pub use priority::{PolicyFactory, Prioritized};
+pub use reuse_score::{
+    ReuseScorePolicy, ReuseWeights, Seen, SharedHistory, USE_CLASSES, UseHistory,
+};
 pub use sketch::CountMinSketch;
+pub use spill::{Evicted, SpillRecorder, VictimLog};
 
 use std::sync::atomic::Ordering::{Acquire, Relaxed};
 

@@ -1,0 +1,231 @@
+//! The tier engine's metrics: counters kept in the engine (read back with
+//! [`TierEngine::stats`](crate::tier::TierEngine::stats)) and mirrored to
+//! the `metrics` crate facade, so any recorder the application installs
+//! (Prometheus with the `prometheus` feature) sees them.
+//!
+//! Names (all prefixed `kvbm_`): `offload_blocks_total{path}`,
+//! `offload_bytes_total{path}`, `offload_skipped_total{reason}`,
+//! `onboard_blocks_total{path}`, `onboard_bytes_total{path}`,
+//! `onboard_failures_total`, `transfer_seconds{path}` (histogram),
+//! `offload_queue_depth` and `onboards_in_flight` (gauges), and
+//! `hit_rate{tier}` (gauge, percent of prompt blocks over the last
+//! [`HIT_WINDOW`] matched requests).
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+/// Requests in the hit-rate window.
+pub const HIT_WINDOW: usize = 1024;
+
+/// A copy path between tiers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Path {
+    /// G1 → G2 (offload).
+    G1ToG2,
+    /// G2 → G3 (offload of G2's victims).
+    G2ToG3,
+    /// G2 → G1 (onboard).
+    G2ToG1,
+    /// G3 → G1 (onboard).
+    G3ToG1,
+}
+
+impl Path {
+    /// The label used in metric names.
+    pub fn label(self) -> &'static str {
+        match self {
+            Path::G1ToG2 => "g1_g2",
+            Path::G2ToG3 => "g2_g3",
+            Path::G2ToG1 => "g2_g1",
+            Path::G3ToG1 => "g3_g1",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Why an offload did not happen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SkipReason {
+    /// The target tier already holds the block.
+    Present,
+    /// The source block was freed before its copy started (cancelled).
+    SourceGone,
+    /// The admission policy turned it down.
+    NotAdmitted,
+    /// The target tier had no free or evictable block.
+    TierFull,
+    /// The offload queue was full.
+    QueueFull,
+    /// The copy failed; nothing was registered.
+    CopyFailed,
+    /// The engine has no such tier.
+    NoTier,
+}
+
+impl SkipReason {
+    /// The label used in metric names.
+    pub fn label(self) -> &'static str {
+        match self {
+            SkipReason::Present => "present",
+            SkipReason::SourceGone => "source_gone",
+            SkipReason::NotAdmitted => "not_admitted",
+            SkipReason::TierFull => "tier_full",
+            SkipReason::QueueFull => "queue_full",
+            SkipReason::CopyFailed => "copy_failed",
+            SkipReason::NoTier => "no_tier",
+        }
+    }
+}
+
+/// A snapshot of the engine's counters.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TierStats {
+    /// Blocks copied per path, indexed like [`Path`] (G1→G2, G2→G3,
+    /// G2→G1, G3→G1).
+    pub blocks: [u64; 4],
+    /// Bytes copied per path.
+    pub bytes: [u64; 4],
+    /// Offloads skipped per reason, in [`SkipReason`] order.
+    pub skipped: [u64; 7],
+    /// Onboards that failed.
+    pub onboard_failures: u64,
+    /// Requests matched.
+    pub requests: u64,
+    /// Prompt blocks looked up by matches.
+    pub lookups: u64,
+    /// Blocks found per tier (G1, G2, G3) by matches, before the
+    /// full-prompt give-back.
+    pub hits: [u64; 3],
+    /// Blocks currently waiting in the offload queue.
+    pub queue_depth: u64,
+}
+
+impl TierStats {
+    /// Blocks copied on `path`.
+    pub fn blocks_on(&self, path: Path) -> u64 {
+        self.blocks[path.index()]
+    }
+
+    /// Offloads skipped for `reason`.
+    pub fn skipped_for(&self, reason: SkipReason) -> u64 {
+        self.skipped[reason as usize]
+    }
+}
+
+/// The counters.
+#[derive(Debug, Default)]
+pub(crate) struct EngineMetrics {
+    blocks: [AtomicU64; 4],
+    bytes: [AtomicU64; 4],
+    skipped: [AtomicU64; 7],
+    onboard_failures: AtomicU64,
+    requests: AtomicU64,
+    lookups: AtomicU64,
+    hits: [AtomicU64; 3],
+    queue_depth: AtomicU64,
+    window: Mutex<HitWindow>,
+}
+
+#[derive(Debug, Default)]
+struct HitWindow {
+    entries: VecDeque<[u64; 4]>,
+    sums: [u64; 4],
+}
+
+impl EngineMetrics {
+    pub(crate) fn copied(&self, path: Path, blocks: u64, bytes: u64, took: Duration) {
+        self.blocks[path.index()].fetch_add(blocks, Relaxed);
+        self.bytes[path.index()].fetch_add(bytes, Relaxed);
+        let label = path.label();
+        if matches!(path, Path::G1ToG2 | Path::G2ToG3) {
+            metrics::counter!("kvbm_offload_blocks_total", "path" => label).increment(blocks);
+            metrics::counter!("kvbm_offload_bytes_total", "path" => label).increment(bytes);
+        } else {
+            metrics::counter!("kvbm_onboard_blocks_total", "path" => label).increment(blocks);
+            metrics::counter!("kvbm_onboard_bytes_total", "path" => label).increment(bytes);
+        }
+        metrics::histogram!("kvbm_transfer_seconds", "path" => label).record(took.as_secs_f64());
+    }
+
+    pub(crate) fn skipped(&self, reason: SkipReason, n: u64) {
+        if n == 0 {
+            return;
+        }
+        self.skipped[reason as usize].fetch_add(n, Relaxed);
+        metrics::counter!("kvbm_offload_skipped_total", "reason" => reason.label()).increment(n);
+    }
+
+    pub(crate) fn onboard_failed(&self) {
+        self.onboard_failures.fetch_add(1, Relaxed);
+        metrics::counter!("kvbm_onboard_failures_total").increment(1);
+    }
+
+    pub(crate) fn queue_depth(&self, depth: usize) {
+        self.queue_depth.store(depth as u64, Relaxed);
+        metrics::gauge!("kvbm_offload_queue_depth").set(depth as f64);
+    }
+
+    pub(crate) fn onboards_in_flight(&self, n: usize) {
+        metrics::gauge!("kvbm_onboards_in_flight").set(n as f64);
+    }
+
+    /// One matched request: `lookups` prompt blocks, `hits` per tier.
+    pub(crate) fn matched(&self, lookups: u64, hits: [u64; 3]) {
+        self.requests.fetch_add(1, Relaxed);
+        self.lookups.fetch_add(lookups, Relaxed);
+        for (c, h) in self.hits.iter().zip(hits) {
+            c.fetch_add(h, Relaxed);
+        }
+        let entry = [lookups, hits[0], hits[1], hits[2]];
+        let mut w = self.window.lock();
+        w.entries.push_back(entry);
+        for (s, v) in w.sums.iter_mut().zip(entry) {
+            *s += v;
+        }
+        if w.entries.len() > HIT_WINDOW
+            && let Some(old) = w.entries.pop_front()
+        {
+            for (s, v) in w.sums.iter_mut().zip(old) {
+                *s -= v;
+            }
+        }
+        let sums = w.sums;
+        drop(w);
+        if sums[0] > 0 {
+            for (tier, hits) in [("g1", sums[1]), ("g2", sums[2]), ("g3", sums[3])] {
+                metrics::gauge!("kvbm_hit_rate", "tier" => tier)
+                    .set(100.0 * hits as f64 / sums[0] as f64);
+            }
+        }
+    }
+
+    pub(crate) fn snapshot(&self) -> TierStats {
+        let load = |a: &[AtomicU64]| -> Vec<u64> { a.iter().map(|x| x.load(Relaxed)).collect() };
+        let mut s = TierStats::default();
+        s.blocks.copy_from_slice(&load(&self.blocks));
+        s.bytes.copy_from_slice(&load(&self.bytes));
+        s.skipped.copy_from_slice(&load(&self.skipped));
+        s.hits.copy_from_slice(&load(&self.hits));
+        s.onboard_failures = self.onboard_failures.load(Relaxed);
+        s.requests = self.requests.load(Relaxed);
+        s.lookups = self.lookups.load(Relaxed);
+        s.queue_depth = self.queue_depth.load(Relaxed);
+        s
+    }
+}
+
+/// Installs a Prometheus recorder as the global `metrics` recorder and
+/// returns the handle whose `render()` gives the exposition text (serve it
+/// from your own HTTP endpoint).
+#[cfg(feature = "prometheus")]
+pub fn install_prometheus() -> Result<metrics_exporter_prometheus::PrometheusHandle, String> {
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(|e| e.to_string())
+}

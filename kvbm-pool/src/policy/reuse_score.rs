@@ -1,0 +1,470 @@
+//! Reuse-score admission and eviction: the policy study's winner, ported
+//! from the simulator to a pool policy.
+//!
+//! Every block kvbm has seen has a *use count* `k` (requests that carried
+//! it) and a *last use* (the index of the last such request). Blocks that
+//! came back often come back again far more often: in the Mooncake
+//! conversation trace a block seen once returns about a quarter of the
+//! time, one seen four times or more three times in four. A block's score
+//! is
+//!
+//! `score = w[min(k, 4)] / (now - last + 1)`
+//!
+//! where `w[k]` is the probability, learned online, that a block used `k`
+//! times is used again (made non-decreasing in `k`). The lowest score is
+//! evicted, and a block is admitted only when it outscores the block it
+//! would evict. A prompt's blocks form a chain, so a parent is used at
+//! least as often and as recently as its children and never scores lower:
+//! eviction takes leaves first. Within one request blocks are stamped
+//! deepest first, which breaks ties toward the leaf.
+//!
+//! The use counts live in a [`UseHistory`] shared by the engine, which
+//! records every request when it is matched, and by the policies of G2 and
+//! G3. It also remembers blocks no tier holds any more (bounded, least
+//! recently used forgotten first), which is what lets a block that returns
+//! be recognised as popular.
+//!
+//! Within a use-count class the score order never changes as time passes,
+//! so each class keeps its entries ordered by last use and the victim is
+//! the lowest-scored of at most four class heads. Entries are validated
+//! lazily: one whose block was reused since it was queued is re-keyed when
+//! it comes up.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::sync::Arc;
+
+use kvbm_block::SequenceHash;
+use parking_lot::Mutex;
+
+use super::{BlockRef, BlockView, EvictionPolicy, Victim};
+
+/// Number of use-count classes: 1, 2, 3, and 4 or more.
+pub const USE_CLASSES: usize = 4;
+
+/// Requests between two refreshes of the learned weights.
+const REFRESH_EVERY: u64 = 256;
+
+fn class_of(count: u32) -> usize {
+    (count.max(1) as usize - 1).min(USE_CLASSES - 1)
+}
+
+/// Learned probability that a block used `k` times is used again.
+#[derive(Debug, Clone)]
+pub struct ReuseWeights {
+    /// `reached[k]`: blocks whose use count reached `k + 1`; the last slot
+    /// pools every count beyond the classes.
+    reached: [f64; USE_CLASSES + 1],
+    /// Uses beyond the last class, pooled.
+    repeats: f64,
+    weights: [f64; USE_CLASSES],
+}
+
+impl Default for ReuseWeights {
+    fn default() -> Self {
+        // A weak prior: one block in four comes back, more if seen more.
+        let mut w = Self {
+            reached: [400.0, 100.0, 40.0, 20.0, 15.0],
+            repeats: 60.0,
+            weights: [0.0; USE_CLASSES],
+        };
+        w.refresh();
+        w
+    }
+}
+
+impl ReuseWeights {
+    /// Records that a block's use count went from `count - 1` to `count`.
+    pub fn observe(&mut self, count: u32) {
+        let c = count as usize;
+        if c == 0 {
+            return;
+        }
+        if c <= USE_CLASSES + 1 {
+            self.reached[c - 1] += 1.0;
+        }
+        if c > USE_CLASSES {
+            self.repeats += 1.0;
+        }
+    }
+
+    /// Recomputes the weights from the counters.
+    pub fn refresh(&mut self) {
+        let mut best = 0.0f64;
+        for k in 0..USE_CLASSES {
+            let w = if k + 1 < USE_CLASSES {
+                self.reached[k + 1] / self.reached[k].max(1.0)
+            } else {
+                self.repeats / (self.repeats + self.reached[USE_CLASSES - 1]).max(1.0)
+            };
+            best = best.max(w);
+            self.weights[k] = best.max(1e-6);
+        }
+    }
+
+    /// Weight of a block used `count` times.
+    pub fn weight(&self, count: u32) -> f64 {
+        self.weights[class_of(count)]
+    }
+
+    /// The current weights, class by class.
+    pub fn weights(&self) -> [f64; USE_CLASSES] {
+        self.weights
+    }
+}
+
+/// What is remembered about one block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Seen {
+    /// Requests that carried the block.
+    pub count: u32,
+    /// Index of the last such request.
+    pub last: u64,
+    /// Tie-breaker: a global sequence number of the last use (deeper
+    /// blocks of one request get smaller numbers).
+    pub seq: u64,
+}
+
+/// Use counts of recently seen blocks, shared by the engine and the
+/// reuse-score policies of its tiers.
+#[derive(Debug)]
+pub struct UseHistory {
+    seen: HashMap<SequenceHash, Seen>,
+    order: VecDeque<(SequenceHash, u64)>,
+    capacity: usize,
+    weights: ReuseWeights,
+    now: u64,
+    seq: u64,
+    age_exponent: f64,
+}
+
+/// A [`UseHistory`] behind a lock, as the engine and policies share it.
+pub type SharedHistory = Arc<Mutex<UseHistory>>;
+
+impl UseHistory {
+    /// A history remembering at most `capacity` blocks (at least 1).
+    pub fn new(capacity: usize) -> Self {
+        let capacity = capacity.max(1);
+        Self {
+            seen: HashMap::with_capacity(capacity.min(1 << 20)),
+            order: VecDeque::new(),
+            capacity,
+            weights: ReuseWeights::default(),
+            now: 0,
+            seq: 0,
+            age_exponent: 1.0,
+        }
+    }
+
+    /// Scores divide by `(age + 1)^exponent` (default 1). Below 1, blocks
+    /// that were used often keep their rank for longer: the right choice
+    /// when reuse gaps are long compared with the cache's turnover.
+    pub fn with_age_exponent(mut self, exponent: f64) -> Self {
+        if exponent.is_finite() && exponent > 0.0 {
+            self.age_exponent = exponent;
+        }
+        self
+    }
+
+    /// A shared history of `capacity` blocks.
+    pub fn shared(capacity: usize) -> SharedHistory {
+        Arc::new(Mutex::new(Self::new(capacity)))
+    }
+
+    /// Records one request carrying `hashes` (its prompt's blocks, in
+    /// order): the clock advances and every block's use count grows by one.
+    pub fn record_request(&mut self, hashes: &[SequenceHash]) {
+        self.now += 1;
+        let now = self.now;
+        for &h in hashes.iter().rev() {
+            self.seq += 1;
+            let seq = self.seq;
+            let s = self.seen.entry(h).or_insert(Seen {
+                count: 0,
+                last: now,
+                seq,
+            });
+            s.count = s.count.saturating_add(1);
+            s.last = now;
+            s.seq = seq;
+            let count = s.count;
+            self.weights.observe(count);
+            self.order.push_back((h, seq));
+        }
+        self.forget_excess();
+        if now.is_multiple_of(REFRESH_EVERY) {
+            self.weights.refresh();
+        }
+    }
+
+    fn forget_excess(&mut self) {
+        while self.seen.len() > self.capacity {
+            let Some((h, seq)) = self.order.pop_front() else {
+                break;
+            };
+            if self.seen.get(&h).is_some_and(|s| s.seq == seq) {
+                self.seen.remove(&h);
+            }
+        }
+        if self.order.len() > 2 * self.capacity + 1024 {
+            let seen = &self.seen;
+            self.order
+                .retain(|(h, seq)| seen.get(h).is_some_and(|s| s.seq == *seq));
+        }
+    }
+
+    /// The clock: requests recorded so far.
+    pub fn now(&self) -> u64 {
+        self.now
+    }
+
+    /// What is remembered about `hash`.
+    pub fn get(&self, hash: SequenceHash) -> Option<Seen> {
+        self.seen.get(&hash).copied()
+    }
+
+    /// Requests that carried `hash` (0 when unknown or forgotten).
+    pub fn uses(&self, hash: SequenceHash) -> u32 {
+        self.seen.get(&hash).map_or(0, |s| s.count)
+    }
+
+    /// The score of a block with this history entry.
+    pub fn score_of(&self, seen: Seen) -> f64 {
+        let age = (self.now.saturating_sub(seen.last) + 1) as f64;
+        let decay = if self.age_exponent == 1.0 {
+            age
+        } else {
+            age.powf(self.age_exponent)
+        };
+        self.weights.weight(seen.count) / decay
+    }
+
+    /// The score of `hash` (an unknown block counts as used once, now).
+    pub fn score(&self, hash: SequenceHash) -> f64 {
+        let seen = self.get(hash).unwrap_or(Seen {
+            count: 1,
+            last: self.now,
+            seq: u64::MAX,
+        });
+        self.score_of(seen)
+    }
+
+    /// The learned weights.
+    pub fn weights(&self) -> &ReuseWeights {
+        &self.weights
+    }
+}
+
+/// A queued candidate: ordered by last use, then sequence number.
+type Key = (u64, u64, u32, u64);
+
+/// Eviction by lowest reuse score, admission by comparison with the
+/// victim. Reads use counts from a [`SharedHistory`] the tier engine feeds.
+#[derive(Debug)]
+pub struct ReuseScorePolicy {
+    history: SharedHistory,
+    classes: [BTreeSet<Key>; USE_CLASSES],
+    /// The entry the last peek named: `(class, key)`.
+    peeked: Option<(usize, Key)>,
+}
+
+impl ReuseScorePolicy {
+    /// A policy reading `history`.
+    pub fn new(history: SharedHistory) -> Self {
+        Self {
+            history,
+            classes: std::array::from_fn(|_| BTreeSet::new()),
+            peeked: None,
+        }
+    }
+
+    fn key_for(history: &UseHistory, hash: SequenceHash) -> (usize, Seen) {
+        let seen = history.get(hash).unwrap_or(Seen {
+            count: 1,
+            last: history.now(),
+            seq: 0,
+        });
+        (class_of(seen.count), seen)
+    }
+
+    /// The valid head of class `c`, re-keying entries whose block was used
+    /// since they were queued; `(key, score)`.
+    fn head(
+        classes: &mut [BTreeSet<Key>; USE_CLASSES],
+        c: usize,
+        history: &UseHistory,
+        view: &BlockView<'_>,
+    ) -> Option<(Key, f64)> {
+        loop {
+            let key = *classes[c].first()?;
+            let (last, seq, id, stamp) = key;
+            let Some(info) = view.evictable(id, stamp) else {
+                classes[c].remove(&key);
+                continue;
+            };
+            match history.get(info.hash()) {
+                Some(s) if (class_of(s.count), s.last, s.seq) != (c, last, seq) => {
+                    classes[c].remove(&key);
+                    classes[class_of(s.count)].insert((s.last, s.seq, id, stamp));
+                }
+                Some(s) => return Some((key, history.score_of(s))),
+                // Forgotten by the history: its queued key stands.
+                None => {
+                    let s = Seen {
+                        count: c as u32 + 1,
+                        last,
+                        seq,
+                    };
+                    return Some((key, history.score_of(s)));
+                }
+            }
+        }
+    }
+
+    /// The lowest-scored evictable block: `(class, key, score)`.
+    fn lowest(&mut self, view: &BlockView<'_>) -> Option<(usize, Key, f64)> {
+        let history = self.history.lock();
+        let mut best: Option<(usize, Key, f64)> = None;
+        for c in 0..USE_CLASSES {
+            if let Some((key, score)) = Self::head(&mut self.classes, c, &history, view) {
+                let better = match best {
+                    None => true,
+                    Some((_, bk, bs)) => {
+                        score < bs || (score == bs && (key.0, key.1) < (bk.0, bk.1))
+                    }
+                };
+                if better {
+                    best = Some((c, key, score));
+                }
+            }
+        }
+        best
+    }
+}
+
+impl EvictionPolicy for ReuseScorePolicy {
+    fn name(&self) -> &'static str {
+        "reuse-score"
+    }
+
+    fn on_release(&mut self, block: BlockRef<'_>) {
+        let (c, s) = {
+            let history = self.history.lock();
+            Self::key_for(&history, block.hash())
+        };
+        self.classes[c].insert((s.last, s.seq, block.id(), block.stamp()));
+    }
+
+    fn peek_victim(&mut self, view: &BlockView<'_>) -> Option<Victim> {
+        let (c, key, score) = self.lowest(view)?;
+        self.peeked = Some((c, key));
+        // Scores are non-negative, so their bit patterns order like them;
+        // the last use breaks ties (older first).
+        let key128 = (u128::from(score.to_bits()) << 64) | u128::from(key.0);
+        Some(Victim {
+            id: key.2,
+            key: key128,
+        })
+    }
+
+    fn pop_victim(&mut self) {
+        if let Some((c, key)) = self.peeked.take() {
+            self.classes[c].remove(&key);
+        }
+    }
+
+    fn admit(&mut self, candidate: SequenceHash, view: &BlockView<'_>) -> bool {
+        match self.lowest(view) {
+            Some((_, _, low)) => self.history.lock().score(candidate) > low,
+            None => false,
+        }
+    }
+
+    fn compact(&mut self, view: &BlockView<'_>) {
+        for class in &mut self.classes {
+            class.retain(|&(_, _, id, stamp)| view.evictable(id, stamp).is_some());
+        }
+    }
+
+    fn queued(&self) -> usize {
+        self.classes.iter().map(BTreeSet::len).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{BlockPool, PoolConfig, Tier};
+
+    fn h(x: u64) -> SequenceHash {
+        SequenceHash(x)
+    }
+
+    fn pool(history: &SharedHistory, capacity: usize) -> BlockPool {
+        let policy = Box::new(ReuseScorePolicy::new(Arc::clone(history)));
+        BlockPool::with_policy(PoolConfig::new(capacity, 4, Tier::G2), policy).unwrap()
+    }
+
+    fn store(pool: &BlockPool, hashes: &[u64]) {
+        let blocks = pool.allocate(hashes.len()).unwrap();
+        let complete = blocks
+            .into_iter()
+            .zip(hashes)
+            .map(|(b, &x)| b.complete(h(x), None).unwrap())
+            .collect();
+        drop(pool.register(complete).unwrap());
+    }
+
+    #[test]
+    fn popular_blocks_outlive_recent_one_offs() {
+        let history = UseHistory::shared(1000);
+        // Block 1 carried by five requests, block 2 by one, later.
+        for _ in 0..5 {
+            history.lock().record_request(&[h(1)]);
+        }
+        history.lock().record_request(&[h(2)]);
+        let pool = pool(&history, 2);
+        store(&pool, &[1, 2]);
+        // A third block needs room: the one-off goes, the popular one stays.
+        history.lock().record_request(&[h(3)]);
+        store(&pool, &[3]);
+        assert!(pool.contains(h(1)));
+        assert!(!pool.contains(h(2)));
+        assert!(pool.contains(h(3)));
+    }
+
+    #[test]
+    fn admission_refuses_blocks_that_score_lower_than_the_victim() {
+        let history = UseHistory::shared(1000);
+        for _ in 0..4 {
+            history.lock().record_request(&[h(1), h(2)]);
+        }
+        let pool = pool(&history, 2);
+        store(&pool, &[1, 2]);
+        // An old one-off (seen once, long ago) is not worth a popular block.
+        history.lock().record_request(&[h(9)]);
+        for _ in 0..20 {
+            history.lock().record_request(&[h(1), h(2)]);
+        }
+        assert!(!pool.admit(h(9)));
+        // A block carried by many recent requests is.
+        for _ in 0..30 {
+            history.lock().record_request(&[h(7)]);
+        }
+        assert!(pool.admit(h(7)));
+    }
+
+    #[test]
+    fn history_forgets_least_recent_first_and_learns_weights() {
+        let mut u = UseHistory::new(3);
+        u.record_request(&[h(1), h(2)]);
+        u.record_request(&[h(3)]);
+        u.record_request(&[h(4)]);
+        assert_eq!(u.uses(h(1)) + u.uses(h(2)), 1, "one of the oldest is gone");
+        assert_eq!(u.uses(h(4)), 1);
+        let w = u.weights().weights();
+        assert!(
+            w.windows(2).all(|p| p[0] <= p[1]),
+            "weights {w:?} must not decrease"
+        );
+    }
+}

@@ -1,0 +1,160 @@
+//! How a tier engine is built: per-tier admission and eviction, the
+//! offload queue's bounds, and the G3 onboarding path.
+
+use crate::config::EvictionKind;
+
+/// Admission and eviction of one kvbm tier (G2 or G3).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum TierPolicy {
+    /// Admit every block; evict the least recently released.
+    WriteThrough,
+    /// Admit only blocks requests have carried at least `n` times (a
+    /// frequency filter: one-off prompts never cost PCIe bandwidth or SSD
+    /// wear); evict the least recently released.
+    MinUses(u32),
+    /// The policy study's winner: rank blocks by learned reuse probability
+    /// per unit of age; admit a block only when it outranks the block it
+    /// would evict. See [`crate::policy::ReuseScorePolicy`].
+    ReuseScore,
+}
+
+/// How a block found in G3 reaches G1.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum G3Onboard {
+    /// Straight into G1 (through the executor's bounce pipeline when G1 is
+    /// device memory): lowest latency, no G2 copy is kept.
+    #[default]
+    Direct,
+    /// Straight into G1 as well, then queue a G1→G2 offload of the loaded
+    /// blocks (off the latency path), so a later request finds them in G2.
+    KeepG2Copy,
+}
+
+/// When G1 blocks are copied to G2.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OffloadMode {
+    /// When the engine registers a complete block (asynchronously, by the
+    /// offload worker). G2 then also holds what G1 holds.
+    #[default]
+    WriteThrough,
+    /// When G1 evicts a block to reuse its slot: the copy runs before the
+    /// slot is handed out, so allocation through
+    /// [`TierEngine::allocate_g1`](super::TierEngine::allocate_g1) waits for
+    /// it. G2 then holds only what G1 lost (an exclusive victim cache: more
+    /// distinct blocks for the same memory), at the price of copies on the
+    /// allocation path.
+    WriteBack,
+}
+
+/// A tier engine's parameters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TierEngineConfig {
+    /// Tokens per block, the same in every tier.
+    pub block_size: usize,
+    /// Eviction of kvbm's G1 books (the engine's GPU prefix cache).
+    pub g1_eviction: EvictionKind,
+    /// Admission and eviction in G2.
+    pub g2_policy: TierPolicy,
+    /// Admission and eviction in G3.
+    pub g3_policy: TierPolicy,
+    /// The G3 → G1 path.
+    pub g3_onboard: G3Onboard,
+    /// When G1 blocks go to G2.
+    pub offload_mode: OffloadMode,
+    /// Most blocks one offload batch moves.
+    pub offload_batch: usize,
+    /// Most blocks waiting in the offload queue; beyond it new offloads are
+    /// skipped and counted (the engine is never blocked).
+    pub offload_queue: usize,
+    /// Use counts are remembered for this many blocks per block of total
+    /// capacity (G1 + G2 + G3), also for blocks no tier holds any more.
+    pub history_factor: f64,
+    /// Reuse-score ages decay as `(age + 1)^-exponent` (see
+    /// [`UseHistory::with_age_exponent`](crate::policy::UseHistory::with_age_exponent)).
+    pub reuse_age_exponent: f64,
+}
+
+impl TierEngineConfig {
+    /// Blocks of `block_size` tokens; reuse-score admission and eviction in
+    /// G2 and G3, LRU leaf-first G1, direct G3 onboarding, batches of 64,
+    /// a queue of 4096 blocks, a history of 4× the total capacity.
+    pub fn new(block_size: usize) -> Self {
+        Self {
+            block_size,
+            g1_eviction: EvictionKind::LeafFirst,
+            g2_policy: TierPolicy::ReuseScore,
+            g3_policy: TierPolicy::ReuseScore,
+            g3_onboard: G3Onboard::Direct,
+            offload_mode: OffloadMode::WriteThrough,
+            offload_batch: 64,
+            offload_queue: 4096,
+            history_factor: 4.0,
+            reuse_age_exponent: 1.0,
+        }
+    }
+
+    /// Sets the G2 policy.
+    pub fn g2_policy(mut self, policy: TierPolicy) -> Self {
+        self.g2_policy = policy;
+        self
+    }
+
+    /// Sets the G3 policy.
+    pub fn g3_policy(mut self, policy: TierPolicy) -> Self {
+        self.g3_policy = policy;
+        self
+    }
+
+    /// Sets the G1 eviction policy.
+    pub fn g1_eviction(mut self, eviction: EvictionKind) -> Self {
+        self.g1_eviction = eviction;
+        self
+    }
+
+    /// Sets the G3 onboarding path.
+    pub fn g3_onboard(mut self, path: G3Onboard) -> Self {
+        self.g3_onboard = path;
+        self
+    }
+
+    /// Sets when G1 blocks go to G2.
+    pub fn offload_mode(mut self, mode: OffloadMode) -> Self {
+        self.offload_mode = mode;
+        self
+    }
+
+    /// Sets the reuse-score age exponent.
+    pub fn reuse_age_exponent(mut self, exponent: f64) -> Self {
+        self.reuse_age_exponent = exponent;
+        self
+    }
+
+    /// Sets the offload batch size and queue bound.
+    pub fn offload_limits(mut self, batch: usize, queue: usize) -> Self {
+        self.offload_batch = batch;
+        self.offload_queue = queue;
+        self
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), String> {
+        if self.block_size == 0 {
+            return Err("block_size must be at least 1".into());
+        }
+        if self.offload_batch == 0 || self.offload_queue == 0 {
+            return Err("offload batch and queue must be at least 1".into());
+        }
+        if let TierPolicy::MinUses(0) = self.g2_policy {
+            return Err("MinUses needs at least 1".into());
+        }
+        if let TierPolicy::MinUses(0) = self.g3_policy {
+            return Err("MinUses needs at least 1".into());
+        }
+        if !(self.reuse_age_exponent.is_finite() && self.reuse_age_exponent > 0.0) {
+            return Err("reuse_age_exponent must be positive".into());
+        }
+        if !(self.history_factor.is_finite() && self.history_factor >= 1.0) {
+            return Err("history_factor must be at least 1".into());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,203 @@
+//! Hierarchical prefix match: G1, then G2, then G3, one contiguous prefix.
+
+use std::sync::Arc;
+
+use kvbm_block::SequenceHash;
+
+use super::onboard::OnboardJob;
+use super::{RequestId, Shared, TierError};
+use crate::pool::ImmutableBlocks;
+
+/// Where the G1 part of a match comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum G1Lookup {
+    /// kvbm keeps the G1 books: match in its G1 pool and hand the held
+    /// blocks back in [`TierMatch::g1`].
+    Pool,
+    /// The engine keeps its own G1 prefix cache and already found this many
+    /// leading blocks there (vLLM's `num_computed_tokens / block_size`).
+    Engine {
+        /// Leading blocks the engine holds.
+        blocks: usize,
+    },
+}
+
+/// The outcome of a match.
+#[derive(Debug)]
+pub struct TierMatch {
+    /// The G1 prefix, held ([`G1Lookup::Pool`] only; empty otherwise).
+    pub g1: ImmutableBlocks,
+    /// Leading blocks in G1 (held above, or the engine's own count).
+    pub g1_blocks: usize,
+    /// Blocks after those that kvbm holds in G2, ready to onboard.
+    pub g2_blocks: usize,
+    /// Blocks after those that kvbm holds in G3, ready to onboard. (The
+    /// walk takes each next block from whichever of G2 and G3 holds it, so
+    /// G2 and G3 blocks may alternate along the prefix.)
+    pub g3_blocks: usize,
+    /// Whether one block was given back because the whole prompt hit.
+    pub gave_back: bool,
+    /// Tokens per block.
+    pub block_size: usize,
+}
+
+impl TierMatch {
+    /// Blocks kvbm can load (G2 + G3).
+    pub fn external_blocks(&self) -> usize {
+        self.g2_blocks + self.g3_blocks
+    }
+
+    /// Tokens kvbm can load, beyond what G1 has (vLLM's
+    /// `get_num_new_matched_tokens`).
+    pub fn external_tokens(&self) -> usize {
+        self.external_blocks() * self.block_size
+    }
+
+    /// Tokens already in G1.
+    pub fn g1_tokens(&self) -> usize {
+        self.g1_blocks * self.block_size
+    }
+
+    /// All matched blocks.
+    pub fn total_blocks(&self) -> usize {
+        self.g1_blocks + self.external_blocks()
+    }
+}
+
+/// A run of consecutive matched blocks held in one kvbm tier.
+pub(crate) struct Segment {
+    /// `true` for G3, `false` for G2.
+    pub(crate) g3: bool,
+    pub(crate) blocks: ImmutableBlocks,
+}
+
+/// What the engine keeps per live request.
+pub(crate) struct RequestState {
+    /// The prompt's block hashes.
+    pub(crate) hashes: Vec<SequenceHash>,
+    /// Index of the first block to onboard (the G1 prefix length).
+    pub(crate) start: usize,
+    /// Held runs of G2 and G3 blocks, in prefix order.
+    pub(crate) segments: Vec<Segment>,
+    /// The onboard, once started.
+    pub(crate) onboard: Option<Arc<OnboardJob>>,
+}
+
+pub(crate) fn match_request(
+    shared: &Arc<Shared>,
+    request: RequestId,
+    hashes: &[SequenceHash],
+    prompt_tokens: usize,
+    g1: G1Lookup,
+) -> Result<TierMatch, TierError> {
+    let bs = shared.config.block_size;
+    // Only whole blocks can be reused: never match past the prompt.
+    let usable = hashes.len().min(prompt_tokens / bs);
+    let hashes = &hashes[..usable];
+
+    let first_time = {
+        let requests = shared.requests.lock();
+        match requests.get(&request) {
+            Some(state) if state.onboard.is_some() => {
+                return Err(TierError::AlreadyOnboarding(request));
+            }
+            Some(_) => false,
+            None => true,
+        }
+    };
+    if first_time {
+        shared.history.lock().record_request(hashes);
+    }
+
+    let (mut g1_held, g1_blocks) = match g1 {
+        G1Lookup::Pool => {
+            let held = shared.g1.pool.match_prefix(hashes);
+            let n = held.len();
+            (held, n)
+        }
+        G1Lookup::Engine { blocks } => (ImmutableBlocks::empty(), blocks.min(usable)),
+    };
+    // Walk on in G2 and G3 block by block: each run is taken from whichever
+    // tier holds the next block, so the prefix may alternate between them.
+    let mut at = g1_blocks;
+    let mut segments: Vec<Segment> = Vec::new();
+    let (mut in_g2, mut in_g3) = (0usize, 0usize);
+    loop {
+        let before = at;
+        for (is_g3, tier) in [(false, &shared.g2), (true, &shared.g3)] {
+            let Some(tier) = tier else { continue };
+            let run = tier.pool.match_prefix(&hashes[at..]);
+            if run.is_empty() {
+                continue;
+            }
+            at += run.len();
+            if is_g3 {
+                in_g3 += run.len();
+            } else {
+                in_g2 += run.len();
+            }
+            segments.push(Segment {
+                g3: is_g3,
+                blocks: run,
+            });
+        }
+        if at == before || at == hashes.len() {
+            break;
+        }
+    }
+    shared.metrics.matched(
+        hashes.len() as u64,
+        [g1_blocks as u64, in_g2 as u64, in_g3 as u64],
+    );
+
+    // The full-prompt rule: the engine must compute at least one token.
+    let mut gave_back = false;
+    if at > 0 && at * bs >= prompt_tokens {
+        gave_back = true;
+        if let Some(last) = segments.last_mut() {
+            if last.g3 {
+                in_g3 -= 1;
+            } else {
+                in_g2 -= 1;
+            }
+            last.blocks.truncate(last.blocks.len() - 1);
+            if last.blocks.is_empty() {
+                segments.pop();
+            }
+        } else if !g1_held.is_empty() {
+            g1_held.truncate(g1_held.len() - 1);
+        } else {
+            // The engine's own G1 prefix covers it: its rule, not ours.
+            gave_back = false;
+        }
+    }
+    let g1_blocks = match g1 {
+        G1Lookup::Pool => g1_held.len(),
+        // The engine applies its own rule to its own prefix.
+        G1Lookup::Engine { .. } => g1_blocks,
+    };
+
+    let result = TierMatch {
+        g1: g1_held,
+        g1_blocks,
+        g2_blocks: in_g2,
+        g3_blocks: in_g3,
+        gave_back,
+        block_size: bs,
+    };
+    let state = RequestState {
+        hashes: hashes.to_vec(),
+        start: g1_blocks,
+        segments,
+        onboard: None,
+    };
+    let mut requests = shared.requests.lock();
+    if requests.get(&request).is_some_and(|s| s.onboard.is_some()) {
+        return Err(TierError::AlreadyOnboarding(request));
+    }
+    // A replaced match drops its holds here, after the lock is released.
+    let old = requests.insert(request, state);
+    drop(requests);
+    drop(old);
+    Ok(result)
+}

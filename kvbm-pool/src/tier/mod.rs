@@ -1,0 +1,437 @@
+//! The tier engine: what an inference engine calls to keep its KV blocks
+//! beyond GPU memory and get them back.
+//!
+//! Each tier is a [`BlockPool`] (the books: which prefix each block holds,
+//! what may be evicted) and a [`PhysicalLayout`] (the bytes; pool block `i`
+//! is layout block `i`). One [`Executor`] moves the bytes.
+//!
+//! - **Offload.** Blocks the engine registers in G1 are queued for G2. One
+//!   worker thread takes batches off a bounded queue, holding only a
+//!   [`WeakBlock`] to each source until its copy starts (a block freed
+//!   before then is skipped: that is cancellation), asks G2's admission
+//!   policy, allocates targets, copies, and registers a target only after
+//!   its bytes landed. G2 is a victim cache towards G3: when allocating in
+//!   G2 evicts blocks, the worker copies those victims to G3 before their
+//!   slots are written again (the policy study found exclusive victim
+//!   caching beats writing every block through to disk, and it spares SSD
+//!   wear). Offloads wait while any onboard runs: onboarding is
+//!   latency-critical.
+//! - **Match.** For a request's sequence hashes: the longest prefix in G1,
+//!   continued in G2, then G3 — one contiguous prefix. When the three cover
+//!   the whole prompt one block is given back so the engine recomputes the
+//!   last token (it needs the logits). Matched G2/G3 blocks are held until
+//!   onboarded or released.
+//! - **Onboard.** Copies the held blocks into G1 blocks (allocated by kvbm
+//!   from its G1 pool, or given by the engine as ids) and resolves one
+//!   completion per request. A failure reports nothing as loaded. Requests
+//!   sharing a prefix onboard it once: the second waits for the first's
+//!   blocks to land in G1.
+//!
+//! Reuse-score admission and eviction need to know how often each block
+//! was requested; every first match of a request records its prompt in a
+//! shared [`crate::policy::UseHistory`].
+
+mod config;
+mod error;
+mod events;
+mod matching;
+mod offload;
+mod onboard;
+mod request;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::mpsc::Receiver;
+use std::thread::JoinHandle;
+
+use kvbm_block::SequenceHash;
+use kvbm_transfer::{Executor, PhysicalLayout};
+use parking_lot::Mutex;
+
+pub use config::{G3Onboard, OffloadMode, TierEngineConfig, TierPolicy};
+pub use error::TierError;
+pub use matching::{G1Lookup, TierMatch};
+pub use onboard::{OnboardHandle, OnboardTarget, Onboarded};
+pub use request::RequestId;
+
+use crate::config::{EvictionKind, PoolConfig, Tier};
+use crate::events::KvEventBatch;
+use crate::metrics::{EngineMetrics, TierStats};
+use crate::policy::{
+    EvictionPolicy, FrequencyPolicy, LeafFirstPolicy, LruPolicy, ReuseScorePolicy, SharedHistory,
+    SpillRecorder, UseHistory, VictimLog,
+};
+use crate::pool::{BlockPool, CompleteBlock, ImmutableBlocks, MutableBlock, WeakBlock};
+
+/// Allocates G1 blocks, saving G1's victims to G2 first in write-back mode.
+pub(crate) fn allocate_g1(shared: &Shared, n: usize) -> Result<Vec<MutableBlock>, TierError> {
+    let Some(log) = &shared.g1_victims else {
+        return Ok(shared.g1.pool.allocate(n)?);
+    };
+    let _serial = shared.g1_alloc.lock();
+    let blocks = shared.g1.pool.allocate(n)?;
+    let victims = std::mem::take(&mut *log.lock());
+    if !victims.is_empty() {
+        shared.offload.write_back(victims);
+    }
+    Ok(blocks)
+}
+
+/// The memory of each tier. G1 is required; without G2 nothing is
+/// offloaded, and without G3 G2's victims are dropped.
+#[derive(Debug, Clone)]
+pub struct TierLayouts {
+    /// The engine's KV memory (device memory, or host memory standing in).
+    pub g1: PhysicalLayout,
+    /// Host memory (pinned where CUDA is available).
+    pub g2: Option<PhysicalLayout>,
+    /// A disk layout.
+    pub g3: Option<PhysicalLayout>,
+}
+
+/// One tier: its books and its bytes.
+#[derive(Debug)]
+pub(crate) struct TierSlot {
+    pub(crate) pool: BlockPool,
+    pub(crate) layout: PhysicalLayout,
+    pub(crate) block_bytes: u64,
+}
+
+/// State shared by the engine, its offload worker and onboard callbacks.
+pub(crate) struct Shared {
+    pub(crate) config: TierEngineConfig,
+    pub(crate) g1: TierSlot,
+    pub(crate) g2: Option<TierSlot>,
+    pub(crate) g3: Option<TierSlot>,
+    pub(crate) g2_victims: VictimLog,
+    /// G1's evictions, recorded in write-back mode only.
+    pub(crate) g1_victims: Option<VictimLog>,
+    /// Serialises G1 allocations in write-back mode, so each allocation
+    /// saves exactly the victims it made.
+    pub(crate) g1_alloc: Mutex<()>,
+    pub(crate) executor: Executor,
+    pub(crate) history: SharedHistory,
+    pub(crate) requests: Mutex<HashMap<RequestId, matching::RequestState>>,
+    pub(crate) inflight: Mutex<HashMap<SequenceHash, Arc<onboard::Inflight>>>,
+    pub(crate) offload: offload::OffloadQueue,
+    /// Requests with engine-owned G1 blocks queued for offload.
+    pub(crate) engine_guards: Mutex<HashMap<RequestId, Arc<offload::EngineGuard>>>,
+    pub(crate) metrics: EngineMetrics,
+}
+
+/// The tier engine. `Send + Sync`; share it behind an `Arc`. Dropping it
+/// stops the offload worker (queued offloads are skipped).
+pub struct TierEngine {
+    shared: Arc<Shared>,
+    worker: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for TierEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TierEngine")
+            .field("config", &self.shared.config)
+            .finish_non_exhaustive()
+    }
+}
+
+fn tier_policy(
+    policy: TierPolicy,
+    capacity: usize,
+    history: &SharedHistory,
+) -> Box<dyn EvictionPolicy> {
+    match policy {
+        TierPolicy::ReuseScore => Box::new(ReuseScorePolicy::new(Arc::clone(history))),
+        TierPolicy::WriteThrough | TierPolicy::MinUses(_) => {
+            Box::new(LruPolicy::with_capacity(capacity))
+        }
+    }
+}
+
+fn slot(
+    layout: PhysicalLayout,
+    tier: Tier,
+    block_size: usize,
+    policy: Box<dyn EvictionPolicy>,
+) -> Result<TierSlot, TierError> {
+    let capacity = layout.layout().config().num_blocks();
+    let block_bytes = layout.layout().config().block_bytes();
+    let pool = BlockPool::with_policy(PoolConfig::new(capacity, block_size, tier), policy)?;
+    Ok(TierSlot {
+        pool,
+        layout,
+        block_bytes,
+    })
+}
+
+impl TierEngine {
+    /// Builds the engine over `layouts` (pool capacities are the layouts'
+    /// block counts) and starts its offload worker.
+    pub fn new(
+        config: TierEngineConfig,
+        layouts: TierLayouts,
+        executor: Executor,
+    ) -> Result<Self, TierError> {
+        config.validate().map_err(TierError::InvalidConfig)?;
+        let g1_cfg = *layouts.g1.layout().config();
+        for l in [&layouts.g2, &layouts.g3].into_iter().flatten() {
+            g1_cfg
+                .same_block_shape(l.layout().config())
+                .map_err(|e| TierError::InvalidConfig(format!("tier block shapes differ: {e}")))?;
+        }
+        let total: usize = [Some(&layouts.g1), layouts.g2.as_ref(), layouts.g3.as_ref()]
+            .into_iter()
+            .flatten()
+            .map(|l| l.layout().config().num_blocks())
+            .sum();
+        let history = Arc::new(Mutex::new(
+            UseHistory::new((total as f64 * config.history_factor).ceil() as usize)
+                .with_age_exponent(config.reuse_age_exponent),
+        ));
+        let bs = config.block_size;
+        let g1_victims = (config.offload_mode == OffloadMode::WriteBack).then(VictimLog::default);
+        let g1 = {
+            let capacity = g1_cfg.num_blocks();
+            let pool_config = PoolConfig::new(capacity, bs, Tier::G1).eviction(config.g1_eviction);
+            let pool = match &g1_victims {
+                None => BlockPool::new(pool_config)?,
+                Some(log) => {
+                    let inner: Box<dyn EvictionPolicy> = match config.g1_eviction {
+                        EvictionKind::Lru => Box::new(LruPolicy::with_capacity(capacity)),
+                        EvictionKind::LeafFirst => {
+                            Box::new(LeafFirstPolicy::with_capacity(capacity))
+                        }
+                        EvictionKind::Frequency { sample } => {
+                            Box::new(FrequencyPolicy::new(capacity, sample))
+                        }
+                    };
+                    let policy = Box::new(SpillRecorder::new(inner, Arc::clone(log)));
+                    BlockPool::with_policy(pool_config, policy)?
+                }
+            };
+            TierSlot {
+                pool,
+                block_bytes: g1_cfg.block_bytes(),
+                layout: layouts.g1,
+            }
+        };
+        let g2_victims: VictimLog = Arc::default();
+        let g2 = match layouts.g2 {
+            Some(l) => {
+                let cap = l.layout().config().num_blocks();
+                let policy = Box::new(SpillRecorder::new(
+                    tier_policy(config.g2_policy, cap, &history),
+                    Arc::clone(&g2_victims),
+                ));
+                Some(slot(l, Tier::G2, bs, policy)?)
+            }
+            None => None,
+        };
+        let g3 = match layouts.g3 {
+            Some(l) => {
+                let cap = l.layout().config().num_blocks();
+                Some(slot(
+                    l,
+                    Tier::G3,
+                    bs,
+                    tier_policy(config.g3_policy, cap, &history),
+                )?)
+            }
+            None => None,
+        };
+        let shared = Arc::new(Shared {
+            config,
+            g1,
+            g2,
+            g3,
+            g2_victims,
+            g1_victims,
+            g1_alloc: Mutex::new(()),
+            executor,
+            history,
+            requests: Mutex::default(),
+            inflight: Mutex::default(),
+            offload: offload::OffloadQueue::default(),
+            engine_guards: Mutex::default(),
+            metrics: EngineMetrics::default(),
+        });
+        let worker = {
+            let shared = Arc::clone(&shared);
+            std::thread::Builder::new()
+                .name("kvbm-offload".into())
+                .spawn(move || offload::run_worker(&shared))
+                .map_err(|e| TierError::InvalidConfig(format!("cannot start worker: {e}")))?
+        };
+        Ok(Self {
+            shared,
+            worker: Some(worker),
+        })
+    }
+
+    /// The engine's configuration.
+    pub fn config(&self) -> &TierEngineConfig {
+        &self.shared.config
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.shared.config.block_size
+    }
+
+    /// kvbm's books of G1. Allocate blocks for the engine to fill from it,
+    /// then hand them back completed through
+    /// [`register_g1`](Self::register_g1).
+    pub fn g1(&self) -> &BlockPool {
+        &self.shared.g1.pool
+    }
+
+    /// The pool of `tier`, if the engine has it.
+    pub fn pool(&self, tier: Tier) -> Option<&BlockPool> {
+        self.tier(tier).map(|t| &t.pool)
+    }
+
+    /// The memory of `tier`, if the engine has it.
+    pub fn layout(&self, tier: Tier) -> Option<&PhysicalLayout> {
+        self.tier(tier).map(|t| &t.layout)
+    }
+
+    fn tier(&self, tier: Tier) -> Option<&TierSlot> {
+        match tier {
+            Tier::G1 => Some(&self.shared.g1),
+            Tier::G2 => self.shared.g2.as_ref(),
+            Tier::G3 => self.shared.g3.as_ref(),
+            Tier::G4 => None,
+        }
+    }
+
+    /// `n` G1 blocks for the engine to fill. In write-back mode the blocks
+    /// G1 evicts to make room are copied to G2 before this returns (so the
+    /// engine may overwrite them); in write-through mode this is
+    /// `g1().allocate(n)`. All or nothing.
+    pub fn allocate_g1(&self, n: usize) -> Result<Vec<MutableBlock>, TierError> {
+        allocate_g1(&self.shared, n)
+    }
+
+    /// Registers blocks the engine completed in G1 (a parent before its
+    /// children) and, in write-through mode, queues them for offload to G2.
+    /// Returns the held G1 blocks in the same order.
+    pub fn register_g1(&self, blocks: Vec<CompleteBlock>) -> Result<ImmutableBlocks, TierError> {
+        let parents: Vec<Option<SequenceHash>> = blocks.iter().map(|b| b.parent()).collect();
+        let held = self.shared.g1.pool.register(blocks).map_err(|e| {
+            TierError::InvalidConfig(format!(
+                "{} blocks do not belong to the engine's G1 pool",
+                e.blocks.len()
+            ))
+        })?;
+        if self.shared.config.offload_mode == OffloadMode::WriteThrough {
+            let items =
+                (0..held.len()).filter_map(|i| held.get(i).map(|b| (b.downgrade(), parents[i])));
+            self.offload(items);
+        }
+        Ok(held)
+    }
+
+    /// Queues registered G1 blocks (with their parents' hashes) for offload
+    /// to G2. Never blocks and never fails: a full queue skips and counts.
+    pub fn offload(&self, blocks: impl IntoIterator<Item = (WeakBlock, Option<SequenceHash>)>) {
+        offload::enqueue(&self.shared, blocks);
+    }
+
+    /// Queues blocks the engine owns in G1 — `(block id, hash, parent)`,
+    /// e.g. vLLM's newly computed blocks of `request` — for offload to G2.
+    /// The engine must leave their bytes unchanged until
+    /// [`release`](Self::release) of the request returns: release cancels
+    /// copies not yet started and waits for those running.
+    pub fn offload_engine_blocks(
+        &self,
+        request: impl Into<RequestId>,
+        blocks: &[(u32, SequenceHash, Option<SequenceHash>)],
+    ) {
+        let guard = Arc::clone(
+            self.shared
+                .engine_guards
+                .lock()
+                .entry(request.into())
+                .or_default(),
+        );
+        offload::enqueue_engine(&self.shared, &guard, blocks);
+    }
+
+    /// Blocks until every queued offload has been processed (for tests,
+    /// benchmarks and orderly shutdown).
+    pub fn flush(&self) {
+        self.shared.offload.flush();
+    }
+
+    /// Matches a request: the longest prefix of `hashes` in G1 (when
+    /// `g1` is [`G1Lookup::Pool`]), continued in G2 then G3. The G2/G3
+    /// blocks found are held for the request until
+    /// [`onboard`](Self::onboard) or [`release`](Self::release).
+    /// `prompt_tokens` applies the full-prompt rule. Matching the same id
+    /// again replaces its earlier match (the first match alone counts as a
+    /// use of its blocks).
+    pub fn match_request(
+        &self,
+        request: impl Into<RequestId>,
+        hashes: &[SequenceHash],
+        prompt_tokens: usize,
+        g1: G1Lookup,
+    ) -> Result<TierMatch, TierError> {
+        matching::match_request(&self.shared, request.into(), hashes, prompt_tokens, g1)
+    }
+
+    /// Starts copying the request's matched G2/G3 blocks into G1.
+    pub fn onboard(
+        &self,
+        request: impl Into<RequestId>,
+        target: OnboardTarget,
+    ) -> Result<OnboardHandle, TierError> {
+        onboard::start(&self.shared, request.into(), target)
+    }
+
+    /// Forgets a request and drops everything it holds. When its onboard
+    /// writes into engine-given G1 block ids, this waits until no more
+    /// bytes can land there. `false` if the request was unknown.
+    pub fn release(&self, request: impl Into<RequestId>) -> bool {
+        onboard::release(&self.shared, &request.into())
+    }
+
+    /// Requests currently known (matched and not released).
+    pub fn live_requests(&self) -> usize {
+        self.shared.requests.lock().len()
+    }
+
+    /// Subscribes to the KV events of every tier, merged into one stream;
+    /// each event names its tier. The first batches are snapshots.
+    pub fn subscribe(&self) -> Receiver<KvEventBatch> {
+        let pools = [
+            Some(&self.shared.g1),
+            self.shared.g2.as_ref(),
+            self.shared.g3.as_ref(),
+        ]
+        .into_iter()
+        .flatten()
+        .map(|t| t.pool.clone())
+        .collect();
+        events::merged(pools)
+    }
+
+    /// The engine's counters.
+    pub fn stats(&self) -> TierStats {
+        self.shared.metrics.snapshot()
+    }
+
+    /// How many requests used `hash` (as the reuse-score policy sees it).
+    pub fn uses(&self, hash: SequenceHash) -> u32 {
+        self.shared.history.lock().uses(hash)
+    }
+}
+
+impl Drop for TierEngine {
+    fn drop(&mut self) {
+        self.shared.offload.shutdown();
+        if let Some(w) = self.worker.take() {
+            // A panicked worker has nothing left to clean up.
+            let _ = w.join();
+        }
+    }
+}

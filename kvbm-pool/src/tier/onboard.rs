@@ -1,0 +1,529 @@
+//! Onboarding: copying a request's matched G2/G3 blocks into G1.
+//!
+//! Nothing blocks here: the copies are submitted to the executor and a
+//! countdown per request ([`OnboardJob`]) resolves the request's
+//! completion when the last copy — and the last onboard of another request
+//! it waits on — has finished. Whoever finishes last runs the finishing
+//! step on its own thread.
+//!
+//! Sharing: when kvbm owns G1 ([`OnboardTarget::Pool`]), each block being
+//! onboarded has an entry in the engine's in-flight map. A second request
+//! that needs the same block does not copy it again: it waits for the
+//! entry, then takes the block from the G1 pool where the first request
+//! registered it. It never waits behind onboards it does not share.
+//!
+//! Failure: a request whose own copy fails reports an error and no loaded
+//! block; its G1 targets return to the free list and its holds are
+//! released. A request that waited on another's failed copy fails too.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Instant;
+
+use kvbm_block::SequenceHash;
+use kvbm_transfer::completion::{Completer, Completion, Outcome, completion_pair};
+use kvbm_transfer::{CancelToken, TransferError, TransferOutcome};
+use parking_lot::{Condvar, Mutex};
+
+use super::{G3Onboard, RequestId, Shared, TierError};
+use crate::metrics::Path;
+use crate::pool::{ImmutableBlock, ImmutableBlocks, MutableBlock};
+
+/// Where onboarded blocks go.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OnboardTarget {
+    /// kvbm allocates the G1 blocks from its G1 pool and registers them
+    /// once loaded; [`Onboarded::blocks`] holds them.
+    Pool,
+    /// The engine allocated these G1 block ids (one per block to load, in
+    /// prefix order) and owns them; kvbm only writes their bytes.
+    Blocks(Vec<u32>),
+}
+
+/// A finished onboard.
+#[derive(Debug)]
+pub struct Onboarded {
+    /// The loaded G1 blocks, held, in prefix order ([`OnboardTarget::Pool`]
+    /// only; empty for engine-given ids).
+    pub blocks: ImmutableBlocks,
+    /// Blocks loaded.
+    pub count: usize,
+}
+
+/// The completion value (a local type so the transfer crate's completion
+/// machinery can carry it).
+pub(crate) struct Done(Result<Onboarded, TierError>);
+
+impl Outcome for Done {
+    fn abandoned() -> Self {
+        Done(Err(TierError::Shutdown))
+    }
+}
+
+/// A request's onboard in progress.
+#[must_use = "wait for the onboard or poll it before using the blocks"]
+pub struct OnboardHandle {
+    request: RequestId,
+    completion: Completion<Done>,
+}
+
+impl std::fmt::Debug for OnboardHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OnboardHandle")
+            .field("request", &self.request)
+            .field("done", &self.completion.is_done())
+            .finish()
+    }
+}
+
+impl OnboardHandle {
+    /// The request.
+    pub fn request(&self) -> &RequestId {
+        &self.request
+    }
+
+    /// Whether the onboard has finished (success or failure).
+    pub fn is_done(&self) -> bool {
+        self.completion.is_done()
+    }
+
+    /// Blocks until the onboard finishes.
+    pub fn wait(self) -> Result<Onboarded, TierError> {
+        self.completion.wait().0
+    }
+
+    /// Runs `f` with the outcome when the onboard finishes (now, if it
+    /// has). `f` runs on a transfer thread: it must not block.
+    pub fn on_complete(self, f: impl FnOnce(Result<Onboarded, TierError>) + Send + 'static) {
+        self.completion.on_complete(move |d| f(d.0));
+    }
+}
+
+/// A callback of a request waiting on another's onboard.
+type Waiter = Box<dyn FnOnce() + Send>;
+
+/// A block some request is onboarding into the G1 pool; others wait on it.
+pub(crate) struct Inflight {
+    /// Callbacks of waiting requests; `None` once the owner finished.
+    waiters: Mutex<Option<Vec<Waiter>>>,
+}
+
+impl Inflight {
+    fn finish(&self) {
+        let waiters = self.waiters.lock().take().unwrap_or_default();
+        for w in waiters {
+            w();
+        }
+    }
+
+    /// Runs `f` when the owner finishes (now, if it has).
+    fn wait(&self, f: Waiter) {
+        let mut w = self.waiters.lock();
+        match w.as_mut() {
+            Some(list) => list.push(f),
+            None => {
+                drop(w);
+                f();
+            }
+        }
+    }
+}
+
+/// Where the copied blocks land.
+enum Dst {
+    Pool(Vec<MutableBlock>),
+    Ids(Vec<u32>),
+}
+
+/// The request's side of the onboard, taken by the finishing step.
+struct JobState {
+    hashes: Vec<SequenceHash>,
+    parents: Vec<Option<SequenceHash>>,
+    /// Index (into `hashes`) of each block this job copies, in `dst` order.
+    own: Vec<usize>,
+    /// Indices whose block another request is loading.
+    waited: Vec<usize>,
+    /// Whether each block (indexed like `hashes`) comes from G3.
+    from_g3: Vec<bool>,
+    dst: Dst,
+    holds: Vec<super::matching::Segment>,
+    owned_inflight: Vec<(SequenceHash, Arc<Inflight>)>,
+    error: Option<TransferError>,
+    bytes: [u64; 2],
+    completer: Option<Completer<Done>>,
+}
+
+/// One request's onboard: a countdown of copies and waited-on onboards.
+pub(crate) struct OnboardJob {
+    request: RequestId,
+    pending: AtomicUsize,
+    released: AtomicBool,
+    cancel: CancelToken,
+    started: Instant,
+    state: Mutex<Option<JobState>>,
+    done: Mutex<bool>,
+    done_cv: Condvar,
+    writes_engine_blocks: bool,
+}
+
+impl OnboardJob {
+    fn arrive(self: &Arc<Self>, shared: &Arc<Shared>) {
+        if self.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
+            finish(shared, self);
+        }
+    }
+
+    fn record(&self, path: usize, outcome: TransferOutcome) {
+        if let Some(state) = self.state.lock().as_mut() {
+            match outcome {
+                Ok(report) => state.bytes[path] += report.bytes,
+                Err(failure) => {
+                    if state.error.is_none() {
+                        state.error = Some(failure.error);
+                    }
+                }
+            }
+        }
+    }
+
+    fn wait_done(&self) {
+        let mut d = self.done.lock();
+        while !*d {
+            self.done_cv.wait(&mut d);
+        }
+    }
+}
+
+pub(crate) fn start(
+    shared: &Arc<Shared>,
+    request: RequestId,
+    target: OnboardTarget,
+) -> Result<OnboardHandle, TierError> {
+    let mut requests = shared.requests.lock();
+    let Some(state) = requests.get_mut(&request) else {
+        return Err(TierError::UnknownRequest(request));
+    };
+    if state.onboard.is_some() {
+        return Err(TierError::AlreadyOnboarding(request));
+    }
+    let mut from_g3 = Vec::new();
+    let mut sources = Vec::new();
+    for seg in &state.segments {
+        from_g3.extend(std::iter::repeat_n(seg.g3, seg.blocks.len()));
+        sources.extend_from_slice(seg.blocks.block_ids());
+    }
+    let n = sources.len();
+    if let OnboardTarget::Blocks(ids) = &target
+        && ids.len() != n
+    {
+        return Err(TierError::DestinationMismatch {
+            request,
+            expected: n,
+            given: ids.len(),
+        });
+    }
+    let range = state.start..state.start + n;
+    let hashes: Vec<SequenceHash> = state.hashes[range.clone()].to_vec();
+    let parents: Vec<Option<SequenceHash>> = range
+        .map(|i| i.checked_sub(1).map(|p| state.hashes[p]))
+        .collect();
+
+    // Which blocks this request copies, which it waits for.
+    let mut own = Vec::with_capacity(n);
+    let mut waited = Vec::new();
+    let mut deps: Vec<Arc<Inflight>> = Vec::new();
+    let mut owned_inflight = Vec::new();
+    let dst = match target {
+        OnboardTarget::Blocks(ids) => {
+            own.extend(0..n);
+            Dst::Ids(ids)
+        }
+        OnboardTarget::Pool => {
+            let mut inflight = shared.inflight.lock();
+            let mut seen_deps = HashSet::new();
+            for (i, h) in hashes.iter().enumerate() {
+                match inflight.get(h) {
+                    Some(entry) => {
+                        waited.push(i);
+                        if seen_deps.insert(Arc::as_ptr(entry) as usize) {
+                            deps.push(Arc::clone(entry));
+                        }
+                    }
+                    None => own.push(i),
+                }
+            }
+            let blocks = super::allocate_g1(shared, own.len())?;
+            for &i in &own {
+                let entry = Arc::new(Inflight {
+                    waiters: Mutex::new(Some(Vec::new())),
+                });
+                inflight.insert(hashes[i], Arc::clone(&entry));
+                owned_inflight.push((hashes[i], entry));
+            }
+            Dst::Pool(blocks)
+        }
+    };
+    let dst_ids: Vec<u32> = match &dst {
+        Dst::Pool(b) => b.iter().map(MutableBlock::block_id).collect(),
+        Dst::Ids(ids) => ids.clone(),
+    };
+    let mut g2_pairs = Vec::new();
+    let mut g3_pairs = Vec::new();
+    for (k, &i) in own.iter().enumerate() {
+        let d = dst_ids[k] as usize;
+        if from_g3[i] {
+            g3_pairs.push((sources[i] as usize, d));
+        } else {
+            g2_pairs.push((sources[i] as usize, d));
+        }
+    }
+    let holds = std::mem::take(&mut state.segments);
+    let (completer, completion) = completion_pair::<Done>();
+    let transfers = usize::from(!g2_pairs.is_empty()) + usize::from(!g3_pairs.is_empty());
+    let job = Arc::new(OnboardJob {
+        request: request.clone(),
+        // One extra count, released below once everything is submitted.
+        pending: AtomicUsize::new(transfers + deps.len() + 1),
+        released: AtomicBool::new(false),
+        cancel: CancelToken::new(),
+        started: Instant::now(),
+        writes_engine_blocks: matches!(dst, Dst::Ids(_)),
+        state: Mutex::new(Some(JobState {
+            hashes,
+            parents,
+            own,
+            waited,
+            from_g3,
+            dst,
+            holds,
+            owned_inflight,
+            error: None,
+            bytes: [0; 2],
+            completer: Some(completer),
+        })),
+        done: Mutex::new(false),
+        done_cv: Condvar::new(),
+    });
+    state.onboard = Some(Arc::clone(&job));
+    drop(requests);
+
+    let active = shared.offload.onboard_started();
+    shared.metrics.onboards_in_flight(active);
+    for dep in deps {
+        let (shared2, job2) = (Arc::clone(shared), Arc::clone(&job));
+        dep.wait(Box::new(move || job2.arrive(&shared2)));
+    }
+    let paths = [
+        (0usize, shared.g2.as_ref(), g2_pairs),
+        (1usize, shared.g3.as_ref(), g3_pairs),
+    ];
+    for (path, tier, pairs) in paths {
+        if pairs.is_empty() {
+            continue;
+        }
+        let (shared2, job2) = (Arc::clone(shared), Arc::clone(&job));
+        match tier {
+            Some(tier) => shared
+                .executor
+                .transfer_with(&tier.layout, &shared.g1.layout, &pairs, job.cancel.clone())
+                .into_completion()
+                .on_complete(move |outcome| {
+                    job2.record(path, outcome);
+                    job2.arrive(&shared2);
+                }),
+            // Blocks held in a tier the engine lacks cannot exist.
+            None => {
+                job2.record(
+                    path,
+                    Err(Box::new(kvbm_transfer::TransferFailure {
+                        error: TransferError::InvalidRequest("no such tier".into()),
+                        completed: Vec::new(),
+                        failed: pairs,
+                        culprit: None,
+                    })),
+                );
+                job2.arrive(&shared2);
+            }
+        }
+    }
+    job.arrive(shared);
+    Ok(OnboardHandle {
+        request,
+        completion,
+    })
+}
+
+/// The finishing step: runs once, on whichever thread arrived last.
+fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
+    let Some(state) = job.state.lock().take() else {
+        return;
+    };
+    let JobState {
+        hashes,
+        parents,
+        own,
+        waited,
+        from_g3,
+        dst,
+        holds,
+        owned_inflight,
+        error,
+        bytes,
+        completer,
+    } = state;
+    let request = job.request.clone();
+    let n = hashes.len();
+    let result: Result<Onboarded, TierError> = match (error, dst) {
+        (Some(source), _) => Err(TierError::Onboard {
+            request: request.clone(),
+            source,
+        }),
+        (None, Dst::Ids(_)) => Ok(Onboarded {
+            blocks: ImmutableBlocks::empty(),
+            count: n,
+        }),
+        (None, Dst::Pool(targets)) => {
+            register_loaded(shared, &request, &hashes, &parents, &own, &waited, targets)
+        }
+    };
+    // The owner's blocks are in G1 (or failed): let waiting requests look.
+    {
+        let mut inflight = shared.inflight.lock();
+        for (h, entry) in &owned_inflight {
+            if inflight.get(h).is_some_and(|e| Arc::ptr_eq(e, entry)) {
+                inflight.remove(h);
+            }
+        }
+    }
+    let took = job.started.elapsed();
+    let g3_count = own.iter().filter(|&&i| from_g3[i]).count() as u64;
+    let g2_count = own.len() as u64 - g3_count;
+    let result = match result {
+        Ok(done) => {
+            if g2_count > 0 {
+                shared
+                    .metrics
+                    .copied(Path::G2ToG1, g2_count, bytes[0], took);
+            }
+            if g3_count > 0 {
+                shared
+                    .metrics
+                    .copied(Path::G3ToG1, g3_count, bytes[1], took);
+                if shared.config.g3_onboard == G3Onboard::KeepG2Copy {
+                    keep_g2_copies(shared, &done, &own, &from_g3, &parents);
+                }
+            }
+            if job.released.load(Ordering::Acquire) {
+                Err(TierError::Released(request.clone()))
+            } else {
+                Ok(done)
+            }
+        }
+        Err(e) => {
+            shared.metrics.onboard_failed();
+            tracing::warn!(%request, "onboard failed: {e}");
+            Err(e)
+        }
+    };
+    drop(holds);
+    let left = shared.offload.onboard_ended();
+    shared.metrics.onboards_in_flight(left);
+    {
+        *job.done.lock() = true;
+        job.done_cv.notify_all();
+    }
+    for (_, entry) in owned_inflight {
+        entry.finish();
+    }
+    if let Some(c) = completer {
+        c.complete(Done(result));
+    }
+}
+
+/// Completes and registers the loaded G1 blocks and collects, in prefix
+/// order, the ones other requests loaded.
+fn register_loaded(
+    shared: &Shared,
+    request: &RequestId,
+    hashes: &[SequenceHash],
+    parents: &[Option<SequenceHash>],
+    own: &[usize],
+    waited: &[usize],
+    targets: Vec<MutableBlock>,
+) -> Result<Onboarded, TierError> {
+    let mut complete = Vec::with_capacity(targets.len());
+    for (t, &i) in targets.into_iter().zip(own) {
+        match t.complete(hashes[i], parents[i]) {
+            Ok(c) => complete.push(c),
+            // Pool blocks track no tokens, so completing cannot fail; if it
+            // did, the block is dropped (freed) and the request fails.
+            Err(_) => return Err(TierError::SharedOnboardFailed(request.clone())),
+        }
+    }
+    let registered = shared
+        .g1
+        .pool
+        .register(complete)
+        .map_err(|_| TierError::SharedOnboardFailed(request.clone()))?;
+    let mut slots: Vec<Option<ImmutableBlock>> = (0..hashes.len()).map(|_| None).collect();
+    for (k, &i) in own.iter().enumerate() {
+        slots[i] = registered.get(k);
+    }
+    drop(registered);
+    for &i in waited {
+        let mut held = shared.g1.pool.match_prefix(&hashes[i..=i]);
+        if held.len() != 1 {
+            return Err(TierError::SharedOnboardFailed(request.clone()));
+        }
+        slots[i] = held.get(0);
+        held.truncate(0);
+    }
+    let mut blocks = ImmutableBlocks::empty();
+    for b in slots {
+        let Some(b) = b else {
+            return Err(TierError::SharedOnboardFailed(request.clone()));
+        };
+        if blocks.push(b).is_err() {
+            return Err(TierError::SharedOnboardFailed(request.clone()));
+        }
+    }
+    let count = blocks.len();
+    Ok(Onboarded { blocks, count })
+}
+
+/// Queues the blocks that came from G3 for offload to G2.
+fn keep_g2_copies(
+    shared: &Shared,
+    done: &Onboarded,
+    own: &[usize],
+    from_g3: &[bool],
+    parents: &[Option<SequenceHash>],
+) {
+    let items: Vec<_> = own
+        .iter()
+        .filter(|&&i| from_g3[i])
+        .filter_map(|&i| done.blocks.get(i).map(|b| (b.downgrade(), parents[i])))
+        .collect();
+    super::offload::enqueue(shared, items);
+}
+
+pub(crate) fn release(shared: &Shared, request: &RequestId) -> bool {
+    let guard = shared.engine_guards.lock().remove(request);
+    if let Some(g) = &guard {
+        g.release();
+    }
+    let Some(state) = shared.requests.lock().remove(request) else {
+        return guard.is_some();
+    };
+    if let Some(job) = &state.onboard {
+        job.released.store(true, Ordering::Release);
+        if job.writes_engine_blocks {
+            // The engine may reuse its blocks once we return: stop writing.
+            job.cancel.cancel();
+            job.wait_done();
+        }
+    }
+    drop(state);
+    true
+}

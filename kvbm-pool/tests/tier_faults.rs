@@ -1,0 +1,173 @@
+//! Faults: a G3 read error fails only the request whose blocks it carried,
+//! releases what that request held and leaves the engine consistent; slow
+//! G3 reads let two requests that share a prefix overlap, and the second
+//! waits for the first instead of copying again.
+
+mod tier_support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvbm_pool::metrics::Path;
+use kvbm_pool::tier::{G1Lookup, OnboardTarget, TierEngine, TierEngineConfig, TierPolicy};
+use kvbm_pool::{Tier, TierError};
+use kvbm_testkit::fault::{Fault, FaultRule, FaultyEngine};
+use kvbm_transfer::backend::memcpy::MemcpyBackend;
+use kvbm_transfer::disk::{DefaultEngine, DiskBackend, EngineConfig, IoDir};
+use kvbm_transfer::{Executor, ExecutorConfig};
+use tier_support::*;
+
+fn faulty_executor(rule: FaultRule) -> Executor {
+    let io = FaultyEngine::new(DefaultEngine::new(&EngineConfig::default()).unwrap()).with(rule);
+    Executor::builder()
+        .backend(Arc::new(MemcpyBackend::new(2).unwrap()))
+        .backend(Arc::new(DiskBackend::with_engine(io, 1 << 20)))
+        .config(ExecutorConfig::default())
+        .build()
+        .unwrap()
+}
+
+fn config() -> TierEngineConfig {
+    TierEngineConfig::new(BLOCK_TOKENS)
+        .g2_policy(TierPolicy::WriteThrough)
+        .g3_policy(TierPolicy::WriteThrough)
+}
+
+/// Computes `chains` one block at a time so every block ends in G3 (G2 has
+/// room for 4), then empties G1.
+fn push_to_g3(engine: &TierEngine, chains: &[Vec<kvbm_block::SequenceHash>]) {
+    for c in chains {
+        for (i, h) in c.iter().enumerate() {
+            let parent = i.checked_sub(1).map(|p| c[p]);
+            drop(compute(engine, std::slice::from_ref(h), parent));
+            engine.flush();
+        }
+    }
+    // Flush G2 into G3 by offloading filler blocks.
+    for h in chain(99, 4) {
+        drop(compute(engine, &[h], None));
+        engine.flush();
+    }
+    engine.g1().evict(usize::MAX >> 1);
+}
+
+#[test]
+fn g3_read_error_fails_only_that_request() {
+    let dir = tempdir();
+    // The first read from disk fails.
+    let exec = faulty_executor(
+        FaultRule::always(Fault::Errno(libc::EIO))
+            .on_dir(IoDir::Read)
+            .times(1),
+    );
+    let engine = engine_with(config(), 64, 4, 64, dir.path(), exec);
+    let (a, b) = (chain(1, 4), chain(2, 4));
+    push_to_g3(&engine, &[a.clone(), b.clone()]);
+    let tokens = 4 * BLOCK_TOKENS + 1;
+    let ma = engine
+        .match_request("a", &a, tokens, G1Lookup::Pool)
+        .unwrap();
+    let mb = engine
+        .match_request("b", &b, tokens, G1Lookup::Pool)
+        .unwrap();
+    assert_eq!((ma.g3_blocks, mb.g3_blocks), (4, 4));
+    let free_before = engine.g1().counts().free;
+
+    let err = engine
+        .onboard("a", OnboardTarget::Pool)
+        .unwrap()
+        .wait()
+        .unwrap_err();
+    assert!(matches!(err, TierError::Onboard { .. }), "{err}");
+    // Nothing of the failed request stayed allocated in G1.
+    assert_eq!(engine.g1().counts().free, free_before);
+    assert_eq!(engine.stats().onboard_failures, 1);
+
+    let done = engine
+        .onboard("b", OnboardTarget::Pool)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(done.count, 4);
+    verify(&engine, &done.blocks.into_blocks());
+
+    // A failed request is released like any other; its G3 blocks are still
+    // there (a read error does not lose them) and nothing is held.
+    assert!(engine.release("a"));
+    assert!(engine.release("b"));
+    assert_eq!(engine.pool(Tier::G3).unwrap().cached_prefix_len(&a), 4);
+    for t in [Tier::G1, Tier::G2, Tier::G3] {
+        let counts = engine.pool(t).unwrap().audit().unwrap();
+        assert_eq!(counts.active, 0, "{t:?} holds blocks after release");
+    }
+    // A retry succeeds: the fault fired once.
+    engine
+        .match_request("a2", &a, tokens, G1Lookup::Pool)
+        .unwrap();
+    let again = engine
+        .onboard("a2", OnboardTarget::Pool)
+        .unwrap()
+        .wait()
+        .unwrap();
+    verify(&engine, &again.blocks.into_blocks());
+}
+
+#[test]
+fn shared_prefix_is_onboarded_once() {
+    let dir = tempdir();
+    // Every disk read takes 150 ms: both onboards overlap.
+    let exec = faulty_executor(
+        FaultRule::always(Fault::Delay(Duration::from_millis(150))).on_dir(IoDir::Read),
+    );
+    let engine = engine_with(config(), 64, 4, 64, dir.path(), exec);
+    let a = chain(3, 6);
+    push_to_g3(&engine, std::slice::from_ref(&a));
+    let tokens = 6 * BLOCK_TOKENS + 1;
+    engine
+        .match_request("x", &a, tokens, G1Lookup::Pool)
+        .unwrap();
+    engine
+        .match_request("y", &a[..4], tokens, G1Lookup::Pool)
+        .unwrap();
+    let hx = engine.onboard("x", OnboardTarget::Pool).unwrap();
+    let hy = engine.onboard("y", OnboardTarget::Pool).unwrap();
+    let x = hx.wait().unwrap();
+    let y = hy.wait().unwrap();
+    assert_eq!((x.count, y.count), (6, 4));
+    let xb = x.blocks.into_blocks();
+    let yb = y.blocks.into_blocks();
+    verify(&engine, &xb);
+    verify(&engine, &yb);
+    // The shared 4 blocks are the same G1 blocks, copied once.
+    for k in 0..4 {
+        assert_eq!(xb[k].block_id(), yb[k].block_id());
+    }
+    assert_eq!(engine.stats().blocks_on(Path::G3ToG1), 6);
+}
+
+#[test]
+fn release_during_onboard_frees_everything() {
+    let dir = tempdir();
+    let exec = faulty_executor(
+        FaultRule::always(Fault::Delay(Duration::from_millis(100))).on_dir(IoDir::Read),
+    );
+    let engine = engine_with(config(), 64, 4, 64, dir.path(), exec);
+    let a = chain(4, 4);
+    push_to_g3(&engine, std::slice::from_ref(&a));
+    engine
+        .match_request("z", &a, 4 * BLOCK_TOKENS + 1, G1Lookup::Pool)
+        .unwrap();
+    let h = engine.onboard("z", OnboardTarget::Pool).unwrap();
+    assert!(engine.release("z"));
+    let err = h.wait().unwrap_err();
+    assert!(matches!(err, TierError::Released(_)), "{err}");
+    for t in [Tier::G1, Tier::G2, Tier::G3] {
+        assert_eq!(engine.pool(t).unwrap().audit().unwrap().active, 0);
+    }
+    // The loaded blocks were kept in G1's cache: a later request finds them.
+    let m = engine
+        .match_request("w", &a, 4 * BLOCK_TOKENS + 1, G1Lookup::Pool)
+        .unwrap();
+    assert_eq!(m.g1_blocks, 4);
+    verify(&engine, &m.g1.into_blocks());
+}

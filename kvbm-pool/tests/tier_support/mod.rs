@@ -1,0 +1,175 @@
+//! Shared fixtures of the tier-engine tests: small real tiers (host memory
+//! standing in for G1, host memory for G2, a file for G3) and blocks whose
+//! bytes are a function of their sequence hash.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use kvbm_block::SequenceHash;
+use kvbm_layout::{Layout, LayoutConfig, LayoutKind};
+use kvbm_pool::tier::{TierEngine, TierEngineConfig, TierLayouts};
+use kvbm_pool::{ImmutableBlock, ImmutableBlocks};
+use kvbm_transfer::disk::DiskConfig;
+use kvbm_transfer::memory::{DiskAllocator, DiskOptions, SystemAllocator};
+use kvbm_transfer::{Executor, ExecutorConfig, PhysicalLayout};
+
+/// Tokens per block in these tests.
+pub const BLOCK_TOKENS: usize = 16;
+
+/// One layer, K and V, 16 tokens × 128 × 2 bytes: 4 KiB chunks (the disk
+/// alignment), 8 KiB blocks.
+pub fn layout_config(blocks: usize) -> LayoutConfig {
+    LayoutConfig::new(blocks, 1, 2, BLOCK_TOKENS, 128, 2).unwrap()
+}
+
+pub fn host(blocks: usize) -> PhysicalLayout {
+    let l = Layout::new(layout_config(blocks), LayoutKind::FullyContiguous).unwrap();
+    PhysicalLayout::allocate_system(l, &SystemAllocator::new()).unwrap()
+}
+
+pub fn disk(blocks: usize, dir: &std::path::Path) -> PhysicalLayout {
+    let l = Layout::new(layout_config(blocks), LayoutKind::FullyContiguous).unwrap();
+    let alloc = DiskAllocator::new(dir, DiskOptions::default()).unwrap();
+    PhysicalLayout::allocate_disk(l, &alloc).unwrap()
+}
+
+pub fn executor() -> Executor {
+    Executor::cpu(
+        2,
+        &DiskConfig::default(),
+        4,
+        1 << 20,
+        ExecutorConfig::default(),
+    )
+    .unwrap()
+}
+
+/// An engine over host G1/G2 and a disk G3 in `dir`.
+pub fn engine(
+    config: TierEngineConfig,
+    g1: usize,
+    g2: usize,
+    g3: usize,
+    dir: &std::path::Path,
+) -> TierEngine {
+    engine_with(config, g1, g2, g3, dir, executor())
+}
+
+/// [`engine`] with an executor of your own.
+pub fn engine_with(
+    config: TierEngineConfig,
+    g1: usize,
+    g2: usize,
+    g3: usize,
+    dir: &std::path::Path,
+    executor: Executor,
+) -> TierEngine {
+    let layouts = TierLayouts {
+        g1: host(g1),
+        g2: (g2 > 0).then(|| host(g2)),
+        g3: (g3 > 0).then(|| disk(g3, dir)),
+    };
+    TierEngine::new(config, layouts, executor).unwrap()
+}
+
+/// A chain of `n` sequence hashes starting from `seed`.
+pub fn chain(seed: u64, n: usize) -> Vec<SequenceHash> {
+    let mut h = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|i| {
+            h = (h ^ (i as u64 + 1))
+                .wrapping_mul(0xBF58_476D_1CE4_E5B9)
+                .rotate_left(17);
+            SequenceHash(h)
+        })
+        .collect()
+}
+
+/// Byte `i` of a block named `hash`.
+fn byte_of(hash: SequenceHash, i: usize) -> u8 {
+    let x = hash.0 ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    (x ^ (x >> 29) ^ (x >> 47)) as u8
+}
+
+fn block_bytes_mut(layout: &PhysicalLayout, block: u32) -> Vec<&'static mut [u8]> {
+    let cfg = *layout.layout().config();
+    let mut out = Vec::new();
+    for layer in 0..cfg.num_layers() {
+        for outer in 0..cfg.outer_dim() {
+            let c = layout.layout().chunk(block as usize, layer, outer).unwrap();
+            let region = &layout.regions()[c.region];
+            let addr = region.addr().expect("a host region") + c.offset;
+            // SAFETY: host test memory kept alive by the engine for the
+            // whole test; each chunk lies inside its region (the layout
+            // checks it), and tests touch a block only while no transfer
+            // writes it (the block is held, unregistered or just loaded).
+            out.push(unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, c.len as usize) });
+        }
+    }
+    out
+}
+
+/// Writes the bytes of `hash` into G1 block `block`.
+pub fn fill(layout: &PhysicalLayout, block: u32, hash: SequenceHash) {
+    let mut i = 0;
+    for chunk in block_bytes_mut(layout, block) {
+        for b in chunk.iter_mut() {
+            *b = byte_of(hash, i);
+            i += 1;
+        }
+    }
+}
+
+/// Whether G1 block `block` holds exactly the bytes of `hash`.
+pub fn holds(layout: &PhysicalLayout, block: u32, hash: SequenceHash) -> bool {
+    let mut i = 0;
+    for chunk in block_bytes_mut(layout, block) {
+        for b in chunk.iter() {
+            if *b != byte_of(hash, i) {
+                return false;
+            }
+            i += 1;
+        }
+    }
+    true
+}
+
+/// The engine computes `hashes` (a chain continuing `parent`) in fresh G1
+/// blocks, fills their bytes and registers them (queuing their offload).
+pub fn compute(
+    engine: &TierEngine,
+    hashes: &[SequenceHash],
+    parent: Option<SequenceHash>,
+) -> ImmutableBlocks {
+    let blocks = engine.allocate_g1(hashes.len()).unwrap();
+    let g1 = engine.layout(kvbm_pool::Tier::G1).unwrap();
+    let mut prev = parent;
+    let mut complete = Vec::new();
+    for (b, &h) in blocks.into_iter().zip(hashes) {
+        fill(g1, b.block_id(), h);
+        complete.push(b.complete(h, prev).unwrap());
+        prev = Some(h);
+    }
+    engine.register_g1(complete).unwrap()
+}
+
+/// Checks every block of `blocks` against the hashes they are named by.
+pub fn verify(engine: &TierEngine, blocks: &[ImmutableBlock]) {
+    let g1 = engine.layout(kvbm_pool::Tier::G1).unwrap();
+    for b in blocks {
+        assert!(
+            holds(g1, b.block_id(), b.sequence_hash()),
+            "G1 block {} does not hold the bytes of {:?}",
+            b.block_id(),
+            b.sequence_hash()
+        );
+    }
+}
+
+pub fn tempdir() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap()
+}
+
+pub fn shared(engine: TierEngine) -> Arc<TierEngine> {
+    Arc::new(engine)
+}

@@ -1,0 +1,31 @@
+//! The library half of the `kvbm-bench` binary: everything it measures and
+//! prints, kept out of `main` so tests can drive it.
+//!
+//! Two benchmarks answer the two questions users ask of kvbm:
+//! - [`matrix`]: how fast does kvbm move blocks between tiers, for each
+//!   layout pair, block size and batch size, next to the best the same
+//!   machine does with one large copy (memory) or a raw sequential
+//!   `O_DIRECT` stream (disk)? The ratio is the number that matters; the
+//!   absolute figures change with the machine and its load.
+//! - [`replay`]: on a real workload, how much prefill does kvbm avoid, how
+//!   fast do the onboards go, and how close is the hit rate to LRU and to
+//!   Belady's offline optimum at the same capacity? Every onboarded block's
+//!   bytes are checked against what was written for its sequence hash.
+//!
+//! [`model`] holds the KV shapes (presets and explicit dimensions) both
+//! share; [`table`] and [`svg`] render results without any plotting crate.
+
+#[cfg(feature = "cuda")]
+pub mod cuda_rows;
+pub mod error;
+pub mod host_view;
+pub mod matrix;
+pub mod model;
+pub mod pattern;
+pub mod replay;
+pub mod stats;
+pub mod svg;
+pub mod table;
+
+pub use error::BenchError;
+pub use model::{KvModel, MODEL_PRESETS};

@@ -1,0 +1,133 @@
+//! Command-line arguments.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// kvbm's benchmarks: the tier-to-tier bandwidth matrix and the workload
+/// replay through real tiers.
+#[derive(Debug, Parser)]
+#[command(name = "kvbm-bench", version, about)]
+pub struct Cli {
+    /// Which benchmark.
+    #[command(subcommand)]
+    pub command: Command,
+    /// No progress bar and no log lines (results still print).
+    #[arg(long, short, global = true)]
+    pub quiet: bool,
+    /// Print results as JSON instead of tables.
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// Also write the JSON results to this file (whatever `--json` says).
+    #[arg(long, global = true)]
+    pub json_file: Option<PathBuf>,
+    /// Where to write the SVG plot (default: next to the JSON/table output,
+    /// `kvbm-bench-<command>.svg` in the current directory).
+    #[arg(long, global = true)]
+    pub svg: Option<PathBuf>,
+    /// Do not write an SVG plot.
+    #[arg(long, global = true)]
+    pub no_svg: bool,
+    /// Directory for disk-tier files (needs O_DIRECT: not tmpfs).
+    #[arg(long, global = true, default_value = "target/kvbm-bench")]
+    pub dir: PathBuf,
+    /// memcpy worker threads.
+    #[arg(long, global = true, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub threads: u16,
+}
+
+/// The benchmarks.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Bandwidth matrix: tier pair × layout pair × tokens per block × blocks
+    /// per batch, each row with its same-run reference.
+    Transfer(TransferArgs),
+    /// Replay a workload through real tiers, checking every onboarded block.
+    Replay(ReplayArgs),
+}
+
+/// `transfer` options.
+#[derive(Debug, Args)]
+pub struct TransferArgs {
+    /// KV shape: a preset (llama-3.1-8b, llama-3.1-70b, deepseek-mla, tiny)
+    /// or LAYERSxOUTERxINNERxDTYPE_BYTES.
+    #[arg(long, default_value = "llama-3.1-8b")]
+    pub model: String,
+    /// Tokens per block to sweep.
+    #[arg(long, value_delimiter = ',', default_value = "16,32,64")]
+    pub tokens: Vec<usize>,
+    /// Blocks per transfer to sweep.
+    #[arg(long, value_delimiter = ',', default_value = "8,64")]
+    pub batch: Vec<usize>,
+    /// MiB moved per repetition.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub mib: u64,
+    /// Repetitions per row (median and spread are reported).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=1000))]
+    pub reps: u16,
+    /// Only rows whose path contains this (e.g. `G3`, `host`).
+    #[arg(long)]
+    pub only: Option<String>,
+}
+
+/// `replay` options.
+#[derive(Debug, Args)]
+pub struct ReplayArgs {
+    /// A Mooncake JSONL trace (default: the embedded synthetic multi-turn
+    /// workload).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Replay only the first N requests.
+    #[arg(long)]
+    pub max_requests: Option<usize>,
+    /// Seed of the synthetic workload.
+    #[arg(long, default_value_t = 0x6b76_626d)]
+    pub seed: u64,
+    /// Conversations in the synthetic workload.
+    #[arg(long, default_value_t = 400)]
+    pub conversations: usize,
+    /// KV shape: a preset (llama-3.1-8b, llama-3.1-70b, deepseek-mla, tiny)
+    /// or LAYERSxOUTERxINNERxDTYPE_BYTES.
+    #[arg(long, default_value = "llama-3.1-8b")]
+    pub model: String,
+    /// Store each trace block with block_tokens / SCALE tokens, so the
+    /// workload fits the machine.
+    #[arg(long, default_value_t = 128)]
+    pub scale: u32,
+    /// G1 capacity as a fraction of the workload's distinct blocks.
+    #[arg(long, default_value_t = 0.02)]
+    pub g1: f64,
+    /// G2 capacity, same unit.
+    #[arg(long, default_value_t = 0.06)]
+    pub g2: f64,
+    /// G3 capacity, same unit.
+    #[arg(long, default_value_t = 0.12)]
+    pub g3: f64,
+    /// Keep G1 in host memory even when built with `cuda` and a GPU is
+    /// present (G1 is on the GPU then by default).
+    #[arg(long)]
+    pub host_g1: bool,
+    /// G2/G3 admission and eviction of the tier engine.
+    #[arg(long, value_enum, default_value_t = Policy::ReuseScore)]
+    pub policy: Policy,
+    /// Prefill rate for the modelled TTFT saving, tokens per second.
+    #[arg(long, default_value_t = 10_000.0)]
+    pub prefill_rate: f64,
+    /// Refuse to allocate more host memory than this, GiB.
+    #[arg(long, default_value_t = 8.0)]
+    pub max_host_gib: f64,
+    /// Also sweep total capacity (fractions of distinct blocks, in the
+    /// G1:G2:G3 proportions) through the simulators and plot hit rate
+    /// against capacity.
+    #[arg(long)]
+    pub sweep: bool,
+}
+
+/// The tier engine's G2/G3 policies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Policy {
+    /// Learned reuse probability per unit of age (the engine's default).
+    ReuseScore,
+    /// Admit everything, evict the least recently used.
+    WriteThrough,
+}

@@ -1,0 +1,172 @@
+//! The `kvbm-bench` binary end to end: argument errors, trace errors, a
+//! tiny replay and a tiny transfer matrix, both as parsed JSON.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn bench(args: &[&str], dir: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvbm-bench"))
+        .args(args)
+        .arg("--dir")
+        .arg(dir)
+        .arg("--quiet")
+        .output()
+        .expect("the kvbm-bench binary runs")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn bad_arguments_are_clap_errors_not_panics() {
+    let dir = tempfile::tempdir().unwrap();
+    for args in [
+        &["transfer", "--reps", "0"][..],
+        &["transfer", "--tokens", "abc"],
+        &["replay", "--g1", "lots"],
+        &["frobnicate"],
+    ] {
+        let o = bench(args, dir.path());
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        assert!(!stderr(&o).contains("panicked"), "{args:?}");
+    }
+}
+
+#[test]
+fn bad_values_give_a_clear_message_and_exit_1() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = bench(&["replay", "--model", "gpt-5"], dir.path());
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(
+        e.contains("unknown model `gpt-5`") && e.contains("llama-3.1-8b"),
+        "{e}"
+    );
+
+    let o = bench(&["replay", "--scale", "3"], dir.path());
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("--scale 3"), "{}", stderr(&o));
+
+    let o = bench(&["replay", "--model", "tiny", "--scale", "512"], dir.path());
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("O_DIRECT"), "{}", stderr(&o));
+
+    let o = bench(&["replay", "--prefill-rate", "0"], dir.path());
+    assert_eq!(o.status.code(), Some(1));
+    assert!(!stderr(&o).contains("panicked"));
+}
+
+#[test]
+fn malformed_trace_names_file_and_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("bad.jsonl");
+    std::fs::write(
+        &trace,
+        "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 5, \"hash_ids\": [1, 2]}\n\
+         {\"timestamp\": 1, \"input_length\": oops}\n",
+    )
+    .unwrap();
+    let o = bench(&["replay", "--trace", trace.to_str().unwrap()], dir.path());
+    assert_eq!(o.status.code(), Some(1));
+    let want = format!("{}:2:", trace.display());
+    assert!(stderr(&o).contains(&want), "{}", stderr(&o));
+
+    let o = bench(
+        &["replay", "--trace", "/nonexistent/trace.jsonl"],
+        dir.path(),
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("/nonexistent/trace.jsonl"));
+}
+
+#[test]
+fn tiny_replay_runs_end_to_end_and_verifies_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = bench(
+        &[
+            "replay",
+            "--conversations",
+            "40",
+            "--model",
+            "tiny",
+            "--scale",
+            "64",
+            "--g1",
+            "0.05",
+            "--g2",
+            "0.1",
+            "--g3",
+            "0.3",
+            "--sweep",
+            "--json",
+        ],
+        dir.path(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).expect("stdout is JSON");
+    assert!(
+        r["verified_blocks"].as_u64().unwrap() > 0,
+        "nothing onboarded"
+    );
+    let tiers = r["tiers"].as_array().unwrap();
+    assert!(tiers[1]["hits"].as_u64().unwrap() > 0, "no G2 hits");
+    assert!(tiers[2]["hits"].as_u64().unwrap() > 0, "no G3 hits");
+    let hit = r["hit_rate_pct"].as_f64().unwrap();
+    let belady = r["belady_hit_rate_pct"].as_f64().unwrap();
+    assert!(hit <= belady + 1e-9, "{hit} beats Belady {belady}");
+    let paths = r["paths"].as_array().unwrap();
+    let bytes = |name: &str| {
+        paths.iter().find(|p| p["path"] == name).unwrap()["bytes"]
+            .as_u64()
+            .unwrap()
+    };
+    let block = r["block_bytes"].as_u64().unwrap();
+    let blocks = |name: &str| {
+        paths.iter().find(|p| p["path"] == name).unwrap()["blocks"]
+            .as_u64()
+            .unwrap()
+    };
+    for p in ["G1->G2", "G2->G3", "G2->G1", "G3->G1"] {
+        assert!(bytes(p) > 0, "{p} moved nothing");
+        assert_eq!(bytes(p), blocks(p) * block, "{p}: bytes are whole blocks");
+    }
+    assert_eq!(r["sweep"].as_array().unwrap().len(), 7);
+    let svg = std::fs::read_to_string(dir.path().join("replay.svg")).unwrap();
+    assert!(svg.contains("<polyline"));
+}
+
+#[test]
+fn tiny_transfer_matrix_is_json_with_references() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = bench(
+        &[
+            "transfer", "--model", "tiny", "--tokens", "8,16", "--batch", "4", "--mib", "1",
+            "--reps", "1", "--json",
+        ],
+        dir.path(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).expect("stdout is JSON");
+    let rows = r["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 10 * 2);
+    let mut measured = 0;
+    for row in rows {
+        if row["status"].as_str().unwrap().starts_with("skipped") {
+            assert_eq!(row["blocks"], 0);
+            continue;
+        }
+        measured += 1;
+        assert_eq!(row["verified"], true, "{row}");
+        assert!(row["gbps"]["median"].as_f64().unwrap() > 0.0);
+        assert!(row["reference_gbps"]["median"].as_f64().unwrap() > 0.0);
+        assert!(row["ratio"].as_f64().unwrap() > 0.0);
+        let blocks = row["blocks"].as_u64().unwrap();
+        assert_eq!(
+            row["bytes"].as_u64().unwrap(),
+            blocks * row["block_bytes"].as_u64().unwrap()
+        );
+    }
+    assert_eq!(measured, 16, "every CPU path measured");
+    assert!(dir.path().join("transfer.svg").exists());
+}
