@@ -20,7 +20,8 @@ macro_rules! ensure {
 }
 
 pub(crate) fn audit(core: &PoolCore) -> Result<PoolCounts, AuditError> {
-    let registry = core.registry.write();
+    let _gate = core.gate.write();
+    let registry = &core.registry;
     let _policies = core.lock_all();
     let free = core.free.lock();
     let capacity = core.slab.len();

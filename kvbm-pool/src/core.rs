@@ -1,21 +1,26 @@
 //! The shared state of one pool and every operation on it.
 //!
 //! Locks, always taken in this order:
-//! 1. `registry` (`RwLock`): shared for matching, presence checks and
-//!    releasing handles; exclusive for registering and evicting — the only
+//! 1. `gate` (a per-thread-sharded reader-writer lock, see the `gate`
+//!    module) over the registry: shared for matching, presence checks and
+//!    upgrades; exclusive for registering and evicting — the only
 //!    operations that change which hashes are cached.
 //! 2. `policies` (one `Mutex` per shard): a thread releasing blocks takes
-//!    its own shard once per released batch; eviction takes all of them (in
-//!    order) and evicts the smallest key among the shards' candidates.
+//!    its own shard once per released batch, and that is the only lock a
+//!    release takes; eviction takes all of them (in order) and evicts the
+//!    smallest key among the shards' candidates.
 //! 3. `free` (`Mutex`): the free list; taken alone on the allocation fast
 //!    path.
 //!
 //! Holder counts are atomics in the slab, so a match of `L` blocks takes the
-//! shared lock once and does `L` atomic increments; two threads matching
-//! different prefixes share the lock word and a few counters, not the
-//! blocks' cache lines, and release into different policy shards. Eviction
-//! needs the exclusive lock, so it never races a match: a block a matcher
-//! found cannot disappear under it.
+//! shared gate once and does `L` atomic increments; two threads matching
+//! different prefixes lock different gate and policy shards and share no
+//! cache line on the way. Eviction needs the exclusive gate, so it never
+//! races a match: a block a matcher found cannot disappear under it; and it
+//! holds every policy shard, so it never races a release either (a block
+//! whose last holder is leaving is queued before any evictor looks).
+//! A match whose first hash is absent takes no lock at all: the registry
+//! proves absence with a lock-free probe (see `Registry::surely_absent`).
 //!
 //! Reactivating an inactive block does not touch the policy (see the
 //! `policy` module): its queue entry just goes stale, which is what keeps
@@ -26,11 +31,12 @@ use std::sync::atomic::{AtomicI64, AtomicU64};
 
 use kvbm_block::SequenceHash;
 use kvbm_block::lifecycle::{BlockStore, CompleteParts};
-use parking_lot::{Mutex, MutexGuard, RwLock};
+use parking_lot::{Mutex, MutexGuard};
 
 use crate::config::{DuplicatePolicy, PoolConfig, Tier};
 use crate::error::PoolError;
 use crate::events::{EventHub, KvEvent};
+use crate::gate::Gate;
 use crate::policy::{BlockView, EvictionPolicy, Victim, block_ref};
 use crate::registry::Registry;
 use crate::slab::{Entry, NO_PARENT, Slab, State};
@@ -52,7 +58,7 @@ pub(crate) struct Padded<T>(pub(crate) T);
 
 /// Which policy shard the calling thread releases into: threads are
 /// numbered once, round robin, so concurrent threads use different shards.
-fn thread_shard(shards: usize) -> usize {
+pub(crate) fn thread_shard(shards: usize) -> usize {
     use std::cell::Cell;
     use std::sync::atomic::AtomicUsize;
     static NEXT: AtomicUsize = AtomicUsize::new(0);
@@ -74,7 +80,9 @@ fn thread_shard(shards: usize) -> usize {
 /// [`BlockPool`](crate::BlockPool), and handles are generic over it.
 pub struct PoolCore {
     pub(crate) slab: Slab,
-    pub(crate) registry: RwLock<Registry>,
+    /// Shared access to `registry` for lookups, exclusive for changes.
+    pub(crate) gate: Gate,
+    pub(crate) registry: Registry,
     /// The eviction policy, one instance per shard: releases go to the
     /// releasing thread's shard, eviction takes the smallest key over all
     /// shards (all locked: it holds the registry exclusively anyway).
@@ -136,7 +144,8 @@ impl PoolCore {
         Ok(Self {
             tracks_access,
             slab: Slab::new(capacity),
-            registry: RwLock::new(Registry::new(capacity)),
+            gate: Gate::new(),
+            registry: Registry::new(capacity),
             policies: policies
                 .into_iter()
                 .map(|policy| {
@@ -215,7 +224,7 @@ impl PoolCore {
                 return Ok(self.pop_free(&mut free, n));
             }
         }
-        let mut registry = self.registry.write();
+        let _gate = self.gate.write();
         let mut policies = self.lock_all();
         let mut free = self.free.lock();
         if free.len() < n {
@@ -227,7 +236,7 @@ impl PoolCore {
                     evictable: self.inactive_count(),
                 });
             }
-            self.evict_locked(&mut registry, &mut policies, &mut free, need);
+            self.evict_locked(&mut policies, &mut free, need);
             if free.len() < n {
                 return Err(PoolError::Exhausted {
                     requested: n,
@@ -250,15 +259,15 @@ impl PoolCore {
 
     /// Evicts up to `n` inactive blocks onto the free list; returns how many.
     pub(crate) fn evict(&self, n: usize) -> usize {
-        let mut registry = self.registry.write();
+        let _gate = self.gate.write();
         let mut policies = self.lock_all();
         let mut free = self.free.lock();
-        self.evict_locked(&mut registry, &mut policies, &mut free, n)
+        self.evict_locked(&mut policies, &mut free, n)
     }
 
+    /// Evicts with the gate held exclusively and every policy shard locked.
     fn evict_locked(
         &self,
-        registry: &mut Registry,
         policies: &mut [MutexGuard<'_, PolicyState>],
         free: &mut Vec<u32>,
         n: usize,
@@ -269,6 +278,8 @@ impl PoolCore {
         // victim (and was told about a new leaf) needs asking again.
         let mut heads: Vec<Option<Victim>> = vec![None; policies.len()];
         let mut stale: Vec<bool> = vec![true; policies.len()];
+        let registry = &self.registry;
+        registry.begin_moves();
         while evicted < n {
             let view = BlockView::with_registry(&self.slab, registry);
             if evicted % WARM_BATCH == 0 {
@@ -309,6 +320,7 @@ impl PoolCore {
                 });
             }
         }
+        registry.end_moves();
         self.add_inactive(-(evicted as i64));
         if let Some(ev) = events {
             self.events.publish(ev);
@@ -318,13 +330,7 @@ impl PoolCore {
 
     /// Drops a leaving block's count in its parent, telling the policy when
     /// an inactive parent becomes a leaf.
-    fn unlink_parent(
-        &self,
-        registry: &mut Registry,
-        id: u32,
-        e: Entry<'_>,
-        policy: &mut PolicyState,
-    ) {
+    fn unlink_parent(&self, registry: &Registry, id: u32, e: Entry<'_>, policy: &mut PolicyState) {
         let pid = e.cold.parent_id.load(Relaxed);
         if pid == NO_PARENT {
             if let Some(parent) = e.parent() {
@@ -356,7 +362,8 @@ impl PoolCore {
             .events
             .active()
             .then(|| Vec::with_capacity(parts.len()));
-        let mut registry = self.registry.write();
+        let gate = self.gate.write();
+        let registry = &self.registry;
         let mut policy = self.policy_if_tracking();
         let mut reactivated = 0i64;
         if parts.len() > 2 {
@@ -399,7 +406,7 @@ impl PoolCore {
             } else {
                 e.hot.priority.store(part.priority, Relaxed);
                 e.cold.children.store(0, Relaxed);
-                self.link_lineage(&mut registry, part.id, e, previous);
+                self.link_lineage(registry, part.id, e, previous);
                 previous = Some((part.hash, part.id));
                 e.hot.holders.store(1, Release);
                 e.set_state(State::Registered);
@@ -426,7 +433,7 @@ impl PoolCore {
         if !freed.is_empty() {
             self.free.lock().extend_from_slice(&freed);
         }
-        drop(registry);
+        drop(gate);
         out
     }
 
@@ -435,7 +442,7 @@ impl PoolCore {
     /// adopts the block's own orphans (children registered before it).
     fn link_lineage(
         &self,
-        registry: &mut Registry,
+        registry: &Registry,
         id: u32,
         e: Entry<'_>,
         previous: Option<(SequenceHash, u32)>,
@@ -489,7 +496,11 @@ impl PoolCore {
         let Some(&first) = hashes.first() else {
             return Vec::new();
         };
-        let registry = self.registry.read();
+        if self.registry.surely_absent(first) {
+            return Vec::new();
+        }
+        let gate = self.gate.read();
+        let registry = &self.registry;
         let Some(first_id) = registry.get(&self.slab, first) else {
             return Vec::new();
         };
@@ -536,13 +547,14 @@ impl PoolCore {
                 policy.policy.on_access(*hash);
             }
         }
-        drop(registry);
+        drop(gate);
         ids
     }
 
     /// Length of the longest cached prefix, without taking holders.
     pub(crate) fn cached_prefix_len(&self, hashes: &[SequenceHash]) -> usize {
-        let registry = self.registry.read();
+        let _gate = self.gate.read();
+        let registry = &self.registry;
         hashes
             .iter()
             .take_while(|&&h| registry.get(&self.slab, h).is_some())
@@ -552,7 +564,8 @@ impl PoolCore {
     /// Marks inactive blocks among `hashes` as just used; returns how many
     /// of them are cached.
     pub(crate) fn touch(&self, hashes: &[SequenceHash]) -> usize {
-        let registry = self.registry.read();
+        let _gate = self.gate.read();
+        let registry = &self.registry;
         let mut policy = self.shard().lock();
         let mut found = 0;
         for hash in hashes {
@@ -572,8 +585,8 @@ impl PoolCore {
 
     /// Changes a cached block's priority; `false` if the hash is not cached.
     pub(crate) fn set_priority(&self, hash: SequenceHash, priority: u8) -> bool {
-        let registry = self.registry.read();
-        let Some(id) = registry.get(&self.slab, hash) else {
+        let _gate = self.gate.read();
+        let Some(id) = self.registry.get(&self.slab, hash) else {
             return false;
         };
         let mut policy = self.shard().lock();
@@ -599,7 +612,7 @@ impl PoolCore {
         if !self.free.lock().is_empty() {
             return true;
         }
-        let _registry = self.registry.read();
+        let _gate = self.gate.read();
         let mut policy = self.shard().lock();
         policy.policy.admit(hash, &BlockView::new(&self.slab))
     }
@@ -633,8 +646,11 @@ impl BlockStore for PoolCore {
         if ids.is_empty() {
             return;
         }
-        let _registry = self.registry.read();
-        let mut policy: Option<MutexGuard<'_, PolicyState>> = None;
+        // The thread's policy shard is the only lock: eviction holds every
+        // shard, so it never sees a block between its last holder leaving
+        // and its queue entry; registration and matching may run alongside
+        // (they only ever add holders).
+        let mut policy = self.shard().lock();
         let mut inactive = 0i64;
         for (i, &id) in ids.iter().enumerate() {
             let e = self.entry(id);
@@ -643,8 +659,7 @@ impl BlockStore for PoolCore {
             }
             match e.state() {
                 State::Registered => {
-                    let p = policy.get_or_insert_with(|| self.shard().lock());
-                    self.restamp(p, id, e, ids.len() - i);
+                    self.restamp(&mut policy, id, e, ids.len() - i);
                     inactive += 1;
                 }
                 State::Duplicate => {
@@ -656,9 +671,7 @@ impl BlockStore for PoolCore {
         }
         if inactive != 0 {
             self.add_inactive(inactive);
-        }
-        if let Some(mut p) = policy {
-            self.maybe_compact(&mut p);
+            self.maybe_compact(&mut policy);
         }
     }
 
@@ -666,7 +679,7 @@ impl BlockStore for PoolCore {
         let Some(e) = self.slab.get(id) else {
             return false;
         };
-        let _registry = self.registry.read();
+        let _gate = self.gate.read();
         if e.hash() != hash {
             return false;
         }

@@ -224,8 +224,10 @@ impl BlockPool {
     /// every cached block (as `Stored` events); later batches follow the
     /// pool's changes in order.
     pub fn subscribe(&self) -> Receiver<KvEventBatch> {
-        let registry = self.core.registry.write();
-        let snapshot = registry
+        let gate = self.core.gate.write();
+        let snapshot = self
+            .core
+            .registry
             .ids()
             .map(|id| {
                 let e = self.core.slab.entry(id);
@@ -237,7 +239,7 @@ impl BlockPool {
             })
             .collect();
         let rx = self.core.events.subscribe(snapshot);
-        drop(registry);
+        drop(gate);
         rx
     }
 
