@@ -26,9 +26,8 @@
 //! `policy` module): its queue entry just goes stale, which is what keeps
 //! the policy lock off the match path.
 
-use std::sync::atomic::AtomicI64;
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
-use std::time::Instant;
+use std::sync::atomic::{AtomicI64, AtomicU64};
 
 use kvbm_block::SequenceHash;
 use kvbm_block::lifecycle::{BlockStore, CompleteParts};
@@ -88,14 +87,10 @@ pub struct PoolCore {
     /// releasing thread's shard, eviction takes the smallest key over all
     /// shards (all locked: it holds the registry exclusively anyway).
     pub(crate) policies: Box<[Padded<Mutex<PolicyState>>]>,
-    /// The release clock's origin. Stamps are nanoseconds since then (the
-    /// monotonic clock is the same on every core), bumped past the shard's
-    /// previous stamp so they strictly increase within a shard. A release
-    /// call reads the clock once and numbers its blocks on from there, so
-    /// recency is exact within a thread and across threads up to the
-    /// duration of one release call — without a shared counter whose
-    /// cache line every releasing thread would have to write.
-    epoch: Instant,
+    /// The release clock; shards reserve stamps from it a batch at a time,
+    /// so recency is exact within a thread and across threads up to one
+    /// release call.
+    clock: AtomicU64,
     pub(crate) free: Mutex<Vec<u32>>,
     /// Registered blocks without holders. Exact whenever the registry is
     /// held exclusively; may lag by in-flight batches otherwise.
@@ -161,7 +156,7 @@ impl PoolCore {
                     }))
                 })
                 .collect(),
-            epoch: Instant::now(),
+            clock: AtomicU64::new(1),
             free: Mutex::new(free),
             inactive: (0..shards).map(|_| Padded(AtomicI64::new(0))).collect(),
             events: EventHub::default(),
@@ -211,12 +206,7 @@ impl PoolCore {
     fn next_stamp(&self, p: &mut PolicyState, want: usize) -> u64 {
         if p.next_stamp == p.stamp_end {
             let want = want.clamp(1, 1024) as u64;
-            // Nanoseconds since the epoch (from 1: stamp 0 means "never
-            // released"); 2^64 ns is centuries.
-            let now = u64::try_from(self.epoch.elapsed().as_nanos())
-                .unwrap_or(u64::MAX / 2)
-                .saturating_add(1);
-            p.next_stamp = now.max(p.stamp_end);
+            p.next_stamp = self.clock.fetch_add(want, Relaxed);
             p.stamp_end = p.next_stamp + want;
         }
         let stamp = p.next_stamp;
