@@ -26,6 +26,7 @@
 //! `policy` module): its queue entry just goes stale, which is what keeps
 //! the policy lock off the match path.
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
 use std::sync::atomic::{AtomicI64, AtomicU64};
 
@@ -74,11 +75,9 @@ pub(crate) fn thread_shard(shards: usize) -> usize {
     index % shards
 }
 
-/// The state of one pool, shared by the pool and every handle on it.
-///
-/// It has no public constructor: it exists only inside a
-/// [`BlockPool`](crate::BlockPool), and handles are generic over it.
-pub struct PoolCore {
+/// The state of one pool, shared by the pool and every handle on it
+/// (through a [`PoolCore`]).
+pub(crate) struct PoolState {
     pub(crate) slab: Slab,
     /// Shared access to `registry` for lookups, exclusive for changes.
     pub(crate) gate: Gate,
@@ -107,19 +106,73 @@ pub struct PoolCore {
     tracks_access: bool,
 }
 
-impl std::fmt::Debug for PoolCore {
+impl std::fmt::Debug for PoolState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PoolCore")
+        f.debug_struct("PoolState")
             .field("capacity", &self.slab.len())
             .field("tier", &self.tier)
             .finish_non_exhaustive()
     }
 }
 
+/// The store a pool's handles point at: one of several per pool, each
+/// with its own reference count on its own cache lines, all sharing the
+/// pool's state.
+///
+/// Every handle holds an `Arc` of its store, and a match or a release
+/// clones or drops one; with a single store per pool, threads matching at
+/// once would bounce that count's cache line on every call. A
+/// [`BlockPool`](crate::BlockPool) gives each thread one of its stores
+/// (the same thread numbering as the policy shards), and handles compare
+/// stores by the state they share, so blocks move freely between threads.
+///
+/// It has no public constructor: it exists only inside a
+/// [`BlockPool`](crate::BlockPool), and handles are generic over it.
+#[repr(align(128))]
+pub struct PoolCore {
+    pub(crate) state: Arc<PoolState>,
+}
+
+impl std::fmt::Debug for PoolCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.state.fmt(f)
+    }
+}
+
+impl BlockStore for PoolCore {
+    fn block_size(&self) -> usize {
+        self.state.block_size
+    }
+
+    fn release_unregistered(&self, ids: &[u32]) {
+        self.state.release_unregistered(ids);
+    }
+
+    fn retain(&self, id: u32) {
+        self.state.retain(id);
+    }
+
+    fn release(&self, ids: &[u32]) {
+        self.state.release(ids);
+    }
+
+    fn try_upgrade(&self, id: u32, hash: SequenceHash) -> bool {
+        self.state.try_upgrade(id, hash)
+    }
+
+    fn sequence_hash(&self, id: u32) -> SequenceHash {
+        self.state.sequence_hash(id)
+    }
+
+    fn same_store(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.state, &other.state)
+    }
+}
+
 /// Blocks pulled off the free list.
 pub(crate) type Taken = Vec<u32>;
 
-impl PoolCore {
+impl PoolState {
     pub(crate) fn new(
         config: &PoolConfig,
         policies: Vec<Box<dyn EvictionPolicy>>,
@@ -624,7 +677,7 @@ impl PoolCore {
     }
 }
 
-impl BlockStore for PoolCore {
+impl BlockStore for PoolState {
     fn block_size(&self) -> usize {
         self.block_size
     }
