@@ -53,9 +53,19 @@ pub(crate) struct PolicyState {
 /// Evictions whose candidates are loaded into cache together.
 const WARM_BATCH: usize = 32;
 
-/// Keeps each shard's lock on its own cache lines.
+/// Keeps a value on its own cache lines (and off its neighbours'): for
+/// each shard's lock and counter, and for fields written on hot paths next
+/// to fields every thread reads.
 #[repr(align(128))]
 pub(crate) struct Padded<T>(pub(crate) T);
+
+impl<T> std::ops::Deref for Padded<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
 
 /// Which policy shard the calling thread releases into: threads are
 /// numbered once, round robin, so concurrent threads use different shards.
@@ -89,8 +99,10 @@ pub(crate) struct PoolState {
     /// The release clock; shards reserve stamps from it a batch at a time,
     /// so recency is exact within a thread and across threads up to one
     /// release call.
-    clock: AtomicU64,
-    pub(crate) free: Mutex<Vec<u32>>,
+    /// Padded: every release call writes it, every match reads the slab
+    /// pointers that would otherwise share its line.
+    clock: Padded<AtomicU64>,
+    pub(crate) free: Padded<Mutex<Vec<u32>>>,
     /// Registered blocks without holders. Exact whenever the registry is
     /// held exclusively; may lag by in-flight batches otherwise.
     /// Per shard (the thread's own, like the policy shard) so that threads
@@ -209,8 +221,8 @@ impl PoolState {
                     }))
                 })
                 .collect(),
-            clock: AtomicU64::new(1),
-            free: Mutex::new(free),
+            clock: Padded(AtomicU64::new(1)),
+            free: Padded(Mutex::new(free)),
             inactive: (0..shards).map(|_| Padded(AtomicI64::new(0))).collect(),
             events: EventHub::default(),
             tier: config.tier,

@@ -29,6 +29,7 @@ use parking_lot::Mutex;
 
 use kvbm_block::SequenceHash;
 
+use crate::core::Padded;
 use crate::slab::Slab;
 
 const EMPTY: u64 = u64::MAX;
@@ -58,7 +59,8 @@ pub(crate) struct Registry {
     /// Home slot = fingerprint >> `shift`.
     shift: u32,
     mask: usize,
-    len: AtomicUsize,
+    /// Padded: registering writes it, matching reads the fields around it.
+    len: Padded<AtomicUsize>,
     /// Odd while removals move slots around; lock-free probes that see it
     /// change retry under the gate.
     moves: AtomicU64,
@@ -81,7 +83,7 @@ impl Registry {
             slots: (0..size).map(|_| AtomicU64::new(EMPTY)).collect(),
             shift: 32 - size.trailing_zeros(),
             mask: size - 1,
-            len: AtomicUsize::new(0),
+            len: Padded(AtomicUsize::new(0)),
             moves: AtomicU64::new(0),
             orphans: Mutex::new(HashMap::new()),
         }
