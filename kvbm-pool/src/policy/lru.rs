@@ -13,6 +13,9 @@ use super::{BlockRef, BlockView, EvictionPolicy, LatestStamps, Victim};
 /// (the same block released again exactly 2^32 releases later) can only
 /// make an inactive block leave a little early, never an active one.
 #[derive(Debug)]
+// Aligned to its own cache lines: the shards of a sharded policy are
+// written by different threads and must not share a line.
+#[repr(align(128))]
 pub struct LruPolicy {
     queue: VecDeque<u64>,
     latest: LatestStamps,

@@ -290,8 +290,9 @@ pub trait EvictionPolicy: Send + 'static {
     }
 
     /// Drops queued entries that are stale (at least those whose block was
-    /// released again since); runs under the shared registry lock, so it
-    /// must not rely on holder counts staying put.
+    /// released again since); runs while other threads may match and
+    /// release (only this shard is locked), so it must not rely on holder
+    /// counts staying put.
     fn compact(&mut self, view: &BlockView<'_>);
 
     /// Entries queued, stale ones included (the pool compacts when this

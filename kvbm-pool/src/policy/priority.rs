@@ -14,6 +14,9 @@ const LEVELS: usize = 101;
 /// priorities first. One inner policy per level in use (created on first use), and a
 /// bitmap of levels that may hold candidates, so finding the lowest one is
 /// a couple of bit scans.
+// Aligned to its own cache lines: the shards of a sharded policy are
+// written by different threads and must not share a line.
+#[repr(align(128))]
 pub struct Prioritized {
     levels: Vec<Option<Box<dyn EvictionPolicy>>>,
     occupied: u128,
