@@ -200,45 +200,64 @@ pub(crate) fn start(
     request: RequestId,
     target: OnboardTarget,
 ) -> Result<OnboardHandle, TierError> {
-    let mut requests = shared.requests.lock();
-    let Some(state) = requests.get_mut(&request) else {
-        return Err(TierError::UnknownRequest(request));
+    let job = Arc::new(OnboardJob {
+        request: request.clone(),
+        // One count held by this function until everything is submitted.
+        pending: AtomicUsize::new(1),
+        released: AtomicBool::new(false),
+        cancel: CancelToken::new(),
+        started: Instant::now(),
+        writes_engine_blocks: matches!(target, OnboardTarget::Blocks(_)),
+        state: Mutex::new(None),
+        done: Mutex::new(false),
+        done_cv: Condvar::new(),
+    });
+
+    // Claim the request's holds. No lock is held past this block: G1
+    // allocation below may wait for the offload worker, whose copies
+    // complete on threads that also finish onboards.
+    let (holds, hashes, parents, sources, from_g3) = {
+        let mut requests = shared.requests.lock();
+        let Some(state) = requests.get_mut(&request) else {
+            return Err(TierError::UnknownRequest(request));
+        };
+        if state.onboard.is_some() {
+            return Err(TierError::AlreadyOnboarding(request));
+        }
+        let mut from_g3 = Vec::new();
+        let mut sources = Vec::new();
+        for seg in &state.segments {
+            from_g3.extend(std::iter::repeat_n(seg.g3, seg.blocks.len()));
+            sources.extend_from_slice(seg.blocks.block_ids());
+        }
+        let n = sources.len();
+        if let OnboardTarget::Blocks(ids) = &target
+            && ids.len() != n
+        {
+            return Err(TierError::DestinationMismatch {
+                request,
+                expected: n,
+                given: ids.len(),
+            });
+        }
+        let range = state.start..state.start + n;
+        let hashes: Vec<SequenceHash> = state.hashes[range.clone()].to_vec();
+        let parents: Vec<Option<SequenceHash>> = range
+            .map(|i| i.checked_sub(1).map(|p| state.hashes[p]))
+            .collect();
+        let holds = std::mem::take(&mut state.segments);
+        state.onboard = Some(Arc::clone(&job));
+        (holds, hashes, parents, sources, from_g3)
     };
-    if state.onboard.is_some() {
-        return Err(TierError::AlreadyOnboarding(request));
-    }
-    let mut from_g3 = Vec::new();
-    let mut sources = Vec::new();
-    for seg in &state.segments {
-        from_g3.extend(std::iter::repeat_n(seg.g3, seg.blocks.len()));
-        sources.extend_from_slice(seg.blocks.block_ids());
-    }
-    let n = sources.len();
-    if let OnboardTarget::Blocks(ids) = &target
-        && ids.len() != n
-    {
-        return Err(TierError::DestinationMismatch {
-            request,
-            expected: n,
-            given: ids.len(),
-        });
-    }
-    let range = state.start..state.start + n;
-    let hashes: Vec<SequenceHash> = state.hashes[range.clone()].to_vec();
-    let parents: Vec<Option<SequenceHash>> = range
-        .map(|i| i.checked_sub(1).map(|p| state.hashes[p]))
-        .collect();
+    let n = hashes.len();
 
     // Which blocks this request copies, which it waits for.
     let mut own = Vec::with_capacity(n);
     let mut waited = Vec::new();
     let mut deps: Vec<Arc<Inflight>> = Vec::new();
     let mut owned_inflight = Vec::new();
-    let dst = match target {
-        OnboardTarget::Blocks(ids) => {
-            own.extend(0..n);
-            Dst::Ids(ids)
-        }
+    match &target {
+        OnboardTarget::Blocks(_) => own.extend(0..n),
         OnboardTarget::Pool => {
             let mut inflight = shared.inflight.lock();
             let mut seen_deps = HashSet::new();
@@ -250,19 +269,27 @@ pub(crate) fn start(
                             deps.push(Arc::clone(entry));
                         }
                     }
-                    None => own.push(i),
+                    None => {
+                        own.push(i);
+                        let entry = Arc::new(Inflight {
+                            waiters: Mutex::new(Some(Vec::new())),
+                        });
+                        inflight.insert(*h, Arc::clone(&entry));
+                        owned_inflight.push((*h, entry));
+                    }
                 }
             }
-            let blocks = super::allocate_g1(shared, own.len())?;
-            for &i in &own {
-                let entry = Arc::new(Inflight {
-                    waiters: Mutex::new(Some(Vec::new())),
-                });
-                inflight.insert(hashes[i], Arc::clone(&entry));
-                owned_inflight.push((hashes[i], entry));
-            }
-            Dst::Pool(blocks)
         }
+    }
+    let dst = match target {
+        OnboardTarget::Blocks(ids) => Dst::Ids(ids),
+        OnboardTarget::Pool => match super::allocate_g1(shared, own.len()) {
+            Ok(blocks) => Dst::Pool(blocks),
+            Err(e) => {
+                undo_start(shared, &job, holds, owned_inflight);
+                return Err(e);
+            }
+        },
     };
     let dst_ids: Vec<u32> = match &dst {
         Dst::Pool(b) => b.iter().map(MutableBlock::block_id).collect(),
@@ -278,35 +305,23 @@ pub(crate) fn start(
             g2_pairs.push((sources[i] as usize, d));
         }
     }
-    let holds = std::mem::take(&mut state.segments);
     let (completer, completion) = completion_pair::<Done>();
     let transfers = usize::from(!g2_pairs.is_empty()) + usize::from(!g3_pairs.is_empty());
-    let job = Arc::new(OnboardJob {
-        request: request.clone(),
-        // One extra count, released below once everything is submitted.
-        pending: AtomicUsize::new(transfers + deps.len() + 1),
-        released: AtomicBool::new(false),
-        cancel: CancelToken::new(),
-        started: Instant::now(),
-        writes_engine_blocks: matches!(dst, Dst::Ids(_)),
-        state: Mutex::new(Some(JobState {
-            hashes,
-            parents,
-            own,
-            waited,
-            from_g3,
-            dst,
-            holds,
-            owned_inflight,
-            error: None,
-            bytes: [0; 2],
-            completer: Some(completer),
-        })),
-        done: Mutex::new(false),
-        done_cv: Condvar::new(),
+    *job.state.lock() = Some(JobState {
+        hashes,
+        parents,
+        own,
+        waited,
+        from_g3,
+        dst,
+        holds,
+        owned_inflight,
+        error: None,
+        bytes: [0; 2],
+        completer: Some(completer),
     });
-    state.onboard = Some(Arc::clone(&job));
-    drop(requests);
+    job.pending
+        .fetch_add(transfers + deps.len(), Ordering::AcqRel);
 
     let active = shared.offload.onboard_started();
     shared.metrics.onboards_in_flight(active);
@@ -352,6 +367,40 @@ pub(crate) fn start(
         request,
         completion,
     })
+}
+
+/// A start that could not allocate its G1 targets: the in-flight entries
+/// it claimed are dropped (requests waiting on them find no block and
+/// fail), and the request gets its holds back.
+fn undo_start(
+    shared: &Shared,
+    job: &Arc<OnboardJob>,
+    holds: Vec<super::matching::Segment>,
+    owned_inflight: Vec<(SequenceHash, Arc<Inflight>)>,
+) {
+    {
+        let mut inflight = shared.inflight.lock();
+        for (h, entry) in &owned_inflight {
+            if inflight.get(h).is_some_and(|e| Arc::ptr_eq(e, entry)) {
+                inflight.remove(h);
+            }
+        }
+    }
+    {
+        let mut requests = shared.requests.lock();
+        match requests.get_mut(&job.request) {
+            Some(state) if state.onboard.as_ref().is_some_and(|j| Arc::ptr_eq(j, job)) => {
+                state.segments = holds;
+                state.onboard = None;
+            }
+            _ => drop(holds),
+        }
+    }
+    *job.done.lock() = true;
+    job.done_cv.notify_all();
+    for (_, entry) in owned_inflight {
+        entry.finish();
+    }
 }
 
 /// The finishing step: runs once, on whichever thread arrived last.
