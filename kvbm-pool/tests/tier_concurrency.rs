@@ -32,6 +32,7 @@ fn run(mode: OffloadMode, policy: TierPolicy) {
             let slots = Arc::clone(&slots);
             std::thread::spawn(move || {
                 let mut verified = 0usize;
+                let mut shared_failures = 0usize;
                 for i in 0..40u64 {
                     let id = t * 1000 + i;
                     // Twelve conversations shared by all threads.
@@ -51,6 +52,19 @@ fn run(mode: OffloadMode, policy: TierPolicy) {
                     }
                     match slots.wait_onboard(id).unwrap() {
                         OnboardState::Ready => {}
+                        // The request whose load this one shared could not
+                        // get G1 space (G1 is tiny here): nothing was
+                        // reported loaded; compute the rest instead.
+                        OnboardState::Failed {
+                            error: TierError::SharedOnboardFailed(_),
+                            ..
+                        } => {
+                            shared_failures += 1;
+                            if slots.allocate_slots(id, prompt).is_err() {
+                                slots.free(id);
+                                continue;
+                            }
+                        }
                         other => panic!("onboard: {other:?}"),
                     }
                     let engine = slots.engine();
@@ -67,6 +81,11 @@ fn run(mode: OffloadMode, policy: TierPolicy) {
                     slots.commit_blocks(id, &hashes[computed..]).unwrap();
                     assert!(slots.free(id));
                 }
+                // Rare by construction; it must not be the normal outcome.
+                assert!(
+                    shared_failures <= 4,
+                    "{shared_failures} shared loads failed"
+                );
                 verified
             })
         })

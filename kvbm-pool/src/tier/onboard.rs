@@ -144,6 +144,9 @@ struct JobState {
     own: Vec<usize>,
     /// Indices whose block another request is loading.
     waited: Vec<usize>,
+    /// The G1 blocks of `waited`, taken as soon as their loader finished
+    /// (before it could let them go), indexed like `hashes`.
+    waited_held: Vec<Option<ImmutableBlock>>,
     /// Whether each block (indexed like `hashes`) comes from G3.
     from_g3: Vec<bool>,
     dst: Dst,
@@ -171,6 +174,19 @@ impl OnboardJob {
     fn arrive(self: &Arc<Self>, shared: &Arc<Shared>) {
         if self.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
             finish(shared, self);
+        }
+    }
+
+    /// A request this one waited on finished: hold the blocks it loaded
+    /// now, while their loader still holds them.
+    fn grab_waited(&self, shared: &Shared) {
+        if let Some(state) = self.state.lock().as_mut() {
+            for &i in &state.waited {
+                if state.waited_held[i].is_none() {
+                    let found = shared.g1.pool.match_prefix(&state.hashes[i..=i]);
+                    state.waited_held[i] = found.get(0);
+                }
+            }
         }
     }
 
@@ -308,6 +324,7 @@ pub(crate) fn start(
     let (completer, completion) = completion_pair::<Done>();
     let transfers = usize::from(!g2_pairs.is_empty()) + usize::from(!g3_pairs.is_empty());
     *job.state.lock() = Some(JobState {
+        waited_held: (0..hashes.len()).map(|_| None).collect(),
         hashes,
         parents,
         own,
@@ -327,7 +344,10 @@ pub(crate) fn start(
     shared.metrics.onboards_in_flight(active);
     for dep in deps {
         let (shared2, job2) = (Arc::clone(shared), Arc::clone(&job));
-        dep.wait(Box::new(move || job2.arrive(&shared2)));
+        dep.wait(Box::new(move || {
+            job2.grab_waited(&shared2);
+            job2.arrive(&shared2);
+        }));
     }
     let paths = [
         (0usize, shared.g2.as_ref(), g2_pairs),
@@ -413,6 +433,7 @@ fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
         parents,
         own,
         waited,
+        waited_held,
         from_g3,
         dst,
         holds,
@@ -432,9 +453,16 @@ fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
             blocks: ImmutableBlocks::empty(),
             count: n,
         }),
-        (None, Dst::Pool(targets)) => {
-            register_loaded(shared, &request, &hashes, &parents, &own, &waited, targets)
-        }
+        (None, Dst::Pool(targets)) => register_loaded(
+            shared,
+            &hashes,
+            &parents,
+            &own,
+            &waited,
+            waited_held,
+            targets,
+        )
+        .ok_or_else(|| TierError::SharedOnboardFailed(request.clone())),
     };
     // The owner's blocks are in G1 (or failed): let waiting requests look.
     {
@@ -448,6 +476,8 @@ fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
     let took = job.started.elapsed();
     let g3_count = own.iter().filter(|&&i| from_g3[i]).count() as u64;
     let g2_count = own.len() as u64 - g3_count;
+    let loaded_ok = result.is_ok();
+    let mut keep_alive: Option<Onboarded> = None;
     let result = match result {
         Ok(done) => {
             if g2_count > 0 {
@@ -464,6 +494,8 @@ fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
                 }
             }
             if job.released.load(Ordering::Acquire) {
+                // Held until waiting requests have taken their share.
+                keep_alive = Some(done);
                 Err(TierError::Released(request.clone()))
             } else {
                 Ok(done)
@@ -475,6 +507,16 @@ fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
             Err(e)
         }
     };
+    // Write-back gives these blocks back to G2 when G1 evicts them, so
+    // G2's copies of what was just loaded go first (G2 stays exclusive).
+    if loaded_ok && shared.config.offload_mode == super::OffloadMode::WriteBack {
+        let from_g2: Vec<SequenceHash> = own
+            .iter()
+            .filter(|&&i| !from_g3[i])
+            .map(|&i| hashes[i])
+            .collect();
+        shared.history.lock().demote(from_g2);
+    }
     drop(holds);
     let left = shared.offload.onboard_ended();
     shared.metrics.onboards_in_flight(left);
@@ -485,6 +527,7 @@ fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
     for (_, entry) in owned_inflight {
         entry.finish();
     }
+    drop(keep_alive);
     if let Some(c) = completer {
         c.complete(Done(result));
     }
@@ -494,51 +537,37 @@ fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
 /// order, the ones other requests loaded.
 fn register_loaded(
     shared: &Shared,
-    request: &RequestId,
     hashes: &[SequenceHash],
     parents: &[Option<SequenceHash>],
     own: &[usize],
     waited: &[usize],
+    mut waited_held: Vec<Option<ImmutableBlock>>,
     targets: Vec<MutableBlock>,
-) -> Result<Onboarded, TierError> {
+) -> Option<Onboarded> {
     let mut complete = Vec::with_capacity(targets.len());
     for (t, &i) in targets.into_iter().zip(own) {
-        match t.complete(hashes[i], parents[i]) {
-            Ok(c) => complete.push(c),
-            // Pool blocks track no tokens, so completing cannot fail; if it
-            // did, the block is dropped (freed) and the request fails.
-            Err(_) => return Err(TierError::SharedOnboardFailed(request.clone())),
-        }
+        // Pool blocks track no tokens, so completing cannot fail; if it
+        // did, the block is dropped (freed) and the request fails.
+        complete.push(t.complete(hashes[i], parents[i]).ok()?);
     }
-    let registered = shared
-        .g1
-        .pool
-        .register(complete)
-        .map_err(|_| TierError::SharedOnboardFailed(request.clone()))?;
+    let registered = shared.g1.pool.register(complete).ok()?;
     let mut slots: Vec<Option<ImmutableBlock>> = (0..hashes.len()).map(|_| None).collect();
     for (k, &i) in own.iter().enumerate() {
         slots[i] = registered.get(k);
     }
     drop(registered);
     for &i in waited {
-        let mut held = shared.g1.pool.match_prefix(&hashes[i..=i]);
-        if held.len() != 1 {
-            return Err(TierError::SharedOnboardFailed(request.clone()));
-        }
-        slots[i] = held.get(0);
-        held.truncate(0);
+        slots[i] = match waited_held[i].take() {
+            Some(b) => Some(b),
+            None => shared.g1.pool.match_prefix(&hashes[i..=i]).get(0),
+        };
     }
     let mut blocks = ImmutableBlocks::empty();
     for b in slots {
-        let Some(b) = b else {
-            return Err(TierError::SharedOnboardFailed(request.clone()));
-        };
-        if blocks.push(b).is_err() {
-            return Err(TierError::SharedOnboardFailed(request.clone()));
-        }
+        blocks.push(b?).ok()?;
     }
     let count = blocks.len();
-    Ok(Onboarded { blocks, count })
+    Some(Onboarded { blocks, count })
 }
 
 /// Queues the blocks that came from G3 for offload to G2.
