@@ -10,7 +10,13 @@
 //! onboarded has an entry in the engine's in-flight map. A second request
 //! that needs the same block does not copy it again: it waits for the
 //! entry, then takes the block from the G1 pool where the first request
-//! registered it. It never waits behind onboards it does not share.
+//! registered it — at the moment the first request finishes, while that
+//! one still holds it, so G1 cannot evict it in between. It never waits
+//! behind onboards it does not share. No lock is held while G1 targets are
+//! allocated (in write-back mode that waits for the offload worker).
+//!
+//! Exclusivity in write-back mode: blocks loaded from G2 are marked for G2
+//! to evict first, since G1 will write them back when it evicts them.
 //!
 //! Failure: a request whose own copy fails reports an error and no loaded
 //! block; its G1 targets return to the free list and its holds are
