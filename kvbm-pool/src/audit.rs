@@ -2,7 +2,7 @@
 
 use std::sync::atomic::Ordering::{Acquire, Relaxed};
 
-use crate::core::PoolCore;
+use crate::core::PoolState;
 use crate::pool::PoolCounts;
 use crate::slab::{NO_PARENT, State};
 
@@ -19,8 +19,9 @@ macro_rules! ensure {
     };
 }
 
-pub(crate) fn audit(core: &PoolCore) -> Result<PoolCounts, AuditError> {
-    let registry = core.registry.write();
+pub(crate) fn audit(core: &PoolState) -> Result<PoolCounts, AuditError> {
+    let _gate = core.gate.write();
+    let registry = &core.registry;
     let _policies = core.lock_all();
     let free = core.free.lock();
     let capacity = core.slab.len();
@@ -90,9 +91,9 @@ pub(crate) fn audit(core: &PoolCore) -> Result<PoolCounts, AuditError> {
         registry.len()
     );
     ensure!(
-        core.inactive.load(Relaxed) == inactive as i64,
+        core.inactive_raw() == inactive as i64,
         "inactive counter {} but {inactive} blocks are inactive",
-        core.inactive.load(Relaxed)
+        core.inactive_raw()
     );
     for (i, e) in core.slab.iter().enumerate() {
         if e.state() == State::Registered {

@@ -1,36 +1,43 @@
 //! The shared state of one pool and every operation on it.
 //!
 //! Locks, always taken in this order:
-//! 1. `registry` (`RwLock`): shared for matching, presence checks and
-//!    releasing handles; exclusive for registering and evicting — the only
+//! 1. `gate` (a per-thread-sharded reader-writer lock, see the `gate`
+//!    module) over the registry: shared for matching, presence checks and
+//!    upgrades; exclusive for registering and evicting — the only
 //!    operations that change which hashes are cached.
 //! 2. `policies` (one `Mutex` per shard): a thread releasing blocks takes
-//!    its own shard once per released batch; eviction takes all of them (in
-//!    order) and evicts the smallest key among the shards' candidates.
+//!    its own shard once per released batch, and that is the only lock a
+//!    release takes; eviction takes all of them (in order) and evicts the
+//!    smallest key among the shards' candidates.
 //! 3. `free` (`Mutex`): the free list; taken alone on the allocation fast
 //!    path.
 //!
 //! Holder counts are atomics in the slab, so a match of `L` blocks takes the
-//! shared lock once and does `L` atomic increments; two threads matching
-//! different prefixes share the lock word and a few counters, not the
-//! blocks' cache lines, and release into different policy shards. Eviction
-//! needs the exclusive lock, so it never races a match: a block a matcher
-//! found cannot disappear under it.
+//! shared gate once and does `L` atomic increments; two threads matching
+//! different prefixes lock different gate and policy shards and share no
+//! cache line on the way. Eviction needs the exclusive gate, so it never
+//! races a match: a block a matcher found cannot disappear under it; and it
+//! holds every policy shard, so it never races a release either (a block
+//! whose last holder is leaving is queued before any evictor looks).
+//! A match whose first hash is absent takes no lock at all: the registry
+//! proves absence with a lock-free probe (see `Registry::surely_absent`).
 //!
 //! Reactivating an inactive block does not touch the policy (see the
 //! `policy` module): its queue entry just goes stale, which is what keeps
 //! the policy lock off the match path.
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
 use std::sync::atomic::{AtomicI64, AtomicU64};
 
 use kvbm_block::SequenceHash;
 use kvbm_block::lifecycle::{BlockStore, CompleteParts};
-use parking_lot::{Mutex, MutexGuard, RwLock};
+use parking_lot::{Mutex, MutexGuard};
 
 use crate::config::{DuplicatePolicy, PoolConfig, Tier};
 use crate::error::PoolError;
 use crate::events::{EventHub, KvEvent};
+use crate::gate::Gate;
 use crate::policy::{BlockView, EvictionPolicy, Victim, block_ref};
 use crate::registry::Registry;
 use crate::slab::{Entry, NO_PARENT, Slab, State};
@@ -43,13 +50,26 @@ pub(crate) struct PolicyState {
     stamp_end: u64,
 }
 
-/// Keeps each shard's lock on its own cache lines.
+/// Evictions whose candidates are loaded into cache together.
+const WARM_BATCH: usize = 32;
+
+/// Keeps a value on its own cache lines (and off its neighbours'): for
+/// each shard's lock and counter, and for fields written on hot paths next
+/// to fields every thread reads.
 #[repr(align(128))]
 pub(crate) struct Padded<T>(pub(crate) T);
 
+impl<T> std::ops::Deref for Padded<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
 /// Which policy shard the calling thread releases into: threads are
 /// numbered once, round robin, so concurrent threads use different shards.
-fn thread_shard(shards: usize) -> usize {
+pub(crate) fn thread_shard(shards: usize) -> usize {
     use std::cell::Cell;
     use std::sync::atomic::AtomicUsize;
     static NEXT: AtomicUsize = AtomicUsize::new(0);
@@ -65,13 +85,13 @@ fn thread_shard(shards: usize) -> usize {
     index % shards
 }
 
-/// The state of one pool, shared by the pool and every handle on it.
-///
-/// It has no public constructor: it exists only inside a
-/// [`BlockPool`](crate::BlockPool), and handles are generic over it.
-pub struct PoolCore {
+/// The state of one pool, shared by the pool and every handle on it
+/// (through a [`PoolCore`]).
+pub(crate) struct PoolState {
     pub(crate) slab: Slab,
-    pub(crate) registry: RwLock<Registry>,
+    /// Shared access to `registry` for lookups, exclusive for changes.
+    pub(crate) gate: Gate,
+    pub(crate) registry: Registry,
     /// The eviction policy, one instance per shard: releases go to the
     /// releasing thread's shard, eviction takes the smallest key over all
     /// shards (all locked: it holds the registry exclusively anyway).
@@ -79,11 +99,15 @@ pub struct PoolCore {
     /// The release clock; shards reserve stamps from it a batch at a time,
     /// so recency is exact within a thread and across threads up to one
     /// release call.
-    clock: AtomicU64,
-    pub(crate) free: Mutex<Vec<u32>>,
+    /// Padded: every release call writes it, every match reads the slab
+    /// pointers that would otherwise share its line.
+    clock: Padded<AtomicU64>,
+    pub(crate) free: Padded<Mutex<Vec<u32>>>,
     /// Registered blocks without holders. Exact whenever the registry is
     /// held exclusively; may lag by in-flight batches otherwise.
-    pub(crate) inactive: AtomicI64,
+    /// Per shard (the thread's own, like the policy shard) so that threads
+    /// do not bounce one counter's cache line; the sum is the count.
+    inactive: Box<[Padded<AtomicI64>]>,
     pub(crate) events: EventHub,
     pub(crate) tier: Tier,
     pub(crate) block_size: usize,
@@ -94,19 +118,73 @@ pub struct PoolCore {
     tracks_access: bool,
 }
 
-impl std::fmt::Debug for PoolCore {
+impl std::fmt::Debug for PoolState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PoolCore")
+        f.debug_struct("PoolState")
             .field("capacity", &self.slab.len())
             .field("tier", &self.tier)
             .finish_non_exhaustive()
     }
 }
 
+/// The store a pool's handles point at: one of several per pool, each
+/// with its own reference count on its own cache lines, all sharing the
+/// pool's state.
+///
+/// Every handle holds an `Arc` of its store, and a match or a release
+/// clones or drops one; with a single store per pool, threads matching at
+/// once would bounce that count's cache line on every call. A
+/// [`BlockPool`](crate::BlockPool) gives each thread one of its stores
+/// (the same thread numbering as the policy shards), and handles compare
+/// stores by the state they share, so blocks move freely between threads.
+///
+/// It has no public constructor: it exists only inside a
+/// [`BlockPool`](crate::BlockPool), and handles are generic over it.
+#[repr(align(128))]
+pub struct PoolCore {
+    pub(crate) state: Arc<PoolState>,
+}
+
+impl std::fmt::Debug for PoolCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.state.fmt(f)
+    }
+}
+
+impl BlockStore for PoolCore {
+    fn block_size(&self) -> usize {
+        self.state.block_size
+    }
+
+    fn release_unregistered(&self, ids: &[u32]) {
+        self.state.release_unregistered(ids);
+    }
+
+    fn retain(&self, id: u32) {
+        self.state.retain(id);
+    }
+
+    fn release(&self, ids: &[u32]) {
+        self.state.release(ids);
+    }
+
+    fn try_upgrade(&self, id: u32, hash: SequenceHash) -> bool {
+        self.state.try_upgrade(id, hash)
+    }
+
+    fn sequence_hash(&self, id: u32) -> SequenceHash {
+        self.state.sequence_hash(id)
+    }
+
+    fn same_store(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.state, &other.state)
+    }
+}
+
 /// Blocks pulled off the free list.
 pub(crate) type Taken = Vec<u32>;
 
-impl PoolCore {
+impl PoolState {
     pub(crate) fn new(
         config: &PoolConfig,
         policies: Vec<Box<dyn EvictionPolicy>>,
@@ -127,10 +205,12 @@ impl PoolCore {
         // Allocation takes the tail in order: ascending ids.
         let free: Vec<u32> = (0..capacity as u32).collect();
         let tracks_access = policies.iter().any(|p| p.tracks_access());
+        let shards = policies.len();
         Ok(Self {
             tracks_access,
             slab: Slab::new(capacity),
-            registry: RwLock::new(Registry::new(capacity)),
+            gate: Gate::new(),
+            registry: Registry::new(capacity),
             policies: policies
                 .into_iter()
                 .map(|policy| {
@@ -141,9 +221,9 @@ impl PoolCore {
                     }))
                 })
                 .collect(),
-            clock: AtomicU64::new(1),
-            free: Mutex::new(free),
-            inactive: AtomicI64::new(0),
+            clock: Padded(AtomicU64::new(1)),
+            free: Padded(Mutex::new(free)),
+            inactive: (0..shards).map(|_| Padded(AtomicI64::new(0))).collect(),
             events: EventHub::default(),
             tier: config.tier,
             block_size: config.block_size,
@@ -160,8 +240,21 @@ impl PoolCore {
         self.slab.entry(id)
     }
 
+    /// Registered blocks without holders. Exact whenever the registry is
+    /// held exclusively; may lag by in-flight batches otherwise.
     pub(crate) fn inactive_count(&self) -> usize {
-        usize::try_from(self.inactive.load(Relaxed)).unwrap_or(0)
+        usize::try_from(self.inactive_raw()).unwrap_or(0)
+    }
+
+    pub(crate) fn inactive_raw(&self) -> i64 {
+        self.inactive.iter().map(|c| c.0.load(Relaxed)).sum()
+    }
+
+    /// Adds `delta` to the calling thread's inactive counter.
+    fn add_inactive(&self, delta: i64) {
+        self.inactive[thread_shard(self.inactive.len())]
+            .0
+            .fetch_add(delta, Relaxed);
     }
 
     /// The calling thread's policy shard.
@@ -196,7 +289,7 @@ impl PoolCore {
                 return Ok(self.pop_free(&mut free, n));
             }
         }
-        let mut registry = self.registry.write();
+        let _gate = self.gate.write();
         let mut policies = self.lock_all();
         let mut free = self.free.lock();
         if free.len() < n {
@@ -208,7 +301,7 @@ impl PoolCore {
                     evictable: self.inactive_count(),
                 });
             }
-            self.evict_locked(&mut registry, &mut policies, &mut free, need);
+            self.evict_locked(&mut policies, &mut free, need);
             if free.len() < n {
                 return Err(PoolError::Exhausted {
                     requested: n,
@@ -231,15 +324,15 @@ impl PoolCore {
 
     /// Evicts up to `n` inactive blocks onto the free list; returns how many.
     pub(crate) fn evict(&self, n: usize) -> usize {
-        let mut registry = self.registry.write();
+        let _gate = self.gate.write();
         let mut policies = self.lock_all();
         let mut free = self.free.lock();
-        self.evict_locked(&mut registry, &mut policies, &mut free, n)
+        self.evict_locked(&mut policies, &mut free, n)
     }
 
+    /// Evicts with the gate held exclusively and every policy shard locked.
     fn evict_locked(
         &self,
-        registry: &mut Registry,
         policies: &mut [MutexGuard<'_, PolicyState>],
         free: &mut Vec<u32>,
         n: usize,
@@ -250,8 +343,15 @@ impl PoolCore {
         // victim (and was told about a new leaf) needs asking again.
         let mut heads: Vec<Option<Victim>> = vec![None; policies.len()];
         let mut stale: Vec<bool> = vec![true; policies.len()];
+        let registry = &self.registry;
+        registry.begin_moves();
         while evicted < n {
             let view = BlockView::with_registry(&self.slab, registry);
+            if evicted % WARM_BATCH == 0 {
+                for p in policies.iter() {
+                    p.policy.warm(&view, WARM_BATCH.min(n - evicted));
+                }
+            }
             for (i, p) in policies.iter_mut().enumerate() {
                 if stale[i] {
                     heads[i] = p.policy.peek_victim(&view);
@@ -285,7 +385,8 @@ impl PoolCore {
                 });
             }
         }
-        self.inactive.fetch_sub(evicted as i64, Relaxed);
+        registry.end_moves();
+        self.add_inactive(-(evicted as i64));
         if let Some(ev) = events {
             self.events.publish(ev);
         }
@@ -294,13 +395,7 @@ impl PoolCore {
 
     /// Drops a leaving block's count in its parent, telling the policy when
     /// an inactive parent becomes a leaf.
-    fn unlink_parent(
-        &self,
-        registry: &mut Registry,
-        id: u32,
-        e: Entry<'_>,
-        policy: &mut PolicyState,
-    ) {
+    fn unlink_parent(&self, registry: &Registry, id: u32, e: Entry<'_>, policy: &mut PolicyState) {
         let pid = e.cold.parent_id.load(Relaxed);
         if pid == NO_PARENT {
             if let Some(parent) = e.parent() {
@@ -332,7 +427,8 @@ impl PoolCore {
             .events
             .active()
             .then(|| Vec::with_capacity(parts.len()));
-        let mut registry = self.registry.write();
+        let gate = self.gate.write();
+        let registry = &self.registry;
         let mut policy = self.policy_if_tracking();
         let mut reactivated = 0i64;
         if parts.len() > 2 {
@@ -345,9 +441,16 @@ impl PoolCore {
             }
             std::hint::black_box(sink);
         }
+        // The previous block's primary: usually the parent of the next one,
+        // which then needs no registry lookup.
+        let mut previous: Option<(SequenceHash, u32)> = None;
         for part in parts {
             let e = self.entry(part.id);
-            if let Some(existing) = registry.get(&self.slab, part.hash) {
+            // Named first, so the slot inserted below never points at a
+            // stale hash.
+            e.set_names(part.hash, part.parent);
+            if let Some(existing) = registry.get_or_insert(&self.slab, part.hash, part.id) {
+                previous = Some((part.hash, existing));
                 match self.duplicates {
                     DuplicatePolicy::ReuseExisting => {
                         if self.entry(existing).hot.holders.fetch_add(1, AcqRel) == 0 {
@@ -358,7 +461,6 @@ impl PoolCore {
                         out.push(existing);
                     }
                     DuplicatePolicy::KeepDuplicate => {
-                        e.set_names(part.hash, part.parent);
                         e.hot.priority.store(part.priority, Relaxed);
                         e.cold.parent_id.store(NO_PARENT, Relaxed);
                         e.hot.holders.store(1, Release);
@@ -367,11 +469,10 @@ impl PoolCore {
                     }
                 }
             } else {
-                registry.insert(part.hash, part.id);
-                e.set_names(part.hash, part.parent);
                 e.hot.priority.store(part.priority, Relaxed);
                 e.cold.children.store(0, Relaxed);
-                self.link_lineage(&mut registry, part.id, e);
+                self.link_lineage(registry, part.id, e, previous);
+                previous = Some((part.hash, part.id));
                 e.hot.holders.store(1, Release);
                 e.set_state(State::Registered);
                 out.push(part.id);
@@ -388,7 +489,7 @@ impl PoolCore {
             }
         }
         if reactivated != 0 {
-            self.inactive.fetch_sub(reactivated, Relaxed);
+            self.add_inactive(-reactivated);
         }
         if let Some(ev) = events {
             self.events.publish(ev);
@@ -397,17 +498,27 @@ impl PoolCore {
         if !freed.is_empty() {
             self.free.lock().extend_from_slice(&freed);
         }
-        drop(registry);
+        drop(gate);
         out
     }
 
     /// Links a newly registered block to its cached parent, or records it
     /// as an orphan the parent adopts when it is registered later; then
     /// adopts the block's own orphans (children registered before it).
-    fn link_lineage(&self, registry: &mut Registry, id: u32, e: Entry<'_>) {
+    fn link_lineage(
+        &self,
+        registry: &Registry,
+        id: u32,
+        e: Entry<'_>,
+        previous: Option<(SequenceHash, u32)>,
+    ) {
         e.cold.parent_id.store(NO_PARENT, Relaxed);
         if let Some(parent) = e.parent() {
-            match registry.get(&self.slab, parent) {
+            let pid = match previous {
+                Some((hash, pid)) if hash == parent => Some(pid),
+                _ => registry.get(&self.slab, parent),
+            };
+            match pid {
                 Some(pid) => self.link(e, pid),
                 None => registry.add_orphan(parent, id),
             }
@@ -450,7 +561,11 @@ impl PoolCore {
         let Some(&first) = hashes.first() else {
             return Vec::new();
         };
-        let registry = self.registry.read();
+        if self.registry.surely_absent(first) {
+            return Vec::new();
+        }
+        let gate = self.gate.read();
+        let registry = &self.registry;
         let Some(first_id) = registry.get(&self.slab, first) else {
             return Vec::new();
         };
@@ -489,7 +604,7 @@ impl PoolCore {
             prev = id;
         }
         if reactivated != 0 {
-            self.inactive.fetch_sub(reactivated, Relaxed);
+            self.add_inactive(-reactivated);
         }
         if self.tracks_access {
             let mut policy = self.shard().lock();
@@ -497,13 +612,14 @@ impl PoolCore {
                 policy.policy.on_access(*hash);
             }
         }
-        drop(registry);
+        drop(gate);
         ids
     }
 
     /// Length of the longest cached prefix, without taking holders.
     pub(crate) fn cached_prefix_len(&self, hashes: &[SequenceHash]) -> usize {
-        let registry = self.registry.read();
+        let _gate = self.gate.read();
+        let registry = &self.registry;
         hashes
             .iter()
             .take_while(|&&h| registry.get(&self.slab, h).is_some())
@@ -513,7 +629,8 @@ impl PoolCore {
     /// Marks inactive blocks among `hashes` as just used; returns how many
     /// of them are cached.
     pub(crate) fn touch(&self, hashes: &[SequenceHash]) -> usize {
-        let registry = self.registry.read();
+        let _gate = self.gate.read();
+        let registry = &self.registry;
         let mut policy = self.shard().lock();
         let mut found = 0;
         for hash in hashes {
@@ -533,8 +650,8 @@ impl PoolCore {
 
     /// Changes a cached block's priority; `false` if the hash is not cached.
     pub(crate) fn set_priority(&self, hash: SequenceHash, priority: u8) -> bool {
-        let registry = self.registry.read();
-        let Some(id) = registry.get(&self.slab, hash) else {
+        let _gate = self.gate.read();
+        let Some(id) = self.registry.get(&self.slab, hash) else {
             return false;
         };
         let mut policy = self.shard().lock();
@@ -560,7 +677,7 @@ impl PoolCore {
         if !self.free.lock().is_empty() {
             return true;
         }
-        let _registry = self.registry.read();
+        let _gate = self.gate.read();
         let mut policy = self.shard().lock();
         policy.policy.admit(hash, &BlockView::new(&self.slab))
     }
@@ -572,7 +689,7 @@ impl PoolCore {
     }
 }
 
-impl BlockStore for PoolCore {
+impl BlockStore for PoolState {
     fn block_size(&self) -> usize {
         self.block_size
     }
@@ -594,8 +711,11 @@ impl BlockStore for PoolCore {
         if ids.is_empty() {
             return;
         }
-        let _registry = self.registry.read();
-        let mut policy: Option<MutexGuard<'_, PolicyState>> = None;
+        // The thread's policy shard is the only lock: eviction holds every
+        // shard, so it never sees a block between its last holder leaving
+        // and its queue entry; registration and matching may run alongside
+        // (they only ever add holders).
+        let mut policy = self.shard().lock();
         let mut inactive = 0i64;
         for (i, &id) in ids.iter().enumerate() {
             let e = self.entry(id);
@@ -604,8 +724,7 @@ impl BlockStore for PoolCore {
             }
             match e.state() {
                 State::Registered => {
-                    let p = policy.get_or_insert_with(|| self.shard().lock());
-                    self.restamp(p, id, e, ids.len() - i);
+                    self.restamp(&mut policy, id, e, ids.len() - i);
                     inactive += 1;
                 }
                 State::Duplicate => {
@@ -616,10 +735,8 @@ impl BlockStore for PoolCore {
             }
         }
         if inactive != 0 {
-            self.inactive.fetch_add(inactive, Relaxed);
-        }
-        if let Some(mut p) = policy {
-            self.maybe_compact(&mut p);
+            self.add_inactive(inactive);
+            self.maybe_compact(&mut policy);
         }
     }
 
@@ -627,14 +744,14 @@ impl BlockStore for PoolCore {
         let Some(e) = self.slab.get(id) else {
             return false;
         };
-        let _registry = self.registry.read();
+        let _gate = self.gate.read();
         if e.hash() != hash {
             return false;
         }
         match e.state() {
             State::Registered => {
                 if e.hot.holders.fetch_add(1, AcqRel) == 0 {
-                    self.inactive.fetch_sub(1, Relaxed);
+                    self.add_inactive(-1);
                 }
                 true
             }

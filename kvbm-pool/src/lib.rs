@@ -43,6 +43,7 @@ mod config;
 mod core;
 mod error;
 mod events;
+mod gate;
 pub mod metrics;
 pub mod policy;
 mod pool;

@@ -7,7 +7,7 @@ use kvbm_block::SequenceHash;
 use kvbm_block::lifecycle;
 
 use crate::config::{EvictionKind, PoolConfig, Tier};
-use crate::core::PoolCore;
+use crate::core::{PoolCore, PoolState, thread_shard};
 use crate::error::{PoolError, RegisterError};
 use crate::events::{KvEvent, KvEventBatch};
 use crate::policy::{EvictionPolicy, FrequencyPolicy, LeafFirstPolicy, LruPolicy, Prioritized};
@@ -43,8 +43,15 @@ pub struct PoolCounts {
 /// memory layout.
 #[derive(Clone, Debug)]
 pub struct BlockPool {
-    core: Arc<PoolCore>,
+    core: Arc<PoolState>,
+    /// The stores handed to handles, one per thread shard (see
+    /// [`PoolCore`]).
+    stores: Arc<[Arc<PoolCore>]>,
 }
+
+/// Stores per pool: handles made on different threads count their
+/// references on different cache lines.
+const STORES: usize = 4;
 
 /// Policy instances a built-in shardable policy runs as.
 pub const POLICY_SHARDS: usize = 4;
@@ -79,9 +86,7 @@ impl BlockPool {
             EvictionKind::Lru | EvictionKind::LeafFirst => POLICY_SHARDS,
         };
         let policies = (0..shards).map(|_| policy_for(&config, shards)).collect();
-        Ok(Self {
-            core: Arc::new(PoolCore::new(&config, policies)?),
-        })
+        Self::from_state(PoolState::new(&config, policies)?)
     }
 
     /// A pool with a policy of your own (`config.eviction` and
@@ -90,9 +95,30 @@ impl BlockPool {
         config: PoolConfig,
         policy: Box<dyn EvictionPolicy>,
     ) -> Result<Self, PoolError> {
-        Ok(Self {
-            core: Arc::new(PoolCore::new(&config, vec![policy])?),
-        })
+        Self::from_state(PoolState::new(&config, vec![policy])?)
+    }
+
+    fn from_state(state: PoolState) -> Result<Self, PoolError> {
+        let core = Arc::new(state);
+        let stores = (0..STORES)
+            .map(|_| {
+                Arc::new(PoolCore {
+                    state: Arc::clone(&core),
+                })
+            })
+            .collect();
+        Ok(Self { core, stores })
+    }
+
+    /// The calling thread's store, for a new handle.
+    fn store(&self) -> Arc<PoolCore> {
+        Arc::clone(&self.stores[thread_shard(self.stores.len())])
+    }
+
+    /// Any store of this pool, to check which pool a block belongs to
+    /// (stores of one pool compare equal).
+    fn any_store(&self) -> &Arc<PoolCore> {
+        &self.stores[0]
     }
 
     /// Blocks in the pool.
@@ -124,9 +150,10 @@ impl BlockPool {
             return Ok(Vec::new());
         }
         let ids = self.core.take(n)?;
+        let store = self.store();
         Ok(ids
             .into_iter()
-            .map(|id| MutableBlock::from_store(Arc::clone(&self.core), id))
+            .map(|id| MutableBlock::from_store(Arc::clone(&store), id))
             .collect())
     }
 
@@ -136,7 +163,7 @@ impl BlockPool {
     /// [`DuplicatePolicy`](crate::DuplicatePolicy). Blocks of another pool
     /// refuse the whole call and come back in the error.
     pub fn register(&self, blocks: Vec<CompleteBlock>) -> Result<ImmutableBlocks, RegisterError> {
-        if blocks.iter().any(|b| !b.belongs_to(&self.core)) {
+        if blocks.iter().any(|b| !b.belongs_to(self.any_store())) {
             return Err(RegisterError { blocks });
         }
         let parts: Vec<_> = blocks
@@ -145,12 +172,12 @@ impl BlockPool {
             .collect();
         let ids = self.core.register(&parts);
         drop(parts);
-        Ok(ImmutableBlocks::from_store(Arc::clone(&self.core), ids))
+        Ok(ImmutableBlocks::from_store(self.store(), ids))
     }
 
     /// Registers one block (see [`register`](Self::register)).
     pub fn register_block(&self, block: CompleteBlock) -> Result<ImmutableBlock, RegisterError> {
-        if !block.belongs_to(&self.core) {
+        if !block.belongs_to(self.any_store()) {
             return Err(RegisterError {
                 blocks: vec![block],
             });
@@ -167,7 +194,7 @@ impl BlockPool {
         if ids.is_empty() {
             return ImmutableBlocks::empty();
         }
-        ImmutableBlocks::from_store(Arc::clone(&self.core), ids)
+        ImmutableBlocks::from_store(self.store(), ids)
     }
 
     /// How many leading `hashes` are cached, without holding or reactivating
@@ -224,8 +251,10 @@ impl BlockPool {
     /// every cached block (as `Stored` events); later batches follow the
     /// pool's changes in order.
     pub fn subscribe(&self) -> Receiver<KvEventBatch> {
-        let registry = self.core.registry.write();
-        let snapshot = registry
+        let gate = self.core.gate.write();
+        let snapshot = self
+            .core
+            .registry
             .ids()
             .map(|id| {
                 let e = self.core.slab.entry(id);
@@ -237,7 +266,7 @@ impl BlockPool {
             })
             .collect();
         let rx = self.core.events.subscribe(snapshot);
-        drop(registry);
+        drop(gate);
         rx
     }
 

@@ -9,15 +9,27 @@
 //! slots, so it never grows); deletion shifts later entries back instead of
 //! leaving tombstones, so probe lengths stay short under churn.
 //!
+//! Slots are atomics so that a lookup whose answer is "absent" can run
+//! without the pool's gate (see [`Registry::surely_absent`]): removals bump
+//! a sequence counter around their slot moves, and a lock-free probe that
+//! saw no change in it and no matching fingerprint proves the hash absent.
+//! Everything else runs under the pool's gate (shared for lookups,
+//! exclusive for changes), which is what orders the relaxed accesses.
+//!
 //! Sequence hashes are already uniform, so the fingerprint is a fold and
 //! one multiplication away (multiplicative hashing), and the home slot is
 //! the fingerprint's top bits; the fold keeps structured keys (counters,
 //! multiples of a constant) from clustering.
 
 use std::collections::HashMap;
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+use std::sync::atomic::{AtomicU64, AtomicUsize, fence};
+
+use parking_lot::Mutex;
 
 use kvbm_block::SequenceHash;
 
+use crate::core::Padded;
 use crate::slab::Slab;
 
 const EMPTY: u64 = u64::MAX;
@@ -39,16 +51,24 @@ fn id_of(slot: u64) -> u32 {
 }
 
 /// The registry table.
+///
+/// Methods that change it take `&self` (the slots are atomics) but must
+/// only be called with the pool's gate held exclusively.
 pub(crate) struct Registry {
-    slots: Box<[u64]>,
+    slots: Box<[AtomicU64]>,
     /// Home slot = fingerprint >> `shift`.
     shift: u32,
     mask: usize,
-    len: usize,
+    /// Padded: registering writes it, matching reads the fields around it.
+    len: Padded<AtomicUsize>,
+    /// Odd while removals move slots around; lock-free probes that see it
+    /// change retry under the gate.
+    moves: AtomicU64,
     /// Blocks registered while their parent was not: parent hash → ids.
     /// The parent adopts them when it is registered, so lineage (and
-    /// leaf-first eviction) holds whatever order blocks arrive in.
-    orphans: HashMap<SequenceHash, Vec<u32>>,
+    /// leaf-first eviction) holds whatever order blocks arrive in. Only
+    /// touched under the exclusive gate, so its lock is never contended.
+    orphans: Mutex<HashMap<SequenceHash, Vec<u32>>>,
 }
 
 impl Registry {
@@ -60,17 +80,68 @@ impl Registry {
             .clamp(16, 1 << 31)
             .next_power_of_two();
         Self {
-            slots: vec![EMPTY; size].into_boxed_slice(),
+            slots: (0..size).map(|_| AtomicU64::new(EMPTY)).collect(),
             shift: 32 - size.trailing_zeros(),
             mask: size - 1,
-            len: 0,
-            orphans: HashMap::new(),
+            len: Padded(AtomicUsize::new(0)),
+            moves: AtomicU64::new(0),
+            orphans: Mutex::new(HashMap::new()),
         }
     }
 
     /// Registered hashes.
     pub(crate) fn len(&self) -> usize {
-        self.len
+        self.len.load(Relaxed)
+    }
+
+    fn slot(&self, i: usize) -> u64 {
+        self.slots[i].load(Relaxed)
+    }
+
+    /// Whether `h` is certainly not registered, checked without the gate.
+    /// `false` means "maybe": ask [`get`](Self::get) under the gate.
+    ///
+    /// A probe walks the run from `h`'s home slot to the first empty slot
+    /// looking for `h`'s fingerprint. Insertions only fill empty slots, so a
+    /// probe racing one at worst misses a hash that is being registered
+    /// right now (the lookup then simply happened first). Removals shift
+    /// entries backwards, which could carry an entry past the probe; they
+    /// run between two bumps of `moves` (a sequence lock), and a probe that
+    /// saw `moves` odd or changed answers "maybe".
+    pub(crate) fn surely_absent(&self, h: SequenceHash) -> bool {
+        let before = self.moves.load(Acquire);
+        if before & 1 == 1 {
+            return false;
+        }
+        let fp = fingerprint(h);
+        let mut i = self.home(h);
+        loop {
+            let s = self.slot(i);
+            if s == EMPTY {
+                break;
+            }
+            if s >> 32 == fp {
+                return false;
+            }
+            i = (i + 1) & self.mask;
+        }
+        // Orders the slot loads above before the check below (the reader
+        // half of a sequence lock).
+        fence(Acquire);
+        self.moves.load(Relaxed) == before
+    }
+
+    /// Starts a batch of removals (gate held exclusively).
+    pub(crate) fn begin_moves(&self) {
+        self.moves.fetch_add(1, Relaxed);
+        // Orders the odd count before the slot stores that follow (the
+        // writer half of a sequence lock).
+        fence(Release);
+    }
+
+    /// Ends a batch of removals.
+    pub(crate) fn end_moves(&self) {
+        self.moves.fetch_add(1, Release);
     }
 
     /// The home slot of `h`.
@@ -85,7 +156,7 @@ impl Registry {
     /// Reads `h`'s home slot, for callers that load slots ahead of use (the
     /// loads of a batch then overlap instead of waiting one after another).
     pub(crate) fn peek(&self, h: SequenceHash) -> u64 {
-        self.slots[self.home(h)]
+        self.slot(self.home(h))
     }
 
     /// The block registered under `h`.
@@ -93,7 +164,7 @@ impl Registry {
         let fp = fingerprint(h);
         let mut i = self.home(h);
         loop {
-            let s = self.slots[i];
+            let s = self.slot(i);
             if s == EMPTY {
                 return None;
             }
@@ -104,24 +175,33 @@ impl Registry {
         }
     }
 
-    /// Registers `id` under `h`, which must not be registered yet (the pool
-    /// checks with [`get`](Self::get) first). The table never fills: it has
-    /// twice as many slots as the pool has blocks.
-    pub(crate) fn insert(&mut self, h: SequenceHash, id: u32) {
+    /// The block registered under `h`, or, when there is none, registers
+    /// `id` under it (one probe walk for both).
+    pub(crate) fn get_or_insert(&self, slab: &Slab, h: SequenceHash, id: u32) -> Option<u32> {
+        let fp = fingerprint(h);
         let mut i = self.home(h);
-        while self.slots[i] != EMPTY {
+        loop {
+            let s = self.slot(i);
+            if s == EMPTY {
+                self.slots[i].store(pack(h, id), Relaxed);
+                self.len.fetch_add(1, Relaxed);
+                return None;
+            }
+            if s >> 32 == fp && slab.entry(id_of(s)).hash() == h {
+                return Some(id_of(s));
+            }
             i = (i + 1) & self.mask;
         }
-        self.slots[i] = pack(h, id);
-        self.len += 1;
     }
 
     /// Removes block `id`, registered under `h`; `false` if it was not.
-    pub(crate) fn remove(&mut self, h: SequenceHash, id: u32) -> bool {
+    /// Call it between [`begin_moves`](Self::begin_moves) and
+    /// [`end_moves`](Self::end_moves).
+    pub(crate) fn remove(&self, h: SequenceHash, id: u32) -> bool {
         let target = pack(h, id);
         let mut i = self.home(h);
         loop {
-            let s = self.slots[i];
+            let s = self.slot(i);
             if s == EMPTY {
                 return false;
             }
@@ -135,7 +215,7 @@ impl Registry {
         let mut j = i;
         loop {
             j = (j + 1) & self.mask;
-            let s = self.slots[j];
+            let s = self.slot(j);
             if s == EMPTY {
                 break;
             }
@@ -147,51 +227,56 @@ impl Registry {
                 i < home || home <= j
             };
             if !between {
-                self.slots[i] = s;
+                self.slots[i].store(s, Relaxed);
                 i = j;
             }
         }
-        self.slots[i] = EMPTY;
-        self.len -= 1;
+        self.slots[i].store(EMPTY, Relaxed);
+        self.len.fetch_sub(1, Relaxed);
         true
     }
 
     /// Records `id` as waiting for its parent `parent`.
-    pub(crate) fn add_orphan(&mut self, parent: SequenceHash, id: u32) {
-        self.orphans.entry(parent).or_default().push(id);
+    pub(crate) fn add_orphan(&self, parent: SequenceHash, id: u32) {
+        self.orphans.lock().entry(parent).or_default().push(id);
     }
 
     /// The blocks waiting for `parent`, which is being registered.
-    pub(crate) fn take_orphans(&mut self, parent: SequenceHash) -> Option<Vec<u32>> {
-        if self.orphans.is_empty() {
+    pub(crate) fn take_orphans(&self, parent: SequenceHash) -> Option<Vec<u32>> {
+        let mut orphans = self.orphans.lock();
+        if orphans.is_empty() {
             return None;
         }
-        self.orphans.remove(&parent)
+        orphans.remove(&parent)
     }
 
     /// Forgets orphan `id` (it is leaving the registry).
-    pub(crate) fn remove_orphan(&mut self, parent: SequenceHash, id: u32) {
-        if let Some(kids) = self.orphans.get_mut(&parent) {
+    pub(crate) fn remove_orphan(&self, parent: SequenceHash, id: u32) {
+        let mut orphans = self.orphans.lock();
+        if let Some(kids) = orphans.get_mut(&parent) {
             kids.retain(|&k| k != id);
             if kids.is_empty() {
-                self.orphans.remove(&parent);
+                orphans.remove(&parent);
             }
         }
     }
 
     /// Every orphan: (parent hash, id).
-    pub(crate) fn orphans(&self) -> impl Iterator<Item = (SequenceHash, u32)> + '_ {
+    pub(crate) fn orphans(&self) -> Vec<(SequenceHash, u32)> {
         self.orphans
+            .lock()
             .iter()
             .flat_map(|(&p, kids)| kids.iter().map(move |&k| (p, k)))
+            .collect()
     }
 
     /// The ids of every registered block.
     pub(crate) fn ids(&self) -> impl Iterator<Item = u32> + '_ {
         self.slots
             .iter()
-            .filter(|&&s| s != EMPTY)
-            .map(|&s| id_of(s))
+            .map(|s| s.load(Relaxed))
+            .filter(|&s| s != EMPTY)
+            .map(id_of)
     }
 }
 
@@ -212,7 +297,7 @@ mod tests {
         fn behaves_like_a_map(ops in prop::collection::vec((any::<bool>(), 0u64..40), 1..300)) {
             const CAP: usize = 24;
             let slab = Slab::new(CAP);
-            let mut reg = Registry::new(CAP);
+            let reg = Registry::new(CAP);
             let mut model: BTreeMap<u64, u32> = BTreeMap::new();
             let mut free: Vec<u32> = (0..CAP as u32).collect();
             for (insert, k) in ops {
@@ -222,7 +307,7 @@ mod tests {
                     if model.contains_key(&h.0) { continue; }
                     let Some(id) = free.pop() else { continue };
                     slab.entry(id).set_names(h, None);
-                    reg.insert(h, id);
+                    prop_assert_eq!(reg.get_or_insert(&slab, h, id), None);
                     model.insert(h.0, id);
                 } else if let Some(id) = model.remove(&h.0) {
                     prop_assert!(reg.remove(h, id));
@@ -232,6 +317,10 @@ mod tests {
                 for k2 in 0u64..40 {
                     let h2 = SequenceHash(k2.wrapping_mul(0x1_0000_0001) >> 3);
                     prop_assert_eq!(reg.get(&slab, h2), model.get(&h2.0).copied());
+                    // "Surely absent" is never said of a present hash.
+                    if model.contains_key(&h2.0) {
+                        prop_assert!(!reg.surely_absent(h2));
+                    }
                 }
             }
         }
@@ -246,14 +335,15 @@ mod probe_tests {
     /// expects about 0.5; structured keys must not cluster either.
     fn mean_displacement(keys: impl Iterator<Item = u64>, cap: usize) -> f64 {
         let slab = Slab::new(cap);
-        let mut reg = Registry::new(cap);
+        let reg = Registry::new(cap);
         for (id, k) in keys.take(cap).enumerate() {
             let h = SequenceHash(k);
             slab.entry(id as u32).set_names(h, None);
-            reg.insert(h, id as u32);
+            reg.get_or_insert(&slab, h, id as u32);
         }
         let mut total = 0usize;
-        for (i, &s) in reg.slots.iter().enumerate() {
+        for (i, s) in reg.slots.iter().enumerate() {
+            let s = s.load(Relaxed);
             if s != EMPTY {
                 let home = reg.home(slab.entry(id_of(s)).hash());
                 total += (i + reg.slots.len() - home) & reg.mask;

@@ -186,3 +186,55 @@ fn prioritized_frequency_with_duplicates_under_contention() {
         DuplicatePolicy::KeepDuplicate,
     );
 }
+
+/// A match whose first hash is absent takes no lock: it must still never
+/// miss a cached block while another thread evicts around it (eviction
+/// moves registry entries). Half the pool stays held (cached, never
+/// evicted) while a churner keeps evicting and registering the other half;
+/// a matcher checks that every held hash is found each time.
+#[test]
+fn lock_free_absence_never_hides_a_cached_block() {
+    const CAPACITY: usize = 256;
+    let pool = BlockPool::new(PoolConfig::new(CAPACITY, 16, Tier::G1)).expect("pool");
+    let spread = |x: u64| SequenceHash(x.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    let pinned_hashes: Vec<SequenceHash> = (1..=(CAPACITY as u64 / 2)).map(spread).collect();
+    let mut pinned = Vec::new();
+    for &h in &pinned_hashes {
+        let block = pool
+            .allocate(1)
+            .expect("allocate")
+            .pop()
+            .expect("one block");
+        let complete = block.complete(h, None).expect("complete");
+        pinned.push(pool.register_block(complete).expect("register"));
+    }
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        let churner = s.spawn(|| {
+            let mut next = 1u64 << 40;
+            for _ in 0..2_000 {
+                if start.elapsed() > TIME_BUDGET {
+                    break;
+                }
+                let blocks = pool.allocate(16).expect("allocate from the free half");
+                let complete: Vec<_> = blocks
+                    .into_iter()
+                    .map(|b| {
+                        next += 1;
+                        b.complete(spread(next), None).expect("complete")
+                    })
+                    .collect();
+                drop(pool.register(complete).expect("register"));
+            }
+        });
+        let mut rounds = 0;
+        while !churner.is_finished() && rounds < 2_000 {
+            for &h in &pinned_hashes {
+                assert_eq!(pool.match_prefix(&[h]).len(), 1, "held block not found");
+            }
+            rounds += 1;
+        }
+    });
+    drop(pinned);
+    pool.audit().expect("audit");
+}

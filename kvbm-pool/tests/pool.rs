@@ -320,3 +320,44 @@ fn eviction_order_is_global_across_threads() {
         }
     }
 }
+
+#[test]
+fn handles_made_on_different_threads_belong_to_one_pool() {
+    // Each thread gets handles through its own store of the pool; blocks
+    // must still move freely between threads and batches.
+    let p = pool(64, EvictionKind::Lru);
+    let other = pool(8, EvictionKind::Lru);
+    let held = chain(&p, &[1, 2]);
+    let mut threads_blocks = Vec::new();
+    for t in 0..6u64 {
+        let p = p.clone();
+        threads_blocks.push(
+            std::thread::spawn(move || {
+                let b = p.allocate(1).unwrap().pop().unwrap();
+                let complete = b.complete(h(100 + t), Some(h(2))).unwrap();
+                (
+                    complete,
+                    p.match_prefix(&[h(1)]).into_blocks().pop().unwrap(),
+                )
+            })
+            .join()
+            .unwrap(),
+        );
+    }
+    let (completes, matched): (Vec<_>, Vec<_>) = threads_blocks.into_iter().unzip();
+    // Registered on this thread, allocated on six others.
+    let registered = p.register(completes).expect("same pool");
+    assert_eq!(registered.len(), 6);
+    // Pushed into one batch from handles made on six threads.
+    let mut batch = p.match_prefix(&[h(2)]);
+    for b in matched {
+        batch.push(b).expect("same pool");
+    }
+    assert_eq!(batch.len(), 7);
+    let foreign = chain(&other, &[1]).into_blocks().pop().unwrap();
+    assert!(batch.push(foreign).is_err(), "a block of another pool");
+    drop((held, registered, batch));
+    let counts = p.audit().unwrap();
+    assert_eq!(counts.active, 0);
+    assert_eq!(counts.inactive, 8);
+}

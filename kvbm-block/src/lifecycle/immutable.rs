@@ -48,7 +48,7 @@ impl<S: BlockStore> ImmutableBlock<S> {
 
     /// Whether the block belongs to `store`.
     pub fn belongs_to(&self, store: &Arc<S>) -> bool {
-        Arc::ptr_eq(&self.store, store)
+        Arc::ptr_eq(&self.store, store) || self.store.same_store(store)
     }
 }
 
@@ -228,7 +228,7 @@ impl<S: BlockStore> ImmutableBlocks<S> {
     /// another pool.
     pub fn push(&mut self, block: ImmutableBlock<S>) -> Result<(), ImmutableBlock<S>> {
         match &self.store {
-            Some(store) if !Arc::ptr_eq(store, &block.store) => return Err(block),
+            Some(store) if !store.same_store(&block.store) => return Err(block),
             Some(_) => {}
             None => self.store = Some(Arc::clone(&block.store)),
         }

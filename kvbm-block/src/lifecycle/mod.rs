@@ -73,6 +73,13 @@ pub trait BlockStore: Send + Sync + 'static {
 
     /// The sequence hash of a block currently held by an immutable handle.
     fn sequence_hash(&self, id: u32) -> SequenceHash;
+
+    /// Whether `self` and `other` are the same pool. A pool may hand out
+    /// several store objects (e.g. one per thread, so that threads do not
+    /// share one reference count); handles compare stores with this.
+    fn same_store(&self, other: &Self) -> bool {
+        std::ptr::eq(self, other)
+    }
 }
 
 #[cfg(test)]

@@ -208,7 +208,9 @@ impl<S: BlockStore> CompleteBlock<S> {
 
     /// Whether the block belongs to `store`.
     pub fn belongs_to(&self, store: &Arc<S>) -> bool {
-        self.store.as_ref().is_some_and(|s| Arc::ptr_eq(s, store))
+        self.store
+            .as_ref()
+            .is_some_and(|s| Arc::ptr_eq(s, store) || s.same_store(store))
     }
 
     /// Takes the block apart for registration.

@@ -10,6 +10,9 @@ use super::{BlockRef, BlockView, CountMinSketch, EvictionPolicy, LruPolicy, Vict
 /// Admission compares a candidate's count with that victim's: a one-off
 /// block does not push out a popular one.
 #[derive(Debug)]
+// Aligned to its own cache lines: the shards of a sharded policy are
+// written by different threads and must not share a line.
+#[repr(align(128))]
 pub struct FrequencyPolicy {
     lru: LruPolicy,
     sketch: CountMinSketch,
@@ -91,6 +94,10 @@ impl EvictionPolicy for FrequencyPolicy {
             id,
             key: u128::from(stamp),
         })
+    }
+
+    fn warm(&self, view: &BlockView<'_>, n: usize) {
+        self.lru.warm(view, n);
     }
 
     fn pop_victim(&mut self) {

@@ -13,6 +13,9 @@ use super::{BlockRef, BlockView, EvictionPolicy, LatestStamps, Victim};
 /// leaf later (its last child was evicted) carries an older stamp and goes
 /// to a small min-heap. The victim is the older of the two fronts.
 #[derive(Debug, Default)]
+// Aligned to its own cache lines: the shards of a sharded policy are
+// written by different threads and must not share a line.
+#[repr(align(128))]
 pub struct LeafFirstPolicy {
     released: VecDeque<(u64, u32)>,
     late_leaves: BinaryHeap<Reverse<(u64, u32)>>,
@@ -79,6 +82,10 @@ impl EvictionPolicy for LeafFirstPolicy {
                 self.released.pop_front();
             }
         }
+    }
+
+    fn warm(&self, view: &BlockView<'_>, n: usize) {
+        view.touch_all(self.released.iter().take(n).map(|&(_, id)| id));
     }
 
     fn pop_victim(&mut self) {

@@ -4,9 +4,6 @@ use std::collections::VecDeque;
 
 use super::{BlockRef, BlockView, EvictionPolicy, LatestStamps, Victim};
 
-/// How far ahead of the queue's front eviction loads entries.
-const TOUCH_AHEAD: usize = 8;
-
 /// LRU: a FIFO of releases; the oldest still-valid release is the victim.
 /// O(1) per release and per eviction, no allocation once warmed up.
 ///
@@ -16,6 +13,9 @@ const TOUCH_AHEAD: usize = 8;
 /// (the same block released again exactly 2^32 releases later) can only
 /// make an inactive block leave a little early, never an active one.
 #[derive(Debug)]
+// Aligned to its own cache lines: the shards of a sharded policy are
+// written by different threads and must not share a line.
+#[repr(align(128))]
 pub struct LruPolicy {
     queue: VecDeque<u64>,
     latest: LatestStamps,
@@ -55,9 +55,6 @@ impl LruPolicy {
     /// it are dropped).
     pub(crate) fn peek_valid<'a>(&mut self, view: &BlockView<'a>) -> Option<BlockRef<'a>> {
         while let Some(&entry) = self.queue.front() {
-            if let Some(&ahead) = self.queue.get(TOUCH_AHEAD) {
-                view.touch(unpack(ahead).1);
-            }
             let (stamp, id) = unpack(entry);
             if let Some(b) = view.evictable_low32(id, stamp) {
                 return Some(b);
@@ -115,6 +112,10 @@ impl EvictionPolicy for LruPolicy {
 
     fn pop_victim(&mut self) {
         self.queue.pop_front();
+    }
+
+    fn warm(&self, view: &BlockView<'_>, n: usize) {
+        view.touch_all(self.queue.iter().take(n).map(|&e| unpack(e).1));
     }
 
     fn compact(&mut self, _view: &BlockView<'_>) {

@@ -154,14 +154,19 @@ impl<'a> BlockView<'a> {
         Some(BlockRef { id, entry: e })
     }
 
-    /// Loads block `id`'s entry into cache ahead of use (a policy walking
-    /// its queue touches a few entries ahead so their misses overlap).
-    pub fn touch(&self, id: u32) {
-        if let Some(e) = self.slab.get(id) {
-            let hash = e.hash();
-            let slot = self.registry.map_or(0, |r| r.peek(hash));
-            std::hint::black_box((e.hot.stamp.load(Relaxed), slot));
+    /// Loads the entries (and, during eviction, the registry slots) of
+    /// blocks `ids` into cache, in one tight loop so that their cache misses
+    /// overlap: call it with the next few candidates before evicting them.
+    pub fn touch_all(&self, ids: impl Iterator<Item = u32>) {
+        let mut sink = 0u64;
+        for id in ids {
+            if let Some(e) = self.slab.get(id) {
+                let hash = e.hash();
+                sink ^= self.registry.map_or(0, |r| r.peek(hash));
+                sink ^= e.hot.stamp.load(Relaxed);
+            }
         }
+        std::hint::black_box(sink);
     }
 
     /// [`evictable`](Self::evictable) for a stamp kept as its low 32 bits.
@@ -251,6 +256,12 @@ pub trait EvictionPolicy: Send + 'static {
     /// returned: the pool is evicting it.
     fn pop_victim(&mut self);
 
+    /// Hint: the pool is about to evict up to `n` blocks; a policy that
+    /// knows its next candidates passes them to [`BlockView::touch_all`].
+    fn warm(&self, view: &BlockView<'_>, n: usize) {
+        let _ = (view, n);
+    }
+
     /// Peek and pop at once.
     fn next_victim(&mut self, view: &BlockView<'_>) -> Option<u32> {
         let v = self.peek_victim(view)?;
@@ -279,8 +290,9 @@ pub trait EvictionPolicy: Send + 'static {
     }
 
     /// Drops queued entries that are stale (at least those whose block was
-    /// released again since); runs under the shared registry lock, so it
-    /// must not rely on holder counts staying put.
+    /// released again since); runs while other threads may match and
+    /// release (only this shard is locked), so it must not rely on holder
+    /// counts staying put.
     fn compact(&mut self, view: &BlockView<'_>);
 
     /// Entries queued, stale ones included (the pool compacts when this

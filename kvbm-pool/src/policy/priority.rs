@@ -14,6 +14,9 @@ const LEVELS: usize = 101;
 /// priorities first. One inner policy per level in use (created on first use), and a
 /// bitmap of levels that may hold candidates, so finding the lowest one is
 /// a couple of bit scans.
+// Aligned to its own cache lines: the shards of a sharded policy are
+// written by different threads and must not share a line.
+#[repr(align(128))]
 pub struct Prioritized {
     levels: Vec<Option<Box<dyn EvictionPolicy>>>,
     occupied: u128,
@@ -90,6 +93,15 @@ impl EvictionPolicy for Prioritized {
             self.occupied &= !(1u128 << p);
         }
         None
+    }
+
+    fn warm(&self, view: &BlockView<'_>, n: usize) {
+        if self.occupied != 0 {
+            let p = self.occupied.trailing_zeros() as usize;
+            if let Some(level) = self.levels[p].as_ref() {
+                level.warm(view, n);
+            }
+        }
     }
 
     fn pop_victim(&mut self) {
