@@ -30,7 +30,7 @@
 //! lazily: one whose block was reused since it was queued is re-keyed when
 //! it comes up.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use kvbm_block::SequenceHash;
@@ -135,6 +135,9 @@ pub struct UseHistory {
     now: u64,
     seq: u64,
     age_exponent: f64,
+    /// Blocks to evict first when they are next released (their bytes
+    /// are in a faster tier now).
+    demoted: HashSet<SequenceHash>,
 }
 
 /// A [`UseHistory`] behind a lock, as the engine and policies share it.
@@ -152,7 +155,19 @@ impl UseHistory {
             now: 0,
             seq: 0,
             age_exponent: 1.0,
+            demoted: HashSet::new(),
         }
+    }
+
+    /// Marks blocks as first to evict once released: they were just loaded
+    /// into a faster tier, which will give them back when it evicts them
+    /// (write-back), so this tier's copy is redundant meanwhile.
+    pub fn demote(&mut self, hashes: impl IntoIterator<Item = SequenceHash>) {
+        self.demoted.extend(hashes);
+    }
+
+    fn take_demoted(&mut self, hash: SequenceHash) -> bool {
+        self.demoted.remove(&hash)
     }
 
     /// Scores divide by `(age + 1)^exponent` (default 1). Below 1, blocks
@@ -254,6 +269,9 @@ impl UseHistory {
     }
 }
 
+/// The pseudo-class of demoted blocks (evicted before any other).
+const DEMOTED: usize = USE_CLASSES;
+
 /// A queued candidate: ordered by last use, then sequence number.
 type Key = (u64, u64, u32, u64);
 
@@ -262,7 +280,8 @@ type Key = (u64, u64, u32, u64);
 #[derive(Debug)]
 pub struct ReuseScorePolicy {
     history: SharedHistory,
-    classes: [BTreeSet<Key>; USE_CLASSES],
+    /// One ordered set per use-count class, then the demoted blocks.
+    classes: [BTreeSet<Key>; USE_CLASSES + 1],
     /// The entry the last peek named: `(class, key)`.
     peeked: Option<(usize, Key)>,
 }
@@ -289,7 +308,7 @@ impl ReuseScorePolicy {
     /// The valid head of class `c`, re-keying entries whose block was used
     /// since they were queued; `(key, score)`.
     fn head(
-        classes: &mut [BTreeSet<Key>; USE_CLASSES],
+        classes: &mut [BTreeSet<Key>; USE_CLASSES + 1],
         c: usize,
         history: &UseHistory,
         view: &BlockView<'_>,
@@ -301,6 +320,9 @@ impl ReuseScorePolicy {
                 classes[c].remove(&key);
                 continue;
             };
+            if c == DEMOTED {
+                return Some((key, 0.0));
+            }
             match history.get(info.hash()) {
                 Some(s) if (class_of(s.count), s.last, s.seq) != (c, last, seq) => {
                     classes[c].remove(&key);
@@ -324,7 +346,7 @@ impl ReuseScorePolicy {
     fn lowest(&mut self, view: &BlockView<'_>) -> Option<(usize, Key, f64)> {
         let history = self.history.lock();
         let mut best: Option<(usize, Key, f64)> = None;
-        for c in 0..USE_CLASSES {
+        for c in 0..=USE_CLASSES {
             if let Some((key, score)) = Self::head(&mut self.classes, c, &history, view) {
                 let better = match best {
                     None => true,
@@ -348,8 +370,20 @@ impl EvictionPolicy for ReuseScorePolicy {
 
     fn on_release(&mut self, block: BlockRef<'_>) {
         let (c, s) = {
-            let history = self.history.lock();
-            Self::key_for(&history, block.hash())
+            let mut history = self.history.lock();
+            if history.take_demoted(block.hash()) {
+                let seq = history.seq;
+                (
+                    DEMOTED,
+                    Seen {
+                        count: 1,
+                        last: 0,
+                        seq,
+                    },
+                )
+            } else {
+                Self::key_for(&history, block.hash())
+            }
         };
         self.classes[c].insert((s.last, s.seq, block.id(), block.stamp()));
     }

@@ -142,19 +142,53 @@ impl SlotManager {
         total_tokens: usize,
     ) -> Result<(), TierError> {
         let request = request.into();
+        // The slot lock is never held across engine calls: allocating and
+        // starting an onboard may wait for the offload worker.
+        let (more, start) = {
+            let mut slots = self.slots.lock();
+            let slot = slots
+                .get_mut(&request)
+                .ok_or_else(|| TierError::UnknownRequest(request.clone()))?;
+            let need = total_tokens.div_ceil(self.engine.block_size());
+            let have = slot.blocks.len() + slot.external + slot.mutable.len();
+            let start = slot.external > 0 && !slot.onboard_started;
+            slot.onboard_started |= start;
+            (need.saturating_sub(have), start)
+        };
+        let blocks = if more > 0 {
+            match self.engine.allocate_g1(more) {
+                Ok(b) => b,
+                Err(e) => {
+                    if start && let Some(slot) = self.slots.lock().get_mut(&request) {
+                        slot.onboard_started = false;
+                    }
+                    return Err(e);
+                }
+            }
+        } else {
+            Vec::new()
+        };
+        let handle = if start {
+            match self.engine.onboard(&request, OnboardTarget::Pool) {
+                Ok(h) => Some(h),
+                Err(e) => {
+                    if let Some(slot) = self.slots.lock().get_mut(&request) {
+                        slot.onboard_started = false;
+                        slot.mutable.extend(blocks);
+                    }
+                    return Err(e);
+                }
+            }
+        } else {
+            None
+        };
         let mut slots = self.slots.lock();
         let slot = slots
             .get_mut(&request)
             .ok_or_else(|| TierError::UnknownRequest(request.clone()))?;
-        let need = total_tokens.div_ceil(self.engine.block_size());
-        let have = slot.blocks.len() + slot.external + slot.mutable.len();
-        if need > have {
-            let more = self.engine.allocate_g1(need - have)?;
-            slot.mutable.extend(more);
-        }
-        if slot.external > 0 && !slot.onboard_started {
-            slot.onboard_started = true;
-            slot.onboard = Some(self.engine.onboard(&request, OnboardTarget::Pool)?);
+        slot.mutable.extend(blocks);
+        if handle.is_some() {
+            slot.onboard = handle;
         }
         Ok(())
     }
@@ -177,6 +211,10 @@ impl SlotManager {
                 .get_mut(&request)
                 .ok_or_else(|| TierError::UnknownRequest(request.clone()))?;
             match slot.onboard.take() {
+                // Started by a concurrent allocate_slots, handle not yet in.
+                None if slot.onboard_started && slot.external > 0 => {
+                    return Ok(OnboardState::Pending);
+                }
                 None => return Ok(OnboardState::Ready),
                 Some(h) if !block && !h.is_done() => {
                     slot.onboard = Some(h);

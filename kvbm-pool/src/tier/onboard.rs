@@ -10,7 +10,13 @@
 //! onboarded has an entry in the engine's in-flight map. A second request
 //! that needs the same block does not copy it again: it waits for the
 //! entry, then takes the block from the G1 pool where the first request
-//! registered it. It never waits behind onboards it does not share.
+//! registered it — at the moment the first request finishes, while that
+//! one still holds it, so G1 cannot evict it in between. It never waits
+//! behind onboards it does not share. No lock is held while G1 targets are
+//! allocated (in write-back mode that waits for the offload worker).
+//!
+//! Exclusivity in write-back mode: blocks loaded from G2 are marked for G2
+//! to evict first, since G1 will write them back when it evicts them.
 //!
 //! Failure: a request whose own copy fails reports an error and no loaded
 //! block; its G1 targets return to the free list and its holds are
@@ -144,6 +150,9 @@ struct JobState {
     own: Vec<usize>,
     /// Indices whose block another request is loading.
     waited: Vec<usize>,
+    /// The G1 blocks of `waited`, taken as soon as their loader finished
+    /// (before it could let them go), indexed like `hashes`.
+    waited_held: Vec<Option<ImmutableBlock>>,
     /// Whether each block (indexed like `hashes`) comes from G3.
     from_g3: Vec<bool>,
     dst: Dst,
@@ -174,6 +183,19 @@ impl OnboardJob {
         }
     }
 
+    /// A request this one waited on finished: hold the blocks it loaded
+    /// now, while their loader still holds them.
+    fn grab_waited(&self, shared: &Shared) {
+        if let Some(state) = self.state.lock().as_mut() {
+            for &i in &state.waited {
+                if state.waited_held[i].is_none() {
+                    let found = shared.g1.pool.match_prefix(&state.hashes[i..=i]);
+                    state.waited_held[i] = found.get(0);
+                }
+            }
+        }
+    }
+
     fn record(&self, path: usize, outcome: TransferOutcome) {
         if let Some(state) = self.state.lock().as_mut() {
             match outcome {
@@ -200,45 +222,64 @@ pub(crate) fn start(
     request: RequestId,
     target: OnboardTarget,
 ) -> Result<OnboardHandle, TierError> {
-    let mut requests = shared.requests.lock();
-    let Some(state) = requests.get_mut(&request) else {
-        return Err(TierError::UnknownRequest(request));
+    let job = Arc::new(OnboardJob {
+        request: request.clone(),
+        // One count held by this function until everything is submitted.
+        pending: AtomicUsize::new(1),
+        released: AtomicBool::new(false),
+        cancel: CancelToken::new(),
+        started: Instant::now(),
+        writes_engine_blocks: matches!(target, OnboardTarget::Blocks(_)),
+        state: Mutex::new(None),
+        done: Mutex::new(false),
+        done_cv: Condvar::new(),
+    });
+
+    // Claim the request's holds. No lock is held past this block: G1
+    // allocation below may wait for the offload worker, whose copies
+    // complete on threads that also finish onboards.
+    let (holds, hashes, parents, sources, from_g3) = {
+        let mut requests = shared.requests.lock();
+        let Some(state) = requests.get_mut(&request) else {
+            return Err(TierError::UnknownRequest(request));
+        };
+        if state.onboard.is_some() {
+            return Err(TierError::AlreadyOnboarding(request));
+        }
+        let mut from_g3 = Vec::new();
+        let mut sources = Vec::new();
+        for seg in &state.segments {
+            from_g3.extend(std::iter::repeat_n(seg.g3, seg.blocks.len()));
+            sources.extend_from_slice(seg.blocks.block_ids());
+        }
+        let n = sources.len();
+        if let OnboardTarget::Blocks(ids) = &target
+            && ids.len() != n
+        {
+            return Err(TierError::DestinationMismatch {
+                request,
+                expected: n,
+                given: ids.len(),
+            });
+        }
+        let range = state.start..state.start + n;
+        let hashes: Vec<SequenceHash> = state.hashes[range.clone()].to_vec();
+        let parents: Vec<Option<SequenceHash>> = range
+            .map(|i| i.checked_sub(1).map(|p| state.hashes[p]))
+            .collect();
+        let holds = std::mem::take(&mut state.segments);
+        state.onboard = Some(Arc::clone(&job));
+        (holds, hashes, parents, sources, from_g3)
     };
-    if state.onboard.is_some() {
-        return Err(TierError::AlreadyOnboarding(request));
-    }
-    let mut from_g3 = Vec::new();
-    let mut sources = Vec::new();
-    for seg in &state.segments {
-        from_g3.extend(std::iter::repeat_n(seg.g3, seg.blocks.len()));
-        sources.extend_from_slice(seg.blocks.block_ids());
-    }
-    let n = sources.len();
-    if let OnboardTarget::Blocks(ids) = &target
-        && ids.len() != n
-    {
-        return Err(TierError::DestinationMismatch {
-            request,
-            expected: n,
-            given: ids.len(),
-        });
-    }
-    let range = state.start..state.start + n;
-    let hashes: Vec<SequenceHash> = state.hashes[range.clone()].to_vec();
-    let parents: Vec<Option<SequenceHash>> = range
-        .map(|i| i.checked_sub(1).map(|p| state.hashes[p]))
-        .collect();
+    let n = hashes.len();
 
     // Which blocks this request copies, which it waits for.
     let mut own = Vec::with_capacity(n);
     let mut waited = Vec::new();
     let mut deps: Vec<Arc<Inflight>> = Vec::new();
     let mut owned_inflight = Vec::new();
-    let dst = match target {
-        OnboardTarget::Blocks(ids) => {
-            own.extend(0..n);
-            Dst::Ids(ids)
-        }
+    match &target {
+        OnboardTarget::Blocks(_) => own.extend(0..n),
         OnboardTarget::Pool => {
             let mut inflight = shared.inflight.lock();
             let mut seen_deps = HashSet::new();
@@ -250,19 +291,27 @@ pub(crate) fn start(
                             deps.push(Arc::clone(entry));
                         }
                     }
-                    None => own.push(i),
+                    None => {
+                        own.push(i);
+                        let entry = Arc::new(Inflight {
+                            waiters: Mutex::new(Some(Vec::new())),
+                        });
+                        inflight.insert(*h, Arc::clone(&entry));
+                        owned_inflight.push((*h, entry));
+                    }
                 }
             }
-            let blocks = super::allocate_g1(shared, own.len())?;
-            for &i in &own {
-                let entry = Arc::new(Inflight {
-                    waiters: Mutex::new(Some(Vec::new())),
-                });
-                inflight.insert(hashes[i], Arc::clone(&entry));
-                owned_inflight.push((hashes[i], entry));
-            }
-            Dst::Pool(blocks)
         }
+    }
+    let dst = match target {
+        OnboardTarget::Blocks(ids) => Dst::Ids(ids),
+        OnboardTarget::Pool => match super::allocate_g1(shared, own.len()) {
+            Ok(blocks) => Dst::Pool(blocks),
+            Err(e) => {
+                undo_start(shared, &job, holds, owned_inflight);
+                return Err(e);
+            }
+        },
     };
     let dst_ids: Vec<u32> = match &dst {
         Dst::Pool(b) => b.iter().map(MutableBlock::block_id).collect(),
@@ -278,41 +327,33 @@ pub(crate) fn start(
             g2_pairs.push((sources[i] as usize, d));
         }
     }
-    let holds = std::mem::take(&mut state.segments);
     let (completer, completion) = completion_pair::<Done>();
     let transfers = usize::from(!g2_pairs.is_empty()) + usize::from(!g3_pairs.is_empty());
-    let job = Arc::new(OnboardJob {
-        request: request.clone(),
-        // One extra count, released below once everything is submitted.
-        pending: AtomicUsize::new(transfers + deps.len() + 1),
-        released: AtomicBool::new(false),
-        cancel: CancelToken::new(),
-        started: Instant::now(),
-        writes_engine_blocks: matches!(dst, Dst::Ids(_)),
-        state: Mutex::new(Some(JobState {
-            hashes,
-            parents,
-            own,
-            waited,
-            from_g3,
-            dst,
-            holds,
-            owned_inflight,
-            error: None,
-            bytes: [0; 2],
-            completer: Some(completer),
-        })),
-        done: Mutex::new(false),
-        done_cv: Condvar::new(),
+    *job.state.lock() = Some(JobState {
+        waited_held: (0..hashes.len()).map(|_| None).collect(),
+        hashes,
+        parents,
+        own,
+        waited,
+        from_g3,
+        dst,
+        holds,
+        owned_inflight,
+        error: None,
+        bytes: [0; 2],
+        completer: Some(completer),
     });
-    state.onboard = Some(Arc::clone(&job));
-    drop(requests);
+    job.pending
+        .fetch_add(transfers + deps.len(), Ordering::AcqRel);
 
     let active = shared.offload.onboard_started();
     shared.metrics.onboards_in_flight(active);
     for dep in deps {
         let (shared2, job2) = (Arc::clone(shared), Arc::clone(&job));
-        dep.wait(Box::new(move || job2.arrive(&shared2)));
+        dep.wait(Box::new(move || {
+            job2.grab_waited(&shared2);
+            job2.arrive(&shared2);
+        }));
     }
     let paths = [
         (0usize, shared.g2.as_ref(), g2_pairs),
@@ -354,6 +395,40 @@ pub(crate) fn start(
     })
 }
 
+/// A start that could not allocate its G1 targets: the in-flight entries
+/// it claimed are dropped (requests waiting on them find no block and
+/// fail), and the request gets its holds back.
+fn undo_start(
+    shared: &Shared,
+    job: &Arc<OnboardJob>,
+    holds: Vec<super::matching::Segment>,
+    owned_inflight: Vec<(SequenceHash, Arc<Inflight>)>,
+) {
+    {
+        let mut inflight = shared.inflight.lock();
+        for (h, entry) in &owned_inflight {
+            if inflight.get(h).is_some_and(|e| Arc::ptr_eq(e, entry)) {
+                inflight.remove(h);
+            }
+        }
+    }
+    {
+        let mut requests = shared.requests.lock();
+        match requests.get_mut(&job.request) {
+            Some(state) if state.onboard.as_ref().is_some_and(|j| Arc::ptr_eq(j, job)) => {
+                state.segments = holds;
+                state.onboard = None;
+            }
+            _ => drop(holds),
+        }
+    }
+    *job.done.lock() = true;
+    job.done_cv.notify_all();
+    for (_, entry) in owned_inflight {
+        entry.finish();
+    }
+}
+
 /// The finishing step: runs once, on whichever thread arrived last.
 fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
     let Some(state) = job.state.lock().take() else {
@@ -364,6 +439,7 @@ fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
         parents,
         own,
         waited,
+        waited_held,
         from_g3,
         dst,
         holds,
@@ -383,9 +459,16 @@ fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
             blocks: ImmutableBlocks::empty(),
             count: n,
         }),
-        (None, Dst::Pool(targets)) => {
-            register_loaded(shared, &request, &hashes, &parents, &own, &waited, targets)
-        }
+        (None, Dst::Pool(targets)) => register_loaded(
+            shared,
+            &hashes,
+            &parents,
+            &own,
+            &waited,
+            waited_held,
+            targets,
+        )
+        .ok_or_else(|| TierError::SharedOnboardFailed(request.clone())),
     };
     // The owner's blocks are in G1 (or failed): let waiting requests look.
     {
@@ -399,6 +482,8 @@ fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
     let took = job.started.elapsed();
     let g3_count = own.iter().filter(|&&i| from_g3[i]).count() as u64;
     let g2_count = own.len() as u64 - g3_count;
+    let loaded_ok = result.is_ok();
+    let mut keep_alive: Option<Onboarded> = None;
     let result = match result {
         Ok(done) => {
             if g2_count > 0 {
@@ -415,6 +500,8 @@ fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
                 }
             }
             if job.released.load(Ordering::Acquire) {
+                // Held until waiting requests have taken their share.
+                keep_alive = Some(done);
                 Err(TierError::Released(request.clone()))
             } else {
                 Ok(done)
@@ -426,6 +513,16 @@ fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
             Err(e)
         }
     };
+    // Write-back gives these blocks back to G2 when G1 evicts them, so
+    // G2's copies of what was just loaded go first (G2 stays exclusive).
+    if loaded_ok && shared.config.offload_mode == super::OffloadMode::WriteBack {
+        let from_g2: Vec<SequenceHash> = own
+            .iter()
+            .filter(|&&i| !from_g3[i])
+            .map(|&i| hashes[i])
+            .collect();
+        shared.history.lock().demote(from_g2);
+    }
     drop(holds);
     let left = shared.offload.onboard_ended();
     shared.metrics.onboards_in_flight(left);
@@ -436,6 +533,7 @@ fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
     for (_, entry) in owned_inflight {
         entry.finish();
     }
+    drop(keep_alive);
     if let Some(c) = completer {
         c.complete(Done(result));
     }
@@ -445,51 +543,37 @@ fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
 /// order, the ones other requests loaded.
 fn register_loaded(
     shared: &Shared,
-    request: &RequestId,
     hashes: &[SequenceHash],
     parents: &[Option<SequenceHash>],
     own: &[usize],
     waited: &[usize],
+    mut waited_held: Vec<Option<ImmutableBlock>>,
     targets: Vec<MutableBlock>,
-) -> Result<Onboarded, TierError> {
+) -> Option<Onboarded> {
     let mut complete = Vec::with_capacity(targets.len());
     for (t, &i) in targets.into_iter().zip(own) {
-        match t.complete(hashes[i], parents[i]) {
-            Ok(c) => complete.push(c),
-            // Pool blocks track no tokens, so completing cannot fail; if it
-            // did, the block is dropped (freed) and the request fails.
-            Err(_) => return Err(TierError::SharedOnboardFailed(request.clone())),
-        }
+        // Pool blocks track no tokens, so completing cannot fail; if it
+        // did, the block is dropped (freed) and the request fails.
+        complete.push(t.complete(hashes[i], parents[i]).ok()?);
     }
-    let registered = shared
-        .g1
-        .pool
-        .register(complete)
-        .map_err(|_| TierError::SharedOnboardFailed(request.clone()))?;
+    let registered = shared.g1.pool.register(complete).ok()?;
     let mut slots: Vec<Option<ImmutableBlock>> = (0..hashes.len()).map(|_| None).collect();
     for (k, &i) in own.iter().enumerate() {
         slots[i] = registered.get(k);
     }
     drop(registered);
     for &i in waited {
-        let mut held = shared.g1.pool.match_prefix(&hashes[i..=i]);
-        if held.len() != 1 {
-            return Err(TierError::SharedOnboardFailed(request.clone()));
-        }
-        slots[i] = held.get(0);
-        held.truncate(0);
+        slots[i] = match waited_held[i].take() {
+            Some(b) => Some(b),
+            None => shared.g1.pool.match_prefix(&hashes[i..=i]).get(0),
+        };
     }
     let mut blocks = ImmutableBlocks::empty();
     for b in slots {
-        let Some(b) = b else {
-            return Err(TierError::SharedOnboardFailed(request.clone()));
-        };
-        if blocks.push(b).is_err() {
-            return Err(TierError::SharedOnboardFailed(request.clone()));
-        }
+        blocks.push(b?).ok()?;
     }
     let count = blocks.len();
-    Ok(Onboarded { blocks, count })
+    Some(Onboarded { blocks, count })
 }
 
 /// Queues the blocks that came from G3 for offload to G2.
