@@ -86,11 +86,16 @@ fn run(mode: OffloadMode, policy: TierPolicy) {
                     shared_failures <= 4,
                     "{shared_failures} shared loads failed"
                 );
-                verified
+                (verified, shared_failures)
             })
         })
         .collect();
-    let verified: usize = threads.into_iter().map(|h| h.join().unwrap()).sum();
+    let (mut verified, mut shared_failures) = (0usize, 0usize);
+    for h in threads {
+        let (v, f) = h.join().unwrap();
+        verified += v;
+        shared_failures += f;
+    }
     let engine = slots.engine();
     engine.flush();
     assert!(verified > 0, "no request ever reused a block");
@@ -101,7 +106,9 @@ fn run(mode: OffloadMode, policy: TierPolicy) {
     }
     let stats = engine.stats();
     println!("{mode:?} {policy:?}: {verified} blocks verified, {stats:?}");
-    assert_eq!(stats.onboard_failures, 0);
+    // The only failures allowed are the shared loads counted above (each is
+    // the metric's onboard failure of the request that waited).
+    assert_eq!(stats.onboard_failures, shared_failures as u64);
 }
 
 #[test]

@@ -300,6 +300,30 @@ fn admitted(shared: &Shared, tier: &TierSlot, policy: TierPolicy, hash: Sequence
     }
 }
 
+/// The victims `tier` should receive: those it does not hold yet and its
+/// admission policy accepts; the others are counted as skipped.
+fn admit_victims(
+    shared: &Shared,
+    tier: &TierSlot,
+    policy: TierPolicy,
+    victims: Vec<Evicted>,
+) -> Vec<Evicted> {
+    let mut keep = Vec::with_capacity(victims.len());
+    let (mut present, mut refused) = (0u64, 0u64);
+    for v in victims {
+        if tier.pool.contains(v.hash) {
+            present += 1;
+        } else if !admitted(shared, tier, policy, v.hash) {
+            refused += 1;
+        } else {
+            keep.push(v);
+        }
+    }
+    shared.metrics.skipped(SkipReason::Present, present);
+    shared.metrics.skipped(SkipReason::NotAdmitted, refused);
+    keep
+}
+
 /// Up to `n` target blocks: all of them, or as many as the pool can give.
 fn allocate_up_to(tier: &TierSlot, n: usize) -> Vec<MutableBlock> {
     match tier.pool.allocate(n) {
@@ -399,19 +423,7 @@ fn save_g1_victims(shared: &Shared, victims: Vec<Evicted>) {
             .skipped(SkipReason::NoTier, victims.len() as u64);
         return;
     };
-    let mut keep = Vec::with_capacity(victims.len());
-    let (mut present, mut refused) = (0u64, 0u64);
-    for v in victims {
-        if g2.pool.contains(v.hash) {
-            present += 1;
-        } else if !admitted(shared, g2, shared.config.g2_policy, v.hash) {
-            refused += 1;
-        } else {
-            keep.push(v);
-        }
-    }
-    shared.metrics.skipped(SkipReason::Present, present);
-    shared.metrics.skipped(SkipReason::NotAdmitted, refused);
+    let keep = admit_victims(shared, g2, shared.config.g2_policy, victims);
     for part in keep.chunks(batch_limit(shared)) {
         let targets = allocate_up_to(g2, part.len());
         shared
@@ -446,19 +458,7 @@ fn spill_to_g3(shared: &Shared, g2: &TierSlot, victims: Vec<Evicted>) {
     if victims.is_empty() {
         return;
     }
-    let mut keep = Vec::with_capacity(victims.len());
-    let (mut present, mut refused) = (0u64, 0u64);
-    for v in victims {
-        if g3.pool.contains(v.hash) {
-            present += 1;
-        } else if !admitted(shared, g3, shared.config.g3_policy, v.hash) {
-            refused += 1;
-        } else {
-            keep.push(v);
-        }
-    }
-    shared.metrics.skipped(SkipReason::Present, present);
-    shared.metrics.skipped(SkipReason::NotAdmitted, refused);
+    let mut keep = admit_victims(shared, g3, shared.config.g3_policy, victims);
     if keep.is_empty() {
         return;
     }
