@@ -193,7 +193,7 @@ fn events_report_stores_and_removals_per_tier() {
     }
     let mut stored = std::collections::HashMap::<Tier, usize>::new();
     let mut removed = std::collections::HashMap::<Tier, usize>::new();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     while stored.values().sum::<usize>() < 4 + 4 + 2 && std::time::Instant::now() < deadline {
         let Ok(batch) = rx.recv_timeout(std::time::Duration::from_millis(200)) else {
             continue;
