@@ -325,7 +325,16 @@ fn admit_victims(
 }
 
 /// Up to `n` target blocks: all of them, or as many as the pool can give.
-fn allocate_up_to(tier: &TierSlot, n: usize) -> Vec<MutableBlock> {
+/// Blocks that found no target are counted as skipped (tier full).
+fn allocate_up_to(shared: &Shared, tier: &TierSlot, n: usize) -> Vec<MutableBlock> {
+    let targets = allocate_or_fewer(tier, n);
+    shared
+        .metrics
+        .skipped(SkipReason::TierFull, (n - targets.len()) as u64);
+    targets
+}
+
+fn allocate_or_fewer(tier: &TierSlot, n: usize) -> Vec<MutableBlock> {
     match tier.pool.allocate(n) {
         Ok(b) => b,
         Err(crate::PoolError::Exhausted {
@@ -382,10 +391,7 @@ fn offload_batch(shared: &Shared, batch: Vec<Pending>) {
     if sources.is_empty() {
         return;
     }
-    let targets = allocate_up_to(g2, sources.len());
-    shared
-        .metrics
-        .skipped(SkipReason::TierFull, (sources.len() - targets.len()) as u64);
+    let targets = allocate_up_to(shared, g2, sources.len());
     sources.truncate(targets.len());
     // Blocks evicted to make room still hold their bytes: save them first.
     let victims = std::mem::take(&mut *shared.g2_victims.lock());
@@ -425,10 +431,7 @@ fn save_g1_victims(shared: &Shared, victims: Vec<Evicted>) {
     };
     let keep = admit_victims(shared, g2, shared.config.g2_policy, victims);
     for part in keep.chunks(batch_limit(shared)) {
-        let targets = allocate_up_to(g2, part.len());
-        shared
-            .metrics
-            .skipped(SkipReason::TierFull, (part.len() - targets.len()) as u64);
+        let targets = allocate_up_to(shared, g2, part.len());
         let part = &part[..targets.len()];
         let g2_victims = std::mem::take(&mut *shared.g2_victims.lock());
         spill_to_g3(shared, g2, g2_victims);
@@ -462,10 +465,7 @@ fn spill_to_g3(shared: &Shared, g2: &TierSlot, victims: Vec<Evicted>) {
     if keep.is_empty() {
         return;
     }
-    let targets = allocate_up_to(g3, keep.len());
-    shared
-        .metrics
-        .skipped(SkipReason::TierFull, (keep.len() - targets.len()) as u64);
+    let targets = allocate_up_to(shared, g3, keep.len());
     keep.truncate(targets.len());
     let pairs: Vec<(usize, usize)> = keep
         .iter()
