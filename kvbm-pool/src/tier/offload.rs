@@ -435,21 +435,7 @@ fn save_g1_victims(shared: &Shared, victims: Vec<Evicted>) {
         let part = &part[..targets.len()];
         let g2_victims = std::mem::take(&mut *shared.g2_victims.lock());
         spill_to_g3(shared, g2, g2_victims);
-        let pairs: Vec<(usize, usize)> = part
-            .iter()
-            .zip(&targets)
-            .map(|(v, t)| (v.id as usize, t.block_id() as usize))
-            .collect();
-        let items: Vec<_> = part.iter().map(|v| (v.hash, v.parent)).collect();
-        copy_and_register(
-            shared,
-            &shared.g1,
-            g2,
-            Path::G1ToG2,
-            &pairs,
-            targets,
-            &items,
-        );
+        copy_victims(shared, &shared.g1, g2, Path::G1ToG2, part, targets);
     }
 }
 
@@ -467,13 +453,26 @@ fn spill_to_g3(shared: &Shared, g2: &TierSlot, victims: Vec<Evicted>) {
     }
     let targets = allocate_up_to(shared, g3, keep.len());
     keep.truncate(targets.len());
-    let pairs: Vec<(usize, usize)> = keep
+    copy_victims(shared, g2, g3, Path::G2ToG3, &keep, targets);
+}
+
+/// Copies evicted blocks (`victims[i]` into `targets[i]`) and registers
+/// each target whose bytes landed.
+fn copy_victims(
+    shared: &Shared,
+    src: &TierSlot,
+    dst: &TierSlot,
+    path: Path,
+    victims: &[Evicted],
+    targets: Vec<MutableBlock>,
+) {
+    let pairs: Vec<(usize, usize)> = victims
         .iter()
         .zip(&targets)
         .map(|(v, t)| (v.id as usize, t.block_id() as usize))
         .collect();
-    let items: Vec<_> = keep.iter().map(|v| (v.hash, v.parent)).collect();
-    copy_and_register(shared, g2, g3, Path::G2ToG3, &pairs, targets, &items);
+    let items: Vec<_> = victims.iter().map(|v| (v.hash, v.parent)).collect();
+    copy_and_register(shared, src, dst, path, &pairs, targets, &items);
 }
 
 /// Copies `pairs` from `src` to `dst` and registers each target whose
