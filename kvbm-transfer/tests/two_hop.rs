@@ -18,7 +18,7 @@ use kvbm_transfer::{
 
 /// Host memory labelled as device memory, moved by memcpy, optionally slowly.
 struct FakeDevice {
-    inner: MemcpyBackend,
+    inner: Arc<MemcpyBackend>,
     delay: Duration,
 }
 
@@ -59,8 +59,16 @@ impl TransferBackend for FakeDevice {
         if self.delay.is_zero() {
             return self.inner.submit(job);
         }
-        std::thread::sleep(self.delay);
-        self.inner.submit(job)
+        // Like a real device, submit returns at once: the slow copy runs
+        // on its own thread (sleeping here would stall whichever thread
+        // submits, the caller's included).
+        let (tx, rx) = kvbm_transfer::completion_pair();
+        let (inner, delay) = (self.inner.clone(), self.delay);
+        std::thread::spawn(move || {
+            std::thread::sleep(delay);
+            tx.complete(inner.submit(job).wait());
+        });
+        rx
     }
 }
 
@@ -110,7 +118,7 @@ fn rig(slot_bytes: u64, slots: usize, per_batch: usize, batch: usize, delay: Dur
         .backend(Arc::new(MemcpyBackend::new(2).unwrap()))
         .backend(Arc::new(disk))
         .backend(Arc::new(FakeDevice {
-            inner: MemcpyBackend::new(1).unwrap(),
+            inner: Arc::new(MemcpyBackend::new(1).unwrap()),
             delay,
         }))
         .bounce_pool(system_pool.clone())
@@ -355,7 +363,7 @@ fn hop_one_of_the_next_chunk_runs_while_hop_two_of_this_one_is_in_flight() {
     let exec = Executor::builder()
         .backend(Arc::new(CountingDevice {
             inner: FakeDevice {
-                inner: MemcpyBackend::new(1).unwrap(),
+                inner: Arc::new(MemcpyBackend::new(1).unwrap()),
                 delay: Duration::ZERO,
             },
             started: started.clone(),
@@ -468,7 +476,7 @@ fn cancelling_a_transfer_queued_behind_another_does_not_wait_for_it() {
     let exec = Executor::builder()
         .backend(Arc::new(GatedDevice {
             inner: FakeDevice {
-                inner: MemcpyBackend::new(1).unwrap(),
+                inner: Arc::new(MemcpyBackend::new(1).unwrap()),
                 delay: Duration::ZERO,
             },
             gate: gate.clone(),
