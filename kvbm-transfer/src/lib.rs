@@ -23,6 +23,8 @@
 //!   dispatch, per-block outcome.
 //! - `cuda` (feature `cuda`): device and fast pinned memory, the copy
 //!   kernel, and the CUDA backend (copy engines, kernel, staged paths).
+//! - `nixl` (feature `nixl`): host ↔ disk through NIXL's POSIX plugin, and
+//!   remote G2 → G2 pulls over UCX with a validated peer description.
 //!
 //! No async runtime is needed: completions are std futures and can be
 //! waited on from any thread. Worker threads block; nothing polls.
@@ -60,6 +62,8 @@ pub mod error;
 pub mod executor;
 mod limiter;
 pub mod memory;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 pub mod physical;
 mod pipeline;
 mod pool;

@@ -1,14 +1,25 @@
 //! `cargo xtask ci` and `cargo xtask bench`.
 
 use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-/// Debian packages the test suite needs on a fresh machine.
-const APT_PACKAGES: &[&str] = &[];
+/// Debian packages the test suite needs on a fresh machine: libclang for
+/// nixl-sys's bindgen (it runs even when NIXL itself is loaded at run time).
+const APT_PACKAGES: &[&str] = &["libclang-dev"];
+
+/// The NIXL runtime the `nixl` feature's tests load: the pip wheel carries
+/// `libnixl_capi.so`, its plugins (POSIX, UCX, ...) and UCX itself.
+const NIXL_WHEEL: &str = "nixl-cu13==1.5.1";
+/// Where the wheel is unpacked, under the target directory.
+const NIXL_DIR: &str = "nixl-runtime";
+/// The wheel's library directory, relative to [`NIXL_DIR`].
+const NIXL_LIBS: &str = ".nixl_cu13.mesonpy.libs";
 
 /// Runs every CI step; the first failure stops the run.
 pub fn run() -> Result<(), String> {
     install_prerequisites()?;
+    let nixl_libs = install_nixl_runtime()?;
     step("fmt", cargo(&["fmt", "--all", "--check"]))?;
     // Every feature (the CUDA backend builds without a toolkit: libcuda is
     // loaded at run time), then the pread/pwrite-only disk path.
@@ -39,7 +50,7 @@ pub fn run() -> Result<(), String> {
             "warnings",
         ]),
     )?;
-    let passed = run_tests()?;
+    let passed = run_tests(&nixl_libs)?;
     println!("xtask ci: {passed} tests passed");
     let mut doc = cargo(&[
         "doc",
@@ -82,8 +93,19 @@ fn step(name: &str, mut cmd: Command) -> Result<(), String> {
 
 /// Runs the whole test suite, echoing its output, and returns how many tests
 /// passed. Zero tests is a failure: a suite that runs nothing proves nothing.
-fn run_tests() -> Result<u64, String> {
+/// The NIXL runtime is on the library path and required: a NIXL test that
+/// would skip for lack of it fails instead.
+fn run_tests(nixl_libs: &Path) -> Result<u64, String> {
     let mut cmd = cargo(&["test", "--workspace", "--all-features", "--locked"]);
+    let mut lib_path = nixl_libs.as_os_str().to_owned();
+    if let Some(old) = std::env::var_os("LD_LIBRARY_PATH").filter(|p| !p.is_empty()) {
+        lib_path.push(":");
+        lib_path.push(old);
+    }
+    cmd.env("LD_LIBRARY_PATH", lib_path)
+        .env("KVBM_REQUIRE_NIXL", "1")
+        // UCX's InfiniBand module can crash at exit on machines without it.
+        .env("UCX_MODULES", "^ib");
     println!("xtask ci: == test: {cmd:?}");
     let mut child = cmd
         .stdout(Stdio::piped())
@@ -162,4 +184,49 @@ mod tests {
         assert_eq!(passed_count("test result: ok. 0 passed; 0 failed"), 0);
         assert_eq!(passed_count("running 3 tests"), 0);
     }
+}
+
+/// The target directory (`CARGO_TARGET_DIR`, or `target/` in the workspace).
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let xtask = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+            xtask.parent().unwrap_or(&xtask).join("target")
+        })
+}
+
+/// Unpacks the NIXL runtime wheel under the target directory unless it is
+/// already there, and returns its library directory (absolute).
+fn install_nixl_runtime() -> Result<PathBuf, String> {
+    let dir = target_dir().join(NIXL_DIR);
+    let libs = dir.join(NIXL_LIBS);
+    if libs.join("libnixl_capi.so").is_file() {
+        println!("xtask ci: NIXL runtime present: {}", libs.display());
+        return Ok(libs);
+    }
+    println!("xtask ci: installing {NIXL_WHEEL} into {}", dir.display());
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".to_string());
+    let mut pip = Command::new(python);
+    pip.args([
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-deps",
+        "--upgrade",
+        "--target",
+    ])
+    .arg(&dir)
+    .arg(NIXL_WHEEL)
+    .env("PIP_DISABLE_PIP_VERSION_CHECK", "1")
+    .env("PIP_ROOT_USER_ACTION", "ignore");
+    step("pip install nixl runtime", pip)?;
+    if !libs.join("libnixl_capi.so").is_file() {
+        return Err(format!(
+            "{NIXL_WHEEL} installed, but {} has no libnixl_capi.so",
+            libs.display()
+        ));
+    }
+    Ok(libs)
 }
