@@ -30,7 +30,7 @@ const WAIT: Duration = Duration::from_secs(90);
 
 fn config() -> LayoutConfig {
     // 2 KiB chunks, 8 KiB blocks.
-    LayoutConfig::new(BLOCKS, 2, 2, 16, 32, 2).unwrap()
+    LayoutConfig::new(BLOCKS, 2, 2, 16, 64, 2).unwrap()
 }
 
 fn layout(role: &str) -> Layout {
@@ -134,7 +134,7 @@ fn forged_descriptions_are_refused(me: &NixlRemote, real: &RemotePeer) {
         Err(RemoteError::NotRegistered { .. })
     ));
     // Another block shape.
-    let other = LayoutConfig::new(BLOCKS, 2, 2, 16, 64, 2).unwrap();
+    let other = LayoutConfig::new(BLOCKS, 2, 2, 16, 128, 2).unwrap();
     let other = Layout::new(other, LayoutKind::FullyContiguous).unwrap();
     let sized: Vec<PeerRegion> = regions
         .iter()
@@ -172,6 +172,22 @@ fn child(role: &str, dir: &Path) {
     let real = RemotePeer::import(&bytes).unwrap();
     forged_descriptions_are_refused(&me, &real);
     let peer = me.import(&bytes).unwrap();
+    // Connected twice: the same description is the same peer; a forged
+    // one is refused without disturbing the live connection.
+    assert_eq!(me.import(&bytes).unwrap().peer(), &real);
+    let mut longer = real.regions().to_vec();
+    longer[0].len += 4096;
+    let forged = RemotePeer::new(
+        real.agent_name(),
+        real.nixl_metadata().to_vec(),
+        real.layout(),
+        longer,
+    )
+    .unwrap();
+    assert!(matches!(
+        me.connect(&forged),
+        Err(RemoteError::Malformed(_))
+    ));
 
     // Refused before any read: ids out of range, a destination twice.
     let untouched = chunk_bytes(&g2, SERVED, 0, 0).to_vec();
@@ -285,8 +301,8 @@ fn two_instances_pull_each_others_g2_blocks() {
             out.status,
             String::from_utf8_lossy(&out.stderr)
         );
-        if let Some(line) = stdout.lines().find(|l| l.starts_with("role ")) {
-            println!("{line}");
+        if let Some(at) = stdout.find("role ") {
+            println!("{}", stdout[at..].lines().next().unwrap_or_default());
         }
     }
 }

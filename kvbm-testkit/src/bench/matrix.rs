@@ -151,7 +151,7 @@ pub struct MatrixRow {
 /// Deterministic shuffled destinations: block `i` of the source goes to
 /// `perm[i]`, so consecutive source blocks never land adjacent (no
 /// accidental coalescing into one long copy).
-fn scatter(n: usize, seed: u64) -> Vec<usize> {
+pub(crate) fn scatter(n: usize, seed: u64) -> Vec<usize> {
     let mut perm: Vec<usize> = (0..n).collect();
     let mut s = seed;
     for i in (1..n).rev() {
@@ -165,7 +165,7 @@ fn scatter(n: usize, seed: u64) -> Vec<usize> {
     perm
 }
 
-fn gbps(bytes: u64, secs: f64) -> f64 {
+pub(crate) fn gbps(bytes: u64, secs: f64) -> f64 {
     if secs > 0.0 {
         bytes as f64 / secs / 1e9
     } else {
@@ -209,7 +209,7 @@ fn timed_transfer(
 }
 
 /// One large copy of `bytes` on the memcpy backend: the memory reference.
-fn reference_memcpy(
+pub(crate) fn reference_memcpy(
     backend: &MemcpyBackend,
     src: &HostTier,
     dst: &HostTier,
@@ -237,7 +237,7 @@ fn reference_memcpy(
 
 /// A raw sequential `O_DIRECT` write or read of `bytes` of the file at
 /// `path` in 2 MiB requests, one at a time: the disk reference.
-fn reference_disk(path: &std::path::Path, bytes: u64, write: bool) -> Result<f64> {
+pub(crate) fn reference_disk(path: &std::path::Path, bytes: u64, write: bool) -> Result<f64> {
     const REQ: usize = 2 << 20;
     let io_err = |source| BenchError::Output {
         path: path.to_path_buf(),
@@ -347,6 +347,8 @@ pub fn run_matrix(
             }
         }
     }
+    #[cfg(feature = "nixl")]
+    rows.extend(super::nixl_rows::run(config, &memcpy, &mut progress)?);
     Ok(rows)
 }
 

@@ -21,6 +21,8 @@ pub mod error;
 pub mod host_view;
 pub mod matrix;
 pub mod model;
+#[cfg(feature = "nixl")]
+pub mod nixl_rows;
 pub mod pattern;
 pub mod replay;
 pub mod stats;

@@ -219,6 +219,20 @@ impl NixlRemote {
                 "a peer cannot be this instance".into(),
             ));
         }
+        if let Some(known) = self.peers.lock().get(peer.agent_name()) {
+            // Loading metadata again (and invalidating it on a refusal)
+            // would disturb the live connection: same description or none.
+            return if **known == *peer {
+                Ok(ConnectedPeer {
+                    peer: known.clone(),
+                })
+            } else {
+                Err(RemoteError::Malformed(format!(
+                    "peer {} is connected with another description; disconnect it first",
+                    peer.agent_name()
+                )))
+            };
+        }
         let loaded = self
             .agent
             .load_remote_md(peer.nixl_metadata())
