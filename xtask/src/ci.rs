@@ -171,21 +171,6 @@ fn install_prerequisites() -> Result<(), String> {
     step("apt-get install", install)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::passed_count;
-
-    #[test]
-    fn reads_libtest_summary_lines() {
-        assert_eq!(
-            passed_count("test result: ok. 12 passed; 0 failed; 1 ignored; 0 measured"),
-            12
-        );
-        assert_eq!(passed_count("test result: ok. 0 passed; 0 failed"), 0);
-        assert_eq!(passed_count("running 3 tests"), 0);
-    }
-}
-
 /// The target directory (`CARGO_TARGET_DIR`, or `target/` in the workspace).
 fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")
@@ -229,4 +214,19 @@ fn install_nixl_runtime() -> Result<PathBuf, String> {
         ));
     }
     Ok(libs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::passed_count;
+
+    #[test]
+    fn reads_libtest_summary_lines() {
+        assert_eq!(
+            passed_count("test result: ok. 12 passed; 0 failed; 1 ignored; 0 measured"),
+            12
+        );
+        assert_eq!(passed_count("test result: ok. 0 passed; 0 failed"), 0);
+        assert_eq!(passed_count("running 3 tests"), 0);
+    }
 }
