@@ -32,6 +32,12 @@ fn peer_name(peer: &[u8]) -> String {
     String::from_utf8_lossy(peer).into_owned()
 }
 
+/// Refuses `peer` and tells it to exit.
+fn dismiss(router: &RouterSocket, peer: &[u8], message: String) {
+    refuse(router, peer, message);
+    let _ = router.send(peer, &Message::Shutdown);
+}
+
 fn refuse(router: &RouterSocket, peer: &[u8], message: String) {
     let _ = router.send(
         peer,
@@ -114,7 +120,7 @@ fn run_inner(router: &RouterSocket, config: &LeaderConfig) -> Result<Cluster> {
                             "instance {:x} of world {} (this leader: instance {:x}, world {world})",
                             h.instance, h.world_size, config.instance
                         );
-                        refuse(router, &r.peer, reason.clone());
+                        dismiss(router, &r.peer, reason.clone());
                         return Err(abort(
                             router,
                             &hellos,
@@ -129,7 +135,7 @@ fn run_inner(router: &RouterSocket, config: &LeaderConfig) -> Result<Cluster> {
                                 first: peer_name(first),
                                 second: name,
                             };
-                            refuse(router, &r.peer, e.to_string());
+                            dismiss(router, &r.peer, e.to_string());
                             return Err(abort(router, &hellos, e));
                         }
                         None => {

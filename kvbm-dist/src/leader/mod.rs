@@ -364,3 +364,6 @@ pub fn evict_distributed_tiers(engine: &TierEngine) -> usize {
         .map(|p| p.evict(p.capacity()))
         .sum()
 }
+
+#[cfg(test)]
+mod tests;

@@ -16,7 +16,7 @@
 //! The version lives in the header only: a peer of another version is
 //! recognised (and named in the error) before its body is looked at.
 
-mod codec;
+pub(crate) mod codec;
 mod error;
 mod schema;
 mod validate;

@@ -211,10 +211,11 @@ fn hostile_counts_allocate_nothing() {
     f.extend_from_slice(&1000u32.to_le_bytes());
     assert!(matches!(decode(&f), Err(ProtoError::Truncated { .. })));
     // A peer-info announcing 4 GiB of metadata.
-    let mut f = header(MessageKind::PeerInfo as u8, 16);
+    let mut f = header(MessageKind::PeerInfo as u8, 20);
     f.extend_from_slice(&1u64.to_le_bytes());
     f.extend_from_slice(&1u32.to_le_bytes());
     f.extend_from_slice(&u32::MAX.to_le_bytes());
+    f.extend_from_slice(&[0; 4]);
     assert!(matches!(decode(&f), Err(ProtoError::TooMany { .. })));
 }
 
