@@ -11,6 +11,7 @@ use kvbm_dist::leader::{DistMover, Leader, LeaderConfig, PendingLeader, RankStat
 use kvbm_dist::worker::memory::{SharedMapping, create_shared_file};
 use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
 use kvbm_pool::Tier;
+use kvbm_pool::tier::TierMover;
 use kvbm_transfer::{CancelToken, TransferOutcome};
 
 const WORLD: u32 = 2;
@@ -191,13 +192,29 @@ fn bytes_round_trip_through_every_tier_on_every_worker() {
     // G1 → G2, then G2 → G3 in reverse order.
     let r = copy(&mover, Tier::G1, Tier::G2, (0..8).map(|b| (b, b)).collect()).unwrap();
     assert_eq!((r.blocks, r.bytes), (8, 8 * block_bytes));
-    copy(&mover, Tier::G2, Tier::G3, (0..8).map(|b| (b, 11 - b)).collect()).unwrap();
+    copy(
+        &mover,
+        Tier::G2,
+        Tier::G3,
+        (0..8).map(|b| (b, 11 - b)).collect(),
+    )
+    .unwrap();
     zero_g1(&node);
     // Back: four blocks from G3 into G1 8..12, four from G2 into G1 4..8.
-    copy(&mover, Tier::G3, Tier::G1, (0..4).map(|b| (11 - b, b + 8)).collect()).unwrap();
+    copy(
+        &mover,
+        Tier::G3,
+        Tier::G1,
+        (0..4).map(|b| (11 - b, b + 8)).collect(),
+    )
+    .unwrap();
     copy(&mover, Tier::G2, Tier::G1, (4..8).map(|b| (b, b)).collect()).unwrap();
     for b in 0..4 {
-        assert!(holds(&node, b + 8, Some(100 + b as u64)), "G1 block {}", b + 8);
+        assert!(
+            holds(&node, b + 8, Some(100 + b as u64)),
+            "G1 block {}",
+            b + 8
+        );
         assert!(holds(&node, b, None), "G1 block {b} untouched");
     }
     for b in 4..8 {
@@ -205,7 +222,10 @@ fn bytes_round_trip_through_every_tier_on_every_worker() {
     }
     // A request outside the tiers is refused before anything is sent.
     let e = copy(&mover, Tier::G2, Tier::G1, vec![(G2_BLOCKS as usize, 0)]).unwrap_err();
-    assert!(e.completed.is_empty() && e.to_string().contains("outside G2"), "{e}");
+    assert!(
+        e.completed.is_empty() && e.to_string().contains("outside G2"),
+        "{e}"
+    );
     assert!(leader.status().is_whole());
     leader.shutdown();
 }
@@ -220,18 +240,29 @@ fn a_worker_killed_mid_transfer_fails_it_and_can_rejoin() {
     }
     let (tx, rx) = mpsc::channel();
     mover
-        .copy(Tier::G1, Tier::G2, (0..4).map(|b| (b, b)).collect(), CancelToken::new())
+        .copy(
+            Tier::G1,
+            Tier::G2,
+            (0..4).map(|b| (b, b)).collect(),
+            CancelToken::new(),
+        )
         .on_complete(move |o| {
             let _ = tx.send(o);
         });
     std::thread::sleep(Duration::from_millis(300));
     node.kill(1);
-    let failure = rx.recv_timeout(WAIT).expect("the transfer hung").unwrap_err();
+    let failure = rx
+        .recv_timeout(WAIT)
+        .expect("the transfer hung")
+        .unwrap_err();
     assert!(failure.to_string().contains("rank 1"), "{failure}");
     assert!(failure.completed.is_empty(), "nothing may be registered");
     assert_eq!(failure.failed.len(), 4);
     let status = leader.status();
-    assert!(matches!(status.ranks[1], RankState::Lost { .. }), "{status:?}");
+    assert!(
+        matches!(status.ranks[1], RankState::Lost { .. }),
+        "{status:?}"
+    );
     assert_eq!(status.losses.len(), 1);
     assert_eq!(status.losses[0].rank, 1);
     // Degraded: copies fail at once, naming the rank.
@@ -242,16 +273,32 @@ fn a_worker_killed_mid_transfer_fails_it_and_can_rejoin() {
     node.spawn(1, 0);
     assert!(leader.wait_whole(WAIT), "{:?}", leader.status());
     // G2/G3 bytes died with the old process: reading them fails.
-    assert_eq!(leader.status().lost_blocks, (G2_BLOCKS as usize, G3_BLOCKS as usize));
+    assert_eq!(
+        leader.status().lost_blocks,
+        (G2_BLOCKS as usize, G3_BLOCKS as usize)
+    );
     let e = copy(&mover, Tier::G2, Tier::G1, vec![(0, 0)]).unwrap_err();
-    assert!(e.completed.is_empty() && e.to_string().contains("lost"), "{e}");
+    assert!(
+        e.completed.is_empty() && e.to_string().contains("lost"),
+        "{e}"
+    );
     // Written again, they are served again, on both workers.
     copy(&mover, Tier::G1, Tier::G2, (0..4).map(|b| (b, b)).collect()).unwrap();
     assert_eq!(leader.status().lost_blocks.0, G2_BLOCKS as usize - 4);
     zero_g1(&node);
-    copy(&mover, Tier::G2, Tier::G1, (0..4).map(|b| (b, b + 4)).collect()).unwrap();
+    copy(
+        &mover,
+        Tier::G2,
+        Tier::G1,
+        (0..4).map(|b| (b, b + 4)).collect(),
+    )
+    .unwrap();
     for b in 0..4 {
-        assert!(holds(&node, b + 4, Some(200 + b as u64)), "G1 block {}", b + 4);
+        assert!(
+            holds(&node, b + 4, Some(200 + b as u64)),
+            "G1 block {}",
+            b + 4
+        );
     }
     leader.shutdown();
     // The workers exit on shutdown.
@@ -273,4 +320,3 @@ fn wait_exit(c: &mut Child) -> std::process::ExitStatus {
     c.kill().unwrap();
     panic!("a worker did not exit on shutdown");
 }
-

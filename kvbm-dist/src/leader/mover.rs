@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::sync::mpsc;
 
 use kvbm_pool::Tier;
+use kvbm_pool::tier::TierMover;
 use kvbm_transfer::{
     CancelToken, Completer, Completion, TransferError, TransferFailure, TransferOutcome,
     completion_pair,
@@ -79,8 +80,42 @@ impl DistMover {
         }
     }
 
-    /// Block count of `tier` on each worker; `None` when the tier is absent.
-    pub fn capacity(&self, tier: Tier) -> Option<usize> {
+    fn check(&self, src: Tier, dst: Tier, pairs: &[(usize, usize)]) -> Result<(), String> {
+        for t in [src, dst] {
+            if self.capacity(t).is_none() {
+                return Err(format!("{t:?} is absent on this instance"));
+            }
+        }
+        if src == dst {
+            return Err(format!("source and destination are both {src:?}"));
+        }
+        if pairs.len() > crate::proto::MAX_PAIRS {
+            return Err(format!(
+                "{} pairs in one copy (at most {})",
+                pairs.len(),
+                crate::proto::MAX_PAIRS
+            ));
+        }
+        // An id beyond u32 is beyond every tier (tiers hold at most
+        // u32::MAX blocks), so mapping it to u32::MAX keeps it refused.
+        let wire: Vec<(u32, u32)> = pairs
+            .iter()
+            .map(|&(s, d)| {
+                (
+                    u32::try_from(s).unwrap_or(u32::MAX),
+                    u32::try_from(d).unwrap_or(u32::MAX),
+                )
+            })
+            .collect();
+        self.bounds
+            .check_pairs(src, dst, &wire)
+            .map_err(|e| e.to_string())
+    }
+}
+
+impl TierMover for DistMover {
+    /// Blocks of `tier` on each worker; `None` when the tier is absent.
+    fn capacity(&self, tier: Tier) -> Option<usize> {
         match self.bounds.capacity(tier) {
             0 => None,
             n => Some(n as usize),
@@ -88,18 +123,18 @@ impl DistMover {
     }
 
     /// Bytes of one block of `tier`, summed over workers.
-    pub fn block_bytes(&self, tier: Tier) -> u64 {
+    fn block_bytes(&self, tier: Tier) -> u64 {
         match self.capacity(tier) {
             Some(_) => self.block_bytes,
             None => 0,
         }
     }
 
-    /// Copies `pairs` (source block, target block) from `src` to `dst` on
-    /// every worker. Resolves when every worker has answered: `Ok` when
-    /// every pair landed everywhere; otherwise a failure whose `completed`
-    /// pairs landed on every worker and whose error names the rank.
-    pub fn copy(
+    /// Copies `pairs` from `src` to `dst` on every worker. Resolves when
+    /// every worker has answered: `Ok` when every pair landed everywhere;
+    /// otherwise a failure whose `completed` pairs landed on every worker
+    /// and whose error names the rank.
+    fn copy(
         &self,
         src: Tier,
         dst: Tier,
@@ -128,35 +163,5 @@ impl DistMover {
         let _ = self.tx.send(Command::Copy(request));
         self.wake.wake();
         completion
-    }
-
-    fn check(&self, src: Tier, dst: Tier, pairs: &[(usize, usize)]) -> Result<(), String> {
-        for t in [src, dst] {
-            if self.capacity(t).is_none() {
-                return Err(format!("{t:?} is absent on this instance"));
-            }
-        }
-        if src == dst {
-            return Err(format!("source and destination are both {src:?}"));
-        }
-        if pairs.len() > crate::proto::MAX_PAIRS {
-            return Err(format!(
-                "{} pairs in one copy (at most {})",
-                pairs.len(),
-                crate::proto::MAX_PAIRS
-            ));
-        }
-        let wire: Vec<(u32, u32)> = pairs
-            .iter()
-            .map(|&(s, d)| {
-                (
-                    u32::try_from(s).unwrap_or(u32::MAX),
-                    u32::try_from(d).unwrap_or(u32::MAX),
-                )
-            })
-            .collect();
-        self.bounds
-            .check_pairs(src, dst, &wire)
-            .map_err(|e| e.to_string())
     }
 }

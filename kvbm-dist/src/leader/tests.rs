@@ -8,6 +8,7 @@ use kvbm_transfer::PhysicalLayout;
 use kvbm_transfer::memory::SystemAllocator;
 
 use super::*;
+use kvbm_pool::tier::TierMover;
 use crate::proto::{self, Hello, Message};
 use crate::transport::DealerSocket;
 use crate::worker::{self, WorkerConfig};
@@ -40,7 +41,9 @@ fn worker(endpoint: &str, rank: u32, world: u32, blocks: usize) -> JoinHandle<Re
 fn a_handshake_configures_every_rank() {
     let dir = tempfile::tempdir().unwrap();
     let pending = PendingLeader::bind(config(endpoint(&dir), 2)).unwrap();
-    let ws: Vec<_> = (0..2).map(|r| worker(pending.endpoint(), r, 2, 8)).collect();
+    let ws: Vec<_> = (0..2)
+        .map(|r| worker(pending.endpoint(), r, 2, 8))
+        .collect();
     let leader = pending.handshake().unwrap();
     let s = leader.status();
     assert!(s.is_whole());
@@ -121,7 +124,8 @@ fn a_wrong_version_is_named_and_answered() {
     let pending = PendingLeader::bind(config(endpoint(&dir), 1)).unwrap();
     let ctx = zmq::Context::new();
     let peer = DealerSocket::connect(&ctx, pending.endpoint(), b"old-worker").unwrap();
-    peer.send_raw(hello_frame(proto::PROTOCOL_VERSION + 1)).unwrap();
+    peer.send_raw(hello_frame(proto::PROTOCOL_VERSION + 1))
+        .unwrap();
     let e = pending.handshake().unwrap_err();
     assert!(
         matches!(&e, DistError::VersionMismatch { peer, found, .. } if peer == "old-worker" && *found == proto::PROTOCOL_VERSION + 1),
@@ -149,7 +153,10 @@ fn garbage_during_the_handshake_is_answered_and_survived() {
     let ep = pending.endpoint().to_owned();
     let handle = std::thread::spawn(move || pending.handshake());
     for _ in 0..3 {
-        let reply = hostile.recv_timeout(10_000).unwrap().expect("an error reply");
+        let reply = hostile
+            .recv_timeout(10_000)
+            .unwrap()
+            .expect("an error reply");
         assert!(matches!(reply.message, Ok(Message::Error(_))), "{reply:?}");
     }
     let w = worker(&ep, 0, 1, 8);
