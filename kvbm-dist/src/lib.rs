@@ -26,7 +26,7 @@
 //! - [`leader`]: the handshake, the leader's event loop (broadcast,
 //!   acknowledgements, heartbeats, faults, rejoin) and the distributed
 //!   mover.
-//! - [`error`]: [`DistError`].
+//! - [`error`]: the crate's error type, [`DistError`].
 
 pub mod error;
 pub mod leader;

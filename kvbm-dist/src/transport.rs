@@ -10,7 +10,7 @@
 //! ZeroMQ sockets are not thread-safe, so each one is used by exactly one
 //! thread: its event loop. Other threads (transfer callbacks, API callers)
 //! hand work to a loop through a channel and wake it with an inproc
-//! [`Waker`], which the loop polls together with its network socket —
+//! wake-up pair ([`wake_pair`]), which the loop polls together with its network socket —
 //! nothing wakes on a timer to look for work.
 
 use std::sync::atomic::{AtomicU64, Ordering};

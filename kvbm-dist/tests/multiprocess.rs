@@ -7,11 +7,18 @@ use std::process::{Child, Command};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use kvbm_dist::leader::{DistMover, Leader, LeaderConfig, PendingLeader, RankState};
+use std::sync::Arc;
+
+use kvbm_block::SequenceHash;
+use kvbm_dist::leader::{
+    DistMover, Leader, LeaderConfig, PendingLeader, RankState, evict_distributed_tiers,
+};
 use kvbm_dist::worker::memory::{SharedMapping, create_shared_file};
 use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
 use kvbm_pool::Tier;
-use kvbm_pool::tier::TierMover;
+use kvbm_pool::tier::{
+    G1Lookup, OnboardTarget, TierEngine, TierEngineConfig, TierMover, TierPolicy,
+};
 use kvbm_transfer::{CancelToken, TransferOutcome};
 
 const WORLD: u32 = 2;
@@ -308,6 +315,175 @@ fn a_worker_killed_mid_transfer_fails_it_and_can_rejoin() {
             assert!(status.success(), "rank {rank} exited with {status:?}");
         }
     }
+}
+
+fn signal(node: &Node, rank: u32, sig: &str) {
+    let pid = node.workers[rank as usize].as_ref().unwrap().id();
+    let ok = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill {sig} {pid}");
+}
+
+#[test]
+fn a_stalled_worker_is_lost_by_heartbeat_and_told_to_exit() {
+    let (mut node, leader) = start([0, 0]);
+    signal(&node, 1, "-STOP");
+    assert!(
+        leader.wait_for(WAIT, |s| matches!(s.ranks[1], RankState::Lost { .. })),
+        "{:?}",
+        leader.status()
+    );
+    let status = leader.status();
+    assert!(status.losses[0].reason.contains("silent"), "{status:?}");
+    // Resumed, it finds the leader's shutdown and exits.
+    signal(&node, 1, "-CONT");
+    let mut old = node.workers[1].take().unwrap();
+    assert!(wait_exit(&mut old).success());
+    node.spawn(1, 0);
+    assert!(leader.wait_whole(WAIT), "{:?}", leader.status());
+    let mover = leader.mover();
+    fill(&node, 0, 7);
+    copy(&mover, Tier::G1, Tier::G2, vec![(0, 3)]).unwrap();
+    copy(&mover, Tier::G2, Tier::G1, vec![(3, 9)]).unwrap();
+    assert!(holds(&node, 9, Some(7)));
+}
+
+#[test]
+fn a_cancelled_transfer_reports_cancelled_and_lands_nothing_it_did_not_finish() {
+    let (node, leader) = start([1500, 1500]);
+    let mover = leader.mover();
+    fill(&node, 0, 1);
+    let cancel = CancelToken::new();
+    let (tx, rx) = mpsc::channel();
+    mover
+        .copy(Tier::G1, Tier::G2, vec![(0, 0), (1, 1)], cancel.clone())
+        .on_complete(move |o| {
+            let _ = tx.send(o);
+        });
+    cancel.cancel();
+    let f = rx.recv_timeout(WAIT).expect("hung").unwrap_err();
+    assert!(
+        matches!(f.error, kvbm_transfer::TransferError::Cancelled),
+        "{f}"
+    );
+    assert!(f.completed.is_empty(), "{f}");
+    // The instance is still whole: cancelling is not a fault.
+    assert!(leader.status().is_whole());
+}
+
+/// Hashes of a chain of `n` blocks from `seed`.
+fn chain(seed: u64, n: usize) -> Vec<SequenceHash> {
+    let mut h = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|i| {
+            h = (h ^ (i as u64 + 1))
+                .wrapping_mul(0xBF58_476D_1CE4_E5B9)
+                .rotate_left(17);
+            SequenceHash(h)
+        })
+        .collect()
+}
+
+/// The engine computes `hashes` in fresh G1 blocks (bytes written on every
+/// rank) and registers them, which queues their offload.
+fn compute(node: &Node, engine: &TierEngine, hashes: &[SequenceHash]) {
+    let blocks = engine.allocate_g1(hashes.len()).unwrap();
+    let mut prev = None;
+    let mut complete = Vec::new();
+    for (b, &h) in blocks.into_iter().zip(hashes) {
+        fill(node, b.block_id() as usize, h.0);
+        complete.push(b.complete(h, prev).unwrap());
+        prev = Some(h);
+    }
+    drop(engine.register_g1(complete).unwrap());
+}
+
+/// Matches and onboards `hashes` from G2/G3 and checks every loaded block
+/// on every rank; returns (G2, G3) blocks matched.
+fn onboard_and_verify(
+    node: &Node,
+    engine: &TierEngine,
+    id: &str,
+    hashes: &[SequenceHash],
+) -> (usize, usize) {
+    let tokens = hashes.len() * 16 + 1;
+    let m = engine
+        .match_request(id, hashes, tokens, G1Lookup::Pool)
+        .unwrap();
+    let loaded = engine
+        .onboard(id, OnboardTarget::Pool)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(loaded.count, m.g2_blocks + m.g3_blocks);
+    for i in 0..loaded.blocks.len() {
+        let b = loaded.blocks.get(i).unwrap();
+        assert!(
+            holds(node, b.block_id() as usize, Some(b.sequence_hash().0)),
+            "G1 block {} does not hold {:?} on every rank",
+            b.block_id(),
+            b.sequence_hash()
+        );
+    }
+    drop(loaded);
+    engine.release(id);
+    (m.g2_blocks, m.g3_blocks)
+}
+
+#[test]
+fn the_tier_engine_runs_over_the_workers() {
+    let (mut node, leader) = start([0, 0]);
+    let config = TierEngineConfig::new(16)
+        .g2_policy(TierPolicy::WriteThrough)
+        .g3_policy(TierPolicy::WriteThrough);
+    let engine =
+        Arc::new(TierEngine::with_mover(config, leader.mover() as Arc<dyn TierMover>).unwrap());
+    let weak = Arc::downgrade(&engine);
+    leader.on_worker_lost(move |_| {
+        if let Some(e) = weak.upgrade() {
+            evict_distributed_tiers(&e);
+        }
+    });
+    // Two chains of 6: G2 (8 blocks) keeps the newest, its victims go to G3.
+    let a = chain(1, 6);
+    let b = chain(2, 6);
+    compute(&node, &engine, &a);
+    engine.flush();
+    compute(&node, &engine, &b);
+    engine.flush();
+    engine.g1().evict(G1_BLOCKS);
+    zero_g1(&node);
+    let (g2, g3) = onboard_and_verify(&node, &engine, "a", &a);
+    assert_eq!(g2 + g3, 6, "the whole chain is in G2 or G3");
+    assert!(g3 > 0, "some of it came back from disk");
+
+    // A worker dies: its G2/G3 bytes are gone and nothing is served from them.
+    engine.g1().evict(G1_BLOCKS);
+    node.kill(1);
+    assert!(
+        leader.wait_for(WAIT, |s| !s.is_whole()),
+        "{:?}",
+        leader.status()
+    );
+    let m = engine
+        .match_request("after", &b, 6 * 16 + 1, G1Lookup::Pool)
+        .unwrap();
+    assert_eq!((m.g1_blocks, m.g2_blocks, m.g3_blocks), (0, 0, 0));
+    engine.release("after");
+    // It rejoins; new blocks flow again.
+    node.spawn(1, 0);
+    assert!(leader.wait_whole(WAIT), "{:?}", leader.status());
+    let c = chain(3, 4);
+    compute(&node, &engine, &c);
+    engine.flush();
+    engine.g1().evict(G1_BLOCKS);
+    zero_g1(&node);
+    assert_eq!(onboard_and_verify(&node, &engine, "c", &c), (4, 0));
+    drop(engine);
+    leader.shutdown();
 }
 
 fn wait_exit(c: &mut Child) -> std::process::ExitStatus {

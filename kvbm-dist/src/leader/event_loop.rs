@@ -262,6 +262,16 @@ impl EventLoop {
                 return;
             }
         };
+        if let Some(rank) = rank
+            && matches!(self.ranks[rank].state, RankState::Lost { .. })
+            && !matches!(message, Message::Hello(_))
+        {
+            // A lost worker that speaks again has been stalled: its bytes
+            // are written off, it must exit and come back as a new process.
+            tracing::warn!(rank, "a lost worker spoke again; telling it to exit");
+            let _ = self.router.send(&r.peer, &Message::Shutdown);
+            return;
+        }
         match (rank, message) {
             (_, Message::Hello(h)) => self.on_hello(r.peer, h),
             (Some(_), Message::Pong { .. }) => {}
@@ -487,6 +497,11 @@ impl EventLoop {
             return;
         }
         tracing::warn!(rank, "worker lost: {reason}");
+        // If it is still there (stalled, not dead), it must stop writing:
+        // it rejoins as a new process.
+        let _ = self
+            .router
+            .send(&self.ranks[rank].identity, &Message::Shutdown);
         self.ranks[rank].state = RankState::Lost {
             reason: reason.clone(),
         };

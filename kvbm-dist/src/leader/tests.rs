@@ -8,10 +8,10 @@ use kvbm_transfer::PhysicalLayout;
 use kvbm_transfer::memory::SystemAllocator;
 
 use super::*;
-use kvbm_pool::tier::TierMover;
 use crate::proto::{self, Hello, Message};
 use crate::transport::DealerSocket;
 use crate::worker::{self, WorkerConfig};
+use kvbm_pool::tier::TierMover;
 
 const INSTANCE: u64 = 7;
 
