@@ -165,3 +165,50 @@ fn garbage_during_the_handshake_is_answered_and_survived() {
     leader.shutdown();
     w.join().unwrap().unwrap();
 }
+
+#[test]
+fn a_running_leader_answers_hostile_peers_and_stays_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let pending = PendingLeader::bind(config(endpoint(&dir), 1)).unwrap();
+    let w = worker(pending.endpoint(), 0, 1, 8);
+    let ep = pending.endpoint().to_owned();
+    let leader = pending.handshake().unwrap();
+    let ctx = zmq::Context::new();
+    let hostile = DealerSocket::connect(&ctx, &ep, b"intruder").unwrap();
+    // Garbage, a forged ack from a stranger, a foreign instance's hello.
+    hostile.send_raw(vec![0xff; 40]).unwrap();
+    hostile
+        .send(&Message::Ack(proto::Ack {
+            transfer_id: 1,
+            rank: 0,
+            completed: vec![(0, 0)],
+            failure: None,
+        }))
+        .unwrap();
+    let mut foreign = proto::decode(&hello_frame(proto::PROTOCOL_VERSION)).unwrap();
+    if let Message::Hello(h) = &mut foreign {
+        h.instance = INSTANCE + 1;
+    }
+    hostile.send(&foreign).unwrap();
+    for _ in 0..3 {
+        let reply = hostile
+            .recv_timeout(10_000)
+            .unwrap()
+            .expect("an error reply");
+        assert!(matches!(reply.message, Ok(Message::Error(_))), "{reply:?}");
+    }
+    assert!(leader.status().is_whole());
+    // A copy still works.
+    let out = leader
+        .mover()
+        .copy(
+            kvbm_pool::Tier::G1,
+            kvbm_pool::Tier::G2,
+            vec![(1, 2)],
+            kvbm_transfer::CancelToken::new(),
+        )
+        .wait();
+    assert_eq!(out.unwrap().blocks, 1);
+    leader.shutdown();
+    w.join().unwrap().unwrap();
+}

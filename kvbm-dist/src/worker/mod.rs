@@ -400,3 +400,6 @@ fn ack_of(id: u64, rank: u32, pairs: &[(usize, usize)], outcome: TransferOutcome
         },
     }
 }
+
+#[cfg(test)]
+mod tests;
