@@ -13,6 +13,7 @@ use kvbm_block::SequenceHash;
 use kvbm_dist::leader::{
     DistMover, Leader, LeaderConfig, PendingLeader, RankState, evict_distributed_tiers,
 };
+use kvbm_dist::proto::ProbeOp;
 use kvbm_dist::worker::memory::{SharedMapping, create_shared_file};
 use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
 use kvbm_pool::Tier;
@@ -227,6 +228,20 @@ fn bytes_round_trip_through_every_tier_on_every_worker() {
     for b in 4..8 {
         assert!(holds(&node, b, Some(100 + b as u64)), "G1 block {b}");
     }
+    // The workers' own probes agree (and see each rank's own bytes).
+    let probe = |op, blocks: Vec<(u32, u64)>| leader.probe(op, blocks).unwrap();
+    probe(ProbeOp::Fill, vec![(0, 42), (1, 43)]);
+    copy(&mover, Tier::G1, Tier::G3, vec![(0, 0), (1, 1)]).unwrap();
+    zero_g1(&node);
+    copy(&mover, Tier::G3, Tier::G1, vec![(0, 2), (1, 3)]).unwrap();
+    assert_eq!(
+        probe(ProbeOp::Check, vec![(2, 42), (3, 43)]),
+        vec![Vec::<u32>::new(); 2]
+    );
+    assert_eq!(
+        probe(ProbeOp::Check, vec![(2, 43), (0, 42)]),
+        vec![vec![2, 0]; 2]
+    );
     // A request outside the tiers is refused before anything is sent.
     let e = copy(&mover, Tier::G2, Tier::G1, vec![(G2_BLOCKS as usize, 0)]).unwrap_err();
     assert!(

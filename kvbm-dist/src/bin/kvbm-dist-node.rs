@@ -16,7 +16,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvbm_dist::worker::memory::SharedMapping;
+use kvbm_dist::worker::memory::{HostProbe, SharedMapping};
 use kvbm_dist::worker::{self, WorkerConfig};
 use kvbm_layout::LayoutDescriptor;
 
@@ -72,5 +72,6 @@ fn run() -> Result<(), String> {
     config.g3_dir = flags.get("g3-dir").map(PathBuf::from);
     config.fault_delay = Duration::from_millis(opt_num("fault-delay-ms", 0)?);
     config.leader_timeout = Duration::from_millis(opt_num("leader-timeout-ms", 30_000)?);
+    config.probe = Some(Box::new(HostProbe));
     worker::run(config).map_err(|e| e.to_string())
 }

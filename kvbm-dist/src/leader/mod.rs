@@ -276,6 +276,11 @@ pub(crate) type LostHook = Arc<Mutex<Option<LostCallback>>>;
 /// Commands from API threads to the event loop.
 pub(crate) enum Command {
     Copy(mover::CopyRequest),
+    Probe {
+        op: crate::proto::ProbeOp,
+        blocks: Vec<(u32, u64)>,
+        reply: mpsc::Sender<Result<Vec<Vec<u32>>>>,
+    },
     Shutdown,
 }
 
@@ -324,6 +329,24 @@ impl Leader {
             }
         }
         true
+    }
+
+    /// Has every worker fill (or check) the test pattern of `(seed, rank)`
+    /// in G1 blocks `(block, seed)`, through the probe it was started
+    /// with. Returns, per rank, the blocks whose bytes differ (empty for a
+    /// fill). Only call it while no copy touches those blocks.
+    pub fn probe(
+        &self,
+        op: crate::proto::ProbeOp,
+        blocks: Vec<(u32, u64)>,
+    ) -> Result<Vec<Vec<u32>>> {
+        let (reply, rx) = mpsc::channel();
+        self.tx
+            .send(Command::Probe { op, blocks, reply })
+            .map_err(|_| DistError::LeaderGone("the event loop stopped".into()))?;
+        self.wake.wake();
+        rx.recv()
+            .map_err(|_| DistError::LeaderGone("the event loop stopped".into()))?
     }
 
     /// Sets the callback run (on the leader's thread, so it must not block

@@ -11,7 +11,7 @@ use kvbm_pool::Tier;
 use super::error::ProtoError;
 use super::schema::{
     Ack, AckFailure, BlockPair, Configure, ErrorReply, Hello, Message, MessageKind, PeerInfo,
-    PeerRank, Ready, RemotePull, Transfer,
+    PeerRank, Probe, ProbeOp, ProbeReply, Ready, RemotePull, Transfer,
 };
 use super::validate;
 use super::{
@@ -116,6 +116,33 @@ fn body(w: &mut Writer, message: &Message) -> Result<(), ProtoError> {
             w.u8(tier_code(r.src));
             w.u8(tier_code(r.dst));
             w.pairs(&r.pairs)?;
+        }
+        Message::Probe(p) => {
+            w.u64(p.id);
+            w.u8(match p.op {
+                ProbeOp::Fill => 1,
+                ProbeOp::Check => 2,
+            });
+            w.count(p.blocks.len(), MAX_PAIRS, "probe blocks")?;
+            for &(b, seed) in &p.blocks {
+                w.u32(b);
+                w.u64(seed);
+            }
+        }
+        Message::ProbeReply(r) => {
+            w.u64(r.id);
+            w.u32(r.rank);
+            w.count(r.mismatched.len(), MAX_PAIRS, "mismatched blocks")?;
+            for &b in &r.mismatched {
+                w.u32(b);
+            }
+            match &r.error {
+                None => w.u8(0),
+                Some(e) => {
+                    w.u8(1);
+                    w.bytes(e.as_bytes(), MAX_TEXT_BYTES, "probe error text")?;
+                }
+            }
         }
     }
     Ok(())
@@ -246,6 +273,50 @@ fn decode_body(r: &mut Reader<'_>, kind: MessageKind) -> Result<Message, ProtoEr
             dst: r.tier("destination tier")?,
             pairs: r.pairs("pairs")?,
         }),
+        MessageKind::Probe => {
+            let id = r.u64("probe id")?;
+            let op = match r.u8("probe op")? {
+                1 => ProbeOp::Fill,
+                2 => ProbeOp::Check,
+                other => {
+                    return Err(ProtoError::Invalid {
+                        what: "probe op",
+                        reason: format!("unknown op {other}"),
+                    });
+                }
+            };
+            let n = r.count(MAX_PAIRS, 12, "probe blocks")?;
+            let mut blocks = Vec::with_capacity(n);
+            for _ in 0..n {
+                blocks.push((r.u32("probe block")?, r.u64("probe seed")?));
+            }
+            Message::Probe(Probe { id, op, blocks })
+        }
+        MessageKind::ProbeReply => {
+            let id = r.u64("probe id")?;
+            let rank = r.u32("rank")?;
+            let n = r.count(MAX_PAIRS, 4, "mismatched blocks")?;
+            let mut mismatched = Vec::with_capacity(n);
+            for _ in 0..n {
+                mismatched.push(r.u32("mismatched block")?);
+            }
+            let error = match r.u8("probe error flag")? {
+                0 => None,
+                1 => Some(r.text(MAX_TEXT_BYTES, "probe error text")?),
+                other => {
+                    return Err(ProtoError::Invalid {
+                        what: "probe error flag",
+                        reason: format!("{other} is neither 0 nor 1"),
+                    });
+                }
+            };
+            Message::ProbeReply(ProbeReply {
+                id,
+                rank,
+                mismatched,
+                error,
+            })
+        }
     })
 }
 

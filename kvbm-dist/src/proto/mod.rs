@@ -25,7 +25,7 @@ pub use codec::{decode, encode};
 pub use error::ProtoError;
 pub use schema::{
     Ack, AckFailure, BlockPair, Configure, ErrorReply, Hello, InstanceId, Message, MessageKind,
-    PeerInfo, PeerRank, Ready, RemotePull, Transfer,
+    PeerInfo, PeerRank, Probe, ProbeOp, ProbeReply, Ready, RemotePull, Transfer,
 };
 pub use validate::TierBounds;
 

@@ -134,6 +134,43 @@ pub struct RemotePull {
     pub pairs: Vec<BlockPair>,
 }
 
+/// What a [`Probe`] does to each block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProbeOp {
+    /// Write the block's pattern.
+    Fill,
+    /// Compare the block with its pattern.
+    Check,
+}
+
+/// Leader → worker: write or check test patterns in G1 blocks (benches
+/// and tests drive an engine with no real model this way; a worker
+/// without a probe refuses). The leader sends it only while no transfer
+/// touches those blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Probe {
+    /// Names the probe in its reply.
+    pub id: u64,
+    /// Fill or check.
+    pub op: ProbeOp,
+    /// `(G1 block, seed)`: the pattern is a function of the seed and the
+    /// worker's rank.
+    pub blocks: Vec<(u32, u64)>,
+}
+
+/// Worker → leader: a probe's result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProbeReply {
+    /// The probe.
+    pub id: u64,
+    /// The worker's rank.
+    pub rank: u32,
+    /// Blocks whose bytes differ from their pattern (checks only).
+    pub mismatched: Vec<u32>,
+    /// Set when the probe could not run.
+    pub error: Option<String>,
+}
+
 /// Every message of the protocol.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Message {
@@ -172,6 +209,10 @@ pub enum Message {
     PeerInfo(PeerInfo),
     /// Leader → worker: pull remote blocks.
     RemotePull(RemotePull),
+    /// Leader → worker: fill or check test patterns.
+    Probe(Probe),
+    /// Worker → leader: a probe's result.
+    ProbeReply(ProbeReply),
 }
 
 /// The kind byte of each message.
@@ -202,6 +243,10 @@ pub enum MessageKind {
     PeerInfo = 11,
     /// [`Message::RemotePull`].
     RemotePull = 12,
+    /// [`Message::Probe`].
+    Probe = 13,
+    /// [`Message::ProbeReply`].
+    ProbeReply = 14,
 }
 
 impl MessageKind {
@@ -221,6 +266,8 @@ impl MessageKind {
             10 => Shutdown,
             11 => PeerInfo,
             12 => RemotePull,
+            13 => Probe,
+            14 => ProbeReply,
             _ => return None,
         })
     }
@@ -242,6 +289,8 @@ impl Message {
             Message::Shutdown => MessageKind::Shutdown,
             Message::PeerInfo(_) => MessageKind::PeerInfo,
             Message::RemotePull(_) => MessageKind::RemotePull,
+            Message::Probe(_) => MessageKind::Probe,
+            Message::ProbeReply(_) => MessageKind::ProbeReply,
         }
     }
 }

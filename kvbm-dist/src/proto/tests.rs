@@ -136,7 +136,7 @@ proptest! {
 
     #[test]
     fn arbitrary_bodies_behind_a_valid_header_never_panic(
-        kind in 0u8..16,
+        kind in 0u8..18,
         body in prop::collection::vec(any::<u8>(), 0..256),
     ) {
         let mut frame = MAGIC.to_vec();

@@ -95,6 +95,8 @@ pub(crate) fn message(m: &Message) -> Result<(), ProtoError> {
             Ok(())
         }
         Message::Pong { rank: r, .. } => rank(*r),
+        Message::ProbeReply(p) => rank(p.rank),
+        Message::Probe(_) => Ok(()),
         Message::PeerInfo(p) => {
             if p.ranks.is_empty() {
                 return Err(invalid("peer ranks", "a peer has at least one rank".into()));

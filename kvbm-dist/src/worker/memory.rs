@@ -125,3 +125,88 @@ pub fn create_shared_file(path: &Path, layout: &Layout) -> Result<()> {
             source,
         })
 }
+
+/// A [`BlockProbe`](super::probe::BlockProbe) for G1 in host memory: the
+/// pattern's byte `i` of a block (counting its chunks in layer, K/V order)
+/// mixes the rank's seed with `i`.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct HostProbe;
+
+fn pattern_byte(seed: u64, i: u64) -> u8 {
+    let x = seed ^ i.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    (x ^ (x >> 29) ^ (x >> 47)) as u8
+}
+
+/// Calls `f(chunk bytes, index of its first byte)` for every chunk of
+/// `block`.
+fn for_each_chunk(
+    g1: &PhysicalLayout,
+    block: usize,
+    mut f: impl FnMut(&mut [u8], u64),
+) -> std::result::Result<(), String> {
+    if !g1.kind().is_host() {
+        return Err(format!(
+            "the host probe cannot reach {:?} memory",
+            g1.kind()
+        ));
+    }
+    let layout = g1.layout();
+    let c = *layout.config();
+    let mut i = 0u64;
+    for layer in 0..c.num_layers() {
+        for outer in 0..c.outer_dim() {
+            let chunk = layout
+                .chunk(block, layer, outer)
+                .map_err(|e| e.to_string())?;
+            let region = &g1.regions()[chunk.region];
+            let addr = region
+                .addr()
+                .ok_or_else(|| "a host region without an address".to_string())?;
+            // SAFETY: host memory (checked above) that the region's owner
+            // keeps alive; the layout proved the chunk lies inside its
+            // region; the leader probes a block only while no transfer
+            // touches it, and this thread is the only one probing.
+            let bytes = unsafe {
+                std::slice::from_raw_parts_mut((addr + chunk.offset) as *mut u8, chunk.len as usize)
+            };
+            f(bytes, i);
+            i += chunk.len;
+        }
+    }
+    Ok(())
+}
+
+impl super::probe::BlockProbe for HostProbe {
+    fn fill(
+        &self,
+        g1: &PhysicalLayout,
+        block: usize,
+        seed: u64,
+        rank: u32,
+    ) -> std::result::Result<(), String> {
+        let seed = super::probe::rank_seed(seed, rank);
+        for_each_chunk(g1, block, |bytes, start| {
+            for (j, b) in bytes.iter_mut().enumerate() {
+                *b = pattern_byte(seed, start + j as u64);
+            }
+        })
+    }
+
+    fn check(
+        &self,
+        g1: &PhysicalLayout,
+        block: usize,
+        seed: u64,
+        rank: u32,
+    ) -> std::result::Result<bool, String> {
+        let seed = super::probe::rank_seed(seed, rank);
+        let mut ok = true;
+        for_each_chunk(g1, block, |bytes, start| {
+            ok &= bytes
+                .iter()
+                .enumerate()
+                .all(|(j, &b)| b == pattern_byte(seed, start + j as u64));
+        })?;
+        Ok(ok)
+    }
+}

@@ -14,6 +14,7 @@
 //! through a channel and a wake-up, so the socket stays single-threaded.
 
 pub mod memory;
+pub mod probe;
 mod tiers;
 
 use std::collections::HashMap;
@@ -27,8 +28,8 @@ use kvbm_transfer::{CancelToken, Executor, ExecutorConfig, PhysicalLayout, Trans
 
 use crate::error::{DistError, Result};
 use crate::proto::{
-    Ack, AckFailure, BlockPair, Configure, ErrorReply, Hello, InstanceId, Message, Ready,
-    TierBounds, Transfer, truncate,
+    Ack, AckFailure, BlockPair, Configure, ErrorReply, Hello, InstanceId, Message, Probe, ProbeOp,
+    ProbeReply, Ready, TierBounds, Transfer, truncate,
 };
 use crate::transport::{DealerSocket, WakeSender, wake_pair};
 use tiers::Tiers;
@@ -54,7 +55,16 @@ pub struct WorkerConfig {
     pub fault_delay: Duration,
     /// Exit when the leader has been silent this long after the handshake.
     pub leader_timeout: Duration,
+    /// Writes and checks test patterns in G1 for the leader (benches and
+    /// tests); without one, probes are refused.
+    pub probe: Option<Box<dyn probe::BlockProbe>>,
+    /// Allocates G2 for a layout (pinned memory next to a GPU); `None`
+    /// allocates system memory.
+    pub g2_allocator: Option<G2Allocator>,
 }
+
+/// Allocates a worker's G2 for a layout.
+pub type G2Allocator = Box<dyn Fn(kvbm_layout::Layout) -> Result<PhysicalLayout> + Send>;
 
 impl WorkerConfig {
     /// A worker of `rank` in a world of `world_size`, with `g1`, the
@@ -77,6 +87,8 @@ impl WorkerConfig {
             executor: None,
             fault_delay: Duration::ZERO,
             leader_timeout: Duration::from_secs(30),
+            probe: None,
+            g2_allocator: None,
         }
     }
 }
@@ -97,7 +109,7 @@ const TICK: Duration = Duration::from_millis(200);
 
 /// Runs a worker until the leader says `Shutdown` (`Ok`) or goes silent
 /// (`Err(LeaderGone)`).
-pub fn run(config: WorkerConfig) -> Result<()> {
+pub fn run(mut config: WorkerConfig) -> Result<()> {
     let executor = match config.executor.clone() {
         Some(e) => e,
         None => cpu_executor()?,
@@ -129,6 +141,8 @@ pub fn run(config: WorkerConfig) -> Result<()> {
         rank: config.rank,
         tiers: Tiers::new(config.g1.clone()),
         g3_dir: config.g3_dir.clone(),
+        probe: config.probe.take(),
+        g2_allocator: config.g2_allocator.take(),
         executor,
         fault_delay: config.fault_delay,
         inflight: HashMap::new(),
@@ -198,6 +212,8 @@ fn random_seed() -> u64 {
 
 struct Worker {
     rank: u32,
+    probe: Option<Box<dyn probe::BlockProbe>>,
+    g2_allocator: Option<G2Allocator>,
     tiers: Tiers,
     g3_dir: Option<PathBuf>,
     executor: Executor,
@@ -218,6 +234,7 @@ impl Worker {
                 }
                 None
             }
+            Message::Probe(p) => Some(self.probe(p)),
             Message::Ping { seq } => Some(Message::Pong {
                 seq,
                 rank: self.rank,
@@ -250,10 +267,12 @@ impl Worker {
         if !self.inflight.is_empty() {
             return error_reply(None, "configure while transfers are in flight".into());
         }
-        match self
-            .tiers
-            .configure(&c, self.g3_dir.as_deref(), &self.executor)
-        {
+        match self.tiers.configure(
+            &c,
+            self.g3_dir.as_deref(),
+            &self.executor,
+            self.g2_allocator.as_deref(),
+        ) {
             Ok(()) => {
                 tracing::info!(g2 = c.g2_blocks, g3 = c.g3_blocks, "configured");
                 Message::Ready(Ready {
@@ -267,6 +286,43 @@ impl Worker {
                 error_reply(None, format!("configure failed: {e}"))
             }
         }
+    }
+
+    fn probe(&self, p: Probe) -> Message {
+        let reply = |mismatched, error| {
+            Message::ProbeReply(ProbeReply {
+                id: p.id,
+                rank: self.rank,
+                mismatched,
+                error,
+            })
+        };
+        let Some(probe) = &self.probe else {
+            return reply(Vec::new(), Some("this worker has no probe".into()));
+        };
+        let g1 = self.tiers.g1();
+        let n = g1.layout().config().num_blocks();
+        let mut mismatched = Vec::new();
+        for &(b, seed) in &p.blocks {
+            if b as usize >= n {
+                return reply(
+                    Vec::new(),
+                    Some(format!("block {b} is outside G1 ({n} blocks)")),
+                );
+            }
+            let r = match p.op {
+                ProbeOp::Fill => probe.fill(g1, b as usize, seed, self.rank),
+                ProbeOp::Check => probe.check(g1, b as usize, seed, self.rank).map(|ok| {
+                    if !ok {
+                        mismatched.push(b);
+                    }
+                }),
+            };
+            if let Err(e) = r {
+                return reply(Vec::new(), Some(truncate(e)));
+            }
+        }
+        reply(mismatched, None)
     }
 
     fn transfer(&mut self, t: Transfer) -> Option<Message> {

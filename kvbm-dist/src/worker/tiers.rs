@@ -36,6 +36,7 @@ impl Tiers {
         c: &Configure,
         g3_dir: Option<&Path>,
         executor: &Executor,
+        g2_allocator: Option<&(dyn Fn(Layout) -> Result<PhysicalLayout> + Send)>,
     ) -> Result<()> {
         let shape = *self.g1.layout().config();
         let blocks = |n: u64| {
@@ -48,7 +49,10 @@ impl Tiers {
                     shape.with_num_blocks(blocks(n)?)?,
                     LayoutKind::FullyContiguous,
                 )?;
-                let l = PhysicalLayout::allocate_system(layout, &SystemAllocator::new())?;
+                let l = match g2_allocator {
+                    Some(alloc) => alloc(layout)?,
+                    None => PhysicalLayout::allocate_system(layout, &SystemAllocator::new())?,
+                };
                 executor.register(&l)?;
                 Some(l)
             }
@@ -72,6 +76,10 @@ impl Tiers {
         self.g2 = g2;
         self.g3 = g3;
         Ok(())
+    }
+
+    pub(crate) fn g1(&self) -> &PhysicalLayout {
+        &self.g1
     }
 
     pub(crate) fn bounds(&self) -> TierBounds {
