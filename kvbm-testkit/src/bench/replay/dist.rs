@@ -115,7 +115,10 @@ pub fn run_worker(args: &WorkerArgs) -> Result<()> {
     std::fs::create_dir_all(&args.g3_dir)
         .map_err(|e| BenchError::Config(format!("{}: {e}", args.g3_dir.display())))?;
     let (g1, executor, g2_allocator, what) = worker_memory(args, layout)?;
-    let physical = g1.physical().clone();
+    let physical = g1
+        .physical()
+        .ok_or_else(|| BenchError::Config("a worker's G1 must be in its own process".into()))?
+        .clone();
     let mut config = WorkerConfig::new(
         args.endpoint.clone(),
         args.instance,

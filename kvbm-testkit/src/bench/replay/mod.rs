@@ -414,7 +414,7 @@ pub fn run_replay(
     let mut _cluster = None;
     let (engine, g1, g1_memory, g3_direct) = if cfg.workers > 0 {
         let n = cfg.workers as usize;
-        if cfg.model.inner_dim % n != 0 {
+        if !cfg.model.inner_dim.is_multiple_of(n) {
             return Err(BenchError::Config(format!(
                 "{} KV values per token do not split over {n} ranks",
                 cfg.model.inner_dim
