@@ -34,7 +34,7 @@ pub fn device() -> Option<CudaDevice> {
 /// Device `ordinal`, when it exists.
 pub fn device_at(ordinal: usize) -> Option<CudaDevice> {
     match probe() {
-        Probe::Devices(n) if ordinal < n as usize => CudaDevice::open(ordinal).ok(),
+        Probe::Devices(n) if ordinal < n => CudaDevice::open(ordinal).ok(),
         _ => None,
     }
 }

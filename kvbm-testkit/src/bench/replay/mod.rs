@@ -514,7 +514,9 @@ pub fn run_replay(
         placement: format!(
             "kvbm-pool TierEngine, G2/G3 policy {:?}; G3 {}",
             cfg.policy,
-            if g3_direct {
+            if cfg.workers > 0 {
+                "files on the workers (O_DIRECT where the file system allows)"
+            } else if g3_direct {
                 "O_DIRECT"
             } else {
                 "buffered (no O_DIRECT here)"
