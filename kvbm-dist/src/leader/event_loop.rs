@@ -593,6 +593,12 @@ impl EventLoop {
                 }
             }
         }
+        // The hook (dropping lost blocks from the books) runs before the
+        // loss is published, so whoever sees the loss sees the books
+        // already cleaned.
+        if let Some(hook) = self.hook.lock().as_ref() {
+            hook(rank as u32);
+        }
         self.status.update(|s| {
             s.losses.push(Loss {
                 rank: rank as u32,
@@ -600,9 +606,6 @@ impl EventLoop {
             })
         });
         self.publish();
-        if let Some(hook) = self.hook.lock().as_ref() {
-            hook(rank as u32);
-        }
         for id in ids {
             self.try_resolve(id);
         }

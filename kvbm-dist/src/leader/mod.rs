@@ -350,7 +350,8 @@ impl Leader {
     }
 
     /// Sets the callback run (on the leader's thread, so it must not block
-    /// on the leader) whenever a worker is lost.
+    /// on the leader) whenever a worker is lost. It runs before the loss
+    /// shows in [`Leader::status`].
     pub fn on_worker_lost(&self, callback: impl Fn(u32) + Send + Sync + 'static) {
         *self.hook.lock() = Some(Box::new(callback));
     }
