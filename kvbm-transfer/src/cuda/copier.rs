@@ -18,7 +18,7 @@
 //!   engines move whole slots to and from the host; a ring of slots
 //!   pipelines the two. DMA rate with SMs busy only briefly.
 //!
-//! [`CudaCopier::choose`] picks by direction, size, run size, bytes per DMA
+//! [`CudaCopier::choose_for`] picks by direction, size, run size, bytes per DMA
 //! descriptor and whether the caller said the GPU is busy; callers can force
 //! a path. Each direction has its own lanes (a kernel stream, a copy stream,
 //! a staging ring and a completion watcher), so offload and onboard overlap.
@@ -64,13 +64,13 @@ pub enum GpuLoad {
 /// Per-copy options.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct CopyOptions {
-    /// Force a path; `None` lets [`CudaCopier::choose`] pick.
+    /// Force a path; `None` lets [`CudaCopier::choose_for`] pick.
     pub path: Option<CopyPath>,
     /// Whether the GPU is busy with other work.
     pub load: GpuLoad,
 }
 
-/// What [`CudaCopier::choose`] decides on.
+/// What [`CudaCopier::choose_for`] decides on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct PlanShape {
     /// Runs with at least one byte.
@@ -243,6 +243,26 @@ impl CudaCopier {
         &self.config
     }
 
+    /// The path [`CudaCopier::copy`] takes for `n_runs` runs of
+    /// `total_bytes` when none is forced, counting one DMA descriptor per
+    /// run (the idle choice never depends on descriptors; a busy one may
+    /// take the copy engines for affine plans, see
+    /// [`CudaCopier::choose_for`]).
+    pub fn choose(
+        &self,
+        dir: Direction,
+        n_runs: usize,
+        total_bytes: u64,
+        load: GpuLoad,
+    ) -> CopyPath {
+        let shape = PlanShape {
+            runs: n_runs,
+            bytes: total_bytes,
+            dma_copies: n_runs,
+        };
+        self.choose_for(dir, shape, load)
+    }
+
     /// The path [`CudaCopier::copy`] takes for a plan of this shape when
     /// none is forced.
     ///
@@ -263,7 +283,7 @@ impl CudaCopier {
     /// Measured and not kept: sending an offload to the copy engines while
     /// an onboard kernel runs (0.63–0.70 of the bidirectional copy, against
     /// 0.93–0.96 for two kernels at 32–256 KiB runs).
-    pub fn choose(&self, dir: Direction, shape: PlanShape, load: GpuLoad) -> CopyPath {
+    pub fn choose_for(&self, dir: Direction, shape: PlanShape, load: GpuLoad) -> CopyPath {
         if dir == Direction::DeviceToDevice || shape.bytes <= self.config.small_copy_bytes {
             return CopyPath::Kernel;
         }
@@ -324,7 +344,7 @@ impl CudaCopier {
         };
         let path = opts
             .path
-            .unwrap_or_else(|| self.choose(dir, shape, opts.load));
+            .unwrap_or_else(|| self.choose_for(dir, shape, opts.load));
         if path == CopyPath::CopyEngine && families.is_none() {
             families = group();
         }
