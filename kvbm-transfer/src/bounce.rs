@@ -5,6 +5,11 @@
 //! slot never blocks or spins: the caller passes a callback that runs at
 //! once if a slot is free, or later on the thread that returns one. A slot
 //! goes back to the pool when its [`BounceSlot`] is dropped.
+//!
+//! [`trace`] records how chunks move through the slots and the two hops,
+//! to find where a pipeline sits idle.
+
+pub mod trace;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -146,6 +151,11 @@ pub struct BounceSlot {
 }
 
 impl BounceSlot {
+    /// The slot's index in its pool.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
     /// The slot's memory.
     pub fn region(&self) -> MemoryRegion {
         // Slot indices come from `0..slots`, the length of `slot_regions`.

@@ -7,7 +7,11 @@
 //! Files are used as fixed files (registered while they have operations
 //! queued or in flight, so an idle file is never held open), and host memory
 //! registered through [`IoEngine::register_memory`] is used as fixed
-//! buffers, which saves pinning pages on every request.
+//! buffers, which saves pinning pages on every request. Requests on buffered
+//! files (page-cache copies) are marked `IOSQE_ASYNC`, so that io_uring's
+//! worker threads copy in parallel instead of this thread copying them one
+//! by one inside `io_uring_enter`: on a page-cached source that took a
+//! 2-vCPU machine's read from 2.7 to 6.4 GB/s.
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
@@ -413,9 +417,20 @@ impl RingThread {
                 }
             };
         }
-        match fixed_file {
+        let entry = match fixed_file {
             Some(slot) => entry!(types::Fixed(slot)),
             None => entry!(types::Fd(op.file.raw_fd())),
+        };
+        if op.file.is_direct() {
+            entry
+        } else {
+            // A buffered request is a CPU copy to or from the page cache.
+            // Issued inline, the kernel does it inside this thread's
+            // `io_uring_enter`, so every buffered request of the ring is
+            // copied one after another on one core, and the ring stops
+            // reaping and submitting meanwhile. Punted, io_uring's workers
+            // copy up to the queue depth in parallel.
+            entry.flags(squeue::Flags::ASYNC)
         }
     }
 
