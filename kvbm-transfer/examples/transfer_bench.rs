@@ -17,7 +17,9 @@
 //!   file → pinned bounce → device memory through the CUDA backend.
 //!
 //! Bounce settings: `KVBM_SLOT_KIB` or `KVBM_SLOT_MIB` (slot size),
-//! `KVBM_SLOTS` (slots per batch), `KVBM_BATCHES` (batches in flight);
+//! `KVBM_SLOTS` (slots per batch), `KVBM_BATCHES` (batches in flight),
+//! `KVBM_HOP2_THREADS` (copy threads of the host-as-device hop 2),
+//! `KVBM_BOUNCE_BLOCKS` (2 MiB blocks moved, default 256);
 //! `KVBM_TRACE=1` traces every pipelined run chunk by chunk and prints
 //! where the time went.
 
@@ -502,6 +504,7 @@ struct Rounds {
 /// followed by hop 2 for everything, alternating which goes first. With a
 /// trace, each pipelined run is traced and summarised.
 fn rounds(
+    bytes: u64,
     runs: usize,
     trace: Option<&ChunkTrace>,
     mut piped: impl FnMut(),
@@ -522,7 +525,13 @@ fn rounds(
                 if let Some(t) = trace {
                     let s = TraceSummary::from_records(&t.records());
                     let line = s.to_string();
-                    println!("  trace run {i}: {}", line.lines().next().unwrap_or(""));
+                    let rate = |ns: u64| bytes as f64 / ns.max(1) as f64;
+                    println!(
+                        "  trace run {i}: {}; while busy hop 1 moved {:.2} GB/s, hop 2 {:.2} GB/s",
+                        line.lines().next().unwrap_or(""),
+                        rate(s.hop1_busy_ns),
+                        rate(s.hop2_busy_ns)
+                    );
                     last = Some(line);
                 }
             } else {
@@ -626,9 +635,11 @@ fn same_chunks(a: &PhysicalLayout, b: &PhysicalLayout) -> bool {
     })
 }
 
-/// The 512 MiB case every bounce bench moves: 256 blocks of 2 MiB.
+/// The case every bounce bench moves: `KVBM_BOUNCE_BLOCKS` (256, i.e.
+/// 512 MiB) blocks of 2 MiB.
 fn bounce_layouts() -> (Layout, Layout) {
-    let cfg = LayoutConfig::new(256, 32, 2, 16, 1024, 2).unwrap();
+    let blocks = env_u64("KVBM_BOUNCE_BLOCKS", 256) as usize;
+    let cfg = LayoutConfig::new(blocks, 32, 2, 16, 1024, 2).unwrap();
     (
         Layout::new(cfg, LayoutKind::FullyContiguous).unwrap(),
         Layout::new(cfg, LayoutKind::LayerSeparate(BlockOrder::OuterFirst)).unwrap(),
@@ -659,7 +670,9 @@ fn bench_bounce(runs: usize, dir: &std::path::Path) {
         .builder(&trace)
         .backend(Arc::new(disk_backend()))
         .backend(Arc::new(MemcpyBackend::new(1).unwrap()))
-        .backend(Arc::new(HostAsDevice(MemcpyBackend::new(1).unwrap())))
+        .backend(Arc::new(HostAsDevice(
+            MemcpyBackend::new(env_u64("KVBM_HOP2_THREADS", 1) as usize).unwrap(),
+        )))
         .bounce_pool(pool.clone())
         .build()
         .unwrap();
@@ -678,8 +691,10 @@ fn bench_bounce(runs: usize, dir: &std::path::Path) {
         .collect();
     let dev = PhysicalLayout::new(dev_l.clone(), dev_regions).unwrap();
     let staging = host(fc.clone());
+    exec.register(&staging).unwrap();
     let pairs: Vec<_> = (0..fc.config().num_blocks()).map(|b| (b, b)).collect();
     let mut r = rounds(
+        bytes,
         runs,
         trace.as_deref(),
         || {
@@ -736,8 +751,10 @@ fn bench_bounce_disk(runs: usize, dir: &std::path::Path) {
     .unwrap();
     let dst = PhysicalLayout::allocate_disk(fc.clone(), &direct).unwrap();
     let staging = host(fc.clone());
+    exec.register(&staging).unwrap();
     let pairs: Vec<_> = (0..fc.config().num_blocks()).map(|b| (b, b)).collect();
     let mut r = rounds(
+        bytes,
         runs,
         trace.as_deref(),
         || {
@@ -818,6 +835,7 @@ fn bench_bounce_gpu(runs: usize, dir: &std::path::Path) {
         PhysicalLayout::new(dev_l.clone(), buffers.iter().map(|b| b.region()).collect()).unwrap();
     let pairs: Vec<_> = (0..fc.config().num_blocks()).map(|b| (b, b)).collect();
     let mut r = rounds(
+        bytes,
         runs,
         trace.as_deref(),
         || {

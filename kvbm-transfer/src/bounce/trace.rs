@@ -263,6 +263,11 @@ pub struct TraceSummary {
     /// Neither hop busy: a bubble (hand-off latency, start-up, gaps between
     /// batches).
     pub idle: f64,
+    /// Time with at least one hop 1 in flight (ns); the bytes of the run
+    /// over this is the rate hop 1 kept up while it had work.
+    pub hop1_busy_ns: u64,
+    /// Time with at least one hop 2 in flight (ns).
+    pub hop2_busy_ns: u64,
     /// Per chunk, hop 1 submitted → completed.
     pub hop1: Quantiles,
     /// Per chunk, hop 2 submitted → completed.
@@ -362,6 +367,8 @@ impl TraceSummary {
             hop2_only_slot_bound: slot_bound as f64 / total,
             hop2_only_tail: other as f64 / total,
             idle: idle as f64 / total,
+            hop1_busy_ns: both + h1_only,
+            hop2_busy_ns: both + slot_bound + other,
             hop1: Quantiles::of(span(E::Hop1Start, E::Hop1End)),
             hop2: Quantiles::of(span(E::Hop2Start, E::Hop2End)),
             handoff: Quantiles::of(handoff),
@@ -463,6 +470,7 @@ mod tests {
         assert!((s.hop2_only_slot_bound - 0.36).abs() < 1e-9);
         assert!((s.hop2_only_tail - 0.2).abs() < 1e-9);
         assert_eq!(s.both, 0.0);
+        assert_eq!((s.hop1_busy_ns, s.hop2_busy_ns), (20, 28));
         assert_eq!(s.handoff.count, 2);
         assert_eq!(s.handoff.max, 2);
         assert_eq!(s.slot_wait.max, 20);

@@ -240,6 +240,7 @@ struct RingThread {
 
 impl RingThread {
     fn run(&mut self) {
+        self.limit_workers();
         loop {
             let shutdown = self.take_requests();
             if shutdown && self.pending.is_empty() && self.inflight_count == 0 {
@@ -267,6 +268,21 @@ impl RingThread {
                 Err(e) => tracing::error!(error = %e, "io_uring_enter failed"),
             }
             self.reap();
+        }
+    }
+
+    /// Caps io_uring's workers for this thread's requests (the buffered
+    /// ones run there) at the CPUs this process may use: more copy threads
+    /// than cores only take turns, and crowd out the other hop of a
+    /// pipeline. The cap belongs to the submitting thread, so it is set
+    /// here, on the ring thread.
+    fn limit_workers(&self) {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let cap = cpus.min(self.queue_depth) as u32;
+        // [bounded, unbounded]; 0 leaves the unbounded pool as it is.
+        let mut max = [cap, 0];
+        if let Err(e) = self.ring.submitter().register_iowq_max_workers(&mut max) {
+            tracing::debug!(error = %e, "io_uring worker cap unavailable");
         }
     }
 
