@@ -181,7 +181,7 @@ fn bench_memcpy(runs: usize) {
         );
     }
     let ratio = report(
-        "memcpy plan (256 × 2 MiB, 32 KiB runs, 2 threads)",
+        &format!("memcpy plan (256 × 2 MiB, 32 KiB runs, {threads} threads)"),
         bytes,
         &mut subject,
         &mut reference,
