@@ -12,6 +12,16 @@
 //!   same file; plus process CPU seconds per GiB.
 //! - bounce: page-cached file → bounce → host standing in for a device, as a
 //!   pipeline vs the same two hops one after the other.
+//! - bounce-disk: page-cached file → bounce → O_DIRECT file, the same way.
+//! - bounce-gpu (built with `--features cuda`, needs a GPU): page-cached
+//!   file → pinned bounce → device memory through the CUDA backend.
+//!
+//! Bounce settings: `KVBM_SLOT_KIB` or `KVBM_SLOT_MIB` (slot size),
+//! `KVBM_SLOTS` (slots per batch), `KVBM_BATCHES` (batches in flight),
+//! `KVBM_HOP2_THREADS` (copy threads of the host-as-device hop 2),
+//! `KVBM_BOUNCE_BLOCKS` (2 MiB blocks moved, default 256);
+//! `KVBM_TRACE=1` traces every pipelined run chunk by chunk and prints
+//! where the time went.
 
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
@@ -19,6 +29,7 @@ use std::time::Instant;
 
 use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
 use kvbm_transfer::backend::memcpy::MemcpyBackend;
+use kvbm_transfer::bounce::trace::{ChunkTrace, TraceSummary};
 use kvbm_transfer::disk::{DiskBackend, DiskConfig, EngineConfig};
 use kvbm_transfer::memory::{DiskAllocator, DiskOptions, IoMode, SystemAllocator};
 use kvbm_transfer::{
@@ -170,7 +181,7 @@ fn bench_memcpy(runs: usize) {
         );
     }
     let ratio = report(
-        "memcpy plan (256 × 2 MiB, 32 KiB runs, 2 threads)",
+        &format!("memcpy plan (256 × 2 MiB, 32 KiB runs, {threads} threads)"),
         bytes,
         &mut subject,
         &mut reference,
@@ -373,22 +384,278 @@ impl TransferBackend for HostAsDevice {
     }
 }
 
-fn bench_bounce(runs: usize, dir: &std::path::Path) {
-    let blocks = 256; // 512 MiB of 2 MiB blocks
-    let cfg = LayoutConfig::new(blocks, 32, 2, 16, 1024, 2).unwrap();
-    let fc = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
-    let dev_l = Layout::new(cfg, LayoutKind::LayerSeparate(BlockOrder::OuterFirst)).unwrap();
-    let bytes = fc.total_bytes();
-    let env = |k: &str, d: u64| {
-        std::env::var(k)
+/// Bounce settings from the environment: slot size (`KVBM_SLOT_KIB`, else
+/// `KVBM_SLOT_MIB`, default 8 MiB), slots per batch (`KVBM_SLOTS`, 2) and
+/// batches in flight (`KVBM_BATCHES`, 2). The pool holds slots × batches.
+struct BounceParams {
+    slot: u64,
+    per_batch: u64,
+    batches: u64,
+}
+
+fn env_u64(k: &str, d: u64) -> u64 {
+    std::env::var(k)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(d)
+}
+
+impl BounceParams {
+    fn from_env() -> Self {
+        let slot = match std::env::var("KVBM_SLOT_KIB")
             .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(d)
+            .and_then(|v| v.parse::<u64>().ok())
+        {
+            Some(kib) => kib * 1024,
+            None => env_u64("KVBM_SLOT_MIB", 8) * MIB,
+        };
+        BounceParams {
+            slot,
+            per_batch: env_u64("KVBM_SLOTS", 2),
+            batches: env_u64("KVBM_BATCHES", 2),
+        }
+    }
+
+    fn pool_slots(&self) -> usize {
+        (self.per_batch * self.batches) as usize
+    }
+
+    fn config(&self) -> ExecutorConfig {
+        ExecutorConfig {
+            max_blocks_per_batch: 64,
+            max_batches_in_flight: self.batches as usize,
+            bounce_slots_per_batch: self.per_batch as usize,
+        }
+    }
+
+    fn label(&self) -> String {
+        let slot = if self.slot >= MIB {
+            format!("{} MiB", self.slot / MIB)
+        } else {
+            format!("{} KiB", self.slot / 1024)
+        };
+        format!("{slot} slots ×{} ×{} batches", self.per_batch, self.batches)
+    }
+
+    /// An executor builder with the settings, and the chunk trace when
+    /// `KVBM_TRACE` is set.
+    fn builder(&self, trace: &Option<Arc<ChunkTrace>>) -> kvbm_transfer::ExecutorBuilder {
+        let b = Executor::builder().config(self.config());
+        match trace {
+            Some(t) => b.chunk_trace(t.clone()),
+            None => b,
+        }
+    }
+}
+
+fn trace_from_env() -> Option<Arc<ChunkTrace>> {
+    std::env::var_os("KVBM_TRACE").map(|_| Arc::new(ChunkTrace::new(1 << 18)))
+}
+
+/// With `KVBM_PIN=1`: pins this process's hop threads, found by name, to
+/// separate CPUs (the io_uring read ring on CPU 0, everything else of
+/// kvbm's on CPU 1) — a diagnosis of thread placement, not a setting.
+fn pin_threads_from_env() {
+    if std::env::var_os("KVBM_PIN").is_none() {
+        return;
+    }
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return;
     };
-    let slot = env("KVBM_SLOT_MIB", 8) * MIB;
-    let per_batch = env("KVBM_SLOTS", 2);
-    let batches = env("KVBM_BATCHES", 2);
-    let pinned_buf = allocator().allocate(per_batch * batches * slot).unwrap();
+    for t in tasks.flatten() {
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        let Ok(tid) = t.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let cpu = match comm.trim() {
+            c if c.starts_with("kvbm-uring-rd") => 0,
+            c if c.starts_with("kvbm-") => 1,
+            _ => continue,
+        };
+        // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET and
+        // sched_setaffinity only read and write the set we own.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(cpu, &mut set);
+            libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set);
+        }
+        println!("  pinned {} (tid {tid}) to CPU {cpu}", comm.trim());
+    }
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+/// Pipelined and serial timings of one bounce case.
+#[derive(Default)]
+struct Rounds {
+    piped: Vec<f64>,
+    serial: Vec<f64>,
+    hop1: Vec<f64>,
+    hop2: Vec<f64>,
+    cpu_piped: Vec<f64>,
+    cpu_serial: Vec<f64>,
+}
+
+/// `runs` rounds of the pipelined transfer against hop 1 for everything
+/// followed by hop 2 for everything, alternating which goes first. With a
+/// trace, each pipelined run is traced and summarised.
+fn rounds(
+    bytes: u64,
+    runs: usize,
+    trace: Option<&ChunkTrace>,
+    mut piped: impl FnMut(),
+    mut hop1: impl FnMut(),
+    mut hop2: impl FnMut(),
+) -> Rounds {
+    let mut r = Rounds::default();
+    let mut last = None;
+    for i in 0..runs {
+        for first in [i % 2 == 0, i % 2 == 1] {
+            if first {
+                if let Some(t) = trace {
+                    t.clear();
+                }
+                let (t, c) = measure(&mut piped);
+                r.piped.push(t);
+                r.cpu_piped.push(c);
+                if let Some(t) = trace {
+                    let s = TraceSummary::from_records(&t.records());
+                    let line = s.to_string();
+                    let rate = |ns: u64| bytes as f64 / ns.max(1) as f64;
+                    println!(
+                        "  trace run {i}: {}; while busy hop 1 moved {:.2} GB/s, hop 2 {:.2} GB/s",
+                        line.lines().next().unwrap_or(""),
+                        rate(s.hop1_busy_ns),
+                        rate(s.hop2_busy_ns)
+                    );
+                    last = Some(line);
+                }
+            } else {
+                let (t1, c1) = measure(&mut hop1);
+                let (t2, c2) = measure(&mut hop2);
+                r.serial.push(t1 + t2);
+                r.cpu_serial.push(c1 + c2);
+                r.hop1.push(t1);
+                r.hop2.push(t2);
+            }
+        }
+    }
+    if let Some(s) = last {
+        for l in s.lines().skip(1) {
+            println!("  trace (last run): {l}");
+        }
+    }
+    r
+}
+
+/// Prints hop-alone rates, the ideal overlap and the ratio; returns it.
+fn report_rounds(label: &str, bytes: u64, r: &mut Rounds, pool: &BouncePool) -> f64 {
+    assert_eq!(pool.available(), pool.capacity(), "bounce slots leaked");
+    let gbs = |t: &[f64]| -> Vec<f64> { t.iter().map(|&t| bytes as f64 / t / 1e9).collect() };
+    let ideal: Vec<f64> = r
+        .hop1
+        .iter()
+        .zip(&r.hop2)
+        .map(|(a, b)| (a + b) / a.max(*b))
+        .collect();
+    println!(
+        "  load {}; hop 1 alone {:.2} GB/s (runs {}), hop 2 alone {:.2} GB/s (runs {}); ideal overlap (t1+t2)/max(t1,t2) median {:.2} (runs {}); CPU s: pipelined {:.3}, serial {:.3}",
+        loadavg(),
+        median(&mut gbs(&r.hop1)),
+        spread(&gbs(&r.hop1)),
+        median(&mut gbs(&r.hop2)),
+        spread(&gbs(&r.hop2)),
+        median(&mut ideal.clone()),
+        spread(&ideal),
+        median(&mut r.cpu_piped),
+        median(&mut r.cpu_serial),
+    );
+    let ratio = report(
+        label,
+        bytes,
+        &mut r.piped,
+        &mut r.serial,
+        "same hops one after the other",
+    );
+    println!(
+        "  {label}: target ≥ 1.6 {}; {:.0}% of the ideal overlap",
+        if ratio >= 1.6 { "met" } else { "MISSED" },
+        100.0 * (ratio - 1.0) / (median(&mut ideal.clone()) - 1.0).max(1e-9)
+    );
+    ratio
+}
+
+fn buffered_source(
+    dir: &std::path::Path,
+    layout: &Layout,
+    exec: &Executor,
+) -> (PhysicalLayout, PhysicalLayout) {
+    let alloc = DiskAllocator::new(
+        dir,
+        DiskOptions {
+            io_mode: IoMode::Buffered,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let file = PhysicalLayout::allocate_disk(layout.clone(), &alloc).unwrap();
+    let seed = host(layout.clone());
+    let pairs: Vec<_> = (0..layout.config().num_blocks()).map(|b| (b, b)).collect();
+    exec.transfer(&seed, &file, &pairs).wait().unwrap();
+    (file, seed)
+}
+
+fn disk_backend() -> DiskBackend {
+    DiskBackend::new(&DiskConfig {
+        engine: EngineConfig {
+            queue_depth: 8,
+            force_pread: false,
+        },
+        max_io_bytes: 2 * MIB as u32,
+    })
+    .unwrap()
+}
+
+/// Whether every chunk of `a` equals the same chunk of `b` (host layouts).
+fn same_chunks(a: &PhysicalLayout, b: &PhysicalLayout) -> bool {
+    let cfg = a.layout().config();
+    let bytes = |p: &PhysicalLayout, blk, l, o| {
+        let c = p.layout().chunk(blk, l, o).unwrap();
+        let base = p.regions()[c.region].addr().unwrap() + c.offset;
+        // SAFETY: a live host region, not written while we compare.
+        unsafe { std::slice::from_raw_parts(base as *const u8, c.len as usize) }
+    };
+    (0..cfg.num_blocks()).all(|blk| {
+        (0..cfg.num_layers())
+            .all(|l| (0..cfg.outer_dim()).all(|o| bytes(a, blk, l, o) == bytes(b, blk, l, o)))
+    })
+}
+
+/// The case every bounce bench moves: `KVBM_BOUNCE_BLOCKS` (256, i.e.
+/// 512 MiB) blocks of 2 MiB.
+fn bounce_layouts() -> (Layout, Layout) {
+    let blocks = env_u64("KVBM_BOUNCE_BLOCKS", 256) as usize;
+    let cfg = LayoutConfig::new(blocks, 32, 2, 16, 1024, 2).unwrap();
+    (
+        Layout::new(cfg, LayoutKind::FullyContiguous).unwrap(),
+        Layout::new(cfg, LayoutKind::LayerSeparate(BlockOrder::OuterFirst)).unwrap(),
+    )
+}
+
+/// Page-cached file → bounce → host standing in for the device (both hops
+/// CPU copies).
+fn bench_bounce(runs: usize, dir: &std::path::Path) {
+    let p = BounceParams::from_env();
+    let trace = trace_from_env();
+    let (fc, dev_l) = bounce_layouts();
+    let bytes = fc.total_bytes();
+    let pinned_buf = allocator()
+        .allocate(p.pool_slots() as u64 * p.slot)
+        .unwrap();
     // SAFETY: a live system allocation owned by the region.
     let pinned = unsafe {
         MemoryRegion::from_raw(
@@ -398,40 +665,19 @@ fn bench_bounce(runs: usize, dir: &std::path::Path) {
             Some(pinned_buf),
         )
     };
-    let pool = BouncePool::new(pinned, slot).unwrap();
-    let disk_cfg = DiskConfig {
-        engine: EngineConfig {
-            queue_depth: 8,
-            force_pread: false,
-        },
-        max_io_bytes: 2 * MIB as u32,
-    };
-    let disk_backend = DiskBackend::new(&disk_cfg).unwrap();
-    let exec = Executor::builder()
-        .backend(Arc::new(disk_backend))
+    let pool = BouncePool::new(pinned, p.slot).unwrap();
+    let exec = p
+        .builder(&trace)
+        .backend(Arc::new(disk_backend()))
         .backend(Arc::new(MemcpyBackend::new(1).unwrap()))
-        .backend(Arc::new(HostAsDevice(MemcpyBackend::new(1).unwrap())))
+        .backend(Arc::new(HostAsDevice(
+            MemcpyBackend::new(env_u64("KVBM_HOP2_THREADS", 1) as usize).unwrap(),
+        )))
         .bounce_pool(pool.clone())
-        .config(ExecutorConfig {
-            max_blocks_per_batch: 64,
-            max_batches_in_flight: batches as usize,
-            bounce_slots_per_batch: per_batch as usize,
-        })
         .build()
         .unwrap();
-    // Source: a buffered file, warmed into the page cache.
-    let alloc = DiskAllocator::new(
-        dir,
-        DiskOptions {
-            io_mode: IoMode::Buffered,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let file = PhysicalLayout::allocate_disk(fc.clone(), &alloc).unwrap();
-    let seed = host(fc.clone());
-    let pairs: Vec<_> = (0..blocks).map(|b| (b, b)).collect();
-    exec.transfer(&seed, &file, &pairs).wait().unwrap();
+    let (file, seed) = buffered_source(dir, &fc, &exec);
+    pin_threads_from_env();
     // "Device" destination: host memory labelled Device(0).
     let dev_regions = (0..dev_l.num_regions())
         .map(|r| {
@@ -445,49 +691,36 @@ fn bench_bounce(runs: usize, dir: &std::path::Path) {
         .collect();
     let dev = PhysicalLayout::new(dev_l.clone(), dev_regions).unwrap();
     let staging = host(fc.clone());
-    let (mut piped, mut serial, mut hop1, mut hop2) = (vec![], vec![], vec![], vec![]);
-    let (mut cpu_p, mut cpu_s) = (vec![], vec![]);
-    for _ in 0..runs {
-        let (t, c) = measure(|| {
+    exec.register(&staging).unwrap();
+    let pairs: Vec<_> = (0..fc.config().num_blocks()).map(|b| (b, b)).collect();
+    let mut r = rounds(
+        bytes,
+        runs,
+        trace.as_deref(),
+        || {
             exec.transfer(&file, &dev, &pairs).wait().unwrap();
-        });
-        piped.push(t);
-        cpu_p.push(c);
-        // Hop 1 for everything, then hop 2 for everything.
-        let (t1, c1) = measure(|| {
+        },
+        || {
             exec.transfer(&file, &staging, &pairs).wait().unwrap();
-        });
-        let (t2, c2) = measure(|| {
+        },
+        || {
             exec.transfer(&staging, &dev, &pairs).wait().unwrap();
-        });
-        serial.push(t1 + t2);
-        cpu_s.push(c1 + c2);
-        hop1.push(bytes as f64 / t1 / 1e9);
-        hop2.push(bytes as f64 / t2 / 1e9);
-    }
-    println!(
-        "  hop 1 alone {:.2} GB/s, hop 2 alone {:.2} GB/s; CPU s: pipelined {:.3}, serial {:.3}; wall s: pipelined {:.3}, serial {:.3}",
-        median(&mut hop1),
-        median(&mut hop2),
-        median(&mut cpu_p),
-        median(&mut cpu_s),
-        median(&mut piped.clone()),
-        median(&mut serial.clone()),
+        },
     );
-    assert_eq!(pool.available(), pool.capacity());
-    let ratio = report(
+    // The serial run was the last to write `dev` in odd-length runs: redo
+    // a pipelined copy and check it.
+    let wipe = host(dev_l.clone());
+    exec.transfer(&wipe, &dev, &pairs).wait().unwrap();
+    exec.transfer(&file, &dev, &pairs).wait().unwrap();
+    assert!(same_chunks(&seed, &dev), "bounce pipeline corrupted data");
+    report_rounds(
         &format!(
-            "bounce pipeline (page cache → {} MiB slots ×{per_batch} → host-as-device)",
-            slot / MIB
+            "bounce pipeline (page cache → {} → host-as-device)",
+            p.label()
         ),
         bytes,
-        &mut piped,
-        &mut serial,
-        "same hops one after the other",
-    );
-    println!(
-        "bounce target ≥ 1.6: {}",
-        if ratio >= 1.6 { "met" } else { "MISSED" }
+        &mut r,
+        &pool,
     );
 }
 
@@ -495,48 +728,19 @@ fn bench_bounce(runs: usize, dir: &std::path::Path) {
 /// hop 1 is CPU work (a page-cache copy), hop 2 is device work, so the
 /// pipeline can overlap them even when this process gets little CPU.
 fn bench_bounce_disk(runs: usize, dir: &std::path::Path) {
-    let env = |k: &str, d: u64| {
-        std::env::var(k)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(d)
-    };
-    let (slot, per_batch, batches) = (
-        env("KVBM_SLOT_MIB", 8) * MIB,
-        env("KVBM_SLOTS", 2),
-        env("KVBM_BATCHES", 2),
-    );
-    let blocks = 256; // 512 MiB of 2 MiB blocks
-    let cfg = LayoutConfig::new(blocks, 32, 2, 16, 1024, 2).unwrap();
-    let fc = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
+    let p = BounceParams::from_env();
+    let trace = trace_from_env();
+    let (fc, _) = bounce_layouts();
     let bytes = fc.total_bytes();
-    let disk_cfg = DiskConfig {
-        engine: EngineConfig {
-            queue_depth: 8,
-            force_pread: false,
-        },
-        max_io_bytes: 2 * MIB as u32,
-    };
-    let pool = BouncePool::system((per_batch * batches) as usize, slot).unwrap();
-    let disk_backend = DiskBackend::new(&disk_cfg).unwrap();
-    let exec = Executor::builder()
-        .backend(Arc::new(disk_backend))
+    let pool = BouncePool::system(p.pool_slots(), p.slot).unwrap();
+    let exec = p
+        .builder(&trace)
+        .backend(Arc::new(disk_backend()))
         .bounce_pool(pool.clone())
-        .config(ExecutorConfig {
-            max_blocks_per_batch: 64,
-            max_batches_in_flight: batches as usize,
-            bounce_slots_per_batch: per_batch as usize,
-        })
         .build()
         .unwrap();
-    let buffered = DiskAllocator::new(
-        dir,
-        DiskOptions {
-            io_mode: IoMode::Buffered,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let (src, seed) = buffered_source(dir, &fc, &exec);
+    pin_threads_from_env();
     let direct = DiskAllocator::new(
         dir,
         DiskOptions {
@@ -545,70 +749,141 @@ fn bench_bounce_disk(runs: usize, dir: &std::path::Path) {
         },
     )
     .unwrap();
-    let src = PhysicalLayout::allocate_disk(fc.clone(), &buffered).unwrap();
     let dst = PhysicalLayout::allocate_disk(fc.clone(), &direct).unwrap();
-    let seed = host(fc.clone());
     let staging = host(fc.clone());
-    let pairs: Vec<_> = (0..blocks).map(|b| (b, b)).collect();
-    exec.transfer(&seed, &src, &pairs).wait().unwrap();
-    let (mut piped, mut serial, mut ceiling, mut hops) = (vec![], vec![], vec![], vec![]);
-    for i in 0..runs {
-        for first in [i % 2 == 0, i % 2 == 1] {
-            if first {
-                let (t, _) = measure(|| {
-                    exec.transfer(&src, &dst, &pairs).wait().unwrap();
-                });
-                piped.push(t);
-            } else {
-                let (t1, _) = measure(|| {
-                    exec.transfer(&src, &staging, &pairs).wait().unwrap();
-                });
-                let (t2, _) = measure(|| {
-                    exec.transfer(&staging, &dst, &pairs).wait().unwrap();
-                });
-                serial.push(t1 + t2);
-                ceiling.push((t1 + t2) / t1.max(t2));
-                hops.push((t1, t2));
-            }
-        }
-    }
-    let h1: Vec<f64> = hops.iter().map(|h| bytes as f64 / h.0 / 1e9).collect();
-    let h2: Vec<f64> = hops.iter().map(|h| bytes as f64 / h.1 / 1e9).collect();
-    println!(
-        "  hop 1 (page cache read) {:.2} GB/s, hop 2 (O_DIRECT write) {:.2} GB/s; best possible pipeline ratio (t1+t2)/max(t1,t2) median {:.2}",
-        median(&mut h1.clone()),
-        median(&mut h2.clone()),
-        median(&mut ceiling)
+    exec.register(&staging).unwrap();
+    let pairs: Vec<_> = (0..fc.config().num_blocks()).map(|b| (b, b)).collect();
+    let mut r = rounds(
+        bytes,
+        runs,
+        trace.as_deref(),
+        || {
+            exec.transfer(&src, &dst, &pairs).wait().unwrap();
+        },
+        || {
+            exec.transfer(&src, &staging, &pairs).wait().unwrap();
+        },
+        || {
+            exec.transfer(&staging, &dst, &pairs).wait().unwrap();
+        },
     );
-    assert_eq!(pool.available(), pool.capacity());
-    // Check the last pipelined copy byte for byte.
+    // Check a fresh pipelined copy byte for byte.
+    exec.transfer(&host(fc.clone()), &dst, &pairs)
+        .wait()
+        .unwrap();
     exec.transfer(&src, &dst, &pairs).wait().unwrap();
     let back = host(fc.clone());
     exec.transfer(&dst, &back, &pairs).wait().unwrap();
-    // SAFETY: both live, no transfer running.
-    let same = unsafe {
-        std::slice::from_raw_parts(
-            seed.regions()[0].addr().unwrap() as *const u8,
-            bytes as usize,
-        ) == std::slice::from_raw_parts(
-            back.regions()[0].addr().unwrap() as *const u8,
-            bytes as usize,
-        )
-    };
-    assert!(same, "disk to disk copy corrupted data");
-    let ratio = report(
+    assert!(
+        same_chunks(&seed, &back),
+        "disk to disk copy corrupted data"
+    );
+    report_rounds(
         &format!(
-            "bounce pipeline (page cache → {} MiB slots ×{per_batch} → O_DIRECT file)",
-            slot / MIB
+            "bounce pipeline (page cache → {} → O_DIRECT file)",
+            p.label()
         ),
         bytes,
-        &mut piped,
-        &mut serial,
-        "same hops one after the other",
+        &mut r,
+        &pool,
     );
-    println!(
-        "bounce (disk → disk) target ≥ 1.6: {}",
-        if ratio >= 1.6 { "met" } else { "MISSED" }
+}
+
+/// Page-cached file → pinned bounce → GPU through the CUDA backend: the
+/// G3 → G1 onboard path without GPUDirect Storage. Hop 1 is a CPU copy out
+/// of the page cache, hop 2 a DMA on the copy engines.
+#[cfg(feature = "cuda")]
+fn bench_bounce_gpu(runs: usize, dir: &std::path::Path) {
+    use kvbm_transfer::cuda::{
+        CopierConfig, CudaBackend, CudaCopier, CudaDevice, CudaRegion, DeviceBuffer, PinnedMemory,
+        PinnedOptions, Probe, probe,
+    };
+    let Probe::Devices(_) = probe() else {
+        println!("bounce-gpu: skipped: no CUDA device");
+        return;
+    };
+    let device = CudaDevice::open(0).unwrap();
+    let p = BounceParams::from_env();
+    let trace = trace_from_env();
+    let (fc, dev_l) = bounce_layouts();
+    let bytes = fc.total_bytes();
+    let pinned = |len: u64| {
+        Arc::new(
+            PinnedMemory::allocate(&device, len as usize, PinnedOptions::for_device(&device))
+                .unwrap(),
+        )
+    };
+    let pool = BouncePool::new(pinned(p.pool_slots() as u64 * p.slot).region(), p.slot).unwrap();
+    let copier = Arc::new(CudaCopier::new(&device, CopierConfig::default()).unwrap());
+    let exec = p
+        .builder(&trace)
+        .backend(Arc::new(disk_backend()))
+        .backend(Arc::new(CudaBackend::new(copier)))
+        .bounce_pool(pool.clone())
+        .build()
+        .unwrap();
+    let (file, seed) = buffered_source(dir, &fc, &exec);
+    let staging_mem = pinned(fc.region_size(0).unwrap());
+    let staging = PhysicalLayout::new(fc.clone(), vec![staging_mem.region()]).unwrap();
+    exec.register(&staging).unwrap();
+    let buffers: Vec<Arc<DeviceBuffer>> = (0..dev_l.num_regions())
+        .map(|r| {
+            Arc::new(DeviceBuffer::new(&device, dev_l.region_size(r).unwrap() as usize).unwrap())
+        })
+        .collect();
+    let dev =
+        PhysicalLayout::new(dev_l.clone(), buffers.iter().map(|b| b.region()).collect()).unwrap();
+    let pairs: Vec<_> = (0..fc.config().num_blocks()).map(|b| (b, b)).collect();
+    let mut r = rounds(
+        bytes,
+        runs,
+        trace.as_deref(),
+        || {
+            exec.transfer(&file, &dev, &pairs).wait().unwrap();
+        },
+        || {
+            exec.transfer(&file, &staging, &pairs).wait().unwrap();
+        },
+        || {
+            exec.transfer(&staging, &dev, &pairs).wait().unwrap();
+        },
+    );
+    // Check a fresh pipelined copy: device chunks against the seed.
+    for b in &buffers {
+        let zeros = vec![0u8; CudaRegion::len(&**b)];
+        b.write(0, &zeros).unwrap();
+    }
+    exec.transfer(&file, &dev, &pairs).wait().unwrap();
+    let images: Vec<Vec<u8>> = buffers
+        .iter()
+        .map(|b| {
+            let mut out = vec![0u8; CudaRegion::len(&**b)];
+            b.read(0, &mut out).unwrap();
+            out
+        })
+        .collect();
+    let cfg = fc.config();
+    for blk in 0..cfg.num_blocks() {
+        for l in 0..cfg.num_layers() {
+            for o in 0..cfg.outer_dim() {
+                let s = seed.layout().chunk(blk, l, o).unwrap();
+                let d = dev_l.chunk(blk, l, o).unwrap();
+                let base = seed.regions()[s.region].addr().unwrap() + s.offset;
+                // SAFETY: a live host region that nothing writes now.
+                let want = unsafe { std::slice::from_raw_parts(base as *const u8, s.len as usize) };
+                let got = &images[d.region][d.offset as usize..][..d.len as usize];
+                assert!(
+                    want == got,
+                    "GPU bounce corrupted block {blk} layer {l} outer {o}"
+                );
+            }
+        }
+    }
+    report_rounds(
+        &format!("bounce pipeline (page cache → pinned {} → GPU)", p.label()),
+        bytes,
+        &mut r,
+        &pool,
     );
 }
 
@@ -618,6 +893,7 @@ fn main() {
     let runs = args.get(2).and_then(|r| r.parse().ok()).unwrap_or(5);
     let dir = std::path::PathBuf::from(args.get(3).map_or("/work/tmp-bench", String::as_str));
     std::fs::create_dir_all(&dir).unwrap();
+    println!("load average at start: {}", loadavg());
     if matches!(what, "memcpy" | "all") {
         bench_memcpy(runs);
     }
@@ -629,5 +905,11 @@ fn main() {
     }
     if matches!(what, "bounce-disk" | "all") {
         bench_bounce_disk(runs, &dir);
+    }
+    if matches!(what, "bounce-gpu" | "all") {
+        #[cfg(feature = "cuda")]
+        bench_bounce_gpu(runs, &dir);
+        #[cfg(not(feature = "cuda"))]
+        println!("bounce-gpu: skipped: built without the `cuda` feature");
     }
 }

@@ -5,6 +5,19 @@
 //! slot never blocks or spins: the caller passes a callback that runs at
 //! once if a slot is free, or later on the thread that returns one. A slot
 //! goes back to the pool when its [`BounceSlot`] is dropped.
+//!
+//! Sizing: the slower hop wants its own bytes in flight. A disk hop keeps
+//! queue depth × request size in flight (8 × 2 MiB by default), so the
+//! slots a batch may hold should add up to more than that: with 1 MiB
+//! slots the O_DIRECT writer of a disk → disk copy sat idle-for-lack-of-
+//! slots 40–81% of the time, with 8 MiB slots it stayed fed. Small slots
+//! that stay in the CPU cache cost a cross-CPU wake-up per chunk, which on
+//! a small VM cost more CPU than the cache saved (`docs/benchmarks.md`).
+//!
+//! [`trace`] records how chunks move through the slots and the two hops,
+//! to find where a pipeline sits idle.
+
+pub mod trace;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -146,6 +159,11 @@ pub struct BounceSlot {
 }
 
 impl BounceSlot {
+    /// The slot's index in its pool.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
     /// The slot's memory.
     pub fn region(&self) -> MemoryRegion {
         // Slot indices come from `0..slots`, the length of `slot_regions`.

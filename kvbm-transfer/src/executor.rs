@@ -19,6 +19,7 @@ use parking_lot::Mutex;
 
 use crate::backend::{BackendKind, TransferBackend, TransferJob};
 use crate::bounce::BouncePool;
+use crate::bounce::trace::ChunkTrace;
 use crate::completion::{CancelToken, Completer, Completion, Outcome, completion_pair};
 use crate::error::{Result, TransferError};
 use crate::limiter::{Limiter, Permit};
@@ -55,6 +56,7 @@ pub struct ExecutorBuilder {
     backends: Vec<Arc<dyn TransferBackend>>,
     bounce: Vec<Arc<BouncePool>>,
     config: ExecutorConfig,
+    trace: Option<Arc<ChunkTrace>>,
 }
 
 impl ExecutorBuilder {
@@ -76,6 +78,13 @@ impl ExecutorBuilder {
     /// Sets the configuration.
     pub fn config(mut self, config: ExecutorConfig) -> Self {
         self.config = config;
+        self
+    }
+
+    /// Records every two-hop chunk's slot and hop events into `trace`
+    /// (benchmarks and diagnosis; off by default).
+    pub fn chunk_trace(mut self, trace: Arc<ChunkTrace>) -> Self {
+        self.trace = Some(trace);
         self
     }
 
@@ -108,6 +117,7 @@ impl ExecutorBuilder {
                 bounce: self.bounce,
                 caps,
                 config: self.config,
+                trace: self.trace,
             }),
         })
     }
@@ -119,6 +129,7 @@ struct Inner {
     caps: Capabilities,
     config: ExecutorConfig,
     limiter: Arc<Limiter>,
+    trace: Option<Arc<ChunkTrace>>,
 }
 
 impl Inner {
@@ -488,6 +499,7 @@ impl Driver {
                 exec.backend(second)?.clone(),
                 exec.pool(bounce)?.clone(),
                 exec.config.bounce_slots_per_batch,
+                exec.trace.clone(),
             )),
         }
     }

@@ -19,6 +19,7 @@ use std::sync::{Arc, Weak};
 use parking_lot::Mutex;
 
 use crate::backend::{CopyRun, TransferBackend, TransferJob};
+use crate::bounce::trace::{ChunkTrace, TraceEvent};
 use crate::bounce::{BouncePool, BounceSlot};
 use crate::completion::{Completer, Completion, completion_pair};
 use crate::error::TransferError;
@@ -90,7 +91,8 @@ struct State {
 enum Action {
     Hop1(usize, BounceSlot),
     Hop2(usize, BounceSlot),
-    AskSlot,
+    /// Ask the pool for a slot for this chunk.
+    AskSlot(usize),
     Finish(Result<(), TransferError>),
 }
 
@@ -104,16 +106,20 @@ struct Pipeline {
     state: Mutex<State>,
     completer: Mutex<Option<Completer>>,
     this: Weak<Pipeline>,
+    /// Where to record chunk events, and this pipeline's id in it.
+    trace: Option<(Arc<ChunkTrace>, u32)>,
 }
 
 /// Runs `job` as source → bounce (with `first`) → destination (with
-/// `second`), holding at most `max_slots` slots of `pool` at a time.
+/// `second`), holding at most `max_slots` slots of `pool` at a time, and
+/// recording chunk events into `trace` if given.
 pub(crate) fn two_hop(
     job: TransferJob,
     first: Arc<dyn TransferBackend>,
     second: Arc<dyn TransferBackend>,
     pool: Arc<BouncePool>,
     max_slots: usize,
+    trace: Option<Arc<ChunkTrace>>,
 ) -> Completion {
     if let Err(e) = job.validate_bounds() {
         return Completion::ready(Err(e));
@@ -133,12 +139,23 @@ pub(crate) fn two_hop(
         state: Mutex::new(State::default()),
         completer: Mutex::new(Some(completer)),
         this: this.clone(),
+        trace: trace.map(|t| {
+            let id = t.new_pipeline();
+            (t, id)
+        }),
     });
+    p.note(p.chunks.len(), None, TraceEvent::PipelineStart);
     p.pump(Vec::new());
     completion
 }
 
 impl Pipeline {
+    fn note(&self, chunk: usize, slot: Option<&BounceSlot>, event: TraceEvent) {
+        if let Some((trace, id)) = &self.trace {
+            trace.record(*id, chunk, slot.map(BounceSlot::index), event);
+        }
+    }
+
     fn stopped(&self, st: &mut State) -> bool {
         if st.error.is_none() && self.job.cancel.is_cancelled() {
             st.error = Some(TransferError::Cancelled);
@@ -176,7 +193,7 @@ impl Pipeline {
                     && st.slots_held < self.max_slots
                 {
                     st.waiting_for_slot = true;
-                    actions.push(Action::AskSlot);
+                    actions.push(Action::AskSlot(st.next_hop1));
                 }
             }
             let all_done = st.hop2_done == self.chunks.len();
@@ -201,8 +218,12 @@ impl Pipeline {
             return;
         };
         match action {
-            Action::AskSlot => self.pool.acquire(move |slot| me.slot_arrived(slot)),
+            Action::AskSlot(k) => {
+                self.note(k, None, TraceEvent::SlotAsked);
+                self.pool.acquire(move |slot| me.slot_arrived(slot));
+            }
             Action::Hop1(k, slot) => {
+                self.note(k, Some(&slot), TraceEvent::Hop1Start);
                 let job = TransferJob::new(
                     self.job.src.clone(),
                     vec![slot.region()].into(),
@@ -214,6 +235,7 @@ impl Pipeline {
                     .on_complete(move |r| me.hop1_done(k, slot, r));
             }
             Action::Hop2(k, slot) => {
+                self.note(k, Some(&slot), TraceEvent::Hop2Start);
                 let job = TransferJob::new(
                     vec![slot.region()].into(),
                     self.job.dst.clone(),
@@ -222,7 +244,7 @@ impl Pipeline {
                 );
                 self.second
                     .submit(job)
-                    .on_complete(move |r| me.hop2_done(slot, r));
+                    .on_complete(move |r| me.hop2_done(k, slot, r));
             }
             Action::Finish(result) => {
                 if let Some(c) = self.completer.lock().take() {
@@ -248,6 +270,7 @@ impl Pipeline {
         };
         match start {
             Some(k) => {
+                self.note(k, Some(&slot), TraceEvent::SlotGranted);
                 self.act(Action::Hop1(k, slot));
                 self.pump(Vec::new());
             }
@@ -262,6 +285,7 @@ impl Pipeline {
     }
 
     fn hop1_done(&self, k: usize, slot: BounceSlot, r: Result<(), TransferError>) {
+        self.note(k, Some(&slot), TraceEvent::Hop1End);
         let mut release = Vec::new();
         {
             let mut st = self.state.lock();
@@ -280,7 +304,8 @@ impl Pipeline {
         self.pump(release);
     }
 
-    fn hop2_done(&self, slot: BounceSlot, r: Result<(), TransferError>) {
+    fn hop2_done(&self, k: usize, slot: BounceSlot, r: Result<(), TransferError>) {
+        self.note(k, Some(&slot), TraceEvent::Hop2End);
         {
             let mut st = self.state.lock();
             st.hops_in_flight -= 1;

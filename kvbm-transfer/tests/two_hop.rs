@@ -513,3 +513,159 @@ fn cancelling_a_transfer_queued_behind_another_does_not_wait_for_it() {
     gate.1.notify_all();
     assert_eq!(a.wait().unwrap().blocks, 8);
 }
+
+#[test]
+fn chunk_trace_sees_every_chunk_in_order_and_no_more_slots_than_allowed() {
+    use kvbm_transfer::bounce::trace::{ChunkTrace, TraceEvent, TraceSummary};
+    use std::collections::HashMap;
+    let (slot, per_batch, batch) = (8192u64, 3usize, 5usize);
+    let trace = Arc::new(ChunkTrace::new(1 << 12));
+    let disk = DiskBackend::new(&DiskConfig::default()).unwrap();
+    let pool = pinned_pool(6, slot);
+    let exec = Executor::builder()
+        .backend(Arc::new(FakeDevice {
+            inner: Arc::new(MemcpyBackend::new(1).unwrap()),
+            delay: Duration::ZERO,
+        }))
+        .backend(Arc::new(disk))
+        .bounce_pool(pool.clone())
+        .chunk_trace(trace.clone())
+        .config(ExecutorConfig {
+            max_blocks_per_batch: batch,
+            max_batches_in_flight: 2,
+            bounce_slots_per_batch: per_batch,
+        })
+        .build()
+        .unwrap();
+    let l = Layout::new(config(16), LayoutKind::FullyContiguous).unwrap();
+    let dev = fake_device(l.clone());
+    common::fill(&dev, 21);
+    let d = PhysicalLayout::allocate_disk(l.clone(), &alloc()).unwrap();
+    let pairs: Vec<_> = (0..16).map(|i| (i, 15 - i)).collect();
+    exec.transfer(&dev, &d, &pairs).wait().unwrap();
+    let records = trace.records();
+    assert_eq!(trace.dropped(), 0);
+    // 16 blocks of 8 KiB in batches of 5: chunks of one 8 KiB slot each.
+    let chunks = (l.total_bytes() / slot) as usize;
+    let starts: Vec<u32> = records
+        .iter()
+        .filter(|r| r.event == TraceEvent::PipelineStart)
+        .map(|r| r.chunk)
+        .collect();
+    assert_eq!(starts.len(), 16usize.div_ceil(batch));
+    assert_eq!(starts.iter().sum::<u32>() as usize, chunks);
+    // Per chunk: each event once, in order, on one slot.
+    type Events = Vec<(TraceEvent, u64, u16)>;
+    let mut seen: HashMap<(u32, u32), Events> = HashMap::new();
+    for r in records
+        .iter()
+        .filter(|r| r.event != TraceEvent::PipelineStart)
+    {
+        seen.entry((r.pipeline, r.chunk))
+            .or_default()
+            .push((r.event, r.t_ns, r.slot));
+    }
+    assert_eq!(seen.len(), chunks);
+    let order = [
+        TraceEvent::SlotAsked,
+        TraceEvent::SlotGranted,
+        TraceEvent::Hop1Start,
+        TraceEvent::Hop1End,
+        TraceEvent::Hop2Start,
+        TraceEvent::Hop2End,
+    ];
+    for ev in seen.values() {
+        let kinds: Vec<TraceEvent> = ev.iter().map(|e| e.0).collect();
+        assert_eq!(kinds, order, "{ev:?}");
+        assert!(ev.windows(2).all(|w| w[0].1 <= w[1].1));
+        assert!(ev[1..].iter().all(|e| e.2 == ev[1].2), "one slot per chunk");
+    }
+    // Hop 2 is submitted in chunk order within each pipeline.
+    let mut last_hop2: HashMap<u32, u32> = HashMap::new();
+    for r in records.iter().filter(|r| r.event == TraceEvent::Hop2Start) {
+        if let Some(prev) = last_hop2.insert(r.pipeline, r.chunk) {
+            assert!(prev < r.chunk);
+        }
+    }
+    // Never more than `per_batch` slots per pipeline, nor more than the pool.
+    let (mut held, mut total, mut peak) = (HashMap::<u32, usize>::new(), 0usize, 0usize);
+    for r in &records {
+        match r.event {
+            TraceEvent::SlotGranted => {
+                let h = held.entry(r.pipeline).or_default();
+                *h += 1;
+                assert!(*h <= per_batch);
+                total += 1;
+                peak = peak.max(total);
+            }
+            TraceEvent::Hop2End => {
+                *held.get_mut(&r.pipeline).unwrap() -= 1;
+                total -= 1;
+            }
+            _ => {}
+        }
+    }
+    assert!(peak <= pool.capacity());
+    let s = TraceSummary::from_records(&records);
+    assert_eq!(s.chunks, chunks);
+    let shares = s.both + s.hop1_only + s.hop2_only_slot_bound + s.hop2_only_tail + s.idle;
+    assert!((shares - 1.0).abs() < 1e-6, "{s}");
+    // The trace changes nothing about the bytes.
+    let back = common::host(l.clone());
+    let landed: Vec<_> = (0..16).map(|i| (i, i)).collect();
+    let before = common::snapshot(&back);
+    exec.transfer(&d, &back, &landed).wait().unwrap();
+    common::assert_copied(
+        &l,
+        &common::snapshot(&dev),
+        &l,
+        &before,
+        &common::snapshot(&back),
+        &pairs,
+    );
+}
+
+#[test]
+fn buffered_disk_to_disk_is_byte_exact() {
+    // Many small requests, both hops on buffered files. Where the process
+    // has 4 or more CPUs they run on io_uring's worker threads and complete
+    // out of order; on fewer, inline on the ring thread.
+    let r = rig(16384, 4, 2, 7, Duration::ZERO);
+    let buffered = DiskAllocator::new(
+        common::bench_dir().join("buffered-two-hop"),
+        DiskOptions {
+            io_mode: kvbm_transfer::memory::IoMode::Buffered,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let cfg = config(48);
+    let host_l = Layout::new(cfg, LayoutKind::LayerSeparate(BlockOrder::OuterFirst)).unwrap();
+    let disk_l = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
+    let (a, b) = (
+        PhysicalLayout::allocate_disk(disk_l.clone(), &buffered).unwrap(),
+        PhysicalLayout::allocate_disk(disk_l, &buffered).unwrap(),
+    );
+    assert!(
+        a.regions()[0]
+            .file_location()
+            .is_some_and(|(f, _)| !f.is_direct())
+    );
+    let (src, back) = (common::host(host_l.clone()), common::host(host_l.clone()));
+    common::fill(&src, 77);
+    let all: Vec<_> = (0..48).map(|i| (i, i)).collect();
+    r.exec.transfer(&src, &a, &all).wait().unwrap();
+    let pairs: Vec<_> = (0..48).map(|i| (i, (i * 7 + 5) % 48)).collect();
+    r.exec.transfer(&a, &b, &pairs).wait().unwrap();
+    assert_eq!(r.system_pool.available(), r.system_pool.capacity());
+    let before = common::snapshot(&back);
+    r.exec.transfer(&b, &back, &all).wait().unwrap();
+    common::assert_copied(
+        &host_l,
+        &common::snapshot(&src),
+        &host_l,
+        &before,
+        &common::snapshot(&back),
+        &pairs,
+    );
+}

@@ -7,7 +7,12 @@
 //! Files are used as fixed files (registered while they have operations
 //! queued or in flight, so an idle file is never held open), and host memory
 //! registered through [`IoEngine::register_memory`] is used as fixed
-//! buffers, which saves pinning pages on every request.
+//! buffers, which saves pinning pages on every request. On machines with
+//! cores to spare (at least [`PUNT_BUFFERED_MIN_CPUS`]), requests on
+//! buffered files (page-cache copies) are marked `IOSQE_ASYNC`, so that
+//! io_uring's worker threads copy in parallel instead of this thread copying
+//! them one by one inside `io_uring_enter`; on a 2-vCPU machine that only
+//! added hand-offs, so there they stay inline.
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
@@ -28,6 +33,12 @@ const BUFFER_SLOTS: u32 = 64;
 /// The kernel refuses fixed buffers larger than this.
 const MAX_FIXED_BUFFER: u64 = 1 << 30;
 const WAKE_TOKEN: u64 = u64::MAX;
+/// Buffered requests are handed to io_uring's workers (parallel page-cache
+/// copies) only when the process may use at least this many CPUs. On the
+/// 2-vCPU machine parallel copies moved no more bytes (two copy threads
+/// ≈ one) and a page cache → bounce → host pipeline ran at 2.4 GB/s punted
+/// against 3.5 GB/s inline, spending 0.22 instead of 0.15 CPU-s per 512 MiB.
+const PUNT_BUFFERED_MIN_CPUS: usize = 4;
 
 type Reply = mpsc::Sender<Result<bool>>;
 
@@ -152,6 +163,8 @@ impl Ring {
             fixed_buffers,
             wake_buf: Box::new(0),
             wake_armed: false,
+            punt_buffered: std::thread::available_parallelism().map_or(1, |n| n.get())
+                >= PUNT_BUFFERED_MIN_CPUS,
         };
         let thread = std::thread::Builder::new()
             .name(name.into())
@@ -232,10 +245,13 @@ struct RingThread {
     fixed_buffers: bool,
     wake_buf: Box<u64>,
     wake_armed: bool,
+    /// Whether buffered requests go to io_uring's workers (see [`PUNT_BUFFERED_MIN_CPUS`]).
+    punt_buffered: bool,
 }
 
 impl RingThread {
     fn run(&mut self) {
+        self.limit_workers();
         loop {
             let shutdown = self.take_requests();
             if shutdown && self.pending.is_empty() && self.inflight_count == 0 {
@@ -263,6 +279,21 @@ impl RingThread {
                 Err(e) => tracing::error!(error = %e, "io_uring_enter failed"),
             }
             self.reap();
+        }
+    }
+
+    /// Caps io_uring's workers for this thread's requests (the buffered
+    /// ones run there) at the CPUs this process may use: more copy threads
+    /// than cores only take turns, and crowd out the other hop of a
+    /// pipeline. The cap belongs to the submitting thread, so it is set
+    /// here, on the ring thread.
+    fn limit_workers(&self) {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let cap = cpus.min(self.queue_depth) as u32;
+        // [bounded, unbounded]; 0 leaves the unbounded pool as it is.
+        let mut max = [cap, 0];
+        if let Err(e) = self.ring.submitter().register_iowq_max_workers(&mut max) {
+            tracing::debug!(error = %e, "io_uring worker cap unavailable");
         }
     }
 
@@ -413,9 +444,20 @@ impl RingThread {
                 }
             };
         }
-        match fixed_file {
+        let entry = match fixed_file {
             Some(slot) => entry!(types::Fixed(slot)),
             None => entry!(types::Fd(op.file.raw_fd())),
+        };
+        if op.file.is_direct() || !self.punt_buffered {
+            entry
+        } else {
+            // A buffered request is a CPU copy to or from the page cache.
+            // Issued inline, the kernel does it inside this thread's
+            // `io_uring_enter`, so every buffered request of the ring is
+            // copied one after another on one core, and the ring stops
+            // reaping and submitting meanwhile. Punted, io_uring's workers
+            // copy up to the queue depth in parallel.
+            entry.flags(squeue::Flags::ASYNC)
         }
     }
 

@@ -34,12 +34,15 @@ use super::error::RemoteError;
 /// [`RemotePeer::import`] reads.
 pub const PEER_FORMAT_VERSION: u16 = 1;
 
-/// Largest exported description accepted.
-pub const MAX_PEER_BYTES: usize = 40 << 20;
+/// Largest description accepted (and so the largest a valid one can be):
+/// 4 MiB, so that it fits kvbm-dist's opaque per-rank NIXL metadata field.
+pub const MAX_PEER_BYTES: usize = 4 << 20;
 
 const MAGIC: &[u8; 8] = b"KVBMPEER";
-const MAX_METADATA: u64 = 32 << 20;
-const MAX_BODY: u64 = 4 << 20;
+/// Header: magic, version, reserved, two length fields.
+const HEADER_BYTES: u64 = 8 + 2 + 2 + 4 + 4;
+const MAX_METADATA: u64 = 3 << 20;
+const MAX_BODY: u64 = MAX_PEER_BYTES as u64 - MAX_METADATA - HEADER_BYTES;
 const MAX_AGENT_NAME: usize = 255;
 const MAX_REGIONS: usize = 1 << 16;
 
