@@ -3,7 +3,10 @@
 //!
 //! Each tier is a [`BlockPool`] (the books: which prefix each block holds,
 //! what may be evicted) and a [`PhysicalLayout`] (the bytes; pool block `i`
-//! is layout block `i`). One [`Executor`] moves the bytes.
+//! is memory block `i`). A [`TierMover`] owns the memory and moves the
+//! bytes: [`LocalMover`] (the tiers' layouts and one
+//! [`kvbm_transfer::Executor`]) in one process, a distributed mover when
+//! each block is sliced across tensor-parallel workers.
 //!
 //! - **Offload.** Blocks the engine registers in G1 are queued for G2. One
 //!   worker thread takes batches off a bounded queue, holding only a
@@ -35,6 +38,7 @@ mod config;
 mod error;
 mod events;
 mod matching;
+mod mover;
 mod offload;
 mod onboard;
 mod request;
@@ -46,11 +50,13 @@ use std::thread::JoinHandle;
 
 use kvbm_block::SequenceHash;
 use kvbm_transfer::{Executor, PhysicalLayout};
+
 use parking_lot::Mutex;
 
 pub use config::{G3Onboard, OffloadMode, TierEngineConfig, TierPolicy};
 pub use error::TierError;
 pub use matching::{G1Lookup, TierMatch};
+pub use mover::{LocalMover, TierMover};
 pub use onboard::{OnboardHandle, OnboardTarget, Onboarded};
 pub use request::RequestId;
 
@@ -89,11 +95,11 @@ pub struct TierLayouts {
     pub g3: Option<PhysicalLayout>,
 }
 
-/// One tier: its books and its bytes.
+/// One tier's books; its bytes are the mover's.
 #[derive(Debug)]
 pub(crate) struct TierSlot {
     pub(crate) pool: BlockPool,
-    pub(crate) layout: PhysicalLayout,
+    pub(crate) tier: Tier,
     pub(crate) block_bytes: u64,
 }
 
@@ -109,7 +115,7 @@ pub(crate) struct Shared {
     /// Serialises G1 allocations in write-back mode, so each allocation
     /// saves exactly the victims it made.
     pub(crate) g1_alloc: Mutex<()>,
-    pub(crate) executor: Executor,
+    pub(crate) mover: Arc<dyn TierMover>,
     pub(crate) history: SharedHistory,
     pub(crate) requests: Mutex<HashMap<RequestId, matching::RequestState>>,
     pub(crate) inflight: Mutex<HashMap<SequenceHash, Arc<onboard::Inflight>>>,
@@ -148,40 +154,44 @@ fn tier_policy(
 }
 
 fn slot(
-    layout: PhysicalLayout,
+    mover: &dyn TierMover,
+    capacity: usize,
     tier: Tier,
     block_size: usize,
     policy: Box<dyn EvictionPolicy>,
 ) -> Result<TierSlot, TierError> {
-    let capacity = layout.layout().config().num_blocks();
-    let block_bytes = layout.layout().config().block_bytes();
     let pool = BlockPool::with_policy(PoolConfig::new(capacity, block_size, tier), policy)?;
     Ok(TierSlot {
         pool,
-        layout,
-        block_bytes,
+        tier,
+        block_bytes: mover.block_bytes(tier),
     })
 }
 
 impl TierEngine {
     /// Builds the engine over `layouts` (pool capacities are the layouts'
-    /// block counts) and starts its offload worker.
+    /// block counts), moved by `executor`, and starts its offload worker.
     pub fn new(
         config: TierEngineConfig,
         layouts: TierLayouts,
         executor: Executor,
     ) -> Result<Self, TierError> {
+        Self::with_mover(config, Arc::new(LocalMover::new(layouts, executor)?))
+    }
+
+    /// Builds the engine over the memory `mover` owns (pool capacities are
+    /// the mover's) and starts its offload worker.
+    pub fn with_mover(
+        config: TierEngineConfig,
+        mover: Arc<dyn TierMover>,
+    ) -> Result<Self, TierError> {
         config.validate().map_err(TierError::InvalidConfig)?;
-        let g1_cfg = *layouts.g1.layout().config();
-        for l in [&layouts.g2, &layouts.g3].into_iter().flatten() {
-            g1_cfg
-                .same_block_shape(l.layout().config())
-                .map_err(|e| TierError::InvalidConfig(format!("tier block shapes differ: {e}")))?;
-        }
-        let total: usize = [Some(&layouts.g1), layouts.g2.as_ref(), layouts.g3.as_ref()]
+        let cap = |t: Tier| mover.capacity(t);
+        let g1_capacity =
+            cap(Tier::G1).ok_or_else(|| TierError::InvalidConfig("the mover has no G1".into()))?;
+        let total: usize = [Tier::G1, Tier::G2, Tier::G3]
             .into_iter()
-            .flatten()
-            .map(|l| l.layout().config().num_blocks())
+            .filter_map(cap)
             .sum();
         let history = Arc::new(Mutex::new(
             UseHistory::new((total as f64 * config.history_factor).ceil() as usize)
@@ -190,7 +200,7 @@ impl TierEngine {
         let bs = config.block_size;
         let g1_victims = (config.offload_mode == OffloadMode::WriteBack).then(VictimLog::default);
         let g1 = {
-            let capacity = g1_cfg.num_blocks();
+            let capacity = g1_capacity;
             let pool_config = PoolConfig::new(capacity, bs, Tier::G1).eviction(config.g1_eviction);
             let pool = match &g1_victims {
                 None => BlockPool::new(pool_config)?,
@@ -210,32 +220,29 @@ impl TierEngine {
             };
             TierSlot {
                 pool,
-                block_bytes: g1_cfg.block_bytes(),
-                layout: layouts.g1,
+                tier: Tier::G1,
+                block_bytes: mover.block_bytes(Tier::G1),
             }
         };
         let g2_victims: VictimLog = Arc::default();
-        let g2 = match layouts.g2 {
-            Some(l) => {
-                let cap = l.layout().config().num_blocks();
+        let g2 = match cap(Tier::G2) {
+            Some(cap) => {
                 let policy = Box::new(SpillRecorder::new(
                     tier_policy(config.g2_policy, cap, &history),
                     Arc::clone(&g2_victims),
                 ));
-                Some(slot(l, Tier::G2, bs, policy)?)
+                Some(slot(&*mover, cap, Tier::G2, bs, policy)?)
             }
             None => None,
         };
-        let g3 = match layouts.g3 {
-            Some(l) => {
-                let cap = l.layout().config().num_blocks();
-                Some(slot(
-                    l,
-                    Tier::G3,
-                    bs,
-                    tier_policy(config.g3_policy, cap, &history),
-                )?)
-            }
+        let g3 = match cap(Tier::G3) {
+            Some(cap) => Some(slot(
+                &*mover,
+                cap,
+                Tier::G3,
+                bs,
+                tier_policy(config.g3_policy, cap, &history),
+            )?),
             None => None,
         };
         let shared = Arc::new(Shared {
@@ -246,7 +253,7 @@ impl TierEngine {
             g2_victims,
             g1_victims,
             g1_alloc: Mutex::new(()),
-            executor,
+            mover,
             history,
             requests: Mutex::default(),
             inflight: Mutex::default(),
@@ -289,9 +296,14 @@ impl TierEngine {
         self.tier(tier).map(|t| &t.pool)
     }
 
-    /// The memory of `tier`, if the engine has it.
+    /// The memory of `tier`, if it lives in this process.
     pub fn layout(&self, tier: Tier) -> Option<&PhysicalLayout> {
-        self.tier(tier).map(|t| &t.layout)
+        self.shared.mover.local_layout(tier)
+    }
+
+    /// What moves the engine's bytes.
+    pub fn mover(&self) -> &Arc<dyn TierMover> {
+        &self.shared.mover
     }
 
     fn tier(&self, tier: Tier) -> Option<&TierSlot> {

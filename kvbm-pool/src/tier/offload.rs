@@ -19,6 +19,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvbm_block::SequenceHash;
+use kvbm_transfer::CancelToken;
 use parking_lot::{Condvar, Mutex};
 
 use super::{Shared, TierPolicy, TierSlot};
@@ -489,8 +490,8 @@ fn copy_and_register(
 ) {
     let started = Instant::now();
     let outcome = shared
-        .executor
-        .transfer(&src.layout, &dst.layout, pairs)
+        .mover
+        .copy(src.tier, dst.tier, pairs.to_vec(), CancelToken::new())
         .wait();
     let landed: Vec<bool> = match &outcome {
         Ok(_) => vec![true; pairs.len()],

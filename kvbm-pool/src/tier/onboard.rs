@@ -33,6 +33,7 @@ use kvbm_transfer::{CancelToken, TransferError, TransferOutcome};
 use parking_lot::{Condvar, Mutex};
 
 use super::{G3Onboard, RequestId, Shared, TierError};
+use crate::config::Tier;
 use crate::metrics::Path;
 use crate::pool::{ImmutableBlock, ImmutableBlocks, MutableBlock};
 
@@ -366,9 +367,8 @@ pub(crate) fn start(
         let (shared2, job2) = (Arc::clone(shared), Arc::clone(&job));
         match tier {
             Some(tier) => shared
-                .executor
-                .transfer_with(&tier.layout, &shared.g1.layout, &pairs, job.cancel.clone())
-                .into_completion()
+                .mover
+                .copy(tier.tier, Tier::G1, pairs, job.cancel.clone())
                 .on_complete(move |outcome| {
                     job2.record(path, outcome);
                     job2.arrive(&shared2);
