@@ -15,9 +15,9 @@
 //! Holder counts are atomics in the slab, so a match of `L` blocks takes the
 //! shared gate once and does `L` atomic increments; two threads matching
 //! different prefixes lock different gate and policy shards and share no
-//! cache line on the way: release stamps come from the monotonic clock (see
-//! the `clock` module), not from a shared counter. Eviction needs the
-//! exclusive gate, so it never races a match: a block a matcher found
+//! cache line on the way: release stamps come from the CPU's counter (see
+//! the `clock` module), not from a shared counter in memory. Eviction needs
+//! the exclusive gate, so it never races a match: a block a matcher found
 //! cannot disappear under it; and it holds every policy shard, so it never
 //! races a release either (a block whose last holder is leaving is queued
 //! before any evictor looks).
