@@ -110,7 +110,13 @@ fn an_onboard_that_lost_a_pair_reports_nothing_loaded() {
     assert_eq!(m.g2_blocks, 3);
     mover.lose.store(true, Ordering::SeqCst);
     let free_before = engine.g1().counts().free;
-    assert!(engine.onboard("r", OnboardTarget::Pool).unwrap().wait().is_err());
+    assert!(
+        engine
+            .onboard("r", OnboardTarget::Pool)
+            .unwrap()
+            .wait()
+            .is_err()
+    );
     assert!(!engine.g1().contains(hashes[0]));
     assert_eq!(engine.g1().counts().free, free_before, "G1 targets leaked");
     engine.release("r");

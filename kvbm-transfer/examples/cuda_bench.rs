@@ -3,7 +3,10 @@
 //! Shape: 32 layers, K and V, 8 KV heads × 128, bf16; device LayerSeparate
 //! (outer-first, as vLLM) ↔ pinned FullyContiguous; 256 random
 //! non-consecutive blocks out of 512. Run sizes 8, 32 and 256 KiB (4, 16 and
-//! 128 tokens per block). Every figure is also printed as a ratio to one
+//! 128 tokens per block). The device layers are carved out of one
+//! allocation (every path is measured so); a second pass gives each layer
+//! its own allocation (copy engines and auto only), where a block's runs
+//! form one strided family per layer instead of one per block. Every figure is also printed as a ratio to one
 //! large pinned copy measured in the same run. Byte counts come from the
 //! plan (the sum of its runs), never from hand arithmetic.
 //!
@@ -16,7 +19,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use cuda_common::{Kind, Layout, device_or_skip, plan, random_blocks, random_bytes};
+use cuda_common::{
+    Kind, Layout, device_or_skip, packed_device_regions, plan, random_blocks, random_bytes,
+};
 use kvbm_transfer::cuda::{
     CopierConfig, CopyOptions, CopyPath, CopyRun, CudaCopier, CudaDevice, CudaError, CudaRegion,
     DeviceBuffer, Direction, GpuLoad, Location, PinnedMemory, PinnedOptions,
@@ -95,7 +100,8 @@ fn opts(path: Option<CopyPath>, load: GpuLoad) -> CopyOptions {
 /// The copiers compared: the default one and one per alternative setting.
 struct Copiers {
     main: CudaCopier,
-    small_ring: CudaCopier,
+    /// One DMA descriptor per run (no strided families): the earlier path.
+    flat: CudaCopier,
 }
 
 impl Copiers {
@@ -104,32 +110,37 @@ impl Copiers {
         let mk = |c: CopierConfig| CudaCopier::new(dev, c).expect("copier");
         Copiers {
             main: mk(d()),
-            // The earlier default: 8 × 8 MiB ring, 16-CTA staging kernel.
-            small_ring: mk(CopierConfig {
-                staging_slot_bytes: 8 << 20,
-                staged_ctas: 16,
-                staged_threads: 256,
+            flat: mk(CopierConfig {
+                strided_copies: false,
                 ..d()
             }),
         }
     }
 
-    fn variants(&self) -> Vec<(&'static str, &CudaCopier, CopyOptions)> {
+    fn variants(&self, all: bool) -> Vec<(&'static str, &CudaCopier, CopyOptions)> {
         let (ce, k, st) = (
             Some(CopyPath::CopyEngine),
             Some(CopyPath::Kernel),
             Some(CopyPath::Staged),
         );
         let (i, b) = (GpuLoad::Idle, GpuLoad::Busy);
-        vec![
+        let v = vec![
             ("copy-engine", &self.main, opts(ce, i)),
+            ("ce-flat", &self.flat, opts(ce, i)),
             ("kernel-idle", &self.main, opts(k, i)),
             ("kernel-busy", &self.main, opts(k, b)),
             ("staged", &self.main, opts(st, i)),
-            ("staged-small", &self.small_ring, opts(st, i)),
             ("auto-idle", &self.main, opts(None, i)),
             ("auto-busy", &self.main, opts(None, b)),
-        ]
+        ];
+        v.into_iter()
+            .filter(|x| {
+                all || matches!(
+                    x.0,
+                    "copy-engine" | "kernel-idle" | "auto-idle" | "auto-busy"
+                )
+            })
+            .collect()
     }
 }
 
@@ -267,20 +278,27 @@ fn interfere(
 fn main() {
     let Some(dev) = device_or_skip() else { return };
     std::thread::spawn(|| {
-        std::thread::sleep(Duration::from_secs(300));
-        println!("bench watchdog: still running after 300 s, exiting");
+        std::thread::sleep(Duration::from_secs(400));
+        println!("bench watchdog: still running after 400 s, exiting");
         std::process::exit(3);
     });
+    let started = Instant::now();
     let quick = std::env::args().any(|a| a == "quick");
     // `gemm`: only the reference and the copies beside a GEMM loop.
     let gemm_only = std::env::args().any(|a| a == "gemm");
     let reps = if quick { 3 } else { 5 };
+    let engines = dev
+        .context()
+        .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT)
+        .unwrap_or(-1);
     println!(
-        "device: {} ({} SMs, NUMA node {:?}, batch copy {})",
+        "device: {} ({} SMs, NUMA node {:?}, batch copy {}, 3D batch copy {}, max pitch {}, async engines {engines})",
         dev.name(),
         dev.sm_count(),
         dev.numa_node(),
-        dev.has_batch_copy()
+        dev.has_batch_copy(),
+        dev.has_batch_copy_3d(),
+        dev.max_pitch()
     );
 
     // --- Pinned allocation: 16 GiB, first 1 GiB usable at once. ---
@@ -288,7 +306,7 @@ fn main() {
     let mut firsts = Vec::new();
     let mut alls = Vec::new();
     let mut arena = None;
-    for _ in 0..(if gemm_only { 1 } else { 3 }) {
+    for _ in 0..1 {
         drop(arena.take());
         let t = Instant::now();
         let mem = PinnedMemory::allocate_in_background(
@@ -310,7 +328,7 @@ fn main() {
     let (f, fmin, fmax) = median(firsts);
     let (a, amin, amax) = median(alls);
     println!(
-        "pinned 16 GiB: first 1 GiB usable {f:.3} s [{fmin:.3}-{fmax:.3}], all pinned {a:.3} s [{amin:.3}-{amax:.3}] (3 runs)"
+        "pinned 16 GiB: first 1 GiB usable {f:.3} s [{fmin:.3}-{fmax:.3}], all pinned {a:.3} s [{amin:.3}-{amax:.3}]"
     );
     let arena = Arc::new(arena.expect("allocated"));
     {
@@ -392,7 +410,18 @@ fn main() {
     }
 
     let shapes: &[usize] = if gemm_only { &[16, 4] } else { &[16, 4, 128] };
-    for &tokens in shapes {
+    for (tokens, packed) in shapes.iter().flat_map(|&t| [(t, true), (t, false)]) {
+        let tag = if packed { "1-alloc" } else { "layer-alloc" };
+        println!(
+            "--- {} KiB runs, device layers in {} ({:.1} s) ---",
+            (tokens * 8 * 128 * 2) >> 10,
+            if packed {
+                "one allocation"
+            } else {
+                "one allocation each"
+            },
+            started.elapsed().as_secs_f64()
+        );
         let run_bytes = tokens * 8 * 128 * 2;
         let pool = 512;
         let dl = Layout {
@@ -406,13 +435,20 @@ fn main() {
             kind: Kind::FullyContiguous,
             ..dl
         };
-        let dev_regions: Vec<Arc<dyn CudaRegion>> = dl
-            .region_sizes()
-            .into_iter()
-            .map(|s| {
-                Arc::new(DeviceBuffer::new(&dev, s).expect("device layer")) as Arc<dyn CudaRegion>
-            })
-            .collect();
+        let (_one_alloc, dev_regions) = if packed {
+            let (buf, regions) = packed_device_regions(&dev, &dl.region_sizes());
+            (Some(buf), regions)
+        } else {
+            let regions = dl
+                .region_sizes()
+                .into_iter()
+                .map(|s| {
+                    Arc::new(DeviceBuffer::new(&dev, s).expect("device layer"))
+                        as Arc<dyn CudaRegion>
+                })
+                .collect();
+            (None, regions)
+        };
         let host_regions = vec![window(&arena, 0, hl.region_sizes()[0])];
         let dev_ids = random_blocks(pool, pool, 11);
         let host_ids = random_blocks(pool, pool, 12);
@@ -460,9 +496,9 @@ fn main() {
             };
             let mut best = 0f64;
             let mut auto = Vec::new();
-            for (name, copier, o) in copiers.variants() {
+            for (name, copier, o) in copiers.variants(packed) {
                 if let Err(e) = case.try_run(copier, o) {
-                    println!("{kib:>3} KiB runs {d:?} {name}: FAILED {e}");
+                    println!("{kib:>3} KiB {tag} runs {d:?} {name}: FAILED {e}");
                     continue;
                 }
                 let (m, lo, hi) = gbps(case.bytes, reps, || case.run(copier, o));
@@ -474,7 +510,7 @@ fn main() {
                     us
                 };
                 println!(
-                    "{kib:>3} KiB runs {d:?} 256 blocks ({} runs, {} MiB) {name:<12} {m:6.1} GB/s [{lo:.1}-{hi:.1}] ratio {:.3} (submit call {submit:.0} us)",
+                    "{kib:>3} KiB {tag} runs {d:?} 256 blocks ({} runs, {} MiB) {name:<12} {m:6.1} GB/s [{lo:.1}-{hi:.1}] ratio {:.3} (submit call {submit:.0} us)",
                     case.runs.len(),
                     case.bytes >> 20,
                     m / reference
@@ -487,14 +523,14 @@ fn main() {
             }
             for (name, m) in auto {
                 println!(
-                    "{kib:>3} KiB runs {d:?} {name} / best path = {:.3}",
+                    "{kib:>3} KiB {tag} runs {d:?} {name} / best path = {:.3}",
                     m / best
                 );
             }
             // Latency of one 2 MiB block (at 32 KiB runs) per path.
             if tokens == 16 {
                 let single = mk(d, 300..301);
-                for (name, copier, o) in copiers.variants() {
+                for (name, copier, o) in copiers.variants(packed) {
                     single.run(copier, o);
                     let mut lat: Vec<f64> = (0..100)
                         .map(|_| {
@@ -516,7 +552,7 @@ fn main() {
         let off = mk(Direction::DeviceToHost, 256..512);
         let reps = if tokens > 16 { 3 } else { reps };
         let mut best_bi = 0f64;
-        for (name, copier, o) in copiers.variants().into_iter().filter(|_| !gemm_only) {
+        for (name, copier, o) in copiers.variants(packed).into_iter().filter(|_| !gemm_only) {
             let (m, lo, hi) = gbps(on.bytes + off.bytes, reps, || both(copier, &on, &off, o));
             // The same submitted from two threads, as an engine's offload
             // and onboard tasks would.
@@ -527,19 +563,38 @@ fn main() {
                 })
             });
             println!(
-                "{kib:>3} KiB runs both directions {name:<12} two threads {m2:6.1} GB/s total [{lo2:.1}-{hi2:.1}] ratio {:.3}",
+                "{kib:>3} KiB {tag} runs both directions {name:<12} two threads {m2:6.1} GB/s total [{lo2:.1}-{hi2:.1}] ratio {:.3}",
                 m2 / ref_bi
             );
             if name.starts_with("auto") {
                 println!(
-                    "{kib:>3} KiB runs both directions {name} / best path = {:.3}",
+                    "{kib:>3} KiB {tag} runs both directions {name} / best path = {:.3}",
                     m / best_bi
                 );
             } else {
                 best_bi = best_bi.max(m);
             }
             println!(
-                "{kib:>3} KiB runs both directions {name:<12} {m:6.1} GB/s total [{lo:.1}-{hi:.1}] ratio {:.3}",
+                "{kib:>3} KiB {tag} runs both directions {name:<12} {m:6.1} GB/s total [{lo:.1}-{hi:.1}] ratio {:.3}",
+                m / ref_bi
+            );
+        }
+        // Onboard on the kernel, offload on the copy engines.
+        if !gemm_only {
+            let ko = opts(Some(CopyPath::Kernel), GpuLoad::Idle);
+            let co = opts(Some(CopyPath::CopyEngine), GpuLoad::Idle);
+            let (m, lo, hi) = gbps(on.bytes + off.bytes, reps, || {
+                let r = copier.copy(&on.runs, &on.src, &on.dst, ko).and_then(|c1| {
+                    let c2 = copier.copy(&off.runs, &off.src, &off.dst, co)?;
+                    c1.wait()?;
+                    c2.wait()
+                });
+                if let Err(e) = r {
+                    println!("FAILED mixed: {e}");
+                }
+            });
+            println!(
+                "{kib:>3} KiB {tag} runs both directions mixed (onboard kernel, offload copy engines) {m:6.1} GB/s total [{lo:.1}-{hi:.1}] ratio {:.3}",
                 m / ref_bi
             );
         }
@@ -552,10 +607,11 @@ fn main() {
             // Kernels on an idle-sized grid starve the GEMM (measured: -86%
             // throughput) and, run from two threads, block it entirely, so
             // only the SM-sparing variants run beside it.
-            for (name, copier, o) in copiers.variants().into_iter().filter(|v| {
-                matches!(v.0, "copy-engine" | "kernel-busy" | "staged" | "auto-busy")
-                    && !(gemm_only && v.0 == "kernel-busy")
-            }) {
+            for (name, copier, o) in copiers
+                .variants(packed)
+                .into_iter()
+                .filter(|v| matches!(v.0, "copy-engine" | "staged" | "auto-busy"))
+            {
                 for (label, cases) in [
                     ("H2D", vec![(&on, o)]),
                     ("D2H", vec![(&off, o)]),
@@ -579,7 +635,7 @@ fn main() {
                     let (c, clo, chi) = median(rates);
                     let (l, llo, lhi) = median(losses);
                     println!(
-                        "{kib:>3} KiB runs {label:<4} beside GEMM {name:<12} copy {c:6.1} GB/s [{clo:.1}-{chi:.1}] ratio {:.3}; GEMM loss {l:.1}% [{llo:.1}-{lhi:.1}] (3 alternations)",
+                        "{kib:>3} KiB {tag} runs {label:<4} beside GEMM {name:<12} copy {c:6.1} GB/s [{clo:.1}-{chi:.1}] ratio {:.3}; GEMM loss {l:.1}% [{llo:.1}-{lhi:.1}] (3 alternations)",
                         c / reference
                     );
                 }

@@ -7,7 +7,9 @@ mod cuda_common;
 
 use std::sync::Arc;
 
-use cuda_common::{Kind, Layout, device_or_skip, plan, random_blocks, random_bytes};
+use cuda_common::{
+    Kind, Layout, device_or_skip, packed_device_regions, plan, random_blocks, random_bytes,
+};
 use kvbm_transfer::cuda::{
     CopierConfig, CopyOptions, CopyPath, CudaCopier, CudaDevice, CudaError, CudaRegion,
     DeviceBuffer, GpuLoad, Location, PinnedMemory, PinnedOptions, probe,
@@ -18,15 +20,45 @@ struct Mem {
     layout: Layout,
     device: Vec<Arc<DeviceBuffer>>,
     host: Vec<Arc<PinnedMemory>>,
+    /// Device regions carved out of one allocation (instead of `device`).
+    packed: Option<Packed>,
 }
+
+/// One device allocation and the regions carved out of it.
+type Packed = (Arc<DeviceBuffer>, Vec<Arc<dyn CudaRegion>>);
 
 impl Mem {
     fn new(dev: &CudaDevice, layout: Layout, loc: Location, seed: u64) -> Mem {
+        Mem::with_packing(dev, layout, loc, seed, false)
+    }
+
+    /// `packed`: device regions are windows of one allocation, so the copy
+    /// engines can move a block's runs across layers as one strided copy.
+    fn with_packing(
+        dev: &CudaDevice,
+        layout: Layout,
+        loc: Location,
+        seed: u64,
+        packed: bool,
+    ) -> Mem {
         let mut m = Mem {
             layout,
             device: Vec::new(),
             host: Vec::new(),
+            packed: None,
         };
+        if packed && loc == Location::Device {
+            let sizes = layout.region_sizes();
+            let (buf, regions) = packed_device_regions(dev, &sizes);
+            let mut offset = 0;
+            for (i, &size) in sizes.iter().enumerate() {
+                buf.write(offset, &random_bytes(size, seed + i as u64))
+                    .unwrap();
+                offset += size;
+            }
+            m.packed = Some((buf, regions));
+            return m;
+        }
         for (i, size) in layout.region_sizes().into_iter().enumerate() {
             let data = random_bytes(size, seed + i as u64);
             match loc {
@@ -47,6 +79,9 @@ impl Mem {
     }
 
     fn regions(&self) -> Vec<Arc<dyn CudaRegion>> {
+        if let Some((_, regions)) = &self.packed {
+            return regions.clone();
+        }
         let d = self
             .device
             .iter()
@@ -65,7 +100,9 @@ impl Mem {
             .enumerate()
             .map(|(i, &size)| {
                 let mut out = vec![0u8; size];
-                if let Some(b) = self.device.get(i) {
+                if let Some((buf, _)) = &self.packed {
+                    buf.read(sizes[..i].iter().sum(), &mut out).unwrap();
+                } else if let Some(b) = self.device.get(i) {
                     b.read(0, &mut out).unwrap();
                 } else {
                     self.host[i].read(0, &mut out).unwrap();
@@ -170,6 +207,10 @@ fn layout(kind: Kind, blocks: usize, run_bytes: usize) -> Layout {
 /// host → device → host for one pair of layout kinds, every path, 1 and
 /// 1024 blocks.
 fn roundtrip(dev_kind: Kind, host_kind: Kind, run_bytes: usize) {
+    roundtrip_with(dev_kind, host_kind, run_bytes, false);
+}
+
+fn roundtrip_with(dev_kind: Kind, host_kind: Kind, run_bytes: usize, packed: bool) {
     let Some(dev) = device_or_skip() else { return };
     let copiers = [
         (
@@ -177,6 +218,17 @@ fn roundtrip(dev_kind: Kind, host_kind: Kind, run_bytes: usize) {
             CudaCopier::new(&dev, CopierConfig::default()).unwrap(),
         ),
         ("tight", tight_copier(&dev)),
+        (
+            "flat",
+            CudaCopier::new(
+                &dev,
+                CopierConfig {
+                    strided_copies: false,
+                    ..CopierConfig::default()
+                },
+            )
+            .unwrap(),
+        ),
     ];
     for n in [1usize, 1024] {
         let pool = 2 * n + 1;
@@ -189,11 +241,12 @@ fn roundtrip(dev_kind: Kind, host_kind: Kind, run_bytes: usize) {
                     Location::PinnedHost,
                     seed,
                 );
-                let gpu = Mem::new(
+                let gpu = Mem::with_packing(
                     &dev,
                     layout(dev_kind, pool, run_bytes),
                     Location::Device,
                     seed + 10,
+                    packed,
                 );
                 let back = Mem::new(
                     &dev,
@@ -207,7 +260,7 @@ fn roundtrip(dev_kind: Kind, host_kind: Kind, run_bytes: usize) {
                 let h2d: Vec<_> = a.iter().copied().zip(b.iter().copied()).collect();
                 let d2h: Vec<_> = b.iter().copied().zip(c.iter().copied()).collect();
                 let what = format!(
-                    "{cname}/{pname} {n} blocks {host_kind:?}->{dev_kind:?} run {run_bytes}"
+                    "{cname}/{pname} {n} blocks {host_kind:?}->{dev_kind:?} run {run_bytes} packed {packed}"
                 );
                 check_copy(copier, &host, &gpu, &h2d, opts, &format!("H2D {what}"));
                 check_copy(copier, &gpu, &back, &d2h, opts, &format!("D2H {what}"));
@@ -239,6 +292,15 @@ fn device_layer_separate_host_fully_contiguous() {
 #[test]
 fn device_fully_contiguous_host_layer_separate() {
     roundtrip(Kind::FullyContiguous, Kind::LayerSeparate, 4096);
+}
+
+#[test]
+fn device_layers_in_one_allocation() {
+    // Every layer's K and V of a block sit at one pitch: the copy engines
+    // move a whole block as one strided copy (3D batch with the default
+    // copier, one cuMemcpy2DAsync each with the tight one).
+    roundtrip_with(Kind::LayerSeparate, Kind::FullyContiguous, 4096, true);
+    roundtrip_with(Kind::LayerSeparate, Kind::FullyContiguous, 999, true);
 }
 
 #[test]

@@ -93,11 +93,23 @@ impl CudaBackend {
                 let addr = r.addr().ok_or_else(|| {
                     TransferError::InvalidRequest("a file region reached the CUDA backend".into())
                 })?;
+                // The allocation, where the region's owner is memory this
+                // module made (or wrapped) and so knows it.
+                let owner = r.owner();
+                let allocation = owner
+                    .and_then(|o| o.downcast_ref::<DeviceBuffer>())
+                    .and_then(CudaRegion::allocation)
+                    .or_else(|| {
+                        owner
+                            .and_then(|o| o.downcast_ref::<ExternalDeviceMemory>())
+                            .and_then(CudaRegion::allocation)
+                    });
                 Ok(Arc::new(JobRegion {
                     _region: r.clone(),
                     addr,
                     len: r.len() as usize,
                     location,
+                    allocation,
                 }) as Arc<dyn CudaRegion>)
             })
             .collect()
@@ -167,6 +179,7 @@ struct JobRegion {
     addr: u64,
     len: usize,
     location: Location,
+    allocation: Option<(u64, u64)>,
 }
 
 impl CudaRegion for JobRegion {
@@ -178,6 +191,9 @@ impl CudaRegion for JobRegion {
     }
     fn location(&self) -> Location {
         self.location
+    }
+    fn allocation(&self) -> Option<(u64, u64)> {
+        self.allocation
     }
 }
 

@@ -3,10 +3,13 @@
 //! Three paths, because no single one is best everywhere (figures from the
 //! H200 machine, see docs/benchmarks.md):
 //!
-//! - [`CopyPath::CopyEngine`]: DMA on the copy engines, one
-//!   `cuMemcpyBatchAsync_v2` per batch where the driver has it, a loop of
-//!   `cuMemcpyAsync` where it does not. Uses no SMs; reaches line rate only
-//!   for large runs (each copy costs the driver microseconds).
+//! - [`CopyPath::CopyEngine`]: DMA on the copy engines. Affine families of
+//!   runs (a block's K and V across layers, see `strided`) go as one
+//!   pitched descriptor each, lone runs as flat ones, in batch calls where
+//!   the driver has them. Uses no SMs. Each flat descriptor costs the driver
+//!   ~0.6 µs, so flat runs of 8–32 KiB are submission-bound; families cut
+//!   that to a few calls, and then each line still costs the engine ~0.1
+//!   µs (0.84 of line rate at 32 KiB lines, 0.6 at 8 KiB, 0.99 at 256 KiB).
 //! - [`CopyPath::Kernel`]: one launch of the gather/scatter kernel reading or
 //!   writing pinned memory through its device pointer. Line rate at every run
 //!   size and the lowest latency, but it occupies SMs while it runs.
@@ -15,25 +18,27 @@
 //!   engines move whole slots to and from the host; a ring of slots
 //!   pipelines the two. DMA rate with SMs busy only briefly.
 //!
-//! [`CudaCopier::choose`] picks by direction, size, run size and whether the
-//! caller said the GPU is busy; callers can force a path. Each direction has
-//! its own lanes (a kernel stream, a copy stream, a staging ring and a
-//! completion watcher), so offload and onboard overlap.
+//! [`CudaCopier::choose_for`] picks by direction, size, run size, bytes per DMA
+//! descriptor and whether the caller said the GPU is busy; callers can force
+//! a path. Each direction has its own lanes (a kernel stream, a copy stream,
+//! a staging ring and a completion watcher), so offload and onboard overlap.
 
 use std::any::Any;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::sys::{self, CUdeviceptr, CUevent, CUstream};
+use cudarc::driver::sys::{self, CUevent, CUstream};
 
 use super::completion::Completion;
 use super::device::CudaDevice;
+use super::dma::{enqueue_spans, enqueue_strided};
 use super::error::{CudaError, CudaResult, check};
 use super::kernel::Grid;
 use super::lanes::{DescPool, Lane};
-use super::memory::{CudaRegion, Location};
+use super::memory::{CudaRegion, Location, allocation_bounds};
 use super::pinned::registration_bounds;
-use super::plan::{CopyRun, HostSide, Span, absolute_spans, plan_staged, split_at_bounds};
+use super::plan::{CopyRun, HostSide, Span, absolute_spans, plan_staged};
+use super::strided::{FamilyLimits, OrderBy, Strided, strided_copies};
 
 /// How a copy moves its bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -59,10 +64,22 @@ pub enum GpuLoad {
 /// Per-copy options.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct CopyOptions {
-    /// Force a path; `None` lets [`CudaCopier::choose`] pick.
+    /// Force a path; `None` lets [`CudaCopier::choose_for`] pick.
     pub path: Option<CopyPath>,
     /// Whether the GPU is busy with other work.
     pub load: GpuLoad,
+}
+
+/// What [`CudaCopier::choose_for`] decides on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PlanShape {
+    /// Runs with at least one byte.
+    pub runs: usize,
+    /// Bytes the plan moves.
+    pub bytes: u64,
+    /// DMA descriptors the copy-engine path would use (affine families and
+    /// lone runs; equal to `runs` when families are not formed).
+    pub dma_copies: usize,
 }
 
 /// Direction of a copy, from the locations of its two sides.
@@ -108,8 +125,15 @@ pub struct CopierConfig {
     /// Kernels give each warp its own run (more loads in flight for small
     /// runs) rather than each CTA.
     pub warp_per_run: bool,
-    /// Use `cuMemcpyBatchAsync_v2` where the driver has it.
+    /// Use `cuMemcpyBatchAsync_v2` / `cuMemcpy3DBatchAsync_v2` where the
+    /// driver has them.
     pub use_batch_copy: bool,
+    /// Copy-engine path: move affine families of runs as pitched copies
+    /// (one descriptor per family) instead of one descriptor per run.
+    pub strided_copies: bool,
+    /// Families of fewer runs go as flat copies (a pitched descriptor costs
+    /// the driver several flat ones).
+    pub min_family_height: u64,
     /// Kernel path, busy GPU: CTAs.
     pub busy_ctas: u32,
     /// Kernel path, busy GPU: threads per CTA.
@@ -121,10 +145,11 @@ pub struct CopierConfig {
     pub staged_threads: u32,
     /// Copies up to this many bytes take the kernel path (latency).
     pub small_copy_bytes: u64,
-    /// Busy GPU: runs of at least this mean size take the copy engines.
-    pub large_run_bytes: u64,
-    /// Idle GPU: runs of at least this mean size take the staging ring.
-    pub staged_run_bytes: u64,
+    /// Busy GPU: plans whose DMA descriptors (families or runs) carry at
+    /// least this many bytes on average take the copy engines.
+    pub dma_copy_bytes: u64,
+    /// Idle GPU: runs of at least this mean size take the copy engines.
+    pub engine_run_bytes: u64,
 }
 
 impl Default for CopierConfig {
@@ -137,13 +162,15 @@ impl Default for CopierConfig {
             idle_max_ctas: 64,
             warp_per_run: true,
             use_batch_copy: true,
+            strided_copies: true,
+            min_family_height: 8,
             busy_ctas: 8,
             busy_threads: 512,
             staged_ctas: 264,
             staged_threads: 512,
             small_copy_bytes: 4 << 20,
-            large_run_bytes: 1 << 20,
-            staged_run_bytes: 128 << 10,
+            dma_copy_bytes: 256 << 10,
+            engine_run_bytes: 128 << 10,
         }
     }
 }
@@ -216,20 +243,11 @@ impl CudaCopier {
         &self.config
     }
 
-    /// The path [`CudaCopier::copy`] takes for a plan of `n_runs` runs and
-    /// `total_bytes` bytes when none is forced.
-    ///
-    /// The rule, from the H200 measurements in docs/benchmarks.md (8, 32 and
-    /// 256 KiB runs, 256 random blocks, idle and beside a bf16 GEMM loop):
-    ///
-    /// - small copies (up to `small_copy_bytes`) and device-to-device copies
-    ///   take the kernel: one launch, the lowest latency;
-    /// - idle GPU: the kernel for runs under `staged_run_bytes` (it reads
-    ///   pinned memory at 0.80–0.92 of line rate at 8–32 KiB where DMA per
-    ///   run is far slower), the staging ring above (0.97–0.98 at 256 KiB);
-    /// - busy GPU: no long-running kernel (a few CTAs held for a whole copy
-    ///   cost a GEMM 5–66 %): the staging ring, or the copy engines alone
-    ///   for runs of `large_run_bytes` and more.
+    /// The path [`CudaCopier::copy`] takes for `n_runs` runs of
+    /// `total_bytes` when none is forced, counting one DMA descriptor per
+    /// run (the idle choice never depends on descriptors; a busy one may
+    /// take the copy engines for affine plans, see
+    /// [`CudaCopier::choose_for`]).
     pub fn choose(
         &self,
         dir: Direction,
@@ -237,14 +255,45 @@ impl CudaCopier {
         total_bytes: u64,
         load: GpuLoad,
     ) -> CopyPath {
-        if dir == Direction::DeviceToDevice || total_bytes <= self.config.small_copy_bytes {
+        let shape = PlanShape {
+            runs: n_runs,
+            bytes: total_bytes,
+            dma_copies: n_runs,
+        };
+        self.choose_for(dir, shape, load)
+    }
+
+    /// The path [`CudaCopier::copy`] takes for a plan of this shape when
+    /// none is forced.
+    ///
+    /// The rule, from the H200 measurements in docs/benchmarks.md (8, 32 and
+    /// 256 KiB runs, 256 random blocks, idle and beside a bf16 GEMM loop):
+    ///
+    /// - device-to-device copies and small copies (up to
+    ///   `small_copy_bytes`) take the kernel: one launch, the lowest latency;
+    /// - idle GPU: the kernel for runs under `engine_run_bytes` (it reads
+    ///   pinned memory at 0.82–0.92 of line rate at 8–32 KiB, where the
+    ///   copy engines pay per run or per line), the copy engines above
+    ///   (0.95–0.99, and they overlap both directions);
+    /// - busy GPU: no long-running kernel (a few CTAs held for a whole copy
+    ///   cost a GEMM 5–70 %): the copy engines when their descriptors carry
+    ///   `dma_copy_bytes` or more each (affine families or large runs), the
+    ///   staging ring otherwise.
+    ///
+    /// Measured and not kept: sending an offload to the copy engines while
+    /// an onboard kernel runs (0.63–0.70 of the bidirectional copy, against
+    /// 0.93–0.96 for two kernels at 32–256 KiB runs).
+    pub fn choose_for(&self, dir: Direction, shape: PlanShape, load: GpuLoad) -> CopyPath {
+        if dir == Direction::DeviceToDevice || shape.bytes <= self.config.small_copy_bytes {
             return CopyPath::Kernel;
         }
-        let mean = total_bytes / n_runs.max(1) as u64;
+        let mean_run = shape.bytes / shape.runs.max(1) as u64;
+        let per_descriptor = shape.bytes / shape.dma_copies.max(1) as u64;
+        let tall = per_descriptor >= self.config.dma_copy_bytes;
         match load {
-            GpuLoad::Idle if mean < self.config.staged_run_bytes => CopyPath::Kernel,
-            GpuLoad::Idle => CopyPath::Staged,
-            GpuLoad::Busy if mean >= self.config.large_run_bytes => CopyPath::CopyEngine,
+            GpuLoad::Idle if mean_run < self.config.engine_run_bytes => CopyPath::Kernel,
+            GpuLoad::Idle => CopyPath::CopyEngine,
+            GpuLoad::Busy if tall => CopyPath::CopyEngine,
             GpuLoad::Busy => CopyPath::Staged,
         }
     }
@@ -269,17 +318,49 @@ impl CudaCopier {
             return Ok(Completion::ready(Ok(())));
         }
         let n_runs = runs.iter().filter(|r| r.len > 0).count();
+        self.device.bind()?;
+        let src_bases: Vec<u64> = src.iter().map(|r| r.device_ptr()).collect();
+        let dst_bases: Vec<u64> = dst.iter().map(|r| r.device_ptr()).collect();
+        let group = || {
+            self.config
+                .strided_copies
+                .then(|| self.families(runs, src, dst, &src_bases, &dst_bases, dir))
+        };
+        // The copy engines' descriptors: needed for the choice only on a
+        // busy GPU (grouping 16,384 runs costs up to a millisecond or two).
+        let mut families = match opts.path {
+            None if opts.load == GpuLoad::Busy
+                && dir != Direction::DeviceToDevice
+                && total > self.config.small_copy_bytes =>
+            {
+                group()
+            }
+            _ => None,
+        };
+        let shape = PlanShape {
+            runs: n_runs,
+            bytes: total,
+            dma_copies: families.as_ref().map_or(n_runs, Vec::len),
+        };
         let path = opts
             .path
-            .unwrap_or_else(|| self.choose(dir, n_runs, total, opts.load));
+            .unwrap_or_else(|| self.choose_for(dir, shape, opts.load));
+        if path == CopyPath::CopyEngine && families.is_none() {
+            families = group();
+        }
         let path = match (path, dir) {
             (CopyPath::Staged, Direction::DeviceToDevice) => CopyPath::Kernel,
             (p, _) => p,
         };
-        let _span = tracing::debug_span!("cuda_copy", ?dir, ?path, n_runs, total).entered();
-        self.device.bind()?;
-        let src_bases: Vec<u64> = src.iter().map(|r| r.device_ptr()).collect();
-        let dst_bases: Vec<u64> = dst.iter().map(|r| r.device_ptr()).collect();
+        let _span = tracing::debug_span!(
+            "cuda_copy",
+            ?dir,
+            ?path,
+            n_runs,
+            total,
+            dma_copies = families.as_ref().map_or(n_runs, Vec::len)
+        )
+        .entered();
         let lanes = &self.lanes[dir.index()];
         let lane = if path == CopyPath::Staged {
             &lanes[0]
@@ -292,21 +373,30 @@ impl CudaCopier {
         let mut enqueue = || -> CudaResult<CUstream> {
             Ok(match path {
                 CopyPath::CopyEngine => {
-                    let spans = absolute_spans(runs, &src_bases, &dst_bases);
                     let (src_loc, dst_loc) = (src[0].location(), dst[0].location());
-                    enqueue_dma(
-                        &self.device,
-                        self.batch(),
-                        lane.copy_stream,
-                        &spans,
-                        src_loc,
-                        dst_loc,
-                    )?;
+                    match &families {
+                        Some(f) => enqueue_strided(
+                            &self.device,
+                            self.batch(),
+                            lane.copy_stream,
+                            f,
+                            src_loc,
+                            dst_loc,
+                        )?,
+                        None => enqueue_spans(
+                            &self.device,
+                            self.batch(),
+                            lane.copy_stream,
+                            &absolute_spans(runs, &src_bases, &dst_bases),
+                            src_loc,
+                            dst_loc,
+                        )?,
+                    }
                     lane.copy_stream
                 }
                 CopyPath::Kernel => {
-                    let live: Vec<CopyRun> = runs.iter().copied().filter(|r| r.len > 0).collect();
-                    self.launch_part(lane, &live, &src_bases, &dst_bases, opts.load, &mut keep)?;
+                    // Empty runs cost the kernel nothing; no filtered copy.
+                    self.launch_part(lane, runs, &src_bases, &dst_bases, opts.load, &mut keep)?;
                     lane.kernel_stream
                 }
                 CopyPath::Staged => {
@@ -384,7 +474,7 @@ impl CudaCopier {
                                 };
                                 record_event(slot.filled, lane.kernel_stream)?;
                                 wait_event(lane.copy_stream, slot.filled)?;
-                                enqueue_dma(
+                                enqueue_spans(
                                     &self.device,
                                     self.batch(),
                                     lane.copy_stream,
@@ -398,7 +488,7 @@ impl CudaCopier {
                                 if slot.used {
                                     wait_event(lane.copy_stream, slot.free)?;
                                 }
-                                enqueue_dma(
+                                enqueue_spans(
                                     &self.device,
                                     self.batch(),
                                     lane.copy_stream,
@@ -488,6 +578,41 @@ impl CudaCopier {
         Ok(())
     }
 
+    /// The plan as affine families for the copy engines, grouped in host
+    /// address order and never across a registration or allocation
+    /// boundary.
+    fn families(
+        &self,
+        runs: &[CopyRun],
+        src: &[Arc<dyn CudaRegion>],
+        dst: &[Arc<dyn CudaRegion>],
+        src_bases: &[u64],
+        dst_bases: &[u64],
+        dir: Direction,
+    ) -> Vec<Strided> {
+        let host = registration_bounds();
+        let bounds = |regions: &[Arc<dyn CudaRegion>]| match regions[0].location() {
+            Location::PinnedHost => host.to_vec(),
+            Location::Device => allocation_bounds(regions),
+        };
+        let order = match dir {
+            Direction::HostToDevice => OrderBy::Source,
+            Direction::DeviceToHost | Direction::DeviceToDevice => OrderBy::Destination,
+        };
+        strided_copies(
+            runs,
+            src_bases,
+            dst_bases,
+            order,
+            &bounds(src),
+            &bounds(dst),
+            FamilyLimits {
+                max_pitch: self.device.max_pitch(),
+                min_height: self.config.min_family_height,
+            },
+        )
+    }
+
     fn batch(&self) -> bool {
         self.config.use_batch_copy && self.device.has_batch_copy()
     }
@@ -555,94 +680,33 @@ fn validate(
             "more than 2^32 runs in one copy".into(),
         ));
     }
+    // Lengths read once (a region still pinning in the background may
+    // grow meanwhile; the copy uses what was pinned when it was checked).
+    let src_lens: Vec<u64> = src.iter().map(|r| r.len() as u64).collect();
+    let dst_lens: Vec<u64> = dst.iter().map(|r| r.len() as u64).collect();
+    let fits = |region: u32, offset: u64, len: u64, lens: &[u64]| {
+        lens.get(region as usize)
+            .is_some_and(|&cap| offset.checked_add(len).is_some_and(|end| end <= cap))
+    };
     let mut total = 0u64;
     for (i, r) in runs.iter().enumerate() {
-        let side = |region: u32, offset: u64, regions: &[Arc<dyn CudaRegion>], name: &str| {
-            let reg = regions.get(region as usize).ok_or_else(|| {
-                CudaError::InvalidCopy(format!("run {i}: {name} region {region} does not exist"))
-            })?;
-            match offset.checked_add(r.len) {
-                Some(end) if end <= reg.len() as u64 => Ok(()),
-                _ => Err(CudaError::InvalidCopy(format!(
-                    "run {i}: {name} bytes {offset}+{} outside region {region} of {} bytes",
-                    r.len,
-                    reg.len()
-                ))),
+        for (region, offset, lens, name) in [
+            (r.src_region, r.src_offset, &src_lens, "source"),
+            (r.dst_region, r.dst_offset, &dst_lens, "destination"),
+        ] {
+            if !fits(region, offset, r.len, lens) {
+                return Err(CudaError::InvalidCopy(match lens.get(region as usize) {
+                    None => format!("run {i}: {name} region {region} does not exist"),
+                    Some(cap) => format!(
+                        "run {i}: {name} bytes {offset}+{} outside region {region} of {cap} bytes",
+                        r.len
+                    ),
+                }));
             }
-        };
-        side(r.src_region, r.src_offset, src, "source")?;
-        side(r.dst_region, r.dst_offset, dst, "destination")?;
+        }
         total += r.len;
     }
     Ok(total)
-}
-
-/// Enqueues DMA copies on `stream`: one batch call where the driver has it.
-fn enqueue_dma(
-    device: &CudaDevice,
-    batch: bool,
-    stream: CUstream,
-    spans: &[Span],
-    src_loc: Location,
-    dst_loc: Location,
-) -> CudaResult<()> {
-    let split;
-    let spans = if src_loc == Location::PinnedHost || dst_loc == Location::PinnedHost {
-        split = split_at_bounds(spans, &registration_bounds());
-        &split[..]
-    } else {
-        spans
-    };
-    if spans.len() > 1 && batch {
-        const MAX_BATCH: usize = 4096;
-        let loc = |l: Location| sys::CUmemLocation {
-            type_: match l {
-                Location::Device => sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                Location::PinnedHost => sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
-            },
-            id: match l {
-                Location::Device => device.ordinal() as i32,
-                Location::PinnedHost => 0,
-            },
-        };
-        let mut attrs = [sys::CUmemcpyAttributes {
-            srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-            srcLocHint: loc(src_loc),
-            dstLocHint: loc(dst_loc),
-            flags: sys::CUmemcpyFlags::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE as u32,
-        }];
-        let mut attr_idx = [0usize];
-        for batch in spans.chunks(MAX_BATCH) {
-            let mut dsts: Vec<CUdeviceptr> = batch.iter().map(|s| s.dst).collect();
-            let mut srcs: Vec<CUdeviceptr> = batch.iter().map(|s| s.src).collect();
-            let mut sizes: Vec<usize> = batch.iter().map(|s| s.len as usize).collect();
-            // SAFETY: the three arrays hold `batch.len()` entries; the
-            // attribute array holds one entry applying from index 0; the
-            // driver reads them during the call. Addresses were
-            // bounds-checked by the caller and stay alive until completion.
-            check("cuMemcpyBatchAsync_v2", unsafe {
-                sys::cuMemcpyBatchAsync_v2(
-                    dsts.as_mut_ptr(),
-                    srcs.as_mut_ptr(),
-                    sizes.as_mut_ptr(),
-                    batch.len(),
-                    attrs.as_mut_ptr(),
-                    attr_idx.as_mut_ptr(),
-                    1,
-                    stream,
-                )
-            })?;
-        }
-        return Ok(());
-    }
-    for s in spans {
-        // SAFETY: unified addressing makes both addresses valid for
-        // cuMemcpyAsync; ranges were bounds-checked and stay alive.
-        check("cuMemcpyAsync", unsafe {
-            sys::cuMemcpyAsync(s.dst, s.src, s.len as usize, stream)
-        })?;
-    }
-    Ok(())
 }
 
 fn record_event(event: CUevent, stream: CUstream) -> CudaResult<()> {

@@ -4,7 +4,8 @@
 //! library is missing, so [`probe`] checks that libcuda loads before touching
 //! anything else and reports "no CUDA" as a value. Entry points newer than the
 //! oldest driver we support (`cuMemcpyBatchAsync_v2`) are looked up in the
-//! loaded library before use; calling one the driver lacks would also panic.
+//! loaded library before use (`cuMemcpy3DBatchAsync_v2` too); calling one the
+//! driver lacks would also panic.
 
 use std::ffi::{CStr, c_char, c_int};
 use std::sync::Arc;
@@ -67,6 +68,8 @@ pub(crate) struct DeviceInner {
     pub(crate) numa_node: Option<u32>,
     pub(crate) host_ptr_is_device_ptr: bool,
     pub(crate) has_batch_copy: bool,
+    pub(crate) has_batch_copy_3d: bool,
+    pub(crate) max_pitch: u64,
 }
 
 impl Drop for DeviceInner {
@@ -85,6 +88,8 @@ impl std::fmt::Debug for CudaDevice {
             .field("sm_count", &self.inner.sm_count)
             .field("numa_node", &self.inner.numa_node)
             .field("has_batch_copy", &self.inner.has_batch_copy)
+            .field("has_batch_copy_3d", &self.inner.has_batch_copy_3d)
+            .field("max_pitch", &self.inner.max_pitch)
             .finish()
     }
 }
@@ -115,6 +120,8 @@ impl CudaDevice {
                 != 0;
         let numa_node = pci_numa_node(ctx.cu_device());
         let has_batch_copy = driver_has("cuMemcpyBatchAsync_v2");
+        let has_batch_copy_3d = driver_has("cuMemcpy3DBatchAsync_v2");
+        let max_pitch = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_PITCH)?.max(0) as u64;
         let kernel = CopyKernel::load()?;
         tracing::debug!(ordinal, %name, sm_count, ?numa_node, has_batch_copy, "opened CUDA device");
         Ok(CudaDevice {
@@ -127,6 +134,8 @@ impl CudaDevice {
                 numa_node,
                 host_ptr_is_device_ptr,
                 has_batch_copy,
+                has_batch_copy_3d,
+                max_pitch,
             }),
         })
     }
@@ -170,6 +179,17 @@ impl CudaDevice {
     /// Whether the driver has `cuMemcpyBatchAsync_v2` (one call per batch).
     pub fn has_batch_copy(&self) -> bool {
         self.inner.has_batch_copy
+    }
+
+    /// Whether the driver has `cuMemcpy3DBatchAsync_v2` (pitched copies,
+    /// one call per batch).
+    pub fn has_batch_copy_3d(&self) -> bool {
+        self.inner.has_batch_copy_3d
+    }
+
+    /// The largest pitch a pitched copy may use (`CU_DEVICE_ATTRIBUTE_MAX_PITCH`).
+    pub fn max_pitch(&self) -> u64 {
+        self.inner.max_pitch
     }
 
     /// Synchronises the whole context (used by tests and benches).

@@ -37,6 +37,13 @@ pub trait CudaRegion: Send + Sync {
     }
     /// Where the bytes live.
     fn location(&self) -> Location;
+    /// The driver allocation this region lies in, as `[start, end)` device
+    /// addresses, where known. The copy engines may move a family of runs
+    /// that spans several regions as one descriptor only inside one
+    /// allocation; `None` (the default) treats the region as its own.
+    fn allocation(&self) -> Option<(u64, u64)> {
+        None
+    }
 }
 
 /// Device memory allocated by kvbm (`cuMemAlloc`), freed on drop.
@@ -125,6 +132,9 @@ impl CudaRegion for DeviceBuffer {
     fn location(&self) -> Location {
         Location::Device
     }
+    fn allocation(&self) -> Option<(u64, u64)> {
+        Some((self.ptr, self.ptr + self.len as u64))
+    }
 }
 
 impl Drop for DeviceBuffer {
@@ -144,6 +154,7 @@ pub struct ExternalDeviceMemory {
     ptr: CUdeviceptr,
     len: usize,
     ordinal: usize,
+    allocation: Option<(u64, u64)>,
 }
 
 impl std::fmt::Debug for ExternalDeviceMemory {
@@ -188,6 +199,7 @@ impl ExternalDeviceMemory {
             ptr,
             len,
             ordinal: device.ordinal(),
+            allocation: allocation_range(ptr, len),
         })
     }
 
@@ -227,6 +239,9 @@ impl CudaRegion for ExternalDeviceMemory {
     fn location(&self) -> Location {
         Location::Device
     }
+    fn allocation(&self) -> Option<(u64, u64)> {
+        self.allocation
+    }
 }
 
 pub(crate) fn bounds(offset: usize, len: usize, cap: usize) -> CudaResult<()> {
@@ -236,4 +251,44 @@ pub(crate) fn bounds(offset: usize, len: usize, cap: usize) -> CudaResult<()> {
             "range {offset}+{len} outside a region of {cap} bytes"
         ))),
     }
+}
+
+/// The driver allocation holding `[ptr, ptr + len)`
+/// (`CU_POINTER_ATTRIBUTE_RANGE_START_ADDR` / `_SIZE`), asked once when an
+/// engine's tensor is wrapped, so layer tensors carved out of one
+/// allocation count as one. `None` where the driver cannot say. The caller
+/// made the context current.
+fn allocation_range(ptr: u64, len: usize) -> Option<(u64, u64)> {
+    let mut start: CUdeviceptr = 0;
+    let mut size: usize = 0;
+    let mut attrs = [
+        CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+        CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+    ];
+    let mut data: [*mut c_void; 2] = [
+        (&mut start as *mut CUdeviceptr).cast::<c_void>(),
+        (&mut size as *mut usize).cast::<c_void>(),
+    ];
+    // SAFETY: two attributes, two out-pointers of the attributes'
+    // documented sizes (CUdeviceptr, size_t), all live across the call; the
+    // context is current.
+    let rc = unsafe { sys::cuPointerGetAttributes(2, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr) };
+    let end = start.checked_add(size as u64)?;
+    (rc == sys::CUresult::CUDA_SUCCESS && start <= ptr && end >= ptr + len as u64)
+        .then_some((start, end))
+}
+
+/// The start and end of every allocation the device regions in `regions`
+/// lie in, sorted: the boundaries no single DMA descriptor may cross.
+/// Regions that do not know their allocation count as their own.
+pub(crate) fn allocation_bounds(regions: &[std::sync::Arc<dyn CudaRegion>]) -> Vec<u64> {
+    let mut out = Vec::with_capacity(regions.len() * 2);
+    for r in regions.iter().filter(|r| r.location() == Location::Device) {
+        let base = r.device_ptr();
+        let (start, end) = r.allocation().unwrap_or((base, base + r.len() as u64));
+        out.extend([start, end]);
+    }
+    out.sort_unstable();
+    out.dedup();
+    out
 }

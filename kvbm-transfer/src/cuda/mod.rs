@@ -5,7 +5,9 @@
 //! - [`memory`]: device buffers, and an engine's KV tensors wrapped in place.
 //! - [`pinned`]: pinned host memory that is fast to get (parallel first touch
 //!   + `cuMemHostRegister`) and grows in the background.
-//! - [`plan`]: the pure part of executing a copy plan (merging, staging).
+//! - [`plan`]: the pure part of executing a copy plan (merging, staging);
+//!   `strided` finds affine families of runs the copy engines move as one
+//!   pitched descriptor each.
 //! - [`copier`]: the executor with its three paths (copy engines, kernel,
 //!   staged) and the measured rule choosing between them; its lanes
 //!   (streams, staging ring, descriptor buffers) live in a private module.
@@ -21,16 +23,18 @@ pub mod backend;
 pub mod completion;
 pub mod copier;
 pub mod device;
+mod dma;
 pub mod error;
 mod kernel;
 mod lanes;
 pub mod memory;
 pub mod pinned;
 pub mod plan;
+mod strided;
 
 pub use backend::{CudaBackend, to_transfer_error};
 pub use completion::Completion;
-pub use copier::{CopierConfig, CopyOptions, CopyPath, CudaCopier, Direction, GpuLoad};
+pub use copier::{CopierConfig, CopyOptions, CopyPath, CudaCopier, Direction, GpuLoad, PlanShape};
 pub use device::{CudaDevice, Probe, probe};
 pub use error::{CudaError, CudaResult};
 pub use memory::{CudaRegion, DeviceBuffer, ExternalDeviceMemory, Location};

@@ -129,3 +129,54 @@ pub fn random_blocks(n: usize, pool: usize, seed: u64) -> Vec<usize> {
     ids.truncate(n);
     ids
 }
+
+/// A window of a device buffer as its own region, as an engine's layer
+/// tensors carved out of one allocation are.
+pub struct DeviceWindow {
+    pub buf: std::sync::Arc<kvbm_transfer::cuda::DeviceBuffer>,
+    pub offset: usize,
+    pub len: usize,
+}
+
+impl kvbm_transfer::cuda::CudaRegion for DeviceWindow {
+    fn device_ptr(&self) -> u64 {
+        self.buf.ptr() + self.offset as u64
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn location(&self) -> kvbm_transfer::cuda::Location {
+        kvbm_transfer::cuda::Location::Device
+    }
+    fn allocation(&self) -> Option<(u64, u64)> {
+        kvbm_transfer::cuda::CudaRegion::allocation(&*self.buf)
+    }
+}
+
+/// One device allocation holding every region of `sizes` back to back, and
+/// the regions as windows of it.
+pub fn packed_device_regions(
+    dev: &CudaDevice,
+    sizes: &[usize],
+) -> (
+    std::sync::Arc<kvbm_transfer::cuda::DeviceBuffer>,
+    Vec<std::sync::Arc<dyn kvbm_transfer::cuda::CudaRegion>>,
+) {
+    let buf = std::sync::Arc::new(
+        kvbm_transfer::cuda::DeviceBuffer::new(dev, sizes.iter().sum()).expect("device buffer"),
+    );
+    let mut offset = 0;
+    let regions = sizes
+        .iter()
+        .map(|&len| {
+            let w = DeviceWindow {
+                buf: buf.clone(),
+                offset,
+                len,
+            };
+            offset += len;
+            std::sync::Arc::new(w) as std::sync::Arc<dyn kvbm_transfer::cuda::CudaRegion>
+        })
+        .collect();
+    (buf, regions)
+}
