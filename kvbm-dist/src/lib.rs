@@ -6,3 +6,32 @@
 //! ZeroMQ; and remote blocks (G4) pulled from peer instances over NIXL. It
 //! is the top of the stack and reuses the pool and transfer logic below it
 //! rather than duplicating it.
+//!
+//! With tensor parallelism every block has a slice on every rank, so one
+//! logical copy is a copy on every worker, and it has happened only when
+//! every worker says so. The leader's [`DistMover`](leader::DistMover)
+//! makes exactly that the tier engine's notion of a copy: it broadcasts the
+//! block pairs, completes when every worker acknowledged, and reports as
+//! landed only the pairs that landed on all of them. A worker that dies or
+//! falls silent fails every transfer it was part of (naming its rank), and
+//! the G2/G3 blocks whose bytes died with it are never served again.
+//!
+//! Map of the crate:
+//! - [`proto`]: the versioned wire format, its validating decoder and the
+//!   receiver-side bounds check.
+//! - [`transport`]: ZeroMQ ROUTER/DEALER sockets speaking [`proto`]
+//!   messages, and the wake-up pair that keeps each socket on one thread.
+//! - [`worker`]: the worker process's loop, its tiers, and host memory
+//!   shared with an engine process.
+//! - [`leader`]: the handshake, the leader's event loop (broadcast,
+//!   acknowledgements, heartbeats, faults, rejoin) and the distributed
+//!   mover.
+//! - [`error`]: the crate's error type, [`DistError`].
+
+pub mod error;
+pub mod leader;
+pub mod proto;
+pub mod transport;
+pub mod worker;
+
+pub use error::{DistError, Result};

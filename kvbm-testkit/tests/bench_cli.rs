@@ -170,3 +170,49 @@ fn tiny_transfer_matrix_is_json_with_references() {
     assert_eq!(measured, 16, "every CPU path measured");
     assert!(dir.path().join("transfer.svg").exists());
 }
+
+#[test]
+fn tp_replay_over_two_worker_processes_decides_and_verifies_like_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |workers: &str| {
+        let o = bench(
+            &[
+                "replay",
+                "--conversations",
+                "40",
+                "--model",
+                "tiny",
+                // Half a block per rank must stay disk-aligned.
+                "--scale",
+                "32",
+                "--g1",
+                "0.05",
+                "--g2",
+                "0.1",
+                "--g3",
+                "0.3",
+                "--workers",
+                workers,
+                "--no-svg",
+                "--json",
+            ],
+            dir.path(),
+        );
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).expect("stdout is JSON")
+    };
+    let local = run("0");
+    let tp = run("2");
+    assert!(
+        tp["g1_memory"]
+            .as_str()
+            .unwrap()
+            .contains("2 worker processes")
+    );
+    // The same engine decisions over the distributed mover...
+    assert_eq!(tp["tiers"], local["tiers"]);
+    // ...and every onboarded block checked (on both ranks, by the workers).
+    let verified = tp["verified_blocks"].as_u64().unwrap();
+    assert!(verified > 0, "nothing onboarded");
+    assert_eq!(verified, local["verified_blocks"].as_u64().unwrap());
+}

@@ -56,15 +56,20 @@ pub enum G1Memory {
     /// Device memory (feature `cuda`).
     #[cfg(feature = "cuda")]
     Device(super::gpu::DeviceTier),
+    /// Every worker's own G1, reached through the leader (tensor
+    /// parallelism: [`super::dist`]).
+    Distributed(std::sync::Arc<kvbm_dist::leader::Leader>),
 }
 
 impl G1Memory {
-    /// The physical layout, for the engine.
-    pub fn physical(&self) -> &kvbm_transfer::PhysicalLayout {
+    /// The physical layout, for the engine (none in this process when
+    /// the workers own G1).
+    pub fn physical(&self) -> Option<&kvbm_transfer::PhysicalLayout> {
         match self {
-            G1Memory::Host(h) => h.physical(),
+            G1Memory::Host(h) => Some(h.physical()),
             #[cfg(feature = "cuda")]
-            G1Memory::Device(d) => d.physical(),
+            G1Memory::Device(d) => Some(d.physical()),
+            G1Memory::Distributed(_) => None,
         }
     }
 
@@ -72,12 +77,13 @@ impl G1Memory {
     ///
     /// # Safety
     /// No transfer may touch this block while the call runs.
-    unsafe fn fill(&self, block: usize, hash: u64) -> Result<()> {
+    pub(crate) unsafe fn fill(&self, block: usize, hash: u64) -> Result<()> {
         match self {
             // SAFETY: forwarded from the caller.
             G1Memory::Host(h) => unsafe { h.fill(block, hash) },
             #[cfg(feature = "cuda")]
             G1Memory::Device(d) => d.fill(block, hash),
+            G1Memory::Distributed(l) => super::dist::fill(l, block, hash),
         }
     }
 
@@ -85,12 +91,13 @@ impl G1Memory {
     ///
     /// # Safety
     /// No transfer may write this block while the call runs.
-    unsafe fn check(&self, block: usize, hash: u64) -> Result<Option<Mismatch>> {
+    pub(crate) unsafe fn check(&self, block: usize, hash: u64) -> Result<Option<Mismatch>> {
         match self {
             // SAFETY: forwarded from the caller.
             G1Memory::Host(h) => unsafe { h.check(block, hash) },
             #[cfg(feature = "cuda")]
             G1Memory::Device(d) => d.check(block, hash),
+            G1Memory::Distributed(l) => super::dist::check(l, block, hash),
         }
     }
 }

@@ -31,6 +31,14 @@ pub fn device() -> Option<CudaDevice> {
     }
 }
 
+/// Device `ordinal`, when it exists.
+pub fn device_at(ordinal: usize) -> Option<CudaDevice> {
+    match probe() {
+        Probe::Devices(n) if ordinal < n => CudaDevice::open(ordinal).ok(),
+        _ => None,
+    }
+}
+
 /// G1 in device memory, one buffer per layout region.
 #[derive(Clone)]
 pub struct DeviceTier {

@@ -12,6 +12,7 @@
 //! The data plane is kvbm-pool's tier engine, driven by
 //! [`engine::EngineDriver`]; the simulators give the references.
 
+pub mod dist;
 pub mod engine;
 #[cfg(feature = "cuda")]
 pub mod gpu;
@@ -66,6 +67,13 @@ pub struct ReplayConfig {
     /// Total capacities (fractions of distinct blocks) to sweep with the
     /// simulators; empty for none.
     pub sweep: Vec<f64>,
+    /// Tensor-parallel ranks: 0 runs the engine in this process; N > 0
+    /// runs the leader here and N worker processes, each holding a 1/N
+    /// slice of every block (see [`dist`]).
+    pub workers: u32,
+    /// The binary to start workers from (its hidden `worker`
+    /// subcommand); `None` for this executable.
+    pub worker_exe: Option<PathBuf>,
 }
 
 /// Hits and rates of one tier.
@@ -291,6 +299,68 @@ fn host_tiers(
     ))
 }
 
+/// The engine in this process: G1 on the GPU (feature `cuda`, unless
+/// `host_g1`) or a host stand-in, G2 next to it, G3 on disk.
+fn local_engine(
+    cfg: &ReplayConfig,
+    tier_config: TierEngineConfig,
+    g1_layout: Layout,
+    g2_layout: Option<Layout>,
+    caps: [usize; 3],
+    page: usize,
+) -> Result<(TierEngine, G1Memory, String, bool)> {
+    #[cfg(feature = "cuda")]
+    let gpu = if cfg.host_g1 { None } else { gpu::device() };
+    #[cfg(feature = "cuda")]
+    let (g1, g2, exec, g1_memory) = match &gpu {
+        Some(dev) => (
+            G1Memory::Device(gpu::DeviceTier::allocate(dev, g1_layout)?),
+            g2_layout.map(|l| gpu::pinned_layout(dev, l)).transpose()?,
+            gpu::executor(dev, cfg.memcpy_threads)?,
+            format!(
+                "GPU memory of {} (engine layout, layer-separate K/V); G2 pinned host memory",
+                dev.name()
+            ),
+        ),
+        None => host_tiers(cfg, g1_layout, g2_layout)?,
+    };
+    #[cfg(not(feature = "cuda"))]
+    let (g1, g2, exec, g1_memory) = host_tiers(cfg, g1_layout, g2_layout)?;
+    let g3 = match caps[2] {
+        0 => None,
+        n => {
+            let alloc = DiskAllocator::new(&cfg.disk_dir, DiskOptions::default())?;
+            Some(PhysicalLayout::allocate_disk(
+                Layout::new(
+                    cfg.model.layout_config(n, page)?,
+                    LayoutKind::FullyContiguous,
+                )?,
+                &alloc,
+            )?)
+        }
+    };
+    let g3_direct = g3.as_ref().is_some_and(|l| {
+        l.regions()[0]
+            .file_location()
+            .is_some_and(|(f, _)| f.is_direct())
+    });
+    let g1_physical = g1
+        .physical()
+        .ok_or_else(|| BenchError::Tier("G1 is not in this process".into()))?
+        .clone();
+    let engine = TierEngine::new(
+        tier_config,
+        TierLayouts {
+            g1: g1_physical,
+            g2,
+            g3,
+        },
+        exec,
+    )
+    .map_err(|e| BenchError::Tier(e.to_string()))?;
+    Ok((engine, g1, g1_memory, g3_direct))
+}
+
 /// Runs the replay; `progress(done, total)` is called after each request.
 pub fn run_replay(
     cfg: &ReplayConfig,
@@ -336,53 +406,57 @@ pub fn run_replay(
             LayoutKind::FullyContiguous,
         )?),
     };
-    #[cfg(feature = "cuda")]
-    let gpu = if cfg.host_g1 { None } else { gpu::device() };
-    #[cfg(feature = "cuda")]
-    let (g1, g2, exec, g1_memory) = match &gpu {
-        Some(dev) => (
-            G1Memory::Device(gpu::DeviceTier::allocate(dev, g1_layout)?),
-            g2_layout.map(|l| gpu::pinned_layout(dev, l)).transpose()?,
-            gpu::executor(dev, cfg.memcpy_threads)?,
-            format!(
-                "GPU memory of {} (engine layout, layer-separate K/V); G2 pinned host memory",
-                dev.name()
-            ),
-        ),
-        None => host_tiers(cfg, g1_layout, g2_layout)?,
-    };
-    #[cfg(not(feature = "cuda"))]
-    let (g1, g2, exec, g1_memory) = host_tiers(cfg, g1_layout, g2_layout)?;
-    let g3 = match caps[2] {
-        0 => None,
-        n => {
-            let alloc = DiskAllocator::new(&cfg.disk_dir, DiskOptions::default())?;
-            Some(PhysicalLayout::allocate_disk(
-                Layout::new(
-                    cfg.model.layout_config(n, page)?,
-                    LayoutKind::FullyContiguous,
-                )?,
-                &alloc,
-            )?)
+    let tier_config = TierEngineConfig::new(cfg.block_tokens as usize)
+        .g2_policy(cfg.policy)
+        .g3_policy(cfg.policy);
+    // Declared before the engine so that it outlives it: the leader shuts
+    // the workers down when dropped.
+    let mut _cluster = None;
+    let (engine, g1, g1_memory, g3_direct) = if cfg.workers > 0 {
+        let n = cfg.workers as usize;
+        if !cfg.model.inner_dim.is_multiple_of(n) {
+            return Err(BenchError::Config(format!(
+                "{} KV values per token do not split over {n} ranks",
+                cfg.model.inner_dim
+            )));
         }
+        let rank_model = KvModel {
+            inner_dim: cfg.model.inner_dim / n,
+            ..cfg.model
+        };
+        check_disk_alignment(&rank_model, page)?;
+        let rank_g1 = Layout::new(
+            rank_model.layout_config(g1_slots.max(1), page)?,
+            LayoutKind::LayerSeparate(BlockOrder::OuterFirst),
+        )?;
+        let exe = match &cfg.worker_exe {
+            Some(p) => p.clone(),
+            None => std::env::current_exe()
+                .map_err(|e| BenchError::Config(format!("cannot find this executable: {e}")))?,
+        };
+        let c = dist::start(
+            &exe,
+            cfg.workers,
+            &rank_g1,
+            caps[1],
+            caps[2],
+            &cfg.disk_dir,
+            cfg.host_g1,
+            cfg.memcpy_threads,
+        )?;
+        let mover: std::sync::Arc<dyn kvbm_pool::tier::TierMover> = c.leader.mover();
+        let engine = TierEngine::with_mover(tier_config, mover)
+            .map_err(|e| BenchError::Tier(e.to_string()))?;
+        let g1 = G1Memory::Distributed(std::sync::Arc::clone(&c.leader));
+        let what = format!(
+            "{} worker processes, 1/{} of every block each (G1 per worker: GPU `rank` when built with cuda and present, else a host stand-in; each worker logs which)",
+            cfg.workers, cfg.workers
+        );
+        _cluster = Some(c);
+        (engine, g1, what, false)
+    } else {
+        local_engine(cfg, tier_config, g1_layout, g2_layout, caps, page)?
     };
-    let g3_direct = g3.as_ref().is_some_and(|l| {
-        l.regions()[0]
-            .file_location()
-            .is_some_and(|(f, _)| f.is_direct())
-    });
-    let engine = TierEngine::new(
-        TierEngineConfig::new(cfg.block_tokens as usize)
-            .g2_policy(cfg.policy)
-            .g3_policy(cfg.policy),
-        TierLayouts {
-            g1: g1.physical().clone(),
-            g2,
-            g3,
-        },
-        exec,
-    )
-    .map_err(|e| BenchError::Tier(e.to_string()))?;
     let mut driver = EngineDriver::new(engine, g1, cfg.block_tokens);
     let start = Instant::now();
     let mut hits = [0u64; 3];
@@ -440,7 +514,9 @@ pub fn run_replay(
         placement: format!(
             "kvbm-pool TierEngine, G2/G3 policy {:?}; G3 {}",
             cfg.policy,
-            if g3_direct {
+            if cfg.workers > 0 {
+                "files on the workers (O_DIRECT where the file system allows)"
+            } else if g3_direct {
                 "O_DIRECT"
             } else {
                 "buffered (no O_DIRECT here)"
@@ -557,6 +633,8 @@ mod tests {
             policy: TierPolicy::WriteThrough,
             host_g1: true,
             sweep: Vec::new(),
+            workers: 0,
+            worker_exe: None,
         };
         assert!(matches!(
             run_replay(&cfg, |_, _| {}),

@@ -12,13 +12,14 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvbm_pool::tier::TierPolicy;
 use kvbm_testkit::bench::matrix::{MatrixConfig, matrix_cells, run_matrix};
+use kvbm_testkit::bench::replay::dist::{WorkerArgs as DistWorkerArgs, run_worker};
 use kvbm_testkit::bench::replay::{ReplayConfig, run_replay};
 use kvbm_testkit::bench::{BenchError, KvModel};
 use kvbm_testkit::trace::{
     MOONCAKE_BLOCK_TOKENS, SyntheticConfig, generate_synthetic, read_mooncake,
 };
 
-use crate::cli::{Cli, Command, Policy, ReplayArgs, TransferArgs};
+use crate::cli::{Cli, Command, Policy, ReplayArgs, TransferArgs, WorkerArgs};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -32,6 +33,7 @@ fn main() -> ExitCode {
     let result = match &cli.command {
         Command::Transfer(args) => transfer(&cli, args),
         Command::Replay(args) => replay(&cli, args),
+        Command::Worker(args) => worker(&cli, args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -40,6 +42,21 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// A tensor-parallel replay's worker process (started by `replay
+/// --workers N`, not by hand).
+fn worker(cli: &Cli, args: &WorkerArgs) -> Result<(), BenchError> {
+    run_worker(&DistWorkerArgs {
+        endpoint: args.endpoint.clone(),
+        instance: args.instance,
+        rank: args.rank,
+        world: args.world,
+        layout_json: args.layout.clone(),
+        g3_dir: args.g3_dir.clone(),
+        host_g1: args.host_g1,
+        threads: cli.threads.into(),
+    })
 }
 
 fn progress_bar(cli: &Cli, len: u64, what: &str) -> ProgressBar {
@@ -132,6 +149,8 @@ fn replay(cli: &Cli, args: &ReplayArgs) -> Result<(), BenchError> {
         } else {
             Vec::new()
         },
+        workers: args.workers,
+        worker_exe: None,
     };
     let bar = progress_bar(cli, config.requests.len() as u64, "replay");
     let report = run_replay(&config, |done, _| bar.set_position(done as u64))?;

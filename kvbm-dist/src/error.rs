@@ -1,0 +1,116 @@
+//! The crate's error type.
+
+use crate::proto::ProtoError;
+
+/// Everything that can go wrong between a leader and its workers.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DistError {
+    /// A frame was refused by the decoder or by a bounds check.
+    #[error("protocol: {0}")]
+    Protocol(#[from] ProtoError),
+    /// A ZeroMQ call failed.
+    #[error("zeromq {what}: {source}")]
+    Zmq {
+        /// What was being done.
+        what: &'static str,
+        /// The error.
+        #[source]
+        source: zmq::Error,
+    },
+    /// Allocating or moving bytes failed on this side.
+    #[error("transfer: {0}")]
+    Transfer(#[from] kvbm_transfer::TransferError),
+    /// A layout could not be built.
+    #[error("layout: {0}")]
+    Layout(#[from] kvbm_layout::LayoutError),
+    /// A worker's shape differs from rank 0's.
+    #[error("rank {rank} disagrees with rank 0: {reason}")]
+    ShapeMismatch {
+        /// The rank.
+        rank: u32,
+        /// What differs.
+        reason: String,
+    },
+    /// Two workers claimed the same rank.
+    #[error("rank {rank} claimed twice (peers {first} and {second})")]
+    DuplicateRank {
+        /// The rank.
+        rank: u32,
+        /// The first claimant's identity.
+        first: String,
+        /// The second claimant's identity.
+        second: String,
+    },
+    /// A Hello from a peer of another protocol version.
+    #[error("peer {peer} speaks protocol version {found}, this build speaks {supported}")]
+    VersionMismatch {
+        /// The peer's ZeroMQ identity.
+        peer: String,
+        /// Its version.
+        found: u16,
+        /// Ours.
+        supported: u16,
+    },
+    /// A Hello that does not fit this leader (other instance, other world
+    /// size).
+    #[error("peer {peer} does not belong here: {reason}")]
+    Foreign {
+        /// The peer's identity.
+        peer: String,
+        /// Why.
+        reason: String,
+    },
+    /// Not every rank said Hello (or Ready) in time.
+    #[error("{phase} timed out after {waited_ms} ms; missing ranks {missing:?}{}", rejected_note(.rejected))]
+    Timeout {
+        /// `"hello"` or `"ready"`.
+        phase: &'static str,
+        /// How long the leader waited.
+        waited_ms: u64,
+        /// Ranks that did not answer.
+        missing: Vec<u32>,
+        /// Frames refused meanwhile, with why.
+        rejected: Vec<String>,
+    },
+    /// A worker reported an error instead of Ready.
+    #[error("rank {rank} failed: {message}")]
+    Worker {
+        /// The rank.
+        rank: u32,
+        /// Its error text.
+        message: String,
+    },
+    /// Bad configuration.
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
+    /// The leader (or the worker's connection to it) is gone.
+    #[error("leader gone: {0}")]
+    LeaderGone(String),
+    /// An I/O error.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn rejected_note(rejected: &[String]) -> String {
+    if rejected.is_empty() {
+        String::new()
+    } else {
+        format!("; refused meanwhile: {}", rejected.join("; "))
+    }
+}
+
+impl DistError {
+    pub(crate) fn zmq(what: &'static str) -> impl FnOnce(zmq::Error) -> DistError {
+        move |source| DistError::Zmq { what, source }
+    }
+}
+
+/// Shorthand for results in this crate.
+pub type Result<T, E = DistError> = std::result::Result<T, E>;

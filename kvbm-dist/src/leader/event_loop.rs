@@ -1,0 +1,707 @@
+//! The leader's event loop: the only thread that touches the ROUTER socket.
+//!
+//! Each turn it takes new copies from the mover, reads every frame the
+//! workers sent, and then looks at the clock: pings are due, a worker has
+//! been silent too long, a transfer is overdue, a caller cancelled. It
+//! sleeps in `zmq::poll` on the socket and the wake-up receiver, at most
+//! one heartbeat interval.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::Instant;
+
+use kvbm_pool::Tier;
+use kvbm_transfer::{
+    CancelToken, Completer, TransferError, TransferFailure, TransferOutcome, TransferReport,
+};
+
+use crate::proto::{Ack, AckFailure, ErrorReply, Hello, Message, Transfer, truncate};
+use crate::transport::{Received, RouterSocket, WakeReceiver};
+
+use super::handshake::shape_difference;
+use super::lost::LostBlocks;
+use super::mover::{CopyRequest, dist_error, nothing_landed};
+use super::{Cluster, Command, LeaderConfig, Loss, LostHook, RankState, StatusCell};
+
+/// One rank's connection.
+struct Rank {
+    identity: Vec<u8>,
+    state: RankState,
+    last_heard: Instant,
+}
+
+/// A copy broadcast to the workers, waiting for their answers.
+struct Inflight {
+    dst: Tier,
+    pairs: Vec<(usize, usize)>,
+    pair_set: HashSet<(u32, u32)>,
+    /// Per rank: its acknowledgement, once it came.
+    acks: Vec<Option<Ack>>,
+    /// Per rank: why it will never answer (it was lost).
+    lost: Vec<Option<String>>,
+    cancel: CancelToken,
+    cancel_sent: bool,
+    deadline: Instant,
+    completer: Completer<TransferOutcome>,
+}
+
+impl Inflight {
+    fn answered(&self, rank: usize) -> bool {
+        self.acks[rank].is_some() || self.lost[rank].is_some()
+    }
+}
+
+/// A probe waiting for every rank's reply.
+struct PendingProbe {
+    replies: Vec<Option<Vec<u32>>>,
+    reply: mpsc::Sender<crate::error::Result<Vec<Vec<u32>>>>,
+}
+
+pub(crate) struct EventLoop {
+    probes: HashMap<u64, PendingProbe>,
+    config: LeaderConfig,
+    router: RouterSocket,
+    wake: WakeReceiver,
+    commands: mpsc::Receiver<Command>,
+    reference: Hello,
+    configure: crate::proto::Configure,
+    ranks: Vec<Rank>,
+    inflight: HashMap<u64, Inflight>,
+    next_id: u64,
+    next_ping: Instant,
+    ping_seq: u64,
+    lost_blocks: LostBlocks,
+    status: Arc<StatusCell>,
+    hook: LostHook,
+    block_bytes: u64,
+}
+
+impl EventLoop {
+    pub(crate) fn new(
+        config: LeaderConfig,
+        router: RouterSocket,
+        wake: WakeReceiver,
+        commands: mpsc::Receiver<Command>,
+        cluster: Cluster,
+        status: Arc<StatusCell>,
+        hook: LostHook,
+    ) -> Self {
+        let now = Instant::now();
+        let world = cluster.identities.len() as u64;
+        EventLoop {
+            next_ping: now,
+            ranks: cluster
+                .identities
+                .into_iter()
+                .map(|identity| Rank {
+                    identity,
+                    state: RankState::Live,
+                    last_heard: now,
+                })
+                .collect(),
+            lost_blocks: LostBlocks::new(
+                cluster.configure.g2_blocks as usize,
+                cluster.configure.g3_blocks as usize,
+            ),
+            block_bytes: cluster.reference.bytes_per_block.saturating_mul(world),
+            reference: cluster.reference,
+            configure: cluster.configure,
+            config,
+            router,
+            wake,
+            commands,
+            inflight: HashMap::new(),
+            probes: HashMap::new(),
+            next_id: 1,
+            ping_seq: 0,
+            status,
+            hook,
+        }
+    }
+
+    pub(crate) fn run(mut self) {
+        let _span = tracing::info_span!("leader", instance = self.config.instance).entered();
+        loop {
+            let timeout = self
+                .config
+                .heartbeat_interval
+                .min(self.next_ping.saturating_duration_since(Instant::now()));
+            {
+                let mut items = [
+                    self.router.raw().as_poll_item(zmq::POLLIN),
+                    self.wake.socket().as_poll_item(zmq::POLLIN),
+                ];
+                if let Err(e) = zmq::poll(&mut items, timeout.as_millis().max(1) as i64) {
+                    tracing::error!("leader poll failed: {e}; stopping");
+                    break;
+                }
+            }
+            self.wake.drain();
+            if !self.take_commands() {
+                break;
+            }
+            loop {
+                match self.router.try_recv() {
+                    Ok(Some(r)) => self.on_frame(r),
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::warn!("receive failed: {e}");
+                        break;
+                    }
+                }
+            }
+            self.on_clock();
+        }
+        for rank in &self.ranks {
+            let _ = self.router.send(&rank.identity, &Message::Shutdown);
+        }
+        let ids: Vec<u64> = self.inflight.keys().copied().collect();
+        for id in ids {
+            if let Some(t) = self.inflight.remove(&id) {
+                t.completer
+                    .complete(nothing_landed("the leader shut down".into(), t.pairs));
+            }
+        }
+    }
+
+    /// Returns false on shutdown.
+    fn take_commands(&mut self) -> bool {
+        loop {
+            match self.commands.try_recv() {
+                Ok(Command::Copy(c)) => self.start_copy(c),
+                Ok(Command::Probe { op, blocks, reply }) => self.start_probe(op, blocks, reply),
+                Ok(Command::Shutdown) | Err(mpsc::TryRecvError::Disconnected) => return false,
+                Err(mpsc::TryRecvError::Empty) => return true,
+            }
+        }
+    }
+
+    fn start_copy(&mut self, c: CopyRequest) {
+        if let Some((rank, r)) = self
+            .ranks
+            .iter()
+            .enumerate()
+            .find(|(_, r)| r.state != RankState::Live)
+        {
+            let why = match &r.state {
+                RankState::Lost { reason } => format!("lost: {reason}"),
+                _ => "rejoining".into(),
+            };
+            c.completer.complete(nothing_landed(
+                format!("instance degraded: rank {rank} is {why}"),
+                c.pairs,
+            ));
+            return;
+        }
+        if let Some(&(s, _)) = c
+            .pairs
+            .iter()
+            .find(|&&(s, _)| self.lost_blocks.is_lost(c.src, s))
+        {
+            c.completer.complete(nothing_landed(
+                format!(
+                    "{:?} block {s} lost its bytes with a worker and was not written since",
+                    c.src
+                ),
+                c.pairs,
+            ));
+            return;
+        }
+        if c.cancel.is_cancelled() {
+            c.completer.complete(Err(Box::new(TransferFailure {
+                error: TransferError::Cancelled,
+                completed: Vec::new(),
+                failed: c.pairs,
+                culprit: None,
+            })));
+            return;
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        // Ids were checked against the tiers, which fit in u32.
+        let wire: Vec<(u32, u32)> = c.pairs.iter().map(|&(s, d)| (s as u32, d as u32)).collect();
+        let message = Message::Transfer(Transfer {
+            id,
+            src: c.src,
+            dst: c.dst,
+            pairs: wire.clone(),
+        });
+        let world = self.ranks.len();
+        self.inflight.insert(
+            id,
+            Inflight {
+                dst: c.dst,
+                pairs: c.pairs,
+                pair_set: wire.into_iter().collect(),
+                acks: vec![None; world],
+                lost: vec![None; world],
+                cancel: c.cancel,
+                cancel_sent: false,
+                deadline: Instant::now() + self.config.transfer_timeout,
+                completer: c.completer,
+            },
+        );
+        tracing::debug!(transfer = id, src = ?c.src, dst = ?c.dst, "broadcast");
+        for rank in 0..world {
+            if let Err(e) = self.router.send(&self.ranks[rank].identity, &message) {
+                self.lose(rank, format!("unreachable: {e}"));
+            }
+        }
+        self.try_resolve(id);
+    }
+
+    fn start_probe(
+        &mut self,
+        op: crate::proto::ProbeOp,
+        blocks: Vec<(u32, u64)>,
+        reply: mpsc::Sender<crate::error::Result<Vec<Vec<u32>>>>,
+    ) {
+        if let Some(rank) = self.ranks.iter().position(|r| r.state != RankState::Live) {
+            let _ = reply.send(Err(crate::error::DistError::Worker {
+                rank: rank as u32,
+                message: "not live".into(),
+            }));
+            return;
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let message = Message::Probe(crate::proto::Probe { id, op, blocks });
+        self.probes.insert(
+            id,
+            PendingProbe {
+                replies: vec![None; self.ranks.len()],
+                reply,
+            },
+        );
+        for rank in 0..self.ranks.len() {
+            if let Err(e) = self.router.send(&self.ranks[rank].identity, &message) {
+                self.lose(rank, format!("unreachable: {e}"));
+            }
+        }
+    }
+
+    fn on_probe_reply(&mut self, rank: usize, r: crate::proto::ProbeReply) {
+        let Some(p) = self.probes.get_mut(&r.id) else {
+            return;
+        };
+        if let Some(e) = r.error {
+            if let Some(p) = self.probes.remove(&r.id) {
+                let _ = p.reply.send(Err(crate::error::DistError::Worker {
+                    rank: rank as u32,
+                    message: e,
+                }));
+            }
+            return;
+        }
+        p.replies[rank] = Some(r.mismatched);
+        if p.replies.iter().all(Option::is_some)
+            && let Some(p) = self.probes.remove(&r.id)
+        {
+            let _ = p.reply.send(Ok(p.replies.into_iter().flatten().collect()));
+        }
+    }
+
+    fn rank_of(&self, peer: &[u8]) -> Option<usize> {
+        self.ranks.iter().position(|r| r.identity == peer)
+    }
+
+    fn on_frame(&mut self, r: Received) {
+        let rank = self.rank_of(&r.peer);
+        if let Some(rank) = rank {
+            self.ranks[rank].last_heard = Instant::now();
+        }
+        let peer_name = String::from_utf8_lossy(&r.peer).into_owned();
+        let message = match r.message {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(peer = %peer_name, ?rank, "refused a frame: {e}");
+                let _ = self
+                    .router
+                    .send(&r.peer, &error(None, format!("refused frame: {e}")));
+                return;
+            }
+        };
+        if let Some(rank) = rank
+            && matches!(self.ranks[rank].state, RankState::Lost { .. })
+            && !matches!(message, Message::Hello(_))
+        {
+            // A lost worker that speaks again has been stalled: its bytes
+            // are written off, it must exit and come back as a new process.
+            tracing::warn!(rank, "a lost worker spoke again; telling it to exit");
+            let _ = self.router.send(&r.peer, &Message::Shutdown);
+            return;
+        }
+        match (rank, message) {
+            (_, Message::Hello(h)) => self.on_hello(r.peer, h),
+            (Some(_), Message::Pong { .. }) => {}
+            (Some(rank), Message::Ready(m)) if self.ranks[rank].state == RankState::Rejoining => {
+                if m.rank as usize == rank
+                    && m.g2_blocks == self.configure.g2_blocks
+                    && m.g3_blocks == self.configure.g3_blocks
+                {
+                    tracing::info!(rank, "rejoined");
+                    self.ranks[rank].state = RankState::Live;
+                    self.publish();
+                } else {
+                    tracing::warn!(rank, "rejoining worker is ready with the wrong shape");
+                    let _ = self.router.send(&r.peer, &Message::Shutdown);
+                    self.lose(rank, "ready with the wrong shape".into());
+                }
+            }
+            (Some(rank), Message::Ack(a)) => self.on_ack(rank, a),
+            (Some(rank), Message::ProbeReply(p)) => self.on_probe_reply(rank, p),
+            (Some(rank), Message::Error(e)) => match e.transfer_id {
+                Some(id) => {
+                    let failed = self
+                        .inflight
+                        .get(&id)
+                        .map(|t| t.pair_set.iter().copied().collect())
+                        .unwrap_or_default();
+                    self.on_ack(
+                        rank,
+                        Ack {
+                            transfer_id: id,
+                            rank: rank as u32,
+                            completed: Vec::new(),
+                            failure: Some(AckFailure {
+                                error: e.message,
+                                failed,
+                            }),
+                        },
+                    );
+                }
+                None => {
+                    tracing::warn!(rank, "worker reports: {}", e.message);
+                    if self.ranks[rank].state == RankState::Rejoining {
+                        self.lose(rank, format!("failed to rejoin: {}", e.message));
+                    }
+                }
+            },
+            (rank, other) => {
+                tracing::warn!(peer = %peer_name, ?rank, kind = ?other.kind(), "unexpected message");
+                let _ = self.router.send(
+                    &r.peer,
+                    &error(
+                        None,
+                        format!("a leader does not accept {:?} here", other.kind()),
+                    ),
+                );
+            }
+        }
+    }
+
+    fn on_hello(&mut self, peer: Vec<u8>, h: Hello) {
+        let name = String::from_utf8_lossy(&peer).into_owned();
+        let refusal =
+            if h.instance != self.config.instance || h.world_size != self.config.world_size {
+                Some(format!(
+                    "instance {:x} of world {} does not belong to instance {:x} of world {}",
+                    h.instance, h.world_size, self.config.instance, self.config.world_size
+                ))
+            } else {
+                shape_difference(&self.reference, &h)
+                    .map(|d| format!("rank {} cannot rejoin: {d}", h.rank))
+            };
+        if let Some(reason) = refusal {
+            tracing::warn!(peer = %name, "refused hello: {reason}");
+            let _ = self.router.send(&peer, &error(None, reason));
+            let _ = self.router.send(&peer, &Message::Shutdown);
+            return;
+        }
+        let rank = h.rank as usize;
+        if self.ranks[rank].identity == peer {
+            return; // a repeated hello
+        }
+        if self.ranks[rank].state == RankState::Live {
+            // A new process for a rank we thought alive: the old one is gone.
+            self.lose(rank, format!("replaced by a new process ({name})"));
+        }
+        tracing::info!(rank, peer = %name, "rejoining");
+        let r = &mut self.ranks[rank];
+        r.identity = peer;
+        r.state = RankState::Rejoining;
+        r.last_heard = Instant::now();
+        if let Err(e) = self.router.send(
+            &self.ranks[rank].identity,
+            &Message::Configure(self.configure),
+        ) {
+            self.lose(rank, format!("unreachable while rejoining: {e}"));
+            return;
+        }
+        self.publish();
+    }
+
+    fn on_ack(&mut self, rank: usize, mut a: Ack) {
+        let Some(t) = self.inflight.get_mut(&a.transfer_id) else {
+            tracing::debug!(
+                rank,
+                transfer = a.transfer_id,
+                "ack for no transfer in flight"
+            );
+            return;
+        };
+        if t.answered(rank) {
+            return;
+        }
+        let bogus = if a.rank as usize != rank {
+            Some(format!("ack names rank {}", a.rank))
+        } else {
+            a.completed
+                .iter()
+                .chain(a.failure.iter().flat_map(|f| f.failed.iter()))
+                .find(|p| !t.pair_set.contains(p))
+                .map(|p| format!("ack names pair {p:?}, which is not part of the transfer"))
+        };
+        if let Some(why) = bogus {
+            tracing::warn!(rank, transfer = a.transfer_id, "invalid ack: {why}");
+            a = Ack {
+                transfer_id: a.transfer_id,
+                rank: rank as u32,
+                completed: Vec::new(),
+                failure: Some(AckFailure {
+                    error: format!("invalid ack: {why}"),
+                    failed: t.pair_set.iter().copied().collect(),
+                }),
+            };
+        }
+        let id = a.transfer_id;
+        t.acks[rank] = Some(a);
+        self.try_resolve(id);
+    }
+
+    /// Resolves transfer `id` if every rank answered.
+    fn try_resolve(&mut self, id: u64) {
+        let Some(t) = self.inflight.get(&id) else {
+            return;
+        };
+        if !(0..self.ranks.len()).all(|r| t.answered(r)) {
+            return;
+        }
+        let Some(t) = self.inflight.remove(&id) else {
+            return;
+        };
+        let outcome = self.outcome(&t);
+        if let Ok(r) = &outcome {
+            tracing::debug!(transfer = id, blocks = r.blocks, "done");
+        } else if let Err(f) = &outcome {
+            tracing::warn!(transfer = id, "failed: {f}");
+        }
+        let restored: &[(usize, usize)] = match &outcome {
+            Ok(_) => &t.pairs,
+            Err(f) => &f.completed,
+        };
+        let was_lost = self.lost_blocks.count(t.dst);
+        for &(_, d) in restored {
+            self.lost_blocks.restore(t.dst, d);
+        }
+        if self.lost_blocks.count(t.dst) != was_lost {
+            self.publish();
+        }
+        t.completer.complete(outcome);
+    }
+
+    fn outcome(&self, t: &Inflight) -> TransferOutcome {
+        if let Some((rank, why)) = t
+            .lost
+            .iter()
+            .enumerate()
+            .find_map(|(r, l)| l.as_ref().map(|l| (r, l)))
+        {
+            // A lost worker's bytes are unknown: nothing landed anywhere.
+            return nothing_landed(format!("rank {rank} lost: {why}"), t.pairs.clone());
+        }
+        // Every rank acked: what landed is what landed on all of them.
+        let mut landed: Option<HashSet<(u32, u32)>> = None;
+        let mut first_failure: Option<(usize, String)> = None;
+        for (rank, a) in t.acks.iter().enumerate() {
+            let Some(a) = a else { continue };
+            let set: HashSet<(u32, u32)> = a.completed.iter().copied().collect();
+            landed = Some(match landed {
+                None => set,
+                Some(l) => l.intersection(&set).copied().collect(),
+            });
+            if let Some(f) = &a.failure
+                && first_failure.is_none()
+            {
+                first_failure = Some((rank, f.error.clone()));
+            }
+        }
+        let landed = landed.unwrap_or_default();
+        if first_failure.is_none() && landed.len() == t.pairs.len() {
+            return Ok(TransferReport {
+                blocks: t.pairs.len(),
+                bytes: t.pairs.len() as u64 * self.block_bytes,
+            });
+        }
+        let (completed, failed): (Vec<_>, Vec<_>) = t
+            .pairs
+            .iter()
+            .partition(|&&(s, d)| landed.contains(&(s as u32, d as u32)));
+        let error = match first_failure {
+            Some(_) if t.cancel.is_cancelled() => TransferError::Cancelled,
+            Some((rank, e)) => dist_error(format!("rank {rank}: {e}")),
+            None => dist_error("a worker acknowledged fewer pairs than were sent".into()),
+        };
+        Err(Box::new(TransferFailure {
+            error,
+            completed,
+            failed,
+            culprit: None,
+        }))
+    }
+
+    /// Declares `rank` lost: fails its transfers (after the survivors
+    /// stop), marks G2/G3 lost, degrades the instance until it rejoins.
+    fn lose(&mut self, rank: usize, reason: String) {
+        if matches!(self.ranks[rank].state, RankState::Lost { .. }) {
+            return;
+        }
+        tracing::warn!(rank, "worker lost: {reason}");
+        // If it is still there (stalled, not dead), it must stop writing:
+        // it rejoins as a new process.
+        let _ = self
+            .router
+            .send(&self.ranks[rank].identity, &Message::Shutdown);
+        self.ranks[rank].state = RankState::Lost {
+            reason: reason.clone(),
+        };
+        self.lost_blocks.lose_all();
+        for (_, p) in self.probes.drain() {
+            let _ = p.reply.send(Err(crate::error::DistError::Worker {
+                rank: rank as u32,
+                message: format!("lost: {reason}"),
+            }));
+        }
+        let ids: Vec<u64> = self.inflight.keys().copied().collect();
+        for &id in &ids {
+            let Some(t) = self.inflight.get_mut(&id) else {
+                continue;
+            };
+            if !t.answered(rank) {
+                t.lost[rank] = Some(reason.clone());
+            }
+            // The survivors stop writing; the transfer resolves on their
+            // acknowledgements, after which nothing more lands.
+            if !t.cancel_sent {
+                t.cancel_sent = true;
+                let cancel = Message::Cancel { transfer_id: id };
+                let pending: Vec<usize> =
+                    (0..self.ranks.len()).filter(|&r| !t.answered(r)).collect();
+                for r in pending {
+                    let _ = self.router.send(&self.ranks[r].identity, &cancel);
+                }
+            }
+        }
+        // The hook (dropping lost blocks from the books) runs before the
+        // loss is published, so whoever sees the loss sees the books
+        // already cleaned.
+        if let Some(hook) = self.hook.lock().as_ref() {
+            hook(rank as u32);
+        }
+        self.status.update(|s| {
+            s.losses.push(Loss {
+                rank: rank as u32,
+                reason: reason.clone(),
+            })
+        });
+        self.publish();
+        for id in ids {
+            self.try_resolve(id);
+        }
+    }
+
+    fn publish(&self) {
+        let states: Vec<RankState> = self.ranks.iter().map(|r| r.state.clone()).collect();
+        let lost = (
+            self.lost_blocks.count(Tier::G2),
+            self.lost_blocks.count(Tier::G3),
+        );
+        self.status.update(|s| {
+            s.ranks = states;
+            s.lost_blocks = lost;
+        });
+    }
+
+    fn on_clock(&mut self) {
+        let now = Instant::now();
+        // Silent workers.
+        for rank in 0..self.ranks.len() {
+            let r = &self.ranks[rank];
+            if !matches!(r.state, RankState::Lost { .. })
+                && now.duration_since(r.last_heard) > self.config.heartbeat_timeout
+            {
+                let silent = now.duration_since(r.last_heard).as_millis();
+                self.lose(rank, format!("silent for {silent} ms"));
+            }
+        }
+        // Overdue transfers lose the ranks that did not answer.
+        let overdue: Vec<(u64, Vec<usize>)> = self
+            .inflight
+            .iter()
+            .filter(|(_, t)| now > t.deadline)
+            .map(|(&id, t)| {
+                (
+                    id,
+                    (0..self.ranks.len()).filter(|&r| !t.answered(r)).collect(),
+                )
+            })
+            .collect();
+        for (id, ranks) in overdue {
+            for rank in ranks {
+                let _ = self
+                    .router
+                    .send(&self.ranks[rank].identity, &Message::Shutdown);
+                self.lose(
+                    rank,
+                    format!(
+                        "transfer {id} unanswered after {:?}",
+                        self.config.transfer_timeout
+                    ),
+                );
+            }
+        }
+        // Cancelled transfers.
+        let mut cancels = Vec::new();
+        for (&id, t) in self.inflight.iter_mut() {
+            if !t.cancel_sent && t.cancel.is_cancelled() {
+                t.cancel_sent = true;
+                cancels.push((
+                    id,
+                    (0..self.ranks.len())
+                        .filter(|&r| !t.answered(r))
+                        .collect::<Vec<_>>(),
+                ));
+            }
+        }
+        for (id, ranks) in cancels {
+            for r in ranks {
+                let _ = self.router.send(
+                    &self.ranks[r].identity,
+                    &Message::Cancel { transfer_id: id },
+                );
+            }
+        }
+        // Pings.
+        if now >= self.next_ping {
+            self.next_ping = now + self.config.heartbeat_interval;
+            self.ping_seq += 1;
+            let ping = Message::Ping { seq: self.ping_seq };
+            for rank in 0..self.ranks.len() {
+                if matches!(self.ranks[rank].state, RankState::Lost { .. }) {
+                    continue;
+                }
+                if let Err(e) = self.router.send(&self.ranks[rank].identity, &ping) {
+                    self.lose(rank, format!("unreachable: {e}"));
+                }
+            }
+        }
+    }
+}
+
+fn error(transfer_id: Option<u64>, message: String) -> Message {
+    Message::Error(ErrorReply {
+        transfer_id,
+        message: truncate(message),
+    })
+}

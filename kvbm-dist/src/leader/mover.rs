@@ -1,0 +1,167 @@
+//! The distributed mover: the tier engine's copies, run on every worker.
+//!
+//! A copy is checked here against the tiers every worker holds (a bad
+//! request fails at once, nothing is sent), then handed to the leader's
+//! event loop, which broadcasts it and resolves the completion when every
+//! worker has answered. Capacities are per worker (every worker holds the
+//! same blocks); a block's bytes are summed over workers.
+
+use std::sync::Arc;
+use std::sync::mpsc;
+
+use kvbm_pool::Tier;
+use kvbm_pool::tier::TierMover;
+use kvbm_transfer::{
+    CancelToken, Completer, Completion, TransferError, TransferFailure, TransferOutcome,
+    completion_pair,
+};
+
+use crate::proto::TierBounds;
+use crate::transport::WakeSender;
+
+use super::{Cluster, Command};
+
+/// A copy on its way to the event loop.
+pub(crate) struct CopyRequest {
+    pub(crate) src: Tier,
+    pub(crate) dst: Tier,
+    pub(crate) pairs: Vec<(usize, usize)>,
+    pub(crate) cancel: CancelToken,
+    pub(crate) completer: Completer<TransferOutcome>,
+}
+
+/// Moves blocks between tiers on every worker of an instance.
+pub struct DistMover {
+    tx: mpsc::Sender<Command>,
+    wake: Arc<WakeSender>,
+    bounds: TierBounds,
+    block_bytes: u64,
+}
+
+impl std::fmt::Debug for DistMover {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DistMover")
+            .field("bounds", &self.bounds)
+            .field("block_bytes", &self.block_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The error of a copy the leader refused or a worker failed.
+pub(crate) fn dist_error(message: String) -> TransferError {
+    TransferError::Backend {
+        backend: "kvbm-dist",
+        message,
+    }
+}
+
+/// A failure in which nothing landed.
+pub(crate) fn nothing_landed(message: String, pairs: Vec<(usize, usize)>) -> TransferOutcome {
+    Err(Box::new(TransferFailure {
+        error: dist_error(message),
+        completed: Vec::new(),
+        failed: pairs,
+        culprit: None,
+    }))
+}
+
+impl DistMover {
+    pub(crate) fn new(tx: mpsc::Sender<Command>, wake: Arc<WakeSender>, cluster: &Cluster) -> Self {
+        let world = cluster.identities.len() as u64;
+        DistMover {
+            tx,
+            wake,
+            bounds: TierBounds {
+                g1: cluster.reference.device_blocks,
+                g2: cluster.configure.g2_blocks,
+                g3: cluster.configure.g3_blocks,
+            },
+            block_bytes: cluster.reference.bytes_per_block.saturating_mul(world),
+        }
+    }
+
+    fn check(&self, src: Tier, dst: Tier, pairs: &[(usize, usize)]) -> Result<(), String> {
+        for t in [src, dst] {
+            if self.capacity(t).is_none() {
+                return Err(format!("{t:?} is absent on this instance"));
+            }
+        }
+        if src == dst {
+            return Err(format!("source and destination are both {src:?}"));
+        }
+        if pairs.len() > crate::proto::MAX_PAIRS {
+            return Err(format!(
+                "{} pairs in one copy (at most {})",
+                pairs.len(),
+                crate::proto::MAX_PAIRS
+            ));
+        }
+        // An id beyond u32 is beyond every tier (tiers hold at most
+        // u32::MAX blocks), so mapping it to u32::MAX keeps it refused.
+        let wire: Vec<(u32, u32)> = pairs
+            .iter()
+            .map(|&(s, d)| {
+                (
+                    u32::try_from(s).unwrap_or(u32::MAX),
+                    u32::try_from(d).unwrap_or(u32::MAX),
+                )
+            })
+            .collect();
+        self.bounds
+            .check_pairs(src, dst, &wire)
+            .map_err(|e| e.to_string())
+    }
+}
+
+impl TierMover for DistMover {
+    /// Blocks of `tier` on each worker; `None` when the tier is absent.
+    fn capacity(&self, tier: Tier) -> Option<usize> {
+        match self.bounds.capacity(tier) {
+            0 => None,
+            n => Some(n as usize),
+        }
+    }
+
+    /// Bytes of one block of `tier`, summed over workers.
+    fn block_bytes(&self, tier: Tier) -> u64 {
+        match self.capacity(tier) {
+            Some(_) => self.block_bytes,
+            None => 0,
+        }
+    }
+
+    /// Copies `pairs` from `src` to `dst` on every worker. Resolves when
+    /// every worker has answered: `Ok` when every pair landed everywhere;
+    /// otherwise a failure whose `completed` pairs landed on every worker
+    /// and whose error names the rank.
+    fn copy(
+        &self,
+        src: Tier,
+        dst: Tier,
+        pairs: Vec<(usize, usize)>,
+        cancel: CancelToken,
+    ) -> Completion<TransferOutcome> {
+        if let Err(e) = self.check(src, dst, &pairs) {
+            return Completion::ready(nothing_landed(e, pairs));
+        }
+        if pairs.is_empty() {
+            return Completion::ready(Ok(kvbm_transfer::TransferReport {
+                blocks: 0,
+                bytes: 0,
+            }));
+        }
+        let (completer, completion) = completion_pair();
+        let request = CopyRequest {
+            src,
+            dst,
+            pairs,
+            cancel,
+            completer,
+        };
+        // A stopped loop drops the request, and with it the completer: the
+        // completion then resolves as abandoned rather than hanging.
+        let _ = self.tx.send(Command::Copy(request));
+        self.wake.wake();
+        completion
+    }
+}

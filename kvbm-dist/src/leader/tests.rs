@@ -1,0 +1,214 @@
+//! Handshake errors, with in-process workers (threads) and raw sockets.
+
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use kvbm_layout::{Layout, LayoutConfig, LayoutKind};
+use kvbm_transfer::PhysicalLayout;
+use kvbm_transfer::memory::SystemAllocator;
+
+use super::*;
+use crate::proto::{self, Hello, Message};
+use crate::transport::DealerSocket;
+use crate::worker::{self, WorkerConfig};
+use kvbm_pool::tier::TierMover;
+
+const INSTANCE: u64 = 7;
+
+fn g1(blocks: usize) -> PhysicalLayout {
+    let c = LayoutConfig::new(blocks, 2, 2, 4, 32, 2).unwrap();
+    let l = Layout::new(c, LayoutKind::FullyContiguous).unwrap();
+    PhysicalLayout::allocate_system(l, &SystemAllocator::new()).unwrap()
+}
+
+fn endpoint(dir: &tempfile::TempDir) -> String {
+    format!("ipc://{}", dir.path().join("leader").display())
+}
+
+fn config(endpoint: String, world: u32) -> LeaderConfig {
+    let mut c = LeaderConfig::new(endpoint, INSTANCE, world, 1 << 20, 0);
+    c.handshake_timeout = Duration::from_secs(20);
+    c
+}
+
+fn worker(endpoint: &str, rank: u32, world: u32, blocks: usize) -> JoinHandle<Result<()>> {
+    let mut c = WorkerConfig::new(endpoint, INSTANCE, rank, world, g1(blocks));
+    c.leader_timeout = Duration::from_secs(20);
+    std::thread::spawn(move || worker::run(c))
+}
+
+#[test]
+fn a_handshake_configures_every_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let pending = PendingLeader::bind(config(endpoint(&dir), 2)).unwrap();
+    let ws: Vec<_> = (0..2)
+        .map(|r| worker(pending.endpoint(), r, 2, 8))
+        .collect();
+    let leader = pending.handshake().unwrap();
+    let s = leader.status();
+    assert!(s.is_whole());
+    // 1 MiB over 2 workers of 1 KiB blocks: 512 blocks each.
+    let bpb = g1(8).layout().config().block_bytes();
+    assert_eq!(s.g2_blocks as u64, (1 << 20) / (2 * bpb));
+    assert_eq!(s.g3_blocks, 0);
+    assert_eq!(leader.mover().capacity(kvbm_pool::Tier::G3), None);
+    leader.shutdown();
+    for w in ws {
+        w.join().unwrap().unwrap();
+    }
+}
+
+#[test]
+fn a_shape_mismatch_names_the_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let pending = PendingLeader::bind(config(endpoint(&dir), 2)).unwrap();
+    let w0 = worker(pending.endpoint(), 0, 2, 8);
+    let w1 = worker(pending.endpoint(), 1, 2, 9);
+    let e = pending.handshake().unwrap_err();
+    assert!(
+        matches!(&e, DistError::ShapeMismatch { rank: 1, reason } if reason.contains("device blocks")),
+        "{e}"
+    );
+    // Both workers were told to exit.
+    w0.join().unwrap().unwrap();
+    w1.join().unwrap().unwrap();
+}
+
+#[test]
+fn a_missing_rank_times_out_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(endpoint(&dir), 3);
+    c.handshake_timeout = Duration::from_millis(1500);
+    let pending = PendingLeader::bind(c).unwrap();
+    let w0 = worker(pending.endpoint(), 0, 3, 8);
+    let w2 = worker(pending.endpoint(), 2, 3, 8);
+    let e = pending.handshake().unwrap_err();
+    assert!(
+        matches!(&e, DistError::Timeout { phase: "hello", missing, .. } if *missing == [1]),
+        "{e}"
+    );
+    w0.join().unwrap().unwrap();
+    w2.join().unwrap().unwrap();
+}
+
+#[test]
+fn a_duplicate_rank_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let pending = PendingLeader::bind(config(endpoint(&dir), 2)).unwrap();
+    let a = worker(pending.endpoint(), 0, 2, 8);
+    let b = worker(pending.endpoint(), 0, 2, 8);
+    let e = pending.handshake().unwrap_err();
+    assert!(matches!(e, DistError::DuplicateRank { rank: 0, .. }), "{e}");
+    // One was told to exit; the other was refused and gives up on its own
+    // (it never heard from the leader) — or also got the shutdown.
+    let _ = a.join();
+    let _ = b.join();
+}
+
+fn hello_frame(version: u16) -> Vec<u8> {
+    let l = g1(8);
+    let m = Message::Hello(Hello {
+        instance: INSTANCE,
+        rank: 0,
+        world_size: 1,
+        device_blocks: 8,
+        bytes_per_block: l.layout().config().block_bytes(),
+        layout: l.layout().descriptor(),
+    });
+    proto::codec::encode_with_version(&m, version).unwrap()
+}
+
+#[test]
+fn a_wrong_version_is_named_and_answered() {
+    let dir = tempfile::tempdir().unwrap();
+    let pending = PendingLeader::bind(config(endpoint(&dir), 1)).unwrap();
+    let ctx = zmq::Context::new();
+    let peer = DealerSocket::connect(&ctx, pending.endpoint(), b"old-worker").unwrap();
+    peer.send_raw(hello_frame(proto::PROTOCOL_VERSION + 1))
+        .unwrap();
+    let e = pending.handshake().unwrap_err();
+    assert!(
+        matches!(&e, DistError::VersionMismatch { peer, found, .. } if peer == "old-worker" && *found == proto::PROTOCOL_VERSION + 1),
+        "{e}"
+    );
+    // The peer got an error reply naming the version.
+    let reply = peer.recv_timeout(10_000).unwrap().expect("an error reply");
+    assert!(
+        matches!(reply.message, Ok(Message::Error(ref r)) if r.message.contains("version")),
+        "{reply:?}"
+    );
+}
+
+#[test]
+fn garbage_during_the_handshake_is_answered_and_survived() {
+    let dir = tempfile::tempdir().unwrap();
+    let pending = PendingLeader::bind(config(endpoint(&dir), 1)).unwrap();
+    let ctx = zmq::Context::new();
+    let hostile = DealerSocket::connect(&ctx, pending.endpoint(), b"hostile").unwrap();
+    let mut truncated = hello_frame(proto::PROTOCOL_VERSION);
+    truncated.truncate(truncated.len() - 3);
+    for frame in [vec![], b"XXXX garbage".to_vec(), truncated] {
+        hostile.send_raw(frame).unwrap();
+    }
+    let ep = pending.endpoint().to_owned();
+    let handle = std::thread::spawn(move || pending.handshake());
+    for _ in 0..3 {
+        let reply = hostile
+            .recv_timeout(10_000)
+            .unwrap()
+            .expect("an error reply");
+        assert!(matches!(reply.message, Ok(Message::Error(_))), "{reply:?}");
+    }
+    let w = worker(&ep, 0, 1, 8);
+    let leader = handle.join().unwrap().unwrap();
+    assert!(leader.status().is_whole());
+    leader.shutdown();
+    w.join().unwrap().unwrap();
+}
+
+#[test]
+fn a_running_leader_answers_hostile_peers_and_stays_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let pending = PendingLeader::bind(config(endpoint(&dir), 1)).unwrap();
+    let w = worker(pending.endpoint(), 0, 1, 8);
+    let ep = pending.endpoint().to_owned();
+    let leader = pending.handshake().unwrap();
+    let ctx = zmq::Context::new();
+    let hostile = DealerSocket::connect(&ctx, &ep, b"intruder").unwrap();
+    // Garbage, a forged ack from a stranger, a foreign instance's hello.
+    hostile.send_raw(vec![0xff; 40]).unwrap();
+    hostile
+        .send(&Message::Ack(proto::Ack {
+            transfer_id: 1,
+            rank: 0,
+            completed: vec![(0, 0)],
+            failure: None,
+        }))
+        .unwrap();
+    let mut foreign = proto::decode(&hello_frame(proto::PROTOCOL_VERSION)).unwrap();
+    if let Message::Hello(h) = &mut foreign {
+        h.instance = INSTANCE + 1;
+    }
+    hostile.send(&foreign).unwrap();
+    for _ in 0..3 {
+        let reply = hostile
+            .recv_timeout(10_000)
+            .unwrap()
+            .expect("an error reply");
+        assert!(matches!(reply.message, Ok(Message::Error(_))), "{reply:?}");
+    }
+    assert!(leader.status().is_whole());
+    // A copy still works.
+    let out = leader
+        .mover()
+        .copy(
+            kvbm_pool::Tier::G1,
+            kvbm_pool::Tier::G2,
+            vec![(1, 2)],
+            kvbm_transfer::CancelToken::new(),
+        )
+        .wait();
+    assert_eq!(out.unwrap().blocks, 1);
+    leader.shutdown();
+    w.join().unwrap().unwrap();
+}

@@ -1,0 +1,344 @@
+//! Round trips and the decoder's behaviour on hostile input.
+
+use kvbm_layout::strategies::layout;
+use kvbm_layout::{Layout, LayoutDescriptor};
+use kvbm_pool::Tier;
+use proptest::prelude::*;
+
+use super::codec::encode_with_version;
+use super::*;
+
+fn tier() -> impl Strategy<Value = Tier> {
+    prop_oneof![Just(Tier::G1), Just(Tier::G2), Just(Tier::G3)]
+}
+
+fn pairs(max: usize) -> impl Strategy<Value = Vec<BlockPair>> {
+    prop::collection::vec((any::<u32>(), any::<u32>()), 0..max)
+}
+
+fn text() -> impl Strategy<Value = String> {
+    "\\PC{0,40}"
+}
+
+fn descriptor() -> impl Strategy<Value = LayoutDescriptor> {
+    layout().prop_map(|l: Layout| l.descriptor())
+}
+
+fn message() -> impl Strategy<Value = Message> {
+    prop_oneof![
+        (any::<u64>(), 1u32..64, any::<u32>(), descriptor()).prop_map(
+            |(instance, world_size, r, layout)| {
+                let c = layout.config;
+                Message::Hello(Hello {
+                    instance,
+                    rank: r % world_size,
+                    world_size,
+                    device_blocks: c.num_blocks() as u64,
+                    bytes_per_block: c.block_bytes(),
+                    layout,
+                })
+            }
+        ),
+        (0..=MAX_TIER_BLOCKS, 0..=MAX_TIER_BLOCKS, 1u32.., 1u32..).prop_map(|(a, b, c, d)| {
+            Message::Configure(Configure {
+                g2_blocks: a,
+                g3_blocks: b,
+                block_size: c,
+                heartbeat_ms: d,
+            })
+        }),
+        (0..MAX_WORLD_SIZE, 0..=MAX_TIER_BLOCKS, 0..=MAX_TIER_BLOCKS).prop_map(|(rank, a, b)| {
+            Message::Ready(Ready {
+                rank,
+                g2_blocks: a,
+                g3_blocks: b,
+            })
+        }),
+        (any::<Option<u64>>(), text()).prop_map(|(transfer_id, message)| {
+            Message::Error(ErrorReply {
+                transfer_id,
+                message,
+            })
+        }),
+        (any::<u64>(), tier(), tier(), pairs(40))
+            .prop_filter("distinct tiers", |(_, s, d, _)| s != d)
+            .prop_map(|(id, src, dst, pairs)| Message::Transfer(Transfer {
+                id,
+                src,
+                dst,
+                pairs
+            })),
+        (
+            any::<u64>(),
+            0..MAX_WORLD_SIZE,
+            pairs(20),
+            proptest::option::of((text(), pairs(20)))
+        )
+            .prop_map(|(transfer_id, rank, completed, f)| Message::Ack(Ack {
+                transfer_id,
+                rank,
+                completed,
+                failure: f.map(|(error, failed)| AckFailure { error, failed }),
+            })),
+        any::<u64>().prop_map(|seq| Message::Ping { seq }),
+        (any::<u64>(), 0..MAX_WORLD_SIZE).prop_map(|(seq, rank)| Message::Pong { seq, rank }),
+        any::<u64>().prop_map(|transfer_id| Message::Cancel { transfer_id }),
+        Just(Message::Shutdown),
+        (
+            any::<u64>(),
+            prop::collection::vec(
+                (prop::collection::vec(any::<u8>(), 0..64), descriptor()),
+                1..4
+            )
+        )
+            .prop_map(|(instance, ranks)| Message::PeerInfo(PeerInfo {
+                instance,
+                ranks: ranks
+                    .into_iter()
+                    .map(|(nixl_metadata, layout)| PeerRank {
+                        nixl_metadata,
+                        layout
+                    })
+                    .collect(),
+            })),
+        (
+            any::<u64>(),
+            any::<u64>(),
+            prop_oneof![Just(Tier::G2), Just(Tier::G3)],
+            prop_oneof![Just(Tier::G1), Just(Tier::G2)],
+            pairs(40)
+        )
+            .prop_map(
+                |(id, peer, src, dst, pairs)| Message::RemotePull(RemotePull {
+                    id,
+                    peer,
+                    src,
+                    dst,
+                    pairs
+                })
+            ),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn round_trip(m in message()) {
+        let frame = encode(&m).unwrap();
+        prop_assert_eq!(decode(&frame).unwrap(), m);
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
+        let _ = decode(&bytes);
+    }
+
+    #[test]
+    fn arbitrary_bodies_behind_a_valid_header_never_panic(
+        kind in 0u8..18,
+        body in prop::collection::vec(any::<u8>(), 0..256),
+    ) {
+        let mut frame = MAGIC.to_vec();
+        frame.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        frame.push(kind);
+        frame.push(0);
+        frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        frame.extend_from_slice(&body);
+        if let Ok(m) = decode(&frame) {
+            // Whatever decodes re-encodes to the same bytes.
+            prop_assert_eq!(encode(&m).unwrap(), frame);
+        }
+    }
+
+    #[test]
+    fn every_truncation_is_an_error(m in message()) {
+        let frame = encode(&m).unwrap();
+        for cut in 0..frame.len() {
+            prop_assert!(decode(&frame[..cut]).is_err(), "cut at {cut}");
+        }
+    }
+
+    #[test]
+    fn single_byte_mutations_never_panic(m in message(), at in any::<prop::sample::Index>(), byte in any::<u8>()) {
+        let mut frame = encode(&m).unwrap();
+        let i = at.index(frame.len());
+        frame[i] = byte;
+        if let Ok(back) = decode(&frame) {
+            // A mutation that still decodes is a valid message: it encodes
+            // back to exactly the mutated frame.
+            prop_assert_eq!(encode(&back).unwrap(), frame);
+        }
+    }
+
+    #[test]
+    fn bounds_accept_exactly_the_ids_inside(
+        g1 in 0u64..50, g2 in 0u64..50,
+        ps in prop::collection::vec((0u32..60, 0u32..60), 0..20),
+    ) {
+        let bounds = TierBounds { g1, g2, g3: 0 };
+        let inside = ps.iter().all(|&(s, d)| u64::from(s) < g1 && u64::from(d) < g2);
+        let distinct = {
+            let mut d: Vec<u32> = ps.iter().map(|p| p.1).collect();
+            d.sort_unstable();
+            d.windows(2).all(|w| w[0] != w[1])
+        };
+        prop_assert_eq!(bounds.check_pairs(Tier::G1, Tier::G2, &ps).is_ok(), inside && distinct);
+    }
+}
+
+fn header(kind: u8, body_len: u32) -> Vec<u8> {
+    let mut f = MAGIC.to_vec();
+    f.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    f.push(kind);
+    f.push(0);
+    f.extend_from_slice(&body_len.to_le_bytes());
+    f
+}
+
+#[test]
+fn hostile_counts_allocate_nothing() {
+    // A transfer announcing u32::MAX pairs in a 20-byte body.
+    let mut f = header(MessageKind::Transfer as u8, 14);
+    f.extend_from_slice(&7u64.to_le_bytes());
+    f.extend_from_slice(&[1, 2]);
+    f.extend_from_slice(&u32::MAX.to_le_bytes());
+    assert!(matches!(decode(&f), Err(ProtoError::TooMany { .. })));
+    // Under the limit but more than the bytes left.
+    let mut f = header(MessageKind::Transfer as u8, 14);
+    f.extend_from_slice(&7u64.to_le_bytes());
+    f.extend_from_slice(&[1, 2]);
+    f.extend_from_slice(&1000u32.to_le_bytes());
+    assert!(matches!(decode(&f), Err(ProtoError::Truncated { .. })));
+    // A peer-info announcing 4 GiB of metadata.
+    let mut f = header(MessageKind::PeerInfo as u8, 20);
+    f.extend_from_slice(&1u64.to_le_bytes());
+    f.extend_from_slice(&1u32.to_le_bytes());
+    f.extend_from_slice(&u32::MAX.to_le_bytes());
+    f.extend_from_slice(&[0; 4]);
+    assert!(matches!(decode(&f), Err(ProtoError::TooMany { .. })));
+}
+
+#[test]
+fn header_errors_are_named() {
+    let ping = encode(&Message::Ping { seq: 1 }).unwrap();
+    let mut bad = ping.clone();
+    bad[0] = b'X';
+    assert!(matches!(decode(&bad), Err(ProtoError::BadMagic { .. })));
+    let v2 = encode_with_version(&Message::Ping { seq: 1 }, 2).unwrap();
+    assert_eq!(
+        decode(&v2),
+        Err(ProtoError::UnsupportedVersion {
+            found: 2,
+            supported: PROTOCOL_VERSION
+        })
+    );
+    let mut bad = ping.clone();
+    bad[6] = 200;
+    assert_eq!(decode(&bad), Err(ProtoError::UnknownKind(200)));
+    let mut bad = ping.clone();
+    bad[7] = 1;
+    assert_eq!(decode(&bad), Err(ProtoError::ReservedFlags(1)));
+    let mut long = ping.clone();
+    long.push(0);
+    assert!(matches!(decode(&long), Err(ProtoError::BodyLength { .. })));
+    let huge = vec![0u8; MAX_FRAME_BYTES + 1];
+    assert!(matches!(
+        decode(&huge),
+        Err(ProtoError::FrameTooLarge { .. })
+    ));
+}
+
+#[test]
+fn semantic_errors_are_refused_both_ways() {
+    let l = kvbm_layout::Layout::new(
+        kvbm_layout::LayoutConfig::new(4, 2, 2, 4, 8, 2).unwrap(),
+        kvbm_layout::LayoutKind::FullyContiguous,
+    )
+    .unwrap();
+    let hello = Hello {
+        instance: 1,
+        rank: 2,
+        world_size: 2,
+        device_blocks: 4,
+        bytes_per_block: l.config().block_bytes(),
+        layout: l.descriptor(),
+    };
+    assert!(matches!(
+        encode(&Message::Hello(hello.clone())),
+        Err(ProtoError::Invalid { what: "rank", .. })
+    ));
+    let wrong_blocks = Hello {
+        rank: 0,
+        device_blocks: 5,
+        ..hello.clone()
+    };
+    assert!(encode(&Message::Hello(wrong_blocks)).is_err());
+    let same = Transfer {
+        id: 1,
+        src: Tier::G2,
+        dst: Tier::G2,
+        pairs: vec![],
+    };
+    assert!(encode(&Message::Transfer(same)).is_err());
+    let g4 = Transfer {
+        id: 1,
+        src: Tier::G4,
+        dst: Tier::G2,
+        pairs: vec![],
+    };
+    assert!(matches!(
+        encode(&Message::Transfer(g4)),
+        Err(ProtoError::BadTier { .. })
+    ));
+    // A descriptor that parses but does not rebuild is refused by decode.
+    let ok = encode(&Message::Hello(Hello { rank: 0, ..hello })).unwrap();
+    let text = String::from_utf8_lossy(&ok).into_owned();
+    let strides_at = text.find("\"block\":").unwrap();
+    let mut bad = ok.clone();
+    // Turn the first digit of the block stride into a different digit of
+    // the same length: the descriptor stays JSON but no longer rebuilds.
+    let digit = strides_at + "\"block\":".len();
+    bad[digit] = if bad[digit] == b'9' {
+        b'1'
+    } else {
+        bad[digit] + 1
+    };
+    assert!(matches!(
+        decode(&bad),
+        Err(ProtoError::Invalid {
+            what: "layout descriptor",
+            ..
+        })
+    ));
+}
+
+#[test]
+fn bounds_name_the_tier() {
+    let b = TierBounds {
+        g1: 4,
+        g2: 8,
+        g3: 0,
+    };
+    assert!(b.check_pairs(Tier::G1, Tier::G2, &[(3, 7)]).is_ok());
+    assert_eq!(
+        b.check_pairs(Tier::G1, Tier::G2, &[(4, 0)]),
+        Err(ProtoError::BlockOutOfRange {
+            tier: "G1",
+            block: 4,
+            capacity: 4
+        })
+    );
+    assert_eq!(
+        b.check_pairs(Tier::G2, Tier::G3, &[(0, 0)]),
+        Err(ProtoError::BlockOutOfRange {
+            tier: "G3",
+            block: 0,
+            capacity: 0
+        })
+    );
+    assert_eq!(
+        b.check_pairs(Tier::G1, Tier::G2, &[(0, 1), (1, 1)]),
+        Err(ProtoError::DuplicateDestination(1))
+    );
+}

@@ -1,0 +1,233 @@
+//! ZeroMQ sockets, wrapped to speak [`Message`]s.
+//!
+//! The leader binds a ROUTER; every worker connects a DEALER whose identity
+//! is unique per process (`instance/rank/nonce`), so the leader addresses a
+//! worker by identity and a restarted worker is a new peer. The ROUTER is
+//! *mandatory* (sending to a vanished peer is an error, which tells the
+//! leader a worker is gone without waiting for its heartbeat to lapse) and
+//! hands an identity over to a reconnecting peer.
+//!
+//! ZeroMQ sockets are not thread-safe, so each one is used by exactly one
+//! thread: its event loop. Other threads (transfer callbacks, API callers)
+//! hand work to a loop through a channel and wake it with an inproc
+//! wake-up pair ([`wake_pair`]), which the loop polls together with its network socket —
+//! nothing wakes on a timer to look for work.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+
+use crate::error::{DistError, Result};
+use crate::proto::{self, Message, ProtoError};
+
+/// Most frames buffered towards one peer before sends fail.
+const HIGH_WATER_MARK: i32 = 10_000;
+
+/// A received frame: who sent it and what it decoded to.
+#[derive(Debug)]
+pub struct Received {
+    /// The sender's ZeroMQ identity (empty on a DEALER).
+    pub peer: Vec<u8>,
+    /// The message, or why the frame was refused.
+    pub message: std::result::Result<Message, ProtoError>,
+}
+
+/// The leader's ROUTER socket.
+pub struct RouterSocket {
+    socket: zmq::Socket,
+    endpoint: String,
+}
+
+impl RouterSocket {
+    /// Binds `endpoint` (`tcp://host:port`, `tcp://127.0.0.1:*` for an
+    /// ephemeral port, or `ipc:///path`).
+    pub fn bind(ctx: &zmq::Context, endpoint: &str) -> Result<Self> {
+        let socket = ctx
+            .socket(zmq::ROUTER)
+            .map_err(DistError::zmq("router socket"))?;
+        socket
+            .set_router_mandatory(true)
+            .map_err(DistError::zmq("router mandatory"))?;
+        socket
+            .set_router_handover(true)
+            .map_err(DistError::zmq("router handover"))?;
+        socket.set_linger(0).map_err(DistError::zmq("linger"))?;
+        socket
+            .set_sndhwm(HIGH_WATER_MARK)
+            .map_err(DistError::zmq("send high-water mark"))?;
+        socket
+            .set_maxmsgsize(proto::MAX_FRAME_BYTES as i64)
+            .map_err(DistError::zmq("max message size"))?;
+        socket.bind(endpoint).map_err(DistError::zmq("bind"))?;
+        let endpoint = match socket.get_last_endpoint() {
+            Ok(Ok(e)) => e,
+            _ => endpoint.to_owned(),
+        };
+        Ok(RouterSocket { socket, endpoint })
+    }
+
+    /// The endpoint workers connect to (the bound port filled in).
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// Sends `message` to `peer`. An unreachable peer is an error
+    /// (`EHOSTUNREACH`).
+    pub fn send(&self, peer: &[u8], message: &Message) -> Result<()> {
+        let frame = proto::encode(message)?;
+        self.socket
+            .send(peer, zmq::SNDMORE | zmq::DONTWAIT)
+            .map_err(DistError::zmq("send identity"))?;
+        self.socket
+            .send(frame, zmq::DONTWAIT)
+            .map_err(DistError::zmq("send"))
+    }
+
+    /// Receives one frame without blocking; `None` when nothing is queued.
+    /// Multipart messages other than `[identity, frame]` are refused.
+    pub fn try_recv(&self) -> Result<Option<Received>> {
+        let parts = match self.socket.recv_multipart(zmq::DONTWAIT) {
+            Ok(p) => p,
+            Err(zmq::Error::EAGAIN) => return Ok(None),
+            Err(e) => return Err(DistError::zmq("receive")(e)),
+        };
+        let mut parts = parts.into_iter();
+        let peer = parts.next().unwrap_or_default();
+        let message = match (parts.next(), parts.next()) {
+            (Some(frame), None) => proto::decode(&frame),
+            (None, _) => Err(ProtoError::Truncated {
+                what: "frame",
+                need: proto::HEADER_BYTES,
+                left: 0,
+            }),
+            (Some(_), Some(_)) => Err(ProtoError::Invalid {
+                what: "frame",
+                reason: "more than one part".into(),
+            }),
+        };
+        Ok(Some(Received { peer, message }))
+    }
+
+    pub(crate) fn raw(&self) -> &zmq::Socket {
+        &self.socket
+    }
+}
+
+/// A worker's DEALER socket.
+pub struct DealerSocket {
+    socket: zmq::Socket,
+}
+
+impl DealerSocket {
+    /// Connects to the leader at `endpoint` with `identity`.
+    pub fn connect(ctx: &zmq::Context, endpoint: &str, identity: &[u8]) -> Result<Self> {
+        let socket = ctx
+            .socket(zmq::DEALER)
+            .map_err(DistError::zmq("dealer socket"))?;
+        socket
+            .set_identity(identity)
+            .map_err(DistError::zmq("identity"))?;
+        socket.set_linger(0).map_err(DistError::zmq("linger"))?;
+        socket
+            .set_sndhwm(HIGH_WATER_MARK)
+            .map_err(DistError::zmq("send high-water mark"))?;
+        socket
+            .set_maxmsgsize(proto::MAX_FRAME_BYTES as i64)
+            .map_err(DistError::zmq("max message size"))?;
+        socket
+            .connect(endpoint)
+            .map_err(DistError::zmq("connect"))?;
+        Ok(DealerSocket { socket })
+    }
+
+    /// Sends `message` to the leader.
+    pub fn send(&self, message: &Message) -> Result<()> {
+        let frame = proto::encode(message)?;
+        self.send_raw(frame)
+    }
+
+    /// Sends pre-encoded bytes (tests send hostile frames this way).
+    pub fn send_raw(&self, frame: Vec<u8>) -> Result<()> {
+        self.socket.send(frame, 0).map_err(DistError::zmq("send"))
+    }
+
+    /// Receives one frame without blocking; `None` when nothing is queued.
+    pub fn try_recv(&self) -> Result<Option<Received>> {
+        match self.socket.recv_bytes(zmq::DONTWAIT) {
+            Ok(frame) => Ok(Some(Received {
+                peer: Vec::new(),
+                message: proto::decode(&frame),
+            })),
+            Err(zmq::Error::EAGAIN) => Ok(None),
+            Err(e) => Err(DistError::zmq("receive")(e)),
+        }
+    }
+
+    /// Waits up to `timeout_ms` for a frame.
+    pub fn recv_timeout(&self, timeout_ms: i64) -> Result<Option<Received>> {
+        let mut items = [self.socket.as_poll_item(zmq::POLLIN)];
+        zmq::poll(&mut items, timeout_ms).map_err(DistError::zmq("poll"))?;
+        if items[0].is_readable() {
+            self.try_recv()
+        } else {
+            Ok(None)
+        }
+    }
+
+    pub(crate) fn raw(&self) -> &zmq::Socket {
+        &self.socket
+    }
+}
+
+static NEXT_WAKER: AtomicU64 = AtomicU64::new(0);
+
+/// Wakes an event loop from any thread.
+pub struct WakeSender {
+    push: Mutex<zmq::Socket>,
+}
+
+/// The end of a wake-up pair an event loop polls.
+pub struct WakeReceiver {
+    pull: zmq::Socket,
+}
+
+/// A connected inproc pair on `ctx`: senders wake the loop that polls the
+/// receiver.
+pub fn wake_pair(ctx: &zmq::Context) -> Result<(WakeSender, WakeReceiver)> {
+    let name = format!(
+        "inproc://kvbm-dist-waker-{}-{}",
+        std::process::id(),
+        NEXT_WAKER.fetch_add(1, Ordering::Relaxed)
+    );
+    let pull = ctx.socket(zmq::PULL).map_err(DistError::zmq("waker"))?;
+    pull.bind(&name).map_err(DistError::zmq("waker bind"))?;
+    let push = ctx.socket(zmq::PUSH).map_err(DistError::zmq("waker"))?;
+    push.set_linger(0).map_err(DistError::zmq("linger"))?;
+    push.connect(&name)
+        .map_err(DistError::zmq("waker connect"))?;
+    Ok((
+        WakeSender {
+            push: Mutex::new(push),
+        },
+        WakeReceiver { pull },
+    ))
+}
+
+impl WakeSender {
+    /// Wakes the loop (never blocks; a full queue already means "awake").
+    pub fn wake(&self) {
+        let _ = self.push.lock().send(&[][..], zmq::DONTWAIT);
+    }
+}
+
+impl WakeReceiver {
+    /// Drains pending wake-ups.
+    pub fn drain(&self) {
+        while self.pull.recv_bytes(zmq::DONTWAIT).is_ok() {}
+    }
+
+    /// The socket the loop polls.
+    pub fn socket(&self) -> &zmq::Socket {
+        &self.pull
+    }
+}

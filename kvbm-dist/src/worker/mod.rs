@@ -1,0 +1,461 @@
+//! A worker: one process per GPU / tensor-parallel rank, owning the bytes.
+//!
+//! The worker introduces itself with a `Hello` (its G1 layout, which the
+//! engine process gives it), allocates G2 (host memory) and G3 (a disk
+//! file) when the leader's `Configure` says how many blocks, and then
+//! executes `Transfer`s between its three tiers with a kvbm-transfer
+//! [`Executor`], acknowledging each with exactly the pairs whose bytes
+//! landed. Requests are checked against the worker's own tier sizes before
+//! anything moves; a refused request is acknowledged as failed, never
+//! executed.
+//!
+//! Threads: one event loop owns the DEALER socket; transfers run on the
+//! executor's threads and hand their acknowledgement back to the loop
+//! through a channel and a wake-up, so the socket stays single-threaded.
+
+pub mod memory;
+pub mod probe;
+mod tiers;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use kvbm_transfer::disk::DiskConfig;
+use kvbm_transfer::{CancelToken, Executor, ExecutorConfig, PhysicalLayout, TransferOutcome};
+
+use crate::error::{DistError, Result};
+use crate::proto::{
+    Ack, AckFailure, BlockPair, Configure, ErrorReply, Hello, InstanceId, Message, Probe, ProbeOp,
+    ProbeReply, Ready, TierBounds, Transfer, truncate,
+};
+use crate::transport::{DealerSocket, WakeSender, wake_pair};
+use tiers::Tiers;
+
+/// What a worker needs to start.
+pub struct WorkerConfig {
+    /// The leader's endpoint.
+    pub endpoint: String,
+    /// The instance it belongs to.
+    pub instance: InstanceId,
+    /// Its rank.
+    pub rank: u32,
+    /// Ranks of the instance.
+    pub world_size: u32,
+    /// Its G1 memory, given by the engine process.
+    pub g1: PhysicalLayout,
+    /// Directory for the G3 file; without one a non-zero G3 size is refused.
+    pub g3_dir: Option<PathBuf>,
+    /// Moves the bytes; `None` builds a CPU executor (memcpy and disk).
+    pub executor: Option<Executor>,
+    /// Fault injection: wait this long before starting each transfer (so a
+    /// test can kill the worker while a transfer is in flight).
+    pub fault_delay: Duration,
+    /// Exit when the leader has been silent this long after the handshake.
+    pub leader_timeout: Duration,
+    /// Writes and checks test patterns in G1 for the leader (benches and
+    /// tests); without one, probes are refused.
+    pub probe: Option<Box<dyn probe::BlockProbe>>,
+    /// Allocates G2 for a layout (pinned memory next to a GPU); `None`
+    /// allocates system memory.
+    pub g2_allocator: Option<G2Allocator>,
+}
+
+/// Allocates a worker's G2 for a layout.
+pub type G2Allocator = Box<dyn Fn(kvbm_layout::Layout) -> Result<PhysicalLayout> + Send>;
+
+impl WorkerConfig {
+    /// A worker of `rank` in a world of `world_size`, with `g1`, the
+    /// defaults elsewhere (no G3 directory, a CPU executor, no fault delay,
+    /// a 30 s leader timeout).
+    pub fn new(
+        endpoint: impl Into<String>,
+        instance: InstanceId,
+        rank: u32,
+        world_size: u32,
+        g1: PhysicalLayout,
+    ) -> Self {
+        WorkerConfig {
+            endpoint: endpoint.into(),
+            instance,
+            rank,
+            world_size,
+            g1,
+            g3_dir: None,
+            executor: None,
+            fault_delay: Duration::ZERO,
+            leader_timeout: Duration::from_secs(30),
+            probe: None,
+            g2_allocator: None,
+        }
+    }
+}
+
+/// The CPU executor a worker builds when given none.
+pub fn cpu_executor() -> Result<Executor> {
+    Ok(Executor::cpu(
+        2,
+        &DiskConfig::default(),
+        4,
+        4 << 20,
+        ExecutorConfig::default(),
+    )?)
+}
+
+/// How often the loop looks at the clock when nothing arrives.
+const TICK: Duration = Duration::from_millis(200);
+
+/// Runs a worker until the leader says `Shutdown` (`Ok`) or goes silent
+/// (`Err(LeaderGone)`).
+pub fn run(mut config: WorkerConfig) -> Result<()> {
+    let executor = match config.executor.clone() {
+        Some(e) => e,
+        None => cpu_executor()?,
+    };
+    let ctx = zmq::Context::new();
+    let nonce = std::process::id() as u64 ^ (Instant::now().elapsed().as_nanos() as u64);
+    let identity = format!(
+        "{:x}/{}/{:x}-{:x}",
+        config.instance,
+        config.rank,
+        std::process::id(),
+        nonce ^ random_seed()
+    );
+    let socket = DealerSocket::connect(&ctx, &config.endpoint, identity.as_bytes())?;
+    let (wake_tx, wake_rx) = wake_pair(&ctx)?;
+    let (ack_tx, ack_rx) = mpsc::channel::<Message>();
+    let layout = config.g1.layout();
+    socket.send(&Message::Hello(Hello {
+        instance: config.instance,
+        rank: config.rank,
+        world_size: config.world_size,
+        device_blocks: layout.config().num_blocks() as u64,
+        bytes_per_block: layout.config().block_bytes(),
+        layout: layout.descriptor(),
+    }))?;
+    let _span = tracing::info_span!("worker", rank = config.rank).entered();
+    tracing::info!(%identity, endpoint = %config.endpoint, "hello sent");
+    let mut w = Worker {
+        rank: config.rank,
+        tiers: Tiers::new(config.g1.clone()),
+        g3_dir: config.g3_dir.clone(),
+        probe: config.probe.take(),
+        g2_allocator: config.g2_allocator.take(),
+        executor,
+        fault_delay: config.fault_delay,
+        inflight: HashMap::new(),
+        acks: ack_tx,
+        wake: Arc::new(wake_tx),
+    };
+    let mut last_heard: Option<Instant> = None;
+    loop {
+        {
+            let mut items = [
+                socket.raw().as_poll_item(zmq::POLLIN),
+                wake_rx.socket().as_poll_item(zmq::POLLIN),
+            ];
+            zmq::poll(&mut items, TICK.as_millis() as i64).map_err(DistError::zmq("poll"))?;
+        }
+        wake_rx.drain();
+        while let Ok(ack) = ack_rx.try_recv() {
+            if let Message::Ack(a) = &ack {
+                w.inflight.remove(&a.transfer_id);
+            }
+            socket.send(&ack)?;
+        }
+        while let Some(received) = socket.try_recv()? {
+            last_heard = Some(Instant::now());
+            match received.message {
+                Ok(Message::Shutdown) => {
+                    tracing::info!("shutdown");
+                    for t in w.inflight.values() {
+                        t.cancel();
+                    }
+                    return Ok(());
+                }
+                Ok(m) => {
+                    if let Some(reply) = w.handle(m) {
+                        socket.send(&reply)?;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!("refused a frame from the leader: {e}");
+                    socket.send(&Message::Error(ErrorReply {
+                        transfer_id: None,
+                        message: truncate(format!("refused frame: {e}")),
+                    }))?;
+                }
+            }
+        }
+        if let Some(t) = last_heard
+            && t.elapsed() > config.leader_timeout
+        {
+            for t in w.inflight.values() {
+                t.cancel();
+            }
+            return Err(DistError::LeaderGone(format!(
+                "nothing heard for {:?}",
+                t.elapsed()
+            )));
+        }
+    }
+}
+
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(0);
+    h.finish()
+}
+
+struct Worker {
+    rank: u32,
+    probe: Option<Box<dyn probe::BlockProbe>>,
+    g2_allocator: Option<G2Allocator>,
+    tiers: Tiers,
+    g3_dir: Option<PathBuf>,
+    executor: Executor,
+    fault_delay: Duration,
+    inflight: HashMap<u64, CancelToken>,
+    acks: mpsc::Sender<Message>,
+    wake: Arc<WakeSender>,
+}
+
+impl Worker {
+    fn handle(&mut self, message: Message) -> Option<Message> {
+        match message {
+            Message::Configure(c) => Some(self.configure(c)),
+            Message::Transfer(t) => self.transfer(t),
+            Message::Cancel { transfer_id } => {
+                if let Some(t) = self.inflight.get(&transfer_id) {
+                    t.cancel();
+                }
+                None
+            }
+            Message::Probe(p) => Some(self.probe(p)),
+            Message::Ping { seq } => Some(Message::Pong {
+                seq,
+                rank: self.rank,
+            }),
+            Message::RemotePull(r) => Some(Message::Ack(Ack {
+                transfer_id: r.id,
+                rank: self.rank,
+                completed: Vec::new(),
+                failure: Some(AckFailure {
+                    error: "remote pulls are not supported by this worker (NIXL not built in)"
+                        .into(),
+                    failed: r.pairs,
+                }),
+            })),
+            Message::Error(e) => {
+                tracing::warn!(transfer = ?e.transfer_id, "leader reports: {}", e.message);
+                None
+            }
+            other => {
+                tracing::warn!(kind = ?other.kind(), "unexpected message from the leader");
+                Some(Message::Error(ErrorReply {
+                    transfer_id: None,
+                    message: format!("a worker does not accept {:?}", other.kind()),
+                }))
+            }
+        }
+    }
+
+    fn configure(&mut self, c: Configure) -> Message {
+        if !self.inflight.is_empty() {
+            return error_reply(None, "configure while transfers are in flight".into());
+        }
+        match self.tiers.configure(
+            &c,
+            self.g3_dir.as_deref(),
+            &self.executor,
+            self.g2_allocator.as_deref(),
+        ) {
+            Ok(()) => {
+                tracing::info!(g2 = c.g2_blocks, g3 = c.g3_blocks, "configured");
+                Message::Ready(Ready {
+                    rank: self.rank,
+                    g2_blocks: c.g2_blocks,
+                    g3_blocks: c.g3_blocks,
+                })
+            }
+            Err(e) => {
+                tracing::warn!("configure failed: {e}");
+                error_reply(None, format!("configure failed: {e}"))
+            }
+        }
+    }
+
+    fn probe(&self, p: Probe) -> Message {
+        let reply = |mismatched, error| {
+            Message::ProbeReply(ProbeReply {
+                id: p.id,
+                rank: self.rank,
+                mismatched,
+                error,
+            })
+        };
+        let Some(probe) = &self.probe else {
+            return reply(Vec::new(), Some("this worker has no probe".into()));
+        };
+        let g1 = self.tiers.g1();
+        let n = g1.layout().config().num_blocks();
+        let mut mismatched = Vec::new();
+        for &(b, seed) in &p.blocks {
+            if b as usize >= n {
+                return reply(
+                    Vec::new(),
+                    Some(format!("block {b} is outside G1 ({n} blocks)")),
+                );
+            }
+            let r = match p.op {
+                ProbeOp::Fill => probe.fill(g1, b as usize, seed, self.rank),
+                ProbeOp::Check => probe.check(g1, b as usize, seed, self.rank).map(|ok| {
+                    if !ok {
+                        mismatched.push(b);
+                    }
+                }),
+            };
+            if let Err(e) = r {
+                return reply(Vec::new(), Some(truncate(e)));
+            }
+        }
+        reply(mismatched, None)
+    }
+
+    fn transfer(&mut self, t: Transfer) -> Option<Message> {
+        let refuse = |error: String, pairs: Vec<BlockPair>| {
+            tracing::warn!(transfer = t.id, "refused: {error}");
+            Some(Message::Ack(Ack {
+                transfer_id: t.id,
+                rank: self.rank,
+                completed: Vec::new(),
+                failure: Some(AckFailure {
+                    error: truncate(error),
+                    failed: pairs,
+                }),
+            }))
+        };
+        if self.inflight.contains_key(&t.id) {
+            return refuse(
+                format!("transfer id {} already in flight", t.id),
+                Vec::new(),
+            );
+        }
+        let bounds: TierBounds = self.tiers.bounds();
+        if let Err(e) = bounds.check_pairs(t.src, t.dst, &t.pairs) {
+            return refuse(e.to_string(), t.pairs);
+        }
+        let (Some(src), Some(dst)) = (self.tiers.layout(t.src), self.tiers.layout(t.dst)) else {
+            return refuse(format!("{:?} -> {:?}: tier absent", t.src, t.dst), t.pairs);
+        };
+        let cancel = CancelToken::new();
+        self.inflight.insert(t.id, cancel.clone());
+        let job = Job {
+            id: t.id,
+            rank: self.rank,
+            src: src.clone(),
+            dst: dst.clone(),
+            pairs: t.pairs,
+            cancel,
+            executor: self.executor.clone(),
+            acks: self.acks.clone(),
+            wake: Arc::clone(&self.wake),
+        };
+        tracing::debug!(transfer = t.id, src = ?t.src, dst = ?t.dst, blocks = job.pairs.len(), "transfer");
+        if self.fault_delay.is_zero() {
+            job.start();
+        } else {
+            let delay = self.fault_delay;
+            let spawned = std::thread::Builder::new()
+                .name("kvbm-delayed-transfer".into())
+                .spawn(move || {
+                    std::thread::sleep(delay);
+                    job.start();
+                });
+            if let Err(e) = spawned {
+                self.inflight.remove(&t.id);
+                return Some(error_reply(Some(t.id), format!("cannot start: {e}")));
+            }
+        }
+        None
+    }
+}
+
+fn error_reply(transfer_id: Option<u64>, message: String) -> Message {
+    Message::Error(ErrorReply {
+        transfer_id,
+        message: truncate(message),
+    })
+}
+
+/// One transfer on its way to the executor.
+struct Job {
+    id: u64,
+    rank: u32,
+    src: PhysicalLayout,
+    dst: PhysicalLayout,
+    pairs: Vec<BlockPair>,
+    cancel: CancelToken,
+    executor: Executor,
+    acks: mpsc::Sender<Message>,
+    wake: Arc<WakeSender>,
+}
+
+impl Job {
+    fn start(self) {
+        let pairs: Vec<(usize, usize)> = self
+            .pairs
+            .iter()
+            .map(|&(s, d)| (s as usize, d as usize))
+            .collect();
+        let handle = self
+            .executor
+            .transfer_with(&self.src, &self.dst, &pairs, self.cancel);
+        let (id, rank, acks, wake) = (self.id, self.rank, self.acks, self.wake);
+        handle.into_completion().on_complete(move |outcome| {
+            let _ = acks.send(Message::Ack(ack_of(id, rank, &pairs, outcome)));
+            wake.wake();
+        });
+    }
+}
+
+/// The acknowledgement of an executor outcome.
+fn ack_of(id: u64, rank: u32, pairs: &[(usize, usize)], outcome: TransferOutcome) -> Ack {
+    let wire = |v: &[(usize, usize)]| -> Vec<BlockPair> {
+        // Every id came off the wire as a u32.
+        v.iter().map(|&(s, d)| (s as u32, d as u32)).collect()
+    };
+    match outcome {
+        Ok(_) => Ack {
+            transfer_id: id,
+            rank,
+            completed: wire(pairs),
+            failure: None,
+        },
+        Err(f) => Ack {
+            transfer_id: id,
+            rank,
+            completed: wire(&f.completed),
+            failure: Some(AckFailure {
+                error: truncate(f.to_string()),
+                failed: {
+                    // Everything that is not known to have landed failed.
+                    let done: std::collections::HashSet<_> = f.completed.iter().copied().collect();
+                    wire(
+                        &pairs
+                            .iter()
+                            .copied()
+                            .filter(|p| !done.contains(p))
+                            .collect::<Vec<_>>(),
+                    )
+                },
+            }),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests;
