@@ -15,10 +15,12 @@
 //! Holder counts are atomics in the slab, so a match of `L` blocks takes the
 //! shared gate once and does `L` atomic increments; two threads matching
 //! different prefixes lock different gate and policy shards and share no
-//! cache line on the way. Eviction needs the exclusive gate, so it never
-//! races a match: a block a matcher found cannot disappear under it; and it
-//! holds every policy shard, so it never races a release either (a block
-//! whose last holder is leaving is queued before any evictor looks).
+//! cache line on the way: release stamps come from the CPU's counter (see
+//! the `clock` module), not from a shared counter in memory. Eviction needs
+//! the exclusive gate, so it never races a match: a block a matcher found
+//! cannot disappear under it; and it holds every policy shard, so it never
+//! races a release either (a block whose last holder is leaving is queued
+//! before any evictor looks).
 //! A match whose first hash is absent takes no lock at all: the registry
 //! proves absence with a lock-free probe (see `Registry::surely_absent`).
 //!
@@ -27,13 +29,14 @@
 //! the policy lock off the match path.
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicI64;
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
-use std::sync::atomic::{AtomicI64, AtomicU64};
 
 use kvbm_block::SequenceHash;
 use kvbm_block::lifecycle::{BlockStore, CompleteParts};
 use parking_lot::{Mutex, MutexGuard};
 
+use crate::clock::{CallStamps, ReleaseClock};
 use crate::config::{DuplicatePolicy, PoolConfig, Tier};
 use crate::error::PoolError;
 use crate::events::{EventHub, KvEvent};
@@ -42,12 +45,10 @@ use crate::policy::{BlockView, EvictionPolicy, Victim, block_ref};
 use crate::registry::Registry;
 use crate::slab::{Entry, NO_PARENT, Slab, State};
 
-/// One shard of the eviction policy, with the stamps it has reserved from
-/// the pool's clock.
+/// One shard of the eviction policy, with the latest stamp it handed out.
 pub(crate) struct PolicyState {
     pub(crate) policy: Box<dyn EvictionPolicy>,
-    next_stamp: u64,
-    stamp_end: u64,
+    last_stamp: u64,
 }
 
 /// Evictions whose candidates are loaded into cache together.
@@ -96,12 +97,9 @@ pub(crate) struct PoolState {
     /// releasing thread's shard, eviction takes the smallest key over all
     /// shards (all locked: it holds the registry exclusively anyway).
     pub(crate) policies: Box<[Padded<Mutex<PolicyState>>]>,
-    /// The release clock; shards reserve stamps from it a batch at a time,
-    /// so recency is exact within a thread and across threads up to one
-    /// release call.
-    /// Padded: every release call writes it, every match reads the slab
-    /// pointers that would otherwise share its line.
-    clock: Padded<AtomicU64>,
+    /// Where release stamps come from (see the `clock` module): read, never
+    /// written, by releasing threads.
+    clock: ReleaseClock,
     pub(crate) free: Padded<Mutex<Vec<u32>>>,
     /// Registered blocks without holders. Exact whenever the registry is
     /// held exclusively; may lag by in-flight batches otherwise.
@@ -216,12 +214,11 @@ impl PoolState {
                 .map(|policy| {
                     Padded(Mutex::new(PolicyState {
                         policy,
-                        next_stamp: 0,
-                        stamp_end: 0,
+                        last_stamp: 0,
                     }))
                 })
                 .collect(),
-            clock: Padded(AtomicU64::new(1)),
+            clock: ReleaseClock::new(),
             free: Padded(Mutex::new(free)),
             inactive: (0..shards).map(|_| Padded(AtomicI64::new(0))).collect(),
             events: EventHub::default(),
@@ -265,18 +262,6 @@ impl PoolState {
     /// Every shard, locked in order.
     pub(crate) fn lock_all(&self) -> Vec<MutexGuard<'_, PolicyState>> {
         self.policies.iter().map(|p| p.0.lock()).collect()
-    }
-
-    /// A fresh stamp for a release, reserving up to `want` at once.
-    fn next_stamp(&self, p: &mut PolicyState, want: usize) -> u64 {
-        if p.next_stamp == p.stamp_end {
-            let want = want.clamp(1, 1024) as u64;
-            p.next_stamp = self.clock.fetch_add(want, Relaxed);
-            p.stamp_end = p.next_stamp + want;
-        }
-        let stamp = p.next_stamp;
-        p.next_stamp += 1;
-        stamp
     }
 
     /// Takes `n` blocks off the free list, evicting inactive blocks when
@@ -631,17 +616,19 @@ impl PoolState {
     pub(crate) fn touch(&self, hashes: &[SequenceHash]) -> usize {
         let _gate = self.gate.read();
         let registry = &self.registry;
-        let mut policy = self.shard().lock();
+        let mut guard = self.shard().lock();
+        let PolicyState { policy, last_stamp } = &mut *guard;
+        let mut stamps = self.clock.call(last_stamp);
         let mut found = 0;
         for hash in hashes {
             if let Some(id) = registry.get(&self.slab, *hash) {
                 found += 1;
                 let e = self.entry(id);
                 if e.hot.holders.load(Acquire) == 0 {
-                    self.restamp(&mut policy, id, e, hashes.len());
+                    restamp(policy.as_mut(), &mut stamps, id, e);
                 }
-                if policy.policy.tracks_access() {
-                    policy.policy.on_access(*hash);
+                if policy.tracks_access() {
+                    policy.on_access(*hash);
                 }
             }
         }
@@ -654,21 +641,14 @@ impl PoolState {
         let Some(id) = self.registry.get(&self.slab, hash) else {
             return false;
         };
-        let mut policy = self.shard().lock();
+        let mut guard = self.shard().lock();
+        let PolicyState { policy, last_stamp } = &mut *guard;
         let e = self.entry(id);
         e.hot.priority.store(priority.min(100), Relaxed);
         if e.hot.holders.load(Acquire) == 0 {
-            self.restamp(&mut policy, id, e, 1);
+            restamp(policy.as_mut(), &mut self.clock.call(last_stamp), id, e);
         }
         true
-    }
-
-    /// Queues an inactive block again with a fresh stamp (its old entries
-    /// become stale).
-    fn restamp(&self, policy: &mut PolicyState, id: u32, e: Entry<'_>, want: usize) {
-        let stamp = self.next_stamp(policy, want);
-        e.hot.stamp.store(stamp, Relaxed);
-        policy.policy.on_release(block_ref(id, e));
     }
 
     /// Whether `hash` should be cached, asking the policy only when caching
@@ -682,11 +662,18 @@ impl PoolState {
         policy.policy.admit(hash, &BlockView::new(&self.slab))
     }
 
-    fn maybe_compact(&self, policy: &mut PolicyState) {
-        if policy.policy.queued() > self.compact_above {
-            policy.policy.compact(&BlockView::new(&self.slab));
+    fn maybe_compact(&self, policy: &mut dyn EvictionPolicy) {
+        if policy.queued() > self.compact_above {
+            policy.compact(&BlockView::new(&self.slab));
         }
     }
+}
+
+/// Queues an inactive block again with the call's next stamp (its old
+/// entries become stale).
+fn restamp(policy: &mut dyn EvictionPolicy, stamps: &mut CallStamps<'_>, id: u32, e: Entry<'_>) {
+    e.hot.stamp.store(stamps.next(), Relaxed);
+    policy.on_release(block_ref(id, e));
 }
 
 impl BlockStore for PoolState {
@@ -715,16 +702,18 @@ impl BlockStore for PoolState {
         // shard, so it never sees a block between its last holder leaving
         // and its queue entry; registration and matching may run alongside
         // (they only ever add holders).
-        let mut policy = self.shard().lock();
+        let mut guard = self.shard().lock();
+        let PolicyState { policy, last_stamp } = &mut *guard;
+        let mut stamps = self.clock.call(last_stamp);
         let mut inactive = 0i64;
-        for (i, &id) in ids.iter().enumerate() {
+        for &id in ids {
             let e = self.entry(id);
             if e.hot.holders.fetch_sub(1, AcqRel) != 1 {
                 continue;
             }
             match e.state() {
                 State::Registered => {
-                    self.restamp(&mut policy, id, e, ids.len() - i);
+                    restamp(policy.as_mut(), &mut stamps, id, e);
                     inactive += 1;
                 }
                 State::Duplicate => {
@@ -736,7 +725,7 @@ impl BlockStore for PoolState {
         }
         if inactive != 0 {
             self.add_inactive(inactive);
-            self.maybe_compact(&mut policy);
+            self.maybe_compact(policy.as_mut());
         }
     }
 

@@ -39,6 +39,7 @@
 //! once per block; see the `core` module docs for the locking scheme.
 
 mod audit;
+mod clock;
 mod config;
 mod core;
 mod error;

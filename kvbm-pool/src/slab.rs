@@ -50,7 +50,8 @@ impl State {
 #[repr(align(32))]
 pub(crate) struct Hot {
     pub(crate) hash: AtomicU64,
-    /// The policy clock when the block last became inactive.
+    /// The release stamp of the block's latest release (see the `clock`
+    /// module).
     pub(crate) stamp: AtomicU64,
     /// Holders (immutable handles) of a registered or duplicate block.
     pub(crate) holders: AtomicU32,

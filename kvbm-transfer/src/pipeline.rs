@@ -30,7 +30,11 @@ struct Chunk {
 }
 
 /// Cuts the runs into chunks of at most `slot_bytes`, packing pieces
-/// back to back in the slot.
+/// back to back in the slot. Pieces that continue the previous piece of
+/// the same hop on both of its sides are merged into it: a slot is
+/// contiguous, so hop 1 of a block-contiguous source (a disk file) becomes
+/// one request per chunk instead of one per run of the destination's
+/// layout, and hop 2 likewise for a contiguous destination.
 fn chunk_runs(runs: &[CopyRun], slot_bytes: u64) -> Vec<Chunk> {
     let mut chunks = Vec::new();
     let (mut hop1, mut hop2) = (Vec::new(), Vec::new());
@@ -39,20 +43,26 @@ fn chunk_runs(runs: &[CopyRun], slot_bytes: u64) -> Vec<Chunk> {
         let mut done = 0;
         while done < run.len {
             let len = (run.len - done).min(slot_bytes - fill);
-            hop1.push(CopyRun {
-                src_region: run.src_region,
-                src_offset: run.src_offset + done,
-                dst_region: 0,
-                dst_offset: fill,
-                len,
-            });
-            hop2.push(CopyRun {
-                src_region: 0,
-                src_offset: fill,
-                dst_region: run.dst_region,
-                dst_offset: run.dst_offset + done,
-                len,
-            });
+            push_merged(
+                &mut hop1,
+                CopyRun {
+                    src_region: run.src_region,
+                    src_offset: run.src_offset + done,
+                    dst_region: 0,
+                    dst_offset: fill,
+                    len,
+                },
+            );
+            push_merged(
+                &mut hop2,
+                CopyRun {
+                    src_region: 0,
+                    src_offset: fill,
+                    dst_region: run.dst_region,
+                    dst_offset: run.dst_offset + done,
+                    len,
+                },
+            );
             fill += len;
             done += len;
             if fill == slot_bytes {
@@ -71,6 +81,26 @@ fn chunk_runs(runs: &[CopyRun], slot_bytes: u64) -> Vec<Chunk> {
         });
     }
     chunks
+}
+
+/// Appends `run`, or grows the last run when `run` continues it on both
+/// sides.
+fn push_merged(runs: &mut Vec<CopyRun>, run: CopyRun) {
+    if let Some(last) = runs.last_mut()
+        && continues(last, &run)
+    {
+        last.len += run.len;
+        return;
+    }
+    runs.push(run);
+}
+
+/// Whether `next` starts where `prev` ends, in source and destination.
+fn continues(prev: &CopyRun, next: &CopyRun) -> bool {
+    prev.src_region == next.src_region
+        && prev.dst_region == next.dst_region
+        && prev.src_offset + prev.len == next.src_offset
+        && prev.dst_offset + prev.len == next.dst_offset
 }
 
 #[derive(Default)]
@@ -324,47 +354,78 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// Segments `(region, offset, len)` of a byte stream, with
+    /// contiguous neighbours merged, so that two cuttings of one stream
+    /// compare equal.
+    fn normalised(segments: impl IntoIterator<Item = (u32, u64, u64)>) -> Vec<(u32, u64, u64)> {
+        let mut out: Vec<(u32, u64, u64)> = Vec::new();
+        for (region, offset, len) in segments {
+            match out.last_mut() {
+                Some(last) if last.0 == region && last.1 + last.2 == offset => last.2 += len,
+                _ => out.push((region, offset, len)),
+            }
+        }
+        out
+    }
+
     proptest! {
         #[test]
         fn chunks_cover_every_byte_once_and_fit_a_slot(
             lens in proptest::collection::vec(1u64..40_000, 1..30),
+            gaps in proptest::collection::vec(prop_oneof![Just(0u64), 1u64..64], 30),
             slot in 1u64..50_000,
         ) {
-            let mut off = 0;
+            // Some runs continue the previous one (gap 0) on both sides,
+            // some only in the source, some nowhere.
+            let (mut src, mut dst) = (0u64, 0u64);
             let runs: Vec<CopyRun> = lens.iter().enumerate().map(|(i, &len)| {
-                let r = CopyRun { src_region: (i % 3) as u32, src_offset: off, dst_region: (i % 2) as u32, dst_offset: off * 3, len };
-                off += len + 11;
+                let r = CopyRun { src_region: 0, src_offset: src, dst_region: (i % 2) as u32 * gaps[i].min(1) as u32, dst_offset: dst, len };
+                src += len + gaps[i] / 2;
+                dst += len + gaps[i];
                 r
             }).collect();
             let chunks = chunk_runs(&runs, slot);
-            let mut flat1 = Vec::new();
+            let (mut s1, mut d2) = (Vec::new(), Vec::new());
             for c in &chunks {
-                prop_assert_eq!(c.hop1.len(), c.hop2.len());
-                let bytes: u64 = c.hop1.iter().map(|r| r.len).sum();
-                prop_assert!(bytes <= slot);
+                let bytes1: u64 = c.hop1.iter().map(|r| r.len).sum();
+                let bytes2: u64 = c.hop2.iter().map(|r| r.len).sum();
+                prop_assert_eq!(bytes1, bytes2);
+                prop_assert!(bytes1 <= slot);
+                // Each hop tiles the slot from 0, in order.
                 let mut fill = 0;
-                for (a, b) in c.hop1.iter().zip(c.hop2.iter()) {
-                    prop_assert_eq!(a.dst_offset, fill);
-                    prop_assert_eq!(b.src_offset, fill);
-                    prop_assert_eq!(a.len, b.len);
+                for a in c.hop1.iter() {
+                    prop_assert_eq!((a.dst_region, a.dst_offset), (0, fill));
                     fill += a.len;
-                    flat1.push((*a, *b));
+                    s1.push((a.src_region, a.src_offset, a.len));
+                }
+                let mut fill = 0;
+                for b in c.hop2.iter() {
+                    prop_assert_eq!((b.src_region, b.src_offset), (0, fill));
+                    fill += b.len;
+                    d2.push((b.dst_region, b.dst_offset, b.len));
+                }
+                // Nothing left to merge inside a chunk.
+                for w in c.hop1.windows(2) {
+                    prop_assert!(!continues(&w[0], &w[1]));
+                }
+                for w in c.hop2.windows(2) {
+                    prop_assert!(!continues(&w[0], &w[1]));
                 }
             }
-            // Walking the pieces reproduces each run in order.
-            let mut i = 0;
-            for run in &runs {
-                let mut done = 0;
-                while done < run.len {
-                    let (a, b) = flat1[i];
-                    prop_assert_eq!((a.src_region, a.src_offset), (run.src_region, run.src_offset + done));
-                    prop_assert_eq!((b.dst_region, b.dst_offset), (run.dst_region, run.dst_offset + done));
-                    done += a.len;
-                    i += 1;
-                }
-                prop_assert_eq!(done, run.len);
+            // Every chunk but the last fills its slot.
+            for c in chunks.iter().rev().skip(1) {
+                prop_assert_eq!(c.hop1.iter().map(|r| r.len).sum::<u64>(), slot);
             }
-            prop_assert_eq!(i, flat1.len());
+            // Hop 1 reads the runs' sources, hop 2 writes their
+            // destinations, byte for byte in the same order.
+            prop_assert_eq!(
+                normalised(s1),
+                normalised(runs.iter().map(|r| (r.src_region, r.src_offset, r.len)))
+            );
+            prop_assert_eq!(
+                normalised(d2),
+                normalised(runs.iter().map(|r| (r.dst_region, r.dst_offset, r.len)))
+            );
         }
     }
 }

@@ -48,7 +48,9 @@ pub struct BlockInfo {
     pub parent: Option<SequenceHash>,
     /// Engine-given priority, 0–100 (higher is kept longer).
     pub priority: u8,
-    /// The pool clock when the block last became inactive.
+    /// The stamp of its latest release: stamps order releases across the
+    /// whole pool (the release time in 1/16 ticks of the CPU's counter
+    /// since the pool was made, strictly increasing per policy shard).
     pub stamp: u64,
     /// Registered blocks built directly on this one.
     pub children: u32,
@@ -84,7 +86,9 @@ impl BlockRef<'_> {
         self.entry.hot.priority.load(Relaxed)
     }
 
-    /// The pool clock when the block last became inactive.
+    /// The stamp of its latest release: stamps order releases across the
+    /// whole pool (the release time in 1/16 ticks of the CPU's counter
+    /// since the pool was made, strictly increasing per policy shard).
     pub fn stamp(&self) -> u64 {
         self.entry.hot.stamp.load(Relaxed)
     }
@@ -218,7 +222,8 @@ impl LatestStamps {
 /// instances of a policy (one per shard, so threads releasing blocks do not
 /// share a queue); it then evicts the candidate with the smallest `key`
 /// among the shards' candidates, so keys must order candidates globally
-/// (the release stamp does: the pool's clock is shared).
+/// (the release stamp does: every shard stamps from the same CPU
+/// counter).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Victim {
     /// The block.
