@@ -24,6 +24,8 @@ use super::lost::LostBlocks;
 use super::mover::{CopyRequest, dist_error, nothing_landed};
 use super::{Cluster, Command, LeaderConfig, Loss, LostHook, RankState, StatusCell};
 
+mod peers;
+
 /// One rank's connection.
 struct Rank {
     identity: Vec<u8>,
@@ -60,6 +62,8 @@ struct PendingProbe {
 
 pub(crate) struct EventLoop {
     probes: HashMap<u64, PendingProbe>,
+    /// The export or connect waiting for every rank (one at a time).
+    peer_op: Option<peers::PendingPeerOp>,
     config: LeaderConfig,
     router: RouterSocket,
     wake: WakeReceiver,
@@ -113,6 +117,7 @@ impl EventLoop {
             commands,
             inflight: HashMap::new(),
             probes: HashMap::new(),
+            peer_op: None,
             next_id: 1,
             ping_seq: 0,
             status,
@@ -171,27 +176,31 @@ impl EventLoop {
             match self.commands.try_recv() {
                 Ok(Command::Copy(c)) => self.start_copy(c),
                 Ok(Command::Probe { op, blocks, reply }) => self.start_probe(op, blocks, reply),
+                Ok(Command::Peer { request, reply }) => self.start_peer_op(request, reply),
+                Ok(Command::RemotePull(p)) => self.start_remote_pull(p),
                 Ok(Command::Shutdown) | Err(mpsc::TryRecvError::Disconnected) => return false,
                 Err(mpsc::TryRecvError::Empty) => return true,
             }
         }
     }
 
-    fn start_copy(&mut self, c: CopyRequest) {
-        if let Some((rank, r)) = self
+    /// Why copies fail at once, when a rank is not live.
+    fn degraded(&self) -> Option<String> {
+        let (rank, r) = self
             .ranks
             .iter()
             .enumerate()
-            .find(|(_, r)| r.state != RankState::Live)
-        {
-            let why = match &r.state {
-                RankState::Lost { reason } => format!("lost: {reason}"),
-                _ => "rejoining".into(),
-            };
-            c.completer.complete(nothing_landed(
-                format!("instance degraded: rank {rank} is {why}"),
-                c.pairs,
-            ));
+            .find(|(_, r)| r.state != RankState::Live)?;
+        let why = match &r.state {
+            RankState::Lost { reason } => format!("lost: {reason}"),
+            _ => "rejoining".into(),
+        };
+        Some(format!("instance degraded: rank {rank} is {why}"))
+    }
+
+    fn start_copy(&mut self, c: CopyRequest) {
+        if let Some(why) = self.degraded() {
+            c.completer.complete(nothing_landed(why, c.pairs));
             return;
         }
         if let Some(&(s, _)) = c
@@ -208,6 +217,20 @@ impl EventLoop {
             ));
             return;
         }
+        let (src, dst) = (c.src, c.dst);
+        self.broadcast(c, |id, pairs| {
+            Message::Transfer(Transfer {
+                id,
+                src,
+                dst,
+                pairs,
+            })
+        });
+    }
+
+    /// Sends the transfer `message(id, wire pairs)` to every worker and
+    /// waits for their acknowledgements.
+    fn broadcast(&mut self, c: CopyRequest, message: impl FnOnce(u64, Vec<(u32, u32)>) -> Message) {
         if c.cancel.is_cancelled() {
             c.completer.complete(Err(Box::new(TransferFailure {
                 error: TransferError::Cancelled,
@@ -221,12 +244,7 @@ impl EventLoop {
         self.next_id += 1;
         // Ids were checked against the tiers, which fit in u32.
         let wire: Vec<(u32, u32)> = c.pairs.iter().map(|&(s, d)| (s as u32, d as u32)).collect();
-        let message = Message::Transfer(Transfer {
-            id,
-            src: c.src,
-            dst: c.dst,
-            pairs: wire.clone(),
-        });
+        let message = message(id, wire.clone());
         let world = self.ranks.len();
         self.inflight.insert(
             id,
@@ -242,7 +260,7 @@ impl EventLoop {
                 completer: c.completer,
             },
         );
-        tracing::debug!(transfer = id, src = ?c.src, dst = ?c.dst, "broadcast");
+        tracing::debug!(transfer = id, kind = ?message.kind(), src = ?c.src, dst = ?c.dst, "broadcast");
         for rank in 0..world {
             if let Err(e) = self.router.send(&self.ranks[rank].identity, &message) {
                 self.lose(rank, format!("unreachable: {e}"));
@@ -351,6 +369,7 @@ impl EventLoop {
             }
             (Some(rank), Message::Ack(a)) => self.on_ack(rank, a),
             (Some(rank), Message::ProbeReply(p)) => self.on_probe_reply(rank, p),
+            (Some(rank), Message::PeerInfo(p)) => self.on_peer_reply(rank, Ok(p)),
             (Some(rank), Message::Error(e)) => match e.transfer_id {
                 Some(id) => {
                     let failed = self
@@ -373,7 +392,9 @@ impl EventLoop {
                 }
                 None => {
                     tracing::warn!(rank, "worker reports: {}", e.message);
-                    if self.ranks[rank].state == RankState::Rejoining {
+                    if self.peer_op.is_some() && self.ranks[rank].state == RankState::Live {
+                        self.on_peer_reply(rank, Err(e.message));
+                    } else if self.ranks[rank].state == RankState::Rejoining {
                         self.lose(rank, format!("failed to rejoin: {}", e.message));
                     }
                 }
@@ -567,6 +588,7 @@ impl EventLoop {
             reason: reason.clone(),
         };
         self.lost_blocks.lose_all();
+        self.fail_peer_op(rank, format!("lost: {reason}"));
         for (_, p) in self.probes.drain() {
             let _ = p.reply.send(Err(crate::error::DistError::Worker {
                 rank: rank as u32,
@@ -625,6 +647,7 @@ impl EventLoop {
 
     fn on_clock(&mut self) {
         let now = Instant::now();
+        self.peer_op_clock(now);
         // Silent workers.
         for rank in 0..self.ranks.len() {
             let r = &self.ranks[rank];

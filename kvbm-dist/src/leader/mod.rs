@@ -23,11 +23,16 @@
 //! blocks from its books (see [`evict_distributed_tiers`]). A worker that
 //! comes back with the same rank and shape says `Hello`, is configured
 //! again, and the instance is whole once it is `Ready`.
+//!
+//! Remote blocks (G4): [`Leader::export_peer`], [`Leader::connect_peer`]
+//! and [`Leader::remote_pull`] (feature `nixl` on the workers) pull a peer
+//! instance's G2 blocks into ours; see the `remote` module.
 
 mod event_loop;
 mod handshake;
 mod lost;
 mod mover;
+mod remote;
 
 use std::sync::Arc;
 use std::sync::mpsc;
@@ -42,6 +47,7 @@ use crate::proto::InstanceId;
 use crate::transport::{RouterSocket, WakeSender, wake_pair};
 
 pub use mover::DistMover;
+pub use remote::{decode_peer_info, encode_peer_info};
 
 /// A leader's parameters.
 #[derive(Debug, Clone)]
@@ -281,6 +287,11 @@ pub(crate) enum Command {
         blocks: Vec<(u32, u64)>,
         reply: mpsc::Sender<Result<Vec<Vec<u32>>>>,
     },
+    Peer {
+        request: remote::PeerRequest,
+        reply: mpsc::Sender<Result<crate::proto::PeerInfo>>,
+    },
+    RemotePull(remote::PullRequest),
     Shutdown,
 }
 

@@ -101,7 +101,7 @@ fn body(w: &mut Writer, message: &Message) -> Result<(), ProtoError> {
             w.u32(*rank);
         }
         Message::Cancel { transfer_id } => w.u64(*transfer_id),
-        Message::Shutdown => {}
+        Message::Shutdown | Message::ExportPeer => {}
         Message::PeerInfo(p) => {
             w.u64(p.instance);
             w.count(p.ranks.len(), MAX_WORLD_SIZE as usize, "peer ranks")?;
@@ -253,6 +253,7 @@ fn decode_body(r: &mut Reader<'_>, kind: MessageKind) -> Result<Message, ProtoEr
             transfer_id: r.u64("transfer id")?,
         },
         MessageKind::Shutdown => Message::Shutdown,
+        MessageKind::ExportPeer => Message::ExportPeer,
         MessageKind::PeerInfo => {
             let instance = r.u64("instance")?;
             // Each rank takes at least 8 bytes (two length fields).

@@ -1,7 +1,9 @@
 //! The messages.
 //!
 //! Leader → worker: [`Configure`], [`Transfer`], [`RemotePull`], `Ping`,
-//! `Cancel`, `Shutdown`. Worker → leader: [`Hello`], [`Ready`], [`Ack`],
+//! `Cancel`, `Shutdown`, `ExportPeer`, and [`PeerInfo`] (connect to a peer).
+//! A worker answers `ExportPeer` and a [`PeerInfo`] with its own one-rank
+//! [`PeerInfo`] (or an [`ErrorReply`]). Worker → leader: [`Hello`], [`Ready`], [`Ack`],
 //! `Pong`, [`ErrorReply`]. Leader ↔ leader: [`PeerInfo`]. Either side may
 //! answer a frame it refuses with an [`ErrorReply`].
 
@@ -213,6 +215,9 @@ pub enum Message {
     Probe(Probe),
     /// Worker → leader: a probe's result.
     ProbeReply(ProbeReply),
+    /// Leader → worker: describe your G2 for peers (answered with a
+    /// one-rank [`PeerInfo`]).
+    ExportPeer,
 }
 
 /// The kind byte of each message.
@@ -247,6 +252,8 @@ pub enum MessageKind {
     Probe = 13,
     /// [`Message::ProbeReply`].
     ProbeReply = 14,
+    /// [`Message::ExportPeer`].
+    ExportPeer = 15,
 }
 
 impl MessageKind {
@@ -268,6 +275,7 @@ impl MessageKind {
             12 => RemotePull,
             13 => Probe,
             14 => ProbeReply,
+            15 => ExportPeer,
             _ => return None,
         })
     }
@@ -291,6 +299,7 @@ impl Message {
             Message::RemotePull(_) => MessageKind::RemotePull,
             Message::Probe(_) => MessageKind::Probe,
             Message::ProbeReply(_) => MessageKind::ProbeReply,
+            Message::ExportPeer => MessageKind::ExportPeer,
         }
     }
 }

@@ -84,6 +84,7 @@ fn message() -> impl Strategy<Value = Message> {
         (any::<u64>(), 0..MAX_WORLD_SIZE).prop_map(|(seq, rank)| Message::Pong { seq, rank }),
         any::<u64>().prop_map(|transfer_id| Message::Cancel { transfer_id }),
         Just(Message::Shutdown),
+        Just(Message::ExportPeer),
         (
             any::<u64>(),
             prop::collection::vec(

@@ -118,9 +118,11 @@ pub(crate) fn message(m: &Message) -> Result<(), ProtoError> {
             }
             Ok(())
         }
-        Message::Error(_) | Message::Ping { .. } | Message::Cancel { .. } | Message::Shutdown => {
-            Ok(())
-        }
+        Message::Error(_)
+        | Message::Ping { .. }
+        | Message::Cancel { .. }
+        | Message::Shutdown
+        | Message::ExportPeer => Ok(()),
     }
 }
 

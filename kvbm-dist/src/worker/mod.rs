@@ -15,6 +15,7 @@
 
 pub mod memory;
 pub mod probe;
+mod remote;
 mod tiers;
 
 use std::collections::HashMap;
@@ -138,7 +139,10 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
     let _span = tracing::info_span!("worker", rank = config.rank).entered();
     tracing::info!(%identity, endpoint = %config.endpoint, "hello sent");
     let mut w = Worker {
+        instance: config.instance,
         rank: config.rank,
+        world_size: config.world_size,
+        remote: remote::RemoteState::default(),
         tiers: Tiers::new(config.g1.clone()),
         g3_dir: config.g3_dir.clone(),
         probe: config.probe.take(),
@@ -211,7 +215,11 @@ fn random_seed() -> u64 {
 }
 
 struct Worker {
+    instance: InstanceId,
     rank: u32,
+    world_size: u32,
+    /// G4: this worker's NIXL agent over G2 and the peers it connected.
+    remote: remote::RemoteState,
     probe: Option<Box<dyn probe::BlockProbe>>,
     g2_allocator: Option<G2Allocator>,
     tiers: Tiers,
@@ -239,16 +247,9 @@ impl Worker {
                 seq,
                 rank: self.rank,
             }),
-            Message::RemotePull(r) => Some(Message::Ack(Ack {
-                transfer_id: r.id,
-                rank: self.rank,
-                completed: Vec::new(),
-                failure: Some(AckFailure {
-                    error: "remote pulls are not supported by this worker (NIXL not built in)"
-                        .into(),
-                    failed: r.pairs,
-                }),
-            })),
+            Message::RemotePull(r) => self.remote_pull(r),
+            Message::ExportPeer => Some(self.export_peer()),
+            Message::PeerInfo(p) => Some(self.connect_peer(p)),
             Message::Error(e) => {
                 tracing::warn!(transfer = ?e.transfer_id, "leader reports: {}", e.message);
                 None
@@ -274,6 +275,8 @@ impl Worker {
             self.g2_allocator.as_deref(),
         ) {
             Ok(()) => {
+                // The agent exposed the G2 just replaced: peers reconnect.
+                self.remote = remote::RemoteState::default();
                 tracing::info!(g2 = c.g2_blocks, g3 = c.g3_blocks, "configured");
                 Message::Ready(Ready {
                     rank: self.rank,
