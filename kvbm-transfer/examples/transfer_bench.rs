@@ -19,7 +19,9 @@
 //! Bounce settings: `KVBM_SLOT_KIB` or `KVBM_SLOT_MIB` (slot size),
 //! `KVBM_SLOTS` (slots per batch), `KVBM_BATCHES` (batches in flight),
 //! `KVBM_HOP2_THREADS` (copy threads of the host-as-device hop 2),
-//! `KVBM_BOUNCE_BLOCKS` (2 MiB blocks moved, default 256);
+//! `KVBM_BOUNCE_BLOCKS` (2 MiB blocks moved, default 256), `KVBM_QD` (disk
+//! queue depth, default 8) and `KVBM_PREAD` (pread/pwrite threads instead of
+//! io_uring);
 //! `KVBM_TRACE=1` traces every pipelined run chunk by chunk and prints
 //! where the time went.
 
@@ -609,11 +611,13 @@ fn buffered_source(
     (file, seed)
 }
 
+/// The bounce benches' disk backend: queue depth `KVBM_QD` (default 8),
+/// the pread/pwrite threads instead of io_uring with `KVBM_PREAD`.
 fn disk_backend() -> DiskBackend {
     DiskBackend::new(&DiskConfig {
         engine: EngineConfig {
-            queue_depth: 8,
-            force_pread: false,
+            queue_depth: env_u64("KVBM_QD", 8) as u32,
+            force_pread: std::env::var_os("KVBM_PREAD").is_some(),
         },
         max_io_bytes: 2 * MIB as u32,
     })

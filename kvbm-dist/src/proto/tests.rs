@@ -147,8 +147,8 @@ proptest! {
         frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
         frame.extend_from_slice(&body);
         if let Ok(m) = decode(&frame) {
-            // Whatever decodes re-encodes to the same bytes.
-            prop_assert_eq!(encode(&m).unwrap(), frame);
+            // Whatever decodes is a valid message: it survives a round trip.
+            prop_assert_eq!(decode(&encode(&m).unwrap()).unwrap(), m);
         }
     }
 
@@ -166,9 +166,11 @@ proptest! {
         let i = at.index(frame.len());
         frame[i] = byte;
         if let Ok(back) = decode(&frame) {
-            // A mutation that still decodes is a valid message: it encodes
-            // back to exactly the mutated frame.
-            prop_assert_eq!(encode(&back).unwrap(), frame);
+            // A mutation that still decodes is a valid message: it survives
+            // a round trip. (Not byte-identical to the mutated frame: the
+            // layout descriptors inside are JSON, where a space may become
+            // a tab or a carriage return without changing the value.)
+            prop_assert_eq!(decode(&encode(&back).unwrap()).unwrap(), back);
         }
     }
 
