@@ -212,3 +212,69 @@ fn a_running_leader_answers_hostile_peers_and_stays_whole() {
     leader.shutdown();
     w.join().unwrap().unwrap();
 }
+
+fn wait_outcome(
+    c: kvbm_transfer::Completion<kvbm_transfer::TransferOutcome>,
+) -> kvbm_transfer::TransferOutcome {
+    let (tx, rx) = std::sync::mpsc::channel();
+    c.on_complete(move |o| {
+        let _ = tx.send(o);
+    });
+    rx.recv_timeout(Duration::from_secs(20))
+        .expect("a pull hung")
+}
+
+#[test]
+fn remote_pulls_and_peer_connects_are_refused_before_any_worker_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let pending = PendingLeader::bind(config(endpoint(&dir), 2)).unwrap();
+    let ws: Vec<_> = (0..2)
+        .map(|r| worker(pending.endpoint(), r, 2, 8))
+        .collect();
+    let leader = pending.handshake().unwrap();
+    let g2 = leader.status().g2_blocks;
+    // A peer of another world size: refused by the leader.
+    let one_rank = proto::PeerInfo {
+        instance: INSTANCE + 1,
+        ranks: vec![proto::PeerRank {
+            nixl_metadata: vec![1, 2, 3],
+            layout: g1(8).layout().descriptor(),
+        }],
+    };
+    assert!(matches!(
+        leader.connect_peer(&one_rank),
+        Err(DistError::InvalidConfig(_))
+    ));
+    // A peer whose ranks' descriptions are garbage: refused by a worker,
+    // named in the error.
+    let garbage = proto::PeerInfo {
+        ranks: vec![one_rank.ranks[0].clone(); 2],
+        ..one_rank
+    };
+    assert!(matches!(
+        leader.connect_peer(&garbage),
+        Err(DistError::Worker { .. })
+    ));
+    // A local block out of range: refused by the leader.
+    let f = wait_outcome(leader.remote_pull(INSTANCE + 1, vec![(0, g2)])).unwrap_err();
+    assert_eq!(f.failed, vec![(0, g2)]);
+    // A peer nobody connected: refused by every worker, nothing landed.
+    let f = wait_outcome(leader.remote_pull(INSTANCE + 1, vec![(0, 0), (1, 1)])).unwrap_err();
+    assert!(f.completed.is_empty());
+    assert_eq!(f.failed.len(), 2);
+    assert!(f.to_string().contains("rank"), "{f}");
+    // The frame leaders exchange round-trips; another frame is refused.
+    let frame = encode_peer_info(&garbage).unwrap();
+    assert_eq!(decode_peer_info(&frame).unwrap(), garbage);
+    let ping = proto::encode(&Message::Ping { seq: 1 }).unwrap();
+    assert!(decode_peer_info(&ping).is_err());
+    #[cfg(not(feature = "nixl"))]
+    assert!(matches!(
+        leader.export_peer(),
+        Err(DistError::Worker { .. })
+    ));
+    leader.shutdown();
+    for w in ws {
+        w.join().unwrap().unwrap();
+    }
+}
