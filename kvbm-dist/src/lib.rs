@@ -16,6 +16,14 @@
 //! falls silent fails every transfer it was part of (naming its rank), and
 //! the G2/G3 blocks whose bytes died with it are never served again.
 //!
+//! Remote blocks (feature `nixl`): each worker exposes its G2 through a
+//! NIXL agent; only the leaders exchange the agents' descriptions (a
+//! `PeerInfo` frame), rank `r` of one instance connects to rank `r` of the
+//! other, and a [`Leader::remote_pull`](leader::Leader::remote_pull) is
+//! broadcast and acknowledged like a copy. Workers of different instances
+//! meet only through NIXL's reads, each checked against what the peer
+//! registered before it is posted.
+//!
 //! Map of the crate:
 //! - [`proto`]: the versioned wire format, its validating decoder and the
 //!   receiver-side bounds check.

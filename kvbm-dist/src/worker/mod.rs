@@ -7,7 +7,8 @@
 //! [`Executor`], acknowledging each with exactly the pairs whose bytes
 //! landed. Requests are checked against the worker's own tier sizes before
 //! anything moves; a refused request is acknowledged as failed, never
-//! executed.
+//! executed. With feature `nixl` it also exposes G2 to peer instances and
+//! pulls their G2 blocks into its own (`remote`).
 //!
 //! Threads: one event loop owns the DEALER socket; transfers run on the
 //! executor's threads and hand their acknowledgement back to the loop
