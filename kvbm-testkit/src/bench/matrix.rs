@@ -175,7 +175,7 @@ pub(crate) fn gbps(bytes: u64, secs: f64) -> f64 {
 
 /// Runs every transfer of `pairs` in transfers of `per_batch` blocks,
 /// all submitted before any is waited on; returns bytes and seconds.
-fn timed_transfer(
+pub(crate) fn timed_transfer(
     exec: &Executor,
     src: &PhysicalLayout,
     dst: &PhysicalLayout,

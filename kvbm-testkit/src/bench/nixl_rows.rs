@@ -25,7 +25,9 @@ use kvbm_transfer::{DiskConfig, Executor, ExecutorConfig, PhysicalLayout};
 
 use super::error::{BenchError, Result};
 use super::host_view::HostTier;
-use super::matrix::{MatrixConfig, MatrixRow, gbps, reference_disk, reference_memcpy, scatter};
+use super::matrix::{
+    MatrixConfig, MatrixRow, gbps, reference_disk, reference_memcpy, scatter, timed_transfer,
+};
 use super::model::check_disk_alignment;
 use super::stats::Spread;
 
@@ -128,27 +130,7 @@ fn run_batches(
     per_batch: usize,
     path: &str,
 ) -> Result<u64> {
-    let handles: Vec<_> = pairs
-        .chunks(per_batch)
-        .map(|c| exec.transfer(src, dst, c))
-        .collect();
-    let mut bytes = 0;
-    let mut first_err = None;
-    for h in handles {
-        match h.wait() {
-            Ok(r) => bytes += r.bytes,
-            Err(f) => {
-                first_err.get_or_insert_with(|| f.to_string());
-            }
-        }
-    }
-    match first_err {
-        Some(detail) => Err(BenchError::TransferFailed {
-            path: path.to_string(),
-            detail,
-        }),
-        None => Ok(bytes),
-    }
+    timed_transfer(exec, src, dst, pairs, per_batch, path).map(|(bytes, _)| bytes)
 }
 
 fn check_all(dst: &HostTier, n: usize, path: &str) -> Result<bool> {

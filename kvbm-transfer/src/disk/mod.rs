@@ -234,48 +234,81 @@ fn check_aligned(what: &'static str, value: u64, file: &DiskFile) -> Result<()> 
     Ok(())
 }
 
+/// One run of a host ↔ disk job seen from the disk: where in which file,
+/// which host address, how many bytes. Every backend that moves host ↔
+/// file bytes (io_uring, pread, NIXL's POSIX plugin) starts from these.
+pub(crate) struct DiskExtent {
+    /// The file.
+    pub(crate) file: Arc<DiskFile>,
+    /// Byte offset in the file.
+    pub(crate) file_offset: u64,
+    /// Host address of the first byte.
+    pub(crate) addr: u64,
+    /// Bytes.
+    pub(crate) len: u64,
+}
+
+/// The runs of `job` as disk extents, `reads` = disk → host. Bounds and
+/// the disk alignment (file offset, length and host address) are checked
+/// here, so a misaligned request fails before any I/O with an error that
+/// names the alignment and the file.
+pub(crate) fn disk_extents(job: &TransferJob, reads: bool) -> Result<Vec<DiskExtent>> {
+    job.validate_bounds()?;
+    let (disk_side, mem_side) = if reads {
+        (Side::Source, Side::Destination)
+    } else {
+        (Side::Destination, Side::Source)
+    };
+    let mem = job.address_table(mem_side)?;
+    let disks = job.regions(disk_side);
+    let mut out = Vec::with_capacity(job.runs.len());
+    for run in job.runs.iter() {
+        let (disk_region, disk_off, mem_region, mem_off) = if reads {
+            (
+                run.src_region,
+                run.src_offset,
+                run.dst_region,
+                run.dst_offset,
+            )
+        } else {
+            (
+                run.dst_region,
+                run.dst_offset,
+                run.src_region,
+                run.src_offset,
+            )
+        };
+        let Some((file, base)) = disks[disk_region as usize].file_location() else {
+            return Err(TransferError::InvalidRequest(
+                "disk side region is not a file".into(),
+            ));
+        };
+        let file_offset = base + disk_off;
+        let addr = mem[mem_region as usize] + mem_off;
+        check_aligned("file offset", file_offset, file)?;
+        check_aligned("length", run.len, file)?;
+        check_aligned("memory address", addr, file)?;
+        out.push(DiskExtent {
+            file: Arc::clone(file),
+            file_offset,
+            addr,
+            len: run.len,
+        });
+    }
+    Ok(out)
+}
+
 impl<E: IoEngine> DiskBackend<E> {
     fn plan_ops(&self, job: &TransferJob, dir: IoDir) -> Result<Vec<OpMeta>> {
-        job.validate_bounds()?;
-        let (disk_side, mem_side) = match dir {
-            IoDir::Write => (Side::Destination, Side::Source),
-            IoDir::Read => (Side::Source, Side::Destination),
-        };
-        let mem = job.address_table(mem_side)?;
-        let disks = job.regions(disk_side);
         let mut ops = Vec::new();
-        for run in job.runs.iter() {
-            let (disk_region, disk_off, mem_region, mem_off) = match dir {
-                IoDir::Write => (
-                    run.dst_region,
-                    run.dst_offset,
-                    run.src_region,
-                    run.src_offset,
-                ),
-                IoDir::Read => (
-                    run.src_region,
-                    run.src_offset,
-                    run.dst_region,
-                    run.dst_offset,
-                ),
-            };
-            let Some((file, base)) = disks[disk_region as usize].file_location() else {
-                return Err(TransferError::InvalidRequest(
-                    "disk side region is not a file".into(),
-                ));
-            };
-            let file_offset = base + disk_off;
-            let addr = mem[mem_region as usize] + mem_off;
-            check_aligned("file offset", file_offset, file)?;
-            check_aligned("length", run.len, file)?;
-            check_aligned("memory address", addr, file)?;
+        for e in disk_extents(job, dir == IoDir::Read)? {
             let mut off = 0;
-            while off < run.len {
-                let len = (run.len - off).min(self.max_io_bytes as u64) as u32;
+            while off < e.len {
+                let len = (e.len - off).min(self.max_io_bytes as u64) as u32;
                 ops.push(OpMeta {
-                    file: file.clone(),
-                    file_offset: file_offset + off,
-                    addr: addr + off,
+                    file: Arc::clone(&e.file),
+                    file_offset: e.file_offset + off,
+                    addr: e.addr + off,
                     len,
                     done: AtomicU32::new(0),
                     retries: AtomicU32::new(0),

@@ -41,6 +41,7 @@ use super::error::{NixlUnavailable, nixl_err};
 use super::poller::Poller;
 use crate::backend::{BackendKind, Side, TransferBackend, TransferJob};
 use crate::completion::{Completion, completion_pair};
+use crate::disk::disk_extents;
 use crate::error::{Result, TransferError};
 use crate::memory::{DISK_ALIGNMENT, DiskFile, MemoryKind, MemoryRegion};
 
@@ -201,65 +202,28 @@ impl NixlDiskBackend {
         job: &TransferJob,
         op: XferOp,
     ) -> Result<(XferDescList<'static>, XferDescList<'static>)> {
-        job.validate_bounds()?;
-        let (disk_side, mem_side) = match op {
-            XferOp::Write => (Side::Destination, Side::Source),
-            XferOp::Read => (Side::Source, Side::Destination),
+        let mem_side = match op {
+            XferOp::Write => Side::Source,
+            XferOp::Read => Side::Destination,
         };
+        let extents = disk_extents(job, matches!(op, XferOp::Read))?;
         for region in job.regions(mem_side) {
             self.ensure_memory(region)?;
         }
-        let mem = job.address_table(mem_side)?;
-        let disks = job.regions(disk_side);
         let mut host =
             XferDescList::new(MemType::Dram).map_err(|e| nixl_err("descriptor list", e))?;
         let mut file_list =
             XferDescList::new(MemType::File).map_err(|e| nixl_err("descriptor list", e))?;
-        for run in job.runs.iter() {
-            let (disk_region, disk_off, mem_region, mem_off) = match op {
-                XferOp::Write => (
-                    run.dst_region,
-                    run.dst_offset,
-                    run.src_region,
-                    run.src_offset,
-                ),
-                XferOp::Read => (
-                    run.src_region,
-                    run.src_offset,
-                    run.dst_region,
-                    run.dst_offset,
-                ),
-            };
-            let Some((file, base)) = disks[disk_region as usize].file_location() else {
-                return Err(TransferError::InvalidRequest(
-                    "disk side region is not a file".into(),
-                ));
-            };
-            let file_offset = base + disk_off;
-            let addr = mem[mem_region as usize] + mem_off;
-            for (what, value) in [
-                ("file offset", file_offset),
-                ("length", run.len),
-                ("memory address", addr),
-            ] {
-                if !value.is_multiple_of(DISK_ALIGNMENT) {
-                    return Err(TransferError::Misaligned {
-                        alignment: DISK_ALIGNMENT,
-                        what,
-                        value,
-                        path: file.path().to_path_buf(),
-                    });
-                }
-            }
-            self.ensure_file(file)?;
+        for e in &extents {
+            self.ensure_file(&e.file)?;
             let mut off = 0;
-            while off < run.len {
-                let len = (run.len - off).min(self.max_io_bytes);
-                host.add_desc((addr + off) as usize, len as usize, 0);
+            while off < e.len {
+                let len = (e.len - off).min(self.max_io_bytes);
+                host.add_desc((e.addr + off) as usize, len as usize, 0);
                 file_list.add_desc(
-                    (file_offset + off) as usize,
+                    (e.file_offset + off) as usize,
                     len as usize,
-                    file.raw_fd() as u64,
+                    e.file.raw_fd() as u64,
                 );
                 off += len;
             }

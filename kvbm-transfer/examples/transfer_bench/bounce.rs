@@ -1,355 +1,11 @@
-//! Throughput benchmarks of the data path, each against a reference measured
-//! in the same run (interleaved, several runs, median and spread).
-//!
-//! ```text
-//! cargo run --release -p kvbm-transfer --example transfer_bench -- [memcpy|disk|bounce|all] [runs] [dir]
-//! ```
-//!
-//! - memcpy: 256 non-consecutive 2 MiB blocks, LayerSeparate → FullyContiguous
-//!   (32 KiB runs), vs one `memcpy` of the same bytes.
-//! - disk: host → disk and disk → host of 2 MiB blocks through io_uring, vs a
-//!   raw sequential O_DIRECT pwrite/pread loop with 2 MiB requests on the
-//!   same file; plus process CPU seconds per GiB.
-//! - bounce: page-cached file → bounce → host standing in for a device, as a
-//!   pipeline vs the same two hops one after the other.
-//! - bounce-disk: page-cached file → bounce → O_DIRECT file, the same way.
-//! - bounce-gpu (built with `--features cuda`, needs a GPU): page-cached
-//!   file → pinned bounce → device memory through the CUDA backend.
-//!
-//! Bounce settings: `KVBM_SLOT_KIB` or `KVBM_SLOT_MIB` (slot size),
-//! `KVBM_SLOTS` (slots per batch), `KVBM_BATCHES` (batches in flight),
-//! `KVBM_HOP2_THREADS` (copy threads of the host-as-device hop 2),
-//! `KVBM_BOUNCE_BLOCKS` (2 MiB blocks moved, default 256), `KVBM_QD` (disk
-//! queue depth, default 8) and `KVBM_PREAD` (pread/pwrite threads instead of
-//! io_uring);
-//! `KVBM_TRACE=1` traces every pipelined run chunk by chunk and prints
-//! where the time went.
+//! The two-hop benches: a page-cached file through bounce slots into host
+//! memory standing in for a device (`bounce`), an O_DIRECT file
+//! (`bounce-disk`) or a GPU (`bounce-gpu`), each pipelined against the same
+//! two hops one after the other, with the hop-alone rates and the ideal
+//! overlap from the same run.
 
-use std::os::unix::fs::FileExt;
-use std::sync::Arc;
-use std::time::Instant;
+use super::*;
 
-use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
-use kvbm_transfer::backend::memcpy::MemcpyBackend;
-use kvbm_transfer::bounce::trace::{ChunkTrace, TraceSummary};
-use kvbm_transfer::disk::{DiskBackend, DiskConfig, EngineConfig};
-use kvbm_transfer::memory::{DiskAllocator, DiskOptions, IoMode, SystemAllocator};
-use kvbm_transfer::{
-    BackendKind, BouncePool, Completion, Executor, ExecutorConfig, MemoryKind, MemoryRegion,
-    PhysicalLayout, TransferBackend, TransferJob,
-};
-use rand::seq::SliceRandom;
-use rand::{Rng, SeedableRng, rngs::StdRng};
-
-const MIB: u64 = 1 << 20;
-const GIB: f64 = (1u64 << 30) as f64;
-
-fn cpu_seconds() -> f64 {
-    let mut u = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-    // SAFETY: getrusage writes a full rusage into the pointer we pass.
-    let u = unsafe {
-        libc::getrusage(libc::RUSAGE_SELF, u.as_mut_ptr());
-        u.assume_init()
-    };
-    let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 * 1e-6;
-    t(u.ru_utime) + t(u.ru_stime)
-}
-
-/// Wall seconds and CPU seconds of `f`.
-fn measure(f: impl FnOnce()) -> (f64, f64) {
-    let (c0, t0) = (cpu_seconds(), Instant::now());
-    f();
-    (t0.elapsed().as_secs_f64(), cpu_seconds() - c0)
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
-
-fn spread(v: &[f64]) -> String {
-    let (lo, hi) = v
-        .iter()
-        .fold((f64::MAX, 0f64), |(l, h), &x| (l.min(x), h.max(x)));
-    format!("{lo:.2}–{hi:.2}")
-}
-
-fn fill(region: &MemoryRegion, seed: u64) {
-    // SAFETY: a live system allocation that no transfer touches right now.
-    let bytes = unsafe {
-        std::slice::from_raw_parts_mut(region.addr().unwrap() as *mut u8, region.len() as usize)
-    };
-    StdRng::seed_from_u64(seed).fill(bytes);
-}
-
-fn allocator() -> SystemAllocator {
-    let huge = std::env::var_os("KVBM_BENCH_THP").is_some();
-    SystemAllocator::new().populate(true).huge_pages(if huge {
-        kvbm_transfer::memory::HugePages::Transparent
-    } else {
-        kvbm_transfer::memory::HugePages::Off
-    })
-}
-
-fn host(layout: Layout) -> PhysicalLayout {
-    let p = PhysicalLayout::allocate_system(layout, &allocator()).unwrap();
-    for (i, r) in p.regions().iter().enumerate() {
-        fill(r, i as u64);
-    }
-    p
-}
-
-fn report(
-    name: &str,
-    bytes: u64,
-    subject: &mut [f64],
-    reference: &mut [f64],
-    ref_name: &str,
-) -> f64 {
-    let gbs = |t: f64| bytes as f64 / t / 1e9;
-    let s: Vec<f64> = subject.iter().map(|&t| gbs(t)).collect();
-    let r: Vec<f64> = reference.iter().map(|&t| gbs(t)).collect();
-    let ratios: Vec<f64> = subject
-        .iter()
-        .zip(reference.iter())
-        .map(|(s, r)| r / s)
-        .collect();
-    let (ms, mr) = (gbs(median(subject)), gbs(median(reference)));
-    let mut rr = ratios.clone();
-    let ratio = median(&mut rr);
-    println!(
-        "{name}: {ms:.2} GB/s (runs {}) | {ref_name}: {mr:.2} GB/s (runs {}) | ratio median {ratio:.3} (per-run {})",
-        spread(&s),
-        spread(&r),
-        spread(&ratios)
-    );
-    ratio
-}
-
-fn bench_memcpy(runs: usize) {
-    // 32 layers × K,V × 32 KiB chunks = 2 MiB blocks.
-    let src_cfg = LayoutConfig::new(512, 32, 2, 16, 1024, 2).unwrap();
-    let dst_cfg = src_cfg.with_num_blocks(256).unwrap();
-    let src =
-        host(Layout::new(src_cfg, LayoutKind::LayerSeparate(BlockOrder::OuterFirst)).unwrap());
-    let dst = host(Layout::new(dst_cfg, LayoutKind::FullyContiguous).unwrap());
-    let mut blocks: Vec<usize> = (0..512).collect();
-    blocks.shuffle(&mut StdRng::seed_from_u64(42));
-    let pairs: Vec<(usize, usize)> = blocks[..256]
-        .iter()
-        .enumerate()
-        .map(|(d, &s)| (s, d))
-        .collect();
-    let bytes = 256 * dst_cfg.block_bytes();
-    let plan = kvbm_layout::plan_copy(src.layout(), dst.layout(), &pairs).unwrap();
-    println!(
-        "memcpy plan: {} runs, {} MiB",
-        plan.len(),
-        plan.total_bytes() / MIB
-    );
-    let threads = std::env::var("KVBM_MEMCPY_THREADS")
-        .ok()
-        .and_then(|t| t.parse().ok())
-        .unwrap_or(2);
-    let exec = Executor::builder()
-        .backend(Arc::new(MemcpyBackend::new(threads).unwrap()))
-        .build()
-        .unwrap();
-    let a = allocator().allocate(bytes).unwrap();
-    let b = allocator().allocate(bytes).unwrap();
-    fill(&a.region(), 1);
-    fill(&b.region(), 2);
-    let (mut subject, mut reference) = (Vec::new(), Vec::new());
-    for _ in 0..runs {
-        subject.push(
-            measure(|| {
-                assert_eq!(
-                    exec.transfer(&src, &dst, &pairs).wait().unwrap().bytes,
-                    bytes
-                )
-            })
-            .0,
-        );
-        // SAFETY: two distinct live allocations of `bytes` bytes each.
-        reference.push(
-            measure(|| unsafe {
-                std::ptr::copy_nonoverlapping(
-                    a.addr() as *const u8,
-                    b.addr() as *mut u8,
-                    bytes as usize,
-                )
-            })
-            .0,
-        );
-    }
-    let ratio = report(
-        &format!("memcpy plan (256 × 2 MiB, 32 KiB runs, {threads} threads)"),
-        bytes,
-        &mut subject,
-        &mut reference,
-        "one memcpy",
-    );
-    println!(
-        "memcpy target ≥ 0.9: {}",
-        if ratio >= 0.9 { "met" } else { "MISSED" }
-    );
-}
-
-fn raw_direct(path: &std::path::Path, buf: &MemoryRegion, bytes: u64, write: bool) {
-    use std::os::unix::fs::OpenOptionsExt;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .unwrap();
-    // SAFETY: a live system allocation of at least `bytes` bytes that no
-    // transfer touches during the reference run.
-    let mem =
-        unsafe { std::slice::from_raw_parts_mut(buf.addr().unwrap() as *mut u8, bytes as usize) };
-    for (i, chunk) in mem.chunks_mut(2 * MIB as usize).enumerate() {
-        let off = i as u64 * 2 * MIB;
-        if write {
-            f.write_all_at(chunk, off).unwrap();
-        } else {
-            f.read_exact_at(chunk, off).unwrap();
-        }
-    }
-}
-
-fn bench_disk(runs: usize, dir: &std::path::Path) {
-    let blocks = 512; // 1 GiB of 2 MiB blocks
-    let cfg = LayoutConfig::new(blocks, 32, 2, 16, 1024, 2).unwrap();
-    let layout = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
-    let src = host(layout.clone());
-    let back = host(layout.clone());
-    let disk_cfg = DiskConfig {
-        engine: EngineConfig {
-            queue_depth: std::env::var("KVBM_QD")
-                .ok()
-                .and_then(|q| q.parse().ok())
-                .unwrap_or(8),
-            force_pread: std::env::var_os("KVBM_PREAD").is_some(),
-        },
-        max_io_bytes: 2 * MIB as u32,
-    };
-    let backend = DiskBackend::new(&disk_cfg).unwrap();
-    let (engine, qd) = (backend.engine_name(), disk_cfg.engine.queue_depth);
-    let exec = Executor::builder()
-        .backend(Arc::new(backend))
-        .build()
-        .unwrap();
-    exec.register(&src).unwrap();
-    exec.register(&back).unwrap();
-    let alloc = DiskAllocator::new(
-        dir,
-        DiskOptions {
-            io_mode: IoMode::Direct,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let disk = PhysicalLayout::allocate_disk(layout.clone(), &alloc).unwrap();
-    let path = disk.regions()[0]
-        .file_location()
-        .unwrap()
-        .0
-        .path()
-        .to_path_buf();
-    let bytes = layout.total_bytes();
-    let pairs: Vec<_> = (0..blocks).map(|b| (b, b)).collect();
-    let (mut w, mut wr, mut r, mut rr, mut wcpu, mut rcpu, mut wrcpu, mut rrcpu) = (
-        vec![],
-        vec![],
-        vec![],
-        vec![],
-        vec![],
-        vec![],
-        vec![],
-        vec![],
-    );
-    let gib = bytes as f64 / GIB;
-    for i in 0..runs {
-        // Alternate which of subject and reference goes first, so neither
-        // always inherits the other's write-back or cache state.
-        for first in [i % 2 == 0, i % 2 == 1] {
-            if first {
-                let (t, c) = measure(|| {
-                    exec.transfer(&src, &disk, &pairs).wait().unwrap();
-                });
-                w.push(t);
-                wcpu.push(c / gib);
-            } else {
-                let (t, c) = measure(|| raw_direct(&path, &back.regions()[0], bytes, true));
-                wr.push(t);
-                wrcpu.push(c / gib);
-            }
-        }
-        for first in [i % 2 == 0, i % 2 == 1] {
-            if first {
-                let (t, c) = measure(|| {
-                    exec.transfer(&disk, &back, &pairs).wait().unwrap();
-                });
-                r.push(t);
-                rcpu.push(c / gib);
-            } else {
-                let (t, c) = measure(|| raw_direct(&path, &back.regions()[0], bytes, false));
-                rr.push(t);
-                rrcpu.push(c / gib);
-            }
-        }
-    }
-    // Verify the last round trip: disk holds `back`'s bytes from the raw
-    // write... so redo a clean write/read and compare.
-    exec.transfer(&src, &disk, &pairs).wait().unwrap();
-    exec.transfer(&disk, &back, &pairs).wait().unwrap();
-    // SAFETY: both live, no transfer running.
-    let same = unsafe {
-        std::slice::from_raw_parts(
-            src.regions()[0].addr().unwrap() as *const u8,
-            bytes as usize,
-        ) == std::slice::from_raw_parts(
-            back.regions()[0].addr().unwrap() as *const u8,
-            bytes as usize,
-        )
-    };
-    assert!(same, "disk round trip corrupted data");
-    let wratio = report(
-        &format!("host→disk {engine} (2 MiB, QD {qd})"),
-        bytes,
-        &mut w,
-        &mut wr,
-        "raw O_DIRECT pwrite 2 MiB",
-    );
-    let rratio = report(
-        &format!("disk→host {engine} (2 MiB, QD {qd})"),
-        bytes,
-        &mut r,
-        &mut rr,
-        "raw O_DIRECT pread 2 MiB",
-    );
-    let (wc, rc) = (median(&mut wcpu), median(&mut rcpu));
-    println!(
-        "CPU s/GiB: write {wc:.3} (runs {}), read {rc:.3} (runs {}); raw loop write {:.3}, read {:.3}",
-        spread(&wcpu),
-        spread(&rcpu),
-        median(&mut wrcpu),
-        median(&mut rrcpu)
-    );
-    println!(
-        "disk targets: write ratio {} read ratio {} CPU {}",
-        if wratio >= 0.9 { "met" } else { "MISSED" },
-        if rratio >= 0.9 { "met" } else { "MISSED" },
-        if wc <= 0.1 && rc <= 0.1 {
-            "met"
-        } else {
-            "MISSED"
-        }
-    );
-}
-
-/// Host memory labelled as device memory, moved by memcpy: stands in for
-/// the CUDA backend on a CPU machine.
 struct HostAsDevice(MemcpyBackend);
 
 impl TransferBackend for HostAsDevice {
@@ -485,7 +141,7 @@ fn pin_threads_from_env() {
     }
 }
 
-fn loadavg() -> String {
+pub(super) fn loadavg() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_default()
@@ -652,7 +308,7 @@ fn bounce_layouts() -> (Layout, Layout) {
 
 /// Page-cached file → bounce → host standing in for the device (both hops
 /// CPU copies).
-fn bench_bounce(runs: usize, dir: &std::path::Path) {
+pub(super) fn bench_bounce(runs: usize, dir: &std::path::Path) {
     let p = BounceParams::from_env();
     let trace = trace_from_env();
     let (fc, dev_l) = bounce_layouts();
@@ -731,7 +387,7 @@ fn bench_bounce(runs: usize, dir: &std::path::Path) {
 /// Page-cached file → system bounce → O_DIRECT file (the disk → disk row):
 /// hop 1 is CPU work (a page-cache copy), hop 2 is device work, so the
 /// pipeline can overlap them even when this process gets little CPU.
-fn bench_bounce_disk(runs: usize, dir: &std::path::Path) {
+pub(super) fn bench_bounce_disk(runs: usize, dir: &std::path::Path) {
     let p = BounceParams::from_env();
     let trace = trace_from_env();
     let (fc, _) = bounce_layouts();
@@ -797,7 +453,7 @@ fn bench_bounce_disk(runs: usize, dir: &std::path::Path) {
 /// G3 → G1 onboard path without GPUDirect Storage. Hop 1 is a CPU copy out
 /// of the page cache, hop 2 a DMA on the copy engines.
 #[cfg(feature = "cuda")]
-fn bench_bounce_gpu(runs: usize, dir: &std::path::Path) {
+pub(super) fn bench_bounce_gpu(runs: usize, dir: &std::path::Path) {
     use kvbm_transfer::cuda::{
         CopierConfig, CudaBackend, CudaCopier, CudaDevice, CudaRegion, DeviceBuffer, PinnedMemory,
         PinnedOptions, Probe, probe,
@@ -889,31 +545,4 @@ fn bench_bounce_gpu(runs: usize, dir: &std::path::Path) {
         &mut r,
         &pool,
     );
-}
-
-fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let what = args.get(1).map_or("all", String::as_str);
-    let runs = args.get(2).and_then(|r| r.parse().ok()).unwrap_or(5);
-    let dir = std::path::PathBuf::from(args.get(3).map_or("/work/tmp-bench", String::as_str));
-    std::fs::create_dir_all(&dir).unwrap();
-    println!("load average at start: {}", loadavg());
-    if matches!(what, "memcpy" | "all") {
-        bench_memcpy(runs);
-    }
-    if matches!(what, "disk" | "all") {
-        bench_disk(runs, &dir);
-    }
-    if matches!(what, "bounce" | "all") {
-        bench_bounce(runs, &dir);
-    }
-    if matches!(what, "bounce-disk" | "all") {
-        bench_bounce_disk(runs, &dir);
-    }
-    if matches!(what, "bounce-gpu" | "all") {
-        #[cfg(feature = "cuda")]
-        bench_bounce_gpu(runs, &dir);
-        #[cfg(not(feature = "cuda"))]
-        println!("bounce-gpu: skipped: built without the `cuda` feature");
-    }
 }
