@@ -51,13 +51,7 @@ impl RouterSocket {
         socket
             .set_router_handover(true)
             .map_err(DistError::zmq("router handover"))?;
-        socket.set_linger(0).map_err(DistError::zmq("linger"))?;
-        socket
-            .set_sndhwm(HIGH_WATER_MARK)
-            .map_err(DistError::zmq("send high-water mark"))?;
-        socket
-            .set_maxmsgsize(proto::MAX_FRAME_BYTES as i64)
-            .map_err(DistError::zmq("max message size"))?;
+        set_frame_limits(&socket)?;
         socket.bind(endpoint).map_err(DistError::zmq("bind"))?;
         let endpoint = match socket.get_last_endpoint() {
             Ok(Ok(e)) => e,
@@ -113,6 +107,19 @@ impl RouterSocket {
     }
 }
 
+/// What both ends set: no linger on close, a bounded send queue, and no
+/// message larger than the biggest valid frame (libzmq drops the peer
+/// rather than buffering it).
+fn set_frame_limits(socket: &zmq::Socket) -> Result<()> {
+    socket.set_linger(0).map_err(DistError::zmq("linger"))?;
+    socket
+        .set_sndhwm(HIGH_WATER_MARK)
+        .map_err(DistError::zmq("send high-water mark"))?;
+    socket
+        .set_maxmsgsize(proto::MAX_FRAME_BYTES as i64)
+        .map_err(DistError::zmq("max message size"))
+}
+
 /// A worker's DEALER socket.
 pub struct DealerSocket {
     socket: zmq::Socket,
@@ -127,13 +134,7 @@ impl DealerSocket {
         socket
             .set_identity(identity)
             .map_err(DistError::zmq("identity"))?;
-        socket.set_linger(0).map_err(DistError::zmq("linger"))?;
-        socket
-            .set_sndhwm(HIGH_WATER_MARK)
-            .map_err(DistError::zmq("send high-water mark"))?;
-        socket
-            .set_maxmsgsize(proto::MAX_FRAME_BYTES as i64)
-            .map_err(DistError::zmq("max message size"))?;
+        set_frame_limits(&socket)?;
         socket
             .connect(endpoint)
             .map_err(DistError::zmq("connect"))?;

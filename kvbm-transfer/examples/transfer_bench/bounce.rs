@@ -158,17 +158,24 @@ struct Rounds {
     cpu_serial: Vec<f64>,
 }
 
-/// `runs` rounds of the pipelined transfer against hop 1 for everything
-/// followed by hop 2 for everything, alternating which goes first. With a
-/// trace, each pipelined run is traced and summarised.
+/// `runs` rounds of the pipelined transfer `src → dst` (through the
+/// executor's bounce slots) against hop 1 for everything (`src → staging`)
+/// followed by hop 2 for everything (`staging → dst`), alternating which
+/// goes first. With a trace, each pipelined run is traced and summarised.
 fn rounds(
     bytes: u64,
     runs: usize,
     trace: Option<&ChunkTrace>,
-    mut piped: impl FnMut(),
-    mut hop1: impl FnMut(),
-    mut hop2: impl FnMut(),
+    exec: &Executor,
+    [src, staging, dst]: [&PhysicalLayout; 3],
+    pairs: &[(usize, usize)],
 ) -> Rounds {
+    let copy = |a, b| {
+        exec.transfer(a, b, pairs).wait().unwrap();
+    };
+    let piped = || copy(src, dst);
+    let hop1 = || copy(src, staging);
+    let hop2 = || copy(staging, dst);
     let mut r = Rounds::default();
     let mut last = None;
     for i in 0..runs {
@@ -177,7 +184,7 @@ fn rounds(
                 if let Some(t) = trace {
                     t.clear();
                 }
-                let (t, c) = measure(&mut piped);
+                let (t, c) = measure(piped);
                 r.piped.push(t);
                 r.cpu_piped.push(c);
                 if let Some(t) = trace {
@@ -193,8 +200,8 @@ fn rounds(
                     last = Some(line);
                 }
             } else {
-                let (t1, c1) = measure(&mut hop1);
-                let (t2, c2) = measure(&mut hop2);
+                let (t1, c1) = measure(hop1);
+                let (t2, c2) = measure(hop2);
                 r.serial.push(t1 + t2);
                 r.cpu_serial.push(c1 + c2);
                 r.hop1.push(t1);
@@ -357,15 +364,9 @@ pub(super) fn bench_bounce(runs: usize, dir: &std::path::Path) {
         bytes,
         runs,
         trace.as_deref(),
-        || {
-            exec.transfer(&file, &dev, &pairs).wait().unwrap();
-        },
-        || {
-            exec.transfer(&file, &staging, &pairs).wait().unwrap();
-        },
-        || {
-            exec.transfer(&staging, &dev, &pairs).wait().unwrap();
-        },
+        &exec,
+        [&file, &staging, &dev],
+        &pairs,
     );
     // The serial run was the last to write `dev` in odd-length runs: redo
     // a pipelined copy and check it.
@@ -417,15 +418,9 @@ pub(super) fn bench_bounce_disk(runs: usize, dir: &std::path::Path) {
         bytes,
         runs,
         trace.as_deref(),
-        || {
-            exec.transfer(&src, &dst, &pairs).wait().unwrap();
-        },
-        || {
-            exec.transfer(&src, &staging, &pairs).wait().unwrap();
-        },
-        || {
-            exec.transfer(&staging, &dst, &pairs).wait().unwrap();
-        },
+        &exec,
+        [&src, &staging, &dst],
+        &pairs,
     );
     // Check a fresh pipelined copy byte for byte.
     exec.transfer(&host(fc.clone()), &dst, &pairs)
@@ -498,15 +493,9 @@ pub(super) fn bench_bounce_gpu(runs: usize, dir: &std::path::Path) {
         bytes,
         runs,
         trace.as_deref(),
-        || {
-            exec.transfer(&file, &dev, &pairs).wait().unwrap();
-        },
-        || {
-            exec.transfer(&file, &staging, &pairs).wait().unwrap();
-        },
-        || {
-            exec.transfer(&staging, &dev, &pairs).wait().unwrap();
-        },
+        &exec,
+        [&file, &staging, &dev],
+        &pairs,
     );
     // Check a fresh pipelined copy: device chunks against the seed.
     for b in &buffers {

@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use super::{BackendKind, Side, TransferBackend, TransferJob};
+use super::{BackendKind, Side, TransferBackend, TransferJob, accepted_kinds};
 use crate::completion::{Completion, completion_pair};
 use crate::error::{Result, TransferError};
 use crate::memory::MemoryKind;
@@ -188,16 +188,8 @@ impl TransferBackend for MemcpyBackend {
 
     fn submit(&self, job: TransferJob) -> Completion {
         let _span = tracing::trace_span!("memcpy", runs = job.runs.len()).entered();
-        let (src_kind, dst_kind) = match (job.kind(Side::Source), job.kind(Side::Destination)) {
-            (Ok(s), Ok(d)) => (s, d),
-            (Err(e), _) | (_, Err(e)) => return Completion::ready(Err(e)),
-        };
-        if !self.supports(src_kind, dst_kind) {
-            return Completion::ready(Err(TransferError::BackendMismatch {
-                backend: self.name(),
-                src: src_kind,
-                dst: dst_kind,
-            }));
+        if let Err(e) = accepted_kinds(self, &job) {
+            return Completion::ready(Err(e));
         }
         let segs = match segments(&job) {
             Ok(s) => s,

@@ -186,6 +186,29 @@ fn check_run(
     }
 }
 
+/// The job's (source, destination) memory kinds, or the error a backend
+/// returns for a job it cannot move: the first check of every `submit`.
+pub(crate) fn accepted_kinds(
+    backend: &(impl TransferBackend + ?Sized),
+    job: &TransferJob,
+) -> Result<(MemoryKind, MemoryKind)> {
+    let (src, dst) = (job.kind(Side::Source)?, job.kind(Side::Destination)?);
+    if !backend.supports(src, dst) {
+        return Err(TransferError::BackendMismatch {
+            backend: backend.name(),
+            src,
+            dst,
+        });
+    }
+    Ok((src, dst))
+}
+
+/// Whether `src → dst` is host memory ↔ a disk file, either way: what the
+/// disk backends move.
+pub(crate) fn host_disk_pair(src: MemoryKind, dst: MemoryKind) -> bool {
+    (src.is_host() && dst == MemoryKind::Disk) || (src == MemoryKind::Disk && dst.is_host())
+}
+
 /// A way of moving bytes between kinds of memory.
 ///
 /// See the [module documentation](self) for how to add one.

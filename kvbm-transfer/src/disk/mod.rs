@@ -24,7 +24,9 @@ pub use pread::PreadEngine;
 #[cfg(feature = "io-uring")]
 pub use uring::UringEngine;
 
-use crate::backend::{BackendKind, Side, TransferBackend, TransferJob};
+use crate::backend::{
+    BackendKind, Side, TransferBackend, TransferJob, accepted_kinds, host_disk_pair,
+};
 use crate::completion::{Completer, Completion, completion_pair};
 use crate::error::{Result, TransferError};
 use crate::memory::{DISK_ALIGNMENT, DiskFile, MemoryKind, MemoryRegion};
@@ -330,7 +332,7 @@ impl<E: IoEngine> TransferBackend for DiskBackend<E> {
     }
 
     fn supports(&self, src: MemoryKind, dst: MemoryKind) -> bool {
-        (src.is_host() && dst == MemoryKind::Disk) || (src == MemoryKind::Disk && dst.is_host())
+        host_disk_pair(src, dst)
     }
 
     fn register_memory(&self, region: &MemoryRegion) -> Result<bool> {
@@ -341,17 +343,10 @@ impl<E: IoEngine> TransferBackend for DiskBackend<E> {
         let _span =
             tracing::trace_span!("disk", runs = job.runs.len(), engine = self.engine.name())
                 .entered();
-        let (src, dst) = match (job.kind(Side::Source), job.kind(Side::Destination)) {
-            (Ok(s), Ok(d)) => (s, d),
-            (Err(e), _) | (_, Err(e)) => return Completion::ready(Err(e)),
+        let dst = match accepted_kinds(self, &job) {
+            Ok((_, dst)) => dst,
+            Err(e) => return Completion::ready(Err(e)),
         };
-        if !self.supports(src, dst) {
-            return Completion::ready(Err(TransferError::BackendMismatch {
-                backend: self.name(),
-                src,
-                dst,
-            }));
-        }
         let dir = if dst == MemoryKind::Disk {
             IoDir::Write
         } else {

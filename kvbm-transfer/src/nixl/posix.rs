@@ -39,7 +39,9 @@ use parking_lot::Mutex;
 use super::desc::{Posted, RawDesc, agent_with_backend};
 use super::error::{NixlUnavailable, nixl_err};
 use super::poller::Poller;
-use crate::backend::{BackendKind, Side, TransferBackend, TransferJob};
+use crate::backend::{
+    BackendKind, Side, TransferBackend, TransferJob, accepted_kinds, host_disk_pair,
+};
 use crate::completion::{Completion, completion_pair};
 use crate::disk::disk_extents;
 use crate::error::{Result, TransferError};
@@ -242,7 +244,7 @@ impl TransferBackend for NixlDiskBackend {
     }
 
     fn supports(&self, src: MemoryKind, dst: MemoryKind) -> bool {
-        (src.is_host() && dst == MemoryKind::Disk) || (src == MemoryKind::Disk && dst.is_host())
+        host_disk_pair(src, dst)
     }
 
     fn register_memory(&self, region: &MemoryRegion) -> Result<bool> {
@@ -255,17 +257,10 @@ impl TransferBackend for NixlDiskBackend {
 
     fn submit(&self, job: TransferJob) -> Completion {
         let _span = tracing::trace_span!("nixl-posix", runs = job.runs.len()).entered();
-        let (src, dst) = match (job.kind(Side::Source), job.kind(Side::Destination)) {
-            (Ok(s), Ok(d)) => (s, d),
-            (Err(e), _) | (_, Err(e)) => return Completion::ready(Err(e)),
+        let dst = match accepted_kinds(self, &job) {
+            Ok((_, dst)) => dst,
+            Err(e) => return Completion::ready(Err(e)),
         };
-        if !self.supports(src, dst) {
-            return Completion::ready(Err(TransferError::BackendMismatch {
-                backend: self.name(),
-                src,
-                dst,
-            }));
-        }
         if job.runs.is_empty() || job.total_bytes() == 0 {
             return Completion::ready(Ok(()));
         }
