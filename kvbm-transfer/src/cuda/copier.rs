@@ -26,18 +26,20 @@
 use std::any::Any;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use cudarc::driver::sys::{self, CUevent, CUstream};
+use cudarc::driver::sys::CUstream;
 
 use super::completion::Completion;
 use super::device::CudaDevice;
 use super::dma::{enqueue_spans, enqueue_strided};
-use super::error::{CudaError, CudaResult, check};
+use super::error::{CudaError, CudaResult};
 use super::kernel::Grid;
 use super::lanes::{DescPool, Lane};
 use super::memory::{CudaRegion, Location, allocation_bounds};
 use super::pinned::registration_bounds;
-use super::plan::{CopyRun, HostSide, Span, absolute_spans, plan_staged};
+use super::plan::{CopyRun, HostSide, absolute_spans};
+use super::staged::{DeviceSide, Staging, Timeline};
 use super::strided::{FamilyLimits, OrderBy, Strided, strided_copies};
 
 /// How a copy moves its bytes.
@@ -49,6 +51,9 @@ pub enum CopyPath {
     Kernel,
     /// Kernel to/from a device staging ring, DMA between ring and host.
     Staged,
+    /// Device-to-device DMA to/from the staging ring (one pitched
+    /// descriptor per affine family), DMA between ring and host: no SMs.
+    StagedCopyEngine,
 }
 
 /// What the caller knows about the GPU's other work.
@@ -150,6 +155,19 @@ pub struct CopierConfig {
     pub dma_copy_bytes: u64,
     /// Idle GPU: runs of at least this mean size take the copy engines.
     pub engine_run_bytes: u64,
+    /// Completion wake-up: once a copy's bytes could have moved at
+    /// `line_rate_bytes_per_s`, its watcher polls for at most this many
+    /// microseconds before sleeping in the driver; 0 always sleeps.
+    pub wake_spin_us: u64,
+    /// The fastest a copy can move (bytes/s), for `wake_spin_us`.
+    pub line_rate_bytes_per_s: f64,
+    /// Diagnostics: record a timeline of each staged copy (GPU timing
+    /// events per chunk), read with `CudaCopier::take_timeline`.
+    #[doc(hidden)]
+    pub timeline: bool,
+    /// Kernel streams at the device's highest priority.
+    #[doc(hidden)]
+    pub high_priority_kernels: bool,
 }
 
 impl Default for CopierConfig {
@@ -171,6 +189,10 @@ impl Default for CopierConfig {
             small_copy_bytes: 4 << 20,
             dma_copy_bytes: 256 << 10,
             engine_run_bytes: 128 << 10,
+            wake_spin_us: 0,
+            line_rate_bytes_per_s: 56e9,
+            timeline: false,
+            high_priority_kernels: true,
         }
     }
 }
@@ -182,6 +204,7 @@ pub struct CudaCopier {
     lanes: [Vec<Lane>; 3],
     next_lane: [AtomicUsize; 3],
     descs: Arc<DescPool>,
+    timeline: Mutex<Option<Timeline>>,
     config: CopierConfig,
     device: CudaDevice,
 }
@@ -228,6 +251,7 @@ impl CudaCopier {
                 device: device.clone(),
                 free: Mutex::new(Vec::new()),
             }),
+            timeline: Mutex::new(None),
             config,
             device: device.clone(),
         })
@@ -312,6 +336,7 @@ impl CudaCopier {
         dst: &[Arc<dyn CudaRegion>],
         opts: CopyOptions,
     ) -> CudaResult<Completion> {
+        let entered = std::time::Instant::now();
         let dir = direction(src, dst)?;
         let total = validate(runs, src, dst)?;
         if total == 0 {
@@ -350,6 +375,7 @@ impl CudaCopier {
         }
         let path = match (path, dir) {
             (CopyPath::Staged, Direction::DeviceToDevice) => CopyPath::Kernel,
+            (CopyPath::StagedCopyEngine, Direction::DeviceToDevice) => CopyPath::CopyEngine,
             (p, _) => p,
         };
         let _span = tracing::debug_span!(
@@ -362,7 +388,7 @@ impl CudaCopier {
         )
         .entered();
         let lanes = &self.lanes[dir.index()];
-        let lane = if path == CopyPath::Staged {
+        let lane = if matches!(path, CopyPath::Staged | CopyPath::StagedCopyEngine) {
             &lanes[0]
         } else {
             &lanes[self.next_lane[dir.index()].fetch_add(1, Ordering::Relaxed) % lanes.len()]
@@ -370,6 +396,9 @@ impl CudaCopier {
         let mut keep: Vec<Box<dyn Any + Send>> =
             vec![Box::new(src.to_vec()), Box::new(dst.to_vec())];
         let mut guard = lane.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut timeline = (self.config.timeline
+            && matches!(path, CopyPath::Staged | CopyPath::StagedCopyEngine))
+        .then(|| Timeline::new(entered));
         let mut enqueue = || -> CudaResult<CUstream> {
             Ok(match path {
                 CopyPath::CopyEngine => {
@@ -399,127 +428,45 @@ impl CudaCopier {
                     self.launch_part(lane, runs, &src_bases, &dst_bases, opts.load, &mut keep)?;
                     lane.kernel_stream
                 }
-                CopyPath::Staged => {
+                CopyPath::Staged | CopyPath::StagedCopyEngine => {
                     let ring = guard.ring.as_mut().ok_or_else(|| {
                         CudaError::InvalidCopy("this lane has no staging ring".into())
                     })?;
-                    let host = if dir == Direction::HostToDevice {
-                        HostSide::Source
+                    let (host, device_regions) = if dir == Direction::HostToDevice {
+                        (HostSide::Source, dst)
                     } else {
-                        HostSide::Destination
+                        (HostSide::Destination, src)
                     };
-                    let plan =
-                        plan_staged(runs, &src_bases, &dst_bases, host, ring.slot_bytes as u64);
-                    // Base tables: user sources, user destinations, then the
-                    // start of every staging slot (region 0 of a chunk is the
-                    // table entry of its slot).
-                    let slot_bases: Vec<u64> = (0..ring.slots.len())
-                        .map(|k| ring.buf.ptr() + (k * ring.slot_bytes) as u64)
-                        .collect();
-                    let mut tables = src_bases.clone();
-                    tables.extend_from_slice(&dst_bases);
-                    tables.extend_from_slice(&slot_bases);
-                    let desc =
-                        self.descs
-                            .upload_tables(lane.kernel_stream, &plan.kernel_runs, &tables)?;
-                    let user_src = desc.table_ptr(0);
-                    let user_dst = desc.table_ptr(src_bases.len());
-                    let slot_table = src_bases.len() + dst_bases.len();
-                    let grid = Grid {
-                        ctas: self.config.staged_ctas,
-                        threads: self.config.staged_threads,
-                        per_warp: self.config.warp_per_run,
+                    let side = if path == CopyPath::Staged {
+                        DeviceSide::Kernel(Grid {
+                            ctas: self.config.staged_ctas,
+                            threads: self.config.staged_threads,
+                            per_warp: self.config.warp_per_run,
+                        })
+                    } else {
+                        DeviceSide::CopyEngine(FamilyLimits {
+                            max_pitch: self.device.max_pitch(),
+                            min_height: self.config.min_family_height,
+                        })
                     };
-                    for chunk in &plan.chunks {
-                        let k = ring.next;
-                        ring.next = (k + 1) % ring.slots.len();
-                        let slot = &mut ring.slots[k];
-                        let slot_ptr = desc.table_ptr(slot_table + k);
-                        let pieces: Vec<Span> = plan.pieces[chunk.pieces.clone()]
-                            .iter()
-                            .map(|p| {
-                                let at = slot_bases[k] + p.slot_offset;
-                                match host {
-                                    HostSide::Source => Span {
-                                        src: p.host,
-                                        dst: at,
-                                        len: p.len,
-                                    },
-                                    HostSide::Destination => Span {
-                                        src: at,
-                                        dst: p.host,
-                                        len: p.len,
-                                    },
-                                }
-                            })
-                            .collect();
-                        let n = chunk.kernel_runs.len() as u32;
-                        let runs_ptr = desc.runs_ptr() + (chunk.kernel_runs.start * 40) as u64;
-                        match host {
-                            HostSide::Destination => {
-                                if slot.used {
-                                    wait_event(lane.kernel_stream, slot.free)?;
-                                }
-                                // SAFETY: kernel runs address user sources
-                                // (bounds-checked) and this slot (planned to fit).
-                                unsafe {
-                                    self.device.inner.kernel.launch(
-                                        lane.kernel_stream,
-                                        grid,
-                                        runs_ptr,
-                                        n,
-                                        user_src,
-                                        slot_ptr,
-                                    )?
-                                };
-                                record_event(slot.filled, lane.kernel_stream)?;
-                                wait_event(lane.copy_stream, slot.filled)?;
-                                enqueue_spans(
-                                    &self.device,
-                                    self.batch(),
-                                    lane.copy_stream,
-                                    &pieces,
-                                    Location::Device,
-                                    Location::PinnedHost,
-                                )?;
-                                record_event(slot.free, lane.copy_stream)?;
-                            }
-                            HostSide::Source => {
-                                if slot.used {
-                                    wait_event(lane.copy_stream, slot.free)?;
-                                }
-                                enqueue_spans(
-                                    &self.device,
-                                    self.batch(),
-                                    lane.copy_stream,
-                                    &pieces,
-                                    Location::PinnedHost,
-                                    Location::Device,
-                                )?;
-                                record_event(slot.filled, lane.copy_stream)?;
-                                wait_event(lane.kernel_stream, slot.filled)?;
-                                // SAFETY: as above, from the slot to user
-                                // destinations.
-                                unsafe {
-                                    self.device.inner.kernel.launch(
-                                        lane.kernel_stream,
-                                        grid,
-                                        runs_ptr,
-                                        n,
-                                        slot_ptr,
-                                        user_dst,
-                                    )?
-                                };
-                                record_event(slot.free, lane.kernel_stream)?;
-                            }
-                        }
-                        slot.used = true;
-                    }
-                    keep.push(Box::new(desc));
-                    match host {
-                        HostSide::Destination => lane.copy_stream,
-                        HostSide::Source => lane.kernel_stream,
-                    }
+                    let staging = Staging {
+                        device: &self.device,
+                        descs: &self.descs,
+                        lane,
+                        side,
+                        batch: self.batch(),
+                        device_bounds: allocation_bounds(device_regions),
+                    };
+                    staging.enqueue(
+                        ring,
+                        runs,
+                        total,
+                        &src_bases,
+                        &dst_bases,
+                        host,
+                        &mut keep,
+                        timeline.as_mut(),
+                    )?
                 }
             })
         };
@@ -532,7 +479,13 @@ impl CudaCopier {
                 return Err(e);
             }
         };
-        let completion = match lane.watcher.watch(stream, keep) {
+        let spin = (self.config.wake_spin_us > 0).then(|| {
+            (
+                Duration::from_secs_f64(total as f64 / self.config.line_rate_bytes_per_s),
+                Duration::from_micros(self.config.wake_spin_us),
+            )
+        });
+        let completion = match lane.watcher.watch(stream, keep, spin) {
             Ok(c) => Ok(c),
             Err((e, keep)) => {
                 lane.drain();
@@ -541,7 +494,24 @@ impl CudaCopier {
             }
         };
         drop(guard);
+        if let Some(mut t) = timeline {
+            t.returned = Some(std::time::Instant::now());
+            *self.timeline.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
+        }
         completion
+    }
+
+    /// Diagnostics: the timeline of the last staged copy when
+    /// `CopierConfig::timeline` is on (waits for its GPU events).
+    #[doc(hidden)]
+    pub fn take_timeline(&self) -> Option<String> {
+        let t = self
+            .timeline
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()?;
+        self.device.bind().ok()?;
+        Some(t.report())
     }
 
     /// Uploads `part`'s descriptors and launches the copy kernel over them
@@ -707,18 +677,4 @@ fn validate(
         total += r.len;
     }
     Ok(total)
-}
-
-fn record_event(event: CUevent, stream: CUstream) -> CudaResult<()> {
-    // SAFETY: event and stream belong to the current context.
-    check("cuEventRecord", unsafe {
-        sys::cuEventRecord(event, stream)
-    })
-}
-
-fn wait_event(stream: CUstream, event: CUevent) -> CudaResult<()> {
-    // SAFETY: event and stream belong to the current context.
-    check("cuStreamWaitEvent", unsafe {
-        sys::cuStreamWaitEvent(stream, event, 0)
-    })
 }

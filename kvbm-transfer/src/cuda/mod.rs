@@ -30,6 +30,7 @@ mod lanes;
 pub mod memory;
 pub mod pinned;
 pub mod plan;
+mod staged;
 mod strided;
 
 pub use backend::{CudaBackend, to_transfer_error};
