@@ -93,7 +93,6 @@ fn executor_onboards_and_offloads_through_the_cuda_backend() {
         Some(CopyPath::CopyEngine),
         Some(CopyPath::Kernel),
         Some(CopyPath::Staged),
-        Some(CopyPath::StagedCopyEngine),
     ] {
         let mut backend = CudaBackend::new(Arc::clone(&copier));
         if let Some(p) = path {

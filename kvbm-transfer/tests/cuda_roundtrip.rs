@@ -170,10 +170,6 @@ fn paths() -> Vec<(&'static str, CopyOptions)> {
         ("kernel-idle", o(Some(CopyPath::Kernel), GpuLoad::Idle)),
         ("kernel-busy", o(Some(CopyPath::Kernel), GpuLoad::Busy)),
         ("staged", o(Some(CopyPath::Staged), GpuLoad::Idle)),
-        (
-            "staged-copy-engine",
-            o(Some(CopyPath::StagedCopyEngine), GpuLoad::Busy),
-        ),
         ("auto-idle", o(None, GpuLoad::Idle)),
         ("auto-busy", o(None, GpuLoad::Busy)),
     ]

@@ -2,10 +2,10 @@
 //!
 //! A staged copy's timeline (host instants and GPU events per chunk), the
 //! staged path against the kernel and copy engines one way and both ways
-//! (one submitting thread and two), the stream settings that could
-//! serialise two directions (kernel-stream priority, streams per
-//! direction, ring size), a gather on the copy engines instead of the
-//! kernel, and the staged path beside the GEMM.
+//! (one submitting thread and two), with and without polling at the end of
+//! a copy, and a gather on the copy engines against the kernel (does a D2D
+//! copy share the engine an offload's DMA needs?). The main bench measures
+//! the paths beside the GEMM.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -33,14 +33,11 @@ pub(crate) fn run(dev: &CudaDevice) {
     let main = mk(CopierConfig::default());
     let refs = references(dev, &main, 5);
     let timeline = mk(cfg(|c| c.timeline = true));
-    let spin = mk(cfg(|c| c.wake_spin_us = 1000));
+    let nospin = mk(cfg(|c| c.wake_spin_us = 0));
     let st = |l| opts(Some(CopyPath::Staged), l);
-    let sce = |l| opts(Some(CopyPath::StagedCopyEngine), l);
-    let (idle, busy) = (GpuLoad::Idle, GpuLoad::Busy);
-    let gemm = Gemm::new(dev);
-    let gemm_n = 60;
+    let idle = GpuLoad::Idle;
 
-    for (tokens, packed) in [(16usize, true), (4, true), (4, false), (16, false)] {
+    for (tokens, packed) in [(16usize, true), (4, true)] {
         let kib = tokens * 2;
         let tag = if packed { "1-alloc" } else { "layer-alloc" };
         let shape = Shape::new(dev, &arena, tokens, packed);
@@ -54,11 +51,9 @@ pub(crate) fn run(dev: &CudaDevice) {
         // One direction.
         let variants: Vec<(&str, &CudaCopier, CopyOptions)> = vec![
             ("staged", &main, st(idle)),
-            ("staged+spin", &spin, st(idle)),
-            ("staged-ce", &main, sce(idle)),
-            ("staged-ce+spin", &spin, sce(idle)),
+            ("staged-nospin", &nospin, st(idle)),
             ("kernel", &main, opts(Some(CopyPath::Kernel), idle)),
-            ("kernel+spin", &spin, opts(Some(CopyPath::Kernel), idle)),
+            ("kernel-nospin", &nospin, opts(Some(CopyPath::Kernel), idle)),
             ("copy-engine", &main, opts(Some(CopyPath::CopyEngine), idle)),
             ("auto-idle", &main, opts(None, idle)),
         ];
@@ -74,27 +69,22 @@ pub(crate) fn run(dev: &CudaDevice) {
                     m / reference
                 );
             }
-            for (name, o) in [("staged", st(idle)), ("staged-ce", sce(idle))] {
-                case.run(&timeline, o);
-                let _ = timeline.take_timeline();
-                let t = Instant::now();
-                case.run(&timeline, o);
-                let wall = t.elapsed().as_secs_f64() * 1e6;
-                println!(
-                    "{kib:>3} KiB {tag} {label} {name} timeline (copy + wait {wall:.0} us; at the reference rate {:.0} us):\n{}",
-                    case.bytes as f64 / reference / 1e3,
-                    timeline.take_timeline().unwrap_or_default()
-                );
-            }
+            // The timeline of one staged copy (warm).
+            case.run(&timeline, st(idle));
+            let _ = timeline.take_timeline();
+            let t = Instant::now();
+            case.run(&timeline, st(idle));
+            let wall = t.elapsed().as_secs_f64() * 1e6;
+            println!(
+                "{kib:>3} KiB {tag} {label} staged timeline (copy + wait {wall:.0} us; at the reference rate {:.0} us):\n{}",
+                case.bytes as f64 / reference / 1e3,
+                timeline.take_timeline().unwrap_or_default()
+            );
         }
         // Both directions.
         let bi: Vec<(&str, &CudaCopier, CopyOptions, CopyOptions)> = vec![
             ("staged", &main, st(idle), st(idle)),
-            ("staged+spin", &spin, st(idle), st(idle)),
-            ("staged-ce", &main, sce(idle), sce(idle)),
-            ("staged-ce+spin", &spin, sce(idle), sce(idle)),
-            ("on staged, off staged-ce", &spin, st(idle), sce(idle)),
-            ("on staged-ce, off staged", &spin, sce(idle), st(idle)),
+            ("staged-nospin", &nospin, st(idle), st(idle)),
             (
                 "kernel",
                 &main,
@@ -134,41 +124,6 @@ pub(crate) fn run(dev: &CudaDevice) {
         }
         if tokens == 16 && packed {
             gather_on_copy_engines(dev, &main, &shape, &off, &arena);
-        }
-        // Beside the GEMM.
-        if let Some(g) = gemm.as_ref().filter(|_| packed || tokens == 16) {
-            g.run(10);
-            for (name, copier, o) in [
-                ("staged+spin", &spin, st(busy)),
-                ("staged-ce+spin", &spin, sce(busy)),
-                (
-                    "copy-engine+spin",
-                    &spin,
-                    opts(Some(CopyPath::CopyEngine), busy),
-                ),
-                ("auto-busy", &main, opts(None, busy)),
-            ] {
-                for (label, cases, reference) in [
-                    ("H2D", vec![(&on, o)], refs.h2d),
-                    ("D2H", vec![(&off, o)], refs.d2h),
-                    ("both", vec![(&on, o), (&off, o)], refs.both),
-                ] {
-                    let mut losses = Vec::new();
-                    let mut rates = Vec::new();
-                    for _ in 0..3 {
-                        let alone = g.run(gemm_n);
-                        let (t, c) = interfere(copier, g, &cases, gemm_n);
-                        losses.push((1.0 - t / alone) * 100.0);
-                        rates.push(c);
-                    }
-                    let (c, clo, chi) = median(rates);
-                    let (l, llo, lhi) = median(losses);
-                    println!(
-                        "{kib:>3} KiB {tag} {label:<4} beside GEMM {name:<16} copy {c:6.1} GB/s [{clo:.1}-{chi:.1}] ratio {:.3}; GEMM loss {l:.1}% [{llo:.1}-{lhi:.1}]",
-                        c / reference
-                    );
-                }
-            }
         }
     }
 }

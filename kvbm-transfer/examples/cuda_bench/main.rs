@@ -103,6 +103,8 @@ struct Copiers {
     main: CudaCopier,
     /// One DMA descriptor per run (no strided families): the earlier path.
     flat: CudaCopier,
+    /// Watchers that always sleep in the driver (no polling at the end).
+    nospin: CudaCopier,
 }
 
 impl Copiers {
@@ -113,6 +115,10 @@ impl Copiers {
             main: mk(d()),
             flat: mk(CopierConfig {
                 strided_copies: false,
+                ..d()
+            }),
+            nospin: mk(CopierConfig {
+                wake_spin_us: 0,
                 ..d()
             }),
         }
@@ -131,6 +137,8 @@ impl Copiers {
             ("kernel-idle", &self.main, opts(k, i)),
             ("kernel-busy", &self.main, opts(k, b)),
             ("staged", &self.main, opts(st, i)),
+            ("staged-nospin", &self.nospin, opts(st, i)),
+            ("kernel-nospin", &self.nospin, opts(k, i)),
             ("auto-idle", &self.main, opts(None, i)),
             ("auto-busy", &self.main, opts(None, b)),
         ];

@@ -77,18 +77,20 @@ impl Watcher {
     /// the caller can drain the GPU before releasing it.
     #[allow(clippy::type_complexity)]
     ///
-    /// `spin`: the shortest time the copy can take (its bytes at line rate)
-    /// and how long the watcher may spin once that has passed. Sleeping in
-    /// the driver until the GPU's interrupt costs 0.2–0.3 ms of wake-up on
-    /// the H200 machine (a tenth of a 128 MiB copy); the watcher instead
-    /// sleeps until the earliest end of the copy (after the copies queued
-    /// before it), then polls the event for at most the spin budget before
-    /// falling back to the driver's blocking wait.
+    /// `spin`: when the copy was asked for, the shortest time it can take
+    /// (its bytes at line rate) and how long the watcher may poll once that
+    /// has passed. Sleeping in the driver until the GPU's interrupt costs
+    /// 0.14–0.3 ms of wake-up on the H200 machine (a tenth of a 128 MiB
+    /// copy); the watcher instead sleeps until the earliest end of the copy
+    /// (after the copies handed to it before), then polls the event for at
+    /// most the budget before falling back to the driver's blocking wait.
+    /// The earliest end must be a true lower bound: a watcher that sleeps
+    /// past the real end wakes late by the difference.
     pub(crate) fn watch(
         &self,
         stream: sys::CUstream,
         keep_alive: Vec<Box<dyn Any + Send>>,
-        spin: Option<(Duration, Duration)>,
+        spin: Option<(Instant, Duration, Duration)>,
     ) -> Result<Completion, (CudaError, Vec<Box<dyn Any + Send>>)> {
         let event = match new_event(true) {
             Ok(e) => e,
@@ -102,10 +104,9 @@ impl Watcher {
             destroy_event(event);
             return Err((e, keep_alive));
         }
-        let spin_from = spin.map(|(shortest, budget)| {
+        let spin_from = spin.map(|(asked, shortest, budget)| {
             let mut busy = self.busy_until.lock().unwrap_or_else(|p| p.into_inner());
-            let now = Instant::now();
-            let end = busy.filter(|&b| b > now).unwrap_or(now) + shortest;
+            let end = busy.filter(|&b| b > asked).unwrap_or(asked) + shortest;
             *busy = Some(end);
             (end, budget)
         });

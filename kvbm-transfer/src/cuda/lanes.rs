@@ -67,11 +67,7 @@ impl Lane {
         check("cuCtxGetStreamPriorityRange", unsafe {
             sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest)
         })?;
-        let kernel_stream = new_stream(if config.high_priority_kernels {
-            greatest
-        } else {
-            least
-        })?;
+        let kernel_stream = new_stream(greatest)?;
         let copy_stream = match new_stream(least) {
             Ok(s) => s,
             Err(e) => {

@@ -35,7 +35,7 @@ mod strided;
 
 pub use backend::{CudaBackend, to_transfer_error};
 pub use completion::Completion;
-pub use copier::{CopierConfig, CopyOptions, CopyPath, CudaCopier, Direction, GpuLoad, PlanShape};
+pub use copier::{CopierConfig, CopyOptions, CopyPath, CudaCopier, Direction, GpuLoad};
 pub use device::{CudaDevice, Probe, probe};
 pub use error::{CudaError, CudaResult};
 pub use memory::{CudaRegion, DeviceBuffer, ExternalDeviceMemory, Location};

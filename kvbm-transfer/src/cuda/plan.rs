@@ -91,6 +91,14 @@ pub(crate) enum HostSide {
 /// Plan order is kept when its host pieces average at least this many runs.
 const MIN_RUNS_PER_PIECE: usize = 4;
 
+/// Runs from the start of a plan that decide whether plan order is kept.
+const ORDER_SAMPLE: usize = 1024;
+
+/// The first chunks are smaller (an eighth of a slot, then a quarter, a
+/// half): the first DMA starts as soon as a few runs are planned, and each
+/// chunk is planned faster than the one before it moves.
+const RAMP_STEPS: u32 = 3;
+
 /// Cuts a staged copy into staging-slot chunks, one chunk at a time, so the
 /// first chunk can be on the GPU before the rest is planned.
 ///
@@ -115,6 +123,7 @@ pub(crate) struct StagedChunker<'a> {
     /// Position in the order, and bytes of that run already staged.
     next: usize,
     done: u64,
+    chunks: u32,
 }
 
 impl<'a> StagedChunker<'a> {
@@ -134,26 +143,32 @@ impl<'a> StagedChunker<'a> {
             slot_bytes: slot_bytes.max(1),
             next: 0,
             done: 0,
+            chunks: 0,
         };
+        // Judged on a sample from the start of the plan (a full pass would
+        // delay the first chunk): plans list their runs block by block or
+        // not at all.
         let mut prev_end = None;
-        let (mut pieces, mut n, mut sorted) = (0usize, 0usize, true);
-        for r in runs.iter().filter(|r| r.len > 0) {
+        let (mut pieces, mut n) = (0usize, 0usize);
+        for r in runs.iter().filter(|r| r.len > 0).take(ORDER_SAMPLE) {
             let at = me.host_addr(r);
             if prev_end != Some(at) {
                 pieces += 1;
             }
-            if prev_end.is_some_and(|e| at < e) {
-                sorted = false;
-            }
             prev_end = Some(at + r.len);
             n += 1;
         }
-        if pieces * MIN_RUNS_PER_PIECE > n && !sorted {
-            let mut order: Vec<u32> = (0..runs.len() as u32)
-                .filter(|&i| runs[i as usize].len > 0)
-                .collect();
-            order.sort_unstable_by_key(|&i| me.host_addr(&runs[i as usize]));
-            me.order = Some(order);
+        if pieces * MIN_RUNS_PER_PIECE > n {
+            let key = |r: &CopyRun| me.host_addr(r);
+            let live = || runs.iter().filter(|r| r.len > 0);
+            let sorted = live().zip(live().skip(1)).all(|(a, b)| key(a) <= key(b));
+            if !sorted {
+                let mut order: Vec<u32> = (0..runs.len() as u32)
+                    .filter(|&i| runs[i as usize].len > 0)
+                    .collect();
+                order.sort_unstable_by_key(|&i| key(&runs[i as usize]));
+                me.order = Some(order);
+            }
         }
         me
     }
@@ -192,9 +207,11 @@ impl<'a> StagedChunker<'a> {
         pieces: &mut Vec<Span>,
     ) -> usize {
         pieces.clear();
+        let limit = (self.slot_bytes >> (RAMP_STEPS - self.chunks.min(RAMP_STEPS))).max(1);
+        self.chunks += 1;
         let mut used = 0u64;
         let mut n = 0usize;
-        while used < self.slot_bytes && n < device.len() {
+        while used < limit && n < device.len() {
             let Some(r) = self.run_at(self.next) else {
                 break;
             };
@@ -202,7 +219,7 @@ impl<'a> StagedChunker<'a> {
                 self.next += 1;
                 continue;
             }
-            let len = (r.len - self.done).min(self.slot_bytes - used);
+            let len = (r.len - self.done).min(limit - used);
             let (dev, host, at) = (
                 self.device_addr(r) + self.done,
                 self.host_addr(r) + self.done,
@@ -239,9 +256,9 @@ impl<'a> StagedChunker<'a> {
     }
 
     /// Device-side copies the whole copy can need: one per run, plus one
-    /// per slot boundary a run may straddle.
+    /// per chunk boundary a run may straddle (the ramp adds its chunks).
     pub(crate) fn max_device_copies(&self, total_bytes: u64) -> usize {
-        self.runs.len() + (total_bytes / self.slot_bytes) as usize + 1
+        self.runs.len() + (total_bytes / self.slot_bytes) as usize + 2 + RAMP_STEPS as usize
     }
 }
 
@@ -467,7 +484,7 @@ mod tests {
                 len: 1024,
             })
             .collect();
-        let got = chunks(&runs, &[0], &[1 << 20], HostSide::Destination, 4096);
+        let got = chunks(&runs, &[0], &[1 << 20], HostSide::Destination, 32 << 10);
         assert_eq!(got.len(), 1);
         assert_eq!(got[0].1.len(), 1);
         assert_eq!(got[0].1[0].len, 4096);
@@ -496,7 +513,7 @@ mod tests {
     }
 
     #[test]
-    fn runs_continue_across_slots() {
+    fn runs_continue_across_chunks() {
         let runs = [CopyRun {
             src_region: 0,
             src_offset: 0,
@@ -504,11 +521,12 @@ mod tests {
             dst_offset: 0,
             len: 10_000,
         }];
+        // The first chunks ramp up: an eighth of a slot, a quarter, a half.
         let got = chunks(&runs, &[0], &[1 << 20], HostSide::Source, 4096);
         assert_eq!(
             got.iter().map(|c| c.1[0].len).collect::<Vec<_>>(),
-            [4096, 4096, 1808]
+            [512, 1024, 2048, 4096, 2320]
         );
-        assert_eq!(got[2].0[0].dst_offset, (1 << 20) + 8192);
+        assert_eq!(got[4].0[0].dst_offset, (1 << 20) + 7680);
     }
 }

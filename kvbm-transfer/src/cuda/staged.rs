@@ -20,35 +20,20 @@ use std::time::Instant;
 use cudarc::driver::sys::{self, CUevent, CUstream};
 
 use super::device::CudaDevice;
-use super::dma::{enqueue_spans, enqueue_strided};
+use super::dma::enqueue_spans;
 use super::error::{CudaError, CudaResult, check};
 use super::kernel::Grid;
 use super::lanes::{DescPool, Lane, Ring};
-use super::memory::{CudaRegion, Location};
+use super::memory::Location;
 use super::plan::{CopyRun, HostSide, Span, StagedChunker};
-use super::strided::{FamilyLimits, OrderBy, strided_copies};
-
-/// What moves the device side of a staged copy (layout ↔ slot).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum DeviceSide {
-    /// The copy kernel on the lane's high-priority kernel stream.
-    Kernel(Grid),
-    /// Device-to-device DMA: pitched descriptors per affine family, on a
-    /// copy engine other than the host link's. No SMs at all, so nothing
-    /// waits for the model's kernels to end.
-    CopyEngine(FamilyLimits),
-}
 
 /// What one staged copy needs from the copier.
 pub(crate) struct Staging<'a> {
     pub device: &'a CudaDevice,
     pub descs: &'a Arc<DescPool>,
     pub lane: &'a Lane,
-    pub side: DeviceSide,
+    pub grid: Grid,
     pub batch: bool,
-    /// Device allocation bounds of the user's device regions (the copy
-    /// engines never get a family across one).
-    pub device_bounds: Vec<u64>,
 }
 
 impl Staging<'_> {
@@ -87,13 +72,9 @@ impl Staging<'_> {
         keep.push(Box::new(desc));
         let zero_table = gpu_ptr;
         if let Some(t) = timeline.as_deref_mut() {
-            t.planned = Some(Instant::now());
+            t.set_up = Some(Instant::now());
             t.mark_start(lane.kernel_stream)?;
         }
-        let mut bounds = self.device_bounds.clone();
-        bounds.extend([ring.buf.ptr(), ring.buf.ptr() + ring.buf.len() as u64]);
-        bounds.sort_unstable();
-        bounds.dedup();
         let mut pieces: Vec<Span> = Vec::new();
         let mut written = 0usize;
         loop {
@@ -113,39 +94,23 @@ impl Staging<'_> {
             if n == 0 {
                 break;
             }
-            let chunk_runs = &free[..n];
             let runs_ptr = gpu_ptr + (ZERO_TABLE + written * run_size) as u64;
             written += n;
             ring.next = (k + 1) % ring.slots.len();
             let slot = &mut ring.slots[k];
             let mut times = ChunkEvents::default();
+            // The descriptors written above must be visible to the GPU
+            // before the launch that reads them.
+            std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
             let device_side = |stream: CUstream| -> CudaResult<()> {
-                match self.side {
-                    // SAFETY: the chunk's copies address user device memory
-                    // (bounds-checked by the copier) and this slot (planned
-                    // to fit); the descriptors stay alive in `keep`.
-                    DeviceSide::Kernel(grid) => unsafe {
-                        device
-                            .inner
-                            .kernel
-                            .launch(stream, grid, runs_ptr, n as u32, zero_table, zero_table)
-                    },
-                    DeviceSide::CopyEngine(limits) => {
-                        let order = match host {
-                            HostSide::Source => OrderBy::Source,
-                            HostSide::Destination => OrderBy::Destination,
-                        };
-                        let families =
-                            strided_copies(chunk_runs, &[0], &[0], order, &bounds, &bounds, limits);
-                        enqueue_strided(
-                            device,
-                            self.batch,
-                            stream,
-                            &families,
-                            Location::Device,
-                            Location::Device,
-                        )
-                    }
+                // SAFETY: the chunk's copies address user device memory
+                // (bounds-checked by the copier) and this slot (planned to
+                // fit); the descriptors stay alive in `keep` until the copy
+                // completed.
+                unsafe {
+                    device.inner.kernel.launch(
+                        stream, self.grid, runs_ptr, n as u32, zero_table, zero_table,
+                    )
                 }
             };
             match host {
@@ -195,8 +160,8 @@ impl Staging<'_> {
                 t.chunks.push((Instant::now(), pieces.len(), times));
             }
         }
-        if let Some(t) = timeline.as_deref_mut() {
-            t.uploaded = Some(Instant::now());
+        if let Some(t) = timeline {
+            t.enqueued = Some(Instant::now());
         }
         Ok(match host {
             HostSide::Destination => lane.copy_stream,
@@ -213,8 +178,8 @@ const ZERO_TABLE: usize = 8;
 /// (diagnostics, see `CopierConfig::timeline`).
 pub(crate) struct Timeline {
     pub entered: Instant,
-    pub planned: Option<Instant>,
-    pub uploaded: Option<Instant>,
+    pub set_up: Option<Instant>,
+    pub enqueued: Option<Instant>,
     pub returned: Option<Instant>,
     start: Option<(CUevent, Instant)>,
     chunks: Vec<(Instant, usize, ChunkEvents)>,
@@ -235,8 +200,8 @@ impl Timeline {
     pub(crate) fn new(entered: Instant) -> Self {
         Timeline {
             entered,
-            planned: None,
-            uploaded: None,
+            set_up: None,
+            enqueued: None,
             returned: None,
             start: None,
             chunks: Vec::new(),
@@ -256,8 +221,8 @@ impl Timeline {
         let us = |t: Option<Instant>| t.map_or(-1.0, |t| (t - self.entered).as_secs_f64() * 1e6);
         let mut out = format!(
             "staged timeline: set up {:.0} us, all chunks enqueued {:.0} us, returned {:.0} us",
-            us(self.planned),
-            us(self.uploaded),
+            us(self.set_up),
+            us(self.enqueued),
             us(self.returned)
         );
         let Some((start, start_host)) = self.start else {
