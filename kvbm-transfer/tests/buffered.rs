@@ -180,7 +180,7 @@ fn the_automatic_choice_follows_the_machine() {
     assert_eq!(BufferedIo::Auto.resolve(3), BufferedIo::SameAsDirect);
     let mapped = |threads| BufferedIo::Mapped {
         threads,
-        streaming: false,
+        streaming: true,
     };
     assert_eq!(BufferedIo::Auto.resolve(4), mapped(2));
     assert_eq!(BufferedIo::Auto.resolve(10), mapped(5));

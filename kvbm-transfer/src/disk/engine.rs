@@ -152,15 +152,15 @@ const BUFFERED_MAX_THREADS: usize = 8;
 impl BufferedIo {
     /// The concrete choice for a process that may use `cpus` CPUs: below
     /// four CPUs, the direct engine (copies inline, one at a time);
-    /// otherwise mapped copies with ordinary stores on half the CPUs (at
-    /// least 2, at most 8) — the other half is left to the other hop of a
-    /// pipeline and to its completion threads.
+    /// otherwise mapped copies with non-temporal stores on half the CPUs
+    /// (at least 2, at most 8) — the other half is left to the other hop
+    /// of a pipeline and to its completion threads.
     pub fn resolve(self, cpus: usize) -> BufferedIo {
         match self {
             BufferedIo::Auto if cpus < BUFFERED_THREADS_MIN_CPUS => BufferedIo::SameAsDirect,
             BufferedIo::Auto => BufferedIo::Mapped {
                 threads: (cpus / 2).clamp(2, BUFFERED_MAX_THREADS),
-                streaming: false,
+                streaming: true,
             },
             other => other,
         }

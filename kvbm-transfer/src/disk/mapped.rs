@@ -16,12 +16,15 @@
 //! - **Prefetch across page boundaries.** The page cache is 4 KiB pages
 //!   scattered in physical memory; the hardware prefetcher stops at each
 //!   boundary, so the copy prefetches the source 4 KiB ahead into L2.
-//! - **Where the stores go.** Bounce slots are few and reused, so with
-//!   ordinary stores they stay in the last-level cache: the store hits
-//!   there and the device's read is served from it, not from DRAM. With
-//!   non-temporal stores each byte goes to DRAM and the DMA reads it back;
-//!   those are the better choice for a destination that is large and not
-//!   read again soon (a host tier), and [`MappedEngine::new`] takes either.
+//! - **Where the stores go.** Non-temporal stores (the default) write
+//!   each destination line without reading it first: a read of a
+//!   page-cached file into host memory ran 41–55 GB/s on 8 threads
+//!   against 23–33 with ordinary stores. In a bounce pipeline ordinary
+//!   stores keep the few, reused slots in the last-level cache, where the
+//!   device's read finds them, and the copy then slows down hardly at all
+//!   while the DMA runs; but it starts slower, and in 6 of 8 same-process
+//!   comparisons the pipeline as a whole moved more with non-temporal
+//!   stores. [`MappedEngine::new`] takes either.
 //!
 //! One read-only shared mapping per buffered file is kept while the file
 //! lives (dropped files are unmapped at the next submission). Before each
@@ -225,10 +228,9 @@ impl IoEngine for MappedEngine {
 /// The page cache is 4 KiB pages scattered in physical memory, and the
 /// hardware prefetcher stops at every page boundary, so without help each
 /// thread's copy waits on memory latency. Measured on the 16-core H200
-/// machine (page cache → 8 MiB bounce slots → GPU, 8 threads): the memcpy
-/// backend's 1 KiB non-temporal-hint prefetch 30–34 GB/s with ordinary
-/// stores alone and 21.5 GB/s pipelined; L2 prefetch 4 KiB ahead 30 GB/s
-/// alone and 29 GB/s pipelined (`docs/benchmarks.md`).
+/// machine, 8 threads, non-temporal stores, page cache → pinned memory:
+/// the memcpy backend's copy (prefetch 1 KiB ahead into L1) 36–39 GB/s, no
+/// software prefetch 45, L2 prefetch 4 KiB ahead 41–55 (`docs/benchmarks.md`).
 const PREFETCH_AHEAD: usize = 4096;
 
 /// Copies `len` bytes out of a file mapping: 64 bytes per step, the
