@@ -19,10 +19,10 @@
 //! - **Where the stores go.** Non-temporal stores (the default) write
 //!   each destination line without reading it first: a read of a
 //!   page-cached file into host memory ran 41–55 GB/s on 8 threads
-//!   against 23–33 with ordinary stores. In a bounce pipeline ordinary
+//!   against 23–34 with ordinary stores. In a bounce pipeline ordinary
 //!   stores keep the few, reused slots in the last-level cache, where the
 //!   device's read finds them, and the copy then slows down hardly at all
-//!   while the DMA runs; but it starts slower, and in 6 of 8 same-process
+//!   while the DMA runs; but it starts slower, and in 8 of 9 same-process
 //!   comparisons the pipeline as a whole moved more with non-temporal
 //!   stores. [`MappedEngine::new`] takes either.
 //!
