@@ -108,6 +108,7 @@ fn rig(slot_bytes: u64, slots: usize, per_batch: usize, batch: usize, delay: Dur
         engine: EngineConfig {
             queue_depth: 4,
             force_pread: false,
+            ..Default::default()
         },
         max_io_bytes: 8192,
     })
@@ -628,8 +629,8 @@ fn chunk_trace_sees_every_chunk_in_order_and_no_more_slots_than_allowed() {
 #[test]
 fn buffered_disk_to_disk_is_byte_exact() {
     // Many small requests, both hops on buffered files. Where the process
-    // has 4 or more CPUs they run on io_uring's worker threads and complete
-    // out of order; on fewer, inline on the ring thread.
+    // has 4 or more CPUs they run on the mapped engine's copy threads and
+    // complete out of order; on fewer, inline on the io_uring ring thread.
     let r = rig(16384, 4, 2, 7, Duration::ZERO);
     let buffered = DiskAllocator::new(
         common::bench_dir().join("buffered-two-hop"),
