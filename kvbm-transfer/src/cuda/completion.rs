@@ -1,12 +1,19 @@
-//! Turning "the GPU finished" into a future, without polling.
+//! Turning "the GPU finished" into a future, without a polling loop.
 //!
 //! Each lane of streams has one watcher thread. A copy records a
 //! blocking-sync event after its last operation and hands the event to the
-//! watcher, which sleeps in `cuEventSynchronize` (the driver wakes it; no
-//! spinning, no timer) and then resolves the copy's [`Completion`] with the
-//! driver's verdict: a stream error resolves the completion with that error,
-//! so a failed copy never reports success. The watcher also releases what
-//! the copy had to keep alive (memory regions, descriptor buffers) only then.
+//! watcher, which sleeps in `cuEventSynchronize` (the driver wakes it) and
+//! then resolves the copy's [`Completion`] with the driver's verdict: a
+//! stream error resolves the completion with that error, so a failed copy
+//! never reports success. The watcher also releases what the copy had to
+//! keep alive (memory regions, descriptor buffers) only then.
+//!
+//! The driver's wake-up took 0.14–0.3 ms on the H200 machine, a tenth of a
+//! 128 MiB copy. So for host ↔ device copies the watcher first sleeps until
+//! the copy can have ended at the earliest (its bytes at line rate, counted
+//! from the call), then polls the event for a bounded time (0.5 ms by
+//! default) before sleeping in the driver: one short poll per copy, never a
+//! loop that wakes on a timer.
 
 use std::any::Any;
 use std::sync::mpsc::{Receiver, Sender, channel};

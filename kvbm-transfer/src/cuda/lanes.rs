@@ -4,9 +4,11 @@
 //! high-priority kernel stream (so staging kernels get the next free SM
 //! slots ahead of the model's work), a copy stream, an optional staging ring
 //! whose slots are handed between the two streams with events, and the
-//! watcher thread that resolves completions. Descriptor buffers carry a
-//! kernel's run list and base tables to the device; they are pooled and
-//! returned only after the copy using them completed.
+//! watcher thread that resolves completions. Descriptor buffers hold a
+//! kernel's run list and base tables in pinned host memory, mapped for the
+//! GPU: the kernel path uploads them to the device, the staged path lets
+//! its kernels read them in place. They are pooled and returned only after
+//! the copy using them completed.
 
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};

@@ -10,9 +10,11 @@
 //!   pitched descriptor each.
 //! - [`copier`]: the executor with its three paths (copy engines, kernel,
 //!   staged) and the measured rule choosing between them; its lanes
-//!   (streams, staging ring, descriptor buffers) live in a private module.
+//!   (streams, staging ring, descriptor buffers) and the staged path's
+//!   pipeline live in private modules (`lanes`, `staged`).
 //! - [`completion`]: GPU completion as the crate's completion future,
-//!   resolved by a thread sleeping in `cuEventSynchronize`.
+//!   resolved by a watcher thread that sleeps until a copy can have ended,
+//!   polls briefly, then sleeps in `cuEventSynchronize`.
 //! - [`backend`]: [`CudaBackend`], the copier behind the crate's
 //!   `TransferBackend` trait, and pinned/device memory as `MemoryRegion`s.
 //!

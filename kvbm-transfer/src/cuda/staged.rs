@@ -11,7 +11,23 @@
 //! (or filling) the slots already staged.
 //!
 //! Everything is ordered on the GPU: the submitting thread enqueues the
-//! whole copy and returns; no host thread waits per chunk.
+//! whole copy and returns; no host thread waits per chunk. Once running,
+//! the DMA moves slot after slot at line rate (1.3 µs between slots on the
+//! H200 machine), so what the path loses is fixed cost, and that is what
+//! this module keeps small:
+//!
+//! - chunks are planned one at a time, in plan order (see
+//!   [`StagedChunker`]), the first ones small (an eighth of a slot, then a
+//!   quarter, a half), so the first DMA starts tens of microseconds after
+//!   the call instead of after the whole plan;
+//! - the kernel's copies are written straight into mapped pinned memory
+//!   and read there by the kernel. An upload would go through the
+//!   host-to-device copy engine, where it queued behind an onboard's DMA
+//!   and held a concurrent offload back until the onboard ended (both
+//!   directions from one thread at 0.5 of the bidirectional rate).
+//!
+//! A [`Timeline`] (diagnostics, `CopierConfig::timeline`) records host
+//! instants and GPU timing events around every chunk.
 
 use std::any::Any;
 use std::sync::Arc;
