@@ -389,6 +389,87 @@ fn offload_and_onboard_overlap_and_both_land() {
     assert!(host.image() == expected(&gpu, &gi, &host, &hi, &off));
 }
 
+/// Staged copies submitted from one thread without waiting go through the
+/// ring's feeder in order: two onboards into the same device blocks leave
+/// the second one's bytes, two offloads into the same host blocks likewise,
+/// through a ring that wraps many times and through the default one, with
+/// the feeder and without it.
+#[test]
+fn queued_staged_copies_keep_their_order() {
+    let Some(dev) = device_or_skip() else { return };
+    let staged = CopyOptions {
+        path: Some(CopyPath::Staged),
+        load: GpuLoad::Idle,
+    };
+    let copiers = [
+        (
+            "default",
+            CudaCopier::new(&dev, CopierConfig::default()).unwrap(),
+        ),
+        ("tight", tight_copier(&dev)),
+        (
+            "no feeder",
+            CudaCopier::new(
+                &dev,
+                CopierConfig {
+                    staged_feeder: false,
+                    ..CopierConfig::default()
+                },
+            )
+            .unwrap(),
+        ),
+    ];
+    let n = 48;
+    let pool = 3 * n;
+    for (name, copier) in &copiers {
+        let host = Mem::new(
+            &dev,
+            layout(Kind::FullyContiguous, pool, 8 << 10),
+            Location::PinnedHost,
+            1,
+        );
+        let gpu = Mem::new(
+            &dev,
+            layout(Kind::LayerSeparate, pool, 8 << 10),
+            Location::Device,
+            2,
+        );
+        let ids = random_blocks(pool, pool, 7);
+        let (first, second, target) = (&ids[..n], &ids[n..2 * n], &ids[2 * n..]);
+        let onto = |from: &[usize], to: &[usize]| -> Vec<(usize, usize)> {
+            from.iter().copied().zip(to.iter().copied()).collect()
+        };
+        let (hi, gi) = (host.image(), gpu.image());
+        let mut pending = Vec::new();
+        // Onboards: first → target, then second → target.
+        for pairs in [onto(first, target), onto(second, target)] {
+            let runs = plan(&host.layout, &gpu.layout, &pairs);
+            pending.push(
+                copier
+                    .copy(&runs, &host.regions(), &gpu.regions(), staged)
+                    .unwrap(),
+            );
+        }
+        // Offloads of device blocks the onboards do not touch: first →
+        // target, then second → target.
+        for pairs in [onto(first, target), onto(second, target)] {
+            let runs = plan(&gpu.layout, &host.layout, &pairs);
+            pending.push(
+                copier
+                    .copy(&runs, &gpu.regions(), &host.regions(), staged)
+                    .unwrap(),
+            );
+        }
+        for c in pending {
+            c.wait().unwrap_or_else(|e| panic!("{name}: {e}"));
+        }
+        let want_gpu = expected(&host, &hi, &gpu, &gi, &onto(second, target));
+        let want_host = expected(&gpu, &gi, &host, &hi, &onto(second, target));
+        assert!(gpu.image() == want_gpu, "{name}: onboards out of order");
+        assert!(host.image() == want_host, "{name}: offloads out of order");
+    }
+}
+
 #[test]
 fn pinned_memory_grows_in_the_background() {
     let Some(dev) = device_or_skip() else { return };

@@ -10,12 +10,17 @@
 //! large pinned copy measured in the same run. Byte counts come from the
 //! plan (the sum of its runs), never from hand arithmetic.
 //!
-//! `cargo run --release --example cuda_bench --features cuda [-- quick]`
+//! `cargo run --release --example cuda_bench --features cuda [-- quick |
+//! gemm | focus | diag]`; `focus` runs only the rows that judge the staged
+//! feeder and the in-place kernel descriptors (8 and 32 KiB runs: one
+//! direction, both directions, mixed paths, beside the GEMM with 1, 2 and
+//! 4 copies in flight), each against the previous behaviour (`-old`).
 
 #[path = "../../tests/cuda_common/mod.rs"]
 mod cuda_common;
 mod diag;
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -105,6 +110,9 @@ struct Copiers {
     flat: CudaCopier,
     /// Watchers that always sleep in the driver (no polling at the end).
     nospin: CudaCopier,
+    /// The previous behaviour: staged copies enqueued on the caller's
+    /// thread, kernel descriptors uploaded through the copy engine.
+    old: CudaCopier,
 }
 
 impl Copiers {
@@ -119,6 +127,11 @@ impl Copiers {
             }),
             nospin: mk(CopierConfig {
                 wake_spin_us: 0,
+                ..d()
+            }),
+            old: mk(CopierConfig {
+                staged_feeder: false,
+                kernel_descriptors_in_place: false,
                 ..d()
             }),
         }
@@ -141,12 +154,20 @@ impl Copiers {
             ("kernel-nospin", &self.nospin, opts(k, i)),
             ("auto-idle", &self.main, opts(None, i)),
             ("auto-busy", &self.main, opts(None, b)),
+            ("staged-old", &self.old, opts(st, i)),
+            ("auto-idle-old", &self.old, opts(None, i)),
+            ("auto-busy-old", &self.old, opts(None, b)),
         ];
         v.into_iter()
             .filter(|x| {
                 all || matches!(
                     x.0,
-                    "copy-engine" | "kernel-idle" | "auto-idle" | "auto-busy"
+                    "copy-engine"
+                        | "kernel-idle"
+                        | "auto-idle"
+                        | "auto-busy"
+                        | "auto-idle-old"
+                        | "auto-busy-old"
                 )
             })
             .collect()
@@ -241,13 +262,17 @@ impl Gemm {
     }
 }
 
-/// Runs `case` copies back to back on a thread while `n` GEMMs run; returns
-/// (GEMM TFLOP/s, copy GB/s inside the GEMM window).
+/// Runs `case` copies on a thread while `n` GEMMs run, keeping `in_flight`
+/// copies submitted (1: each copy starts after the previous completed);
+/// returns (GEMM TFLOP/s, copy GB/s inside the GEMM window). A copy counts
+/// from its submission, so with several in flight the first counted one
+/// includes its wait behind an uncounted one (the figure errs low).
 fn interfere(
     copier: &CudaCopier,
     gemm: &Gemm,
     cases: &[(&Case, CopyOptions)],
     n: usize,
+    in_flight: usize,
 ) -> (f64, f64) {
     let stop = AtomicBool::new(false);
     let log: Mutex<Vec<(Instant, Instant, u64)>> = Mutex::new(Vec::new());
@@ -255,10 +280,27 @@ fn interfere(
         for &(case, o) in cases {
             let (stop, log) = (&stop, &log);
             s.spawn(move || {
+                let mut queue = VecDeque::new();
                 while !stop.load(Ordering::Relaxed) {
-                    let a = Instant::now();
-                    case.run(copier, o);
-                    log.lock().unwrap().push((a, Instant::now(), case.bytes));
+                    while queue.len() < in_flight {
+                        let a = Instant::now();
+                        match copier.copy(&case.runs, &case.src, &case.dst, o) {
+                            Ok(c) => queue.push_back((a, c)),
+                            Err(e) => {
+                                println!("FAILED copy beside GEMM: {e}");
+                                return;
+                            }
+                        }
+                    }
+                    if let Some((a, c)) = queue.pop_front() {
+                        if let Err(e) = c.wait() {
+                            println!("FAILED copy beside GEMM: {e}");
+                        }
+                        log.lock().unwrap().push((a, Instant::now(), case.bytes));
+                    }
+                }
+                for (_, c) in queue {
+                    let _ = c.wait();
                 }
             });
         }
@@ -458,6 +500,20 @@ fn main() {
     let quick = std::env::args().any(|a| a == "quick");
     // `gemm`: only the reference and the copies beside a GEMM loop.
     let gemm_only = std::env::args().any(|a| a == "gemm");
+    let focus = std::env::args().any(|a| a == "focus");
+    // Variants of the `focus` rows: the changed paths and the old ones.
+    let in_focus = |name: &str| {
+        !focus
+            || matches!(
+                name,
+                "staged"
+                    | "staged-old"
+                    | "auto-idle"
+                    | "auto-idle-old"
+                    | "auto-busy"
+                    | "auto-busy-old"
+            )
+    };
     let reps = if quick { 3 } else { 5 };
     let engines = dev
         .context()
@@ -474,7 +530,11 @@ fn main() {
     );
 
     // --- Pinned allocation: 16 GiB, first 1 GiB usable at once. ---
-    let arena_len = if gemm_only { 2 * GIB } else { 16 * GIB };
+    let arena_len = if gemm_only || focus {
+        2 * GIB
+    } else {
+        16 * GIB
+    };
     let mut firsts = Vec::new();
     let mut alls = Vec::new();
     let mut arena = None;
@@ -528,7 +588,11 @@ fn main() {
         println!("GEMM bf16 8192^3 alone: {t:.0} TFLOP/s");
     }
 
-    let shapes: &[usize] = if gemm_only { &[16, 4] } else { &[16, 4, 128] };
+    let shapes: &[usize] = if gemm_only || focus {
+        &[16, 4]
+    } else {
+        &[16, 4, 128]
+    };
     for (tokens, packed) in shapes.iter().flat_map(|&t| [(t, true), (t, false)]) {
         let tag = if packed { "1-alloc" } else { "layer-alloc" };
         println!(
@@ -560,7 +624,11 @@ fn main() {
             };
             let mut best = 0f64;
             let mut auto = Vec::new();
-            for (name, copier, o) in copiers.variants(packed) {
+            for (name, copier, o) in copiers
+                .variants(packed)
+                .into_iter()
+                .filter(|v| in_focus(v.0) && !(focus && v.0.starts_with("auto-busy")))
+            {
                 if let Err(e) = case.try_run(copier, o) {
                     println!("{kib:>3} KiB {tag} runs {d:?} {name}: FAILED {e}");
                     continue;
@@ -594,7 +662,9 @@ fn main() {
             // Latency of one 2 MiB block (at 32 KiB runs) per path.
             if tokens == 16 {
                 let single = mk(d, 300..301);
-                for (name, copier, o) in copiers.variants(packed) {
+                for (name, copier, o) in copiers.variants(packed).into_iter().filter(|v| {
+                    !focus || matches!(v.0, "kernel-idle" | "auto-idle" | "auto-idle-old")
+                }) {
                     single.run(copier, o);
                     let mut lat: Vec<f64> = (0..100)
                         .map(|_| {
@@ -616,7 +686,11 @@ fn main() {
         let off = mk(Direction::DeviceToHost, 256..512);
         let reps = if tokens > 16 { 3 } else { reps };
         let mut best_bi = 0f64;
-        for (name, copier, o) in copiers.variants(packed).into_iter().filter(|_| !gemm_only) {
+        for (name, copier, o) in copiers
+            .variants(packed)
+            .into_iter()
+            .filter(|v| !gemm_only && in_focus(v.0) && !(focus && v.0.starts_with("auto-busy")))
+        {
             let (m, lo, hi) = gbps(on.bytes + off.bytes, reps, || both(copier, &on, &off, o));
             // The same submitted from two threads, as an engine's offload
             // and onboard tasks would.
@@ -643,24 +717,35 @@ fn main() {
                 m / ref_bi
             );
         }
-        // Onboard on the kernel, offload on the copy engines.
+        // One direction on the kernel, the other on the copy engines,
+        // submitted from one thread in that order.
         if !gemm_only {
             let ko = opts(Some(CopyPath::Kernel), GpuLoad::Idle);
             let co = opts(Some(CopyPath::CopyEngine), GpuLoad::Idle);
-            let (m, lo, hi) = gbps(on.bytes + off.bytes, reps, || {
-                let r = copier.copy(&on.runs, &on.src, &on.dst, ko).and_then(|c1| {
-                    let c2 = copier.copy(&off.runs, &off.src, &off.dst, co)?;
-                    c1.wait()?;
-                    c2.wait()
-                });
-                if let Err(e) = r {
-                    println!("FAILED mixed: {e}");
+            for (cname, c) in [("", &copiers.main), ("-old", &copiers.old)] {
+                for (label, first, fo, second, so) in [
+                    ("onboard kernel, offload copy engines", &on, ko, &off, co),
+                    ("offload kernel, onboard copy engines", &off, ko, &on, co),
+                    ("onboard copy engines, offload kernel", &on, co, &off, ko),
+                ] {
+                    let (m, lo, hi) = gbps(on.bytes + off.bytes, reps, || {
+                        let r = c
+                            .copy(&first.runs, &first.src, &first.dst, fo)
+                            .and_then(|c1| {
+                                let c2 = c.copy(&second.runs, &second.src, &second.dst, so)?;
+                                c1.wait()?;
+                                c2.wait()
+                            });
+                        if let Err(e) = r {
+                            println!("FAILED mixed: {e}");
+                        }
+                    });
+                    println!(
+                        "{kib:>3} KiB {tag} runs both directions mixed{cname} ({label}) {m:6.1} GB/s total [{lo:.1}-{hi:.1}] ratio {:.3}",
+                        m / ref_bi
+                    );
                 }
-            });
-            println!(
-                "{kib:>3} KiB {tag} runs both directions mixed (onboard kernel, offload copy engines) {m:6.1} GB/s total [{lo:.1}-{hi:.1}] ratio {:.3}",
-                m / ref_bi
-            );
+            }
         }
         // Beside a GEMM loop.
         if let (Some(g), Some(_), true) = (gemm.as_ref(), gemm_alone, tokens <= 16) {
@@ -671,11 +756,26 @@ fn main() {
             // Kernels on an idle-sized grid starve the GEMM (measured: -86%
             // throughput) and, run from two threads, block it entirely, so
             // only the SM-sparing variants run beside it.
-            for (name, copier, o) in copiers
-                .variants(packed)
-                .into_iter()
-                .filter(|v| matches!(v.0, "copy-engine" | "staged" | "auto-busy"))
-            {
+            let mut rows = Vec::new();
+            for v in copiers.variants(packed) {
+                let keep = if focus {
+                    matches!(v.0, "auto-busy" | "auto-busy-old")
+                } else {
+                    matches!(
+                        v.0,
+                        "copy-engine" | "staged" | "auto-busy" | "auto-busy-old"
+                    )
+                };
+                if keep {
+                    rows.push((v, 1));
+                }
+                // An engine's offload queue keeps several copies in flight.
+                if matches!(v.0, "auto-busy" | "auto-busy-old") {
+                    rows.push((v, 2));
+                    rows.push((v, 4));
+                }
+            }
+            for ((name, copier, o), in_flight) in rows {
                 for (label, cases) in [
                     ("H2D", vec![(&on, o)]),
                     ("D2H", vec![(&off, o)]),
@@ -687,7 +787,7 @@ fn main() {
                     let mut rates = Vec::new();
                     for _ in 0..3 {
                         let alone = g.run(gemm_n);
-                        let (t, c) = interfere(copier, g, &cases, gemm_n);
+                        let (t, c) = interfere(copier, g, &cases, gemm_n, in_flight);
                         losses.push((1.0 - t / alone) * 100.0);
                         rates.push(c);
                     }
@@ -699,7 +799,12 @@ fn main() {
                     let (c, clo, chi) = median(rates);
                     let (l, llo, lhi) = median(losses);
                     println!(
-                        "{kib:>3} KiB {tag} runs {label:<4} beside GEMM {name:<12} copy {c:6.1} GB/s [{clo:.1}-{chi:.1}] ratio {:.3}; GEMM loss {l:.1}% [{llo:.1}-{lhi:.1}] (3 alternations)",
+                        "{kib:>3} KiB {tag} runs {label:<4} beside GEMM {name:<12} {} copy {c:6.1} GB/s [{clo:.1}-{chi:.1}] ratio {:.3}; GEMM loss {l:.1}% [{llo:.1}-{lhi:.1}] (3 alternations)",
+                        if in_flight == 1 {
+                            "one at a time".to_string()
+                        } else {
+                            format!("{in_flight} in flight")
+                        },
                         c / reference
                     );
                 }

@@ -99,9 +99,35 @@ impl Watcher {
         keep_alive: Vec<Box<dyn Any + Send>>,
         spin: Option<(Instant, Duration, Duration)>,
     ) -> Result<Completion, (CudaError, Vec<Box<dyn Any + Send>>)> {
+        let (completer, completion) = completion_pair();
+        match self.watch_with(stream, keep_alive, spin, completer) {
+            Ok(()) => Ok(completion),
+            Err((e, keep, _)) => Err((e, keep)),
+        }
+    }
+
+    /// [`Watcher::watch`] resolving a completer the caller already handed
+    /// out (the staged path's feeder returns the completion before the copy
+    /// is enqueued). On error the completer comes back unresolved with
+    /// what to keep alive.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn watch_with(
+        &self,
+        stream: sys::CUstream,
+        keep_alive: Vec<Box<dyn Any + Send>>,
+        spin: Option<(Instant, Duration, Duration)>,
+        completer: Completer<CudaResult<()>>,
+    ) -> Result<
+        (),
+        (
+            CudaError,
+            Vec<Box<dyn Any + Send>>,
+            Completer<CudaResult<()>>,
+        ),
+    > {
         let event = match new_event(true) {
             Ok(e) => e,
-            Err(e) => return Err((e, keep_alive)),
+            Err(e) => return Err((e, keep_alive, completer)),
         };
         // SAFETY: `event` was just created in the current context; `stream`
         // belongs to the same context.
@@ -109,7 +135,7 @@ impl Watcher {
             sys::cuEventRecord(event, stream)
         }) {
             destroy_event(event);
-            return Err((e, keep_alive));
+            return Err((e, keep_alive, completer));
         }
         let spin_from = spin.map(|(asked, shortest, budget)| {
             let mut busy = self.busy_until.lock().unwrap_or_else(|p| p.into_inner());
@@ -117,25 +143,28 @@ impl Watcher {
             *busy = Some(end);
             (end, budget)
         });
-        let (completer, completion) = completion_pair();
+        let Some(tx) = self.tx.as_ref() else {
+            // Only after drop began; nothing can be watched any more.
+            destroy_event(event);
+            return Err((CudaError::CompletionLost, keep_alive, completer));
+        };
         let watch = Watch {
             event,
             spin_from,
             keep_alive,
             completer,
         };
-        match self.tx.as_ref().map(|tx| tx.send(watch)) {
-            Some(Ok(())) => Ok(completion),
-            Some(Err(std::sync::mpsc::SendError(w))) => {
+        match tx.send(watch) {
+            Ok(()) => Ok(()),
+            Err(std::sync::mpsc::SendError(w)) => {
                 // The watcher is gone: wait here instead, so the verdict is
                 // still the driver's.
                 let r = synchronize_event(w.event);
                 destroy_event(w.event);
                 drop(w.keep_alive);
                 w.completer.complete(r);
-                Ok(completion)
+                Ok(())
             }
-            None => Err((CudaError::CompletionLost, Vec::new())),
         }
     }
 }

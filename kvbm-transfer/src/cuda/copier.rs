@@ -34,13 +34,15 @@ use super::completion::Completion;
 use super::device::CudaDevice;
 use super::dma::{enqueue_spans, enqueue_strided};
 use super::error::{CudaError, CudaResult};
+use super::feeder::Feeder;
 use super::kernel::Grid;
 use super::lanes::{DescPool, Lane};
 use super::memory::{CudaRegion, Location, allocation_bounds};
 use super::pinned::registration_bounds;
 use super::plan::{CopyRun, HostSide, absolute_spans};
-use super::staged::{Staging, Timeline};
+use super::staged::{StagedJob, StagedRing, Timeline};
 use super::strided::{FamilyLimits, OrderBy, Strided, strided_copies};
+use crate::completion::completion_pair;
 
 /// How a copy moves its bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -147,6 +149,16 @@ pub struct CopierConfig {
     /// An upper bound of the host link's rate in one direction (bytes/s),
     /// for `wake_spin_us`: a copy never ends before its bytes at this rate.
     pub line_rate_bytes_per_s: f64,
+    /// Staged copies are enqueued by a feeder thread per staging ring, so
+    /// `copy()` returns at once and an onboard and an offload submitted by
+    /// one thread are enqueued side by side; `false` enqueues them on the
+    /// caller's thread before `copy()` returns.
+    pub staged_feeder: bool,
+    /// Kernel path: the kernel reads its run list and base tables in place
+    /// from mapped pinned memory; `false` uploads them first through the
+    /// host-to-device copy engine, where the upload waits behind any DMA
+    /// queued there (an onboard), holding the kernel copy back.
+    pub kernel_descriptors_in_place: bool,
     /// Diagnostics: record a timeline of each staged copy (GPU timing
     /// events per chunk), read with `CudaCopier::take_timeline`.
     #[doc(hidden)]
@@ -173,6 +185,8 @@ impl Default for CopierConfig {
             engine_run_bytes: 128 << 10,
             wake_spin_us: 500,
             line_rate_bytes_per_s: 56e9,
+            staged_feeder: true,
+            kernel_descriptors_in_place: true,
             timeline: false,
         }
     }
@@ -181,11 +195,16 @@ impl Default for CopierConfig {
 /// Executes copy plans on one device. `Send + Sync`; share it by reference
 /// or `Arc`.
 pub struct CudaCopier {
-    // Lanes first: their watchers drain before descriptors and device go.
-    lanes: [Vec<Lane>; 3],
+    // Feeders first: dropping one enqueues the copies it was handed and
+    // joins. Then the lanes: their watchers drain before descriptors and
+    // device go.
+    feeders: Vec<Feeder<StagedJob>>,
+    /// The staging rings, host-to-device then device-to-host.
+    staged: Vec<Arc<StagedRing>>,
+    lanes: [Vec<Arc<Lane>>; 3],
     next_lane: [AtomicUsize; 3],
     descs: Arc<DescPool>,
-    timeline: Mutex<Option<Timeline>>,
+    timeline: Arc<Mutex<Option<Timeline>>>,
     config: CopierConfig,
     device: CudaDevice,
 }
@@ -211,28 +230,60 @@ impl CudaCopier {
             )));
         }
         device.bind()?;
-        let mut lanes: [Vec<Lane>; 3] = Default::default();
+        let mut lanes: [Vec<Arc<Lane>>; 3] = Default::default();
         for (d, name) in [(0, "h2d"), (1, "d2h"), (2, "d2d")] {
             for i in 0..config.lanes_per_direction {
                 // One staging ring per direction, on lane 0: staged copies
                 // all go there (the ring is large; see `staging_slots`).
                 let staged = d != 2 && i == 0;
-                lanes[d].push(Lane::new(
+                lanes[d].push(Arc::new(Lane::new(
                     device,
                     &config,
                     staged,
                     &format!("kvbm-{name}-{i}"),
-                )?);
+                )?));
             }
         }
+        let descs = Arc::new(DescPool {
+            device: device.clone(),
+            free: Mutex::new(Vec::new()),
+        });
+        let timeline = Arc::new(Mutex::new(None));
+        let mut staged = Vec::new();
+        let mut feeders = Vec::new();
+        for (d, name) in [(0, "h2d"), (1, "d2h")] {
+            let ring = Arc::new(StagedRing {
+                device: device.clone(),
+                descs: Arc::clone(&descs),
+                lane: Arc::clone(&lanes[d][0]),
+                grid: Grid {
+                    ctas: config.staged_ctas,
+                    threads: config.staged_threads,
+                    per_warp: config.warp_per_run,
+                },
+                batch: config.use_batch_copy && device.has_batch_copy(),
+                timelines: Arc::clone(&timeline),
+            });
+            if config.staged_feeder {
+                let r = Arc::clone(&ring);
+                feeders.push(
+                    Feeder::spawn(&format!("kvbm-{name}-feed"), move |job| r.feed(job)).map_err(
+                        |e| CudaError::Os {
+                            call: "thread spawn",
+                            source: Arc::new(e),
+                        },
+                    )?,
+                );
+            }
+            staged.push(ring);
+        }
         Ok(CudaCopier {
+            feeders,
+            staged,
             lanes,
             next_lane: Default::default(),
-            descs: Arc::new(DescPool {
-                device: device.clone(),
-                free: Mutex::new(Vec::new()),
-            }),
-            timeline: Mutex::new(None),
+            descs,
+            timeline,
             config,
             device: device.clone(),
         })
@@ -329,17 +380,53 @@ impl CudaCopier {
             dma_copies = families.as_ref().map_or(n_runs, Vec::len)
         )
         .entered();
-        let lanes = &self.lanes[dir.index()];
-        let lane = if path == CopyPath::Staged {
-            &lanes[0]
-        } else {
-            &lanes[self.next_lane[dir.index()].fetch_add(1, Ordering::Relaxed) % lanes.len()]
-        };
         let mut keep: Vec<Box<dyn Any + Send>> =
             vec![Box::new(src.to_vec()), Box::new(dst.to_vec())];
-        let mut guard = lane.state.lock().unwrap_or_else(|p| p.into_inner());
-        let mut timeline =
-            (self.config.timeline && path == CopyPath::Staged).then(|| Timeline::new(entered));
+        // The earliest the bytes can have crossed the host link, counted
+        // from the call (nothing moves before it); device-to-device copies
+        // run at HBM speed and just sleep in the driver.
+        let spin = (self.config.wake_spin_us > 0 && dir != Direction::DeviceToDevice).then(|| {
+            (
+                entered,
+                Duration::from_secs_f64(total as f64 / self.config.line_rate_bytes_per_s),
+                Duration::from_micros(self.config.wake_spin_us),
+            )
+        });
+        if path == CopyPath::Staged {
+            let (completer, completion) = completion_pair();
+            let job = StagedJob {
+                runs: runs.to_vec(),
+                src_bases,
+                dst_bases,
+                total,
+                host: if dir == Direction::HostToDevice {
+                    HostSide::Source
+                } else {
+                    HostSide::Destination
+                },
+                keep,
+                spin,
+                completer,
+                timeline: self.config.timeline.then(|| Timeline::new(entered)),
+            };
+            let ring = self.staged.get(dir.index()).ok_or_else(|| {
+                CudaError::InvalidCopy("no staging ring for this direction".into())
+            })?;
+            match self.feeders.get(dir.index()) {
+                Some(feeder) => {
+                    if let Err(job) = feeder.submit(job) {
+                        // The feeder thread is gone: enqueue here.
+                        ring.feed(job);
+                    }
+                }
+                None => ring.feed(job),
+            }
+            return Ok(completion);
+        }
+        let lanes = &self.lanes[dir.index()];
+        let lane =
+            &lanes[self.next_lane[dir.index()].fetch_add(1, Ordering::Relaxed) % lanes.len()];
+        let guard = lane.state.lock().unwrap_or_else(|p| p.into_inner());
         let mut enqueue = || -> CudaResult<CUstream> {
             Ok(match path {
                 CopyPath::CopyEngine => {
@@ -370,35 +457,9 @@ impl CudaCopier {
                     lane.kernel_stream
                 }
                 CopyPath::Staged => {
-                    let ring = guard.ring.as_mut().ok_or_else(|| {
-                        CudaError::InvalidCopy("this lane has no staging ring".into())
-                    })?;
-                    let host = if dir == Direction::HostToDevice {
-                        HostSide::Source
-                    } else {
-                        HostSide::Destination
-                    };
-                    let staging = Staging {
-                        device: &self.device,
-                        descs: &self.descs,
-                        lane,
-                        grid: Grid {
-                            ctas: self.config.staged_ctas,
-                            threads: self.config.staged_threads,
-                            per_warp: self.config.warp_per_run,
-                        },
-                        batch: self.batch(),
-                    };
-                    staging.enqueue(
-                        ring,
-                        runs,
-                        total,
-                        &src_bases,
-                        &dst_bases,
-                        host,
-                        &mut keep,
-                        timeline.as_mut(),
-                    )?
+                    return Err(CudaError::InvalidCopy(
+                        "staged copies go through their ring".into(),
+                    ));
                 }
             })
         };
@@ -411,16 +472,6 @@ impl CudaCopier {
                 return Err(e);
             }
         };
-        // The earliest the bytes can have crossed the host link, counted
-        // from the call (nothing moves before it); device-to-device copies
-        // run at HBM speed and just sleep in the driver.
-        let spin = (self.config.wake_spin_us > 0 && dir != Direction::DeviceToDevice).then(|| {
-            (
-                entered,
-                Duration::from_secs_f64(total as f64 / self.config.line_rate_bytes_per_s),
-                Duration::from_micros(self.config.wake_spin_us),
-            )
-        });
         let completion = match lane.watcher.watch(stream, keep, spin) {
             Ok(c) => Ok(c),
             Err((e, keep)) => {
@@ -430,10 +481,6 @@ impl CudaCopier {
             }
         };
         drop(guard);
-        if let Some(mut t) = timeline {
-            t.returned = Some(std::time::Instant::now());
-            *self.timeline.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
-        }
         completion
     }
 
@@ -450,7 +497,8 @@ impl CudaCopier {
         Some(t.report())
     }
 
-    /// Uploads `part`'s descriptors and launches the copy kernel over them
+    /// Writes `part`'s descriptors (read in place, or uploaded; see
+    /// `kernel_descriptors_in_place`) and launches the copy kernel over them
     /// on the lane's kernel stream. (Launching the first 1024 runs ahead of
     /// the rest, to start the GPU sooner, measured the same; not kept.)
     fn launch_part(
@@ -462,9 +510,8 @@ impl CudaCopier {
         load: GpuLoad,
         keep: &mut Vec<Box<dyn Any + Send>>,
     ) -> CudaResult<()> {
-        let desc = self
-            .descs
-            .upload(lane.kernel_stream, part, src_bases, dst_bases)?;
+        let upload_on = (!self.config.kernel_descriptors_in_place).then_some(lane.kernel_stream);
+        let desc = self.descs.upload(upload_on, part, src_bases, dst_bases)?;
         let total = part.iter().map(|r| r.len).sum();
         let grid = self.kernel_grid(part.len(), total, load);
         // SAFETY: the descriptor holds `part` and both base tables in device

@@ -10,8 +10,9 @@
 //!   pitched descriptor each.
 //! - [`copier`]: the executor with its three paths (copy engines, kernel,
 //!   staged) and the measured rule choosing between them; its lanes
-//!   (streams, staging ring, descriptor buffers) and the staged path's
-//!   pipeline live in private modules (`lanes`, `staged`).
+//!   (streams, staging ring, descriptor buffers), the staged path's
+//!   pipeline and the feeder thread that enqueues it live in private
+//!   modules (`lanes`, `staged`, `feeder`).
 //! - [`completion`]: GPU completion as the crate's completion future,
 //!   resolved by a watcher thread that sleeps until a copy can have ended,
 //!   polls briefly, then sleeps in `cuEventSynchronize`.
@@ -27,6 +28,7 @@ pub mod copier;
 pub mod device;
 mod dma;
 pub mod error;
+mod feeder;
 mod kernel;
 mod lanes;
 pub mod memory;

@@ -10,8 +10,9 @@
 //! while a long kernel of the model holds every SM the DMA keeps draining
 //! (or filling) the slots already staged.
 //!
-//! Everything is ordered on the GPU: the submitting thread enqueues the
-//! whole copy and returns; no host thread waits per chunk. Once running,
+//! Everything is ordered on the GPU: the ring's feeder thread (see
+//! `feeder`; the caller's `copy()` has already returned) enqueues the whole
+//! copy; no host thread waits per chunk. Once running,
 //! the DMA moves slot after slot at line rate (1.3 µs between slots on the
 //! H200 machine), so what the path loses is fixed cost, and that is what
 //! this module keeps small:
@@ -30,8 +31,8 @@
 //! instants and GPU timing events around every chunk.
 
 use std::any::Any;
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::{self, CUevent, CUstream};
 
@@ -42,6 +43,99 @@ use super::kernel::Grid;
 use super::lanes::{DescPool, Lane, Ring};
 use super::memory::Location;
 use super::plan::{CopyRun, HostSide, Span, StagedChunker};
+use crate::completion::Completer;
+
+/// A staged copy handed to its ring's feeder (see `feeder`): everything it
+/// needs, owned, and the completer its caller already holds the other end
+/// of.
+pub(crate) struct StagedJob {
+    pub runs: Vec<CopyRun>,
+    pub src_bases: Vec<u64>,
+    pub dst_bases: Vec<u64>,
+    pub total: u64,
+    pub host: HostSide,
+    /// Memory regions and anything else the GPU uses until completion.
+    pub keep: Vec<Box<dyn Any + Send>>,
+    /// The watcher's wake-up hint (see `Watcher::watch`).
+    pub spin: Option<(Instant, Duration, Duration)>,
+    pub completer: Completer<CudaResult<()>>,
+    pub timeline: Option<Timeline>,
+}
+
+/// One direction's staging ring with what feeding it needs; shared by the
+/// ring's feeder thread and the copier.
+pub(crate) struct StagedRing {
+    pub device: CudaDevice,
+    pub descs: Arc<DescPool>,
+    /// The lane holding the ring (its streams, watcher and the ring itself).
+    pub lane: Arc<Lane>,
+    pub grid: Grid,
+    pub batch: bool,
+    /// Where the last copy's timeline goes (diagnostics).
+    pub timelines: Arc<Mutex<Option<Timeline>>>,
+}
+
+impl StagedRing {
+    /// Enqueues `job` chunk after chunk and hands it to the lane's watcher.
+    /// Never reports success for a copy that was not wholly enqueued: on an
+    /// error the lane drains (part of the copy may be on the GPU and must
+    /// end before its regions can go) and the completer gets the error.
+    pub(crate) fn feed(&self, job: StagedJob) {
+        let StagedJob {
+            runs,
+            src_bases,
+            dst_bases,
+            total,
+            host,
+            mut keep,
+            spin,
+            completer,
+            mut timeline,
+        } = job;
+        if let Err(e) = self.device.bind() {
+            completer.complete(Err(e));
+            return;
+        }
+        let lane = &*self.lane;
+        let mut guard = lane.state.lock().unwrap_or_else(|p| p.into_inner());
+        let enqueued = match guard.ring.as_mut() {
+            None => Err(CudaError::InvalidCopy(
+                "this lane has no staging ring".into(),
+            )),
+            Some(ring) => Staging {
+                device: &self.device,
+                descs: &self.descs,
+                lane,
+                grid: self.grid,
+                batch: self.batch,
+            }
+            .enqueue(
+                ring,
+                &runs,
+                total,
+                &src_bases,
+                &dst_bases,
+                host,
+                &mut keep,
+                timeline.as_mut(),
+            ),
+        };
+        if let Some(mut t) = timeline {
+            t.returned = Some(Instant::now());
+            *self.timelines.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
+        }
+        let failed = match enqueued {
+            Ok(stream) => lane.watcher.watch_with(stream, keep, spin, completer).err(),
+            Err(e) => Some((e, keep, completer)),
+        };
+        if let Some((e, keep, completer)) = failed {
+            lane.drain();
+            drop(keep);
+            completer.complete(Err(e));
+        }
+        drop(guard);
+    }
+}
 
 /// What one staged copy needs from the copier.
 pub(crate) struct Staging<'a> {
@@ -196,6 +290,7 @@ pub(crate) struct Timeline {
     pub entered: Instant,
     pub set_up: Option<Instant>,
     pub enqueued: Option<Instant>,
+    /// When the copy was handed to the watcher.
     pub returned: Option<Instant>,
     start: Option<(CUevent, Instant)>,
     chunks: Vec<(Instant, usize, ChunkEvents)>,
@@ -236,7 +331,7 @@ impl Timeline {
     pub(crate) fn report(self) -> String {
         let us = |t: Option<Instant>| t.map_or(-1.0, |t| (t - self.entered).as_secs_f64() * 1e6);
         let mut out = format!(
-            "staged timeline: set up {:.0} us, all chunks enqueued {:.0} us, returned {:.0} us",
+            "staged timeline: set up {:.0} us, all chunks enqueued {:.0} us, watched {:.0} us",
             us(self.set_up),
             us(self.enqueued),
             us(self.returned)
