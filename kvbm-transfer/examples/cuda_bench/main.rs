@@ -111,7 +111,7 @@ struct Copiers {
     /// Watchers that always sleep in the driver (no polling at the end).
     nospin: CudaCopier,
     /// The previous behaviour: staged copies enqueued on the caller's
-    /// thread, kernel descriptors uploaded through the copy engine.
+    /// thread.
     old: CudaCopier,
 }
 
@@ -131,7 +131,6 @@ impl Copiers {
             }),
             old: mk(CopierConfig {
                 staged_feeder: false,
-                kernel_descriptors_in_place: false,
                 ..d()
             }),
         }
@@ -264,20 +263,29 @@ impl Gemm {
 
 /// Runs `case` copies on a thread while `n` GEMMs run, keeping `in_flight`
 /// copies submitted (1: each copy starts after the previous completed);
-/// returns (GEMM TFLOP/s, copy GB/s inside the GEMM window). A copy counts
-/// from its submission, so with several in flight the first counted one
-/// includes its wait behind an uncounted one (the figure errs low).
+/// returns (GEMM TFLOP/s, copy GB/s inside the GEMM window, copy GB/s
+/// from completion to completion).
+///
+/// The first rate is the earlier one: the bytes of the copies submitted and
+/// completed inside the window over the span from the first submission to
+/// the last completion. With several copies in flight it errs low (the
+/// first counted copy waits behind uncounted ones, which the span then
+/// includes), so those rows use the second: per submitting thread, the
+/// bytes of the copies completed inside the window after its first
+/// completion there, over the time between that completion and its last
+/// (summed over threads). With one copy in flight the two agree up to the
+/// gap between a completion and the next submission.
 fn interfere(
     copier: &CudaCopier,
     gemm: &Gemm,
     cases: &[(&Case, CopyOptions)],
     n: usize,
     in_flight: usize,
-) -> (f64, f64) {
+) -> (f64, f64, f64) {
     let stop = AtomicBool::new(false);
-    let log: Mutex<Vec<(Instant, Instant, u64)>> = Mutex::new(Vec::new());
+    let log: Mutex<Vec<(usize, Instant, Instant, u64)>> = Mutex::new(Vec::new());
     let (tflops, t0, t1) = std::thread::scope(|s| {
-        for &(case, o) in cases {
+        for (thread, &(case, o)) in cases.iter().enumerate() {
             let (stop, log) = (&stop, &log);
             s.spawn(move || {
                 let mut queue = VecDeque::new();
@@ -296,7 +304,9 @@ fn interfere(
                         if let Err(e) = c.wait() {
                             println!("FAILED copy beside GEMM: {e}");
                         }
-                        log.lock().unwrap().push((a, Instant::now(), case.bytes));
+                        log.lock()
+                            .unwrap()
+                            .push((thread, a, Instant::now(), case.bytes));
                     }
                 }
                 for (_, c) in queue {
@@ -314,16 +324,33 @@ fn interfere(
     let log = log.into_inner().unwrap();
     let inside: Vec<_> = log
         .iter()
-        .filter(|(a, b, _)| *a >= t0 && *b <= t1)
+        .filter(|(_, a, b, _)| *a >= t0 && *b <= t1)
         .collect();
-    let bytes: u64 = inside.iter().map(|x| x.2).sum();
+    let bytes: u64 = inside.iter().map(|x| x.3).sum();
     let span = inside
         .iter()
-        .map(|x| x.0)
+        .map(|x| x.1)
         .min()
-        .zip(inside.iter().map(|x| x.1).max())
+        .zip(inside.iter().map(|x| x.2).max())
         .map_or(1e-9, |(a, b)| (b - a).as_secs_f64());
-    (tflops, bytes as f64 / span / 1e9)
+    let steady: f64 = (0..cases.len())
+        .map(|thread| {
+            let mut ends: Vec<(Instant, u64)> = log
+                .iter()
+                .filter(|x| x.0 == thread && x.2 >= t0 && x.2 <= t1)
+                .map(|x| (x.2, x.3))
+                .collect();
+            ends.sort_by_key(|x| x.0);
+            match (ends.first(), ends.last()) {
+                (Some(first), Some(last)) if ends.len() > 1 => {
+                    let moved: u64 = ends[1..].iter().map(|x| x.1).sum();
+                    moved as f64 / (last.0 - first.0).as_secs_f64() / 1e9
+                }
+                _ => 0.0,
+            }
+        })
+        .sum();
+    (tflops, bytes as f64 / span / 1e9, steady)
 }
 
 /// The bench shape at one run size: device LayerSeparate ↔ pinned
@@ -785,27 +812,44 @@ fn main() {
                     // so each loss is against the run just before it.
                     let mut losses = Vec::new();
                     let mut rates = Vec::new();
+                    let mut steadies = Vec::new();
                     for _ in 0..3 {
                         let alone = g.run(gemm_n);
-                        let (t, c) = interfere(copier, g, &cases, gemm_n, in_flight);
+                        let (t, c, st) = interfere(copier, g, &cases, gemm_n, in_flight);
                         losses.push((1.0 - t / alone) * 100.0);
                         rates.push(c);
+                        steadies.push(st);
                     }
                     let reference = match label {
                         "H2D" => ref_h2d,
                         "D2H" => ref_d2h,
                         _ => ref_bi,
                     };
-                    let (c, clo, chi) = median(rates);
+                    // In-flight rows: completion to completion (see
+                    // `interfere`); the one-at-a-time rows keep the earlier
+                    // measure, and print the other beside it.
+                    let (other, c, clo, chi) = if in_flight == 1 {
+                        let (c, lo, hi) = median(rates);
+                        (median(steadies).0, c, lo, hi)
+                    } else {
+                        let (c, lo, hi) = median(steadies);
+                        (median(rates).0, c, lo, hi)
+                    };
                     let (l, llo, lhi) = median(losses);
                     println!(
-                        "{kib:>3} KiB {tag} runs {label:<4} beside GEMM {name:<12} {} copy {c:6.1} GB/s [{clo:.1}-{chi:.1}] ratio {:.3}; GEMM loss {l:.1}% [{llo:.1}-{lhi:.1}] (3 alternations)",
+                        "{kib:>3} KiB {tag} runs {label:<4} beside GEMM {name:<12} {} copy {c:6.1} GB/s [{clo:.1}-{chi:.1}] ratio {:.3}; GEMM loss {l:.1}% [{llo:.1}-{lhi:.1}] (3 alternations); {} {:.3}",
                         if in_flight == 1 {
                             "one at a time".to_string()
                         } else {
-                            format!("{in_flight} in flight")
+                            format!("{in_flight} in flight, completion to completion,")
                         },
-                        c / reference
+                        c / reference,
+                        if in_flight == 1 {
+                            "completion to completion"
+                        } else {
+                            "from submission (errs low)"
+                        },
+                        other / reference
                     );
                 }
             }

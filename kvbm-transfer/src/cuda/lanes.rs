@@ -6,8 +6,8 @@
 //! whose slots are handed between the two streams with events, and the
 //! watcher thread that resolves completions. Descriptor buffers hold a
 //! kernel's run list and base tables in pinned host memory, mapped for the
-//! GPU: kernels read them in place (an upload would queue on the
-//! host-to-device copy engine behind any onboard DMA). They are pooled and returned only after
+//! GPU: the kernel path uploads them to the device, the staged path lets
+//! its kernels read them in place. They are pooled and returned only after
 //! the copy using them completed.
 
 use std::ffi::c_void;
@@ -188,8 +188,6 @@ pub(crate) struct DescLease {
     pub(crate) buf: Option<DescBuf>,
     pool: Arc<DescPool>,
     runs_bytes: usize,
-    /// The GPU reads the pinned side in place (no device copy).
-    in_place: bool,
 }
 
 // SAFETY: see DescBuf.
@@ -197,9 +195,7 @@ unsafe impl Send for DescLease {}
 
 impl DescLease {
     pub(crate) fn runs_ptr(&self) -> u64 {
-        self.buf
-            .as_ref()
-            .map_or(0, |b| if self.in_place { b.mapped } else { b.dev })
+        self.buf.as_ref().map_or(0, |b| b.dev)
     }
     pub(crate) fn table_ptr(&self, index: usize) -> u64 {
         self.runs_ptr() + (self.runs_bytes + index * 8) as u64
@@ -227,7 +223,7 @@ impl Drop for DescLease {
 impl DescPool {
     pub(crate) fn upload(
         self: &Arc<Self>,
-        stream: Option<CUstream>,
+        stream: CUstream,
         runs: &[CopyRun],
         src_bases: &[u64],
         dst_bases: &[u64],
@@ -237,14 +233,11 @@ impl DescPool {
         self.upload_tables(stream, runs, &tables)
     }
 
-    /// Writes `runs` then `tables` into a pinned buffer and, given a
-    /// `stream`, enqueues their copy to the device there; without one the
-    /// lease's pointers address the pinned buffer for the GPU to read in
-    /// place (nothing on a copy engine, so nothing waits behind another
-    /// copy's DMA).
+    /// Writes `runs` then `tables` into a pinned buffer and enqueues their
+    /// copy to the device on `stream`.
     pub(crate) fn upload_tables(
         self: &Arc<Self>,
-        stream: Option<CUstream>,
+        stream: CUstream,
         runs: &[CopyRun],
         tables: &[u64],
     ) -> CudaResult<DescLease> {
@@ -266,14 +259,6 @@ impl DescPool {
             buf: Some(buf),
             pool: Arc::clone(self),
             runs_bytes,
-            in_place: stream.is_none(),
-        };
-        let Some(stream) = stream else {
-            // The writes above must be visible before the launch reading
-            // them (the driver call that launches orders them on x86; the
-            // fence keeps that true elsewhere).
-            std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
-            return Ok(lease);
         };
         let b = lease.buf.as_ref().map(|b| (b.dev, b.host));
         if let Some((dev, host)) = b {
@@ -293,7 +278,6 @@ impl DescPool {
             buf: Some(self.take(need)?),
             pool: Arc::clone(self),
             runs_bytes: 0,
-            in_place: true,
         })
     }
 
