@@ -260,15 +260,8 @@ fn a_file_truncated_under_its_mapping_fails_cleanly() {
 
 #[test]
 fn cancelling_a_mapped_page_cache_to_device_pipeline() {
-    // A slow device so that the cancel lands mid-transfer; on a loaded
-    // machine the test thread can oversleep a whole transfer, so slower
-    // devices are tried until one is caught in flight.
-    for delay_ms in [4, 15, 60, 200] {
-        if cancel_mid_transfer(Duration::from_millis(delay_ms)) {
-            return;
-        }
-    }
-    panic!("every transfer finished before its cancel: nothing was tested");
+    // A slow device so that the cancel lands mid-transfer.
+    common::until_caught_in_flight(&[4, 15, 60, 200], cancel_mid_transfer);
 }
 
 /// One try of the test above; false when the transfer finished first.
