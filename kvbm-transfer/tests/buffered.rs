@@ -11,13 +11,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
+use kvbm_testkit::stand_in::{HostAsDevice, host_device_layout, pinned_stand_in_pool};
 use kvbm_transfer::backend::memcpy::MemcpyBackend;
 use kvbm_transfer::disk::{BufferedIo, DiskBackend, DiskConfig, EngineConfig};
-use kvbm_transfer::memory::{DiskAllocator, DiskOptions, IoMode, SystemAllocator};
-use kvbm_transfer::{
-    BackendKind, BouncePool, Completion, Executor, ExecutorConfig, MemoryKind, MemoryRegion,
-    PhysicalLayout, TransferBackend, TransferError, TransferJob,
-};
+use kvbm_transfer::memory::{DiskAllocator, DiskOptions, IoMode};
+use kvbm_transfer::{BouncePool, Executor, ExecutorConfig, PhysicalLayout, TransferError};
 use proptest::prelude::*;
 
 /// Every explicit choice, both store kinds of the mapped engine included.
@@ -34,56 +32,6 @@ fn choices() -> [BufferedIo; 4] {
             streaming: true,
         },
     ]
-}
-
-/// Host memory labelled as device memory, moved by memcpy after `delay`
-/// on a thread of its own (like a device, submit returns at once).
-struct SlowDevice {
-    inner: Arc<MemcpyBackend>,
-    delay: Duration,
-}
-
-impl TransferBackend for SlowDevice {
-    fn name(&self) -> &'static str {
-        "slow-device"
-    }
-    fn kind(&self) -> BackendKind {
-        BackendKind::Cuda
-    }
-    fn supports(&self, _src: MemoryKind, _dst: MemoryKind) -> bool {
-        true
-    }
-    fn submit(&self, job: TransferJob) -> Completion {
-        let relabel = |rs: &[MemoryRegion]| -> Arc<[MemoryRegion]> {
-            rs.iter()
-                .map(|r| {
-                    // SAFETY: the "device" regions are system allocations
-                    // kept alive by their owner, which the clone carries.
-                    unsafe {
-                        MemoryRegion::from_raw(
-                            r.addr().unwrap(),
-                            r.len(),
-                            MemoryKind::Pinned,
-                            r.owner().cloned(),
-                        )
-                    }
-                })
-                .collect()
-        };
-        let job = TransferJob::new(
-            relabel(&job.src),
-            relabel(&job.dst),
-            job.runs.clone(),
-            job.cancel.clone(),
-        );
-        let (tx, rx) = kvbm_transfer::completion_pair();
-        let (inner, delay) = (self.inner.clone(), self.delay);
-        std::thread::spawn(move || {
-            std::thread::sleep(delay);
-            tx.complete(inner.submit(job).wait());
-        });
-        rx
-    }
 }
 
 struct Rig {
@@ -105,18 +53,13 @@ fn rig(buffered: BufferedIo, device_delay: Duration) -> Rig {
     .unwrap();
     let disk_name = (disk.engine_name(), disk.buffered_engine_name());
     let system_pool = BouncePool::system(4, 16384).unwrap();
-    let buf = SystemAllocator::new().allocate(4 * 16384).unwrap();
-    // SAFETY: a live system allocation, owned by the region.
-    let region =
-        unsafe { MemoryRegion::from_raw(buf.addr(), buf.len(), MemoryKind::Pinned, Some(buf)) };
-    let pinned_pool = BouncePool::new(region, 16384).unwrap();
+    let pinned_pool = pinned_stand_in_pool(4, 16384).unwrap();
     let exec = Executor::builder()
         .backend(Arc::new(MemcpyBackend::new(2).unwrap()))
         .backend(Arc::new(disk))
-        .backend(Arc::new(SlowDevice {
-            inner: Arc::new(MemcpyBackend::new(1).unwrap()),
-            delay: device_delay,
-        }))
+        .backend(Arc::new(
+            HostAsDevice::new(1).unwrap().with_delay(device_delay),
+        ))
         .bounce_pool(system_pool.clone())
         .bounce_pool(pinned_pool.clone())
         .config(ExecutorConfig {
@@ -148,21 +91,6 @@ fn allocator(mode: IoMode) -> DiskAllocator {
 /// 16 KiB blocks: 2 layers × K/V × 16 tokens × 128 × 2 bytes.
 fn config(blocks: usize) -> LayoutConfig {
     LayoutConfig::new(blocks, 2, 2, 16, 128, 2).unwrap()
-}
-
-fn device(layout: Layout) -> PhysicalLayout {
-    let regions = (0..layout.num_regions())
-        .map(|r| {
-            let buf = SystemAllocator::new()
-                .allocate(layout.region_size(r).unwrap())
-                .unwrap();
-            // SAFETY: a live system allocation, owned by the region.
-            unsafe {
-                MemoryRegion::from_raw(buf.addr(), buf.len(), MemoryKind::Device(0), Some(buf))
-            }
-        })
-        .collect();
-    PhysicalLayout::new(layout, regions).unwrap()
 }
 
 fn file_path(p: &PhysicalLayout) -> std::path::PathBuf {
@@ -226,7 +154,7 @@ proptest! {
             common::fill(&src, seed);
             r.exec.transfer(&src, &a, &all).wait().unwrap();
             r.exec.transfer(&a, &b, &pairs).wait().unwrap();
-            let dev = device(host_l.clone());
+            let dev = host_device_layout(host_l.clone(), false).unwrap();
             r.exec.transfer(&b, &dev, &all).wait().unwrap();
             let back = common::host(host_l.clone());
             let before = common::snapshot(&back);
@@ -332,15 +260,8 @@ fn a_file_truncated_under_its_mapping_fails_cleanly() {
 
 #[test]
 fn cancelling_a_mapped_page_cache_to_device_pipeline() {
-    // A slow device so that the cancel lands mid-transfer; on a loaded
-    // machine the test thread can oversleep a whole transfer, so slower
-    // devices are tried until one is caught in flight.
-    for delay_ms in [4, 15, 60, 200] {
-        if cancel_mid_transfer(Duration::from_millis(delay_ms)) {
-            return;
-        }
-    }
-    panic!("every transfer finished before its cancel: nothing was tested");
+    // A slow device so that the cancel lands mid-transfer.
+    common::until_caught_in_flight(&[4, 15, 60, 200], cancel_mid_transfer);
 }
 
 /// One try of the test above; false when the transfer finished first.
@@ -360,7 +281,7 @@ fn cancel_mid_transfer(delay: Duration) -> bool {
     common::fill(&src, 11);
     let all: Vec<_> = (0..40).map(|i| (i, i)).collect();
     r.exec.transfer(&src, &disk, &all).wait().unwrap();
-    let dev = device(dev_l.clone());
+    let dev = host_device_layout(dev_l.clone(), false).unwrap();
     let handle = r.exec.transfer(&disk, &dev, &all);
     std::thread::sleep(delay * 3);
     let failure = match handle.cancel() {

@@ -4,43 +4,9 @@
 //! two hops one after the other, with the hop-alone rates and the ideal
 //! overlap from the same run.
 
+use kvbm_testkit::stand_in::{HostAsDevice, host_device_layout};
+
 use super::*;
-
-struct HostAsDevice(MemcpyBackend);
-
-impl TransferBackend for HostAsDevice {
-    fn name(&self) -> &'static str {
-        "host-as-device"
-    }
-    fn kind(&self) -> BackendKind {
-        BackendKind::Cuda
-    }
-    fn supports(&self, _: MemoryKind, _: MemoryKind) -> bool {
-        true
-    }
-    fn submit(&self, job: TransferJob) -> Completion {
-        let relabel = |rs: &[MemoryRegion]| -> Arc<[MemoryRegion]> {
-            rs.iter()
-                // SAFETY: the "device" regions are system allocations kept
-                // alive by the owner the new region carries.
-                .map(|r| unsafe {
-                    MemoryRegion::from_raw(
-                        r.addr().unwrap(),
-                        r.len(),
-                        MemoryKind::Pinned,
-                        r.owner().cloned(),
-                    )
-                })
-                .collect()
-        };
-        self.0.submit(TransferJob::new(
-            relabel(&job.src),
-            relabel(&job.dst),
-            job.runs.clone(),
-            job.cancel.clone(),
-        ))
-    }
-}
 
 /// Bounce settings from the environment: slot size (`KVBM_SLOT_KIB`, else
 /// `KVBM_SLOT_MIB`, default 8 MiB), slots per batch (`KVBM_SLOTS`, 2) and
@@ -369,26 +335,16 @@ pub(super) fn bench_bounce(runs: usize, dir: &std::path::Path) {
         .builder(&trace)
         .backend(Arc::new(disk_backend()))
         .backend(Arc::new(MemcpyBackend::new(1).unwrap()))
-        .backend(Arc::new(HostAsDevice(
-            MemcpyBackend::new(env_u64("KVBM_HOP2_THREADS", 1) as usize).unwrap(),
-        )))
+        .backend(Arc::new(
+            HostAsDevice::new(env_u64("KVBM_HOP2_THREADS", 1) as usize).unwrap(),
+        ))
         .bounce_pool(pool.clone())
         .build()
         .unwrap();
     let (file, seed) = buffered_source(dir, &fc, &exec);
     pin_threads_from_env();
     // "Device" destination: host memory labelled Device(0).
-    let dev_regions = (0..dev_l.num_regions())
-        .map(|r| {
-            let b = SystemAllocator::new()
-                .populate(true)
-                .allocate(dev_l.region_size(r).unwrap())
-                .unwrap();
-            // SAFETY: a live system allocation owned by the region.
-            unsafe { MemoryRegion::from_raw(b.addr(), b.len(), MemoryKind::Device(0), Some(b)) }
-        })
-        .collect();
-    let dev = PhysicalLayout::new(dev_l.clone(), dev_regions).unwrap();
+    let dev = host_device_layout(dev_l.clone(), true).unwrap();
     let staging = host(fc.clone());
     exec.register(&staging).unwrap();
     let pairs: Vec<_> = (0..fc.config().num_blocks()).map(|b| (b, b)).collect();
@@ -539,7 +495,7 @@ pub(super) fn bench_bounce_gpu(runs: usize, dir: &std::path::Path) {
         )
     };
     let copier = Arc::new(CudaCopier::new(&device, CopierConfig::default()).unwrap());
-    let cuda: Arc<dyn TransferBackend> = Arc::new(CudaBackend::new(copier));
+    let cuda: Arc<dyn kvbm_transfer::TransferBackend> = Arc::new(CudaBackend::new(copier));
     let setup = Executor::builder()
         .backend(Arc::new(disk_backend()))
         .build()

@@ -40,8 +40,7 @@ use kvbm_transfer::bounce::trace::{ChunkTrace, TraceSummary};
 use kvbm_transfer::disk::{BufferedIo, DiskBackend, DiskConfig, EngineConfig};
 use kvbm_transfer::memory::{DiskAllocator, DiskOptions, IoMode, SystemAllocator};
 use kvbm_transfer::{
-    BackendKind, BouncePool, Completion, Executor, ExecutorConfig, MemoryKind, MemoryRegion,
-    PhysicalLayout, TransferBackend, TransferJob,
+    BouncePool, Executor, ExecutorConfig, MemoryKind, MemoryRegion, PhysicalLayout,
 };
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng, rngs::StdRng};
