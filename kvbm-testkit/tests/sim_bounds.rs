@@ -638,16 +638,18 @@ fn support_sweep() {
                 }
             }
         }
-        println!("\n### {name} {f:?}: use count plus one feature, in-sample, cells >= 50");
+        println!("\n### {name} {f:?}: use count plus one feature, cells >= 50");
         for extra in Feature::ALL {
             let set = FeatureSet::new(format!("uses + {extra:?}"), &[Feature::Count, extra]);
-            for horizon in [250, 1000] {
-                let label = format!("[{}] within {horizon}", set.name);
-                if wanted(&label) {
-                    println!(
-                        "| {label} | {} |",
-                        fmt(&run(&set, Fit::InSample, 50, within(horizon), true))
-                    );
+            for fit in [Fit::InSample, Fit::CrossFit] {
+                for horizon in [250, 1000] {
+                    let label = format!("[{}] {fit:?} within {horizon}", set.name);
+                    if wanted(&label) {
+                        println!(
+                            "| {label} | {} |",
+                            fmt(&run(&set, fit, 50, within(horizon), true))
+                        );
+                    }
                 }
             }
         }
@@ -703,6 +705,82 @@ fn long_horizon_study() {
                     ScoredTiers::new(&ix, scored(caps, Admission::TiesAdmit, true), scorer),
                 );
                 println!("| {label} | {} |", fmt(&s));
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "bound study: how much G3 the winner needs for 36% on conversation"]
+fn g3_capacity_study() {
+    let Some((requests, facts)) = sim_support::load("conversation") else {
+        return;
+    };
+    println!("\n### conversation, G1 1% + G2 4% + G3 x: winner and tiered LRU");
+    for g3 in [0.15, 0.20, 0.25, 0.30] {
+        let caps = TierCapacities::from_fractions(0.01, 0.04, g3, facts.unique_blocks);
+        let winner = run_tiers(
+            &requests,
+            caps.g1,
+            ReuseScoreTiers::new(ReuseScoreConfig::for_tiers(caps)),
+        );
+        let lru = run_tiers(
+            &requests,
+            caps.g1,
+            LruTiers::new(caps.g2, caps.g3, LruFeed::Victim),
+        );
+        println!(
+            "| G3 {:.0}% | winner {} | tiered LRU {} |",
+            g3 * 100.0,
+            fmt(&winner),
+            fmt(&lru)
+        );
+    }
+}
+
+#[test]
+#[ignore = "bound study: coarse feature combinations, in-sample and cross-fitted"]
+fn combo_study() {
+    use Feature::*;
+    let combos = [
+        FeatureSet::new(
+            "uses + output + new blocks",
+            &[Count, OutputLength, NewBlocks],
+        ),
+        FeatureSet::new(
+            "uses + output + gap in ms",
+            &[Count, OutputLength, PrevGapMs],
+        ),
+        FeatureSet::new(
+            "uses + output + new + gap ms + prompt",
+            &[Count, OutputLength, NewBlocks, PrevGapMs, PromptBlocks],
+        ),
+        FeatureSet::new("uses + exact prompt blocks", &[Count, PromptBlocksFine]),
+        FeatureSet::new("uses + output in 8-token steps", &[Count, OutputLengthFine]),
+    ];
+    for (name, f) in [CONFIGS[0], CONFIGS[2]] {
+        let Some((requests, facts)) = sim_support::load(name) else {
+            return;
+        };
+        let caps = TierCapacities::from_fractions(f[0], f[1], f[2], facts.unique_blocks);
+        let ix = TraceIndex::new(&requests);
+        println!("\n### {name} {f:?}: feature combinations, cells >= 50");
+        for set in &combos {
+            for fit in [Fit::InSample, Fit::CrossFit] {
+                for horizon in [250, 1000] {
+                    let label = format!("[{}] {fit:?}, within {horizon}", set.name);
+                    if !wanted(&label) {
+                        continue;
+                    }
+                    let objective = Objective::Within { horizon };
+                    let scorer = HindsightScorer::new(&ix, set.clone(), objective, fit, 50);
+                    let s = run_tiers(
+                        &requests,
+                        caps.g1,
+                        ScoredTiers::new(&ix, scored(caps, Admission::TiesAdmit, true), scorer),
+                    );
+                    println!("| {label} | {} |", fmt(&s));
+                }
             }
         }
     }
