@@ -178,7 +178,8 @@ fn paths() -> Vec<(&'static str, CopyOptions)> {
 /// A copier whose staging slots are small and not a multiple of the run
 /// size, so rings wrap many times and runs split across slots; it also
 /// takes the other kernel work split (a CTA per run) and the loop of
-/// single DMA copies instead of the batch call.
+/// single DMA copies instead of the batch call, and its watchers poll for
+/// the end of each copy.
 fn tight_copier(dev: &CudaDevice) -> CudaCopier {
     CudaCopier::new(
         dev,
@@ -188,6 +189,7 @@ fn tight_copier(dev: &CudaDevice) -> CudaCopier {
             lanes_per_direction: 1,
             warp_per_run: !CopierConfig::default().warp_per_run,
             use_batch_copy: false,
+            wake_spin_us: 300,
             ..CopierConfig::default()
         },
     )

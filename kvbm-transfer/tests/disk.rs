@@ -16,6 +16,7 @@ fn executor(force_pread: bool, max_io: u32, batch: usize) -> Executor {
         engine: EngineConfig {
             queue_depth: 4,
             force_pread,
+            ..Default::default()
         },
         max_io_bytes: max_io,
     })

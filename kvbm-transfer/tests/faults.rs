@@ -28,6 +28,7 @@ fn rig(rules: Vec<FaultRule>, batch: usize, force_pread: bool) -> Rig {
         DefaultEngine::new(&EngineConfig {
             queue_depth: 4,
             force_pread,
+            ..Default::default()
         })
         .unwrap(),
     );

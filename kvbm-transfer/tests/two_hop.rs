@@ -8,94 +8,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
+use kvbm_testkit::stand_in::{HostAsDevice, host_device_layout, pinned_stand_in_pool};
 use kvbm_transfer::backend::memcpy::MemcpyBackend;
 use kvbm_transfer::disk::{DiskBackend, DiskConfig, EngineConfig};
-use kvbm_transfer::memory::{DiskAllocator, DiskOptions, SystemAllocator};
+use kvbm_transfer::memory::{DiskAllocator, DiskOptions};
 use kvbm_transfer::{
-    BackendKind, BouncePool, Completion, Executor, ExecutorConfig, MemoryKind, MemoryRegion,
-    PhysicalLayout, Strategy, TransferBackend, TransferError, TransferJob,
+    BackendKind, BouncePool, Completion, Executor, ExecutorConfig, MemoryKind, PhysicalLayout,
+    Strategy, TransferBackend, TransferError, TransferJob,
 };
-
-/// Host memory labelled as device memory, moved by memcpy, optionally slowly.
-struct FakeDevice {
-    inner: Arc<MemcpyBackend>,
-    delay: Duration,
-}
-
-impl TransferBackend for FakeDevice {
-    fn name(&self) -> &'static str {
-        "fake-device"
-    }
-    fn kind(&self) -> BackendKind {
-        BackendKind::Cuda
-    }
-    fn supports(&self, _src: MemoryKind, _dst: MemoryKind) -> bool {
-        true
-    }
-    fn submit(&self, job: TransferJob) -> Completion {
-        // Relabel device regions as pinned so memcpy accepts them.
-        let relabel = |rs: &[MemoryRegion]| -> Arc<[MemoryRegion]> {
-            rs.iter()
-                .map(|r| {
-                    // SAFETY: the "device" regions are system allocations
-                    // kept alive by their owner, which the clone carries.
-                    unsafe {
-                        MemoryRegion::from_raw(
-                            r.addr().unwrap(),
-                            r.len(),
-                            MemoryKind::Pinned,
-                            r.owner().cloned(),
-                        )
-                    }
-                })
-                .collect()
-        };
-        let job = TransferJob::new(
-            relabel(&job.src),
-            relabel(&job.dst),
-            job.runs.clone(),
-            job.cancel.clone(),
-        );
-        if self.delay.is_zero() {
-            return self.inner.submit(job);
-        }
-        // Like a real device, submit returns at once: the slow copy runs
-        // on its own thread (sleeping here would stall whichever thread
-        // submits, the caller's included).
-        let (tx, rx) = kvbm_transfer::completion_pair();
-        let (inner, delay) = (self.inner.clone(), self.delay);
-        std::thread::spawn(move || {
-            std::thread::sleep(delay);
-            tx.complete(inner.submit(job).wait());
-        });
-        rx
-    }
-}
-
-fn fake_device(layout: Layout) -> PhysicalLayout {
-    let regions = (0..layout.num_regions())
-        .map(|r| {
-            let buf = SystemAllocator::new()
-                .allocate(layout.region_size(r).unwrap())
-                .unwrap();
-            // SAFETY: a live system allocation, owned by the region.
-            unsafe {
-                MemoryRegion::from_raw(buf.addr(), buf.len(), MemoryKind::Device(0), Some(buf))
-            }
-        })
-        .collect();
-    PhysicalLayout::new(layout, regions).unwrap()
-}
-
-fn pinned_pool(slots: usize, slot_bytes: u64) -> Arc<BouncePool> {
-    let buf = SystemAllocator::new()
-        .allocate(slots as u64 * slot_bytes)
-        .unwrap();
-    // SAFETY: a live system allocation, owned by the region.
-    let region =
-        unsafe { MemoryRegion::from_raw(buf.addr(), buf.len(), MemoryKind::Pinned, Some(buf)) };
-    BouncePool::new(region, slot_bytes).unwrap()
-}
 
 struct Rig {
     exec: Executor,
@@ -108,19 +28,17 @@ fn rig(slot_bytes: u64, slots: usize, per_batch: usize, batch: usize, delay: Dur
         engine: EngineConfig {
             queue_depth: 4,
             force_pread: false,
+            ..Default::default()
         },
         max_io_bytes: 8192,
     })
     .unwrap();
     let system_pool = BouncePool::system(slots, slot_bytes).unwrap();
-    let pinned_pool = pinned_pool(slots, slot_bytes);
+    let pinned_pool = pinned_stand_in_pool(slots, slot_bytes).unwrap();
     let exec = Executor::builder()
         .backend(Arc::new(MemcpyBackend::new(2).unwrap()))
         .backend(Arc::new(disk))
-        .backend(Arc::new(FakeDevice {
-            inner: Arc::new(MemcpyBackend::new(1).unwrap()),
-            delay,
-        }))
+        .backend(Arc::new(HostAsDevice::new(1).unwrap().with_delay(delay)))
         .bounce_pool(system_pool.clone())
         .bounce_pool(pinned_pool.clone())
         .config(ExecutorConfig {
@@ -187,7 +105,10 @@ fn device_to_disk_and_back_through_pinned_bounce() {
     let cfg = config(20);
     let dev_l = Layout::new(cfg, LayoutKind::LayerSeparate(BlockOrder::OuterFirst)).unwrap();
     let disk_l = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
-    let (dev, dev2) = (fake_device(dev_l.clone()), fake_device(dev_l.clone()));
+    let (dev, dev2) = (
+        host_device_layout(dev_l.clone(), false).unwrap(),
+        host_device_layout(dev_l.clone(), false).unwrap(),
+    );
     common::fill(&dev, 11);
     common::fill(&dev2, 12);
     let disk = PhysicalLayout::allocate_disk(disk_l, &alloc()).unwrap();
@@ -219,15 +140,8 @@ fn device_to_disk_and_back_through_pinned_bounce() {
 
 #[test]
 fn cancel_stops_writes_returns_slots_and_reports_landed_blocks() {
-    // Slow hop 1 so the cancel lands mid-transfer. On a loaded machine the
-    // test thread can oversleep a whole fast transfer; then the same run is
-    // tried with a slower hop 1, so the cancel lands mid-transfer at last.
-    for delay_ms in [3, 12, 50, 200] {
-        if cancel_mid_transfer(Duration::from_millis(delay_ms)) {
-            return;
-        }
-    }
-    panic!("every transfer finished before its cancel: nothing was tested");
+    // Slow hop 1 so the cancel lands mid-transfer.
+    common::until_caught_in_flight(&[3, 12, 50, 200], cancel_mid_transfer);
 }
 
 /// One try of the test above; false when the transfer finished first.
@@ -235,7 +149,7 @@ fn cancel_mid_transfer(delay: Duration) -> bool {
     let r = rig(16384, 2, 2, 2, delay);
     let cfg = config(64);
     let dev_l = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
-    let dev = fake_device(dev_l.clone());
+    let dev = host_device_layout(dev_l.clone(), false).unwrap();
     common::fill(&dev, 5);
     let disk = PhysicalLayout::allocate_disk(dev_l.clone(), &alloc()).unwrap();
     let path = disk.regions()[0]
@@ -283,7 +197,7 @@ fn cancel_mid_transfer(delay: Duration) -> bool {
 
 /// Counts hop-1 submissions (the device side of device → disk).
 struct CountingDevice {
-    inner: FakeDevice,
+    inner: HostAsDevice,
     started: Arc<(parking_lot::Mutex<usize>, parking_lot::Condvar)>,
 }
 
@@ -359,13 +273,10 @@ fn hop_one_of_the_next_chunk_runs_while_hop_two_of_this_one_is_in_flight() {
     let started = Arc::new((parking_lot::Mutex::new(0), parking_lot::Condvar::new()));
     let overlapped = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let disk = DiskBackend::new(&DiskConfig::default()).unwrap();
-    let pool = pinned_pool(2, slot);
+    let pool = pinned_stand_in_pool(2, slot).unwrap();
     let exec = Executor::builder()
         .backend(Arc::new(CountingDevice {
-            inner: FakeDevice {
-                inner: Arc::new(MemcpyBackend::new(1).unwrap()),
-                delay: Duration::ZERO,
-            },
+            inner: HostAsDevice::new(1).unwrap(),
             started: started.clone(),
         }))
         .backend(Arc::new(GatedDisk {
@@ -383,7 +294,7 @@ fn hop_one_of_the_next_chunk_runs_while_hop_two_of_this_one_is_in_flight() {
         })
         .build()
         .unwrap();
-    let dev = fake_device(dev_l.clone());
+    let dev = host_device_layout(dev_l.clone(), false).unwrap();
     common::fill(&dev, 9);
     let d = PhysicalLayout::allocate_disk(dev_l.clone(), &alloc()).unwrap();
     let pairs: Vec<_> = (0..8).map(|i| (i, i)).collect();
@@ -419,7 +330,10 @@ fn dropping_the_executor_mid_transfer_lets_the_transfer_finish() {
         let r = rig(8192, 2, 2, 3, Duration::ZERO);
         let cfg = config(24);
         let l = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
-        let (dev, host) = (fake_device(l.clone()), common::host(l.clone()));
+        let (dev, host) = (
+            host_device_layout(l.clone(), false).unwrap(),
+            common::host(l.clone()),
+        );
         common::fill(&dev, round);
         common::fill(&host, round + 100);
         let d = PhysicalLayout::allocate_disk(l.clone(), &alloc()).unwrap();
@@ -440,7 +354,7 @@ fn dropping_the_executor_mid_transfer_lets_the_transfer_finish() {
 
 /// A device stand-in whose copies wait until the test opens the gate.
 struct GatedDevice {
-    inner: FakeDevice,
+    inner: HostAsDevice,
     gate: Arc<(parking_lot::Mutex<bool>, parking_lot::Condvar)>,
 }
 
@@ -475,10 +389,7 @@ fn cancelling_a_transfer_queued_behind_another_does_not_wait_for_it() {
     let gate = Arc::new((parking_lot::Mutex::new(false), parking_lot::Condvar::new()));
     let exec = Executor::builder()
         .backend(Arc::new(GatedDevice {
-            inner: FakeDevice {
-                inner: Arc::new(MemcpyBackend::new(1).unwrap()),
-                delay: Duration::ZERO,
-            },
+            inner: HostAsDevice::new(1).unwrap(),
             gate: gate.clone(),
         }))
         .config(ExecutorConfig {
@@ -490,11 +401,11 @@ fn cancelling_a_transfer_queued_behind_another_does_not_wait_for_it() {
         .unwrap();
     let l = Layout::new(config(8), LayoutKind::FullyContiguous).unwrap();
     let (a_src, b_src, dst) = (
-        fake_device(l.clone()),
-        fake_device(l.clone()),
-        fake_device(l.clone()),
+        host_device_layout(l.clone(), false).unwrap(),
+        host_device_layout(l.clone(), false).unwrap(),
+        host_device_layout(l.clone(), false).unwrap(),
     );
-    let dst2 = fake_device(l);
+    let dst2 = host_device_layout(l, false).unwrap();
     let pairs: Vec<_> = (0..8).map(|i| (i, i)).collect();
     // A holds the only in-flight permit until the gate opens; B queues.
     let a = exec.transfer(&a_src, &dst, &pairs);
@@ -521,12 +432,9 @@ fn chunk_trace_sees_every_chunk_in_order_and_no_more_slots_than_allowed() {
     let (slot, per_batch, batch) = (8192u64, 3usize, 5usize);
     let trace = Arc::new(ChunkTrace::new(1 << 12));
     let disk = DiskBackend::new(&DiskConfig::default()).unwrap();
-    let pool = pinned_pool(6, slot);
+    let pool = pinned_stand_in_pool(6, slot).unwrap();
     let exec = Executor::builder()
-        .backend(Arc::new(FakeDevice {
-            inner: Arc::new(MemcpyBackend::new(1).unwrap()),
-            delay: Duration::ZERO,
-        }))
+        .backend(Arc::new(HostAsDevice::new(1).unwrap()))
         .backend(Arc::new(disk))
         .bounce_pool(pool.clone())
         .chunk_trace(trace.clone())
@@ -538,7 +446,7 @@ fn chunk_trace_sees_every_chunk_in_order_and_no_more_slots_than_allowed() {
         .build()
         .unwrap();
     let l = Layout::new(config(16), LayoutKind::FullyContiguous).unwrap();
-    let dev = fake_device(l.clone());
+    let dev = host_device_layout(l.clone(), false).unwrap();
     common::fill(&dev, 21);
     let d = PhysicalLayout::allocate_disk(l.clone(), &alloc()).unwrap();
     let pairs: Vec<_> = (0..16).map(|i| (i, 15 - i)).collect();
@@ -628,8 +536,8 @@ fn chunk_trace_sees_every_chunk_in_order_and_no_more_slots_than_allowed() {
 #[test]
 fn buffered_disk_to_disk_is_byte_exact() {
     // Many small requests, both hops on buffered files. Where the process
-    // has 4 or more CPUs they run on io_uring's worker threads and complete
-    // out of order; on fewer, inline on the ring thread.
+    // has 4 or more CPUs they run on the mapped engine's copy threads and
+    // complete out of order; on fewer, inline on the io_uring ring thread.
     let r = rig(16384, 4, 2, 7, Duration::ZERO);
     let buffered = DiskAllocator::new(
         common::bench_dir().join("buffered-two-hop"),

@@ -4,43 +4,9 @@
 //! two hops one after the other, with the hop-alone rates and the ideal
 //! overlap from the same run.
 
+use kvbm_testkit::stand_in::{HostAsDevice, host_device_layout};
+
 use super::*;
-
-struct HostAsDevice(MemcpyBackend);
-
-impl TransferBackend for HostAsDevice {
-    fn name(&self) -> &'static str {
-        "host-as-device"
-    }
-    fn kind(&self) -> BackendKind {
-        BackendKind::Cuda
-    }
-    fn supports(&self, _: MemoryKind, _: MemoryKind) -> bool {
-        true
-    }
-    fn submit(&self, job: TransferJob) -> Completion {
-        let relabel = |rs: &[MemoryRegion]| -> Arc<[MemoryRegion]> {
-            rs.iter()
-                // SAFETY: the "device" regions are system allocations kept
-                // alive by the owner the new region carries.
-                .map(|r| unsafe {
-                    MemoryRegion::from_raw(
-                        r.addr().unwrap(),
-                        r.len(),
-                        MemoryKind::Pinned,
-                        r.owner().cloned(),
-                    )
-                })
-                .collect()
-        };
-        self.0.submit(TransferJob::new(
-            relabel(&job.src),
-            relabel(&job.dst),
-            job.runs.clone(),
-            job.cancel.clone(),
-        ))
-    }
-}
 
 /// Bounce settings from the environment: slot size (`KVBM_SLOT_KIB`, else
 /// `KVBM_SLOT_MIB`, default 8 MiB), slots per batch (`KVBM_SLOTS`, 2) and
@@ -275,16 +241,48 @@ fn buffered_source(
 }
 
 /// The bounce benches' disk backend: queue depth `KVBM_QD` (default 8),
-/// the pread/pwrite threads instead of io_uring with `KVBM_PREAD`.
+/// the pread/pwrite threads instead of io_uring with `KVBM_PREAD`, and the
+/// buffered-file engine from `KVBM_BUFFERED` (see [`parse_buffered`];
+/// default: the library's automatic choice).
 fn disk_backend() -> DiskBackend {
+    let buffered = std::env::var("KVBM_BUFFERED")
+        .ok()
+        .and_then(|v| parse_buffered(&v))
+        .unwrap_or_default();
+    disk_backend_with(buffered)
+}
+
+fn disk_backend_with(buffered: BufferedIo) -> DiskBackend {
     DiskBackend::new(&DiskConfig {
         engine: EngineConfig {
             queue_depth: env_u64("KVBM_QD", 8) as u32,
             force_pread: std::env::var_os("KVBM_PREAD").is_some(),
+            buffered,
         },
         max_io_bytes: 2 * MIB as u32,
     })
     .unwrap()
+}
+
+/// `auto`, `direct` (the O_DIRECT engine: io_uring), `pread:N`,
+/// `mapped:N` (non-temporal stores) or `mapped-t:N` (ordinary stores).
+fn parse_buffered(v: &str) -> Option<BufferedIo> {
+    let (kind, n) = v.split_once(':').unwrap_or((v, "0"));
+    let threads = n.parse().ok()?;
+    Some(match kind {
+        "auto" => BufferedIo::Auto,
+        "direct" => BufferedIo::SameAsDirect,
+        "pread" => BufferedIo::Pread { threads },
+        "mapped" => BufferedIo::Mapped {
+            threads,
+            streaming: true,
+        },
+        "mapped-t" => BufferedIo::Mapped {
+            threads,
+            streaming: false,
+        },
+        _ => return None,
+    })
 }
 
 /// Whether every chunk of `a` equals the same chunk of `b` (host layouts).
@@ -337,26 +335,16 @@ pub(super) fn bench_bounce(runs: usize, dir: &std::path::Path) {
         .builder(&trace)
         .backend(Arc::new(disk_backend()))
         .backend(Arc::new(MemcpyBackend::new(1).unwrap()))
-        .backend(Arc::new(HostAsDevice(
-            MemcpyBackend::new(env_u64("KVBM_HOP2_THREADS", 1) as usize).unwrap(),
-        )))
+        .backend(Arc::new(
+            HostAsDevice::new(env_u64("KVBM_HOP2_THREADS", 1) as usize).unwrap(),
+        ))
         .bounce_pool(pool.clone())
         .build()
         .unwrap();
     let (file, seed) = buffered_source(dir, &fc, &exec);
     pin_threads_from_env();
     // "Device" destination: host memory labelled Device(0).
-    let dev_regions = (0..dev_l.num_regions())
-        .map(|r| {
-            let b = SystemAllocator::new()
-                .populate(true)
-                .allocate(dev_l.region_size(r).unwrap())
-                .unwrap();
-            // SAFETY: a live system allocation owned by the region.
-            unsafe { MemoryRegion::from_raw(b.addr(), b.len(), MemoryKind::Device(0), Some(b)) }
-        })
-        .collect();
-    let dev = PhysicalLayout::new(dev_l.clone(), dev_regions).unwrap();
+    let dev = host_device_layout(dev_l.clone(), true).unwrap();
     let staging = host(fc.clone());
     exec.register(&staging).unwrap();
     let pairs: Vec<_> = (0..fc.config().num_blocks()).map(|b| (b, b)).collect();
@@ -444,9 +432,48 @@ pub(super) fn bench_bounce_disk(runs: usize, dir: &std::path::Path) {
     );
 }
 
+/// One configuration of a sweep: the buffered-file engine (`None`: from
+/// the environment) and the bounce settings.
+#[cfg(feature = "cuda")]
+struct SweepEntry {
+    engine: Option<BufferedIo>,
+    params: BounceParams,
+}
+
+/// `KVBM_SWEEP`: entries separated by spaces, each `ENGINE[@KIBxSLOTS]`
+/// (ENGINE as for `KVBM_BUFFERED`; KIB the slot size in KiB and SLOTS the
+/// slots per batch, else those of the environment). Unset: one entry from
+/// the environment.
+#[cfg(feature = "cuda")]
+fn sweep_from_env() -> Vec<SweepEntry> {
+    let Ok(spec) = std::env::var("KVBM_SWEEP") else {
+        return vec![SweepEntry {
+            engine: None,
+            params: BounceParams::from_env(),
+        }];
+    };
+    spec.split_whitespace()
+        .map(|e| {
+            let (engine, shape) = e.split_once('@').unwrap_or((e, ""));
+            let mut params = BounceParams::from_env();
+            if let Some((kib, slots)) = shape.split_once('x') {
+                params.slot = kib.parse::<u64>().expect("slot KiB") * 1024;
+                params.per_batch = slots.parse().expect("slots per batch");
+            }
+            SweepEntry {
+                engine: Some(parse_buffered(engine).expect("KVBM_SWEEP engine")),
+                params,
+            }
+        })
+        .collect()
+}
+
 /// Page-cached file → pinned bounce → GPU through the CUDA backend: the
 /// G3 → G1 onboard path without GPUDirect Storage. Hop 1 is a CPU copy out
-/// of the page cache, hop 2 a DMA on the copy engines.
+/// of the page cache, hop 2 a DMA on the copy engines. The file, the
+/// staging buffer and the device buffers are made once; each entry of the
+/// sweep (`KVBM_SWEEP`) gets its own disk backend, bounce pool and
+/// executor, and its own check of the device bytes.
 #[cfg(feature = "cuda")]
 pub(super) fn bench_bounce_gpu(runs: usize, dir: &std::path::Path) {
     use kvbm_transfer::cuda::{
@@ -458,7 +485,6 @@ pub(super) fn bench_bounce_gpu(runs: usize, dir: &std::path::Path) {
         return;
     };
     let device = CudaDevice::open(0).unwrap();
-    let p = BounceParams::from_env();
     let trace = trace_from_env();
     let (fc, dev_l) = bounce_layouts();
     let bytes = fc.total_bytes();
@@ -468,19 +494,16 @@ pub(super) fn bench_bounce_gpu(runs: usize, dir: &std::path::Path) {
                 .unwrap(),
         )
     };
-    let pool = BouncePool::new(pinned(p.pool_slots() as u64 * p.slot).region(), p.slot).unwrap();
     let copier = Arc::new(CudaCopier::new(&device, CopierConfig::default()).unwrap());
-    let exec = p
-        .builder(&trace)
+    let cuda: Arc<dyn kvbm_transfer::TransferBackend> = Arc::new(CudaBackend::new(copier));
+    let setup = Executor::builder()
         .backend(Arc::new(disk_backend()))
-        .backend(Arc::new(CudaBackend::new(copier)))
-        .bounce_pool(pool.clone())
         .build()
         .unwrap();
-    let (file, seed) = buffered_source(dir, &fc, &exec);
+    let (file, seed) = buffered_source(dir, &fc, &setup);
+    drop(setup);
     let staging_mem = pinned(fc.region_size(0).unwrap());
     let staging = PhysicalLayout::new(fc.clone(), vec![staging_mem.region()]).unwrap();
-    exec.register(&staging).unwrap();
     let buffers: Vec<Arc<DeviceBuffer>> = (0..dev_l.num_regions())
         .map(|r| {
             Arc::new(DeviceBuffer::new(&device, dev_l.region_size(r).unwrap() as usize).unwrap())
@@ -489,49 +512,111 @@ pub(super) fn bench_bounce_gpu(runs: usize, dir: &std::path::Path) {
     let dev =
         PhysicalLayout::new(dev_l.clone(), buffers.iter().map(|b| b.region()).collect()).unwrap();
     let pairs: Vec<_> = (0..fc.config().num_blocks()).map(|b| (b, b)).collect();
-    let mut r = rounds(
-        bytes,
-        runs,
-        trace.as_deref(),
-        &exec,
-        [&file, &staging, &dev],
-        &pairs,
-    );
-    // Check a fresh pipelined copy: device chunks against the seed.
-    for b in &buffers {
-        let zeros = vec![0u8; CudaRegion::len(&**b)];
-        b.write(0, &zeros).unwrap();
-    }
-    exec.transfer(&file, &dev, &pairs).wait().unwrap();
-    let images: Vec<Vec<u8>> = buffers
-        .iter()
-        .map(|b| {
-            let mut out = vec![0u8; CudaRegion::len(&**b)];
-            b.read(0, &mut out).unwrap();
-            out
-        })
-        .collect();
-    let cfg = fc.config();
-    for blk in 0..cfg.num_blocks() {
-        for l in 0..cfg.num_layers() {
-            for o in 0..cfg.outer_dim() {
-                let s = seed.layout().chunk(blk, l, o).unwrap();
-                let d = dev_l.chunk(blk, l, o).unwrap();
-                let base = seed.regions()[s.region].addr().unwrap() + s.offset;
-                // SAFETY: a live host region that nothing writes now.
-                let want = unsafe { std::slice::from_raw_parts(base as *const u8, s.len as usize) };
-                let got = &images[d.region][d.offset as usize..][..d.len as usize];
-                assert!(
-                    want == got,
-                    "GPU bounce corrupted block {blk} layer {l} outer {o}"
-                );
+    let mut summary = Vec::new();
+    for entry in sweep_from_env() {
+        let p = entry.params;
+        let disk = match entry.engine {
+            Some(b) => disk_backend_with(b),
+            None => disk_backend(),
+        };
+        let engine = format!("{:?}", entry.engine.unwrap_or_default())
+            .replace(" {", "")
+            .replace(" }", "")
+            .replace("threads: ", "")
+            .replace("streaming: ", "nt=");
+        let engine = format!("{engine} ({})", disk.buffered_engine_name());
+        let pool =
+            BouncePool::new(pinned(p.pool_slots() as u64 * p.slot).region(), p.slot).unwrap();
+        let exec = p
+            .builder(&trace)
+            .backend(Arc::new(disk))
+            .backend(cuda.clone())
+            .bounce_pool(pool.clone())
+            .build()
+            .unwrap();
+        exec.register(&staging).unwrap();
+        // Warm-up: maps the file, starts the workers.
+        exec.transfer(&file, &dev, &pairs).wait().unwrap();
+        let mut r = rounds(
+            bytes,
+            runs,
+            trace.as_deref(),
+            &exec,
+            [&file, &staging, &dev],
+            &pairs,
+        );
+        // Check a fresh pipelined copy: device chunks against the seed.
+        for b in &buffers {
+            let zeros = vec![0u8; CudaRegion::len(&**b)];
+            b.write(0, &zeros).unwrap();
+        }
+        exec.transfer(&file, &dev, &pairs).wait().unwrap();
+        let images: Vec<Vec<u8>> = buffers
+            .iter()
+            .map(|b| {
+                let mut out = vec![0u8; CudaRegion::len(&**b)];
+                b.read(0, &mut out).unwrap();
+                out
+            })
+            .collect();
+        let cfg = fc.config();
+        for blk in 0..cfg.num_blocks() {
+            for l in 0..cfg.num_layers() {
+                for o in 0..cfg.outer_dim() {
+                    let s = seed.layout().chunk(blk, l, o).unwrap();
+                    let d = dev_l.chunk(blk, l, o).unwrap();
+                    let base = seed.regions()[s.region].addr().unwrap() + s.offset;
+                    // SAFETY: a live host region that nothing writes now.
+                    let want =
+                        unsafe { std::slice::from_raw_parts(base as *const u8, s.len as usize) };
+                    let got = &images[d.region][d.offset as usize..][..d.len as usize];
+                    assert!(
+                        want == got,
+                        "GPU bounce corrupted block {blk} layer {l} outer {o}"
+                    );
+                }
             }
         }
+        let line = summary_line(&engine, &p, bytes, &r);
+        report_rounds(
+            &format!(
+                "bounce pipeline (page cache → {engine} → pinned {} → GPU)",
+                p.label()
+            ),
+            bytes,
+            &mut r,
+            &pool,
+        );
+        summary.push(line);
     }
-    report_rounds(
-        &format!("bounce pipeline (page cache → pinned {} → GPU)", p.label()),
-        bytes,
-        &mut r,
-        &pool,
+    println!(
+        "summary (GB/s medians; ratio = median of per-run pipelined/serial; ideal = median (t1+t2)/max(t1,t2)):"
     );
+    for l in summary {
+        println!("  {l}");
+    }
+}
+
+/// One row of the sweep's summary table.
+#[cfg(feature = "cuda")]
+fn summary_line(engine: &str, p: &BounceParams, bytes: u64, r: &Rounds) -> String {
+    let gbs = |t: &[f64]| -> Vec<f64> { t.iter().map(|&t| bytes as f64 / t / 1e9).collect() };
+    let ratios: Vec<f64> = r.serial.iter().zip(&r.piped).map(|(s, p)| s / p).collect();
+    let ideal: Vec<f64> = r
+        .hop1
+        .iter()
+        .zip(&r.hop2)
+        .map(|(a, b)| (a + b) / a.max(*b))
+        .collect();
+    format!(
+        "| {engine} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.3} ({}) | {:.2} |",
+        p.label(),
+        median(&mut gbs(&r.hop1)),
+        median(&mut gbs(&r.hop2)),
+        median(&mut gbs(&r.piped)),
+        median(&mut gbs(&r.serial)),
+        median(&mut ratios.clone()),
+        spread(&ratios),
+        median(&mut ideal.clone()),
+    )
 }

@@ -14,14 +14,19 @@
 //!   pipeline vs the same two hops one after the other.
 //! - bounce-disk: page-cached file → bounce → O_DIRECT file, the same way.
 //! - bounce-gpu (built with `--features cuda`, needs a GPU): page-cached
-//!   file → pinned bounce → device memory through the CUDA backend.
+//!   file → pinned bounce → device memory through the CUDA backend; with
+//!   `KVBM_SWEEP` several buffered-file engines and slot shapes in one run.
+//! - membw (not in `all`): DRAM bandwidth for 1–16 threads reading and
+//!   copying (temporal, non-temporal, `rep movsb` stores), alone and, with
+//!   a GPU, beside a pinned → device DMA loop.
 //!
 //! Bounce settings: `KVBM_SLOT_KIB` or `KVBM_SLOT_MIB` (slot size),
 //! `KVBM_SLOTS` (slots per batch), `KVBM_BATCHES` (batches in flight),
 //! `KVBM_HOP2_THREADS` (copy threads of the host-as-device hop 2),
 //! `KVBM_BOUNCE_BLOCKS` (2 MiB blocks moved, default 256), `KVBM_QD` (disk
-//! queue depth, default 8) and `KVBM_PREAD` (pread/pwrite threads instead of
-//! io_uring);
+//! queue depth, default 8), `KVBM_PREAD` (pread/pwrite threads instead of
+//! io_uring for O_DIRECT files) and `KVBM_BUFFERED` (`auto`, `direct`,
+//! `pread:N`, `mapped:N`, `mapped-t:N`: the engine for buffered files);
 //! `KVBM_TRACE=1` traces every pipelined run chunk by chunk and prints
 //! where the time went.
 
@@ -32,16 +37,16 @@ use std::time::Instant;
 use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
 use kvbm_transfer::backend::memcpy::MemcpyBackend;
 use kvbm_transfer::bounce::trace::{ChunkTrace, TraceSummary};
-use kvbm_transfer::disk::{DiskBackend, DiskConfig, EngineConfig};
+use kvbm_transfer::disk::{BufferedIo, DiskBackend, DiskConfig, EngineConfig};
 use kvbm_transfer::memory::{DiskAllocator, DiskOptions, IoMode, SystemAllocator};
 use kvbm_transfer::{
-    BackendKind, BouncePool, Completion, Executor, ExecutorConfig, MemoryKind, MemoryRegion,
-    PhysicalLayout, TransferBackend, TransferJob,
+    BouncePool, Executor, ExecutorConfig, MemoryKind, MemoryRegion, PhysicalLayout,
 };
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 mod bounce;
+mod membw;
 
 #[cfg(feature = "cuda")]
 use bounce::bench_bounce_gpu;
@@ -236,6 +241,7 @@ fn bench_disk(runs: usize, dir: &std::path::Path) {
                 .and_then(|q| q.parse().ok())
                 .unwrap_or(8),
             force_pread: std::env::var_os("KVBM_PREAD").is_some(),
+            ..Default::default()
         },
         max_io_bytes: 2 * MIB as u32,
     };
@@ -374,6 +380,18 @@ fn main() {
     }
     if matches!(what, "bounce-disk" | "all") {
         bench_bounce_disk(runs, &dir);
+    }
+    if what == "membw" {
+        #[cfg(feature = "cuda")]
+        let dma = membw::DmaLoop::new();
+        #[cfg(feature = "cuda")]
+        let bg = dma.as_ref().map(|d| d as &dyn membw::Background);
+        #[cfg(not(feature = "cuda"))]
+        let bg = None;
+        #[cfg(target_arch = "x86_64")]
+        membw::probe(runs, bg);
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = bg;
     }
     if matches!(what, "bounce-gpu" | "all") {
         #[cfg(feature = "cuda")]

@@ -1,17 +1,25 @@
-//! Turning "the GPU finished" into a future, without polling.
+//! Turning "the GPU finished" into a future, without a polling loop.
 //!
 //! Each lane of streams has one watcher thread. A copy records a
 //! blocking-sync event after its last operation and hands the event to the
-//! watcher, which sleeps in `cuEventSynchronize` (the driver wakes it; no
-//! spinning, no timer) and then resolves the copy's [`Completion`] with the
-//! driver's verdict: a stream error resolves the completion with that error,
-//! so a failed copy never reports success. The watcher also releases what
-//! the copy had to keep alive (memory regions, descriptor buffers) only then.
+//! watcher, which sleeps in `cuEventSynchronize` (the driver wakes it) and
+//! then resolves the copy's [`Completion`] with the driver's verdict: a
+//! stream error resolves the completion with that error, so a failed copy
+//! never reports success. The watcher also releases what the copy had to
+//! keep alive (memory regions, descriptor buffers) only then.
+//!
+//! The driver's wake-up took 0.14–0.3 ms on the H200 machine, a tenth of a
+//! 128 MiB copy. So for host ↔ device copies the watcher first sleeps until
+//! the copy can have ended at the earliest (its bytes at line rate, counted
+//! from the call), then polls the event for a bounded time (0.5 ms by
+//! default) before sleeping in the driver: one short poll per copy, never a
+//! loop that wakes on a timer.
 
 use std::any::Any;
-use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::{self, CUevent};
 
@@ -33,6 +41,9 @@ impl Outcome for CudaResult<()> {
 /// what must stay alive until then.
 struct Watch {
     event: CUevent,
+    /// The earliest the copy can end; from then the watcher spins briefly
+    /// instead of sleeping in the driver (see [`Watcher::watch`]).
+    spin_from: Option<(Instant, Duration)>,
     keep_alive: Vec<Box<dyn Any + Send>>,
     completer: Completer<CudaResult<()>>,
 }
@@ -45,6 +56,8 @@ unsafe impl Send for Watch {}
 pub(crate) struct Watcher {
     tx: Option<Sender<Watch>>,
     thread: Option<JoinHandle<()>>,
+    /// When the copies handed over so far can end at the earliest.
+    busy_until: Mutex<Option<Instant>>,
 }
 
 impl Watcher {
@@ -61,6 +74,7 @@ impl Watcher {
         Ok(Watcher {
             tx: Some(tx),
             thread: Some(thread),
+            busy_until: Mutex::new(None),
         })
     }
 
@@ -69,10 +83,21 @@ impl Watcher {
     /// if the event cannot be recorded it is handed back with the error, so
     /// the caller can drain the GPU before releasing it.
     #[allow(clippy::type_complexity)]
+    ///
+    /// `spin`: when the copy was asked for, the shortest time it can take
+    /// (its bytes at line rate) and how long the watcher may poll once that
+    /// has passed. Sleeping in the driver until the GPU's interrupt costs
+    /// 0.14–0.3 ms of wake-up on the H200 machine (a tenth of a 128 MiB
+    /// copy); the watcher instead sleeps until the earliest end of the copy
+    /// (after the copies handed to it before), then polls the event for at
+    /// most the budget before falling back to the driver's blocking wait.
+    /// The earliest end must be a true lower bound: a watcher that sleeps
+    /// past the real end wakes late by the difference.
     pub(crate) fn watch(
         &self,
         stream: sys::CUstream,
         keep_alive: Vec<Box<dyn Any + Send>>,
+        spin: Option<(Instant, Duration, Duration)>,
     ) -> Result<Completion, (CudaError, Vec<Box<dyn Any + Send>>)> {
         let event = match new_event(true) {
             Ok(e) => e,
@@ -86,9 +111,16 @@ impl Watcher {
             destroy_event(event);
             return Err((e, keep_alive));
         }
+        let spin_from = spin.map(|(asked, shortest, budget)| {
+            let mut busy = self.busy_until.lock().unwrap_or_else(|p| p.into_inner());
+            let end = busy.filter(|&b| b > asked).unwrap_or(asked) + shortest;
+            *busy = Some(end);
+            (end, budget)
+        });
         let (completer, completion) = completion_pair();
         let watch = Watch {
             event,
+            spin_from,
             keep_alive,
             completer,
         };
@@ -121,12 +153,35 @@ fn watch_loop(device: &CudaDevice, rx: Receiver<Watch>) {
     let bound = device.bind();
     for w in rx {
         let result = match &bound {
-            Ok(()) => synchronize_event(w.event),
+            Ok(()) => {
+                if let Some((from, budget)) = w.spin_from {
+                    spin_until_done(w.event, from, budget);
+                }
+                synchronize_event(w.event)
+            }
             Err(e) => Err(e.clone()),
         };
         destroy_event(w.event);
         drop(w.keep_alive);
         w.completer.complete(result);
+    }
+}
+
+/// Sleeps until `from`, then polls `event` for at most `budget`; returns
+/// when it fired, failed, or the budget ran out.
+fn spin_until_done(event: CUevent, from: Instant, budget: Duration) {
+    let now = Instant::now();
+    if from > now {
+        std::thread::sleep(from - now);
+    }
+    let deadline = Instant::now() + budget;
+    loop {
+        // SAFETY: `event` is a live event of the current context.
+        let rc = unsafe { sys::cuEventQuery(event) };
+        if rc != sys::cudaError_enum::CUDA_ERROR_NOT_READY || Instant::now() >= deadline {
+            return;
+        }
+        std::hint::spin_loop();
     }
 }
 

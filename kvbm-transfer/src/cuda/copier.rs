@@ -16,28 +16,30 @@
 //! - [`CopyPath::Staged`]: the kernel gathers device runs into a dense
 //!   device staging slot (or scatters from one) at HBM speed, and the copy
 //!   engines move whole slots to and from the host; a ring of slots
-//!   pipelines the two. DMA rate with SMs busy only briefly.
+//!   pipelines the two (see `staged`). DMA rate with SMs busy only briefly.
 //!
-//! [`CudaCopier::choose_for`] picks by direction, size, run size, bytes per DMA
-//! descriptor and whether the caller said the GPU is busy; callers can force
-//! a path. Each direction has its own lanes (a kernel stream, a copy stream,
-//! a staging ring and a completion watcher), so offload and onboard overlap.
+//! [`CudaCopier::choose`] picks by direction, size and run size; callers can
+//! force a path. Each direction has its own lanes (a kernel stream, a copy
+//! stream, a staging ring and a completion watcher), so offload and onboard
+//! overlap.
 
 use std::any::Any;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use cudarc::driver::sys::{self, CUevent, CUstream};
+use cudarc::driver::sys::CUstream;
 
 use super::completion::Completion;
 use super::device::CudaDevice;
 use super::dma::{enqueue_spans, enqueue_strided};
-use super::error::{CudaError, CudaResult, check};
+use super::error::{CudaError, CudaResult};
 use super::kernel::Grid;
 use super::lanes::{DescPool, Lane};
 use super::memory::{CudaRegion, Location, allocation_bounds};
 use super::pinned::registration_bounds;
-use super::plan::{CopyRun, HostSide, Span, absolute_spans, plan_staged};
+use super::plan::{CopyRun, HostSide, absolute_spans};
+use super::staged::{Staging, Timeline};
 use super::strided::{FamilyLimits, OrderBy, Strided, strided_copies};
 
 /// How a copy moves its bytes.
@@ -64,22 +66,10 @@ pub enum GpuLoad {
 /// Per-copy options.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct CopyOptions {
-    /// Force a path; `None` lets [`CudaCopier::choose_for`] pick.
+    /// Force a path; `None` lets [`CudaCopier::choose`] pick.
     pub path: Option<CopyPath>,
     /// Whether the GPU is busy with other work.
     pub load: GpuLoad,
-}
-
-/// What [`CudaCopier::choose_for`] decides on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct PlanShape {
-    /// Runs with at least one byte.
-    pub runs: usize,
-    /// Bytes the plan moves.
-    pub bytes: u64,
-    /// DMA descriptors the copy-engine path would use (affine families and
-    /// lone runs; equal to `runs` when families are not formed).
-    pub dma_copies: usize,
 }
 
 /// Direction of a copy, from the locations of its two sides.
@@ -113,9 +103,9 @@ pub struct CopierConfig {
     pub staging_slot_bytes: usize,
     /// Slots per staging ring. Under a model that holds every SM (a large
     /// GEMM), the staging kernels only run between the model's kernels, so
-    /// the ring must hold what the DMA moves during one of them: 8 × 32 MiB
-    /// reached 0.84 of line rate beside a 1.5 ms GEMM where 8 × 8 MiB
-    /// reached 0.45.
+    /// the ring must hold what the DMA moves during one of them: beside a
+    /// 1.5 ms GEMM, 8 × 32 MiB reached 0.86–0.89 of line rate at 32 KiB
+    /// runs where 8 × 8 MiB reached 0.65. Idle, 8 MiB slots did as well.
     pub staging_slots: usize,
     /// Kernel path, idle GPU: threads per CTA.
     pub idle_threads: u32,
@@ -145,11 +135,22 @@ pub struct CopierConfig {
     pub staged_threads: u32,
     /// Copies up to this many bytes take the kernel path (latency).
     pub small_copy_bytes: u64,
-    /// Busy GPU: plans whose DMA descriptors (families or runs) carry at
-    /// least this many bytes on average take the copy engines.
-    pub dma_copy_bytes: u64,
-    /// Idle GPU: runs of at least this mean size take the copy engines.
+    /// Runs of at least this mean size take the copy engines.
     pub engine_run_bytes: u64,
+    /// Completion wake-up of host ↔ device copies: once a copy's bytes
+    /// could have crossed the host link at `line_rate_bytes_per_s`, its
+    /// watcher polls for at most this many microseconds before sleeping in
+    /// the driver; 0 always sleeps. The driver's wake-up after the GPU's
+    /// interrupt took 0.14–0.3 ms on the H200 machine, a tenth of a 128 MiB
+    /// copy.
+    pub wake_spin_us: u64,
+    /// An upper bound of the host link's rate in one direction (bytes/s),
+    /// for `wake_spin_us`: a copy never ends before its bytes at this rate.
+    pub line_rate_bytes_per_s: f64,
+    /// Diagnostics: record a timeline of each staged copy (GPU timing
+    /// events per chunk), read with `CudaCopier::take_timeline`.
+    #[doc(hidden)]
+    pub timeline: bool,
 }
 
 impl Default for CopierConfig {
@@ -169,8 +170,10 @@ impl Default for CopierConfig {
             staged_ctas: 264,
             staged_threads: 512,
             small_copy_bytes: 4 << 20,
-            dma_copy_bytes: 256 << 10,
             engine_run_bytes: 128 << 10,
+            wake_spin_us: 500,
+            line_rate_bytes_per_s: 56e9,
+            timeline: false,
         }
     }
 }
@@ -182,6 +185,7 @@ pub struct CudaCopier {
     lanes: [Vec<Lane>; 3],
     next_lane: [AtomicUsize; 3],
     descs: Arc<DescPool>,
+    timeline: Mutex<Option<Timeline>>,
     config: CopierConfig,
     device: CudaDevice,
 }
@@ -228,6 +232,7 @@ impl CudaCopier {
                 device: device.clone(),
                 free: Mutex::new(Vec::new()),
             }),
+            timeline: Mutex::new(None),
             config,
             device: device.clone(),
         })
@@ -244,10 +249,25 @@ impl CudaCopier {
     }
 
     /// The path [`CudaCopier::copy`] takes for `n_runs` runs of
-    /// `total_bytes` when none is forced, counting one DMA descriptor per
-    /// run (the idle choice never depends on descriptors; a busy one may
-    /// take the copy engines for affine plans, see
-    /// [`CudaCopier::choose_for`]).
+    /// `total_bytes` in direction `dir` when none is forced.
+    ///
+    /// The rule, from the H200 measurements in docs/benchmarks.md (8, 32 and
+    /// 256 KiB runs, 256 random blocks, one direction and both at once, idle
+    /// and beside a bf16 GEMM loop):
+    ///
+    /// - device-to-device copies and small copies (up to
+    ///   `small_copy_bytes`) take the kernel: one launch, the lowest latency;
+    /// - runs of `engine_run_bytes` or more take the copy engines (line rate
+    ///   with no SMs, both directions at once);
+    /// - smaller runs take the staging ring: 0.96–0.97 of line rate at 32
+    ///   KiB runs one way and 0.93–0.98 both ways, where the kernel reads
+    ///   and writes pinned memory at 0.91–0.95 one way and 0.78 both ways,
+    ///   and the copy engines pay ~0.1 µs per line (0.6 at 8 KiB). Its
+    ///   kernels hold the SMs for a few microseconds per 32 MiB, so it is
+    ///   also the choice beside the model.
+    ///
+    /// `load` does not change the choice today (the staged path measured
+    /// best idle and busy); it sizes the grid of a forced kernel copy.
     pub fn choose(
         &self,
         dir: Direction,
@@ -255,46 +275,15 @@ impl CudaCopier {
         total_bytes: u64,
         load: GpuLoad,
     ) -> CopyPath {
-        let shape = PlanShape {
-            runs: n_runs,
-            bytes: total_bytes,
-            dma_copies: n_runs,
-        };
-        self.choose_for(dir, shape, load)
-    }
-
-    /// The path [`CudaCopier::copy`] takes for a plan of this shape when
-    /// none is forced.
-    ///
-    /// The rule, from the H200 measurements in docs/benchmarks.md (8, 32 and
-    /// 256 KiB runs, 256 random blocks, idle and beside a bf16 GEMM loop):
-    ///
-    /// - device-to-device copies and small copies (up to
-    ///   `small_copy_bytes`) take the kernel: one launch, the lowest latency;
-    /// - idle GPU: the kernel for runs under `engine_run_bytes` (it reads
-    ///   pinned memory at 0.82–0.92 of line rate at 8–32 KiB, where the
-    ///   copy engines pay per run or per line), the copy engines above
-    ///   (0.95–0.99, and they overlap both directions);
-    /// - busy GPU: no long-running kernel (a few CTAs held for a whole copy
-    ///   cost a GEMM 5–70 %): the copy engines when their descriptors carry
-    ///   `dma_copy_bytes` or more each (affine families or large runs), the
-    ///   staging ring otherwise.
-    ///
-    /// Measured and not kept: sending an offload to the copy engines while
-    /// an onboard kernel runs (0.63–0.70 of the bidirectional copy, against
-    /// 0.93–0.96 for two kernels at 32–256 KiB runs).
-    pub fn choose_for(&self, dir: Direction, shape: PlanShape, load: GpuLoad) -> CopyPath {
-        if dir == Direction::DeviceToDevice || shape.bytes <= self.config.small_copy_bytes {
+        let _ = load;
+        if dir == Direction::DeviceToDevice || total_bytes <= self.config.small_copy_bytes {
             return CopyPath::Kernel;
         }
-        let mean_run = shape.bytes / shape.runs.max(1) as u64;
-        let per_descriptor = shape.bytes / shape.dma_copies.max(1) as u64;
-        let tall = per_descriptor >= self.config.dma_copy_bytes;
-        match load {
-            GpuLoad::Idle if mean_run < self.config.engine_run_bytes => CopyPath::Kernel,
-            GpuLoad::Idle => CopyPath::CopyEngine,
-            GpuLoad::Busy if tall => CopyPath::CopyEngine,
-            GpuLoad::Busy => CopyPath::Staged,
+        let mean_run = total_bytes / n_runs.max(1) as u64;
+        if mean_run >= self.config.engine_run_bytes {
+            CopyPath::CopyEngine
+        } else {
+            CopyPath::Staged
         }
     }
 
@@ -312,6 +301,7 @@ impl CudaCopier {
         dst: &[Arc<dyn CudaRegion>],
         opts: CopyOptions,
     ) -> CudaResult<Completion> {
+        let entered = std::time::Instant::now();
         let dir = direction(src, dst)?;
         let total = validate(runs, src, dst)?;
         if total == 0 {
@@ -321,33 +311,11 @@ impl CudaCopier {
         self.device.bind()?;
         let src_bases: Vec<u64> = src.iter().map(|r| r.device_ptr()).collect();
         let dst_bases: Vec<u64> = dst.iter().map(|r| r.device_ptr()).collect();
-        let group = || {
-            self.config
-                .strided_copies
-                .then(|| self.families(runs, src, dst, &src_bases, &dst_bases, dir))
-        };
-        // The copy engines' descriptors: needed for the choice only on a
-        // busy GPU (grouping 16,384 runs costs up to a millisecond or two).
-        let mut families = match opts.path {
-            None if opts.load == GpuLoad::Busy
-                && dir != Direction::DeviceToDevice
-                && total > self.config.small_copy_bytes =>
-            {
-                group()
-            }
-            _ => None,
-        };
-        let shape = PlanShape {
-            runs: n_runs,
-            bytes: total,
-            dma_copies: families.as_ref().map_or(n_runs, Vec::len),
-        };
         let path = opts
             .path
-            .unwrap_or_else(|| self.choose_for(dir, shape, opts.load));
-        if path == CopyPath::CopyEngine && families.is_none() {
-            families = group();
-        }
+            .unwrap_or_else(|| self.choose(dir, n_runs, total, opts.load));
+        let families = (path == CopyPath::CopyEngine && self.config.strided_copies)
+            .then(|| self.families(runs, src, dst, &src_bases, &dst_bases, dir));
         let path = match (path, dir) {
             (CopyPath::Staged, Direction::DeviceToDevice) => CopyPath::Kernel,
             (p, _) => p,
@@ -370,6 +338,8 @@ impl CudaCopier {
         let mut keep: Vec<Box<dyn Any + Send>> =
             vec![Box::new(src.to_vec()), Box::new(dst.to_vec())];
         let mut guard = lane.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut timeline =
+            (self.config.timeline && path == CopyPath::Staged).then(|| Timeline::new(entered));
         let mut enqueue = || -> CudaResult<CUstream> {
             Ok(match path {
                 CopyPath::CopyEngine => {
@@ -408,118 +378,27 @@ impl CudaCopier {
                     } else {
                         HostSide::Destination
                     };
-                    let plan =
-                        plan_staged(runs, &src_bases, &dst_bases, host, ring.slot_bytes as u64);
-                    // Base tables: user sources, user destinations, then the
-                    // start of every staging slot (region 0 of a chunk is the
-                    // table entry of its slot).
-                    let slot_bases: Vec<u64> = (0..ring.slots.len())
-                        .map(|k| ring.buf.ptr() + (k * ring.slot_bytes) as u64)
-                        .collect();
-                    let mut tables = src_bases.clone();
-                    tables.extend_from_slice(&dst_bases);
-                    tables.extend_from_slice(&slot_bases);
-                    let desc =
-                        self.descs
-                            .upload_tables(lane.kernel_stream, &plan.kernel_runs, &tables)?;
-                    let user_src = desc.table_ptr(0);
-                    let user_dst = desc.table_ptr(src_bases.len());
-                    let slot_table = src_bases.len() + dst_bases.len();
-                    let grid = Grid {
-                        ctas: self.config.staged_ctas,
-                        threads: self.config.staged_threads,
-                        per_warp: self.config.warp_per_run,
+                    let staging = Staging {
+                        device: &self.device,
+                        descs: &self.descs,
+                        lane,
+                        grid: Grid {
+                            ctas: self.config.staged_ctas,
+                            threads: self.config.staged_threads,
+                            per_warp: self.config.warp_per_run,
+                        },
+                        batch: self.batch(),
                     };
-                    for chunk in &plan.chunks {
-                        let k = ring.next;
-                        ring.next = (k + 1) % ring.slots.len();
-                        let slot = &mut ring.slots[k];
-                        let slot_ptr = desc.table_ptr(slot_table + k);
-                        let pieces: Vec<Span> = plan.pieces[chunk.pieces.clone()]
-                            .iter()
-                            .map(|p| {
-                                let at = slot_bases[k] + p.slot_offset;
-                                match host {
-                                    HostSide::Source => Span {
-                                        src: p.host,
-                                        dst: at,
-                                        len: p.len,
-                                    },
-                                    HostSide::Destination => Span {
-                                        src: at,
-                                        dst: p.host,
-                                        len: p.len,
-                                    },
-                                }
-                            })
-                            .collect();
-                        let n = chunk.kernel_runs.len() as u32;
-                        let runs_ptr = desc.runs_ptr() + (chunk.kernel_runs.start * 40) as u64;
-                        match host {
-                            HostSide::Destination => {
-                                if slot.used {
-                                    wait_event(lane.kernel_stream, slot.free)?;
-                                }
-                                // SAFETY: kernel runs address user sources
-                                // (bounds-checked) and this slot (planned to fit).
-                                unsafe {
-                                    self.device.inner.kernel.launch(
-                                        lane.kernel_stream,
-                                        grid,
-                                        runs_ptr,
-                                        n,
-                                        user_src,
-                                        slot_ptr,
-                                    )?
-                                };
-                                record_event(slot.filled, lane.kernel_stream)?;
-                                wait_event(lane.copy_stream, slot.filled)?;
-                                enqueue_spans(
-                                    &self.device,
-                                    self.batch(),
-                                    lane.copy_stream,
-                                    &pieces,
-                                    Location::Device,
-                                    Location::PinnedHost,
-                                )?;
-                                record_event(slot.free, lane.copy_stream)?;
-                            }
-                            HostSide::Source => {
-                                if slot.used {
-                                    wait_event(lane.copy_stream, slot.free)?;
-                                }
-                                enqueue_spans(
-                                    &self.device,
-                                    self.batch(),
-                                    lane.copy_stream,
-                                    &pieces,
-                                    Location::PinnedHost,
-                                    Location::Device,
-                                )?;
-                                record_event(slot.filled, lane.copy_stream)?;
-                                wait_event(lane.kernel_stream, slot.filled)?;
-                                // SAFETY: as above, from the slot to user
-                                // destinations.
-                                unsafe {
-                                    self.device.inner.kernel.launch(
-                                        lane.kernel_stream,
-                                        grid,
-                                        runs_ptr,
-                                        n,
-                                        slot_ptr,
-                                        user_dst,
-                                    )?
-                                };
-                                record_event(slot.free, lane.kernel_stream)?;
-                            }
-                        }
-                        slot.used = true;
-                    }
-                    keep.push(Box::new(desc));
-                    match host {
-                        HostSide::Destination => lane.copy_stream,
-                        HostSide::Source => lane.kernel_stream,
-                    }
+                    staging.enqueue(
+                        ring,
+                        runs,
+                        total,
+                        &src_bases,
+                        &dst_bases,
+                        host,
+                        &mut keep,
+                        timeline.as_mut(),
+                    )?
                 }
             })
         };
@@ -532,7 +411,17 @@ impl CudaCopier {
                 return Err(e);
             }
         };
-        let completion = match lane.watcher.watch(stream, keep) {
+        // The earliest the bytes can have crossed the host link, counted
+        // from the call (nothing moves before it); device-to-device copies
+        // run at HBM speed and just sleep in the driver.
+        let spin = (self.config.wake_spin_us > 0 && dir != Direction::DeviceToDevice).then(|| {
+            (
+                entered,
+                Duration::from_secs_f64(total as f64 / self.config.line_rate_bytes_per_s),
+                Duration::from_micros(self.config.wake_spin_us),
+            )
+        });
+        let completion = match lane.watcher.watch(stream, keep, spin) {
             Ok(c) => Ok(c),
             Err((e, keep)) => {
                 lane.drain();
@@ -541,7 +430,24 @@ impl CudaCopier {
             }
         };
         drop(guard);
+        if let Some(mut t) = timeline {
+            t.returned = Some(std::time::Instant::now());
+            *self.timeline.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
+        }
         completion
+    }
+
+    /// Diagnostics: the timeline of the last staged copy when
+    /// `CopierConfig::timeline` is on (waits for its GPU events).
+    #[doc(hidden)]
+    pub fn take_timeline(&self) -> Option<String> {
+        let t = self
+            .timeline
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()?;
+        self.device.bind().ok()?;
+        Some(t.report())
     }
 
     /// Uploads `part`'s descriptors and launches the copy kernel over them
@@ -707,18 +613,4 @@ fn validate(
         total += r.len;
     }
     Ok(total)
-}
-
-fn record_event(event: CUevent, stream: CUstream) -> CudaResult<()> {
-    // SAFETY: event and stream belong to the current context.
-    check("cuEventRecord", unsafe {
-        sys::cuEventRecord(event, stream)
-    })
-}
-
-fn wait_event(stream: CUstream, event: CUevent) -> CudaResult<()> {
-    // SAFETY: event and stream belong to the current context.
-    check("cuStreamWaitEvent", unsafe {
-        sys::cuStreamWaitEvent(stream, event, 0)
-    })
 }

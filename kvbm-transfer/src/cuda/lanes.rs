@@ -4,9 +4,11 @@
 //! high-priority kernel stream (so staging kernels get the next free SM
 //! slots ahead of the model's work), a copy stream, an optional staging ring
 //! whose slots are handed between the two streams with events, and the
-//! watcher thread that resolves completions. Descriptor buffers carry a
-//! kernel's run list and base tables to the device; they are pooled and
-//! returned only after the copy using them completed.
+//! watcher thread that resolves completions. Descriptor buffers hold a
+//! kernel's run list and base tables in pinned host memory, mapped for the
+//! GPU: the kernel path uploads them to the device, the staged path lets
+//! its kernels read them in place. They are pooled and returned only after
+//! the copy using them completed.
 
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
@@ -170,6 +172,9 @@ pub(crate) struct DescPool {
 
 pub(crate) struct DescBuf {
     host: *mut u8,
+    /// `host` as the GPU addresses it (kernels may read descriptors in
+    /// place, without an upload through a copy engine).
+    mapped: CUdeviceptr,
     dev: CUdeviceptr,
     cap: usize,
 }
@@ -194,6 +199,12 @@ impl DescLease {
     }
     pub(crate) fn table_ptr(&self, index: usize) -> u64 {
         self.runs_ptr() + (self.runs_bytes + index * 8) as u64
+    }
+    /// The pinned host side: CPU address, GPU address, capacity in bytes.
+    pub(crate) fn host(&self) -> (*mut u8, u64, usize) {
+        self.buf
+            .as_ref()
+            .map_or((std::ptr::null_mut(), 0, 0), |b| (b.host, b.mapped, b.cap))
     }
 }
 
@@ -260,6 +271,16 @@ impl DescPool {
         Ok(lease)
     }
 
+    /// Lends a buffer of at least `need` bytes whose pinned host side the
+    /// caller fills and the GPU reads in place.
+    pub(crate) fn lease(self: &Arc<Self>, need: usize) -> CudaResult<DescLease> {
+        Ok(DescLease {
+            buf: Some(self.take(need)?),
+            pool: Arc::clone(self),
+            runs_bytes: 0,
+        })
+    }
+
     fn take(&self, need: usize) -> CudaResult<DescBuf> {
         {
             let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
@@ -271,8 +292,21 @@ impl DescPool {
         let mut host: *mut c_void = std::ptr::null_mut();
         // SAFETY: valid out-pointer; context is current (the copier bound it).
         check("cuMemHostAlloc", unsafe {
-            sys::cuMemHostAlloc(&mut host, cap, 0)
+            sys::cuMemHostAlloc(
+                &mut host,
+                cap,
+                sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
+            )
         })?;
+        let mut mapped: CUdeviceptr = 0;
+        // SAFETY: `host` was just allocated as mapped pinned memory.
+        if let Err(e) = check("cuMemHostGetDevicePointer", unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut mapped, host, 0)
+        }) {
+            // SAFETY: `host` was just allocated and is not shared.
+            unsafe { sys::cuMemFreeHost(host) };
+            return Err(e);
+        }
         let mut dev: CUdeviceptr = 0;
         // SAFETY: as above.
         if let Err(e) = check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut dev, cap) }) {
@@ -282,6 +316,7 @@ impl DescPool {
         }
         Ok(DescBuf {
             host: host.cast::<u8>(),
+            mapped,
             dev,
             cap,
         })

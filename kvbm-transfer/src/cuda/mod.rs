@@ -10,9 +10,11 @@
 //!   pitched descriptor each.
 //! - [`copier`]: the executor with its three paths (copy engines, kernel,
 //!   staged) and the measured rule choosing between them; its lanes
-//!   (streams, staging ring, descriptor buffers) live in a private module.
+//!   (streams, staging ring, descriptor buffers) and the staged path's
+//!   pipeline live in private modules (`lanes`, `staged`).
 //! - [`completion`]: GPU completion as the crate's completion future,
-//!   resolved by a thread sleeping in `cuEventSynchronize`.
+//!   resolved by a watcher thread that sleeps until a copy can have ended,
+//!   polls briefly, then sleeps in `cuEventSynchronize`.
 //! - [`backend`]: [`CudaBackend`], the copier behind the crate's
 //!   `TransferBackend` trait, and pinned/device memory as `MemoryRegion`s.
 //!
@@ -30,11 +32,12 @@ mod lanes;
 pub mod memory;
 pub mod pinned;
 pub mod plan;
+mod staged;
 mod strided;
 
 pub use backend::{CudaBackend, to_transfer_error};
 pub use completion::Completion;
-pub use copier::{CopierConfig, CopyOptions, CopyPath, CudaCopier, Direction, GpuLoad, PlanShape};
+pub use copier::{CopierConfig, CopyOptions, CopyPath, CudaCopier, Direction, GpuLoad};
 pub use device::{CudaDevice, Probe, probe};
 pub use error::{CudaError, CudaResult};
 pub use memory::{CudaRegion, DeviceBuffer, ExternalDeviceMemory, Location};

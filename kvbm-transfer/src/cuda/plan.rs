@@ -82,124 +82,184 @@ pub(crate) fn split_at_bounds(spans: &[Span], bounds: &[u64]) -> Vec<Span> {
 /// Which side of a staged copy the host is on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum HostSide {
-    /// Host → staging by DMA, then staging → device by the kernel.
+    /// Host → staging by DMA, then staging → device (onboard).
     Source,
-    /// Device → staging by the kernel, then staging → host by DMA.
+    /// Device → staging, then staging → host by DMA (offload).
     Destination,
 }
 
-/// A DMA piece between the host and a staging slot (offset in the slot).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct HostPiece {
-    pub host: u64,
-    pub slot_offset: u64,
-    pub len: u64,
-}
+/// Plan order is kept when its host pieces average at least this many runs.
+const MIN_RUNS_PER_PIECE: usize = 4;
 
-/// One staging slot's worth of a staged copy.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct StagedChunk {
-    /// Range of `StagedPlan::kernel_runs` for this chunk.
-    pub kernel_runs: std::ops::Range<usize>,
-    /// Range of `StagedPlan::pieces` for this chunk.
-    pub pieces: std::ops::Range<usize>,
-}
+/// Runs from the start of a plan that decide whether plan order is kept.
+const ORDER_SAMPLE: usize = 1024;
 
-/// A copy cut into staging chunks.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct StagedPlan {
-    /// Kernel runs; the staging side is region 0 at the slot's start.
-    pub kernel_runs: Vec<CopyRun>,
-    /// Host DMA pieces, merged where contiguous on both sides.
-    pub pieces: Vec<HostPiece>,
-    /// Chunks in the order they go through the ring.
-    pub chunks: Vec<StagedChunk>,
-}
+/// The first chunks are smaller (an eighth of a slot, then a quarter, a
+/// half): the first DMA starts as soon as a few runs are planned, and each
+/// chunk is planned faster than the one before it moves.
+const RAMP_STEPS: u32 = 3;
 
-/// Cuts `runs` into chunks of at most `slot_bytes` staging bytes.
+/// Cuts a staged copy into staging-slot chunks, one chunk at a time, so the
+/// first chunk can be on the GPU before the rest is planned.
 ///
-/// Runs are ordered by host address so consecutive host bytes share a slot
-/// and merge into large DMA pieces; a run larger than the room left in a
-/// slot is split across slots.
-pub(crate) fn plan_staged(
-    runs: &[CopyRun],
-    src_bases: &[u64],
-    dst_bases: &[u64],
+/// For each chunk it writes the device-side copies (absolute addresses,
+/// between the layout and the slot: region 0 of a base table holding 0) and
+/// the host-side DMA pieces (absolute, merged where both sides continue).
+/// Runs go through the slots in plan order when that order already keeps
+/// host bytes together (a KV plan lists a block's runs one after another,
+/// and a FullyContiguous host block is one range: one DMA piece per block,
+/// large enough for line rate). Only a plan whose host side is scattered in
+/// plan order is sorted by host address (sorting 16,384 runs cost the H200
+/// machine's CPU about a millisecond per copy). A run larger than the room
+/// left in a slot continues in the next one.
+pub(crate) struct StagedChunker<'a> {
+    runs: &'a [CopyRun],
+    /// Indices into `runs` in the order they are staged; `None`: plan order.
+    order: Option<Vec<u32>>,
+    src_bases: &'a [u64],
+    dst_bases: &'a [u64],
     host: HostSide,
     slot_bytes: u64,
-) -> StagedPlan {
-    let host_addr = |r: &CopyRun| match host {
-        HostSide::Source => src_bases[r.src_region as usize] + r.src_offset,
-        HostSide::Destination => dst_bases[r.dst_region as usize] + r.dst_offset,
-    };
-    let mut order: Vec<&CopyRun> = runs.iter().filter(|r| r.len > 0).collect();
-    // Plans from kvbm-layout come in destination order, so offloads are
-    // usually sorted already; onboards need the sort to merge host bytes.
-    if !order.is_sorted_by_key(|r| host_addr(r)) {
-        order.sort_unstable_by_key(|r| host_addr(r));
+    /// Position in the order, and bytes of that run already staged.
+    next: usize,
+    done: u64,
+    chunks: u32,
+}
+
+impl<'a> StagedChunker<'a> {
+    pub(crate) fn new(
+        runs: &'a [CopyRun],
+        src_bases: &'a [u64],
+        dst_bases: &'a [u64],
+        host: HostSide,
+        slot_bytes: u64,
+    ) -> Self {
+        let mut me = StagedChunker {
+            runs,
+            order: None,
+            src_bases,
+            dst_bases,
+            host,
+            slot_bytes: slot_bytes.max(1),
+            next: 0,
+            done: 0,
+            chunks: 0,
+        };
+        // Judged on a sample from the start of the plan (a full pass would
+        // delay the first chunk): plans list their runs block by block or
+        // not at all.
+        let mut prev_end = None;
+        let (mut pieces, mut n) = (0usize, 0usize);
+        for r in runs.iter().filter(|r| r.len > 0).take(ORDER_SAMPLE) {
+            let at = me.host_addr(r);
+            if prev_end != Some(at) {
+                pieces += 1;
+            }
+            prev_end = Some(at + r.len);
+            n += 1;
+        }
+        if pieces * MIN_RUNS_PER_PIECE > n {
+            let key = |r: &CopyRun| me.host_addr(r);
+            let live = || runs.iter().filter(|r| r.len > 0);
+            let sorted = live().zip(live().skip(1)).all(|(a, b)| key(a) <= key(b));
+            if !sorted {
+                let mut order: Vec<u32> = (0..runs.len() as u32)
+                    .filter(|&i| runs[i as usize].len > 0)
+                    .collect();
+                order.sort_unstable_by_key(|&i| key(&runs[i as usize]));
+                me.order = Some(order);
+            }
+        }
+        me
     }
 
-    let mut plan = StagedPlan::default();
-    let mut used = 0u64; // bytes used in the current slot
-    let mut chunk_runs = 0usize;
-    let mut chunk_pieces = 0usize;
-    for r in order {
-        let mut done = 0u64;
-        while done < r.len {
-            if used == slot_bytes {
-                plan.chunks.push(StagedChunk {
-                    kernel_runs: chunk_runs..plan.kernel_runs.len(),
-                    pieces: chunk_pieces..plan.pieces.len(),
-                });
-                chunk_runs = plan.kernel_runs.len();
-                chunk_pieces = plan.pieces.len();
-                used = 0;
-            }
-            let len = (r.len - done).min(slot_bytes - used);
-            let kernel_run = match host {
-                HostSide::Source => CopyRun {
-                    src_region: 0,
-                    src_offset: used,
-                    dst_region: r.dst_region,
-                    dst_offset: r.dst_offset + done,
-                    len,
-                },
-                HostSide::Destination => CopyRun {
-                    src_region: r.src_region,
-                    src_offset: r.src_offset + done,
-                    dst_region: 0,
-                    dst_offset: used,
-                    len,
-                },
-            };
-            plan.kernel_runs.push(kernel_run);
-            let piece = HostPiece {
-                host: host_addr(r) + done,
-                slot_offset: used,
-                len,
-            };
-            let in_chunk = plan.pieces.len() > chunk_pieces;
-            match plan.pieces.last_mut() {
-                Some(p)
-                    if in_chunk
-                        && p.host + p.len == piece.host
-                        && p.slot_offset + p.len == piece.slot_offset =>
-                {
-                    p.len += len
-                }
-                _ => plan.pieces.push(piece),
-            }
-            used += len;
-            done += len;
+    fn host_addr(&self, r: &CopyRun) -> u64 {
+        match self.host {
+            HostSide::Source => self.src_bases[r.src_region as usize] + r.src_offset,
+            HostSide::Destination => self.dst_bases[r.dst_region as usize] + r.dst_offset,
         }
     }
-    if plan.kernel_runs.len() > chunk_runs {
-        plan.chunks.push(StagedChunk {
-            kernel_runs: chunk_runs..plan.kernel_runs.len(),
-            pieces: chunk_pieces..plan.pieces.len(),
-        });
+
+    fn device_addr(&self, r: &CopyRun) -> u64 {
+        match self.host {
+            HostSide::Source => self.dst_bases[r.dst_region as usize] + r.dst_offset,
+            HostSide::Destination => self.src_bases[r.src_region as usize] + r.src_offset,
+        }
     }
-    plan
+
+    fn run_at(&self, i: usize) -> Option<&'a CopyRun> {
+        match &self.order {
+            Some(o) => o.get(i).map(|&j| &self.runs[j as usize]),
+            None => self.runs.get(i),
+        }
+    }
+
+    /// Plans the next chunk into a slot at address `slot`: writes its
+    /// device-side copies to the front of `device` and its host pieces to
+    /// `pieces` (cleared first). Returns how many device-side copies it
+    /// wrote; 0 when the copy is fully planned. `device` must have room for
+    /// one more copy than the chunk has runs starting in it (see
+    /// [`StagedChunker::max_device_copies`]).
+    pub(crate) fn next_chunk(
+        &mut self,
+        slot: u64,
+        device: &mut [CopyRun],
+        pieces: &mut Vec<Span>,
+    ) -> usize {
+        pieces.clear();
+        let limit = (self.slot_bytes >> (RAMP_STEPS - self.chunks.min(RAMP_STEPS))).max(1);
+        self.chunks += 1;
+        let mut used = 0u64;
+        let mut n = 0usize;
+        while used < limit && n < device.len() {
+            let Some(r) = self.run_at(self.next) else {
+                break;
+            };
+            if r.len == 0 {
+                self.next += 1;
+                continue;
+            }
+            let len = (r.len - self.done).min(limit - used);
+            let (dev, host, at) = (
+                self.device_addr(r) + self.done,
+                self.host_addr(r) + self.done,
+                slot + used,
+            );
+            let (d, p) = match self.host {
+                HostSide::Source => ((at, dev), (host, at)),
+                HostSide::Destination => ((dev, at), (at, host)),
+            };
+            device[n] = CopyRun {
+                src_region: 0,
+                src_offset: d.0,
+                dst_region: 0,
+                dst_offset: d.1,
+                len,
+            };
+            n += 1;
+            match pieces.last_mut() {
+                Some(q) if q.src + q.len == p.0 && q.dst + q.len == p.1 => q.len += len,
+                _ => pieces.push(Span {
+                    src: p.0,
+                    dst: p.1,
+                    len,
+                }),
+            }
+            used += len;
+            self.done += len;
+            if self.done == r.len {
+                self.next += 1;
+                self.done = 0;
+            }
+        }
+        n
+    }
+
+    /// Device-side copies the whole copy can need: one per run, plus one
+    /// per chunk boundary a run may straddle (the ramp adds its chunks).
+    pub(crate) fn max_device_copies(&self, total_bytes: u64) -> usize {
+        self.runs.len() + (total_bytes / self.slot_bytes) as usize + 2 + RAMP_STEPS as usize
+    }
 }
 
 #[cfg(test)]
@@ -253,42 +313,59 @@ mod tests {
             let d = (dst_bases[r.dst_region as usize] + r.dst_offset) as usize;
             want.copy_within(s..s + r.len as usize, d);
         }
-        let plan = plan_staged(runs, &src_bases, &dst_bases, host, slot);
+        // Memory below STAGE is the user's; the slot lives at STAGE.
+        const STAGE: u64 = 1 << 30;
         let mut got = src.clone();
         let mut staging = vec![0u8; slot as usize];
-        for c in &plan.chunks {
-            let krs = &plan.kernel_runs[c.kernel_runs.clone()];
-            let pcs = &plan.pieces[c.pieces.clone()];
-            let total: u64 = krs.iter().map(|r| r.len).sum();
-            assert!(total <= slot);
-            assert_eq!(total, pcs.iter().map(|p| p.len).sum::<u64>());
-            match host {
-                HostSide::Source => {
-                    for p in pcs {
-                        let h = p.host as usize;
-                        staging[p.slot_offset as usize..][..p.len as usize]
-                            .copy_from_slice(&got[h..h + p.len as usize]);
-                    }
-                    for r in krs {
-                        let d = (dst_bases[r.dst_region as usize] + r.dst_offset) as usize;
-                        got[d..d + r.len as usize]
-                            .copy_from_slice(&staging[r.src_offset as usize..][..r.len as usize]);
+        let mut chunker = StagedChunker::new(runs, &src_bases, &dst_bases, host, slot);
+        let total: u64 = runs.iter().map(|r| r.len).sum();
+        let mut device = vec![CopyRun::default(); chunker.max_device_copies(total)];
+        let mut pieces = Vec::new();
+        let mut used_copies = 0;
+        loop {
+            let n = chunker.next_chunk(STAGE, &mut device[used_copies..], &mut pieces);
+            if n == 0 {
+                assert!(pieces.is_empty());
+                break;
+            }
+            let krs = &device[used_copies..used_copies + n];
+            used_copies += n;
+            let staged: u64 = krs.iter().map(|r| r.len).sum();
+            assert!(staged <= slot);
+            assert_eq!(staged, pieces.iter().map(|p| p.len).sum::<u64>());
+            // Apply copies in pipeline order: host side into the slot first
+            // for an onboard, device side first for an offload.
+            let mut apply = |spans: Vec<(u64, u64, u64)>, got: &mut Vec<u8>| {
+                for (s, d, len) in spans {
+                    let bytes: Vec<u8> = if s >= STAGE {
+                        staging[(s - STAGE) as usize..][..len as usize].to_vec()
+                    } else {
+                        got[s as usize..][..len as usize].to_vec()
+                    };
+                    if d >= STAGE {
+                        staging[(d - STAGE) as usize..][..len as usize].copy_from_slice(&bytes);
+                    } else {
+                        got[d as usize..][..len as usize].copy_from_slice(&bytes);
                     }
                 }
+            };
+            let dev: Vec<_> = krs
+                .iter()
+                .map(|r| (r.src_offset, r.dst_offset, r.len))
+                .collect();
+            let host_side: Vec<_> = pieces.iter().map(|p| (p.src, p.dst, p.len)).collect();
+            match host {
+                HostSide::Source => {
+                    apply(host_side, &mut got);
+                    apply(dev, &mut got);
+                }
                 HostSide::Destination => {
-                    for r in krs {
-                        let s = (src_bases[r.src_region as usize] + r.src_offset) as usize;
-                        staging[r.dst_offset as usize..][..r.len as usize]
-                            .copy_from_slice(&got[s..s + r.len as usize]);
-                    }
-                    for p in pcs {
-                        let h = p.host as usize;
-                        got[h..h + p.len as usize]
-                            .copy_from_slice(&staging[p.slot_offset as usize..][..p.len as usize]);
-                    }
+                    apply(dev, &mut got);
+                    apply(host_side, &mut got);
                 }
             }
         }
+        assert!(used_copies <= chunker.max_device_copies(total));
         assert!(got == want, "staged replay differs from a direct copy");
     }
 
@@ -373,28 +450,70 @@ mod tests {
         );
     }
 
+    /// Plans every chunk; returns (device copies, host pieces) per chunk.
+    fn chunks(
+        runs: &[CopyRun],
+        src_bases: &[u64],
+        dst_bases: &[u64],
+        host: HostSide,
+        slot: u64,
+    ) -> Vec<(Vec<CopyRun>, Vec<Span>)> {
+        let mut c = StagedChunker::new(runs, src_bases, dst_bases, host, slot);
+        let mut out = Vec::new();
+        let mut device = vec![CopyRun::default(); c.max_device_copies(1 << 40)];
+        let mut pieces = Vec::new();
+        loop {
+            let n = c.next_chunk(1 << 40, &mut device, &mut pieces);
+            if n == 0 {
+                return out;
+            }
+            out.push((device[..n].to_vec(), pieces.clone()));
+        }
+    }
+
     #[test]
-    fn contiguous_host_bytes_merge_into_one_piece() {
+    fn scattered_host_bytes_are_sorted_into_one_piece() {
         // Four 1 KiB runs from scattered device places into one contiguous
-        // host range: one DMA piece per slot.
+        // host range, listed backwards: sorted, one DMA piece per slot.
         let runs: Vec<CopyRun> = (0..4u64)
             .map(|i| CopyRun {
                 src_region: 0,
                 src_offset: (3 - i) * 10_000,
                 dst_region: 0,
-                dst_offset: i * 1024,
+                dst_offset: (3 - i) * 1024,
                 len: 1024,
             })
             .collect();
-        let plan = plan_staged(&runs, &[0], &[1 << 20], HostSide::Destination, 4096);
-        assert_eq!(plan.chunks.len(), 1);
-        assert_eq!(plan.pieces.len(), 1);
-        assert_eq!(plan.pieces[0].len, 4096);
-        assert_eq!(plan.kernel_runs.len(), 4);
+        let got = chunks(&runs, &[0], &[1 << 20], HostSide::Destination, 32 << 10);
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].1.len(), 1);
+        assert_eq!(got[0].1[0].len, 4096);
+        assert_eq!(got[0].0.len(), 4);
     }
 
     #[test]
-    fn pieces_do_not_merge_across_slots() {
+    fn blocks_in_plan_order_keep_their_order() {
+        // Two blocks of four runs, the second block first on the host: plan
+        // order already gives one piece per block, so it is kept.
+        let runs: Vec<CopyRun> = (0..8u64)
+            .map(|i| CopyRun {
+                src_region: 0,
+                src_offset: i * 10_000,
+                dst_region: 0,
+                dst_offset: ((i / 4 + 1) % 2) * 4096 + (i % 4) * 1024,
+                len: 1024,
+            })
+            .collect();
+        let got = chunks(&runs, &[0], &[1 << 20], HostSide::Destination, 1 << 20);
+        assert_eq!(got.len(), 1);
+        let pieces = &got[0].1;
+        assert_eq!(pieces.len(), 2);
+        assert_eq!(pieces[0].dst, (1 << 20) + 4096);
+        assert_eq!(got[0].0[0].src_offset, 0);
+    }
+
+    #[test]
+    fn runs_continue_across_chunks() {
         let runs = [CopyRun {
             src_region: 0,
             src_offset: 0,
@@ -402,12 +521,12 @@ mod tests {
             dst_offset: 0,
             len: 10_000,
         }];
-        let plan = plan_staged(&runs, &[0], &[1 << 20], HostSide::Source, 4096);
-        assert_eq!(plan.chunks.len(), 3);
-        assert_eq!(plan.pieces.len(), 3);
+        // The first chunks ramp up: an eighth of a slot, a quarter, a half.
+        let got = chunks(&runs, &[0], &[1 << 20], HostSide::Source, 4096);
         assert_eq!(
-            plan.pieces.iter().map(|p| p.len).collect::<Vec<_>>(),
-            [4096, 4096, 1808]
+            got.iter().map(|c| c.1[0].len).collect::<Vec<_>>(),
+            [512, 1024, 2048, 4096, 2320]
         );
+        assert_eq!(got[4].0[0].dst_offset, (1 << 20) + 7680);
     }
 }

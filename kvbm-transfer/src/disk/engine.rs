@@ -79,14 +79,92 @@ pub trait IoEngine: Send + Sync + 'static {
     }
 }
 
-/// The engine production uses: io_uring where available (feature
-/// `io-uring`), the pread/pwrite thread pool otherwise.
-pub enum DefaultEngine {
-    /// io_uring.
+/// One of the engines, as the router holds it.
+enum Engine {
     #[cfg(feature = "io-uring")]
     Uring(super::uring::UringEngine),
-    /// pread/pwrite worker threads.
     Pread(super::pread::PreadEngine),
+    Mapped(super::mapped::MappedEngine),
+}
+
+impl Engine {
+    fn get(&self) -> &dyn IoEngine {
+        match self {
+            #[cfg(feature = "io-uring")]
+            Engine::Uring(e) => e,
+            Engine::Pread(e) => e,
+            Engine::Mapped(e) => e,
+        }
+    }
+}
+
+/// The engine production uses: io_uring where available (feature
+/// `io-uring`), the pread/pwrite thread pool otherwise, for `O_DIRECT`
+/// files; and for buffered files the engine [`EngineConfig::buffered`]
+/// names, by default chosen from the machine ([`BufferedIo::resolve`]).
+pub struct DefaultEngine {
+    direct: Engine,
+    /// `None`: buffered files go to the direct engine too.
+    buffered: Option<Engine>,
+}
+
+/// How requests on buffered files (served from the page cache) are run.
+///
+/// A buffered read is a CPU copy, not device work, so the engine that
+/// suits `O_DIRECT` files (io_uring: the device does the copy, one thread
+/// keeps the queue full) is not the one that suits them: they want copy
+/// threads sized to the machine, and stores that do not drag the
+/// destination through the CPU caches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BufferedIo {
+    /// Chosen from the CPUs this process may use ([`BufferedIo::resolve`]).
+    #[default]
+    Auto,
+    /// The same engine as `O_DIRECT` files.
+    SameAsDirect,
+    /// `pread`/`pwrite` on this many worker threads.
+    Pread {
+        /// Worker threads.
+        threads: usize,
+    },
+    /// Reads copied out of a shared mapping of the file on this many
+    /// worker threads; writes through `pwrite` (see [`MappedEngine`]).
+    ///
+    /// [`MappedEngine`]: super::MappedEngine
+    Mapped {
+        /// Worker threads.
+        threads: usize,
+        /// Non-temporal stores (skip the caches) for the copies.
+        streaming: bool,
+    },
+}
+
+/// Below this many CPUs buffered requests stay on the direct engine: on a
+/// 2-vCPU machine parallel page-cache copies moved no more bytes than one
+/// and added hand-offs (`docs/benchmarks.md`).
+const BUFFERED_THREADS_MIN_CPUS: usize = 4;
+
+/// At most this many copy threads by default: on the 16-core H200 machine
+/// 8 threads kept pace with the GPU's DMA, and 12 or more flooded DRAM so
+/// that the DMA of a bounce pipeline starved.
+const BUFFERED_MAX_THREADS: usize = 8;
+
+impl BufferedIo {
+    /// The concrete choice for a process that may use `cpus` CPUs: below
+    /// four CPUs, the direct engine (copies inline, one at a time);
+    /// otherwise mapped copies with non-temporal stores on half the CPUs
+    /// (at least 2, at most 8) — the other half is left to the other hop
+    /// of a pipeline and to its completion threads.
+    pub fn resolve(self, cpus: usize) -> BufferedIo {
+        match self {
+            BufferedIo::Auto if cpus < BUFFERED_THREADS_MIN_CPUS => BufferedIo::SameAsDirect,
+            BufferedIo::Auto => BufferedIo::Mapped {
+                threads: (cpus / 2).clamp(2, BUFFERED_MAX_THREADS),
+                streaming: true,
+            },
+            other => other,
+        }
+    }
 }
 
 /// Settings for the disk engines.
@@ -96,6 +174,8 @@ pub struct EngineConfig {
     pub queue_depth: u32,
     /// Use the pread/pwrite pool even when io_uring is available.
     pub force_pread: bool,
+    /// How requests on buffered files are run.
+    pub buffered: BufferedIo,
 }
 
 impl Default for EngineConfig {
@@ -103,50 +183,75 @@ impl Default for EngineConfig {
         EngineConfig {
             queue_depth: 16,
             force_pread: false,
+            buffered: BufferedIo::Auto,
         }
     }
 }
 
 impl DefaultEngine {
-    /// Starts io_uring if possible, else the pread pool (with a warning).
+    /// Starts io_uring if possible, else the pread pool (with a warning),
+    /// and the buffered-file engine the configuration resolves to.
     pub fn new(config: &EngineConfig) -> Result<Self> {
+        let direct = Self::direct(config)?;
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let buffered = match config.buffered.resolve(cpus) {
+            BufferedIo::Auto | BufferedIo::SameAsDirect => None,
+            BufferedIo::Pread { threads } => {
+                Some(Engine::Pread(super::pread::PreadEngine::new(threads)?))
+            }
+            BufferedIo::Mapped { threads, streaming } => Some(Engine::Mapped(
+                super::mapped::MappedEngine::new(threads, streaming)?,
+            )),
+        };
+        Ok(DefaultEngine { direct, buffered })
+    }
+
+    fn direct(config: &EngineConfig) -> Result<Engine> {
         #[cfg(feature = "io-uring")]
         if !config.force_pread {
             match super::uring::UringEngine::new(config.queue_depth) {
-                Ok(e) => return Ok(DefaultEngine::Uring(e)),
+                Ok(e) => return Ok(Engine::Uring(e)),
                 Err(e) => {
                     tracing::warn!(error = %e, "io_uring unavailable; using pread/pwrite threads")
                 }
             }
         }
-        Ok(DefaultEngine::Pread(super::pread::PreadEngine::new(
+        Ok(Engine::Pread(super::pread::PreadEngine::new(
             config.queue_depth as usize,
         )?))
+    }
+
+    /// The name of the engine that serves buffered files.
+    pub fn buffered_name(&self) -> &'static str {
+        self.buffered.as_ref().unwrap_or(&self.direct).get().name()
     }
 }
 
 impl IoEngine for DefaultEngine {
+    /// The name of the engine that serves `O_DIRECT` files.
     fn name(&self) -> &'static str {
-        match self {
-            #[cfg(feature = "io-uring")]
-            DefaultEngine::Uring(e) => e.name(),
-            DefaultEngine::Pread(e) => e.name(),
-        }
+        self.direct.get().name()
     }
 
     fn submit(&self, ops: Vec<IoOp>) {
-        match self {
-            #[cfg(feature = "io-uring")]
-            DefaultEngine::Uring(e) => e.submit(ops),
-            DefaultEngine::Pread(e) => e.submit(ops),
+        let Some(buffered) = &self.buffered else {
+            return self.direct.get().submit(ops);
+        };
+        let (direct, page_cache): (Vec<_>, Vec<_>) =
+            ops.into_iter().partition(|op| op.file.is_direct());
+        if !direct.is_empty() {
+            self.direct.get().submit(direct);
+        }
+        if !page_cache.is_empty() {
+            buffered.get().submit(page_cache);
         }
     }
 
     fn register_memory(&self, region: &MemoryRegion) -> Result<bool> {
-        match self {
-            #[cfg(feature = "io-uring")]
-            DefaultEngine::Uring(e) => e.register_memory(region),
-            DefaultEngine::Pread(e) => e.register_memory(region),
+        let mut used = self.direct.get().register_memory(region)?;
+        if let Some(b) = &self.buffered {
+            used |= b.get().register_memory(region)?;
         }
+        Ok(used)
     }
 }

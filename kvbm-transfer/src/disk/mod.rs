@@ -9,6 +9,7 @@
 //! or cancelled job resolves only after nothing of it is in flight.
 
 mod engine;
+mod mapped;
 mod pread;
 #[cfg(feature = "io-uring")]
 mod uring;
@@ -19,7 +20,10 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
-pub use engine::{DefaultEngine, EngineConfig, IoDir, IoEngine, IoOp, IoSink, cancelled};
+pub use engine::{
+    BufferedIo, DefaultEngine, EngineConfig, IoDir, IoEngine, IoOp, IoSink, cancelled,
+};
+pub use mapped::MappedEngine;
 pub use pread::PreadEngine;
 #[cfg(feature = "io-uring")]
 pub use uring::UringEngine;
@@ -59,12 +63,18 @@ pub struct DiskBackend<E: IoEngine = DefaultEngine> {
 }
 
 impl DiskBackend<DefaultEngine> {
-    /// A backend on io_uring if available, pread/pwrite threads otherwise.
+    /// A backend on io_uring if available, pread/pwrite threads otherwise,
+    /// with buffered files served as `config.engine.buffered` says.
     pub fn new(config: &DiskConfig) -> Result<Self> {
         Ok(Self::with_engine(
             DefaultEngine::new(&config.engine)?,
             config.max_io_bytes,
         ))
+    }
+
+    /// The name of the engine that serves buffered (page-cache) files.
+    pub fn buffered_engine_name(&self) -> &'static str {
+        self.engine.buffered_name()
     }
 }
 
@@ -78,7 +88,8 @@ impl<E: IoEngine> DiskBackend<E> {
         }
     }
 
-    /// The engine's name (`io_uring` or `pread`).
+    /// The engine's name (`io_uring` or `pread`; for [`DefaultEngine`], the
+    /// one that serves `O_DIRECT` files).
     pub fn engine_name(&self) -> &'static str {
         self.engine.name()
     }

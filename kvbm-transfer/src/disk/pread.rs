@@ -1,8 +1,8 @@
 //! The pread/pwrite engine: blocking positional I/O on worker threads.
 //!
 //! Used where io_uring is unavailable (seccomp-filtered containers, the
-//! `io-uring` feature off). One syscall per operation; the number of
-//! workers is the queue depth.
+//! `io-uring` feature off), and on request for buffered files. One syscall
+//! per operation.
 
 use std::io;
 
@@ -25,9 +25,15 @@ impl PreadEngine {
             })?;
         Ok(PreadEngine { pool })
     }
+
+    /// Number of worker threads.
+    pub fn threads(&self) -> usize {
+        self.pool.threads()
+    }
 }
 
-fn run(op: &IoOp) -> io::Result<usize> {
+/// One blocking `pread`/`pwrite` for `op`.
+pub(super) fn positional_io(op: &IoOp) -> io::Result<usize> {
     let fd = op.file.raw_fd();
     let len = op.len as usize;
     let off = op.file_offset as libc::off_t;
@@ -55,7 +61,7 @@ impl IoEngine for PreadEngine {
         for op in ops {
             self.pool.spawn(move || {
                 let result = if op.sink.wanted() {
-                    run(&op)
+                    positional_io(&op)
                 } else {
                     Err(cancelled())
                 };

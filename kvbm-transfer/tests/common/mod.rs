@@ -96,3 +96,19 @@ pub fn bench_dir() -> std::path::PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
+
+/// Runs `attempt` with ever slower devices (`delays_ms`) until one try
+/// catches its transfer in flight (returns true): on a loaded machine the
+/// test thread can oversleep a whole fast transfer, and a cancel that
+/// lands after the end tests nothing.
+pub fn until_caught_in_flight(
+    delays_ms: &[u64],
+    mut attempt: impl FnMut(std::time::Duration) -> bool,
+) {
+    for &ms in delays_ms {
+        if attempt(std::time::Duration::from_millis(ms)) {
+            return;
+        }
+    }
+    panic!("every transfer finished before its cancel: nothing was tested");
+}

@@ -12,8 +12,9 @@
 //!
 //! `cargo run --release --example cuda_bench --features cuda [-- quick]`
 
-#[path = "../tests/cuda_common/mod.rs"]
+#[path = "../../tests/cuda_common/mod.rs"]
 mod cuda_common;
+mod diag;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -102,6 +103,8 @@ struct Copiers {
     main: CudaCopier,
     /// One DMA descriptor per run (no strided families): the earlier path.
     flat: CudaCopier,
+    /// Watchers that always sleep in the driver (no polling at the end).
+    nospin: CudaCopier,
 }
 
 impl Copiers {
@@ -112,6 +115,10 @@ impl Copiers {
             main: mk(d()),
             flat: mk(CopierConfig {
                 strided_copies: false,
+                ..d()
+            }),
+            nospin: mk(CopierConfig {
+                wake_spin_us: 0,
                 ..d()
             }),
         }
@@ -130,6 +137,8 @@ impl Copiers {
             ("kernel-idle", &self.main, opts(k, i)),
             ("kernel-busy", &self.main, opts(k, b)),
             ("staged", &self.main, opts(st, i)),
+            ("staged-nospin", &self.nospin, opts(st, i)),
+            ("kernel-nospin", &self.nospin, opts(k, i)),
             ("auto-idle", &self.main, opts(None, i)),
             ("auto-busy", &self.main, opts(None, b)),
         ];
@@ -275,6 +284,165 @@ fn interfere(
     (tflops, bytes as f64 / span / 1e9)
 }
 
+/// The bench shape at one run size: device LayerSeparate ↔ pinned
+/// FullyContiguous over a pool of 512 blocks.
+struct Shape {
+    dev_regions: Vec<Arc<dyn CudaRegion>>,
+    host_regions: Vec<Arc<dyn CudaRegion>>,
+    dl: Layout,
+    hl: Layout,
+    dev_ids: Vec<usize>,
+    host_ids: Vec<usize>,
+    _one_alloc: Option<Arc<DeviceBuffer>>,
+}
+
+const POOL: usize = 512;
+
+impl Shape {
+    /// `packed`: the device layers carved out of one allocation.
+    fn new(dev: &CudaDevice, arena: &Arc<PinnedMemory>, tokens: usize, packed: bool) -> Shape {
+        let run_bytes = tokens * 8 * 128 * 2;
+        let dl = Layout {
+            kind: Kind::LayerSeparate,
+            blocks: POOL,
+            layers: 32,
+            outer: 2,
+            run_bytes,
+        };
+        let hl = Layout {
+            kind: Kind::FullyContiguous,
+            ..dl
+        };
+        let (one_alloc, dev_regions) = if packed {
+            let (buf, regions) = packed_device_regions(dev, &dl.region_sizes());
+            (Some(buf), regions)
+        } else {
+            let regions = dl
+                .region_sizes()
+                .into_iter()
+                .map(|s| {
+                    Arc::new(DeviceBuffer::new(dev, s).expect("device layer"))
+                        as Arc<dyn CudaRegion>
+                })
+                .collect();
+            (None, regions)
+        };
+        Shape {
+            dev_regions,
+            host_regions: vec![window(arena, 0, hl.region_sizes()[0])],
+            dl,
+            hl,
+            dev_ids: random_blocks(POOL, POOL, 11),
+            host_ids: random_blocks(POOL, POOL, 12),
+            _one_alloc: one_alloc,
+        }
+    }
+
+    /// The copy of blocks `range` (of the shuffled id lists) in direction `d`.
+    fn case(&self, d: Direction, range: std::ops::Range<usize>) -> Case {
+        let p: Vec<(usize, usize)> = range.map(|i| (self.host_ids[i], self.dev_ids[i])).collect();
+        let (runs, src, dst) = match d {
+            Direction::HostToDevice => (
+                plan(&self.hl, &self.dl, &p),
+                self.host_regions.clone(),
+                self.dev_regions.clone(),
+            ),
+            _ => {
+                let rev: Vec<_> = p.iter().map(|&(h, g)| (g, h)).collect();
+                (
+                    plan(&self.dl, &self.hl, &rev),
+                    self.dev_regions.clone(),
+                    self.host_regions.clone(),
+                )
+            }
+        };
+        let bytes = runs.iter().map(|r| r.len).sum();
+        Case {
+            runs,
+            src,
+            dst,
+            bytes,
+        }
+    }
+}
+
+/// The same-run reference: one large pinned copy per direction and both
+/// at once (GB/s, medians).
+struct Refs {
+    h2d: f64,
+    d2h: f64,
+    both: f64,
+}
+
+/// Submits `a` and `b` from one thread, then waits for both.
+fn both(copier: &CudaCopier, a: &Case, b: &Case, o: CopyOptions) {
+    let r = copier.copy(&a.runs, &a.src, &a.dst, o).and_then(|c1| {
+        let c2 = copier.copy(&b.runs, &b.src, &b.dst, o)?;
+        c1.wait()?;
+        c2.wait()
+    });
+    if let Err(e) = r {
+        println!("FAILED both directions ({o:?}): {e}");
+    }
+}
+
+fn references(dev: &CudaDevice, copier: &CudaCopier, reps: usize) -> Refs {
+    let dev = dev.clone();
+    let big = Arc::new(DeviceBuffer::new(&dev, 2 * GIB).expect("device"));
+    let one = |src_off: u64, dst_off: u64| CopyRun {
+        src_region: 0,
+        src_offset: src_off,
+        dst_region: 0,
+        dst_offset: dst_off,
+        len: GIB as u64,
+    };
+    let dev_r: Vec<Arc<dyn CudaRegion>> = vec![big.clone()];
+    // One registration, so the reference really is one copy per direction.
+    let ref_host = Arc::new(
+        PinnedMemory::allocate(
+            &dev,
+            2 * GIB,
+            PinnedOptions {
+                chunk_bytes: 2 * GIB,
+                ..PinnedOptions::for_device(&dev)
+            },
+        )
+        .expect("reference pinned"),
+    );
+    ref_host.write(0, &random_bytes(1 << 20, 4)).expect("fill");
+    let host_r: Vec<Arc<dyn CudaRegion>> = vec![window(&ref_host, 0, 2 * GIB)];
+    let ce = opts(Some(CopyPath::CopyEngine), GpuLoad::Idle);
+    let h2d_ref = Case {
+        runs: vec![one(0, 0)],
+        src: host_r.clone(),
+        dst: dev_r.clone(),
+        bytes: GIB as u64,
+    };
+    let d2h_ref = Case {
+        runs: vec![one(GIB as u64, GIB as u64)],
+        src: dev_r.clone(),
+        dst: host_r.clone(),
+        bytes: GIB as u64,
+    };
+    let (ref_h2d, lo, hi) = gbps(GIB as u64, reps, || h2d_ref.run(copier, ce));
+    println!("reference single 1 GiB copy H2D {ref_h2d:.1} GB/s [{lo:.1}-{hi:.1}]");
+    let (ref_d2h, lo, hi) = gbps(GIB as u64, reps, || d2h_ref.run(copier, ce));
+    println!("reference single 1 GiB copy D2H {ref_d2h:.1} GB/s [{lo:.1}-{hi:.1}]");
+    let (ref_bi, lo, hi) = gbps(2 * GIB as u64, reps, || {
+        both(copier, &h2d_ref, &d2h_ref, ce)
+    });
+    println!(
+        "reference single 1 GiB copy both directions {ref_bi:.1} GB/s total [{lo:.1}-{hi:.1}]"
+    );
+    drop((h2d_ref, d2h_ref, dev_r, host_r, big, ref_host));
+
+    Refs {
+        h2d: ref_h2d,
+        d2h: ref_d2h,
+        both: ref_bi,
+    }
+}
+
 fn main() {
     let Some(dev) = device_or_skip() else { return };
     std::thread::spawn(|| {
@@ -282,6 +450,10 @@ fn main() {
         println!("bench watchdog: still running after 400 s, exiting");
         std::process::exit(3);
     });
+    if std::env::args().any(|a| a == "diag") {
+        diag::run(&dev);
+        return;
+    }
     let started = Instant::now();
     let quick = std::env::args().any(|a| a == "quick");
     // `gemm`: only the reference and the copies beside a GEMM loop.
@@ -341,64 +513,11 @@ fn main() {
     let copiers = Copiers::new(&dev);
     let copier = &copiers.main;
 
-    // --- Reference: one large pinned copy. ---
-    let big = Arc::new(DeviceBuffer::new(&dev, 2 * GIB).expect("device"));
-    let one = |src_off: u64, dst_off: u64| CopyRun {
-        src_region: 0,
-        src_offset: src_off,
-        dst_region: 0,
-        dst_offset: dst_off,
-        len: GIB as u64,
-    };
-    let dev_r: Vec<Arc<dyn CudaRegion>> = vec![big.clone()];
-    // One registration, so the reference really is one copy per direction.
-    let ref_host = Arc::new(
-        PinnedMemory::allocate(
-            &dev,
-            2 * GIB,
-            PinnedOptions {
-                chunk_bytes: 2 * GIB,
-                ..PinnedOptions::for_device(&dev)
-            },
-        )
-        .expect("reference pinned"),
-    );
-    ref_host.write(0, &random_bytes(1 << 20, 4)).expect("fill");
-    let host_r: Vec<Arc<dyn CudaRegion>> = vec![window(&ref_host, 0, 2 * GIB)];
-    let ce = opts(Some(CopyPath::CopyEngine), GpuLoad::Idle);
-    let h2d_ref = Case {
-        runs: vec![one(0, 0)],
-        src: host_r.clone(),
-        dst: dev_r.clone(),
-        bytes: GIB as u64,
-    };
-    let d2h_ref = Case {
-        runs: vec![one(GIB as u64, GIB as u64)],
-        src: dev_r.clone(),
-        dst: host_r.clone(),
-        bytes: GIB as u64,
-    };
-    let (ref_h2d, lo, hi) = gbps(GIB as u64, reps, || h2d_ref.run(copier, ce));
-    println!("reference single 1 GiB copy H2D {ref_h2d:.1} GB/s [{lo:.1}-{hi:.1}]");
-    let (ref_d2h, lo, hi) = gbps(GIB as u64, reps, || d2h_ref.run(copier, ce));
-    println!("reference single 1 GiB copy D2H {ref_d2h:.1} GB/s [{lo:.1}-{hi:.1}]");
-    let both = |copier: &CudaCopier, a: &Case, b: &Case, o: CopyOptions| {
-        let r = copier.copy(&a.runs, &a.src, &a.dst, o).and_then(|c1| {
-            let c2 = copier.copy(&b.runs, &b.src, &b.dst, o)?;
-            c1.wait()?;
-            c2.wait()
-        });
-        if let Err(e) = r {
-            println!("FAILED both directions ({o:?}): {e}");
-        }
-    };
-    let (ref_bi, lo, hi) = gbps(2 * GIB as u64, reps, || {
-        both(copier, &h2d_ref, &d2h_ref, ce)
-    });
-    println!(
-        "reference single 1 GiB copy both directions {ref_bi:.1} GB/s total [{lo:.1}-{hi:.1}]"
-    );
-    drop((h2d_ref, d2h_ref, dev_r, host_r, big, ref_host));
+    let Refs {
+        h2d: ref_h2d,
+        d2h: ref_d2h,
+        both: ref_bi,
+    } = references(&dev, copier, reps);
 
     let gemm = Gemm::new(&dev);
     let gemm_alone = gemm.as_ref().map(|g| {
@@ -423,63 +542,8 @@ fn main() {
             started.elapsed().as_secs_f64()
         );
         let run_bytes = tokens * 8 * 128 * 2;
-        let pool = 512;
-        let dl = Layout {
-            kind: Kind::LayerSeparate,
-            blocks: pool,
-            layers: 32,
-            outer: 2,
-            run_bytes,
-        };
-        let hl = Layout {
-            kind: Kind::FullyContiguous,
-            ..dl
-        };
-        let (_one_alloc, dev_regions) = if packed {
-            let (buf, regions) = packed_device_regions(&dev, &dl.region_sizes());
-            (Some(buf), regions)
-        } else {
-            let regions = dl
-                .region_sizes()
-                .into_iter()
-                .map(|s| {
-                    Arc::new(DeviceBuffer::new(&dev, s).expect("device layer"))
-                        as Arc<dyn CudaRegion>
-                })
-                .collect();
-            (None, regions)
-        };
-        let host_regions = vec![window(&arena, 0, hl.region_sizes()[0])];
-        let dev_ids = random_blocks(pool, pool, 11);
-        let host_ids = random_blocks(pool, pool, 12);
-        let pairs = |range: std::ops::Range<usize>| -> Vec<(usize, usize)> {
-            range.map(|i| (host_ids[i], dev_ids[i])).collect()
-        };
-        let mk = |d: Direction, range: std::ops::Range<usize>| {
-            let p = pairs(range);
-            let (runs, src, dst) = match d {
-                Direction::HostToDevice => (
-                    plan(&hl, &dl, &p),
-                    host_regions.clone(),
-                    dev_regions.clone(),
-                ),
-                _ => {
-                    let rev: Vec<_> = p.iter().map(|&(h, g)| (g, h)).collect();
-                    (
-                        plan(&dl, &hl, &rev),
-                        dev_regions.clone(),
-                        host_regions.clone(),
-                    )
-                }
-            };
-            let bytes = runs.iter().map(|r| r.len).sum();
-            Case {
-                runs,
-                src,
-                dst,
-                bytes,
-            }
-        };
+        let shape = Shape::new(&dev, &arena, tokens, packed);
+        let mk = |d: Direction, range: std::ops::Range<usize>| shape.case(d, range);
         let kib = run_bytes >> 10;
         let directions: &[Direction] = if gemm_only {
             &[]

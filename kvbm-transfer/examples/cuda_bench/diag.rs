@@ -1,0 +1,212 @@
+//! `cuda_bench diag`: where the staged path's time goes.
+//!
+//! A staged copy's timeline (host instants and GPU events per chunk), the
+//! staged path against the kernel and copy engines one way and both ways
+//! (one submitting thread and two), with and without polling at the end of
+//! a copy, and a gather on the copy engines against the kernel (does a D2D
+//! copy share the engine an offload's DMA needs?). The main bench measures
+//! the paths beside the GEMM.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::*;
+
+fn cfg(f: impl FnOnce(&mut CopierConfig)) -> CopierConfig {
+    let mut c = CopierConfig::default();
+    f(&mut c);
+    c
+}
+
+pub(crate) fn run(dev: &CudaDevice) {
+    let arena_len = 2 * GIB;
+    let arena = Arc::new(
+        PinnedMemory::allocate_in_background(dev, arena_len, GIB, PinnedOptions::for_device(dev))
+            .expect("pinned arena"),
+    );
+    arena.wait_pinned(arena_len).expect("pins");
+    let pattern = random_bytes(1 << 20, 3);
+    for off in (0..arena_len).step_by(1 << 20) {
+        arena.write(off, &pattern).expect("fill");
+    }
+    let mk = |c: CopierConfig| CudaCopier::new(dev, c).expect("copier");
+    let main = mk(CopierConfig::default());
+    let refs = references(dev, &main, 5);
+    let timeline = mk(cfg(|c| c.timeline = true));
+    let nospin = mk(cfg(|c| c.wake_spin_us = 0));
+    let st = |l| opts(Some(CopyPath::Staged), l);
+    let idle = GpuLoad::Idle;
+
+    for (tokens, packed) in [(16usize, true), (4, true)] {
+        let kib = tokens * 2;
+        let tag = if packed { "1-alloc" } else { "layer-alloc" };
+        let shape = Shape::new(dev, &arena, tokens, packed);
+        let on = shape.case(Direction::HostToDevice, 0..256);
+        let off = shape.case(Direction::DeviceToHost, 256..512);
+        println!(
+            "=== {kib} KiB runs, {tag}, {} runs, {} MiB per copy",
+            on.runs.len(),
+            on.bytes >> 20
+        );
+        // One direction.
+        let variants: Vec<(&str, &CudaCopier, CopyOptions)> = vec![
+            ("staged", &main, st(idle)),
+            ("staged-nospin", &nospin, st(idle)),
+            ("kernel", &main, opts(Some(CopyPath::Kernel), idle)),
+            ("kernel-nospin", &nospin, opts(Some(CopyPath::Kernel), idle)),
+            ("copy-engine", &main, opts(Some(CopyPath::CopyEngine), idle)),
+            ("auto-idle", &main, opts(None, idle)),
+        ];
+        for (case, label, reference) in [(&on, "H2D", refs.h2d), (&off, "D2H", refs.d2h)] {
+            for &(name, copier, o) in &variants {
+                let (m, lo, hi) = gbps(case.bytes, 7, || case.run(copier, o));
+                let t = Instant::now();
+                let c = copier.copy(&case.runs, &case.src, &case.dst, o);
+                let submit = t.elapsed().as_secs_f64() * 1e6;
+                let _ = c.map(|c| c.wait());
+                println!(
+                    "{kib:>3} KiB {tag} {label} {name:<16} {m:6.1} GB/s [{lo:.1}-{hi:.1}] ratio {:.3} submit {submit:.0} us",
+                    m / reference
+                );
+            }
+            // The timeline of one staged copy (warm).
+            case.run(&timeline, st(idle));
+            let _ = timeline.take_timeline();
+            let t = Instant::now();
+            case.run(&timeline, st(idle));
+            let wall = t.elapsed().as_secs_f64() * 1e6;
+            println!(
+                "{kib:>3} KiB {tag} {label} staged timeline (copy + wait {wall:.0} us; at the reference rate {:.0} us):\n{}",
+                case.bytes as f64 / reference / 1e3,
+                timeline.take_timeline().unwrap_or_default()
+            );
+        }
+        // Both directions.
+        let bi: Vec<(&str, &CudaCopier, CopyOptions, CopyOptions)> = vec![
+            ("staged", &main, st(idle), st(idle)),
+            ("staged-nospin", &nospin, st(idle), st(idle)),
+            (
+                "kernel",
+                &main,
+                opts(Some(CopyPath::Kernel), idle),
+                opts(Some(CopyPath::Kernel), idle),
+            ),
+            (
+                "copy-engine",
+                &main,
+                opts(Some(CopyPath::CopyEngine), idle),
+                opts(Some(CopyPath::CopyEngine), idle),
+            ),
+            ("auto-idle", &main, opts(None, idle), opts(None, idle)),
+        ];
+        for (name, copier, a, b) in bi {
+            let (m, lo, hi) = gbps(on.bytes + off.bytes, 7, || {
+                let r = copier.copy(&on.runs, &on.src, &on.dst, a).and_then(|c1| {
+                    let c2 = copier.copy(&off.runs, &off.src, &off.dst, b)?;
+                    c1.wait()?;
+                    c2.wait()
+                });
+                if let Err(e) = r {
+                    println!("FAILED both: {e}");
+                }
+            });
+            let (m2, lo2, hi2) = gbps(on.bytes + off.bytes, 7, || {
+                std::thread::scope(|s| {
+                    s.spawn(|| on.run(copier, a));
+                    off.run(copier, b);
+                })
+            });
+            println!(
+                "{kib:>3} KiB {tag} both {name:<24} one thread {m:6.1} GB/s [{lo:.1}-{hi:.1}] ratio {:.3}; two threads {m2:6.1} [{lo2:.1}-{hi2:.1}] ratio {:.3}",
+                m / refs.both,
+                m2 / refs.both
+            );
+        }
+        if tokens == 16 && packed {
+            gather_on_copy_engines(dev, &main, &shape, &off, &arena);
+        }
+    }
+}
+
+/// Gathers the offload's runs into a dense device buffer on the copy
+/// engines (strided D2D descriptors) and on the kernel, alone and while a
+/// dense device → host DMA runs: does a D2D copy share the engine the
+/// offload's DMA needs?
+fn gather_on_copy_engines(
+    dev: &CudaDevice,
+    copier: &CudaCopier,
+    shape: &Shape,
+    off: &Case,
+    arena: &Arc<PinnedMemory>,
+) {
+    let dense = Arc::new(DeviceBuffer::new(dev, off.bytes as usize).expect("dense"));
+    let dense2 = Arc::new(DeviceBuffer::new(dev, off.bytes as usize).expect("dense2"));
+    let mut at = 0u64;
+    let runs: Vec<CopyRun> = off
+        .runs
+        .iter()
+        .map(|r| {
+            let g = CopyRun {
+                dst_region: 0,
+                dst_offset: at,
+                ..*r
+            };
+            at += r.len;
+            g
+        })
+        .collect();
+    let gather = Case {
+        runs,
+        src: shape.dev_regions.clone(),
+        dst: vec![dense.clone()],
+        bytes: off.bytes,
+    };
+    let host_len = off.bytes as usize;
+    let dma = Case {
+        runs: vec![CopyRun {
+            src_region: 0,
+            src_offset: 0,
+            dst_region: 0,
+            dst_offset: 0,
+            len: off.bytes,
+        }],
+        src: vec![dense2.clone()],
+        dst: vec![window(arena, GIB, host_len)],
+        bytes: off.bytes,
+    };
+    let ce = opts(Some(CopyPath::CopyEngine), GpuLoad::Idle);
+    let k = opts(Some(CopyPath::Kernel), GpuLoad::Idle);
+    let kb = opts(Some(CopyPath::Kernel), GpuLoad::Busy);
+    for (name, o) in [
+        ("copy engines", ce),
+        ("kernel idle grid", k),
+        ("kernel 8 CTAs", kb),
+    ] {
+        let (m, lo, hi) = gbps(gather.bytes, 7, || gather.run(copier, o));
+        println!("gather D2D 32 KiB runs on {name:<16} {m:7.1} GB/s [{lo:.1}-{hi:.1}]");
+    }
+    let (m, lo, hi) = gbps(dma.bytes, 7, || dma.run(copier, ce));
+    println!("dense D2H DMA alone {m:6.1} GB/s [{lo:.1}-{hi:.1}]");
+    for (name, o) in [("copy engines", ce), ("kernel idle grid", k)] {
+        let t = Instant::now();
+        let n = 5;
+        for _ in 0..n {
+            let r = copier
+                .copy(&dma.runs, &dma.src, &dma.dst, ce)
+                .and_then(|c1| {
+                    let c2 = copier.copy(&gather.runs, &gather.src, &gather.dst, o)?;
+                    c1.wait()?;
+                    c2.wait()
+                });
+            if let Err(e) = r {
+                println!("FAILED dma + gather: {e}");
+            }
+        }
+        let s = t.elapsed().as_secs_f64() / n as f64;
+        println!(
+            "dense D2H DMA (copy engines) + gather on {name}: {:.0} us per pair (DMA alone at its rate {:.0} us)",
+            s * 1e6,
+            dma.bytes as f64 / m / 1e3
+        );
+    }
+}

@@ -1,0 +1,292 @@
+//! The mapped engine: reads of page-cached files copied out of a mapping.
+//!
+//! A read of a buffered file is a CPU copy out of the page cache, and in a
+//! bounce pipeline (page cache → pinned slot → GPU) that copy shares DRAM
+//! with the device's DMA read of the slots. Measured on the 16-core H200
+//! machine (`docs/benchmarks.md`), three things decide how fast the pair
+//! runs together, and this engine owns all three instead of leaving them to
+//! the kernel's `copy_to_user`:
+//!
+//! - **Copy threads sized to the machine.** One thread copies 5–7 GB/s
+//!   (latency-bound), so the hop needs several; but past about half the
+//!   cores the copies flood DRAM, the DMA loses arbitration (8 MiB chunks
+//!   took 2–5 ms instead of 0.25 ms) and the pipeline collapsed to a third
+//!   of the two hops run one after the other. The default
+//!   ([`BufferedIo::resolve`](super::BufferedIo::resolve)) takes half.
+//! - **Prefetch across page boundaries.** The page cache is 4 KiB pages
+//!   scattered in physical memory; the hardware prefetcher stops at each
+//!   boundary, so the copy prefetches the source 4 KiB ahead into L2.
+//! - **Where the stores go.** Non-temporal stores (the default) write
+//!   each destination line without reading it first: a read of a
+//!   page-cached file into host memory ran 41–55 GB/s on 8 threads
+//!   against 23–34 with ordinary stores. In a bounce pipeline ordinary
+//!   stores keep the few, reused slots in the last-level cache, where the
+//!   device's read finds them, and the copy then slows down hardly at all
+//!   while the DMA runs; but it starts slower, and in 8 of 9 same-process
+//!   comparisons the pipeline as a whole moved more with non-temporal
+//!   stores. [`MappedEngine::new`] takes either.
+//!
+//! One read-only shared mapping per buffered file is kept while the file
+//! lives (dropped files are unmapped at the next submission). Before each
+//! copy the range is faulted in with `MADV_POPULATE_READ`, which reports a
+//! failed read-in (an I/O error, a truncated file) as an error instead of a
+//! `SIGBUS`; any such failure, and every write, goes through plain
+//! `pread`/`pwrite`, which report the OS error the usual way. A page
+//! reclaimed between the populate and the copy is read in again by the
+//! fault itself, and only an I/O error at that exact moment would still
+//! raise `SIGBUS` — for files the page cache already holds, the case this
+//! engine is for, it does not happen.
+//!
+//! `O_DIRECT` files never come here: the engine router sends them to
+//! io_uring, where the device does the copy.
+
+use std::collections::HashMap;
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+
+use parking_lot::Mutex;
+
+use super::engine::{IoDir, IoEngine, IoOp, cancelled};
+use super::pread::positional_io;
+use crate::error::{Result, TransferError};
+use crate::memory::DiskFile;
+use crate::pool::WorkerPool;
+
+/// One file's read-only shared mapping.
+struct FileMap {
+    addr: usize,
+    len: usize,
+    /// Dropped files are unmapped at the next submission.
+    file: Weak<DiskFile>,
+}
+
+impl FileMap {
+    fn new(file: &Arc<DiskFile>) -> io::Result<Self> {
+        let len = file.len() as usize;
+        if len == 0 {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        // SAFETY: a fresh read-only shared mapping of a descriptor the
+        // `DiskFile` keeps open; the kernel picks the address.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                file.raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(FileMap {
+            addr: p as usize,
+            len,
+            file: Arc::downgrade(file),
+        })
+    }
+}
+
+impl Drop for FileMap {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the mapping `new` made; no copy uses it any
+        // more, since copies hold an `Arc<FileMap>`.
+        unsafe { libc::munmap(self.addr as *mut libc::c_void, self.len) };
+    }
+}
+
+struct Shared {
+    maps: Mutex<HashMap<u64, Arc<FileMap>>>,
+    streaming: bool,
+    /// Cleared when the kernel refuses `MADV_POPULATE_READ` (before 5.14):
+    /// without it a failed read-in would be a `SIGBUS`, so every read then
+    /// goes through `pread`.
+    populate_works: AtomicBool,
+}
+
+impl Shared {
+    fn map(&self, file: &Arc<DiskFile>) -> Option<Arc<FileMap>> {
+        if let Some(m) = self.maps.lock().get(&file.id()) {
+            return Some(m.clone());
+        }
+        // Mapping is a syscall but no I/O (pages are faulted in per
+        // request); two workers racing here map twice and keep one.
+        match FileMap::new(file) {
+            Ok(m) => Some(
+                self.maps
+                    .lock()
+                    .entry(file.id())
+                    .or_insert_with(|| Arc::new(m))
+                    .clone(),
+            ),
+            Err(e) => {
+                tracing::debug!(error = %e, path = %file.path().display(), "mapping failed; using pread");
+                None
+            }
+        }
+    }
+
+    /// Reads `op` by copying out of the file's mapping; `None` when the
+    /// request has to go through `pread` instead.
+    fn mapped_read(&self, op: &IoOp) -> Option<usize> {
+        if !self.populate_works.load(Ordering::Relaxed) || op.file.is_direct() {
+            return None;
+        }
+        let map = self.map(&op.file)?;
+        let (off, len) = (op.file_offset as usize, op.len as usize);
+        if off.checked_add(len)? > map.len {
+            return None;
+        }
+        let src = map.addr + off;
+        // SAFETY: advice on a range inside our live mapping; it only faults
+        // pages in (reading them from disk if needed) and reports failure.
+        let rc = unsafe { libc::madvise(src as *mut libc::c_void, len, libc::MADV_POPULATE_READ) };
+        if rc != 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINVAL) {
+                tracing::warn!("MADV_POPULATE_READ unsupported; buffered reads use pread");
+                self.populate_works.store(false, Ordering::Relaxed);
+            }
+            return None;
+        }
+        // SAFETY: the source range lies inside the live mapping (checked
+        // above) and is populated; the destination is the caller's buffer,
+        // valid and reserved for this operation (`IoEngine::submit`), and a
+        // shared file mapping never overlaps it.
+        unsafe { copy_out(src as *const u8, op.addr as *mut u8, len, self.streaming) };
+        Some(len)
+    }
+
+    fn prune(&self) {
+        self.maps.lock().retain(|_, m| m.file.strong_count() > 0);
+    }
+}
+
+/// Buffered-file I/O on worker threads: reads copied out of a mapping of
+/// the file, writes through `pwrite`.
+pub struct MappedEngine {
+    shared: Arc<Shared>,
+    pool: WorkerPool,
+}
+
+impl MappedEngine {
+    /// An engine with `threads` copy workers; `streaming` selects
+    /// non-temporal stores for the copies (for large destinations not read
+    /// again soon; ordinary stores suit bounce slots).
+    pub fn new(threads: usize, streaming: bool) -> Result<Self> {
+        let pool =
+            WorkerPool::new("kvbm-mapped", threads).map_err(|source| TransferError::Alloc {
+                what: "mapped-copy worker threads".into(),
+                source,
+            })?;
+        Ok(MappedEngine {
+            shared: Arc::new(Shared {
+                maps: Mutex::new(HashMap::new()),
+                streaming,
+                populate_works: AtomicBool::new(true),
+            }),
+            pool,
+        })
+    }
+
+    /// Number of copy workers.
+    pub fn threads(&self) -> usize {
+        self.pool.threads()
+    }
+}
+
+impl IoEngine for MappedEngine {
+    fn name(&self) -> &'static str {
+        "mapped"
+    }
+
+    fn submit(&self, ops: Vec<IoOp>) {
+        self.shared.prune();
+        for op in ops {
+            let shared = self.shared.clone();
+            self.pool.spawn(move || {
+                let result = if !op.sink.wanted() {
+                    Err(cancelled())
+                } else if op.dir == IoDir::Read {
+                    match shared.mapped_read(&op) {
+                        Some(n) => Ok(n),
+                        None => positional_io(&op),
+                    }
+                } else {
+                    positional_io(&op)
+                };
+                op.sink.complete(op.token, result);
+            });
+        }
+    }
+}
+
+/// How far ahead of the loads the copy prefetches the source, into L2.
+/// The page cache is 4 KiB pages scattered in physical memory, and the
+/// hardware prefetcher stops at every page boundary, so without help each
+/// thread's copy waits on memory latency. Measured on the 16-core H200
+/// machine, 8 threads, non-temporal stores, page cache → pinned memory:
+/// the memcpy backend's copy (prefetch 1 KiB ahead into L1) 36–39 GB/s, no
+/// software prefetch 45, L2 prefetch 4 KiB ahead 41–55 (`docs/benchmarks.md`).
+const PREFETCH_AHEAD: usize = 4096;
+
+/// Copies `len` bytes out of a file mapping: 64 bytes per step, the
+/// source prefetched [`PREFETCH_AHEAD`] into L2, the destination written
+/// with non-temporal stores when `streaming` (followed by a store fence),
+/// ordinary stores otherwise.
+///
+/// # Safety
+/// `src` readable and `dst` writable for `len` bytes, not overlapping.
+unsafe fn copy_out(src: *const u8, dst: *mut u8, len: usize, streaming: bool) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{
+            __m128i, _MM_HINT_T1, _mm_loadu_si128, _mm_prefetch, _mm_sfence, _mm_storeu_si128,
+            _mm_stream_si128,
+        };
+        // Non-temporal stores need 16-byte aligned addresses; disk I/O
+        // buffers are 4 KiB aligned, but stay correct for any address.
+        let streaming = streaming && dst.align_offset(16) == 0;
+        let mut off = 0;
+        while off + 64 <= len {
+            // SAFETY: 64 bytes at `off` are inside both ranges; prefetching
+            // past the end of the source never faults; stream stores go to
+            // 16-byte aligned addresses (checked above).
+            unsafe {
+                let s = src.add(off);
+                _mm_prefetch::<_MM_HINT_T1>(s.wrapping_add(PREFETCH_AHEAD).cast::<i8>());
+                let v = [
+                    _mm_loadu_si128(s.cast::<__m128i>()),
+                    _mm_loadu_si128(s.add(16).cast::<__m128i>()),
+                    _mm_loadu_si128(s.add(32).cast::<__m128i>()),
+                    _mm_loadu_si128(s.add(48).cast::<__m128i>()),
+                ];
+                let d = dst.add(off).cast::<__m128i>();
+                for (i, x) in v.into_iter().enumerate() {
+                    if streaming {
+                        _mm_stream_si128(d.add(i), x);
+                    } else {
+                        _mm_storeu_si128(d.add(i), x);
+                    }
+                }
+            }
+            off += 64;
+        }
+        // SAFETY: the remaining `len - off < 64` bytes are in both ranges.
+        unsafe { std::ptr::copy_nonoverlapping(src.add(off), dst.add(off), len - off) };
+        if streaming {
+            // SAFETY: `sfence` has no preconditions (SSE is baseline on
+            // x86_64); it orders the stream stores before the completion.
+            unsafe { _mm_sfence() };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = streaming;
+        // SAFETY: forwarded from the caller.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+    }
+}
