@@ -144,6 +144,35 @@ fn oracle_tiers_and_decomposition_are_pinned() {
     }
 }
 
+#[test]
+fn calibrated_use_count_figures_are_pinned() {
+    // Synthetic 1%+9% (the small trace): the use-count cells fitted on the
+    // whole trace, and each half ranked by the other half's table.
+    let (name, f) = CONFIGS[2];
+    let Some((requests, facts)) = sim_support::load(name) else {
+        return;
+    };
+    let caps = TierCapacities::from_fractions(f[0], f[1], f[2], facts.unique_blocks);
+    let ix = TraceIndex::new(&requests);
+    let uses = FeatureSet::ladder()[1].clone();
+    for (fit, want) in [(Fit::InSample, 28.15), (Fit::CrossFit, 26.41)] {
+        let scorer = HindsightScorer::new(
+            &ix,
+            uses.clone(),
+            Objective::Within { horizon: 250 },
+            fit,
+            50,
+        );
+        let s = run_tiers(
+            &requests,
+            caps.g1,
+            ScoredTiers::new(&ix, scored(caps, Admission::TiesAdmit, true), scorer),
+        );
+        println!("{fit:?}: {}", fmt(&s));
+        assert!((s.hit_rate_pct() - want).abs() < 0.01, "{fit:?}");
+    }
+}
+
 /// Chained traces: ids are (family, branch, depth) so every block has one
 /// parent.
 fn chained_trace() -> impl Strategy<Value = Vec<Request>> {
