@@ -50,6 +50,9 @@ pub struct BeladySim {
     cached: HashMap<BlockId, u64>,
     /// (next use, block) of every cached block.
     by_next_use: BTreeSet<(u64, BlockId)>,
+    /// Turn away blocks needed no sooner than every cached one (Belady's
+    /// bypass); off, every block is admitted and only eviction is optimal.
+    bypass: bool,
 }
 
 impl BeladySim {
@@ -60,6 +63,16 @@ impl BeladySim {
             next: next_uses(requests),
             cached: HashMap::with_capacity(capacity),
             by_next_use: BTreeSet::new(),
+            bypass: true,
+        }
+    }
+
+    /// The same cache without bypass: every block is admitted, the one used
+    /// farthest in the future is evicted (the eviction half of the optimum).
+    pub fn without_bypass(requests: &[Request], capacity: usize) -> Self {
+        Self {
+            bypass: false,
+            ..Self::new(requests, capacity)
         }
     }
 
@@ -72,7 +85,7 @@ impl BeladySim {
         if self.cached.len() > self.capacity {
             let farthest = self.by_next_use.last().copied();
             match farthest {
-                Some((far, victim)) if next_use < far => {
+                Some((far, victim)) if next_use < far || !self.bypass => {
                     self.by_next_use.pop_last();
                     self.cached.remove(&victim);
                     self.by_next_use.insert((next_use, block));

@@ -152,3 +152,13 @@ pub fn replay<C: CacheSim + ?Sized>(
     }
     stats
 }
+
+impl<C: CacheSim + ?Sized> CacheSim for &mut C {
+    fn lookup(&mut self, block: BlockId) -> Option<Tier> {
+        (**self).lookup(block)
+    }
+
+    fn record(&mut self, ctx: &RequestCtx<'_>) {
+        (**self).record(ctx)
+    }
+}
