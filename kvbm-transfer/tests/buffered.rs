@@ -14,7 +14,7 @@ use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
 use kvbm_testkit::stand_in::{HostAsDevice, host_device_layout, pinned_stand_in_pool};
 use kvbm_transfer::backend::memcpy::MemcpyBackend;
 use kvbm_transfer::disk::{BufferedIo, DiskBackend, DiskConfig, EngineConfig};
-use kvbm_transfer::memory::{DiskAllocator, DiskOptions, IoMode};
+use kvbm_transfer::memory::{DiskAllocator, IoMode};
 use kvbm_transfer::{BouncePool, Executor, ExecutorConfig, PhysicalLayout, TransferError};
 use proptest::prelude::*;
 
@@ -78,14 +78,7 @@ fn rig(buffered: BufferedIo, device_delay: Duration) -> Rig {
 }
 
 fn allocator(mode: IoMode) -> DiskAllocator {
-    DiskAllocator::new(
-        common::bench_dir().join("buffered-engines"),
-        DiskOptions {
-            io_mode: mode,
-            ..Default::default()
-        },
-    )
-    .unwrap()
+    common::disk_allocator("buffered-engines", mode)
 }
 
 /// 16 KiB blocks: 2 layers × K/V × 16 tokens × 128 × 2 bytes.
@@ -157,16 +150,7 @@ proptest! {
             let dev = host_device_layout(host_l.clone(), false).unwrap();
             r.exec.transfer(&b, &dev, &all).wait().unwrap();
             let back = common::host(host_l.clone());
-            let before = common::snapshot(&back);
-            r.exec.transfer(&dev, &back, &all).wait().unwrap();
-            common::assert_copied(
-                &host_l,
-                &common::snapshot(&src),
-                &host_l,
-                &before,
-                &common::snapshot(&back),
-                &pairs,
-            );
+            common::read_back_and_check(&r.exec, &dev, &all, &back, &src, &pairs);
             prop_assert_eq!(r.system_pool.available(), r.system_pool.capacity());
             prop_assert_eq!(r.pinned_pool.available(), r.pinned_pool.capacity());
         }
@@ -194,16 +178,7 @@ fn o_direct_files_keep_the_direct_engine() {
         common::fill(&src, 9);
         r.exec.transfer(&src, &disk, &all).wait().unwrap();
         let back = common::host(layout.clone());
-        let before = common::snapshot(&back);
-        r.exec.transfer(&disk, &back, &all).wait().unwrap();
-        common::assert_copied(
-            &layout,
-            &common::snapshot(&src),
-            &layout,
-            &before,
-            &common::snapshot(&back),
-            &all,
-        );
+        common::read_back_and_check(&r.exec, &disk, &all, &back, &src, &all);
     }
 }
 

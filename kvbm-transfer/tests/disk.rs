@@ -7,7 +7,7 @@ use std::sync::Arc;
 use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
 use kvbm_transfer::backend::memcpy::MemcpyBackend;
 use kvbm_transfer::disk::{DiskBackend, DiskConfig, EngineConfig};
-use kvbm_transfer::memory::{DiskAllocator, DiskOptions};
+use kvbm_transfer::memory::{DiskAllocator, IoMode};
 use kvbm_transfer::{Executor, ExecutorConfig, PhysicalLayout, TransferError};
 use proptest::prelude::*;
 
@@ -37,7 +37,7 @@ fn executor(force_pread: bool, max_io: u32, batch: usize) -> Executor {
 }
 
 fn alloc() -> DiskAllocator {
-    DiskAllocator::new(common::bench_dir(), DiskOptions::default()).unwrap()
+    common::disk_allocator("", IoMode::Auto)
 }
 
 fn roundtrip(
@@ -162,14 +162,7 @@ fn disk_files_are_removed_on_drop_unless_persisted() {
 
 #[test]
 fn buffered_files_round_trip_too() {
-    let a = DiskAllocator::new(
-        common::bench_dir().join("buffered"),
-        DiskOptions {
-            io_mode: kvbm_transfer::memory::IoMode::Buffered,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let a = common::disk_allocator("buffered", IoMode::Buffered);
     let exec = executor(false, 8192, 2);
     let cfg = LayoutConfig::new(6, 2, 2, 16, 128, 2).unwrap();
     let l = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
@@ -184,14 +177,5 @@ fn buffered_files_round_trip_too() {
     let pairs = [(0, 5), (1, 0), (4, 3)];
     exec.transfer(&src, &disk, &pairs).wait().unwrap();
     let back_pairs = [(5, 5), (0, 0), (3, 3)];
-    let before = common::snapshot(&back);
-    exec.transfer(&disk, &back, &back_pairs).wait().unwrap();
-    common::assert_copied(
-        &l,
-        &common::snapshot(&src),
-        &l,
-        &before,
-        &common::snapshot(&back),
-        &pairs,
-    );
+    common::read_back_and_check(&exec, &disk, &back_pairs, &back, &src, &pairs);
 }

@@ -11,7 +11,7 @@ use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
 use kvbm_testkit::fault::{Fault, FaultControl, FaultRule, FaultyEngine};
 use kvbm_transfer::backend::memcpy::MemcpyBackend;
 use kvbm_transfer::disk::{DefaultEngine, DiskBackend, EngineConfig, IoDir};
-use kvbm_transfer::memory::{DiskAllocator, DiskOptions};
+use kvbm_transfer::memory::IoMode;
 use kvbm_transfer::{BouncePool, Executor, ExecutorConfig, PhysicalLayout, TransferError};
 use proptest::prelude::*;
 
@@ -70,7 +70,7 @@ fn layouts() -> (Layout, Layout) {
 }
 
 fn disk(layout: Layout) -> PhysicalLayout {
-    let a = DiskAllocator::new(common::bench_dir(), DiskOptions::default()).unwrap();
+    let a = common::disk_allocator("", IoMode::Auto);
     PhysicalLayout::allocate_disk(layout, &a).unwrap()
 }
 

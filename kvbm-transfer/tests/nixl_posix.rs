@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
 use kvbm_transfer::backend::memcpy::MemcpyBackend;
-use kvbm_transfer::memory::{DiskAllocator, DiskOptions, SystemAllocator};
+use kvbm_transfer::memory::{DiskAllocator, IoMode, SystemAllocator};
 use kvbm_transfer::nixl::{NixlDiskBackend, NixlDiskConfig, PosixIo};
 use kvbm_transfer::{
     BackendKind, BouncePool, CancelToken, CopyRun, Executor, ExecutorConfig, MemoryKind,
@@ -35,7 +35,7 @@ fn executor(disk: Arc<NixlDiskBackend>, batch: usize) -> Executor {
 }
 
 fn alloc() -> DiskAllocator {
-    DiskAllocator::new(common::bench_dir(), DiskOptions::default()).unwrap()
+    common::disk_allocator("", IoMode::Auto)
 }
 
 /// `blocks` blocks of 2 layers x K/V x 16 tokens x `inner` bf16 values

@@ -11,7 +11,7 @@ use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
 use kvbm_testkit::stand_in::{HostAsDevice, host_device_layout, pinned_stand_in_pool};
 use kvbm_transfer::backend::memcpy::MemcpyBackend;
 use kvbm_transfer::disk::{DiskBackend, DiskConfig, EngineConfig};
-use kvbm_transfer::memory::{DiskAllocator, DiskOptions};
+use kvbm_transfer::memory::{DiskAllocator, IoMode};
 use kvbm_transfer::{
     BackendKind, BouncePool, Completion, Executor, ExecutorConfig, MemoryKind, PhysicalLayout,
     Strategy, TransferBackend, TransferError, TransferJob,
@@ -56,7 +56,7 @@ fn rig(slot_bytes: u64, slots: usize, per_batch: usize, batch: usize, delay: Dur
 }
 
 fn alloc() -> DiskAllocator {
-    DiskAllocator::new(common::bench_dir(), DiskOptions::default()).unwrap()
+    common::disk_allocator("", IoMode::Auto)
 }
 
 fn config(blocks: usize) -> LayoutConfig {
@@ -86,16 +86,7 @@ fn disk_to_disk_through_small_slots_is_byte_exact() {
         let pairs: Vec<_> = (0..16).map(|i| (i, (i * 5 + 3) % 16)).collect();
         r.exec.transfer(&a, &b, &pairs).wait().unwrap();
         assert_eq!(r.system_pool.available(), r.system_pool.capacity());
-        let before = common::snapshot(&back);
-        r.exec.transfer(&b, &back, &all).wait().unwrap();
-        common::assert_copied(
-            &host_l,
-            &common::snapshot(&src),
-            &host_l,
-            &before,
-            &common::snapshot(&back),
-            &pairs,
-        );
+        common::read_back_and_check(&r.exec, &b, &all, &back, &src, &pairs);
     }
 }
 
@@ -521,16 +512,7 @@ fn chunk_trace_sees_every_chunk_in_order_and_no_more_slots_than_allowed() {
     // The trace changes nothing about the bytes.
     let back = common::host(l.clone());
     let landed: Vec<_> = (0..16).map(|i| (i, i)).collect();
-    let before = common::snapshot(&back);
-    exec.transfer(&d, &back, &landed).wait().unwrap();
-    common::assert_copied(
-        &l,
-        &common::snapshot(&dev),
-        &l,
-        &before,
-        &common::snapshot(&back),
-        &pairs,
-    );
+    common::read_back_and_check(&exec, &d, &landed, &back, &dev, &pairs);
 }
 
 #[test]
@@ -539,14 +521,7 @@ fn buffered_disk_to_disk_is_byte_exact() {
     // has 4 or more CPUs they run on the mapped engine's copy threads and
     // complete out of order; on fewer, inline on the io_uring ring thread.
     let r = rig(16384, 4, 2, 7, Duration::ZERO);
-    let buffered = DiskAllocator::new(
-        common::bench_dir().join("buffered-two-hop"),
-        DiskOptions {
-            io_mode: kvbm_transfer::memory::IoMode::Buffered,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let buffered = common::disk_allocator("buffered-two-hop", IoMode::Buffered);
     let cfg = config(48);
     let host_l = Layout::new(cfg, LayoutKind::LayerSeparate(BlockOrder::OuterFirst)).unwrap();
     let disk_l = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
@@ -566,14 +541,5 @@ fn buffered_disk_to_disk_is_byte_exact() {
     let pairs: Vec<_> = (0..48).map(|i| (i, (i * 7 + 5) % 48)).collect();
     r.exec.transfer(&a, &b, &pairs).wait().unwrap();
     assert_eq!(r.system_pool.available(), r.system_pool.capacity());
-    let before = common::snapshot(&back);
-    r.exec.transfer(&b, &back, &all).wait().unwrap();
-    common::assert_copied(
-        &host_l,
-        &common::snapshot(&src),
-        &host_l,
-        &before,
-        &common::snapshot(&back),
-        &pairs,
-    );
+    common::read_back_and_check(&r.exec, &b, &all, &back, &src, &pairs);
 }

@@ -1,12 +1,12 @@
 //! Helpers shared by the integration tests: host layouts filled with
-//! random bytes, snapshots, and a byte-exact check of a copy.
+//! random bytes, snapshots, and byte-exact checks of a copy.
 #![allow(dead_code)]
 
 use std::ops::Range;
 
 use kvbm_layout::Layout;
-use kvbm_transfer::memory::SystemAllocator;
-use kvbm_transfer::{MemoryRegion, PhysicalLayout};
+use kvbm_transfer::memory::{DiskAllocator, DiskOptions, IoMode, SystemAllocator};
+use kvbm_transfer::{Executor, MemoryRegion, PhysicalLayout};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 pub fn host(layout: Layout) -> PhysicalLayout {
@@ -97,6 +97,16 @@ pub fn bench_dir() -> std::path::PathBuf {
     dir
 }
 
+/// A disk allocator opening files with `io_mode` in `bench_dir()/sub`
+/// (`sub` empty: `bench_dir()` itself).
+pub fn disk_allocator(sub: &str, io_mode: IoMode) -> DiskAllocator {
+    let options = DiskOptions {
+        io_mode,
+        ..Default::default()
+    };
+    DiskAllocator::new(bench_dir().join(sub), options).unwrap()
+}
+
 /// Runs `attempt` with ever slower devices (`delays_ms`) until one try
 /// catches its transfer in flight (returns true): on a loaded machine the
 /// test thread can oversleep a whole fast transfer, and a cancel that
@@ -111,4 +121,27 @@ pub fn until_caught_in_flight(
         }
     }
     panic!("every transfer finished before its cancel: nothing was tested");
+}
+
+/// Reads `read` from `from` into the host layout `back`, then checks that
+/// `back` holds `src`'s blocks where `pairs` (src block → back block) put
+/// them and is unchanged everywhere else.
+pub fn read_back_and_check(
+    exec: &Executor,
+    from: &PhysicalLayout,
+    read: &[(usize, usize)],
+    back: &PhysicalLayout,
+    src: &PhysicalLayout,
+    pairs: &[(usize, usize)],
+) {
+    let before = snapshot(back);
+    exec.transfer(from, back, read).wait().unwrap();
+    assert_copied(
+        src.layout(),
+        &snapshot(src),
+        back.layout(),
+        &before,
+        &snapshot(back),
+        pairs,
+    );
 }
