@@ -15,7 +15,7 @@ use kvbm_dist::worker::memory::create_shared_file;
 use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
 use kvbm_pool::Tier;
 use kvbm_pool::tier::TierMover;
-use kvbm_transfer::nixl::{REQUIRE_ENV, runtime};
+use kvbm_transfer::nixl::runtime_or_skip as nixl_or_skip;
 use kvbm_transfer::{CancelToken, Completion, TransferOutcome};
 
 const WORLD: u32 = 2;
@@ -26,21 +26,6 @@ const G2_BLOCKS: usize = 8;
 const SERVED: usize = 4;
 /// Generous: the box running the tests is loaded.
 const WAIT: Duration = Duration::from_secs(90);
-
-/// True when the test can use NIXL; false (after printing the skip line)
-/// when it should return early. Panics when the runtime is required.
-fn nixl_or_skip(test: &str) -> bool {
-    match runtime() {
-        Ok(()) => true,
-        Err(e) if std::env::var(REQUIRE_ENV).is_ok_and(|v| v == "1") => {
-            panic!("{test}: {REQUIRE_ENV}=1 but {e}")
-        }
-        Err(_) => {
-            println!("skipped: NIXL runtime not found ({test})");
-            false
-        }
-    }
-}
 
 /// 2 layers × K/V × 16 tokens × 64 bf16 values: 2 KiB chunks.
 fn g1_layout() -> Layout {

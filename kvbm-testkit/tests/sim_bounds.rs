@@ -483,19 +483,7 @@ fn online_study() {
         FeatureSet::new("uses + previous gap", &[Count, PrevGap]),
         FeatureSet::new("uses + output length", &[Count, OutputLength]),
         FeatureSet::new("uses + depth + tail", &[Count, Depth, TailDistance]),
-        FeatureSet::new(
-            "uses fine + gap + shape",
-            &[
-                CountFine,
-                PrevGap,
-                Depth,
-                PromptBlocks,
-                OutputLength,
-                NewBlocks,
-                SeenPrefix,
-                TailDistance,
-            ],
-        ),
+        FeatureSet::new("uses fine + gap + shape", &Feature::SHAPE),
     ];
     for (name, f) in CONFIGS {
         let Some((requests, facts)) = sim_support::load(name) else {

@@ -157,8 +157,8 @@ pub struct Executor {
     inner: Arc<Inner>,
 }
 
-/// What a successful transfer moved.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What a successful transfer moved (the default: nothing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct TransferReport {
     /// Blocks copied.
     pub blocks: usize,
@@ -362,10 +362,7 @@ impl Executor {
         };
         if pairs.is_empty() {
             return TransferHandle {
-                completion: Completion::ready(Ok(TransferReport {
-                    blocks: 0,
-                    bytes: 0,
-                })),
+                completion: Completion::ready(Ok(TransferReport::default())),
                 cancel,
                 limiter: None,
             };

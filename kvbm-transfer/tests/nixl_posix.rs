@@ -2,19 +2,18 @@
 //! NIXL backend registered in the disk slot.
 
 mod common;
-mod nixl_common;
 
 use std::sync::Arc;
 
 use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
 use kvbm_transfer::backend::memcpy::MemcpyBackend;
 use kvbm_transfer::memory::{DiskAllocator, IoMode, SystemAllocator};
+use kvbm_transfer::nixl::runtime_or_skip as nixl_or_skip;
 use kvbm_transfer::nixl::{NixlDiskBackend, NixlDiskConfig, PosixIo};
 use kvbm_transfer::{
     BackendKind, BouncePool, CancelToken, CopyRun, Executor, ExecutorConfig, MemoryKind,
     PhysicalLayout, Strategy, TransferBackend, TransferError, TransferJob,
 };
-use nixl_common::nixl_or_skip;
 
 fn backend(io: PosixIo, max_io_bytes: u32) -> Arc<NixlDiskBackend> {
     Arc::new(NixlDiskBackend::new(&NixlDiskConfig { io, max_io_bytes }).unwrap())

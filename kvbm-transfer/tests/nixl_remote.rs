@@ -8,8 +8,6 @@
 //! from the other, verifies every byte, and keeps its memory registered
 //! until the other is done.
 
-mod nixl_common;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -17,8 +15,8 @@ use std::time::{Duration, Instant};
 use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
 use kvbm_transfer::PhysicalLayout;
 use kvbm_transfer::memory::SystemAllocator;
+use kvbm_transfer::nixl::runtime_or_skip as nixl_or_skip;
 use kvbm_transfer::nixl::{NixlRemote, PeerRegion, RemoteConfig, RemoteError, RemotePeer};
-use nixl_common::nixl_or_skip;
 
 const ROLE: &str = "KVBM_NIXL_TEST_ROLE";
 const DIR: &str = "KVBM_NIXL_TEST_DIR";

@@ -145,10 +145,7 @@ impl TierMover for DistMover {
             return Completion::ready(nothing_landed(e, pairs));
         }
         if pairs.is_empty() {
-            return Completion::ready(Ok(kvbm_transfer::TransferReport {
-                blocks: 0,
-                bytes: 0,
-            }));
+            return Completion::ready(Ok(kvbm_transfer::TransferReport::default()));
         }
         let (completer, completion) = completion_pair();
         let request = CopyRequest {

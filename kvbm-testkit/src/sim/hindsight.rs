@@ -73,6 +73,19 @@ fn lg(x: u64) -> u64 {
 }
 
 impl Feature {
+    /// Fine use count, previous gap and every request-shape feature (the
+    /// fourth rung of [`FeatureSet::ladder`]).
+    pub const SHAPE: [Feature; 8] = [
+        Feature::CountFine,
+        Feature::PrevGap,
+        Feature::Depth,
+        Feature::PromptBlocks,
+        Feature::OutputLength,
+        Feature::NewBlocks,
+        Feature::SeenPrefix,
+        Feature::TailDistance,
+    ];
+
     /// Every feature (for one-at-a-time studies).
     pub const ALL: [Feature; 18] = [
         Feature::Count,
@@ -164,16 +177,7 @@ impl FeatureSet {
     /// everything in fine buckets.
     pub fn ladder() -> Vec<FeatureSet> {
         use Feature::*;
-        let shape = [
-            CountFine,
-            PrevGap,
-            Depth,
-            PromptBlocks,
-            OutputLength,
-            NewBlocks,
-            SeenPrefix,
-            TailDistance,
-        ];
+        let shape = Feature::SHAPE;
         let mut timing = shape.to_vec();
         timing.extend([Turn, Minute, PrevGapMs, Arrivals, InputFill]);
         vec![

@@ -225,15 +225,9 @@ fn buffered_source(
     layout: &Layout,
     exec: &Executor,
 ) -> (PhysicalLayout, PhysicalLayout) {
-    let alloc = DiskAllocator::new(
-        dir,
-        DiskOptions {
-            io_mode: IoMode::Buffered,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let file = PhysicalLayout::allocate_disk(layout.clone(), &alloc).unwrap();
+    let file =
+        PhysicalLayout::allocate_disk(layout.clone(), &disk_allocator(dir, IoMode::Buffered))
+            .unwrap();
     let seed = host(layout.clone());
     let pairs: Vec<_> = (0..layout.config().num_blocks()).map(|b| (b, b)).collect();
     exec.transfer(&seed, &file, &pairs).wait().unwrap();
@@ -390,15 +384,8 @@ pub(super) fn bench_bounce_disk(runs: usize, dir: &std::path::Path) {
         .unwrap();
     let (src, seed) = buffered_source(dir, &fc, &exec);
     pin_threads_from_env();
-    let direct = DiskAllocator::new(
-        dir,
-        DiskOptions {
-            io_mode: IoMode::Direct,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let dst = PhysicalLayout::allocate_disk(fc.clone(), &direct).unwrap();
+    let dst =
+        PhysicalLayout::allocate_disk(fc.clone(), &disk_allocator(dir, IoMode::Direct)).unwrap();
     let staging = host(fc.clone());
     exec.register(&staging).unwrap();
     let pairs: Vec<_> = (0..fc.config().num_blocks()).map(|b| (b, b)).collect();

@@ -93,6 +93,15 @@ fn fill(region: &MemoryRegion, seed: u64) {
     StdRng::seed_from_u64(seed).fill(bytes);
 }
 
+/// Files in `dir` opened with `io_mode`.
+fn disk_allocator(dir: &std::path::Path, io_mode: IoMode) -> DiskAllocator {
+    let options = DiskOptions {
+        io_mode,
+        ..Default::default()
+    };
+    DiskAllocator::new(dir, options).unwrap()
+}
+
 fn allocator() -> SystemAllocator {
     let huge = std::env::var_os("KVBM_BENCH_THP").is_some();
     SystemAllocator::new().populate(true).huge_pages(if huge {
@@ -253,15 +262,8 @@ fn bench_disk(runs: usize, dir: &std::path::Path) {
         .unwrap();
     exec.register(&src).unwrap();
     exec.register(&back).unwrap();
-    let alloc = DiskAllocator::new(
-        dir,
-        DiskOptions {
-            io_mode: IoMode::Direct,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let disk = PhysicalLayout::allocate_disk(layout.clone(), &alloc).unwrap();
+    let disk = PhysicalLayout::allocate_disk(layout.clone(), &disk_allocator(dir, IoMode::Direct))
+        .unwrap();
     let path = disk.regions()[0]
         .file_location()
         .unwrap()

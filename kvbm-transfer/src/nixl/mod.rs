@@ -68,3 +68,22 @@ pub fn runtime() -> Result<(), NixlUnavailable> {
 pub fn runtime_available() -> bool {
     runtime().is_ok()
 }
+
+/// The skip rule of NIXL tests and benchmarks: true when `test` can use
+/// NIXL; false, after printing `skipped: NIXL runtime not found (test)`,
+/// when it should return early — unless [`REQUIRE_ENV`] is `1`, where a
+/// missing runtime is a failure and this panics naming `test`. For test
+/// harnesses only (the panic is the point there); nothing in the library
+/// calls it.
+pub fn runtime_or_skip(test: &str) -> bool {
+    match runtime() {
+        Ok(()) => true,
+        Err(e) if std::env::var(REQUIRE_ENV).is_ok_and(|v| v == "1") => {
+            panic!("{test}: {REQUIRE_ENV}=1 but {e}")
+        }
+        Err(_) => {
+            println!("skipped: NIXL runtime not found ({test})");
+            false
+        }
+    }
+}

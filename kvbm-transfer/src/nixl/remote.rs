@@ -333,10 +333,7 @@ impl NixlRemote {
             tracing::debug_span!("nixl-pull", peer = peer.agent_name(), blocks = pairs.len())
                 .entered();
         if pairs.is_empty() {
-            return Ok(Completion::ready(Ok(TransferReport {
-                blocks: 0,
-                bytes: 0,
-            })));
+            return Ok(Completion::ready(Ok(TransferReport::default())));
         }
         let batches: Vec<&[(usize, usize)]> = pairs.chunks(self.config.batch_blocks).collect();
         let (completer, completion) = completion_pair();
