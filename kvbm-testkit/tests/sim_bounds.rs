@@ -1,7 +1,10 @@
 //! The bound study: how far can a policy that *knows* calibrated reuse
 //! probabilities get, and what part of Belady's win is admission, eviction
-//! order, which reuse gaps? Cheap checks run always; the study tables are
-//! `#[ignore]`d:
+//! order, which reuse gaps? Cheap checks run always (they pin the recency,
+//! oracle-tier and calibrated figures the study rests on). The study tables
+//! are `#[ignore]`d because they are studies, not checks: each replays the
+//! full Mooncake traces many times (about 40 minutes together on the 2-core
+//! box) and prints the tables of `docs/policy-study.md` §7:
 //! `cargo test -p kvbm-testkit --test sim_bounds -- --ignored --nocapture`
 //! (`KVBM_BOUNDS_FILTER=<text>` keeps only the rows whose label holds it).
 
