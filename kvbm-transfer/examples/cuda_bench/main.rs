@@ -20,6 +20,7 @@
 mod cuda_common;
 mod diag;
 mod gemm;
+mod probe;
 
 use gemm::{Gemm, interfere};
 
@@ -32,8 +33,8 @@ use cuda_common::{
     Kind, Layout, device_or_skip, packed_device_regions, plan, random_blocks, random_bytes,
 };
 use kvbm_transfer::cuda::{
-    CopierConfig, CopyOptions, CopyPath, CopyRun, CudaCopier, CudaDevice, CudaError, CudaRegion,
-    DeviceBuffer, Direction, GpuLoad, Location, PinnedMemory, PinnedOptions,
+    CopierConfig, CopyOptions, CopyPath, CopyRun, CopySplit, CudaCopier, CudaDevice, CudaError,
+    CudaRegion, DeviceBuffer, Direction, GpuLoad, Location, PinnedMemory, PinnedOptions,
 };
 
 const GIB: usize = 1 << 30;
@@ -344,6 +345,10 @@ fn main() {
     });
     if std::env::args().any(|a| a == "diag") {
         diag::run(&dev);
+        return;
+    }
+    if std::env::args().any(|a| a == "probe") {
+        probe::run(&dev);
         return;
     }
     let started = Instant::now();

@@ -241,3 +241,19 @@ pub(crate) fn destroy_event(event: CUevent) {
     // SAFETY: the event was created by `new_event` and is destroyed once.
     unsafe { sys::cuEventDestroy_v2(event) };
 }
+
+/// Records `event` on `stream`.
+pub(crate) fn record_event(event: CUevent, stream: sys::CUstream) -> CudaResult<()> {
+    // SAFETY: event and stream belong to the current context.
+    check("cuEventRecord", unsafe {
+        sys::cuEventRecord(event, stream)
+    })
+}
+
+/// Makes `stream` wait for the last recording of `event`.
+pub(crate) fn wait_event(stream: sys::CUstream, event: CUevent) -> CudaResult<()> {
+    // SAFETY: event and stream belong to the current context.
+    check("cuStreamWaitEvent", unsafe {
+        sys::cuStreamWaitEvent(stream, event, 0)
+    })
+}

@@ -31,6 +31,7 @@ use std::time::Duration;
 use cudarc::driver::sys::CUstream;
 
 use super::completion::Completion;
+use super::completion::{record_event, wait_event};
 use super::device::CudaDevice;
 use super::dma::{enqueue_spans, enqueue_strided};
 use super::error::{CudaError, CudaResult};
@@ -40,8 +41,9 @@ use super::lanes::{DescPool, Lane};
 use super::memory::{CudaRegion, Location, allocation_bounds};
 use super::pinned::registration_bounds;
 use super::plan::{CopyRun, HostSide, absolute_spans};
-use super::staged::{StagedJob, StagedRing, Timeline};
-use super::strided::{FamilyLimits, OrderBy, Strided, strided_copies};
+use super::staged::{StagedJob, StagedRing};
+use super::strided::{CopySplit, FamilyLimits, OrderBy, Strided, split_copies, strided_copies};
+use super::timeline::{Timeline, report};
 use crate::completion::completion_pair;
 
 /// How a copy moves its bytes.
@@ -158,6 +160,19 @@ pub struct CopierConfig {
     /// 0.89 against 0.86–0.92). `false` enqueues on the caller's thread
     /// before `copy()` returns.
     pub staged_feeder: bool,
+    /// With the feeder: when a ring has nothing queued, the caller enqueues
+    /// this many first chunks of a staged copy itself (the GPU starts with
+    /// no hand-off to the feeder thread) and the feeder continues; 0 hands
+    /// every copy over whole.
+    pub staged_caller_chunks: usize,
+    /// Copy streams per lane for the copy-engine path: a copy's families
+    /// are dealt to them (see `copy_split`) and joined into one completion.
+    pub copy_streams: usize,
+    /// How the copy-engine path deals families to its copy streams.
+    pub copy_split: CopySplit,
+    /// Copy streams at the highest stream priority instead of the lowest.
+    #[doc(hidden)]
+    pub copy_streams_high_priority: bool,
     /// Diagnostics: record a timeline of each staged copy (GPU timing
     /// events per chunk), read with `CudaCopier::take_timeline`.
     #[doc(hidden)]
@@ -185,6 +200,10 @@ impl Default for CopierConfig {
             wake_spin_us: 500,
             line_rate_bytes_per_s: 56e9,
             staged_feeder: true,
+            staged_caller_chunks: 2,
+            copy_streams: 1,
+            copy_split: CopySplit::Interleaved,
+            copy_streams_high_priority: false,
             timeline: false,
         }
     }
@@ -202,7 +221,7 @@ pub struct CudaCopier {
     lanes: [Vec<Arc<Lane>>; 3],
     next_lane: [AtomicUsize; 3],
     descs: Arc<DescPool>,
-    timeline: Arc<Mutex<Option<Timeline>>>,
+    timeline: Arc<Mutex<Vec<Timeline>>>,
     config: CopierConfig,
     device: CudaDevice,
 }
@@ -246,7 +265,7 @@ impl CudaCopier {
             device: device.clone(),
             free: Mutex::new(Vec::new()),
         });
-        let timeline = Arc::new(Mutex::new(None));
+        let timeline = Arc::new(Mutex::new(Vec::new()));
         let mut staged = Vec::new();
         let mut feeders = Vec::new();
         for (d, name) in [(0, "h2d"), (1, "d2h")] {
@@ -261,6 +280,8 @@ impl CudaCopier {
                 },
                 batch: config.use_batch_copy && device.has_batch_copy(),
                 timelines: Arc::clone(&timeline),
+                queued: AtomicUsize::new(0),
+                spare_runs: Mutex::new(Vec::new()),
             });
             if config.staged_feeder {
                 let r = Arc::clone(&ring);
@@ -392,33 +413,42 @@ impl CudaCopier {
         });
         if path == CopyPath::Staged {
             let (completer, completion) = completion_pair();
+            let host = if dir == Direction::HostToDevice {
+                HostSide::Source
+            } else {
+                HostSide::Destination
+            };
             let job = StagedJob {
-                runs: runs.to_vec(),
+                runs: Vec::new(),
                 src_bases,
                 dst_bases,
                 total,
-                host: if dir == Direction::HostToDevice {
-                    HostSide::Source
-                } else {
-                    HostSide::Destination
-                },
+                host,
+                progress: None,
                 keep,
                 spin,
                 completer,
-                timeline: self.config.timeline.then(|| Timeline::new(entered)),
+                timeline: self.config.timeline.then(|| {
+                    Timeline::new(
+                        if host == HostSide::Source {
+                            "H2D"
+                        } else {
+                            "D2H"
+                        },
+                        entered,
+                    )
+                }),
+                queued: false,
             };
             let ring = self.staged.get(dir.index()).ok_or_else(|| {
                 CudaError::InvalidCopy("no staging ring for this direction".into())
             })?;
-            match self.feeders.get(dir.index()) {
-                Some(feeder) => {
-                    if let Err(job) = feeder.submit(job) {
-                        // The feeder thread is gone: enqueue here.
-                        ring.feed(job);
-                    }
-                }
-                None => ring.feed(job),
-            }
+            ring.submit(
+                self.feeders.get(dir.index()),
+                self.config.staged_caller_chunks,
+                runs,
+                job,
+            );
             return Ok(completion);
         }
         let lanes = &self.lanes[dir.index()];
@@ -430,6 +460,9 @@ impl CudaCopier {
                 CopyPath::CopyEngine => {
                     let (src_loc, dst_loc) = (src[0].location(), dst[0].location());
                     match &families {
+                        Some(f) if !lane.extra_copy.is_empty() => {
+                            self.enqueue_split(lane, f, src_loc, dst_loc)?
+                        }
                         Some(f) => enqueue_strided(
                             &self.device,
                             self.batch(),
@@ -482,17 +515,50 @@ impl CudaCopier {
         completion
     }
 
-    /// Diagnostics: the timeline of the last staged copy when
-    /// `CopierConfig::timeline` is on (waits for its GPU events).
+    /// Diagnostics: the timelines of the staged copies since the last call
+    /// when `CopierConfig::timeline` is on, on one clock (waits for their
+    /// GPU events).
     #[doc(hidden)]
     pub fn take_timeline(&self) -> Option<String> {
-        let t = self
-            .timeline
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()?;
+        let t = std::mem::take(&mut *self.timeline.lock().unwrap_or_else(|p| p.into_inner()));
+        if t.is_empty() {
+            return None;
+        }
         self.device.bind().ok()?;
-        Some(t.report())
+        Some(report(t))
+    }
+
+    /// The copy-engine path over several copy streams: deals `families` to
+    /// the lane's copy streams, enqueuing batch by batch across the streams
+    /// so all start early, then joins them into `copy_stream`, whose next
+    /// operation (the completion event) thus follows every share.
+    fn enqueue_split(
+        &self,
+        lane: &Lane,
+        families: &[Strided],
+        src_loc: Location,
+        dst_loc: Location,
+    ) -> CudaResult<()> {
+        let streams: Vec<CUstream> = lane.copy_streams().collect();
+        let shares = split_copies(families, streams.len(), self.config.copy_split);
+        let rounds = shares
+            .iter()
+            .map(|s| s.len().div_ceil(SPLIT_BATCH))
+            .max()
+            .unwrap_or(0);
+        for round in 0..rounds {
+            for (share, &stream) in shares.iter().zip(&streams) {
+                let part = share.chunks(SPLIT_BATCH).nth(round).unwrap_or_default();
+                if !part.is_empty() {
+                    enqueue_strided(&self.device, self.batch(), stream, part, src_loc, dst_loc)?;
+                }
+            }
+        }
+        for (_, &(stream, joined)) in shares.iter().skip(1).zip(&lane.extra_copy) {
+            record_event(joined, stream)?;
+            wait_event(lane.copy_stream, joined)?;
+        }
+        Ok(())
     }
 
     /// Uploads `part`'s descriptors and launches the copy kernel over them
@@ -599,6 +665,9 @@ impl CudaCopier {
         }
     }
 }
+
+/// Families per enqueue call when a copy is split across copy streams.
+const SPLIT_BATCH: usize = 64;
 
 /// Figures out the direction and checks the locations are consistent.
 fn direction(src: &[Arc<dyn CudaRegion>], dst: &[Arc<dyn CudaRegion>]) -> CudaResult<Direction> {

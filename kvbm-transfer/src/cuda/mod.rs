@@ -36,6 +36,7 @@ pub mod pinned;
 pub mod plan;
 mod staged;
 mod strided;
+mod timeline;
 
 pub use backend::{CudaBackend, to_transfer_error};
 pub use completion::Completion;
@@ -45,3 +46,4 @@ pub use error::{CudaError, CudaResult};
 pub use memory::{CudaRegion, DeviceBuffer, ExternalDeviceMemory, Location};
 pub use pinned::{PinnedMemory, PinnedOptions};
 pub use plan::CopyRun;
+pub use strided::CopySplit;

@@ -114,12 +114,20 @@ const RAMP_STEPS: u32 = 3;
 /// left in a slot continues in the next one.
 pub(crate) struct StagedChunker<'a> {
     runs: &'a [CopyRun],
-    /// Indices into `runs` in the order they are staged; `None`: plan order.
-    order: Option<Vec<u32>>,
     src_bases: &'a [u64],
     dst_bases: &'a [u64],
     host: HostSide,
     slot_bytes: u64,
+    at: ChunkCursor,
+}
+
+/// Where a [`StagedChunker`] stands, without the plan it reads: a copy whose
+/// first chunks the caller enqueued is continued on another thread from
+/// here (see [`StagedChunker::resume`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ChunkCursor {
+    /// Indices into `runs` in the order they are staged; `None`: plan order.
+    order: Option<Vec<u32>>,
     /// Position in the order, and bytes of that run already staged.
     next: usize,
     done: u64,
@@ -136,14 +144,16 @@ impl<'a> StagedChunker<'a> {
     ) -> Self {
         let mut me = StagedChunker {
             runs,
-            order: None,
             src_bases,
             dst_bases,
             host,
             slot_bytes: slot_bytes.max(1),
-            next: 0,
-            done: 0,
-            chunks: 0,
+            at: ChunkCursor {
+                order: None,
+                next: 0,
+                done: 0,
+                chunks: 0,
+            },
         };
         // Judged on a sample from the start of the plan (a full pass would
         // delay the first chunk): plans list their runs block by block or
@@ -167,10 +177,35 @@ impl<'a> StagedChunker<'a> {
                     .filter(|&i| runs[i as usize].len > 0)
                     .collect();
                 order.sort_unstable_by_key(|&i| key(&runs[i as usize]));
-                me.order = Some(order);
+                me.at.order = Some(order);
             }
         }
         me
+    }
+
+    /// Continues a copy where `at` left it, over the same plan (`runs` and
+    /// bases equal to those the cursor was taken from).
+    pub(crate) fn resume(
+        runs: &'a [CopyRun],
+        src_bases: &'a [u64],
+        dst_bases: &'a [u64],
+        host: HostSide,
+        slot_bytes: u64,
+        at: ChunkCursor,
+    ) -> Self {
+        StagedChunker {
+            runs,
+            src_bases,
+            dst_bases,
+            host,
+            slot_bytes: slot_bytes.max(1),
+            at,
+        }
+    }
+
+    /// Where the chunker stands, for [`StagedChunker::resume`].
+    pub(crate) fn into_cursor(self) -> ChunkCursor {
+        self.at
     }
 
     fn host_addr(&self, r: &CopyRun) -> u64 {
@@ -188,7 +223,7 @@ impl<'a> StagedChunker<'a> {
     }
 
     fn run_at(&self, i: usize) -> Option<&'a CopyRun> {
-        match &self.order {
+        match &self.at.order {
             Some(o) => o.get(i).map(|&j| &self.runs[j as usize]),
             None => self.runs.get(i),
         }
@@ -207,22 +242,22 @@ impl<'a> StagedChunker<'a> {
         pieces: &mut Vec<Span>,
     ) -> usize {
         pieces.clear();
-        let limit = (self.slot_bytes >> (RAMP_STEPS - self.chunks.min(RAMP_STEPS))).max(1);
-        self.chunks += 1;
+        let limit = (self.slot_bytes >> (RAMP_STEPS - self.at.chunks.min(RAMP_STEPS))).max(1);
+        self.at.chunks += 1;
         let mut used = 0u64;
         let mut n = 0usize;
         while used < limit && n < device.len() {
-            let Some(r) = self.run_at(self.next) else {
+            let Some(r) = self.run_at(self.at.next) else {
                 break;
             };
             if r.len == 0 {
-                self.next += 1;
+                self.at.next += 1;
                 continue;
             }
-            let len = (r.len - self.done).min(limit - used);
+            let len = (r.len - self.at.done).min(limit - used);
             let (dev, host, at) = (
-                self.device_addr(r) + self.done,
-                self.host_addr(r) + self.done,
+                self.device_addr(r) + self.at.done,
+                self.host_addr(r) + self.at.done,
                 slot + used,
             );
             let (d, p) = match self.host {
@@ -246,10 +281,10 @@ impl<'a> StagedChunker<'a> {
                 }),
             }
             used += len;
-            self.done += len;
-            if self.done == r.len {
-                self.next += 1;
-                self.done = 0;
+            self.at.done += len;
+            if self.at.done == r.len {
+                self.at.next += 1;
+                self.at.done = 0;
             }
         }
         n
@@ -294,7 +329,11 @@ mod tests {
 
     /// Replays a staged plan on byte arrays through a simulated ring of slots
     /// and checks the result equals a direct copy.
-    fn replay(runs: &[CopyRun], host: HostSide, slot: u64) {
+    ///
+    /// With `handoff = Some(k)`, the chunker is turned into a cursor after
+    /// `k` chunks and the rest planned by a resumed one (over a copy of the
+    /// plan, as the feeder thread does).
+    fn replay(runs: &[CopyRun], host: HostSide, slot: u64, handoff: Option<usize>) {
         let src_bases = [0u64, 64 << 10, 128 << 10];
         let dst_bases = [192 << 10];
         let mem_len = 256 << 10;
@@ -319,11 +358,27 @@ mod tests {
         let mut staging = vec![0u8; slot as usize];
         let mut chunker = StagedChunker::new(runs, &src_bases, &dst_bases, host, slot);
         let total: u64 = runs.iter().map(|r| r.len).sum();
-        let mut device = vec![CopyRun::default(); chunker.max_device_copies(total)];
+        let cap = chunker.max_device_copies(total);
+        let mut device = vec![CopyRun::default(); cap];
         let mut pieces = Vec::new();
         let mut used_copies = 0;
+        let owned = runs.to_vec();
+        let mut resumed: Option<StagedChunker<'_>> = None;
+        let mut chunk_no = 0;
         loop {
-            let n = chunker.next_chunk(STAGE, &mut device[used_copies..], &mut pieces);
+            if handoff == Some(chunk_no) && resumed.is_none() {
+                let at = std::mem::replace(
+                    &mut chunker,
+                    StagedChunker::new(&[], &src_bases, &dst_bases, host, slot),
+                )
+                .into_cursor();
+                resumed = Some(StagedChunker::resume(
+                    &owned, &src_bases, &dst_bases, host, slot, at,
+                ));
+            }
+            chunk_no += 1;
+            let active = resumed.as_mut().unwrap_or(&mut chunker);
+            let n = active.next_chunk(STAGE, &mut device[used_copies..], &mut pieces);
             if n == 0 {
                 assert!(pieces.is_empty());
                 break;
@@ -365,7 +420,7 @@ mod tests {
                 }
             }
         }
-        assert!(used_copies <= chunker.max_device_copies(total));
+        assert!(used_copies <= cap);
         assert!(got == want, "staged replay differs from a direct copy");
     }
 
@@ -375,7 +430,20 @@ mod tests {
         #[test]
         fn staged_plan_replays_to_direct_copy(runs in arb_runs(), slot in 1u64..5_000, to_host in any::<bool>()) {
             let host = if to_host { HostSide::Destination } else { HostSide::Source };
-            replay(&runs, host, slot);
+            replay(&runs, host, slot, None);
+        }
+
+        /// A copy whose first chunks one thread planned and whose rest
+        /// another continued from the cursor replays to the direct copy.
+        #[test]
+        fn staged_plan_resumed_elsewhere_replays_to_direct_copy(
+            runs in arb_runs(),
+            slot in 1u64..5_000,
+            to_host in any::<bool>(),
+            handoff in 0usize..6,
+        ) {
+            let host = if to_host { HostSide::Destination } else { HostSide::Source };
+            replay(&runs, host, slot, Some(handoff));
         }
 
         #[test]

@@ -10,9 +10,12 @@
 //! while a long kernel of the model holds every SM the DMA keeps draining
 //! (or filling) the slots already staged.
 //!
-//! Everything is ordered on the GPU: the ring's feeder thread (see
-//! `feeder`; the caller's `copy()` has already returned) enqueues the whole
-//! copy; no host thread waits per chunk. Once running,
+//! Everything is ordered on the GPU: no host thread waits per chunk. When
+//! the ring has nothing queued, the caller enqueues the first chunks itself
+//! (the GPU starts at once, with no hand-off to another thread) and the
+//! ring's feeder thread (see `feeder`) continues from there while the
+//! caller's `copy()` returns; otherwise the whole copy queues behind the
+//! others on the feeder. Once running,
 //! the DMA moves slot after slot at line rate (1.3 µs between slots on the
 //! H200 machine), so what the path loses is fixed cost, and that is what
 //! this module keeps small:
@@ -31,18 +34,22 @@
 //! instants and GPU timing events around every chunk.
 
 use std::any::Any;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::sys::{self, CUevent, CUstream};
+use cudarc::driver::sys::CUstream;
 
+use super::completion::{record_event, wait_event};
 use super::device::CudaDevice;
 use super::dma::enqueue_spans;
-use super::error::{CudaError, CudaResult, check};
+use super::error::{CudaError, CudaResult};
+use super::feeder::Feeder;
 use super::kernel::Grid;
 use super::lanes::{DescPool, Lane, Ring};
 use super::memory::Location;
-use super::plan::{CopyRun, HostSide, Span, StagedChunker};
+use super::plan::{ChunkCursor, CopyRun, HostSide, Span, StagedChunker};
+use super::timeline::{ChunkEvents, Timeline, mark};
 use crate::completion::Completer;
 
 /// A staged copy handed to its ring's feeder (see `feeder`): everything it
@@ -54,12 +61,48 @@ pub(crate) struct StagedJob {
     pub dst_bases: Vec<u64>,
     pub total: u64,
     pub host: HostSide,
+    /// Set when the caller already enqueued the first chunks. Declared
+    /// before `keep`: a job dropped unrun drains the lane (through this)
+    /// before its regions go.
+    pub progress: Option<Progress>,
     /// Memory regions and anything else the GPU uses until completion.
     pub keep: Vec<Box<dyn Any + Send>>,
     /// The watcher's wake-up hint (see `Watcher::watch`).
     pub spin: Option<(Instant, Duration, Duration)>,
     pub completer: Completer<CudaResult<()>>,
     pub timeline: Option<Timeline>,
+    /// Counted in the ring's `queued` (handed to the feeder).
+    pub queued: bool,
+}
+
+/// How far a copy got: where its chunker stands and what of its descriptor
+/// buffer (leased into the job's `keep`) is written.
+pub(crate) struct Progress {
+    at: Option<ChunkCursor>,
+    desc_host: *mut u8,
+    desc_gpu: u64,
+    /// Device-side copies the buffer holds, and how many are written.
+    cap: usize,
+    written: usize,
+    /// Drained if the job is dropped before the rest was enqueued.
+    lane: Arc<Lane>,
+    finished: bool,
+}
+
+// SAFETY: the descriptor pointers address a pinned buffer owned by the job
+// (its lease is in the job's `keep`) and written by one thread at a time:
+// the caller, then the feeder, each under the lane's lock.
+unsafe impl Send for Progress {}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        if !self.finished {
+            // Part of the copy is on the GPU and nobody will finish it:
+            // let it drain before the job's regions are released.
+            let _ = self.lane.device.bind();
+            self.lane.drain();
+        }
+    }
 }
 
 /// One direction's staging ring with what feeding it needs; shared by the
@@ -71,59 +114,182 @@ pub(crate) struct StagedRing {
     pub lane: Arc<Lane>,
     pub grid: Grid,
     pub batch: bool,
-    /// Where the last copy's timeline goes (diagnostics).
-    pub timelines: Arc<Mutex<Option<Timeline>>>,
+    /// Where timelines go (diagnostics).
+    pub timelines: Arc<Mutex<Vec<Timeline>>>,
+    /// Jobs handed to the feeder and not yet wholly enqueued.
+    pub queued: AtomicUsize,
+    /// Run lists of finished jobs, reused for the next (a fresh 640 KiB
+    /// vector costs page faults on every copy).
+    pub spare_runs: Mutex<Vec<Vec<CopyRun>>>,
 }
 
 impl StagedRing {
-    /// Enqueues `job` chunk after chunk and hands it to the lane's watcher.
-    /// Never reports success for a copy that was not wholly enqueued: on an
-    /// error the lane drains (part of the copy may be on the GPU and must
-    /// end before its regions can go) and the completer gets the error.
-    pub(crate) fn feed(&self, job: StagedJob) {
-        let StagedJob {
-            runs,
-            src_bases,
-            dst_bases,
-            total,
-            host,
-            mut keep,
-            spin,
-            completer,
-            mut timeline,
-        } = job;
+    /// Starts a staged copy of `runs`; `job` carries everything else (its
+    /// `runs` empty). Without a feeder the whole copy is enqueued here.
+    /// With one, when the ring has nothing queued, the first
+    /// `caller_chunks` chunks are enqueued here and the feeder continues;
+    /// otherwise the feeder takes the whole job behind the others.
+    pub(crate) fn submit(
+        &self,
+        feeder: Option<&Feeder<StagedJob>>,
+        caller_chunks: usize,
+        runs: &[CopyRun],
+        mut job: StagedJob,
+    ) {
+        let Some(feeder) = feeder else {
+            job.runs = runs.to_vec();
+            self.feed(job);
+            return;
+        };
+        let lane = &*self.lane;
+        let guard =
+            (caller_chunks > 0).then(|| lane.state.lock().unwrap_or_else(|p| p.into_inner()));
+        if let Some(mut guard) = guard {
+            if self.queued.load(Ordering::Acquire) == 0 {
+                let enqueued = match guard.ring.as_mut() {
+                    None => Err(CudaError::InvalidCopy(
+                        "this lane has no staging ring".into(),
+                    )),
+                    Some(ring) => self.staging().enqueue(
+                        ring,
+                        runs,
+                        &job.src_bases,
+                        &job.dst_bases,
+                        job.total,
+                        job.host,
+                        &mut job.keep,
+                        &mut job.progress,
+                        job.timeline.as_mut(),
+                        Some(caller_chunks),
+                    ),
+                };
+                match enqueued {
+                    Ok(Some(stream)) => {
+                        // The whole copy went in here.
+                        self.hand_to_watcher(Ok(stream), job);
+                        return;
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        self.hand_to_watcher(Err(e), job);
+                        return;
+                    }
+                }
+            }
+            self.queued.fetch_add(1, Ordering::AcqRel);
+            drop(guard);
+        } else {
+            self.queued.fetch_add(1, Ordering::AcqRel);
+        }
+        job.queued = true;
+        job.runs = self.spare_runs(runs);
+        if let Err(job) = feeder.submit(job) {
+            // The feeder thread is gone: enqueue here.
+            self.feed(job);
+        }
+    }
+
+    /// A vector holding `runs`, reusing a finished job's allocation.
+    fn spare_runs(&self, runs: &[CopyRun]) -> Vec<CopyRun> {
+        let spare = self
+            .spare_runs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop();
+        let mut v = spare.unwrap_or_default();
+        v.clear();
+        v.extend_from_slice(runs);
+        v
+    }
+
+    fn staging(&self) -> Staging<'_> {
+        Staging {
+            device: &self.device,
+            descs: &self.descs,
+            lane: &self.lane,
+            grid: self.grid,
+            batch: self.batch,
+        }
+    }
+
+    /// Enqueues `job` (or what the caller left of it) chunk after chunk and
+    /// hands it to the lane's watcher. Never reports success for a copy
+    /// that was not wholly enqueued: on an error the lane drains (part of
+    /// the copy may be on the GPU and must end before its regions can go)
+    /// and the completer gets the error.
+    pub(crate) fn feed(&self, mut job: StagedJob) {
         if let Err(e) = self.device.bind() {
-            completer.complete(Err(e));
+            if let Some(p) = job.progress.as_mut() {
+                // No context to drain in: the drop below cannot help.
+                p.finished = true;
+            }
+            self.finish_queued(&job);
+            job.completer.complete(Err(e));
             return;
         }
         let lane = &*self.lane;
         let mut guard = lane.state.lock().unwrap_or_else(|p| p.into_inner());
+        let runs = std::mem::take(&mut job.runs);
         let enqueued = match guard.ring.as_mut() {
             None => Err(CudaError::InvalidCopy(
                 "this lane has no staging ring".into(),
             )),
-            Some(ring) => Staging {
-                device: &self.device,
-                descs: &self.descs,
-                lane,
-                grid: self.grid,
-                batch: self.batch,
-            }
-            .enqueue(
-                ring,
-                &runs,
-                total,
-                &src_bases,
-                &dst_bases,
-                host,
-                &mut keep,
-                timeline.as_mut(),
-            ),
+            Some(ring) => self
+                .staging()
+                .enqueue(
+                    ring,
+                    &runs,
+                    &job.src_bases,
+                    &job.dst_bases,
+                    job.total,
+                    job.host,
+                    &mut job.keep,
+                    &mut job.progress,
+                    job.timeline.as_mut(),
+                    None,
+                )
+                .and_then(|s| {
+                    s.ok_or_else(|| CudaError::InvalidCopy("staged copy left unfinished".into()))
+                }),
         };
+        self.finish_queued(&job);
+        self.hand_to_watcher(enqueued, job);
+        drop(guard);
+        let mut spare = self.spare_runs.lock().unwrap_or_else(|p| p.into_inner());
+        if spare.len() < 4 {
+            spare.push(runs);
+        }
+    }
+
+    fn finish_queued(&self, job: &StagedJob) {
+        if job.queued {
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Hands a wholly enqueued copy to the watcher, or fails it: drains the
+    /// lane, then releases its regions and resolves it with the error.
+    fn hand_to_watcher(&self, enqueued: CudaResult<CUstream>, job: StagedJob) {
+        let StagedJob {
+            progress,
+            keep,
+            spin,
+            completer,
+            timeline,
+            ..
+        } = job;
+        if let Some(mut p) = progress {
+            // Drained below on an error; watched otherwise.
+            p.finished = true;
+        }
         if let Some(mut t) = timeline {
             t.returned = Some(Instant::now());
-            *self.timelines.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
+            self.timelines
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(t);
         }
+        let lane = &*self.lane;
         let failed = match enqueued {
             Ok(stream) => lane.watcher.watch_with(stream, keep, spin, completer).err(),
             Err(e) => Some((e, keep, completer)),
@@ -133,7 +299,6 @@ impl StagedRing {
             drop(keep);
             completer.complete(Err(e));
         }
-        drop(guard);
     }
 }
 
@@ -141,71 +306,101 @@ impl StagedRing {
 pub(crate) struct Staging<'a> {
     pub device: &'a CudaDevice,
     pub descs: &'a Arc<DescPool>,
-    pub lane: &'a Lane,
+    pub lane: &'a Arc<Lane>,
     pub grid: Grid,
     pub batch: bool,
 }
 
 impl Staging<'_> {
-    /// Enqueues the copy of `runs` through `ring`; returns the stream whose
-    /// last operation ends the copy. The descriptor buffer the GPU reads is
-    /// pushed to `keep`.
+    /// Enqueues the copy of `runs` through `ring`, from where `progress`
+    /// left it, at most `max_chunks` chunks (all when `None`). Returns the
+    /// stream whose last operation ends the copy once it is wholly
+    /// enqueued, `None` while chunks are left (then `progress` says where
+    /// to continue). The descriptor buffer the GPU reads is pushed to
+    /// `keep` on the first call.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn enqueue(
         &self,
         ring: &mut Ring,
         runs: &[CopyRun],
-        total: u64,
         src_bases: &[u64],
         dst_bases: &[u64],
+        total: u64,
         host: HostSide,
         keep: &mut Vec<Box<dyn Any + Send>>,
+        progress: &mut Option<Progress>,
         mut timeline: Option<&mut Timeline>,
-    ) -> CudaResult<CUstream> {
+        max_chunks: Option<usize>,
+    ) -> CudaResult<Option<CUstream>> {
         let (lane, device) = (self.lane, self.device);
-        let mut chunker =
-            StagedChunker::new(runs, src_bases, dst_bases, host, ring.slot_bytes as u64);
-        // The device-side copies are written straight into pinned memory
-        // the kernel reads in place: no upload, so no wait behind another
-        // copy's DMA on the host-to-device engine (an upload queued there
-        // behind an onboard serialised offload and onboard).
-        let cap = chunker.max_device_copies(total);
+        let slot_bytes = ring.slot_bytes as u64;
         let run_size = std::mem::size_of::<CopyRun>();
-        let desc = self.descs.lease(ZERO_TABLE + cap * run_size)?;
-        let (host_ptr, gpu_ptr, bytes) = desc.host();
-        if bytes < ZERO_TABLE + cap * run_size {
-            return Err(CudaError::InvalidCopy("descriptor buffer lost".into()));
-        }
-        // SAFETY: the buffer holds at least ZERO_TABLE bytes, is 8-byte
-        // aligned (page-aligned allocation) and no copy is using it.
-        unsafe { host_ptr.cast::<u64>().write(0) };
-        keep.push(Box::new(desc));
-        let zero_table = gpu_ptr;
-        if let Some(t) = timeline.as_deref_mut() {
-            t.set_up = Some(Instant::now());
-            t.mark_start(lane.kernel_stream)?;
-        }
+        let p = match progress {
+            Some(p) => p,
+            None => {
+                let chunker = StagedChunker::new(runs, src_bases, dst_bases, host, slot_bytes);
+                // The device-side copies are written straight into pinned
+                // memory the kernel reads in place: no upload, so no wait
+                // behind another copy's DMA on the host-to-device engine
+                // (an upload queued there behind an onboard serialised
+                // offload and onboard).
+                let cap = chunker.max_device_copies(total);
+                let desc = self.descs.lease(ZERO_TABLE + cap * run_size)?;
+                let (host_ptr, gpu_ptr, bytes) = desc.host();
+                if bytes < ZERO_TABLE + cap * run_size {
+                    return Err(CudaError::InvalidCopy("descriptor buffer lost".into()));
+                }
+                // SAFETY: the buffer holds at least ZERO_TABLE bytes, is
+                // 8-byte aligned (page-aligned allocation) and no copy is
+                // using it.
+                unsafe { host_ptr.cast::<u64>().write(0) };
+                keep.push(Box::new(desc));
+                if let Some(t) = timeline.as_deref_mut() {
+                    t.set_up = Some(Instant::now());
+                    t.mark_start(lane.kernel_stream)?;
+                }
+                progress.insert(Progress {
+                    at: Some(chunker.into_cursor()),
+                    desc_host: host_ptr,
+                    desc_gpu: gpu_ptr,
+                    cap,
+                    written: 0,
+                    lane: Arc::clone(lane),
+                    finished: false,
+                })
+            }
+        };
+        let at =
+            p.at.take()
+                .ok_or_else(|| CudaError::InvalidCopy("staged copy lost its place".into()))?;
+        let mut chunker = StagedChunker::resume(runs, src_bases, dst_bases, host, slot_bytes, at);
+        let zero_table = p.desc_gpu;
         let mut pieces: Vec<Span> = Vec::new();
-        let mut written = 0usize;
+        let mut chunks = 0usize;
         loop {
+            if max_chunks.is_some_and(|m| chunks >= m) {
+                p.at = Some(chunker.into_cursor());
+                return Ok(None);
+            }
+            chunks += 1;
             let k = ring.next;
             let slot_addr = ring.buf.ptr() + (k * ring.slot_bytes) as u64;
             // SAFETY: entries `written..cap` lie inside the buffer (checked
-            // above), are properly aligned (ZERO_TABLE is a multiple of 8)
-            // and are not yet read by any launch: earlier chunks' launches
-            // read only entries before `written`.
+            // when it was leased), are properly aligned (ZERO_TABLE is a
+            // multiple of 8) and are not yet read by any launch: earlier
+            // chunks' launches read only entries before `written`.
             let free = unsafe {
                 std::slice::from_raw_parts_mut(
-                    host_ptr.add(ZERO_TABLE).cast::<CopyRun>().add(written),
-                    cap - written,
+                    p.desc_host.add(ZERO_TABLE).cast::<CopyRun>().add(p.written),
+                    p.cap - p.written,
                 )
             };
             let n = chunker.next_chunk(slot_addr, free, &mut pieces);
             if n == 0 {
                 break;
             }
-            let runs_ptr = gpu_ptr + (ZERO_TABLE + written * run_size) as u64;
-            written += n;
+            let runs_ptr = p.desc_gpu + (ZERO_TABLE + p.written * run_size) as u64;
+            p.written += n;
             ring.next = (k + 1) % ring.slots.len();
             let slot = &mut ring.slots[k];
             let mut times = ChunkEvents::default();
@@ -267,138 +462,19 @@ impl Staging<'_> {
             }
             slot.used = true;
             if let Some(t) = timeline.as_deref_mut() {
-                t.chunks.push((Instant::now(), pieces.len(), times));
+                t.chunk(pieces.len(), times);
             }
         }
         if let Some(t) = timeline {
             t.enqueued = Some(Instant::now());
         }
-        Ok(match host {
+        Ok(Some(match host {
             HostSide::Destination => lane.copy_stream,
             HostSide::Source => lane.kernel_stream,
-        })
+        }))
     }
 }
 
 /// Bytes at the start of a staged descriptor buffer holding the base table
 /// `[0]`: device-side copies carry absolute addresses.
 const ZERO_TABLE: usize = 8;
-
-/// Where a staged copy spent its time: host instants and GPU timing events
-/// (diagnostics, see `CopierConfig::timeline`).
-pub(crate) struct Timeline {
-    pub entered: Instant,
-    pub set_up: Option<Instant>,
-    pub enqueued: Option<Instant>,
-    /// When the copy was handed to the watcher.
-    pub returned: Option<Instant>,
-    start: Option<(CUevent, Instant)>,
-    chunks: Vec<(Instant, usize, ChunkEvents)>,
-}
-
-// SAFETY: events are driver handles usable from any thread with the context
-// current; the timeline is used by one thread at a time (behind a mutex).
-unsafe impl Send for Timeline {}
-
-#[derive(Default)]
-struct ChunkEvents {
-    kernel_end: Option<CUevent>,
-    dma_start: Option<CUevent>,
-    dma_end: Option<CUevent>,
-}
-
-impl Timeline {
-    pub(crate) fn new(entered: Instant) -> Self {
-        Timeline {
-            entered,
-            set_up: None,
-            enqueued: None,
-            returned: None,
-            start: None,
-            chunks: Vec::new(),
-        }
-    }
-
-    fn mark_start(&mut self, stream: CUstream) -> CudaResult<()> {
-        let e = timed_event()?;
-        record_event(e, stream)?;
-        self.start = Some((e, Instant::now()));
-        Ok(())
-    }
-
-    /// Waits for every event, then formats the timeline (µs since entry for
-    /// host instants, since the start event for GPU ones).
-    pub(crate) fn report(self) -> String {
-        let us = |t: Option<Instant>| t.map_or(-1.0, |t| (t - self.entered).as_secs_f64() * 1e6);
-        let mut out = format!(
-            "staged timeline: set up {:.0} us, all chunks enqueued {:.0} us, watched {:.0} us",
-            us(self.set_up),
-            us(self.enqueued),
-            us(self.returned)
-        );
-        let Some((start, start_host)) = self.start else {
-            return out;
-        };
-        out += &format!(
-            ", GPU start event recorded at {:.0} us",
-            (start_host - self.entered).as_secs_f64() * 1e6
-        );
-        let at = |e: Option<CUevent>| -> f64 {
-            let Some(e) = e else { return -1.0 };
-            // SAFETY: both events were recorded in this context.
-            unsafe { sys::cuEventSynchronize(e) };
-            let mut ms = 0f32;
-            // SAFETY: as above; `ms` is a valid out-pointer.
-            unsafe { sys::cuEventElapsedTime_v2(&mut ms, start, e) };
-            f64::from(ms) * 1e3
-        };
-        for (i, (enq, pieces, c)) in self.chunks.iter().enumerate() {
-            out += &format!(
-                "\n  chunk {i:>2}: enqueued {:>6.0} us, {pieces:>3} pieces | GPU kernel end {:>7.1}, DMA {:>7.1} .. {:>7.1} us",
-                (*enq - self.entered).as_secs_f64() * 1e6,
-                at(c.kernel_end),
-                at(c.dma_start),
-                at(c.dma_end)
-            );
-        }
-        for (_, _, c) in &self.chunks {
-            for e in [c.kernel_end, c.dma_start, c.dma_end].into_iter().flatten() {
-                super::completion::destroy_event(e);
-            }
-        }
-        super::completion::destroy_event(start);
-        out
-    }
-}
-
-fn timed_event() -> CudaResult<CUevent> {
-    let mut event: CUevent = std::ptr::null_mut();
-    // SAFETY: valid out-pointer; the caller made the context current.
-    check("cuEventCreate", unsafe {
-        sys::cuEventCreate(&mut event, 0)
-    })?;
-    Ok(event)
-}
-
-fn mark(timeline: &Option<&mut Timeline>, stream: CUstream) -> CudaResult<Option<CUevent>> {
-    if timeline.is_none() {
-        return Ok(None);
-    }
-    let e = timed_event()?;
-    record_event(e, stream)?;
-    Ok(Some(e))
-}
-
-pub(crate) fn record_event(event: CUevent, stream: CUstream) -> CudaResult<()> {
-    // SAFETY: event and stream belong to the current context.
-    check("cuEventRecord", unsafe {
-        sys::cuEventRecord(event, stream)
-    })
-}
-
-pub(crate) fn wait_event(stream: CUstream, event: CUevent) -> CudaResult<()> {
-    // SAFETY: event and stream belong to the current context.
-    check("cuStreamWaitEvent", unsafe {
-        sys::cuStreamWaitEvent(stream, event, 0)
-    })
-}
