@@ -49,6 +49,15 @@ fn one(dev: &CudaDevice, label: &str, len: usize, opts: PinnedOptions) -> Pinned
     mem
 }
 
+/// Free memory now, in bytes (0 if unknown).
+fn mem_free_bytes() -> usize {
+    meminfo("MemFree")
+        .split_whitespace()
+        .next()
+        .and_then(|v| v.parse::<usize>().ok())
+        .map_or(0, |kib| kib * 1024)
+}
+
 /// A named configuration.
 fn cfg(
     label: &str,
@@ -86,12 +95,7 @@ fn main() {
             cfg("128 MiB chunks", &base, |o| o.chunk_bytes = 128 << 20),
             cfg("1 GiB chunks", &base, |o| o.chunk_bytes = GIB),
         ];
-        let free_kib: usize = meminfo("MemFree")
-            .split_whitespace()
-            .next()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
-        let budget = free_kib * 1024 * 3 / 4;
+        let budget = mem_free_bytes() * 3 / 4;
         let mut held = Vec::new();
         let mut used = 0;
         'rounds: for round in 0..3 {
@@ -118,12 +122,7 @@ fn main() {
     ];
     // Fresh memory: hold each allocation while the next runs (as many as fit
     // in half of what is free).
-    let free_kib: usize = meminfo("MemFree")
-        .split_whitespace()
-        .next()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
-    let fit = (free_kib * 1024 / 2 / len).max(1);
+    let fit = (mem_free_bytes() / 2 / len).max(1);
     let mut held = Vec::new();
     for (label, opts) in configs.iter().take(fit.min(3)) {
         held.push(one(&dev, &format!("fresh, {label}"), len, opts.clone()));
