@@ -11,7 +11,7 @@ use cuda_common::{
     Kind, Layout, device_or_skip, packed_device_regions, plan, random_blocks, random_bytes,
 };
 use kvbm_transfer::cuda::{
-    CopierConfig, CopyOptions, CopyPath, CopySplit, CudaCopier, CudaDevice, CudaError, CudaRegion,
+    CopierConfig, CopyOptions, CopyPath, CudaCopier, CudaDevice, CudaError, CudaRegion,
     DeviceBuffer, GpuLoad, Location, PinnedMemory, PinnedOptions, probe,
 };
 
@@ -479,79 +479,6 @@ fn queued_staged_copies_keep_their_order() {
         let want_host = expected(&gpu, &gi, &host, &hi, &onto(second, target));
         assert!(gpu.image() == want_gpu, "{name}: onboards out of order");
         assert!(host.image() == want_host, "{name}: offloads out of order");
-    }
-}
-
-/// The copy-engine path dealt across several copy streams (both ways of
-/// dealing, more streams than some copies have families) lands every byte,
-/// with the device layers in one allocation (one family per block) and in
-/// one allocation each (one per layer), both directions, with a copy in
-/// the other direction running at the same time.
-#[test]
-fn copy_engines_split_across_streams_land_every_byte() {
-    let Some(dev) = device_or_skip() else { return };
-    let ce = CopyOptions {
-        path: Some(CopyPath::CopyEngine),
-        load: GpuLoad::Idle,
-    };
-    for (k, how) in [(3, CopySplit::Interleaved), (4, CopySplit::Shares)] {
-        let copier = CudaCopier::new(
-            &dev,
-            CopierConfig {
-                copy_streams: k,
-                copy_split: how,
-                min_family_height: 2,
-                ..CopierConfig::default()
-            },
-        )
-        .unwrap();
-        for (packed, n) in [(true, 64usize), (false, 64), (true, 2)] {
-            let pool = 3 * n;
-            let host = Mem::new(
-                &dev,
-                layout(Kind::FullyContiguous, pool, 8 << 10),
-                Location::PinnedHost,
-                k as u64,
-            );
-            let gpu = Mem::with_packing(
-                &dev,
-                layout(Kind::LayerSeparate, pool, 8 << 10),
-                Location::Device,
-                k as u64 + 1,
-                packed,
-            );
-            let ids = random_blocks(pool, pool, 9);
-            let on: Vec<_> = ids[..n].iter().map(|&b| (b, b)).collect();
-            let off: Vec<_> = ids[n..2 * n].iter().map(|&b| (b, b)).collect();
-            let (hi, gi) = (host.image(), gpu.image());
-            let c1 = copier
-                .copy(
-                    &plan(&host.layout, &gpu.layout, &on),
-                    &host.regions(),
-                    &gpu.regions(),
-                    ce,
-                )
-                .unwrap();
-            let c2 = copier
-                .copy(
-                    &plan(&gpu.layout, &host.layout, &off),
-                    &gpu.regions(),
-                    &host.regions(),
-                    ce,
-                )
-                .unwrap();
-            let what = format!("k={k} {how:?} packed {packed} {n} blocks");
-            c1.wait().unwrap_or_else(|e| panic!("{what}: {e}"));
-            c2.wait().unwrap_or_else(|e| panic!("{what}: {e}"));
-            assert!(
-                gpu.image() == expected(&host, &hi, &gpu, &gi, &on),
-                "{what}: onboard"
-            );
-            assert!(
-                host.image() == expected(&gpu, &gi, &host, &hi, &off),
-                "{what}: offload"
-            );
-        }
     }
 }
 

@@ -11,10 +11,11 @@
 //! plan (the sum of its runs), never from hand arithmetic.
 //!
 //! `cargo run --release --example cuda_bench --features cuda [-- quick |
-//! gemm | focus | diag]`; `focus` runs only the rows that judge the staged
-//! feeder and the in-place kernel descriptors (8 and 32 KiB runs: one
-//! direction, both directions, mixed paths, beside the GEMM with 1, 2 and
-//! 4 copies in flight), each against the previous behaviour (`-old`).
+//! gemm | focus | diag | probe]`; `focus` runs only the rows that judge how
+//! a staged copy starts (8 and 32 KiB runs: one direction, both
+//! directions, beside the GEMM one copy at a time), each against the
+//! previous behaviour (`-old`: every staged copy handed whole to the
+//! feeder thread); `probe` (see `probe.rs`) the measurements behind it.
 
 #[path = "../../tests/cuda_common/mod.rs"]
 mod cuda_common;
@@ -33,8 +34,8 @@ use cuda_common::{
     Kind, Layout, device_or_skip, packed_device_regions, plan, random_blocks, random_bytes,
 };
 use kvbm_transfer::cuda::{
-    CopierConfig, CopyOptions, CopyPath, CopyRun, CopySplit, CudaCopier, CudaDevice, CudaError,
-    CudaRegion, DeviceBuffer, Direction, GpuLoad, Location, PinnedMemory, PinnedOptions,
+    CopierConfig, CopyOptions, CopyPath, CopyRun, CudaCopier, CudaDevice, CudaError, CudaRegion,
+    DeviceBuffer, Direction, GpuLoad, Location, PinnedMemory, PinnedOptions,
 };
 
 const GIB: usize = 1 << 30;
@@ -114,8 +115,8 @@ struct Copiers {
     flat: CudaCopier,
     /// Watchers that always sleep in the driver (no polling at the end).
     nospin: CudaCopier,
-    /// The previous behaviour: staged copies enqueued on the caller's
-    /// thread.
+    /// The previous behaviour: every staged copy handed whole to the
+    /// ring's feeder thread (the caller enqueues no first chunks).
     old: CudaCopier,
 }
 
@@ -134,7 +135,7 @@ impl Copiers {
                 ..d()
             }),
             old: mk(CopierConfig {
-                staged_feeder: false,
+                staged_caller_chunks: 0,
                 ..d()
             }),
         }
@@ -574,7 +575,7 @@ fn main() {
         }
         // One direction on the kernel, the other on the copy engines,
         // submitted from one thread in that order.
-        if !gemm_only {
+        if !gemm_only && !focus {
             let ko = opts(Some(CopyPath::Kernel), GpuLoad::Idle);
             let co = opts(Some(CopyPath::CopyEngine), GpuLoad::Idle);
             for (cname, c) in [("", &copiers.main), ("-old", &copiers.old)] {
@@ -625,7 +626,7 @@ fn main() {
                     rows.push((v, 1));
                 }
                 // An engine's offload queue keeps several copies in flight.
-                if matches!(v.0, "auto-busy" | "auto-busy-old") {
+                if !focus && matches!(v.0, "auto-busy" | "auto-busy-old") {
                     rows.push((v, 2));
                     rows.push((v, 4));
                 }

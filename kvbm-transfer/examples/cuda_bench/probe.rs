@@ -1,20 +1,18 @@
-//! `cuda_bench probe [idle]`: the measurements that decide three changes.
+//! `cuda_bench probe`: the rows that decide how a staged copy starts.
 //!
-//! 1. The copy-engine path split across several copy streams of one
-//!    direction (k = 1, 2, 3, 4, 6; families dealt round-robin or in
-//!    contiguous shares; copy streams at low or high priority): idle one
-//!    direction and both, 8 and 32 KiB runs, 1-alloc and layer-alloc, and
-//!    beside the GEMM against the staged path. Does the engines' cost per
-//!    line overlap across streams?
-//! 2. The caller enqueuing a staged copy's first chunks (0 = the whole copy
-//!    handed to the feeder, as before; 1, 2, 3 chunks; no feeder at all):
-//!    one direction and both, same shapes.
-//! 3. Where both directions at once lose time at 8 KiB runs: the two
-//!    copies' timelines on one clock, and plain DMA in both directions as
-//!    512 KiB, 2 MiB and 128 MiB pieces.
+//! - The caller enqueuing a staged copy's first chunks when its ring has
+//!   nothing queued (0 = the whole copy handed to the feeder thread, the
+//!   earlier behaviour; 1, 2, 3 chunks; 2 chunks with a ramp of four
+//!   (the first chunk a sixteenth of a slot); and no feeder at all): one
+//!   direction, both from one thread and from two, 8 and 32 KiB runs,
+//!   1-alloc and layer-alloc, two passes in opposite orders.
+//! - Timelines of one staged copy and of an onboard and an offload at once
+//!   (8 KiB runs), on one clock: where the fixed cost goes.
 //!
-//! `idle` runs only part 1 without the GEMM (to repeat it under another
-//! `CUDA_DEVICE_MAX_CONNECTIONS` in a second process).
+//! (A first version also measured the copy-engine path split across 1–6
+//! copy streams, with stream priorities and `CUDA_DEVICE_MAX_CONNECTIONS`,
+//! and plain DMA as pieces of 512 KiB, 2 MiB and 128 MiB; the figures are
+//! in docs/benchmarks.md, the split is gone.)
 
 use std::sync::Arc;
 
@@ -27,7 +25,6 @@ fn cfg(f: impl FnOnce(&mut CopierConfig)) -> CopierConfig {
 }
 
 pub(crate) fn run(dev: &CudaDevice) {
-    let idle_only = std::env::args().any(|a| a == "idle");
     let arena_len = 2 * GIB;
     let arena = Arc::new(
         PinnedMemory::allocate_in_background(dev, arena_len, GIB, PinnedOptions::for_device(dev))
@@ -41,124 +38,8 @@ pub(crate) fn run(dev: &CudaDevice) {
     let mk = |c: CopierConfig| CudaCopier::new(dev, c).expect("copier");
     let main = mk(CopierConfig::default());
     let refs = references(dev, &main, 5);
-    println!(
-        "CUDA_DEVICE_MAX_CONNECTIONS={}",
-        std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").unwrap_or_else(|_| "unset".into())
-    );
 
-    // Part 1: copy streams.
-    let mut split: Vec<(String, CudaCopier)> = Vec::new();
-    for (k, how) in [
-        (1, CopySplit::Interleaved),
-        (2, CopySplit::Interleaved),
-        (2, CopySplit::Shares),
-        (3, CopySplit::Interleaved),
-        (4, CopySplit::Interleaved),
-        (4, CopySplit::Shares),
-        (6, CopySplit::Interleaved),
-        (6, CopySplit::Shares),
-    ] {
-        split.push((
-            format!(
-                "ce-k{k}-{}",
-                if how == CopySplit::Shares {
-                    "shares"
-                } else {
-                    "rr"
-                }
-            ),
-            mk(cfg(|c| {
-                c.copy_streams = k;
-                c.copy_split = how;
-            })),
-        ));
-    }
-    for k in [1, 4] {
-        split.push((
-            format!("ce-k{k}-rr-hiprio"),
-            mk(cfg(|c| {
-                c.copy_streams = k;
-                c.copy_streams_high_priority = true;
-            })),
-        ));
-    }
-    let ce = opts(Some(CopyPath::CopyEngine), GpuLoad::Idle);
-    let gemm = if idle_only { None } else { Gemm::new(dev) };
-    for (tokens, packed) in [(4usize, true), (16, true), (4, false), (16, false)] {
-        let kib = tokens * 2;
-        let tag = if packed { "1-alloc" } else { "layer-alloc" };
-        let shape = Shape::new(dev, &arena, tokens, packed);
-        let on = shape.case(Direction::HostToDevice, 0..256);
-        let off = shape.case(Direction::DeviceToHost, 256..512);
-        let mut rows: Vec<(&str, &CudaCopier, CopyOptions)> =
-            split.iter().map(|(n, c)| (n.as_str(), c, ce)).collect();
-        rows.push(("staged (auto)", &main, opts(None, GpuLoad::Idle)));
-        for (name, copier, o) in rows {
-            let (h, _, _) = gbps(on.bytes, 5, || on.run(copier, o));
-            let (d, _, _) = gbps(off.bytes, 5, || off.run(copier, o));
-            let (b, blo, bhi) = gbps(on.bytes + off.bytes, 5, || both(copier, &on, &off, o));
-            println!(
-                "probe streams {kib:>2} KiB {tag:<11} {name:<16} idle H2D {:.3} D2H {:.3} both {:.3} [{:.3}-{:.3}]",
-                h / refs.h2d,
-                d / refs.d2h,
-                b / refs.both,
-                blo / refs.both,
-                bhi / refs.both
-            );
-        }
-        let Some(g) = gemm.as_ref() else { continue };
-        let copy_s = on.bytes as f64 / 40e9;
-        let gemm_n = ((6.0 * copy_s / 1.5e-3) as usize).max(60);
-        let busy = opts(None, GpuLoad::Busy);
-        let mut beside: Vec<(&str, &CudaCopier, CopyOptions)> =
-            vec![("staged (auto busy)", &main, busy)];
-        for (n, c) in &split {
-            let keep = if packed {
-                matches!(
-                    n.as_str(),
-                    "ce-k1-rr" | "ce-k2-rr" | "ce-k4-rr" | "ce-k4-shares" | "ce-k6-rr"
-                )
-            } else {
-                matches!(n.as_str(), "ce-k1-rr" | "ce-k4-rr")
-            };
-            if keep {
-                beside.push((n.as_str(), c, ce));
-            }
-        }
-        for (name, copier, o) in beside {
-            let mut line = format!("probe beside GEMM {kib:>2} KiB {tag:<11} {name:<18}");
-            for (label, cases) in [
-                ("H2D", vec![(&on, o)]),
-                ("D2H", vec![(&off, o)]),
-                ("both", vec![(&on, o), (&off, o)]),
-            ] {
-                let (mut losses, mut rates) = (Vec::new(), Vec::new());
-                for _ in 0..3 {
-                    let alone = g.run(gemm_n);
-                    let (t, c, _) = interfere(copier, g, &cases, gemm_n, 1);
-                    losses.push((1.0 - t / alone) * 100.0);
-                    rates.push(c);
-                }
-                let reference = match label {
-                    "H2D" => refs.h2d,
-                    "D2H" => refs.d2h,
-                    _ => refs.both,
-                };
-                let (c, _, _) = median(rates);
-                let (l, llo, lhi) = median(losses);
-                line += &format!(
-                    " | {label} {:.3} loss {l:.1}% [{llo:.1},{lhi:.1}]",
-                    c / reference
-                );
-            }
-            println!("{line}");
-        }
-    }
-    if idle_only {
-        return;
-    }
-
-    // Part 2: the caller's first chunks.
+    // The caller's first chunks.
     let ramps: Vec<(String, CudaCopier)> = [0usize, 1, 2, 3]
         .into_iter()
         .map(|n| {
@@ -167,10 +48,16 @@ pub(crate) fn run(dev: &CudaDevice) {
                 mk(cfg(|c| c.staged_caller_chunks = n)),
             )
         })
-        .chain([(
-            "no-feeder".to_string(),
-            mk(cfg(|c| c.staged_feeder = false)),
-        )])
+        .chain([
+            (
+                "caller-2-ramp-4".to_string(),
+                mk(cfg(|c| c.staged_ramp_chunks = 4)),
+            ),
+            (
+                "no-feeder".to_string(),
+                mk(cfg(|c| c.staged_feeder = false)),
+            ),
+        ])
         .collect();
     let st = opts(Some(CopyPath::Staged), GpuLoad::Idle);
     for (tokens, packed) in [(4usize, true), (4, false), (16, true), (16, false)] {
@@ -212,7 +99,7 @@ pub(crate) fn run(dev: &CudaDevice) {
         }
     }
 
-    // Part 3: both directions at 8 KiB, on one clock.
+    // Both directions at 8 KiB, on one clock; one direction likewise.
     let shape = Shape::new(dev, &arena, 4, true);
     let on = shape.case(Direction::HostToDevice, 0..256);
     let off = shape.case(Direction::DeviceToHost, 256..512);
@@ -240,58 +127,6 @@ pub(crate) fn run(dev: &CudaDevice) {
             "probe timeline H2D 8 KiB 1-alloc caller-chunks-{n}: copy + wait {wall:.0} us (at the reference rate {:.0} us)\n{}",
             on.bytes as f64 / refs.h2d / 1e3,
             tl.take_timeline().unwrap_or_default()
-        );
-    }
-    dma_pieces(dev, &main, &arena, &refs);
-}
-
-/// Plain DMA of 128 MiB each way as pieces of one size, in shuffled order
-/// (so none merge), one direction and both at once.
-fn dma_pieces(dev: &CudaDevice, copier: &CudaCopier, arena: &Arc<PinnedMemory>, refs: &Refs) {
-    let len = 128usize << 20;
-    let dev_buf: Arc<dyn CudaRegion> =
-        Arc::new(DeviceBuffer::new(dev, 2 * len).expect("device buffer"));
-    let host: Arc<dyn CudaRegion> = window(arena, 0, 2 * len);
-    let ce = opts(Some(CopyPath::CopyEngine), GpuLoad::Idle);
-    for piece in [512usize << 10, 2 << 20, len] {
-        let n = len / piece;
-        let order = random_blocks(n, n, 5);
-        let runs = |src_off: usize, dst_off: usize| -> Vec<CopyRun> {
-            order
-                .iter()
-                .enumerate()
-                .map(|(i, &j)| CopyRun {
-                    src_region: 0,
-                    src_offset: (src_off + j * piece) as u64,
-                    dst_region: 0,
-                    dst_offset: (dst_off + ((i * 7 + 3) % n) * piece) as u64,
-                    len: piece as u64,
-                })
-                .collect()
-        };
-        let h2d = Case {
-            runs: runs(0, 0),
-            src: vec![host.clone()],
-            dst: vec![dev_buf.clone()],
-            bytes: len as u64,
-        };
-        let d2h = Case {
-            runs: runs(len, len),
-            src: vec![dev_buf.clone()],
-            dst: vec![host.clone()],
-            bytes: len as u64,
-        };
-        let (h, _, _) = gbps(h2d.bytes, 7, || h2d.run(copier, ce));
-        let (d, _, _) = gbps(d2h.bytes, 7, || d2h.run(copier, ce));
-        let (b, lo, hi) = gbps(2 * len as u64, 7, || both(copier, &h2d, &d2h, ce));
-        println!(
-            "probe dma pieces {:>6} KiB x {n:>3}: H2D {:.3} D2H {:.3} both {:.3} [{:.3}-{:.3}]",
-            piece >> 10,
-            h / refs.h2d,
-            d / refs.d2h,
-            b / refs.both,
-            lo / refs.both,
-            hi / refs.both
         );
     }
 }

@@ -28,10 +28,6 @@ pub(crate) struct Lane {
     pub(crate) watcher: Watcher,
     pub(crate) kernel_stream: CUstream,
     pub(crate) copy_stream: CUstream,
-    /// More copy streams of the same direction (`CopierConfig::copy_streams`
-    /// − 1), each with the event that joins its share of a copy back into
-    /// `copy_stream`.
-    pub(crate) extra_copy: Vec<(CUstream, CUevent)>,
     pub(crate) state: Mutex<LaneState>,
     pub(crate) device: CudaDevice,
 }
@@ -73,38 +69,21 @@ impl Lane {
         check("cuCtxGetStreamPriorityRange", unsafe {
             sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest)
         })?;
-        let copy_priority = if config.copy_streams_high_priority {
-            greatest
-        } else {
-            least
-        };
         let kernel_stream = new_stream(greatest)?;
-        let copy_stream = match new_stream(copy_priority) {
+        let copy_stream = match new_stream(least) {
             Ok(s) => s,
             Err(e) => {
                 destroy_stream(kernel_stream);
                 return Err(e);
             }
         };
-        // From here on, `Drop` releases whatever was made.
         let mut lane = Lane {
             watcher: Watcher::spawn(device, name)?,
             kernel_stream,
             copy_stream,
-            extra_copy: Vec::new(),
             state: Mutex::new(LaneState { ring: None }),
             device: device.clone(),
         };
-        for _ in 1..config.copy_streams.max(1) {
-            let s = new_stream(copy_priority)?;
-            match new_event(false) {
-                Ok(e) => lane.extra_copy.push((s, e)),
-                Err(e) => {
-                    destroy_stream(s);
-                    return Err(e);
-                }
-            }
-        }
         if staged {
             let buf = DeviceBuffer::new(device, config.staging_slot_bytes * config.staging_slots)?;
             let mut slots = Vec::with_capacity(config.staging_slots);
@@ -130,20 +109,12 @@ impl Lane {
     /// Waits until both streams are idle (errors ignored: the caller is
     /// already reporting one).
     pub(crate) fn drain(&self) {
-        // SAFETY: the streams belong to this lane's context, which the
+        // SAFETY: both streams belong to this lane's context, which the
         // submitting thread made current.
         unsafe {
             sys::cuStreamSynchronize(self.kernel_stream);
             sys::cuStreamSynchronize(self.copy_stream);
-            for &(s, _) in &self.extra_copy {
-                sys::cuStreamSynchronize(s);
-            }
         }
-    }
-
-    /// The lane's copy streams, `copy_stream` first.
-    pub(crate) fn copy_streams(&self) -> impl Iterator<Item = CUstream> + '_ {
-        std::iter::once(self.copy_stream).chain(self.extra_copy.iter().map(|&(s, _)| s))
     }
 }
 
@@ -156,9 +127,6 @@ impl Drop for Lane {
         unsafe {
             sys::cuStreamSynchronize(self.kernel_stream);
             sys::cuStreamSynchronize(self.copy_stream);
-            for &(s, _) in &self.extra_copy {
-                sys::cuStreamSynchronize(s);
-            }
         }
         if let Some(ring) = self
             .state
@@ -171,10 +139,6 @@ impl Drop for Lane {
                 destroy_event(s.filled);
                 destroy_event(s.free);
             }
-        }
-        for &(s, e) in &self.extra_copy {
-            destroy_event(e);
-            destroy_stream(s);
         }
         destroy_stream(self.kernel_stream);
         destroy_stream(self.copy_stream);

@@ -46,4 +46,3 @@ pub use error::{CudaError, CudaResult};
 pub use memory::{CudaRegion, DeviceBuffer, ExternalDeviceMemory, Location};
 pub use pinned::{PinStats, PinnedMemory, PinnedOptions};
 pub use plan::CopyRun;
-pub use strided::CopySplit;

@@ -94,9 +94,9 @@ const MIN_RUNS_PER_PIECE: usize = 4;
 /// Runs from the start of a plan that decide whether plan order is kept.
 const ORDER_SAMPLE: usize = 1024;
 
-/// The first chunks are smaller (an eighth of a slot, then a quarter, a
-/// half): the first DMA starts as soon as a few runs are planned, and each
-/// chunk is planned faster than the one before it moves.
+/// The first chunks are smaller (by default an eighth of a slot, then a
+/// quarter, a half): the first DMA starts as soon as a few runs are
+/// planned, and each chunk is planned faster than the one before it moves.
 const RAMP_STEPS: u32 = 3;
 
 /// Cuts a staged copy into staging-slot chunks, one chunk at a time, so the
@@ -132,6 +132,8 @@ pub(crate) struct ChunkCursor {
     next: usize,
     done: u64,
     chunks: u32,
+    /// Chunks before full slots: chunk `i < ramp` holds `slot >> (ramp - i)`.
+    ramp: u32,
 }
 
 impl<'a> StagedChunker<'a> {
@@ -153,6 +155,7 @@ impl<'a> StagedChunker<'a> {
                 next: 0,
                 done: 0,
                 chunks: 0,
+                ramp: RAMP_STEPS,
             },
         };
         // Judged on a sample from the start of the plan (a full pass would
@@ -181,6 +184,13 @@ impl<'a> StagedChunker<'a> {
             }
         }
         me
+    }
+
+    /// The same chunker with `steps` ramp chunks (at most 16) before full
+    /// slots.
+    pub(crate) fn with_ramp(mut self, steps: u32) -> Self {
+        self.at.ramp = steps.min(16);
+        self
     }
 
     /// Continues a copy where `at` left it, over the same plan (`runs` and
@@ -242,7 +252,8 @@ impl<'a> StagedChunker<'a> {
         pieces: &mut Vec<Span>,
     ) -> usize {
         pieces.clear();
-        let limit = (self.slot_bytes >> (RAMP_STEPS - self.at.chunks.min(RAMP_STEPS))).max(1);
+        let ramp = self.at.ramp;
+        let limit = (self.slot_bytes >> (ramp - self.at.chunks.min(ramp))).max(1);
         self.at.chunks += 1;
         let mut used = 0u64;
         let mut n = 0usize;
@@ -293,7 +304,7 @@ impl<'a> StagedChunker<'a> {
     /// Device-side copies the whole copy can need: one per run, plus one
     /// per chunk boundary a run may straddle (the ramp adds its chunks).
     pub(crate) fn max_device_copies(&self, total_bytes: u64) -> usize {
-        self.runs.len() + (total_bytes / self.slot_bytes) as usize + 2 + RAMP_STEPS as usize
+        self.runs.len() + (total_bytes / self.slot_bytes) as usize + 2 + self.at.ramp as usize
     }
 }
 
@@ -333,7 +344,7 @@ mod tests {
     /// With `handoff = Some(k)`, the chunker is turned into a cursor after
     /// `k` chunks and the rest planned by a resumed one (over a copy of the
     /// plan, as the feeder thread does).
-    fn replay(runs: &[CopyRun], host: HostSide, slot: u64, handoff: Option<usize>) {
+    fn replay(runs: &[CopyRun], host: HostSide, slot: u64, handoff: Option<usize>, ramp: u32) {
         let src_bases = [0u64, 64 << 10, 128 << 10];
         let dst_bases = [192 << 10];
         let mem_len = 256 << 10;
@@ -356,7 +367,8 @@ mod tests {
         const STAGE: u64 = 1 << 30;
         let mut got = src.clone();
         let mut staging = vec![0u8; slot as usize];
-        let mut chunker = StagedChunker::new(runs, &src_bases, &dst_bases, host, slot);
+        let mut chunker =
+            StagedChunker::new(runs, &src_bases, &dst_bases, host, slot).with_ramp(ramp);
         let total: u64 = runs.iter().map(|r| r.len).sum();
         let cap = chunker.max_device_copies(total);
         let mut device = vec![CopyRun::default(); cap];
@@ -430,7 +442,7 @@ mod tests {
         #[test]
         fn staged_plan_replays_to_direct_copy(runs in arb_runs(), slot in 1u64..5_000, to_host in any::<bool>()) {
             let host = if to_host { HostSide::Destination } else { HostSide::Source };
-            replay(&runs, host, slot, None);
+            replay(&runs, host, slot, None, RAMP_STEPS);
         }
 
         /// A copy whose first chunks one thread planned and whose rest
@@ -441,9 +453,10 @@ mod tests {
             slot in 1u64..5_000,
             to_host in any::<bool>(),
             handoff in 0usize..6,
+            ramp in 0u32..6,
         ) {
             let host = if to_host { HostSide::Destination } else { HostSide::Source };
-            replay(&runs, host, slot, Some(handoff));
+            replay(&runs, host, slot, Some(handoff), ramp);
         }
 
         #[test]

@@ -56,6 +56,7 @@ use crate::completion::Completer;
 /// needs, owned, and the completer its caller already holds the other end
 /// of.
 pub(crate) struct StagedJob {
+    /// The plan, validated (taken from [`StagedRing::spare_runs`]).
     pub runs: Vec<CopyRun>,
     pub src_bases: Vec<u64>,
     pub dst_bases: Vec<u64>,
@@ -114,6 +115,8 @@ pub(crate) struct StagedRing {
     pub lane: Arc<Lane>,
     pub grid: Grid,
     pub batch: bool,
+    /// Ramp chunks before full slots (see `StagedChunker::with_ramp`).
+    pub ramp: u32,
     /// Where timelines go (diagnostics).
     pub timelines: Arc<Mutex<Vec<Timeline>>>,
     /// Jobs handed to the feeder and not yet wholly enqueued.
@@ -124,20 +127,17 @@ pub(crate) struct StagedRing {
 }
 
 impl StagedRing {
-    /// Starts a staged copy of `runs`; `job` carries everything else (its
-    /// `runs` empty). Without a feeder the whole copy is enqueued here.
-    /// With one, when the ring has nothing queued, the first
+    /// Starts the staged copy `job`. Without a feeder the whole copy is
+    /// enqueued here. With one, when the ring has nothing queued, the first
     /// `caller_chunks` chunks are enqueued here and the feeder continues;
     /// otherwise the feeder takes the whole job behind the others.
     pub(crate) fn submit(
         &self,
         feeder: Option<&Feeder<StagedJob>>,
         caller_chunks: usize,
-        runs: &[CopyRun],
         mut job: StagedJob,
     ) {
         let Some(feeder) = feeder else {
-            job.runs = runs.to_vec();
             self.feed(job);
             return;
         };
@@ -152,7 +152,7 @@ impl StagedRing {
                     )),
                     Some(ring) => self.staging().enqueue(
                         ring,
-                        runs,
+                        &job.runs,
                         &job.src_bases,
                         &job.dst_bases,
                         job.total,
@@ -164,14 +164,13 @@ impl StagedRing {
                     ),
                 };
                 match enqueued {
-                    Ok(Some(stream)) => {
-                        // The whole copy went in here.
-                        self.hand_to_watcher(Ok(stream), job);
-                        return;
-                    }
                     Ok(None) => {}
-                    Err(e) => {
-                        self.hand_to_watcher(Err(e), job);
+                    // The whole copy went in here, or failed.
+                    done => {
+                        let runs = std::mem::take(&mut job.runs);
+                        self.hand_to_watcher(done.map(|s| s.unwrap_or(lane.copy_stream)), job);
+                        drop(guard);
+                        self.give_back_runs(runs);
                         return;
                     }
                 }
@@ -182,24 +181,31 @@ impl StagedRing {
             self.queued.fetch_add(1, Ordering::AcqRel);
         }
         job.queued = true;
-        job.runs = self.spare_runs(runs);
         if let Err(job) = feeder.submit(job) {
             // The feeder thread is gone: enqueue here.
             self.feed(job);
         }
     }
 
-    /// A vector holding `runs`, reusing a finished job's allocation.
-    fn spare_runs(&self, runs: &[CopyRun]) -> Vec<CopyRun> {
-        let spare = self
+    /// An empty vector for a copy's run list, reusing a finished copy's
+    /// allocation (a fresh 640 KiB vector costs page faults on every copy).
+    pub(crate) fn spare_runs(&self) -> Vec<CopyRun> {
+        let mut v = self
             .spare_runs
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .pop();
-        let mut v = spare.unwrap_or_default();
+            .pop()
+            .unwrap_or_default();
         v.clear();
-        v.extend_from_slice(runs);
         v
+    }
+
+    /// Keeps a run list's allocation for [`StagedRing::spare_runs`].
+    pub(crate) fn give_back_runs(&self, runs: Vec<CopyRun>) {
+        let mut spare = self.spare_runs.lock().unwrap_or_else(|p| p.into_inner());
+        if spare.len() < 4 && runs.capacity() > 0 {
+            spare.push(runs);
+        }
     }
 
     fn staging(&self) -> Staging<'_> {
@@ -209,6 +215,7 @@ impl StagedRing {
             lane: &self.lane,
             grid: self.grid,
             batch: self.batch,
+            ramp: self.ramp,
         }
     }
 
@@ -255,10 +262,7 @@ impl StagedRing {
         self.finish_queued(&job);
         self.hand_to_watcher(enqueued, job);
         drop(guard);
-        let mut spare = self.spare_runs.lock().unwrap_or_else(|p| p.into_inner());
-        if spare.len() < 4 {
-            spare.push(runs);
-        }
+        self.give_back_runs(runs);
     }
 
     fn finish_queued(&self, job: &StagedJob) {
@@ -309,6 +313,8 @@ pub(crate) struct Staging<'a> {
     pub lane: &'a Arc<Lane>,
     pub grid: Grid,
     pub batch: bool,
+    /// Ramp chunks before full slots (see `StagedChunker::with_ramp`).
+    pub ramp: u32,
 }
 
 impl Staging<'_> {
@@ -338,7 +344,8 @@ impl Staging<'_> {
         let p = match progress {
             Some(p) => p,
             None => {
-                let chunker = StagedChunker::new(runs, src_bases, dst_bases, host, slot_bytes);
+                let chunker = StagedChunker::new(runs, src_bases, dst_bases, host, slot_bytes)
+                    .with_ramp(self.ramp);
                 // The device-side copies are written straight into pinned
                 // memory the kernel reads in place: no upload, so no wait
                 // behind another copy's DMA on the host-to-device engine

@@ -199,48 +199,6 @@ pub(crate) fn strided_copies(
     flatten_short(best, limits.min_height)
 }
 
-/// How a copy's families are dealt to several copy streams.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum CopySplit {
-    /// Family `i` goes to stream `i mod k`.
-    #[default]
-    Interleaved,
-    /// Each stream takes one contiguous share of the families, the shares
-    /// about equal in bytes.
-    Shares,
-}
-
-/// Deals `copies` to `k` streams (see [`CopySplit`]); every copy lands in
-/// exactly one share, in its original order within the share. Fewer than
-/// `k` shares come back when there are fewer copies than streams.
-pub(crate) fn split_copies(copies: &[Strided], k: usize, how: CopySplit) -> Vec<Vec<Strided>> {
-    let k = k.clamp(1, copies.len().max(1));
-    let mut out: Vec<Vec<Strided>> = (0..k).map(|_| Vec::new()).collect();
-    match how {
-        CopySplit::Interleaved => {
-            for (i, c) in copies.iter().enumerate() {
-                out[i % k].push(*c);
-            }
-        }
-        CopySplit::Shares => {
-            let total: u64 = copies.iter().map(|c| c.width * c.height).sum();
-            let mut done = 0u64;
-            for c in copies {
-                // The share this copy's first byte falls in.
-                let i = if total == 0 {
-                    0
-                } else {
-                    ((u128::from(done) * k as u128) / u128::from(total)) as usize
-                };
-                out[i.min(k - 1)].push(*c);
-                done += c.width * c.height;
-            }
-        }
-    }
-    out.retain(|s| !s.is_empty());
-    out
-}
-
 /// Replaces families shorter than `min_height` by their lines.
 fn flatten_short(families: Vec<Strided>, min_height: u64) -> Vec<Strided> {
     if families
@@ -465,42 +423,6 @@ mod tests {
         // Overlapping or backwards steps never group.
         let back = [spans[1], spans[0]];
         assert_eq!(group_affine(&back, &[], &[], u64::MAX).len(), 2);
-    }
-
-    #[test]
-    fn split_deals_every_copy_once() {
-        let copies: Vec<Strided> = (0..10u64)
-            .map(|i| Strided {
-                src: i * 1000,
-                dst: i * 1000,
-                width: 100 + i,
-                height: 1 + i % 3,
-                src_pitch: 200,
-                dst_pitch: 200,
-            })
-            .collect();
-        for how in [CopySplit::Interleaved, CopySplit::Shares] {
-            for k in [1, 2, 3, 4, 6, 20] {
-                let shares = split_copies(&copies, k, how);
-                assert!(shares.len() <= k.min(copies.len()));
-                assert!(shares.iter().all(|s| !s.is_empty()));
-                let mut all: Vec<Strided> = shares.concat();
-                all.sort_by_key(|c| c.src);
-                assert_eq!(all, copies, "{how:?} k={k}");
-                if how == CopySplit::Shares {
-                    // Contiguous shares: concatenated in order, the plan.
-                    assert_eq!(shares.concat(), copies);
-                }
-            }
-        }
-        assert!(split_copies(&[], 4, CopySplit::Shares).is_empty());
-        // Shares of equal copies are equal in size.
-        let even = vec![copies[0]; 12];
-        let sizes: Vec<usize> = split_copies(&even, 4, CopySplit::Shares)
-            .iter()
-            .map(Vec::len)
-            .collect();
-        assert_eq!(sizes, [3, 3, 3, 3]);
     }
 
     fn arb_case() -> impl Strategy<Value = (Vec<CopyRun>, Vec<u64>, Vec<u64>)> {

@@ -20,6 +20,8 @@ pub(crate) struct Timeline {
     /// A label for the report (the direction).
     pub label: &'static str,
     pub entered: Instant,
+    /// When the copier had checked the plan (the timeline is made then).
+    checked: Instant,
     pub set_up: Option<Instant>,
     pub enqueued: Option<Instant>,
     /// When the copy was handed to the watcher.
@@ -45,6 +47,7 @@ impl Timeline {
         Timeline {
             label,
             entered,
+            checked: Instant::now(),
             set_up: None,
             enqueued: None,
             returned: None,
@@ -119,9 +122,10 @@ pub(crate) fn report(timelines: Vec<Timeline>) -> String {
     let mut out = String::new();
     for t in &timelines {
         out += &format!(
-            "staged timeline {}: entered {:.0} us, set up {:.0} us, all chunks enqueued {:.0} us, watched {:.0} us",
+            "staged timeline {}: entered {:.0} us, plan checked {:.0} us, set up {:.0} us, all chunks enqueued {:.0} us, watched {:.0} us",
             t.label,
             us(Some(t.entered)),
+            us(Some(t.checked)),
             us(t.set_up),
             us(t.enqueued),
             us(t.returned)
