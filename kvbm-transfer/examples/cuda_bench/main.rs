@@ -337,6 +337,16 @@ fn references(dev: &CudaDevice, copier: &CudaCopier, reps: usize) -> Refs {
     }
 }
 
+/// `rows`, then (when `twice`) the same rows in reverse order: the machine
+/// drifts, and a row measured first in a shape can catch a transient.
+fn in_two_passes<T: Clone>(rows: Vec<T>, twice: bool) -> Vec<T> {
+    let mut out = rows.clone();
+    if twice {
+        out.extend(rows.into_iter().rev());
+    }
+    out
+}
+
 fn main() {
     let Some(dev) = device_or_skip() else { return };
     std::thread::spawn(|| {
@@ -480,11 +490,14 @@ fn main() {
             };
             let mut best = 0f64;
             let mut auto = Vec::new();
-            for (name, copier, o) in copiers
-                .variants(packed)
-                .into_iter()
-                .filter(|v| in_focus(v.0) && !(focus && v.0.starts_with("auto-busy")))
-            {
+            for (name, copier, o) in in_two_passes(
+                copiers
+                    .variants(packed)
+                    .into_iter()
+                    .filter(|v| in_focus(v.0) && !(focus && v.0.starts_with("auto-busy")))
+                    .collect(),
+                focus,
+            ) {
                 if let Err(e) = case.try_run(copier, o) {
                     println!("{kib:>3} KiB {tag} runs {d:?} {name}: FAILED {e}");
                     continue;
@@ -542,11 +555,14 @@ fn main() {
         let off = mk(Direction::DeviceToHost, 256..512);
         let reps = if tokens > 16 { 3 } else { reps };
         let mut best_bi = 0f64;
-        for (name, copier, o) in copiers
-            .variants(packed)
-            .into_iter()
-            .filter(|v| !gemm_only && in_focus(v.0) && !(focus && v.0.starts_with("auto-busy")))
-        {
+        for (name, copier, o) in in_two_passes(
+            copiers
+                .variants(packed)
+                .into_iter()
+                .filter(|v| !gemm_only && in_focus(v.0) && !(focus && v.0.starts_with("auto-busy")))
+                .collect(),
+            focus,
+        ) {
             let (m, lo, hi) = gbps(on.bytes + off.bytes, reps, || both(copier, &on, &off, o));
             // The same submitted from two threads, as an engine's offload
             // and onboard tasks would.
