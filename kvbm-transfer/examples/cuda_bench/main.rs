@@ -522,7 +522,7 @@ fn main() {
                     best = best.max(m);
                 }
             }
-            for (name, m) in auto {
+            for (name, m) in auto.into_iter().filter(|_| best > 0.0) {
                 println!(
                     "{kib:>3} KiB {tag} runs {d:?} {name} / best path = {:.3}",
                     m / best
@@ -577,10 +577,12 @@ fn main() {
                 m2 / ref_bi
             );
             if name.starts_with("auto") {
-                println!(
-                    "{kib:>3} KiB {tag} runs both directions {name} / best path = {:.3}",
-                    m / best_bi
-                );
+                if best_bi > 0.0 {
+                    println!(
+                        "{kib:>3} KiB {tag} runs both directions {name} / best path = {:.3}",
+                        m / best_bi
+                    );
+                }
             } else {
                 best_bi = best_bi.max(m);
             }

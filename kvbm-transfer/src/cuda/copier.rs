@@ -151,18 +151,22 @@ pub struct CopierConfig {
     /// for `wake_spin_us`: a copy never ends before its bytes at this rate.
     pub line_rate_bytes_per_s: f64,
     /// Staged copies are enqueued by a feeder thread per staging ring, so
-    /// `copy()` returns at once and an onboard and an offload submitted by
+    /// `copy()` returns early and an onboard and an offload submitted by
     /// one thread are enqueued side by side (H200 machine, both directions
-    /// from one thread: 0.82–0.84 of the bidirectional rate at 8 KiB runs,
-    /// 0.92–0.97 at 32 KiB, against 0.72–0.80 and 0.90–0.93 without). The
-    /// hand-off costs a lone copy 1–8% at 8 KiB runs (one direction 0.82–
-    /// 0.89 against 0.86–0.92). `false` enqueues on the caller's thread
+    /// from one thread at 8 KiB runs: 0.86–0.88 of the bidirectional rate
+    /// against 0.76–0.79 without). `false` enqueues on the caller's thread
     /// before `copy()` returns.
     pub staged_feeder: bool,
     /// With the feeder: when a ring has nothing queued, the caller enqueues
     /// this many first chunks of a staged copy itself (the GPU starts with
-    /// no hand-off to the feeder thread) and the feeder continues; 0 hands
-    /// every copy over whole.
+    /// no hand-off to the feeder thread) and the feeder continues from
+    /// there; 0 hands every copy over whole. Handing over whole cost a lone
+    /// copy the thread hand-off: on the H200 machine, 8 KiB runs one way,
+    /// medians of 8 copies in three runs, 0 chunks 0.863–0.885, 1 chunk
+    /// 0.857–0.887 (the feeder's wake-up outlasts the first chunk's DMA),
+    /// 2 chunks 0.875–0.898, 3 chunks 0.883–0.903, no feeder 0.879–0.893;
+    /// both directions from one thread 2 chunks 0.856–0.877 against
+    /// 0.829–0.856 with 0.
     pub staged_caller_chunks: usize,
     /// Staged copies start with this many smaller chunks (a half slot, a
     /// quarter, … back to `1 / 2^n` of a slot for the first), so the first

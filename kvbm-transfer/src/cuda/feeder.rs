@@ -6,9 +6,10 @@
 //! one thread submits an onboard and then an offload, the offload's first
 //! chunk reached the GPU only after the whole onboard had been enqueued — a
 //! fifth of an 8 KiB-run copy lost on the H200 machine. With a feeder per
-//! ring the two copies are enqueued by two threads at the same time, and
-//! each ring's first chunk is on the GPU tens of microseconds after its
-//! call.
+//! ring the two copies are enqueued by two threads at the same time. A
+//! lone copy does not wait for this thread to wake: when the ring has
+//! nothing queued, the caller enqueues the first chunks itself and the
+//! feeder continues from there (see `StagedRing::submit`).
 //!
 //! Jobs run in submission order (one ring's slots are reused in order).
 //! A job that is never run still resolves its completion: the completer

@@ -10,16 +10,16 @@
 //! while a long kernel of the model holds every SM the DMA keeps draining
 //! (or filling) the slots already staged.
 //!
-//! Everything is ordered on the GPU: no host thread waits per chunk. When
-//! the ring has nothing queued, the caller enqueues the first chunks itself
-//! (the GPU starts at once, with no hand-off to another thread) and the
-//! ring's feeder thread (see `feeder`) continues from there while the
-//! caller's `copy()` returns; otherwise the whole copy queues behind the
-//! others on the feeder. Once running,
-//! the DMA moves slot after slot at line rate (1.3 µs between slots on the
-//! H200 machine), so what the path loses is fixed cost, and that is what
-//! this module keeps small:
+//! Everything is ordered on the GPU: no host thread waits per chunk. Once
+//! running, the DMA moves slot after slot at line rate (1.3 µs between
+//! slots on the H200 machine), so what the path loses is fixed cost, and
+//! that is what this module keeps small:
 //!
+//! - when the ring has nothing queued, the caller enqueues the first two
+//!   chunks itself (the GPU starts with no wait for another thread to wake)
+//!   and hands the rest, with the chunker's cursor, to the ring's feeder
+//!   thread (see `feeder`), which continues while `copy()` returns; with
+//!   copies queued, the whole copy goes behind them on the feeder;
 //! - chunks are planned one at a time, in plan order (see
 //!   [`StagedChunker`]), the first ones small (an eighth of a slot, then a
 //!   quarter, a half), so the first DMA starts tens of microseconds after
@@ -30,8 +30,8 @@
 //!   and held a concurrent offload back until the onboard ended (both
 //!   directions from one thread at 0.5 of the bidirectional rate).
 //!
-//! A [`Timeline`] (diagnostics, `CopierConfig::timeline`) records host
-//! instants and GPU timing events around every chunk.
+//! A `Timeline` (diagnostics, `CopierConfig::timeline`, see `timeline`)
+//! records host instants and GPU timing events around every chunk.
 
 use std::any::Any;
 use std::sync::atomic::{AtomicUsize, Ordering};
