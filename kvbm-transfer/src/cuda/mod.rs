@@ -11,8 +11,9 @@
 //! - [`copier`]: the executor with its three paths (copy engines, kernel,
 //!   staged) and the measured rule choosing between them; its lanes
 //!   (streams, staging ring, descriptor buffers), the staged path's
-//!   pipeline and the feeder thread that enqueues it live in private
-//!   modules (`lanes`, `staged`, `feeder`).
+//!   pipeline, the feeder thread that continues it and its diagnostic
+//!   timelines live in private modules (`lanes`, `staged`, `feeder`,
+//!   `timeline`).
 //! - [`completion`]: GPU completion as the crate's completion future,
 //!   resolved by a watcher thread that sleeps until a copy can have ended,
 //!   polls briefly, then sleeps in `cuEventSynchronize`.

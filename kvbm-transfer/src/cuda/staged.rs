@@ -200,10 +200,11 @@ impl StagedRing {
         v
     }
 
-    /// Keeps a run list's allocation for [`StagedRing::spare_runs`].
+    /// Keeps a run list's allocation for [`StagedRing::spare_runs`] (a few
+    /// of them, none above `MAX_SPARE_RUNS`).
     pub(crate) fn give_back_runs(&self, runs: Vec<CopyRun>) {
         let mut spare = self.spare_runs.lock().unwrap_or_else(|p| p.into_inner());
-        if spare.len() < 4 && runs.capacity() > 0 {
+        if spare.len() < 4 && runs.capacity() > 0 && runs.capacity() <= MAX_SPARE_RUNS {
             spare.push(runs);
         }
     }
@@ -481,6 +482,10 @@ impl Staging<'_> {
         }))
     }
 }
+
+/// Run lists up to this capacity (5 MiB) are kept for reuse; a larger one
+/// is freed rather than held for the copier's lifetime.
+const MAX_SPARE_RUNS: usize = 1 << 17;
 
 /// Bytes at the start of a staged descriptor buffer holding the base table
 /// `[0]`: device-side copies carry absolute addresses.
