@@ -8,7 +8,9 @@
 //! `KVBM_WINDOWS`: entries `MIB:WORKERS[:BLOCKS][/PATH]` (window size,
 //! route worker threads, blocks per executor batch — default 512, the
 //! whole file in one batch — and the copier path: `ce`, `staged`,
-//! `kernel`, default the copier's choice). Before the rounds, a probe page-locks one page of
+//! `kernel`, default the copier's choice), optionally `@KEEP_MIB`: keep
+//! that much registered between transfers, one route for all rounds, so
+//! round 0 is cold and the others find the windows registered. Before the rounds, a probe page-locks one page of
 //! the file with and without the read-only flag (do long-term writable
 //! pins of file pages get refused?) and times registration alone.
 
@@ -25,6 +27,10 @@ struct Entry {
     workers: usize,
     batch: usize,
     path: Option<CopyPath>,
+    /// Bytes kept registered between transfers; such an entry keeps one
+    /// route for all rounds (round 0 registers, later rounds reuse).
+    keep: u64,
+    kept: Option<(Arc<FileWindowRoute>, Executor)>,
     times: Vec<f64>,
     cpu: Vec<f64>,
     stats: Vec<FileWindowStats>,
@@ -34,6 +40,7 @@ fn entries_from_env() -> Vec<Entry> {
     let spec = std::env::var("KVBM_WINDOWS").unwrap_or_else(|_| "64:2".into());
     spec.split_whitespace()
         .map(|e| {
+            let (e, keep) = e.split_once('@').unwrap_or((e, "0"));
             let (nums, path) = e.split_once('/').unwrap_or((e, "auto"));
             let mut it = nums
                 .split(':')
@@ -48,6 +55,8 @@ fn entries_from_env() -> Vec<Entry> {
                     "kernel" => Some(CopyPath::Kernel),
                     _ => None,
                 },
+                keep: keep.parse::<u64>().expect("keep MiB") * MIB,
+                kept: None,
                 times: Vec::new(),
                 cpu: Vec::new(),
                 stats: Vec::new(),
@@ -447,6 +456,7 @@ pub(super) fn bench_window_gpu(runs: usize, dir: &std::path::Path) {
                     window_bytes: e.window,
                     workers: e.workers,
                     path: e.path,
+                    keep_registered_bytes: e.keep,
                     ..FileWindowConfig::default()
                 },
             )
@@ -495,7 +505,13 @@ pub(super) fn bench_window_gpu(runs: usize, dir: &std::path::Path) {
         let n = entries.len();
         for k in 0..n {
             let e = &mut entries[if i % 2 == 0 { k } else { n - 1 - k }];
-            let (route, exec) = route_exec(e);
+            let (route, exec) = match &e.kept {
+                Some(kept) => kept.clone(),
+                None => route_exec(e),
+            };
+            if e.keep > 0 {
+                e.kept = Some((route.clone(), exec.clone()));
+            }
             let (t, c) = measure(|| {
                 exec.transfer(&file, &dev, &pairs).wait().unwrap();
             });
@@ -559,10 +575,24 @@ pub(super) fn bench_window_gpu(runs: usize, dir: &std::path::Path) {
         if s.windows == 0 {
             println!("  (the route declined: every transfer above took the bounce pipeline)");
         }
+        if e.keep > 0 && e.times.len() > 1 {
+            let mut warm = gbs(&e.times[1..]);
+            println!(
+                "    kept {} MiB registered: round 0 (cold) {:.1} GB/s, later rounds {:.1} GB/s ({}), {} window hits",
+                e.keep / MIB,
+                gbs(&e.times[..1])[0],
+                median(&mut warm),
+                spread(&warm),
+                s.kept_hits
+            );
+        }
     }
     // Check every entry's route once more, byte for byte.
     for e in &entries {
-        let (_route, exec) = route_exec(e);
+        let (_route, exec) = match &e.kept {
+            Some(kept) => kept.clone(),
+            None => route_exec(e),
+        };
         check_device(&seed, &dev_l, &buffers, || {
             exec.transfer(&file, &dev, &pairs).wait().unwrap();
         });

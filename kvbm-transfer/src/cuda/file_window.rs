@@ -12,19 +12,31 @@
 //! whichever path it picks), and unregisters the window when its DMA is
 //! done. Each byte crosses DRAM once, read by the DMA.
 //!
-//! Registration is not free (the driver pins and maps every 4 KiB page of
-//! the window), so windows go through a few worker threads: while one
-//! waits for its window's DMA, the next registers its own. At most
-//! `workers × window_bytes` of the file is page-locked at any time, and
-//! nothing stays registered between jobs.
+//! Registration is not free, and on the H200 machine (driver 580, Linux
+//! 6.18) it cannot overlap the DMA: page-locking runs at 40–56 GB/s and
+//! releasing at ~100, but a DMA running while another thread registers
+//! windows fell from 46–47 GB/s to 7–12 (`docs/benchmarks.md`). A window
+//! registered for one copy therefore costs register + DMA + unregister in
+//! sequence, and a cold file moves at 16–20 GB/s — less than the bounce
+//! pipeline's 22–29, for a sixth of its CPU time. Windows that stay
+//! registered cost only their DMA (45–48 GB/s, the pinned-memory rate):
+//! [`FileWindowConfig::keep_registered_bytes`] keeps up to that many bytes
+//! of fixed file windows registered between jobs, least recently used
+//! released first. Windows go through a few worker threads; at most
+//! `workers × window_bytes` plus the kept bytes are page-locked at once.
 //!
 //! Read-only pins of file pages are what Linux allows long-term (from 6.5
-//! it refuses long-term *writable* pins of most file-backed pages). Before
-//! a file system's first job the route page-locks one page of the file; if
-//! the driver or kernel refuses, the refusal is logged once and remembered,
+//! it refuses long-term *writable* pins of most file-backed pages; on the
+//! H200 machine a registration without the read-only flag was refused with
+//! `CUDA_ERROR_INVALID_VALUE` on ext4 and tmpfs alike). Before a file
+//! system's first job the route page-locks one page of the file; if the
+//! driver or kernel refuses, the refusal is logged once and remembered,
 //! and every job on that file system is declined (the executor then takes
 //! the bounce pipeline). A registration refused in the middle of a job
 //! fails that job (naming the file and range) and declines later ones.
+//! Bytes written to the file later (through `pwrite`, into the same page
+//! cache pages) are what a kept window's next copy reads; a file
+//! truncated while kept would leave the window reading the old pages.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -44,7 +56,8 @@ use crate::backend::{Side, TransferJob};
 use crate::completion::{CancelToken, Completer, Completion, completion_pair};
 use crate::disk::FileMap;
 use crate::disk::route::{
-    FileRoute, FileWindow, RouteFacts, RouteRefusal, plan_windows, route_refusal,
+    FileRoute, FileWindow, RouteFacts, RouteRefusal, plan_fixed_windows, plan_windows,
+    route_refusal,
 };
 use crate::error::TransferError;
 use crate::memory::{DiskFile, MemoryKind, MemoryRegion};
@@ -62,6 +75,13 @@ pub struct FileWindowConfig {
     /// Force the copier's path for the windows' copies; `None` lets it
     /// choose.
     pub path: Option<CopyPath>,
+    /// Keep up to this many bytes of windows registered between jobs
+    /// (least recently used released first). 0: every window is released
+    /// after its copy. Kept windows are fixed `window_bytes` slices of the
+    /// file, so a later job over the same bytes finds them registered and
+    /// costs only its DMA; they are page-locked page cache, which the
+    /// kernel cannot reclaim while kept.
+    pub keep_registered_bytes: u64,
 }
 
 impl Default for FileWindowConfig {
@@ -71,6 +91,7 @@ impl Default for FileWindowConfig {
             max_gap: 2 << 20,
             workers: 2,
             path: None,
+            keep_registered_bytes: 0,
         }
     }
 }
@@ -88,10 +109,13 @@ pub struct FileWindowStats {
     pub dma_ns: u64,
     /// Nanoseconds in `cuMemHostUnregister`.
     pub unregister_ns: u64,
+    /// Windows found still registered from an earlier job.
+    pub kept_hits: u64,
 }
 
 #[derive(Default)]
 struct Counters {
+    kept_hits: AtomicU64,
     windows: AtomicU64,
     registered_bytes: AtomicU64,
     register_ns: AtomicU64,
@@ -112,6 +136,32 @@ struct Shared {
     verdicts: Mutex<HashMap<u64, Option<String>>>,
     counters: Counters,
     logged_refusal: AtomicBool,
+    kept: Mutex<Kept>,
+}
+
+/// Windows kept registered between jobs, by (file id, window start).
+#[derive(Default)]
+struct Kept {
+    windows: HashMap<(u64, u64), Arc<KeptWindow>>,
+    bytes: u64,
+    clock: u64,
+}
+
+/// A registered window of a file mapping. Field order matters: the
+/// registration is released before the mapping it lies in.
+struct KeptWindow {
+    reg: Registration,
+    len: u64,
+    map: Arc<FileMap>,
+    last_used: AtomicU64,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // Kept registrations are released with the device's context current.
+        let _ = self.device.bind();
+        self.kept.lock().windows.clear();
+    }
 }
 
 /// Buffered file → device memory with no CPU copy (see the module docs).
@@ -161,6 +211,7 @@ impl FileWindowRoute {
                 verdicts: Mutex::new(HashMap::new()),
                 counters: Counters::default(),
                 logged_refusal: AtomicBool::new(false),
+                kept: Mutex::new(Kept::default()),
             }),
             pool,
         })
@@ -180,6 +231,7 @@ impl FileWindowRoute {
             register_ns: c.register_ns.load(Ordering::Relaxed),
             dma_ns: c.dma_ns.load(Ordering::Relaxed),
             unregister_ns: c.unregister_ns.load(Ordering::Relaxed),
+            kept_hits: c.kept_hits.load(Ordering::Relaxed),
         }
     }
 
@@ -260,23 +312,14 @@ impl Shared {
             )));
         }
         self.device.bind().map_err(to_transfer_error)?;
-        let addr = map.addr() + w.start as usize;
+        let keep = self.config.keep_registered_bytes > 0;
         let t0 = Instant::now();
-        let reg = Registration::new(addr, w.len as usize).map_err(|e| {
-            // Later jobs on this file system take the bounce pipeline.
-            if let Some(dev) = file_system_id(&w.file) {
-                self.verdicts.lock().insert(dev, Some(e.to_string()));
-            }
-            TransferError::Backend {
-                backend: "file-window",
-                message: format!(
-                    "page-locking {} bytes {}+{} refused: {e}",
-                    w.file.path().display(),
-                    w.start,
-                    w.len
-                ),
-            }
-        })?;
+        let reg = if keep {
+            Held::Kept(self.kept_window(w, &map)?)
+        } else {
+            Held::Own(self.register(w, map.addr() + w.start as usize)?)
+        };
+        let addr = reg.addr();
         let t1 = Instant::now();
         let window: Arc<dyn CudaRegion> = Arc::new(WindowRegion {
             addr: addr as u64,
@@ -297,18 +340,102 @@ impl Shared {
         let t2 = Instant::now();
         // The copy has completed or failed with nothing in flight (the
         // copier drains its lane on an enqueue error): the device no longer
-        // reads the window.
+        // reads the window, which may be released now.
         drop(reg);
+        if keep {
+            self.evict(self.config.keep_registered_bytes);
+        }
         let t3 = Instant::now();
         let c = &self.counters;
         let ns = |a: Instant, b: Instant| (b - a).as_nanos() as u64;
         c.windows.fetch_add(1, Ordering::Relaxed);
-        c.registered_bytes.fetch_add(w.len, Ordering::Relaxed);
         c.register_ns.fetch_add(ns(t0, t1), Ordering::Relaxed);
         c.dma_ns.fetch_add(ns(t1, t2), Ordering::Relaxed);
         c.unregister_ns.fetch_add(ns(t2, t3), Ordering::Relaxed);
         drop(map);
         moved.map_err(to_transfer_error)
+    }
+
+    /// Page-locks `[addr, addr + w.len)`; a refusal is remembered for the
+    /// file's file system (later jobs there take the bounce pipeline).
+    fn register(&self, w: &FileWindow, addr: usize) -> Result<Registration, TransferError> {
+        let reg = Registration::new(addr, w.len as usize).map_err(|e| {
+            if let Some(dev) = file_system_id(&w.file) {
+                self.verdicts.lock().insert(dev, Some(e.to_string()));
+            }
+            TransferError::Backend {
+                backend: "file-window",
+                message: format!(
+                    "page-locking {} bytes {}+{} refused: {e}",
+                    w.file.path().display(),
+                    w.start,
+                    w.len
+                ),
+            }
+        })?;
+        self.counters
+            .registered_bytes
+            .fetch_add(w.len, Ordering::Relaxed);
+        Ok(reg)
+    }
+
+    /// The kept registration of `w` (a fixed window), registering it if
+    /// it is not kept yet. The lock is held while registering, so two
+    /// workers never register one range twice.
+    fn kept_window(
+        &self,
+        w: &FileWindow,
+        map: &Arc<FileMap>,
+    ) -> Result<Arc<KeptWindow>, TransferError> {
+        let mut kept = self.kept.lock();
+        kept.clock += 1;
+        let now = kept.clock;
+        if let Some(k) = kept.windows.get(&(w.file.id(), w.start)) {
+            k.last_used.store(now, Ordering::Relaxed);
+            self.counters.kept_hits.fetch_add(1, Ordering::Relaxed);
+            return Ok(k.clone());
+        }
+        let reg = self.register(w, map.addr() + w.start as usize)?;
+        let k = Arc::new(KeptWindow {
+            reg,
+            len: w.len,
+            map: map.clone(),
+            last_used: AtomicU64::new(now),
+        });
+        kept.windows.insert((w.file.id(), w.start), k.clone());
+        kept.bytes += w.len;
+        Ok(k)
+    }
+
+    /// Releases kept windows no copy uses, those of closed files first,
+    /// then the least recently used, until at most `budget` bytes are kept.
+    fn evict(&self, budget: u64) {
+        let mut kept = self.kept.lock();
+        let dead: Vec<(u64, u64)> = kept
+            .windows
+            .iter()
+            .filter(|(_, k)| !k.map.file_alive() && Arc::strong_count(k) == 1)
+            .map(|(key, _)| *key)
+            .collect();
+        for key in dead {
+            if let Some(k) = kept.windows.remove(&key) {
+                kept.bytes -= k.len;
+            }
+        }
+        while kept.bytes > budget {
+            let Some(key) = kept
+                .windows
+                .iter()
+                .filter(|(_, k)| Arc::strong_count(k) == 1)
+                .min_by_key(|(_, k)| k.last_used.load(Ordering::Relaxed))
+                .map(|(key, _)| *key)
+            else {
+                break;
+            };
+            if let Some(k) = kept.windows.remove(&key) {
+                kept.bytes -= k.len;
+            }
+        }
     }
 
     fn device_regions(&self, job: &TransferJob) -> Result<Vec<Arc<dyn CudaRegion>>, TransferError> {
@@ -379,6 +506,24 @@ impl Drop for Registration {
         let rc = unsafe { sys::cuMemHostUnregister(self.addr as *mut c_void) };
         if rc != sys::cudaError_enum::CUDA_SUCCESS {
             tracing::warn!(code = ?rc, "cuMemHostUnregister of a file window failed");
+        }
+    }
+}
+
+/// The registration a window's copy runs under.
+enum Held {
+    /// Registered for this copy only; released when dropped.
+    Own(Registration),
+    /// Kept between jobs; released by eviction.
+    Kept(Arc<KeptWindow>),
+}
+
+impl Held {
+    /// The window's first byte.
+    fn addr(&self) -> usize {
+        match self {
+            Held::Own(r) => r.addr,
+            Held::Kept(k) => k.reg.addr,
         }
     }
 }
@@ -495,7 +640,12 @@ impl FileRoute for FileWindowRoute {
             return Completion::ready(Err(TransferError::Cancelled));
         }
         let cfg = &self.shared.config;
-        let windows = match plan_windows(&job, cfg.window_bytes, cfg.max_gap) {
+        let planned = if cfg.keep_registered_bytes > 0 {
+            plan_fixed_windows(&job, cfg.window_bytes)
+        } else {
+            plan_windows(&job, cfg.window_bytes, cfg.max_gap)
+        };
+        let windows = match planned {
             Ok(w) => w,
             Err(e) => return Completion::ready(Err(e)),
         };

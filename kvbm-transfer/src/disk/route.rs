@@ -206,6 +206,52 @@ pub fn plan_windows(job: &TransferJob, window_bytes: u64, max_gap: u64) -> Resul
         .collect())
 }
 
+/// Cuts `job` into the fixed windows `[k × window_bytes, (k + 1) ×
+/// window_bytes)` of its source files that its runs touch (each clamped to
+/// the file's page-rounded end), runs split at window edges — stable
+/// windows, so a route can keep them registered between jobs. Bounds are
+/// checked first; `window_bytes` is rounded up to a page.
+pub fn plan_fixed_windows(job: &TransferJob, window_bytes: u64) -> Result<Vec<FileWindow>> {
+    job.validate_bounds()?;
+    let w = align_up(window_bytes.max(WINDOW_ALIGN));
+    let regions = job.regions(Side::Source);
+    let mut windows: Vec<FileWindow> = Vec::new();
+    let mut index: std::collections::HashMap<(u64, u64), usize> = Default::default();
+    for run in job.runs.iter().filter(|r| r.len > 0) {
+        let (file, base) = regions[run.src_region as usize]
+            .file_location()
+            .ok_or_else(|| {
+                TransferError::InvalidRequest("a file route's source is not a file".into())
+            })?;
+        let mut done = 0;
+        while done < run.len {
+            let at = base + run.src_offset + done;
+            let slot = at / w;
+            let len = (run.len - done).min((slot + 1) * w - at);
+            let i = *index.entry((file.id(), slot)).or_insert_with(|| {
+                let start = slot * w;
+                windows.push(FileWindow {
+                    file: Arc::clone(file),
+                    start,
+                    len: w.min(align_up(file.len()).saturating_sub(start)),
+                    runs: Vec::new(),
+                });
+                windows.len() - 1
+            });
+            windows[i].runs.push(CopyRun {
+                src_region: 0,
+                src_offset: at - slot * w,
+                dst_region: run.dst_region,
+                dst_offset: run.dst_offset + done,
+                len,
+            });
+            done += len;
+        }
+    }
+    windows.sort_by_key(|x| (x.file.id(), x.start));
+    Ok(windows)
+}
+
 fn align_down(x: u64) -> u64 {
     x / WINDOW_ALIGN * WINDOW_ALIGN
 }
@@ -327,6 +373,45 @@ mod tests {
                 bytes
             };
             prop_assert_eq!(split(&mut got), split(&mut want));
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(32))]
+        #[test]
+        fn fixed_windows_are_stable_and_cover_every_run_once(
+            raw in proptest::collection::vec((0u32..2, 0u64..60_000, 1u64..6_000), 1..24),
+            window in 4096u64..20_000,
+        ) {
+            let half = 1u64 << 20;
+            let mut dst = 0;
+            let runs: Vec<CopyRun> = raw.iter().map(|&(r, off, len)| {
+                let run = CopyRun { src_region: r, src_offset: off, dst_region: 0, dst_offset: dst, len };
+                dst += len;
+                run
+            }).collect();
+            let (job, _dir) = file_job(2 * half, runs.clone());
+            let w = window.div_ceil(WINDOW_ALIGN) * WINDOW_ALIGN;
+            let windows = plan_fixed_windows(&job, window).unwrap();
+            let mut got = Vec::new();
+            for win in &windows {
+                prop_assert_eq!(win.start % w, 0);
+                prop_assert!(win.len <= w);
+                for r in &win.runs {
+                    prop_assert!(r.src_offset + r.len <= win.len);
+                    got.push((win.start + r.src_offset, r.dst_offset, r.len));
+                }
+            }
+            for pair in windows.windows(2) {
+                prop_assert!(pair[0].start < pair[1].start);
+            }
+            let mut want: Vec<(u64, u64, u64)> = runs.iter().map(|r| (r.src_region as u64 * half + r.src_offset, r.dst_offset, r.len)).collect();
+            let bytes = |v: &mut Vec<(u64, u64, u64)>| {
+                let mut b: Vec<(u64, u64)> = v.iter().flat_map(|&(s, d, l)| (0..l).map(move |i| (d + i, s + i))).collect();
+                b.sort_unstable();
+                b
+            };
+            prop_assert_eq!(bytes(&mut got), bytes(&mut want));
         }
     }
 
