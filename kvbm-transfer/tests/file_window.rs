@@ -180,14 +180,23 @@ fn kept_windows_are_found_again() {
     let dev =
         PhysicalLayout::new(dev_l.clone(), buffers.iter().map(|b| b.region()).collect()).unwrap();
     r.exec.transfer(&file, &dev, &all).wait().unwrap();
+    // (Batches of 9 blocks share 4-block windows, so the first transfer
+    // may already find some of its windows kept by an earlier batch.)
     let first = r.route.stats();
-    assert_eq!(first.kept_hits, 0);
+    assert!(first.windows > 0);
     // New bytes written to the file after its windows were registered
-    // reach the device through the same registration.
+    // reach the device through the same registrations: every window of
+    // the second transfer is found kept, none registered anew.
     common::fill(&src, 6);
     r.exec.transfer(&src, &file, &all).wait().unwrap();
     r.exec.transfer(&file, &dev, &all).wait().unwrap();
-    assert!(r.route.stats().kept_hits > 0);
+    let second = r.route.stats();
+    assert_eq!(
+        second.kept_hits - first.kept_hits,
+        second.windows - first.windows,
+        "{first:?} -> {second:?}"
+    );
+    assert_eq!(second.registered_bytes, first.registered_bytes);
     let after: Vec<Vec<u8>> = buffers
         .iter()
         .map(|b| {
