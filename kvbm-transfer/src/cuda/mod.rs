@@ -44,5 +44,5 @@ pub use copier::{CopierConfig, CopyOptions, CopyPath, CudaCopier, Direction, Gpu
 pub use device::{CudaDevice, Probe, probe};
 pub use error::{CudaError, CudaResult};
 pub use memory::{CudaRegion, DeviceBuffer, ExternalDeviceMemory, Location};
-pub use pinned::{PinnedMemory, PinnedOptions};
+pub use pinned::{PinStats, PinnedMemory, PinnedOptions};
 pub use plan::CopyRun;

@@ -9,7 +9,11 @@
 //! *k+1*. [`PinnedMemory::allocate_in_background`] returns as soon as the
 //! first part is registered and pins the rest on a background thread;
 //! [`PinnedMemory::pinned_len`] says how far it got, and copies are only
-//! allowed into the pinned prefix.
+//! allowed into the pinned prefix. One thread registers: the driver takes
+//! one registration at a time (on the H200 machine two or three threads
+//! registering parts of a chunk at once spent 1.5–2.3× the time inside the
+//! driver and finished no sooner). [`PinnedMemory::stats`] says where the
+//! time went (`examples/pin_bench.rs`).
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -75,6 +79,19 @@ impl PinnedOptions {
     }
 }
 
+/// Where the time of a [`PinnedMemory`]'s pinning went, summed over its
+/// chunks (touching and registering overlap, so the two can add up to
+/// more than the wall time).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PinStats {
+    /// Seconds spent first-touching pages (wall time of the touch phases).
+    pub touch_s: f64,
+    /// Seconds spent inside `cuMemHostRegister`, summed over calls.
+    pub register_s: f64,
+    /// Chunks registered so far.
+    pub chunks: usize,
+}
+
 /// Page-locked host memory registered with one device, released on drop.
 pub struct PinnedMemory {
     inner: Arc<Inner>,
@@ -97,6 +114,7 @@ struct Inner {
     failure: Mutex<Option<CudaError>>,
     progress: Condvar,
     progress_lock: Mutex<()>,
+    stats: Mutex<PinStats>,
 }
 
 // SAFETY: `ptr` is a private anonymous mapping owned by `Inner`; all access to
@@ -171,6 +189,11 @@ impl PinnedMemory {
     /// Bytes from the start that are pinned and usable by copies.
     pub fn pinned_len(&self) -> usize {
         self.inner.pinned.load(Ordering::Acquire)
+    }
+
+    /// Where the pinning time went so far (touch vs registration).
+    pub fn stats(&self) -> PinStats {
+        *lock(&self.inner.stats)
     }
 
     /// Blocks until at least `bytes` are pinned (or pinning failed).
@@ -308,6 +331,7 @@ impl Inner {
             failure: Mutex::new(None),
             progress: Condvar::new(),
             progress_lock: Mutex::new(()),
+            stats: Mutex::new(PinStats::default()),
         })
     }
 
@@ -355,10 +379,16 @@ impl Inner {
 
     fn register(&self, a: usize, b: usize) -> CudaResult<()> {
         let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+        let started = std::time::Instant::now();
         // SAFETY: [a, b) lies inside our mapping, which outlives the
         // registration (it is unregistered before munmap in Drop).
         let rc =
             unsafe { sys::cuMemHostRegister_v2(self.ptr.add(a).cast::<c_void>(), b - a, flags) };
+        {
+            let mut st = lock(&self.stats);
+            st.register_s += started.elapsed().as_secs_f64();
+            st.chunks += usize::from(rc == sys::cudaError_enum::CUDA_SUCCESS);
+        }
         if rc != sys::cudaError_enum::CUDA_SUCCESS {
             let err = CudaError::driver("cuMemHostRegister", rc);
             return Err(CudaError::Pinning {
@@ -374,6 +404,7 @@ impl Inner {
 
     /// Writes one byte per 4 KiB page of `[a, b)` from several threads.
     fn touch(&self, a: usize, b: usize) {
+        let started = std::time::Instant::now();
         let threads = self.opts.touch_threads;
         let per = round_up((b - a).div_ceil(threads), HUGE_PAGE);
         let cpus = self.opts.numa_node.and_then(node_cpus);
@@ -398,6 +429,7 @@ impl Inner {
                 start = end;
             }
         });
+        lock(&self.stats).touch_s += started.elapsed().as_secs_f64();
     }
 }
 

@@ -1,0 +1,79 @@
+//! Shared by the bound checks (`sim_bounds.rs`) and the bound studies
+//! (`sim_bounds_studies.rs`): the three trace configurations, tier replay
+//! and formatting helpers, and the oracle-admission scorer.
+#![allow(dead_code)]
+
+use kvbm_testkit::sim::hindsight::Objective;
+use kvbm_testkit::sim::scored_tiers::{Admission, BlockMeta, BlockScorer, ScoredConfig};
+use kvbm_testkit::sim::trace_index::NO_REQUEST;
+use kvbm_testkit::sim::{KvbmTiers, ReplayStats, Tier, TierCapacities, TieredSim, replay};
+use kvbm_testkit::trace::{MOONCAKE_BLOCK_TOKENS, Request};
+
+pub const CONFIGS: [(&str, [f64; 3]); 3] = [
+    ("conversation", [0.01, 0.04, 0.0]),
+    ("conversation", [0.01, 0.04, 0.15]),
+    ("synthetic", [0.01, 0.09, 0.0]),
+];
+
+pub fn scored(caps: TierCapacities, admission: Admission, cascade: bool) -> ScoredConfig {
+    ScoredConfig {
+        g2: caps.g2,
+        g3: caps.g3,
+        skip_partial: true,
+        cascade,
+        admission,
+    }
+}
+
+pub fn run_tiers<K: KvbmTiers>(requests: &[Request], g1: usize, kvbm: K) -> ReplayStats {
+    replay(
+        requests,
+        MOONCAKE_BLOCK_TOKENS,
+        &mut TieredSim::new(g1, kvbm),
+    )
+}
+
+pub fn fmt(s: &ReplayStats) -> String {
+    format!(
+        "{:.2} ({:.2} / {:.2} / {:.2})",
+        s.hit_rate_pct(),
+        s.tier_rate_pct(Tier::G1),
+        s.tier_rate_pct(Tier::G2),
+        s.tier_rate_pct(Tier::G3)
+    )
+}
+
+pub fn wanted(label: &str) -> bool {
+    std::env::var("KVBM_BOUNDS_FILTER").map_or(true, |f| label.contains(&f))
+}
+
+/// Rank = "used again at all" (oracle admission), then recency.
+#[derive(Debug, Clone, Copy)]
+pub struct OracleAdmission;
+
+impl BlockScorer for OracleAdmission {
+    fn key(&self, _: usize, _: usize) -> u64 {
+        0
+    }
+    fn rank(&self, meta: &BlockMeta, _: u64) -> u64 {
+        if meta.next_request == NO_REQUEST {
+            0
+        } else {
+            1 + meta.request as u64
+        }
+    }
+    fn next_change(&self, _: &BlockMeta, _: u64) -> Option<u64> {
+        None
+    }
+}
+
+// ---------------------------------------------------------------- checks
+
+/// The reuse objectives the hindsight fits are scored on.
+pub fn objectives() -> [(&'static str, Objective); 3] {
+    [
+        ("within 250", Objective::Within { horizon: 250 }),
+        ("within 1000", Objective::Within { horizon: 1000 }),
+        ("density 1000", Objective::Density { horizon: 1000 }),
+    ]
+}
