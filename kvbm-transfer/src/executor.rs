@@ -3,7 +3,8 @@
 //!
 //! One transfer: validate the request, pick the strategy from the table,
 //! split the block pairs into batches of at most `max_blocks_per_batch`,
-//! plan each batch with kvbm-layout's copy planner, and run it directly on
+//! plan each batch with kvbm-layout's copy planner, and run it on a
+//! registered one-hop file route if it takes the batch, else directly on
 //! one backend or as a two-hop pipeline. A global limit bounds the batches
 //! in flight across all transfers; batches beyond it wait in a FIFO and are
 //! started by the completion that frees a permit. The transfer resolves

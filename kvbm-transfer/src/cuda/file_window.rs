@@ -37,6 +37,8 @@
 //! Bytes written to the file later (through `pwrite`, into the same page
 //! cache pages) are what a kept window's next copy reads; a file
 //! truncated while kept would leave the window reading the old pages.
+//! Kept windows of a closed file are released when the next window copy
+//! ends, and all of them when the route is dropped.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
