@@ -267,7 +267,10 @@ impl Shared {
             return Some(u.clone());
         }
         let dev = file_system_id(file);
-        if let Some(v) = dev.and_then(|d| self.verdicts.lock().get(&d).cloned()) {
+        // Held across the probe: two first jobs on one file must not
+        // register its first page twice (the second would be refused).
+        let mut verdicts = self.verdicts.lock();
+        if let Some(v) = dev.and_then(|d| verdicts.get(&d).cloned()) {
             return v;
         }
         let verdict = self.probe(file).err();
@@ -281,7 +284,7 @@ impl Shared {
             );
         }
         if let Some(d) = dev {
-            self.verdicts.lock().insert(d, verdict.clone());
+            verdicts.insert(d, verdict.clone());
         }
         verdict
     }

@@ -125,85 +125,82 @@ pub struct FileWindow {
     pub runs: Vec<CopyRun>,
 }
 
-/// One piece of a run, in absolute file terms.
-struct Piece {
-    file: usize,
-    offset: u64,
-    run: CopyRun,
-}
-
-/// Cuts `job` (file source regions) into windows of at most
-/// `window_bytes` (plus page rounding) over the source files, in file
-/// order. A run longer than a window is split; a new window starts where
-/// the next piece would stretch the window past `window_bytes` or lies more
-/// than `max_gap` bytes past the window's end (pinning the gap would cost
-/// more than a second registration). Bounds are checked first.
+/// Cuts `job` (file source regions) into windows over its source files, in
+/// file order: the page-rounded byte ranges the runs read are merged where
+/// less than `max_gap` apart (pinning the gap costs less than a second
+/// registration), and each merged range is cut into windows of at most
+/// `window_bytes` (rounded up to a page). Windows never share a page, even
+/// where runs read the same bytes twice; runs are split at window edges.
+/// Bounds are checked first.
 pub fn plan_windows(job: &TransferJob, window_bytes: u64, max_gap: u64) -> Result<Vec<FileWindow>> {
     job.validate_bounds()?;
-    let window_bytes = window_bytes.max(WINDOW_ALIGN);
+    let w = align_up(window_bytes.max(WINDOW_ALIGN));
     let regions = job.regions(Side::Source);
-    let mut files: Vec<Arc<DiskFile>> = Vec::new();
-    let mut pieces = Vec::with_capacity(job.runs.len());
+    // Per file: its runs as (absolute offset, run).
+    type FileRuns = (Arc<DiskFile>, Vec<(u64, CopyRun)>);
+    let mut files: Vec<FileRuns> = Vec::new();
     for run in job.runs.iter().filter(|r| r.len > 0) {
         let (file, base) = regions[run.src_region as usize]
             .file_location()
             .ok_or_else(|| {
                 TransferError::InvalidRequest("a file route's source is not a file".into())
             })?;
-        let idx = match files.iter().position(|f| f.id() == file.id()) {
-            Some(i) => i,
-            None => {
-                files.push(Arc::clone(file));
-                files.len() - 1
+        let at = base + run.src_offset;
+        match files.iter_mut().find(|(f, _)| f.id() == file.id()) {
+            Some((_, list)) => list.push((at, *run)),
+            None => files.push((Arc::clone(file), vec![(at, *run)])),
+        }
+    }
+    files.sort_by_key(|(f, _)| f.id());
+    let mut out = Vec::new();
+    for (file, mut pieces) in files {
+        pieces.sort_by_key(|&(at, _)| at);
+        // Merged page-rounded ranges.
+        let mut ranges: Vec<(u64, u64)> = Vec::new();
+        for &(at, run) in &pieces {
+            let (a, b) = (align_down(at), align_up(at + run.len));
+            match ranges.last_mut() {
+                Some(last) if a <= last.1.saturating_add(max_gap) => last.1 = last.1.max(b),
+                _ => ranges.push((a, b)),
             }
-        };
-        let mut done = 0;
-        while done < run.len {
-            let len = (run.len - done).min(window_bytes);
-            pieces.push(Piece {
-                file: idx,
-                offset: base + run.src_offset + done,
-                run: CopyRun {
+        }
+        // Windows of at most `w` bytes over them.
+        let first = out.len();
+        for (a, b) in ranges {
+            let mut at = a;
+            while at < b {
+                let len = w.min(b - at);
+                out.push(FileWindow {
+                    file: Arc::clone(&file),
+                    start: at,
+                    len,
+                    runs: Vec::new(),
+                });
+                at += len;
+            }
+        }
+        // Each run into the windows it reads, split at their edges.
+        let windows = &mut out[first..];
+        for (at, run) in pieces {
+            let mut done = 0;
+            while done < run.len {
+                let pos = at + done;
+                let i = windows.partition_point(|x| x.start + x.len <= pos);
+                let win = &mut windows[i];
+                let len = (run.len - done).min(win.start + win.len - pos);
+                win.runs.push(CopyRun {
                     src_region: 0,
-                    src_offset: 0,
+                    src_offset: pos - win.start,
                     dst_region: run.dst_region,
                     dst_offset: run.dst_offset + done,
                     len,
-                },
-            });
-            done += len;
+                });
+                done += len;
+            }
         }
     }
-    pieces.sort_by_key(|p| (p.file, p.offset));
-    let mut windows: Vec<(usize, u64, u64, Vec<Piece>)> = Vec::new();
-    for p in pieces {
-        let end = p.offset + p.run.len;
-        if let Some((file, start, w_end, list)) = windows.last_mut()
-            && *file == p.file
-            && p.offset <= w_end.saturating_add(max_gap)
-            && align_up(end.max(*w_end)) - *start <= window_bytes + WINDOW_ALIGN
-        {
-            *w_end = (*w_end).max(end);
-            list.push(p);
-            continue;
-        }
-        windows.push((p.file, align_down(p.offset), end, vec![p]));
-    }
-    Ok(windows
-        .into_iter()
-        .map(|(file, start, end, list)| FileWindow {
-            file: Arc::clone(&files[file]),
-            start,
-            len: align_up(end) - start,
-            runs: list
-                .into_iter()
-                .map(|p| CopyRun {
-                    src_offset: p.offset - start,
-                    ..p.run
-                })
-                .collect(),
-        })
-        .collect())
+    out.retain(|x| !x.runs.is_empty());
+    Ok(out)
 }
 
 /// Cuts `job` into the fixed windows `[k × window_bytes, (k + 1) ×
@@ -344,16 +341,27 @@ mod tests {
             raw in proptest::collection::vec((0u32..2, 0u64..60_000, 1u64..6_000), 1..24),
             window in 4096u64..20_000,
             gap in 0u64..10_000,
+            aligned in any::<bool>(),
         ) {
             let half = 1u64 << 20;
+            let page = |x: u64| if aligned { x.div_ceil(WINDOW_ALIGN) * WINDOW_ALIGN } else { x };
             let mut dst = 0;
             let runs: Vec<CopyRun> = raw.iter().map(|&(r, off, len)| {
-                let run = CopyRun { src_region: r, src_offset: off, dst_region: 0, dst_offset: dst, len };
-                dst += len;
+                let run = CopyRun { src_region: r, src_offset: page(off), dst_region: 0, dst_offset: dst, len: page(len) };
+                dst += page(len);
                 run
             }).collect();
             let (job, _dir) = file_job(2 * half, runs.clone());
             let windows = plan_windows(&job, window, gap).unwrap();
+            if aligned {
+                // Page-aligned runs: no two windows share a page (they
+                // could not both be registered).
+                let mut spans: Vec<(u64, u64)> = windows.iter().map(|w| (w.start, w.start + w.len)).collect();
+                spans.sort_unstable();
+                for pair in spans.windows(2) {
+                    prop_assert!(pair[0].1 <= pair[1].0, "{:?}", pair);
+                }
+            }
             let mut got = Vec::new();
             for w in &windows {
                 prop_assert_eq!(w.start % WINDOW_ALIGN, 0);
