@@ -32,7 +32,10 @@
 //! io_uring for O_DIRECT files) and `KVBM_BUFFERED` (`auto`, `direct`,
 //! `pread:N`, `mapped:N`, `mapped-t:N`: the engine for buffered files);
 //! `KVBM_TRACE=1` traces every pipelined run chunk by chunk and prints
-//! where the time went.
+//! where the time went. Diagnosis only: `KVBM_WAKE_SPIN_US` (the CUDA
+//! completion poll of `bounce-gpu` and `window-gpu`), `KVBM_PIN=split`
+//! (`bounce-gpu`: copy threads one per CPU from CPU 0, the other kvbm
+//! threads on the last four CPUs).
 
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
