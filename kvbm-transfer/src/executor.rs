@@ -3,7 +3,8 @@
 //!
 //! One transfer: validate the request, pick the strategy from the table,
 //! split the block pairs into batches of at most `max_blocks_per_batch`,
-//! plan each batch with kvbm-layout's copy planner, and run it directly on
+//! plan each batch with kvbm-layout's copy planner, and run it on a
+//! registered one-hop file route if it takes the batch, else directly on
 //! one backend or as a two-hop pipeline. A global limit bounds the batches
 //! in flight across all transfers; batches beyond it wait in a FIFO and are
 //! started by the completion that frees a permit. The transfer resolves
@@ -21,6 +22,7 @@ use crate::backend::{BackendKind, TransferBackend, TransferJob};
 use crate::bounce::BouncePool;
 use crate::bounce::trace::ChunkTrace;
 use crate::completion::{CancelToken, Completer, Completion, Outcome, completion_pair};
+use crate::disk::route::FileRoute;
 use crate::error::{Result, TransferError};
 use crate::limiter::{Limiter, Permit};
 use crate::memory::{Location, MemoryKind};
@@ -57,6 +59,7 @@ pub struct ExecutorBuilder {
     bounce: Vec<Arc<BouncePool>>,
     config: ExecutorConfig,
     trace: Option<Arc<ChunkTrace>>,
+    route: Option<Arc<dyn FileRoute>>,
 }
 
 impl ExecutorBuilder {
@@ -72,6 +75,15 @@ impl ExecutorBuilder {
     pub fn bounce_pool(mut self, pool: Arc<BouncePool>) -> Self {
         self.bounce.retain(|b| b.kind() != pool.kind());
         self.bounce.push(pool);
+        self
+    }
+
+    /// Registers a one-hop route out of files (the CUDA file-window route:
+    /// the GPU's DMA reads the page cache). Each batch whose pair it serves
+    /// is offered to it first; a batch it declines (an `O_DIRECT` file,
+    /// refused page-locking) takes the strategy table's row as before.
+    pub fn file_route(mut self, route: Arc<dyn FileRoute>) -> Self {
+        self.route = Some(route);
         self
     }
 
@@ -118,6 +130,7 @@ impl ExecutorBuilder {
                 caps,
                 config: self.config,
                 trace: self.trace,
+                route: self.route,
             }),
         })
     }
@@ -130,6 +143,7 @@ struct Inner {
     config: ExecutorConfig,
     limiter: Arc<Limiter>,
     trace: Option<Arc<ChunkTrace>>,
+    route: Option<Arc<dyn FileRoute>>,
 }
 
 impl Inner {
@@ -484,6 +498,14 @@ impl Driver {
 
     fn start(&self, job: TransferJob) -> Result<Completion> {
         let exec = &self.exec;
+        if let Some(route) = &exec.route {
+            match route.refusal(&job) {
+                None => return Ok(route.submit(job)),
+                Some(why) => {
+                    tracing::debug!(route = route.name(), %why, "file route declined; using the strategy table")
+                }
+            }
+        }
         match self.strategy {
             Strategy::Direct(kind) => Ok(exec.backend(kind)?.submit(job)),
             Strategy::TwoHop {

@@ -15,14 +15,18 @@
 //!   callback), [`Completer`], [`CancelToken`].
 //! - [`backend`]: the [`TransferBackend`] trait, [`TransferJob`], and the
 //!   memcpy backend; [`disk`]: the disk backend and its I/O engines
-//!   (io_uring, pread/pwrite).
+//!   (io_uring, pread/pwrite, copies out of a mapping of a buffered
+//!   file), and [`disk::route`]: one-hop file routes an executor may offer
+//!   a batch to before its strategy table.
 //! - [`strategy`]: the strategy table and [`select_strategy`].
 //! - [`bounce`]: bounce-buffer pools for two-hop transfers; the pipeline
 //!   itself is internal to the executor.
 //! - [`executor`]: [`Executor`] — batching, the in-flight limit, strategy
 //!   dispatch, per-block outcome.
 //! - `cuda` (feature `cuda`): device and fast pinned memory, the copy
-//!   kernel, and the CUDA backend (copy engines, kernel, staged paths).
+//!   kernel, the CUDA backend (copy engines, kernel, staged paths), and the
+//!   file-window route (the GPU's DMA reading page-locked windows of a
+//!   buffered file).
 //! - `nixl` (feature `nixl`): host ↔ disk through NIXL's POSIX plugin, and
 //!   remote G2 → G2 pulls over UCX with a validated peer description.
 //!

@@ -6,7 +6,11 @@
 //! matches the pair and whose backends (and bounce pool) the executor has.
 //! A faster path for an existing pair (say GPUDirect Storage for
 //! device ↔ disk) is a row placed above the slower one; when its backend is
-//! not registered the next row is used.
+//! not registered the next row is used. A faster path that only some jobs
+//! of a pair can take (the GPU's DMA reading a buffered file's page cache,
+//! not an `O_DIRECT` file) is a one-hop file route instead
+//! ([`crate::disk::route`]): the executor offers it each batch first and
+//! uses the table's row for the batches it declines.
 
 use crate::backend::BackendKind;
 use crate::error::{Result, TransferError};

@@ -287,3 +287,52 @@ fn cancel_mid_transfer(delay: Duration) -> bool {
     );
     true
 }
+
+#[test]
+fn mapped_copy_threads_start_at_the_first_buffered_request() {
+    let disk = Arc::new(
+        DiskBackend::new(&DiskConfig {
+            engine: EngineConfig {
+                queue_depth: 4,
+                buffered: BufferedIo::Mapped {
+                    threads: 2,
+                    streaming: true,
+                },
+                ..Default::default()
+            },
+            max_io_bytes: 8192,
+        })
+        .unwrap(),
+    );
+    assert_eq!(disk.buffered_engine_name(), "mapped");
+    assert!(
+        !disk.buffered_threads_started(),
+        "no threads before any request"
+    );
+    let exec = Executor::builder().backend(disk.clone()).build().unwrap();
+    let layout = Layout::new(config(4), LayoutKind::FullyContiguous).unwrap();
+    let all: Vec<_> = (0..4).map(|i| (i, i)).collect();
+    let src = common::host(layout.clone());
+    common::fill(&src, 3);
+    // An O_DIRECT file (where the file system allows it) never reaches the
+    // mapped engine.
+    let direct = PhysicalLayout::allocate_disk(layout.clone(), &allocator(IoMode::Direct));
+    if let Ok(direct) = direct {
+        exec.transfer(&src, &direct, &all).wait().unwrap();
+        let back = common::host(layout.clone());
+        exec.transfer(&direct, &back, &all).wait().unwrap();
+        assert!(
+            !disk.buffered_threads_started(),
+            "O_DIRECT I/O started them"
+        );
+    }
+    let buffered =
+        PhysicalLayout::allocate_disk(layout.clone(), &allocator(IoMode::Buffered)).unwrap();
+    exec.transfer(&src, &buffered, &all).wait().unwrap();
+    let back = common::host(layout.clone());
+    common::read_back_and_check(&exec, &buffered, &all, &back, &src, &all);
+    assert!(disk.buffered_threads_started());
+    // The automatic choice on a small machine has no separate engine.
+    let auto = DiskBackend::new(&DiskConfig::default()).unwrap();
+    assert!(!auto.buffered_threads_started());
+}

@@ -11,13 +11,13 @@ use super::*;
 /// Bounce settings from the environment: slot size (`KVBM_SLOT_KIB`, else
 /// `KVBM_SLOT_MIB`, default 8 MiB), slots per batch (`KVBM_SLOTS`, 2) and
 /// batches in flight (`KVBM_BATCHES`, 2). The pool holds slots × batches.
-struct BounceParams {
-    slot: u64,
-    per_batch: u64,
-    batches: u64,
+pub(super) struct BounceParams {
+    pub(super) slot: u64,
+    pub(super) per_batch: u64,
+    pub(super) batches: u64,
 }
 
-fn env_u64(k: &str, d: u64) -> u64 {
+pub(super) fn env_u64(k: &str, d: u64) -> u64 {
     std::env::var(k)
         .ok()
         .and_then(|v| v.parse().ok())
@@ -25,7 +25,7 @@ fn env_u64(k: &str, d: u64) -> u64 {
 }
 
 impl BounceParams {
-    fn from_env() -> Self {
+    pub(super) fn from_env() -> Self {
         let slot = match std::env::var("KVBM_SLOT_KIB")
             .ok()
             .and_then(|v| v.parse::<u64>().ok())
@@ -40,7 +40,7 @@ impl BounceParams {
         }
     }
 
-    fn pool_slots(&self) -> usize {
+    pub(super) fn pool_slots(&self) -> usize {
         (self.per_batch * self.batches) as usize
     }
 
@@ -63,7 +63,10 @@ impl BounceParams {
 
     /// An executor builder with the settings, and the chunk trace when
     /// `KVBM_TRACE` is set.
-    fn builder(&self, trace: &Option<Arc<ChunkTrace>>) -> kvbm_transfer::ExecutorBuilder {
+    pub(super) fn builder(
+        &self,
+        trace: &Option<Arc<ChunkTrace>>,
+    ) -> kvbm_transfer::ExecutorBuilder {
         let b = Executor::builder().config(self.config());
         match trace {
             Some(t) => b.chunk_trace(t.clone()),
@@ -79,31 +82,44 @@ fn trace_from_env() -> Option<Arc<ChunkTrace>> {
 /// With `KVBM_PIN=1`: pins this process's hop threads, found by name, to
 /// separate CPUs (the io_uring read ring on CPU 0, everything else of
 /// kvbm's on CPU 1) — a diagnosis of thread placement, not a setting.
+/// With `KVBM_PIN=split`: the mapped engine's copy threads one per CPU
+/// from CPU 0, every other kvbm thread (hop 2, feeders, watchers) on the
+/// last four CPUs, so the copies cannot take their CPU time.
 fn pin_threads_from_env() {
-    if std::env::var_os("KVBM_PIN").is_none() {
+    let Some(mode) = std::env::var_os("KVBM_PIN") else {
         return;
-    }
+    };
+    let split = mode == "split";
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
         return;
     };
+    let mut next_copy = 0;
     for t in tasks.flatten() {
         let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
         let Ok(tid) = t.file_name().to_string_lossy().parse::<i32>() else {
             continue;
         };
-        let cpu = match comm.trim() {
-            c if c.starts_with("kvbm-uring-rd") => 0,
-            c if c.starts_with("kvbm-") => 1,
+        let set_of: Vec<usize> = match comm.trim() {
+            c if split && c.starts_with("kvbm-mapped") => {
+                next_copy += 1;
+                vec![(next_copy - 1) % cpus.saturating_sub(4).max(1)]
+            }
+            c if split && c.starts_with("kvbm-") => (cpus.saturating_sub(4)..cpus).collect(),
+            c if !split && c.starts_with("kvbm-uring-rd") => vec![0],
+            c if !split && c.starts_with("kvbm-") => vec![1],
             _ => continue,
         };
         // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET and
         // sched_setaffinity only read and write the set we own.
         unsafe {
             let mut set: libc::cpu_set_t = std::mem::zeroed();
-            libc::CPU_SET(cpu, &mut set);
+            for &cpu in &set_of {
+                libc::CPU_SET(cpu, &mut set);
+            }
             libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set);
         }
-        println!("  pinned {} (tid {tid}) to CPU {cpu}", comm.trim());
+        println!("  pinned {} (tid {tid}) to CPUs {set_of:?}", comm.trim());
     }
 }
 
@@ -220,7 +236,7 @@ fn report_rounds(label: &str, bytes: u64, r: &mut Rounds, pool: &BouncePool) -> 
     ratio
 }
 
-fn buffered_source(
+pub(super) fn buffered_source(
     dir: &std::path::Path,
     layout: &Layout,
     exec: &Executor,
@@ -238,7 +254,7 @@ fn buffered_source(
 /// the pread/pwrite threads instead of io_uring with `KVBM_PREAD`, and the
 /// buffered-file engine from `KVBM_BUFFERED` (see [`parse_buffered`];
 /// default: the library's automatic choice).
-fn disk_backend() -> DiskBackend {
+pub(super) fn disk_backend() -> DiskBackend {
     let buffered = std::env::var("KVBM_BUFFERED")
         .ok()
         .and_then(|v| parse_buffered(&v))
@@ -296,7 +312,7 @@ fn same_chunks(a: &PhysicalLayout, b: &PhysicalLayout) -> bool {
 
 /// The case every bounce bench moves: `KVBM_BOUNCE_BLOCKS` (256, i.e.
 /// 512 MiB) blocks of 2 MiB.
-fn bounce_layouts() -> (Layout, Layout) {
+pub(super) fn bounce_layouts() -> (Layout, Layout) {
     let blocks = env_u64("KVBM_BOUNCE_BLOCKS", 256) as usize;
     let cfg = LayoutConfig::new(blocks, 32, 2, 16, 1024, 2).unwrap();
     (
@@ -464,7 +480,7 @@ fn sweep_from_env() -> Vec<SweepEntry> {
 #[cfg(feature = "cuda")]
 pub(super) fn bench_bounce_gpu(runs: usize, dir: &std::path::Path) {
     use kvbm_transfer::cuda::{
-        CopierConfig, CudaBackend, CudaCopier, CudaDevice, CudaRegion, DeviceBuffer, PinnedMemory,
+        CopierConfig, CudaBackend, CudaCopier, CudaDevice, DeviceBuffer, PinnedMemory,
         PinnedOptions, Probe, probe,
     };
     let Probe::Devices(_) = probe() else {
@@ -481,7 +497,16 @@ pub(super) fn bench_bounce_gpu(runs: usize, dir: &std::path::Path) {
                 .unwrap(),
         )
     };
-    let copier = Arc::new(CudaCopier::new(&device, CopierConfig::default()).unwrap());
+    let copier = Arc::new(
+        CudaCopier::new(
+            &device,
+            CopierConfig {
+                wake_spin_us: env_u64("KVBM_WAKE_SPIN_US", CopierConfig::default().wake_spin_us),
+                ..CopierConfig::default()
+            },
+        )
+        .unwrap(),
+    );
     let cuda: Arc<dyn kvbm_transfer::TransferBackend> = Arc::new(CudaBackend::new(copier));
     let setup = Executor::builder()
         .backend(Arc::new(disk_backend()))
@@ -524,6 +549,7 @@ pub(super) fn bench_bounce_gpu(runs: usize, dir: &std::path::Path) {
         exec.register(&staging).unwrap();
         // Warm-up: maps the file, starts the workers.
         exec.transfer(&file, &dev, &pairs).wait().unwrap();
+        pin_threads_from_env();
         let mut r = rounds(
             bytes,
             runs,
@@ -533,37 +559,9 @@ pub(super) fn bench_bounce_gpu(runs: usize, dir: &std::path::Path) {
             &pairs,
         );
         // Check a fresh pipelined copy: device chunks against the seed.
-        for b in &buffers {
-            let zeros = vec![0u8; CudaRegion::len(&**b)];
-            b.write(0, &zeros).unwrap();
-        }
-        exec.transfer(&file, &dev, &pairs).wait().unwrap();
-        let images: Vec<Vec<u8>> = buffers
-            .iter()
-            .map(|b| {
-                let mut out = vec![0u8; CudaRegion::len(&**b)];
-                b.read(0, &mut out).unwrap();
-                out
-            })
-            .collect();
-        let cfg = fc.config();
-        for blk in 0..cfg.num_blocks() {
-            for l in 0..cfg.num_layers() {
-                for o in 0..cfg.outer_dim() {
-                    let s = seed.layout().chunk(blk, l, o).unwrap();
-                    let d = dev_l.chunk(blk, l, o).unwrap();
-                    let base = seed.regions()[s.region].addr().unwrap() + s.offset;
-                    // SAFETY: a live host region that nothing writes now.
-                    let want =
-                        unsafe { std::slice::from_raw_parts(base as *const u8, s.len as usize) };
-                    let got = &images[d.region][d.offset as usize..][..d.len as usize];
-                    assert!(
-                        want == got,
-                        "GPU bounce corrupted block {blk} layer {l} outer {o}"
-                    );
-                }
-            }
-        }
+        check_device(&seed, &dev_l, &buffers, || {
+            exec.transfer(&file, &dev, &pairs).wait().unwrap();
+        });
         let line = summary_line(&engine, &p, bytes, &r);
         report_rounds(
             &format!(
@@ -581,6 +579,48 @@ pub(super) fn bench_bounce_gpu(runs: usize, dir: &std::path::Path) {
     );
     for l in summary {
         println!("  {l}");
+    }
+}
+
+/// Zeroes the device buffers, runs `copy`, and checks every chunk of the
+/// device layout `dev_l` (on `buffers`) against the same chunk of `seed`.
+#[cfg(feature = "cuda")]
+pub(super) fn check_device(
+    seed: &PhysicalLayout,
+    dev_l: &Layout,
+    buffers: &[Arc<kvbm_transfer::cuda::DeviceBuffer>],
+    copy: impl FnOnce(),
+) {
+    use kvbm_transfer::cuda::CudaRegion;
+    for b in buffers {
+        let zeros = vec![0u8; CudaRegion::len(&**b)];
+        b.write(0, &zeros).unwrap();
+    }
+    copy();
+    let images: Vec<Vec<u8>> = buffers
+        .iter()
+        .map(|b| {
+            let mut out = vec![0u8; CudaRegion::len(&**b)];
+            b.read(0, &mut out).unwrap();
+            out
+        })
+        .collect();
+    let cfg = seed.layout().config();
+    for blk in 0..cfg.num_blocks() {
+        for l in 0..cfg.num_layers() {
+            for o in 0..cfg.outer_dim() {
+                let s = seed.layout().chunk(blk, l, o).unwrap();
+                let d = dev_l.chunk(blk, l, o).unwrap();
+                let base = seed.regions()[s.region].addr().unwrap() + s.offset;
+                // SAFETY: a live host region that nothing writes now.
+                let want = unsafe { std::slice::from_raw_parts(base as *const u8, s.len as usize) };
+                let got = &images[d.region][d.offset as usize..][..d.len as usize];
+                assert!(
+                    want == got,
+                    "device bytes differ from the source: block {blk} layer {l} outer {o}"
+                );
+            }
+        }
     }
 }
 

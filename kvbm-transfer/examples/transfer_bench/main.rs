@@ -16,6 +16,10 @@
 //! - bounce-gpu (built with `--features cuda`, needs a GPU): page-cached
 //!   file → pinned bounce → device memory through the CUDA backend; with
 //!   `KVBM_SWEEP` several buffered-file engines and slot shapes in one run.
+//! - window-gpu (not in `all`; `--features cuda`, needs a GPU): page-cached
+//!   file → GPU with no CPU copy (the copy engines read page-locked windows
+//!   of the file's mapping), against the bounce pipeline and the serial
+//!   hops; `KVBM_WINDOWS` lists window size, workers and batch blocks.
 //! - membw (not in `all`): DRAM bandwidth for 1–16 threads reading and
 //!   copying (temporal, non-temporal, `rep movsb` stores), alone and, with
 //!   a GPU, beside a pinned → device DMA loop.
@@ -28,7 +32,10 @@
 //! io_uring for O_DIRECT files) and `KVBM_BUFFERED` (`auto`, `direct`,
 //! `pread:N`, `mapped:N`, `mapped-t:N`: the engine for buffered files);
 //! `KVBM_TRACE=1` traces every pipelined run chunk by chunk and prints
-//! where the time went.
+//! where the time went. Diagnosis only: `KVBM_WAKE_SPIN_US` (the CUDA
+//! completion poll of `bounce-gpu` and `window-gpu`), `KVBM_PIN=split`
+//! (`bounce-gpu`: copy threads one per CPU from CPU 0, the other kvbm
+//! threads on the last four CPUs).
 
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
@@ -47,6 +54,8 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 
 mod bounce;
 mod membw;
+#[cfg(feature = "cuda")]
+mod window;
 
 #[cfg(feature = "cuda")]
 use bounce::bench_bounce_gpu;
@@ -394,6 +403,12 @@ fn main() {
         membw::probe(runs, bg);
         #[cfg(not(target_arch = "x86_64"))]
         let _ = bg;
+    }
+    if what == "window-gpu" {
+        #[cfg(feature = "cuda")]
+        window::bench_window_gpu(runs, &dir);
+        #[cfg(not(feature = "cuda"))]
+        println!("window-gpu: skipped: built without the `cuda` feature");
     }
     if matches!(what, "bounce-gpu" | "all") {
         #[cfg(feature = "cuda")]

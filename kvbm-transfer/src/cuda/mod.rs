@@ -30,6 +30,7 @@ pub mod device;
 mod dma;
 pub mod error;
 mod feeder;
+pub mod file_window;
 mod kernel;
 mod lanes;
 pub mod memory;

@@ -225,6 +225,17 @@ impl DefaultEngine {
     pub fn buffered_name(&self) -> &'static str {
         self.buffered.as_ref().unwrap_or(&self.direct).get().name()
     }
+
+    /// Whether a separate buffered-file engine has threads running: the
+    /// mapped engine starts them at its first request, a pread pool at
+    /// once; `false` when buffered files share the direct engine.
+    pub fn buffered_threads_started(&self) -> bool {
+        match &self.buffered {
+            None => false,
+            Some(Engine::Mapped(m)) => m.started(),
+            Some(_) => true,
+        }
+    }
 }
 
 impl IoEngine for DefaultEngine {

@@ -43,18 +43,19 @@
 use std::collections::HashMap;
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 
 use parking_lot::Mutex;
 
 use super::engine::{IoDir, IoEngine, IoOp, cancelled};
 use super::pread::positional_io;
-use crate::error::{Result, TransferError};
+use crate::error::Result;
 use crate::memory::DiskFile;
 use crate::pool::WorkerPool;
 
-/// One file's read-only shared mapping.
-struct FileMap {
+/// One file's read-only shared mapping (also what the CUDA file-window
+/// route page-locks windows of).
+pub(crate) struct FileMap {
     addr: usize,
     len: usize,
     /// Dropped files are unmapped at the next submission.
@@ -62,7 +63,8 @@ struct FileMap {
 }
 
 impl FileMap {
-    fn new(file: &Arc<DiskFile>) -> io::Result<Self> {
+    /// Maps all of `file` read-only and shared.
+    pub(crate) fn new(file: &Arc<DiskFile>) -> io::Result<Self> {
         let len = file.len() as usize;
         if len == 0 {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
@@ -87,6 +89,24 @@ impl FileMap {
             len,
             file: Arc::downgrade(file),
         })
+    }
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+impl FileMap {
+    /// Address of the file's byte 0.
+    pub(crate) fn addr(&self) -> usize {
+        self.addr
+    }
+
+    /// Bytes mapped (the file's length).
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the file is still open somewhere.
+    pub(crate) fn file_alive(&self) -> bool {
+        self.file.strong_count() > 0
     }
 }
 
@@ -167,35 +187,71 @@ impl Shared {
 
 /// Buffered-file I/O on worker threads: reads copied out of a mapping of
 /// the file, writes through `pwrite`.
+///
+/// The threads start at the first submission, not with the engine: every
+/// disk backend on a machine of 4 or more CPUs has this engine, and most
+/// never see a buffered file.
 pub struct MappedEngine {
     shared: Arc<Shared>,
-    pool: WorkerPool,
+    threads: usize,
+    /// `None` inside when the threads could not be started: requests then
+    /// run on the submitting thread.
+    pool: OnceLock<Option<WorkerPool>>,
 }
 
 impl MappedEngine {
-    /// An engine with `threads` copy workers; `streaming` selects
-    /// non-temporal stores for the copies (for large destinations not read
-    /// again soon; ordinary stores suit bounce slots).
+    /// An engine with `threads` copy workers (started on first use);
+    /// `streaming` selects non-temporal stores for the copies (for large
+    /// destinations not read again soon; ordinary stores suit bounce
+    /// slots).
     pub fn new(threads: usize, streaming: bool) -> Result<Self> {
-        let pool =
-            WorkerPool::new("kvbm-mapped", threads).map_err(|source| TransferError::Alloc {
-                what: "mapped-copy worker threads".into(),
-                source,
-            })?;
         Ok(MappedEngine {
             shared: Arc::new(Shared {
                 maps: Mutex::new(HashMap::new()),
                 streaming,
                 populate_works: AtomicBool::new(true),
             }),
-            pool,
+            threads: threads.max(1),
+            pool: OnceLock::new(),
         })
     }
 
     /// Number of copy workers.
     pub fn threads(&self) -> usize {
-        self.pool.threads()
+        self.threads
     }
+
+    /// Whether the copy workers have been started (by a first request).
+    pub fn started(&self) -> bool {
+        self.pool.get().is_some()
+    }
+
+    fn pool(&self) -> Option<&WorkerPool> {
+        self.pool
+            .get_or_init(|| match WorkerPool::new("kvbm-mapped", self.threads) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    tracing::warn!(error = %e, "mapped-copy worker threads could not start; buffered requests run on the submitting thread");
+                    None
+                }
+            })
+            .as_ref()
+    }
+}
+
+/// One request, on whichever thread runs it.
+fn run_op(shared: &Shared, op: IoOp) {
+    let result = if !op.sink.wanted() {
+        Err(cancelled())
+    } else if op.dir == IoDir::Read {
+        match shared.mapped_read(&op) {
+            Some(n) => Ok(n),
+            None => positional_io(&op),
+        }
+    } else {
+        positional_io(&op)
+    };
+    op.sink.complete(op.token, result);
 }
 
 impl IoEngine for MappedEngine {
@@ -205,21 +261,15 @@ impl IoEngine for MappedEngine {
 
     fn submit(&self, ops: Vec<IoOp>) {
         self.shared.prune();
+        let Some(pool) = self.pool() else {
+            for op in ops {
+                run_op(&self.shared, op);
+            }
+            return;
+        };
         for op in ops {
             let shared = self.shared.clone();
-            self.pool.spawn(move || {
-                let result = if !op.sink.wanted() {
-                    Err(cancelled())
-                } else if op.dir == IoDir::Read {
-                    match shared.mapped_read(&op) {
-                        Some(n) => Ok(n),
-                        None => positional_io(&op),
-                    }
-                } else {
-                    positional_io(&op)
-                };
-                op.sink.complete(op.token, result);
-            });
+            pool.spawn(move || run_op(&shared, op));
         }
     }
 }

@@ -11,6 +11,7 @@
 mod engine;
 mod mapped;
 mod pread;
+pub mod route;
 #[cfg(feature = "io-uring")]
 mod uring;
 
@@ -23,6 +24,8 @@ use parking_lot::Mutex;
 pub use engine::{
     BufferedIo, DefaultEngine, EngineConfig, IoDir, IoEngine, IoOp, IoSink, cancelled,
 };
+#[cfg(feature = "cuda")]
+pub(crate) use mapped::FileMap;
 pub use mapped::MappedEngine;
 pub use pread::PreadEngine;
 #[cfg(feature = "io-uring")]
@@ -75,6 +78,12 @@ impl DiskBackend<DefaultEngine> {
     /// The name of the engine that serves buffered (page-cache) files.
     pub fn buffered_engine_name(&self) -> &'static str {
         self.engine.buffered_name()
+    }
+
+    /// Whether a separate buffered-file engine has threads running (the
+    /// mapped engine starts its copy threads at its first request).
+    pub fn buffered_threads_started(&self) -> bool {
+        self.engine.buffered_threads_started()
     }
 }
 
