@@ -12,10 +12,11 @@
 //!
 //! `cargo run --release --example cuda_bench --features cuda [-- quick |
 //! gemm | focus | diag | probe]`; `focus` runs only the rows that judge how
-//! a staged copy starts (8 and 32 KiB runs: one direction, both
+//! copies start and end (8 and 32 KiB runs: one direction, both
 //! directions, beside the GEMM one copy at a time), each against the
-//! previous behaviour (`-old`: every staged copy handed whole to the
-//! feeder thread); `probe` (see `probe.rs`) the measurements behind it.
+//! previous behaviour (`-old`: no sleeping completion polls after the busy
+//! one, and no copy engines beside the model); `probe` (see `probe.rs`) the
+//! measurements behind the staged path's start.
 
 #[path = "../../tests/cuda_common/mod.rs"]
 mod cuda_common;
@@ -115,8 +116,9 @@ struct Copiers {
     flat: CudaCopier,
     /// Watchers that always sleep in the driver (no polling at the end).
     nospin: CudaCopier,
-    /// The previous behaviour: every staged copy handed whole to the
-    /// ring's feeder thread (the caller enqueues no first chunks).
+    /// The previous behaviour: the watcher goes to the driver once its busy
+    /// poll ran out (no sleeping polls), and a busy GPU always takes the
+    /// staging ring below 128 KiB runs (never the copy engines).
     old: CudaCopier,
 }
 
@@ -135,7 +137,8 @@ impl Copiers {
                 ..d()
             }),
             old: mk(CopierConfig {
-                staged_caller_chunks: 0,
+                wake_poll_interval_us: 0,
+                busy_engine_family_height: u64::MAX,
                 ..d()
             }),
         }

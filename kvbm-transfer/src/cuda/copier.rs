@@ -30,7 +30,8 @@ use std::time::Duration;
 
 use cudarc::driver::sys::CUstream;
 
-use super::completion::Completion;
+use super::completion::{Completion, PollPlan};
+pub use super::config::CopierConfig;
 use super::device::CudaDevice;
 use super::dma::{enqueue_spans, enqueue_strided};
 use super::error::{CudaError, CudaResult};
@@ -92,116 +93,6 @@ impl Direction {
             Direction::HostToDevice => 0,
             Direction::DeviceToHost => 1,
             Direction::DeviceToDevice => 2,
-        }
-    }
-}
-
-/// Tunables of a [`CudaCopier`]. The defaults are the measured choices.
-#[derive(Debug, Clone)]
-pub struct CopierConfig {
-    /// Lanes (kernel stream + copy stream + watcher) per direction; the
-    /// first lane of each host direction also holds the staging ring.
-    pub lanes_per_direction: usize,
-    /// Bytes per staging slot.
-    pub staging_slot_bytes: usize,
-    /// Slots per staging ring. Under a model that holds every SM (a large
-    /// GEMM), the staging kernels only run between the model's kernels, so
-    /// the ring must hold what the DMA moves during one of them: beside a
-    /// 1.5 ms GEMM, 8 × 32 MiB reached 0.86–0.89 of line rate at 32 KiB
-    /// runs where 8 × 8 MiB reached 0.65. Idle, 8 MiB slots did as well.
-    pub staging_slots: usize,
-    /// Kernel path, idle GPU: threads per CTA.
-    pub idle_threads: u32,
-    /// Kernel path, idle GPU: at most this many CTAs. Few enough that an
-    /// offload and an onboard kernel fit on the GPU at the same time.
-    pub idle_max_ctas: u32,
-    /// Kernels give each warp its own run (more loads in flight for small
-    /// runs) rather than each CTA.
-    pub warp_per_run: bool,
-    /// Use `cuMemcpyBatchAsync_v2` / `cuMemcpy3DBatchAsync_v2` where the
-    /// driver has them.
-    pub use_batch_copy: bool,
-    /// Copy-engine path: move affine families of runs as pitched copies
-    /// (one descriptor per family) instead of one descriptor per run.
-    pub strided_copies: bool,
-    /// Families of fewer runs go as flat copies (a pitched descriptor costs
-    /// the driver several flat ones).
-    pub min_family_height: u64,
-    /// Kernel path, busy GPU: CTAs.
-    pub busy_ctas: u32,
-    /// Kernel path, busy GPU: threads per CTA.
-    pub busy_threads: u32,
-    /// Staged path: CTAs of the staging kernel. Wide, so the gather that
-    /// runs in the gaps between the model's kernels finishes quickly.
-    pub staged_ctas: u32,
-    /// Staged path: threads per CTA of the staging kernel.
-    pub staged_threads: u32,
-    /// Copies up to this many bytes take the kernel path (latency).
-    pub small_copy_bytes: u64,
-    /// Runs of at least this mean size take the copy engines.
-    pub engine_run_bytes: u64,
-    /// Completion wake-up of host ↔ device copies: once a copy's bytes
-    /// could have crossed the host link at `line_rate_bytes_per_s`, its
-    /// watcher polls for at most this many microseconds before sleeping in
-    /// the driver; 0 always sleeps. The driver's wake-up after the GPU's
-    /// interrupt took 0.14–0.3 ms on the H200 machine, a tenth of a 128 MiB
-    /// copy.
-    pub wake_spin_us: u64,
-    /// An upper bound of the host link's rate in one direction (bytes/s),
-    /// for `wake_spin_us`: a copy never ends before its bytes at this rate.
-    pub line_rate_bytes_per_s: f64,
-    /// Staged copies are enqueued by a feeder thread per staging ring, so
-    /// `copy()` returns early and an onboard and an offload submitted by
-    /// one thread are enqueued side by side (H200 machine, both directions
-    /// from one thread at 8 KiB runs: 0.86–0.88 of the bidirectional rate
-    /// against 0.76–0.79 without). `false` enqueues on the caller's thread
-    /// before `copy()` returns.
-    pub staged_feeder: bool,
-    /// With the feeder: when a ring has nothing queued, the caller enqueues
-    /// this many first chunks of a staged copy itself (the GPU starts with
-    /// no hand-off to the feeder thread) and the feeder continues from
-    /// there; 0 hands every copy over whole. Handing over whole cost a lone
-    /// copy the thread hand-off: on the H200 machine, 8 KiB runs one way,
-    /// medians of 8 copies in three runs, 0 chunks 0.863–0.885, 1 chunk
-    /// 0.857–0.887 (the feeder's wake-up outlasts the first chunk's DMA),
-    /// 2 chunks 0.875–0.898, 3 chunks 0.883–0.903, no feeder 0.879–0.893;
-    /// both directions from one thread 2 chunks 0.856–0.877 against
-    /// 0.829–0.856 with 0.
-    pub staged_caller_chunks: usize,
-    /// Staged copies start with this many smaller chunks (a half slot, a
-    /// quarter, … back to `1 / 2^n` of a slot for the first), so the first
-    /// DMA starts soon and each chunk is planned before the last one moved.
-    pub staged_ramp_chunks: u32,
-    /// Diagnostics: record a timeline of each staged copy (GPU timing
-    /// events per chunk), read with `CudaCopier::take_timeline`.
-    #[doc(hidden)]
-    pub timeline: bool,
-}
-
-impl Default for CopierConfig {
-    fn default() -> Self {
-        CopierConfig {
-            lanes_per_direction: 2,
-            staging_slot_bytes: 32 << 20,
-            staging_slots: 8,
-            idle_threads: 512,
-            idle_max_ctas: 64,
-            warp_per_run: true,
-            use_batch_copy: true,
-            strided_copies: true,
-            min_family_height: 8,
-            busy_ctas: 8,
-            busy_threads: 512,
-            staged_ctas: 264,
-            staged_threads: 512,
-            small_copy_bytes: 4 << 20,
-            engine_run_bytes: 128 << 10,
-            wake_spin_us: 500,
-            line_rate_bytes_per_s: 56e9,
-            staged_feeder: true,
-            staged_caller_chunks: 2,
-            staged_ramp_chunks: 3,
-            timeline: false,
         }
     }
 }
@@ -334,8 +225,17 @@ impl CudaCopier {
     ///   kernels hold the SMs for a few microseconds per 32 MiB, so it is
     ///   also the choice beside the model.
     ///
-    /// `load` does not change the choice today (the staged path measured
-    /// best idle and busy); it sizes the grid of a forced kernel copy.
+    /// With [`GpuLoad::Busy`], `copy` goes one step further than this
+    /// function (it needs the plan's shape, not only its size): runs of 16
+    /// KiB or more that fold into pitched copies of 32 lines or more on
+    /// average (a block's K and V of every layer when the layer tensors
+    /// share one allocation) take the copy engines. Beside a bf16 GEMM loop
+    /// at 32 KiB runs they moved 0.80–0.82 (H2D) and 0.82–0.83 (D2H) of
+    /// line rate against the ring's 0.71–0.76 and 0.79–0.83, with no SMs;
+    /// at 8 KiB runs the ring's both-directions rate was better (0.63
+    /// against 0.56), and short families (one allocation per layer) are
+    /// submission-bound on the engines (0.13–0.67). `load` also sizes the
+    /// grid of a forced kernel copy.
     pub fn choose(
         &self,
         dir: Direction,
@@ -397,11 +297,25 @@ impl CudaCopier {
         self.device.bind()?;
         let src_bases: Vec<u64> = src.iter().map(|r| r.device_ptr()).collect();
         let dst_bases: Vec<u64> = dst.iter().map(|r| r.device_ptr()).collect();
-        let path = opts
+        let mut path = opts
             .path
             .unwrap_or_else(|| self.choose(dir, n_runs, total, opts.load));
-        let families = (path == CopyPath::CopyEngine && self.config.strided_copies)
+        let mut families = (path == CopyPath::CopyEngine && self.config.strided_copies)
             .then(|| self.families(runs, src, dst, &src_bases, &dst_bases, dir));
+        if opts.path.is_none()
+            && opts.load == GpuLoad::Busy
+            && path == CopyPath::Staged
+            && self.config.strided_copies
+        {
+            // Beside the model, a plan that folds into tall pitched copies
+            // goes to the copy engines: no SMs, and no wait for a gap
+            // between the model's kernels.
+            let f = self.families(runs, src, dst, &src_bases, &dst_bases, dir);
+            if engines_beside_model(n_runs, total, f.len(), &self.config) {
+                path = CopyPath::CopyEngine;
+                families = Some(f);
+            }
+        }
         let path = match (path, dir) {
             (CopyPath::Staged, Direction::DeviceToDevice) => CopyPath::Kernel,
             (p, _) => p,
@@ -420,13 +334,13 @@ impl CudaCopier {
         // The earliest the bytes can have crossed the host link, counted
         // from the call (nothing moves before it); device-to-device copies
         // run at HBM speed and just sleep in the driver.
-        let spin = (self.config.wake_spin_us > 0 && dir != Direction::DeviceToDevice).then(|| {
-            (
-                entered,
-                Duration::from_secs_f64(total as f64 / self.config.line_rate_bytes_per_s),
-                Duration::from_micros(self.config.wake_spin_us),
-            )
-        });
+        let spin =
+            (self.config.wake_spin_us > 0 && dir != Direction::DeviceToDevice).then(|| PollPlan {
+                asked: entered,
+                shortest: Duration::from_secs_f64(total as f64 / self.config.line_rate_bytes_per_s),
+                busy: Duration::from_micros(self.config.wake_spin_us),
+                interval: Duration::from_micros(self.config.wake_poll_interval_us),
+            });
         if path == CopyPath::Staged
             && let (Some(ring), Some(owned)) = (ring, owned.take())
         {
@@ -669,6 +583,15 @@ fn direction(src: &[Arc<dyn CudaRegion>], dst: &[Arc<dyn CudaRegion>]) -> CudaRe
     }
 }
 
+/// Whether a busy-GPU copy of `n_runs` runs and `total` bytes that folds
+/// into `descriptors` copy-engine descriptors goes to the copy engines
+/// rather than the staging ring: runs long enough and families tall enough
+/// that the engines' per-descriptor cost stays small.
+fn engines_beside_model(n_runs: usize, total: u64, descriptors: usize, cfg: &CopierConfig) -> bool {
+    let (n, d) = (n_runs.max(1) as u64, descriptors.max(1) as u64);
+    total / n >= cfg.busy_engine_run_bytes && n / d >= cfg.busy_engine_family_height
+}
+
 /// Bounds-checks every run (appending it to `copy_to` on the way); returns
 /// the total bytes and the number of non-empty runs.
 fn validate(
@@ -727,4 +650,45 @@ fn validate(
     Err(CudaError::InvalidCopy(
         "a run lies outside its region".into(),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn busy_plans_with_tall_families_of_long_runs_take_the_engines() {
+        let cfg = CopierConfig::default();
+        // 256 blocks × 64 runs of 32 KiB, one pitched copy per block.
+        let runs = 256 * 64;
+        assert!(engines_beside_model(
+            runs,
+            runs as u64 * (32 << 10),
+            256,
+            &cfg
+        ));
+        // The same plan at 8 KiB runs stays on the ring.
+        assert!(!engines_beside_model(
+            runs,
+            runs as u64 * (8 << 10),
+            256,
+            &cfg
+        ));
+        // Layer tensors in separate allocations: families of two lines.
+        assert!(!engines_beside_model(
+            runs,
+            runs as u64 * (32 << 10),
+            runs / 2,
+            &cfg
+        ));
+        // Nothing folds: one descriptor per run.
+        assert!(!engines_beside_model(
+            runs,
+            runs as u64 * (32 << 10),
+            runs,
+            &cfg
+        ));
+        // Degenerate counts do not divide by zero.
+        assert!(!engines_beside_model(0, 0, 0, &cfg));
+    }
 }

@@ -25,6 +25,7 @@
 
 pub mod backend;
 pub mod completion;
+mod config;
 pub mod copier;
 pub mod device;
 mod dma;

@@ -36,11 +36,11 @@
 use std::any::Any;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use cudarc::driver::sys::CUstream;
 
-use super::completion::{record_event, wait_event};
+use super::completion::{PollPlan, record_event, wait_event};
 use super::device::CudaDevice;
 use super::dma::enqueue_spans;
 use super::error::{CudaError, CudaResult};
@@ -69,7 +69,7 @@ pub(crate) struct StagedJob {
     /// Memory regions and anything else the GPU uses until completion.
     pub keep: Vec<Box<dyn Any + Send>>,
     /// The watcher's wake-up hint (see `Watcher::watch`).
-    pub spin: Option<(Instant, Duration, Duration)>,
+    pub spin: Option<PollPlan>,
     pub completer: Completer<CudaResult<()>>,
     pub timeline: Option<Timeline>,
     /// Counted in the ring's `queued` (handed to the feeder).

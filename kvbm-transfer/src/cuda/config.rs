@@ -1,0 +1,133 @@
+//! The copier's tunables: path thresholds, grid sizes, the staging ring,
+//! the completion poll. Every default is a measured choice (the numbers in
+//! the field docs come from the H200 machine, docs/benchmarks.md).
+
+/// Tunables of a [`CudaCopier`](super::CudaCopier). The defaults are the
+/// measured choices.
+#[derive(Debug, Clone)]
+pub struct CopierConfig {
+    /// Lanes (kernel stream + copy stream + watcher) per direction; the
+    /// first lane of each host direction also holds the staging ring.
+    pub lanes_per_direction: usize,
+    /// Bytes per staging slot.
+    pub staging_slot_bytes: usize,
+    /// Slots per staging ring. Under a model that holds every SM (a large
+    /// GEMM), the staging kernels only run between the model's kernels, so
+    /// the ring must hold what the DMA moves during one of them: beside a
+    /// 1.5 ms GEMM, 8 × 32 MiB reached 0.86–0.89 of line rate at 32 KiB
+    /// runs where 8 × 8 MiB reached 0.65. Idle, 8 MiB slots did as well.
+    pub staging_slots: usize,
+    /// Kernel path, idle GPU: threads per CTA.
+    pub idle_threads: u32,
+    /// Kernel path, idle GPU: at most this many CTAs. Few enough that an
+    /// offload and an onboard kernel fit on the GPU at the same time.
+    pub idle_max_ctas: u32,
+    /// Kernels give each warp its own run (more loads in flight for small
+    /// runs) rather than each CTA.
+    pub warp_per_run: bool,
+    /// Use `cuMemcpyBatchAsync_v2` / `cuMemcpy3DBatchAsync_v2` where the
+    /// driver has them.
+    pub use_batch_copy: bool,
+    /// Copy-engine path: move affine families of runs as pitched copies
+    /// (one descriptor per family) instead of one descriptor per run.
+    pub strided_copies: bool,
+    /// Families of fewer runs go as flat copies (a pitched descriptor costs
+    /// the driver several flat ones).
+    pub min_family_height: u64,
+    /// Kernel path, busy GPU: CTAs.
+    pub busy_ctas: u32,
+    /// Kernel path, busy GPU: threads per CTA.
+    pub busy_threads: u32,
+    /// Staged path: CTAs of the staging kernel. Wide, so the gather that
+    /// runs in the gaps between the model's kernels finishes quickly.
+    pub staged_ctas: u32,
+    /// Staged path: threads per CTA of the staging kernel.
+    pub staged_threads: u32,
+    /// Copies up to this many bytes take the kernel path (latency).
+    pub small_copy_bytes: u64,
+    /// Runs of at least this mean size take the copy engines.
+    pub engine_run_bytes: u64,
+    /// With [`GpuLoad::Busy`](super::GpuLoad::Busy), plans whose runs
+    /// average at least this many bytes and fold into pitched copies of at
+    /// least `busy_engine_family_height` lines on average take the copy
+    /// engines instead of the staging ring (see
+    /// [`CudaCopier::choose`](super::CudaCopier::choose)).
+    pub busy_engine_run_bytes: u64,
+    /// See `busy_engine_run_bytes`.
+    pub busy_engine_family_height: u64,
+    /// Completion wake-up of host ↔ device copies: once a copy's bytes
+    /// could have crossed the host link at `line_rate_bytes_per_s`, its
+    /// watcher polls for at most this many microseconds before sleeping in
+    /// the driver; 0 always sleeps. The driver's wake-up after the GPU's
+    /// interrupt took 0.14–0.3 ms on the H200 machine, a tenth of a 128 MiB
+    /// copy.
+    pub wake_spin_us: u64,
+    /// After the busy poll of `wake_spin_us`, the watcher queries the
+    /// copy's event every this many microseconds (sleeping in between) for
+    /// at most as long again as the copy's shortest duration, before it
+    /// sleeps in the driver; 0 goes to the driver at once. For copies that
+    /// run well below line rate (each direction of an onboard and an
+    /// offload at once; a copy behind the model's kernels), which outlast
+    /// the busy poll.
+    pub wake_poll_interval_us: u64,
+    /// An upper bound of the host link's rate in one direction (bytes/s),
+    /// for `wake_spin_us`: a copy never ends before its bytes at this rate.
+    pub line_rate_bytes_per_s: f64,
+    /// Staged copies are enqueued by a feeder thread per staging ring, so
+    /// `copy()` returns early and an onboard and an offload submitted by
+    /// one thread are enqueued side by side (H200 machine, both directions
+    /// from one thread at 8 KiB runs: 0.86–0.88 of the bidirectional rate
+    /// against 0.76–0.79 without). `false` enqueues on the caller's thread
+    /// before `copy()` returns.
+    pub staged_feeder: bool,
+    /// With the feeder: when a ring has nothing queued, the caller enqueues
+    /// this many first chunks of a staged copy itself (the GPU starts with
+    /// no hand-off to the feeder thread) and the feeder continues from
+    /// there; 0 hands every copy over whole. Handing over whole cost a lone
+    /// copy the thread hand-off: on the H200 machine, 8 KiB runs one way,
+    /// medians of 8 copies in three runs, 0 chunks 0.863–0.885, 1 chunk
+    /// 0.857–0.887 (the feeder's wake-up outlasts the first chunk's DMA),
+    /// 2 chunks 0.875–0.898, 3 chunks 0.883–0.903, no feeder 0.879–0.893;
+    /// both directions from one thread 2 chunks 0.856–0.877 against
+    /// 0.829–0.856 with 0.
+    pub staged_caller_chunks: usize,
+    /// Staged copies start with this many smaller chunks (a half slot, a
+    /// quarter, … back to `1 / 2^n` of a slot for the first), so the first
+    /// DMA starts soon and each chunk is planned before the last one moved.
+    pub staged_ramp_chunks: u32,
+    /// Diagnostics: record a timeline of each staged copy (GPU timing
+    /// events per chunk), read with `CudaCopier::take_timeline`.
+    #[doc(hidden)]
+    pub timeline: bool,
+}
+
+impl Default for CopierConfig {
+    fn default() -> Self {
+        CopierConfig {
+            lanes_per_direction: 2,
+            staging_slot_bytes: 32 << 20,
+            staging_slots: 8,
+            idle_threads: 512,
+            idle_max_ctas: 64,
+            warp_per_run: true,
+            use_batch_copy: true,
+            strided_copies: true,
+            min_family_height: 8,
+            busy_ctas: 8,
+            busy_threads: 512,
+            staged_ctas: 264,
+            staged_threads: 512,
+            small_copy_bytes: 4 << 20,
+            engine_run_bytes: 128 << 10,
+            busy_engine_run_bytes: 16 << 10,
+            busy_engine_family_height: 32,
+            wake_spin_us: 500,
+            wake_poll_interval_us: 20,
+            line_rate_bytes_per_s: 56e9,
+            staged_feeder: true,
+            staged_caller_chunks: 2,
+            staged_ramp_chunks: 3,
+            timeline: false,
+        }
+    }
+}
