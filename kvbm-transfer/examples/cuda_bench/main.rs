@@ -16,7 +16,9 @@
 //! directions, beside the GEMM one copy at a time), each against the
 //! previous behaviour (`-old`: no sleeping completion polls after the busy
 //! one, and no copy engines beside the model); `probe` (see `probe.rs`) the
-//! measurements behind the staged path's start.
+//! measurements behind the staged path's start. `KVBM_SHAPES` keeps some
+//! run sizes and placements (`"32:1-alloc 8:layer-alloc"`), `KVBM_GEMM_X`
+//! stretches the GEMM window.
 
 #[path = "../../tests/cuda_common/mod.rs"]
 mod cuda_common;
@@ -462,8 +464,18 @@ fn main() {
     } else {
         &[16, 4, 128]
     };
+    // `KVBM_SHAPES="32:1-alloc 8:layer-alloc"` keeps only those run sizes
+    // (KiB) and placements.
+    let only = std::env::var("KVBM_SHAPES").ok();
     for (tokens, packed) in shapes.iter().flat_map(|&t| [(t, true), (t, false)]) {
         let tag = if packed { "1-alloc" } else { "layer-alloc" };
+        let key = format!("{}:{tag}", (tokens * 8 * 128 * 2) >> 10);
+        if only
+            .as_ref()
+            .is_some_and(|o| !o.split_whitespace().any(|k| k == key))
+        {
+            continue;
+        }
         println!(
             "--- {} KiB runs, device layers in {} ({:.1} s) ---",
             (tokens * 8 * 128 * 2) >> 10,
@@ -629,7 +641,13 @@ fn main() {
             // Long enough for several copies to fit inside the GEMM window
             // (one GEMM is about 1.5 ms; copies assumed no faster than 40 GB/s).
             let copy_s = on.bytes as f64 / 40e9;
-            let gemm_n = ((6.0 * copy_s / 1.5e-3) as usize).max(60);
+            // `KVBM_GEMM_X=k` makes the window k times longer (the in-flight
+            // rows' bounds then close in on each other).
+            let stretch: usize = std::env::var("KVBM_GEMM_X")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(1);
+            let gemm_n = ((6.0 * copy_s / 1.5e-3) as usize).max(60) * stretch.max(1);
             // Kernels on an idle-sized grid starve the GEMM (measured: -86%
             // throughput) and, run from two threads, block it entirely, so
             // only the SM-sparing variants run beside it.
@@ -665,7 +683,8 @@ fn main() {
                     let mut steadies = Vec::new();
                     for _ in 0..3 {
                         let alone = g.run(gemm_n);
-                        let (t, c, st) = interfere(copier, g, &cases, gemm_n, in_flight);
+                        let lanes = copier.config().lanes_per_direction;
+                        let (t, c, st) = interfere(copier, g, &cases, gemm_n, in_flight, lanes);
                         losses.push((1.0 - t / alone) * 100.0);
                         rates.push(c);
                         steadies.push(st);
