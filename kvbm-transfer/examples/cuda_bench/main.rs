@@ -140,7 +140,7 @@ impl Copiers {
             }),
             old: mk(CopierConfig {
                 wake_poll_interval_us: 0,
-                busy_engine_family_height: u64::MAX,
+                busy_engine_run_bytes: u64::MAX,
                 ..d()
             }),
         }

@@ -302,10 +302,15 @@ impl CudaCopier {
             .unwrap_or_else(|| self.choose(dir, n_runs, total, opts.load));
         let mut families = (path == CopyPath::CopyEngine && self.config.strided_copies)
             .then(|| self.families(runs, src, dst, &src_bases, &dst_bases, dir));
+        // (Families are found only when the runs are long enough to use
+        // them: finding them costs a pass over the plan that a copy of
+        // 16,384 runs of 8 KiB pays before it starts, measured at up to a
+        // quarter of its rate beside the GEMM.)
         if opts.path.is_none()
             && opts.load == GpuLoad::Busy
             && path == CopyPath::Staged
             && self.config.strided_copies
+            && total / n_runs.max(1) as u64 >= self.config.busy_engine_run_bytes
         {
             // Beside the model, a plan that folds into tall pitched copies
             // goes to the copy engines: no SMs, and no wait for a gap
