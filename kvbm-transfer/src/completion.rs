@@ -298,6 +298,57 @@ impl CancelToken {
     }
 }
 
+/// A job made of parts that finish on other threads: the first real error
+/// wins (a cancellation never hides one), and the last part to settle
+/// resolves the job's completion with it.
+pub(crate) struct Countdown {
+    remaining: AtomicUsize,
+    failed: AtomicBool,
+    error: Mutex<Option<TransferError>>,
+    completer: Mutex<Option<Completer>>,
+}
+
+impl Countdown {
+    /// `parts` parts (at least one) resolving `completer`.
+    pub(crate) fn new(parts: usize, completer: Completer) -> Self {
+        Countdown {
+            remaining: AtomicUsize::new(parts),
+            failed: AtomicBool::new(false),
+            error: Mutex::new(None),
+            completer: Mutex::new(Some(completer)),
+        }
+    }
+
+    /// Whether a part failed (the others may stop early).
+    pub(crate) fn failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire)
+    }
+
+    /// Records a part's failure.
+    pub(crate) fn fail(&self, e: TransferError) {
+        self.failed.store(true, Ordering::Release);
+        let mut slot = self.error.lock();
+        if slot.is_none() || matches!(*slot, Some(TransferError::Cancelled)) {
+            *slot = Some(e);
+        }
+    }
+
+    /// One part is done (after `fail` if it failed); the last one resolves
+    /// the completion.
+    pub(crate) fn settle(&self) {
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return;
+        }
+        let result = match self.error.lock().take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        };
+        if let Some(c) = self.completer.lock().take() {
+            c.complete(result);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

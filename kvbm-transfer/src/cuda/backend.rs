@@ -93,24 +93,7 @@ impl CudaBackend {
                 let addr = r.addr().ok_or_else(|| {
                     TransferError::InvalidRequest("a file region reached the CUDA backend".into())
                 })?;
-                // The allocation, where the region's owner is memory this
-                // module made (or wrapped) and so knows it.
-                let owner = r.owner();
-                let allocation = owner
-                    .and_then(|o| o.downcast_ref::<DeviceBuffer>())
-                    .and_then(CudaRegion::allocation)
-                    .or_else(|| {
-                        owner
-                            .and_then(|o| o.downcast_ref::<ExternalDeviceMemory>())
-                            .and_then(CudaRegion::allocation)
-                    });
-                Ok(Arc::new(JobRegion {
-                    _region: r.clone(),
-                    addr,
-                    len: r.len() as usize,
-                    location,
-                    allocation,
-                }) as Arc<dyn CudaRegion>)
+                Ok(Arc::new(JobRegion::new(r, addr, location)) as Arc<dyn CudaRegion>)
             })
             .collect()
     }
@@ -174,12 +157,36 @@ pub fn to_transfer_error(e: CudaError) -> TransferError {
 
 /// A job's region as the copier sees it; holds the region (and so its
 /// owner) until the copy completes.
-struct JobRegion {
+pub(crate) struct JobRegion {
     _region: MemoryRegion,
     addr: u64,
     len: usize,
     location: Location,
     allocation: Option<(u64, u64)>,
+}
+
+impl JobRegion {
+    /// `region` (at `addr`, in `location`) for a copy; it keeps the region
+    /// alive, and knows its allocation where the region's owner is memory
+    /// this module made or wrapped.
+    pub(crate) fn new(region: &MemoryRegion, addr: u64, location: Location) -> Self {
+        let owner = region.owner();
+        let allocation = owner
+            .and_then(|o| o.downcast_ref::<DeviceBuffer>())
+            .and_then(CudaRegion::allocation)
+            .or_else(|| {
+                owner
+                    .and_then(|o| o.downcast_ref::<ExternalDeviceMemory>())
+                    .and_then(CudaRegion::allocation)
+            });
+        JobRegion {
+            _region: region.clone(),
+            addr,
+            len: region.len() as usize,
+            location,
+            allocation,
+        }
+    }
 }
 
 impl CudaRegion for JobRegion {

@@ -43,26 +43,26 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
 use cudarc::driver::sys::{self, CUdevice_attribute};
 use parking_lot::Mutex;
 
-use super::backend::to_transfer_error;
+use super::backend::{JobRegion, to_transfer_error};
 use super::copier::{CopyOptions, CopyPath, CudaCopier};
 use super::device::CudaDevice;
 use super::error::CudaError;
-use super::memory::{CudaRegion, DeviceBuffer, ExternalDeviceMemory, Location};
+use super::memory::{CudaRegion, Location};
 use crate::backend::{Side, TransferJob};
-use crate::completion::{CancelToken, Completer, Completion, completion_pair};
+use crate::completion::{CancelToken, Completion, Countdown, completion_pair};
 use crate::disk::FileMap;
 use crate::disk::route::{
     FileRoute, FileWindow, RouteFacts, RouteRefusal, plan_fixed_windows, plan_windows,
     route_refusal,
 };
 use crate::error::TransferError;
-use crate::memory::{DiskFile, MemoryKind, MemoryRegion};
+use crate::memory::{DiskFile, MemoryKind};
 use crate::pool::WorkerPool;
 
 /// Settings of a [`FileWindowRoute`].
@@ -454,21 +454,7 @@ impl Shared {
                         r.kind()
                     ))
                 })?;
-                let owner = r.owner();
-                let allocation = owner
-                    .and_then(|o| o.downcast_ref::<DeviceBuffer>())
-                    .and_then(CudaRegion::allocation)
-                    .or_else(|| {
-                        owner
-                            .and_then(|o| o.downcast_ref::<ExternalDeviceMemory>())
-                            .and_then(CudaRegion::allocation)
-                    });
-                Ok(Arc::new(DeviceRef {
-                    _region: r.clone(),
-                    addr,
-                    len: r.len() as usize,
-                    allocation,
-                }) as Arc<dyn CudaRegion>)
+                Ok(Arc::new(JobRegion::new(r, addr, Location::Device)) as Arc<dyn CudaRegion>)
             })
             .collect()
     }
@@ -553,63 +539,16 @@ impl CudaRegion for WindowRegion {
     }
 }
 
-/// A job's device region as the copier sees it.
-struct DeviceRef {
-    _region: MemoryRegion,
-    addr: u64,
-    len: usize,
-    allocation: Option<(u64, u64)>,
-}
-
-impl CudaRegion for DeviceRef {
-    fn device_ptr(&self) -> u64 {
-        self.addr
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn location(&self) -> Location {
-        Location::Device
-    }
-    fn allocation(&self) -> Option<(u64, u64)> {
-        self.allocation
-    }
-}
-
 /// One job's windows in flight.
 struct WindowJob {
     dst: Vec<Arc<dyn CudaRegion>>,
     cancel: CancelToken,
-    remaining: AtomicUsize,
-    failed: AtomicBool,
-    error: Mutex<Option<TransferError>>,
-    completer: Mutex<Option<Completer>>,
+    parts: Countdown,
 }
 
 impl WindowJob {
     fn wanted(&self) -> bool {
-        !self.failed.load(Ordering::Acquire) && !self.cancel.is_cancelled()
-    }
-
-    fn fail(&self, e: TransferError) {
-        self.failed.store(true, Ordering::Release);
-        let mut slot = self.error.lock();
-        if slot.is_none() || matches!(*slot, Some(TransferError::Cancelled)) {
-            *slot = Some(e);
-        }
-    }
-
-    fn settle(&self) {
-        if self.remaining.fetch_sub(1, Ordering::AcqRel) != 1 {
-            return;
-        }
-        let result = match self.error.lock().take() {
-            Some(e) => Err(e),
-            None => Ok(()),
-        };
-        if let Some(c) = self.completer.lock().take() {
-            c.complete(result);
-        }
+        !self.parts.failed() && !self.cancel.is_cancelled()
     }
 }
 
@@ -666,10 +605,7 @@ impl FileRoute for FileWindowRoute {
         let state = Arc::new(WindowJob {
             dst,
             cancel: job.cancel.clone(),
-            remaining: AtomicUsize::new(windows.len()),
-            failed: AtomicBool::new(false),
-            error: Mutex::new(None),
-            completer: Mutex::new(Some(completer)),
+            parts: Countdown::new(windows.len(), completer),
         });
         for w in windows {
             let (shared, state) = (self.shared.clone(), state.clone());
@@ -680,9 +616,9 @@ impl FileRoute for FileWindowRoute {
                     Err(TransferError::Cancelled)
                 };
                 if let Err(e) = r {
-                    state.fail(e);
+                    state.parts.fail(e);
                 }
-                state.settle();
+                state.parts.settle();
             });
         }
         completion

@@ -17,9 +17,7 @@ mod uring;
 
 use std::io;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
-
-use parking_lot::Mutex;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 pub use engine::{
     BufferedIo, DefaultEngine, EngineConfig, IoDir, IoEngine, IoOp, IoSink, cancelled,
@@ -34,7 +32,7 @@ pub use uring::UringEngine;
 use crate::backend::{
     BackendKind, Side, TransferBackend, TransferJob, accepted_kinds, host_disk_pair,
 };
-use crate::completion::{Completer, Completion, completion_pair};
+use crate::completion::{Completion, Countdown, completion_pair};
 use crate::error::{Result, TransferError};
 use crate::memory::{DISK_ALIGNMENT, DiskFile, MemoryKind, MemoryRegion};
 
@@ -124,12 +122,9 @@ struct OpMeta {
 struct DiskJob<E: IoEngine> {
     dir: IoDir,
     ops: Vec<OpMeta>,
-    remaining: AtomicUsize,
-    failed: AtomicBool,
-    error: Mutex<Option<TransferError>>,
+    parts: Countdown,
     job: TransferJob,
     engine: Arc<E>,
-    completer: Mutex<Option<Completer>>,
     this: std::sync::Weak<DiskJob<E>>,
 }
 
@@ -148,28 +143,6 @@ impl<E: IoEngine> DiskJob<E> {
         })
     }
 
-    fn fail(&self, e: TransferError) {
-        self.failed.store(true, Ordering::Release);
-        let mut slot = self.error.lock();
-        // Keep the first real error; a cancellation never hides one.
-        if slot.is_none() || matches!(*slot, Some(TransferError::Cancelled)) {
-            *slot = Some(e);
-        }
-    }
-
-    fn settle(&self) {
-        if self.remaining.fetch_sub(1, Ordering::AcqRel) != 1 {
-            return;
-        }
-        let result = match self.error.lock().take() {
-            Some(e) => Err(e),
-            None => Ok(()),
-        };
-        if let Some(c) = self.completer.lock().take() {
-            c.complete(result);
-        }
-    }
-
     fn io_error(&self, i: usize, source: io::Error) -> TransferError {
         let m = &self.ops[i];
         TransferError::Io {
@@ -183,7 +156,7 @@ impl<E: IoEngine> DiskJob<E> {
 
 impl<E: IoEngine> IoSink for DiskJob<E> {
     fn wanted(&self) -> bool {
-        !self.failed.load(Ordering::Acquire) && !self.job.cancel.is_cancelled()
+        !self.parts.failed() && !self.job.cancel.is_cancelled()
     }
 
     fn complete(&self, token: u64, result: io::Result<usize>) {
@@ -193,7 +166,7 @@ impl<E: IoEngine> IoSink for DiskJob<E> {
             Ok(n) if n > 0 => {
                 let done = m.done.fetch_add(n as u32, Ordering::AcqRel) + n as u32;
                 if done >= m.len {
-                    return self.settle();
+                    return self.parts.settle();
                 }
                 // A short transfer: move the rest, unless the job stopped.
                 if self.wanted()
@@ -201,10 +174,10 @@ impl<E: IoEngine> IoSink for DiskJob<E> {
                 {
                     return self.engine.submit(vec![op]);
                 }
-                if !self.failed.load(Ordering::Acquire) {
-                    self.fail(TransferError::Cancelled);
+                if !self.parts.failed() {
+                    self.parts.fail(TransferError::Cancelled);
                 }
-                self.settle()
+                self.parts.settle()
             }
             Ok(_) => {
                 let kind = if self.dir == IoDir::Read {
@@ -212,20 +185,17 @@ impl<E: IoEngine> IoSink for DiskJob<E> {
                 } else {
                     io::ErrorKind::WriteZero
                 };
-                self.fail(self.io_error(
+                self.parts.fail(self.io_error(
                     i,
                     io::Error::new(kind, "no progress: the file ends before the request"),
                 ));
-                self.settle()
+                self.parts.settle()
             }
-            Err(e)
-                if e.raw_os_error() == Some(libc::ECANCELED)
-                    && !self.failed.load(Ordering::Acquire) =>
-            {
-                self.fail(TransferError::Cancelled);
-                self.settle()
+            Err(e) if e.raw_os_error() == Some(libc::ECANCELED) && !self.parts.failed() => {
+                self.parts.fail(TransferError::Cancelled);
+                self.parts.settle()
             }
-            Err(e) if e.raw_os_error() == Some(libc::ECANCELED) => self.settle(),
+            Err(e) if e.raw_os_error() == Some(libc::ECANCELED) => self.parts.settle(),
             Err(e)
                 if matches!(e.raw_os_error(), Some(libc::EINTR) | Some(libc::EAGAIN))
                     && m.retries.fetch_add(1, Ordering::AcqRel) < MAX_RETRIES
@@ -233,12 +203,12 @@ impl<E: IoEngine> IoSink for DiskJob<E> {
             {
                 match self.op(i, m.done.load(Ordering::Acquire)) {
                     Some(op) => self.engine.submit(vec![op]),
-                    None => self.settle(),
+                    None => self.parts.settle(),
                 }
             }
             Err(e) => {
-                self.fail(self.io_error(i, e));
-                self.settle()
+                self.parts.fail(self.io_error(i, e));
+                self.parts.settle()
             }
         }
     }
@@ -387,12 +357,9 @@ impl<E: IoEngine> TransferBackend for DiskBackend<E> {
         let state = Arc::new_cyclic(|this| DiskJob {
             dir,
             ops,
-            remaining: AtomicUsize::new(n),
-            failed: AtomicBool::new(false),
-            error: Mutex::new(None),
+            parts: Countdown::new(n, completer),
             job,
             engine: self.engine.clone(),
-            completer: Mutex::new(Some(completer)),
             this: this.clone(),
         });
         let batch: Vec<IoOp> = (0..n).filter_map(|i| state.op(i, 0)).collect();
