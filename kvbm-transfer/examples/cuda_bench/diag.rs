@@ -12,23 +12,8 @@ use std::time::Instant;
 
 use super::*;
 
-fn cfg(f: impl FnOnce(&mut CopierConfig)) -> CopierConfig {
-    let mut c = CopierConfig::default();
-    f(&mut c);
-    c
-}
-
 pub(crate) fn run(dev: &CudaDevice) {
-    let arena_len = 2 * GIB;
-    let arena = Arc::new(
-        PinnedMemory::allocate_in_background(dev, arena_len, GIB, PinnedOptions::for_device(dev))
-            .expect("pinned arena"),
-    );
-    arena.wait_pinned(arena_len).expect("pins");
-    let pattern = random_bytes(1 << 20, 3);
-    for off in (0..arena_len).step_by(1 << 20) {
-        arena.write(off, &pattern).expect("fill");
-    }
+    let arena = filled_arena(dev, 2 * GIB);
     let mk = |c: CopierConfig| CudaCopier::new(dev, c).expect("copier");
     let main = mk(CopierConfig::default());
     let refs = references(dev, &main, 5);

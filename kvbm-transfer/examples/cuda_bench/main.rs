@@ -43,6 +43,27 @@ use kvbm_transfer::cuda::{
 
 const GIB: usize = 1 << 30;
 
+/// The default copier configuration changed by `f`.
+fn cfg(f: impl FnOnce(&mut CopierConfig)) -> CopierConfig {
+    let mut c = CopierConfig::default();
+    f(&mut c);
+    c
+}
+
+/// `len` bytes of pinned memory, all pinned, filled with non-zero bytes.
+fn filled_arena(dev: &CudaDevice, len: usize) -> Arc<PinnedMemory> {
+    let arena = Arc::new(
+        PinnedMemory::allocate_in_background(dev, len, GIB, PinnedOptions::for_device(dev))
+            .expect("pinned arena"),
+    );
+    arena.wait_pinned(len).expect("pins");
+    let pattern = random_bytes(1 << 20, 3);
+    for off in (0..len).step_by(1 << 20) {
+        arena.write(off, &pattern).expect("fill");
+    }
+    arena
+}
+
 /// A window of the pinned arena, as its own region.
 struct Window {
     mem: Arc<PinnedMemory>,

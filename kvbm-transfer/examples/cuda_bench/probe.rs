@@ -14,27 +14,10 @@
 //! and plain DMA as pieces of 512 KiB, 2 MiB and 128 MiB; the figures are
 //! in docs/benchmarks.md, the split is gone.)
 
-use std::sync::Arc;
-
 use super::*;
 
-fn cfg(f: impl FnOnce(&mut CopierConfig)) -> CopierConfig {
-    let mut c = CopierConfig::default();
-    f(&mut c);
-    c
-}
-
 pub(crate) fn run(dev: &CudaDevice) {
-    let arena_len = 2 * GIB;
-    let arena = Arc::new(
-        PinnedMemory::allocate_in_background(dev, arena_len, GIB, PinnedOptions::for_device(dev))
-            .expect("pinned arena"),
-    );
-    arena.wait_pinned(arena_len).expect("pins");
-    let pattern = random_bytes(1 << 20, 3);
-    for off in (0..arena_len).step_by(1 << 20) {
-        arena.write(off, &pattern).expect("fill");
-    }
+    let arena = filled_arena(dev, 2 * GIB);
     let mk = |c: CopierConfig| CudaCopier::new(dev, c).expect("copier");
     let main = mk(CopierConfig::default());
     let refs = references(dev, &main, 5);
