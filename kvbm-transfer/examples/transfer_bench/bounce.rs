@@ -471,6 +471,42 @@ fn sweep_from_env() -> Vec<SweepEntry> {
         .collect()
 }
 
+/// The GPU benches' device and copier (completion poll from
+/// `KVBM_WAKE_SPIN_US`), or `None` after printing `<name>: skipped: no
+/// CUDA device`.
+#[cfg(feature = "cuda")]
+pub(super) fn gpu_setup(
+    name: &str,
+) -> Option<(
+    kvbm_transfer::cuda::CudaDevice,
+    Arc<kvbm_transfer::cuda::CudaCopier>,
+)> {
+    use kvbm_transfer::cuda::{CopierConfig, CudaCopier, CudaDevice, Probe, probe};
+    let Probe::Devices(_) = probe() else {
+        println!("{name}: skipped: no CUDA device");
+        return None;
+    };
+    let device = CudaDevice::open(0).unwrap();
+    let config = CopierConfig {
+        wake_spin_us: env_u64("KVBM_WAKE_SPIN_US", CopierConfig::default().wake_spin_us),
+        ..CopierConfig::default()
+    };
+    let copier = Arc::new(CudaCopier::new(&device, config).unwrap());
+    Some((device, copier))
+}
+
+/// `len` bytes of pinned memory on `device`.
+#[cfg(feature = "cuda")]
+pub(super) fn pinned_memory(
+    device: &kvbm_transfer::cuda::CudaDevice,
+    len: u64,
+) -> Arc<kvbm_transfer::cuda::PinnedMemory> {
+    use kvbm_transfer::cuda::{PinnedMemory, PinnedOptions};
+    Arc::new(
+        PinnedMemory::allocate(device, len as usize, PinnedOptions::for_device(device)).unwrap(),
+    )
+}
+
 /// Page-cached file → pinned bounce → GPU through the CUDA backend: the
 /// G3 → G1 onboard path without GPUDirect Storage. Hop 1 is a CPU copy out
 /// of the page cache, hop 2 a DMA on the copy engines. The file, the
@@ -479,34 +515,14 @@ fn sweep_from_env() -> Vec<SweepEntry> {
 /// executor, and its own check of the device bytes.
 #[cfg(feature = "cuda")]
 pub(super) fn bench_bounce_gpu(runs: usize, dir: &std::path::Path) {
-    use kvbm_transfer::cuda::{
-        CopierConfig, CudaBackend, CudaCopier, CudaDevice, DeviceBuffer, PinnedMemory,
-        PinnedOptions, Probe, probe,
-    };
-    let Probe::Devices(_) = probe() else {
-        println!("bounce-gpu: skipped: no CUDA device");
+    use kvbm_transfer::cuda::{CudaBackend, DeviceBuffer};
+    let Some((device, copier)) = gpu_setup("bounce-gpu") else {
         return;
     };
-    let device = CudaDevice::open(0).unwrap();
     let trace = trace_from_env();
     let (fc, dev_l) = bounce_layouts();
     let bytes = fc.total_bytes();
-    let pinned = |len: u64| {
-        Arc::new(
-            PinnedMemory::allocate(&device, len as usize, PinnedOptions::for_device(&device))
-                .unwrap(),
-        )
-    };
-    let copier = Arc::new(
-        CudaCopier::new(
-            &device,
-            CopierConfig {
-                wake_spin_us: env_u64("KVBM_WAKE_SPIN_US", CopierConfig::default().wake_spin_us),
-                ..CopierConfig::default()
-            },
-        )
-        .unwrap(),
-    );
+    let pinned = |len: u64| pinned_memory(&device, len);
     let cuda: Arc<dyn kvbm_transfer::TransferBackend> = Arc::new(CudaBackend::new(copier));
     let setup = Executor::builder()
         .backend(Arc::new(disk_backend()))

@@ -18,7 +18,8 @@ use kvbm_transfer::cuda::CopyPath;
 use kvbm_transfer::cuda::file_window::{FileWindowConfig, FileWindowRoute, FileWindowStats};
 
 use super::bounce::{
-    BounceParams, bounce_layouts, buffered_source, check_device, disk_backend, env_u64,
+    BounceParams, bounce_layouts, buffered_source, check_device, disk_backend, gpu_setup,
+    pinned_memory,
 };
 use super::*;
 
@@ -86,28 +87,32 @@ fn fs_type(dir: &std::path::Path) -> String {
     }
 }
 
+/// A fresh read-only shared mapping of the first `len` bytes of `f`.
+fn map_read_only(f: &std::fs::File, len: usize) -> *mut libc::c_void {
+    use std::os::unix::io::AsRawFd;
+    // SAFETY: a new mapping at an address of the kernel's choice; the
+    // result is checked against MAP_FAILED.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED, "mmap of {len} bytes");
+    p
+}
+
 /// Page-locks pieces of a fresh read-only mapping of `path` with the
 /// driver directly: one page with each flag set, then whole windows,
 /// timing registration and unregistration.
 fn registration_probe(path: &std::path::Path, len: usize) {
     use cudarc::driver::sys;
-    use std::os::unix::io::AsRawFd;
     let f = std::fs::File::open(path).unwrap();
-    let map = || {
-        // SAFETY: a fresh read-only shared mapping of an open file.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                f.as_raw_fd(),
-                0,
-            )
-        };
-        assert_ne!(p, libc::MAP_FAILED);
-        p
-    };
+    let map = || map_read_only(&f, len);
     let name = |rc: sys::CUresult| format!("{rc:?}");
     for (label, flags) in [
         (
@@ -240,18 +245,7 @@ fn interference_probe(
     );
     let f = std::fs::File::open(path).unwrap();
     let len = (file_base + bytes) as usize;
-    // SAFETY: a fresh read-only shared mapping of an open file.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ,
-            libc::MAP_SHARED,
-            f.as_raw_fd(),
-            0,
-        )
-    };
-    assert_ne!(p, libc::MAP_FAILED);
+    let p = map_read_only(&f, len);
     let t0 = Instant::now();
     // SAFETY: the whole live mapping; unregistered before munmap.
     let rc = unsafe {
@@ -361,15 +355,10 @@ fn interference_probe(
 /// and the serial hops.
 pub(super) fn bench_window_gpu(runs: usize, dir: &std::path::Path) {
     use kvbm_transfer::TransferBackend;
-    use kvbm_transfer::cuda::{
-        CopierConfig, CudaBackend, CudaCopier, CudaDevice, DeviceBuffer, PinnedMemory,
-        PinnedOptions, Probe, probe,
-    };
-    let Probe::Devices(_) = probe() else {
-        println!("window-gpu: skipped: no CUDA device");
+    use kvbm_transfer::cuda::{CudaBackend, DeviceBuffer};
+    let Some((device, copier)) = gpu_setup("window-gpu") else {
         return;
     };
-    let device = CudaDevice::open(0).unwrap();
     let (fc, dev_l) = bounce_layouts();
     let bytes = fc.total_bytes();
     println!(
@@ -379,22 +368,7 @@ pub(super) fn bench_window_gpu(runs: usize, dir: &std::path::Path) {
         fs_type(dir),
         loadavg()
     );
-    let pinned = |len: u64| {
-        Arc::new(
-            PinnedMemory::allocate(&device, len as usize, PinnedOptions::for_device(&device))
-                .unwrap(),
-        )
-    };
-    let copier = Arc::new(
-        CudaCopier::new(
-            &device,
-            CopierConfig {
-                wake_spin_us: env_u64("KVBM_WAKE_SPIN_US", CopierConfig::default().wake_spin_us),
-                ..CopierConfig::default()
-            },
-        )
-        .unwrap(),
-    );
+    let pinned = |len: u64| pinned_memory(&device, len);
     let cuda: Arc<dyn TransferBackend> = Arc::new(CudaBackend::new(copier.clone()));
     let disk: Arc<dyn TransferBackend> = Arc::new(disk_backend());
     let setup = Executor::builder().backend(disk.clone()).build().unwrap();
