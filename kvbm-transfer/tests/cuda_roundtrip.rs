@@ -483,41 +483,6 @@ fn queued_staged_copies_keep_their_order() {
 }
 
 #[test]
-fn pinned_memory_grows_in_the_background() {
-    let Some(dev) = device_or_skip() else { return };
-    let opts = PinnedOptions {
-        chunk_bytes: 8 << 20,
-        ..PinnedOptions::for_device(&dev)
-    };
-    let mem = PinnedMemory::allocate_in_background(&dev, 96 << 20, 8 << 20, opts).unwrap();
-    assert!(mem.pinned_len() >= 8 << 20);
-    mem.wait_pinned(mem.capacity()).unwrap();
-    assert_eq!(mem.pinned_len(), 96 << 20);
-    // The last byte is usable by a copy.
-    let mem = Arc::new(mem);
-    let gpu = Arc::new(DeviceBuffer::new(&dev, 4096).unwrap());
-    gpu.write(0, &random_bytes(4096, 5)).unwrap();
-    let copier = CudaCopier::new(&dev, CopierConfig::default()).unwrap();
-    let run = kvbm_transfer::cuda::CopyRun {
-        src_region: 0,
-        src_offset: 0,
-        dst_region: 0,
-        dst_offset: (96 << 20) - 4096,
-        len: 4096,
-    };
-    type Regions = Vec<Arc<dyn CudaRegion>>;
-    let (src, dst): (Regions, Regions) = (vec![gpu], vec![mem.clone()]);
-    copier
-        .copy(&[run], &src, &dst, CopyOptions::default())
-        .unwrap()
-        .wait()
-        .unwrap();
-    let mut out = vec![0u8; 4096];
-    mem.read((96 << 20) - 4096, &mut out).unwrap();
-    assert_eq!(out, random_bytes(4096, 5));
-}
-
-#[test]
 fn copies_cross_registration_chunks() {
     // Pinned memory registered in 2 MiB chunks; one run spans four chunks on
     // the host side. DMA paths must split it, the kernel reads straight on.

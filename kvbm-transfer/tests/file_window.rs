@@ -75,6 +75,27 @@ fn layouts() -> (Layout, Layout) {
     )
 }
 
+/// One device buffer per region of `layout`.
+fn device_buffers(device: &CudaDevice, layout: &Layout) -> Vec<Arc<DeviceBuffer>> {
+    (0..layout.num_regions())
+        .map(|i| {
+            Arc::new(DeviceBuffer::new(device, layout.region_size(i).unwrap() as usize).unwrap())
+        })
+        .collect()
+}
+
+/// The bytes of every device buffer.
+fn device_image(buffers: &[Arc<DeviceBuffer>]) -> Vec<Vec<u8>> {
+    buffers
+        .iter()
+        .map(|b| {
+            let mut v = vec![0u8; CudaRegion::len(&**b)];
+            b.read(0, &mut v).unwrap();
+            v
+        })
+        .collect()
+}
+
 /// Writes random blocks to a new `mode` file, onboards `pairs` to the
 /// device, and checks every device byte. `None` if the file system
 /// refuses `O_DIRECT`.
@@ -87,11 +108,7 @@ fn onboard(r: &Rig, mode: IoMode, pairs: &[(usize, usize)], seed: u64) -> Option
     common::fill(&src, seed);
     let all: Vec<_> = (0..40).map(|i| (i, i)).collect();
     r.exec.transfer(&src, &file, &all).wait().unwrap();
-    let buffers: Vec<Arc<DeviceBuffer>> = (0..dev_l.num_regions())
-        .map(|i| {
-            Arc::new(DeviceBuffer::new(&r.device, dev_l.region_size(i).unwrap() as usize).unwrap())
-        })
-        .collect();
+    let buffers = device_buffers(&r.device, &dev_l);
     let before: Vec<Vec<u8>> = buffers
         .iter()
         .map(|b| {
@@ -104,14 +121,7 @@ fn onboard(r: &Rig, mode: IoMode, pairs: &[(usize, usize)], seed: u64) -> Option
         PhysicalLayout::new(dev_l.clone(), buffers.iter().map(|b| b.region()).collect()).unwrap();
     let report = r.exec.transfer(&file, &dev, pairs).wait().unwrap();
     assert_eq!(report.blocks, pairs.len());
-    let after: Vec<Vec<u8>> = buffers
-        .iter()
-        .map(|b| {
-            let mut v = vec![0u8; CudaRegion::len(&**b)];
-            b.read(0, &mut v).unwrap();
-            v
-        })
-        .collect();
+    let after = device_image(&buffers);
     common::assert_copied(
         src.layout(),
         &common::snapshot(&src),
@@ -172,11 +182,7 @@ fn kept_windows_are_found_again() {
     common::fill(&src, 5);
     let all: Vec<_> = (0..40).map(|i| (i, i)).collect();
     r.exec.transfer(&src, &file, &all).wait().unwrap();
-    let buffers: Vec<Arc<DeviceBuffer>> = (0..dev_l.num_regions())
-        .map(|i| {
-            Arc::new(DeviceBuffer::new(&r.device, dev_l.region_size(i).unwrap() as usize).unwrap())
-        })
-        .collect();
+    let buffers = device_buffers(&r.device, &dev_l);
     let dev =
         PhysicalLayout::new(dev_l.clone(), buffers.iter().map(|b| b.region()).collect()).unwrap();
     r.exec.transfer(&file, &dev, &all).wait().unwrap();
@@ -197,14 +203,7 @@ fn kept_windows_are_found_again() {
         "{first:?} -> {second:?}"
     );
     assert_eq!(second.registered_bytes, first.registered_bytes);
-    let after: Vec<Vec<u8>> = buffers
-        .iter()
-        .map(|b| {
-            let mut v = vec![0u8; CudaRegion::len(&**b)];
-            b.read(0, &mut v).unwrap();
-            v
-        })
-        .collect();
+    let after = device_image(&buffers);
     // Every chunk is in `all`, so this checks the whole device image.
     common::assert_copied(
         src.layout(),
