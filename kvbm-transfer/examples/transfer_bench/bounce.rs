@@ -495,6 +495,45 @@ pub(super) fn gpu_setup(
     Some((device, copier))
 }
 
+/// The GPU side of a page cache → GPU bench: a pinned staging copy of the
+/// file's layout, one device buffer per region of the device layout, and
+/// every block paired with itself.
+#[cfg(feature = "cuda")]
+pub(super) struct GpuTargets {
+    pub staging_mem: Arc<kvbm_transfer::cuda::PinnedMemory>,
+    pub staging: PhysicalLayout,
+    pub buffers: Vec<Arc<kvbm_transfer::cuda::DeviceBuffer>>,
+    pub dev: PhysicalLayout,
+    pub pairs: Vec<(usize, usize)>,
+}
+
+/// [`GpuTargets`] for the file layout `fc` and the device layout `dev_l`.
+#[cfg(feature = "cuda")]
+pub(super) fn gpu_targets(
+    device: &kvbm_transfer::cuda::CudaDevice,
+    fc: &Layout,
+    dev_l: &Layout,
+) -> GpuTargets {
+    use kvbm_transfer::cuda::DeviceBuffer;
+    let staging_mem = pinned_memory(device, fc.region_size(0).unwrap());
+    let staging = PhysicalLayout::new(fc.clone(), vec![staging_mem.region()]).unwrap();
+    let buffers: Vec<Arc<DeviceBuffer>> = (0..dev_l.num_regions())
+        .map(|r| {
+            Arc::new(DeviceBuffer::new(device, dev_l.region_size(r).unwrap() as usize).unwrap())
+        })
+        .collect();
+    let dev =
+        PhysicalLayout::new(dev_l.clone(), buffers.iter().map(|b| b.region()).collect()).unwrap();
+    let pairs = (0..fc.config().num_blocks()).map(|b| (b, b)).collect();
+    GpuTargets {
+        staging_mem,
+        staging,
+        buffers,
+        dev,
+        pairs,
+    }
+}
+
 /// `len` bytes of pinned memory on `device`.
 #[cfg(feature = "cuda")]
 pub(super) fn pinned_memory(
@@ -515,7 +554,7 @@ pub(super) fn pinned_memory(
 /// executor, and its own check of the device bytes.
 #[cfg(feature = "cuda")]
 pub(super) fn bench_bounce_gpu(runs: usize, dir: &std::path::Path) {
-    use kvbm_transfer::cuda::{CudaBackend, DeviceBuffer};
+    use kvbm_transfer::cuda::CudaBackend;
     let Some((device, copier)) = gpu_setup("bounce-gpu") else {
         return;
     };
@@ -530,16 +569,13 @@ pub(super) fn bench_bounce_gpu(runs: usize, dir: &std::path::Path) {
         .unwrap();
     let (file, seed) = buffered_source(dir, &fc, &setup);
     drop(setup);
-    let staging_mem = pinned(fc.region_size(0).unwrap());
-    let staging = PhysicalLayout::new(fc.clone(), vec![staging_mem.region()]).unwrap();
-    let buffers: Vec<Arc<DeviceBuffer>> = (0..dev_l.num_regions())
-        .map(|r| {
-            Arc::new(DeviceBuffer::new(&device, dev_l.region_size(r).unwrap() as usize).unwrap())
-        })
-        .collect();
-    let dev =
-        PhysicalLayout::new(dev_l.clone(), buffers.iter().map(|b| b.region()).collect()).unwrap();
-    let pairs: Vec<_> = (0..fc.config().num_blocks()).map(|b| (b, b)).collect();
+    let GpuTargets {
+        staging_mem: _,
+        staging,
+        buffers,
+        dev,
+        pairs,
+    } = gpu_targets(&device, &fc, &dev_l);
     let mut summary = Vec::new();
     for entry in sweep_from_env() {
         let p = entry.params;

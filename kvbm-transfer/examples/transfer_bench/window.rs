@@ -18,8 +18,8 @@ use kvbm_transfer::cuda::CopyPath;
 use kvbm_transfer::cuda::file_window::{FileWindowConfig, FileWindowRoute, FileWindowStats};
 
 use super::bounce::{
-    BounceParams, bounce_layouts, buffered_source, check_device, disk_backend, gpu_setup,
-    pinned_memory,
+    BounceParams, GpuTargets, bounce_layouts, buffered_source, check_device, disk_backend,
+    gpu_setup, gpu_targets, pinned_memory,
 };
 use super::*;
 
@@ -355,7 +355,7 @@ fn interference_probe(
 /// and the serial hops.
 pub(super) fn bench_window_gpu(runs: usize, dir: &std::path::Path) {
     use kvbm_transfer::TransferBackend;
-    use kvbm_transfer::cuda::{CudaBackend, DeviceBuffer};
+    use kvbm_transfer::cuda::CudaBackend;
     let Some((device, copier)) = gpu_setup("window-gpu") else {
         return;
     };
@@ -383,16 +383,13 @@ pub(super) fn bench_window_gpu(runs: usize, dir: &std::path::Path) {
     device.bind().unwrap();
     registration_probe(&path, bytes as usize);
 
-    let staging_mem = pinned(fc.region_size(0).unwrap());
-    let staging = PhysicalLayout::new(fc.clone(), vec![staging_mem.region()]).unwrap();
-    let buffers: Vec<Arc<DeviceBuffer>> = (0..dev_l.num_regions())
-        .map(|r| {
-            Arc::new(DeviceBuffer::new(&device, dev_l.region_size(r).unwrap() as usize).unwrap())
-        })
-        .collect();
-    let dev =
-        PhysicalLayout::new(dev_l.clone(), buffers.iter().map(|b| b.region()).collect()).unwrap();
-    let pairs: Vec<_> = (0..fc.config().num_blocks()).map(|b| (b, b)).collect();
+    let GpuTargets {
+        staging_mem,
+        staging,
+        buffers,
+        dev,
+        pairs,
+    } = gpu_targets(&device, &fc, &dev_l);
 
     if std::env::var_os("KVBM_PROBE").is_some() {
         let runs = kvbm_layout::plan_copy(&fc, &dev_l, &pairs)

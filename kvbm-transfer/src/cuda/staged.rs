@@ -146,23 +146,10 @@ impl StagedRing {
             (caller_chunks > 0).then(|| lane.state.lock().unwrap_or_else(|p| p.into_inner()));
         if let Some(mut guard) = guard {
             if self.queued.load(Ordering::Acquire) == 0 {
-                let enqueued = match guard.ring.as_mut() {
-                    None => Err(CudaError::InvalidCopy(
-                        "this lane has no staging ring".into(),
-                    )),
-                    Some(ring) => self.staging().enqueue(
-                        ring,
-                        &job.runs,
-                        &job.src_bases,
-                        &job.dst_bases,
-                        job.total,
-                        job.host,
-                        &mut job.keep,
-                        &mut job.progress,
-                        job.timeline.as_mut(),
-                        Some(caller_chunks),
-                    ),
-                };
+                let runs = std::mem::take(&mut job.runs);
+                let enqueued =
+                    self.enqueue_job(guard.ring.as_mut(), &mut job, &runs, Some(caller_chunks));
+                job.runs = runs;
                 match enqueued {
                     Ok(None) => {}
                     // The whole copy went in here, or failed.
@@ -185,6 +172,35 @@ impl StagedRing {
             // The feeder thread is gone: enqueue here.
             self.feed(job);
         }
+    }
+
+    /// Enqueues `job` on the lane's ring, at most `max_chunks` chunks (all
+    /// with `None`); its run list comes apart because callers hold it out
+    /// of the job.
+    fn enqueue_job(
+        &self,
+        ring: Option<&mut Ring>,
+        job: &mut StagedJob,
+        runs: &[CopyRun],
+        max_chunks: Option<usize>,
+    ) -> CudaResult<Option<CUstream>> {
+        let Some(ring) = ring else {
+            return Err(CudaError::InvalidCopy(
+                "this lane has no staging ring".into(),
+            ));
+        };
+        self.staging().enqueue(
+            ring,
+            runs,
+            &job.src_bases,
+            &job.dst_bases,
+            job.total,
+            job.host,
+            &mut job.keep,
+            &mut job.progress,
+            job.timeline.as_mut(),
+            max_chunks,
+        )
     }
 
     /// An empty vector for a copy's run list, reusing a finished copy's
@@ -238,28 +254,11 @@ impl StagedRing {
         let lane = &*self.lane;
         let mut guard = lane.state.lock().unwrap_or_else(|p| p.into_inner());
         let runs = std::mem::take(&mut job.runs);
-        let enqueued = match guard.ring.as_mut() {
-            None => Err(CudaError::InvalidCopy(
-                "this lane has no staging ring".into(),
-            )),
-            Some(ring) => self
-                .staging()
-                .enqueue(
-                    ring,
-                    &runs,
-                    &job.src_bases,
-                    &job.dst_bases,
-                    job.total,
-                    job.host,
-                    &mut job.keep,
-                    &mut job.progress,
-                    job.timeline.as_mut(),
-                    None,
-                )
-                .and_then(|s| {
-                    s.ok_or_else(|| CudaError::InvalidCopy("staged copy left unfinished".into()))
-                }),
-        };
+        let enqueued = self
+            .enqueue_job(guard.ring.as_mut(), &mut job, &runs, None)
+            .and_then(|s| {
+                s.ok_or_else(|| CudaError::InvalidCopy("staged copy left unfinished".into()))
+            });
         self.finish_queued(&job);
         self.hand_to_watcher(enqueued, job);
         drop(guard);

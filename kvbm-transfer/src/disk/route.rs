@@ -24,7 +24,7 @@ use kvbm_layout::CopyRun;
 use crate::backend::{Side, TransferJob};
 use crate::completion::Completion;
 use crate::error::{Result, TransferError};
-use crate::memory::{DiskFile, MemoryKind};
+use crate::memory::{DiskFile, MemoryKind, MemoryRegion};
 
 /// Page size that window bounds are rounded to.
 pub const WINDOW_ALIGN: u64 = 4096;
@@ -140,11 +140,7 @@ pub fn plan_windows(job: &TransferJob, window_bytes: u64, max_gap: u64) -> Resul
     type FileRuns = (Arc<DiskFile>, Vec<(u64, CopyRun)>);
     let mut files: Vec<FileRuns> = Vec::new();
     for run in job.runs.iter().filter(|r| r.len > 0) {
-        let (file, base) = regions[run.src_region as usize]
-            .file_location()
-            .ok_or_else(|| {
-                TransferError::InvalidRequest("a file route's source is not a file".into())
-            })?;
+        let (file, base) = source_file(regions, run)?;
         let at = base + run.src_offset;
         match files.iter_mut().find(|(f, _)| f.id() == file.id()) {
             Some((_, list)) => list.push((at, *run)),
@@ -215,11 +211,7 @@ pub fn plan_fixed_windows(job: &TransferJob, window_bytes: u64) -> Result<Vec<Fi
     let mut windows: Vec<FileWindow> = Vec::new();
     let mut index: std::collections::HashMap<(u64, u64), usize> = Default::default();
     for run in job.runs.iter().filter(|r| r.len > 0) {
-        let (file, base) = regions[run.src_region as usize]
-            .file_location()
-            .ok_or_else(|| {
-                TransferError::InvalidRequest("a file route's source is not a file".into())
-            })?;
+        let (file, base) = source_file(regions, run)?;
         let mut done = 0;
         while done < run.len {
             let at = base + run.src_offset + done;
@@ -247,6 +239,13 @@ pub fn plan_fixed_windows(job: &TransferJob, window_bytes: u64) -> Result<Vec<Fi
     }
     windows.sort_by_key(|x| (x.file.id(), x.start));
     Ok(windows)
+}
+
+/// The file under `run`'s source and the offset of its region in it.
+fn source_file<'a>(regions: &'a [MemoryRegion], run: &CopyRun) -> Result<(&'a Arc<DiskFile>, u64)> {
+    regions[run.src_region as usize]
+        .file_location()
+        .ok_or_else(|| TransferError::InvalidRequest("a file route's source is not a file".into()))
 }
 
 fn align_down(x: u64) -> u64 {
