@@ -202,13 +202,8 @@ fn rounds(
 /// Prints hop-alone rates, the ideal overlap and the ratio; returns it.
 fn report_rounds(label: &str, bytes: u64, r: &mut Rounds, pool: &BouncePool) -> f64 {
     assert_eq!(pool.available(), pool.capacity(), "bounce slots leaked");
-    let gbs = |t: &[f64]| -> Vec<f64> { t.iter().map(|&t| bytes as f64 / t / 1e9).collect() };
-    let ideal: Vec<f64> = r
-        .hop1
-        .iter()
-        .zip(&r.hop2)
-        .map(|(a, b)| (a + b) / a.max(*b))
-        .collect();
+    let gbs = |t: &[f64]| rates(bytes, t);
+    let ideal = ideal_overlap(&r.hop1, &r.hop2);
     println!(
         "  load {}; hop 1 alone {:.2} GB/s (runs {}), hop 2 alone {:.2} GB/s (runs {}); ideal overlap (t1+t2)/max(t1,t2) median {:.2} (runs {}); CPU s: pipelined {:.3}, serial {:.3}",
         loadavg(),
@@ -679,14 +674,9 @@ pub(super) fn check_device(
 /// One row of the sweep's summary table.
 #[cfg(feature = "cuda")]
 fn summary_line(engine: &str, p: &BounceParams, bytes: u64, r: &Rounds) -> String {
-    let gbs = |t: &[f64]| -> Vec<f64> { t.iter().map(|&t| bytes as f64 / t / 1e9).collect() };
+    let gbs = |t: &[f64]| rates(bytes, t);
     let ratios: Vec<f64> = r.serial.iter().zip(&r.piped).map(|(s, p)| s / p).collect();
-    let ideal: Vec<f64> = r
-        .hop1
-        .iter()
-        .zip(&r.hop2)
-        .map(|(a, b)| (a + b) / a.max(*b))
-        .collect();
+    let ideal = ideal_overlap(&r.hop1, &r.hop2);
     format!(
         "| {engine} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.3} ({}) | {:.2} |",
         p.label(),

@@ -87,6 +87,20 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
+/// GB/s of `bytes` moved in each of `times` (seconds).
+fn rates(bytes: u64, times: &[f64]) -> Vec<f64> {
+    times.iter().map(|&t| bytes as f64 / t / 1e9).collect()
+}
+
+/// Per round, the best a perfect two-hop overlap could do against the hops
+/// one after the other: (t1 + t2) / max(t1, t2).
+fn ideal_overlap(hop1: &[f64], hop2: &[f64]) -> Vec<f64> {
+    hop1.iter()
+        .zip(hop2)
+        .map(|(a, b)| (a + b) / a.max(*b))
+        .collect()
+}
+
 fn spread(v: &[f64]) -> String {
     let (lo, hi) = v
         .iter()

@@ -200,7 +200,7 @@ pub(super) fn probe(runs: usize, background: Option<&dyn Background>) {
                         (moved, bg_secs) = h.join().unwrap();
                     }
                 });
-                let gbs: Vec<f64> = times.iter().map(|t| bytes as f64 / t / 1e9).collect();
+                let gbs = rates(bytes as u64, &times);
                 let m = median(&mut gbs.clone());
                 let beside = match side {
                     Some(g) => format!(

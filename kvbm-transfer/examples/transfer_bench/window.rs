@@ -491,13 +491,9 @@ pub(super) fn bench_window_gpu(runs: usize, dir: &std::path::Path) {
             e.stats.push(route.stats());
         }
     }
-    let gbs = |t: &[f64]| -> Vec<f64> { t.iter().map(|&t| bytes as f64 / t / 1e9).collect() };
+    let gbs = |t: &[f64]| rates(bytes, t);
     let serial: Vec<f64> = t1s.iter().zip(&t2s).map(|(a, b)| a + b).collect();
-    let ideal: Vec<f64> = t1s
-        .iter()
-        .zip(&t2s)
-        .map(|(a, b)| (a + b) / a.max(*b))
-        .collect();
+    let ideal = ideal_overlap(&t1s, &t2s);
     let bounce_ratio: Vec<f64> = serial.iter().zip(&piped).map(|(s, p)| s / p).collect();
     println!(
         "  hop 1 alone {:.1} GB/s ({}), hop 2 alone {:.1} ({}), serial {:.1} ({}); bounce pipeline {:.1} GB/s ({}), ratio {:.2} ({}), ideal {:.2}; CPU s {:.3}",

@@ -6,7 +6,9 @@ use std::ops::Range;
 
 use kvbm_layout::Layout;
 use kvbm_transfer::memory::{DiskAllocator, DiskOptions, IoMode, SystemAllocator};
-use kvbm_transfer::{Executor, MemoryRegion, PhysicalLayout};
+use kvbm_transfer::{
+    Executor, MemoryRegion, PhysicalLayout, TransferError, TransferFailure, TransferHandle,
+};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 pub fn host(layout: Layout) -> PhysicalLayout {
@@ -121,6 +123,20 @@ pub fn until_caught_in_flight(
         }
     }
     panic!("every transfer finished before its cancel: nothing was tested");
+}
+
+/// Cancels `handle` and checks what every cancel must report: the
+/// cancellation as the error and each of the `blocks` pairs either
+/// completed or failed. `None` when the transfer had ended first or every
+/// block had already landed (too late to test anything).
+pub fn cancel_in_flight(handle: TransferHandle, blocks: usize) -> Option<Box<TransferFailure>> {
+    let failure = handle.cancel().err()?;
+    assert!(
+        matches!(failure.error, TransferError::Cancelled),
+        "{failure}"
+    );
+    assert_eq!(failure.completed.len() + failure.failed.len(), blocks);
+    (!failure.failed.is_empty()).then_some(failure)
 }
 
 /// Reads `read` from `from` into the host layout `back`, then checks that
