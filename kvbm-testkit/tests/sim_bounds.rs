@@ -58,16 +58,8 @@ fn oracle_tiers_and_decomposition_are_pinned() {
         };
         let caps = TierCapacities::from_fractions(f[0], f[1], f[2], facts.unique_blocks);
         let ix = TraceIndex::new(&requests);
-        let with = run_tiers(
-            &requests,
-            caps.g1,
-            ScoredTiers::new(&ix, scored(caps, Admission::Strict, true), OracleScorer),
-        );
-        let without = run_tiers(
-            &requests,
-            caps.g1,
-            ScoredTiers::new(&ix, scored(caps, Admission::Always, true), OracleScorer),
-        );
+        let with = run_scored(&requests, &ix, caps, Admission::Strict, true, OracleScorer);
+        let without = run_scored(&requests, &ix, caps, Admission::Always, true, OracleScorer);
         println!(
             "{name} {f:?}: oracle tiers {} / no bypass {}",
             fmt(&with),
@@ -100,11 +92,7 @@ fn calibrated_use_count_figures_are_pinned() {
             fit,
             50,
         );
-        let s = run_tiers(
-            &requests,
-            caps.g1,
-            ScoredTiers::new(&ix, scored(caps, Admission::TiesAdmit, true), scorer),
-        );
+        let s = run_scored(&requests, &ix, caps, Admission::TiesAdmit, true, scorer);
         println!("{fit:?}: {}", fmt(&s));
         assert!((s.hit_rate_pct() - want).abs() < 0.01, "{fit:?}");
     }

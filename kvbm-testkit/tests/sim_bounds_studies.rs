@@ -92,24 +92,19 @@ fn bounds_study() {
                 line(
                     label.into(),
                     "".into(),
-                    run_tiers(
-                        &requests,
-                        caps.g1,
-                        ScoredTiers::new(&ix, scored(caps, adm, true), OracleScorer),
-                    ),
+                    run_scored(&requests, &ix, caps, adm, true, OracleScorer),
                 );
             }
             line(
                 "oracle admission (used again at all), recency order".into(),
                 "".into(),
-                run_tiers(
+                run_scored(
                     &requests,
-                    caps.g1,
-                    ScoredTiers::new(
-                        &ix,
-                        scored(caps, Admission::TiesAdmit, true),
-                        OracleAdmission,
-                    ),
+                    &ix,
+                    caps,
+                    Admission::TiesAdmit,
+                    true,
+                    OracleAdmission,
                 ),
             );
         }
@@ -126,11 +121,7 @@ fn bounds_study() {
                     }
                     let scorer = HindsightScorer::new(&ix, set.clone(), objective, fit, support);
                     let cells = scorer.cells().to_string();
-                    let s = run_tiers(
-                        &requests,
-                        caps.g1,
-                        ScoredTiers::new(&ix, scored(caps, Admission::TiesAdmit, true), scorer),
-                    );
+                    let s = run_scored(&requests, &ix, caps, Admission::TiesAdmit, true, scorer);
                     line(label, cells, s);
                 }
             }
@@ -236,11 +227,7 @@ fn online_study() {
                         continue;
                     }
                     let scorer = OnlineScorer::new(&ix, set.clone(), objective, support, 256);
-                    let s = run_tiers(
-                        &requests,
-                        caps.g1,
-                        ScoredTiers::new(&ix, scored(caps, Admission::TiesAdmit, true), scorer),
-                    );
+                    let s = run_scored(&requests, &ix, caps, Admission::TiesAdmit, true, scorer);
                     println!("| {label} | {} |", fmt(&s));
                 }
             }
@@ -292,14 +279,13 @@ fn predictability_study() {
         let ix = TraceIndex::new(&requests);
         println!("\n### {name} {f:?}: oracle admission with labels flipped per request");
         for flip in [0.0, 0.05, 0.1, 0.2, 0.3, 0.4] {
-            let s = run_tiers(
+            let s = run_scored(
                 &requests,
-                caps.g1,
-                ScoredTiers::new(
-                    &ix,
-                    scored(caps, Admission::TiesAdmit, true),
-                    NoisyOracle { flip },
-                ),
+                &ix,
+                caps,
+                Admission::TiesAdmit,
+                true,
+                NoisyOracle { flip },
             );
             println!("| flip {flip} (AUC {:.2}) | {} |", 1.0 - flip, fmt(&s));
         }
@@ -361,11 +347,7 @@ fn support_sweep() {
         let run =
             |set: &FeatureSet, fit: Fit, support: usize, objective: Objective, cascade: bool| {
                 let scorer = HindsightScorer::new(&ix, set.clone(), objective, fit, support);
-                run_tiers(
-                    &requests,
-                    caps.g1,
-                    ScoredTiers::new(&ix, scored(caps, Admission::TiesAdmit, cascade), scorer),
-                )
+                run_scored(&requests, &ix, caps, Admission::TiesAdmit, cascade, scorer)
             };
         let within = |horizon| Objective::Within { horizon };
         println!("\n### {name} {f:?}: calibrated, by minimum episodes per cell");
@@ -415,11 +397,7 @@ fn support_sweep() {
             let label = format!("online [{}] within 250, cascade {cascade}", uses.name);
             if wanted(&label) {
                 let scorer = OnlineScorer::new(&ix, uses.clone(), within(250), 50, 256);
-                let s = run_tiers(
-                    &requests,
-                    caps.g1,
-                    ScoredTiers::new(&ix, scored(caps, Admission::TiesAdmit, cascade), scorer),
-                );
+                let s = run_scored(&requests, &ix, caps, Admission::TiesAdmit, cascade, scorer);
                 println!("| {label} | {} |", fmt(&s));
             }
         }
@@ -448,11 +426,7 @@ fn long_horizon_study() {
                 }
                 let objective = Objective::Within { horizon };
                 let scorer = HindsightScorer::new(&ix, set.clone(), objective, fit, support);
-                let s = run_tiers(
-                    &requests,
-                    caps.g1,
-                    ScoredTiers::new(&ix, scored(caps, Admission::TiesAdmit, true), scorer),
-                );
+                let s = run_scored(&requests, &ix, caps, Admission::TiesAdmit, true, scorer);
                 println!("| {label} | {} |", fmt(&s));
             }
         }
@@ -523,11 +497,7 @@ fn combo_study() {
                     }
                     let objective = Objective::Within { horizon };
                     let scorer = HindsightScorer::new(&ix, set.clone(), objective, fit, 50);
-                    let s = run_tiers(
-                        &requests,
-                        caps.g1,
-                        ScoredTiers::new(&ix, scored(caps, Admission::TiesAdmit, true), scorer),
-                    );
+                    let s = run_scored(&requests, &ix, caps, Admission::TiesAdmit, true, scorer);
                     println!("| {label} | {} |", fmt(&s));
                 }
             }

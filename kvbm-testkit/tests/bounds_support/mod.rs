@@ -4,8 +4,11 @@
 #![allow(dead_code)]
 
 use kvbm_testkit::sim::hindsight::Objective;
-use kvbm_testkit::sim::scored_tiers::{Admission, BlockMeta, BlockScorer, ScoredConfig};
+use kvbm_testkit::sim::scored_tiers::{
+    Admission, BlockMeta, BlockScorer, ScoredConfig, ScoredTiers,
+};
 use kvbm_testkit::sim::trace_index::NO_REQUEST;
+use kvbm_testkit::sim::trace_index::TraceIndex;
 use kvbm_testkit::sim::{KvbmTiers, ReplayStats, Tier, TierCapacities, TieredSim, replay};
 use kvbm_testkit::trace::{MOONCAKE_BLOCK_TOKENS, Request};
 
@@ -30,6 +33,23 @@ pub fn run_tiers<K: KvbmTiers>(requests: &[Request], g1: usize, kvbm: K) -> Repl
         requests,
         MOONCAKE_BLOCK_TOKENS,
         &mut TieredSim::new(g1, kvbm),
+    )
+}
+
+/// Replays `requests` through the scored tiers of `caps` (partial blocks
+/// skipped) ranked by `scorer`.
+pub fn run_scored<S: BlockScorer>(
+    requests: &[Request],
+    ix: &TraceIndex,
+    caps: TierCapacities,
+    admission: Admission,
+    cascade: bool,
+    scorer: S,
+) -> ReplayStats {
+    run_tiers(
+        requests,
+        caps.g1,
+        ScoredTiers::new(ix, scored(caps, admission, cascade), scorer),
     )
 }
 
