@@ -214,6 +214,9 @@ impl Pipeline {
                     let k = st.next_hop2;
                     st.ready.remove(&k)
                 } {
+                    // Noted here, in the order hop 2s are decided: two
+                    // threads' pumps may submit theirs the other way round.
+                    self.note(st.next_hop2, Some(&slot), TraceEvent::Hop2Start);
                     actions.push(Action::Hop2(st.next_hop2, slot));
                     st.next_hop2 += 1;
                     st.hops_in_flight += 1;
@@ -265,7 +268,6 @@ impl Pipeline {
                     .on_complete(move |r| me.hop1_done(k, slot, r));
             }
             Action::Hop2(k, slot) => {
-                self.note(k, Some(&slot), TraceEvent::Hop2Start);
                 let job = TransferJob::new(
                     vec![slot.region()].into(),
                     self.job.dst.clone(),

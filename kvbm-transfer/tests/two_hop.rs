@@ -470,7 +470,7 @@ fn chunk_trace_sees_every_chunk_in_order_and_no_more_slots_than_allowed() {
         assert!(ev.windows(2).all(|w| w[0].1 <= w[1].1));
         assert!(ev[1..].iter().all(|e| e.2 == ev[1].2), "one slot per chunk");
     }
-    // Hop 2 is submitted in chunk order within each pipeline.
+    // Hop 2 starts in chunk order within each pipeline.
     let mut last_hop2: HashMap<u32, u32> = HashMap::new();
     for r in records.iter().filter(|r| r.event == TraceEvent::Hop2Start) {
         if let Some(prev) = last_hop2.insert(r.pipeline, r.chunk) {

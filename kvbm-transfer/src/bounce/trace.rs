@@ -31,7 +31,8 @@ pub enum TraceEvent {
     Hop1Start = 3,
     /// Hop 1 completed.
     Hop1End = 4,
-    /// Hop 2 (slot → destination) was submitted to its backend.
+    /// Hop 2 (slot → destination) was started: noted when the pipeline
+    /// takes it in chunk order, just before it is submitted to its backend.
     Hop2Start = 5,
     /// Hop 2 completed; the slot goes back to the pool.
     Hop2End = 6,
