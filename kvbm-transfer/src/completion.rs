@@ -15,6 +15,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
@@ -39,13 +40,24 @@ enum State<T> {
     Pending {
         waker: Option<Waker>,
         callback: Option<Callback<T>>,
+        /// When the result is due (see [`Completer::due_at`]).
+        due: Option<Due>,
     },
     Done(Option<T>),
+}
+
+/// When a result is due and how long a blocked waiter polls for it.
+#[derive(Debug, Clone, Copy)]
+struct Due {
+    at: Instant,
+    spin: Duration,
 }
 
 struct Shared<T> {
     state: Mutex<State<T>>,
     cv: Condvar,
+    /// Set once resolved, for waiters polling without the lock.
+    done: AtomicBool,
 }
 
 /// The receiving half: resolves once to a `T`.
@@ -70,8 +82,10 @@ pub fn completion_pair<T: Outcome>() -> (Completer<T>, Completion<T>) {
         state: Mutex::new(State::Pending {
             waker: None,
             callback: None,
+            due: None,
         }),
         cv: Condvar::new(),
+        done: AtomicBool::new(false),
     });
     (
         Completer {
@@ -91,6 +105,23 @@ impl<T: Outcome> Completer<T> {
             resolve(&shared, value);
         }
     }
+
+    /// Says the result cannot come before `at` and will likely come soon
+    /// after: a thread blocked in [`Completion::wait`] then sleeps until
+    /// `at` and polls for up to `spin` before blocking again, so it does
+    /// not pay a thread wake-up after the result arrived (40–130 µs on the
+    /// H200 machine's VM, a few percent of a 128 MiB copy). Futures and
+    /// callbacks are unaffected.
+    pub fn due_at(&self, at: Instant, spin: Duration) {
+        let Some(shared) = &self.shared else { return };
+        let mut state = shared.state.lock();
+        if let State::Pending { due, .. } = &mut *state {
+            *due = Some(Due { at, spin });
+            drop(state);
+            // A waiter already blocked wakes to read it (long before `at`).
+            shared.cv.notify_all();
+        }
+    }
 }
 
 impl<T: Outcome> Drop for Completer<T> {
@@ -108,14 +139,17 @@ fn resolve<T: Outcome>(shared: &Shared<T>, value: T) {
             callback: Some(cb), ..
         } => {
             drop(state);
+            shared.done.store(true, Ordering::Release);
             cb(value);
         }
         State::Pending {
             waker,
             callback: None,
+            ..
         } => {
             *state = State::Done(Some(value));
             drop(state);
+            shared.done.store(true, Ordering::Release);
             shared.cv.notify_all();
             if let Some(w) = waker {
                 w.wake();
@@ -123,6 +157,18 @@ fn resolve<T: Outcome>(shared: &Shared<T>, value: T) {
         }
         // Resolving twice is impossible: `complete` consumes the completer.
         State::Done(v) => *state = State::Done(v),
+    }
+}
+
+/// Sleeps until `due.at`, then polls `done` for up to `due.spin`.
+fn poll_until(done: &AtomicBool, due: Due) {
+    let now = Instant::now();
+    if due.at > now {
+        std::thread::sleep(due.at - now);
+    }
+    let until = Instant::now() + due.spin;
+    while !done.load(Ordering::Acquire) && Instant::now() < until {
+        std::hint::spin_loop();
     }
 }
 
@@ -148,9 +194,20 @@ impl<T: Outcome> Completion<T> {
             Inner::Ready(v) => v.unwrap_or_else(T::abandoned),
             Inner::Pending(shared) => {
                 let mut state = shared.state.lock();
+                let mut polled = false;
                 loop {
                     if let State::Done(v) = &mut *state {
                         return v.take().unwrap_or_else(T::abandoned);
+                    }
+                    if let State::Pending { due: Some(due), .. } = &*state
+                        && !polled
+                    {
+                        let due = *due;
+                        polled = true;
+                        parking_lot::MutexGuard::unlocked(&mut state, || {
+                            poll_until(&shared.done, due)
+                        });
+                        continue;
                     }
                     shared.cv.wait(&mut state);
                 }
@@ -366,6 +423,29 @@ mod tests {
             futures::executor::block_on(c),
             Err(TransferError::Cancelled)
         ));
+    }
+
+    #[test]
+    fn a_waiter_told_when_the_result_is_due_still_gets_it() {
+        // Told before it blocks, while blocked, with a due time in the past
+        // and with no polling budget: each gets its value.
+        for (hint_first, ahead_ms, spin_us) in [(true, 5, 500), (false, 5, 500), (false, 0, 0)] {
+            let (completer, completion) = completion_pair::<Result<u32, TransferError>>();
+            let due = Instant::now() + Duration::from_millis(ahead_ms);
+            if hint_first {
+                completer.due_at(due, Duration::from_micros(spin_us));
+            }
+            let t = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(2));
+                if !hint_first {
+                    completer.due_at(due, Duration::from_micros(spin_us));
+                }
+                std::thread::sleep(Duration::from_millis(8));
+                completer.complete(Ok(7));
+            });
+            assert_eq!(completion.wait().unwrap(), 7);
+            t.join().unwrap();
+        }
     }
 
     #[test]

@@ -137,19 +137,25 @@ fn expected(
     want
 }
 
+/// Copies `pairs` with the plan lent (`copy`) or, for paths named
+/// `…-shared`, shared (`copy_shared`), and checks every byte of `dst`.
 fn check_copy(
     copier: &CudaCopier,
     src: &Mem,
     dst: &Mem,
     pairs: &[(usize, usize)],
-    opts: CopyOptions,
+    (pname, opts): (&str, CopyOptions),
     what: &str,
 ) {
     let src_img = src.image();
     let dst_img = dst.image();
     let runs = plan(&src.layout, &dst.layout, pairs);
-    copier
-        .copy(&runs, &src.regions(), &dst.regions(), opts)
+    let started = if pname.ends_with("-shared") {
+        copier.copy_shared(runs.into(), &src.regions(), &dst.regions(), opts)
+    } else {
+        copier.copy(&runs, &src.regions(), &dst.regions(), opts)
+    };
+    started
         .unwrap()
         .wait()
         .unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -170,7 +176,9 @@ fn paths() -> Vec<(&'static str, CopyOptions)> {
         ("kernel-idle", o(Some(CopyPath::Kernel), GpuLoad::Idle)),
         ("kernel-busy", o(Some(CopyPath::Kernel), GpuLoad::Busy)),
         ("staged", o(Some(CopyPath::Staged), GpuLoad::Idle)),
+        ("staged-shared", o(Some(CopyPath::Staged), GpuLoad::Idle)),
         ("auto-idle", o(None, GpuLoad::Idle)),
+        ("auto-idle-shared", o(None, GpuLoad::Idle)),
         ("auto-busy", o(None, GpuLoad::Busy)),
     ]
 }
@@ -264,8 +272,9 @@ fn roundtrip_with(dev_kind: Kind, host_kind: Kind, run_bytes: usize, packed: boo
                 let what = format!(
                     "{cname}/{pname} {n} blocks {host_kind:?}->{dev_kind:?} run {run_bytes} packed {packed}"
                 );
-                check_copy(copier, &host, &gpu, &h2d, opts, &format!("H2D {what}"));
-                check_copy(copier, &gpu, &back, &d2h, opts, &format!("D2H {what}"));
+                let path = (pname, opts);
+                check_copy(copier, &host, &gpu, &h2d, path, &format!("H2D {what}"));
+                check_copy(copier, &gpu, &back, &d2h, path, &format!("D2H {what}"));
                 // Round trip: block a[i] of `host` is now block c[i] of `back`.
                 let (hi, bi) = (host.image(), back.image());
                 for (&x, &z) in a.iter().zip(&c) {
@@ -322,7 +331,8 @@ fn device_to_device_both_orders() {
     ] {
         for n in [1usize, 1024] {
             let pool = 2 * n + 1;
-            for (pname, opts) in paths() {
+            for path in paths() {
+                let pname = path.0;
                 let src = Mem::new(&dev, layout(sk, pool, 4096), Location::Device, 7);
                 let dst = Mem::new(&dev, layout(dk, pool, 4096), Location::Device, 8);
                 let pairs: Vec<_> = random_blocks(n, pool, 1)
@@ -334,7 +344,7 @@ fn device_to_device_both_orders() {
                     &src,
                     &dst,
                     &pairs,
-                    opts,
+                    path,
                     &format!("D2D {pname} {n} {sk:?}->{dk:?}"),
                 );
             }
@@ -552,15 +562,23 @@ fn bad_plans_are_errors_not_panics() {
     };
     assert!(matches!(
         copy(run(0, 1, 4096), &gpu, &host),
-        Err(CudaError::InvalidCopy(_))
+        Err(CudaError::OutOfBounds {
+            side: "destination",
+            region_len: Some(4096),
+            ..
+        })
     ));
     assert!(matches!(
         copy(run(1, 0, 16), &gpu, &host),
-        Err(CudaError::InvalidCopy(_))
+        Err(CudaError::OutOfBounds {
+            side: "source",
+            region_len: None,
+            ..
+        })
     ));
     assert!(matches!(
         copy(run(0, u64::MAX, 16), &gpu, &host),
-        Err(CudaError::InvalidCopy(_))
+        Err(CudaError::OutOfBounds { .. })
     ));
     assert!(matches!(
         copy(run(0, 0, 16), &host, &host),
@@ -568,6 +586,81 @@ fn bad_plans_are_errors_not_panics() {
     ));
     // A zero-length plan completes at once.
     assert!(copy(run(0, 0, 0), &gpu, &host).unwrap().is_done());
+}
+
+/// A staged copy whose last run crosses the end of its destination fails
+/// with `OutOfBounds` (at the call for a lent plan; at the call or on the
+/// completion for a shared one, whose runs are checked as chunks are
+/// planned) and writes nothing past the region: the bytes after it, in the
+/// same allocation, are unchanged.
+#[test]
+fn staged_runs_out_of_bounds_fail_and_write_nothing_outside() {
+    let Some(dev) = device_or_skip() else { return };
+    const RUN: usize = 64 << 10;
+    const RUNS: usize = 160; // 10 MiB: staged, several chunks.
+    let len = RUN * RUNS;
+    let guard_len = 1 << 20;
+    let host: Arc<dyn CudaRegion> = {
+        let p = PinnedMemory::allocate(&dev, len, PinnedOptions::for_device(&dev)).unwrap();
+        p.write(0, &random_bytes(len, 41)).unwrap();
+        Arc::new(p)
+    };
+    let (buf, windows) = packed_device_regions(&dev, &[len, guard_len]);
+    let guard = random_bytes(guard_len, 42);
+    buf.write(len, &guard).unwrap();
+    let order = random_blocks(RUNS, RUNS, 43);
+    let mut runs: Vec<_> = order
+        .iter()
+        .enumerate()
+        .map(|(i, &j)| kvbm_transfer::cuda::CopyRun {
+            src_region: 0,
+            src_offset: (i * RUN) as u64,
+            dst_region: 0,
+            dst_offset: (j * RUN) as u64,
+            len: RUN as u64,
+        })
+        .collect();
+    // The last run reaches half a run past the destination's end.
+    runs.last_mut().unwrap().dst_offset = (len - RUN / 2) as u64;
+    let copiers = [
+        (
+            "default",
+            CudaCopier::new(&dev, CopierConfig::default()).unwrap(),
+        ),
+        ("tight", tight_copier(&dev)),
+    ];
+    let src = [host];
+    let dst = [Arc::clone(&windows[0])];
+    for (cname, copier) in &copiers {
+        for (pname, opts) in paths()
+            .into_iter()
+            .filter(|(n, _)| n.starts_with("staged") || n.starts_with("auto-idle"))
+        {
+            let what = format!("{cname}/{pname}");
+            let result = if pname.ends_with("-shared") {
+                copier
+                    .copy_shared(runs.clone().into(), &src, &dst, opts)
+                    .and_then(|c| c.wait())
+            } else {
+                let started = copier.copy(&runs, &src, &dst, opts);
+                assert!(started.is_err(), "{what}: a lent plan fails at the call");
+                started.map(|_| ())
+            };
+            assert!(
+                matches!(
+                    result,
+                    Err(CudaError::OutOfBounds {
+                        side: "destination",
+                        ..
+                    })
+                ),
+                "{what}: {result:?}"
+            );
+            let mut after = vec![0u8; guard_len];
+            buf.read(len, &mut after).unwrap();
+            assert!(after == guard, "{what}: bytes past the region changed");
+        }
+    }
 }
 
 #[test]

@@ -140,25 +140,19 @@ fn gather_on_copy_engines(
             g
         })
         .collect();
-    let gather = Case {
-        runs,
-        src: shape.dev_regions.clone(),
-        dst: vec![dense.clone()],
-        bytes: off.bytes,
-    };
+    let gather = Case::new(runs, shape.dev_regions.clone(), vec![dense.clone()]);
     let host_len = off.bytes as usize;
-    let dma = Case {
-        runs: vec![CopyRun {
+    let dma = Case::new(
+        vec![CopyRun {
             src_region: 0,
             src_offset: 0,
             dst_region: 0,
             dst_offset: 0,
             len: off.bytes,
         }],
-        src: vec![dense2.clone()],
-        dst: vec![window(arena, GIB, host_len)],
-        bytes: off.bytes,
-    };
+        vec![dense2.clone()],
+        vec![window(arena, GIB, host_len)],
+    );
     let ce = opts(Some(CopyPath::CopyEngine), GpuLoad::Idle);
     let k = opts(Some(CopyPath::Kernel), GpuLoad::Idle);
     let kb = opts(Some(CopyPath::Kernel), GpuLoad::Busy);

@@ -37,8 +37,8 @@ use cuda_common::{
     Kind, Layout, device_or_skip, packed_device_regions, plan, random_blocks, random_bytes,
 };
 use kvbm_transfer::cuda::{
-    CopierConfig, CopyOptions, CopyPath, CopyRun, CudaCopier, CudaDevice, CudaError, CudaRegion,
-    DeviceBuffer, Direction, GpuLoad, Location, PinnedMemory, PinnedOptions,
+    Completion, CopierConfig, CopyOptions, CopyPath, CopyRun, CudaCopier, CudaDevice, CudaError,
+    CudaRegion, DeviceBuffer, Direction, GpuLoad, Location, PinnedMemory, PinnedOptions,
 };
 
 const GIB: usize = 1 << 30;
@@ -111,18 +111,58 @@ fn gbps(bytes: u64, reps: usize, mut f: impl FnMut()) -> (f64, f64, f64) {
 
 struct Case {
     runs: Vec<CopyRun>,
+    /// The same plan, shared (for `copy_shared`).
+    shared: Arc<[CopyRun]>,
     src: Vec<Arc<dyn CudaRegion>>,
     dst: Vec<Arc<dyn CudaRegion>>,
     bytes: u64,
 }
 
 impl Case {
-    fn try_run(&self, copier: &CudaCopier, opts: CopyOptions) -> Result<(), CudaError> {
-        copier.copy(&self.runs, &self.src, &self.dst, opts)?.wait()
+    fn new(
+        runs: Vec<CopyRun>,
+        src: Vec<Arc<dyn CudaRegion>>,
+        dst: Vec<Arc<dyn CudaRegion>>,
+    ) -> Case {
+        Case {
+            shared: runs.as_slice().into(),
+            bytes: runs.iter().map(|r| r.len).sum(),
+            runs,
+            src,
+            dst,
+        }
+    }
+
+    /// Starts the copy with the plan lent (`copy`) or shared
+    /// (`copy_shared`, variants named `…-sh`).
+    fn submit(
+        &self,
+        copier: &CudaCopier,
+        opts: CopyOptions,
+        shared: bool,
+    ) -> Result<Completion, CudaError> {
+        if shared {
+            copier.copy_shared(Arc::clone(&self.shared), &self.src, &self.dst, opts)
+        } else {
+            copier.copy(&self.runs, &self.src, &self.dst, opts)
+        }
+    }
+
+    fn try_run_as(
+        &self,
+        copier: &CudaCopier,
+        opts: CopyOptions,
+        shared: bool,
+    ) -> Result<(), CudaError> {
+        self.submit(copier, opts, shared)?.wait()
     }
 
     fn run(&self, copier: &CudaCopier, opts: CopyOptions) {
-        if let Err(e) = self.try_run(copier, opts) {
+        self.run_as(copier, opts, false)
+    }
+
+    fn run_as(&self, copier: &CudaCopier, opts: CopyOptions, shared: bool) {
+        if let Err(e) = self.try_run_as(copier, opts, shared) {
             println!("FAILED copy ({opts:?}): {e}");
         }
     }
@@ -183,6 +223,8 @@ impl Copiers {
             ("staged-nospin", &self.nospin, opts(st, i)),
             ("kernel-nospin", &self.nospin, opts(k, i)),
             ("auto-idle", &self.main, opts(None, i)),
+            ("auto-idle-sh", &self.main, opts(None, i)),
+            ("staged-sh", &self.main, opts(st, i)),
             ("auto-busy", &self.main, opts(None, b)),
             ("staged-old", &self.old, opts(st, i)),
             ("auto-idle-old", &self.old, opts(None, i)),
@@ -195,6 +237,7 @@ impl Copiers {
                     "copy-engine"
                         | "kernel-idle"
                         | "auto-idle"
+                        | "auto-idle-sh"
                         | "auto-busy"
                         | "auto-idle-old"
                         | "auto-busy-old"
@@ -276,13 +319,7 @@ impl Shape {
                 )
             }
         };
-        let bytes = runs.iter().map(|r| r.len).sum();
-        Case {
-            runs,
-            src,
-            dst,
-            bytes,
-        }
+        Case::new(runs, src, dst)
     }
 }
 
@@ -296,8 +333,13 @@ struct Refs {
 
 /// Submits `a` and `b` from one thread, then waits for both.
 fn both(copier: &CudaCopier, a: &Case, b: &Case, o: CopyOptions) {
-    let r = copier.copy(&a.runs, &a.src, &a.dst, o).and_then(|c1| {
-        let c2 = copier.copy(&b.runs, &b.src, &b.dst, o)?;
+    both_as(copier, a, b, o, false)
+}
+
+/// [`both`] with the plans lent or shared (see [`Case::submit`]).
+fn both_as(copier: &CudaCopier, a: &Case, b: &Case, o: CopyOptions, shared: bool) {
+    let r = a.submit(copier, o, shared).and_then(|c1| {
+        let c2 = b.submit(copier, o, shared)?;
         c1.wait()?;
         c2.wait()
     });
@@ -332,18 +374,12 @@ fn references(dev: &CudaDevice, copier: &CudaCopier, reps: usize) -> Refs {
     ref_host.write(0, &random_bytes(1 << 20, 4)).expect("fill");
     let host_r: Vec<Arc<dyn CudaRegion>> = vec![window(&ref_host, 0, 2 * GIB)];
     let ce = opts(Some(CopyPath::CopyEngine), GpuLoad::Idle);
-    let h2d_ref = Case {
-        runs: vec![one(0, 0)],
-        src: host_r.clone(),
-        dst: dev_r.clone(),
-        bytes: GIB as u64,
-    };
-    let d2h_ref = Case {
-        runs: vec![one(GIB as u64, GIB as u64)],
-        src: dev_r.clone(),
-        dst: host_r.clone(),
-        bytes: GIB as u64,
-    };
+    let h2d_ref = Case::new(vec![one(0, 0)], host_r.clone(), dev_r.clone());
+    let d2h_ref = Case::new(
+        vec![one(GIB as u64, GIB as u64)],
+        dev_r.clone(),
+        host_r.clone(),
+    );
     let (ref_h2d, lo, hi) = gbps(GIB as u64, reps, || h2d_ref.run(copier, ce));
     println!("reference single 1 GiB copy H2D {ref_h2d:.1} GB/s [{lo:.1}-{hi:.1}]");
     let (ref_d2h, lo, hi) = gbps(GIB as u64, reps, || d2h_ref.run(copier, ce));
@@ -400,8 +436,10 @@ fn main() {
                 name,
                 "staged"
                     | "staged-old"
+                    | "staged-sh"
                     | "auto-idle"
                     | "auto-idle-old"
+                    | "auto-idle-sh"
                     | "auto-busy"
                     | "auto-busy-old"
             )
@@ -534,14 +572,15 @@ fn main() {
                     .collect(),
                 focus,
             ) {
-                if let Err(e) = case.try_run(copier, o) {
+                let sh = name.ends_with("-sh");
+                if let Err(e) = case.try_run_as(copier, o, sh) {
                     println!("{kib:>3} KiB {tag} runs {d:?} {name}: FAILED {e}");
                     continue;
                 }
-                let (m, lo, hi) = gbps(case.bytes, reps, || case.run(copier, o));
+                let (m, lo, hi) = gbps(case.bytes, reps, || case.run_as(copier, o, sh));
                 let submit = {
                     let t = Instant::now();
-                    let c = copier.copy(&case.runs, &case.src, &case.dst, o);
+                    let c = case.submit(copier, o, sh);
                     let us = t.elapsed().as_secs_f64() * 1e6;
                     let _ = c.map(|c| c.wait());
                     us
@@ -599,13 +638,16 @@ fn main() {
                 .collect(),
             focus,
         ) {
-            let (m, lo, hi) = gbps(on.bytes + off.bytes, reps, || both(copier, &on, &off, o));
+            let sh = name.ends_with("-sh");
+            let (m, lo, hi) = gbps(on.bytes + off.bytes, reps, || {
+                both_as(copier, &on, &off, o, sh)
+            });
             // The same submitted from two threads, as an engine's offload
             // and onboard tasks would.
             let (m2, lo2, hi2) = gbps(on.bytes + off.bytes, reps, || {
                 std::thread::scope(|s| {
-                    s.spawn(|| on.run(copier, o));
-                    off.run(copier, o);
+                    s.spawn(|| on.run_as(copier, o, sh));
+                    off.run_as(copier, o, sh);
                 })
             });
             println!(

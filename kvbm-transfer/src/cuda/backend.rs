@@ -119,9 +119,8 @@ impl TransferBackend for CudaBackend {
         if job.cancel.is_cancelled() {
             return Completion::ready(Err(TransferError::Cancelled));
         }
-        if let Err(e) = job.validate_bounds() {
-            return Completion::ready(Err(e));
-        }
+        // No pass over the plan here: the copier checks every run before
+        // its bytes move (a staged copy as its chunks are planned).
         let (src, dst) = match (
             self.regions(&job, Side::Source),
             self.regions(&job, Side::Destination),
@@ -133,7 +132,10 @@ impl TransferBackend for CudaBackend {
             path: self.forced,
             load: self.gpu_load(),
         };
-        match self.copier.copy(&job.runs, &src, &dst, opts) {
+        match self
+            .copier
+            .copy_shared(Arc::clone(&job.runs), &src, &dst, opts)
+        {
             Ok(done) => {
                 let (completer, completion) = completion_pair();
                 done.on_complete(move |r| completer.complete(r.map_err(to_transfer_error)));
@@ -148,6 +150,20 @@ impl TransferBackend for CudaBackend {
 pub fn to_transfer_error(e: CudaError) -> TransferError {
     match e {
         CudaError::InvalidCopy(m) => TransferError::InvalidRequest(m),
+        CudaError::OutOfBounds {
+            side,
+            region,
+            offset,
+            len,
+            region_len,
+            ..
+        } => TransferError::OutOfBounds {
+            side,
+            region,
+            offset,
+            len,
+            region_len: region_len.unwrap_or(0),
+        },
         other => TransferError::Backend {
             backend: "cuda",
             message: other.to_string(),

@@ -175,6 +175,11 @@ impl Watcher {
                 until: end + plan.busy + plan.shortest,
             }
         });
+        if let Some(poll) = spin_from {
+            // A thread blocked on the completion polls over the same busy
+            // window instead of waiting for a wake-up after it.
+            completer.due_at(poll.from, poll.busy);
+        }
         let Some(tx) = self.tx.as_ref() else {
             // Only after drop began; nothing can be watched any more.
             destroy_event(event);

@@ -26,7 +26,7 @@
 use std::any::Any;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::CUstream;
 
@@ -40,8 +40,8 @@ use super::kernel::Grid;
 use super::lanes::{DescPool, Lane};
 use super::memory::{CudaRegion, Location, allocation_bounds};
 use super::pinned::registration_bounds;
-use super::plan::{CopyRun, HostSide, absolute_spans};
-use super::staged::{StagedJob, StagedRing};
+use super::plan::{CopyRun, HostSide, RegionLens, absolute_spans};
+use super::staged::{JobRuns, StagedJob, StagedRing};
 use super::strided::{FamilyLimits, OrderBy, Strided, strided_copies};
 use super::timeline::{Timeline, report};
 use crate::completion::completion_pair;
@@ -171,6 +171,7 @@ impl CudaCopier {
                 timelines: Arc::clone(&timeline),
                 queued: AtomicUsize::new(0),
                 spare_runs: Mutex::new(Vec::new()),
+                line_rate: config.line_rate_bytes_per_s,
             });
             if config.staged_feeder {
                 let r = Arc::clone(&ring);
@@ -259,9 +260,14 @@ impl CudaCopier {
     ///
     /// All source regions must share one location, and all destination
     /// regions another (or the same, for device-to-device). Every run is
-    /// bounds-checked. The regions are kept alive until the copy completes.
-    /// The returned [`Completion`] resolves when the bytes have landed, or
-    /// with the driver's error.
+    /// bounds-checked before any of its bytes move; an error returned here
+    /// leaves nothing of the copy in flight. The regions are kept alive
+    /// until the copy completes. The returned [`Completion`] resolves when
+    /// the bytes have landed, or with the driver's error.
+    ///
+    /// A staged copy (see [`CopyPath::Staged`]) copies the plan for the
+    /// thread that enqueues its later chunks, after its first chunks are
+    /// on the GPU; [`CudaCopier::copy_shared`] avoids that copy.
     pub fn copy(
         &self,
         runs: &[CopyRun],
@@ -269,62 +275,92 @@ impl CudaCopier {
         dst: &[Arc<dyn CudaRegion>],
         opts: CopyOptions,
     ) -> CudaResult<Completion> {
-        let entered = std::time::Instant::now();
+        self.start(runs, None, src, dst, opts)
+    }
+
+    /// [`CudaCopier::copy`] of a plan the caller shares rather than lends:
+    /// nothing reads the whole plan before the GPU starts. A staged copy's
+    /// runs are checked as its chunks are planned (its first chunks on
+    /// this thread, the rest on the ring's feeder), so a run out of bounds
+    /// can be found after earlier chunks moved: the copy then fails with
+    /// [`CudaError::OutOfBounds`] on its completion, after the lane
+    /// drained, and the runs before it may have landed (no byte outside
+    /// the plan's runs is written either way). Other paths check the whole
+    /// plan first, as `copy` does.
+    pub fn copy_shared(
+        &self,
+        runs: Arc<[CopyRun]>,
+        src: &[Arc<dyn CudaRegion>],
+        dst: &[Arc<dyn CudaRegion>],
+        opts: CopyOptions,
+    ) -> CudaResult<Completion> {
+        let plan = Arc::clone(&runs);
+        self.start(&plan, Some(runs), src, dst, opts)
+    }
+
+    fn start(
+        &self,
+        runs: &[CopyRun],
+        shared: Option<Arc<[CopyRun]>>,
+        src: &[Arc<dyn CudaRegion>],
+        dst: &[Arc<dyn CudaRegion>],
+        opts: CopyOptions,
+    ) -> CudaResult<Completion> {
+        let entered = Instant::now();
         let dir = direction(src, dst)?;
-        // Host ↔ device plans are checked while being copied into an owned
-        // list the staged path keeps: one pass over the caller's (often
-        // cache-cold) list; each pass over 16,384 cold runs cost ~60 µs
-        // before the first byte moved.
+        if runs.len() > u32::MAX as usize {
+            return Err(CudaError::InvalidCopy(
+                "more than 2^32 runs in one copy".into(),
+            ));
+        }
+        // Lengths read once (a region still pinning in the background may
+        // grow meanwhile; the copy uses what was pinned when it was asked).
+        let lens = RegionLens {
+            src: src.iter().map(|r| r.len() as u64).collect(),
+            dst: dst.iter().map(|r| r.len() as u64).collect(),
+        };
+        // The path is chosen from the plan's start (see `PlanLook`): only a
+        // staged copy goes on without a pass over the whole plan.
+        let look = PlanLook::of(runs, self.config.small_copy_bytes);
+        let mut path = opts
+            .path
+            .unwrap_or_else(|| self.choose(dir, look.n_runs, look.total, opts.load));
+        if path == CopyPath::Staged && dir == Direction::DeviceToDevice {
+            path = CopyPath::Kernel;
+        }
         let ring = self.staged.get(dir.index());
-        let mut owned = ring.map(|r| r.spare_runs());
-        let checked = validate(runs, src, dst, owned.as_mut());
-        let give_back = |owned: Option<Vec<CopyRun>>| {
-            if let (Some(r), Some(v)) = (ring, owned) {
-                r.give_back_runs(v);
-            }
-        };
-        let (total, n_runs) = match checked {
-            Ok(c) => c,
-            Err(e) => {
-                give_back(owned);
-                return Err(e);
-            }
-        };
+        // Beside the model, a plan of long runs that folds into tall
+        // pitched copies goes to the copy engines (no SMs, no wait for a gap
+        // between the model's kernels): that needs its families, so a pass.
+        let busy_engines = opts.path.is_none()
+            && opts.load == GpuLoad::Busy
+            && path == CopyPath::Staged
+            && self.config.strided_copies
+            && look.mean_run() >= self.config.busy_engine_run_bytes;
+        if path == CopyPath::Staged
+            && !busy_engines
+            && let Some(ring) = ring
+        {
+            return self.staged(ring, runs, shared, src, dst, lens, dir, entered);
+        }
+        let (total, n_runs) = lens.check_plan(runs, None)?;
         if total == 0 {
-            give_back(owned);
             return Ok(Completion::ready(Ok(())));
         }
         self.device.bind()?;
         let src_bases: Vec<u64> = src.iter().map(|r| r.device_ptr()).collect();
         let dst_bases: Vec<u64> = dst.iter().map(|r| r.device_ptr()).collect();
-        let mut path = opts
-            .path
-            .unwrap_or_else(|| self.choose(dir, n_runs, total, opts.load));
         let mut families = (path == CopyPath::CopyEngine && self.config.strided_copies)
             .then(|| self.families(runs, src, dst, &src_bases, &dst_bases, dir));
-        // (Families are found only when the runs are long enough to use
-        // them: finding them costs a pass over the plan that a copy of
-        // 16,384 runs of 8 KiB pays before it starts, measured at up to a
-        // quarter of its rate beside the GEMM.)
-        if opts.path.is_none()
-            && opts.load == GpuLoad::Busy
-            && path == CopyPath::Staged
-            && self.config.strided_copies
-            && total / n_runs.max(1) as u64 >= self.config.busy_engine_run_bytes
-        {
-            // Beside the model, a plan that folds into tall pitched copies
-            // goes to the copy engines: no SMs, and no wait for a gap
-            // between the model's kernels.
+        if busy_engines {
             let f = self.families(runs, src, dst, &src_bases, &dst_bases, dir);
             if engines_beside_model(n_runs, total, f.len(), &self.config) {
                 path = CopyPath::CopyEngine;
                 families = Some(f);
+            } else if let Some(ring) = ring {
+                return self.staged(ring, runs, shared, src, dst, lens, dir, entered);
             }
         }
-        let path = match (path, dir) {
-            (CopyPath::Staged, Direction::DeviceToDevice) => CopyPath::Kernel,
-            (p, _) => p,
-        };
         let _span = tracing::debug_span!(
             "cuda_copy",
             ?dir,
@@ -336,55 +372,7 @@ impl CudaCopier {
         .entered();
         let mut keep: Vec<Box<dyn Any + Send>> =
             vec![Box::new(src.to_vec()), Box::new(dst.to_vec())];
-        // The earliest the bytes can have crossed the host link, counted
-        // from the call (nothing moves before it); device-to-device copies
-        // run at HBM speed and just sleep in the driver.
-        let spin =
-            (self.config.wake_spin_us > 0 && dir != Direction::DeviceToDevice).then(|| PollPlan {
-                asked: entered,
-                shortest: Duration::from_secs_f64(total as f64 / self.config.line_rate_bytes_per_s),
-                busy: Duration::from_micros(self.config.wake_spin_us),
-                interval: Duration::from_micros(self.config.wake_poll_interval_us),
-            });
-        if path == CopyPath::Staged
-            && let (Some(ring), Some(owned)) = (ring, owned.take())
-        {
-            let (completer, completion) = completion_pair();
-            let host = if dir == Direction::HostToDevice {
-                HostSide::Source
-            } else {
-                HostSide::Destination
-            };
-            let job = StagedJob {
-                runs: owned,
-                src_bases,
-                dst_bases,
-                total,
-                host,
-                progress: None,
-                keep,
-                spin,
-                completer,
-                timeline: self.config.timeline.then(|| {
-                    Timeline::new(
-                        if host == HostSide::Source {
-                            "H2D"
-                        } else {
-                            "D2H"
-                        },
-                        entered,
-                    )
-                }),
-                queued: false,
-            };
-            ring.submit(
-                self.feeders.get(dir.index()),
-                self.config.staged_caller_chunks,
-                job,
-            );
-            return Ok(completion);
-        }
-        give_back(owned);
+        let spin = self.poll_plan(dir, entered, total);
         let lanes = &self.lanes[dir.index()];
         let lane =
             &lanes[self.next_lane[dir.index()].fetch_add(1, Ordering::Relaxed) % lanes.len()];
@@ -444,6 +432,82 @@ impl CudaCopier {
         };
         drop(guard);
         completion
+    }
+
+    /// How the watcher polls for the end of a copy of `total` bytes asked
+    /// for at `asked`: from the earliest the bytes can have crossed the
+    /// host link (nothing moves before the call); device-to-device copies
+    /// run at HBM speed and just sleep in the driver.
+    fn poll_plan(&self, dir: Direction, asked: Instant, total: u64) -> Option<PollPlan> {
+        (self.config.wake_spin_us > 0 && dir != Direction::DeviceToDevice).then(|| PollPlan {
+            asked,
+            shortest: Duration::from_secs_f64(total as f64 / self.config.line_rate_bytes_per_s),
+            busy: Duration::from_micros(self.config.wake_spin_us),
+            interval: Duration::from_micros(self.config.wake_poll_interval_us),
+        })
+    }
+
+    /// Starts a staged copy on `ring` (see `StagedRing::submit`).
+    #[allow(clippy::too_many_arguments)]
+    fn staged(
+        &self,
+        ring: &StagedRing,
+        runs: &[CopyRun],
+        shared: Option<Arc<[CopyRun]>>,
+        src: &[Arc<dyn CudaRegion>],
+        dst: &[Arc<dyn CudaRegion>],
+        lens: RegionLens,
+        dir: Direction,
+        entered: Instant,
+    ) -> CudaResult<Completion> {
+        let _span = tracing::debug_span!(
+            "cuda_copy",
+            ?dir,
+            path = ?CopyPath::Staged,
+            n_runs = runs.len(),
+            shared = shared.is_some()
+        )
+        .entered();
+        self.device.bind()?;
+        let borrowed = shared.is_none();
+        let (completer, completion) = completion_pair();
+        let host = if dir == Direction::HostToDevice {
+            HostSide::Source
+        } else {
+            HostSide::Destination
+        };
+        let job = StagedJob {
+            runs: match shared {
+                Some(a) => JobRuns::Shared(a),
+                None => JobRuns::Owned(Vec::new()),
+            },
+            src_bases: src.iter().map(|r| r.device_ptr()).collect(),
+            dst_bases: dst.iter().map(|r| r.device_ptr()).collect(),
+            lens,
+            host,
+            progress: None,
+            keep: vec![Box::new(src.to_vec()), Box::new(dst.to_vec())],
+            // (The shortest duration is set once the bytes are known.)
+            spin: self.poll_plan(dir, entered, 0),
+            completer,
+            timeline: self.config.timeline.then(|| {
+                let label = if host == HostSide::Source {
+                    "H2D"
+                } else {
+                    "D2H"
+                };
+                Timeline::new(label, entered)
+            }),
+            queued: false,
+        };
+        ring.submit(
+            self.feeders.get(dir.index()),
+            self.config.staged_caller_chunks,
+            job,
+            runs,
+            borrowed,
+        )?;
+        Ok(completion)
     }
 
     /// Diagnostics: the timelines of the staged copies since the last call
@@ -597,64 +661,37 @@ fn engines_beside_model(n_runs: usize, total: u64, descriptors: usize, cfg: &Cop
     total / n >= cfg.busy_engine_run_bytes && n / d >= cfg.busy_engine_family_height
 }
 
-/// Bounds-checks every run (appending it to `copy_to` on the way); returns
-/// the total bytes and the number of non-empty runs.
-fn validate(
-    runs: &[CopyRun],
-    src: &[Arc<dyn CudaRegion>],
-    dst: &[Arc<dyn CudaRegion>],
-    copy_to: Option<&mut Vec<CopyRun>>,
-) -> CudaResult<(u64, usize)> {
-    if runs.len() > u32::MAX as usize {
-        return Err(CudaError::InvalidCopy(
-            "more than 2^32 runs in one copy".into(),
-        ));
-    }
-    // Lengths read once (a region still pinning in the background may
-    // grow meanwhile; the copy uses what was pinned when it was checked).
-    let src_lens: Vec<u64> = src.iter().map(|r| r.len() as u64).collect();
-    let dst_lens: Vec<u64> = dst.iter().map(|r| r.len() as u64).collect();
-    // One branch-free pass; the error is looked for only when it failed.
-    let fits = |region: u32, offset: u64, len: u64, lens: &[u64]| {
-        let cap = lens.get(region as usize).copied().unwrap_or(0);
-        offset <= cap && len <= cap - offset
-    };
-    let (mut ok, mut total, mut n) = (true, 0u64, 0usize);
-    let mut check = |r: &CopyRun| {
-        ok &= fits(r.src_region, r.src_offset, r.len, &src_lens)
-            & fits(r.dst_region, r.dst_offset, r.len, &dst_lens);
-        total = total.saturating_add(r.len);
-        n += usize::from(r.len > 0);
-    };
-    match copy_to {
-        Some(v) => v.extend(runs.iter().map(|r| {
-            check(r);
-            *r
-        })),
-        None => runs.iter().for_each(check),
-    }
-    if ok {
-        return Ok((total, n));
-    }
-    for (i, r) in runs.iter().enumerate() {
-        for (region, offset, lens, name) in [
-            (r.src_region, r.src_offset, &src_lens, "source"),
-            (r.dst_region, r.dst_offset, &dst_lens, "destination"),
-        ] {
-            if !fits(region, offset, r.len, lens) {
-                return Err(CudaError::InvalidCopy(match lens.get(region as usize) {
-                    None => format!("run {i}: {name} region {region} does not exist"),
-                    Some(cap) => format!(
-                        "run {i}: {name} bytes {offset}+{} outside region {region} of {cap} bytes",
-                        r.len
-                    ),
-                }));
+/// What the start of a plan says, enough to choose a path: runs are read
+/// until the bytes pass `small` (a copy above it is not a small one) and at
+/// least `LOOK_RUNS` runs are seen, or the plan ends (then the figures are
+/// the whole plan's). KV plans are uniform, so the mean run of their start
+/// is the plan's; a staged copy then needs no pass over the whole plan
+/// before its first chunk (see `staged`).
+#[derive(Debug, Clone, Copy)]
+struct PlanLook {
+    total: u64,
+    n_runs: usize,
+}
+
+/// Runs read at least by [`PlanLook::of`].
+const LOOK_RUNS: usize = 1024;
+
+impl PlanLook {
+    fn of(runs: &[CopyRun], small: u64) -> Self {
+        let (mut total, mut n_runs) = (0u64, 0usize);
+        for (i, r) in runs.iter().enumerate() {
+            if i >= LOOK_RUNS && total > small {
+                break;
             }
+            total = total.saturating_add(r.len);
+            n_runs += usize::from(r.len > 0);
         }
+        PlanLook { total, n_runs }
     }
-    Err(CudaError::InvalidCopy(
-        "a run lies outside its region".into(),
-    ))
+
+    fn mean_run(&self) -> u64 {
+        self.total / self.n_runs.max(1) as u64
+    }
 }
 
 #[cfg(test)]

@@ -44,6 +44,26 @@ pub enum CudaError {
     /// A plan or argument that the backend cannot execute.
     #[error("invalid copy: {0}")]
     InvalidCopy(String),
+    /// A run of a plan lies outside its region (or names a region the copy
+    /// was not given). Found before any of that run's bytes moved.
+    #[error(
+        "run {run}: {side} bytes {offset}+{len} outside region {region} ({})",
+        match region_len { Some(l) => format!("{l} bytes"), None => "no such region".to_string() }
+    )]
+    OutOfBounds {
+        /// The run's index in the plan.
+        run: usize,
+        /// `"source"` or `"destination"`.
+        side: &'static str,
+        /// The run's region index on that side.
+        region: u32,
+        /// The run's offset in that region.
+        offset: u64,
+        /// The run's length.
+        len: u64,
+        /// The region's length; `None` when the copy has no such region.
+        region_len: Option<u64>,
+    },
     /// An operating-system call failed (mmap, thread spawn).
     #[error("{call} failed: {source}")]
     Os {

@@ -13,6 +13,8 @@
 /// `#[repr(C)]` layout (40 bytes) the copy kernel reads as is.
 pub use kvbm_layout::CopyRun;
 
+use super::error::CudaError;
+
 const _: () = assert!(std::mem::size_of::<CopyRun>() == 40);
 
 /// An absolute copy: `len` bytes from address `src` to address `dst`.
@@ -21,6 +23,84 @@ pub(crate) struct Span {
     pub dst: u64,
     pub src: u64,
     pub len: u64,
+}
+
+/// The byte lengths of a copy's source and destination regions, read once
+/// when the copy was asked for: what every run is checked against before
+/// any of its bytes move.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct RegionLens {
+    pub src: Vec<u64>,
+    pub dst: Vec<u64>,
+}
+
+impl RegionLens {
+    /// Whether run `r` lies inside its regions (branch-free, for passes).
+    pub(crate) fn fits(&self, r: &CopyRun) -> bool {
+        let fits = |region: u32, offset: u64, lens: &[u64]| {
+            let cap = lens.get(region as usize).copied().unwrap_or(0);
+            offset <= cap && r.len <= cap - offset
+        };
+        fits(r.src_region, r.src_offset, &self.src) & fits(r.dst_region, r.dst_offset, &self.dst)
+    }
+
+    /// Checks run number `i`; the error names the side and the bytes.
+    pub(crate) fn check(&self, i: usize, r: &CopyRun) -> Result<(), CudaError> {
+        if self.fits(r) {
+            return Ok(());
+        }
+        let sides = [
+            (r.src_region, r.src_offset, &self.src, "source"),
+            (r.dst_region, r.dst_offset, &self.dst, "destination"),
+        ];
+        for (region, offset, lens, side) in sides {
+            let region_len = lens.get(region as usize).copied();
+            if region_len.is_none_or(|cap| offset > cap || r.len > cap - offset) {
+                return Err(CudaError::OutOfBounds {
+                    run: i,
+                    side,
+                    region,
+                    offset,
+                    len: r.len,
+                    region_len,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks every run (appending each to `copy_to` on the way, one pass);
+    /// returns the total bytes and the number of non-empty runs.
+    pub(crate) fn check_plan(
+        &self,
+        runs: &[CopyRun],
+        copy_to: Option<&mut Vec<CopyRun>>,
+    ) -> Result<(u64, usize), CudaError> {
+        // One branch-free pass; the error is looked for only when it failed.
+        let (mut ok, mut total, mut n) = (true, 0u64, 0usize);
+        let mut check = |r: &CopyRun| {
+            ok &= self.fits(r);
+            total = total.saturating_add(r.len);
+            n += usize::from(r.len > 0);
+        };
+        match copy_to {
+            Some(v) => v.extend(runs.iter().map(|r| {
+                check(r);
+                *r
+            })),
+            None => runs.iter().for_each(check),
+        }
+        if ok {
+            return Ok((total, n));
+        }
+        for (i, r) in runs.iter().enumerate() {
+            self.check(i, r)?;
+        }
+        // `fits` and `check` agree, so the loop above returned.
+        Err(CudaError::InvalidCopy(
+            "a run lies outside its region".into(),
+        ))
+    }
 }
 
 /// Resolves runs to absolute spans in plan order, merging a span into the
@@ -79,6 +159,15 @@ pub(crate) fn split_at_bounds(spans: &[Span], bounds: &[u64]) -> Vec<Span> {
     out
 }
 
+/// `bases[region] + offset`, total: 0 for an unknown region, wrapping.
+fn address(bases: &[u64], region: u32, offset: u64) -> u64 {
+    bases
+        .get(region as usize)
+        .copied()
+        .unwrap_or(0)
+        .wrapping_add(offset)
+}
+
 /// Which side of a staged copy the host is on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum HostSide {
@@ -112,10 +201,16 @@ const RAMP_STEPS: u32 = 3;
 /// plan order is sorted by host address (sorting 16,384 runs cost the H200
 /// machine's CPU about a millisecond per copy). A run larger than the room
 /// left in a slot continues in the next one.
+///
+/// Every run is checked against the region lengths before the chunker
+/// reads its addresses, so a staged copy needs no pass over its plan before
+/// the first chunk: a run outside its regions is an error before any chunk
+/// holding it is launched (the chunks before it may be on the GPU already).
 pub(crate) struct StagedChunker<'a> {
     runs: &'a [CopyRun],
     src_bases: &'a [u64],
     dst_bases: &'a [u64],
+    lens: &'a RegionLens,
     host: HostSide,
     slot_bytes: u64,
     at: ChunkCursor,
@@ -134,13 +229,18 @@ pub(crate) struct ChunkCursor {
     chunks: u32,
     /// Chunks before full slots: chunk `i < ramp` holds `slot >> (ramp - i)`.
     ramp: u32,
+    /// Bytes planned so far.
+    bytes: u64,
 }
 
 impl<'a> StagedChunker<'a> {
+    /// Starts planning `runs`; each run is checked against `lens` when
+    /// [`StagedChunker::next_chunk`] reaches it.
     pub(crate) fn new(
         runs: &'a [CopyRun],
         src_bases: &'a [u64],
         dst_bases: &'a [u64],
+        lens: &'a RegionLens,
         host: HostSide,
         slot_bytes: u64,
     ) -> Self {
@@ -148,6 +248,7 @@ impl<'a> StagedChunker<'a> {
             runs,
             src_bases,
             dst_bases,
+            lens,
             host,
             slot_bytes: slot_bytes.max(1),
             at: ChunkCursor {
@@ -156,6 +257,7 @@ impl<'a> StagedChunker<'a> {
                 done: 0,
                 chunks: 0,
                 ramp: RAMP_STEPS,
+                bytes: 0,
             },
         };
         // Judged on a sample from the start of the plan (a full pass would
@@ -163,12 +265,16 @@ impl<'a> StagedChunker<'a> {
         // not at all.
         let mut prev_end = None;
         let (mut pieces, mut n) = (0usize, 0usize);
-        for r in runs.iter().filter(|r| r.len > 0).take(ORDER_SAMPLE) {
+        // (Runs are not checked yet: a bad one only skews this guess.)
+        for r in runs.iter().take(ORDER_SAMPLE) {
+            if r.len == 0 {
+                continue;
+            }
             let at = me.host_addr(r);
             if prev_end != Some(at) {
                 pieces += 1;
             }
-            prev_end = Some(at + r.len);
+            prev_end = Some(at.wrapping_add(r.len));
             n += 1;
         }
         if pieces * MIN_RUNS_PER_PIECE > n {
@@ -195,10 +301,12 @@ impl<'a> StagedChunker<'a> {
 
     /// Continues a copy where `at` left it, over the same plan (`runs` and
     /// bases equal to those the cursor was taken from).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn resume(
         runs: &'a [CopyRun],
         src_bases: &'a [u64],
         dst_bases: &'a [u64],
+        lens: &'a RegionLens,
         host: HostSide,
         slot_bytes: u64,
         at: ChunkCursor,
@@ -207,6 +315,7 @@ impl<'a> StagedChunker<'a> {
             runs,
             src_bases,
             dst_bases,
+            lens,
             host,
             slot_bytes: slot_bytes.max(1),
             at,
@@ -218,49 +327,75 @@ impl<'a> StagedChunker<'a> {
         self.at
     }
 
+    /// A run's host-side address. Total on unchecked runs (an unknown
+    /// region reads as base 0, sums wrap): only checked runs are planned.
     fn host_addr(&self, r: &CopyRun) -> u64 {
         match self.host {
-            HostSide::Source => self.src_bases[r.src_region as usize] + r.src_offset,
-            HostSide::Destination => self.dst_bases[r.dst_region as usize] + r.dst_offset,
+            HostSide::Source => address(self.src_bases, r.src_region, r.src_offset),
+            HostSide::Destination => address(self.dst_bases, r.dst_region, r.dst_offset),
         }
     }
 
+    /// A run's device-side address (see [`StagedChunker::host_addr`]).
     fn device_addr(&self, r: &CopyRun) -> u64 {
         match self.host {
-            HostSide::Source => self.dst_bases[r.dst_region as usize] + r.dst_offset,
-            HostSide::Destination => self.src_bases[r.src_region as usize] + r.src_offset,
+            HostSide::Source => address(self.dst_bases, r.dst_region, r.dst_offset),
+            HostSide::Destination => address(self.src_bases, r.src_region, r.src_offset),
         }
     }
 
-    fn run_at(&self, i: usize) -> Option<&'a CopyRun> {
+    /// The `i`-th run in staging order, with its index in the plan.
+    fn run_at(&self, i: usize) -> Option<(usize, &'a CopyRun)> {
         match &self.at.order {
-            Some(o) => o.get(i).map(|&j| &self.runs[j as usize]),
-            None => self.runs.get(i),
+            Some(o) => o.get(i).map(|&j| (j as usize, &self.runs[j as usize])),
+            None => self.runs.get(i).map(|r| (i, r)),
         }
+    }
+
+    /// Bytes the chunks planned so far hold (the whole copy once planned).
+    pub(crate) fn bytes(&self) -> u64 {
+        self.at.bytes
+    }
+
+    /// Runs not yet wholly planned.
+    pub(crate) fn runs_left(&self) -> usize {
+        let total = self.at.order.as_ref().map_or(self.runs.len(), Vec::len);
+        total.saturating_sub(self.at.next)
     }
 
     /// Plans the next chunk into a slot at address `slot`: writes its
     /// device-side copies to the front of `device` and its host pieces to
     /// `pieces` (cleared first). Returns how many device-side copies it
-    /// wrote; 0 when the copy is fully planned. `device` must have room for
-    /// one more copy than the chunk has runs starting in it (see
-    /// [`StagedChunker::max_device_copies`]).
+    /// wrote; 0 when the copy is fully planned. A chunk ends early when
+    /// `device` is full, so `device` must not be empty while runs are left.
+    /// A run outside its regions is an error (the chunk is then not to be
+    /// launched).
     pub(crate) fn next_chunk(
         &mut self,
         slot: u64,
         device: &mut [CopyRun],
         pieces: &mut Vec<Span>,
-    ) -> usize {
+    ) -> Result<usize, CudaError> {
         pieces.clear();
+        if device.is_empty() && self.runs_left() > 0 {
+            return Err(CudaError::InvalidCopy(
+                "no room for a staged chunk's descriptors".into(),
+            ));
+        }
         let ramp = self.at.ramp;
         let limit = (self.slot_bytes >> (ramp - self.at.chunks.min(ramp))).max(1);
         self.at.chunks += 1;
         let mut used = 0u64;
         let mut n = 0usize;
         while used < limit && n < device.len() {
-            let Some(r) = self.run_at(self.at.next) else {
+            let Some((i, r)) = self.run_at(self.at.next) else {
                 break;
             };
+            if self.at.done == 0 {
+                // First sight of this run: checked before its addresses
+                // are read.
+                self.lens.check(i, r)?;
+            }
             if r.len == 0 {
                 self.at.next += 1;
                 continue;
@@ -292,18 +427,20 @@ impl<'a> StagedChunker<'a> {
                 }),
             }
             used += len;
+            self.at.bytes += len;
             self.at.done += len;
             if self.at.done == r.len {
                 self.at.next += 1;
                 self.at.done = 0;
             }
         }
-        n
+        Ok(n)
     }
 
-    /// Device-side copies the whole copy can need: one per run, plus one
-    /// per chunk boundary a run may straddle (the ramp adds its chunks).
-    pub(crate) fn max_device_copies(&self, total_bytes: u64) -> usize {
+    /// Device-side copies a copy of this plan needs when it moves at most
+    /// `total_bytes`: one per run, plus one per chunk boundary a run may
+    /// straddle (the ramp adds its chunks).
+    pub(crate) fn device_copies_for(&self, total_bytes: u64) -> usize {
         self.runs.len() + (total_bytes / self.slot_bytes) as usize + 2 + self.at.ramp as usize
     }
 }
@@ -343,10 +480,20 @@ mod tests {
     ///
     /// With `handoff = Some(k)`, the chunker is turned into a cursor after
     /// `k` chunks and the rest planned by a resumed one (over a copy of the
-    /// plan, as the feeder thread does).
-    fn replay(runs: &[CopyRun], host: HostSide, slot: u64, handoff: Option<usize>, ramp: u32) {
+    /// plan, as the feeder thread does). Descriptors go to buffers of
+    /// `room` entries; a full one is replaced by a fresh one, as the staged
+    /// path leases another.
+    fn replay(
+        runs: &[CopyRun],
+        host: HostSide,
+        slot: u64,
+        handoff: Option<usize>,
+        ramp: u32,
+        room: usize,
+    ) {
         let src_bases = [0u64, 64 << 10, 128 << 10];
         let dst_bases = [192 << 10];
+        let lens = test_lens();
         let mem_len = 256 << 10;
         let mut rng = 0x1234_5678u64;
         let src: Vec<u8> = (0..mem_len)
@@ -368,31 +515,42 @@ mod tests {
         let mut got = src.clone();
         let mut staging = vec![0u8; slot as usize];
         let mut chunker =
-            StagedChunker::new(runs, &src_bases, &dst_bases, host, slot).with_ramp(ramp);
+            StagedChunker::new(runs, &src_bases, &dst_bases, &lens, host, slot).with_ramp(ramp);
         let total: u64 = runs.iter().map(|r| r.len).sum();
-        let cap = chunker.max_device_copies(total);
+        let cap = chunker.device_copies_for(total);
         let mut device = vec![CopyRun::default(); cap];
         let mut pieces = Vec::new();
         let mut used_copies = 0;
+        let mut buffers = 1;
         let owned = runs.to_vec();
+        let empty = RegionLens::default();
         let mut resumed: Option<StagedChunker<'_>> = None;
         let mut chunk_no = 0;
         loop {
             if handoff == Some(chunk_no) && resumed.is_none() {
                 let at = std::mem::replace(
                     &mut chunker,
-                    StagedChunker::new(&[], &src_bases, &dst_bases, host, slot),
+                    StagedChunker::new(&[], &src_bases, &dst_bases, &empty, host, slot),
                 )
                 .into_cursor();
                 resumed = Some(StagedChunker::resume(
-                    &owned, &src_bases, &dst_bases, host, slot, at,
+                    &owned, &src_bases, &dst_bases, &lens, host, slot, at,
                 ));
             }
             chunk_no += 1;
             let active = resumed.as_mut().unwrap_or(&mut chunker);
-            let n = active.next_chunk(STAGE, &mut device[used_copies..], &mut pieces);
+            // Room left in the current descriptor buffer; a fresh one when
+            // it is full.
+            if used_copies == buffers * room {
+                buffers += 1;
+                device.resize(buffers * room, CopyRun::default());
+            }
+            let end = (buffers * room).min(device.len());
+            let free = &mut device[used_copies..end];
+            let n = active.next_chunk(STAGE, free, &mut pieces).unwrap();
             if n == 0 {
                 assert!(pieces.is_empty());
+                assert_eq!(active.runs_left(), 0);
                 break;
             }
             let krs = &device[used_copies..used_copies + n];
@@ -432,8 +590,19 @@ mod tests {
                 }
             }
         }
-        assert!(used_copies <= cap);
+        if room >= cap {
+            assert!(used_copies <= cap);
+        }
         assert!(got == want, "staged replay differs from a direct copy");
+    }
+
+    /// Region lengths of the replay's memory: three 64 KiB source regions,
+    /// one 64 KiB destination region.
+    fn test_lens() -> RegionLens {
+        RegionLens {
+            src: vec![64 << 10; 3],
+            dst: vec![64 << 10],
+        }
     }
 
     proptest! {
@@ -442,7 +611,71 @@ mod tests {
         #[test]
         fn staged_plan_replays_to_direct_copy(runs in arb_runs(), slot in 1u64..5_000, to_host in any::<bool>()) {
             let host = if to_host { HostSide::Destination } else { HostSide::Source };
-            replay(&runs, host, slot, None, RAMP_STEPS);
+            replay(&runs, host, slot, None, RAMP_STEPS, usize::MAX >> 1);
+        }
+
+        /// Descriptor buffers that fill up mid-copy (replaced by fresh
+        /// ones) change nothing in what lands.
+        #[test]
+        fn staged_plan_with_small_descriptor_buffers_replays_to_direct_copy(
+            runs in arb_runs(),
+            slot in 1u64..5_000,
+            to_host in any::<bool>(),
+            room in 1usize..6,
+        ) {
+            let host = if to_host { HostSide::Destination } else { HostSide::Source };
+            replay(&runs, host, slot, None, RAMP_STEPS, room);
+        }
+
+        /// A run outside its regions is an error before any chunk holding
+        /// it is planned: nothing planned before the error addresses
+        /// memory outside the regions.
+        #[test]
+        fn a_run_out_of_bounds_stops_the_plan_before_its_chunk(
+            mut runs in arb_runs(),
+            slot in 1u64..5_000,
+            to_host in any::<bool>(),
+            which in any::<prop::sample::Index>(),
+            bad_region in any::<bool>(),
+        ) {
+            let host = if to_host { HostSide::Destination } else { HostSide::Source };
+            let k = which.index(runs.len());
+            if bad_region {
+                runs[k].src_region = 3;
+            } else {
+                runs[k].dst_offset = (64 << 10) - runs[k].len + 1;
+            }
+            // Region 3 exists only in the base table (where an unchecked run
+            // would land, between user memory and the slot).
+            let src_bases = [0u64, 64 << 10, 128 << 10, 1 << 29];
+            let dst_bases = [192 << 10];
+            let lens = test_lens();
+            const STAGE: u64 = 1 << 30;
+            let mut device = vec![CopyRun::default(); 4096];
+            let mut pieces = Vec::new();
+            let mut c = StagedChunker::new(&runs, &src_bases, &dst_bases, &lens, host, slot);
+            let failed = loop {
+                    match c.next_chunk(STAGE, &mut device, &mut pieces) {
+                        Err(e) => break Some(e),
+                        Ok(0) => break None,
+                        Ok(n) => {
+                            // Every address a launched chunk would touch is
+                            // user memory (below 256 KiB) or the slot.
+                            for r in &device[..n] {
+                                for a in [r.src_offset, r.dst_offset] {
+                                    prop_assert!(a + r.len <= 256 << 10 || a >= STAGE);
+                                }
+                            }
+                            for p in &pieces {
+                                for a in [p.src, p.dst] {
+                                    prop_assert!(a + p.len <= 256 << 10 || a >= STAGE);
+                                }
+                            }
+                        }
+                    }
+            };
+            let out_of_bounds = matches!(failed, Some(CudaError::OutOfBounds { .. }));
+            prop_assert!(out_of_bounds, "got {:?}", failed);
         }
 
         /// A copy whose first chunks one thread planned and whose rest
@@ -456,7 +689,7 @@ mod tests {
             ramp in 0u32..6,
         ) {
             let host = if to_host { HostSide::Destination } else { HostSide::Source };
-            replay(&runs, host, slot, Some(handoff), ramp);
+            replay(&runs, host, slot, Some(handoff), ramp, usize::MAX >> 1);
         }
 
         #[test]
@@ -539,12 +772,16 @@ mod tests {
         host: HostSide,
         slot: u64,
     ) -> Vec<(Vec<CopyRun>, Vec<Span>)> {
-        let mut c = StagedChunker::new(runs, src_bases, dst_bases, host, slot);
+        let lens = RegionLens {
+            src: vec![u64::MAX >> 1; src_bases.len()],
+            dst: vec![u64::MAX >> 1; dst_bases.len()],
+        };
+        let mut c = StagedChunker::new(runs, src_bases, dst_bases, &lens, host, slot);
         let mut out = Vec::new();
-        let mut device = vec![CopyRun::default(); c.max_device_copies(1 << 40)];
+        let mut device = vec![CopyRun::default(); runs.len() + 64];
         let mut pieces = Vec::new();
         loop {
-            let n = c.next_chunk(1 << 40, &mut device, &mut pieces);
+            let n = c.next_chunk(1 << 40, &mut device, &mut pieces).unwrap();
             if n == 0 {
                 return out;
             }
