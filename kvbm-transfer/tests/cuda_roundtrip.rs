@@ -177,6 +177,12 @@ fn paths() -> Vec<(&'static str, CopyOptions)> {
         ("kernel-busy", o(Some(CopyPath::Kernel), GpuLoad::Busy)),
         ("staged", o(Some(CopyPath::Staged), GpuLoad::Idle)),
         ("staged-shared", o(Some(CopyPath::Staged), GpuLoad::Idle)),
+        // Busy: one kernel per half ring of chunks.
+        ("staged-busy", o(Some(CopyPath::Staged), GpuLoad::Busy)),
+        (
+            "staged-busy-shared",
+            o(Some(CopyPath::Staged), GpuLoad::Busy),
+        ),
         ("auto-idle", o(None, GpuLoad::Idle)),
         ("auto-idle-shared", o(None, GpuLoad::Idle)),
         ("auto-busy", o(None, GpuLoad::Busy)),

@@ -189,3 +189,57 @@ fn gather_on_copy_engines(
         );
     }
 }
+
+/// `cuda_bench gemm-timeline`: timelines of busy staged copies beside the
+/// bf16 GEMM loop (8 KiB runs, one allocation; four copies, two in
+/// flight, one direction at a time), to see where they wait for the GEMM.
+pub(crate) fn beside_gemm(dev: &CudaDevice) {
+    let Some(gemm) = Gemm::new(dev) else {
+        println!("no cuBLAS: no GEMM to run beside");
+        return;
+    };
+    let arena = filled_arena(dev, 2 * GIB);
+    let shape = Shape::new(dev, &arena, 4, true);
+    let on = shape.case(Direction::HostToDevice, 0..256);
+    let off = shape.case(Direction::DeviceToHost, 256..512);
+    for grouped in [true, false] {
+        let copier = CudaCopier::new(
+            dev,
+            cfg(|c| {
+                c.timeline = true;
+                c.busy_grouped_staging = grouped;
+            }),
+        )
+        .expect("copier");
+        let busy = opts(None, GpuLoad::Busy);
+        for (case, label) in [(&on, "H2D"), (&off, "D2H")] {
+            case.run(&copier, busy);
+            let _ = copier.take_timeline();
+            let wall = std::thread::scope(|s| {
+                let copies = s.spawn(|| {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                    let t = Instant::now();
+                    let mut queue = std::collections::VecDeque::new();
+                    for _ in 0..4 {
+                        if queue.len() == 2 {
+                            let c: Completion = queue.pop_front().expect("two queued");
+                            let _ = c.wait();
+                        }
+                        queue.push_back(case.submit(&copier, busy, false).expect("copy"));
+                    }
+                    for c in queue {
+                        let _ = c.wait();
+                    }
+                    t.elapsed().as_secs_f64() * 1e6
+                });
+                gemm.run(60);
+                copies.join().expect("copy thread")
+            });
+            println!(
+                "8 KiB 1-alloc {label} beside GEMM, grouped {grouped}: 4 copies, 2 in flight, {wall:.0} us ({:.1} GB/s)\n{}",
+                4.0 * case.bytes as f64 / wall / 1e3,
+                copier.take_timeline().unwrap_or_default()
+            );
+        }
+    }
+}

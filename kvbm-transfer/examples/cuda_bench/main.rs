@@ -11,12 +11,15 @@
 //! plan (the sum of its runs), never from hand arithmetic.
 //!
 //! `cargo run --release --example cuda_bench --features cuda [-- quick |
-//! gemm | focus | diag | probe]`; `focus` runs only the rows that judge how
+//! gemm | focus | diag | gemm-timeline | probe]`; `focus` runs only the rows that judge how
 //! copies start and end (8 and 32 KiB runs: one direction, both
-//! directions, beside the GEMM one copy at a time), each against the
-//! previous behaviour (`-old`: no sleeping completion polls after the busy
-//! one, and no copy engines beside the model); `probe` (see `probe.rs`) the
-//! measurements behind the staged path's start. `KVBM_SHAPES` keeps some
+//! directions, beside the GEMM one copy at a time), each against an
+//! earlier behaviour (`-old`: no sleeping completion polls after the busy
+//! one, and a kernel per chunk for busy staged copies; `-ug`: only the
+//! latter); `probe` (see `probe.rs`) the measurements
+//! behind the staged path's start; `gemm-timeline` the timelines of busy
+//! staged copies beside the GEMM (`diag.rs`). `-sh` rows hand the plan
+//! over shared (`copy_shared`) instead of lending it. `KVBM_SHAPES` keeps some
 //! run sizes and placements (`"32:1-alloc 8:layer-alloc"`), `KVBM_GEMM_X`
 //! stretches the GEMM window.
 
@@ -179,9 +182,12 @@ struct Copiers {
     flat: CudaCopier,
     /// Watchers that always sleep in the driver (no polling at the end).
     nospin: CudaCopier,
-    /// The previous behaviour: the watcher goes to the driver once its busy
-    /// poll ran out (no sleeping polls), and a busy GPU always takes the
-    /// staging ring below 128 KiB runs (never the copy engines).
+    /// Busy staged copies with one kernel per chunk (the previous
+    /// behaviour) instead of one per half ring.
+    ungrouped: CudaCopier,
+    /// An earlier behaviour: the watcher goes to the driver once its busy
+    /// poll ran out (no sleeping polls), and busy staged copies have a
+    /// kernel per chunk.
     old: CudaCopier,
 }
 
@@ -199,9 +205,13 @@ impl Copiers {
                 wake_spin_us: 0,
                 ..d()
             }),
+            ungrouped: mk(CopierConfig {
+                busy_grouped_staging: false,
+                ..d()
+            }),
             old: mk(CopierConfig {
                 wake_poll_interval_us: 0,
-                busy_engine_run_bytes: u64::MAX,
+                busy_grouped_staging: false,
                 ..d()
             }),
         }
@@ -225,7 +235,9 @@ impl Copiers {
             ("auto-idle", &self.main, opts(None, i)),
             ("auto-idle-sh", &self.main, opts(None, i)),
             ("staged-sh", &self.main, opts(st, i)),
+            ("staged-busy", &self.main, opts(st, b)),
             ("auto-busy", &self.main, opts(None, b)),
+            ("auto-busy-ug", &self.ungrouped, opts(None, b)),
             ("staged-old", &self.old, opts(st, i)),
             ("auto-idle-old", &self.old, opts(None, i)),
             ("auto-busy-old", &self.old, opts(None, b)),
@@ -239,6 +251,7 @@ impl Copiers {
                         | "auto-idle"
                         | "auto-idle-sh"
                         | "auto-busy"
+                        | "auto-busy-ug"
                         | "auto-idle-old"
                         | "auto-busy-old"
                 )
@@ -418,6 +431,10 @@ fn main() {
     });
     if std::env::args().any(|a| a == "diag") {
         diag::run(&dev);
+        return;
+    }
+    if std::env::args().any(|a| a == "gemm-timeline") {
+        diag::beside_gemm(&dev);
         return;
     }
     if std::env::args().any(|a| a == "probe") {
@@ -717,18 +734,28 @@ fn main() {
             let mut rows = Vec::new();
             for v in copiers.variants(packed) {
                 let keep = if focus {
-                    matches!(v.0, "auto-busy" | "auto-busy-old")
+                    matches!(v.0, "auto-busy" | "auto-busy-ug" | "auto-busy-old")
                 } else {
                     matches!(
                         v.0,
-                        "copy-engine" | "staged" | "auto-busy" | "auto-busy-old"
+                        "copy-engine"
+                            | "staged"
+                            | "staged-busy"
+                            | "auto-busy"
+                            | "auto-busy-ug"
+                            | "auto-busy-old"
                     )
                 };
                 if keep {
                     rows.push((v, 1));
                 }
                 // An engine's offload queue keeps several copies in flight.
-                if !focus && matches!(v.0, "auto-busy" | "auto-busy-old") {
+                if !focus
+                    && matches!(
+                        v.0,
+                        "staged-busy" | "auto-busy" | "auto-busy-ug" | "auto-busy-old"
+                    )
+                {
                     rows.push((v, 2));
                     rows.push((v, 4));
                 }

@@ -226,17 +226,14 @@ impl CudaCopier {
     ///   kernels hold the SMs for a few microseconds per 32 MiB, so it is
     ///   also the choice beside the model.
     ///
-    /// With [`GpuLoad::Busy`], `copy` goes one step further than this
-    /// function (it needs the plan's shape, not only its size): runs of 16
-    /// KiB or more that fold into pitched copies of 32 lines or more on
-    /// average (a block's K and V of every layer when the layer tensors
-    /// share one allocation) take the copy engines. Beside a bf16 GEMM loop
-    /// at 32 KiB runs they moved 0.80–0.82 (H2D) and 0.82–0.83 (D2H) of
-    /// line rate against the ring's 0.71–0.76 and 0.79–0.83, with no SMs;
-    /// at 8 KiB runs the ring's both-directions rate was better (0.63
-    /// against 0.56), and short families (one allocation per layer) are
-    /// submission-bound on the engines (0.13–0.67). `load` also sizes the
-    /// grid of a forced kernel copy.
+    /// `load` does not change the path: with [`GpuLoad::Busy`] the ring
+    /// puts the device side of half a ring of chunks in one kernel (see
+    /// `CopierConfig::busy_grouped_staging`), which beside a bf16 GEMM loop
+    /// with two copies in flight moved 0.96–0.99 of line rate at 8 and 32
+    /// KiB runs, where the copy engines (pitched families) moved 0.92 at
+    /// best (32 KiB runs in one allocation) and 0.13–0.69 with one
+    /// allocation per layer. `load` also sizes the grid of a forced kernel
+    /// copy.
     pub fn choose(
         &self,
         dir: Direction,
@@ -328,20 +325,10 @@ impl CudaCopier {
         if path == CopyPath::Staged && dir == Direction::DeviceToDevice {
             path = CopyPath::Kernel;
         }
-        let ring = self.staged.get(dir.index());
-        // Beside the model, a plan of long runs that folds into tall
-        // pitched copies goes to the copy engines (no SMs, no wait for a gap
-        // between the model's kernels): that needs its families, so a pass.
-        let busy_engines = opts.path.is_none()
-            && opts.load == GpuLoad::Busy
-            && path == CopyPath::Staged
-            && self.config.strided_copies
-            && look.mean_run() >= self.config.busy_engine_run_bytes;
         if path == CopyPath::Staged
-            && !busy_engines
-            && let Some(ring) = ring
+            && let Some(ring) = self.staged.get(dir.index())
         {
-            return self.staged(ring, runs, shared, src, dst, lens, dir, entered);
+            return self.staged(ring, runs, shared, src, dst, lens, dir, entered, opts.load);
         }
         let (total, n_runs) = lens.check_plan(runs, None)?;
         if total == 0 {
@@ -350,17 +337,8 @@ impl CudaCopier {
         self.device.bind()?;
         let src_bases: Vec<u64> = src.iter().map(|r| r.device_ptr()).collect();
         let dst_bases: Vec<u64> = dst.iter().map(|r| r.device_ptr()).collect();
-        let mut families = (path == CopyPath::CopyEngine && self.config.strided_copies)
+        let families = (path == CopyPath::CopyEngine && self.config.strided_copies)
             .then(|| self.families(runs, src, dst, &src_bases, &dst_bases, dir));
-        if busy_engines {
-            let f = self.families(runs, src, dst, &src_bases, &dst_bases, dir);
-            if engines_beside_model(n_runs, total, f.len(), &self.config) {
-                path = CopyPath::CopyEngine;
-                families = Some(f);
-            } else if let Some(ring) = ring {
-                return self.staged(ring, runs, shared, src, dst, lens, dir, entered);
-            }
-        }
         let _span = tracing::debug_span!(
             "cuda_copy",
             ?dir,
@@ -459,6 +437,7 @@ impl CudaCopier {
         lens: RegionLens,
         dir: Direction,
         entered: Instant,
+        load: GpuLoad,
     ) -> CudaResult<Completion> {
         let _span = tracing::debug_span!(
             "cuda_copy",
@@ -499,6 +478,7 @@ impl CudaCopier {
                 Timeline::new(label, entered)
             }),
             queued: false,
+            grouped: load == GpuLoad::Busy && self.config.busy_grouped_staging,
         };
         ring.submit(
             self.feeders.get(dir.index()),
@@ -652,15 +632,6 @@ fn direction(src: &[Arc<dyn CudaRegion>], dst: &[Arc<dyn CudaRegion>]) -> CudaRe
     }
 }
 
-/// Whether a busy-GPU copy of `n_runs` runs and `total` bytes that folds
-/// into `descriptors` copy-engine descriptors goes to the copy engines
-/// rather than the staging ring: runs long enough and families tall enough
-/// that the engines' per-descriptor cost stays small.
-fn engines_beside_model(n_runs: usize, total: u64, descriptors: usize, cfg: &CopierConfig) -> bool {
-    let (n, d) = (n_runs.max(1) as u64, descriptors.max(1) as u64);
-    total / n >= cfg.busy_engine_run_bytes && n / d >= cfg.busy_engine_family_height
-}
-
 /// What the start of a plan says, enough to choose a path: runs are read
 /// until the bytes pass `small` (a copy above it is not a small one) and at
 /// least `LOOK_RUNS` runs are seen, or the plan ends (then the figures are
@@ -688,49 +659,41 @@ impl PlanLook {
         }
         PlanLook { total, n_runs }
     }
-
-    fn mean_run(&self) -> u64 {
-        self.total / self.n_runs.max(1) as u64
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn runs(n: usize, len: u64) -> Vec<CopyRun> {
+        (0..n as u64)
+            .map(|i| CopyRun {
+                src_region: 0,
+                src_offset: i * len,
+                dst_region: 0,
+                dst_offset: i * len,
+                len,
+            })
+            .collect()
+    }
+
     #[test]
-    fn busy_plans_with_tall_families_of_long_runs_take_the_engines() {
-        let cfg = CopierConfig::default();
-        // 256 blocks × 64 runs of 32 KiB, one pitched copy per block.
-        let runs = 256 * 64;
-        assert!(engines_beside_model(
-            runs,
-            runs as u64 * (32 << 10),
-            256,
-            &cfg
-        ));
-        // The same plan at 8 KiB runs stays on the ring.
-        assert!(!engines_beside_model(
-            runs,
-            runs as u64 * (8 << 10),
-            256,
-            &cfg
-        ));
-        // Layer tensors in separate allocations: families of two lines.
-        assert!(!engines_beside_model(
-            runs,
-            runs as u64 * (32 << 10),
-            runs / 2,
-            &cfg
-        ));
-        // Nothing folds: one descriptor per run.
-        assert!(!engines_beside_model(
-            runs,
-            runs as u64 * (32 << 10),
-            runs,
-            &cfg
-        ));
-        // Degenerate counts do not divide by zero.
-        assert!(!engines_beside_model(0, 0, 0, &cfg));
+    fn a_small_plan_is_read_whole_and_a_large_one_only_at_its_start() {
+        // 4 MiB in 512 runs of 8 KiB: all of it.
+        let small = PlanLook::of(&runs(512, 8 << 10), 4 << 20);
+        assert_eq!((small.total, small.n_runs), (4 << 20, 512));
+        // 128 MiB in 16,384 runs: the first LOOK_RUNS, enough for the
+        // mean run and to know the copy is not a small one.
+        let large = PlanLook::of(&runs(16_384, 8 << 10), 4 << 20);
+        assert_eq!(large.n_runs, LOOK_RUNS);
+        assert_eq!(large.total / large.n_runs as u64, 8 << 10);
+        assert!(large.total > 4 << 20);
+        // Empty runs count for nothing; an empty plan divides by nothing.
+        let mut with_empty = runs(4, 100);
+        with_empty[1].len = 0;
+        let l = PlanLook::of(&with_empty, 4 << 20);
+        assert_eq!((l.total, l.n_runs), (300, 3));
+        let none = PlanLook::of(&[], 0);
+        assert_eq!((none.total, none.n_runs), (0, 0));
     }
 }

@@ -82,6 +82,11 @@ pub(crate) struct StagedJob {
     pub timeline: Option<Timeline>,
     /// Counted in the ring's `queued` (handed to the feeder).
     pub queued: bool,
+    /// The GPU is busy with the model: the device side of up to half the
+    /// ring's chunks goes in one kernel (see
+    /// `CopierConfig::busy_grouped_staging`), as each kernel waits for SMs
+    /// the model holds. The copy is handed to the feeder whole.
+    pub grouped: bool,
 }
 
 /// A staged copy's plan as the feeder holds it.
@@ -192,7 +197,7 @@ impl StagedRing {
             let enqueued = self.enqueue_job(guard.ring.as_mut(), &mut job, plan, None);
             return self.finish_here(finished(enqueued), job);
         };
-        if caller_chunks > 0 && self.queued.load(Ordering::Acquire) == 0 {
+        if caller_chunks > 0 && !job.grouped && self.queued.load(Ordering::Acquire) == 0 {
             let ring = guard.ring.as_mut();
             match self.enqueue_job(ring, &mut job, plan, Some(caller_chunks)) {
                 Ok(None) => {}
@@ -290,6 +295,7 @@ impl StagedRing {
                 dst_bases: &job.dst_bases,
                 lens: &job.lens,
                 host: job.host,
+                grouped: job.grouped,
             },
             &mut job.keep,
             &mut job.progress,
@@ -424,6 +430,9 @@ pub(crate) struct Plan<'a> {
     pub dst_bases: &'a [u64],
     pub lens: &'a RegionLens,
     pub host: HostSide,
+    /// One gather or scatter kernel for as many chunks as the ring holds
+    /// (see [`StagedJob::grouped`]).
+    pub grouped: bool,
 }
 
 /// What one staged copy needs from the copier.
@@ -461,14 +470,20 @@ impl Staging<'_> {
             dst_bases,
             lens,
             host,
+            grouped,
         } = plan;
         let slot_bytes = ring.slot_bytes as u64;
         let p = match progress {
             Some(p) => p,
             None => {
+                // A grouped copy has one kernel whatever its chunks: full
+                // slots from the first (a ramp would spread a 128 MiB copy
+                // over 7 slots of 8, so a second copy could not be staged
+                // while the first one's kernel waits).
+                let ramp = if grouped { 0 } else { self.ramp };
                 let chunker =
                     StagedChunker::new(runs, src_bases, dst_bases, lens, host, slot_bytes)
-                        .with_ramp(self.ramp);
+                        .with_ramp(ramp);
                 // The device-side copies are written straight into pinned
                 // memory the kernel reads in place: no upload, so no wait
                 // behind another copy's DMA on the host-to-device engine
@@ -504,12 +519,23 @@ impl Staging<'_> {
         let run_size = std::mem::size_of::<CopyRun>();
         let mut pieces: Vec<Span> = Vec::new();
         let mut chunks = 0usize;
+        let mut group = Group::default();
         loop {
             if max_chunks.is_some_and(|m| chunks >= m) {
+                self.flush(ring, &mut group, host, zero_table, &mut timeline)?;
                 p.at = Some(chunker.into_cursor());
                 return Ok(None);
             }
             chunks += 1;
+            // A group holds at most half the ring (so the next group's
+            // slots are free while its kernel waits, and a copy larger than
+            // the ring keeps the link busy), and ends before the descriptors
+            // move to another buffer (a group's are contiguous).
+            if group.chunks.len() >= (ring.slots.len() / 2).max(1)
+                || (p.written == p.cap && chunker.runs_left() > 0)
+            {
+                self.flush(ring, &mut group, host, zero_table, &mut timeline)?;
+            }
             if p.written == p.cap && chunker.runs_left() > 0 {
                 // The buffer is full (chunks launched from it still read
                 // it: it stays in `keep`); the rest goes to a fresh one.
@@ -537,6 +563,10 @@ impl Staging<'_> {
             let runs_ptr = p.desc_gpu + (ZERO_TABLE + p.written * run_size) as u64;
             p.written += n;
             ring.next = (k + 1) % ring.slots.len();
+            if grouped {
+                self.add_to_group(ring, &mut group, k, runs_ptr, n, &pieces, host, &timeline)?;
+                continue;
+            }
             let slot = &mut ring.slots[k];
             let mut times = ChunkEvents::default();
             // The descriptors written above must be visible to the GPU
@@ -600,6 +630,7 @@ impl Staging<'_> {
                 t.chunk(pieces.len(), times);
             }
         }
+        self.flush(ring, &mut group, host, zero_table, &mut timeline)?;
         if let Some(t) = timeline {
             t.enqueued = Some(Instant::now());
         }
@@ -608,6 +639,134 @@ impl Staging<'_> {
             HostSide::Source => lane.kernel_stream,
         };
         Ok(Some((stream, chunker.bytes())))
+    }
+
+    /// Adds chunk `k` (its `n` device-side copies at `runs_ptr`, its host
+    /// `pieces`) to `group`. An onboard's DMA goes now (its kernel waits for
+    /// the group); an offload's waits for the group's kernel.
+    #[allow(clippy::too_many_arguments)]
+    fn add_to_group(
+        &self,
+        ring: &mut Ring,
+        group: &mut Group,
+        k: usize,
+        runs_ptr: u64,
+        n: usize,
+        pieces: &[Span],
+        host: HostSide,
+        timeline: &Option<&mut Timeline>,
+    ) -> CudaResult<()> {
+        let lane = self.lane;
+        let mut times = ChunkEvents::default();
+        if host == HostSide::Source {
+            let slot = &mut ring.slots[k];
+            if slot.used {
+                wait_event(lane.copy_stream, slot.free)?;
+            }
+            times.dma_start = mark(timeline, lane.copy_stream)?;
+            enqueue_spans(
+                self.device,
+                self.batch,
+                lane.copy_stream,
+                pieces,
+                Location::PinnedHost,
+                Location::Device,
+            )?;
+            times.dma_end = mark(timeline, lane.copy_stream)?;
+            slot.used = true;
+        }
+        group.first.get_or_insert(runs_ptr);
+        group.runs += n;
+        group.chunks.push((k, pieces.to_vec(), times));
+        Ok(())
+    }
+
+    /// Launches `group`'s one kernel (after the onboard DMAs it scatters,
+    /// or before the offload DMAs it feeds) and empties it.
+    fn flush(
+        &self,
+        ring: &mut Ring,
+        group: &mut Group,
+        host: HostSide,
+        zero_table: u64,
+        timeline: &mut Option<&mut Timeline>,
+    ) -> CudaResult<()> {
+        let (Some(first), Some(&(last, _, _))) = (group.first, group.chunks.last()) else {
+            return Ok(());
+        };
+        let lane = self.lane;
+        let launch = |stream: CUstream| -> CudaResult<()> {
+            // The group's descriptors were all written before this fence
+            // and are contiguous in one buffer (a group ends before the
+            // buffer changes).
+            std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
+            // SAFETY: the copies address user device memory (each run
+            // checked against its region by the chunker) and the group's
+            // slots (each planned to fit its slot); the descriptors stay
+            // alive in `keep` until the copy completed.
+            unsafe {
+                self.device.inner.kernel.launch(
+                    stream,
+                    self.grid,
+                    first,
+                    group.runs as u32,
+                    zero_table,
+                    zero_table,
+                )
+            }
+        };
+        match host {
+            HostSide::Source => {
+                // The copy stream runs in order: the last chunk's DMA ends
+                // after every earlier one.
+                record_event(ring.slots[last].filled, lane.copy_stream)?;
+                wait_event(lane.kernel_stream, ring.slots[last].filled)?;
+                launch(lane.kernel_stream)?;
+                let end = mark(timeline, lane.kernel_stream)?;
+                for (i, (k, pieces, mut times)) in group.chunks.drain(..).enumerate() {
+                    record_event(ring.slots[k].free, lane.kernel_stream)?;
+                    if i == 0 {
+                        times.kernel_end = end;
+                    }
+                    if let Some(t) = timeline.as_deref_mut() {
+                        t.chunk(pieces.len(), times);
+                    }
+                }
+            }
+            HostSide::Destination => {
+                for &(k, _, _) in &group.chunks {
+                    if ring.slots[k].used {
+                        wait_event(lane.kernel_stream, ring.slots[k].free)?;
+                    }
+                }
+                launch(lane.kernel_stream)?;
+                let end = mark(timeline, lane.kernel_stream)?;
+                record_event(ring.slots[last].filled, lane.kernel_stream)?;
+                wait_event(lane.copy_stream, ring.slots[last].filled)?;
+                for (i, (k, pieces, mut times)) in group.chunks.drain(..).enumerate() {
+                    times.dma_start = mark(timeline, lane.copy_stream)?;
+                    enqueue_spans(
+                        self.device,
+                        self.batch,
+                        lane.copy_stream,
+                        &pieces,
+                        Location::Device,
+                        Location::PinnedHost,
+                    )?;
+                    times.dma_end = mark(timeline, lane.copy_stream)?;
+                    record_event(ring.slots[k].free, lane.copy_stream)?;
+                    ring.slots[k].used = true;
+                    if i == 0 {
+                        times.kernel_end = end;
+                    }
+                    if let Some(t) = timeline.as_deref_mut() {
+                        t.chunk(pieces.len(), times);
+                    }
+                }
+            }
+        }
+        *group = Group::default();
+        Ok(())
     }
 
     /// Leases a descriptor buffer for `cap` device-side copies after the
@@ -625,6 +784,16 @@ impl Staging<'_> {
         unsafe { host_ptr.cast::<u64>().write(0) };
         Ok((desc, host_ptr, gpu_ptr))
     }
+}
+
+/// Chunks whose device side goes in one kernel (see [`StagedJob::grouped`]):
+/// where their descriptors start, how many there are, and per chunk its
+/// slot, host pieces and timing events.
+#[derive(Default)]
+struct Group {
+    first: Option<u64>,
+    runs: usize,
+    chunks: Vec<(usize, Vec<Span>, ChunkEvents)>,
 }
 
 /// Slots' worth of chunk boundaries a staged copy's first descriptor
