@@ -430,8 +430,8 @@ pub(crate) struct Plan<'a> {
     pub dst_bases: &'a [u64],
     pub lens: &'a RegionLens,
     pub host: HostSide,
-    /// One gather or scatter kernel for as many chunks as the ring holds
-    /// (see [`StagedJob::grouped`]).
+    /// One gather or scatter kernel for up to half the ring's chunks (see
+    /// [`StagedJob::grouped`]).
     pub grouped: bool,
 }
 
@@ -592,32 +592,14 @@ impl Staging<'_> {
                     times.kernel_end = mark(&timeline, lane.kernel_stream)?;
                     record_event(slot.filled, lane.kernel_stream)?;
                     wait_event(lane.copy_stream, slot.filled)?;
-                    times.dma_start = mark(&timeline, lane.copy_stream)?;
-                    enqueue_spans(
-                        device,
-                        self.batch,
-                        lane.copy_stream,
-                        &pieces,
-                        Location::Device,
-                        Location::PinnedHost,
-                    )?;
-                    times.dma_end = mark(&timeline, lane.copy_stream)?;
+                    self.dma(&pieces, host, &mut times, &timeline)?;
                     record_event(slot.free, lane.copy_stream)?;
                 }
                 HostSide::Source => {
                     if slot.used {
                         wait_event(lane.copy_stream, slot.free)?;
                     }
-                    times.dma_start = mark(&timeline, lane.copy_stream)?;
-                    enqueue_spans(
-                        device,
-                        self.batch,
-                        lane.copy_stream,
-                        &pieces,
-                        Location::PinnedHost,
-                        Location::Device,
-                    )?;
-                    times.dma_end = mark(&timeline, lane.copy_stream)?;
+                    self.dma(&pieces, host, &mut times, &timeline)?;
                     record_event(slot.filled, lane.copy_stream)?;
                     wait_event(lane.kernel_stream, slot.filled)?;
                     device_side(lane.kernel_stream)?;
@@ -663,16 +645,7 @@ impl Staging<'_> {
             if slot.used {
                 wait_event(lane.copy_stream, slot.free)?;
             }
-            times.dma_start = mark(timeline, lane.copy_stream)?;
-            enqueue_spans(
-                self.device,
-                self.batch,
-                lane.copy_stream,
-                pieces,
-                Location::PinnedHost,
-                Location::Device,
-            )?;
-            times.dma_end = mark(timeline, lane.copy_stream)?;
+            self.dma(pieces, host, &mut times, timeline)?;
             slot.used = true;
         }
         group.first.get_or_insert(runs_ptr);
@@ -744,16 +717,7 @@ impl Staging<'_> {
                 record_event(ring.slots[last].filled, lane.kernel_stream)?;
                 wait_event(lane.copy_stream, ring.slots[last].filled)?;
                 for (i, (k, pieces, mut times)) in group.chunks.drain(..).enumerate() {
-                    times.dma_start = mark(timeline, lane.copy_stream)?;
-                    enqueue_spans(
-                        self.device,
-                        self.batch,
-                        lane.copy_stream,
-                        &pieces,
-                        Location::Device,
-                        Location::PinnedHost,
-                    )?;
-                    times.dma_end = mark(timeline, lane.copy_stream)?;
+                    self.dma(&pieces, host, &mut times, timeline)?;
                     record_event(ring.slots[k].free, lane.copy_stream)?;
                     ring.slots[k].used = true;
                     if i == 0 {
@@ -766,6 +730,26 @@ impl Staging<'_> {
             }
         }
         *group = Group::default();
+        Ok(())
+    }
+
+    /// Enqueues a chunk's host-side DMA `pieces` on the copy stream, in the
+    /// copy's direction, between timing marks.
+    fn dma(
+        &self,
+        pieces: &[Span],
+        host: HostSide,
+        times: &mut ChunkEvents,
+        timeline: &Option<&mut Timeline>,
+    ) -> CudaResult<()> {
+        let stream = self.lane.copy_stream;
+        let (from, to) = match host {
+            HostSide::Source => (Location::PinnedHost, Location::Device),
+            HostSide::Destination => (Location::Device, Location::PinnedHost),
+        };
+        times.dma_start = mark(timeline, stream)?;
+        enqueue_spans(self.device, self.batch, stream, pieces, from, to)?;
+        times.dma_end = mark(timeline, stream)?;
         Ok(())
     }
 
