@@ -160,11 +160,17 @@ fn resolve<T: Outcome>(shared: &Shared<T>, value: T) {
     }
 }
 
-/// Sleeps until `due.at`, then polls `done` for up to `due.spin`.
+/// Sleeps until `due.at` (in short naps, so a result that came early,
+/// such as an error, is not slept through), then polls `done` for up to
+/// `due.spin`.
 fn poll_until(done: &AtomicBool, due: Due) {
-    let now = Instant::now();
-    if due.at > now {
-        std::thread::sleep(due.at - now);
+    const NAP: Duration = Duration::from_micros(200);
+    loop {
+        let now = Instant::now();
+        if done.load(Ordering::Acquire) || now >= due.at {
+            break;
+        }
+        std::thread::sleep((due.at - now).min(NAP));
     }
     let until = Instant::now() + due.spin;
     while !done.load(Ordering::Acquire) && Instant::now() < until {
