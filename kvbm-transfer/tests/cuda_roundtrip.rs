@@ -414,16 +414,25 @@ fn offload_and_onboard_overlap_and_both_land() {
 #[test]
 fn queued_staged_copies_keep_their_order() {
     let Some(dev) = device_or_skip() else { return };
-    let staged = CopyOptions {
-        path: Some(CopyPath::Staged),
-        load: GpuLoad::Idle,
-    };
     let copiers = [
         (
             "default",
             CudaCopier::new(&dev, CopierConfig::default()).unwrap(),
         ),
         ("tight", tight_copier(&dev)),
+        (
+            // Eight 256 KiB slots: a busy copy's groups of four slots wrap
+            // the ring several times per copy.
+            "small ring",
+            CudaCopier::new(
+                &dev,
+                CopierConfig {
+                    staging_slot_bytes: 256 << 10,
+                    ..CopierConfig::default()
+                },
+            )
+            .unwrap(),
+        ),
         (
             "whole copies to the feeder",
             CudaCopier::new(
@@ -449,7 +458,13 @@ fn queued_staged_copies_keep_their_order() {
     ];
     let n = 48;
     let pool = 3 * n;
-    for (name, copier) in &copiers {
+    let loads = [GpuLoad::Idle, GpuLoad::Busy];
+    for ((name, copier), load) in copiers.iter().flat_map(|c| loads.map(|l| (c, l))) {
+        let staged = CopyOptions {
+            path: Some(CopyPath::Staged),
+            load,
+        };
+        let name = format!("{name} {load:?}");
         let host = Mem::new(
             &dev,
             layout(Kind::FullyContiguous, pool, 8 << 10),
