@@ -476,8 +476,13 @@ fn main() {
         dev.max_pitch()
     );
 
+    // `KVBM_SHAPES="32:1-alloc 8:layer-alloc"` keeps only those run sizes
+    // (KiB) and placements, in any mode.
+    let only = std::env::var("KVBM_SHAPES").ok();
+    // 256 KiB runs need 8 GiB of host blocks.
+    let big_runs = only.as_ref().is_some_and(|o| o.contains("256:"));
     // --- Pinned allocation: 16 GiB, first 1 GiB usable at once. ---
-    let arena_len = if gemm_only || focus {
+    let arena_len = if (gemm_only || focus) && !big_runs {
         2 * GIB
     } else {
         16 * GIB
@@ -535,14 +540,11 @@ fn main() {
         println!("GEMM bf16 8192^3 alone: {t:.0} TFLOP/s");
     }
 
-    let shapes: &[usize] = if gemm_only || focus {
+    let shapes: &[usize] = if (gemm_only || focus) && !big_runs {
         &[16, 4]
     } else {
         &[16, 4, 128]
     };
-    // `KVBM_SHAPES="32:1-alloc 8:layer-alloc"` keeps only those run sizes
-    // (KiB) and placements.
-    let only = std::env::var("KVBM_SHAPES").ok();
     for (tokens, packed) in shapes.iter().flat_map(|&t| [(t, true), (t, false)]) {
         let tag = if packed { "1-alloc" } else { "layer-alloc" };
         let key = format!("{}:{tag}", (tokens * 8 * 128 * 2) >> 10);
@@ -717,7 +719,7 @@ fn main() {
             }
         }
         // Beside a GEMM loop.
-        if let (Some(g), Some(_), true) = (gemm.as_ref(), gemm_alone, tokens <= 16) {
+        if let (Some(g), Some(_), true) = (gemm.as_ref(), gemm_alone, tokens <= 16 || big_runs) {
             // Long enough for several copies to fit inside the GEMM window
             // (one GEMM is about 1.5 ms; copies assumed no faster than 40 GB/s).
             let copy_s = on.bytes as f64 / 40e9;
