@@ -202,10 +202,11 @@ const RAMP_STEPS: u32 = 3;
 /// machine's CPU about a millisecond per copy). A run larger than the room
 /// left in a slot continues in the next one.
 ///
-/// Every run is checked against the region lengths before the chunker
-/// reads its addresses, so a staged copy needs no pass over its plan before
-/// the first chunk: a run outside its regions is an error before any chunk
-/// holding it is launched (the chunks before it may be on the GPU already).
+/// Every run is checked against the region lengths before any of its bytes
+/// is planned (the ordering guess reads unchecked addresses, safely), so a
+/// staged copy needs no pass over its plan before the first chunk: a run
+/// outside its regions is an error before any chunk holding it is launched
+/// (the chunks before it may be on the GPU already).
 pub(crate) struct StagedChunker<'a> {
     runs: &'a [CopyRun],
     src_bases: &'a [u64],
