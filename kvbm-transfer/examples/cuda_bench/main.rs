@@ -11,16 +11,17 @@
 //! plan (the sum of its runs), never from hand arithmetic.
 //!
 //! `cargo run --release --example cuda_bench --features cuda [-- quick |
-//! gemm | focus | diag | gemm-timeline | probe]`; `focus` runs only the rows that judge how
-//! copies start and end (8 and 32 KiB runs: one direction, both
-//! directions, beside the GEMM one copy at a time), each against an
-//! earlier behaviour (`-old`: no sleeping completion polls after the busy
-//! one, and a kernel per chunk for busy staged copies; `-ug`: only the
-//! latter); `probe` (see `probe.rs`) the measurements
-//! behind the staged path's start; `gemm-timeline` the timelines of busy
-//! staged copies beside the GEMM (`diag.rs`). `-sh` rows hand the plan
-//! over shared (`copy_shared`) instead of lending it. `KVBM_SHAPES` keeps some
-//! run sizes and placements (`"32:1-alloc 8:layer-alloc"`), `KVBM_GEMM_X`
+//! gemm | focus | diag | gemm-timeline | probe]`; `focus` runs only the
+//! rows that judge how copies start and end (8 and 32 KiB runs: one
+//! direction, both directions, beside the GEMM one copy at a time), each
+//! against an earlier behaviour (`-old`: no sleeping completion polls after
+//! the busy one, and a kernel per chunk for busy staged copies; `-ug`: only
+//! the latter); `probe` (see `probe.rs`) the measurements behind the staged
+//! path's start; `gemm-timeline` the timelines of busy staged copies beside
+//! the GEMM (`diag.rs`). `-sh` rows hand the plan over shared
+//! (`copy_shared`) instead of lending it. `KVBM_SHAPES` keeps some run
+//! sizes and placements in any mode (`"32:1-alloc 8:layer-alloc"`; 256 KiB
+//! shapes make the GEMM and focus modes pin 16 GiB), `KVBM_GEMM_X`
 //! stretches the GEMM window.
 
 #[path = "../../tests/cuda_common/mod.rs"]
