@@ -24,12 +24,15 @@ use bounds_support::*;
 
 #[test]
 fn recency_scorer_reproduces_lru_victim_tiers() {
-    for (name, f) in CONFIGS {
-        let Some((requests, facts)) = sim_support::load(name) else {
-            return;
-        };
-        let caps = TierCapacities::from_fractions(f[0], f[1], f[2], facts.unique_blocks);
-        let ix = TraceIndex::new(&requests);
+    for Loaded {
+        name,
+        fractions: f,
+        requests,
+        caps,
+        ix,
+        ..
+    } in loaded_configs()
+    {
         let lru = run_tiers(
             &requests,
             caps.g1,

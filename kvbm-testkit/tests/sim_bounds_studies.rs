@@ -24,21 +24,23 @@ use kvbm_testkit::sim::scored_tiers::{
 };
 use kvbm_testkit::sim::trace_index::{NO_REQUEST, TraceIndex};
 use kvbm_testkit::sim::{
-    BeladySim, CacheSim, LruFeed, LruSim, LruTiers, ReplayStats, TierCapacities, TieredSim,
-    capacity_for, replay,
+    BeladySim, CacheSim, LruFeed, LruSim, LruTiers, ReplayStats, TierCapacities, TieredSim, replay,
 };
 use kvbm_testkit::trace::MOONCAKE_BLOCK_TOKENS;
 
 #[test]
 #[ignore = "bound study: prints tables, takes minutes"]
 fn bounds_study() {
-    for (name, f) in CONFIGS {
-        let Some((requests, facts)) = sim_support::load(name) else {
-            return;
-        };
-        let caps = TierCapacities::from_fractions(f[0], f[1], f[2], facts.unique_blocks);
-        let total = capacity_for(f.iter().sum(), facts.unique_blocks);
-        let ix = TraceIndex::new(&requests);
+    for Loaded {
+        name,
+        fractions: f,
+        requests,
+        caps,
+        total,
+        ix,
+        ..
+    } in loaded_configs()
+    {
         println!(
             "\n### {name} {f:?} (G1 {} G2 {} G3 {})",
             caps.g1, caps.g2, caps.g3
@@ -132,13 +134,16 @@ fn bounds_study() {
 #[test]
 #[ignore = "bound study: hits by reuse gap"]
 fn gap_study() {
-    for (name, f) in CONFIGS {
-        let Some((requests, facts)) = sim_support::load(name) else {
-            return;
-        };
-        let caps = TierCapacities::from_fractions(f[0], f[1], f[2], facts.unique_blocks);
-        let total = capacity_for(f.iter().sum(), facts.unique_blocks);
-        let ix = TraceIndex::new(&requests);
+    for Loaded {
+        name,
+        fractions: f,
+        requests,
+        caps,
+        total,
+        ix,
+        ..
+    } in loaded_configs()
+    {
         println!("\n### {name} {f:?}: hits by requests since the previous use");
         let header: Vec<String> = (0..GAP_RANGES).map(range_label).collect();
         println!("| policy | {} |", header.join(" | "));
@@ -208,12 +213,15 @@ fn online_study() {
         FeatureSet::new("uses + depth + tail", &[Count, Depth, TailDistance]),
         FeatureSet::new("uses fine + gap + shape", &Feature::SHAPE),
     ];
-    for (name, f) in CONFIGS {
-        let Some((requests, facts)) = sim_support::load(name) else {
-            return;
-        };
-        let caps = TierCapacities::from_fractions(f[0], f[1], f[2], facts.unique_blocks);
-        let ix = TraceIndex::new(&requests);
+    for Loaded {
+        name,
+        fractions: f,
+        requests,
+        caps,
+        ix,
+        ..
+    } in loaded_configs()
+    {
         println!("\n### {name} {f:?}");
         if wanted("ARC") {
             let s = run_tiers(&requests, caps.g1, ArcTiers::new(&ix, caps.g2, caps.g3));
@@ -271,12 +279,15 @@ impl BlockScorer for NoisyOracle {
 #[test]
 #[ignore = "bound study: how good must a predictor be, how good can one be"]
 fn predictability_study() {
-    for (name, f) in CONFIGS {
-        let Some((requests, facts)) = sim_support::load(name) else {
-            return;
-        };
-        let caps = TierCapacities::from_fractions(f[0], f[1], f[2], facts.unique_blocks);
-        let ix = TraceIndex::new(&requests);
+    for Loaded {
+        name,
+        fractions: f,
+        requests,
+        caps,
+        ix,
+        ..
+    } in loaded_configs()
+    {
         println!("\n### {name} {f:?}: oracle admission with labels flipped per request");
         for flip in [0.0, 0.05, 0.1, 0.2, 0.3, 0.4] {
             let s = run_scored(

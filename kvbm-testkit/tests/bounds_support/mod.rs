@@ -9,14 +9,49 @@ use kvbm_testkit::sim::scored_tiers::{
 };
 use kvbm_testkit::sim::trace_index::NO_REQUEST;
 use kvbm_testkit::sim::trace_index::TraceIndex;
-use kvbm_testkit::sim::{KvbmTiers, ReplayStats, Tier, TierCapacities, TieredSim, replay};
-use kvbm_testkit::trace::{MOONCAKE_BLOCK_TOKENS, Request};
+use kvbm_testkit::sim::{
+    KvbmTiers, ReplayStats, Tier, TierCapacities, TieredSim, capacity_for, replay,
+};
+use kvbm_testkit::trace::{MOONCAKE_BLOCK_TOKENS, Request, TraceFacts};
 
 pub const CONFIGS: [(&str, [f64; 3]); 3] = [
     ("conversation", [0.01, 0.04, 0.0]),
     ("conversation", [0.01, 0.04, 0.15]),
     ("synthetic", [0.01, 0.09, 0.0]),
 ];
+
+/// One entry of [`CONFIGS`] with its trace loaded: what the bound checks
+/// and studies start from.
+pub struct Loaded {
+    pub name: &'static str,
+    /// G1, G2, G3 as fractions of the trace's unique blocks.
+    pub fractions: [f64; 3],
+    pub requests: Vec<Request>,
+    pub facts: TraceFacts,
+    pub caps: TierCapacities,
+    /// The three tiers' blocks together (one cache of the same size).
+    pub total: usize,
+    pub ix: TraceIndex,
+}
+
+/// The configurations of [`CONFIGS`] in order, each loaded when reached;
+/// ends at the first whose trace is missing (`sim_support::load` prints
+/// the skip).
+pub fn loaded_configs() -> impl Iterator<Item = Loaded> {
+    CONFIGS.into_iter().map_while(|(name, fractions)| {
+        let (requests, facts) = crate::sim_support::load(name)?;
+        let [g1, g2, g3] = fractions;
+        Some(Loaded {
+            name,
+            fractions,
+            caps: TierCapacities::from_fractions(g1, g2, g3, facts.unique_blocks),
+            total: capacity_for(fractions.iter().sum(), facts.unique_blocks),
+            ix: TraceIndex::new(&requests),
+            requests,
+            facts,
+        })
+    })
+}
 
 pub fn scored(caps: TierCapacities, admission: Admission, cascade: bool) -> ScoredConfig {
     ScoredConfig {

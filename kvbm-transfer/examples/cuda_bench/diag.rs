@@ -45,10 +45,7 @@ pub(crate) fn run(dev: &CudaDevice) {
         for (case, label, reference) in [(&on, "H2D", refs.h2d), (&off, "D2H", refs.d2h)] {
             for &(name, copier, o) in &variants {
                 let (m, lo, hi) = gbps(case.bytes, 7, || case.run(copier, o));
-                let t = Instant::now();
-                let c = copier.copy(&case.runs, &case.src, &case.dst, o);
-                let submit = t.elapsed().as_secs_f64() * 1e6;
-                let _ = c.map(|c| c.wait());
+                let submit = case.submit_us(copier, o, false);
                 println!(
                     "{kib:>3} KiB {tag} {label} {name:<16} {m:6.1} GB/s [{lo:.1}-{hi:.1}] ratio {:.3} submit {submit:.0} us",
                     m / reference

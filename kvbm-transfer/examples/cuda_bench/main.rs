@@ -152,6 +152,16 @@ impl Case {
         }
     }
 
+    /// Microseconds the `copy` call itself takes (the copy is then waited
+    /// for).
+    fn submit_us(&self, copier: &CudaCopier, opts: CopyOptions, shared: bool) -> f64 {
+        let t = Instant::now();
+        let c = self.submit(copier, opts, shared);
+        let us = t.elapsed().as_secs_f64() * 1e6;
+        let _ = c.map(|c| c.wait());
+        us
+    }
+
     fn try_run_as(
         &self,
         copier: &CudaCopier,
@@ -598,13 +608,7 @@ fn main() {
                     continue;
                 }
                 let (m, lo, hi) = gbps(case.bytes, reps, || case.run_as(copier, o, sh));
-                let submit = {
-                    let t = Instant::now();
-                    let c = case.submit(copier, o, sh);
-                    let us = t.elapsed().as_secs_f64() * 1e6;
-                    let _ = c.map(|c| c.wait());
-                    us
-                };
+                let submit = case.submit_us(copier, o, sh);
                 println!(
                     "{kib:>3} KiB {tag} runs {d:?} 256 blocks ({} runs, {} MiB) {name:<12} {m:6.1} GB/s [{lo:.1}-{hi:.1}] ratio {:.3} (submit call {submit:.0} us)",
                     case.runs.len(),

@@ -67,10 +67,7 @@ pub(crate) fn run(dev: &CudaDevice) {
                         off.run(copier, st);
                     })
                 });
-                let t = Instant::now();
-                let c = copier.copy(&on.runs, &on.src, &on.dst, st);
-                let submit = t.elapsed().as_secs_f64() * 1e6;
-                let _ = c.map(|c| c.wait());
+                let submit = on.submit_us(copier, st, false);
                 println!(
                     "probe feeder {kib:>2} KiB {tag:<11} pass {pass} {name:<16} H2D {:.3} D2H {:.3} both one thread {:.3} two threads {:.3} (submit {submit:.0} us)",
                     h / refs.h2d,

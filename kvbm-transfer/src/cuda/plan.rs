@@ -245,22 +245,15 @@ impl<'a> StagedChunker<'a> {
         host: HostSide,
         slot_bytes: u64,
     ) -> Self {
-        let mut me = StagedChunker {
-            runs,
-            src_bases,
-            dst_bases,
-            lens,
-            host,
-            slot_bytes: slot_bytes.max(1),
-            at: ChunkCursor {
-                order: None,
-                next: 0,
-                done: 0,
-                chunks: 0,
-                ramp: RAMP_STEPS,
-                bytes: 0,
-            },
+        let start = ChunkCursor {
+            order: None,
+            next: 0,
+            done: 0,
+            chunks: 0,
+            ramp: RAMP_STEPS,
+            bytes: 0,
         };
+        let mut me = Self::resume(runs, src_bases, dst_bases, lens, host, slot_bytes, start);
         // Judged on a sample from the start of the plan (a full pass would
         // delay the first chunk): plans list their runs block by block or
         // not at all.
