@@ -63,6 +63,12 @@ pub struct TierEngineConfig {
     pub offload_mode: OffloadMode,
     /// Most blocks one offload batch moves.
     pub offload_batch: usize,
+    /// Offload batches whose copies may be in flight at once. With one, the
+    /// link idles while each batch is registered and the next prepared, and
+    /// beside the model every batch waits alone for the SMs its staging
+    /// kernel needs; with two, one batch's wait overlaps the other's DMA
+    /// (docs/benchmarks.md, "Offload batches in flight").
+    pub offload_in_flight: usize,
     /// Most blocks waiting in the offload queue; beyond it new offloads are
     /// skipped and counted (the engine is never blocked).
     pub offload_queue: usize,
@@ -77,7 +83,7 @@ pub struct TierEngineConfig {
 impl TierEngineConfig {
     /// Blocks of `block_size` tokens; reuse-score admission and eviction in
     /// G2 and G3, LRU leaf-first G1, direct G3 onboarding, batches of 64,
-    /// a queue of 4096 blocks, a history of 4× the total capacity.
+    /// two batches in flight, a queue of 4096 blocks, a history of 4× the total capacity.
     pub fn new(block_size: usize) -> Self {
         Self {
             block_size,
@@ -87,6 +93,7 @@ impl TierEngineConfig {
             g3_onboard: G3Onboard::Direct,
             offload_mode: OffloadMode::WriteThrough,
             offload_batch: 64,
+            offload_in_flight: 2,
             offload_queue: 4096,
             history_factor: 4.0,
             reuse_age_exponent: 1.0,
@@ -129,6 +136,12 @@ impl TierEngineConfig {
         self
     }
 
+    /// Sets how many offload batches may be in flight at once (at least 1).
+    pub fn offload_in_flight(mut self, batches: usize) -> Self {
+        self.offload_in_flight = batches;
+        self
+    }
+
     /// Sets the offload batch size and queue bound.
     pub fn offload_limits(mut self, batch: usize, queue: usize) -> Self {
         self.offload_batch = batch;
@@ -142,6 +155,9 @@ impl TierEngineConfig {
         }
         if self.offload_batch == 0 || self.offload_queue == 0 {
             return Err("offload batch and queue must be at least 1".into());
+        }
+        if self.offload_in_flight == 0 {
+            return Err("offload_in_flight must be at least 1".into());
         }
         if let TierPolicy::MinUses(0) = self.g2_policy {
             return Err("MinUses needs at least 1".into());
