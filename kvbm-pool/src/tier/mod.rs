@@ -12,8 +12,9 @@
 //!   worker thread takes batches off a bounded queue, holding only a
 //!   [`WeakBlock`] to each source until its copy starts (a block freed
 //!   before then is skipped: that is cancellation), asks G2's admission
-//!   policy, allocates targets, copies, and registers a target only after
-//!   its bytes landed. G2 is a victim cache towards G3: when allocating in
+//!   policy, allocates targets, copies (keeping up to `offload_in_flight`
+//!   batches' copies in flight), and registers a target only after its
+//!   bytes landed. G2 is a victim cache towards G3: when allocating in
 //!   G2 evicts blocks, the worker copies those victims to G3 before their
 //!   slots are written again (the policy study found exclusive victim
 //!   caching beats writing every block through to disk, and it spares SSD

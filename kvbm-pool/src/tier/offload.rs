@@ -2,24 +2,35 @@
 //!
 //! The queue is bounded and never blocks the engine: past its bound new
 //! offloads are skipped and counted. One worker thread takes batches of up
-//! to `offload_batch` blocks; it sleeps on a condition variable while the
-//! queue is empty or any onboard runs (onboarding is latency-critical, and
-//! both share the executor's in-flight limit), so nothing polls.
+//! to `offload_batch` blocks; it sleeps on a condition variable while there
+//! is nothing to do or any onboard runs (onboarding is latency-critical,
+//! and both share the executor's in-flight limit), so nothing polls.
 //!
 //! Per batch: upgrade each queued [`WeakBlock`] (a source freed since it
 //! was queued is skipped: the offload is cancelled); skip hashes G2
-//! already holds; ask G2's admission policy; allocate the admitted blocks'
-//! targets. Allocation may evict G2 blocks; their slots are about to be
-//! overwritten, so their bytes go to G3 first (victim caching). Then copy
-//! G1 → G2 and register each target only once its bytes landed; a failed
-//! copy registers nothing and its targets return to the free list.
+//! already holds or a batch in flight is copying; ask G2's admission
+//! policy; allocate the admitted blocks' targets. Allocation may evict G2
+//! blocks; their slots are about to be overwritten, so their bytes go to G3
+//! first (victim caching). Then start the G1 → G2 copy; the batch is then
+//! *in flight*, and each target is registered only once its bytes landed
+//! (a failed copy registers nothing and its targets return to the free
+//! list).
+//!
+//! Up to `offload_in_flight` batches are in flight at once: the worker
+//! prepares and starts the next batch while earlier copies run, and
+//! registers landed batches in the order they started. One at a time, the
+//! link idles while a batch is registered and the next prepared, and beside
+//! the model every batch waits alone for the SMs its staging kernel needs
+//! (docs/benchmarks.md). A batch's sources stay held, and its targets
+//! unregistered, until its copy ended; write-back and G2 → G3 copies stay
+//! synchronous (their callers wait for the slots they free).
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
 use kvbm_block::SequenceHash;
-use kvbm_transfer::CancelToken;
+use kvbm_transfer::{CancelToken, TransferOutcome};
 use parking_lot::{Condvar, Mutex};
 
 use super::{Shared, TierPolicy, TierSlot};
@@ -123,8 +134,9 @@ struct QueueState {
     urgent: VecDeque<WriteBack>,
     /// Onboards running: the worker does not start a batch meanwhile.
     onboards: usize,
-    /// The worker is processing a batch.
-    busy: bool,
+    /// Batches and write-backs the worker has taken and not finished (in
+    /// flight, or being prepared); `flush` waits for them.
+    working: usize,
     shutdown: bool,
 }
 
@@ -170,7 +182,7 @@ impl OffloadQueue {
 
     pub(crate) fn flush(&self) {
         let mut s = self.state.lock();
-        while !s.shutdown && (s.busy || !s.items.is_empty()) {
+        while !s.shutdown && (s.working > 0 || !s.items.is_empty()) {
             self.cv.wait(&mut s);
         }
     }
@@ -245,52 +257,161 @@ fn enqueue_sources(shared: &Shared, blocks: impl Iterator<Item = Pending>) {
     shared.metrics.skipped(SkipReason::QueueFull, dropped);
 }
 
+/// What the worker does next.
+enum Step {
+    /// The oldest batch in flight landed: register it.
+    Land,
+    /// Save G1's victims (write-back mode).
+    WriteBack(WriteBack),
+    /// Prepare and start a batch.
+    Start(Vec<Pending>),
+    /// The engine is dropped.
+    Stop,
+}
+
 pub(crate) fn run_worker(shared: &Arc<Shared>) {
     let q = &shared.offload;
+    let limit = shared.config.offload_in_flight.max(1);
+    let mut flights: VecDeque<Flight> = VecDeque::new();
+    // Hashes the batches in flight are copying to G2 (not registered yet).
+    let mut flying: HashSet<SequenceHash> = HashSet::new();
     loop {
-        let batch: Vec<Pending> = {
+        let step = {
             let mut s = q.state.lock();
-            while !s.shutdown && s.urgent.is_empty() && (s.items.is_empty() || s.onboards > 0) {
+            loop {
+                if s.shutdown {
+                    break Step::Stop;
+                }
+                if flights.front().is_some_and(Flight::landed) {
+                    break Step::Land;
+                }
+                if let Some(wb) = s.urgent.pop_front() {
+                    s.working += 1;
+                    break Step::WriteBack(wb);
+                }
+                if flights.len() < limit && s.onboards == 0 && !s.items.is_empty() {
+                    let n = batch_limit(shared).min(s.items.len());
+                    s.working += 1;
+                    let batch = s.items.drain(..n).collect();
+                    shared.metrics.queue_depth(s.items.len());
+                    break Step::Start(batch);
+                }
                 q.cv.wait(&mut s);
             }
-            if !s.shutdown
-                && let Some(wb) = s.urgent.pop_front()
-            {
-                s.busy = true;
-                drop(s);
-                save_g1_victims(shared, wb.victims);
+        };
+        match step {
+            Step::Land => {
+                if let Some(f) = flights.pop_front() {
+                    f.register(shared, &mut flying);
+                }
+                q.finished();
+            }
+            Step::WriteBack(wb) => {
+                save_g1_victims(shared, wb.victims, &flying);
                 *wb.done.0.lock() = true;
                 wb.done.1.notify_all();
-                q.state.lock().busy = false;
-                q.cv.notify_all();
-                continue;
+                q.finished();
             }
-            if s.shutdown {
+            Step::Start(batch) => {
+                let _span = tracing::debug_span!("offload_batch", blocks = batch.len()).entered();
+                match start_batch(shared, batch, &flying) {
+                    Some(f) => {
+                        flying.extend(f.items.iter().map(|&(hash, _)| hash));
+                        flights.push_back(f);
+                    }
+                    None => q.finished(),
+                }
+            }
+            Step::Stop => {
+                // Sources stay held until their copies ended; what landed
+                // is registered (the pools outlive the worker's return).
+                for f in std::mem::take(&mut flights) {
+                    q.wait_landed(&f);
+                    f.register(shared, &mut flying);
+                }
+                let mut s = q.state.lock();
                 let left = s.items.len() as u64;
                 s.items.clear();
+                s.working = 0;
                 drop(s);
                 q.cv.notify_all();
                 shared.metrics.skipped(SkipReason::SourceGone, left);
                 return;
             }
-            let n = batch_limit(shared).min(s.items.len());
-            s.busy = true;
-            let batch = s.items.drain(..n).collect();
-            shared.metrics.queue_depth(s.items.len());
-            batch
+        }
+    }
+}
+
+impl OffloadQueue {
+    /// The worker finished a batch or a write-back.
+    fn finished(&self) {
+        let mut s = self.state.lock();
+        s.working = s.working.saturating_sub(1);
+        drop(s);
+        self.cv.notify_all();
+    }
+
+    /// Blocks until `flight`'s copy ended.
+    fn wait_landed(&self, flight: &Flight) {
+        let mut s = self.state.lock();
+        while !flight.landed() {
+            self.cv.wait(&mut s);
+        }
+    }
+}
+
+/// A batch whose G1 → G2 copy was started: its targets are registered
+/// once the copy's outcome is in.
+struct Flight {
+    /// The copy's outcome and when it came, set by its completion.
+    outcome: Arc<Mutex<Option<(TransferOutcome, Instant)>>>,
+    started: Instant,
+    pairs: Vec<(usize, usize)>,
+    targets: Vec<MutableBlock>,
+    items: Vec<(SequenceHash, Option<SequenceHash>)>,
+    /// Keeps every source's bytes valid until the copy ended.
+    holds: Vec<Hold>,
+}
+
+impl Flight {
+    fn landed(&self) -> bool {
+        self.outcome.lock().is_some()
+    }
+
+    /// Registers the targets whose bytes landed (the copy has ended).
+    fn register(self, shared: &Shared, flying: &mut HashSet<SequenceHash>) {
+        for (hash, _) in &self.items {
+            flying.remove(hash);
+        }
+        let Some((outcome, ended)) = self.outcome.lock().take() else {
+            // Unreachable: the worker registers only landed flights. Were
+            // it not so, dropping the targets frees them unregistered.
+            return;
         };
-        let _span = tracing::debug_span!("offload_batch", blocks = batch.len()).entered();
-        offload_batch(shared, batch);
-        q.state.lock().busy = false;
-        q.cv.notify_all();
+        if let Some(g2) = shared.g2.as_ref() {
+            let took = ended.saturating_duration_since(self.started);
+            let landed = landed_pairs(Path::G1ToG2, &self.pairs, &outcome);
+            register_landed(
+                shared,
+                g2,
+                Path::G1ToG2,
+                self.targets,
+                &self.items,
+                &landed,
+                took,
+            );
+        }
+        drop(self.holds);
     }
 }
 
 /// Blocks per batch: the configured size, and never more than a quarter
-/// of G2, so that one batch cannot evict blocks it just stored.
+/// of G2 for all batches in flight together, so that a batch cannot evict
+/// blocks the one before it just stored.
 fn batch_limit(shared: &Shared) -> usize {
     let g2 = shared.g2.as_ref().map_or(usize::MAX, |t| t.pool.capacity());
-    shared.config.offload_batch.min((g2 / 4).max(1))
+    let quarter = g2 / 4 / shared.config.offload_in_flight.max(1);
+    shared.config.offload_batch.min(quarter.max(1))
 }
 
 fn admitted(shared: &Shared, tier: &TierSlot, policy: TierPolicy, hash: SequenceHash) -> bool {
@@ -301,18 +422,20 @@ fn admitted(shared: &Shared, tier: &TierSlot, policy: TierPolicy, hash: Sequence
     }
 }
 
-/// The victims `tier` should receive: those it does not hold yet and its
-/// admission policy accepts; the others are counted as skipped.
+/// The victims `tier` should receive: those it does not hold yet (nor
+/// receives from a batch in `flying`) and its admission policy accepts;
+/// the others are counted as skipped.
 fn admit_victims(
     shared: &Shared,
     tier: &TierSlot,
     policy: TierPolicy,
     victims: Vec<Evicted>,
+    flying: &HashSet<SequenceHash>,
 ) -> Vec<Evicted> {
     let mut keep = Vec::with_capacity(victims.len());
     let (mut present, mut refused) = (0u64, 0u64);
     for v in victims {
-        if tier.pool.contains(v.hash) {
+        if flying.contains(&v.hash) || tier.pool.contains(v.hash) {
             present += 1;
         } else if !admitted(shared, tier, policy, v.hash) {
             refused += 1;
@@ -351,12 +474,18 @@ fn allocate_or_fewer(tier: &TierSlot, n: usize) -> Vec<MutableBlock> {
     }
 }
 
-fn offload_batch(shared: &Shared, batch: Vec<Pending>) {
+/// Prepares `batch` and starts its G1 → G2 copy; `None` when nothing of
+/// it is to be copied. `flying`: hashes of batches in flight.
+fn start_batch(
+    shared: &Arc<Shared>,
+    batch: Vec<Pending>,
+    flying: &HashSet<SequenceHash>,
+) -> Option<Flight> {
     let Some(g2) = shared.g2.as_ref() else {
         shared
             .metrics
             .skipped(SkipReason::NoTier, batch.len() as u64);
-        return;
+        return None;
     };
     let mut seen = HashSet::with_capacity(batch.len());
     // (source block id, hash, parent, what keeps the source valid)
@@ -365,7 +494,7 @@ fn offload_batch(shared: &Shared, batch: Vec<Pending>) {
     let (mut gone, mut present, mut refused) = (0u64, 0u64, 0u64);
     for p in batch {
         let hash = p.source.hash();
-        if !seen.insert(hash) || g2.pool.contains(hash) {
+        if !seen.insert(hash) || flying.contains(&hash) || g2.pool.contains(hash) {
             present += 1;
             continue;
         }
@@ -390,7 +519,7 @@ fn offload_batch(shared: &Shared, batch: Vec<Pending>) {
     shared.metrics.skipped(SkipReason::Present, present);
     shared.metrics.skipped(SkipReason::NotAdmitted, refused);
     if sources.is_empty() {
-        return;
+        return None;
     }
     let targets = allocate_up_to(shared, g2, sources.len());
     sources.truncate(targets.len());
@@ -398,7 +527,7 @@ fn offload_batch(shared: &Shared, batch: Vec<Pending>) {
     let victims = std::mem::take(&mut *shared.g2_victims.lock());
     spill_to_g3(shared, g2, victims);
     if targets.is_empty() {
-        return;
+        return None;
     }
     let items: Vec<(SequenceHash, Option<SequenceHash>)> = sources
         .iter()
@@ -409,28 +538,41 @@ fn offload_batch(shared: &Shared, batch: Vec<Pending>) {
         .zip(&targets)
         .map(|((id, ..), t)| (*id as usize, t.block_id() as usize))
         .collect();
-    copy_and_register(
-        shared,
-        &shared.g1,
-        g2,
-        Path::G1ToG2,
-        &pairs,
+    let holds = sources.into_iter().map(|(.., hold)| hold).collect();
+    let outcome = Arc::new(Mutex::new(None));
+    let started = Instant::now();
+    let (slot, waker) = (Arc::clone(&outcome), Arc::clone(shared));
+    shared
+        .mover
+        .copy(shared.g1.tier, g2.tier, pairs.clone(), CancelToken::new())
+        .on_complete(move |result| {
+            *slot.lock() = Some((result, Instant::now()));
+            // Taking the queue's lock orders this with the worker's check
+            // of `landed` before it sleeps: the wake-up cannot be missed.
+            drop(waker.offload.state.lock());
+            waker.offload.cv.notify_all();
+        });
+    Some(Flight {
+        outcome,
+        started,
+        pairs,
         targets,
-        &items,
-    );
-    drop(sources);
+        items,
+        holds,
+    })
 }
 
 /// Write-back: copies G1's victims (whose slots nobody writes until this
-/// returns) to G2, through G2's admission.
-fn save_g1_victims(shared: &Shared, victims: Vec<Evicted>) {
+/// returns) to G2, through G2's admission. `flying`: hashes batches in
+/// flight are copying to G2 already.
+fn save_g1_victims(shared: &Shared, victims: Vec<Evicted>, flying: &HashSet<SequenceHash>) {
     let Some(g2) = shared.g2.as_ref() else {
         shared
             .metrics
             .skipped(SkipReason::NoTier, victims.len() as u64);
         return;
     };
-    let keep = admit_victims(shared, g2, shared.config.g2_policy, victims);
+    let keep = admit_victims(shared, g2, shared.config.g2_policy, victims, flying);
     for part in keep.chunks(batch_limit(shared)) {
         let targets = allocate_up_to(shared, g2, part.len());
         let part = &part[..targets.len()];
@@ -448,7 +590,9 @@ fn spill_to_g3(shared: &Shared, g2: &TierSlot, victims: Vec<Evicted>) {
     if victims.is_empty() {
         return;
     }
-    let mut keep = admit_victims(shared, g3, shared.config.g3_policy, victims);
+    // Nothing is in flight to G3: its copies are waited for here.
+    let none = HashSet::new();
+    let mut keep = admit_victims(shared, g3, shared.config.g3_policy, victims, &none);
     if keep.is_empty() {
         return;
     }
@@ -493,17 +637,45 @@ fn copy_and_register(
         .mover
         .copy(src.tier, dst.tier, pairs.to_vec(), CancelToken::new())
         .wait();
-    let landed: Vec<bool> = match &outcome {
+    let landed = landed_pairs(path, pairs, &outcome);
+    register_landed(
+        shared,
+        dst,
+        path,
+        targets,
+        items,
+        &landed,
+        started.elapsed(),
+    );
+}
+
+/// Which of `pairs` landed, by `outcome`.
+fn landed_pairs(path: Path, pairs: &[(usize, usize)], outcome: &TransferOutcome) -> Vec<bool> {
+    match outcome {
         Ok(_) => vec![true; pairs.len()],
         Err(failure) => {
             tracing::warn!(?path, "offload copy failed: {failure}");
             let ok: HashSet<(usize, usize)> = failure.completed.iter().copied().collect();
             pairs.iter().map(|p| ok.contains(p)).collect()
         }
-    };
+    }
+}
+
+/// Registers in `dst` each target whose bytes landed (`landed[i]`, in the
+/// order of `targets` and `items`); the others go back to the free list.
+/// `took`: the copy's time, for the metrics.
+fn register_landed(
+    shared: &Shared,
+    dst: &TierSlot,
+    path: Path,
+    targets: Vec<MutableBlock>,
+    items: &[(SequenceHash, Option<SequenceHash>)],
+    landed: &[bool],
+    took: std::time::Duration,
+) {
     let mut complete = Vec::with_capacity(targets.len());
     let mut failed = 0u64;
-    for ((target, &(hash, parent)), ok) in targets.into_iter().zip(items).zip(&landed) {
+    for ((target, &(hash, parent)), ok) in targets.into_iter().zip(items).zip(landed) {
         if !ok {
             failed += 1;
             continue; // dropped: back to the free list
@@ -522,9 +694,7 @@ fn copy_and_register(
         tracing::warn!("offload targets refused by their own pool: {e}");
         failed += n;
     } else {
-        shared
-            .metrics
-            .copied(path, n, n * dst.block_bytes, started.elapsed());
+        shared.metrics.copied(path, n, n * dst.block_bytes, took);
     }
     shared.metrics.skipped(SkipReason::CopyFailed, failed);
 }
