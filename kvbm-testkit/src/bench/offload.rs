@@ -108,11 +108,15 @@ pub struct OffloadRow {
     pub gbps: Spread,
     /// Median ÷ the device → pinned reference.
     pub ratio_to_d2h: f64,
-    /// GEMM TFLOP/s measured just before the row (busy rows).
-    pub gemm_alone_tflops: Option<f64>,
+    /// GEMM TFLOP/s alone (busy rows): in the same GEMM loop as each
+    /// timed rep, over a window of the rep's length just before the
+    /// offload starts and another just after it ends (the mean of the
+    /// two), so that alone and during see the same clocks.
+    pub gemm_alone_tflops: Option<Spread>,
     /// GEMM TFLOP/s during the timed windows (busy rows).
     pub gemm_during_tflops: Option<Spread>,
-    /// 100 × (1 − during median ÷ alone).
+    /// Median over the timed reps of 100 × (1 − during ÷ alone), each rep
+    /// against its own alone windows.
     pub gemm_loss_pct: Option<f64>,
     /// The GPU load the CUDA backend was told during the timed windows.
     pub backend_load: Option<String>,
@@ -371,7 +375,10 @@ struct Rep {
     copied: u64,
     skipped: u64,
     verified: u64,
+    /// GEMM TFLOP/s inside the window (busy reps).
     gemm_tflops: Option<f64>,
+    /// GEMM TFLOP/s in the windows just before and after it (busy reps).
+    gemm_alone_tflops: Option<f64>,
     backend_load: Option<String>,
     failure: Option<String>,
 }
@@ -410,7 +417,7 @@ fn run_row(
     let gemm = match (load, side) {
         (Load::Busy, Side::Gpu(g)) => match g.gemm() {
             Ok(gemm) => {
-                row.gemm_alone_tflops = Some(gpu_side::gemm_alone(gemm)?);
+                gpu_side::warm_up(gemm);
                 Some(gemm)
             }
             Err(why) => {
@@ -422,6 +429,11 @@ fn run_row(
     };
     let mut samples = Vec::with_capacity(cfg.reps);
     let mut tflops = Vec::new();
+    let mut alone = Vec::new();
+    let mut losses = Vec::new();
+    // Each rep's offload time; the GEMM's alone windows last as long as
+    // the last offload did (50 ms before the first).
+    let mut secs = Vec::with_capacity(cfg.reps + 1);
     for rep in 0..=cfg.reps {
         let (executor, backend) = side.executor()?;
         let engine = TierEngine::new(
@@ -449,7 +461,12 @@ fn run_row(
             }
             #[cfg(feature = "cuda")]
             Load::Busy => match (gemm, backend.as_ref()) {
-                (Some(g), Some(b)) => gpu_side::beside_gemm(g, b, timed)?,
+                (Some(g), Some(b)) => {
+                    let window = std::time::Duration::from_secs_f64(
+                        secs.last().copied().unwrap_or(0.05f64).clamp(0.03, 1.0),
+                    );
+                    gpu_side::beside_gemm(g, b, window, timed)?
+                }
                 _ => unreachable_busy()?,
             },
             #[cfg(not(feature = "cuda"))]
@@ -468,9 +485,14 @@ fn run_row(
             row.status = format!("FAILED (rep {rep}): {f}");
             break;
         }
+        secs.push(r.secs);
         if rep > 0 {
             samples.push(r.bytes as f64 / r.secs / 1e9);
             tflops.extend(r.gemm_tflops);
+            alone.extend(r.gemm_alone_tflops);
+            if let (Some(d), Some(a)) = (r.gemm_tflops, r.gemm_alone_tflops.filter(|a| *a > 0.0)) {
+                losses.push(100.0 * (1.0 - d / a));
+            }
         }
     }
     row.gbps = Spread::of(&samples);
@@ -478,11 +500,13 @@ fn run_row(
         row.ratio_to_d2h = row.gbps.median / d2h.gbps.median;
     }
     if !tflops.is_empty() {
-        let during = Spread::of(&tflops);
-        row.gemm_during_tflops = Some(during);
-        if let Some(alone) = row.gemm_alone_tflops.filter(|a| *a > 0.0) {
-            row.gemm_loss_pct = Some(100.0 * (1.0 - during.median / alone));
-        }
+        row.gemm_during_tflops = Some(Spread::of(&tflops));
+    }
+    if !alone.is_empty() {
+        row.gemm_alone_tflops = Some(Spread::of(&alone));
+    }
+    if !losses.is_empty() {
+        row.gemm_loss_pct = Some(Spread::of(&losses).median);
     }
     Ok(row)
 }
@@ -549,6 +573,7 @@ fn offload_once(engine: &TierEngine, shape: &Shape) -> Result<Rep> {
         skipped,
         verified: 0,
         gemm_tflops: None,
+        gemm_alone_tflops: None,
         backend_load: None,
         failure: None,
     };

@@ -166,11 +166,11 @@ pub(super) fn load_name(backend: &CudaBackend) -> String {
 }
 
 #[cfg(feature = "gemm")]
-pub(super) use with_gemm::{beside_gemm, gemm_alone};
+pub(super) use with_gemm::{beside_gemm, warm_up};
 
 /// Without the GEMM there are no busy rows to run (the type is empty).
 #[cfg(not(feature = "gemm"))]
-pub(super) fn gemm_alone(gemm: &Gemm) -> Result<f64> {
+pub(super) fn warm_up(gemm: &Gemm) {
     match *gemm {}
 }
 
@@ -179,6 +179,7 @@ pub(super) fn gemm_alone(gemm: &Gemm) -> Result<f64> {
 pub(super) fn beside_gemm(
     gemm: &Gemm,
     _backend: &CudaBackend,
+    _window: std::time::Duration,
     _timed: impl FnOnce() -> Result<Rep>,
 ) -> Result<Rep> {
     match *gemm {}
@@ -187,7 +188,7 @@ pub(super) fn beside_gemm(
 #[cfg(feature = "gemm")]
 mod with_gemm {
     use std::sync::atomic::{AtomicBool, Ordering};
-    use std::time::Duration;
+    use std::time::{Duration, Instant};
 
     use kvbm_transfer::cuda::{CudaBackend, GpuLoad};
 
@@ -195,50 +196,44 @@ mod with_gemm {
     use super::super::Rep;
     use super::{Gemm, load_name};
 
-    /// How long the GEMM runs alone before a busy row (after its warm-up).
-    const GEMM_ALONE: Duration = Duration::from_millis(150);
-
-    /// The GEMM's TFLOP/s alone (after a warm-up), over [`GEMM_ALONE`].
-    pub(in super::super) fn gemm_alone(gemm: &Gemm) -> Result<f64> {
+    /// A few GEMMs, so cuBLAS has picked its kernel before a busy row.
+    pub(in super::super) fn warm_up(gemm: &Gemm) {
         gemm.run(5);
-        let stop = AtomicBool::new(false);
-        let started = AtomicBool::new(false);
-        let log = std::thread::scope(|s| {
-            let h = s.spawn(|| gemm.run_until(&stop, &started));
-            std::thread::sleep(GEMM_ALONE);
-            stop.store(true, Ordering::Relaxed);
-            h.join()
-        })
-        .map_err(|_| BenchError::Cuda("the GEMM thread panicked".into()))?
-        .map_err(BenchError::Cuda)?;
-        let from = log.start + Duration::from_millis(20);
-        let to = log.done.last().copied().unwrap_or(from);
-        log.tflops_between(from, to)
-            .ok_or_else(|| BenchError::Cuda("the GEMM completed too few products".into()))
     }
 
     /// Runs `timed` while the GEMM loops on its own stream and the backend
-    /// is told the GPU is busy; the GEMM's TFLOP/s inside the timed window
-    /// go into the rep.
+    /// is told the GPU is busy. The GEMM's TFLOP/s inside the timed window
+    /// go into the rep, and its TFLOP/s alone: the mean over a window of
+    /// `window` just before the offload starts and one just after it ends,
+    /// in the same loop. Measured so, alone and during see the same clocks
+    /// (a separate, longer alone run read 4–8% *below* the rate during
+    /// the offloads on the H200: its clocks had settled lower).
     pub(in super::super) fn beside_gemm(
         gemm: &Gemm,
         backend: &CudaBackend,
+        window: Duration,
         timed: impl FnOnce() -> Result<Rep>,
     ) -> Result<Rep> {
         backend.set_gpu_load(GpuLoad::Busy);
         let stop = AtomicBool::new(false);
         let started = AtomicBool::new(false);
-        let (log, rep, load) = std::thread::scope(|s| {
+        let (log, rep, load, before, after) = std::thread::scope(|s| {
             let h = s.spawn(|| gemm.run_until(&stop, &started));
             while !started.load(Ordering::Relaxed) && !h.is_finished() {
                 std::thread::sleep(Duration::from_millis(1));
             }
-            // A few products in, so the window sees the loop's steady state.
+            // A few products in, so the windows see the loop's steady state.
             std::thread::sleep(Duration::from_millis(20));
+            let a0 = Instant::now();
+            std::thread::sleep(window);
+            let before = (a0, Instant::now());
             let rep = timed();
+            let b0 = Instant::now();
+            std::thread::sleep(window);
+            let after = (b0, Instant::now());
             let load = load_name(backend);
             stop.store(true, Ordering::Relaxed);
-            (h.join(), rep, load)
+            (h.join(), rep, load, before, after)
         });
         backend.set_gpu_load(GpuLoad::Idle);
         let mut rep = rep?;
@@ -246,6 +241,13 @@ mod with_gemm {
             .map_err(|_| BenchError::Cuda("the GEMM thread panicked".into()))?
             .map_err(BenchError::Cuda)?;
         rep.gemm_tflops = log.tflops_between(rep.window.0, rep.window.1);
+        let alone: Vec<f64> = [before, after]
+            .into_iter()
+            .filter_map(|(a, b)| log.tflops_between(a, b))
+            .collect();
+        if !alone.is_empty() {
+            rep.gemm_alone_tflops = Some(alone.iter().sum::<f64>() / alone.len() as f64);
+        }
         rep.backend_load = Some(load);
         Ok(rep)
     }

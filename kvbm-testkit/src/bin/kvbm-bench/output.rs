@@ -383,7 +383,7 @@ pub fn offload(cli: &Cli, r: &OffloadReport) -> Result<(), BenchError> {
             },
             num(row.ratio_to_d2h),
             row.gemm_alone_tflops
-                .map_or(String::new(), |t| format!("{t:.0}")),
+                .map_or(String::new(), |t| format!("{:.0}", t.median)),
             row.gemm_during_tflops.map_or(String::new(), |t| {
                 format!("{:.0} ({:.0}–{:.0})", t.median, t.min, t.max)
             }),
