@@ -1,5 +1,6 @@
 //! The `kvbm-bench` binary end to end: argument errors, trace errors, a
-//! tiny replay and a tiny transfer matrix, both as parsed JSON.
+//! tiny replay, a tiny transfer matrix and a tiny host offload bench, all
+//! as parsed JSON.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -229,4 +230,56 @@ fn tp_replay_over_two_worker_processes_decides_and_verifies_like_one_process() {
     let verified = tp["verified_blocks"].as_u64().unwrap();
     assert!(verified > 0, "nothing onboarded");
     assert_eq!(verified, local["verified_blocks"].as_u64().unwrap());
+}
+
+#[test]
+fn tiny_host_offload_copies_and_checks_every_block() {
+    let dir = tempfile::tempdir().unwrap();
+    #[rustfmt::skip]
+    let o = bench(
+        &[
+            "offload", "--host-g1", "--model", "tiny", "--tokens", "4,16",
+            "--in-flight", "1,2", "--batch", "8,32", "--mib", "4", "--reps", "2",
+            "--reference-mib", "4", "--json",
+        ],
+        dir.path(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).expect("stdout is JSON");
+    assert_eq!(r["benchmark"], "offload");
+    let report = &r["report"];
+    assert!(report["reference_d2h"]["gbps"]["median"].as_f64().unwrap() > 0.0);
+    let rows = report["rows"].as_array().unwrap();
+    // Host G1 runs idle rows only: 2 shapes × 2 batch sizes × 2 in-flight counts.
+    assert_eq!(rows.len(), 8);
+    for row in rows {
+        assert_eq!(row["status"], "ok", "{row}");
+        assert_eq!(row["load"], "idle");
+        let blocks = row["blocks"].as_u64().unwrap();
+        // 4 MiB of 16 KiB blocks (4 tokens) = 256 > 8 batches of 32.
+        assert!(blocks >= 256, "{row}");
+        // Warm-up and two timed reps, each copying and checking every block.
+        assert_eq!(row["copied_blocks"].as_u64(), Some(3 * blocks), "{row}");
+        assert_eq!(row["verified_blocks"].as_u64(), Some(3 * blocks), "{row}");
+        assert_eq!(row["skipped_blocks"].as_u64(), Some(0), "{row}");
+        assert_eq!(
+            row["bytes_per_rep"].as_u64(),
+            Some(blocks * row["block_bytes"].as_u64().unwrap())
+        );
+        assert!(row["gbps"]["median"].as_f64().unwrap() > 0.0, "{row}");
+        assert!(row["ratio_to_d2h"].as_f64().unwrap() > 0.0, "{row}");
+        assert!(row["gemm_alone_tflops"].is_null());
+    }
+}
+
+#[test]
+fn offload_without_a_device_or_host_g1_skips() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = bench(&["offload", "--model", "tiny", "--mib", "1"], dir.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    // On a machine with a GPU (built with cuda) this runs the real rows.
+    if !cfg!(feature = "cuda") {
+        assert_eq!(out.trim(), "skipped: no CUDA device");
+    }
 }

@@ -12,17 +12,25 @@
 //!   Belady's offline optimum at the same capacity? Every onboarded block's
 //!   bytes are checked against what was written for its sequence hash.
 //!
+//! - [`offload`]: what a user of the tier engine gets when G1 blocks go
+//!   to G2 — `offload` through `flush`, per offload batches in flight and
+//!   batch size, idle and beside a GEMM standing in for the model
+//!   (`gemm`, feature `gemm`), every block checked in G2.
+//!
 //! [`model`] holds the KV shapes (presets and explicit dimensions) both
 //! share; [`table`] and [`svg`] render results without any plotting crate.
 
 #[cfg(feature = "cuda")]
 pub mod cuda_rows;
 pub mod error;
+#[cfg(feature = "gemm")]
+pub mod gemm;
 pub mod host_view;
 pub mod matrix;
 pub mod model;
 #[cfg(feature = "nixl")]
 pub mod nixl_rows;
+pub mod offload;
 pub mod pattern;
 pub mod replay;
 pub mod stats;

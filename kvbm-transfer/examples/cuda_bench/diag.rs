@@ -191,7 +191,7 @@ fn gather_on_copy_engines(
 /// bf16 GEMM loop (8 KiB runs, one allocation; four copies, two in
 /// flight, one direction at a time), to see where they wait for the GEMM.
 pub(crate) fn beside_gemm(dev: &CudaDevice) {
-    let Some(gemm) = Gemm::new(dev) else {
+    let Some(gemm) = Gemm::new(dev.ordinal()) else {
         println!("no cuBLAS: no GEMM to run beside");
         return;
     };

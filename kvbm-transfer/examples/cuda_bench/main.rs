@@ -30,7 +30,8 @@ mod diag;
 mod gemm;
 mod probe;
 
-use gemm::{Gemm, interfere};
+use gemm::interfere;
+use kvbm_testkit::bench::gemm::Gemm;
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -542,7 +543,7 @@ fn main() {
         both: ref_bi,
     } = references(&dev, copier, reps);
 
-    let gemm = Gemm::new(&dev);
+    let gemm = Gemm::new(dev.ordinal());
     let gemm_alone = gemm.as_ref().map(|g| {
         g.run(10);
         median((0..3).map(|_| g.run(40)).collect()).0

@@ -85,6 +85,30 @@ impl DeviceTier {
         Ok(())
     }
 
+    /// Writes the pattern of `hash_of(b)` into every block `b`, one device
+    /// write per region (block by block would be one small copy per chunk).
+    pub fn fill_all(&self, hash_of: impl Fn(usize) -> u64) -> Result<()> {
+        let layout = self.physical.layout();
+        let cfg = *layout.config();
+        for (r, buffer) in self.buffers.iter().enumerate() {
+            let mut buf = vec![0u8; layout.region_size(r)? as usize];
+            for block in 0..cfg.num_blocks() {
+                for layer in 0..cfg.num_layers() {
+                    for outer in 0..cfg.outer_dim() {
+                        let c = layout.chunk(block, layer, outer)?;
+                        if c.region == r {
+                            let at = c.offset as usize;
+                            let chunk = &mut buf[at..at + c.len as usize];
+                            fill_chunk(chunk, hash_of(block), layer, outer);
+                        }
+                    }
+                }
+            }
+            buffer.write(0, &buf).map_err(cuda_err)?;
+        }
+        Ok(())
+    }
+
     /// Checks block `block` against the pattern of `hash`.
     pub fn check(&self, block: usize, hash: u64) -> Result<Option<Mismatch>> {
         let layout = self.physical.layout();
@@ -122,6 +146,15 @@ pub fn pinned_layout(device: &CudaDevice, layout: Layout) -> Result<PhysicalLayo
 /// An executor with memcpy, disk and CUDA backends, a system bounce pool
 /// (disk ↔ disk) and a pinned one (disk ↔ device).
 pub fn executor(device: &CudaDevice, memcpy_threads: usize) -> Result<Executor> {
+    Ok(executor_with_backend(device, memcpy_threads)?.0)
+}
+
+/// [`executor`], and a handle on its CUDA backend (to tell it whether the
+/// model is running: [`CudaBackend::set_gpu_load`]).
+pub fn executor_with_backend(
+    device: &CudaDevice,
+    memcpy_threads: usize,
+) -> Result<(Executor, Arc<CudaBackend>)> {
     const SLOTS: usize = 8;
     const SLOT_BYTES: u64 = 4 << 20;
     let disk = DiskBackend::new(&DiskConfig::default())?;
@@ -138,12 +171,14 @@ pub fn executor(device: &CudaDevice, memcpy_threads: usize) -> Result<Executor> 
     let pinned_pool = BouncePool::new(pinned.region(), SLOT_BYTES)?;
     disk.register_memory(pinned_pool.region())?;
     let copier = Arc::new(CudaCopier::new(device, CopierConfig::default()).map_err(cuda_err)?);
-    Ok(Executor::builder()
+    let cuda = Arc::new(CudaBackend::new(copier));
+    let executor = Executor::builder()
         .backend(Arc::new(MemcpyBackend::new(memcpy_threads)?))
         .backend(Arc::new(disk))
-        .backend(Arc::new(CudaBackend::new(copier)))
+        .backend(Arc::clone(&cuda) as Arc<dyn kvbm_transfer::TransferBackend>)
         .bounce_pool(system)
         .bounce_pool(pinned_pool)
         .config(ExecutorConfig::default())
-        .build()?)
+        .build()?;
+    Ok((executor, cuda))
 }

@@ -44,6 +44,10 @@ pub enum Command {
     Transfer(TransferArgs),
     /// Replay a workload through real tiers, checking every onboarded block.
     Replay(ReplayArgs),
+    /// The tier engine's G1 -> G2 offload, idle and beside a GEMM: offload
+    /// batches in flight × batch size × tokens per block, every block
+    /// checked in G2, each row against one large device -> pinned copy.
+    Offload(OffloadArgs),
     /// A worker of `replay --workers N` (started by the replay itself).
     #[command(hide = true)]
     Worker(WorkerArgs),
@@ -97,6 +101,55 @@ pub struct TransferArgs {
     /// Only rows whose path contains this (e.g. `G3`, `host`).
     #[arg(long)]
     pub only: Option<String>,
+}
+
+/// `offload` options.
+#[derive(Debug, Args)]
+pub struct OffloadArgs {
+    /// KV shape: a preset (llama-3.1-8b, llama-3.1-70b, deepseek-mla, tiny)
+    /// or LAYERSxOUTERxINNERxDTYPE_BYTES.
+    #[arg(long, default_value = "llama-3.1-8b")]
+    pub model: String,
+    /// Tokens per block to sweep (4 and 16: 8 and 32 KiB chunks for
+    /// llama-3.1-8b).
+    #[arg(long, value_delimiter = ',', default_value = "4,16")]
+    pub tokens: Vec<usize>,
+    /// `offload_in_flight` values to sweep.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    pub in_flight: Vec<usize>,
+    /// `offload_batch` values to sweep.
+    #[arg(long, value_delimiter = ',', default_value = "64,256")]
+    pub batch: Vec<usize>,
+    /// Loads to sweep: idle, busy (a bf16 GEMM loop on the GPU; needs a
+    /// GPU and a build with `--features cuda,gemm`).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "idle,busy")]
+    pub load: Vec<LoadArg>,
+    /// At least this many MiB per rep (more when 8 batches of the largest
+    /// batch size need more).
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub mib: u64,
+    /// Timed reps per row, after one warm-up (median and spread reported).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=1000))]
+    pub reps: u16,
+    /// MiB of each single-copy reference.
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub reference_mib: u64,
+    /// G1 in host memory, moved by memcpy (idle rows only), even with a GPU.
+    #[arg(long)]
+    pub host_g1: bool,
+    /// Refuse to allocate more host memory than this, GiB.
+    #[arg(long, default_value_t = 8.0)]
+    pub max_host_gib: f64,
+}
+
+/// Whether the model runs beside the offloads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LoadArg {
+    /// Nothing else on the GPU.
+    Idle,
+    /// A bf16 8192^3 GEMM loop on its own stream; the CUDA backend told
+    /// the GPU is busy.
+    Busy,
 }
 
 /// `replay` options.

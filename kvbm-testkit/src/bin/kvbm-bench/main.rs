@@ -1,5 +1,6 @@
-//! `kvbm-bench`: the bandwidth matrix (`transfer`) and the workload replay
-//! through real tiers (`replay`). See `kvbm_testkit::bench` for what each
+//! `kvbm-bench`: the bandwidth matrix (`transfer`), the workload replay
+//! through real tiers (`replay`) and the tier engine's offload stream
+//! (`offload`). See `kvbm_testkit::bench` for what each
 //! measures; this binary parses arguments, shows progress and prints.
 
 mod cli;
@@ -12,6 +13,7 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvbm_pool::tier::TierPolicy;
 use kvbm_testkit::bench::matrix::{MatrixConfig, matrix_cells, run_matrix};
+use kvbm_testkit::bench::offload::{Load, OffloadConfig, Outcome, run_offload};
 use kvbm_testkit::bench::replay::dist::{WorkerArgs as DistWorkerArgs, run_worker};
 use kvbm_testkit::bench::replay::{ReplayConfig, run_replay};
 use kvbm_testkit::bench::{BenchError, KvModel};
@@ -19,7 +21,9 @@ use kvbm_testkit::trace::{
     MOONCAKE_BLOCK_TOKENS, SyntheticConfig, generate_synthetic, read_mooncake,
 };
 
-use crate::cli::{Cli, Command, Policy, ReplayArgs, TransferArgs, WorkerArgs};
+use crate::cli::{
+    Cli, Command, LoadArg, OffloadArgs, Policy, ReplayArgs, TransferArgs, WorkerArgs,
+};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -33,6 +37,7 @@ fn main() -> ExitCode {
     let result = match &cli.command {
         Command::Transfer(args) => transfer(&cli, args),
         Command::Replay(args) => replay(&cli, args),
+        Command::Offload(args) => offload(&cli, args),
         Command::Worker(args) => worker(&cli, args),
     };
     match result {
@@ -156,4 +161,52 @@ fn replay(cli: &Cli, args: &ReplayArgs) -> Result<(), BenchError> {
     let report = run_replay(&config, |done, _| bar.set_position(done as u64))?;
     bar.finish_and_clear();
     output::replay(cli, &report)
+}
+
+fn offload(cli: &Cli, args: &OffloadArgs) -> Result<(), BenchError> {
+    if !(args.max_host_gib.is_finite() && args.max_host_gib > 0.0) {
+        return Err(BenchError::Config("--max-host-gib must be positive".into()));
+    }
+    let config = OffloadConfig {
+        model: KvModel::parse(&args.model)?,
+        tokens_per_block: args.tokens.clone(),
+        in_flight: args.in_flight.clone(),
+        batches: args.batch.clone(),
+        loads: args
+            .load
+            .iter()
+            .map(|l| match l {
+                LoadArg::Idle => Load::Idle,
+                LoadArg::Busy => Load::Busy,
+            })
+            .collect(),
+        min_bytes_per_rep: args.mib << 20,
+        reps: args.reps.into(),
+        reference_bytes: args.reference_mib << 20,
+        memcpy_threads: cli.threads.into(),
+        max_host_bytes: (args.max_host_gib * (1u64 << 30) as f64) as u64,
+        host_g1: args.host_g1,
+    };
+    let rows = config.tokens_per_block.len()
+        * config.in_flight.len()
+        * config.batches.len()
+        * config.loads.len();
+    let bar = progress_bar(cli, rows as u64, "offload");
+    let outcome = run_offload(&config, |_| bar.inc(1))?;
+    bar.finish_and_clear();
+    match outcome {
+        Outcome::NoDevice => {
+            println!("skipped: no CUDA device");
+            Ok(())
+        }
+        Outcome::Ran(report) => {
+            output::offload(cli, &report)?;
+            match report.failures() {
+                0 => Ok(()),
+                n => Err(BenchError::Tier(format!(
+                    "{n} offload rows failed (see their status)"
+                ))),
+            }
+        }
+    }
 }

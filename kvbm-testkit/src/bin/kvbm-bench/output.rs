@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use kvbm_testkit::bench::BenchError;
 use kvbm_testkit::bench::matrix::{MatrixConfig, MatrixRow};
+use kvbm_testkit::bench::offload::OffloadReport;
 use kvbm_testkit::bench::replay::ReplayReport;
 use kvbm_testkit::bench::svg::{LinePlot, Series, format_bytes};
 use kvbm_testkit::bench::table::Table;
@@ -305,5 +306,95 @@ pub fn replay(cli: &Cli, r: &ReplayReport) -> Result<(), BenchError> {
         print!("{}", t.render());
     }
     println!("  replay wall time {:.1} s", r.wall_s);
+    Ok(())
+}
+
+/// The offload bench.
+pub fn offload(cli: &Cli, r: &OffloadReport) -> Result<(), BenchError> {
+    if emit_json(
+        cli,
+        &json!({
+            "benchmark": "offload",
+            "report": r,
+        }),
+    )? {
+        return Ok(());
+    }
+    println!(
+        "kvbm tier engine offload G1 -> G2 — model {} ({} per token), median of {} reps after a warm-up (min–max)",
+        r.model.name,
+        format_bytes(r.model.bytes_per_token() as f64),
+        r.reps
+    );
+    println!("{}", r.memory);
+    for reference in [&r.reference_h2d, &r.reference_d2h] {
+        println!(
+            "reference: {} of {}: {:.2} GB/s ({:.2}–{:.2})",
+            reference.what,
+            format_bytes(reference.bytes as f64),
+            reference.gbps.median,
+            reference.gbps.min,
+            reference.gbps.max
+        );
+    }
+    for note in &r.notes {
+        println!("note: {note}");
+    }
+    let mut t = Table::new([
+        "tok/blk",
+        "chunk",
+        "load",
+        "batch",
+        "in flight",
+        "blocks",
+        "per rep",
+        "GB/s",
+        "min–max",
+        "÷ D2H",
+        "GEMM alone",
+        "GEMM during",
+        "loss %",
+        "copied",
+        "skipped",
+        "checked",
+        "status",
+    ]);
+    for row in &r.rows {
+        let ok = row.gbps.median > 0.0;
+        let num = |v: f64| if ok { format!("{v:.2}") } else { String::new() };
+        t.row([
+            row.tokens_per_block.to_string(),
+            format_bytes(row.chunk_bytes as f64),
+            match &row.backend_load {
+                Some(told) if told != row.load.name() => {
+                    format!("{} (backend told {told})", row.load.name())
+                }
+                _ => row.load.name().to_string(),
+            },
+            row.batch.to_string(),
+            row.in_flight.to_string(),
+            row.blocks.to_string(),
+            format_bytes(row.bytes_per_rep as f64),
+            num(row.gbps.median),
+            if ok {
+                format!("{:.2}–{:.2}", row.gbps.min, row.gbps.max)
+            } else {
+                String::new()
+            },
+            num(row.ratio_to_d2h),
+            row.gemm_alone_tflops
+                .map_or(String::new(), |t| format!("{:.0}", t.median)),
+            row.gemm_during_tflops.map_or(String::new(), |t| {
+                format!("{:.0} ({:.0}–{:.0})", t.median, t.min, t.max)
+            }),
+            row.gemm_loss_pct
+                .map_or(String::new(), |l| format!("{l:.1}")),
+            row.copied_blocks.to_string(),
+            row.skipped_blocks.to_string(),
+            row.verified_blocks.to_string(),
+            row.status.clone(),
+        ]);
+    }
+    print!("{}", t.render());
     Ok(())
 }
