@@ -212,6 +212,7 @@ fn settle(engine: &TierEngine, mover: &GatedMover) -> Vec<(usize, usize)> {
 #[test]
 fn batches_overlap_up_to_the_limit_and_register_in_order() {
     let (engine, mover, _open) = gated_engine(2, 2, 16, 64);
+    assert_eq!(engine.offload_batch_limit(), 2);
     let hashes = chain(3, 6);
     let blocks = compute(&engine, &hashes, None);
     let ids: Vec<usize> = (0..6)
@@ -244,6 +245,26 @@ fn batches_overlap_up_to_the_limit_and_register_in_order() {
     assert!(!in_g2(&engine, hashes[4]) && !in_g2(&engine, hashes[5]));
     assert_eq!(engine.stats().skipped[SkipReason::SourceGone as usize], 2);
     assert_eq!(mover.most.load(Ordering::SeqCst), 2);
+}
+
+#[test]
+fn batches_in_flight_hold_at_most_a_quarter_of_g1_and_g2() {
+    // (in flight, batch, G1, G2) → blocks per batch.
+    for (in_flight, batch, g1, g2, runs) in [
+        (1, 64, 1024, 1024, 64),
+        (4, 64, 1024, 1024, 64),
+        (4, 256, 2048, 2048, 128),
+        (2, 64, 64, 1024, 8),
+        (2, 64, 1024, 96, 12),
+        (4, 64, 8, 8, 1),
+    ] {
+        let (engine, _mover, _open) = gated_engine(in_flight, batch, g1, g2);
+        assert_eq!(
+            engine.offload_batch_limit(),
+            runs,
+            "{in_flight} in flight, batches of {batch}, G1 {g1}, G2 {g2}"
+        );
+    }
 }
 
 #[test]

@@ -66,8 +66,13 @@ pub struct TierEngineConfig {
     /// Offload batches whose copies may be in flight at once. With one, the
     /// link idles while each batch is registered and the next prepared, and
     /// beside the model every batch waits alone for the SMs its staging
-    /// kernel needs; with two, one batch's wait overlaps the other's DMA
-    /// (docs/benchmarks.md, "Offload batches in flight").
+    /// kernel needs; with more, one batch's wait overlaps the others' DMA.
+    /// What counts is the bytes in flight: beside a model whose kernels
+    /// hold the SMs for 1.5 ms, 128–256 MiB (H200 machine, docs/
+    /// benchmarks.md, "Offload batches in flight": 8 KiB chunks, batches of
+    /// 64 blocks of 512 KiB: 0.37 of the link one at a time, 0.65 with two,
+    /// 0.84 with four). Batches in flight together hold at most a quarter
+    /// of G1 and of G2 (smaller batches when the tiers are small).
     pub offload_in_flight: usize,
     /// Most blocks waiting in the offload queue; beyond it new offloads are
     /// skipped and counted (the engine is never blocked).
@@ -83,7 +88,7 @@ pub struct TierEngineConfig {
 impl TierEngineConfig {
     /// Blocks of `block_size` tokens; reuse-score admission and eviction in
     /// G2 and G3, LRU leaf-first G1, direct G3 onboarding, batches of 64,
-    /// two batches in flight, a queue of 4096 blocks, a history of 4× the total capacity.
+    /// four batches in flight, a queue of 4096 blocks, a history of 4× the total capacity.
     pub fn new(block_size: usize) -> Self {
         Self {
             block_size,
@@ -93,7 +98,7 @@ impl TierEngineConfig {
             g3_onboard: G3Onboard::Direct,
             offload_mode: OffloadMode::WriteThrough,
             offload_batch: 64,
-            offload_in_flight: 2,
+            offload_in_flight: 4,
             offload_queue: 4096,
             history_factor: 4.0,
             reuse_age_exponent: 1.0,

@@ -369,6 +369,13 @@ impl TierEngine {
         offload::enqueue_engine(&self.shared, &guard, blocks);
     }
 
+    /// Blocks per offload batch as the worker takes them: `offload_batch`,
+    /// capped so that the batches in flight together hold at most a
+    /// quarter of G1 and of G2.
+    pub fn offload_batch_limit(&self) -> usize {
+        offload::batch_limit(&self.shared)
+    }
+
     /// Blocks until every queued offload has been processed (for tests,
     /// benchmarks and orderly shutdown).
     pub fn flush(&self) {

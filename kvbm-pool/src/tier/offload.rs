@@ -406,11 +406,13 @@ impl Flight {
 }
 
 /// Blocks per batch: the configured size, and never more than a quarter
-/// of G2 for all batches in flight together, so that a batch cannot evict
-/// blocks the one before it just stored.
-fn batch_limit(shared: &Shared) -> usize {
+/// of G1 or of G2 for all batches in flight together: a batch cannot evict
+/// G2 blocks the one before it just stored, and the G1 sources held by
+/// copies in flight leave G1 room to allocate.
+pub(crate) fn batch_limit(shared: &Shared) -> usize {
     let g2 = shared.g2.as_ref().map_or(usize::MAX, |t| t.pool.capacity());
-    let quarter = g2 / 4 / shared.config.offload_in_flight.max(1);
+    let smaller = g2.min(shared.g1.pool.capacity());
+    let quarter = smaller / 4 / shared.config.offload_in_flight.max(1);
     shared.config.offload_batch.min(quarter.max(1))
 }
 

@@ -98,6 +98,9 @@ pub struct OffloadRow {
     pub in_flight: usize,
     /// `offload_batch`.
     pub batch: usize,
+    /// Blocks per batch as the engine ran them (`offload_batch` capped so
+    /// that the batches in flight hold at most a quarter of G1 and G2).
+    pub batch_run: usize,
     /// idle / busy.
     pub load: Load,
     /// Blocks offloaded per rep.
@@ -399,6 +402,7 @@ fn run_row(
         chunk_bytes: shape.chunk_bytes,
         in_flight,
         batch,
+        batch_run: 0,
         load,
         blocks: shape.blocks,
         bytes_per_rep: 0,
@@ -449,6 +453,7 @@ fn run_row(
             executor,
         )
         .map_err(tier_err)?;
+        row.batch_run = engine.offload_batch_limit();
         // SAFETY: the previous rep's engine is gone (its worker joined on
         // drop, after its flush), so nothing writes G2 now.
         unsafe { shape.g2_view.zero(cpu_threads()) };

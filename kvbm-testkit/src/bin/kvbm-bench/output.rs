@@ -371,7 +371,11 @@ pub fn offload(cli: &Cli, r: &OffloadReport) -> Result<(), BenchError> {
                 }
                 _ => row.load.name().to_string(),
             },
-            row.batch.to_string(),
+            if row.batch_run == row.batch || row.batch_run == 0 {
+                row.batch.to_string()
+            } else {
+                format!("{} (ran {})", row.batch, row.batch_run)
+            },
             row.in_flight.to_string(),
             row.blocks.to_string(),
             format_bytes(row.bytes_per_rep as f64),
