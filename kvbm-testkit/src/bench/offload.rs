@@ -57,6 +57,32 @@ impl Load {
     }
 }
 
+/// The CUDA backend's copy path for the offloads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum GpuPath {
+    /// The backend chooses per job (from the plan and the declared load).
+    Auto,
+    /// Forced: the device staging ring.
+    Staged,
+    /// Forced: the copy engines (no SMs).
+    CopyEngine,
+    /// Forced: the copy kernel reading and writing pinned memory.
+    Kernel,
+}
+
+impl GpuPath {
+    /// `auto` / `staged` / `copy-engine` / `kernel`.
+    pub fn name(self) -> &'static str {
+        match self {
+            GpuPath::Auto => "auto",
+            GpuPath::Staged => "staged",
+            GpuPath::CopyEngine => "copy-engine",
+            GpuPath::Kernel => "kernel",
+        }
+    }
+}
+
 /// How the offload bench is set up.
 #[derive(Debug, Clone)]
 pub struct OffloadConfig {
@@ -83,6 +109,8 @@ pub struct OffloadConfig {
     pub max_host_bytes: u64,
     /// G1 in host memory (memcpy; idle rows only) even with a GPU.
     pub host_g1: bool,
+    /// The CUDA backend's path (GPU G1 only).
+    pub gpu_path: GpuPath,
 }
 
 /// One measured row.
@@ -289,6 +317,9 @@ pub fn run_offload(cfg: &OffloadConfig, mut progress: impl FnMut(&OffloadRow)) -
         }
         #[cfg(feature = "cuda")]
         Side::Gpu(g) => {
+            if cfg.gpu_path != GpuPath::Auto {
+                notes.push(format!("CUDA copy path forced: {}", cfg.gpu_path.name()));
+            }
             let (h2d, d2h) = g.references(cfg)?;
             (g.memory(), h2d, d2h)
         }
@@ -749,6 +780,7 @@ mod tests {
             memcpy_threads: 1,
             max_host_bytes: 1 << 30,
             host_g1: true,
+            gpu_path: GpuPath::Auto,
         };
         assert!(matches!(
             run_offload(&cfg, |_| {}),

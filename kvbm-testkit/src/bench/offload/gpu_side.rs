@@ -17,7 +17,7 @@ use super::super::replay::gpu;
 use super::super::stats::Spread;
 #[cfg(not(feature = "gemm"))]
 use super::Rep;
-use super::{OffloadConfig, Reference};
+use super::{GpuPath, OffloadConfig, Reference};
 
 fn cuda_err(e: impl std::fmt::Display) -> BenchError {
     BenchError::Cuda(e.to_string())
@@ -34,6 +34,7 @@ pub(super) enum Gemm {}
 pub(super) struct GpuSide {
     dev: CudaDevice,
     threads: usize,
+    path: Option<CopyPath>,
     gemm: std::result::Result<Gemm, String>,
 }
 
@@ -55,6 +56,12 @@ impl GpuSide {
         Ok(GpuSide {
             dev,
             threads: cfg.memcpy_threads,
+            path: match cfg.gpu_path {
+                GpuPath::Auto => None,
+                GpuPath::Staged => Some(CopyPath::Staged),
+                GpuPath::CopyEngine => Some(CopyPath::CopyEngine),
+                GpuPath::Kernel => Some(CopyPath::Kernel),
+            },
             gemm,
         })
     }
@@ -71,7 +78,7 @@ impl GpuSide {
     }
 
     pub(super) fn executor(&self) -> Result<(Executor, Arc<CudaBackend>)> {
-        gpu::executor_with_backend(&self.dev, self.threads)
+        gpu::executor_with_backend(&self.dev, self.threads, self.path)
     }
 
     /// G1 on the device, filled with every block's pattern, and G2 pinned.

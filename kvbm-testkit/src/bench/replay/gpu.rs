@@ -8,8 +8,8 @@ use std::sync::Arc;
 use kvbm_layout::Layout;
 use kvbm_transfer::backend::memcpy::MemcpyBackend;
 use kvbm_transfer::cuda::{
-    CopierConfig, CudaBackend, CudaCopier, CudaDevice, DeviceBuffer, PinnedMemory, PinnedOptions,
-    Probe, probe,
+    CopierConfig, CopyPath, CudaBackend, CudaCopier, CudaDevice, DeviceBuffer, PinnedMemory,
+    PinnedOptions, Probe, probe,
 };
 use kvbm_transfer::{
     BouncePool, DiskBackend, DiskConfig, Executor, ExecutorConfig, MemoryRegion, PhysicalLayout,
@@ -146,7 +146,7 @@ pub fn pinned_layout(device: &CudaDevice, layout: Layout) -> Result<PhysicalLayo
 /// An executor with memcpy, disk and CUDA backends, a system bounce pool
 /// (disk ↔ disk) and a pinned one (disk ↔ device).
 pub fn executor(device: &CudaDevice, memcpy_threads: usize) -> Result<Executor> {
-    Ok(executor_with_backend(device, memcpy_threads)?.0)
+    Ok(executor_with_backend(device, memcpy_threads, None)?.0)
 }
 
 /// [`executor`], and a handle on its CUDA backend (to tell it whether the
@@ -154,6 +154,7 @@ pub fn executor(device: &CudaDevice, memcpy_threads: usize) -> Result<Executor> 
 pub fn executor_with_backend(
     device: &CudaDevice,
     memcpy_threads: usize,
+    path: Option<CopyPath>,
 ) -> Result<(Executor, Arc<CudaBackend>)> {
     const SLOTS: usize = 8;
     const SLOT_BYTES: u64 = 4 << 20;
@@ -171,7 +172,11 @@ pub fn executor_with_backend(
     let pinned_pool = BouncePool::new(pinned.region(), SLOT_BYTES)?;
     disk.register_memory(pinned_pool.region())?;
     let copier = Arc::new(CudaCopier::new(device, CopierConfig::default()).map_err(cuda_err)?);
-    let cuda = Arc::new(CudaBackend::new(copier));
+    let cuda = match path {
+        Some(p) => CudaBackend::new(copier).with_path(p),
+        None => CudaBackend::new(copier),
+    };
+    let cuda = Arc::new(cuda);
     let executor = Executor::builder()
         .backend(Arc::new(MemcpyBackend::new(memcpy_threads)?))
         .backend(Arc::new(disk))

@@ -140,6 +140,22 @@ pub struct OffloadArgs {
     /// Refuse to allocate more host memory than this, GiB.
     #[arg(long, default_value_t = 8.0)]
     pub max_host_gib: f64,
+    /// The CUDA backend's copy path (auto: chosen per job).
+    #[arg(long, value_enum, default_value_t = GpuPathArg::Auto)]
+    pub gpu_path: GpuPathArg,
+}
+
+/// The CUDA backend's copy path for `offload`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum GpuPathArg {
+    /// Chosen per job from the plan and the declared load.
+    Auto,
+    /// The device staging ring.
+    Staged,
+    /// The copy engines (no SMs).
+    CopyEngine,
+    /// The copy kernel on pinned memory.
+    Kernel,
 }
 
 /// Whether the model runs beside the offloads.

@@ -13,7 +13,7 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvbm_pool::tier::TierPolicy;
 use kvbm_testkit::bench::matrix::{MatrixConfig, matrix_cells, run_matrix};
-use kvbm_testkit::bench::offload::{Load, OffloadConfig, Outcome, run_offload};
+use kvbm_testkit::bench::offload::{GpuPath, Load, OffloadConfig, Outcome, run_offload};
 use kvbm_testkit::bench::replay::dist::{WorkerArgs as DistWorkerArgs, run_worker};
 use kvbm_testkit::bench::replay::{ReplayConfig, run_replay};
 use kvbm_testkit::bench::{BenchError, KvModel};
@@ -22,7 +22,7 @@ use kvbm_testkit::trace::{
 };
 
 use crate::cli::{
-    Cli, Command, LoadArg, OffloadArgs, Policy, ReplayArgs, TransferArgs, WorkerArgs,
+    Cli, Command, GpuPathArg, LoadArg, OffloadArgs, Policy, ReplayArgs, TransferArgs, WorkerArgs,
 };
 
 fn main() -> ExitCode {
@@ -186,6 +186,12 @@ fn offload(cli: &Cli, args: &OffloadArgs) -> Result<(), BenchError> {
         memcpy_threads: cli.threads.into(),
         max_host_bytes: (args.max_host_gib * (1u64 << 30) as f64) as u64,
         host_g1: args.host_g1,
+        gpu_path: match args.gpu_path {
+            GpuPathArg::Auto => GpuPath::Auto,
+            GpuPathArg::Staged => GpuPath::Staged,
+            GpuPathArg::CopyEngine => GpuPath::CopyEngine,
+            GpuPathArg::Kernel => GpuPath::Kernel,
+        },
     };
     let rows = config.tokens_per_block.len()
         * config.in_flight.len()
