@@ -154,17 +154,22 @@ impl Gemm {
         FLOPS * n as f64 / t.elapsed().as_secs_f64() / 1e12
     }
 
-    /// Runs GEMMs until `stop` is set, keeping two queued on the stream so
-    /// the GPU never waits for the host, and returns when each completed
-    /// (host clock). `started` is set once the first GEMM is queued.
+    /// Runs GEMMs until `stop` is set, keeping `KVBM_GEMM_QUEUE` (default
+    /// two) queued on the stream, and returns when each completed (host
+    /// clock). `started` is set once the first GEMM is queued.
     pub fn run_until(&self, stop: &AtomicBool, started: &AtomicBool) -> Result<GemmLog, String> {
+        let depth = std::env::var("KVBM_GEMM_QUEUE")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(2)
+            .clamp(1, 64);
         self.ctx
             .bind_to_thread()
             .map_err(|e| format!("cuCtxSetCurrent: {e:?}"))?;
         let flags = CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32
             | CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-        let mut events = Vec::with_capacity(2);
-        for _ in 0..2 {
+        let mut events = Vec::with_capacity(depth);
+        for _ in 0..depth {
             let mut ev = std::ptr::null_mut();
             // SAFETY: a valid out-pointer; the context is current; the
             // flags are the driver's own values.
@@ -179,8 +184,8 @@ impl Gemm {
         let mut result = Ok(());
         let start = Instant::now();
         while !stop.load(Ordering::Relaxed) || !queued.is_empty() {
-            if !stop.load(Ordering::Relaxed) && queued.len() < 2 {
-                let ev = events[next % 2];
+            if !stop.load(Ordering::Relaxed) && queued.len() < depth {
+                let ev = events[next % depth];
                 next += 1;
                 if let Err(e) = self.enqueue() {
                     result = Err(e);
@@ -188,7 +193,7 @@ impl Gemm {
                     continue;
                 }
                 // SAFETY: event and stream are live; the event is not
-                // queued elsewhere (two events, at most two queued).
+                // queued elsewhere (`depth` events, at most `depth` queued).
                 if let Err(e) = unsafe { drv::event::record(ev, self.stream) } {
                     result = Err(format!("cuEventRecord: {e:?}"));
                     stop.store(true, Ordering::Relaxed);
@@ -196,7 +201,7 @@ impl Gemm {
                 }
                 queued.push_back(ev);
                 started.store(true, Ordering::Relaxed);
-                if queued.len() < 2 {
+                if queued.len() < depth {
                     continue;
                 }
             }

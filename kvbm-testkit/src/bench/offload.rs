@@ -35,6 +35,9 @@ use super::stats::Spread;
 
 #[cfg(feature = "cuda")]
 mod gpu_side;
+mod sustained;
+
+pub use sustained::Sustained;
 
 /// Whether the model runs beside the offloads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -111,6 +114,9 @@ pub struct OffloadConfig {
     pub host_g1: bool,
     /// The CUDA backend's path (GPU G1 only).
     pub gpu_path: GpuPath,
+    /// Busy rows: also offload without a pause for this long beside the
+    /// GEMM, against windows as long of the GEMM alone (see [`Sustained`]).
+    pub sustain: Option<std::time::Duration>,
 }
 
 /// One measured row.
@@ -160,6 +166,8 @@ pub struct OffloadRow {
     pub verified_blocks: u64,
     /// `ok`, or why the row failed or was skipped.
     pub status: String,
+    /// The sustained measurement (busy rows with `sustain`).
+    pub sustained: Option<Sustained>,
 }
 
 impl OffloadRow {
@@ -409,6 +417,10 @@ struct Rep {
     copied: u64,
     skipped: u64,
     verified: u64,
+    /// Offloads of the shape's blocks in the window (1 but in sustained
+    /// measurements, which need a GPU).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    rounds: u64,
     /// GEMM TFLOP/s inside the window (busy reps).
     gemm_tflops: Option<f64>,
     /// GEMM TFLOP/s in the windows just before and after it (busy reps).
@@ -447,6 +459,7 @@ fn run_row(
         skipped_blocks: 0,
         verified_blocks: 0,
         status: "ok".into(),
+        sustained: None,
     };
     #[cfg(feature = "cuda")]
     let gemm = match (load, side) {
@@ -470,20 +483,7 @@ fn run_row(
     // the last offload did (50 ms before the first).
     let mut secs = Vec::with_capacity(cfg.reps + 1);
     for rep in 0..=cfg.reps {
-        let (executor, backend) = side.executor()?;
-        let engine = TierEngine::new(
-            TierEngineConfig::new(shape.tokens)
-                .g2_policy(TierPolicy::WriteThrough)
-                .offload_in_flight(in_flight)
-                .offload_limits(batch, shape.blocks),
-            TierLayouts {
-                g1: shape.g1.clone(),
-                g2: Some(shape.g2.clone()),
-                g3: None,
-            },
-            executor,
-        )
-        .map_err(tier_err)?;
+        let (engine, backend) = engine_for(side, shape, in_flight, batch)?;
         row.batch_run = engine.offload_batch_limit();
         // SAFETY: the previous rep's engine is gone (its worker joined on
         // drop, after its flush), so nothing writes G2 now.
@@ -535,6 +535,18 @@ fn run_row(
     if d2h.gbps.median > 0.0 {
         row.ratio_to_d2h = row.gbps.median / d2h.gbps.median;
     }
+    #[cfg(feature = "cuda")]
+    if let (Some(span), Some(g), false) = (cfg.sustain, gemm, row.failed()) {
+        let (engine, backend) = engine_for(side, shape, in_flight, batch)?;
+        if let Some(b) = backend.as_ref() {
+            let r =
+                gpu_side::beside_gemm(g, b, span, || sustained::offload_for(&engine, shape, span))?;
+            match sustained::Sustained::of(&r, d2h) {
+                Ok(s) => row.sustained = Some(s),
+                Err(why) => row.status = format!("FAILED (sustained): {why}"),
+            }
+        }
+    }
     if !tflops.is_empty() {
         row.gemm_during_tflops = Some(Spread::of(&tflops));
     }
@@ -545,6 +557,31 @@ fn run_row(
         row.gemm_loss_pct = Some(Spread::of(&losses).median);
     }
     Ok(row)
+}
+
+/// A fresh engine over the shape's G1 and G2 (WriteThrough, no G3) with a
+/// fresh executor, and the CUDA backend when there is one.
+fn engine_for(
+    side: &Side,
+    shape: &Shape,
+    in_flight: usize,
+    batch: usize,
+) -> Result<(TierEngine, Option<Backend>)> {
+    let (executor, backend) = side.executor()?;
+    let engine = TierEngine::new(
+        TierEngineConfig::new(shape.tokens)
+            .g2_policy(TierPolicy::WriteThrough)
+            .offload_in_flight(in_flight)
+            .offload_limits(batch, shape.blocks),
+        TierLayouts {
+            g1: shape.g1.clone(),
+            g2: Some(shape.g2.clone()),
+            g3: None,
+        },
+        executor,
+    )
+    .map_err(tier_err)?;
+    Ok((engine, backend))
 }
 
 #[cfg(feature = "cuda")]
@@ -608,6 +645,7 @@ fn offload_once(engine: &TierEngine, shape: &Shape) -> Result<Rep> {
         copied,
         skipped,
         verified: 0,
+        rounds: 1,
         gemm_tflops: None,
         gemm_alone_tflops: None,
         backend_load: None,
@@ -781,6 +819,7 @@ mod tests {
             max_host_bytes: 1 << 30,
             host_g1: true,
             gpu_path: GpuPath::Auto,
+            sustain: None,
         };
         assert!(matches!(
             run_offload(&cfg, |_| {}),

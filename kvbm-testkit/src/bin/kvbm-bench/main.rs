@@ -192,6 +192,7 @@ fn offload(cli: &Cli, args: &OffloadArgs) -> Result<(), BenchError> {
             GpuPathArg::CopyEngine => GpuPath::CopyEngine,
             GpuPathArg::Kernel => GpuPath::Kernel,
         },
+        sustain: (args.sustain_ms > 0).then(|| std::time::Duration::from_millis(args.sustain_ms)),
     };
     let rows = config.tokens_per_block.len()
         * config.in_flight.len()

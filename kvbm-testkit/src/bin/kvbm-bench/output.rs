@@ -400,5 +400,44 @@ pub fn offload(cli: &Cli, r: &OffloadReport) -> Result<(), BenchError> {
         ]);
     }
     print!("{}", t.render());
+    let sustained: Vec<_> = r
+        .rows
+        .iter()
+        .filter_map(|row| row.sustained.as_ref().map(|s| (row, s)))
+        .collect();
+    if !sustained.is_empty() {
+        println!(
+            "\nsustained beside the GEMM: rounds of offloads without a pause, against as long of the GEMM alone before and after"
+        );
+        let mut t = Table::new([
+            "tok/blk",
+            "batch",
+            "in flight",
+            "seconds",
+            "rounds",
+            "GB/s",
+            "÷ D2H",
+            "GEMM alone",
+            "GEMM during",
+            "loss %",
+        ]);
+        let opt =
+            |v: Option<f64>, digits: usize| v.map_or(String::new(), |x| format!("{x:.digits$}"));
+        for (row, s) in sustained {
+            t.row([
+                row.tokens_per_block.to_string(),
+                row.batch_run.to_string(),
+                row.in_flight.to_string(),
+                format!("{:.2}", s.secs),
+                s.rounds.to_string(),
+                format!("{:.2}", s.gbps),
+                format!("{:.2}", s.ratio_to_d2h),
+                opt(s.gemm_alone_tflops, 0),
+                opt(s.gemm_during_tflops, 0),
+                opt(s.gemm_loss_pct, 1),
+            ]);
+        }
+        print!("{}", t.render());
+    }
     Ok(())
 }

@@ -1,0 +1,135 @@
+//! Offloads without a pause, for the GEMM's loss over long windows.
+//!
+//! A rep of the offload bench lasts 20–80 ms on the H200 machine: a dozen
+//! to fifty GEMMs, so the GEMM's rate inside one window moves by a couple
+//! of percent with the host's wake-ups alone. The sustained measurement
+//! offloads round after round (every round the shape's blocks under fresh
+//! hashes, so nothing is skipped as present) for a span of seconds beside
+//! the GEMM, against windows as long of the same GEMM loop alone just
+//! before and after. G2 evicts earlier rounds as later ones land, so its
+//! bytes are not checked here (every row's timed reps check them); the
+//! engine's counters must say every block of every round was copied.
+// It runs beside the GEMM, so only in GPU builds; the type is reported in
+// every build.
+#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
+
+use std::time::{Duration, Instant};
+
+use kvbm_block::SequenceHash;
+use kvbm_pool::tier::TierEngine;
+use serde::Serialize;
+
+use super::super::error::Result;
+use super::{Reference, Rep, Shape, hash_of, tier_err};
+
+/// The sustained measurement of a busy row.
+#[derive(Debug, Clone, Serialize)]
+pub struct Sustained {
+    /// Seconds from the first round's `offload` to the last round's
+    /// `flush` (gaps between rounds included: registering the next
+    /// round's blocks in G1).
+    pub secs: f64,
+    /// Rounds run.
+    pub rounds: u64,
+    /// Offload GB/s over the span.
+    pub gbps: f64,
+    /// `gbps` ÷ the device → pinned reference.
+    pub ratio_to_d2h: f64,
+    /// GEMM TFLOP/s alone: the mean of a window as long as the span just
+    /// before it and one just after it, in the same GEMM loop.
+    pub gemm_alone_tflops: Option<f64>,
+    /// GEMM TFLOP/s over the span.
+    pub gemm_during_tflops: Option<f64>,
+    /// 100 × (1 − during ÷ alone).
+    pub gemm_loss_pct: Option<f64>,
+}
+
+impl Sustained {
+    /// The summary of `rep` (from [`offload_for`] beside the GEMM), or why
+    /// it failed.
+    pub(super) fn of(rep: &Rep, d2h: &Reference) -> std::result::Result<Sustained, String> {
+        if let Some(f) = &rep.failure {
+            return Err(f.clone());
+        }
+        let gbps = rep.bytes as f64 / rep.secs.max(1e-9) / 1e9;
+        let loss = match (rep.gemm_tflops, rep.gemm_alone_tflops) {
+            (Some(d), Some(a)) if a > 0.0 => Some(100.0 * (1.0 - d / a)),
+            _ => None,
+        };
+        Ok(Sustained {
+            secs: rep.secs,
+            rounds: rep.rounds,
+            gbps,
+            ratio_to_d2h: if d2h.gbps.median > 0.0 {
+                gbps / d2h.gbps.median
+            } else {
+                0.0
+            },
+            gemm_alone_tflops: rep.gemm_alone_tflops,
+            gemm_during_tflops: rep.gemm_tflops,
+            gemm_loss_pct: loss,
+        })
+    }
+}
+
+/// The salt of round `round`'s hashes (bits `hash_of` leaves alone above
+/// the block id's and below the tokens').
+fn salted(hash: u64, round: u64) -> SequenceHash {
+    SequenceHash(hash ^ (round << 24))
+}
+
+/// Offloads the shape's blocks round after round under fresh hashes until
+/// `span` has passed; one [`Rep`] for the whole (nothing checked byte for
+/// byte).
+pub(super) fn offload_for(engine: &TierEngine, shape: &Shape, span: Duration) -> Result<Rep> {
+    let before = engine.stats();
+    let t0 = Instant::now();
+    let mut round = 0u64;
+    while t0.elapsed() < span || round == 0 {
+        round += 1;
+        let blocks = engine.g1().allocate(shape.blocks).map_err(tier_err)?;
+        let mut complete = Vec::with_capacity(blocks.len());
+        let mut parent = None;
+        for b in blocks {
+            let h = salted(hash_of(shape.tokens, b.block_id() as usize), round);
+            complete.push(b.complete(h, parent).map_err(tier_err)?);
+            parent = Some(h);
+        }
+        let held = engine.g1().register(complete).map_err(tier_err)?;
+        let mut parent = None;
+        let items: Vec<_> = (0..held.len())
+            .filter_map(|i| held.get(i))
+            .map(|b| {
+                let item = (b.downgrade(), parent);
+                parent = Some(b.sequence_hash());
+                item
+            })
+            .collect();
+        engine.offload(items);
+        engine.flush();
+    }
+    let t1 = Instant::now();
+    let after = engine.stats();
+    let copied = after.blocks[0] - before.blocks[0];
+    let skipped: u64 = after
+        .skipped
+        .iter()
+        .zip(before.skipped.iter())
+        .map(|(a, b)| a - b)
+        .sum();
+    let expected = round * shape.blocks as u64;
+    Ok(Rep {
+        window: (t0, t1),
+        secs: (t1 - t0).as_secs_f64(),
+        bytes: after.bytes[0] - before.bytes[0],
+        copied,
+        skipped,
+        verified: 0,
+        rounds: round,
+        gemm_tflops: None,
+        gemm_alone_tflops: None,
+        backend_load: None,
+        failure: (copied != expected || skipped != 0)
+            .then(|| format!("the engine copied {copied} of {expected} blocks, skipped {skipped}")),
+    })
+}
