@@ -133,3 +133,38 @@ pub(super) fn offload_for(engine: &TierEngine, shape: &Shape, span: Duration) ->
             .then(|| format!("the engine copied {copied} of {expected} blocks, skipped {skipped}")),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::{GpuPath, Load, OffloadConfig, Side, allocate_shape, engine_for};
+    use super::*;
+
+    #[test]
+    fn every_round_offloads_every_block_under_fresh_hashes() {
+        let cfg = OffloadConfig {
+            model: super::super::super::MODEL_PRESETS[3],
+            tokens_per_block: vec![4],
+            in_flight: vec![2],
+            batches: vec![4],
+            loads: vec![Load::Idle],
+            min_bytes_per_rep: 1 << 20,
+            reps: 1,
+            reference_bytes: 1 << 20,
+            memcpy_threads: 1,
+            max_host_bytes: 1 << 30,
+            host_g1: true,
+            gpu_path: GpuPath::Auto,
+            sustain: None,
+        };
+        let side = Side::Host { threads: 1 };
+        let shape = allocate_shape(&cfg, &side, 4, 32).unwrap();
+        let (engine, _) = engine_for(&side, &shape, 2, 4).unwrap();
+        let rep = offload_for(&engine, &shape, Duration::from_millis(30)).unwrap();
+        assert!(rep.failure.is_none(), "{:?}", rep.failure);
+        // A round whose hashes repeated an earlier one's would be skipped
+        // as present, and the rep would fail.
+        assert!(rep.rounds >= 2, "one round in 30 ms of 32 tiny blocks");
+        assert_eq!(rep.copied, rep.rounds * 32);
+        assert_eq!(rep.bytes, rep.copied * shape.block_bytes);
+    }
+}
