@@ -17,8 +17,10 @@ use super::pattern::{check_chunk, fill_chunk};
 /// A layout in system memory with access to its bytes.
 #[derive(Debug, Clone)]
 pub struct HostTier {
-    physical: PhysicalLayout,
-    buffers: Vec<Arc<SystemBuffer>>,
+    /// Reads and writes the bytes (every region is one of `buffers`).
+    view: HostLayoutView,
+    /// Keeps the memory behind the view's regions.
+    _buffers: Vec<Arc<SystemBuffer>>,
 }
 
 /// Where a block's bytes first differed from its pattern.
@@ -42,30 +44,14 @@ impl HostTier {
             .collect::<Result<Vec<_>>>()?;
         let regions = buffers.iter().map(SystemBuffer::region).collect();
         Ok(HostTier {
-            physical: PhysicalLayout::new(layout, regions)?,
-            buffers,
+            view: HostLayoutView::new(PhysicalLayout::new(layout, regions)?)?,
+            _buffers: buffers,
         })
     }
 
     /// The physical layout, for transfers.
     pub fn physical(&self) -> &PhysicalLayout {
-        &self.physical
-    }
-
-    /// The chunks of `block` as `(layer, outer, address, length)`.
-    fn chunks(&self, block: usize) -> Result<Vec<(usize, usize, u64, usize)>> {
-        let layout = self.physical.layout();
-        let cfg = layout.config();
-        let mut out = Vec::with_capacity(cfg.chunks_per_block());
-        for layer in 0..cfg.num_layers() {
-            for outer in 0..cfg.outer_dim() {
-                let c = layout.chunk(block, layer, outer)?;
-                // Every region is one of our buffers: an address region.
-                let base = self.buffers[c.region].addr();
-                out.push((layer, outer, base + c.offset, c.len as usize));
-            }
-        }
-        Ok(out)
+        &self.view.physical
     }
 
     /// Writes block `block`'s pattern for sequence hash `hash`.
@@ -74,7 +60,7 @@ impl HostTier {
     /// No transfer may be reading or writing this block while the call
     /// runs, and no other thread may access it.
     pub unsafe fn fill(&self, block: usize, hash: u64) -> Result<()> {
-        for (layer, outer, addr, len) in self.chunks(block)? {
+        for (layer, outer, addr, len) in self.view.chunks(block)? {
             // SAFETY: the chunk lies inside its region (the layout proves
             // it) and the region's buffer is alive (we hold it); the caller
             // guarantees nothing else touches this block now.
@@ -89,18 +75,9 @@ impl HostTier {
     /// # Safety
     /// No transfer may be writing this block while the call runs.
     pub unsafe fn check(&self, block: usize, hash: u64) -> Result<Option<Mismatch>> {
-        for (layer, outer, addr, len) in self.chunks(block)? {
-            // SAFETY: as in `fill`; the caller guarantees no writer.
-            let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
-            if let Some(offset) = check_chunk(bytes, hash, layer, outer) {
-                return Ok(Some(Mismatch {
-                    layer,
-                    outer,
-                    offset,
-                }));
-            }
-        }
-        Ok(None)
+        // SAFETY: the caller guarantees no writer; the view's regions are
+        // our buffers, alive as long as `self`.
+        unsafe { self.view.check(block, hash) }
     }
 }
 
