@@ -74,6 +74,8 @@ pub struct ReplayConfig {
     /// The binary to start workers from (its hidden `worker`
     /// subcommand); `None` for this executable.
     pub worker_exe: Option<PathBuf>,
+    /// The engine's `offload_in_flight`; `None` for its default.
+    pub offload_in_flight: Option<usize>,
 }
 
 /// Hits and rates of one tier.
@@ -406,9 +408,12 @@ pub fn run_replay(
             LayoutKind::FullyContiguous,
         )?),
     };
-    let tier_config = TierEngineConfig::new(cfg.block_tokens as usize)
+    let mut tier_config = TierEngineConfig::new(cfg.block_tokens as usize)
         .g2_policy(cfg.policy)
         .g3_policy(cfg.policy);
+    if let Some(n) = cfg.offload_in_flight {
+        tier_config = tier_config.offload_in_flight(n);
+    }
     // Declared before the engine so that it outlives it: the leader shuts
     // the workers down when dropped.
     let mut _cluster = None;
@@ -635,6 +640,7 @@ mod tests {
             sweep: Vec::new(),
             workers: 0,
             worker_exe: None,
+            offload_in_flight: None,
         };
         assert!(matches!(
             run_replay(&cfg, |_, _| {}),

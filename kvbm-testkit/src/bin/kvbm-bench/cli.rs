@@ -229,6 +229,9 @@ pub struct ReplayArgs {
     /// against capacity.
     #[arg(long)]
     pub sweep: bool,
+    /// Offload batches the engine keeps in flight (default: the engine's).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub offload_in_flight: Option<u64>,
 }
 
 /// The tier engine's G2/G3 policies.

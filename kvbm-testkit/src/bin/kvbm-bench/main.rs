@@ -156,6 +156,7 @@ fn replay(cli: &Cli, args: &ReplayArgs) -> Result<(), BenchError> {
         },
         workers: args.workers,
         worker_exe: None,
+        offload_in_flight: args.offload_in_flight.map(|n| n as usize),
     };
     let bar = progress_bar(cli, config.requests.len() as u64, "replay");
     let report = run_replay(&config, |done, _| bar.set_position(done as u64))?;
