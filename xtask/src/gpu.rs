@@ -2,12 +2,13 @@
 //! the GPU machine (which has no cargo) and copy them into one folder.
 //!
 //! Builds the `cuda` feature's test executables and examples of
-//! kvbm-transfer in release mode, reads their paths from cargo's JSON
-//! messages, and copies them to `DIR` (default `.device-bin` in the
-//! workspace root), stripped: with debug info the set is ~465 MB, stripped
-//! ~20 MB, and what travels to the GPU machine is capped at 64 MiB. There,
-//! run the tests with `KVBM_REQUIRE_GPU=1` so a missing GPU fails instead
-//! of skipping.
+//! kvbm-transfer and `kvbm-bench` (features `cuda,gemm`: the replay with G1
+//! on the GPU, the offload bench beside a GEMM) in release mode, reads
+//! their paths from cargo's JSON messages, and copies them to `DIR`
+//! (default `.device-bin` in the workspace root), stripped: with debug
+//! info the set is ~470 MB, stripped ~25 MB, and what travels to the GPU
+//! machine is capped at 64 MiB. There, run the tests with
+//! `KVBM_REQUIRE_GPU=1` so a missing GPU fails instead of skipping.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -21,25 +22,24 @@ pub fn run(root: &Path, args: &[String]) -> Result<(), String> {
     };
     std::fs::create_dir_all(&out).map_err(|e| format!("create {}: {e}", out.display()))?;
     let mut copied = 0;
-    for what in [&["--tests"][..], &["--examples"][..]] {
+    // (package, features, what to build)
+    let builds: [(&str, &str, &[&str]); 3] = [
+        ("kvbm-transfer", "cuda", &["--tests"]),
+        ("kvbm-transfer", "cuda", &["--examples"]),
+        ("kvbm-testkit", "cuda,gemm", &["--bin", "kvbm-bench"]),
+    ];
+    for (package, features, what) in builds {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let output = Command::new(cargo)
             .current_dir(root)
-            .args([
-                "build",
-                "--release",
-                "-p",
-                "kvbm-transfer",
-                "--features",
-                "cuda",
-            ])
+            .args(["build", "--release", "-p", package, "--features", features])
             .args(what)
             .arg("--message-format=json")
             .stderr(Stdio::inherit())
             .output()
             .map_err(|e| format!("could not run cargo: {e}"))?;
         if !output.status.success() {
-            return Err(format!("cargo build {what:?} failed"));
+            return Err(format!("cargo build -p {package} {what:?} failed"));
         }
         for exe in executables(&String::from_utf8_lossy(&output.stdout)) {
             let name = exe
