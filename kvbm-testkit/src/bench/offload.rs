@@ -12,8 +12,9 @@
 //! or running a bf16 8192³ GEMM loop on its own stream (the CUDA backend
 //! then told `GpuLoad::Busy`).
 //!
-//! Every rep builds a fresh engine over the same G1 and G2 memory, so no
-//! block is skipped as already present; G2 is cleared before each rep and
+//! Every rep builds a fresh engine over the same G1 and G2 memory and the
+//! row's executor (set up once, as an engine's is), so no block is skipped
+//! as already present; G2 is cleared before each rep and
 //! every offloaded block is checked byte for byte afterwards, so a block
 //! that was never copied cannot pass. The engine's counters must say that
 //! every block was copied and none skipped. The reference is one large
@@ -117,6 +118,9 @@ pub struct OffloadConfig {
     /// Busy rows: also offload without a pause for this long beside the
     /// GEMM, against windows as long of the GEMM alone (see [`Sustained`]).
     pub sustain: Option<std::time::Duration>,
+    /// Diagnostics (GPU G1): record the staged copies' timelines and keep
+    /// those of each row's last rep in the row.
+    pub timeline: bool,
 }
 
 /// One measured row.
@@ -168,6 +172,8 @@ pub struct OffloadRow {
     pub status: String,
     /// The sustained measurement (busy rows with `sustain`).
     pub sustained: Option<Sustained>,
+    /// The staged copies' timelines of the last rep (with `timeline`).
+    pub timeline: Option<String>,
 }
 
 impl OffloadRow {
@@ -460,6 +466,7 @@ fn run_row(
         verified_blocks: 0,
         status: "ok".into(),
         sustained: None,
+        timeline: None,
     };
     #[cfg(feature = "cuda")]
     let gemm = match (load, side) {
@@ -482,8 +489,13 @@ fn run_row(
     // Each rep's offload time; the GEMM's alone windows last as long as
     // the last offload did (50 ms before the first).
     let mut secs = Vec::with_capacity(cfg.reps + 1);
+    // One executor for the row, as an engine keeps one: the CUDA copier's
+    // pinned descriptor buffers and staging ring are set up by the warm-up
+    // rep, not in every timed one (a fresh copier spent 1.5 ms on its first
+    // copy on the H200 machine, 7 % of a 1 GiB rep).
+    let (executor, backend) = side.executor()?;
     for rep in 0..=cfg.reps {
-        let (engine, backend) = engine_for(side, shape, in_flight, batch)?;
+        let engine = engine_for(executor.clone(), shape, in_flight, batch)?;
         row.batch_run = engine.offload_batch_limit();
         // SAFETY: the previous rep's engine is gone (its worker joined on
         // drop, after its flush), so nothing writes G2 now.
@@ -508,8 +520,11 @@ fn run_row(
             #[cfg(not(feature = "cuda"))]
             Load::Busy => unreachable_busy()?,
         };
-        // The engine (its worker joined) and backend go at the end of the
-        // rep, before the next rep clears G2.
+        // The engine goes at the end of the rep (its worker joined, every
+        // copy landed), before the next rep clears G2.
+        if cfg.timeline {
+            row.timeline = backend.as_ref().and_then(take_timeline);
+        }
         row.bytes_per_rep = r.bytes;
         row.copied_blocks += r.copied;
         row.skipped_blocks += r.skipped;
@@ -537,7 +552,7 @@ fn run_row(
     }
     #[cfg(feature = "cuda")]
     if let (Some(span), Some(g), false) = (cfg.sustain, gemm, row.failed()) {
-        let (engine, backend) = engine_for(side, shape, in_flight, batch)?;
+        let engine = engine_for(executor.clone(), shape, in_flight, batch)?;
         if let Some(b) = backend.as_ref() {
             let r =
                 gpu_side::beside_gemm(g, b, span, || sustained::offload_for(&engine, shape, span))?;
@@ -559,16 +574,15 @@ fn run_row(
     Ok(row)
 }
 
-/// A fresh engine over the shape's G1 and G2 (WriteThrough, no G3) with a
-/// fresh executor, and the CUDA backend when there is one.
+/// A fresh engine over the shape's G1 and G2 (WriteThrough, no G3), moved
+/// by `executor`.
 fn engine_for(
-    side: &Side,
+    executor: Executor,
     shape: &Shape,
     in_flight: usize,
     batch: usize,
-) -> Result<(TierEngine, Option<Backend>)> {
-    let (executor, backend) = side.executor()?;
-    let engine = TierEngine::new(
+) -> Result<TierEngine> {
+    TierEngine::new(
         TierEngineConfig::new(shape.tokens)
             .g2_policy(TierPolicy::WriteThrough)
             .offload_in_flight(in_flight)
@@ -580,8 +594,18 @@ fn engine_for(
         },
         executor,
     )
-    .map_err(tier_err)?;
-    Ok((engine, backend))
+    .map_err(tier_err)
+}
+
+/// The staged copies' timelines recorded since the last call.
+#[cfg(feature = "cuda")]
+fn take_timeline(backend: &Backend) -> Option<String> {
+    backend.copier().take_timeline()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn take_timeline(backend: &Backend) -> Option<String> {
+    match *backend {}
 }
 
 #[cfg(feature = "cuda")]
@@ -820,6 +844,7 @@ mod tests {
             host_g1: true,
             gpu_path: GpuPath::Auto,
             sustain: None,
+            timeline: false,
         };
         assert!(matches!(
             run_offload(&cfg, |_| {}),

@@ -49,6 +49,11 @@ impl CudaBackend {
         }
     }
 
+    /// The copier jobs go through (its configuration; diagnostics).
+    pub fn copier(&self) -> &Arc<CudaCopier> {
+        &self.copier
+    }
+
     /// Forces one path for every job (benchmarks, or a caller that measured
     /// its own workload).
     pub fn with_path(mut self, path: CopyPath) -> Self {

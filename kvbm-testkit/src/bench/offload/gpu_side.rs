@@ -35,6 +35,7 @@ pub(super) struct GpuSide {
     dev: CudaDevice,
     threads: usize,
     path: Option<CopyPath>,
+    timeline: bool,
     gemm: std::result::Result<Gemm, String>,
 }
 
@@ -62,6 +63,7 @@ impl GpuSide {
                 GpuPath::CopyEngine => Some(CopyPath::CopyEngine),
                 GpuPath::Kernel => Some(CopyPath::Kernel),
             },
+            timeline: cfg.timeline,
             gemm,
         })
     }
@@ -78,7 +80,11 @@ impl GpuSide {
     }
 
     pub(super) fn executor(&self) -> Result<(Executor, Arc<CudaBackend>)> {
-        gpu::executor_with_backend(&self.dev, self.threads, self.path)
+        let copier = CopierConfig {
+            timeline: self.timeline,
+            ..CopierConfig::default()
+        };
+        gpu::executor_with_backend(&self.dev, self.threads, self.path, copier)
     }
 
     /// G1 on the device, filled with every block's pattern, and G2 pinned.

@@ -155,10 +155,12 @@ mod tests {
             host_g1: true,
             gpu_path: GpuPath::Auto,
             sustain: None,
+            timeline: false,
         };
         let side = Side::Host { threads: 1 };
         let shape = allocate_shape(&cfg, &side, 4, 32).unwrap();
-        let (engine, _) = engine_for(&side, &shape, 2, 4).unwrap();
+        let (executor, _) = side.executor().unwrap();
+        let engine = engine_for(executor, &shape, 2, 4).unwrap();
         let rep = offload_for(&engine, &shape, Duration::from_millis(30)).unwrap();
         assert!(rep.failure.is_none(), "{:?}", rep.failure);
         // A round whose hashes repeated an earlier one's would be skipped

@@ -146,15 +146,17 @@ pub fn pinned_layout(device: &CudaDevice, layout: Layout) -> Result<PhysicalLayo
 /// An executor with memcpy, disk and CUDA backends, a system bounce pool
 /// (disk ↔ disk) and a pinned one (disk ↔ device).
 pub fn executor(device: &CudaDevice, memcpy_threads: usize) -> Result<Executor> {
-    Ok(executor_with_backend(device, memcpy_threads, None)?.0)
+    Ok(executor_with_backend(device, memcpy_threads, None, CopierConfig::default())?.0)
 }
 
-/// [`executor`], and a handle on its CUDA backend (to tell it whether the
-/// model is running: [`CudaBackend::set_gpu_load`]).
+/// [`executor`] with a copier of `copier`'s configuration and, with
+/// `path`, one copy path forced; and a handle on its CUDA backend (to tell
+/// it whether the model is running: [`CudaBackend::set_gpu_load`]).
 pub fn executor_with_backend(
     device: &CudaDevice,
     memcpy_threads: usize,
     path: Option<CopyPath>,
+    copier: CopierConfig,
 ) -> Result<(Executor, Arc<CudaBackend>)> {
     const SLOTS: usize = 8;
     const SLOT_BYTES: u64 = 4 << 20;
@@ -171,7 +173,7 @@ pub fn executor_with_backend(
     );
     let pinned_pool = BouncePool::new(pinned.region(), SLOT_BYTES)?;
     disk.register_memory(pinned_pool.region())?;
-    let copier = Arc::new(CudaCopier::new(device, CopierConfig::default()).map_err(cuda_err)?);
+    let copier = Arc::new(CudaCopier::new(device, copier).map_err(cuda_err)?);
     let cuda = match path {
         Some(p) => CudaBackend::new(copier).with_path(p),
         None => CudaBackend::new(copier),

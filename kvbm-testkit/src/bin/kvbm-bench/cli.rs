@@ -147,6 +147,10 @@ pub struct OffloadArgs {
     /// GEMM, against as long of the GEMM alone before and after (0: off).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=60_000))]
     pub sustain_ms: u64,
+    /// Diagnostics: print the staged copies' timelines of each row's last
+    /// rep (GPU G1; use a small --mib).
+    #[arg(long)]
+    pub timeline: bool,
 }
 
 /// The CUDA backend's copy path for `offload`.

@@ -194,6 +194,7 @@ fn offload(cli: &Cli, args: &OffloadArgs) -> Result<(), BenchError> {
             GpuPathArg::Kernel => GpuPath::Kernel,
         },
         sustain: (args.sustain_ms > 0).then(|| std::time::Duration::from_millis(args.sustain_ms)),
+        timeline: args.timeline,
     };
     let rows = config.tokens_per_block.len()
         * config.in_flight.len()

@@ -439,5 +439,16 @@ pub fn offload(cli: &Cli, r: &OffloadReport) -> Result<(), BenchError> {
         }
         print!("{}", t.render());
     }
+    for row in &r.rows {
+        if let Some(tl) = &row.timeline {
+            println!(
+                "\ntimelines of the last rep: {} tokens per block, batch {}, {} in flight, {}:\n{tl}",
+                row.tokens_per_block,
+                row.batch_run,
+                row.in_flight,
+                row.load.name()
+            );
+        }
+    }
     Ok(())
 }
