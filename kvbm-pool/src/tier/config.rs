@@ -71,8 +71,9 @@ pub struct TierEngineConfig {
     /// hold the SMs for 1.5 ms, 128–256 MiB (H200 machine, docs/
     /// benchmarks.md, "Final figures: one executor per row": 8 KiB chunks,
     /// batches of 64 blocks of 512 KiB: 0.38 of the link one at a time,
-    /// 0.67 with two, 0.90 with four). Batches in flight together hold at most a quarter
-    /// of G1 and of G2 (smaller batches when the tiers are small).
+    /// 0.67 with two, 0.90 with four). Batches in flight together hold at
+    /// most a quarter of G1 and of G2 (smaller batches when the tiers are
+    /// small).
     pub offload_in_flight: usize,
     /// Most blocks waiting in the offload queue; beyond it new offloads are
     /// skipped and counted (the engine is never blocked).
