@@ -25,7 +25,9 @@ use std::time::Instant;
 
 use kvbm_block::SequenceHash;
 use kvbm_layout::{BlockOrder, Layout, LayoutKind};
+use kvbm_pool::metrics::TierStats;
 use kvbm_pool::tier::{TierEngine, TierEngineConfig, TierLayouts, TierPolicy};
+use kvbm_pool::{ImmutableBlocks, WeakBlock};
 use kvbm_transfer::{DiskConfig, Executor, ExecutorConfig, PhysicalLayout};
 use serde::Serialize;
 
@@ -628,40 +630,21 @@ fn unreachable_busy() -> Result<Rep> {
 /// them through `flush`, and checks what the engine counted and what G2
 /// holds.
 fn offload_once(engine: &TierEngine, shape: &Shape) -> Result<Rep> {
-    let blocks = engine.g1().allocate(shape.blocks).map_err(tier_err)?;
-    let mut complete = Vec::with_capacity(blocks.len());
-    let mut hashes = Vec::with_capacity(blocks.len());
-    let mut parent = None;
-    for b in blocks {
-        let h = SequenceHash(hash_of(shape.tokens, b.block_id() as usize));
-        complete.push(b.complete(h, parent).map_err(tier_err)?);
-        hashes.push(h);
-        parent = Some(h);
-    }
-    let held = engine.g1().register(complete).map_err(tier_err)?;
-    let parents: Vec<Option<SequenceHash>> = std::iter::once(None)
-        .chain(hashes.iter().copied().map(Some))
-        .take(hashes.len())
-        .collect();
-    let items: Vec<_> = (0..held.len())
-        .filter_map(|i| held.get(i).map(|b| (b.downgrade(), parents[i])))
-        .collect();
+    let chain = register_chain(engine, shape, |b| SequenceHash(hash_of(shape.tokens, b)))?;
+    let hashes = chain.hashes;
     let before = engine.stats();
     let t0 = Instant::now();
-    engine.offload(items);
+    engine.offload(chain.items);
     engine.flush();
     let t1 = Instant::now();
     let secs = (t1 - t0).as_secs_f64();
     let after = engine.stats();
-    drop(held);
-    let copied = after.blocks[0] - before.blocks[0];
-    let bytes = after.bytes[0] - before.bytes[0];
-    let skipped: u64 = after
-        .skipped
-        .iter()
-        .zip(before.skipped.iter())
-        .map(|(a, b)| a - b)
-        .sum();
+    drop(chain.held);
+    let Counted {
+        copied,
+        bytes,
+        skipped,
+    } = Counted::between(&before, &after);
     let mut rep = Rep {
         window: (t0, t1),
         secs,
@@ -703,6 +686,67 @@ fn offload_once(engine: &TierEngine, shape: &Shape) -> Result<Rep> {
         Some(e) => rep.failure = Some(e.to_string()),
     }
     Ok(rep)
+}
+
+/// Fresh G1 blocks registered as one chain, ready to offload.
+struct Chain {
+    /// The blocks, held so that none is evicted before its offload starts.
+    held: ImmutableBlocks,
+    /// Their hashes, in chain order.
+    hashes: Vec<SequenceHash>,
+    /// `(block, parent)` for [`TierEngine::offload`].
+    items: Vec<(WeakBlock, Option<SequenceHash>)>,
+}
+
+/// Allocates `shape.blocks` G1 blocks and registers them as one chain,
+/// block `b` under `name(b)`.
+fn register_chain(
+    engine: &TierEngine,
+    shape: &Shape,
+    name: impl Fn(usize) -> SequenceHash,
+) -> Result<Chain> {
+    let blocks = engine.g1().allocate(shape.blocks).map_err(tier_err)?;
+    let mut complete = Vec::with_capacity(blocks.len());
+    let mut hashes = Vec::with_capacity(blocks.len());
+    let mut parents = Vec::with_capacity(blocks.len());
+    for b in blocks {
+        let h = name(b.block_id() as usize);
+        let parent = hashes.last().copied();
+        complete.push(b.complete(h, parent).map_err(tier_err)?);
+        hashes.push(h);
+        parents.push(parent);
+    }
+    let held = engine.g1().register(complete).map_err(tier_err)?;
+    let items = (0..held.len())
+        .filter_map(|i| held.get(i).map(|b| (b.downgrade(), parents[i])))
+        .collect();
+    Ok(Chain {
+        held,
+        hashes,
+        items,
+    })
+}
+
+/// What the engine counted for G1 → G2 between two readings of its stats.
+struct Counted {
+    copied: u64,
+    bytes: u64,
+    skipped: u64,
+}
+
+impl Counted {
+    fn between(before: &TierStats, after: &TierStats) -> Counted {
+        Counted {
+            copied: after.blocks[0] - before.blocks[0],
+            bytes: after.bytes[0] - before.bytes[0],
+            skipped: after
+                .skipped
+                .iter()
+                .zip(before.skipped.iter())
+                .map(|(a, b)| a - b)
+                .sum(),
+        }
+    }
 }
 
 /// Checks every `(G2 block, hash)` on several threads; the first

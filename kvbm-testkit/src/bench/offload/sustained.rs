@@ -20,7 +20,7 @@ use kvbm_pool::tier::TierEngine;
 use serde::Serialize;
 
 use super::super::error::Result;
-use super::{Reference, Rep, Shape, hash_of, tier_err};
+use super::{Counted, Reference, Rep, Shape, hash_of, register_chain};
 
 /// The sustained measurement of a busy row.
 #[derive(Debug, Clone, Serialize)]
@@ -87,41 +87,21 @@ pub(super) fn offload_for(engine: &TierEngine, shape: &Shape, span: Duration) ->
     let mut round = 0u64;
     while t0.elapsed() < span || round == 0 {
         round += 1;
-        let blocks = engine.g1().allocate(shape.blocks).map_err(tier_err)?;
-        let mut complete = Vec::with_capacity(blocks.len());
-        let mut parent = None;
-        for b in blocks {
-            let h = salted(hash_of(shape.tokens, b.block_id() as usize), round);
-            complete.push(b.complete(h, parent).map_err(tier_err)?);
-            parent = Some(h);
-        }
-        let held = engine.g1().register(complete).map_err(tier_err)?;
-        let mut parent = None;
-        let items: Vec<_> = (0..held.len())
-            .filter_map(|i| held.get(i))
-            .map(|b| {
-                let item = (b.downgrade(), parent);
-                parent = Some(b.sequence_hash());
-                item
-            })
-            .collect();
-        engine.offload(items);
+        let chain = register_chain(engine, shape, |b| salted(hash_of(shape.tokens, b), round))?;
+        engine.offload(chain.items);
         engine.flush();
     }
     let t1 = Instant::now();
-    let after = engine.stats();
-    let copied = after.blocks[0] - before.blocks[0];
-    let skipped: u64 = after
-        .skipped
-        .iter()
-        .zip(before.skipped.iter())
-        .map(|(a, b)| a - b)
-        .sum();
+    let Counted {
+        copied,
+        bytes,
+        skipped,
+    } = Counted::between(&before, &engine.stats());
     let expected = round * shape.blocks as u64;
     Ok(Rep {
         window: (t0, t1),
         secs: (t1 - t0).as_secs_f64(),
-        bytes: after.bytes[0] - before.bytes[0],
+        bytes,
         copied,
         skipped,
         verified: 0,
@@ -136,27 +116,13 @@ pub(super) fn offload_for(engine: &TierEngine, shape: &Shape, span: Duration) ->
 
 #[cfg(test)]
 mod tests {
-    use super::super::{GpuPath, Load, OffloadConfig, Side, allocate_shape, engine_for};
+    use super::super::tests::tiny_host_config;
+    use super::super::{Side, allocate_shape, engine_for};
     use super::*;
 
     #[test]
     fn every_round_offloads_every_block_under_fresh_hashes() {
-        let cfg = OffloadConfig {
-            model: super::super::super::MODEL_PRESETS[3],
-            tokens_per_block: vec![4],
-            in_flight: vec![2],
-            batches: vec![4],
-            loads: vec![Load::Idle],
-            min_bytes_per_rep: 1 << 20,
-            reps: 1,
-            reference_bytes: 1 << 20,
-            memcpy_threads: 1,
-            max_host_bytes: 1 << 30,
-            host_g1: true,
-            gpu_path: GpuPath::Auto,
-            sustain: None,
-            timeline: false,
-        };
+        let cfg = tiny_host_config(2, 4);
         let side = Side::Host { threads: 1 };
         let shape = allocate_shape(&cfg, &side, 4, 32).unwrap();
         let (executor, _) = side.executor().unwrap();

@@ -52,13 +52,14 @@ fn the_g2_check_finds_a_flipped_byte() {
     }
 }
 
-#[test]
-fn zero_reps_or_batches_are_config_errors() {
-    let cfg = OffloadConfig {
+/// A tiny host-only configuration (the `tiny` model, 4 tokens per block,
+/// one idle row of `batch` blocks and `in_flight` batches).
+pub(super) fn tiny_host_config(in_flight: usize, batch: usize) -> OffloadConfig {
+    OffloadConfig {
         model: super::super::MODEL_PRESETS[3],
         tokens_per_block: vec![4],
-        in_flight: vec![1],
-        batches: vec![0],
+        in_flight: vec![in_flight],
+        batches: vec![batch],
         loads: vec![Load::Idle],
         min_bytes_per_rep: 1 << 20,
         reps: 1,
@@ -69,7 +70,12 @@ fn zero_reps_or_batches_are_config_errors() {
         gpu_path: GpuPath::Auto,
         sustain: None,
         timeline: false,
-    };
+    }
+}
+
+#[test]
+fn zero_reps_or_batches_are_config_errors() {
+    let cfg = tiny_host_config(1, 0);
     assert!(matches!(
         run_offload(&cfg, |_| {}),
         Err(BenchError::Config(_))
