@@ -12,7 +12,7 @@ use cuda_common::{
 };
 use kvbm_transfer::cuda::{
     CopierConfig, CopyOptions, CopyPath, CudaCopier, CudaDevice, CudaError, CudaRegion,
-    DeviceBuffer, GpuLoad, Location, PinnedMemory, PinnedOptions, probe,
+    DeviceBuffer, FollowedWait, GpuLoad, Location, PinnedMemory, PinnedOptions, probe,
 };
 
 /// Memory for one layout, on the device or pinned on the host.
@@ -409,8 +409,8 @@ fn offload_and_onboard_overlap_and_both_land() {
 /// ring's feeder in order: two onboards into the same device blocks leave
 /// the second one's bytes, two offloads into the same host blocks likewise,
 /// through a ring that wraps many times and through the default one, with
-/// the caller enqueuing the first chunks, the feeder taking whole copies,
-/// and no feeder.
+/// the caller enqueuing the first chunks (the feeder told first or not),
+/// the feeder taking whole copies, and no feeder.
 #[test]
 fn queued_staged_copies_keep_their_order() {
     let Some(dev) = device_or_skip() else { return };
@@ -428,6 +428,33 @@ fn queued_staged_copies_keep_their_order() {
                 &dev,
                 CopierConfig {
                     staging_slot_bytes: 256 << 10,
+                    ..CopierConfig::default()
+                },
+            )
+            .unwrap(),
+        ),
+        (
+            // The default tells the feeder before the caller's last chunk;
+            // one chunk here with the feeder woken only by the job.
+            "one caller chunk, feeder not told",
+            CudaCopier::new(
+                &dev,
+                CopierConfig {
+                    staged_caller_chunks: 1,
+                    staged_wake_feeder: false,
+                    ..CopierConfig::default()
+                },
+            )
+            .unwrap(),
+        ),
+        (
+            // The default waits for a copy with another behind it in the
+            // driver; here the watcher polls it.
+            "followed copies polled",
+            CudaCopier::new(
+                &dev,
+                CopierConfig {
+                    followed_wait: FollowedWait::Polls,
                     ..CopierConfig::default()
                 },
             )

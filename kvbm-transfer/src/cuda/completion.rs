@@ -19,8 +19,18 @@
 //! direction of an onboard and an offload at once, a copy behind the
 //! model's kernels — which outlast the busy budget and would otherwise pay
 //! the driver's wake-up; it costs a query per interval, not a core.
+//!
+//! Only the last copy handed to a watcher is polled. A copy with another
+//! queued behind it on its lane ends with the link still busy (the next
+//! copy follows on the same streams), so learning of its end a wake-up
+//! later delays no byte; by default the watcher sleeps in the driver for
+//! it (see [`FollowedWait`]). An engine that keeps several offloads in
+//! flight then costs a sleeping thread rather than a spinning one: on the
+//! H200 machine the watcher of a stream of 8 KiB offloads used 0.09 of a
+//! core where polling every copy took 0.53–0.74, at the same rate.
 
 use std::any::Any;
+use std::collections::VecDeque;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -28,6 +38,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::{self, CUevent};
 
+use super::config::FollowedWait;
 use super::device::CudaDevice;
 use super::error::{CudaError, CudaResult, check};
 use crate::completion::{Completer, Outcome, completion_pair};
@@ -89,12 +100,18 @@ pub(crate) struct Watcher {
 }
 
 impl Watcher {
-    pub(crate) fn spawn(device: &CudaDevice, name: &str) -> CudaResult<Self> {
+    /// Starts a watcher thread named `name`; `followed` says how it waits
+    /// for copies with another queued behind them.
+    pub(crate) fn spawn(
+        device: &CudaDevice,
+        name: &str,
+        followed: FollowedWait,
+    ) -> CudaResult<Self> {
         let (tx, rx) = channel::<Watch>();
         let device = device.clone();
         let thread = std::thread::Builder::new()
             .name(name.into())
-            .spawn(move || watch_loop(&device, rx))
+            .spawn(move || watch_loop(&device, rx, followed))
             .map_err(|e| CudaError::Os {
                 call: "thread spawn",
                 source: Arc::new(e),
@@ -215,17 +232,23 @@ impl Drop for Watcher {
     }
 }
 
-fn watch_loop(device: &CudaDevice, rx: Receiver<Watch>) {
+fn watch_loop(device: &CudaDevice, rx: Receiver<Watch>, followed: FollowedWait) {
     let bound = device.bind();
     // SAFETY: PR_SET_TIMERSLACK takes an unsigned long of nanoseconds and
     // changes only this thread's timer slack (so its 20 µs polling sleeps
     // are not stretched to the default 50 µs); failure is harmless.
     unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1_000 as libc::c_ulong) };
-    for w in rx {
+    // Copies handed over behind the one being watched, in order.
+    let mut behind: VecDeque<Watch> = VecDeque::new();
+    while let Some(w) = behind.pop_front().or_else(|| rx.recv().ok()) {
         let result = match &bound {
             Ok(()) => {
                 if let Some(poll) = w.spin_from {
-                    poll_until_done(w.event, poll);
+                    let mut is_followed = || {
+                        behind.extend(rx.try_iter());
+                        !behind.is_empty()
+                    };
+                    poll_until_done(w.event, poll, followed, &mut is_followed);
                 }
                 synchronize_event(w.event)
             }
@@ -239,18 +262,32 @@ fn watch_loop(device: &CudaDevice, rx: Receiver<Watch>) {
 
 /// Sleeps until the earliest end, polls `event` busily for the budget,
 /// then every interval until the deadline; returns when it fired, failed,
-/// or the polling ran out (the caller then sleeps in the driver).
-fn poll_until_done(event: CUevent, poll: Poll) {
+/// or the polling ran out (the caller then sleeps in the driver). While
+/// `is_followed()` says another copy is queued behind this one, `followed`
+/// decides: no busy poll ([`FollowedWait::Polls`]) or no poll at all
+/// ([`FollowedWait::Driver`]).
+fn poll_until_done(
+    event: CUevent,
+    poll: Poll,
+    followed: FollowedWait,
+    is_followed: &mut dyn FnMut() -> bool,
+) {
     // SAFETY: `event` is a live event of the current context.
     let pending =
         || unsafe { sys::cuEventQuery(event) } == sys::cudaError_enum::CUDA_ERROR_NOT_READY;
+    // Whether a phase is cut short for a copy with another behind it.
+    let busy_cut = followed != FollowedWait::AsLast;
+    let polls_cut = followed == FollowedWait::Driver;
+    if polls_cut && is_followed() {
+        return;
+    }
     let now = Instant::now();
     if poll.from > now {
         std::thread::sleep(poll.from - now);
     }
     let busy_until = Instant::now() + poll.busy;
     while pending() {
-        if Instant::now() >= busy_until {
+        if Instant::now() >= busy_until || (busy_cut && is_followed()) {
             break;
         }
         std::hint::spin_loop();
@@ -259,7 +296,7 @@ fn poll_until_done(event: CUevent, poll: Poll) {
         return;
     }
     while pending() {
-        if Instant::now() >= poll.until {
+        if Instant::now() >= poll.until || (polls_cut && is_followed()) {
             return;
         }
         std::thread::sleep(poll.interval);

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys::CUstream;
 
 use super::completion::{Completion, PollPlan};
-pub use super::config::CopierConfig;
+pub use super::config::{CopierConfig, FollowedWait};
 use super::device::CudaDevice;
 use super::dma::{enqueue_spans, enqueue_strided};
 use super::error::{CudaError, CudaResult};
@@ -172,6 +172,7 @@ impl CudaCopier {
                 queued: AtomicUsize::new(0),
                 spare_runs: Mutex::new(Vec::new()),
                 line_rate: config.line_rate_bytes_per_s,
+                wake_feeder: config.staged_wake_feeder,
             });
             if config.staged_feeder {
                 let r = Arc::clone(&ring);

@@ -78,7 +78,7 @@ impl Lane {
             }
         };
         let mut lane = Lane {
-            watcher: Watcher::spawn(device, name)?,
+            watcher: Watcher::spawn(device, name, config.followed_wait)?,
             kernel_stream,
             copy_stream,
             state: Mutex::new(LaneState { ring: None }),

@@ -43,7 +43,9 @@ mod timeline;
 
 pub use backend::{CudaBackend, to_transfer_error};
 pub use completion::Completion;
-pub use copier::{CopierConfig, CopyOptions, CopyPath, CudaCopier, Direction, GpuLoad};
+pub use copier::{
+    CopierConfig, CopyOptions, CopyPath, CudaCopier, Direction, FollowedWait, GpuLoad,
+};
 pub use device::{CudaDevice, Probe, probe};
 pub use error::{CudaError, CudaResult};
 pub use memory::{CudaRegion, DeviceBuffer, ExternalDeviceMemory, Location};

@@ -1,0 +1,387 @@
+//! Enqueuing a staged copy chunk by chunk: the chunker's runs written as
+//! the kernel's descriptors, the slot's gather or scatter kernel and its
+//! DMA pieces on the lane's two streams, ordered by the slots' events;
+//! beside the model, one kernel per half ring of chunks (see
+//! `CopierConfig::busy_grouped_staging`).
+
+use std::any::Any;
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::sys::CUstream;
+
+use super::super::completion::{record_event, wait_event};
+use super::super::device::CudaDevice;
+use super::super::dma::enqueue_spans;
+use super::super::error::{CudaError, CudaResult};
+use super::super::kernel::Grid;
+use super::super::lanes::{DescLease, DescPool, Lane, Ring};
+use super::super::memory::Location;
+use super::super::plan::{CopyRun, HostSide, RegionLens, Span, StagedChunker};
+use super::super::timeline::{ChunkEvents, Timeline, mark};
+use super::Progress;
+
+/// A staged copy's plan and what its runs are resolved and checked with.
+pub(crate) struct Plan<'a> {
+    pub runs: &'a [CopyRun],
+    pub src_bases: &'a [u64],
+    pub dst_bases: &'a [u64],
+    pub lens: &'a RegionLens,
+    pub host: HostSide,
+    /// One gather or scatter kernel for up to half the ring's chunks (see
+    /// [`super::StagedJob::grouped`]).
+    pub grouped: bool,
+}
+
+/// What one staged copy needs from the copier.
+pub(crate) struct Staging<'a> {
+    pub device: &'a CudaDevice,
+    pub descs: &'a Arc<DescPool>,
+    pub lane: &'a Arc<Lane>,
+    pub grid: Grid,
+    pub batch: bool,
+    /// Ramp chunks before full slots (see `StagedChunker::with_ramp`).
+    pub ramp: u32,
+}
+
+impl Staging<'_> {
+    /// Enqueues the copy of `runs` through `ring`, from where `progress`
+    /// left it, at most `max_chunks` chunks (all when `None`). Returns the
+    /// stream whose last operation ends the copy once it is wholly
+    /// enqueued, `None` while chunks are left (then `progress` says where
+    /// to continue). The descriptor buffer the GPU reads is pushed to
+    /// `keep` on the first call.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn enqueue(
+        &self,
+        ring: &mut Ring,
+        plan: Plan<'_>,
+        keep: &mut Vec<Box<dyn Any + Send>>,
+        progress: &mut Option<Progress>,
+        mut timeline: Option<&mut Timeline>,
+        max_chunks: Option<usize>,
+    ) -> CudaResult<Option<(CUstream, u64)>> {
+        let (lane, device) = (self.lane, self.device);
+        let Plan {
+            runs,
+            src_bases,
+            dst_bases,
+            lens,
+            host,
+            grouped,
+        } = plan;
+        let slot_bytes = ring.slot_bytes as u64;
+        let p = match progress {
+            Some(p) => p,
+            None => {
+                // A grouped copy has one kernel whatever its chunks: full
+                // slots from the first (a ramp would spread a 128 MiB copy
+                // over 7 slots of 8, so a second copy could not be staged
+                // while the first one's kernel waits).
+                let ramp = if grouped { 0 } else { self.ramp };
+                let chunker =
+                    StagedChunker::new(runs, src_bases, dst_bases, lens, host, slot_bytes)
+                        .with_ramp(ramp);
+                // The device-side copies are written straight into pinned
+                // memory the kernel reads in place: no upload, so no wait
+                // behind another copy's DMA on the host-to-device engine
+                // (an upload queued there behind an onboard serialised
+                // offload and onboard). Sized for the runs and the chunk
+                // boundaries of a copy up to LEASE_SLOTS slots; a larger
+                // copy leases more as it goes.
+                let cap = chunker.device_copies_for(LEASE_SLOTS * slot_bytes);
+                let (desc, host_ptr, gpu_ptr) = self.lease(cap)?;
+                keep.push(Box::new(desc));
+                if let Some(t) = timeline.as_deref_mut() {
+                    t.set_up = Some(Instant::now());
+                    t.mark_start(lane.kernel_stream)?;
+                }
+                progress.insert(Progress {
+                    at: Some(chunker.into_cursor()),
+                    zero_table: gpu_ptr,
+                    desc_host: host_ptr,
+                    desc_gpu: gpu_ptr,
+                    cap,
+                    written: 0,
+                    lane: Arc::clone(lane),
+                    finished: false,
+                })
+            }
+        };
+        let at =
+            p.at.take()
+                .ok_or_else(|| CudaError::InvalidCopy("staged copy lost its place".into()))?;
+        let mut chunker =
+            StagedChunker::resume(runs, src_bases, dst_bases, lens, host, slot_bytes, at);
+        let zero_table = p.zero_table;
+        let run_size = std::mem::size_of::<CopyRun>();
+        let mut pieces: Vec<Span> = Vec::new();
+        let mut chunks = 0usize;
+        let mut group = Group::default();
+        loop {
+            if max_chunks.is_some_and(|m| chunks >= m) {
+                self.flush(ring, &mut group, host, zero_table, &mut timeline)?;
+                p.at = Some(chunker.into_cursor());
+                return Ok(None);
+            }
+            chunks += 1;
+            // A group holds at most half the ring (so the next group's
+            // slots are free while its kernel waits, and a copy larger than
+            // the ring keeps the link busy), and ends before the descriptors
+            // move to another buffer (a group's are contiguous).
+            if group.chunks.len() >= (ring.slots.len() / 2).max(1)
+                || (p.written == p.cap && chunker.runs_left() > 0)
+            {
+                self.flush(ring, &mut group, host, zero_table, &mut timeline)?;
+            }
+            if p.written == p.cap && chunker.runs_left() > 0 {
+                // The buffer is full (chunks launched from it still read
+                // it: it stays in `keep`); the rest goes to a fresh one.
+                let cap = chunker.runs_left() + LEASE_SLOTS as usize + 2;
+                let (desc, host_ptr, gpu_ptr) = self.lease(cap)?;
+                keep.push(Box::new(desc));
+                (p.desc_host, p.desc_gpu, p.cap, p.written) = (host_ptr, gpu_ptr, cap, 0);
+            }
+            let k = ring.next;
+            let slot_addr = ring.buf.ptr() + (k * ring.slot_bytes) as u64;
+            // SAFETY: entries `written..cap` lie inside the buffer (checked
+            // when it was leased), are properly aligned (ZERO_TABLE is a
+            // multiple of 8) and are not yet read by any launch: earlier
+            // chunks' launches read only entries before `written`.
+            let free = unsafe {
+                std::slice::from_raw_parts_mut(
+                    p.desc_host.add(ZERO_TABLE).cast::<CopyRun>().add(p.written),
+                    p.cap - p.written,
+                )
+            };
+            let n = chunker.next_chunk(slot_addr, free, &mut pieces)?;
+            if n == 0 {
+                break;
+            }
+            let runs_ptr = p.desc_gpu + (ZERO_TABLE + p.written * run_size) as u64;
+            p.written += n;
+            ring.next = (k + 1) % ring.slots.len();
+            if grouped {
+                self.add_to_group(ring, &mut group, k, runs_ptr, n, &pieces, host, &timeline)?;
+                continue;
+            }
+            let slot = &mut ring.slots[k];
+            let mut times = ChunkEvents::default();
+            // The descriptors written above must be visible to the GPU
+            // before the launch that reads them.
+            std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
+            let device_side = |stream: CUstream| -> CudaResult<()> {
+                // SAFETY: the chunk's copies address user device memory
+                // (each run checked against its region by the chunker) and
+                // this slot (planned to fit); the descriptors stay alive in
+                // `keep` until the copy completed.
+                unsafe {
+                    device.inner.kernel.launch(
+                        stream, self.grid, runs_ptr, n as u32, zero_table, zero_table,
+                    )
+                }
+            };
+            match host {
+                HostSide::Destination => {
+                    if slot.used {
+                        wait_event(lane.kernel_stream, slot.free)?;
+                    }
+                    device_side(lane.kernel_stream)?;
+                    times.kernel_end = mark(&timeline, lane.kernel_stream)?;
+                    record_event(slot.filled, lane.kernel_stream)?;
+                    wait_event(lane.copy_stream, slot.filled)?;
+                    self.dma(&pieces, host, &mut times, &timeline)?;
+                    record_event(slot.free, lane.copy_stream)?;
+                }
+                HostSide::Source => {
+                    if slot.used {
+                        wait_event(lane.copy_stream, slot.free)?;
+                    }
+                    self.dma(&pieces, host, &mut times, &timeline)?;
+                    record_event(slot.filled, lane.copy_stream)?;
+                    wait_event(lane.kernel_stream, slot.filled)?;
+                    device_side(lane.kernel_stream)?;
+                    times.kernel_end = mark(&timeline, lane.kernel_stream)?;
+                    record_event(slot.free, lane.kernel_stream)?;
+                }
+            }
+            slot.used = true;
+            if let Some(t) = timeline.as_deref_mut() {
+                t.chunk(pieces.len(), times);
+            }
+        }
+        self.flush(ring, &mut group, host, zero_table, &mut timeline)?;
+        if let Some(t) = timeline {
+            t.enqueued = Some(Instant::now());
+        }
+        let stream = match host {
+            HostSide::Destination => lane.copy_stream,
+            HostSide::Source => lane.kernel_stream,
+        };
+        Ok(Some((stream, chunker.bytes())))
+    }
+
+    /// Adds chunk `k` (its `n` device-side copies at `runs_ptr`, its host
+    /// `pieces`) to `group`. An onboard's DMA goes now (its kernel waits for
+    /// the group); an offload's waits for the group's kernel.
+    #[allow(clippy::too_many_arguments)]
+    fn add_to_group(
+        &self,
+        ring: &mut Ring,
+        group: &mut Group,
+        k: usize,
+        runs_ptr: u64,
+        n: usize,
+        pieces: &[Span],
+        host: HostSide,
+        timeline: &Option<&mut Timeline>,
+    ) -> CudaResult<()> {
+        let lane = self.lane;
+        let mut times = ChunkEvents::default();
+        if host == HostSide::Source {
+            let slot = &mut ring.slots[k];
+            if slot.used {
+                wait_event(lane.copy_stream, slot.free)?;
+            }
+            self.dma(pieces, host, &mut times, timeline)?;
+            slot.used = true;
+        }
+        group.first.get_or_insert(runs_ptr);
+        group.runs += n;
+        group.chunks.push((k, pieces.to_vec(), times));
+        Ok(())
+    }
+
+    /// Launches `group`'s one kernel (after the onboard DMAs it scatters,
+    /// or before the offload DMAs it feeds) and empties it.
+    fn flush(
+        &self,
+        ring: &mut Ring,
+        group: &mut Group,
+        host: HostSide,
+        zero_table: u64,
+        timeline: &mut Option<&mut Timeline>,
+    ) -> CudaResult<()> {
+        let (Some(first), Some(&(last, _, _))) = (group.first, group.chunks.last()) else {
+            return Ok(());
+        };
+        let lane = self.lane;
+        let launch = |stream: CUstream| -> CudaResult<()> {
+            // The group's descriptors were all written before this fence
+            // and are contiguous in one buffer (a group ends before the
+            // buffer changes).
+            std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
+            // SAFETY: the copies address user device memory (each run
+            // checked against its region by the chunker) and the group's
+            // slots (each planned to fit its slot); the descriptors stay
+            // alive in `keep` until the copy completed.
+            unsafe {
+                self.device.inner.kernel.launch(
+                    stream,
+                    self.grid,
+                    first,
+                    group.runs as u32,
+                    zero_table,
+                    zero_table,
+                )
+            }
+        };
+        match host {
+            HostSide::Source => {
+                // The copy stream runs in order: the last chunk's DMA ends
+                // after every earlier one.
+                record_event(ring.slots[last].filled, lane.copy_stream)?;
+                wait_event(lane.kernel_stream, ring.slots[last].filled)?;
+                launch(lane.kernel_stream)?;
+                let end = mark(timeline, lane.kernel_stream)?;
+                for (i, (k, pieces, mut times)) in group.chunks.drain(..).enumerate() {
+                    record_event(ring.slots[k].free, lane.kernel_stream)?;
+                    if i == 0 {
+                        times.kernel_end = end;
+                    }
+                    if let Some(t) = timeline.as_deref_mut() {
+                        t.chunk(pieces.len(), times);
+                    }
+                }
+            }
+            HostSide::Destination => {
+                for &(k, _, _) in &group.chunks {
+                    if ring.slots[k].used {
+                        wait_event(lane.kernel_stream, ring.slots[k].free)?;
+                    }
+                }
+                launch(lane.kernel_stream)?;
+                let end = mark(timeline, lane.kernel_stream)?;
+                record_event(ring.slots[last].filled, lane.kernel_stream)?;
+                wait_event(lane.copy_stream, ring.slots[last].filled)?;
+                for (i, (k, pieces, mut times)) in group.chunks.drain(..).enumerate() {
+                    self.dma(&pieces, host, &mut times, timeline)?;
+                    record_event(ring.slots[k].free, lane.copy_stream)?;
+                    ring.slots[k].used = true;
+                    if i == 0 {
+                        times.kernel_end = end;
+                    }
+                    if let Some(t) = timeline.as_deref_mut() {
+                        t.chunk(pieces.len(), times);
+                    }
+                }
+            }
+        }
+        *group = Group::default();
+        Ok(())
+    }
+
+    /// Enqueues a chunk's host-side DMA `pieces` on the copy stream, in the
+    /// copy's direction, between timing marks.
+    fn dma(
+        &self,
+        pieces: &[Span],
+        host: HostSide,
+        times: &mut ChunkEvents,
+        timeline: &Option<&mut Timeline>,
+    ) -> CudaResult<()> {
+        let stream = self.lane.copy_stream;
+        let (from, to) = match host {
+            HostSide::Source => (Location::PinnedHost, Location::Device),
+            HostSide::Destination => (Location::Device, Location::PinnedHost),
+        };
+        times.dma_start = mark(timeline, stream)?;
+        enqueue_spans(self.device, self.batch, stream, pieces, from, to)?;
+        times.dma_end = mark(timeline, stream)?;
+        Ok(())
+    }
+
+    /// Leases a descriptor buffer for `cap` device-side copies after the
+    /// base table `[0]` (written here); returns it with its host and GPU
+    /// addresses.
+    fn lease(&self, cap: usize) -> CudaResult<(DescLease, *mut u8, u64)> {
+        let need = ZERO_TABLE + cap * std::mem::size_of::<CopyRun>();
+        let desc = self.descs.lease(need)?;
+        let (host_ptr, gpu_ptr, bytes) = desc.host();
+        if bytes < need {
+            return Err(CudaError::InvalidCopy("descriptor buffer lost".into()));
+        }
+        // SAFETY: the buffer holds at least ZERO_TABLE bytes, is 8-byte
+        // aligned (page-aligned allocation) and no copy is using it.
+        unsafe { host_ptr.cast::<u64>().write(0) };
+        Ok((desc, host_ptr, gpu_ptr))
+    }
+}
+
+/// Chunks whose device side goes in one kernel (see [`super::StagedJob::grouped`]):
+/// where their descriptors start, how many there are, and per chunk its
+/// slot, host pieces and timing events.
+#[derive(Default)]
+struct Group {
+    first: Option<u64>,
+    runs: usize,
+    chunks: Vec<(usize, Vec<Span>, ChunkEvents)>,
+}
+
+/// Slots' worth of chunk boundaries a staged copy's first descriptor
+/// buffer has room for (64 slots of 32 MiB: 2 GiB).
+const LEASE_SLOTS: u64 = 64;
+
+/// Bytes at the start of a staged descriptor buffer holding the base table
+/// `[0]`: device-side copies carry absolute addresses.
+const ZERO_TABLE: usize = 8;
