@@ -142,9 +142,23 @@ impl TierMover for GatedMover {
     }
 }
 
+/// [`gated_engine_with`] with batches of exactly `batch` blocks (no byte
+/// floor), so each test's batches are the ones it names.
 fn gated_engine(
     in_flight: usize,
     batch: usize,
+    g1: usize,
+    g2: usize,
+) -> (TierEngine, Arc<GatedMover>, Opener) {
+    gated_engine_with(in_flight, batch, 0, g1, g2)
+}
+
+/// An engine over a gated mover: G1 and G2 of `g1` and `g2` host blocks of
+/// 8 KiB, `in_flight` batches of `batch` blocks raised to `batch_bytes`.
+fn gated_engine_with(
+    in_flight: usize,
+    batch: usize,
+    batch_bytes: u64,
     g1: usize,
     g2: usize,
 ) -> (TierEngine, Arc<GatedMover>, Opener) {
@@ -162,6 +176,7 @@ fn gated_engine(
     let config = TierEngineConfig::new(BLOCK_TOKENS)
         .g2_policy(TierPolicy::WriteThrough)
         .offload_limits(batch, 4096)
+        .offload_batch_bytes(batch_bytes)
         .offload_in_flight(in_flight);
     let engine = TierEngine::with_mover(config, Arc::clone(&mover) as Arc<dyn TierMover>).unwrap();
     let opener = Opener(Arc::clone(&mover));
@@ -249,20 +264,28 @@ fn batches_overlap_up_to_the_limit_and_register_in_order() {
 
 #[test]
 fn batches_in_flight_hold_at_most_a_quarter_of_g1_and_g2() {
-    // (in flight, batch, G1, G2) → blocks per batch.
-    for (in_flight, batch, g1, g2, runs) in [
-        (1, 64, 1024, 1024, 64),
-        (4, 64, 1024, 1024, 64),
-        (4, 256, 2048, 2048, 128),
-        (2, 64, 64, 1024, 8),
-        (2, 64, 1024, 96, 12),
-        (4, 64, 8, 8, 1),
+    let default_bytes = TierEngineConfig::new(BLOCK_TOKENS).offload_batch_bytes;
+    // (in flight, batch, bytes floor, G1, G2) → blocks per batch (of 8 KiB).
+    for (in_flight, batch, bytes, g1, g2, runs) in [
+        (1, 64, 0, 1024, 1024, 64),
+        (4, 64, 0, 1024, 1024, 64),
+        (4, 256, 0, 2048, 2048, 128),
+        (2, 64, 0, 64, 1024, 8),
+        (2, 64, 0, 1024, 96, 12),
+        (4, 64, 0, 8, 8, 1),
+        // Raised to the floor: 256 KiB is 32 blocks; 64 MiB would be 8192,
+        // capped by the quarter rule.
+        (4, 16, 256 << 10, 4096, 4096, 32),
+        (4, 64, 256 << 10, 4096, 4096, 64),
+        (4, 16, (256 << 10) + 1, 4096, 4096, 33),
+        (1, 64, default_bytes, 1024, 1024, 256),
+        (4, 64, default_bytes, 4096, 1024, 64),
     ] {
-        let (engine, _mover, _open) = gated_engine(in_flight, batch, g1, g2);
+        let (engine, _mover, _open) = gated_engine_with(in_flight, batch, bytes, g1, g2);
         assert_eq!(
             engine.offload_batch_limit(),
             runs,
-            "{in_flight} in flight, batches of {batch}, G1 {g1}, G2 {g2}"
+            "{in_flight} in flight, batches of {batch} raised to {bytes} bytes, G1 {g1}, G2 {g2}"
         );
     }
 }

@@ -61,8 +61,18 @@ pub struct TierEngineConfig {
     pub g3_onboard: G3Onboard,
     /// When G1 blocks go to G2.
     pub offload_mode: OffloadMode,
-    /// Most blocks one offload batch moves.
+    /// Blocks one offload batch moves (see also `offload_batch_bytes`).
     pub offload_batch: usize,
+    /// Small blocks: a batch takes more than `offload_batch` blocks, until
+    /// it moves this many bytes (0: off). Each batch pays fixed costs, and
+    /// beside the model each batch's staging kernel waits for SMs, so it is
+    /// bytes per batch and in flight that keep the link busy, not blocks:
+    /// 4-token blocks of 512 KiB (8 KiB chunks) beside a bf16 GEMM on the
+    /// H200 machine, four in flight, moved 0.86–0.87 of the link in batches
+    /// of 64 (32 MiB) and 0.90–0.91 in batches of 128 (docs/benchmarks.md,
+    /// "Watcher, feeder, batch bytes"). Batches in flight still hold at
+    /// most a quarter of G1 and of G2.
+    pub offload_batch_bytes: u64,
     /// Offload batches whose copies may be in flight at once. With one, the
     /// link idles while each batch is registered and the next prepared, and
     /// beside the model every batch waits alone for the SMs its staging
@@ -89,7 +99,8 @@ pub struct TierEngineConfig {
 impl TierEngineConfig {
     /// Blocks of `block_size` tokens; reuse-score admission and eviction in
     /// G2 and G3, LRU leaf-first G1, direct G3 onboarding, batches of 64,
-    /// four batches in flight, a queue of 4096 blocks, a history of 4× the total capacity.
+    /// batches of at least 64 MiB, four batches in flight, a queue of 4096
+    /// blocks, a history of 4× the total capacity.
     pub fn new(block_size: usize) -> Self {
         Self {
             block_size,
@@ -99,6 +110,7 @@ impl TierEngineConfig {
             g3_onboard: G3Onboard::Direct,
             offload_mode: OffloadMode::WriteThrough,
             offload_batch: 64,
+            offload_batch_bytes: 64 << 20,
             offload_in_flight: 4,
             offload_queue: 4096,
             history_factor: 4.0,
@@ -145,6 +157,13 @@ impl TierEngineConfig {
     /// Sets how many offload batches may be in flight at once (at least 1).
     pub fn offload_in_flight(mut self, batches: usize) -> Self {
         self.offload_in_flight = batches;
+        self
+    }
+
+    /// Sets the bytes an offload batch of small blocks reaches (0: batches
+    /// of `offload_batch` blocks whatever their size).
+    pub fn offload_batch_bytes(mut self, bytes: u64) -> Self {
+        self.offload_batch_bytes = bytes;
         self
     }
 

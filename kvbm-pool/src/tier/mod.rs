@@ -370,8 +370,8 @@ impl TierEngine {
     }
 
     /// Blocks per offload batch as the worker takes them: `offload_batch`,
-    /// capped so that the batches in flight together hold at most a
-    /// quarter of G1 and of G2.
+    /// raised for small blocks to `offload_batch_bytes`, capped so that the
+    /// batches in flight together hold at most a quarter of G1 and of G2.
     pub fn offload_batch_limit(&self) -> usize {
         offload::batch_limit(&self.shared)
     }

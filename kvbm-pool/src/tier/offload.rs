@@ -405,15 +405,21 @@ impl Flight {
     }
 }
 
-/// Blocks per batch: the configured size, and never more than a quarter
-/// of G1 or of G2 for all batches in flight together: a batch cannot evict
-/// G2 blocks the one before it just stored, and the G1 sources held by
-/// copies in flight leave G1 room to allocate.
+/// Blocks per batch: the configured size, raised for small blocks until a
+/// batch moves `offload_batch_bytes`, and never more than a quarter of G1
+/// or of G2 for all batches in flight together: a batch cannot evict G2
+/// blocks the one before it just stored, and the G1 sources held by copies
+/// in flight leave G1 room to allocate.
 pub(crate) fn batch_limit(shared: &Shared) -> usize {
+    let config = &shared.config;
     let g2 = shared.g2.as_ref().map_or(usize::MAX, |t| t.pool.capacity());
     let smaller = g2.min(shared.g1.pool.capacity());
-    let quarter = smaller / 4 / shared.config.offload_in_flight.max(1);
-    shared.config.offload_batch.min(quarter.max(1))
+    let quarter = smaller / 4 / config.offload_in_flight.max(1);
+    let by_bytes = match shared.g1.block_bytes {
+        0 => 0,
+        b => usize::try_from(config.offload_batch_bytes.div_ceil(b)).unwrap_or(usize::MAX),
+    };
+    config.offload_batch.max(by_bytes).min(quarter.max(1))
 }
 
 fn admitted(shared: &Shared, tier: &TierSlot, policy: TierPolicy, hash: SequenceHash) -> bool {
