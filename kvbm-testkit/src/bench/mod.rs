@@ -36,6 +36,7 @@ pub mod replay;
 pub mod stats;
 pub mod svg;
 pub mod table;
+pub mod thread_cpu;
 
 pub use error::BenchError;
 pub use model::{KvModel, MODEL_PRESETS};

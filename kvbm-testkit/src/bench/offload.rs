@@ -35,6 +35,7 @@ use super::error::{BenchError, Result};
 use super::host_view::{HostLayoutView, HostTier};
 use super::model::KvModel;
 use super::stats::Spread;
+use super::thread_cpu::{CpuSample, ThreadCpu};
 
 #[cfg(feature = "cuda")]
 mod gpu_side;
@@ -100,6 +101,8 @@ pub struct OffloadConfig {
     pub in_flight: Vec<usize>,
     /// `offload_batch` values to sweep.
     pub batches: Vec<usize>,
+    /// `offload_batch_bytes` (`None`: the engine's default).
+    pub batch_bytes: Option<u64>,
     /// Loads to sweep (busy rows need a GPU and feature `gemm`).
     pub loads: Vec<Load>,
     /// At least this many bytes per rep (more when 8 batches of the
@@ -176,6 +179,10 @@ pub struct OffloadRow {
     pub sustained: Option<Sustained>,
     /// The staged copies' timelines of the last rep (with `timeline`).
     pub timeline: Option<String>,
+    /// CPU time per thread over the timed reps (Linux), to show what the
+    /// offloads cost the host (completion polling, the engine's worker);
+    /// busy rows include the GEMM loop's launching thread.
+    pub cpu: Option<ThreadCpu>,
 }
 
 impl OffloadRow {
@@ -435,6 +442,8 @@ struct Rep {
     gemm_alone_tflops: Option<f64>,
     backend_load: Option<String>,
     failure: Option<String>,
+    /// CPU time per thread over the window.
+    cpu: Option<ThreadCpu>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -469,6 +478,7 @@ fn run_row(
         status: "ok".into(),
         sustained: None,
         timeline: None,
+        cpu: None,
     };
     #[cfg(feature = "cuda")]
     let gemm = match (load, side) {
@@ -497,7 +507,7 @@ fn run_row(
     // copy on the H200 machine, 7 % of a 1 GiB rep).
     let (executor, backend) = side.executor()?;
     for rep in 0..=cfg.reps {
-        let engine = engine_for(executor.clone(), shape, in_flight, batch)?;
+        let engine = engine_for(executor.clone(), shape, in_flight, batch, cfg.batch_bytes)?;
         row.batch_run = engine.offload_batch_limit();
         // SAFETY: the previous rep's engine is gone (its worker joined on
         // drop, after its flush), so nothing writes G2 now.
@@ -541,6 +551,9 @@ fn run_row(
         secs.push(r.secs);
         if rep > 0 {
             samples.push(r.bytes as f64 / r.secs / 1e9);
+            if let Some(c) = &r.cpu {
+                row.cpu.get_or_insert_with(ThreadCpu::default).merge(c);
+            }
             tflops.extend(r.gemm_tflops);
             alone.extend(r.gemm_alone_tflops);
             if let (Some(d), Some(a)) = (r.gemm_tflops, r.gemm_alone_tflops.filter(|a| *a > 0.0)) {
@@ -554,7 +567,7 @@ fn run_row(
     }
     #[cfg(feature = "cuda")]
     if let (Some(span), Some(g), false) = (cfg.sustain, gemm, row.failed()) {
-        let engine = engine_for(executor.clone(), shape, in_flight, batch)?;
+        let engine = engine_for(executor.clone(), shape, in_flight, batch, cfg.batch_bytes)?;
         if let Some(b) = backend.as_ref() {
             let r =
                 gpu_side::beside_gemm(g, b, span, || sustained::offload_for(&engine, shape, span))?;
@@ -583,12 +596,17 @@ fn engine_for(
     shape: &Shape,
     in_flight: usize,
     batch: usize,
+    batch_bytes: Option<u64>,
 ) -> Result<TierEngine> {
+    let mut config = TierEngineConfig::new(shape.tokens)
+        .g2_policy(TierPolicy::WriteThrough)
+        .offload_in_flight(in_flight)
+        .offload_limits(batch, shape.blocks);
+    if let Some(bytes) = batch_bytes {
+        config = config.offload_batch_bytes(bytes);
+    }
     TierEngine::new(
-        TierEngineConfig::new(shape.tokens)
-            .g2_policy(TierPolicy::WriteThrough)
-            .offload_in_flight(in_flight)
-            .offload_limits(batch, shape.blocks),
+        config,
         TierLayouts {
             g1: shape.g1.clone(),
             g2: Some(shape.g2.clone()),
@@ -633,10 +651,12 @@ fn offload_once(engine: &TierEngine, shape: &Shape) -> Result<Rep> {
     let chain = register_chain(engine, shape, |b| SequenceHash(hash_of(shape.tokens, b)))?;
     let hashes = chain.hashes;
     let before = engine.stats();
+    let cpu_before = CpuSample::now();
     let t0 = Instant::now();
     engine.offload(chain.items);
     engine.flush();
     let t1 = Instant::now();
+    let cpu = ThreadCpu::over(cpu_before.as_ref());
     let secs = (t1 - t0).as_secs_f64();
     let after = engine.stats();
     drop(chain.held);
@@ -657,6 +677,7 @@ fn offload_once(engine: &TierEngine, shape: &Shape) -> Result<Rep> {
         gemm_alone_tflops: None,
         backend_load: None,
         failure: None,
+        cpu,
     };
     if copied != shape.blocks as u64 || skipped != 0 {
         rep.failure = Some(format!(

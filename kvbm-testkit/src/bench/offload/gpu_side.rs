@@ -8,7 +8,7 @@ use std::time::Instant;
 use kvbm_layout::Layout;
 use kvbm_transfer::cuda::{
     CopierConfig, CopyOptions, CopyPath, CopyRun, CudaBackend, CudaCopier, CudaDevice, CudaRegion,
-    DeviceBuffer, GpuLoad, PinnedMemory, PinnedOptions,
+    DeviceBuffer, FollowedWait, GpuLoad, PinnedMemory, PinnedOptions,
 };
 use kvbm_transfer::{Executor, PhysicalLayout};
 
@@ -82,6 +82,7 @@ impl GpuSide {
     pub(super) fn executor(&self) -> Result<(Executor, Arc<CudaBackend>)> {
         let copier = CopierConfig {
             timeline: self.timeline,
+            followed_wait: followed_wait_from_env(),
             ..CopierConfig::default()
         };
         gpu::executor_with_backend(&self.dev, self.threads, self.path, copier)
@@ -263,5 +264,17 @@ mod with_gemm {
         }
         rep.backend_load = Some(load);
         Ok(rep)
+    }
+}
+
+/// Diagnostics: `KVBM_FOLLOWED_WAIT=as-last|polls|driver` sets how the
+/// copier's watcher waits for a copy with another queued behind it
+/// (`CopierConfig::followed_wait`); unset or anything else, the default.
+fn followed_wait_from_env() -> FollowedWait {
+    match std::env::var("KVBM_FOLLOWED_WAIT").as_deref() {
+        Ok("as-last") => FollowedWait::AsLast,
+        Ok("polls") => FollowedWait::Polls,
+        Ok("driver") => FollowedWait::Driver,
+        _ => CopierConfig::default().followed_wait,
     }
 }

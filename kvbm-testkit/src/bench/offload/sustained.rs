@@ -20,6 +20,7 @@ use kvbm_pool::tier::TierEngine;
 use serde::Serialize;
 
 use super::super::error::Result;
+use super::super::thread_cpu::{CpuSample, ThreadCpu};
 use super::{Counted, Reference, Rep, Shape, hash_of, register_chain};
 
 /// The sustained measurement of a busy row.
@@ -42,6 +43,8 @@ pub struct Sustained {
     pub gemm_during_tflops: Option<f64>,
     /// 100 × (1 − during ÷ alone).
     pub gemm_loss_pct: Option<f64>,
+    /// CPU time per thread over the span (Linux).
+    pub cpu: Option<ThreadCpu>,
 }
 
 impl Sustained {
@@ -68,6 +71,7 @@ impl Sustained {
             gemm_alone_tflops: rep.gemm_alone_tflops,
             gemm_during_tflops: rep.gemm_tflops,
             gemm_loss_pct: loss,
+            cpu: rep.cpu.clone(),
         })
     }
 }
@@ -83,6 +87,7 @@ fn salted(hash: u64, round: u64) -> SequenceHash {
 /// byte).
 pub(super) fn offload_for(engine: &TierEngine, shape: &Shape, span: Duration) -> Result<Rep> {
     let before = engine.stats();
+    let cpu_before = CpuSample::now();
     let t0 = Instant::now();
     let mut round = 0u64;
     while t0.elapsed() < span || round == 0 {
@@ -92,6 +97,7 @@ pub(super) fn offload_for(engine: &TierEngine, shape: &Shape, span: Duration) ->
         engine.flush();
     }
     let t1 = Instant::now();
+    let cpu = ThreadCpu::over(cpu_before.as_ref());
     let Counted {
         copied,
         bytes,
@@ -109,6 +115,7 @@ pub(super) fn offload_for(engine: &TierEngine, shape: &Shape, span: Duration) ->
         gemm_tflops: None,
         gemm_alone_tflops: None,
         backend_load: None,
+        cpu,
         failure: (copied != expected || skipped != 0)
             .then(|| format!("the engine copied {copied} of {expected} blocks, skipped {skipped}")),
     })
@@ -126,7 +133,7 @@ mod tests {
         let side = Side::Host { threads: 1 };
         let shape = allocate_shape(&cfg, &side, 4, 32).unwrap();
         let (executor, _) = side.executor().unwrap();
-        let engine = engine_for(executor, &shape, 2, 4).unwrap();
+        let engine = engine_for(executor, &shape, 2, 4, Some(0)).unwrap();
         let rep = offload_for(&engine, &shape, Duration::from_millis(30)).unwrap();
         assert!(rep.failure.is_none(), "{:?}", rep.failure);
         // A round whose hashes repeated an earlier one's would be skipped

@@ -60,6 +60,7 @@ pub(super) fn tiny_host_config(in_flight: usize, batch: usize) -> OffloadConfig 
         tokens_per_block: vec![4],
         in_flight: vec![in_flight],
         batches: vec![batch],
+        batch_bytes: None,
         loads: vec![Load::Idle],
         min_bytes_per_rep: 1 << 20,
         reps: 1,

@@ -120,6 +120,10 @@ pub struct OffloadArgs {
     /// `offload_batch` values to sweep.
     #[arg(long, value_delimiter = ',', default_value = "64,256")]
     pub batch: Vec<usize>,
+    /// The engine's `offload_batch_bytes` in MiB: small blocks' batches
+    /// grow to this size (0: off; default: the engine's).
+    #[arg(long)]
+    pub batch_mib: Option<u64>,
     /// Loads to sweep: idle, busy (a bf16 GEMM loop on the GPU; needs a
     /// GPU and a build with `--features cuda,gemm`).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "idle,busy")]

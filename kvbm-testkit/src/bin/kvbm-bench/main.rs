@@ -173,6 +173,7 @@ fn offload(cli: &Cli, args: &OffloadArgs) -> Result<(), BenchError> {
         tokens_per_block: args.tokens.clone(),
         in_flight: args.in_flight.clone(),
         batches: args.batch.clone(),
+        batch_bytes: args.batch_mib.map(|m| m << 20),
         loads: args
             .load
             .iter()

@@ -400,6 +400,24 @@ pub fn offload(cli: &Cli, r: &OffloadReport) -> Result<(), BenchError> {
         ]);
     }
     print!("{}", t.render());
+    let with_cpu: Vec<_> = r
+        .rows
+        .iter()
+        .filter_map(|row| row.cpu.as_ref().map(|c| (row, c)))
+        .collect();
+    if !with_cpu.is_empty() {
+        println!("\nhost CPU over the timed reps (cores busy: all threads, then the busiest):");
+        for (row, cpu) in with_cpu {
+            println!(
+                "  {} tok/blk, {}, batch {}, {} in flight: {}",
+                row.tokens_per_block,
+                row.load.name(),
+                row.batch_run,
+                row.in_flight,
+                cpu.summary(5)
+            );
+        }
+    }
     let sustained: Vec<_> = r
         .rows
         .iter()
@@ -420,6 +438,7 @@ pub fn offload(cli: &Cli, r: &OffloadReport) -> Result<(), BenchError> {
             "GEMM alone",
             "GEMM during",
             "loss %",
+            "host CPU",
         ]);
         let opt =
             |v: Option<f64>, digits: usize| v.map_or(String::new(), |x| format!("{x:.digits$}"));
@@ -435,6 +454,7 @@ pub fn offload(cli: &Cli, r: &OffloadReport) -> Result<(), BenchError> {
                 opt(s.gemm_alone_tflops, 0),
                 opt(s.gemm_during_tflops, 0),
                 opt(s.gemm_loss_pct, 1),
+                s.cpu.as_ref().map_or(String::new(), |c| c.summary(3)),
             ]);
         }
         print!("{}", t.render());
