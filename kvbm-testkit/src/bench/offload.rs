@@ -648,7 +648,9 @@ fn unreachable_busy() -> Result<Rep> {
 /// them through `flush`, and checks what the engine counted and what G2
 /// holds.
 fn offload_once(engine: &TierEngine, shape: &Shape) -> Result<Rep> {
-    let chain = register_chain(engine, shape, |b| SequenceHash(hash_of(shape.tokens, b)))?;
+    let chain = register_chain(engine, shape.blocks, |b| {
+        SequenceHash(hash_of(shape.tokens, b))
+    })?;
     let hashes = chain.hashes;
     let before = engine.stats();
     let cpu_before = CpuSample::now();
@@ -723,10 +725,10 @@ struct Chain {
 /// block `b` under `name(b)`.
 fn register_chain(
     engine: &TierEngine,
-    shape: &Shape,
+    count: usize,
     name: impl Fn(usize) -> SequenceHash,
 ) -> Result<Chain> {
-    let blocks = engine.g1().allocate(shape.blocks).map_err(tier_err)?;
+    let blocks = engine.g1().allocate(count).map_err(tier_err)?;
     let mut complete = Vec::with_capacity(blocks.len());
     let mut hashes = Vec::with_capacity(blocks.len());
     let mut parents = Vec::with_capacity(blocks.len());
