@@ -409,8 +409,9 @@ fn offload_and_onboard_overlap_and_both_land() {
 /// ring's feeder in order: two onboards into the same device blocks leave
 /// the second one's bytes, two offloads into the same host blocks likewise,
 /// through a ring that wraps many times and through the default one, with
-/// the caller enqueuing the first chunks (the feeder told first or not),
-/// the feeder taking whole copies, and no feeder.
+/// the caller enqueuing the first chunks (two or one), the feeder taking
+/// whole copies, and no feeder; with followed copies waited for in the
+/// driver and polled.
 #[test]
 fn queued_staged_copies_keep_their_order() {
     let Some(dev) = device_or_skip() else { return };
@@ -434,14 +435,11 @@ fn queued_staged_copies_keep_their_order() {
             .unwrap(),
         ),
         (
-            // The default tells the feeder before the caller's last chunk;
-            // one chunk here with the feeder woken only by the job.
-            "one caller chunk, feeder not told",
+            "one caller chunk",
             CudaCopier::new(
                 &dev,
                 CopierConfig {
                     staged_caller_chunks: 1,
-                    staged_wake_feeder: false,
                     ..CopierConfig::default()
                 },
             )

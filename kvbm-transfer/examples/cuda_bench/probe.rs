@@ -1,11 +1,12 @@
 //! `cuda_bench probe`: the rows that decide how a staged copy starts.
 //!
 //! - The caller enqueuing a staged copy's first chunks when its ring has
-//!   nothing queued (0 = the whole copy handed to the feeder thread; 1 or
-//!   2 chunks, with the feeder told before the last of them or not; no
-//!   feeder at all): one direction, both from one thread (plans lent and
-//!   shared) and from two, 8 and 32 KiB runs, 1-alloc and layer-alloc,
-//!   two passes in opposite orders.
+//!   nothing queued (0 = the whole copy handed to the feeder thread, the
+//!   earlier behaviour; 1, 2, 3 chunks; 2 chunks with a ramp of four
+//!   (the first chunk a sixteenth of a slot); and no feeder at all): one
+//!   direction, both from one thread (plans lent and shared) and from two,
+//!   8 and 32 KiB runs, 1-alloc and layer-alloc, two passes in opposite
+//!   orders.
 //! - Timelines of one staged copy and of an onboard and an offload at once
 //!   (8 KiB runs, plans lent and shared), on one clock: where the fixed
 //!   cost goes.
@@ -23,30 +24,26 @@ pub(crate) fn run(dev: &CudaDevice) {
     let main = mk(CopierConfig::default());
     let refs = references(dev, &main, 5);
 
-    // The caller's first chunks, with and without telling the feeder.
-    let starts = |n: usize, wake: bool| {
-        cfg(move |c| {
-            c.staged_caller_chunks = n;
-            c.staged_wake_feeder = wake;
+    // The caller's first chunks.
+    let ramps: Vec<(String, CudaCopier)> = [0usize, 1, 2, 3]
+        .into_iter()
+        .map(|n| {
+            (
+                format!("caller-chunks-{n}"),
+                mk(cfg(|c| c.staged_caller_chunks = n)),
+            )
         })
-    };
-    let ramps: Vec<(String, CudaCopier)> = [
-        (0usize, false),
-        (1, false),
-        (2, false),
-        (1, true),
-        (2, true),
-    ]
-    .into_iter()
-    .map(|(n, wake)| {
-        let tag = if wake { "wake" } else { "nowake" };
-        (format!("caller-{n}-{tag}"), mk(starts(n, wake)))
-    })
-    .chain([(
-        "no-feeder".to_string(),
-        mk(cfg(|c| c.staged_feeder = false)),
-    )])
-    .collect();
+        .chain([
+            (
+                "caller-2-ramp-4".to_string(),
+                mk(cfg(|c| c.staged_ramp_chunks = 4)),
+            ),
+            (
+                "no-feeder".to_string(),
+                mk(cfg(|c| c.staged_feeder = false)),
+            ),
+        ])
+        .collect();
     let st = opts(Some(CopyPath::Staged), GpuLoad::Idle);
     for (tokens, packed) in [(4usize, true), (4, false), (16, true), (16, false)] {
         let kib = tokens * 2;
@@ -92,11 +89,10 @@ pub(crate) fn run(dev: &CudaDevice) {
     let shape = Shape::new(dev, &arena, 4, true);
     let on = shape.case(Direction::HostToDevice, 0..256);
     let off = shape.case(Direction::DeviceToHost, 256..512);
-    for (n, wake) in [(2usize, false), (1, true), (2, true)] {
+    for n in [2usize, 0] {
         let tl = mk(cfg(|c| {
             c.timeline = true;
             c.staged_caller_chunks = n;
-            c.staged_wake_feeder = wake;
         }));
         for shared in [false, true] {
             for _ in 0..3 {
@@ -107,7 +103,7 @@ pub(crate) fn run(dev: &CudaDevice) {
             both_as(&tl, &on, &off, st, shared);
             let wall = t.elapsed().as_secs_f64() * 1e6;
             println!(
-                "probe timeline both 8 KiB 1-alloc caller-{n} wake {wake} plans {}: copy + wait {wall:.0} us (at the reference rate {:.0} us)\n{}",
+                "probe timeline both 8 KiB 1-alloc caller-chunks-{n} plans {}: copy + wait {wall:.0} us (at the reference rate {:.0} us)\n{}",
                 if shared { "shared" } else { "lent" },
                 (on.bytes + off.bytes) as f64 / refs.both / 1e3,
                 tl.take_timeline().unwrap_or_default()
@@ -117,7 +113,7 @@ pub(crate) fn run(dev: &CudaDevice) {
         on.run(&tl, st);
         let wall = t.elapsed().as_secs_f64() * 1e6;
         println!(
-            "probe timeline H2D 8 KiB 1-alloc caller-{n} wake {wake}: copy + wait {wall:.0} us (at the reference rate {:.0} us)\n{}",
+            "probe timeline H2D 8 KiB 1-alloc caller-chunks-{n}: copy + wait {wall:.0} us (at the reference rate {:.0} us)\n{}",
             on.bytes as f64 / refs.h2d / 1e3,
             tl.take_timeline().unwrap_or_default()
         );

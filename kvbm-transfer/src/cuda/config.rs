@@ -91,12 +91,6 @@ pub struct CopierConfig {
     /// both directions from one thread 2 chunks 0.856–0.877 against
     /// 0.829–0.856 with 0.
     pub staged_caller_chunks: usize,
-    /// With the feeder and caller chunks: tell the feeder a copy is coming
-    /// before the caller enqueues its last chunk, so the thread wakes while
-    /// the caller works and polls for the job instead of sleeping (see
-    /// the feeder module). The caller can then return after one chunk
-    /// without the feeder's wake-up showing.
-    pub staged_wake_feeder: bool,
     /// Staged copies start with this many smaller chunks (a half slot, a
     /// quarter, … back to `1 / 2^n` of a slot for the first), so the first
     /// DMA starts soon and each chunk is planned before the last one moved.
@@ -141,7 +135,6 @@ impl Default for CopierConfig {
             followed_wait: FollowedWait::Driver,
             staged_feeder: true,
             staged_caller_chunks: 2,
-            staged_wake_feeder: true,
             staged_ramp_chunks: 3,
             busy_grouped_staging: true,
             timeline: false,

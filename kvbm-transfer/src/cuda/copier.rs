@@ -172,7 +172,6 @@ impl CudaCopier {
                 queued: AtomicUsize::new(0),
                 spare_runs: Mutex::new(Vec::new()),
                 line_rate: config.line_rate_bytes_per_s,
-                wake_feeder: config.staged_wake_feeder,
             });
             if config.staged_feeder {
                 let r = Arc::clone(&ring);

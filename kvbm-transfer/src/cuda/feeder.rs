@@ -9,40 +9,21 @@
 //! ring the two copies are enqueued by two threads at the same time. A
 //! lone copy does not wait for this thread to wake: when the ring has
 //! nothing queued, the caller enqueues the first chunks itself and the
-//! feeder continues from there (see `StagedRing::submit`). The caller
-//! tells the feeder first ([`Feeder::expect`]), so the thread wakes while
-//! the caller enqueues and then polls for the job for a short while
-//! instead of going back to sleep: the hand-off costs no second wake-up,
-//! and the caller can return after one chunk (an onboard and an offload
-//! submitted by one thread then start that much closer together).
+//! feeder continues from there (see `StagedRing::submit`).
 //!
 //! Jobs run in submission order (one ring's slots are reused in order).
 //! A job that is never run still resolves its completion: the completer
 //! inside it reports "completion lost" when dropped, never success.
 //! Dropping the feeder runs every job already submitted, then joins.
 
-use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
+use std::sync::mpsc::{Sender, channel};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
 
 /// One thread running submitted jobs in order with a handler it owns.
 pub(crate) struct Feeder<J: Send + 'static> {
-    tx: Option<Sender<Msg<J>>>,
+    tx: Option<Sender<J>>,
     thread: Option<JoinHandle<()>>,
 }
-
-/// What the feeder's channel carries.
-enum Msg<J> {
-    Job(J),
-    /// A job follows shortly (see [`Feeder::expect`]).
-    Expect,
-}
-
-/// How long the thread polls for a job it was told to expect before it
-/// sleeps again: longer than a caller's first chunk takes to enqueue
-/// (40–55 µs on the H200 machine), short enough that a caller that never
-/// submits wastes little.
-const EXPECT_POLL: Duration = Duration::from_micros(250);
 
 impl<J: Send + 'static> Feeder<J> {
     /// Starts the thread; `handler` runs each job.
@@ -50,18 +31,12 @@ impl<J: Send + 'static> Feeder<J> {
         name: &str,
         mut handler: impl FnMut(J) + Send + 'static,
     ) -> std::io::Result<Self> {
-        let (tx, rx) = channel::<Msg<J>>();
+        let (tx, rx) = channel::<J>();
         let thread = std::thread::Builder::new()
             .name(name.into())
             .spawn(move || {
-                while let Ok(msg) = rx.recv() {
-                    let job = match msg {
-                        Msg::Job(job) => Some(job),
-                        Msg::Expect => poll_for_job(&rx),
-                    };
-                    if let Some(job) = job {
-                        handler(job);
-                    }
+                for job in rx {
+                    handler(job);
                 }
             })?;
         Ok(Feeder {
@@ -74,40 +49,8 @@ impl<J: Send + 'static> Feeder<J> {
     /// panicked), so the caller can run it itself or fail it.
     pub(crate) fn submit(&self, job: J) -> Result<(), J> {
         match &self.tx {
-            Some(tx) => match tx.send(Msg::Job(job)) {
-                Ok(()) => Ok(()),
-                // `send` hands back the message it was given: the job.
-                Err(e) => match e.0 {
-                    Msg::Job(job) => Err(job),
-                    Msg::Expect => Ok(()),
-                },
-            },
+            Some(tx) => tx.send(job).map_err(|e| e.0),
             None => Err(job),
-        }
-    }
-
-    /// Wakes the thread to poll for a job the caller is about to submit
-    /// (for up to `EXPECT_POLL`), so the job does not wait for a wake-up.
-    /// Harmless if no job follows.
-    pub(crate) fn expect(&self) {
-        if let Some(tx) = &self.tx {
-            let _ = tx.send(Msg::Expect);
-        }
-    }
-}
-
-/// After [`Msg::Expect`]: the next job if one comes within `EXPECT_POLL`
-/// (further `Expect`s are skipped); `None` when none came or the channel
-/// closed (the caller's loop then sleeps or ends).
-fn poll_for_job<J>(rx: &Receiver<Msg<J>>) -> Option<J> {
-    let until = Instant::now() + EXPECT_POLL;
-    loop {
-        match rx.try_recv() {
-            Ok(Msg::Job(job)) => return Some(job),
-            Ok(Msg::Expect) => {}
-            Err(TryRecvError::Disconnected) => return None,
-            Err(TryRecvError::Empty) if Instant::now() >= until => return None,
-            Err(TryRecvError::Empty) => std::hint::spin_loop(),
         }
     }
 }
@@ -164,25 +107,6 @@ mod tests {
         go_tx.send(()).unwrap();
         drop(feeder);
         assert_eq!(*ran.lock().unwrap(), 2);
-    }
-
-    #[test]
-    fn an_expected_job_runs_and_an_expect_without_one_is_harmless() {
-        let seen = Arc::new(Mutex::new(Vec::new()));
-        let s = Arc::clone(&seen);
-        let feeder = Feeder::spawn("t-expect", move |j: usize| s.lock().unwrap().push(j)).unwrap();
-        // Told, then the job within the poll window.
-        feeder.expect();
-        feeder.submit(1).unwrap();
-        // Told, and no job for longer than the window: the thread sleeps
-        // again and still takes the next job.
-        feeder.expect();
-        feeder.expect();
-        std::thread::sleep(EXPECT_POLL * 4);
-        feeder.submit(2).unwrap();
-        feeder.expect();
-        drop(feeder);
-        assert_eq!(*seen.lock().unwrap(), vec![1, 2]);
     }
 
     /// A job whose handler panics is never reported successful: its

@@ -169,9 +169,6 @@ pub(crate) struct StagedRing {
     /// Bytes per second the host link moves at best (the watcher's
     /// earliest end of a copy, see `PollPlan`).
     pub line_rate: f64,
-    /// Tell the feeder a copy is coming before the caller enqueues its
-    /// last chunk (`CopierConfig::staged_wake_feeder`).
-    pub wake_feeder: bool,
 }
 
 impl StagedRing {
@@ -183,10 +180,7 @@ impl StagedRing {
     /// ring has nothing queued, the first `caller_chunks` chunks are
     /// enqueued here; a borrowed plan is then copied for the feeder (which
     /// checks it whole) and one more chunk enqueued, so the feeder starts
-    /// with a chunk of runway; the feeder continues. With `wake_feeder`
-    /// the feeder is told before the last chunk enqueued here (see
-    /// `Feeder::expect`), so it is awake when the job arrives. With copies
-    /// queued,
+    /// with a chunk of runway; the feeder continues. With copies queued,
     /// the whole copy goes to the feeder behind them. A run found out of
     /// bounds here is this call's error (after the lane drained, when part
     /// of the copy was on the GPU); one found by the feeder resolves the
@@ -206,30 +200,17 @@ impl StagedRing {
             return self.finish_here(finished(enqueued), job);
         };
         if caller_chunks > 0 && !job.grouped && self.queued.load(Ordering::Acquire) == 0 {
-            // A borrowed plan's last chunk here comes after its copy.
-            let wake_now = self.wake_feeder && !borrowed;
-            let before_wake = caller_chunks - usize::from(wake_now);
-            for (n, wake) in [(before_wake, false), (usize::from(wake_now), true)] {
-                if n == 0 {
-                    continue;
-                }
-                if wake {
-                    feeder.expect();
-                }
-                match self.enqueue_job(guard.ring.as_mut(), &mut job, plan, Some(n)) {
-                    Ok(None) => {}
-                    // The whole copy went in here, or failed.
-                    done => return self.finish_here(finished(done), job),
-                }
+            let ring = guard.ring.as_mut();
+            match self.enqueue_job(ring, &mut job, plan, Some(caller_chunks)) {
+                Ok(None) => {}
+                // The whole copy went in here, or failed.
+                done => return self.finish_here(finished(done), job),
             }
             if borrowed {
                 // (The lane stays locked: the feeder has nothing queued on
                 // this ring, and other callers go behind this copy.)
                 if let Err(e) = self.own_plan(&mut job, plan) {
                     return self.finish_here(Err(e), job);
-                }
-                if self.wake_feeder {
-                    feeder.expect();
                 }
                 let runs = job.runs.take();
                 let more =
