@@ -19,7 +19,8 @@
 //! that was never copied cannot pass. The engine's counters must say that
 //! every block was copied and none skipped. The reference is one large
 //! copy each way (pinned ↔ device) in the same run; every row gives its
-//! ratio to the device → pinned one.
+//! ratio to the device → pinned one. Each row also reports the host CPU
+//! each thread used over its timed reps (`thread_cpu`).
 
 use std::time::Instant;
 
@@ -120,8 +121,9 @@ pub struct OffloadConfig {
     pub host_g1: bool,
     /// The CUDA backend's path (GPU G1 only).
     pub gpu_path: GpuPath,
-    /// Busy rows: also offload without a pause for this long beside the
-    /// GEMM, against windows as long of the GEMM alone (see [`Sustained`]).
+    /// Busy rows: also stream offloads (the engine's queue never drains)
+    /// for this long beside the GEMM, against windows as long of the GEMM
+    /// alone (see [`Sustained`]).
     pub sustain: Option<std::time::Duration>,
     /// Diagnostics (GPU G1): record the staged copies' timelines and keep
     /// those of each row's last rep in the row.
@@ -432,8 +434,8 @@ struct Rep {
     copied: u64,
     skipped: u64,
     verified: u64,
-    /// Offloads of the shape's blocks in the window (1 but in sustained
-    /// measurements, which need a GPU).
+    /// Rounds of offloads in the window (1 but in sustained measurements,
+    /// which need a GPU).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     rounds: u64,
     /// GEMM TFLOP/s inside the window (busy reps).

@@ -33,11 +33,11 @@ use super::{Counted, Reference, Rep, Shape, hash_of, register_chain};
 /// The sustained measurement of a busy row.
 #[derive(Debug, Clone, Serialize)]
 pub struct Sustained {
-    /// Seconds from the first round's `offload` to the last round's
-    /// `flush` (gaps between rounds included: registering the next
-    /// round's blocks in G1).
+    /// Seconds from the first round's `offload` to the final `flush`
+    /// (registering each round's blocks in G1 included; the copies run
+    /// meanwhile).
     pub secs: f64,
-    /// Rounds run.
+    /// Rounds run (half the shape's blocks each).
     pub rounds: u64,
     /// Offload GB/s over the span.
     pub gbps: f64,

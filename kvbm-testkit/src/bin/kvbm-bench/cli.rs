@@ -147,8 +147,9 @@ pub struct OffloadArgs {
     /// The CUDA backend's copy path (auto: chosen per job).
     #[arg(long, value_enum, default_value_t = GpuPathArg::Auto)]
     pub gpu_path: GpuPathArg,
-    /// Busy rows: also offload without a pause for this many ms beside the
-    /// GEMM, against as long of the GEMM alone before and after (0: off).
+    /// Busy rows: also stream offloads (the engine's queue never drains)
+    /// for this many ms beside the GEMM, against as long of the GEMM alone
+    /// before and after (0: off).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=60_000))]
     pub sustain_ms: u64,
     /// Diagnostics: print the staged copies' timelines of each row's last

@@ -425,7 +425,7 @@ pub fn offload(cli: &Cli, r: &OffloadReport) -> Result<(), BenchError> {
         .collect();
     if !sustained.is_empty() {
         println!(
-            "\nsustained beside the GEMM: rounds of offloads without a pause, against as long of the GEMM alone before and after"
+            "\nsustained beside the GEMM: offloads streaming (each round queued before the last is waited for), against as long of the GEMM alone before and after"
         );
         let mut t = Table::new([
             "tok/blk",
