@@ -68,10 +68,11 @@ pub struct TierEngineConfig {
     /// beside the model each batch's staging kernel waits for SMs, so it is
     /// bytes per batch and in flight that keep the link busy, not blocks:
     /// 4-token blocks of 512 KiB (8 KiB chunks) beside a bf16 GEMM on the
-    /// H200 machine, four in flight, moved 0.86–0.87 of the link in batches
-    /// of 64 (32 MiB) and 0.90–0.91 in batches of 128 (docs/benchmarks.md,
-    /// "Watcher, feeder, batch bytes"). Batches in flight still hold at
-    /// most a quarter of G1 and of G2.
+    /// H200 machine, four in flight, in 1 GiB bursts from an empty queue,
+    /// moved 0.86–0.87 of the link in batches of 64 (32 MiB) and 0.90–0.91
+    /// in batches of 128; in 2 GiB bursts the two were within noise
+    /// (docs/benchmarks.md, "Watcher, feeder, batch bytes"). Batches in
+    /// flight still hold at most a quarter of G1 and of G2.
     pub offload_batch_bytes: u64,
     /// Offload batches whose copies may be in flight at once. With one, the
     /// link idles while each batch is registered and the next prepared, and

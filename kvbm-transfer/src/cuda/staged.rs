@@ -27,9 +27,9 @@
 //!   plan is never copied; a borrowed one is copied (and so checked whole)
 //!   after the first chunks are on the GPU, before `copy()` returns;
 //! - chunks are planned one at a time, in plan order (see
-//!   [`super::plan::StagedChunker`]), the first ones small (an eighth of a slot, then a
-//!   quarter, a half), so the first DMA starts tens of microseconds after
-//!   the call instead of after the whole plan;
+//!   [`super::plan::StagedChunker`]), the first ones small (an eighth of a
+//!   slot, then a quarter, a half), so the first DMA starts tens of
+//!   microseconds after the call instead of after the whole plan;
 //! - the kernel's copies are written straight into mapped pinned memory
 //!   and read there by the kernel. An upload would go through the
 //!   host-to-device copy engine, where it queued behind an onboard's DMA
@@ -38,6 +38,9 @@
 //!
 //! A `Timeline` (diagnostics, `CopierConfig::timeline`, see `timeline`)
 //! records host instants and GPU timing events around every chunk.
+//!
+//! This module holds the jobs, the ring and how a copy is handed between
+//! the caller and the feeder; `enqueue` puts a copy's chunks on the GPU.
 
 use std::any::Any;
 use std::sync::atomic::{AtomicUsize, Ordering};
