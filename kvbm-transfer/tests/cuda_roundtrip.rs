@@ -446,13 +446,14 @@ fn queued_staged_copies_keep_their_order() {
             .unwrap(),
         ),
         (
-            // The default waits for a copy with another behind it in the
-            // driver; here the watcher polls it.
-            "followed copies polled",
+            // By default an offload with another behind it is waited for
+            // in the driver and an onboard polled; here the other way.
+            "followed offloads polled, onboards in the driver",
             CudaCopier::new(
                 &dev,
                 CopierConfig {
-                    followed_wait: FollowedWait::Polls,
+                    followed_wait_offload: FollowedWait::Polls,
+                    followed_wait_onboard: FollowedWait::Driver,
                     ..CopierConfig::default()
                 },
             )

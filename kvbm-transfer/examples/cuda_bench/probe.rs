@@ -10,6 +10,9 @@
 //! - Timelines of one staged copy and of an onboard and an offload at once
 //!   (8 KiB runs, plans lent and shared), on one clock: where the fixed
 //!   cost goes.
+//! - Four onboards queued at once: when each one's completion resolves,
+//!   with the watcher polling onboards that have another behind them (the
+//!   default) or sleeping in the driver for them.
 //!
 //! (A first version also measured the copy-engine path split across 1–6
 //! copy streams, with stream priorities and `CUDA_DEVICE_MAX_CONNECTIONS`,
@@ -20,6 +23,10 @@ use super::*;
 
 pub(crate) fn run(dev: &CudaDevice) {
     let arena = filled_arena(dev, 2 * GIB);
+    if std::env::args().any(|a| a == "queued") {
+        queued_onboards(dev, &arena);
+        return;
+    }
     let mk = |c: CopierConfig| CudaCopier::new(dev, c).expect("copier");
     let main = mk(CopierConfig::default());
     let refs = references(dev, &main, 5);
@@ -117,5 +124,60 @@ pub(crate) fn run(dev: &CudaDevice) {
             on.bytes as f64 / refs.h2d / 1e3,
             tl.take_timeline().unwrap_or_default()
         );
+    }
+
+    queued_onboards(dev, &arena);
+}
+
+/// Four onboards of 32 MiB (8 KiB runs) queued at once: when each one's
+/// completion resolves, with followed onboards polled (the default) or
+/// waited for in the driver. `cuda_bench probe queued` runs only this.
+pub(crate) fn queued_onboards(dev: &CudaDevice, arena: &Arc<PinnedMemory>) {
+    let mk = |c: CopierConfig| CudaCopier::new(dev, c).expect("copier");
+    let shape = Shape::new(dev, arena, 4, true);
+    let st = opts(Some(CopyPath::Staged), GpuLoad::Idle);
+    let polled = mk(CopierConfig::default());
+    let driver = mk(cfg(|c| {
+        c.followed_wait_onboard = kvbm_transfer::cuda::FollowedWait::Driver
+    }));
+    let quarters: Vec<Case> = (0..4)
+        .map(|q| shape.case(Direction::HostToDevice, q * 64..(q + 1) * 64))
+        .collect();
+    for pass in 0..2 {
+        for (name, copier) in [("polled", &polled), ("driver", &driver)] {
+            let mut at: Vec<Vec<f64>> = vec![Vec::new(); quarters.len()];
+            for rep in 0..8 {
+                let t0 = Instant::now();
+                let ends = Arc::new(std::sync::Mutex::new(vec![0f64; quarters.len()]));
+                let mut pending = Vec::new();
+                for (i, q) in quarters.iter().enumerate() {
+                    let c = q.submit(copier, st, true).expect("onboard");
+                    let (ends, done) = (Arc::clone(&ends), std::sync::mpsc::channel());
+                    let tx = done.0;
+                    c.on_complete(move |r| {
+                        r.expect("onboard failed");
+                        ends.lock().unwrap()[i] = t0.elapsed().as_secs_f64() * 1e6;
+                        let _ = tx.send(());
+                    });
+                    pending.push(done.1);
+                }
+                for p in pending {
+                    p.recv().expect("completion");
+                }
+                if rep > 0 {
+                    for (i, e) in ends.lock().unwrap().iter().enumerate() {
+                        at[i].push(*e);
+                    }
+                }
+            }
+            let medians: Vec<String> = at
+                .into_iter()
+                .map(|v| format!("{:.0}", median(v).0))
+                .collect();
+            println!(
+                "probe queued onboards pass {pass} {name:<7} resolved at (us, medians of 7): {}",
+                medians.join(" / ")
+            );
+        }
     }
 }

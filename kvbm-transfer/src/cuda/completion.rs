@@ -20,14 +20,16 @@
 //! model's kernels — which outlast the busy budget and would otherwise pay
 //! the driver's wake-up; it costs a query per interval, not a core.
 //!
-//! Only the last copy handed to a watcher is polled. A copy with another
-//! queued behind it on its lane ends with the link still busy (the next
-//! copy follows on the same streams), so learning of its end a wake-up
-//! later delays no byte; by default the watcher sleeps in the driver for
-//! it (see [`FollowedWait`]). An engine that keeps several offloads in
-//! flight then costs a sleeping thread rather than a spinning one: on the
-//! H200 machine the watcher of a stream of 8 KiB offloads used 0.09 of a
-//! core where polling every copy took 0.53–0.74, at the same rate.
+//! Offloads: only the last copy handed to a watcher is polled. A copy with
+//! another queued behind it on its lane ends with the link still busy
+//! (the next copy follows on the same streams), so learning of its end a
+//! wake-up later delays no byte; by default the watcher of a device → host
+//! lane sleeps in the driver for it (see [`FollowedWait`]). An engine that
+//! keeps several offloads in flight then costs a sleeping thread rather
+//! than a spinning one: on the H200 machine the watcher of a stream of 8
+//! KiB offloads used 0.09 of a core where polling every copy took
+//! 0.53–0.74, at the same rate. Onboards are polled whatever follows them:
+//! a request waits on each.
 
 use std::any::Any;
 use std::collections::VecDeque;

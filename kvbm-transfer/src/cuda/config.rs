@@ -65,14 +65,18 @@ pub struct CopierConfig {
     /// An upper bound of the host link's rate in one direction (bytes/s),
     /// for `wake_spin_us`: a copy never ends before its bytes at this rate.
     pub line_rate_bytes_per_s: f64,
-    /// How the watcher waits for a copy that has another queued behind it
-    /// on its lane (see [`FollowedWait`]). The driver's wait: on the H200
-    /// machine, 8 KiB offloads through the tier engine with four batches
-    /// in flight moved the same (0.80–0.83 of the link over 3 s beside a
-    /// GEMM, 0.93–0.94 idle) with each choice, and the watcher used 0.09
-    /// of a core waiting in the driver, 0.15–0.24 polling with sleeps and
-    /// 0.53–0.74 busy-polling every copy.
-    pub followed_wait: FollowedWait,
+    /// How the watcher of a device → host (or device → device) lane waits
+    /// for a copy that has another queued behind it (see [`FollowedWait`]).
+    /// The driver's wait: on the H200 machine, 8 KiB offloads through the
+    /// tier engine with four batches in flight moved the same (0.80–0.83
+    /// of the link over 3 s beside a GEMM, 0.93–0.94 idle) with each
+    /// choice, and the watcher used 0.09 of a core waiting in the driver,
+    /// 0.15–0.24 polling with sleeps and 0.53–0.74 busy-polling every copy.
+    pub followed_wait_offload: FollowedWait,
+    /// The same for host → device lanes. Polled as the last copy: a
+    /// request waits on each onboard, and the driver's wake-up would add
+    /// itself to the wait of every onboard but the last of a queue.
+    pub followed_wait_onboard: FollowedWait,
     /// Staged copies are enqueued by a feeder thread per staging ring, so
     /// `copy()` returns early and an onboard and an offload submitted by
     /// one thread are enqueued side by side (H200 machine, both directions
@@ -132,7 +136,8 @@ impl Default for CopierConfig {
             wake_spin_us: 500,
             wake_poll_interval_us: 20,
             line_rate_bytes_per_s: 56e9,
-            followed_wait: FollowedWait::Driver,
+            followed_wait_offload: FollowedWait::Driver,
+            followed_wait_onboard: FollowedWait::AsLast,
             staged_feeder: true,
             staged_caller_chunks: 2,
             staged_ramp_chunks: 3,

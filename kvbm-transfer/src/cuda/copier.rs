@@ -141,10 +141,16 @@ impl CudaCopier {
                 // One staging ring per direction, on lane 0: staged copies
                 // all go there (the ring is large; see `staging_slots`).
                 let staged = d != 2 && i == 0;
+                let followed = if d == 0 {
+                    config.followed_wait_onboard
+                } else {
+                    config.followed_wait_offload
+                };
                 lanes[d].push(Arc::new(Lane::new(
                     device,
                     &config,
                     staged,
+                    followed,
                     &format!("kvbm-{name}-{i}"),
                 )?));
             }

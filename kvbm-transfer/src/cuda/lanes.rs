@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::sys::{self, CUdeviceptr, CUevent, CUstream};
 
 use super::completion::{Watcher, destroy_event, new_event};
-use super::copier::CopierConfig;
+use super::copier::{CopierConfig, FollowedWait};
 use super::device::CudaDevice;
 use super::error::{CudaResult, check};
 use super::memory::DeviceBuffer;
@@ -62,6 +62,7 @@ impl Lane {
         device: &CudaDevice,
         config: &CopierConfig,
         staged: bool,
+        followed: FollowedWait,
         name: &str,
     ) -> CudaResult<Self> {
         let (mut least, mut greatest) = (0i32, 0i32);
@@ -78,7 +79,7 @@ impl Lane {
             }
         };
         let mut lane = Lane {
-            watcher: Watcher::spawn(device, name, config.followed_wait)?,
+            watcher: Watcher::spawn(device, name, followed)?,
             kernel_stream,
             copy_stream,
             state: Mutex::new(LaneState { ring: None }),

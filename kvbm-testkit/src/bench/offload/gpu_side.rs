@@ -82,7 +82,7 @@ impl GpuSide {
     pub(super) fn executor(&self) -> Result<(Executor, Arc<CudaBackend>)> {
         let copier = CopierConfig {
             timeline: self.timeline,
-            followed_wait: followed_wait_from_env(),
+            followed_wait_offload: followed_wait_from_env(),
             ..CopierConfig::default()
         };
         gpu::executor_with_backend(&self.dev, self.threads, self.path, copier)
@@ -269,12 +269,13 @@ mod with_gemm {
 
 /// Diagnostics: `KVBM_FOLLOWED_WAIT=as-last|polls|driver` sets how the
 /// copier's watcher waits for a copy with another queued behind it
-/// (`CopierConfig::followed_wait`); unset or anything else, the default.
+/// (`CopierConfig::followed_wait_offload`); unset or anything else, the
+/// default.
 fn followed_wait_from_env() -> FollowedWait {
     match std::env::var("KVBM_FOLLOWED_WAIT").as_deref() {
         Ok("as-last") => FollowedWait::AsLast,
         Ok("polls") => FollowedWait::Polls,
         Ok("driver") => FollowedWait::Driver,
-        _ => CopierConfig::default().followed_wait,
+        _ => CopierConfig::default().followed_wait_offload,
     }
 }
