@@ -75,7 +75,9 @@ pub struct CopierConfig {
     pub followed_wait_offload: FollowedWait,
     /// The same for host → device lanes. Polled as the last copy: a
     /// request waits on each onboard, and the driver's wake-up would add
-    /// itself to the wait of every onboard but the last of a queue.
+    /// itself to the wait of every onboard but the last of a queue (four
+    /// 32 MiB onboards queued at once on the H200 machine resolved 60–90 µs
+    /// later each, but the last, when waited for in the driver).
     pub followed_wait_onboard: FollowedWait,
     /// Staged copies are enqueued by a feeder thread per staging ring, so
     /// `copy()` returns early and an onboard and an offload submitted by
