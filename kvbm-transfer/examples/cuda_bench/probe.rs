@@ -148,25 +148,21 @@ pub(crate) fn queued_onboards(dev: &CudaDevice, arena: &Arc<PinnedMemory>) {
             let mut at: Vec<Vec<f64>> = vec![Vec::new(); quarters.len()];
             for rep in 0..8 {
                 let t0 = Instant::now();
-                let ends = Arc::new(std::sync::Mutex::new(vec![0f64; quarters.len()]));
-                let mut pending = Vec::new();
+                // Each completion reports (which, when, how) on one channel.
+                let (tx, rx) = std::sync::mpsc::channel();
                 for (i, q) in quarters.iter().enumerate() {
-                    let c = q.submit(copier, st, true).expect("onboard");
-                    let (ends, done) = (Arc::clone(&ends), std::sync::mpsc::channel());
-                    let tx = done.0;
-                    c.on_complete(move |r| {
-                        r.expect("onboard failed");
-                        ends.lock().unwrap()[i] = t0.elapsed().as_secs_f64() * 1e6;
-                        let _ = tx.send(());
-                    });
-                    pending.push(done.1);
+                    let tx = tx.clone();
+                    q.submit(copier, st, true)
+                        .expect("onboard")
+                        .on_complete(move |r| {
+                            let _ = tx.send((i, t0.elapsed().as_secs_f64() * 1e6, r));
+                        });
                 }
-                for p in pending {
-                    p.recv().expect("completion");
-                }
-                if rep > 0 {
-                    for (i, e) in ends.lock().unwrap().iter().enumerate() {
-                        at[i].push(*e);
+                for _ in 0..quarters.len() {
+                    let (i, us, r) = rx.recv().expect("completion");
+                    r.expect("onboard failed");
+                    if rep > 0 {
+                        at[i].push(us);
                     }
                 }
             }
