@@ -9,11 +9,34 @@ use std::path::Path;
 
 use kvbm_layout::{Layout, LayoutKind};
 use kvbm_pool::Tier;
-use kvbm_transfer::memory::{DISK_ALIGNMENT, DiskAllocator, DiskOptions, SystemAllocator};
+use kvbm_transfer::memory::{DISK_ALIGNMENT, DiskAllocator, DiskOptions, IoMode, SystemAllocator};
 use kvbm_transfer::{Executor, PhysicalLayout};
 
 use crate::error::{DistError, Result};
 use crate::proto::{Configure, TierBounds};
+
+/// Whether every chunk of G1 starts and ends on the disk alignment (device
+/// memory always counts as aligned: it reaches disk through a bounce
+/// buffer). Blocks share their strides, so blocks 0 and 1 speak for all.
+fn disk_aligned(g1: &PhysicalLayout) -> bool {
+    if !g1.kind().is_host() {
+        return true;
+    }
+    let layout = g1.layout();
+    let c = *layout.config();
+    let aligned = |v: u64| v.is_multiple_of(DISK_ALIGNMENT);
+    let bases_aligned = g1.regions().iter().all(|r| r.addr().is_some_and(aligned));
+    bases_aligned
+        && (0..c.num_blocks().min(2)).all(|block| {
+            (0..c.num_layers()).all(|layer| {
+                (0..c.outer_dim()).all(|outer| {
+                    layout
+                        .chunk(block, layer, outer)
+                        .is_ok_and(|ch| aligned(ch.offset) && aligned(ch.len))
+                })
+            })
+        })
+}
 
 pub(crate) struct Tiers {
     g1: PhysicalLayout,
@@ -69,7 +92,20 @@ impl Tiers {
                     .with_num_blocks(blocks(n)?)?
                     .with_alignment(DISK_ALIGNMENT)?;
                 let layout = Layout::new(config, LayoutKind::FullyContiguous)?;
-                let alloc = DiskAllocator::new(dir, DiskOptions::default())?;
+                // Blocks go between G3 and G1 directly. `O_DIRECT` needs
+                // every host address aligned, which an engine's host
+                // tensors (a CPU engine's KV cache) need not be: then G3 is
+                // read and written through the page cache.
+                let options = DiskOptions {
+                    io_mode: if disk_aligned(&self.g1) {
+                        IoMode::Auto
+                    } else {
+                        tracing::info!("G1 is not disk-aligned host memory: G3 uses buffered I/O");
+                        IoMode::Buffered
+                    },
+                    ..DiskOptions::default()
+                };
+                let alloc = DiskAllocator::new(dir, options)?;
                 Some(PhysicalLayout::allocate_disk(layout, &alloc)?)
             }
         };

@@ -90,6 +90,7 @@ impl DiskAllocator {
             file,
             len,
             direct,
+            any_alignment: self.options.io_mode == IoMode::Buffered,
             persist: AtomicBool::new(self.options.persist),
             id: n,
         };
@@ -135,6 +136,9 @@ pub struct DiskFile {
     file: File,
     len: u64,
     direct: bool,
+    /// Opened buffered on request: host memory at any address may be read
+    /// into or written from it.
+    any_alignment: bool,
     persist: AtomicBool,
     id: u64,
 }
@@ -157,6 +161,7 @@ impl DiskFile {
             file,
             len,
             direct,
+            any_alignment: mode == IoMode::Buffered,
             persist: AtomicBool::new(true),
             id,
         }))
@@ -221,6 +226,15 @@ impl DiskFile {
     /// Whether the file is open with `O_DIRECT`.
     pub fn is_direct(&self) -> bool {
         self.direct
+    }
+
+    /// Whether requests on this file may use any offset, length and host
+    /// address: only for files opened with [`IoMode::Buffered`] (an
+    /// [`IoMode::Auto`] file keeps `O_DIRECT`'s rules even where it fell
+    /// back to buffered I/O, so behaviour does not depend on the file
+    /// system).
+    pub fn takes_any_alignment(&self) -> bool {
+        self.any_alignment
     }
 
     /// The raw file descriptor (valid while `self` lives).

@@ -1,0 +1,18 @@
+"""kvbm for Python: KV cache blocks beyond GPU memory.
+
+Two objects, thin over kvbm's Rust crates:
+
+* :class:`Scheduler` -- in the engine's scheduler process: a kvbm-dist
+  leader and the tier engine (G2 host memory, G3 disk): match, onboard,
+  offload, release, stats.
+* :class:`Worker` -- in each engine worker process (one per tensor-parallel
+  rank): the engine's KV tensors as kvbm's G1, executing the leader's copies.
+
+The vLLM KV connector is :class:`kvbm_py.vllm.KvbmConnector` (importing
+:mod:`kvbm_py` itself does not import vLLM). Configuration is
+:class:`kvbm_py.config.KvbmConfig`.
+"""
+
+from kvbm_py._kvbm import Match, Scheduler, Worker, __version__, sequence_hash
+
+__all__ = ["Match", "Scheduler", "Worker", "sequence_hash", "__version__"]

@@ -1,0 +1,148 @@
+"""kvbm's configuration for an engine integration.
+
+Each setting is read from the engine's connector configuration (for vLLM,
+``kv_connector_extra_config``), then from an environment variable, then
+falls back to its default. See ``docs/vllm.md`` for the table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+GIB = 1 << 30
+
+#: key -> (environment variables, most preferred first; default)
+_SOURCES: dict[str, tuple[tuple[str, ...], Any]] = {
+    "cpu_cache_gb": (("KVBM_CPU_CACHE_GB", "DYN_KVBM_CPU_CACHE_GB"), 4.0),
+    "disk_cache_gb": (("KVBM_DISK_CACHE_GB", "DYN_KVBM_DISK_CACHE_GB"), 0.0),
+    "disk_cache_dir": (("KVBM_DISK_CACHE_DIR", "DYN_KVBM_DISK_CACHE_DIR"), None),
+    "offload": (("KVBM_OFFLOAD",), "eager"),
+    "admission": (("KVBM_ADMISSION",), "reuse_score"),
+    "load_async": (("KVBM_LOAD_ASYNC",), True),
+    "endpoint": (("KVBM_ENDPOINT",), None),
+    "handshake_timeout_s": (("KVBM_HANDSHAKE_TIMEOUT_S",), 120.0),
+}
+
+OFFLOAD_MODES = ("eager", "finish", "none")
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _as_bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"kvbm: {key}={value!r} is not a boolean")
+
+
+def _as_float(value: Any, key: str) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"kvbm: {key}={value!r} is not a number") from None
+    if not out >= 0.0:
+        raise ValueError(f"kvbm: {key}={value!r} must be >= 0")
+    return out
+
+
+@dataclass(frozen=True)
+class KvbmConfig:
+    """kvbm's settings for one engine instance.
+
+    Sizes are per worker (per tensor-parallel rank).
+    """
+
+    #: G2 (host memory, pinned next to a GPU) per worker, GiB.
+    cpu_cache_gb: float = 4.0
+    #: G3 (disk) per worker, GiB; 0 disables G3.
+    disk_cache_gb: float = 0.0
+    #: Directory of the G3 files; a temporary directory when unset.
+    disk_cache_dir: str | None = None
+    #: When full blocks are offloaded: ``eager`` (as they fill), ``finish``
+    #: (when the request finishes) or ``none``.
+    offload: str = "eager"
+    #: G2/G3 admission: ``all``, ``reuse_score`` or ``min_uses:N``.
+    admission: str = "reuse_score"
+    #: Load asynchronously (the request waits while others run) or
+    #: synchronously (the scheduler step waits for the load).
+    load_async: bool = True
+    #: The leader's ZeroMQ endpoint; an IPC socket per engine when unset.
+    endpoint: str | None = None
+    #: How long the scheduler side waits for every worker, seconds.
+    handshake_timeout_s: float = 120.0
+    #: Test hook: overwrite the first block of every onboard with zeros
+    #: after it landed (proves an output comparison detects bad bytes).
+    test_corrupt_onboard: bool = False
+    #: Test hook: make this many onboards fail (a real failed copy: they
+    #: target a block outside G1, which every worker refuses).
+    test_fail_onboards: int = 0
+
+    @classmethod
+    def from_sources(
+        cls, extra: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+    ) -> "KvbmConfig":
+        """Reads every key from ``extra``, then ``env`` (default
+        ``os.environ``), then the default. Unknown keys in ``extra`` that
+        start with ``kvbm`` or ``test_`` are refused (typos); other keys
+        belong to other components and are ignored."""
+        extra = dict(extra or {})
+        env = os.environ if env is None else env
+        known = set(_SOURCES) | {"test_corrupt_onboard", "test_fail_onboards"}
+        for key in extra:
+            if key not in known and (key.startswith("test_") or key.startswith("kvbm")):
+                raise ValueError(f"kvbm: unknown configuration key {key!r}")
+        values: dict[str, Any] = {}
+        for key, (names, default) in _SOURCES.items():
+            if key in extra and extra[key] is not None:
+                values[key] = extra[key]
+                continue
+            for name in names:
+                if env.get(name):
+                    values[key] = env[name]
+                    break
+            else:
+                values[key] = default
+        cfg = cls(
+            cpu_cache_gb=_as_float(values["cpu_cache_gb"], "cpu_cache_gb"),
+            disk_cache_gb=_as_float(values["disk_cache_gb"], "disk_cache_gb"),
+            disk_cache_dir=values["disk_cache_dir"],
+            offload=str(values["offload"]),
+            admission=str(values["admission"]),
+            load_async=_as_bool(values["load_async"], "load_async"),
+            endpoint=values["endpoint"],
+            handshake_timeout_s=_as_float(values["handshake_timeout_s"], "handshake_timeout_s"),
+            test_corrupt_onboard=_as_bool(
+                extra.get("test_corrupt_onboard", False), "test_corrupt_onboard"
+            ),
+            test_fail_onboards=int(extra.get("test_fail_onboards", 0)),
+        )
+        if cfg.offload not in OFFLOAD_MODES:
+            raise ValueError(f"kvbm: offload={cfg.offload!r}: expected one of {OFFLOAD_MODES}")
+        return cfg
+
+    def endpoint_for(self, engine_id: str) -> str:
+        """The leader's endpoint: the configured one, or an IPC socket named
+        after the engine instance (the same in every process of it)."""
+        if self.endpoint:
+            return self.endpoint
+        # IPC paths are limited to ~100 bytes: name the socket by a digest.
+        return f"ipc://{tempfile.gettempdir()}/kvbm-{_digest(engine_id)}.sock"
+
+    def g3_dir(self, engine_id: str, rank: int) -> str | None:
+        """The G3 directory of ``rank`` (created), or None without G3."""
+        if self.disk_cache_gb <= 0:
+            return None
+        base = self.disk_cache_dir or os.path.join(tempfile.gettempdir(), "kvbm-g3")
+        path = os.path.join(base, f"{_digest(engine_id)}-rank{rank}")
+        os.makedirs(path, exist_ok=True)
+        return path

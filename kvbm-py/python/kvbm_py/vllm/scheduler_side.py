@@ -1,0 +1,239 @@
+"""The connector's scheduler role: kvbm's books in vLLM's engine core."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvbm_py import Scheduler
+from kvbm_py.config import GIB, KvbmConfig
+from kvbm_py.vllm.common import engine_id, instance_of, world_size
+from kvbm_py.vllm.metadata import KvbmMetadata
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvbm_py.vllm")
+
+#: A block id no G1 has: an onboard aimed there fails on every worker.
+_NO_BLOCK = 0xFFFF_FFFF
+
+
+@dataclass
+class _Tracked:
+    """A live request as the scheduler side follows it."""
+
+    request: Any
+    block_ids: list[int] = field(default_factory=list)
+    #: Leading blocks already queued for offload (or known to be there).
+    offloaded: int = 0
+    #: Whether any offload was queued (then its release must wait).
+    has_offloads: bool = False
+
+
+@dataclass
+class _Load:
+    block_ids: list[int]
+    is_async: bool
+
+
+class SchedulerSide:
+    """Match, onboard, offload and release over a kvbm :class:`Scheduler`."""
+
+    def __init__(self, vllm_config: "VllmConfig", config: KvbmConfig) -> None:
+        self.config = config
+        self.block_size = int(vllm_config.cache_config.block_size)
+        eid = engine_id(vllm_config)
+        world = world_size(vllm_config)
+        self.kvbm = Scheduler(
+            config.endpoint_for(eid),
+            world,
+            self.block_size,
+            int(config.cpu_cache_gb * GIB) * world,
+            int(config.disk_cache_gb * GIB) * world,
+            instance=instance_of(eid),
+            admission=config.admission,
+            handshake_timeout_s=config.handshake_timeout_s,
+        )
+        log.info("kvbm: %d worker(s), blocks per tier %s", world, dict(self.kvbm.capacity()))
+        self.requests: dict[str, _Tracked] = {}
+        self.engine_blocks: dict[str, int] = {}
+        self.loading: dict[str, _Load] = {}
+        self.sync_started: list[str] = []
+        self.failures_left = config.test_fail_onboards
+        # News for the workers, collected between steps.
+        self.pending = KvbmMetadata()
+
+    # ---- matching and loading ----
+
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        rid = request.request_id
+        if rid in self.loading:
+            return 0, False
+        engine_blocks = num_computed_tokens // self.block_size
+        m = self.kvbm.match_prefix(
+            rid, list(request.block_hashes), request.num_tokens, engine_blocks
+        )
+        self.engine_blocks[rid] = m.engine_blocks
+        if m.external_tokens == 0:
+            return 0, False
+        log.debug("kvbm: %s matched %r", rid, m)
+        return m.external_tokens, self.config.load_async
+
+    def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
+        tracked = self.requests.get(rid)
+        if tracked is None:
+            tracked = self.requests[rid] = _Tracked(request)
+        if num_external_tokens <= 0 or rid in self.loading:
+            return
+        start = self.engine_blocks.pop(rid, 0)
+        n = num_external_tokens // self.block_size
+        target = ids[start : start + n]
+        # Loaded blocks are in G2/G3 already: no offload for them.
+        tracked.offloaded = max(tracked.offloaded, start + n)
+        is_async = self.config.load_async
+        load = _Load(block_ids=target, is_async=is_async)
+        copy_to = target
+        if self.failures_left > 0:
+            self.failures_left -= 1
+            copy_to = [_NO_BLOCK] * len(target)
+        try:
+            self.kvbm.onboard(rid, copy_to)
+        except Exception as e:  # noqa: BLE001 - reported to vLLM as failed blocks
+            log.warning("kvbm: onboard of %s not started: %s", rid, e)
+            self.pending.load_errors.extend(target)
+            if is_async:
+                self.pending.finished_recving.append(rid)
+            return
+        self.loading[rid] = load
+        if not is_async:
+            self.sync_started.append(rid)
+
+    def _loaded(self, rid: str, meta: KvbmMetadata) -> None:
+        load = self.loading.pop(rid, None)
+        if load is None:
+            return
+        if load.is_async:
+            meta.finished_recving.append(rid)
+        if self.config.test_corrupt_onboard and load.block_ids:
+            meta.corrupt_blocks.append(load.block_ids[0])
+
+    def _failed(self, rid: str, error: str, meta: KvbmMetadata) -> None:
+        load = self.loading.pop(rid, None)
+        if load is None:
+            return
+        log.warning("kvbm: load of %s failed, vLLM recomputes %d blocks: %s",
+                    rid, len(load.block_ids), error)
+        meta.load_errors.extend(load.block_ids)
+        if load.is_async:
+            meta.finished_recving.append(rid)
+
+    # ---- each step ----
+
+    def build_connector_meta(self, so: "SchedulerOutput") -> KvbmMetadata:
+        meta, self.pending = self.pending, KvbmMetadata()
+        failed_now: set[str] = set()
+        # Synchronous loads land before this step's forward.
+        for rid in self.sync_started:
+            if rid not in self.loading:
+                continue
+            error = self.kvbm.wait_onboard(rid)
+            if error is None:
+                self._loaded(rid, meta)
+            else:
+                failed_now.add(rid)
+                self._failed(rid, error, meta)
+        self.sync_started = []
+        done, failed = self.kvbm.poll_onboards()
+        for rid in done:
+            self._loaded(rid, meta)
+        for rid, error in failed:
+            self._failed(rid, error, meta)
+        # A preempted request's blocks go back to vLLM now: stop reading
+        # them before this step's forward can overwrite them.
+        for rid in so.preempted_req_ids or ():
+            tracked = self.requests.get(rid)
+            if tracked is not None and tracked.has_offloads:
+                self.kvbm.release(rid)
+                tracked.has_offloads = False
+                tracked.block_ids = []
+        self._track_blocks(so)
+        if self.config.offload == "eager":
+            scheduled = [r.req_id for r in so.scheduled_new_reqs]
+            scheduled += list(so.scheduled_cached_reqs.req_ids)
+            for rid in scheduled:
+                tracked = self.requests.get(rid)
+                if tracked is not None and rid not in failed_now:
+                    self._offload_computed(rid, tracked)
+        meta.finished_sending.extend(self.kvbm.poll_released())
+        return meta
+
+    def _track_blocks(self, so: "SchedulerOutput") -> None:
+        for new in so.scheduled_new_reqs:
+            tracked = self.requests.get(new.req_id)
+            if tracked is not None:
+                tracked.block_ids = list(new.block_ids[0])
+        cached = so.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, rid in enumerate(cached.req_ids):
+            tracked = self.requests.get(rid)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in resumed:
+                tracked.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                tracked.block_ids.extend(new_ids[0])
+
+    def _offload_computed(self, rid: str, tracked: _Tracked) -> None:
+        """Queues the request's full blocks computed so far (forwards that
+        finished, prefix hits, landed loads) for offload."""
+        req = tracked.request
+        hashes = req.block_hashes
+        full = min(req.num_computed_tokens // self.block_size, len(hashes), len(tracked.block_ids))
+        start = tracked.offloaded
+        if full <= start:
+            return
+        parent = hashes[start - 1] if start > 0 else None
+        self.kvbm.offload(rid, tracked.block_ids[start:full], list(hashes[start:full]), parent)
+        tracked.offloaded = full
+        tracked.has_offloads = True
+
+    # ---- the end of a request ----
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, None]:
+        rid = request.request_id
+        self.engine_blocks.pop(rid, None)
+        if rid in self.loading:
+            # Aborted while loading: stop writing vLLM's blocks before it
+            # frees them (the release cancels and waits).
+            self.loading.pop(rid)
+            self.kvbm.release(rid)
+            self.requests.pop(rid, None)
+            return False, None
+        tracked = self.requests.pop(rid, None)
+        if tracked is not None and self.config.offload != "none":
+            if block_ids:
+                tracked.block_ids = list(block_ids)
+            self._offload_computed(rid, tracked)
+        if tracked is not None and tracked.has_offloads:
+            # vLLM keeps the blocks until the worker reports this id in
+            # finished_sending, which happens once the offloads ran.
+            self.kvbm.release_after_offloads(rid)
+            return True, None
+        self.kvbm.release(rid)
+        return False, None
+
+    def reset_cache(self) -> bool:
+        self.kvbm.reset()
+        return True
+
+    def shutdown(self) -> None:
+        self.kvbm.shutdown()

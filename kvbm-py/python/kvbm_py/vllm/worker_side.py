@@ -1,0 +1,94 @@
+"""The connector's worker role: vLLM's KV tensors as kvbm's G1."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kvbm_py import Worker
+from kvbm_py.config import KvbmConfig
+from kvbm_py.vllm.common import engine_id, instance_of, world_size
+from kvbm_py.vllm.metadata import KvbmMetadata
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+
+log = logging.getLogger("kvbm_py.vllm")
+
+
+def _rank() -> int:
+    """This process's rank among the engine's workers (0 without a
+    distributed group, e.g. one in-process worker)."""
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        return int(get_world_group().rank_in_group)
+    except Exception:  # noqa: BLE001 - no group initialised: a lone worker
+        return 0
+
+
+class WorkerSide:
+    """Owns the kvbm :class:`Worker` of this rank and reports each step's
+    finished transfers."""
+
+    def __init__(self, vllm_config: "VllmConfig", config: KvbmConfig, kv_cache_config: Any) -> None:
+        self.vllm_config = vllm_config
+        self.config = config
+        self.kv_cache_config = kv_cache_config
+        self.worker: Worker | None = None
+        self.tensors: list["torch.Tensor"] = []
+        self.block_axis = 0
+        self._sending: set[str] = set()
+        self._recving: set[str] = set()
+        self._errors: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: "dict[str, torch.Tensor]") -> None:
+        tensors = list(kv_caches.values())
+        if not tensors:
+            raise ValueError("kvbm: vLLM registered no KV tensors")
+        first = tensors[0]
+        num_blocks = int(self.kv_cache_config.num_blocks)
+        device = first.device.index if first.device.type == "cuda" else None
+        if first.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"kvbm: KV tensors on {first.device} are not supported")
+        eid = engine_id(self.vllm_config)
+        rank = _rank()
+        specs = [(int(t.data_ptr()), list(t.shape), list(t.stride())) for t in tensors]
+        self.worker = Worker(
+            self.config.endpoint_for(eid),
+            rank,
+            world_size(self.vllm_config),
+            specs,
+            int(first.element_size()),
+            num_blocks,
+            tuple(tensors),
+            device=device,
+            g3_dir=self.config.g3_dir(eid, rank),
+            instance=instance_of(eid),
+        )
+        self.tensors = tensors
+        self.block_axis = list(first.shape).index(num_blocks)
+        log.info(
+            "kvbm: rank %d registered %d KV tensors of shape %s (%d bytes per block)",
+            rank, len(tensors), tuple(first.shape), self.worker.block_bytes,
+        )
+
+    def bind(self, meta: KvbmMetadata) -> None:
+        self._sending.update(meta.finished_sending)
+        self._recving.update(meta.finished_recving)
+        self._errors.update(meta.load_errors)
+        for block in meta.corrupt_blocks:
+            # Test hook: bad bytes in a block kvbm loaded, before any
+            # forward reads it.
+            for t in self.tensors:
+                t.select(self.block_axis, block).zero_()
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        sending, self._sending = self._sending, set()
+        recving, self._recving = self._recving, set()
+        return (sending or None), (recving or None)
+
+    def load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors

@@ -1,0 +1,43 @@
+//! # kvbm-py
+//!
+//! Python bindings of kvbm, imported as `kvbm_py` (the native part is
+//! `kvbm_py._kvbm`; the name keeps clear of other packages called
+//! `kvbm`). Two objects, thin over the Rust types:
+//!
+//! - [`Scheduler`](scheduler::Scheduler), in the engine's scheduler
+//!   process: a kvbm-dist leader and a kvbm-pool tier engine over the
+//!   leader's distributed mover — match, onboard, offload, release, stats.
+//! - [`Worker`](worker::Worker), in each engine worker process (one per
+//!   tensor-parallel rank): the engine's KV tensors as kvbm's G1, G2 in
+//!   host memory and G3 on disk, executing the leader's copies.
+//!
+//! The vLLM KV connector (`kvbm_py.vllm.KvbmConnector`) is Python code in
+//! the package, built on these two.
+//!
+//! Module map: [`scheduler`], [`worker`], [`tensors`] (engine tensors as a
+//! kvbm layout), [`error`].
+
+pub mod error;
+pub mod scheduler;
+pub mod tensors;
+pub mod worker;
+
+use pyo3::prelude::*;
+
+/// The hash kvbm keys a block by, from the engine's block hash bytes (the
+/// first 8 bytes, little-endian).
+#[pyfunction]
+fn sequence_hash(digest: &[u8]) -> PyResult<u64> {
+    Ok(scheduler::sequence_hash(digest)?.0)
+}
+
+/// The native module `kvbm_py._kvbm`.
+#[pymodule]
+fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<scheduler::Scheduler>()?;
+    m.add_class::<scheduler::Match>()?;
+    m.add_class::<worker::Worker>()?;
+    m.add_function(wrap_pyfunction!(sequence_hash, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

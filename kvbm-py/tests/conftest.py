@@ -1,0 +1,34 @@
+"""Shared fixtures: the tiny model, the environment vLLM runs in."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+ENGINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A tiny random Llama written once per session."""
+    out = tmp_path_factory.mktemp("tiny-llama")
+    subprocess.run([sys.executable, str(HERE / "tiny_model.py"), str(out)], check=True)
+    return str(out)
+
+
+def engine_env(tmp_path: Path) -> dict:
+    """The environment of an engine subprocess: offline, in-process engine
+    core, 1 GiB of CPU KV cache, kvbm's sockets and files under tmp_path."""
+    env = dict(os.environ)
+    env.update(ENGINE_ENV)
+    env["TMPDIR"] = str(tmp_path)
+    return env

@@ -1,0 +1,78 @@
+"""One full vLLM engine run on CPU with kvbm's connector.
+
+Generate a prompt greedily, let kvbm's offloads finish, drop vLLM's own
+prefix cache, generate the same prompt again (its prefix now comes from
+kvbm), and print both outputs and kvbm's counters as one JSON line.
+usage: python engine_run.py MODEL_DIR EXTRA_CONFIG_JSON [ENGINE_ARGS_JSON]
+"""
+
+import json
+import os
+import random
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+BLOCK = 32
+
+
+def scheduler_connector(llm):
+    """kvbm's scheduler-role connector inside the in-process engine core."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def main() -> int:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    model_dir, extra = sys.argv[1], json.loads(sys.argv[2])
+    engine_args = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    llm = LLM(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="bfloat16",
+        max_model_len=512,
+        max_num_seqs=4,
+        block_size=BLOCK,
+        enable_prefix_caching=True,
+        seed=0,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvbmConnector",
+            kv_connector_module_path="kvbm_py.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+            kv_load_failure_policy="recompute",
+        ),
+        **engine_args,
+    )
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, detokenize=False)
+    one = SamplingParams(max_tokens=1, detokenize=False)
+    rng = random.Random(7)
+    prompt = [rng.randrange(3, 512) for _ in range(4 * BLOCK + 3)]
+
+    def generate(tokens, params):
+        out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
+        return list(out[0].outputs[0].token_ids)
+
+    first = generate(prompt, greedy)
+    # The finished request's blocks stay with vLLM until kvbm reports its
+    # offloads done, which a later engine step carries: step until vLLM's
+    # prefix cache can be dropped.
+    for _ in range(200):
+        if llm.reset_prefix_cache():
+            break
+        generate([1], one)
+    else:
+        raise SystemExit("reset_prefix_cache kept refusing")
+    second = generate(prompt, greedy)
+    stats = dict(scheduler_connector(llm)._scheduler.kvbm.stats())
+    print("KVBM_RESULT " + json.dumps({"first": first, "second": second, "stats": stats}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
