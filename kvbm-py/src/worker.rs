@@ -65,10 +65,11 @@ impl Worker {
     /// `num_blocks` the engine's block count (it names the block axis),
     /// `keepalive` any object that keeps the tensors alive (kvbm holds a
     /// reference as long as it may touch them). `device` is `None` for host
-    /// tensors. An unsupported tensor shape or stride is a `ValueError`
-    /// here, before anything runs.
+    /// tensors. `transfer_delay_ms` (tests) holds every copy back that
+    /// long. An unsupported tensor shape or stride is a `ValueError` here,
+    /// before anything runs.
     #[new]
-    #[pyo3(signature = (endpoint, rank, world_size, tensors, dtype_bytes, num_blocks, keepalive, device = None, g3_dir = None, instance = 0, leader_timeout_s = 60.0))]
+    #[pyo3(signature = (endpoint, rank, world_size, tensors, dtype_bytes, num_blocks, keepalive, device = None, g3_dir = None, instance = 0, leader_timeout_s = 60.0, transfer_delay_ms = 0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         endpoint: String,
@@ -82,6 +83,7 @@ impl Worker {
         g3_dir: Option<PathBuf>,
         instance: u64,
         leader_timeout_s: f64,
+        transfer_delay_ms: u64,
     ) -> PyResult<Self> {
         let tensors = tensors_of(tensors);
         let first = tensors
@@ -114,6 +116,7 @@ impl Worker {
         let mut config = WorkerConfig::new(endpoint, instance, rank, world_size, g1);
         config.g3_dir = g3_dir;
         config.leader_timeout = Duration::from_secs_f64(leader_timeout_s);
+        config.fault_delay = Duration::from_millis(transfer_delay_ms);
         let exit = Arc::new(Mutex::new(Exit::Running));
         let thread = {
             let exit = Arc::clone(&exit);

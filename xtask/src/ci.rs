@@ -52,6 +52,7 @@ pub fn run() -> Result<(), String> {
     )?;
     let passed = run_tests(&nixl_libs)?;
     println!("xtask ci: {passed} tests passed");
+    python()?;
     let mut doc = cargo(&[
         "doc",
         "--workspace",
@@ -62,6 +63,18 @@ pub fn run() -> Result<(), String> {
     doc.env("RUSTDOCFLAGS", "-D warnings");
     step("doc", doc)?;
     println!("xtask ci: all steps passed");
+    Ok(())
+}
+
+/// Builds kvbm-py's wheel and runs its pytest suite, saying how many
+/// tests passed and how long it took.
+pub fn python() -> Result<(), String> {
+    let started = std::time::Instant::now();
+    let passed = crate::python::run(&crate::workspace_root(), &target_dir())?;
+    println!(
+        "xtask ci: {passed} Python tests passed ({:.0} s with the wheel build)",
+        started.elapsed().as_secs_f64()
+    );
     Ok(())
 }
 
@@ -79,7 +92,7 @@ fn cargo(args: &[&str]) -> Command {
     cmd
 }
 
-fn step(name: &str, mut cmd: Command) -> Result<(), String> {
+pub(crate) fn step(name: &str, mut cmd: Command) -> Result<(), String> {
     println!("xtask ci: == {name}: {cmd:?}");
     let status = cmd
         .status()

@@ -1,7 +1,9 @@
 //! Project automation, run as `cargo xtask <command>`.
 //!
 //! - `ci`: everything CI checks, in the order a developer wants to see failures:
-//!   install what the tests need, format, lint, test, docs.
+//!   install what the tests need, format, lint, test (Rust, then kvbm-py's
+//!   wheel and pytest suite against vLLM's CPU engine), docs.
+//! - `py`: only kvbm-py's wheel and pytest suite.
 //! - `bench`: run the criterion benches (extra arguments go to `cargo bench`).
 //! - `kernels`: rebuild the committed CUDA fatbins with nvcc.
 //! - `gpu`: build the release binaries for the GPU machine into `.device-bin/`.
@@ -9,6 +11,7 @@
 mod ci;
 mod gpu;
 mod kernels;
+mod python;
 
 use std::process::ExitCode;
 
@@ -17,6 +20,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("ci") => ci::run(),
         Some("bench") => ci::bench(&args[1..]),
+        Some("py") => ci::python(),
         Some("kernels") => kernels::run(&workspace_root()),
         Some("gpu") => gpu::run(&workspace_root(), &args[1..]),
         Some(other) => Err(format!("unknown command `{other}`\n\n{USAGE}")),
@@ -35,12 +39,13 @@ const USAGE: &str = "usage: cargo xtask <command>
 
 commands:
   ci       install test prerequisites, then fmt --check, clippy -D warnings, tests, docs
+  py       build kvbm-py's wheel and run its pytest suite (vLLM CPU engine)
   bench    run the criterion benches (arguments after `bench` go to cargo bench)
   kernels  rebuild the CUDA fatbins (needs nvcc: $NVCC, PATH or /usr/local/cuda)
   gpu      build release GPU test/bench binaries into .device-bin/ (--out DIR)";
 
 /// The workspace root (xtask lives one level below it).
-fn workspace_root() -> std::path::PathBuf {
+pub(crate) fn workspace_root() -> std::path::PathBuf {
     let manifest = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     manifest
         .parent()

@@ -86,6 +86,9 @@ class KvbmConfig:
     #: Test hook: make this many onboards fail (a real failed copy: they
     #: target a block outside G1, which every worker refuses).
     test_fail_onboards: int = 0
+    #: Test hook: every worker holds each copy back this long (ms), so a
+    #: test can act while copies are in flight.
+    test_transfer_delay_ms: int = 0
 
     @classmethod
     def from_sources(
@@ -97,7 +100,7 @@ class KvbmConfig:
         belong to other components and are ignored."""
         extra = dict(extra or {})
         env = os.environ if env is None else env
-        known = set(_SOURCES) | {"test_corrupt_onboard", "test_fail_onboards"}
+        known = set(_SOURCES) | {"test_corrupt_onboard", "test_fail_onboards", "test_transfer_delay_ms"}
         for key in extra:
             if key not in known and (key.startswith("test_") or key.startswith("kvbm")):
                 raise ValueError(f"kvbm: unknown configuration key {key!r}")
@@ -125,6 +128,7 @@ class KvbmConfig:
                 extra.get("test_corrupt_onboard", False), "test_corrupt_onboard"
             ),
             test_fail_onboards=int(extra.get("test_fail_onboards", 0)),
+            test_transfer_delay_ms=int(extra.get("test_transfer_delay_ms", 0)),
         )
         if cfg.offload not in OFFLOAD_MODES:
             raise ValueError(f"kvbm: offload={cfg.offload!r}: expected one of {OFFLOAD_MODES}")

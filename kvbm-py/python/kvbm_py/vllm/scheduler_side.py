@@ -63,6 +63,8 @@ class SchedulerSide:
         self.engine_blocks: dict[str, int] = {}
         self.loading: dict[str, _Load] = {}
         self.sync_started: list[str] = []
+        #: Requests whose onboard started (kvbm keeps them until released).
+        self.onboarded: set[str] = set()
         self.failures_left = config.test_fail_onboards
         # News for the workers, collected between steps.
         self.pending = KvbmMetadata()
@@ -75,6 +77,11 @@ class SchedulerSide:
         rid = request.request_id
         if rid in self.loading:
             return 0, False
+        if rid in self.onboarded:
+            # Matched again (a failed asynchronous load, or a preemption):
+            # vLLM freed the request's blocks, so kvbm lets go of them and
+            # starts over.
+            self._forget(rid)
         engine_blocks = num_computed_tokens // self.block_size
         m = self.kvbm.match_prefix(
             rid, list(request.block_hashes), request.num_tokens, engine_blocks
@@ -113,6 +120,7 @@ class SchedulerSide:
                 self.pending.finished_recving.append(rid)
             return
         self.loading[rid] = load
+        self.onboarded.add(rid)
         if not is_async:
             self.sync_started.append(rid)
 
@@ -160,9 +168,8 @@ class SchedulerSide:
         # them before this step's forward can overwrite them.
         for rid in so.preempted_req_ids or ():
             tracked = self.requests.get(rid)
-            if tracked is not None and tracked.has_offloads:
-                self.kvbm.release(rid)
-                tracked.has_offloads = False
+            if tracked is not None and (tracked.has_offloads or rid in self.onboarded):
+                self._forget(rid)
                 tracked.block_ids = []
         self._track_blocks(so)
         if self.config.offload == "eager":
@@ -206,17 +213,31 @@ class SchedulerSide:
         tracked.offloaded = full
         tracked.has_offloads = True
 
+    def _forget(self, rid: str) -> None:
+        """Releases the request in kvbm (its queued offloads are cancelled,
+        running ones waited for) while vLLM keeps running it."""
+        self.kvbm.release(rid)
+        self.onboarded.discard(rid)
+        tracked = self.requests.get(rid)
+        if tracked is not None:
+            tracked.has_offloads = False
+
     # ---- the end of a request ----
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, None]:
         rid = request.request_id
         self.engine_blocks.pop(rid, None)
-        if rid in self.loading:
-            # Aborted while loading: stop writing vLLM's blocks before it
-            # frees them (the release cancels and waits).
-            self.loading.pop(rid)
+        self.onboarded.discard(rid)
+        load = self.loading.pop(rid, None)
+        if load is not None:
+            # Aborted while loading: stop writing vLLM's blocks (the release
+            # cancels the copies and waits for those running). vLLM keeps
+            # an asynchronously loading request's blocks until the load is
+            # reported finished: report it now that nothing lands any more.
             self.kvbm.release(rid)
             self.requests.pop(rid, None)
+            if load.is_async:
+                self.pending.finished_recving.append(rid)
             return False, None
         tracked = self.requests.pop(rid, None)
         if tracked is not None and self.config.offload != "none":

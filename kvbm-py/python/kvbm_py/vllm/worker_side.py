@@ -66,6 +66,7 @@ class WorkerSide:
             device=device,
             g3_dir=self.config.g3_dir(eid, rank),
             instance=instance_of(eid),
+            transfer_delay_ms=self.config.test_transfer_delay_ms,
         )
         self.tensors = tensors
         self.block_axis = list(first.shape).index(num_blocks)

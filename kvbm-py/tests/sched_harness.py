@@ -1,0 +1,277 @@
+"""vLLM's real v1 Scheduler with kvbm's connector and a fabricated model.
+
+No weights and no attention kernels: the "model" writes, for every block a
+step completes, a pattern derived from the block's hash into host KV
+tensors registered with kvbm's worker-side connector, so every byte kvbm
+moves can be checked. The worker-side connector is the one vLLM's own
+bootstrap creates, driven through vLLM's model-runner mixin exactly as a
+model runner drives it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+
+BLOCK = 16
+EOS = 2
+LAYERS = 2
+HEADS = 2
+HEAD = 64
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": HEADS * HEAD * 2,
+    "intermediate_size": 256,
+    "num_attention_heads": HEADS * 2,
+    "num_key_value_heads": HEADS,
+    "num_hidden_layers": LAYERS,
+    "vocab_size": 1024,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "torch_dtype": "float16",
+    "bos_token_id": 1,
+    "eos_token_id": EOS,
+    "tie_word_embeddings": False,
+}
+
+
+def pattern(block_hash: bytes, layer: int) -> int:
+    """The int16 value a block's bytes hold in `layer`."""
+    return int.from_bytes(block_hash[:2], "little", signed=True) ^ (layer * 0x1111)
+
+
+@dataclass
+class Harness:
+    sched: object
+    vllm_config: object
+    tensors: list
+    hasher: object
+    log: list = field(default_factory=list)
+    #: Tokens each request had scheduled, summed over steps.
+    scheduled: dict = field(default_factory=dict)
+    #: Request ids vLLM reported finished.
+    finished: list = field(default_factory=list)
+
+    @property
+    def connector(self):
+        """kvbm's scheduler-role connector."""
+        return self.sched.connector
+
+    @property
+    def kvbm(self):
+        """The kvbm Scheduler object under the connector."""
+        return self.sched.connector._scheduler.kvbm
+
+    def request(self, req_id: str, prompt: list[int], max_tokens: int):
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        sp.update_from_generation_config({}, EOS)
+        r = Request(
+            request_id=req_id,
+            prompt_token_ids=prompt,
+            sampling_params=sp,
+            pooling_params=None,
+            block_hasher=self.hasher,
+        )
+        self.sched.add_request(r)
+        return r
+
+    def block_ids(self, req_id: str) -> list[int]:
+        return list(self.sched.kv_cache_manager.get_block_ids(req_id)[0])
+
+    def holds_pattern(self, block_id: int, block_hash: bytes) -> bool:
+        for layer, t in enumerate(self.tensors):
+            want = pattern(block_hash, layer)
+            if not bool((t[block_id].view(torch.int16) == want).all()):
+                return False
+        return True
+
+    def _compute(self, so) -> None:
+        """The fabricated forward: write each block this step completes."""
+        for rid, n in so.num_scheduled_tokens.items():
+            self.scheduled[rid] = self.scheduled.get(rid, 0) + n
+            r = self.sched.requests[rid]
+            done = r.num_computed_tokens  # already advanced by schedule()
+            first = (done - n) // BLOCK
+            last = min(done // BLOCK, len(r.block_hashes))
+            ids = self.block_ids(rid)
+            for b in range(first, last):
+                for layer, t in enumerate(self.tensors):
+                    t[ids[b]].view(torch.int16).fill_(pattern(r.block_hashes[b], layer))
+
+    def step(self) -> list[str]:
+        """One engine step: schedule, run the connector hooks around the
+        fabricated forward, update from the output."""
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.worker.kv_connector_model_runner_mixin import (
+            KVConnectorModelRunnerMixin as Mixin,
+        )
+
+        so = self.sched.schedule()
+        req_ids = list(so.num_scheduled_tokens)
+        if so.total_num_scheduled_tokens == 0:
+            kvo = Mixin.kv_connector_no_forward(so, self.vllm_config).kv_connector_output
+        else:
+            with set_forward_context(None, self.vllm_config):
+                with Mixin.maybe_get_kv_connector_output(so) as kvo:
+                    self._compute(so)
+        sampled = []
+        for rid in req_ids:
+            r = self.sched.requests[rid]
+            sampled.append([7] if r.num_computed_tokens >= r.num_tokens else [])
+        mro = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=None,
+            kv_connector_output=kvo,
+        )
+        out = self.sched.update_from_output(so, mro)
+        finished = [
+            o.request_id
+            for outs in out.values()
+            for o in outs.outputs
+            if o.finish_reason is not None
+        ]
+        self.finished += finished
+        self.log.append(
+            f"scheduled={dict(so.num_scheduled_tokens)} finished={finished} "
+            f"recv={sorted(kvo.finished_recving or []) if kvo else []} "
+            f"sent={sorted(kvo.finished_sending or []) if kvo else []}"
+        )
+        return finished
+
+    def run_until(self, done, max_steps: int = 400, sleep_s: float = 0.005) -> None:
+        import time
+
+        for _ in range(max_steps):
+            if done():
+                return
+            self.step()
+            time.sleep(sleep_s)
+        raise AssertionError("condition not reached:\n" + "\n".join(self.log[-30:]))
+
+    def idle(self) -> bool:
+        return not self.sched.has_requests() and not self.sched.requests
+
+    def close(self) -> None:
+        from vllm.distributed.kv_transfer import kv_transfer_state
+
+        self.connector.shutdown()
+        kv_transfer_state._KV_CONNECTOR_AGENT = None
+
+
+def build(tmp_path, extra: dict, num_blocks: int = 64) -> Harness:
+    """vLLM's Scheduler and worker-side connector with kvbm's connector
+    configured by `extra`, over host KV tensors of `num_blocks` blocks."""
+    from unittest.mock import MagicMock, patch
+
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.distributed.kv_transfer.kv_transfer_state import (
+        ensure_kv_transfer_initialized,
+        get_kv_transfer_group,
+    )
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    model_dir = tempfile.mkdtemp(prefix="tiny-llama-config-", dir=tmp_path)
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(TINY_LLAMA, f)
+    model_config = ModelConfig(
+        model=model_dir,
+        tokenizer=model_dir,
+        skip_tokenizer_init=True,
+        dtype="float16",
+        seed=0,
+        max_model_len=1024,
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        max_model_len=1024,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+        disable_hybrid_kv_cache_manager=True,
+    )
+    cache_config = CacheConfig(
+        block_size=BLOCK,
+        gpu_memory_utilization=0.9,
+        cache_dtype="auto",
+        enable_prefix_caching=True,
+    )
+    kv_transfer_config = KVTransferConfig(
+        kv_connector="KvbmConnector",
+        kv_connector_module_path="kvbm_py.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config=extra,
+        kv_load_failure_policy="recompute",
+    )
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        kv_transfer_config=kv_transfer_config,
+        device_config=DeviceConfig("cpu"),
+    )
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                layers,
+                FullAttentionSpec(
+                    block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float16
+                ),
+            )
+        ],
+    )
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+
+    # The worker first (vLLM's bootstrap, TP = 1), then its KV tensors
+    # (CPU attention's shape: blocks x K/V x tokens x heads*head), then the
+    # scheduler, whose connector waits for the worker.
+    tp = MagicMock()
+    tp.broadcast_object.side_effect = lambda value, src=0: value
+    with patch("vllm.distributed.parallel_state.get_tp_group", return_value=tp):
+        ensure_kv_transfer_initialized(vllm_config, kv_cache_config)
+    tensors = [torch.zeros(num_blocks, 2, BLOCK, HEADS * HEAD, dtype=torch.float16) for _ in layers]
+    get_kv_transfer_group().register_kv_caches(dict(zip(layers, tensors)))
+    sched = Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK,
+        log_stats=True,
+    )
+    hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    return Harness(
+        sched=sched,
+        vllm_config=vllm_config,
+        tensors=tensors,
+        hasher=get_request_block_hasher(BLOCK, hash_fn),
+    )

@@ -1,0 +1,75 @@
+"""The package alone: imports without vLLM, configuration sources, hash
+keys, and KV tensors kvbm refuses at start-up."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kvbm_py
+from kvbm_py.config import GIB, KvbmConfig
+
+
+def test_imports_without_vllm():
+    code = (
+        "import sys, kvbm_py, kvbm_py.config; "
+        "assert 'vllm' not in sys.modules and 'torch' not in sys.modules; "
+        "print(kvbm_py.__version__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == kvbm_py.__version__
+
+
+def test_block_hash_keys_are_the_first_eight_bytes_little_endian():
+    digest = bytes(range(32))
+    assert kvbm_py.sequence_hash(digest) == int.from_bytes(digest[:8], "little")
+    with pytest.raises(ValueError):
+        kvbm_py.sequence_hash(b"short")
+
+
+def test_config_reads_extra_then_environment_then_defaults():
+    env = {"DYN_KVBM_CPU_CACHE_GB": "2", "DYN_KVBM_DISK_CACHE_GB": "8",
+           "DYN_KVBM_DISK_CACHE_DIR": "/data/kvbm", "KVBM_LOAD_ASYNC": "false"}
+    c = KvbmConfig.from_sources({"cpu_cache_gb": 0.5}, env)
+    assert c.cpu_cache_gb == 0.5  # extra wins
+    assert (c.disk_cache_gb, c.disk_cache_dir, c.load_async) == (8.0, "/data/kvbm", False)
+    # kvbm's own variable wins over the Dynamo alias.
+    c = KvbmConfig.from_sources({}, {"KVBM_CPU_CACHE_GB": "3", "DYN_KVBM_CPU_CACHE_GB": "2"})
+    assert c.cpu_cache_gb == 3.0
+    d = KvbmConfig.from_sources({}, {})
+    assert (d.cpu_cache_gb, d.disk_cache_gb, d.offload, d.load_async) == (4.0, 0.0, "eager", True)
+    assert d.endpoint_for("abc").startswith("ipc://")
+    with pytest.raises(ValueError, match="unknown configuration key"):
+        KvbmConfig.from_sources({"test_corupt_onboard": True}, {})
+    with pytest.raises(ValueError, match="offload"):
+        KvbmConfig.from_sources({"offload": "sometimes"}, {})
+    with pytest.raises(ValueError, match="number"):
+        KvbmConfig.from_sources({"cpu_cache_gb": "lots"}, {})
+    assert GIB == 1 << 30
+
+
+def _worker(tensors, num_blocks):
+    specs = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in tensors]
+    return kvbm_py.Worker("ipc:///nonexistent/kvbm", 0, 1, specs, tensors[0].element_size(),
+                          num_blocks, tuple(tensors))
+
+
+def test_unknown_tensor_shapes_are_refused_at_start_up():
+    t = torch.zeros(3, 10, 16, 2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="unsupported KV tensor"):
+        _worker([t], 10)
+
+
+def test_tensors_kvbm_cannot_address_exactly_are_refused():
+    # Every token row padded: a (block, K/V) chunk is not one byte range.
+    base = torch.zeros(10, 2, 16, 256, dtype=torch.float16)
+    t = base[..., :128]
+    with pytest.raises(ValueError, match="densely"):
+        _worker([t, t], 10)
+    # Layers of different shapes.
+    a = torch.zeros(10, 2, 16, 128, dtype=torch.float16)
+    b = torch.zeros(10, 2, 16, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="share shape"):
+        _worker([a, b], 10)

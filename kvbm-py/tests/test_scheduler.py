@@ -1,0 +1,134 @@
+"""vLLM's real Scheduler driving kvbm's connector, with a fabricated model
+that writes a known pattern into every block it computes: loads are
+checked byte for byte, and the awkward moments are forced (an abort while
+loading, a failed load, a request finishing while its offloads run, a
+prefix-cache reset)."""
+
+import pytest
+from sched_harness import BLOCK, build
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+PREFIX = list(range(100, 100 + 4 * BLOCK))  # 4 full blocks
+
+
+def offloaded(h, req_id):
+    """Runs until `req_id` finished and vLLM freed its blocks."""
+    h.run_until(lambda: req_id in h.finished and req_id not in h.sched.requests)
+
+
+@pytest.fixture
+def harness(tmp_path, request):
+    extra = {"cpu_cache_gb": 0.01, "admission": "all"}
+    extra.update(getattr(request, "param", {}))
+    h = build(tmp_path, extra)
+    yield h
+    h.close()
+
+
+def load_again(h, req_id, max_tokens=2):
+    """Drops vLLM's prefix cache and schedules PREFIX again: kvbm must load
+    it (the last block is given back: the prompt is exactly PREFIX + 3)."""
+    assert h.sched.reset_prefix_cache(), "vLLM's prefix cache did not reset"
+    return h.request(req_id, PREFIX + [1, 2, 3], max_tokens)
+
+
+@pytest.mark.parametrize("harness", [{"load_async": True}, {"load_async": False}], indirect=True)
+def test_loaded_blocks_hold_the_computed_bytes(harness):
+    h = harness
+    a = h.request("A", PREFIX + [5, 6, 7], 3)
+    offloaded(h, "A")
+    assert h.kvbm.stats()["g1_to_g2_blocks"] == 4
+    c = load_again(h, "C")
+    h.run_until(lambda: h.scheduled.get("C", 0) > 0)
+    # Only the tail was computed: 4 blocks came from kvbm.
+    assert h.scheduled["C"] == len(PREFIX) + 3 - 4 * BLOCK
+    ids = h.block_ids("C")
+    for b in range(4):
+        assert h.holds_pattern(ids[b], c.block_hashes[b]), f"block {b} differs"
+    offloaded(h, "C")
+    assert h.kvbm.stats()["g2_to_g1_blocks"] == 4
+    assert a.block_hashes[:4] == c.block_hashes[:4]
+
+
+@pytest.mark.parametrize("harness", [{"test_transfer_delay_ms": 400}], indirect=True)
+def test_request_finished_while_offloads_run_keeps_its_blocks(harness):
+    h = harness
+    h.request("A", PREFIX + [5], 1)
+    h.run_until(lambda: "A" in h.finished)
+    # The offloads are held back on the worker: vLLM must keep A's blocks.
+    assert "A" in h.sched.requests, "A's blocks were freed while kvbm read them"
+    assert not h.sched.reset_prefix_cache()
+    h.run_until(lambda: "A" not in h.sched.requests)
+    assert h.kvbm.stats()["g1_to_g2_blocks"] == 4
+    assert h.sched.reset_prefix_cache()
+    assert h.kvbm.live_requests() == 0
+
+
+@pytest.mark.parametrize("harness", [{"test_transfer_delay_ms": 500}], indirect=True)
+def test_abort_while_loading(harness):
+    from vllm.v1.request import RequestStatus
+
+    h = harness
+    h.request("A", PREFIX + [5], 1)
+    offloaded(h, "A")
+    load_again(h, "C")
+    h.step()  # C is scheduled for an asynchronous load
+    assert h.sched.requests["C"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    h.sched.finish_requests("C", RequestStatus.FINISHED_ABORTED)
+    # The release cancelled the copy and waited for it; vLLM frees C's
+    # blocks when the next step reports C's load over.
+    assert h.kvbm.live_requests() == 0
+    assert h.kvbm.stats()["g2_to_g1_blocks"] == 0
+    h.step()
+    assert "C" not in h.sched.requests, h.log
+    for _ in range(3):
+        h.step()
+    # The prefix is still in kvbm and loads correctly afterwards.
+    d = load_again(h, "D", 3)
+    h.run_until(lambda: h.scheduled.get("D", 0) > 0)
+    ids = h.block_ids("D")
+    assert all(h.holds_pattern(ids[b], d.block_hashes[b]) for b in range(4))
+    offloaded(h, "D")
+
+
+@pytest.mark.parametrize(
+    "harness",
+    [{"test_fail_onboards": 1, "load_async": True}, {"test_fail_onboards": 1, "load_async": False}],
+    indirect=True,
+)
+def test_a_failed_load_is_recomputed(harness):
+    h = harness
+    h.request("A", PREFIX + [5], 1)
+    offloaded(h, "A")
+    c = load_again(h, "C", 4)
+    h.run_until(lambda: c.num_output_tokens >= 1)
+    s = h.kvbm.stats()
+    assert s["onboard_failures"] == 1, s
+    if h.connector._scheduler.config.load_async:
+        # vLLM rescheduled the request from scratch and matched it again:
+        # the second load landed.
+        assert s["g2_to_g1_blocks"] == 4, s
+    else:
+        # vLLM recomputed the blocks that failed.
+        assert s["g2_to_g1_blocks"] == 0, s
+        assert h.scheduled["C"] >= len(PREFIX) + 3, h.log
+    ids = h.block_ids("C")
+    assert all(h.holds_pattern(ids[b], c.block_hashes[b]) for b in range(4))
+    offloaded(h, "C")
+
+
+def test_reset_prefix_cache_with_kvbm_holding_nothing(harness):
+    h = harness
+    # Nothing ever ran: kvbm holds no vLLM block.
+    assert h.sched.reset_prefix_cache(reset_connector=True)
+    h.request("A", PREFIX + [5], 2)
+    offloaded(h, "A")
+    assert h.kvbm.live_requests() == 0
+    assert h.kvbm.stats()["g2_used_blocks"] == 4
+    # kvbm read everything and let go: both caches reset, G2 emptied too.
+    assert h.sched.reset_prefix_cache(reset_connector=True)
+    assert h.kvbm.stats()["g2_used_blocks"] == 0
+    h.request("B", PREFIX + [6], 1)
+    h.run_until(lambda: "B" in h.finished)
+    assert h.scheduled["B"] == len(PREFIX) + 1  # nothing left to load
