@@ -1,0 +1,148 @@
+"""Type stubs of kvbm_py's native module (built from the kvbm-py crate)."""
+
+from typing import Any, Sequence
+
+__version__: str
+
+def sequence_hash(digest: bytes) -> int:
+    """The 64-bit key kvbm files an engine block hash under: the first 8
+    bytes, little-endian (as kvbm-block's vLLM scheme keys a block).
+    ``ValueError`` for fewer than 8 bytes."""
+
+class Match:
+    """The outcome of :meth:`Scheduler.match_prefix`."""
+
+    #: Leading blocks the engine already holds (as passed in).
+    engine_blocks: int
+    #: Blocks after those that kvbm holds in G2 (host memory).
+    g2_blocks: int
+    #: Blocks after those that kvbm holds in G3 (disk).
+    g3_blocks: int
+    #: Whether one block was given back so the engine computes the last
+    #: prompt token.
+    gave_back: bool
+    #: Tokens kvbm can load: ``(g2_blocks + g3_blocks) * block_size``.
+    external_tokens: int
+
+class Scheduler:
+    """kvbm's scheduler-side object: a kvbm-dist leader plus the tier engine
+    (G2 host memory, G3 disk) over the leader's distributed mover.
+
+    Construct it after every worker was started: it binds ``endpoint``,
+    waits up to ``handshake_timeout_s`` for ``world_size`` workers, sizes
+    G2 and G3 from the byte budgets (summed over all workers) and starts
+    the tier engine. ``admission`` is ``"all"``, ``"reuse_score"`` or
+    ``"min_uses:N"``. Requests are keyed by the engine's request id.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        world_size: int,
+        block_size: int,
+        g2_bytes: int,
+        g3_bytes: int = 0,
+        instance: int = 0,
+        admission: str = "reuse_score",
+        handshake_timeout_s: float = 120.0,
+    ) -> None: ...
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+    def capacity(self) -> dict[str, int]:
+        """Blocks per worker in each tier: ``{"g1": .., "g2": .., "g3": ..}``."""
+    def match_prefix(
+        self, request_id: str, hashes: Sequence[bytes], prompt_tokens: int, engine_blocks: int
+    ) -> Match:
+        """Matches the request's block hashes (one per full block, in prompt
+        order) beyond the ``engine_blocks`` the engine holds, in G2 then G3.
+        When everything would hit, one block is given back so the engine
+        computes the last token. Found blocks are held until
+        :meth:`onboard` or :meth:`release`."""
+    def onboard(self, request_id: str, block_ids: Sequence[int]) -> None:
+        """Starts copying the matched blocks into the engine's block ids
+        (one per matched block, in prefix order)."""
+    def poll_onboards(self) -> tuple[list[str], list[tuple[str, str]]]:
+        """Onboards finished since the last poll: ``(loaded, failed)``, the
+        failed ones with their error. A failed onboard counts nothing as
+        loaded."""
+    def wait_onboard(self, request_id: str) -> str | None:
+        """Waits for the request's onboard: ``None`` when every block
+        landed, else the error."""
+    def offload(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        hashes: Sequence[bytes],
+        parent: bytes | None = None,
+    ) -> None:
+        """Queues the engine's full blocks (consecutive along the prompt,
+        ``parent`` the hash of the block before the first) for offload to
+        G2. Their bytes must stay unchanged until the request is released."""
+    def release(self, request_id: str) -> bool:
+        """Forgets the request: cancels offloads not started, waits for
+        running copies and any onboard into its blocks. ``False`` if
+        unknown."""
+    def release_after_offloads(self, request_id: str) -> None:
+        """Lets the queued offloads run, then releases, on a thread; the id
+        then shows in :meth:`poll_released`."""
+    def poll_released(self) -> list[str]:
+        """Request ids whose deferred release finished since the last poll."""
+    def flush(self) -> None:
+        """Waits until every queued offload was processed."""
+    def live_requests(self) -> int:
+        """Requests kvbm knows (matched and not released)."""
+    def stats(self) -> dict[str, int]:
+        """Counters: blocks and bytes per path (``g1_to_g2``, ``g2_to_g3``,
+        ``g2_to_g1``, ``g3_to_g1``), skipped offloads, onboard failures,
+        matches, hits per tier, queue depth, blocks held per tier."""
+    def reset(self) -> int:
+        """Drops every G2/G3 block no request holds; returns how many."""
+    def shutdown(self) -> None:
+        """Stops the tier engine and tells every worker to exit."""
+
+class Worker:
+    """kvbm's worker-side object for one rank: the engine's KV tensors as
+    G1 (no copy), G2 host memory and G3 disk, executing the leader's
+    copies on a thread of its own.
+
+    ``tensors`` holds one ``(address, shape, strides)`` per attention layer,
+    in layer order (strides in elements); ``num_blocks`` names the block
+    axis; ``keepalive`` keeps the tensors alive as long as kvbm may touch
+    them. Shapes: flash-attn ``[2, blocks, block_size, heads, head]``,
+    FlashInfer ``[blocks, 2, block_size, heads, head]``, CPU attention
+    ``[blocks, 2, block_size, inner]``, MLA ``[blocks, block_size, latent]``;
+    anything else, or strides kvbm cannot address exactly, is a
+    ``ValueError`` here.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        rank: int,
+        world_size: int,
+        tensors: Sequence[tuple[int, Sequence[int], Sequence[int]]],
+        dtype_bytes: int,
+        num_blocks: int,
+        keepalive: Any,
+        device: int | None = None,
+        g3_dir: str | None = None,
+        instance: int = 0,
+        leader_timeout_s: float = 60.0,
+        transfer_delay_ms: int = 0,
+    ) -> None: ...
+    @property
+    def rank(self) -> int:
+        """This worker's rank."""
+    @property
+    def num_blocks(self) -> int:
+        """G1 blocks (the engine's)."""
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block on this rank (all layers, K and V)."""
+    def is_running(self) -> bool:
+        """Whether the worker still runs."""
+    def error(self) -> str | None:
+        """Why the worker stopped, if on an error."""
+    def join(self, timeout_s: float = 10.0) -> bool:
+        """Waits for the worker to stop; ``True`` if it stopped."""
