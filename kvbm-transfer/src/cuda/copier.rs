@@ -137,9 +137,13 @@ impl CudaCopier {
         if config.lanes_per_direction == 0
             || config.staging_slots == 0
             || config.staging_slot_bytes < 4096
+            || config
+                .staging_slot_bytes
+                .checked_mul(config.staging_slots)
+                .is_none()
         {
             return Err(CudaError::InvalidCopy(format!(
-                "copier needs at least one lane, one slot and 4 KiB slots: {config:?}"
+                "copier needs at least one lane, one slot, 4 KiB slots and a ring that fits in memory: {config:?}"
             )));
         }
         device.bind()?;
