@@ -521,26 +521,35 @@ impl CudaCopier {
         load: GpuLoad,
         keep: &mut Vec<Box<dyn Any + Send>>,
     ) -> CudaResult<()> {
-        let desc = self
-            .descs
-            .upload(&lane.kernel_stream, part, src_bases, dst_bases)?;
+        // SAFETY: the lease goes into `keep` before anything can fail,
+        // and `keep` is released only after the copy completed (or, on an
+        // error, after the lane drained).
+        let desc = unsafe {
+            self.descs
+                .upload(&lane.kernel_stream, part, src_bases, dst_bases)?
+        };
+        let (runs_ptr, src_table, dst_table) = (
+            desc.runs_ptr(),
+            desc.table_ptr(0),
+            desc.table_ptr(src_bases.len()),
+        );
+        keep.push(Box::new(desc));
         let total = part.iter().map(|r| r.len).sum();
         let grid = self.kernel_grid(part.len(), total, load);
         // SAFETY: the descriptor holds `part` and both base tables in device
         // memory; every run was bounds-checked against its region, and the
-        // regions are kept alive (in `keep`) until completion.
+        // regions and the descriptor are kept alive (in `keep`) until
+        // completion.
         unsafe {
             self.device.inner.kernel.launch(
                 &lane.kernel_stream,
                 grid,
-                desc.runs_ptr(),
+                runs_ptr,
                 part.len() as u32,
-                desc.table_ptr(0),
-                desc.table_ptr(src_bases.len()),
-            )?
-        };
-        keep.push(Box::new(desc));
-        Ok(())
+                src_table,
+                dst_table,
+            )
+        }
     }
 
     /// The plan as affine families for the copy engines, grouped in host

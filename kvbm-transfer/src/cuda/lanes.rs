@@ -159,7 +159,12 @@ impl Drop for DescLease {
 }
 
 impl DescPool {
-    pub(crate) fn upload(
+    /// [`DescPool::upload_tables`] of `runs` and the base tables
+    /// `src_bases` then `dst_bases`.
+    ///
+    /// # Safety
+    /// As [`DescPool::upload_tables`].
+    pub(crate) unsafe fn upload(
         self: &Arc<Self>,
         stream: &Stream,
         runs: &[CopyRun],
@@ -168,12 +173,19 @@ impl DescPool {
     ) -> CudaResult<DescLease> {
         let mut tables = src_bases.to_vec();
         tables.extend_from_slice(dst_bases);
-        self.upload_tables(stream, runs, &tables)
+        // SAFETY: the caller's promise.
+        unsafe { self.upload_tables(stream, runs, &tables) }
     }
 
     /// Writes `runs` then `tables` into a pinned buffer and enqueues their
     /// copy to the device on `stream`.
-    pub(crate) fn upload_tables(
+    ///
+    /// # Safety
+    /// The returned lease must be kept until the work queued on `stream`
+    /// after this call completed: the copy reads the pinned buffer and
+    /// later work reads the device one, and a returned lease lends both to
+    /// the next copy.
+    pub(crate) unsafe fn upload_tables(
         self: &Arc<Self>,
         stream: &Stream,
         runs: &[CopyRun],
