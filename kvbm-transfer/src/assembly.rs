@@ -173,7 +173,8 @@ fn with_cuda(
         disk.register_memory(pool.region())?;
         builder = builder.bounce_pool(pool);
     }
-    let copier = CudaCopier::new(device, CopierConfig::default()).map_err(to_transfer_error)?;
+    let copier =
+        CudaCopier::new(device, CopierConfig::for_device(device)).map_err(to_transfer_error)?;
     let cuda = Arc::new(CudaBackend::new(Arc::new(copier)));
     builder = builder.backend(Arc::clone(&cuda) as Arc<dyn crate::TransferBackend>);
     Ok((builder, cuda))
