@@ -14,6 +14,6 @@ pub mod tokens;
 
 pub use hash::{BlockHash, SequenceHash};
 pub use hash::{DynamoXxh3, HashError, SequenceDigest, SequenceHasher, VllmBlockHash, VllmSha256};
-pub use sequence::{BlockRef, TokenBlockSequence};
+pub use sequence::{BlockRef, TokenBlockSequence, sequence_hashes};
 pub use tokens::Token;
 pub use tokens::{PageSize, TokenBlock, TokenError};

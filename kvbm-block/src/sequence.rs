@@ -254,3 +254,16 @@ impl<'a, D: SequenceDigest> BlockRef<'a, D> {
         )
     }
 }
+
+/// The sequence hashes of every complete block of `tokens`, in `block_tokens`
+/// token blocks, under `hasher`'s scheme and salt: the names a tier engine
+/// matches and registers. A trailing partial block has no name.
+pub fn sequence_hashes<H: SequenceHasher>(
+    hasher: H,
+    block_tokens: usize,
+    tokens: &[Token],
+) -> Result<Vec<SequenceHash>, TokenError> {
+    let page = u32::try_from(block_tokens).map_err(|_| TokenError::InvalidPageSize(u32::MAX))?;
+    let sequence = TokenBlockSequence::from_tokens(hasher, PageSize::new(page)?, tokens);
+    Ok(sequence.sequence_hashes().collect())
+}

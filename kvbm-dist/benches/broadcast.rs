@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvbm_dist::leader::{Leader, LeaderConfig, PendingLeader};
-use kvbm_dist::worker::cpu_executor;
+use kvbm_dist::worker::default_executor;
 use kvbm_dist::worker::memory::{SharedMapping, create_shared_file};
 use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
 use kvbm_pool::Tier;
@@ -81,12 +81,12 @@ fn bench(c: &mut Criterion) {
 
     // The reference: one rank's copy inside one process.
     let layout = g1_layout();
-    let exec = cpu_executor().unwrap();
     let file = dir.path().join("g1-local");
     create_shared_file(&file, &layout).unwrap();
     let g1 = Arc::new(SharedMapping::open(&file, layout.total_bytes()).unwrap())
         .physical_layout(layout.clone())
         .unwrap();
+    let exec = default_executor(&g1).unwrap();
     let g2 = PhysicalLayout::allocate_system(
         Layout::new(*layout.config(), LayoutKind::FullyContiguous).unwrap(),
         &SystemAllocator::new(),

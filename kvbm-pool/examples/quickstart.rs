@@ -1,50 +1,31 @@
 //! The README's example: a request's blocks go down to G2 (host memory) and
 //! G3 (disk), G1 forgets them, and a second request with the same prompt
-//! gets them back. Host memory stands in for the GPU.
+//! gets them back. Host memory stands in for the GPU (the `quickstart_gpu`
+//! example puts G1 on one).
 //!
 //! ```text
 //! cargo run -p kvbm-pool --example quickstart
 //! ```
 
-use kvbm_block::{DynamoXxh3, PageSize, TokenBlockSequence};
-use kvbm_layout::{Layout, LayoutConfig, LayoutKind};
-use kvbm_pool::tier::{
-    G1Lookup, OnboardTarget, TierEngine, TierEngineConfig, TierLayouts, TierPolicy,
-};
-use kvbm_transfer::disk::DiskConfig;
-use kvbm_transfer::memory::{DiskAllocator, DiskOptions, SystemAllocator};
-use kvbm_transfer::{Executor, ExecutorConfig, PhysicalLayout};
+use kvbm_block::{DynamoXxh3, sequence_hashes};
+use kvbm_pool::KvShape;
+use kvbm_pool::tier::{self, TierEngine, TierPolicy::WriteThrough};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    // 16-token blocks of a 1-layer model with K and V, 128 bf16 per token.
-    let shape = |blocks| LayoutConfig::new(blocks, 1, 2, 16, 128, 2);
-    let layout = |blocks| Layout::new(shape(blocks)?, LayoutKind::FullyContiguous);
-    let host = SystemAllocator::new();
+    // A 1-layer model: K and V of one 128-wide head per token, bf16, 16-token blocks.
+    let shape = KvShape::mha(1, 1, 128);
     let dir = std::env::temp_dir().join("kvbm-quickstart");
     std::fs::create_dir_all(&dir)?;
-    let disk = DiskAllocator::new(&dir, DiskOptions::default())?;
-    let tiers = TierLayouts {
-        g1: PhysicalLayout::allocate_system(layout(64)?, &host)?,
-        g2: Some(PhysicalLayout::allocate_system(layout(16)?, &host)?),
-        g3: Some(PhysicalLayout::allocate_disk(layout(256)?, &disk)?),
-    };
-    let executor = Executor::cpu(
-        2,
-        &DiskConfig::default(),
-        4,
-        1 << 20,
-        ExecutorConfig::default(),
-    )?;
-    // Admit every block (the default, reuse-score, learns which blocks recur).
-    let config = TierEngineConfig::new(16)
-        .g2_policy(TierPolicy::WriteThrough)
-        .g3_policy(TierPolicy::WriteThrough);
-    let engine = TierEngine::new(config, tiers, executor)?;
+    let engine = TierEngine::builder(shape)
+        .g1_host(64)
+        .g2_host_bytes(16 * shape.block_bytes())
+        .g3_disk(&dir, 256 * shape.block_bytes())
+        .g2_policy(WriteThrough) // admit every block (the default learns which recur)
+        .build()?;
 
     // The engine computes a 40-block prompt into G1 and registers it.
     let tokens: Vec<u32> = (0..40 * 16 + 5).collect();
-    let seq = TokenBlockSequence::from_tokens(DynamoXxh3::default(), PageSize::new(16)?, &tokens);
-    let hashes: Vec<_> = seq.sequence_hashes().collect();
+    let hashes = sequence_hashes(DynamoXxh3::default(), shape.tokens_per_block(), &tokens)?;
     let mut complete = Vec::new();
     let mut parent = None;
     for (block, &hash) in engine.allocate_g1(hashes.len())?.into_iter().zip(&hashes) {
@@ -57,7 +38,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     engine.g1().evict(64); // G1 forgets everything
 
     // A new request with the same prompt: G1 misses, G2 and G3 hit.
-    let found = engine.match_request(1u64, &hashes, tokens.len(), G1Lookup::Pool)?;
+    let found = engine.match_request(1u64, &hashes, tokens.len(), tier::G1Lookup::Pool)?;
     println!(
         "G1 {} + G2 {} + G3 {} blocks: {} tokens of prefill skipped",
         found.g1_blocks,
@@ -65,7 +46,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         found.g3_blocks,
         found.external_tokens()
     );
-    let loaded = engine.onboard(1u64, OnboardTarget::Pool)?.wait()?;
+    let loaded = engine.onboard(1u64, tier::OnboardTarget::Pool)?.wait()?;
     println!("onboarded {} blocks into G1", loaded.count);
     engine.release(1u64);
     Ok(())

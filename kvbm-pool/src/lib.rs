@@ -64,4 +64,6 @@ pub use pool::{
     PoolCounts, WeakBlock,
 };
 pub use slot::SlotManager;
-pub use tier::{TierEngine, TierEngineConfig, TierError, TierLayouts};
+pub use tier::{
+    Dtype, KvShape, TierEngine, TierEngineBuilder, TierEngineConfig, TierError, TierLayouts,
+};

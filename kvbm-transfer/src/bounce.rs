@@ -14,9 +14,10 @@
 //! that stay in the CPU cache cost a cross-CPU wake-up per chunk, which on
 //! a small VM cost more CPU than the cache saved (`docs/benchmarks.md`).
 //!
-//! [`trace`] records how chunks move through the slots and the two hops,
-//! to find where a pipeline sits idle.
+//! `trace` (feature `diagnostics`) records how chunks move through the
+//! slots and the two hops, to find where a pipeline sits idle.
 
+#[cfg(feature = "diagnostics")]
 pub mod trace;
 
 use std::collections::VecDeque;

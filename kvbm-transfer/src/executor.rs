@@ -20,6 +20,7 @@ use parking_lot::Mutex;
 
 use crate::backend::{BackendKind, TransferBackend, TransferJob};
 use crate::bounce::BouncePool;
+#[cfg(feature = "diagnostics")]
 use crate::bounce::trace::ChunkTrace;
 use crate::completion::{CancelToken, Completer, Completion, Outcome, completion_pair};
 use crate::disk::route::FileRoute;
@@ -27,7 +28,7 @@ use crate::error::{Result, TransferError};
 use crate::limiter::{Limiter, Permit};
 use crate::memory::{Location, MemoryKind};
 use crate::physical::PhysicalLayout;
-use crate::pipeline::two_hop;
+use crate::pipeline::{TraceSink, two_hop};
 use crate::strategy::{Capabilities, Strategy, select_strategy};
 
 /// Executor settings.
@@ -58,7 +59,7 @@ pub struct ExecutorBuilder {
     backends: Vec<Arc<dyn TransferBackend>>,
     bounce: Vec<Arc<BouncePool>>,
     config: ExecutorConfig,
-    trace: Option<Arc<ChunkTrace>>,
+    trace: TraceSink,
     route: Option<Arc<dyn FileRoute>>,
 }
 
@@ -95,6 +96,7 @@ impl ExecutorBuilder {
 
     /// Records every two-hop chunk's slot and hop events into `trace`
     /// (benchmarks and diagnosis; off by default).
+    #[cfg(feature = "diagnostics")]
     pub fn chunk_trace(mut self, trace: Arc<ChunkTrace>) -> Self {
         self.trace = Some(trace);
         self
@@ -142,7 +144,7 @@ struct Inner {
     caps: Capabilities,
     config: ExecutorConfig,
     limiter: Arc<Limiter>,
-    trace: Option<Arc<ChunkTrace>>,
+    trace: TraceSink,
     route: Option<Arc<dyn FileRoute>>,
 }
 

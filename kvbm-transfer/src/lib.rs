@@ -22,7 +22,10 @@
 //! - [`bounce`]: bounce-buffer pools for two-hop transfers; the pipeline
 //!   itself is internal to the executor.
 //! - [`executor`]: [`Executor`] — batching, the in-flight limit, strategy
-//!   dispatch, per-block outcome.
+//!   dispatch, per-block outcome; [`assembly`]: [`ExecutorSpec`], the
+//!   backends and bounce pools a set of tiers needs, assembled.
+//! - [`memory::EngineKvCache`]: an engine's own KV tensors, recognised
+//!   and wrapped in place as a [`PhysicalLayout`].
 //! - `cuda` (feature `cuda`): device and fast pinned memory, the copy
 //!   kernel, the CUDA backend (copy engines, kernel, staged paths), and the
 //!   file-window route (the GPU's DMA reading page-locked windows of a
@@ -36,7 +39,7 @@
 //! ```
 //! use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
 //! use kvbm_transfer::memory::{DiskAllocator, DiskOptions, SystemAllocator};
-//! use kvbm_transfer::{disk::DiskConfig, Executor, ExecutorConfig, PhysicalLayout};
+//! use kvbm_transfer::{ExecutorSpec, PhysicalLayout};
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! // 8 blocks of 2 layers x K/V x 16 tokens x 128 bf16 values (4 KiB chunks).
@@ -44,7 +47,8 @@
 //! let engine_like = Layout::new(cfg, LayoutKind::LayerSeparate(BlockOrder::OuterFirst))?;
 //! let tier = Layout::new(cfg, LayoutKind::FullyContiguous)?;
 //!
-//! let exec = Executor::cpu(2, &DiskConfig::default(), 4, 1 << 20, ExecutorConfig::default())?;
+//! // Host memory and a disk file: memcpy, the disk backend, bounce buffers.
+//! let exec = ExecutorSpec::host().disk(true).build()?;
 //! let host = PhysicalLayout::allocate_system(engine_like, &SystemAllocator::new())?;
 //! let dir = std::env::temp_dir().join("kvbm-transfer-doc");
 //! let disk = PhysicalLayout::allocate_disk(tier, &DiskAllocator::new(dir, DiskOptions::default())?)?;
@@ -56,6 +60,7 @@
 //! # }
 //! ```
 
+pub mod assembly;
 pub mod backend;
 pub mod bounce;
 pub mod completion;
@@ -73,6 +78,7 @@ mod pipeline;
 mod pool;
 pub mod strategy;
 
+pub use assembly::{AssembledExecutor, ExecutorSpec};
 pub use backend::{BackendKind, CopyRun, Side, TransferBackend, TransferJob};
 pub use bounce::{BouncePool, BounceSlot};
 pub use completion::{CancelToken, Completer, Completion, Outcome, completion_pair};

@@ -102,6 +102,45 @@ impl PhysicalLayout {
         Self::new(layout, regions)
     }
 
+    /// Allocates device memory on `device` for every region of `layout`
+    /// (a G1 that kvbm owns, for tests and benchmarks; engines hand their
+    /// own tensors through [`crate::memory::EngineKvCache`]).
+    #[cfg(feature = "cuda")]
+    pub fn allocate_device(layout: Layout, device: &crate::cuda::CudaDevice) -> Result<Self> {
+        use crate::cuda::backend::to_transfer_error;
+        let regions = (0..layout.num_regions())
+            .map(|r| {
+                let len = usize::try_from(layout.region_size(r)?).map_err(|_| {
+                    TransferError::InvalidRequest(format!("region {r} does not fit in memory"))
+                })?;
+                let buffer =
+                    crate::cuda::DeviceBuffer::new(device, len).map_err(to_transfer_error)?;
+                Ok(Arc::new(buffer).region())
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Self::new(layout, regions)
+    }
+
+    /// Allocates pinned host memory near `device` for every region of
+    /// `layout` (G2 beside a GPU G1: the GPU reads and writes it at the
+    /// link's rate).
+    #[cfg(feature = "cuda")]
+    pub fn allocate_pinned(layout: Layout, device: &crate::cuda::CudaDevice) -> Result<Self> {
+        use crate::cuda::backend::to_transfer_error;
+        use crate::cuda::{PinnedMemory, PinnedOptions};
+        let regions = (0..layout.num_regions())
+            .map(|r| {
+                let len = usize::try_from(layout.region_size(r)?).map_err(|_| {
+                    TransferError::InvalidRequest(format!("region {r} does not fit in memory"))
+                })?;
+                let pinned = PinnedMemory::allocate(device, len, PinnedOptions::for_device(device))
+                    .map_err(to_transfer_error)?;
+                Ok(Arc::new(pinned).region())
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Self::new(layout, regions)
+    }
+
     /// The logical layout.
     pub fn layout(&self) -> &Layout {
         &self.layout

@@ -19,6 +19,7 @@ use std::sync::{Arc, Weak};
 use parking_lot::Mutex;
 
 use crate::backend::{CopyRun, TransferBackend, TransferJob};
+#[cfg(feature = "diagnostics")]
 use crate::bounce::trace::{ChunkTrace, TraceEvent};
 use crate::bounce::{BouncePool, BounceSlot};
 use crate::completion::{Completer, Completion, completion_pair};
@@ -137,7 +138,29 @@ struct Pipeline {
     completer: Mutex<Option<Completer>>,
     this: Weak<Pipeline>,
     /// Where to record chunk events, and this pipeline's id in it.
+    #[cfg(feature = "diagnostics")]
     trace: Option<(Arc<ChunkTrace>, u32)>,
+}
+
+/// What two-hop pipelines record chunk events into: a chunk trace, if
+/// any, with feature `diagnostics`; nothing without.
+#[cfg(feature = "diagnostics")]
+pub(crate) type TraceSink = Option<Arc<ChunkTrace>>;
+/// What two-hop pipelines record chunk events into: nothing without
+/// feature `diagnostics`.
+#[cfg(not(feature = "diagnostics"))]
+#[derive(Clone, Default)]
+pub(crate) struct TraceSink;
+
+/// Records a chunk event into the pipeline's trace (feature
+/// `diagnostics`; without it, nothing is recorded).
+macro_rules! note {
+    ($p:expr, $chunk:expr, $slot:expr, $event:ident) => {
+        #[cfg(feature = "diagnostics")]
+        $p.note($chunk, $slot, TraceEvent::$event);
+        #[cfg(not(feature = "diagnostics"))]
+        let _: (usize, Option<&BounceSlot>) = ($chunk, $slot);
+    };
 }
 
 /// Runs `job` as source → bounce (with `first`) → destination (with
@@ -149,8 +172,10 @@ pub(crate) fn two_hop(
     second: Arc<dyn TransferBackend>,
     pool: Arc<BouncePool>,
     max_slots: usize,
-    trace: Option<Arc<ChunkTrace>>,
+    trace: TraceSink,
 ) -> Completion {
+    #[cfg(not(feature = "diagnostics"))]
+    let TraceSink = trace;
     if let Err(e) = job.validate_bounds() {
         return Completion::ready(Err(e));
     }
@@ -169,17 +194,19 @@ pub(crate) fn two_hop(
         state: Mutex::new(State::default()),
         completer: Mutex::new(Some(completer)),
         this: this.clone(),
+        #[cfg(feature = "diagnostics")]
         trace: trace.map(|t| {
             let id = t.new_pipeline();
             (t, id)
         }),
     });
-    p.note(p.chunks.len(), None, TraceEvent::PipelineStart);
+    note!(p, p.chunks.len(), None, PipelineStart);
     p.pump(Vec::new());
     completion
 }
 
 impl Pipeline {
+    #[cfg(feature = "diagnostics")]
     fn note(&self, chunk: usize, slot: Option<&BounceSlot>, event: TraceEvent) {
         if let Some((trace, id)) = &self.trace {
             trace.record(*id, chunk, slot.map(BounceSlot::index), event);
@@ -216,7 +243,7 @@ impl Pipeline {
                 } {
                     // Noted here, in the order hop 2s are decided: two
                     // threads' pumps may submit theirs the other way round.
-                    self.note(st.next_hop2, Some(&slot), TraceEvent::Hop2Start);
+                    note!(self, st.next_hop2, Some(&slot), Hop2Start);
                     actions.push(Action::Hop2(st.next_hop2, slot));
                     st.next_hop2 += 1;
                     st.hops_in_flight += 1;
@@ -252,11 +279,11 @@ impl Pipeline {
         };
         match action {
             Action::AskSlot(k) => {
-                self.note(k, None, TraceEvent::SlotAsked);
+                note!(self, k, None, SlotAsked);
                 self.pool.acquire(move |slot| me.slot_arrived(slot));
             }
             Action::Hop1(k, slot) => {
-                self.note(k, Some(&slot), TraceEvent::Hop1Start);
+                note!(self, k, Some(&slot), Hop1Start);
                 let job = TransferJob::new(
                     self.job.src.clone(),
                     vec![slot.region()].into(),
@@ -302,7 +329,7 @@ impl Pipeline {
         };
         match start {
             Some(k) => {
-                self.note(k, Some(&slot), TraceEvent::SlotGranted);
+                note!(self, k, Some(&slot), SlotGranted);
                 self.act(Action::Hop1(k, slot));
                 self.pump(Vec::new());
             }
@@ -317,7 +344,7 @@ impl Pipeline {
     }
 
     fn hop1_done(&self, k: usize, slot: BounceSlot, r: Result<(), TransferError>) {
-        self.note(k, Some(&slot), TraceEvent::Hop1End);
+        note!(self, k, Some(&slot), Hop1End);
         let mut release = Vec::new();
         {
             let mut st = self.state.lock();
@@ -337,7 +364,7 @@ impl Pipeline {
     }
 
     fn hop2_done(&self, k: usize, slot: BounceSlot, r: Result<(), TransferError>) {
-        self.note(k, Some(&slot), TraceEvent::Hop2End);
+        note!(self, k, Some(&slot), Hop2End);
         {
             let mut st = self.state.lock();
             st.hops_in_flight -= 1;

@@ -87,7 +87,7 @@ fn layouts(blocks: usize) -> (Layout, Layout) {
 #[test]
 fn executor_onboards_and_offloads_through_the_cuda_backend() {
     let Some(dev) = device_or_skip() else { return };
-    let copier = Arc::new(CudaCopier::new(&dev, CopierConfig::default()).unwrap());
+    let copier = Arc::new(CudaCopier::new(&dev, CopierConfig::for_device(&dev)).unwrap());
     for path in [
         None,
         Some(CopyPath::CopyEngine),
@@ -141,7 +141,7 @@ fn executor_onboards_and_offloads_through_the_cuda_backend() {
 #[test]
 fn backend_refuses_what_it_cannot_move() {
     let Some(dev) = device_or_skip() else { return };
-    let copier = Arc::new(CudaCopier::new(&dev, CopierConfig::default()).unwrap());
+    let copier = Arc::new(CudaCopier::new(&dev, CopierConfig::for_device(&dev)).unwrap());
     let backend = CudaBackend::new(copier);
     let me = MemoryKind::Device(dev.ordinal() as u32);
     assert!(backend.supports(MemoryKind::Pinned, me));
@@ -225,7 +225,7 @@ fn engine_tensors_wrapped_in_place_take_an_onboard() {
     )
     .unwrap();
 
-    let copier = Arc::new(CudaCopier::new(&dev, CopierConfig::default()).unwrap());
+    let copier = Arc::new(CudaCopier::new(&dev, CopierConfig::for_device(&dev)).unwrap());
     let exec = Executor::builder()
         .backend(Arc::new(CudaBackend::new(copier)))
         .build()

@@ -42,7 +42,7 @@ fn copy_into(copier: &CudaCopier, gpu: &Arc<DeviceBuffer>, mem: &Arc<PinnedMemor
 #[test]
 fn every_chunk_is_registered_and_counted() {
     let Some(dev) = device_or_skip() else { return };
-    let copier = CudaCopier::new(&dev, CopierConfig::default()).unwrap();
+    let copier = CudaCopier::new(&dev, CopierConfig::for_device(&dev)).unwrap();
     let gpu = Arc::new(DeviceBuffer::new(&dev, 4096).unwrap());
     // 8 MiB chunks, the last one 12 KiB.
     let opts = PinnedOptions {
@@ -69,7 +69,7 @@ fn the_pinned_prefix_never_runs_ahead() {
     // While the background thread registers chunk after chunk, every byte
     // the prefix covers must already be usable by a copy.
     let Some(dev) = device_or_skip() else { return };
-    let copier = CudaCopier::new(&dev, CopierConfig::default()).unwrap();
+    let copier = CudaCopier::new(&dev, CopierConfig::for_device(&dev)).unwrap();
     let gpu = Arc::new(DeviceBuffer::new(&dev, 4096).unwrap());
     let opts = PinnedOptions {
         chunk_bytes: 4 << 20,

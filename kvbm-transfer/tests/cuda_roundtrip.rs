@@ -12,7 +12,7 @@ use cuda_common::{
 };
 use kvbm_transfer::cuda::{
     CopierConfig, CopyOptions, CopyPath, CudaCopier, CudaDevice, CudaError, CudaRegion,
-    DeviceBuffer, FollowedWait, GpuLoad, Location, PinnedMemory, PinnedOptions, probe,
+    DeviceBuffer, GpuLoad, Location, PinnedMemory, PinnedOptions, probe,
 };
 
 /// Memory for one layout, on the device or pinned on the host.
@@ -190,10 +190,8 @@ fn paths() -> Vec<(&'static str, CopyOptions)> {
 }
 
 /// A copier whose staging slots are small and not a multiple of the run
-/// size, so rings wrap many times and runs split across slots; it also
-/// takes the other kernel work split (a CTA per run) and the loop of
-/// single DMA copies instead of the batch call, and its watchers poll for
-/// the end of each copy.
+/// size, so rings wrap many times and runs split across slots, with one
+/// lane per direction and a short busy poll.
 fn tight_copier(dev: &CudaDevice) -> CudaCopier {
     CudaCopier::new(
         dev,
@@ -201,10 +199,8 @@ fn tight_copier(dev: &CudaDevice) -> CudaCopier {
             staging_slot_bytes: 12 * 1024 + 4096,
             staging_slots: 3,
             lanes_per_direction: 1,
-            warp_per_run: !CopierConfig::default().warp_per_run,
-            use_batch_copy: false,
             wake_spin_us: 300,
-            ..CopierConfig::default()
+            ..CopierConfig::for_device(dev)
         },
     )
     .unwrap()
@@ -231,20 +227,9 @@ fn roundtrip_with(dev_kind: Kind, host_kind: Kind, run_bytes: usize, packed: boo
     let copiers = [
         (
             "default",
-            CudaCopier::new(&dev, CopierConfig::default()).unwrap(),
+            CudaCopier::new(&dev, CopierConfig::for_device(&dev)).unwrap(),
         ),
         ("tight", tight_copier(&dev)),
-        (
-            "flat",
-            CudaCopier::new(
-                &dev,
-                CopierConfig {
-                    strided_copies: false,
-                    ..CopierConfig::default()
-                },
-            )
-            .unwrap(),
-        ),
     ];
     for n in [1usize, 1024] {
         let pool = 2 * n + 1;
@@ -330,7 +315,7 @@ fn runs_not_a_multiple_of_16_bytes() {
 #[test]
 fn device_to_device_both_orders() {
     let Some(dev) = device_or_skip() else { return };
-    let copier = CudaCopier::new(&dev, CopierConfig::default()).unwrap();
+    let copier = CudaCopier::new(&dev, CopierConfig::for_device(&dev)).unwrap();
     for (sk, dk) in [
         (Kind::LayerSeparate, Kind::FullyContiguous),
         (Kind::FullyContiguous, Kind::LayerSeparate),
@@ -361,7 +346,7 @@ fn device_to_device_both_orders() {
 #[test]
 fn offload_and_onboard_overlap_and_both_land() {
     let Some(dev) = device_or_skip() else { return };
-    let copier = CudaCopier::new(&dev, CopierConfig::default()).unwrap();
+    let copier = CudaCopier::new(&dev, CopierConfig::for_device(&dev)).unwrap();
     let n = 256;
     let pool = 2 * n;
     let host = Mem::new(
@@ -409,16 +394,15 @@ fn offload_and_onboard_overlap_and_both_land() {
 /// ring's feeder in order: two onboards into the same device blocks leave
 /// the second one's bytes, two offloads into the same host blocks likewise,
 /// through a ring that wraps many times and through the default one, with
-/// the caller enqueuing the first chunks (two or one), the feeder taking
-/// whole copies, and no feeder; with followed copies waited for in the
-/// driver and polled.
+/// the caller enqueuing the first chunks and the feeder taking whole
+/// copies (behind queued ones).
 #[test]
 fn queued_staged_copies_keep_their_order() {
     let Some(dev) = device_or_skip() else { return };
     let copiers = [
         (
             "default",
-            CudaCopier::new(&dev, CopierConfig::default()).unwrap(),
+            CudaCopier::new(&dev, CopierConfig::for_device(&dev)).unwrap(),
         ),
         ("tight", tight_copier(&dev)),
         (
@@ -429,54 +413,7 @@ fn queued_staged_copies_keep_their_order() {
                 &dev,
                 CopierConfig {
                     staging_slot_bytes: 256 << 10,
-                    ..CopierConfig::default()
-                },
-            )
-            .unwrap(),
-        ),
-        (
-            "one caller chunk",
-            CudaCopier::new(
-                &dev,
-                CopierConfig {
-                    staged_caller_chunks: 1,
-                    ..CopierConfig::default()
-                },
-            )
-            .unwrap(),
-        ),
-        (
-            // By default an offload with another behind it is waited for
-            // in the driver and an onboard polled; here the other way.
-            "followed offloads polled, onboards in the driver",
-            CudaCopier::new(
-                &dev,
-                CopierConfig {
-                    followed_wait_offload: FollowedWait::Polls,
-                    followed_wait_onboard: FollowedWait::Driver,
-                    ..CopierConfig::default()
-                },
-            )
-            .unwrap(),
-        ),
-        (
-            "whole copies to the feeder",
-            CudaCopier::new(
-                &dev,
-                CopierConfig {
-                    staged_caller_chunks: 0,
-                    ..CopierConfig::default()
-                },
-            )
-            .unwrap(),
-        ),
-        (
-            "no feeder",
-            CudaCopier::new(
-                &dev,
-                CopierConfig {
-                    staged_feeder: false,
-                    ..CopierConfig::default()
+                    ..CopierConfig::for_device(&dev)
                 },
             )
             .unwrap(),
@@ -544,7 +481,7 @@ fn copies_cross_registration_chunks() {
     // Pinned memory registered in 2 MiB chunks; one run spans four chunks on
     // the host side. DMA paths must split it, the kernel reads straight on.
     let Some(dev) = device_or_skip() else { return };
-    let copier = CudaCopier::new(&dev, CopierConfig::default()).unwrap();
+    let copier = CudaCopier::new(&dev, CopierConfig::for_device(&dev)).unwrap();
     let len = 8 << 20;
     let opts = PinnedOptions {
         chunk_bytes: 2 << 20,
@@ -588,7 +525,7 @@ fn copies_cross_registration_chunks() {
 #[test]
 fn bad_plans_are_errors_not_panics() {
     let Some(dev) = device_or_skip() else { return };
-    let copier = CudaCopier::new(&dev, CopierConfig::default()).unwrap();
+    let copier = CudaCopier::new(&dev, CopierConfig::for_device(&dev)).unwrap();
     let gpu: Arc<dyn CudaRegion> = Arc::new(DeviceBuffer::new(&dev, 4096).unwrap());
     let host: Arc<dyn CudaRegion> =
         Arc::new(PinnedMemory::allocate(&dev, 4096, PinnedOptions::for_device(&dev)).unwrap());
@@ -672,7 +609,7 @@ fn staged_runs_out_of_bounds_fail_and_write_nothing_outside() {
     let copiers = [
         (
             "default",
-            CudaCopier::new(&dev, CopierConfig::default()).unwrap(),
+            CudaCopier::new(&dev, CopierConfig::for_device(&dev)).unwrap(),
         ),
         ("tight", tight_copier(&dev)),
     ];

@@ -31,7 +31,7 @@ struct Rig {
 }
 
 fn rig(device: CudaDevice, keep: u64) -> Rig {
-    let copier = Arc::new(CudaCopier::new(&device, CopierConfig::default()).unwrap());
+    let copier = Arc::new(CudaCopier::new(&device, CopierConfig::for_device(&device)).unwrap());
     let route = Arc::new(
         FileWindowRoute::new(
             copier.clone(),

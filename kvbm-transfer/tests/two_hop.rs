@@ -407,6 +407,7 @@ fn cancelling_a_transfer_queued_behind_another_does_not_wait_for_it() {
     assert_eq!(a.wait().unwrap().blocks, 8);
 }
 
+#[cfg(feature = "diagnostics")]
 #[test]
 fn chunk_trace_sees_every_chunk_in_order_and_no_more_slots_than_allowed() {
     use kvbm_transfer::bounce::trace::{ChunkTrace, TraceEvent, TraceSummary};

@@ -25,8 +25,7 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kvbm_transfer::disk::DiskConfig;
-use kvbm_transfer::{CancelToken, Executor, ExecutorConfig, PhysicalLayout, TransferOutcome};
+use kvbm_transfer::{CancelToken, Executor, ExecutorSpec, PhysicalLayout, TransferOutcome};
 
 use crate::error::{DistError, Result};
 use crate::proto::{
@@ -50,7 +49,8 @@ pub struct WorkerConfig {
     pub g1: PhysicalLayout,
     /// Directory for the G3 file; without one a non-zero G3 size is refused.
     pub g3_dir: Option<PathBuf>,
-    /// Moves the bytes; `None` builds a CPU executor (memcpy and disk).
+    /// Moves the bytes; `None` assembles one for G1's memory
+    /// ([`default_executor`]).
     pub executor: Option<Executor>,
     /// Fault injection: wait this long before starting each transfer (so a
     /// test can kill the worker while a transfer is in flight).
@@ -60,8 +60,8 @@ pub struct WorkerConfig {
     /// Writes and checks test patterns in G1 for the leader (benches and
     /// tests); without one, probes are refused.
     pub probe: Option<Box<dyn probe::BlockProbe>>,
-    /// Allocates G2 for a layout (pinned memory next to a GPU); `None`
-    /// allocates system memory.
+    /// Allocates G2 for a layout; `None` allocates pinned memory near G1's
+    /// GPU (feature `cuda`), system memory for a host G1.
     pub g2_allocator: Option<G2Allocator>,
 }
 
@@ -95,15 +95,32 @@ impl WorkerConfig {
     }
 }
 
-/// The CPU executor a worker builds when given none.
-pub fn cpu_executor() -> Result<Executor> {
-    Ok(Executor::cpu(
-        2,
-        &DiskConfig::default(),
-        4,
-        4 << 20,
-        ExecutorConfig::default(),
-    )?)
+/// The executor a worker builds when given none, from its G1's memory:
+/// memcpy and the disk backend for a host G1; with feature `cuda`, the
+/// CUDA backend and a pinned bounce pool for a G1 on a GPU.
+pub fn default_executor(g1: &PhysicalLayout) -> Result<Executor> {
+    Ok(executor_spec(g1)?.disk(true).build()?)
+}
+
+#[cfg(feature = "cuda")]
+fn executor_spec(g1: &PhysicalLayout) -> Result<ExecutorSpec> {
+    Ok(match g1.kind() {
+        kvbm_transfer::MemoryKind::Device(ordinal) => ExecutorSpec::device(
+            kvbm_transfer::cuda::CudaDevice::open(ordinal as usize)
+                .map_err(kvbm_transfer::cuda::backend::to_transfer_error)?,
+        ),
+        _ => ExecutorSpec::host(),
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn executor_spec(g1: &PhysicalLayout) -> Result<ExecutorSpec> {
+    if let kvbm_transfer::MemoryKind::Device(_) = g1.kind() {
+        return Err(DistError::InvalidConfig(
+            "G1 is device memory: build kvbm-dist with feature `cuda`".into(),
+        ));
+    }
+    Ok(ExecutorSpec::host())
 }
 
 /// How often the loop looks at the clock when nothing arrives.
@@ -114,7 +131,7 @@ const TICK: Duration = Duration::from_millis(200);
 pub fn run(mut config: WorkerConfig) -> Result<()> {
     let executor = match config.executor.clone() {
         Some(e) => e,
-        None => cpu_executor()?,
+        None => default_executor(&config.g1)?,
     };
     let ctx = zmq::Context::new();
     let nonce = std::process::id() as u64 ^ (Instant::now().elapsed().as_nanos() as u64);

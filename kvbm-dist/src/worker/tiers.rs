@@ -74,7 +74,7 @@ impl Tiers {
                 )?;
                 let l = match g2_allocator {
                     Some(alloc) => alloc(layout)?,
-                    None => PhysicalLayout::allocate_system(layout, &SystemAllocator::new())?,
+                    None => default_g2(self.g1.kind(), layout)?,
                 };
                 executor.register(&l)?;
                 Some(l)
@@ -138,4 +138,20 @@ impl Tiers {
             Tier::G4 => None,
         }
     }
+}
+
+/// G2 when the engine process gave no allocator: pinned memory near G1's
+/// GPU, system memory beside a host G1.
+fn default_g2(g1: kvbm_transfer::MemoryKind, layout: Layout) -> Result<PhysicalLayout> {
+    #[cfg(feature = "cuda")]
+    if let kvbm_transfer::MemoryKind::Device(ordinal) = g1 {
+        let device = kvbm_transfer::cuda::CudaDevice::open(ordinal as usize)
+            .map_err(kvbm_transfer::cuda::backend::to_transfer_error)?;
+        return Ok(PhysicalLayout::allocate_pinned(layout, &device)?);
+    }
+    let _ = g1;
+    Ok(PhysicalLayout::allocate_system(
+        layout,
+        &SystemAllocator::new(),
+    )?)
 }

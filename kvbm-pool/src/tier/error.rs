@@ -13,6 +13,18 @@ pub enum TierError {
     /// The configuration or the tier layouts cannot build an engine.
     #[error("invalid tier configuration: {0}")]
     InvalidConfig(String),
+    /// A tier's memory does not hold blocks of the engine's KV shape.
+    #[error("{what}: {dimension} is {found}, the KV shape says {expected}")]
+    ShapeMismatch {
+        /// Which memory (e.g. "G1 (the engine's tensors)").
+        what: String,
+        /// The dimension that differs.
+        dimension: &'static str,
+        /// The KV shape's value.
+        expected: usize,
+        /// The memory's value.
+        found: usize,
+    },
     /// A pool refused to be built or to hand out blocks.
     #[error(transparent)]
     Pool(#[from] PoolError),

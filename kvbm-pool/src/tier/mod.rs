@@ -35,6 +35,7 @@
 //! was requested; every first match of a request records its prompt in a
 //! shared [`crate::policy::UseHistory`].
 
+mod builder;
 mod config;
 mod error;
 mod events;
@@ -43,6 +44,7 @@ mod mover;
 mod offload;
 mod onboard;
 mod request;
+mod shape;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -54,12 +56,14 @@ use kvbm_transfer::{Executor, PhysicalLayout};
 
 use parking_lot::Mutex;
 
+pub use builder::TierEngineBuilder;
 pub use config::{G3Onboard, OffloadMode, TierEngineConfig, TierPolicy};
 pub use error::TierError;
 pub use matching::{G1Lookup, TierMatch};
 pub use mover::{LocalMover, TierMover};
 pub use onboard::{OnboardHandle, OnboardTarget, Onboarded};
 pub use request::RequestId;
+pub use shape::{Dtype, KvShape};
 
 use crate::config::{EvictionKind, PoolConfig, Tier};
 use crate::events::KvEventBatch;

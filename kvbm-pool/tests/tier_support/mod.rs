@@ -9,9 +9,8 @@ use kvbm_block::SequenceHash;
 use kvbm_layout::{Layout, LayoutConfig, LayoutKind};
 use kvbm_pool::tier::{TierEngine, TierEngineConfig, TierLayouts};
 use kvbm_pool::{ImmutableBlock, ImmutableBlocks};
-use kvbm_transfer::disk::DiskConfig;
 use kvbm_transfer::memory::{DiskAllocator, DiskOptions, SystemAllocator};
-use kvbm_transfer::{Executor, ExecutorConfig, PhysicalLayout};
+use kvbm_transfer::{Executor, ExecutorSpec, PhysicalLayout};
 
 /// Tokens per block in these tests.
 pub const BLOCK_TOKENS: usize = 16;
@@ -34,14 +33,7 @@ pub fn disk(blocks: usize, dir: &std::path::Path) -> PhysicalLayout {
 }
 
 pub fn executor() -> Executor {
-    Executor::cpu(
-        2,
-        &DiskConfig::default(),
-        4,
-        1 << 20,
-        ExecutorConfig::default(),
-    )
-    .unwrap()
+    ExecutorSpec::host().disk(true).build().unwrap()
 }
 
 /// An engine over host G1/G2 and a disk G3 in `dir`.

@@ -12,7 +12,7 @@ use std::time::Instant;
 use kvbm_layout::{Layout, LayoutKind, plan_copy};
 use kvbm_transfer::cuda::{
     Completion, CopierConfig, CopyOptions, CopyPath, CopyRun as CudaRun, CudaCopier, CudaDevice,
-    CudaRegion, DeviceBuffer, Direction, GpuLoad, PinnedMemory, PinnedOptions, Probe, probe,
+    CudaRegion, DeviceBuffer, Direction, PinnedMemory, PinnedOptions, Probe, probe,
 };
 
 use super::error::{BenchError, Result};
@@ -36,7 +36,7 @@ pub fn open() -> std::result::Result<Gpu, String> {
         Probe::NoDevice => return Err("no CUDA device".into()),
     }
     let device = CudaDevice::open(0).map_err(|e| format!("no CUDA device ({e})"))?;
-    let copier = CudaCopier::new(&device, CopierConfig::default())
+    let copier = CudaCopier::new(&device, CopierConfig::for_device(&device))
         .map_err(|e| format!("CUDA copier failed to start ({e})"))?;
     Ok(Gpu { device, copier })
 }
@@ -201,12 +201,9 @@ pub fn measure(
         Direction::DeviceToHost
     };
     let first = plans.first().map(Vec::as_slice).unwrap_or(&[]);
-    let path = gpu.copier.choose(
-        dir,
-        first.len(),
-        first.iter().map(|r| r.len).sum(),
-        GpuLoad::Idle,
-    );
+    let path = gpu
+        .copier
+        .choose(dir, first.len(), first.iter().map(|r| r.len).sum());
     // The reference: one copy of the same bytes on the copy engines.
     let flat = Arc::new(DeviceBuffer::new(&gpu.device, bytes as usize).map_err(cuda_err)?);
     let host: Arc<dyn CudaRegion> = if to_device {

@@ -15,10 +15,10 @@ use super::*;
 pub(crate) fn run(dev: &CudaDevice) {
     let arena = filled_arena(dev, 2 * GIB);
     let mk = |c: CopierConfig| CudaCopier::new(dev, c).expect("copier");
-    let main = mk(CopierConfig::default());
+    let main = mk(CopierConfig::for_device(dev));
     let refs = references(dev, &main, 5);
-    let timeline = mk(cfg(|c| c.timeline = true));
-    let nospin = mk(cfg(|c| c.wake_spin_us = 0));
+    let timeline = mk(cfg(dev, |c| c.timeline = true));
+    let nospin = mk(cfg(dev, |c| c.wake_spin_us = 0));
     let st = |l| opts(Some(CopyPath::Staged), l);
     let idle = GpuLoad::Idle;
 
@@ -199,15 +199,8 @@ pub(crate) fn beside_gemm(dev: &CudaDevice) {
     let shape = Shape::new(dev, &arena, 4, true);
     let on = shape.case(Direction::HostToDevice, 0..256);
     let off = shape.case(Direction::DeviceToHost, 256..512);
-    for grouped in [true, false] {
-        let copier = CudaCopier::new(
-            dev,
-            cfg(|c| {
-                c.timeline = true;
-                c.busy_grouped_staging = grouped;
-            }),
-        )
-        .expect("copier");
+    {
+        let copier = CudaCopier::new(dev, cfg(dev, |c| c.timeline = true)).expect("copier");
         let busy = opts(None, GpuLoad::Busy);
         for (case, label) in [(&on, "H2D"), (&off, "D2H")] {
             case.run(&copier, busy);
@@ -233,7 +226,7 @@ pub(crate) fn beside_gemm(dev: &CudaDevice) {
                 copies.join().expect("copy thread")
             });
             println!(
-                "8 KiB 1-alloc {label} beside GEMM, grouped {grouped}: 4 copies, 2 in flight, {wall:.0} us ({:.1} GB/s)\n{}",
+                "8 KiB 1-alloc {label} beside GEMM: 4 copies, 2 in flight, {wall:.0} us ({:.1} GB/s)\n{}",
                 4.0 * case.bytes as f64 / wall / 1e3,
                 copier.take_timeline().unwrap_or_default()
             );

@@ -13,10 +13,8 @@
 //! `cargo run --release --example cuda_bench --features cuda [-- quick |
 //! gemm | focus | diag | gemm-timeline | probe]`; `focus` runs only the
 //! rows that judge how copies start and end (8 and 32 KiB runs: one
-//! direction, both directions, beside the GEMM one copy at a time), each
-//! against an earlier behaviour (`-old`: no sleeping completion polls after
-//! the busy one, and a kernel per chunk for busy staged copies; `-ug`: only
-//! the latter); `probe` (see `probe.rs`) the measurements behind the staged
+//! direction, both directions, beside the GEMM one copy at a time);
+//! `probe` (see `probe.rs`) the measurements behind the staged
 //! path's start; `gemm-timeline` the timelines of busy staged copies beside
 //! the GEMM (`diag.rs`). `-sh` rows hand the plan over shared
 //! (`copy_shared`) instead of lending it. `KVBM_SHAPES` keeps some run
@@ -48,9 +46,9 @@ use kvbm_transfer::cuda::{
 
 const GIB: usize = 1 << 30;
 
-/// The default copier configuration changed by `f`.
-fn cfg(f: impl FnOnce(&mut CopierConfig)) -> CopierConfig {
-    let mut c = CopierConfig::default();
+/// The copier configuration for `dev` changed by `f`.
+fn cfg(dev: &CudaDevice, f: impl FnOnce(&mut CopierConfig)) -> CopierConfig {
+    let mut c = CopierConfig::for_device(dev);
     f(&mut c);
     c
 }
@@ -190,42 +188,16 @@ fn opts(path: Option<CopyPath>, load: GpuLoad) -> CopyOptions {
 /// The copiers compared: the default one and one per alternative setting.
 struct Copiers {
     main: CudaCopier,
-    /// One DMA descriptor per run (no strided families): the earlier path.
-    flat: CudaCopier,
     /// Watchers that always sleep in the driver (no polling at the end).
     nospin: CudaCopier,
-    /// Busy staged copies with one kernel per chunk (the previous
-    /// behaviour) instead of one per half ring.
-    ungrouped: CudaCopier,
-    /// An earlier behaviour: the watcher goes to the driver once its busy
-    /// poll ran out (no sleeping polls), and busy staged copies have a
-    /// kernel per chunk.
-    old: CudaCopier,
 }
 
 impl Copiers {
     fn new(dev: &CudaDevice) -> Copiers {
-        let d = CopierConfig::default;
         let mk = |c: CopierConfig| CudaCopier::new(dev, c).expect("copier");
         Copiers {
-            main: mk(d()),
-            flat: mk(CopierConfig {
-                strided_copies: false,
-                ..d()
-            }),
-            nospin: mk(CopierConfig {
-                wake_spin_us: 0,
-                ..d()
-            }),
-            ungrouped: mk(CopierConfig {
-                busy_grouped_staging: false,
-                ..d()
-            }),
-            old: mk(CopierConfig {
-                wake_poll_interval_us: 0,
-                busy_grouped_staging: false,
-                ..d()
-            }),
+            main: mk(CopierConfig::for_device(dev)),
+            nospin: mk(cfg(dev, |c| c.wake_spin_us = 0)),
         }
     }
 
@@ -238,7 +210,6 @@ impl Copiers {
         let (i, b) = (GpuLoad::Idle, GpuLoad::Busy);
         let v = vec![
             ("copy-engine", &self.main, opts(ce, i)),
-            ("ce-flat", &self.flat, opts(ce, i)),
             ("kernel-idle", &self.main, opts(k, i)),
             ("kernel-busy", &self.main, opts(k, b)),
             ("staged", &self.main, opts(st, i)),
@@ -249,23 +220,12 @@ impl Copiers {
             ("staged-sh", &self.main, opts(st, i)),
             ("staged-busy", &self.main, opts(st, b)),
             ("auto-busy", &self.main, opts(None, b)),
-            ("auto-busy-ug", &self.ungrouped, opts(None, b)),
-            ("staged-old", &self.old, opts(st, i)),
-            ("auto-idle-old", &self.old, opts(None, i)),
-            ("auto-busy-old", &self.old, opts(None, b)),
         ];
         v.into_iter()
             .filter(|x| {
                 all || matches!(
                     x.0,
-                    "copy-engine"
-                        | "kernel-idle"
-                        | "auto-idle"
-                        | "auto-idle-sh"
-                        | "auto-busy"
-                        | "auto-busy-ug"
-                        | "auto-idle-old"
-                        | "auto-busy-old"
+                    "copy-engine" | "kernel-idle" | "auto-idle" | "auto-idle-sh" | "auto-busy"
                 )
             })
             .collect()
@@ -463,14 +423,7 @@ fn main() {
         !focus
             || matches!(
                 name,
-                "staged"
-                    | "staged-old"
-                    | "staged-sh"
-                    | "auto-idle"
-                    | "auto-idle-old"
-                    | "auto-idle-sh"
-                    | "auto-busy"
-                    | "auto-busy-old"
+                "staged" | "staged-sh" | "auto-idle" | "auto-idle-sh" | "auto-busy"
             )
     };
     let reps = if quick { 3 } else { 5 };
@@ -631,9 +584,11 @@ fn main() {
             // Latency of one 2 MiB block (at 32 KiB runs) per path.
             if tokens == 16 {
                 let single = mk(d, 300..301);
-                for (name, copier, o) in copiers.variants(packed).into_iter().filter(|v| {
-                    !focus || matches!(v.0, "kernel-idle" | "auto-idle" | "auto-idle-old")
-                }) {
+                for (name, copier, o) in copiers
+                    .variants(packed)
+                    .into_iter()
+                    .filter(|v| !focus || matches!(v.0, "kernel-idle" | "auto-idle"))
+                {
                     single.run(copier, o);
                     let mut lat: Vec<f64> = (0..100)
                         .map(|_| {
@@ -699,7 +654,7 @@ fn main() {
         if !gemm_only && !focus {
             let ko = opts(Some(CopyPath::Kernel), GpuLoad::Idle);
             let co = opts(Some(CopyPath::CopyEngine), GpuLoad::Idle);
-            for (cname, c) in [("", &copiers.main), ("-old", &copiers.old)] {
+            for (cname, c) in [("", &copiers.main)] {
                 for (label, first, fo, second, so) in [
                     ("onboard kernel, offload copy engines", &on, ko, &off, co),
                     ("offload kernel, onboard copy engines", &off, ko, &on, co),
@@ -742,28 +697,15 @@ fn main() {
             let mut rows = Vec::new();
             for v in copiers.variants(packed) {
                 let keep = if focus {
-                    matches!(v.0, "auto-busy" | "auto-busy-ug" | "auto-busy-old")
+                    matches!(v.0, "auto-busy")
                 } else {
-                    matches!(
-                        v.0,
-                        "copy-engine"
-                            | "staged"
-                            | "staged-busy"
-                            | "auto-busy"
-                            | "auto-busy-ug"
-                            | "auto-busy-old"
-                    )
+                    matches!(v.0, "copy-engine" | "staged" | "staged-busy" | "auto-busy")
                 };
                 if keep {
                     rows.push((v, 1));
                 }
                 // An engine's offload queue keeps several copies in flight.
-                if !focus
-                    && matches!(
-                        v.0,
-                        "staged-busy" | "auto-busy" | "auto-busy-ug" | "auto-busy-old"
-                    )
-                {
+                if !focus && matches!(v.0, "staged-busy" | "auto-busy") {
                     rows.push((v, 2));
                     rows.push((v, 4));
                 }

@@ -1,20 +1,18 @@
 //! `cuda_bench probe`: the rows that decide how a staged copy starts.
 //!
-//! - The caller enqueuing a staged copy's first chunks when its ring has
-//!   nothing queued (0 = the whole copy handed to the feeder thread, the
-//!   earlier behaviour; 1, 2, 3 chunks; 2 chunks with a ramp of four
-//!   (the first chunk a sixteenth of a slot); and no feeder at all): one
-//!   direction, both from one thread (plans lent and shared) and from two,
-//!   8 and 32 KiB runs, 1-alloc and layer-alloc, two passes in opposite
-//!   orders.
+//! - Staged copies through the feeder (the caller enqueues the first
+//!   chunks when the ring has nothing queued): one direction, both from
+//!   one thread (plans lent and shared) and from two, 8 and 32 KiB runs,
+//!   1-alloc and layer-alloc, two passes.
 //! - Timelines of one staged copy and of an onboard and an offload at once
 //!   (8 KiB runs, plans lent and shared), on one clock: where the fixed
 //!   cost goes.
-//! - Four onboards queued at once: when each one's completion resolves,
-//!   with the watcher polling onboards that have another behind them (the
-//!   default) or sleeping in the driver for them.
+//! - Four onboards queued at once: when each one's completion resolves.
 //!
-//! (A first version also measured the copy-engine path split across 1–6
+//! (Earlier versions also compared how many first chunks the caller
+//! enqueues, the ramp, no feeder at all, and followed onboards waited for
+//! in the driver; those alternatives are gone, their figures are in
+//! docs/benchmarks.md. A first version also measured the copy-engine path split across 1–6
 //! copy streams, with stream priorities and `CUDA_DEVICE_MAX_CONNECTIONS`,
 //! and plain DMA as pieces of 512 KiB, 2 MiB and 128 MiB; the figures are
 //! in docs/benchmarks.md, the split is gone.)
@@ -28,29 +26,12 @@ pub(crate) fn run(dev: &CudaDevice) {
         return;
     }
     let mk = |c: CopierConfig| CudaCopier::new(dev, c).expect("copier");
-    let main = mk(CopierConfig::default());
+    let main = mk(CopierConfig::for_device(dev));
     let refs = references(dev, &main, 5);
 
-    // The caller's first chunks.
-    let ramps: Vec<(String, CudaCopier)> = [0usize, 1, 2, 3]
-        .into_iter()
-        .map(|n| {
-            (
-                format!("caller-chunks-{n}"),
-                mk(cfg(|c| c.staged_caller_chunks = n)),
-            )
-        })
-        .chain([
-            (
-                "caller-2-ramp-4".to_string(),
-                mk(cfg(|c| c.staged_ramp_chunks = 4)),
-            ),
-            (
-                "no-feeder".to_string(),
-                mk(cfg(|c| c.staged_feeder = false)),
-            ),
-        ])
-        .collect();
+    // The staged start.
+    let ramps: Vec<(String, CudaCopier)> =
+        vec![("default".to_string(), mk(CopierConfig::for_device(dev)))];
     let st = opts(Some(CopyPath::Staged), GpuLoad::Idle);
     for (tokens, packed) in [(4usize, true), (4, false), (16, true), (16, false)] {
         let kib = tokens * 2;
@@ -96,11 +77,8 @@ pub(crate) fn run(dev: &CudaDevice) {
     let shape = Shape::new(dev, &arena, 4, true);
     let on = shape.case(Direction::HostToDevice, 0..256);
     let off = shape.case(Direction::DeviceToHost, 256..512);
-    for n in [2usize, 0] {
-        let tl = mk(cfg(|c| {
-            c.timeline = true;
-            c.staged_caller_chunks = n;
-        }));
+    {
+        let tl = mk(cfg(dev, |c| c.timeline = true));
         for shared in [false, true] {
             for _ in 0..3 {
                 both_as(&tl, &on, &off, st, shared);
@@ -110,7 +88,7 @@ pub(crate) fn run(dev: &CudaDevice) {
             both_as(&tl, &on, &off, st, shared);
             let wall = t.elapsed().as_secs_f64() * 1e6;
             println!(
-                "probe timeline both 8 KiB 1-alloc caller-chunks-{n} plans {}: copy + wait {wall:.0} us (at the reference rate {:.0} us)\n{}",
+                "probe timeline both 8 KiB 1-alloc plans {}: copy + wait {wall:.0} us (at the reference rate {:.0} us)\n{}",
                 if shared { "shared" } else { "lent" },
                 (on.bytes + off.bytes) as f64 / refs.both / 1e3,
                 tl.take_timeline().unwrap_or_default()
@@ -120,7 +98,7 @@ pub(crate) fn run(dev: &CudaDevice) {
         on.run(&tl, st);
         let wall = t.elapsed().as_secs_f64() * 1e6;
         println!(
-            "probe timeline H2D 8 KiB 1-alloc caller-chunks-{n}: copy + wait {wall:.0} us (at the reference rate {:.0} us)\n{}",
+            "probe timeline H2D 8 KiB 1-alloc: copy + wait {wall:.0} us (at the reference rate {:.0} us)\n{}",
             on.bytes as f64 / refs.h2d / 1e3,
             tl.take_timeline().unwrap_or_default()
         );
@@ -130,21 +108,17 @@ pub(crate) fn run(dev: &CudaDevice) {
 }
 
 /// Four onboards of 32 MiB (8 KiB runs) queued at once: when each one's
-/// completion resolves, with followed onboards polled (the default) or
-/// waited for in the driver. `cuda_bench probe queued` runs only this.
+/// completion resolves. `cuda_bench probe queued` runs only this.
 pub(crate) fn queued_onboards(dev: &CudaDevice, arena: &Arc<PinnedMemory>) {
     let mk = |c: CopierConfig| CudaCopier::new(dev, c).expect("copier");
     let shape = Shape::new(dev, arena, 4, true);
     let st = opts(Some(CopyPath::Staged), GpuLoad::Idle);
-    let polled = mk(CopierConfig::default());
-    let driver = mk(cfg(|c| {
-        c.followed_wait_onboard = kvbm_transfer::cuda::FollowedWait::Driver
-    }));
+    let polled = mk(CopierConfig::for_device(dev));
     let quarters: Vec<Case> = (0..4)
         .map(|q| shape.case(Direction::HostToDevice, q * 64..(q + 1) * 64))
         .collect();
     for pass in 0..2 {
-        for (name, copier) in [("polled", &polled), ("driver", &driver)] {
+        for (name, copier) in [("polled", &polled)] {
             let mut at: Vec<Vec<f64>> = vec![Vec::new(); quarters.len()];
             for rep in 0..8 {
                 let t0 = Instant::now();

@@ -482,9 +482,10 @@ pub(super) fn gpu_setup(
         return None;
     };
     let device = CudaDevice::open(0).unwrap();
+    let defaults = CopierConfig::for_device(&device);
     let config = CopierConfig {
-        wake_spin_us: env_u64("KVBM_WAKE_SPIN_US", CopierConfig::default().wake_spin_us),
-        ..CopierConfig::default()
+        wake_spin_us: env_u64("KVBM_WAKE_SPIN_US", defaults.wake_spin_us),
+        ..defaults
     };
     let copier = Arc::new(CudaCopier::new(&device, config).unwrap());
     Some((device, copier))

@@ -262,7 +262,7 @@ impl DmaLoop {
                 .ok()?,
         );
         let dev = Arc::new(DeviceBuffer::new(&device, bytes as usize).ok()?);
-        let copier = Arc::new(CudaCopier::new(&device, CopierConfig::default()).ok()?);
+        let copier = Arc::new(CudaCopier::new(&device, CopierConfig::for_device(&device)).ok()?);
         let exec = Executor::builder()
             .backend(Arc::new(CudaBackend::new(copier)))
             .build()

@@ -13,9 +13,9 @@
 //! wall time in which both hops had work, only one had, or neither had, and
 //! the latencies of the hand-offs between them.
 //!
-//! Tracing is off unless an executor is built with
-//! [`crate::ExecutorBuilder::chunk_trace`]; untraced pipelines pay one
-//! branch per event.
+//! Compiled with feature `diagnostics` only. Tracing is off unless an
+//! executor is built with [`crate::ExecutorBuilder::chunk_trace`];
+//! untraced pipelines pay one branch per event.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;

@@ -20,16 +20,17 @@
 //! model's kernels — which outlast the busy budget and would otherwise pay
 //! the driver's wake-up; it costs a query per interval, not a core.
 //!
-//! Offloads: only the last copy handed to a watcher is polled. A copy with
-//! another queued behind it on its lane ends with the link still busy
-//! (the next copy follows on the same streams), so learning of its end a
-//! wake-up later delays no byte; by default the watcher of a device → host
-//! lane sleeps in the driver for it (see [`FollowedWait`]). An engine that
-//! keeps several offloads in flight then costs a sleeping thread rather
-//! than a spinning one: on the H200 machine the watcher of a stream of 8
-//! KiB offloads used 0.09 of a core where polling every copy took
-//! 0.53–0.74, at the same rate. Onboards are polled whatever follows them:
-//! a request waits on each.
+//! Offloads (and device-to-device copies): only the last copy handed to a
+//! watcher is polled. A copy with another queued behind it on its lane
+//! ends with the link still busy (the next copy follows on the same
+//! streams), so learning of its end a wake-up later delays no byte; the
+//! watcher sleeps in the driver for it. An engine that keeps several
+//! offloads in flight then costs a sleeping thread rather than a spinning
+//! one: on the H200 machine the watcher of a stream of 8 KiB offloads used
+//! 0.09 of a core where polling every copy took 0.53–0.74, at the same
+//! rate. Onboards are polled whatever follows them: a request waits on
+//! each, and the driver's wake-up would add itself to the wait of every
+//! onboard but the last of a queue.
 
 use std::any::Any;
 use std::collections::VecDeque;
@@ -38,11 +39,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::sys::{self, CUevent};
-
-use super::config::FollowedWait;
 use super::device::CudaDevice;
-use super::error::{CudaError, CudaResult, check};
+use super::error::{CudaError, CudaResult};
+use super::handles::{Event, EventKind, Stream};
 use crate::completion::{Completer, Outcome, completion_pair};
 
 /// The outcome of one CUDA copy: the crate's [`crate::Completion`] (a
@@ -58,17 +57,13 @@ impl Outcome for CudaResult<()> {
 /// A copy handed to the watcher: the event after its last operation and
 /// what must stay alive until then.
 struct Watch {
-    event: CUevent,
+    event: Event,
     /// How the watcher polls before sleeping in the driver (see
     /// [`Watcher::watch`]).
     spin_from: Option<Poll>,
     keep_alive: Vec<Box<dyn Any + Send>>,
     completer: Completer<CudaResult<()>>,
 }
-
-// SAFETY: a CUevent is a driver handle usable from any thread with the
-// context current; it moves to the watcher and is used only there.
-unsafe impl Send for Watch {}
 
 /// When and how long a watcher polls a copy's event.
 #[derive(Debug, Clone, Copy)]
@@ -102,18 +97,15 @@ pub(crate) struct Watcher {
 }
 
 impl Watcher {
-    /// Starts a watcher thread named `name`; `followed` says how it waits
-    /// for copies with another queued behind them.
-    pub(crate) fn spawn(
-        device: &CudaDevice,
-        name: &str,
-        followed: FollowedWait,
-    ) -> CudaResult<Self> {
+    /// Starts a watcher thread named `name`; `poll_followed` says whether
+    /// it polls for copies with another queued behind them as for the last
+    /// (otherwise it sleeps in the driver for them).
+    pub(crate) fn spawn(device: &CudaDevice, name: &str, poll_followed: bool) -> CudaResult<Self> {
         let (tx, rx) = channel::<Watch>();
         let device = device.clone();
         let thread = std::thread::Builder::new()
             .name(name.into())
-            .spawn(move || watch_loop(&device, rx, followed))
+            .spawn(move || watch_loop(&device, rx, poll_followed))
             .map_err(|e| CudaError::Os {
                 call: "thread spawn",
                 source: Arc::new(e),
@@ -141,7 +133,7 @@ impl Watcher {
     /// a watcher that sleeps past the real end wakes late by the difference.
     pub(crate) fn watch(
         &self,
-        stream: sys::CUstream,
+        stream: &Stream,
         keep_alive: Vec<Box<dyn Any + Send>>,
         spin: Option<PollPlan>,
     ) -> Result<Completion, (CudaError, Vec<Box<dyn Any + Send>>)> {
@@ -159,7 +151,7 @@ impl Watcher {
     #[allow(clippy::type_complexity)]
     pub(crate) fn watch_with(
         &self,
-        stream: sys::CUstream,
+        stream: &Stream,
         keep_alive: Vec<Box<dyn Any + Send>>,
         spin: Option<PollPlan>,
         completer: Completer<CudaResult<()>>,
@@ -171,16 +163,11 @@ impl Watcher {
             Completer<CudaResult<()>>,
         ),
     > {
-        let event = match new_event(true) {
+        let event = match Event::new(stream.device(), EventKind::Blocking) {
             Ok(e) => e,
             Err(e) => return Err((e, keep_alive, completer)),
         };
-        // SAFETY: `event` was just created in the current context; `stream`
-        // belongs to the same context.
-        if let Err(e) = check("cuEventRecord", unsafe {
-            sys::cuEventRecord(event, stream)
-        }) {
-            destroy_event(event);
+        if let Err(e) = event.record(stream) {
             return Err((e, keep_alive, completer));
         }
         let spin_from = spin.map(|plan| {
@@ -201,7 +188,6 @@ impl Watcher {
         }
         let Some(tx) = self.tx.as_ref() else {
             // Only after drop began; nothing can be watched any more.
-            destroy_event(event);
             return Err((CudaError::CompletionLost, keep_alive, completer));
         };
         let watch = Watch {
@@ -215,8 +201,8 @@ impl Watcher {
             Err(std::sync::mpsc::SendError(w)) => {
                 // The watcher is gone: wait here instead, so the verdict is
                 // still the driver's.
-                let r = synchronize_event(w.event);
-                destroy_event(w.event);
+                let r = w.event.synchronize();
+                drop(w.event);
                 drop(w.keep_alive);
                 w.completer.complete(r);
                 Ok(())
@@ -234,7 +220,7 @@ impl Drop for Watcher {
     }
 }
 
-fn watch_loop(device: &CudaDevice, rx: Receiver<Watch>, followed: FollowedWait) {
+fn watch_loop(device: &CudaDevice, rx: Receiver<Watch>, poll_followed: bool) {
     let bound = device.bind();
     // SAFETY: PR_SET_TIMERSLACK takes an unsigned long of nanoseconds and
     // changes only this thread's timer slack (so its 20 µs polling sleeps
@@ -250,13 +236,13 @@ fn watch_loop(device: &CudaDevice, rx: Receiver<Watch>, followed: FollowedWait) 
                         behind.extend(rx.try_iter());
                         !behind.is_empty()
                     };
-                    poll_until_done(w.event, poll, followed, &mut is_followed);
+                    poll_until_done(&w.event, poll, poll_followed, &mut is_followed);
                 }
-                synchronize_event(w.event)
+                w.event.synchronize()
             }
             Err(e) => Err(e.clone()),
         };
-        destroy_event(w.event);
+        drop(w.event);
         drop(w.keep_alive);
         w.completer.complete(result);
     }
@@ -264,23 +250,19 @@ fn watch_loop(device: &CudaDevice, rx: Receiver<Watch>, followed: FollowedWait) 
 
 /// Sleeps until the earliest end, polls `event` busily for the budget,
 /// then every interval until the deadline; returns when it fired, failed,
-/// or the polling ran out (the caller then sleeps in the driver). While
-/// `is_followed()` says another copy is queued behind this one, `followed`
-/// decides: no busy poll ([`FollowedWait::Polls`]) or no poll at all
-/// ([`FollowedWait::Driver`]).
+/// or the polling ran out (the caller then sleeps in the driver). Unless
+/// `poll_followed`, it stops polling as soon as `is_followed()` says
+/// another copy is queued behind this one.
 fn poll_until_done(
-    event: CUevent,
+    event: &Event,
     poll: Poll,
-    followed: FollowedWait,
+    poll_followed: bool,
     is_followed: &mut dyn FnMut() -> bool,
 ) {
-    // SAFETY: `event` is a live event of the current context.
-    let pending =
-        || unsafe { sys::cuEventQuery(event) } == sys::cudaError_enum::CUDA_ERROR_NOT_READY;
-    // Whether a phase is cut short for a copy with another behind it.
-    let busy_cut = followed != FollowedWait::AsLast;
-    let polls_cut = followed == FollowedWait::Driver;
-    if polls_cut && is_followed() {
+    let pending = || event.is_pending();
+    // Whether polling is cut short for a copy with another behind it.
+    let cut = !poll_followed;
+    if cut && is_followed() {
         return;
     }
     let now = Instant::now();
@@ -289,7 +271,7 @@ fn poll_until_done(
     }
     let busy_until = Instant::now() + poll.busy;
     while pending() {
-        if Instant::now() >= busy_until || (busy_cut && is_followed()) {
+        if Instant::now() >= busy_until || (cut && is_followed()) {
             break;
         }
         std::hint::spin_loop();
@@ -298,53 +280,9 @@ fn poll_until_done(
         return;
     }
     while pending() {
-        if Instant::now() >= poll.until || (polls_cut && is_followed()) {
+        if Instant::now() >= poll.until || (cut && is_followed()) {
             return;
         }
         std::thread::sleep(poll.interval);
     }
-}
-
-fn synchronize_event(event: CUevent) -> CudaResult<()> {
-    // SAFETY: `event` is a live event of the current context.
-    check("cuEventSynchronize", unsafe {
-        sys::cuEventSynchronize(event)
-    })
-}
-
-/// Creates an event; `blocking` makes waiters sleep instead of spin.
-pub(crate) fn new_event(blocking: bool) -> CudaResult<CUevent> {
-    let mut flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-    if blocking {
-        flags |= sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32;
-    }
-    let mut event: CUevent = std::ptr::null_mut();
-    // SAFETY: `event` is a valid out-pointer; the caller made the context
-    // current.
-    check("cuEventCreate", unsafe {
-        sys::cuEventCreate(&mut event, flags)
-    })?;
-    Ok(event)
-}
-
-/// Destroys an event (errors ignored: nothing useful to do on teardown).
-pub(crate) fn destroy_event(event: CUevent) {
-    // SAFETY: the event was created by `new_event` and is destroyed once.
-    unsafe { sys::cuEventDestroy_v2(event) };
-}
-
-/// Records `event` on `stream`.
-pub(crate) fn record_event(event: CUevent, stream: sys::CUstream) -> CudaResult<()> {
-    // SAFETY: event and stream belong to the current context.
-    check("cuEventRecord", unsafe {
-        sys::cuEventRecord(event, stream)
-    })
-}
-
-/// Makes `stream` wait for the last recording of `event`.
-pub(crate) fn wait_event(stream: sys::CUstream, event: CUevent) -> CudaResult<()> {
-    // SAFETY: event and stream belong to the current context.
-    check("cuStreamWaitEvent", unsafe {
-        sys::cuStreamWaitEvent(stream, event, 0)
-    })
 }

@@ -28,22 +28,25 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::sys::CUstream;
-
 use super::completion::{Completion, PollPlan};
-pub use super::config::{CopierConfig, FollowedWait};
+pub use super::config::CopierConfig;
+use super::config::{
+    BUSY_THREADS, CALLER_CHUNKS, IDLE_MAX_CTAS, IDLE_THREADS, MIN_FAMILY_HEIGHT, RAMP_CHUNKS,
+    STAGED_THREADS, WAKE_POLL_INTERVAL_US,
+};
 use super::device::CudaDevice;
-use super::dma::{enqueue_spans, enqueue_strided};
+use super::dma::enqueue_strided;
 use super::error::{CudaError, CudaResult};
 use super::feeder::Feeder;
+use super::handles::Stream;
 use super::kernel::Grid;
 use super::lanes::{DescPool, Lane};
 use super::memory::{CudaRegion, Location, allocation_bounds};
 use super::pinned::registration_bounds;
-use super::plan::{CopyRun, HostSide, RegionLens, absolute_spans};
+use super::plan::{CopyRun, HostSide, RegionLens};
 use super::staged::{JobRuns, StagedJob, StagedRing};
 use super::strided::{FamilyLimits, OrderBy, Strided, strided_copies};
-use super::timeline::{Timeline, report};
+use super::timeline::Timeline;
 use crate::completion::completion_pair;
 
 /// How a copy moves its bytes.
@@ -109,8 +112,12 @@ pub struct CudaCopier {
     lanes: [Vec<Arc<Lane>>; 3],
     next_lane: [AtomicUsize; 3],
     descs: Arc<DescPool>,
+    #[cfg_attr(not(feature = "diagnostics"), allow(dead_code))]
     timeline: Arc<Mutex<Vec<Timeline>>>,
     config: CopierConfig,
+    /// Bytes per second the host link moves at best (see
+    /// [`CudaDevice::host_link_bytes_per_s`]).
+    line_rate: f64,
     device: CudaDevice,
 }
 
@@ -124,14 +131,19 @@ impl std::fmt::Debug for CudaCopier {
 }
 
 impl CudaCopier {
-    /// Creates the lanes, staging rings and watchers for `device`.
+    /// Creates the lanes, staging rings and watchers for `device`;
+    /// `config` usually starts as [`CopierConfig::for_device`]`(device)`.
     pub fn new(device: &CudaDevice, config: CopierConfig) -> CudaResult<Self> {
         if config.lanes_per_direction == 0
             || config.staging_slots == 0
             || config.staging_slot_bytes < 4096
+            || config
+                .staging_slot_bytes
+                .checked_mul(config.staging_slots)
+                .is_none()
         {
             return Err(CudaError::InvalidCopy(format!(
-                "copier needs at least one lane, one slot and 4 KiB slots: {config:?}"
+                "copier needs at least one lane, one slot, 4 KiB slots and a ring that fits in memory: {config:?}"
             )));
         }
         device.bind()?;
@@ -141,16 +153,14 @@ impl CudaCopier {
                 // One staging ring per direction, on lane 0: staged copies
                 // all go there (the ring is large; see `staging_slots`).
                 let staged = d != 2 && i == 0;
-                let followed = if d == 0 {
-                    config.followed_wait_onboard
-                } else {
-                    config.followed_wait_offload
-                };
+                // Onboards are polled whatever follows them (a request
+                // waits on each); see `completion`.
+                let poll_followed = d == 0;
                 lanes[d].push(Arc::new(Lane::new(
                     device,
                     &config,
                     staged,
-                    followed,
+                    poll_followed,
                     &format!("kvbm-{name}-{i}"),
                 )?));
             }
@@ -169,27 +179,24 @@ impl CudaCopier {
                 lane: Arc::clone(&lanes[d][0]),
                 grid: Grid {
                     ctas: config.staged_ctas,
-                    threads: config.staged_threads,
-                    per_warp: config.warp_per_run,
+                    threads: STAGED_THREADS,
                 },
-                batch: config.use_batch_copy && device.has_batch_copy(),
-                ramp: config.staged_ramp_chunks,
+                batch: device.has_batch_copy(),
+                ramp: RAMP_CHUNKS,
                 timelines: Arc::clone(&timeline),
                 queued: AtomicUsize::new(0),
                 spare_runs: Mutex::new(Vec::new()),
-                line_rate: config.line_rate_bytes_per_s,
+                line_rate: device.host_link_bytes_per_s(),
             });
-            if config.staged_feeder {
-                let r = Arc::clone(&ring);
-                feeders.push(
-                    Feeder::spawn(&format!("kvbm-{name}-feed"), move |job| r.feed(job)).map_err(
-                        |e| CudaError::Os {
-                            call: "thread spawn",
-                            source: Arc::new(e),
-                        },
-                    )?,
-                );
-            }
+            let r = Arc::clone(&ring);
+            feeders.push(
+                Feeder::spawn(&format!("kvbm-{name}-feed"), move |job| r.feed(job)).map_err(
+                    |e| CudaError::Os {
+                        call: "thread spawn",
+                        source: Arc::new(e),
+                    },
+                )?,
+            );
             staged.push(ring);
         }
         Ok(CudaCopier {
@@ -200,6 +207,7 @@ impl CudaCopier {
             descs,
             timeline,
             config,
+            line_rate: device.host_link_bytes_per_s(),
             device: device.clone(),
         })
     }
@@ -232,22 +240,15 @@ impl CudaCopier {
     ///   kernels hold the SMs for a few microseconds per 32 MiB, so it is
     ///   also the choice beside the model.
     ///
-    /// `load` does not change the path: with [`GpuLoad::Busy`] the ring
-    /// puts the device side of half a ring of chunks in one kernel (see
-    /// `CopierConfig::busy_grouped_staging`), which beside a bf16 GEMM loop
-    /// with two copies in flight moved 0.96–0.99 of line rate at 8 and 32
-    /// KiB runs, where the copy engines (pitched families) moved 0.92 at
-    /// best (32 KiB runs in one allocation) and 0.13–0.69 with one
-    /// allocation per layer. `load` also sizes the grid of a forced kernel
-    /// copy.
-    pub fn choose(
-        &self,
-        dir: Direction,
-        n_runs: usize,
-        total_bytes: u64,
-        load: GpuLoad,
-    ) -> CopyPath {
-        let _ = load;
+    /// The GPU's load ([`CopyOptions::load`]) does not change the path, so
+    /// it is no argument here: beside the model the staging ring still
+    /// beats the copy engines at small runs (it puts the device side of
+    /// half a ring of chunks in one kernel, which waits for the model's
+    /// SMs once rather than per chunk, while the other half's DMA keeps the
+    /// link busy), and the engines already use no SMs at large runs. The
+    /// load changes how a path runs instead: the staged path's grouping,
+    /// and the grid of a kernel copy.
+    pub fn choose(&self, dir: Direction, n_runs: usize, total_bytes: u64) -> CopyPath {
         if dir == Direction::DeviceToDevice || total_bytes <= self.config.small_copy_bytes {
             return CopyPath::Kernel;
         }
@@ -327,7 +328,7 @@ impl CudaCopier {
         let look = PlanLook::of(runs, self.config.small_copy_bytes);
         let mut path = opts
             .path
-            .unwrap_or_else(|| self.choose(dir, look.n_runs, look.total, opts.load));
+            .unwrap_or_else(|| self.choose(dir, look.n_runs, look.total));
         if path == CopyPath::Staged && dir == Direction::DeviceToDevice {
             path = CopyPath::Kernel;
         }
@@ -343,15 +344,22 @@ impl CudaCopier {
         self.device.bind()?;
         let src_bases: Vec<u64> = src.iter().map(|r| r.device_ptr()).collect();
         let dst_bases: Vec<u64> = dst.iter().map(|r| r.device_ptr()).collect();
-        let families = (path == CopyPath::CopyEngine && self.config.strided_copies)
-            .then(|| self.families(runs, src, dst, &src_bases, &dst_bases, dir));
+        let families = if path == CopyPath::CopyEngine {
+            self.families(runs, src, dst, &src_bases, &dst_bases, dir)
+        } else {
+            Vec::new()
+        };
         let _span = tracing::debug_span!(
             "cuda_copy",
             ?dir,
             ?path,
             n_runs,
             total,
-            dma_copies = families.as_ref().map_or(n_runs, Vec::len)
+            dma_copies = if families.is_empty() {
+                n_runs
+            } else {
+                families.len()
+            }
         )
         .entered();
         let mut keep: Vec<Box<dyn Any + Send>> =
@@ -361,34 +369,31 @@ impl CudaCopier {
         let lane =
             &lanes[self.next_lane[dir.index()].fetch_add(1, Ordering::Relaxed) % lanes.len()];
         let guard = lane.state.lock().unwrap_or_else(|p| p.into_inner());
-        let mut enqueue = || -> CudaResult<CUstream> {
+        let mut enqueue = || -> CudaResult<&Stream> {
             Ok(match path {
                 CopyPath::CopyEngine => {
                     let (src_loc, dst_loc) = (src[0].location(), dst[0].location());
-                    match &families {
-                        Some(f) => enqueue_strided(
+                    // SAFETY: every run was bounds-checked against its
+                    // region (`check_plan`), the families cover exactly
+                    // the runs' bytes and respect registration and
+                    // allocation bounds, and the regions stay alive (in
+                    // `keep`) until the copy completed.
+                    unsafe {
+                        enqueue_strided(
                             &self.device,
-                            self.batch(),
-                            lane.copy_stream,
-                            f,
+                            self.device.has_batch_copy(),
+                            &lane.copy_stream,
+                            &families,
                             src_loc,
                             dst_loc,
-                        )?,
-                        None => enqueue_spans(
-                            &self.device,
-                            self.batch(),
-                            lane.copy_stream,
-                            &absolute_spans(runs, &src_bases, &dst_bases),
-                            src_loc,
-                            dst_loc,
-                        )?,
-                    }
-                    lane.copy_stream
+                        )?
+                    };
+                    &lane.copy_stream
                 }
                 CopyPath::Kernel => {
                     // Empty runs cost the kernel nothing; no filtered copy.
                     self.launch_part(lane, runs, &src_bases, &dst_bases, opts.load, &mut keep)?;
-                    lane.kernel_stream
+                    &lane.kernel_stream
                 }
                 CopyPath::Staged => {
                     return Err(CudaError::InvalidCopy(
@@ -425,9 +430,9 @@ impl CudaCopier {
     fn poll_plan(&self, dir: Direction, asked: Instant, total: u64) -> Option<PollPlan> {
         (self.config.wake_spin_us > 0 && dir != Direction::DeviceToDevice).then(|| PollPlan {
             asked,
-            shortest: Duration::from_secs_f64(total as f64 / self.config.line_rate_bytes_per_s),
+            shortest: Duration::from_secs_f64(total as f64 / self.line_rate),
             busy: Duration::from_micros(self.config.wake_spin_us),
-            interval: Duration::from_micros(self.config.wake_poll_interval_us),
+            interval: Duration::from_micros(WAKE_POLL_INTERVAL_US),
         })
     }
 
@@ -475,38 +480,29 @@ impl CudaCopier {
             // (The shortest duration is set once the bytes are known.)
             spin: self.poll_plan(dir, entered, 0),
             completer,
-            timeline: self.config.timeline.then(|| {
-                let label = if host == HostSide::Source {
-                    "H2D"
-                } else {
-                    "D2H"
-                };
-                Timeline::new(label, entered)
-            }),
+            timeline: Timeline::for_copy(&self.config, host, entered),
             queued: false,
-            grouped: load == GpuLoad::Busy && self.config.busy_grouped_staging,
+            grouped: load == GpuLoad::Busy,
         };
-        ring.submit(
-            self.feeders.get(dir.index()),
-            self.config.staged_caller_chunks,
-            job,
-            runs,
-            borrowed,
-        )?;
+        let feeder = self
+            .feeders
+            .get(dir.index())
+            .ok_or_else(|| CudaError::InvalidCopy("no staging ring in this direction".into()))?;
+        ring.submit(feeder, CALLER_CHUNKS, job, runs, borrowed)?;
         Ok(completion)
     }
 
     /// Diagnostics: the timelines of the staged copies since the last call
     /// when `CopierConfig::timeline` is on, on one clock (waits for their
     /// GPU events).
-    #[doc(hidden)]
+    #[cfg(feature = "diagnostics")]
     pub fn take_timeline(&self) -> Option<String> {
         let t = std::mem::take(&mut *self.timeline.lock().unwrap_or_else(|p| p.into_inner()));
         if t.is_empty() {
             return None;
         }
         self.device.bind().ok()?;
-        Some(report(t))
+        Some(super::timeline::report(t))
     }
 
     /// Uploads `part`'s descriptors and launches the copy kernel over them
@@ -525,26 +521,35 @@ impl CudaCopier {
         load: GpuLoad,
         keep: &mut Vec<Box<dyn Any + Send>>,
     ) -> CudaResult<()> {
-        let desc = self
-            .descs
-            .upload(lane.kernel_stream, part, src_bases, dst_bases)?;
+        // SAFETY: the lease goes into `keep` before anything can fail,
+        // and `keep` is released only after the copy completed (or, on an
+        // error, after the lane drained).
+        let desc = unsafe {
+            self.descs
+                .upload(&lane.kernel_stream, part, src_bases, dst_bases)?
+        };
+        let (runs_ptr, src_table, dst_table) = (
+            desc.runs_ptr(),
+            desc.table_ptr(0),
+            desc.table_ptr(src_bases.len()),
+        );
+        keep.push(Box::new(desc));
         let total = part.iter().map(|r| r.len).sum();
         let grid = self.kernel_grid(part.len(), total, load);
         // SAFETY: the descriptor holds `part` and both base tables in device
         // memory; every run was bounds-checked against its region, and the
-        // regions are kept alive (in `keep`) until completion.
+        // regions and the descriptor are kept alive (in `keep`) until
+        // completion.
         unsafe {
             self.device.inner.kernel.launch(
-                lane.kernel_stream,
+                &lane.kernel_stream,
                 grid,
-                desc.runs_ptr(),
+                runs_ptr,
                 part.len() as u32,
-                desc.table_ptr(0),
-                desc.table_ptr(src_bases.len()),
-            )?
-        };
-        keep.push(Box::new(desc));
-        Ok(())
+                src_table,
+                dst_table,
+            )
+        }
     }
 
     /// The plan as affine families for the copy engines, grouped in host
@@ -577,37 +582,24 @@ impl CudaCopier {
             &bounds(dst),
             FamilyLimits {
                 max_pitch: self.device.max_pitch(),
-                min_height: self.config.min_family_height,
+                min_height: MIN_FAMILY_HEIGHT,
             },
         )
-    }
-
-    fn batch(&self) -> bool {
-        self.config.use_batch_copy && self.device.has_batch_copy()
     }
 
     fn kernel_grid(&self, n_runs: usize, total: u64, load: GpuLoad) -> Grid {
         match load {
             GpuLoad::Busy => Grid {
                 ctas: self.config.busy_ctas.max(1),
-                threads: self.config.busy_threads,
-                per_warp: self.config.warp_per_run,
+                threads: BUSY_THREADS,
             },
             GpuLoad::Idle => {
-                // One worker per run (or per 64 KiB), up to the cap.
+                // One warp per run (or per 64 KiB), up to the cap.
                 let items = (n_runs as u64).max(total / (64 << 10)).max(1);
-                let per_cta = if self.config.warp_per_run {
-                    u64::from(self.config.idle_threads / 32).max(1)
-                } else {
-                    1
-                };
+                let per_cta = u64::from(IDLE_THREADS / 32).max(1);
                 Grid {
-                    ctas: items
-                        .div_ceil(per_cta)
-                        .min(u64::from(self.config.idle_max_ctas))
-                        .max(1) as u32,
-                    threads: self.config.idle_threads,
-                    per_warp: self.config.warp_per_run,
+                    ctas: items.div_ceil(per_cta).min(u64::from(IDLE_MAX_CTAS)).max(1) as u32,
+                    threads: IDLE_THREADS,
                 }
             }
         }

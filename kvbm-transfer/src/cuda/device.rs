@@ -70,14 +70,7 @@ pub(crate) struct DeviceInner {
     pub(crate) has_batch_copy: bool,
     pub(crate) has_batch_copy_3d: bool,
     pub(crate) max_pitch: u64,
-}
-
-impl Drop for DeviceInner {
-    fn drop(&mut self) {
-        if self.ctx.bind_to_thread().is_ok() {
-            self.kernel.unload();
-        }
-    }
+    pub(crate) host_link_bytes_per_s: f64,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -90,6 +83,7 @@ impl std::fmt::Debug for CudaDevice {
             .field("has_batch_copy", &self.inner.has_batch_copy)
             .field("has_batch_copy_3d", &self.inner.has_batch_copy_3d)
             .field("max_pitch", &self.inner.max_pitch)
+            .field("host_link_bytes_per_s", &self.inner.host_link_bytes_per_s)
             .finish()
     }
 }
@@ -118,12 +112,25 @@ impl CudaDevice {
         let host_ptr_is_device_ptr =
             attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM)?
                 != 0;
-        let numa_node = pci_numa_node(ctx.cu_device());
+        let pci = pci_bus_id(ctx.cu_device());
+        let numa_node = pci.as_deref().and_then(pci_numa_node);
+        let host_link_bytes_per_s = pci
+            .as_deref()
+            .and_then(pci_link_bytes_per_s)
+            .unwrap_or(FALLBACK_LINK_BYTES_PER_S);
         let has_batch_copy = driver_has("cuMemcpyBatchAsync_v2");
         let has_batch_copy_3d = driver_has("cuMemcpy3DBatchAsync_v2");
         let max_pitch = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_PITCH)?.max(0) as u64;
-        let kernel = CopyKernel::load()?;
-        tracing::debug!(ordinal, %name, sm_count, ?numa_node, has_batch_copy, "opened CUDA device");
+        let kernel = CopyKernel::load(&ctx)?;
+        tracing::debug!(
+            ordinal,
+            %name,
+            sm_count,
+            ?numa_node,
+            has_batch_copy,
+            host_link_bytes_per_s,
+            "opened CUDA device"
+        );
         Ok(CudaDevice {
             inner: Arc::new(DeviceInner {
                 kernel,
@@ -136,6 +143,7 @@ impl CudaDevice {
                 has_batch_copy,
                 has_batch_copy_3d,
                 max_pitch,
+                host_link_bytes_per_s,
             }),
         })
     }
@@ -192,6 +200,17 @@ impl CudaDevice {
         self.inner.max_pitch
     }
 
+    /// An upper bound of the host link's rate in one direction, in bytes
+    /// per second: the PCIe link's top speed and width (from sysfs) after
+    /// line encoding, times the payload share of a 256-byte transfer
+    /// packet. No copy between host and device moves faster, so a copy of
+    /// `n` bytes takes at least `n` over this. Where sysfs does not say,
+    /// a PCIe 5.0 x16 link is assumed (too high a bound for a slower link
+    /// only makes waiters poll earlier).
+    pub fn host_link_bytes_per_s(&self) -> f64 {
+        self.inner.host_link_bytes_per_s
+    }
+
     /// Synchronises the whole context (used by tests and benches).
     pub fn synchronize(&self) -> CudaResult<()> {
         self.bind()?;
@@ -209,8 +228,8 @@ impl CudaDevice {
     }
 }
 
-/// Reads the NUMA node of the GPU's PCI device from sysfs.
-fn pci_numa_node(dev: sys::CUdevice) -> Option<u32> {
+/// The GPU's PCI address as sysfs names it (`0000:19:00.0`).
+fn pci_bus_id(dev: sys::CUdevice) -> Option<String> {
     let mut buf = [0 as c_char; 32];
     // SAFETY: `buf` is writable for its full length, which we pass.
     let rc = unsafe { sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as c_int, dev) };
@@ -219,9 +238,69 @@ fn pci_numa_node(dev: sys::CUdevice) -> Option<u32> {
     let id = unsafe { CStr::from_ptr(buf.as_ptr()) }
         .to_string_lossy()
         .to_lowercase();
-    let node = std::fs::read_to_string(format!("/sys/bus/pci/devices/{id}/numa_node")).ok()?;
-    node.trim()
+    Some(id)
+}
+
+fn pci_attribute(id: &str, name: &str) -> Option<String> {
+    std::fs::read_to_string(format!("/sys/bus/pci/devices/{id}/{name}")).ok()
+}
+
+/// Reads the NUMA node of the GPU's PCI device from sysfs.
+fn pci_numa_node(id: &str) -> Option<u32> {
+    pci_attribute(id, "numa_node")?
+        .trim()
         .parse::<i64>()
         .ok()
         .and_then(|n| u32::try_from(n).ok())
+}
+
+/// The PCIe link's top rate in one direction (see
+/// [`CudaDevice::host_link_bytes_per_s`]), from sysfs `max_link_speed`
+/// (`32.0 GT/s PCIe`) and `max_link_width` (`16`).
+fn pci_link_bytes_per_s(id: &str) -> Option<f64> {
+    let speed = pci_attribute(id, "max_link_speed")?;
+    let width = pci_attribute(id, "max_link_width")?;
+    link_bytes_per_s(&speed, &width)
+}
+
+/// Bytes per second of payload a PCIe link of `speed` (sysfs text, in
+/// GT/s) and `width` lanes carries at most in one direction.
+fn link_bytes_per_s(speed: &str, width: &str) -> Option<f64> {
+    let gts: f64 = speed.split_whitespace().next()?.parse().ok()?;
+    let lanes: f64 = width.trim().parse().ok()?;
+    if !(gts > 0.0 && lanes > 0.0) {
+        return None;
+    }
+    // 8b/10b up to 5 GT/s (PCIe 1.x, 2.x), 128b/130b from 8 GT/s on; the
+    // flits of PCIe 6.0 carry about as much.
+    let encoding = if gts <= 5.0 { 0.8 } else { 128.0 / 130.0 };
+    Some(gts * 1e9 * lanes * encoding / 8.0 * TLP_PAYLOAD_SHARE)
+}
+
+/// The share of a transfer packet that is payload: 256 bytes of data in
+/// about 280 on the wire (header, sequence number, CRC, framing).
+const TLP_PAYLOAD_SHARE: f64 = 256.0 / 280.0;
+
+/// The host link assumed where sysfs does not say: PCIe 5.0 x16.
+const FALLBACK_LINK_BYTES_PER_S: f64 = 32e9 * 16.0 * (128.0 / 130.0) / 8.0 * TLP_PAYLOAD_SHARE;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn link_rate_comes_from_speed_width_and_encoding() {
+        // PCIe 5.0 x16: 63 GB/s on the wire, 57.6 of payload.
+        let gen5 = link_bytes_per_s("32.0 GT/s PCIe\n", "16\n").unwrap();
+        assert!((gen5 / 1e9 - 57.6).abs() < 0.1, "{gen5}");
+        assert_eq!(gen5, FALLBACK_LINK_BYTES_PER_S);
+        // PCIe 2.0 x8 (8b/10b): 4 GB/s on the wire.
+        let gen2 = link_bytes_per_s("5 GT/s", "8").unwrap();
+        assert!(
+            (gen2 / 1e9 - 4.0 * TLP_PAYLOAD_SHARE).abs() < 1e-9,
+            "{gen2}"
+        );
+        assert_eq!(link_bytes_per_s("Unknown", "16"), None);
+        assert_eq!(link_bytes_per_s("8 GT/s", "0"), None);
+    }
 }

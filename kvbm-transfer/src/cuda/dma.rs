@@ -9,10 +9,11 @@
 
 use std::ffi::c_void;
 
-use cudarc::driver::sys::{self, CUdeviceptr, CUstream};
+use cudarc::driver::sys::{self, CUdeviceptr};
 
 use super::device::CudaDevice;
 use super::error::{CudaResult, check};
+use super::handles::Stream;
 use super::memory::Location;
 use super::pinned::registration_bounds;
 use super::plan::{Span, split_at_bounds};
@@ -41,10 +42,15 @@ fn mem_location(device: &CudaDevice, l: Location) -> sys::CUmemLocation {
 /// Enqueues DMA copies of `spans` on `stream`: one batch call per
 /// `MAX_BATCH` where the driver has it. Spans are split at host
 /// registration boundaries first.
-pub(crate) fn enqueue_spans(
+///
+/// # Safety
+/// Every span must lie inside memory of `src_loc` / `dst_loc` (device
+/// memory of the stream's context, or registered host memory) that stays
+/// allocated, and is not otherwise written, until the copy completed.
+pub(crate) unsafe fn enqueue_spans(
     device: &CudaDevice,
     batch: bool,
-    stream: CUstream,
+    stream: &Stream,
     spans: &[Span],
     src_loc: Location,
     dst_loc: Location,
@@ -81,7 +87,7 @@ pub(crate) fn enqueue_spans(
                     attrs.as_mut_ptr(),
                     attr_idx.as_mut_ptr(),
                     1,
-                    stream,
+                    stream.raw(),
                 )
             })?;
         }
@@ -91,7 +97,7 @@ pub(crate) fn enqueue_spans(
         // SAFETY: unified addressing makes both addresses valid for
         // cuMemcpyAsync; ranges were bounds-checked and stay alive.
         check("cuMemcpyAsync", unsafe {
-            sys::cuMemcpyAsync(s.dst, s.src, s.len as usize, stream)
+            sys::cuMemcpyAsync(s.dst, s.src, s.len as usize, stream.raw())
         })?;
     }
     Ok(())
@@ -101,10 +107,13 @@ pub(crate) fn enqueue_spans(
 /// single lines through [`enqueue_spans`]. The families must already
 /// respect registration and allocation boundaries (as
 /// [`super::strided::strided_copies`] makes them).
-pub(crate) fn enqueue_strided(
+///
+/// # Safety
+/// As [`enqueue_spans`], for every line of every family.
+pub(crate) unsafe fn enqueue_strided(
     device: &CudaDevice,
     batch: bool,
-    stream: CUstream,
+    stream: &Stream,
     copies: &[Strided],
     src_loc: Location,
     dst_loc: Location,
@@ -143,7 +152,7 @@ pub(crate) fn enqueue_strided(
             // every family lies inside a bounds-checked run whose memory
             // stays alive until completion.
             check("cuMemcpy3DBatchAsync_v2", unsafe {
-                sys::cuMemcpy3DBatchAsync_v2(ops.len(), ops.as_mut_ptr(), 0, stream)
+                sys::cuMemcpy3DBatchAsync_v2(ops.len(), ops.as_mut_ptr(), 0, stream.raw())
             })?;
         }
     } else {
@@ -170,7 +179,7 @@ pub(crate) fn enqueue_strided(
             // bounds-checked runs, alive until completion; the driver reads
             // `p` during the call.
             check("cuMemcpy2DAsync", unsafe {
-                sys::cuMemcpy2DAsync_v2(&p, stream)
+                sys::cuMemcpy2DAsync_v2(&p, stream.raw())
             })?;
         }
     }
@@ -182,5 +191,6 @@ pub(crate) fn enqueue_strided(
             len: c.width,
         })
         .collect();
-    enqueue_spans(device, batch, stream, &singles, src_loc, dst_loc)
+    // SAFETY: the single lines are lines of the caller's families.
+    unsafe { enqueue_spans(device, batch, stream, &singles, src_loc, dst_loc) }
 }

@@ -41,7 +41,6 @@
 //! ends, and all of them when the route is dropped.
 
 use std::collections::HashMap;
-use std::ffi::c_void;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
@@ -53,6 +52,7 @@ use super::backend::{JobRegion, to_transfer_error};
 use super::copier::{CopyOptions, CopyPath, CudaCopier};
 use super::device::CudaDevice;
 use super::error::CudaError;
+use super::handles::HostRegistration;
 use super::memory::{CudaRegion, Location};
 use crate::backend::{Side, TransferJob};
 use crate::completion::{CancelToken, Completion, Countdown, completion_pair};
@@ -294,7 +294,10 @@ impl Shared {
         let map = self.map(file).map_err(|e| e.to_string())?;
         self.device.bind().map_err(|e| e.to_string())?;
         let len = map.len().min(4096);
-        let reg = Registration::new(map.addr(), len).map_err(|e| e.to_string())?;
+        // SAFETY: the first `len` bytes of the mapping, which `map` keeps
+        // alive until after the registration is dropped below.
+        let reg = unsafe { register_read_only(&self.device, map.addr(), len) }
+            .map_err(|e| e.to_string())?;
         drop(reg);
         Ok(())
     }
@@ -320,9 +323,12 @@ impl Shared {
         let keep = self.config.keep_registered_bytes > 0;
         let t0 = Instant::now();
         let reg = if keep {
-            Held::Kept(self.kept_window(w, &map)?)
+            // SAFETY: the window was checked to lie inside the mapping.
+            Held::Kept(unsafe { self.kept_window(w, &map)? })
         } else {
-            Held::Own(self.register(w, map.addr() + w.start as usize)?)
+            // SAFETY: the window was checked to lie inside the mapping,
+            // which `map` keeps alive until after `reg` is dropped below.
+            Held::Own(unsafe { self.register(w, map.addr() + w.start as usize)? })
         };
         let addr = reg.addr();
         let t1 = Instant::now();
@@ -363,21 +369,27 @@ impl Shared {
 
     /// Page-locks `[addr, addr + w.len)`; a refusal is remembered for the
     /// file's file system (later jobs there take the bounce pipeline).
-    fn register(&self, w: &FileWindow, addr: usize) -> Result<Registration, TransferError> {
-        let reg = Registration::new(addr, w.len as usize).map_err(|e| {
-            if let Some(dev) = file_system_id(&w.file) {
-                self.verdicts.lock().insert(dev, Some(e.to_string()));
-            }
-            TransferError::Backend {
-                backend: "file-window",
-                message: format!(
-                    "page-locking {} bytes {}+{} refused: {e}",
-                    w.file.path().display(),
-                    w.start,
-                    w.len
-                ),
-            }
-        })?;
+    ///
+    /// # Safety
+    /// `[addr, addr + w.len)` must lie inside a live read-only mapping of
+    /// the file that outlives the registration.
+    unsafe fn register(&self, w: &FileWindow, addr: usize) -> Result<Registration, TransferError> {
+        // SAFETY: the caller's promise.
+        let reg =
+            unsafe { register_read_only(&self.device, addr, w.len as usize) }.map_err(|e| {
+                if let Some(dev) = file_system_id(&w.file) {
+                    self.verdicts.lock().insert(dev, Some(e.to_string()));
+                }
+                TransferError::Backend {
+                    backend: "file-window",
+                    message: format!(
+                        "page-locking {} bytes {}+{} refused: {e}",
+                        w.file.path().display(),
+                        w.start,
+                        w.len
+                    ),
+                }
+            })?;
         self.counters
             .registered_bytes
             .fetch_add(w.len, Ordering::Relaxed);
@@ -387,7 +399,10 @@ impl Shared {
     /// The kept registration of `w` (a fixed window), registering it if
     /// it is not kept yet. The lock is held while registering, so two
     /// workers never register one range twice.
-    fn kept_window(
+    ///
+    /// # Safety
+    /// `w` must lie inside `map`.
+    unsafe fn kept_window(
         &self,
         w: &FileWindow,
         map: &Arc<FileMap>,
@@ -400,7 +415,10 @@ impl Shared {
             self.counters.kept_hits.fetch_add(1, Ordering::Relaxed);
             return Ok(k.clone());
         }
-        let reg = self.register(w, map.addr() + w.start as usize)?;
+        // SAFETY: the window lies inside the mapping (the caller's promise);
+        // the kept window holds `map` and drops the registration first
+        // (field order).
+        let reg = unsafe { self.register(w, map.addr() + w.start as usize)? };
         let k = Arc::new(KeptWindow {
             reg,
             len: w.len,
@@ -469,36 +487,23 @@ fn file_system_id(file: &DiskFile) -> Option<u64> {
     (rc == 0).then(|| unsafe { st.assume_init() }.st_dev)
 }
 
-/// A page-locked range of a file mapping, released on drop. The caller
-/// keeps the mapping alive longer than this and has the device's context
-/// current on the dropping thread.
-struct Registration {
+/// A page-locked range of a file mapping, released on drop.
+type Registration = HostRegistration;
+
+/// Page-locks `[addr, addr + len)` of a file mapping for the GPU to read.
+///
+/// # Safety
+/// The range must lie inside a live read-only mapping that outlives the
+/// registration.
+unsafe fn register_read_only(
+    device: &CudaDevice,
     addr: usize,
-}
-
-impl Registration {
-    fn new(addr: usize, len: usize) -> Result<Self, CudaError> {
-        let flags = sys::CU_MEMHOSTREGISTER_READ_ONLY | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
-        // SAFETY: [addr, addr + len) lies inside a live read-only mapping
-        // the caller keeps alive until this registration is dropped; the
-        // read-only flag matches its protection.
-        let rc = unsafe { sys::cuMemHostRegister_v2(addr as *mut c_void, len, flags) };
-        if rc != sys::cudaError_enum::CUDA_SUCCESS {
-            return Err(CudaError::driver("cuMemHostRegister", rc));
-        }
-        Ok(Registration { addr })
-    }
-}
-
-impl Drop for Registration {
-    fn drop(&mut self) {
-        // SAFETY: registered once at this address by `new`; no copy reads it
-        // any more (see `move_window`).
-        let rc = unsafe { sys::cuMemHostUnregister(self.addr as *mut c_void) };
-        if rc != sys::cudaError_enum::CUDA_SUCCESS {
-            tracing::warn!(code = ?rc, "cuMemHostUnregister of a file window failed");
-        }
-    }
+    len: usize,
+) -> Result<Registration, CudaError> {
+    let flags = sys::CU_MEMHOSTREGISTER_READ_ONLY | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+    // SAFETY: the caller's promise; the read-only flag matches the
+    // mapping's protection.
+    unsafe { HostRegistration::new(device, addr, len, flags) }
 }
 
 /// The registration a window's copy runs under.
@@ -513,8 +518,8 @@ impl Held {
     /// The window's first byte.
     fn addr(&self) -> usize {
         match self {
-            Held::Own(r) => r.addr,
-            Held::Kept(k) => k.reg.addr,
+            Held::Own(r) => r.addr(),
+            Held::Kept(k) => k.reg.addr(),
         }
     }
 }

@@ -5,10 +5,13 @@
 //! committed and embedded here, so building kvbm never needs nvcc.
 
 use std::ffi::c_void;
+use std::sync::Arc;
 
-use cudarc::driver::sys::{self, CUdeviceptr, CUfunction, CUmodule, CUstream};
+use cudarc::driver::CudaContext;
+use cudarc::driver::sys::{self, CUdeviceptr, CUfunction, CUmodule};
 
 use super::error::{CudaResult, check};
+use super::handles::Stream;
 
 /// The fatbin built from `kernels/copy_runs.cu`.
 static FATBIN: &[u8] = include_bytes!("../../kernels/copy_runs.fatbin");
@@ -16,10 +19,11 @@ static FATBIN: &[u8] = include_bytes!("../../kernels/copy_runs.fatbin");
 /// Name of the kernel entry point in the fatbin.
 const ENTRY: &std::ffi::CStr = c"kvbm_copy_runs";
 
-/// The loaded module and its one function.
+/// The loaded module and its one function; the module is unloaded on drop.
 pub(crate) struct CopyKernel {
     module: CUmodule,
     func: CUfunction,
+    ctx: Arc<CudaContext>,
 }
 
 // SAFETY: module and function handles are plain driver handles, valid from
@@ -35,13 +39,13 @@ pub(crate) struct Grid {
     pub ctas: u32,
     /// Threads per CTA (a multiple of 32, at most 1024).
     pub threads: u32,
-    /// Each warp works on its own run (true) or each CTA does (false).
-    pub per_warp: bool,
 }
 
 impl CopyKernel {
-    /// Loads the embedded fatbin into the current context.
-    pub(crate) fn load() -> CudaResult<Self> {
+    /// Loads the embedded fatbin into `ctx`.
+    pub(crate) fn load(ctx: &Arc<CudaContext>) -> CudaResult<Self> {
+        ctx.bind_to_thread()
+            .map_err(|e| super::error::CudaError::driver("cuCtxSetCurrent", e.0))?;
         // The fatbin is embedded with byte alignment; the driver wants it
         // 8-byte aligned, so hand it an aligned copy.
         let mut aligned = vec![0u64; FATBIN.len().div_ceil(8)];
@@ -56,7 +60,7 @@ impl CopyKernel {
         }
         let mut module: CUmodule = std::ptr::null_mut();
         // SAFETY: `aligned` is a complete fatbin image that outlives the call;
-        // the caller made the context current.
+        // the context is current.
         check("cuModuleLoadData", unsafe {
             sys::cuModuleLoadData(&mut module, aligned.as_ptr().cast::<c_void>())
         })?;
@@ -68,18 +72,11 @@ impl CopyKernel {
             unsafe { sys::cuModuleUnload(module) };
             return Err(e);
         }
-        Ok(CopyKernel { module, func })
-    }
-
-    /// Unloads the module; the owning context must be current.
-    pub(crate) fn unload(&mut self) {
-        if !self.module.is_null() {
-            // SAFETY: the module was loaded by `load` and is unloaded once
-            // (the handle is nulled below); no launch can be in flight
-            // because every copy holds the device alive until it completes.
-            unsafe { sys::cuModuleUnload(self.module) };
-            self.module = std::ptr::null_mut();
-        }
+        Ok(CopyKernel {
+            module,
+            func,
+            ctx: Arc::clone(ctx),
+        })
     }
 
     /// Enqueues one launch copying `n_runs` runs on `stream`.
@@ -88,11 +85,11 @@ impl CopyKernel {
     /// `runs` must point to `n_runs` `CopyRun`s in device-readable memory,
     /// `src_bases`/`dst_bases` to the base address tables every run's region
     /// index is in bounds of, and every addressed byte range must be valid
-    /// device-accessible memory until the launch completes. The context must
-    /// be current.
+    /// device-accessible memory until the launch completes. The stream must
+    /// belong to the kernel's context, and that context be current.
     pub(crate) unsafe fn launch(
         &self,
-        stream: CUstream,
+        stream: &Stream,
         grid: Grid,
         runs: CUdeviceptr,
         n_runs: u32,
@@ -103,7 +100,9 @@ impl CopyKernel {
         let mut n_runs = n_runs;
         let mut src_bases = src_bases;
         let mut dst_bases = dst_bases;
-        let mut per_warp = u32::from(grid.per_warp);
+        // Each warp copies its own run (the kernel can also give each CTA
+        // one; warps keep more loads in flight for small runs).
+        let mut per_warp = 1u32;
         let mut params: [*mut c_void; 5] = [
             (&mut runs as *mut CUdeviceptr).cast(),
             (&mut n_runs as *mut u32).cast(),
@@ -124,10 +123,21 @@ impl CopyKernel {
                 1,
                 1,
                 0,
-                stream,
+                stream.raw(),
                 params.as_mut_ptr(),
                 std::ptr::null_mut(),
             )
         })
+    }
+}
+
+impl Drop for CopyKernel {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: the module was loaded by `load` and is unloaded once,
+            // here; no launch can be in flight because every copy holds the
+            // device (and so this kernel) alive until it completes.
+            unsafe { sys::cuModuleUnload(self.module) };
+        }
     }
 }

@@ -12,8 +12,10 @@
 //!   staged) and the measured rule choosing between them; its lanes
 //!   (streams, staging ring, descriptor buffers), the staged path's
 //!   pipeline, the feeder thread that continues it and its diagnostic
-//!   timelines live in private modules (`lanes`, `staged`, `feeder`,
-//!   `timeline`).
+//!   timelines (feature `diagnostics`) live in private modules (`lanes`,
+//!   `staged`, `feeder`, `timeline`); the driver handles they own
+//!   (events, streams, pinned allocations, host registrations) release
+//!   themselves (`handles`).
 //! - [`completion`]: GPU completion as the crate's completion future,
 //!   resolved by a watcher thread that sleeps until a copy can have ended,
 //!   polls briefly, then sleeps in `cuEventSynchronize`.
@@ -32,6 +34,7 @@ mod dma;
 pub mod error;
 mod feeder;
 pub mod file_window;
+mod handles;
 mod kernel;
 mod lanes;
 pub mod memory;
@@ -39,13 +42,15 @@ pub mod pinned;
 pub mod plan;
 mod staged;
 mod strided;
+#[cfg(feature = "diagnostics")]
+mod timeline;
+#[cfg(not(feature = "diagnostics"))]
+#[path = "no_timeline.rs"]
 mod timeline;
 
 pub use backend::{CudaBackend, to_transfer_error};
 pub use completion::Completion;
-pub use copier::{
-    CopierConfig, CopyOptions, CopyPath, CudaCopier, Direction, FollowedWait, GpuLoad,
-};
+pub use copier::{CopierConfig, CopyOptions, CopyPath, CudaCopier, Direction, GpuLoad};
 pub use device::{CudaDevice, Probe, probe};
 pub use error::{CudaError, CudaResult};
 pub use memory::{CudaRegion, DeviceBuffer, ExternalDeviceMemory, Location};

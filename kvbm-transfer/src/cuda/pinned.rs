@@ -24,6 +24,7 @@ use cudarc::driver::sys;
 
 use super::device::CudaDevice;
 use super::error::{CudaError, CudaResult};
+use super::handles::HostRegistration;
 use super::memory::{CudaRegion, Location, bounds};
 
 const HUGE_PAGE: usize = 2 << 20;
@@ -108,8 +109,8 @@ struct Inner {
     opts: PinnedOptions,
     /// Bytes from the start that are registered (a prefix).
     pinned: AtomicUsize,
-    /// Registered chunks, for unregistering on drop.
-    chunks: Mutex<Vec<(usize, usize)>>,
+    /// Registered chunks, unregistered on drop (before the unmapping).
+    chunks: Mutex<Vec<HostRegistration>>,
     stop: AtomicBool,
     failure: Mutex<Option<CudaError>>,
     progress: Condvar,
@@ -380,23 +381,21 @@ impl Inner {
     fn register(&self, a: usize, b: usize) -> CudaResult<()> {
         let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
         let started = std::time::Instant::now();
-        // SAFETY: [a, b) lies inside our mapping, which outlives the
-        // registration (it is unregistered before munmap in Drop).
-        let rc =
-            unsafe { sys::cuMemHostRegister_v2(self.ptr.add(a).cast::<c_void>(), b - a, flags) };
+        // SAFETY: [a, b) lies inside our mapping, registered once (chunks
+        // do not overlap), and the mapping outlives the registration: Drop
+        // unregisters every chunk before munmap.
+        let reg =
+            unsafe { HostRegistration::new(&self.device, self.ptr as usize + a, b - a, flags) };
         {
             let mut st = lock(&self.stats);
             st.register_s += started.elapsed().as_secs_f64();
-            st.chunks += usize::from(rc == sys::cudaError_enum::CUDA_SUCCESS);
+            st.chunks += usize::from(reg.is_ok());
         }
-        if rc != sys::cudaError_enum::CUDA_SUCCESS {
-            let err = CudaError::driver("cuMemHostRegister", rc);
-            return Err(CudaError::Pinning {
-                bytes: b - a,
-                reason: err.to_string(),
-            });
-        }
-        lock(&self.chunks).push((a, b));
+        let reg = reg.map_err(|err| CudaError::Pinning {
+            bytes: b - a,
+            reason: err.to_string(),
+        })?;
+        lock(&self.chunks).push(reg);
         let base = self.ptr as u64;
         update_bounds(|v| v.extend([base + a as u64, base + b as u64]));
         Ok(())
@@ -435,24 +434,19 @@ impl Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        let base = self.ptr as u64;
-        let chunks = lock(&self.chunks).clone();
+        let chunks = std::mem::take(&mut *lock(&self.chunks));
         update_bounds(|v| {
-            for &(a, b) in &chunks {
-                for edge in [base + a as u64, base + b as u64] {
+            for r in &chunks {
+                for edge in [r.addr() as u64, (r.addr() + r.len()) as u64] {
                     if let Some(i) = v.iter().position(|&x| x == edge) {
                         v.swap_remove(i);
                     }
                 }
             }
         });
-        if self.device.bind().is_ok() {
-            for &(a, _) in chunks.iter() {
-                // SAFETY: each chunk was registered once at this address; no
-                // copy holds the memory any more (copies hold an Arc).
-                unsafe { sys::cuMemHostUnregister(self.ptr.add(a).cast::<c_void>()) };
-            }
-        }
+        // Unregistered before the mapping goes; no copy holds the memory
+        // any more (copies hold an Arc).
+        drop(chunks);
         // SAFETY: `raw`/`map_len` are exactly what mmap returned in `map`.
         unsafe { libc::munmap(self.raw as *mut c_void, self.map_len) };
     }

@@ -103,24 +103,6 @@ impl RegionLens {
     }
 }
 
-/// Resolves runs to absolute spans in plan order, merging a span into the
-/// previous one when both its ends continue it.
-pub(crate) fn absolute_spans(runs: &[CopyRun], src_bases: &[u64], dst_bases: &[u64]) -> Vec<Span> {
-    let mut out: Vec<Span> = Vec::with_capacity(runs.len());
-    for r in runs.iter().filter(|r| r.len > 0) {
-        let s = Span {
-            src: src_bases[r.src_region as usize] + r.src_offset,
-            dst: dst_bases[r.dst_region as usize] + r.dst_offset,
-            len: r.len,
-        };
-        match out.last_mut() {
-            Some(p) if p.src + p.len == s.src && p.dst + p.len == s.dst => p.len += s.len,
-            _ => out.push(s),
-        }
-    }
-    out
-}
-
 /// Splits spans so that none crosses an address in `bounds` (sorted) on
 /// either side. The driver refuses a DMA copy that spans two separate host
 /// registrations, and pinned memory is registered in chunks.
@@ -684,23 +666,6 @@ mod tests {
         ) {
             let host = if to_host { HostSide::Destination } else { HostSide::Source };
             replay(&runs, host, slot, Some(handoff), ramp, usize::MAX >> 1);
-        }
-
-        #[test]
-        fn absolute_spans_cover_every_byte_once(runs in arb_runs()) {
-            let src_bases = [0u64, 64 << 10, 128 << 10];
-            let dst_bases = [192 << 10];
-            let spans = absolute_spans(&runs, &src_bases, &dst_bases);
-            let total: u64 = runs.iter().map(|r| r.len).sum();
-            prop_assert_eq!(spans.iter().map(|s| s.len).sum::<u64>(), total);
-            // Every run's first byte is inside exactly one span at the same
-            // relative position on both sides.
-            for r in &runs {
-                let s = src_bases[r.src_region as usize] + r.src_offset;
-                let d = dst_bases[r.dst_region as usize] + r.dst_offset;
-                let hits = spans.iter().filter(|p| s >= p.src && s < p.src + p.len && p.dst + (s - p.src) == d).count();
-                prop_assert_eq!(hits, 1);
-            }
         }
     }
 

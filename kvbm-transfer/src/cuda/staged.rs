@@ -45,14 +45,13 @@
 use std::any::Any;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
-
-use cudarc::driver::sys::CUstream;
+use std::time::Duration;
 
 use super::completion::PollPlan;
 use super::device::CudaDevice;
 use super::error::{CudaError, CudaResult};
 use super::feeder::Feeder;
+use super::handles::Stream;
 use super::kernel::Grid;
 use super::lanes::{DescPool, Lane, Ring};
 use super::plan::{ChunkCursor, CopyRun, HostSide, RegionLens};
@@ -89,8 +88,8 @@ pub(crate) struct StagedJob {
     pub queued: bool,
     /// The GPU is busy with the model: the device side of up to half the
     /// ring's chunks goes in one kernel (see
-    /// `CopierConfig::busy_grouped_staging`), as each kernel waits for SMs
-    /// the model holds. The copy is handed to the feeder whole.
+    /// `enqueue`), as each kernel waits for SMs the model holds. The copy
+    /// is handed to the feeder whole.
     pub grouped: bool,
 }
 
@@ -179,8 +178,7 @@ impl StagedRing {
     /// list, valid only during this call; otherwise `plan` is the job's
     /// shared list).
     ///
-    /// Without a feeder the whole copy is enqueued here. With one, when the
-    /// ring has nothing queued, the first `caller_chunks` chunks are
+    /// When the ring has nothing queued, the first `caller_chunks` chunks are
     /// enqueued here; a borrowed plan is then copied for the feeder (which
     /// checks it whole) and one more chunk enqueued, so the feeder starts
     /// with a chunk of runway; the feeder continues. With copies queued,
@@ -190,7 +188,7 @@ impl StagedRing {
     /// completion with it.
     pub(crate) fn submit(
         &self,
-        feeder: Option<&Feeder<StagedJob>>,
+        feeder: &Feeder<StagedJob>,
         caller_chunks: usize,
         mut job: StagedJob,
         plan: &[CopyRun],
@@ -198,10 +196,6 @@ impl StagedRing {
     ) -> CudaResult<()> {
         let lane = &*self.lane;
         let mut guard = lane.state.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(feeder) = feeder else {
-            let enqueued = self.enqueue_job(guard.ring.as_mut(), &mut job, plan, None);
-            return self.finish_here(finished(enqueued), job);
-        };
         if caller_chunks > 0 && !job.grouped && self.queued.load(Ordering::Acquire) == 0 {
             let ring = guard.ring.as_mut();
             match self.enqueue_job(ring, &mut job, plan, Some(caller_chunks)) {
@@ -264,11 +258,7 @@ impl StagedRing {
     /// Ends a copy on the caller's thread: hands it to the watcher when it
     /// is wholly enqueued; on an error drains the lane, resolves the job
     /// and returns the error.
-    fn finish_here(
-        &self,
-        enqueued: CudaResult<(CUstream, u64)>,
-        mut job: StagedJob,
-    ) -> CudaResult<()> {
+    fn finish_here(&self, enqueued: CudaResult<u64>, mut job: StagedJob) -> CudaResult<()> {
         let error = enqueued.as_ref().err().cloned();
         let runs = job.runs.take();
         self.hand_to_watcher(enqueued, job);
@@ -278,15 +268,14 @@ impl StagedRing {
 
     /// Enqueues `job` on the lane's ring, at most `max_chunks` chunks (all
     /// with `None`); `runs` is the job's plan, held apart from it by the
-    /// caller. Returns the stream that ends the copy and its bytes once it
-    /// is wholly enqueued.
+    /// caller. Returns the copy's bytes once it is wholly enqueued.
     fn enqueue_job(
         &self,
         ring: Option<&mut Ring>,
         job: &mut StagedJob,
         runs: &[CopyRun],
         max_chunks: Option<usize>,
-    ) -> CudaResult<Option<(CUstream, u64)>> {
+    ) -> CudaResult<Option<u64>> {
         let Some(ring) = ring else {
             return Err(CudaError::InvalidCopy(
                 "this lane has no staging ring".into(),
@@ -383,7 +372,8 @@ impl StagedRing {
 
     /// Hands a wholly enqueued copy to the watcher, or fails it: drains the
     /// lane, then releases its regions and resolves it with the error.
-    fn hand_to_watcher(&self, enqueued: CudaResult<(CUstream, u64)>, job: StagedJob) {
+    fn hand_to_watcher(&self, enqueued: CudaResult<u64>, job: StagedJob) {
+        let stream = ending_stream(&self.lane, job.host);
         let StagedJob {
             progress,
             keep,
@@ -397,7 +387,7 @@ impl StagedRing {
             p.finished = true;
         }
         if let Some(mut t) = timeline {
-            t.returned = Some(Instant::now());
+            t.note_returned();
             self.timelines
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
@@ -405,7 +395,7 @@ impl StagedRing {
         }
         let lane = &*self.lane;
         let failed = match enqueued {
-            Ok((stream, bytes)) => {
+            Ok(bytes) => {
                 let spin = spin.map(|p| PollPlan {
                     shortest: Duration::from_secs_f64(bytes as f64 / self.line_rate),
                     ..p
@@ -422,8 +412,17 @@ impl StagedRing {
     }
 }
 
+/// The stream whose last operation ends a staged copy with `host` side:
+/// an offload ends with its last DMA, an onboard with its last scatter.
+pub(crate) fn ending_stream(lane: &Lane, host: HostSide) -> &Stream {
+    match host {
+        HostSide::Destination => &lane.copy_stream,
+        HostSide::Source => &lane.kernel_stream,
+    }
+}
+
 /// A copy enqueued with no chunk limit: wholly enqueued, or an error.
-fn finished(enqueued: CudaResult<Option<(CUstream, u64)>>) -> CudaResult<(CUstream, u64)> {
+fn finished(enqueued: CudaResult<Option<u64>>) -> CudaResult<u64> {
     enqueued
         .and_then(|s| s.ok_or_else(|| CudaError::InvalidCopy("staged copy left unfinished".into())))
 }

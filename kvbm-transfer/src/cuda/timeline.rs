@@ -1,4 +1,5 @@
-//! Diagnostics: where a staged copy spends its time.
+//! Diagnostics (feature `diagnostics`): where a staged copy spends its
+//! time.
 //!
 //! With `CopierConfig::timeline` on, each staged copy records host instants
 //! (entry, set-up, each chunk enqueued, handed to the watcher) and GPU
@@ -10,41 +11,50 @@
 
 use std::time::Instant;
 
-use cudarc::driver::sys::{self, CUevent, CUstream};
-
-use super::completion::{destroy_event, record_event};
-use super::error::{CudaResult, check};
+use super::config::CopierConfig;
+use super::error::CudaResult;
+use super::handles::{Event, EventKind, Stream};
+use super::plan::HostSide;
 
 /// One staged copy's timeline.
 pub(crate) struct Timeline {
     /// A label for the report (the direction).
-    pub label: &'static str,
-    pub entered: Instant,
+    label: &'static str,
+    entered: Instant,
     /// When the copier had checked the plan (the timeline is made then).
     checked: Instant,
-    pub set_up: Option<Instant>,
-    pub enqueued: Option<Instant>,
+    set_up: Option<Instant>,
+    enqueued: Option<Instant>,
     /// When the copy was handed to the watcher.
-    pub returned: Option<Instant>,
-    start: Option<(CUevent, Instant)>,
+    returned: Option<Instant>,
+    start: Option<(Event, Instant)>,
     chunks: Vec<(Instant, usize, ChunkEvents)>,
 }
 
-// SAFETY: events are driver handles usable from any thread with the context
-// current; the timeline is used by one thread at a time (behind a mutex).
-unsafe impl Send for Timeline {}
+/// A GPU timing event of a timeline.
+pub(crate) type Mark = Event;
 
 /// GPU timing events around one chunk.
 #[derive(Default)]
 pub(crate) struct ChunkEvents {
-    pub kernel_end: Option<CUevent>,
-    pub dma_start: Option<CUevent>,
-    pub dma_end: Option<CUevent>,
+    pub kernel_end: Option<Mark>,
+    pub dma_start: Option<Mark>,
+    pub dma_end: Option<Mark>,
 }
 
 impl Timeline {
-    pub(crate) fn new(label: &'static str, entered: Instant) -> Self {
-        Timeline {
+    /// A timeline for a staged copy with `host` side asked for at
+    /// `entered`, when `config` asks for timelines.
+    pub(crate) fn for_copy(
+        config: &CopierConfig,
+        host: HostSide,
+        entered: Instant,
+    ) -> Option<Self> {
+        let label = match host {
+            HostSide::Source => "H2D",
+            HostSide::Destination => "D2H",
+        };
+        config.timeline.then(|| Timeline {
             label,
             entered,
             checked: Instant::now(),
@@ -53,16 +63,31 @@ impl Timeline {
             returned: None,
             start: None,
             chunks: Vec::new(),
-        }
+        })
+    }
+
+    /// Notes that the copy's first chunk is set up.
+    pub(crate) fn note_set_up(&mut self) {
+        self.set_up = Some(Instant::now());
+    }
+
+    /// Notes that every chunk is enqueued.
+    pub(crate) fn note_enqueued(&mut self) {
+        self.enqueued = Some(Instant::now());
+    }
+
+    /// Notes that the copy was handed to the watcher.
+    pub(crate) fn note_returned(&mut self) {
+        self.returned = Some(Instant::now());
     }
 
     /// Records the GPU start event on `stream` (once).
-    pub(crate) fn mark_start(&mut self, stream: CUstream) -> CudaResult<()> {
+    pub(crate) fn mark_start(&mut self, stream: &Stream) -> CudaResult<()> {
         if self.start.is_some() {
             return Ok(());
         }
-        let e = timed_event()?;
-        record_event(e, stream)?;
+        let e = Event::new(stream.device(), EventKind::Timing)?;
+        e.record(stream)?;
         self.start = Some((e, Instant::now()));
         Ok(())
     }
@@ -71,26 +96,15 @@ impl Timeline {
     pub(crate) fn chunk(&mut self, pieces: usize, events: ChunkEvents) {
         self.chunks.push((Instant::now(), pieces, events));
     }
-
-    fn events(&self) -> impl Iterator<Item = CUevent> + '_ {
-        self.chunks
-            .iter()
-            .flat_map(|(_, _, c)| [c.kernel_end, c.dma_start, c.dma_end])
-            .chain([self.start.map(|s| s.0)])
-            .flatten()
-    }
 }
 
 /// Records a timing event on `stream` when a timeline is being kept.
-pub(crate) fn mark(
-    timeline: &Option<&mut Timeline>,
-    stream: CUstream,
-) -> CudaResult<Option<CUevent>> {
+pub(crate) fn mark(timeline: &Option<&mut Timeline>, stream: &Stream) -> CudaResult<Option<Mark>> {
     if timeline.is_none() {
         return Ok(None);
     }
-    let e = timed_event()?;
-    record_event(e, stream)?;
+    let e = Event::new(stream.device(), EventKind::Timing)?;
+    e.record(stream)?;
     Ok(Some(e))
 }
 
@@ -102,22 +116,17 @@ pub(crate) fn report(timelines: Vec<Timeline>) -> String {
         return String::new();
     };
     let origin = first.entered;
-    let gpu_origin = first.start.map(|s| s.0);
+    let gpu_origin = first.start.as_ref().map(|s| &s.0);
     let us = |t: Option<Instant>| {
         t.map_or(-1.0, |t| {
             t.saturating_duration_since(origin).as_secs_f64() * 1e6
         })
     };
-    let at = |e: Option<CUevent>| -> f64 {
+    let at = |e: Option<&Event>| -> f64 {
         let (Some(e), Some(o)) = (e, gpu_origin) else {
             return -1.0;
         };
-        // SAFETY: both events were recorded in this context.
-        unsafe { sys::cuEventSynchronize(e) };
-        let mut ms = 0f32;
-        // SAFETY: as above; `ms` is a valid out-pointer.
-        unsafe { sys::cuEventElapsedTime_v2(&mut ms, o, e) };
-        f64::from(ms) * 1e3
+        e.elapsed_ms_since(o).map_or(-1.0, |ms| f64::from(ms) * 1e3)
     };
     let mut out = String::new();
     for t in &timelines {
@@ -130,10 +139,10 @@ pub(crate) fn report(timelines: Vec<Timeline>) -> String {
             us(t.enqueued),
             us(t.returned)
         );
-        if let Some((start, host)) = t.start {
+        if let Some((start, host)) = &t.start {
             out += &format!(
                 ", GPU start event recorded at {:.0} us, at {:.1} us on the GPU clock",
-                us(Some(host)),
+                us(Some(*host)),
                 at(Some(start))
             );
         }
@@ -141,24 +150,12 @@ pub(crate) fn report(timelines: Vec<Timeline>) -> String {
             out += &format!(
                 "\n  chunk {i:>2}: enqueued {:>6.0} us, {pieces:>3} pieces | GPU kernel end {:>7.1}, DMA {:>7.1} .. {:>7.1} us",
                 us(Some(*enq)),
-                at(c.kernel_end),
-                at(c.dma_start),
-                at(c.dma_end)
+                at(c.kernel_end.as_ref()),
+                at(c.dma_start.as_ref()),
+                at(c.dma_end.as_ref())
             );
         }
         out.push('\n');
     }
-    for t in &timelines {
-        t.events().for_each(destroy_event);
-    }
     out
-}
-
-fn timed_event() -> CudaResult<CUevent> {
-    let mut event: CUevent = std::ptr::null_mut();
-    // SAFETY: valid out-pointer; the caller made the context current.
-    check("cuEventCreate", unsafe {
-        sys::cuEventCreate(&mut event, 0)
-    })?;
-    Ok(event)
 }

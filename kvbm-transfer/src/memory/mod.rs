@@ -10,6 +10,7 @@
 //! asking for them is an error value ([`TransferError::MemoryUnavailable`]).
 
 mod disk;
+mod engine;
 mod system;
 
 use std::any::Any;
@@ -17,6 +18,7 @@ use std::fmt;
 use std::sync::Arc;
 
 pub use disk::{DISK_ALIGNMENT, DiskAllocator, DiskFile, DiskOptions, IoMode};
+pub use engine::{EngineKvCache, EngineTensor};
 pub use system::{HugePages, SystemAllocator, SystemBuffer};
 
 use crate::error::{Result, TransferError};

@@ -8,7 +8,7 @@ use std::time::Instant;
 use kvbm_layout::Layout;
 use kvbm_transfer::cuda::{
     CopierConfig, CopyOptions, CopyPath, CopyRun, CudaBackend, CudaCopier, CudaDevice, CudaRegion,
-    DeviceBuffer, FollowedWait, GpuLoad, PinnedMemory, PinnedOptions,
+    DeviceBuffer, GpuLoad, PinnedMemory, PinnedOptions,
 };
 use kvbm_transfer::{Executor, PhysicalLayout};
 
@@ -82,8 +82,7 @@ impl GpuSide {
     pub(super) fn executor(&self) -> Result<(Executor, Arc<CudaBackend>)> {
         let copier = CopierConfig {
             timeline: self.timeline,
-            followed_wait_offload: followed_wait_from_env(),
-            ..CopierConfig::default()
+            ..CopierConfig::for_device(&self.dev)
         };
         gpu::executor_with_backend(&self.dev, self.threads, self.path, copier)
     }
@@ -109,7 +108,8 @@ impl GpuSide {
                 "the reference copy needs more host memory than --max-host-gib".into(),
             ));
         }
-        let copier = CudaCopier::new(&self.dev, CopierConfig::default()).map_err(cuda_err)?;
+        let copier =
+            CudaCopier::new(&self.dev, CopierConfig::for_device(&self.dev)).map_err(cuda_err)?;
         let pinned = Arc::new(
             PinnedMemory::allocate(&self.dev, bytes, PinnedOptions::for_device(&self.dev))
                 .map_err(cuda_err)?,
@@ -264,18 +264,5 @@ mod with_gemm {
         }
         rep.backend_load = Some(load);
         Ok(rep)
-    }
-}
-
-/// Diagnostics: `KVBM_FOLLOWED_WAIT=as-last|polls|driver` sets how the
-/// copier's watcher waits for a copy with another queued behind it
-/// (`CopierConfig::followed_wait_offload`); unset or anything else, the
-/// default.
-fn followed_wait_from_env() -> FollowedWait {
-    match std::env::var("KVBM_FOLLOWED_WAIT").as_deref() {
-        Ok("as-last") => FollowedWait::AsLast,
-        Ok("polls") => FollowedWait::Polls,
-        Ok("driver") => FollowedWait::Driver,
-        _ => CopierConfig::default().followed_wait_offload,
     }
 }

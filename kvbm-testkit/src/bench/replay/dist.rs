@@ -174,14 +174,10 @@ fn host_memory(args: &WorkerArgs, layout: Layout) -> Result<WorkerMemory> {
     } else {
         "host-memory stand-in: built without CUDA"
     };
-    let exec = worker::cpu_executor().map_err(dist_err)?;
+    let g1 = HostTier::allocate(layout)?;
+    let exec = worker::default_executor(g1.physical()).map_err(dist_err)?;
     let _ = args.threads;
-    Ok((
-        G1Memory::Host(HostTier::allocate(layout)?),
-        exec,
-        None,
-        what.to_string(),
-    ))
+    Ok((G1Memory::Host(g1), exec, None, what.to_string()))
 }
 
 /// The worker processes; killed when dropped.

@@ -146,7 +146,13 @@ pub fn pinned_layout(device: &CudaDevice, layout: Layout) -> Result<PhysicalLayo
 /// An executor with memcpy, disk and CUDA backends, a system bounce pool
 /// (disk ↔ disk) and a pinned one (disk ↔ device).
 pub fn executor(device: &CudaDevice, memcpy_threads: usize) -> Result<Executor> {
-    Ok(executor_with_backend(device, memcpy_threads, None, CopierConfig::default())?.0)
+    Ok(executor_with_backend(
+        device,
+        memcpy_threads,
+        None,
+        CopierConfig::for_device(device),
+    )?
+    .0)
 }
 
 /// [`executor`] with a copier of `copier`'s configuration and, with

@@ -1,19 +1,20 @@
 //! Enqueuing a staged copy chunk by chunk: the chunker's runs written as
 //! the kernel's descriptors, the slot's gather or scatter kernel and its
 //! DMA pieces on the lane's two streams, ordered by the slots' events;
-//! beside the model, one kernel per half ring of chunks (see
-//! `CopierConfig::busy_grouped_staging`).
+//! beside the model, one kernel per half ring of chunks.
+//!
+//! Grouping: beside the model each kernel of a copy waits for SMs the
+//! model's kernels hold, so a few large kernels wait less than many small
+//! ones, and while one half's kernel waits the other half's DMA keeps the
+//! link busy.
 
 use std::any::Any;
 use std::sync::Arc;
-use std::time::Instant;
 
-use cudarc::driver::sys::CUstream;
-
-use super::super::completion::{record_event, wait_event};
 use super::super::device::CudaDevice;
 use super::super::dma::enqueue_spans;
 use super::super::error::{CudaError, CudaResult};
+use super::super::handles::Stream;
 use super::super::kernel::Grid;
 use super::super::lanes::{DescLease, DescPool, Lane, Ring};
 use super::super::memory::Location;
@@ -47,10 +48,11 @@ pub(crate) struct Staging<'a> {
 impl Staging<'_> {
     /// Enqueues the copy of `runs` through `ring`, from where `progress`
     /// left it, at most `max_chunks` chunks (all when `None`). Returns the
-    /// stream whose last operation ends the copy once it is wholly
-    /// enqueued, `None` while chunks are left (then `progress` says where
-    /// to continue). The descriptor buffer the GPU reads is pushed to
-    /// `keep` on the first call.
+    /// copy's bytes once it is wholly enqueued (its last operation is then
+    /// the last on the lane's stream for its host side, see
+    /// [`super::ending_stream`]), `None` while chunks are left (then
+    /// `progress` says where to continue). The descriptor buffer the GPU
+    /// reads is pushed to `keep` on the first call.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn enqueue(
         &self,
@@ -60,7 +62,7 @@ impl Staging<'_> {
         progress: &mut Option<Progress>,
         mut timeline: Option<&mut Timeline>,
         max_chunks: Option<usize>,
-    ) -> CudaResult<Option<(CUstream, u64)>> {
+    ) -> CudaResult<Option<u64>> {
         let (lane, device) = (self.lane, self.device);
         let Plan {
             runs,
@@ -93,8 +95,8 @@ impl Staging<'_> {
                 let (desc, host_ptr, gpu_ptr) = self.lease(cap)?;
                 keep.push(Box::new(desc));
                 if let Some(t) = timeline.as_deref_mut() {
-                    t.set_up = Some(Instant::now());
-                    t.mark_start(lane.kernel_stream)?;
+                    t.note_set_up();
+                    t.mark_start(&lane.kernel_stream)?;
                 }
                 progress.insert(Progress {
                     at: Some(chunker.into_cursor()),
@@ -170,7 +172,7 @@ impl Staging<'_> {
             // The descriptors written above must be visible to the GPU
             // before the launch that reads them.
             std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
-            let device_side = |stream: CUstream| -> CudaResult<()> {
+            let device_side = |stream: &Stream| -> CudaResult<()> {
                 // SAFETY: the chunk's copies address user device memory
                 // (each run checked against its region by the chunker) and
                 // this slot (planned to fit); the descriptors stay alive in
@@ -184,25 +186,25 @@ impl Staging<'_> {
             match host {
                 HostSide::Destination => {
                     if slot.used {
-                        wait_event(lane.kernel_stream, slot.free)?;
+                        lane.kernel_stream.wait(&slot.free)?;
                     }
-                    device_side(lane.kernel_stream)?;
-                    times.kernel_end = mark(&timeline, lane.kernel_stream)?;
-                    record_event(slot.filled, lane.kernel_stream)?;
-                    wait_event(lane.copy_stream, slot.filled)?;
+                    device_side(&lane.kernel_stream)?;
+                    times.kernel_end = mark(&timeline, &lane.kernel_stream)?;
+                    slot.filled.record(&lane.kernel_stream)?;
+                    lane.copy_stream.wait(&slot.filled)?;
                     self.dma(&pieces, host, &mut times, &timeline)?;
-                    record_event(slot.free, lane.copy_stream)?;
+                    slot.free.record(&lane.copy_stream)?;
                 }
                 HostSide::Source => {
                     if slot.used {
-                        wait_event(lane.copy_stream, slot.free)?;
+                        lane.copy_stream.wait(&slot.free)?;
                     }
                     self.dma(&pieces, host, &mut times, &timeline)?;
-                    record_event(slot.filled, lane.copy_stream)?;
-                    wait_event(lane.kernel_stream, slot.filled)?;
-                    device_side(lane.kernel_stream)?;
-                    times.kernel_end = mark(&timeline, lane.kernel_stream)?;
-                    record_event(slot.free, lane.kernel_stream)?;
+                    slot.filled.record(&lane.copy_stream)?;
+                    lane.kernel_stream.wait(&slot.filled)?;
+                    device_side(&lane.kernel_stream)?;
+                    times.kernel_end = mark(&timeline, &lane.kernel_stream)?;
+                    slot.free.record(&lane.kernel_stream)?;
                 }
             }
             slot.used = true;
@@ -212,13 +214,9 @@ impl Staging<'_> {
         }
         self.flush(ring, &mut group, host, zero_table, &mut timeline)?;
         if let Some(t) = timeline {
-            t.enqueued = Some(Instant::now());
+            t.note_enqueued();
         }
-        let stream = match host {
-            HostSide::Destination => lane.copy_stream,
-            HostSide::Source => lane.kernel_stream,
-        };
-        Ok(Some((stream, chunker.bytes())))
+        Ok(Some(chunker.bytes()))
     }
 
     /// Adds chunk `k` (its `n` device-side copies at `runs_ptr`, its host
@@ -241,7 +239,7 @@ impl Staging<'_> {
         if host == HostSide::Source {
             let slot = &mut ring.slots[k];
             if slot.used {
-                wait_event(lane.copy_stream, slot.free)?;
+                lane.copy_stream.wait(&slot.free)?;
             }
             self.dma(pieces, host, &mut times, timeline)?;
             slot.used = true;
@@ -266,7 +264,7 @@ impl Staging<'_> {
             return Ok(());
         };
         let lane = self.lane;
-        let launch = |stream: CUstream| -> CudaResult<()> {
+        let launch = |stream: &Stream| -> CudaResult<()> {
             // The group's descriptors were all written before this fence
             // and are contiguous in one buffer (a group ends before the
             // buffer changes).
@@ -290,14 +288,14 @@ impl Staging<'_> {
             HostSide::Source => {
                 // The copy stream runs in order: the last chunk's DMA ends
                 // after every earlier one.
-                record_event(ring.slots[last].filled, lane.copy_stream)?;
-                wait_event(lane.kernel_stream, ring.slots[last].filled)?;
-                launch(lane.kernel_stream)?;
-                let end = mark(timeline, lane.kernel_stream)?;
+                ring.slots[last].filled.record(&lane.copy_stream)?;
+                lane.kernel_stream.wait(&ring.slots[last].filled)?;
+                launch(&lane.kernel_stream)?;
+                let mut end = mark(timeline, &lane.kernel_stream)?;
                 for (i, (k, pieces, mut times)) in group.chunks.drain(..).enumerate() {
-                    record_event(ring.slots[k].free, lane.kernel_stream)?;
+                    ring.slots[k].free.record(&lane.kernel_stream)?;
                     if i == 0 {
-                        times.kernel_end = end;
+                        times.kernel_end = end.take();
                     }
                     if let Some(t) = timeline.as_deref_mut() {
                         t.chunk(pieces.len(), times);
@@ -307,19 +305,19 @@ impl Staging<'_> {
             HostSide::Destination => {
                 for &(k, _, _) in &group.chunks {
                     if ring.slots[k].used {
-                        wait_event(lane.kernel_stream, ring.slots[k].free)?;
+                        lane.kernel_stream.wait(&ring.slots[k].free)?;
                     }
                 }
-                launch(lane.kernel_stream)?;
-                let end = mark(timeline, lane.kernel_stream)?;
-                record_event(ring.slots[last].filled, lane.kernel_stream)?;
-                wait_event(lane.copy_stream, ring.slots[last].filled)?;
+                launch(&lane.kernel_stream)?;
+                let mut end = mark(timeline, &lane.kernel_stream)?;
+                ring.slots[last].filled.record(&lane.kernel_stream)?;
+                lane.copy_stream.wait(&ring.slots[last].filled)?;
                 for (i, (k, pieces, mut times)) in group.chunks.drain(..).enumerate() {
                     self.dma(&pieces, host, &mut times, timeline)?;
-                    record_event(ring.slots[k].free, lane.copy_stream)?;
+                    ring.slots[k].free.record(&lane.copy_stream)?;
                     ring.slots[k].used = true;
                     if i == 0 {
-                        times.kernel_end = end;
+                        times.kernel_end = end.take();
                     }
                     if let Some(t) = timeline.as_deref_mut() {
                         t.chunk(pieces.len(), times);
@@ -340,13 +338,16 @@ impl Staging<'_> {
         times: &mut ChunkEvents,
         timeline: &Option<&mut Timeline>,
     ) -> CudaResult<()> {
-        let stream = self.lane.copy_stream;
+        let stream = &self.lane.copy_stream;
         let (from, to) = match host {
             HostSide::Source => (Location::PinnedHost, Location::Device),
             HostSide::Destination => (Location::Device, Location::PinnedHost),
         };
         times.dma_start = mark(timeline, stream)?;
-        enqueue_spans(self.device, self.batch, stream, pieces, from, to)?;
+        // SAFETY: the pieces address this copy's host runs (each checked
+        // against its region by the chunker, the regions kept alive in the
+        // job until completion) and its slot of the ring.
+        unsafe { enqueue_spans(self.device, self.batch, stream, pieces, from, to)? };
         times.dma_end = mark(timeline, stream)?;
         Ok(())
     }
