@@ -4,13 +4,14 @@
 //! which depends on the attention backend; this module names the axes of
 //! the shapes vLLM's backends produce (the block axis is the one whose
 //! extent is the engine's block count) and hands shape and strides to
-//! kvbm-layout's recognition, which derives the layout from the strides
-//! and refuses anything it cannot address exactly. The resulting
-//! [`PhysicalLayout`] points at the engine's memory; nothing is copied.
+//! kvbm-transfer's [`EngineKvCache`] (kvbm-layout's recognition: the
+//! layout comes from the strides, and anything it cannot address exactly
+//! is refused). The resulting [`PhysicalLayout`] points at the engine's
+//! memory; nothing is copied.
 
-use kvbm_layout::{KvAxis, KvTensorFormat, TensorView, recognise_kv_tensors};
-use kvbm_transfer::memory::Owner;
-use kvbm_transfer::{MemoryKind, MemoryRegion, PhysicalLayout};
+use kvbm_layout::{KvAxis, KvTensorFormat};
+use kvbm_transfer::memory::{EngineKvCache, EngineTensor, Owner};
+use kvbm_transfer::{PhysicalLayout, TransferError};
 
 use crate::error::{PyKvbmError, Result};
 
@@ -57,22 +58,6 @@ pub fn vllm_format(shape: &[usize], num_blocks: usize) -> Result<KvTensorFormat>
     Ok(format)
 }
 
-/// The furthest byte a strided tensor reaches, plus one.
-fn extent_bytes(t: &RawTensor, dtype_bytes: usize) -> Result<u64> {
-    let mut last = 0u64;
-    for (&n, &s) in t.shape.iter().zip(&t.strides) {
-        let step = (n.saturating_sub(1) as u64)
-            .checked_mul(s as u64)
-            .ok_or_else(|| PyKvbmError::Invalid("tensor extent overflows".into()))?;
-        last = last
-            .checked_add(step)
-            .ok_or_else(|| PyKvbmError::Invalid("tensor extent overflows".into()))?;
-    }
-    (last + 1)
-        .checked_mul(dtype_bytes as u64)
-        .ok_or_else(|| PyKvbmError::Invalid("tensor extent overflows".into()))
-}
-
 /// Where the tensors live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TensorMemory {
@@ -82,13 +67,16 @@ pub enum TensorMemory {
     Device(u32),
 }
 
-/// Builds the physical layout over `tensors` (one per layer, in layer
-/// order) in `format`, each tensor a region.
+/// Builds kvbm's G1 over `tensors` (one per layer, in layer order) in
+/// `format`, through kvbm-transfer's [`EngineKvCache`]: the layout is
+/// recognised from shapes and strides, each tensor is a region, nothing is
+/// copied.
 ///
 /// # Safety
-/// Every tensor's bytes, `[addr, addr + extent)`, must be valid memory of
-/// `memory` for as long as the layout (or a clone) lives — `owner` is kept
-/// alive with it and should be what keeps the tensors alive — and the
+/// Every tensor's bytes (its address through its span) must stay valid
+/// memory of `memory` for as long as the layout (or a clone) lives —
+/// `owner`, kept alive with host regions, should be what keeps the tensors
+/// alive; for device tensors the caller keeps it alive as long — and the
 /// engine must not touch a block while kvbm copies it.
 pub unsafe fn engine_layout(
     format: &KvTensorFormat,
@@ -97,45 +85,67 @@ pub unsafe fn engine_layout(
     memory: TensorMemory,
     owner: Owner,
 ) -> Result<PhysicalLayout> {
-    let views: Vec<TensorView<'_>> = tensors
+    if tensors.iter().any(|t| t.addr == 0) {
+        return Err(PyKvbmError::Invalid("a tensor at address 0".into()));
+    }
+    let tensors: Vec<EngineTensor> = tensors
         .iter()
-        .map(|t| TensorView {
-            shape: &t.shape,
-            strides: &t.strides,
+        .map(|t| EngineTensor {
+            addr: t.addr,
+            shape: t.shape.clone(),
+            strides: t.strides.clone(),
         })
         .collect();
-    let recognised = recognise_kv_tensors(format, &views, dtype_bytes)?;
-    let layout = recognised.layout;
-    let size = layout.uniform_region_size();
-    let kind = match memory {
-        TensorMemory::Host => MemoryKind::System,
-        TensorMemory::Device(d) => MemoryKind::Device(d),
-    };
-    let mut regions: Vec<Option<MemoryRegion>> = vec![None; layout.num_regions()];
-    for (t, &r) in tensors.iter().zip(&recognised.tensor_regions) {
-        let reach = extent_bytes(t, dtype_bytes)?;
-        if size > reach {
-            return Err(PyKvbmError::Invalid(format!(
-                "the layout needs {size} bytes per tensor, tensor of shape {:?} strides {:?} \
-                 reaches {reach}",
-                t.shape, t.strides
-            )));
+    let cache = match memory {
+        // SAFETY: forwarded from the caller; `owner` keeps the tensors.
+        TensorMemory::Host => unsafe {
+            EngineKvCache::host(format, dtype_bytes, &tensors, Some(owner))
+        },
+        TensorMemory::Device(ordinal) => {
+            // SAFETY: forwarded from the caller.
+            unsafe { device_cache(ordinal, format, dtype_bytes, &tensors) }
         }
-        if t.addr == 0 {
-            return Err(PyKvbmError::Invalid("a tensor at address 0".into()));
-        }
-        // SAFETY: the caller guarantees the tensor's bytes — which include
-        // `[addr, addr + size)`, checked just above — stay valid memory of
-        // `kind` while `owner` (kept by the region) lives.
-        let region = unsafe { MemoryRegion::from_raw(t.addr, size, kind, Some(owner.clone())) };
-        regions[r] = Some(region);
     }
-    let regions: Vec<MemoryRegion> = regions
-        .into_iter()
-        .enumerate()
-        .map(|(i, r)| r.ok_or_else(|| PyKvbmError::Invalid(format!("no tensor for region {i}"))))
-        .collect::<Result<_>>()?;
-    Ok(PhysicalLayout::new(layout, regions)?)
+    .map_err(|e| match e {
+        // Recognition failures are the engine's tensors, not ours.
+        TransferError::Plan(l) => PyKvbmError::Layout(l),
+        TransferError::LayoutMismatch(m) => {
+            PyKvbmError::Invalid(format!("unsupported KV tensor: {m}"))
+        }
+        other => PyKvbmError::Transfer(other),
+    })?;
+    Ok(cache.into_physical())
+}
+
+/// # Safety
+/// As [`engine_layout`], for device tensors.
+#[cfg(feature = "cuda")]
+unsafe fn device_cache(
+    ordinal: u32,
+    format: &KvTensorFormat,
+    dtype_bytes: usize,
+    tensors: &[EngineTensor],
+) -> std::result::Result<EngineKvCache, TransferError> {
+    use kvbm_transfer::cuda::{CudaDevice, to_transfer_error};
+    let device = CudaDevice::open(ordinal as usize).map_err(to_transfer_error)?;
+    // SAFETY: forwarded from the caller; the cache asks the driver that
+    // every span is device memory of `device`.
+    unsafe { EngineKvCache::device(&device, format, dtype_bytes, tensors) }
+}
+
+/// # Safety
+/// Nothing is touched: without feature `cuda`, device tensors are refused.
+#[cfg(not(feature = "cuda"))]
+unsafe fn device_cache(
+    ordinal: u32,
+    _format: &KvTensorFormat,
+    _dtype_bytes: usize,
+    _tensors: &[EngineTensor],
+) -> std::result::Result<EngineKvCache, TransferError> {
+    Err(TransferError::InvalidRequest(format!(
+        "KV tensors on CUDA device {ordinal}: this build of kvbm-py has no CUDA support \
+         (feature `cuda`)"
+    )))
 }
 
 #[cfg(test)]

@@ -64,8 +64,9 @@ impl Worker {
     /// layer order (strides in elements), `dtype_bytes` the element size,
     /// `num_blocks` the engine's block count (it names the block axis),
     /// `keepalive` any object that keeps the tensors alive (kvbm holds a
-    /// reference as long as it may touch them). `device` is `None` for host
-    /// tensors. `transfer_delay_ms` (tests) holds every copy back that
+    /// reference as long as it may touch them). `device` is the CUDA
+    /// ordinal of device tensors (feature `cuda`; G2 is then pinned memory
+    /// near it), `None` for host tensors. `transfer_delay_ms` (tests) holds every copy back that
     /// long. An unsupported tensor shape or stride is a `ValueError` here,
     /// before anything runs.
     #[new]
@@ -90,15 +91,7 @@ impl Worker {
             .first()
             .ok_or_else(|| PyKvbmError::Invalid("no KV tensors given".into()))?;
         let format = vllm_format(&first.shape, num_blocks)?;
-        let memory = match device {
-            None => TensorMemory::Host,
-            Some(d) => {
-                return Err(PyKvbmError::Invalid(format!(
-                    "KV tensors on CUDA device {d}: this build moves host tensors only"
-                ))
-                .into());
-            }
-        };
+        let memory = device.map_or(TensorMemory::Host, TensorMemory::Device);
         if !(leader_timeout_s.is_finite() && leader_timeout_s > 0.0) {
             return Err(
                 PyKvbmError::Invalid(format!("leader timeout {leader_timeout_s} s")).into(),
@@ -111,7 +104,7 @@ impl Worker {
         // engine leaves blocks alone while kvbm copies them (the connector
         // contract: loads into freshly allocated blocks, saves of blocks
         // held until kvbm read them).
-        let g1 = unsafe { engine_layout(&format, &tensors, dtype_bytes, memory, owner) }?;
+        let g1 = unsafe { engine_layout(&format, &tensors, dtype_bytes, memory, owner.clone()) }?;
         let c = *g1.layout().config();
         let mut config = WorkerConfig::new(endpoint, instance, rank, world_size, g1);
         config.g3_dir = g3_dir;
@@ -124,6 +117,9 @@ impl Worker {
                 .name(format!("kvbm-worker-{rank}"))
                 .spawn(move || {
                     let r = worker::run(config);
+                    // The tensors stay referenced until the worker and its
+                    // layouts over them are gone.
+                    drop(owner);
                     *exit.lock() = match r {
                         Ok(()) => Exit::Ok,
                         Err(e) => Exit::Failed(e.to_string()),

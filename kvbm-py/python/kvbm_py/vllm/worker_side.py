@@ -49,7 +49,13 @@ class WorkerSide:
             raise ValueError("kvbm: vLLM registered no KV tensors")
         first = tensors[0]
         num_blocks = int(self.kv_cache_config.num_blocks)
-        device = first.device.index if first.device.type == "cuda" else None
+        device = None
+        if first.device.type == "cuda":
+            import torch
+
+            device = first.device.index
+            if device is None:
+                device = torch.cuda.current_device()
         if first.device.type not in ("cpu", "cuda"):
             raise ValueError(f"kvbm: KV tensors on {first.device} are not supported")
         eid = engine_id(self.vllm_config)
