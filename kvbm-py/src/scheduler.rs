@@ -55,7 +55,7 @@ pub fn parse_policy(name: &str) -> Result<TierPolicy> {
     }
 }
 
-/// The outcome of [`Scheduler::match_prefix`].
+/// The outcome of `Scheduler.match_prefix`.
 #[pyclass(module = "kvbm_py._kvbm", frozen, get_all)]
 #[derive(Debug, Clone)]
 pub struct Match {
@@ -188,7 +188,7 @@ impl Scheduler {
     /// the engine already holds. `prompt_tokens` applies the full-prompt
     /// rule: when everything would hit, one block is given back so the
     /// engine computes the last token. The G2/G3 blocks found are held
-    /// until [`onboard`](Self::onboard) or [`release`](Self::release).
+    /// until `onboard` or `release`.
     fn match_prefix(
         &self,
         py: Python<'_>,
@@ -221,8 +221,8 @@ impl Scheduler {
 
     /// Starts copying the request's matched blocks into the engine's
     /// block ids `block_ids` (one per matched block, in prefix order).
-    /// Poll it with [`poll_onboards`](Self::poll_onboards) or wait with
-    /// [`wait_onboard`](Self::wait_onboard).
+    /// Poll it with `poll_onboards` or wait with
+    /// `wait_onboard`.
     fn onboard(&self, request_id: &str, block_ids: Vec<u32>) -> PyResult<()> {
         let engine = self.engine()?;
         let handle = engine
@@ -317,7 +317,7 @@ impl Scheduler {
 
     /// Lets the request's queued offloads run, then releases it, on a
     /// thread of its own; the id then shows in
-    /// [`poll_released`](Self::poll_released). For an engine that keeps a
+    /// `poll_released`. For an engine that keeps a
     /// finished request's blocks until kvbm read them.
     fn release_after_offloads(&self, request_id: String) -> PyResult<()> {
         let engine = self.engine()?;

@@ -1,0 +1,128 @@
+"""kvbm_py's Scheduler and Worker without vLLM: one scheduler-side object
+and two worker-side objects (tensor-parallel ranks 0 and 1) in this
+process, over host tensors; every byte that comes back is checked on both
+ranks."""
+
+import hashlib
+import time
+
+import pytest
+import torch
+
+import kvbm_py
+
+BLOCKS, BLOCK, INNER = 16, 16, 128
+# Bytes of one block on one rank: 2 layers x K/V x 16 tokens x 128 x fp16
+# (each layer's K or V of a block is 4 KiB: G3 needs disk-sized chunks).
+RANK_BLOCK_BYTES = 2 * 2 * BLOCK * INNER * 2
+
+
+def block_hashes(n, salt=b""):
+    return [hashlib.sha256(salt + bytes([i])).digest() for i in range(n)]
+
+
+class Rank:
+    """One rank's KV tensors (CPU attention's shape) and kvbm worker."""
+
+    def __init__(self, endpoint, rank, g3_dir):
+        self.rank = rank
+        self.layers = [torch.zeros(BLOCKS, 2, BLOCK, INNER, dtype=torch.float16) for _ in range(2)]
+        specs = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in self.layers]
+        self.worker = kvbm_py.Worker(endpoint, rank, 2, specs, 2, BLOCKS, tuple(self.layers),
+                                     g3_dir=str(g3_dir))
+
+    def fill(self, block, seed):
+        for layer, t in enumerate(self.layers):
+            g = torch.Generator().manual_seed(seed * 1000 + layer * 10 + self.rank)
+            t[block].copy_(torch.randn(t[block].shape, generator=g, dtype=torch.float32).half())
+
+    def same(self, a, b):
+        return all(torch.equal(t[a], t[b]) for t in self.layers)
+
+
+@pytest.fixture
+def node(tmp_path):
+    endpoint = f"ipc://{tmp_path}/leader.sock"
+    ranks = [Rank(endpoint, r, tmp_path / f"g3-{r}") for r in range(2)]
+    sched = kvbm_py.Scheduler(endpoint, 2, BLOCK,
+                              g2_bytes=2 * RANK_BLOCK_BYTES * 2,   # 2 blocks per rank
+                              g3_bytes=8 * RANK_BLOCK_BYTES * 2,   # 8 blocks per rank
+                              admission="all", handshake_timeout_s=30)
+    yield sched, ranks
+    sched.shutdown()
+    for r in ranks:
+        assert r.worker.join(10.0), "a worker did not stop"
+        assert r.worker.error() is None
+
+
+def test_two_ranks_round_trip_through_g2_and_g3(node):
+    sched, ranks = node
+    assert sched.capacity() == {"g1": BLOCKS, "g2": 2, "g3": 8}
+    assert all(r.worker.block_bytes == RANK_BLOCK_BYTES for r in ranks)
+    hashes = block_hashes(4)
+    for b in range(4):
+        for r in ranks:
+            r.fill(b, seed=b)
+    assert sched.match_prefix("a", hashes, 4 * BLOCK + 1, 0).external_tokens == 0
+    # One block at a time, so each pushes the oldest from G2 to G3.
+    for b in range(4):
+        sched.offload("a", [b], [hashes[b]], hashes[b - 1] if b else None)
+        sched.flush()
+    sched.release_after_offloads("a")
+    deadline = time.monotonic() + 30
+    while "a" not in sched.poll_released():
+        assert time.monotonic() < deadline, "the release never finished"
+        time.sleep(0.01)
+    s = sched.stats()
+    assert (s["g1_to_g2_blocks"], s["g2_to_g3_blocks"]) == (4, 2), s
+
+    # The engine holds block 0; kvbm has the other three, in G3 then G2.
+    m = sched.match_prefix("b", hashes, 4 * BLOCK + 1, 1)
+    assert (m.engine_blocks, m.g2_blocks, m.g3_blocks, m.gave_back) == (1, 2, 1, False), m
+    assert m.external_tokens == 3 * BLOCK
+    sched.onboard("b", [9, 10, 11])
+    assert sched.wait_onboard("b") is None
+    for r in ranks:
+        for src, dst in [(1, 9), (2, 10), (3, 11)]:
+            assert r.same(src, dst), f"rank {r.rank}: block {dst} differs from {src}"
+    assert sched.release("b")
+    assert sched.live_requests() == 0
+
+
+def test_full_prompt_hit_gives_one_block_back(node):
+    sched, ranks = node
+    hashes = block_hashes(2, b"full")
+    for r in ranks:
+        r.fill(0, 1)
+        r.fill(1, 2)
+    sched.offload("a", [0, 1], hashes)
+    sched.flush()
+    assert sched.release("a")
+    m = sched.match_prefix("b", hashes, 2 * BLOCK, 0)
+    assert m.gave_back and m.external_tokens == BLOCK, m
+    sched.release("b")
+
+
+def test_a_failed_onboard_reports_and_counts_nothing(node):
+    sched, ranks = node
+    hashes = block_hashes(2, b"fail")
+    for r in ranks:
+        r.fill(0, 5)
+        r.fill(1, 6)
+    sched.offload("a", [0, 1], hashes)
+    sched.flush()
+    sched.release("a")
+    assert sched.match_prefix("b", hashes, 3 * BLOCK, 0).external_tokens == 2 * BLOCK
+    sched.onboard("b", [12, BLOCKS + 100])  # the second target is outside G1
+    error = sched.wait_onboard("b")
+    assert error is not None and "outside" in error, error
+    assert sched.stats()["onboard_failures"] == 1
+    assert sched.release("b")
+    # Polling finds nothing more, and bad arguments are errors, not crashes.
+    assert sched.poll_onboards() == ([], [])
+    with pytest.raises(ValueError):
+        sched.wait_onboard("never-matched")
+    with pytest.raises(ValueError):
+        sched.offload("c", [1, 2], [hashes[0]])
+    with pytest.raises(ValueError):
+        kvbm_py.Scheduler("ipc:///tmp/x", 1, 16, 0, admission="sometimes")
