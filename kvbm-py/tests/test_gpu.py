@@ -1,0 +1,81 @@
+"""kvbm_py over GPU KV tensors (skipped without CUDA or without a wheel
+built with feature `cuda`): vLLM's flash-attn layout on the device, G2
+pinned host memory, G3 disk; blocks offloaded through G2 into G3 come back
+into other device blocks byte for byte. Runs as a script too:
+``python test_gpu.py``."""
+
+import hashlib
+import sys
+import tempfile
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import kvbm_py  # noqa: E402
+
+BLOCKS, BLOCK, HEADS, HEAD = 32, 16, 8, 128
+# One rank's block: 2 layers x K/V x 16 tokens x 8 heads x 128 x bf16.
+BLOCK_BYTES = 2 * 2 * BLOCK * HEADS * HEAD * 2
+
+
+def _cuda_or_skip():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+
+
+def run_round_trip(tmp: str) -> None:
+    endpoint = f"ipc://{tmp}/leader.sock"
+    # flash-attn: [2, num_blocks, block_size, heads, head_size] per layer.
+    layers = [
+        torch.randn(2, BLOCKS, BLOCK, HEADS, HEAD, device="cuda").to(torch.bfloat16)
+        for _ in range(2)
+    ]
+    specs = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in layers]
+    try:
+        worker = kvbm_py.Worker(endpoint, 0, 1, specs, 2, BLOCKS, tuple(layers),
+                                device=torch.cuda.current_device(), g3_dir=f"{tmp}/g3")
+    except ValueError as e:
+        if "no CUDA support" in str(e):
+            pytest.skip("kvbm_py built without feature `cuda`")
+        raise
+    sched = kvbm_py.Scheduler(endpoint, 1, BLOCK, g2_bytes=2 * BLOCK_BYTES,
+                              g3_bytes=8 * BLOCK_BYTES, admission="all")
+    try:
+        hashes = [hashlib.sha256(bytes([i])).digest() for i in range(4)]
+        for b in range(4):  # one at a time: G2 (2 blocks) spills to G3
+            sched.offload("a", [b], [hashes[b]], hashes[b - 1] if b else None)
+            sched.flush()
+        sched.release("a")
+        m = sched.match_prefix("b", hashes, 4 * BLOCK + 1, 0)
+        assert (m.g2_blocks, m.g3_blocks) == (2, 2), m
+        targets = [20, 21, 22, 23]
+        t0 = time.perf_counter()
+        sched.onboard("b", targets)
+        assert sched.wait_onboard("b") is None
+        ms = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        for t in layers:
+            for src, dst in zip(range(4), targets):
+                assert torch.equal(t[:, src], t[:, dst]), f"block {dst} differs from {src}"
+        s = sched.stats()
+        assert (s["g2_to_g1_blocks"], s["g3_to_g1_blocks"]) == (2, 2), s
+        sched.release("b")
+        print(f"GPU round trip OK: 4 blocks of {BLOCK_BYTES} bytes back in {ms:.1f} ms; {s}")
+    finally:
+        sched.shutdown()
+        assert worker.join(10.0) and worker.error() is None, worker.error()
+
+
+def test_gpu_tensors_round_trip_through_pinned_g2_and_g3(tmp_path):
+    _cuda_or_skip()
+    run_round_trip(str(tmp_path))
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        print("no CUDA device")
+        sys.exit(1)
+    with tempfile.TemporaryDirectory() as d:
+        run_round_trip(d)
