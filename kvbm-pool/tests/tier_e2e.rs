@@ -302,3 +302,24 @@ fn engine_owned_g1_blocks_offload_and_come_back() {
     engine.flush();
     assert!(engine.stats().blocks_on(Path::G1ToG2) <= 4);
 }
+
+#[test]
+fn release_after_offloads_waits_for_the_requests_own_copies() {
+    let dir = tempdir();
+    let engine = engine(write_through(), 16, 16, 0, dir.path());
+    let g1 = engine.layout(Tier::G1).unwrap();
+    let h = chain(14, 4);
+    for (k, id) in (0..4).enumerate() {
+        fill(g1, id, h[k]);
+    }
+    let blocks: Vec<_> = (0..4)
+        .map(|k| (k as u32, h[k], k.checked_sub(1).map(|p| h[p])))
+        .collect();
+    engine.offload_engine_blocks("e", &blocks);
+    // No flush: the release itself waits until all four were copied.
+    assert!(engine.release_after_offloads("e"));
+    assert_eq!(engine.stats().blocks_on(Path::G1ToG2), 4);
+    assert_eq!(engine.live_requests(), 0);
+    // A request with nothing queued is released at once.
+    assert!(!engine.release_after_offloads("never-seen"));
+}

@@ -315,8 +315,8 @@ impl Scheduler {
         Ok(py.detach(|| engine.release(request_id)))
     }
 
-    /// Lets the request's queued offloads run, then releases it, on a
-    /// thread of its own; the id then shows in
+    /// Lets the request's queued offloads run (not other requests'), then
+    /// releases it, on a thread of its own; the id then shows in
     /// `poll_released`. For an engine that keeps a
     /// finished request's blocks until kvbm read them.
     fn release_after_offloads(&self, request_id: String) -> PyResult<()> {
@@ -326,8 +326,7 @@ impl Scheduler {
         std::thread::Builder::new()
             .name("kvbm-release".into())
             .spawn(move || {
-                engine.flush();
-                engine.release(request_id.as_str());
+                engine.release_after_offloads(request_id.as_str());
                 released.lock().push(request_id);
             })
             .map_err(|e| PyKvbmError::Invalid(format!("cannot start a release: {e}")))?;

@@ -373,6 +373,25 @@ impl TierEngine {
         offload::enqueue_engine(&self.shared, &guard, blocks);
     }
 
+    /// Waits until every offload queued for `request` through
+    /// [`offload_engine_blocks`](Self::offload_engine_blocks) has run (or
+    /// was skipped), then releases the request (see
+    /// [`release`](Self::release)). Offloads of other requests are not
+    /// waited for. For an engine that keeps a finished request's blocks
+    /// until kvbm has read them.
+    pub fn release_after_offloads(&self, request: impl Into<RequestId>) -> bool {
+        let request = request.into();
+        let guard = self.shared.engine_guards.lock().get(&request).cloned();
+        if let Some(g) = guard {
+            // Checks now and then whether the engine is shutting down: its
+            // queue then never drains.
+            while !g.wait_idle(std::time::Duration::from_millis(100))
+                && !self.shared.offload.is_shut_down()
+            {}
+        }
+        self.release(request)
+    }
+
     /// Blocks per offload batch as the worker takes them: `offload_batch`,
     /// raised for small blocks to `offload_batch_bytes`, capped so that the
     /// batches in flight together hold at most a quarter of G1 and of G2.

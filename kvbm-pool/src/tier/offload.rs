@@ -52,7 +52,31 @@ enum Source {
         id: u32,
         hash: SequenceHash,
         guard: Arc<EngineGuard>,
+        /// Counts the block as queued until the worker has dealt with it.
+        _queued: Queued,
     },
+}
+
+/// One engine block waiting in the offload queue, counted on its guard
+/// from enqueue until the worker started its copy or skipped it (or the
+/// queue dropped it).
+struct Queued(Arc<EngineGuard>);
+
+impl Queued {
+    fn new(guard: &Arc<EngineGuard>) -> Self {
+        guard.state.lock().queued += 1;
+        Queued(Arc::clone(guard))
+    }
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        let mut s = self.0.state.lock();
+        s.queued = s.queued.saturating_sub(1);
+        if s.queued == 0 {
+            self.0.cv.notify_all();
+        }
+    }
 }
 
 impl Source {
@@ -82,6 +106,8 @@ impl Drop for Hold {
 struct GuardState {
     released: bool,
     copying: usize,
+    /// Blocks still in the queue.
+    queued: usize,
 }
 
 /// Engine-owned G1 blocks of one request queued for offload: the request's
@@ -108,6 +134,19 @@ impl EngineGuard {
         if s.copying == 0 {
             self.cv.notify_all();
         }
+    }
+
+    /// Waits up to `timeout` until none of the request's blocks is queued
+    /// or being copied; true when that is so.
+    pub(crate) fn wait_idle(&self, timeout: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut s = self.state.lock();
+        while s.queued > 0 || s.copying > 0 {
+            if self.cv.wait_until(&mut s, deadline).timed_out() {
+                return s.queued == 0 && s.copying == 0;
+            }
+        }
+        true
     }
 
     /// No copy starts after this returns, and none is running.
@@ -157,6 +196,11 @@ impl OffloadQueue {
         }
         drop(s);
         self.cv.notify_all();
+    }
+
+    /// Whether the engine is shutting down (nothing queued runs any more).
+    pub(crate) fn is_shut_down(&self) -> bool {
+        self.state.lock().shutdown
     }
 
     /// Hands G1's victims to the worker and waits until they are saved (or
@@ -233,6 +277,7 @@ pub(crate) fn enqueue_engine(
                 id,
                 hash,
                 guard: Arc::clone(guard),
+                _queued: Queued::new(guard),
             },
             parent,
         }),

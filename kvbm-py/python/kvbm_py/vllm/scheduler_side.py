@@ -83,9 +83,13 @@ class SchedulerSide:
             # starts over.
             self._forget(rid)
         engine_blocks = num_computed_tokens // self.block_size
-        m = self.kvbm.match_prefix(
-            rid, list(request.block_hashes), request.num_tokens, engine_blocks
-        )
+        try:
+            m = self.kvbm.match_prefix(
+                rid, list(request.block_hashes), request.num_tokens, engine_blocks
+            )
+        except Exception as e:  # noqa: BLE001 - a miss, never a failed step
+            log.warning("kvbm: match of %s failed, computing it: %s", rid, e)
+            return 0, False
         self.engine_blocks[rid] = m.engine_blocks
         if m.external_tokens == 0:
             return 0, False
