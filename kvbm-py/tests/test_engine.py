@@ -13,11 +13,13 @@ BLOCK_BYTES = 2 * 2 * 2 * 32 * 64 * 2  # layers x K/V x heads x tokens x head x 
 GIB = 1 << 30
 
 
-def run_engine(model: str, tmp_path: Path, extra: dict, engine_args: dict | None = None) -> dict:
+def run_engine(
+    model: str, tmp_path: Path, extra: dict, engine_args: dict | None = None, env: dict | None = None
+) -> dict:
     args = [json.dumps(extra), json.dumps(engine_args or {})]
     proc = subprocess.run(
         [sys.executable, str(HERE / "engine_run.py"), model, *args],
-        env=engine_env(tmp_path),
+        env={**engine_env(tmp_path), **(env or {})},
         capture_output=True,
         text=True,
         timeout=600,
@@ -62,3 +64,14 @@ def test_a_corrupted_onboard_changes_the_output(tiny_model, tmp_path):
     )
     assert r["stats"]["g2_to_g1_blocks"] == 4, r["stats"]
     assert r["second"] != r["first"], r
+
+
+def test_engine_core_and_worker_in_separate_processes(tiny_model, tmp_path):
+    # vLLM's default process layout: the scheduler (kvbm's leader) in the
+    # engine-core process, the model runner (kvbm's worker) in a worker
+    # process; they meet over kvbm's IPC socket.
+    extra = {"cpu_cache_gb": 0.01, "admission": "all", "test_stats_path": str(tmp_path / "stats.json")}
+    r = run_engine(tiny_model, tmp_path, extra, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    s = r["stats"]
+    assert s["g2_to_g1_blocks"] == 4, s
+    assert r["second"] == r["first"], r

@@ -89,6 +89,9 @@ class KvbmConfig:
     #: Test hook: every worker holds each copy back this long (ms), so a
     #: test can act while copies are in flight.
     test_transfer_delay_ms: int = 0
+    #: Test hook: the scheduler side writes its counters (JSON) here after
+    #: every finished request, for tests that cannot reach the engine core.
+    test_stats_path: str | None = None
 
     @classmethod
     def from_sources(
@@ -100,7 +103,12 @@ class KvbmConfig:
         belong to other components and are ignored."""
         extra = dict(extra or {})
         env = os.environ if env is None else env
-        known = set(_SOURCES) | {"test_corrupt_onboard", "test_fail_onboards", "test_transfer_delay_ms"}
+        known = set(_SOURCES) | {
+            "test_corrupt_onboard",
+            "test_fail_onboards",
+            "test_transfer_delay_ms",
+            "test_stats_path",
+        }
         for key in extra:
             if key not in known and (key.startswith("test_") or key.startswith("kvbm")):
                 raise ValueError(f"kvbm: unknown configuration key {key!r}")
@@ -129,6 +137,7 @@ class KvbmConfig:
             ),
             test_fail_onboards=int(extra.get("test_fail_onboards", 0)),
             test_transfer_delay_ms=int(extra.get("test_transfer_delay_ms", 0)),
+            test_stats_path=extra.get("test_stats_path"),
         )
         if cfg.offload not in OFFLOAD_MODES:
             raise ValueError(f"kvbm: offload={cfg.offload!r}: expected one of {OFFLOAD_MODES}")

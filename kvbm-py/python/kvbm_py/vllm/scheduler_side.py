@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -229,6 +231,19 @@ class SchedulerSide:
     # ---- the end of a request ----
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, None]:
+        try:
+            return self._request_finished(request, block_ids)
+        finally:
+            if self.config.test_stats_path:
+                self._write_stats(self.config.test_stats_path)
+
+    def _write_stats(self, path: str) -> None:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(dict(self.kvbm.stats()), f)
+        os.replace(tmp, path)
+
+    def _request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, None]:
         rid = request.request_id
         self.engine_blocks.pop(rid, None)
         self.onboarded.discard(rid)
