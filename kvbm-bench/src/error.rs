@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use kvbm_transfer::TransferError;
 
-use crate::trace::TraceError;
+use kvbm_testkit::trace::TraceError;
 
 /// Why a benchmark could not run or finish.
 #[derive(Debug, thiserror::Error)]

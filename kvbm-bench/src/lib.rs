@@ -1,5 +1,12 @@
-//! The library half of the `kvbm-bench` binary: everything it measures and
-//! prints, kept out of `main` so tests can drive it.
+//! # kvbm-bench
+//!
+//! kvbm's benchmarks and cache simulators, a product crate at the top of
+//! the stack: the `kvbm-bench` binary (`cargo run --release -p kvbm-bench
+//! -- replay`), the `kvbm-dist-node` worker binary its tensor-parallel
+//! replay starts, and the `studies` binary that prints the simulator
+//! studies' tables. This library is everything they measure and print,
+//! kept out of `main` so tests can drive it; test fixtures (trace readers,
+//! stand-ins, fault injection) come from kvbm-testkit.
 //!
 //! Two benchmarks answer the two questions users ask of kvbm:
 //! - [`matrix`]: how fast does kvbm move blocks between tiers, for each
@@ -15,16 +22,17 @@
 //! - [`offload`]: what a user of the tier engine gets when G1 blocks go
 //!   to G2 — `offload` through `flush`, per offload batches in flight and
 //!   batch size, idle and beside a GEMM standing in for the model
-//!   (`gemm`, feature `gemm`), every block checked in G2.
+//!   (kvbm-testkit's `gemm`, feature `gemm`), every block checked in G2.
 //!
 //! [`model`] holds the KV shapes (presets and explicit dimensions) both
 //! share; [`table`] and [`svg`] render results without any plotting crate.
+//!
+//! [`sim`] holds the cache simulators (LRU, Belady, tiered, reuse score,
+//! the bound studies' scorers) the replay compares itself with.
 
 #[cfg(feature = "cuda")]
 pub mod cuda_rows;
 pub mod error;
-#[cfg(feature = "gemm")]
-pub mod gemm;
 pub mod host_view;
 pub mod matrix;
 pub mod model;
@@ -33,6 +41,7 @@ pub mod nixl_rows;
 pub mod offload;
 pub mod pattern;
 pub mod replay;
+pub mod sim;
 pub mod stats;
 pub mod svg;
 pub mod table;

@@ -9,14 +9,14 @@ mod sim_support;
 
 use std::collections::HashSet;
 
-use kvbm_testkit::sim::arc::ArcTiers;
-use kvbm_testkit::sim::hindsight::{Feature, FeatureSet, Fit, HindsightScorer, Objective};
-use kvbm_testkit::sim::online::OnlineScorer;
-use kvbm_testkit::sim::scored_tiers::{
+use kvbm_bench::sim::arc::ArcTiers;
+use kvbm_bench::sim::hindsight::{Feature, FeatureSet, Fit, HindsightScorer, Objective};
+use kvbm_bench::sim::online::OnlineScorer;
+use kvbm_bench::sim::scored_tiers::{
     Admission, OracleScorer, RecencyScorer, ScoredConfig, ScoredTiers,
 };
-use kvbm_testkit::sim::trace_index::{NO_REQUEST, TraceIndex};
-use kvbm_testkit::sim::{CacheSim, KvbmTiers, LruFeed, LruTiers, TierCapacities, TieredSim};
+use kvbm_bench::sim::trace_index::{NO_REQUEST, TraceIndex};
+use kvbm_bench::sim::{CacheSim, KvbmTiers, LruFeed, LruTiers, TierCapacities, TieredSim};
 use kvbm_testkit::trace::{BlockId, Request};
 use proptest::prelude::*;
 
@@ -142,7 +142,7 @@ fn check_invariants<K: KvbmTiers>(requests: &[Request], caps: TierCapacities, kv
             }
             hit_blocks += 1;
         }
-        let ctx = kvbm_testkit::sim::RequestCtx {
+        let ctx = kvbm_bench::sim::RequestCtx {
             index,
             first_position: pos,
             request,

@@ -2,8 +2,8 @@
 
 use std::collections::{HashMap, HashSet};
 
-use kvbm_testkit::sim::reuse_score::{ReuseScoreConfig, ReuseScoreTiers};
-use kvbm_testkit::sim::{
+use kvbm_bench::sim::reuse_score::{ReuseScoreConfig, ReuseScoreTiers};
+use kvbm_bench::sim::{
     BeladySim, CacheSim, KvbmTiers, LruFeed, LruSim, LruTiers, RequestCtx, Tier, TierCapacities,
     TieredSim, TouchOrder, replay,
 };
@@ -284,7 +284,7 @@ fn victim_lru_tiers_serve_what_g1_dropped() {
 }
 
 mod weights {
-    use kvbm_testkit::sim::reuse_score::{COUNT_CLASSES, ReuseWeights, ScoreModel};
+    use kvbm_bench::sim::reuse_score::{COUNT_CLASSES, ReuseWeights, ScoreModel};
     use proptest::prelude::*;
 
     fn model() -> impl Strategy<Value = ScoreModel> {

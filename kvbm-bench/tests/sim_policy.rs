@@ -3,8 +3,8 @@
 
 mod sim_support;
 
-use kvbm_testkit::sim::reuse_score::{ReuseScoreConfig, ReuseScoreTiers};
-use kvbm_testkit::sim::{Tier, TierCapacities, TieredSim, replay};
+use kvbm_bench::sim::reuse_score::{ReuseScoreConfig, ReuseScoreTiers};
+use kvbm_bench::sim::{Tier, TierCapacities, TieredSim, replay};
 use kvbm_testkit::trace::MOONCAKE_BLOCK_TOKENS;
 
 #[test]

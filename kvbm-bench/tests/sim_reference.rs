@@ -2,7 +2,7 @@
 
 mod sim_support;
 
-use kvbm_testkit::sim::{BeladySim, LruSim, capacity_for, replay};
+use kvbm_bench::sim::{BeladySim, LruSim, capacity_for, replay};
 use kvbm_testkit::trace::MOONCAKE_BLOCK_TOKENS;
 
 fn assert_close(what: &str, got: f64, want: f64) {

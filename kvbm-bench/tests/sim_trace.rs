@@ -2,7 +2,7 @@
 
 use std::io::Cursor;
 
-use kvbm_testkit::sim::{LruSim, replay};
+use kvbm_bench::sim::{LruSim, replay};
 use kvbm_testkit::trace::{
     LineError, MOONCAKE_BLOCK_TOKENS, MooncakeReader, Request, SyntheticConfig, TraceError,
     TraceFacts, generate_synthetic,

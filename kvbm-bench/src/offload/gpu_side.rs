@@ -25,7 +25,7 @@ fn cuda_err(e: impl std::fmt::Display) -> BenchError {
 
 /// The model's stand-in: the shared GEMM loop (feature `gemm`).
 #[cfg(feature = "gemm")]
-pub(super) type Gemm = super::super::gemm::Gemm;
+pub(super) type Gemm = kvbm_testkit::gemm::Gemm;
 /// Without feature `gemm` there is no GEMM to run beside the copies.
 #[cfg(not(feature = "gemm"))]
 pub(super) enum Gemm {}

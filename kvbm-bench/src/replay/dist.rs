@@ -1,7 +1,7 @@
 //! Tensor-parallel replay: the tier engine's leader in this process, one
-//! worker process per rank (this same binary, hidden `worker`
-//! subcommand), each owning its G1 (GPU `rank` when built with `cuda` and
-//! the GPU exists, a host stand-in otherwise), G2 and G3.
+//! worker process per rank (`kvbm-dist-node worker`, see
+//! [`kvbm_dist::node`]), each owning its G1 (GPU `rank` when built with
+//! `cuda` and the GPU exists, a host stand-in otherwise), G2 and G3.
 //!
 //! The engine runs over kvbm-dist's distributed mover, so every offload
 //! and onboard is broadcast to all workers and counts only when all of
@@ -14,174 +14,47 @@ use std::process::{Child, Command};
 use std::sync::Arc;
 
 use kvbm_dist::leader::{Leader, LeaderConfig, PendingLeader};
+use kvbm_dist::node::NodeArgs;
 use kvbm_dist::proto::ProbeOp;
-use kvbm_dist::worker::probe::{BlockProbe, rank_seed};
-use kvbm_dist::worker::{self, WorkerConfig};
-use kvbm_layout::{Layout, LayoutDescriptor};
-use kvbm_transfer::PhysicalLayout;
+use kvbm_layout::Layout;
 
 use super::super::error::{BenchError, Result};
-use super::super::host_view::{HostTier, Mismatch};
-use super::engine::G1Memory;
+use super::super::host_view::Mismatch;
 
 fn dist_err(e: impl std::fmt::Display) -> BenchError {
     BenchError::Tier(format!("kvbm-dist: {e}"))
 }
 
-/// What a worker process is started with.
-#[derive(Debug, Clone)]
-pub struct WorkerArgs {
-    /// The leader's endpoint.
-    pub endpoint: String,
-    /// The instance.
-    pub instance: u64,
-    /// This worker's rank.
-    pub rank: u32,
-    /// Ranks in all.
-    pub world: u32,
-    /// The G1 layout, as a descriptor's JSON.
-    pub layout_json: String,
-    /// Directory for this worker's G3 file.
-    pub g3_dir: PathBuf,
-    /// Keep G1 in host memory even when a GPU is present.
-    pub host_g1: bool,
-    /// memcpy threads.
-    pub threads: usize,
-}
-
-impl WorkerArgs {
-    /// The command-line arguments of the hidden `worker` subcommand.
-    pub fn to_args(&self) -> Vec<String> {
-        let mut v = vec![
-            "worker".to_string(),
-            "--endpoint".into(),
-            self.endpoint.clone(),
-            "--instance".into(),
-            self.instance.to_string(),
-            "--rank".into(),
-            self.rank.to_string(),
-            "--world".into(),
-            self.world.to_string(),
-            "--layout".into(),
-            self.layout_json.clone(),
-            "--g3-dir".into(),
-            self.g3_dir.display().to_string(),
-            "--threads".into(),
-            self.threads.to_string(),
-        ];
-        if self.host_g1 {
-            v.push("--host-g1".into());
-        }
-        v
+/// Where the worker binary, `kvbm-dist-node`, is: `$KVBM_DIST_NODE` when
+/// set, else next to this executable (where cargo builds both binaries of
+/// this package), else next to the directory above it (a test or example
+/// executable in `deps/` or `examples/`).
+pub fn find_node_exe() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("KVBM_DIST_NODE") {
+        let p = PathBuf::from(p);
+        return if p.is_file() {
+            Ok(p)
+        } else {
+            Err(BenchError::Config(format!(
+                "KVBM_DIST_NODE={} is not a file",
+                p.display()
+            )))
+        };
     }
-}
-
-/// Writes and checks patterns in this worker's G1.
-struct G1Probe(G1Memory);
-
-impl BlockProbe for G1Probe {
-    fn fill(
-        &self,
-        _g1: &PhysicalLayout,
-        block: usize,
-        seed: u64,
-        rank: u32,
-    ) -> std::result::Result<(), String> {
-        // SAFETY: the leader probes a block only while no transfer touches
-        // it (the driver fills before registering, checks after the
-        // onboard completed).
-        unsafe { self.0.fill(block, rank_seed(seed, rank)) }.map_err(|e| e.to_string())
-    }
-
-    fn check(
-        &self,
-        _g1: &PhysicalLayout,
-        block: usize,
-        seed: u64,
-        rank: u32,
-    ) -> std::result::Result<bool, String> {
-        // SAFETY: as for `fill`.
-        unsafe { self.0.check(block, rank_seed(seed, rank)) }
-            .map(|m| m.is_none())
-            .map_err(|e| e.to_string())
-    }
-}
-
-/// Runs one worker until the leader shuts it down.
-pub fn run_worker(args: &WorkerArgs) -> Result<()> {
-    let layout = LayoutDescriptor::from_json(&args.layout_json)
-        .and_then(|d| d.to_layout())
-        .map_err(|e| BenchError::Config(format!("--layout: {e}")))?;
-    std::fs::create_dir_all(&args.g3_dir)
-        .map_err(|e| BenchError::Config(format!("{}: {e}", args.g3_dir.display())))?;
-    let (g1, executor, g2_allocator, what) = worker_memory(args, layout)?;
-    let physical = g1
-        .physical()
-        .ok_or_else(|| BenchError::Config("a worker's G1 must be in its own process".into()))?
-        .clone();
-    let mut config = WorkerConfig::new(
-        args.endpoint.clone(),
-        args.instance,
-        args.rank,
-        args.world,
-        physical,
-    );
-    config.g3_dir = Some(args.g3_dir.clone());
-    config.executor = Some(executor);
-    config.g2_allocator = g2_allocator;
-    config.probe = Some(Box::new(G1Probe(g1)));
-    config.leader_timeout = std::time::Duration::from_secs(120);
-    eprintln!("kvbm-bench worker rank {}: G1 {what}", args.rank);
-    worker::run(config).map_err(dist_err)
-}
-
-type WorkerMemory = (
-    G1Memory,
-    kvbm_transfer::Executor,
-    Option<worker::G2Allocator>,
-    String,
-);
-
-#[cfg(feature = "cuda")]
-fn worker_memory(args: &WorkerArgs, layout: Layout) -> Result<WorkerMemory> {
-    use super::gpu;
-    if !args.host_g1
-        && let Some(dev) = gpu::device_at(args.rank as usize)
-    {
-        let what = format!("on GPU {} ({})", args.rank, dev.name());
-        let g1 = G1Memory::Device(gpu::DeviceTier::allocate(&dev, layout)?);
-        let exec = gpu::executor(&dev, args.threads)?;
-        let alloc_dev = dev.clone();
-        let g2: worker::G2Allocator = Box::new(move |l: Layout| {
-            gpu::pinned_layout(&alloc_dev, l)
-                .map_err(|e| kvbm_dist::DistError::InvalidConfig(format!("pinned G2: {e}")))
-        });
-        return Ok((g1, exec, Some(g2), what));
-    }
-    host_memory(args, layout)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn worker_memory(args: &WorkerArgs, layout: Layout) -> Result<WorkerMemory> {
-    host_memory(args, layout)
-}
-
-fn host_memory(args: &WorkerArgs, layout: Layout) -> Result<WorkerMemory> {
-    let what = if args.host_g1 {
-        "host-memory stand-in (asked for)"
-    } else if cfg!(feature = "cuda") {
-        "host-memory stand-in: no CUDA device for this rank"
-    } else {
-        "host-memory stand-in: built without CUDA"
-    };
-    let exec = worker::cpu_executor().map_err(dist_err)?;
-    let _ = args.threads;
-    Ok((
-        G1Memory::Host(HostTier::allocate(layout)?),
-        exec,
-        None,
-        what.to_string(),
-    ))
+    let exe = std::env::current_exe()
+        .map_err(|e| BenchError::Config(format!("cannot find this executable: {e}")))?;
+    let name = format!("kvbm-dist-node{}", std::env::consts::EXE_SUFFIX);
+    exe.ancestors()
+        .skip(1)
+        .take(2)
+        .map(|dir| dir.join(&name))
+        .find(|p| p.is_file())
+        .ok_or_else(|| {
+            BenchError::Config(format!(
+                "--workers needs the worker binary `kvbm-dist-node` next to {} (or its path in KVBM_DIST_NODE); build it with `cargo build --release -p kvbm-bench --bin kvbm-dist-node` (add the same --features as this build)",
+                exe.display()
+            ))
+        })
 }
 
 /// The worker processes; killed when dropped.
@@ -211,7 +84,7 @@ pub struct Cluster {
     pub workers: Workers,
 }
 
-/// Starts `world` workers of `exe` with G1 `layout` and the leader that
+/// Starts `world` workers (`exe` is `kvbm-dist-node`) with G1 `layout` and the leader that
 /// configures them with `g2_blocks` and `g3_blocks` per worker.
 #[allow(clippy::too_many_arguments)]
 pub fn start(
@@ -238,16 +111,17 @@ pub fn start(
     let pending = PendingLeader::bind(config).map_err(dist_err)?;
     let mut children = Vec::new();
     for rank in 0..world {
-        let args = WorkerArgs {
-            endpoint: pending.endpoint().to_owned(),
-            instance: u64::from(std::process::id()),
+        let mut args = NodeArgs::new(
+            pending.endpoint(),
+            u64::from(std::process::id()),
             rank,
             world,
-            layout_json: layout.descriptor().to_json(),
-            g3_dir: run_dir.join(format!("rank{rank}")),
-            host_g1,
-            threads,
-        };
+            layout.descriptor().to_json(),
+        );
+        args.g3_dir = Some(run_dir.join(format!("rank{rank}")));
+        args.host_g1 = host_g1;
+        args.threads = threads;
+        args.leader_timeout = std::time::Duration::from_secs(120);
         let child = Command::new(exe)
             .args(args.to_args())
             .spawn()

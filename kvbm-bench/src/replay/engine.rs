@@ -21,7 +21,7 @@ use kvbm_pool::tier::{G1Lookup, OnboardTarget, TierEngine};
 use super::super::error::{BenchError, Result};
 use super::super::host_view::{HostTier, Mismatch};
 use crate::sim::Tier;
-use crate::trace::Request;
+use kvbm_testkit::trace::Request;
 
 /// Paths in the engine's stats order.
 pub const PATHS: [&str; 4] = ["G1->G2", "G2->G3", "G2->G1", "G3->G1"];

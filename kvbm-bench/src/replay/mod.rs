@@ -35,7 +35,7 @@ use crate::sim::{
     BeladySim, LruFeed, LruSim, LruTiers, ReplayStats, Tier, TierCapacities, TieredSim,
     capacity_for, replay,
 };
-use crate::trace::{Request, TraceFacts};
+use kvbm_testkit::trace::{Request, TraceFacts};
 
 /// How a replay is set up.
 #[derive(Debug, Clone)]
@@ -71,8 +71,8 @@ pub struct ReplayConfig {
     /// runs the leader here and N worker processes, each holding a 1/N
     /// slice of every block (see [`dist`]).
     pub workers: u32,
-    /// The binary to start workers from (its hidden `worker`
-    /// subcommand); `None` for this executable.
+    /// The worker binary, `kvbm-dist-node`; `None` to look for it
+    /// ([`dist::find_node_exe`]).
     pub worker_exe: Option<PathBuf>,
     /// The engine's `offload_in_flight`; `None` for its default.
     pub offload_in_flight: Option<usize>,
@@ -436,8 +436,7 @@ pub fn run_replay(
         )?;
         let exe = match &cfg.worker_exe {
             Some(p) => p.clone(),
-            None => std::env::current_exe()
-                .map_err(|e| BenchError::Config(format!("cannot find this executable: {e}")))?,
+            None => dist::find_node_exe()?,
         };
         let c = dist::start(
             &exe,

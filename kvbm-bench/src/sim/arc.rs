@@ -20,7 +20,7 @@ use super::recency::RecencyList;
 use super::replay::{RequestCtx, Tier};
 use super::tiered::KvbmTiers;
 use super::trace_index::TraceIndex;
-use crate::trace::BlockId;
+use kvbm_testkit::trace::BlockId;
 
 /// ARC over G2, LRU over G3.
 #[derive(Debug, Clone)]

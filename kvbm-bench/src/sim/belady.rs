@@ -17,7 +17,7 @@
 use std::collections::{BTreeSet, HashMap};
 
 use super::replay::{CacheSim, RequestCtx, Tier};
-use crate::trace::{BlockId, Request};
+use kvbm_testkit::trace::{BlockId, Request};
 
 /// "Never referenced again".
 pub const NEVER: u64 = u64::MAX;

@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 
 use super::replay::{CacheSim, RequestCtx, Tier};
-use crate::trace::BlockId;
+use kvbm_testkit::trace::BlockId;
 
 /// Upper bounds (exclusive) of the gap ranges, in requests; the last range
 /// is open.

@@ -2,7 +2,7 @@
 
 use super::recency::RecencyList;
 use super::replay::{CacheSim, RequestCtx, Tier};
-use crate::trace::BlockId;
+use kvbm_testkit::trace::BlockId;
 
 /// In which order a request's blocks are refreshed after its lookup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -17,7 +17,7 @@ use super::hindsight::{
 use super::replay::RequestCtx;
 use super::scored_tiers::{BlockMeta, BlockScorer};
 use super::trace_index::TraceIndex;
-use crate::trace::BlockId;
+use kvbm_testkit::trace::BlockId;
 
 const BUCKETS: usize = 80;
 

@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 
-use crate::trace::BlockId;
+use kvbm_testkit::trace::BlockId;
 
 const NIL: u32 = u32::MAX;
 

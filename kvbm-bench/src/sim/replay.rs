@@ -13,7 +13,7 @@
 //! Hit rate = prompt blocks hit ÷ prompt blocks. Capacities are
 //! `floor(fraction × unique blocks of the trace)`.
 
-use crate::trace::{BlockId, Request};
+use kvbm_testkit::trace::{BlockId, Request};
 
 /// A memory tier that served a hit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

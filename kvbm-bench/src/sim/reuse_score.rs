@@ -36,7 +36,7 @@ use std::collections::HashMap;
 use super::recency::RecencyList;
 use super::replay::{RequestCtx, Tier};
 use super::tiered::KvbmTiers;
-use crate::trace::BlockId;
+use kvbm_testkit::trace::BlockId;
 
 /// Number of use-count classes: 1, 2, 3, and 4 or more.
 pub const COUNT_CLASSES: usize = 4;

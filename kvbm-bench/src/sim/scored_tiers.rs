@@ -25,7 +25,7 @@ use std::collections::{BTreeSet, BinaryHeap, HashMap, HashSet};
 use super::replay::{RequestCtx, Tier};
 use super::tiered::KvbmTiers;
 use super::trace_index::{NO_REQUEST, TraceIndex};
-use crate::trace::BlockId;
+use kvbm_testkit::trace::BlockId;
 
 /// What the tiers remember about a block: its last use and the cell key a
 /// scorer gave that use.

@@ -13,7 +13,7 @@
 
 use super::lru::{LruSim, TouchOrder};
 use super::replay::{CacheSim, RequestCtx, Tier, capacity_for};
-use crate::trace::BlockId;
+use kvbm_testkit::trace::BlockId;
 
 /// Capacities of the three tiers, in blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 
-use crate::trace::{BlockId, Request};
+use kvbm_testkit::trace::{BlockId, Request};
 
 /// "No such request" (never used before, or never used again).
 pub const NO_REQUEST: u32 = u32::MAX;

@@ -3,13 +3,11 @@
 //! and formatting helpers, and the oracle-admission scorer.
 #![allow(dead_code)]
 
-use kvbm_testkit::sim::hindsight::Objective;
-use kvbm_testkit::sim::scored_tiers::{
-    Admission, BlockMeta, BlockScorer, ScoredConfig, ScoredTiers,
-};
-use kvbm_testkit::sim::trace_index::NO_REQUEST;
-use kvbm_testkit::sim::trace_index::TraceIndex;
-use kvbm_testkit::sim::{
+use kvbm_bench::sim::hindsight::Objective;
+use kvbm_bench::sim::scored_tiers::{Admission, BlockMeta, BlockScorer, ScoredConfig, ScoredTiers};
+use kvbm_bench::sim::trace_index::NO_REQUEST;
+use kvbm_bench::sim::trace_index::TraceIndex;
+use kvbm_bench::sim::{
     KvbmTiers, ReplayStats, Tier, TierCapacities, TieredSim, capacity_for, replay,
 };
 use kvbm_testkit::trace::{MOONCAKE_BLOCK_TOKENS, Request, TraceFacts};

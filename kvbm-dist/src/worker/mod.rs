@@ -14,6 +14,8 @@
 //! executor's threads and hand their acknowledgement back to the loop
 //! through a channel and a wake-up, so the socket stays single-threaded.
 
+#[cfg(feature = "cuda")]
+pub mod device;
 pub mod memory;
 pub mod probe;
 mod remote;

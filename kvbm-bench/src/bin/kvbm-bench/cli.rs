@@ -48,35 +48,6 @@ pub enum Command {
     /// batches in flight × batch size × tokens per block, every block
     /// checked in G2, each row against one large device -> pinned copy.
     Offload(OffloadArgs),
-    /// A worker of `replay --workers N` (started by the replay itself).
-    #[command(hide = true)]
-    Worker(WorkerArgs),
-}
-
-/// `worker` options (set by the replay that starts it).
-#[derive(Debug, Args)]
-pub struct WorkerArgs {
-    /// The leader's endpoint.
-    #[arg(long)]
-    pub endpoint: String,
-    /// The instance id.
-    #[arg(long)]
-    pub instance: u64,
-    /// This worker's rank.
-    #[arg(long)]
-    pub rank: u32,
-    /// Ranks in all.
-    #[arg(long)]
-    pub world: u32,
-    /// The G1 layout descriptor (JSON).
-    #[arg(long)]
-    pub layout: String,
-    /// Directory for this worker's G3 file.
-    #[arg(long)]
-    pub g3_dir: PathBuf,
-    /// Keep G1 in host memory even when a GPU is present.
-    #[arg(long)]
-    pub host_g1: bool,
 }
 
 /// `transfer` options.
@@ -230,7 +201,8 @@ pub struct ReplayArgs {
     /// Tensor parallelism: run the leader here and this many worker
     /// processes (GPU `rank` each when built with `cuda`), every block
     /// sliced across them and checked on every one after each onboard.
-    /// 0 runs everything in this process.
+    /// The workers are `kvbm-dist-node` processes, found next to this
+    /// binary or at $KVBM_DIST_NODE. 0 runs everything in this process.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=64))]
     pub workers: u32,
     /// Also sweep total capacity (fractions of distinct blocks, in the

@@ -1,6 +1,6 @@
 //! `kvbm-bench`: the bandwidth matrix (`transfer`), the workload replay
 //! through real tiers (`replay`) and the tier engine's offload stream
-//! (`offload`). See `kvbm_testkit::bench` for what each
+//! (`offload`). See the `kvbm_bench` library for what each
 //! measures; this binary parses arguments, shows progress and prints.
 
 mod cli;
@@ -11,18 +11,17 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
+use kvbm_bench::matrix::{MatrixConfig, matrix_cells, run_matrix};
+use kvbm_bench::offload::{GpuPath, Load, OffloadConfig, Outcome, run_offload};
+use kvbm_bench::replay::{ReplayConfig, run_replay};
+use kvbm_bench::{BenchError, KvModel};
 use kvbm_pool::tier::TierPolicy;
-use kvbm_testkit::bench::matrix::{MatrixConfig, matrix_cells, run_matrix};
-use kvbm_testkit::bench::offload::{GpuPath, Load, OffloadConfig, Outcome, run_offload};
-use kvbm_testkit::bench::replay::dist::{WorkerArgs as DistWorkerArgs, run_worker};
-use kvbm_testkit::bench::replay::{ReplayConfig, run_replay};
-use kvbm_testkit::bench::{BenchError, KvModel};
 use kvbm_testkit::trace::{
     MOONCAKE_BLOCK_TOKENS, SyntheticConfig, generate_synthetic, read_mooncake,
 };
 
 use crate::cli::{
-    Cli, Command, GpuPathArg, LoadArg, OffloadArgs, Policy, ReplayArgs, TransferArgs, WorkerArgs,
+    Cli, Command, GpuPathArg, LoadArg, OffloadArgs, Policy, ReplayArgs, TransferArgs,
 };
 
 fn main() -> ExitCode {
@@ -38,7 +37,6 @@ fn main() -> ExitCode {
         Command::Transfer(args) => transfer(&cli, args),
         Command::Replay(args) => replay(&cli, args),
         Command::Offload(args) => offload(&cli, args),
-        Command::Worker(args) => worker(&cli, args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -47,21 +45,6 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-/// A tensor-parallel replay's worker process (started by `replay
-/// --workers N`, not by hand).
-fn worker(cli: &Cli, args: &WorkerArgs) -> Result<(), BenchError> {
-    run_worker(&DistWorkerArgs {
-        endpoint: args.endpoint.clone(),
-        instance: args.instance,
-        rank: args.rank,
-        world: args.world,
-        layout_json: args.layout.clone(),
-        g3_dir: args.g3_dir.clone(),
-        host_g1: args.host_g1,
-        threads: cli.threads.into(),
-    })
 }
 
 fn progress_bar(cli: &Cli, len: u64, what: &str) -> ProgressBar {

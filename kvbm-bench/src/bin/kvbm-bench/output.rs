@@ -3,12 +3,12 @@
 
 use std::path::PathBuf;
 
-use kvbm_testkit::bench::BenchError;
-use kvbm_testkit::bench::matrix::{MatrixConfig, MatrixRow};
-use kvbm_testkit::bench::offload::OffloadReport;
-use kvbm_testkit::bench::replay::ReplayReport;
-use kvbm_testkit::bench::svg::{LinePlot, Series, format_bytes};
-use kvbm_testkit::bench::table::Table;
+use kvbm_bench::BenchError;
+use kvbm_bench::matrix::{MatrixConfig, MatrixRow};
+use kvbm_bench::offload::OffloadReport;
+use kvbm_bench::replay::ReplayReport;
+use kvbm_bench::svg::{LinePlot, Series, format_bytes};
+use kvbm_bench::table::Table;
 use serde_json::json;
 
 use crate::cli::Cli;
@@ -151,11 +151,10 @@ pub fn replay(cli: &Cli, r: &ReplayReport) -> Result<(), BenchError> {
         * 100.0;
     let mut series = Vec::new();
     if !r.sweep.is_empty() {
-        let line =
-            |name: &str, f: &dyn Fn(&kvbm_testkit::bench::replay::SweepPoint) -> f64| Series {
-                name: name.to_string(),
-                points: r.sweep.iter().map(|p| (p.fraction * 100.0, f(p))).collect(),
-            };
+        let line = |name: &str, f: &dyn Fn(&kvbm_bench::replay::SweepPoint) -> f64| Series {
+            name: name.to_string(),
+            points: r.sweep.iter().map(|p| (p.fraction * 100.0, f(p))).collect(),
+        };
         series.push(line("tiered reuse-score (sim)", &|p| p.tiered_reuse_pct));
         series.push(line("tiered LRU victim (sim)", &|p| p.tiered_lru_pct));
         series.push(line("single LRU", &|p| p.lru_pct));

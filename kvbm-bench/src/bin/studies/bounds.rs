@@ -1,36 +1,29 @@
 //! The bound study: how far can a policy that *knows* calibrated reuse
 //! probabilities get, and what part of Belady's win is admission, eviction
-//! order, which reuse gaps? These are studies, not checks, so every test
-//! here is `#[ignore]`d: each replays the full Mooncake traces many times
-//! (about 40 minutes together on the 2-core box) and prints the tables of
-//! `docs/policy-study.md` §7:
-//! `cargo test -p kvbm-testkit --test sim_bounds_studies -- --ignored --nocapture --test-threads 1`
+//! order, which reuse gaps? These are studies, not checks: each replays
+//! the full Mooncake traces many times (about 40 minutes together on the
+//! 2-core box) and prints the tables of `docs/policy-study.md` §7:
+//! `cargo run --release -p kvbm-bench --bin studies -- bounds_study`
 //! (`KVBM_BOUNDS_FILTER=<text>` keeps only the rows whose label holds it).
 //! The figures the conclusion rests on are pinned by the always-run tests
 //! of `sim_bounds.rs`.
 
-mod bounds_support;
-mod sim_support;
+use crate::bounds_support::*;
+use crate::sim_support;
 
-use bounds_support::*;
-
-use kvbm_testkit::sim::arc::ArcTiers;
-use kvbm_testkit::sim::gaps::{GAP_RANGES, GapSplit, range_label};
-use kvbm_testkit::sim::hindsight::{Feature, FeatureSet, Fit, HindsightScorer, Objective};
-use kvbm_testkit::sim::online::OnlineScorer;
-use kvbm_testkit::sim::reuse_score::{ReuseScoreConfig, ReuseScoreTiers};
-use kvbm_testkit::sim::scored_tiers::{
-    Admission, BlockMeta, BlockScorer, OracleScorer, ScoredTiers,
-};
-use kvbm_testkit::sim::trace_index::{NO_REQUEST, TraceIndex};
-use kvbm_testkit::sim::{
+use kvbm_bench::sim::arc::ArcTiers;
+use kvbm_bench::sim::gaps::{GAP_RANGES, GapSplit, range_label};
+use kvbm_bench::sim::hindsight::{Feature, FeatureSet, Fit, HindsightScorer, Objective};
+use kvbm_bench::sim::online::OnlineScorer;
+use kvbm_bench::sim::reuse_score::{ReuseScoreConfig, ReuseScoreTiers};
+use kvbm_bench::sim::scored_tiers::{Admission, BlockMeta, BlockScorer, OracleScorer, ScoredTiers};
+use kvbm_bench::sim::trace_index::{NO_REQUEST, TraceIndex};
+use kvbm_bench::sim::{
     BeladySim, CacheSim, LruFeed, LruSim, LruTiers, ReplayStats, TierCapacities, TieredSim, replay,
 };
 use kvbm_testkit::trace::MOONCAKE_BLOCK_TOKENS;
 
-#[test]
-#[ignore = "bound study: prints tables, takes minutes"]
-fn bounds_study() {
+pub fn bounds_study() {
     for Loaded {
         name,
         fractions: f,
@@ -131,9 +124,7 @@ fn bounds_study() {
     }
 }
 
-#[test]
-#[ignore = "bound study: hits by reuse gap"]
-fn gap_study() {
+pub fn gap_study() {
     for Loaded {
         name,
         fractions: f,
@@ -201,9 +192,7 @@ fn gap_study() {
     }
 }
 
-#[test]
-#[ignore = "online study: learned predictors over feature cells"]
-fn online_study() {
+pub fn online_study() {
     use Feature::*;
     let sets = [
         FeatureSet::new("uses 1/2/3/4+", &[Count]),
@@ -276,9 +265,7 @@ impl BlockScorer for NoisyOracle {
     }
 }
 
-#[test]
-#[ignore = "bound study: how good must a predictor be, how good can one be"]
-fn predictability_study() {
+pub fn predictability_study() {
     for Loaded {
         name,
         fractions: f,
@@ -336,7 +323,7 @@ fn predictability_study() {
                             pairs.push((scorer.probability(r, i, horizon), label));
                         }
                     }
-                    let a = kvbm_testkit::sim::hindsight::auc(&mut pairs).unwrap_or(f64::NAN);
+                    let a = kvbm_bench::sim::hindsight::auc(&mut pairs).unwrap_or(f64::NAN);
                     row.push(format!("{a:.3}"));
                 }
             }
@@ -345,9 +332,7 @@ fn predictability_study() {
     }
 }
 
-#[test]
-#[ignore = "bound study: how much support a cell needs before it stops memorising"]
-fn support_sweep() {
+pub fn support_sweep() {
     let ladder = FeatureSet::ladder();
     for (name, f) in [CONFIGS[0], CONFIGS[2]] {
         let Some((requests, facts)) = sim_support::load(name) else {
@@ -415,9 +400,7 @@ fn support_sweep() {
     }
 }
 
-#[test]
-#[ignore = "bound study: long horizons for the 20% configuration"]
-fn long_horizon_study() {
+pub fn long_horizon_study() {
     let (name, f) = CONFIGS[1];
     let Some((requests, facts)) = sim_support::load(name) else {
         return;
@@ -444,9 +427,7 @@ fn long_horizon_study() {
     }
 }
 
-#[test]
-#[ignore = "bound study: how much G3 the winner needs for 36% on conversation"]
-fn g3_capacity_study() {
+pub fn g3_capacity_study() {
     let Some((requests, facts)) = sim_support::load("conversation") else {
         return;
     };
@@ -472,9 +453,7 @@ fn g3_capacity_study() {
     }
 }
 
-#[test]
-#[ignore = "bound study: coarse feature combinations, in-sample and cross-fitted"]
-fn combo_study() {
+pub fn combo_study() {
     use Feature::*;
     let combos = [
         FeatureSet::new(

@@ -1,13 +1,13 @@
 //! The policy study: every candidate kvbm policy on every tiered
 //! configuration, printed as a table. Run with
-//! `cargo test -p kvbm-testkit --test sim_policy_study -- --ignored --nocapture`.
+//! `cargo run --release -p kvbm-bench --bin studies -- policy_study`.
 
-mod sim_support;
+use crate::sim_support;
 
-use kvbm_testkit::sim::reuse_score::{
+use kvbm_bench::sim::reuse_score::{
     ClassFeature, Clock, ReuseScoreConfig, ReuseScoreTiers, ScoreModel,
 };
-use kvbm_testkit::sim::{
+use kvbm_bench::sim::{
     BeladySim, CacheSim, KvbmTiers, LruFeed, LruSim, LruTiers, ReplayStats, RequestCtx, Tier,
     TierCapacities, TieredSim, capacity_for, replay,
 };
@@ -44,9 +44,7 @@ fn single<C: CacheSim>(requests: &[Request], mut c: C) -> ReplayStats {
     replay(requests, MOONCAKE_BLOCK_TOKENS, &mut c)
 }
 
-#[test]
-#[ignore = "policy study: prints a table, takes tens of seconds"]
-fn policy_study() {
+pub fn policy_study() {
     println!("| policy | trace | G1+G2+G3 | hit % | G1 / G2 / G3 % |");
     println!("|---|---|---|---|---|");
     for (name, f) in CONFIGS {
@@ -396,9 +394,7 @@ impl<C: CacheSim> CacheSim for ReuseSplit<C> {
     }
 }
 
-#[test]
-#[ignore = "diagnostic: hits by prior use count"]
-fn reuse_split() {
+pub fn reuse_split() {
     for (name, f) in CONFIGS {
         let Some((requests, facts)) = sim_support::load(name) else {
             return;
@@ -482,9 +478,7 @@ fn orphan_share<K: KvbmTiers>(requests: &[Request], g1: usize, kvbm: K) -> f64 {
     probe.orphans as f64 / probe.held.max(1) as f64
 }
 
-#[test]
-#[ignore = "diagnostic: orphaned blocks in kvbm's tiers"]
-fn orphans() {
+pub fn orphans() {
     for (name, f) in CONFIGS {
         let Some((requests, facts)) = sim_support::load(name) else {
             return;
