@@ -2,7 +2,7 @@
 //! `docs/policy-study.md` §7 rests on (the recency scorer equals LRU tiers,
 //! the oracle-tier decomposition, the calibrated use-count figures) and
 //! property tests of the scored tiers' invariants. The study tables
-//! themselves are in `sim_bounds_studies.rs`.
+//! themselves are the `studies` binary's (`src/bin/studies/bounds.rs`).
 
 mod bounds_support;
 mod sim_support;

@@ -1,6 +1,6 @@
 //! Shared by the bound checks (`sim_bounds.rs`) and the bound studies
-//! (`sim_bounds_studies.rs`): the three trace configurations, tier replay
-//! and formatting helpers, and the oracle-admission scorer.
+//! (the `studies` binary's `bounds.rs`): the three trace configurations,
+//! tier replay and formatting helpers, and the oracle-admission scorer.
 #![allow(dead_code)]
 
 use kvbm_bench::sim::hindsight::Objective;
