@@ -39,7 +39,8 @@ pub fn main(tests: &[(&str, fn())]) -> ExitCode {
         }
         return ExitCode::SUCCESS;
     }
-    println!("\nrunning {} tests", chosen.len());
+    let plural = if chosen.len() == 1 { "" } else { "s" };
+    println!("\nrunning {} test{plural}", chosen.len());
     let mut failed = Vec::new();
     for (name, test) in &chosen {
         let ok = std::panic::catch_unwind(test).is_ok();
