@@ -2,8 +2,9 @@
 //! the GPU machine (which has no cargo) and copy them into one folder.
 //!
 //! Builds the `cuda` feature's test executables and examples of
-//! kvbm-transfer and `kvbm-bench` (features `cuda,gemm`: the replay with G1
-//! on the GPU, the offload bench beside a GEMM) in release mode, reads
+//! kvbm-transfer and `kvbm-bench` with its worker `kvbm-dist-node`
+//! (features `cuda,gemm`: the replay with G1 on the GPU, also across
+//! worker processes, the offload bench beside a GEMM) in release mode, reads
 //! their paths from cargo's JSON messages, and copies them to `DIR`
 //! (default `.device-bin` in the workspace root), stripped: with debug
 //! info the set is ~470 MB, stripped ~25 MB, and what travels to the GPU
@@ -26,7 +27,11 @@ pub fn run(root: &Path, args: &[String]) -> Result<(), String> {
     let builds: [(&str, &str, &[&str]); 3] = [
         ("kvbm-transfer", "cuda", &["--tests"]),
         ("kvbm-transfer", "cuda", &["--examples"]),
-        ("kvbm-testkit", "cuda,gemm", &["--bin", "kvbm-bench"]),
+        (
+            "kvbm-bench",
+            "cuda,gemm",
+            &["--bin", "kvbm-bench", "--bin", "kvbm-dist-node"],
+        ),
     ];
     for (package, features, what) in builds {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
