@@ -4,7 +4,7 @@
 //!   install what the tests need, format, lint, test, docs.
 //! - `bench`: run the criterion benches (extra arguments go to `cargo bench`).
 //! - `kernels`: rebuild the committed CUDA fatbins with nvcc.
-//! - `gpu`: build the release binaries for the GPU machine into `.device-bin/`.
+//! - `gpu`: build the release binaries for the GPU machine into `gpu-bin/`.
 
 mod ci;
 mod gpu;
@@ -37,7 +37,7 @@ commands:
   ci       install test prerequisites, then fmt --check, clippy -D warnings, tests, docs
   bench    run the criterion benches (arguments after `bench` go to cargo bench)
   kernels  rebuild the CUDA fatbins (needs nvcc: $NVCC, PATH or /usr/local/cuda)
-  gpu      build release GPU test/bench binaries into .device-bin/ (--out DIR)";
+  gpu      build release GPU test/bench binaries into gpu-bin/ (--out DIR)";
 
 /// The workspace root (xtask lives one level below it).
 fn workspace_root() -> std::path::PathBuf {
