@@ -5,7 +5,8 @@
 //! Shape: a tensor-parallel rank of an 8B-class model — 32 layers, K and
 //! V, 16 tokens × 4 KV heads × 128 × bf16 per chunk (16 KiB chunks, 1 MiB
 //! blocks per rank). G1 is a layer-separate host stand-in shared through
-//! /dev/shm, G2 host memory, both moved by memcpy threads.
+//! /dev/shm, G2 host memory, both moved by memcpy threads. The bench
+//! binary doubles as the worker process (see `main`).
 #![allow(missing_docs)] // criterion_group! generates undocumented functions.
 
 use std::path::Path;
@@ -13,7 +14,7 @@ use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::Duration;
 
-use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group};
 use kvbm_dist::leader::{Leader, LeaderConfig, PendingLeader};
 use kvbm_dist::worker::default_executor;
 use kvbm_dist::worker::memory::{SharedMapping, create_shared_file};
@@ -58,7 +59,7 @@ fn cluster(dir: &Path) -> (Leader, Workers) {
         let file = dir.join(format!("g1-{rank}"));
         create_shared_file(&file, &layout).unwrap();
         workers.0.push(
-            Command::new(env!("CARGO_BIN_EXE_kvbm-dist-node"))
+            Command::new(std::env::current_exe().unwrap())
                 .arg("worker")
                 .args(["--endpoint", pending.endpoint()])
                 .args(["--instance", "1"])
@@ -124,4 +125,14 @@ fn bench(c: &mut Criterion) {
 }
 
 criterion_group!(benches, bench);
-criterion_main!(benches);
+
+/// `worker ...`: this bench binary doubles as the worker process
+/// (`kvbm-dist-node`, built by another package); otherwise the benches.
+fn main() -> std::process::ExitCode {
+    if std::env::args().nth(1).as_deref() == Some("worker") {
+        return kvbm_dist::node::main();
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+    std::process::ExitCode::SUCCESS
+}

@@ -34,10 +34,13 @@
 //! - [`leader`]: the handshake, the leader's event loop (broadcast,
 //!   acknowledgements, heartbeats, faults, rejoin) and the distributed
 //!   mover.
+//! - [`node`]: the worker process's entry point (the `kvbm-dist-node`
+//!   binary's `main`) and its arguments.
 //! - [`error`]: the crate's error type, [`DistError`].
 
 pub mod error;
 pub mod leader;
+pub mod node;
 pub mod proto;
 pub mod transport;
 pub mod worker;

@@ -1,9 +1,17 @@
 //! A leader (this process) and two worker processes on loopback: bytes
 //! through G1 → G2 → G3 and back, verified on every worker; a worker
 //! killed mid-transfer; the worker rejoining.
+//!
+//! The worker binary, `kvbm-dist-node`, is built by another package, so
+//! this test binary doubles as it: started with `worker ...` it runs the
+//! same entry point ([`kvbm_dist::node::main`]), and the tests start it
+//! that way. That needs its own `main`, so the tests run under a small
+//! runner (`node_harness`, `harness = false`).
+
+mod node_harness;
 
 use std::path::PathBuf;
-use std::process::{Child, Command};
+use std::process::{Child, Command, ExitCode};
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -52,7 +60,7 @@ impl Node {
     fn spawn(&mut self, rank: u32, fault_delay_ms: u64) {
         let g3 = self.dir.path().join(format!("g3-rank{rank}"));
         std::fs::create_dir_all(&g3).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_kvbm-dist-node"))
+        let child = Command::new(std::env::current_exe().unwrap())
             .arg("worker")
             .args(["--endpoint", &self.endpoint])
             .args(["--instance", &INSTANCE.to_string()])
@@ -186,7 +194,6 @@ fn copy(mover: &DistMover, src: Tier, dst: Tier, pairs: Vec<(usize, usize)>) -> 
     rx.recv_timeout(WAIT).expect("a copy hung")
 }
 
-#[test]
 fn bytes_round_trip_through_every_tier_on_every_worker() {
     let (node, leader) = start([0, 0]);
     let mover = leader.mover();
@@ -252,7 +259,6 @@ fn bytes_round_trip_through_every_tier_on_every_worker() {
     leader.shutdown();
 }
 
-#[test]
 fn a_worker_killed_mid_transfer_fails_it_and_can_rejoin() {
     // Rank 1 waits 2 s before each transfer: the kill lands mid-transfer.
     let (mut node, leader) = start([0, 2000]);
@@ -342,7 +348,6 @@ fn signal(node: &Node, rank: u32, sig: &str) {
     assert!(ok, "kill {sig} {pid}");
 }
 
-#[test]
 fn a_stalled_worker_is_lost_by_heartbeat_and_told_to_exit() {
     let (mut node, leader) = start([0, 0]);
     signal(&node, 1, "-STOP");
@@ -366,7 +371,6 @@ fn a_stalled_worker_is_lost_by_heartbeat_and_told_to_exit() {
     assert!(holds(&node, 9, Some(7)));
 }
 
-#[test]
 fn a_cancelled_transfer_reports_cancelled_and_lands_nothing_it_did_not_finish() {
     let (node, leader) = start([1500, 1500]);
     let mover = leader.mover();
@@ -448,7 +452,6 @@ fn onboard_and_verify(
     (m.g2_blocks, m.g3_blocks)
 }
 
-#[test]
 fn the_tier_engine_runs_over_the_workers() {
     let (mut node, leader) = start([0, 0]);
     let config = TierEngineConfig::new(16)
@@ -510,4 +513,32 @@ fn wait_exit(c: &mut Child) -> std::process::ExitStatus {
     }
     c.kill().unwrap();
     panic!("a worker did not exit on shutdown");
+}
+
+/// Every test, by name.
+const TESTS: [(&str, fn()); 5] = [
+    (
+        "bytes_round_trip_through_every_tier_on_every_worker",
+        bytes_round_trip_through_every_tier_on_every_worker,
+    ),
+    (
+        "a_worker_killed_mid_transfer_fails_it_and_can_rejoin",
+        a_worker_killed_mid_transfer_fails_it_and_can_rejoin,
+    ),
+    (
+        "a_stalled_worker_is_lost_by_heartbeat_and_told_to_exit",
+        a_stalled_worker_is_lost_by_heartbeat_and_told_to_exit,
+    ),
+    (
+        "a_cancelled_transfer_reports_cancelled_and_lands_nothing_it_did_not_finish",
+        a_cancelled_transfer_reports_cancelled_and_lands_nothing_it_did_not_finish,
+    ),
+    (
+        "the_tier_engine_runs_over_the_workers",
+        the_tier_engine_runs_over_the_workers,
+    ),
+];
+
+fn main() -> ExitCode {
+    node_harness::main(&TESTS)
 }

@@ -4,8 +4,13 @@
 //! through this process); the workers meet only through NIXL's reads.
 //! Every byte is checked on every rank, and a pull naming a block the peer
 //! does not have is refused and reads nothing.
+//!
+//! This test binary doubles as the worker process (`node_harness`,
+//! `harness = false`): the tests start it again with `worker ...`.
 
-use std::process::{Child, Command};
+mod node_harness;
+
+use std::process::{Child, Command, ExitCode};
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -68,7 +73,7 @@ fn start(instance: u64) -> Instance {
     for rank in 0..WORLD {
         let g1 = dir.path().join(format!("g1-rank{rank}"));
         create_shared_file(&g1, &layout).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_kvbm-dist-node"))
+        let child = Command::new(std::env::current_exe().unwrap())
             .arg("worker")
             .args(["--endpoint", pending.endpoint()])
             .args(["--instance", &instance.to_string()])
@@ -131,7 +136,6 @@ fn check_g2(i: &Instance, blocks: &[(usize, u64)]) {
     }
 }
 
-#[test]
 fn two_instances_pull_each_others_g2_blocks_through_the_leaders() {
     if !nixl_or_skip("two_instances_pull_each_others_g2_blocks_through_the_leaders") {
         return;
@@ -191,4 +195,11 @@ fn two_instances_pull_each_others_g2_blocks_through_the_leaders() {
     assert!(wait(a.leader.remote_pull(0xc, vec![(0, 0)])).is_err());
     check_g2(&a, &[(0, seed(ida, 0)), (1, seed(ida, 1))]);
     println!("pulled {SERVED} blocks each way on {WORLD} ranks; refusals read nothing");
+}
+
+fn main() -> ExitCode {
+    node_harness::main(&[(
+        "two_instances_pull_each_others_g2_blocks_through_the_leaders",
+        two_instances_pull_each_others_g2_blocks_through_the_leaders,
+    )])
 }

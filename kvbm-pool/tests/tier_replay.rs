@@ -1,12 +1,11 @@
 //! Replays the Mooncake traces through the real tier engine (tiny real
 //! blocks: 1 layer × K/V × 16 tokens × 128 × 2 bytes, host G1 and G2, a disk
 //! G3) and reports hit rates per tier, with every onboarded block's bytes
-//! checked. The full runs are ignored by default (they take a while
-//! unoptimised); run them with
-//! `cargo test --release -p kvbm-pool --test tier_replay -- --ignored --nocapture`.
-//! A short prefix of the conversation trace always runs.
+//! checked. Here a short prefix of the conversation trace; the full runs
+//! are kvbm-bench's studies
+//! (`cargo run --release -p kvbm-bench --bin studies -- mooncake_replay_table`).
 //!
-//! The replay follows the simulators' rules (`kvbm_testkit::sim::replay`):
+//! The replay follows the simulators' rules (kvbm-bench's `sim::replay`):
 //! a request's prompt blocks are looked up in order (G1, then G2/G3) up to
 //! the first miss; then the engine computes the rest and every block of the
 //! request is inserted (full blocks are registered in G1 and offered to
@@ -188,50 +187,5 @@ fn short_conversation_replay_runs_and_verifies() {
             f.hits[1] + f.hits[2] > 0,
             "kvbm's tiers served nothing: {f:?}"
         );
-    }
-}
-
-#[test]
-#[ignore = "full trace replays; run with --release -- --ignored --nocapture"]
-fn mooncake_replay_table() {
-    println!("| trace | G1+G2+G3 | policy | hit % | G1 / G2 / G3 % | bytes checked | time |");
-    println!("|---|---|---|---|---|---|---|");
-    for (name, f) in [
-        ("conversation", [0.01, 0.04, 0.0]),
-        ("conversation", [0.01, 0.04, 0.15]),
-        ("synthetic", [0.01, 0.09, 0.0]),
-    ] {
-        for policy in [TierPolicy::WriteThrough, TierPolicy::ReuseScore] {
-            for mode in [OffloadMode::WriteThrough, OffloadMode::WriteBack] {
-                run(name, f, policy, mode, None);
-            }
-        }
-    }
-}
-
-#[test]
-#[ignore = "policy experiments"]
-fn policy_experiments() {
-    let exps: Vec<f64> = std::env::var("KVBM_AGE_EXPONENTS")
-        .unwrap_or_else(|_| "0.5".into())
-        .split(',')
-        .map(|x| x.parse().unwrap())
-        .collect();
-    for (name, f) in [
-        ("conversation", [0.01, 0.04, 0.0]),
-        ("synthetic", [0.01, 0.09, 0.0]),
-        ("conversation", [0.01, 0.04, 0.15]),
-    ] {
-        for &e in &exps {
-            println!("age exponent {e}");
-            run_with(
-                name,
-                f,
-                TierPolicy::ReuseScore,
-                OffloadMode::WriteBack,
-                None,
-                e,
-            );
-        }
     }
 }

@@ -1,13 +1,18 @@
 //! # kvbm-testkit
 //!
-//! Everything kvbm's tests and benchmarks share, and never a dependency of a
-//! library crate: proptest strategies, fixtures (temporary directories,
-//! fault-injecting files and backends, host memory standing in for a GPU), reference models for model-based
-//! tests, workload trace readers (Mooncake JSONL), offline-optimal (Belady)
-//! and LRU reference simulators, and the `kvbm-bench` binary.
+//! Fixtures the tests and benchmarks of kvbm share, and never a dependency
+//! of a library crate: host memory standing in for a GPU ([`stand_in`]),
+//! fault injection under the disk backend ([`fault`]), workload trace
+//! readers and a synthetic workload generator ([`trace`]), and, with
+//! feature `gemm`, a GEMM loop standing in for the model ([`gemm`]).
+//!
+//! It sits just above kvbm-transfer and below everything that tests with
+//! it: it depends on no pool, no distributed layer and no command-line
+//! machinery, so a crate's tests that use it build only what they test.
+//! The benchmarks and cache simulators live in kvbm-bench.
 
-pub mod bench;
 pub mod fault;
-pub mod sim;
+#[cfg(feature = "gemm")]
+pub mod gemm;
 pub mod stand_in;
 pub mod trace;

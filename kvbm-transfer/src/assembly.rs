@@ -37,6 +37,10 @@ pub struct ExecutorSpec {
     disk: bool,
     #[cfg(feature = "cuda")]
     device: Option<crate::cuda::CudaDevice>,
+    #[cfg(feature = "cuda")]
+    copier: Option<crate::cuda::CopierConfig>,
+    #[cfg(feature = "cuda")]
+    path: Option<crate::cuda::CopyPath>,
     memcpy_threads: usize,
     config: ExecutorConfig,
 }
@@ -55,6 +59,10 @@ impl ExecutorSpec {
             disk: false,
             #[cfg(feature = "cuda")]
             device: None,
+            #[cfg(feature = "cuda")]
+            copier: None,
+            #[cfg(feature = "cuda")]
+            path: None,
             memcpy_threads: cpus.clamp(1, MAX_MEMCPY_THREADS),
             config: ExecutorConfig::default(),
         }
@@ -68,6 +76,22 @@ impl ExecutorSpec {
             device: Some(device),
             ..Self::host()
         }
+    }
+
+    /// The GPU copier's settings (default: sized from the device,
+    /// [`crate::cuda::CopierConfig::for_device`]).
+    #[cfg(feature = "cuda")]
+    pub fn copier(mut self, config: crate::cuda::CopierConfig) -> Self {
+        self.copier = Some(config);
+        self
+    }
+
+    /// Diagnostics: every GPU copy takes `path` instead of the one the
+    /// copier would choose (to measure one path against another).
+    #[cfg(all(feature = "cuda", feature = "diagnostics"))]
+    pub fn copy_path(mut self, path: crate::cuda::CopyPath) -> Self {
+        self.path = Some(path);
+        self
     }
 
     /// Whether a disk tier takes part (adds the disk backend, io_uring
@@ -116,7 +140,11 @@ impl ExecutorSpec {
         #[cfg(feature = "cuda")]
         let cuda = match &self.device {
             Some(device) => {
-                let (b, cuda) = with_cuda(builder, device, disk.as_deref())?;
+                let copier = self
+                    .copier
+                    .clone()
+                    .unwrap_or_else(|| crate::cuda::CopierConfig::for_device(device));
+                let (b, cuda) = with_cuda(builder, device, copier, self.path, disk.as_deref())?;
                 builder = b;
                 Some(cuda)
             }
@@ -147,19 +175,22 @@ impl std::fmt::Debug for AssembledExecutor {
     }
 }
 
-/// Adds the CUDA backend for `device` and, with a disk backend, a pinned
+/// Adds the CUDA backend for `device` (`path`, when given, forced on
+/// every copy) and, with a disk backend, a pinned
 /// bounce pool registered with it.
 #[cfg(feature = "cuda")]
 fn with_cuda(
     mut builder: crate::executor::ExecutorBuilder,
     device: &crate::cuda::CudaDevice,
+    copier: crate::cuda::CopierConfig,
+    path: Option<crate::cuda::CopyPath>,
     disk: Option<&DiskBackend>,
 ) -> Result<(
     crate::executor::ExecutorBuilder,
     Arc<crate::cuda::CudaBackend>,
 )> {
     use crate::cuda::backend::to_transfer_error;
-    use crate::cuda::{CopierConfig, CudaBackend, CudaCopier, PinnedMemory, PinnedOptions};
+    use crate::cuda::{CudaBackend, CudaCopier, PinnedMemory, PinnedOptions};
     if let Some(disk) = disk {
         let pinned = Arc::new(
             PinnedMemory::allocate(
@@ -173,9 +204,11 @@ fn with_cuda(
         disk.register_memory(pool.region())?;
         builder = builder.bounce_pool(pool);
     }
-    let copier =
-        CudaCopier::new(device, CopierConfig::for_device(device)).map_err(to_transfer_error)?;
-    let cuda = Arc::new(CudaBackend::new(Arc::new(copier)));
+    let copier = Arc::new(CudaCopier::new(device, copier).map_err(to_transfer_error)?);
+    let cuda = Arc::new(match path {
+        Some(path) => CudaBackend::new(copier).with_path(path),
+        None => CudaBackend::new(copier),
+    });
     builder = builder.backend(Arc::clone(&cuda) as Arc<dyn crate::TransferBackend>);
     Ok((builder, cuda))
 }

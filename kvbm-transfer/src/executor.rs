@@ -302,29 +302,6 @@ fn failed_now(error: TransferError, pairs: &[(usize, usize)]) -> TransferHandle 
 }
 
 impl Executor {
-    /// A CPU-only executor: memcpy with `memcpy_threads` workers, the disk
-    /// backend (io_uring when available) with `disk`, and a system bounce
-    /// pool of `bounce_slots` slots of `bounce_slot_bytes` registered with
-    /// the disk engine, for disk → disk transfers.
-    pub fn cpu(
-        memcpy_threads: usize,
-        disk: &crate::disk::DiskConfig,
-        bounce_slots: usize,
-        bounce_slot_bytes: u64,
-        config: ExecutorConfig,
-    ) -> Result<Executor> {
-        let disk = crate::disk::DiskBackend::new(disk)?;
-        let pool = BouncePool::system(bounce_slots, bounce_slot_bytes)?;
-        Executor::builder()
-            .backend(Arc::new(crate::backend::memcpy::MemcpyBackend::new(
-                memcpy_threads,
-            )?))
-            .backend(Arc::new(disk))
-            .bounce_pool(pool)
-            .config(config)
-            .build()
-    }
-
     /// A builder with no backends.
     pub fn builder() -> ExecutorBuilder {
         ExecutorBuilder::default()

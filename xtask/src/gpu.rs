@@ -2,10 +2,12 @@
 //! the GPU machine (which has no cargo) and copy them into one folder.
 //!
 //! Builds the `cuda` feature's test executables and examples of
-//! kvbm-transfer and `kvbm-bench` (features `cuda,gemm`: the replay with G1
-//! on the GPU, the offload bench beside a GEMM) in release mode, reads
+//! kvbm-transfer, kvbm-pool's `quickstart_gpu` example, and `kvbm-bench`
+//! with its worker `kvbm-dist-node`
+//! (features `cuda,gemm`: the replay with G1 on the GPU, also across
+//! worker processes, the offload bench beside a GEMM) in release mode, reads
 //! their paths from cargo's JSON messages, and copies them to `DIR`
-//! (default `.device-bin` in the workspace root), stripped: with debug
+//! (default `gpu-bin` in the workspace root, git-ignored), stripped: with debug
 //! info the set is ~470 MB, stripped ~25 MB, and what travels to the GPU
 //! machine is capped at 64 MiB. There, run the tests with
 //! `KVBM_REQUIRE_GPU=1` so a missing GPU fails instead of skipping.
@@ -17,16 +19,21 @@ use std::process::{Command, Stdio};
 pub fn run(root: &Path, args: &[String]) -> Result<(), String> {
     let out = match args {
         [flag, dir] if flag == "--out" => PathBuf::from(dir),
-        [] => root.join(".device-bin"),
+        [] => root.join("gpu-bin"),
         _ => return Err("usage: cargo xtask gpu [--out DIR]".into()),
     };
     std::fs::create_dir_all(&out).map_err(|e| format!("create {}: {e}", out.display()))?;
     let mut copied = 0;
     // (package, features, what to build)
-    let builds: [(&str, &str, &[&str]); 3] = [
+    let builds: [(&str, &str, &[&str]); 4] = [
         ("kvbm-transfer", "cuda", &["--tests"]),
-        ("kvbm-transfer", "cuda", &["--examples"]),
-        ("kvbm-testkit", "cuda,gemm", &["--bin", "kvbm-bench"]),
+        ("kvbm-transfer", "cuda,diagnostics", &["--examples"]),
+        ("kvbm-pool", "cuda", &["--example", "quickstart_gpu"]),
+        (
+            "kvbm-bench",
+            "cuda,gemm",
+            &["--bin", "kvbm-bench", "--bin", "kvbm-dist-node"],
+        ),
     ];
     for (package, features, what) in builds {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());

@@ -6,7 +6,7 @@
 //! - `py`: only kvbm-py's wheel and pytest suite.
 //! - `bench`: run the criterion benches (extra arguments go to `cargo bench`).
 //! - `kernels`: rebuild the committed CUDA fatbins with nvcc.
-//! - `gpu`: build the release binaries for the GPU machine into `.device-bin/`.
+//! - `gpu`: build the release binaries for the GPU machine into `gpu-bin/`.
 
 mod ci;
 mod gpu;
@@ -42,7 +42,7 @@ commands:
   py       build kvbm-py's wheel and run its pytest suite (vLLM CPU engine)
   bench    run the criterion benches (arguments after `bench` go to cargo bench)
   kernels  rebuild the CUDA fatbins (needs nvcc: $NVCC, PATH or /usr/local/cuda)
-  gpu      build release GPU test/bench binaries into .device-bin/ (--out DIR)";
+  gpu      build release GPU test/bench binaries into gpu-bin/ (--out DIR)";
 
 /// The workspace root (xtask lives one level below it).
 pub(crate) fn workspace_root() -> std::path::PathBuf {

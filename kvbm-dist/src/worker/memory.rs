@@ -132,7 +132,8 @@ pub fn create_shared_file(path: &Path, layout: &Layout) -> Result<()> {
 #[derive(Debug, Default, Clone, Copy)]
 pub struct HostProbe;
 
-fn pattern_byte(seed: u64, i: u64) -> u8 {
+/// Byte `i` of the pattern of `seed` (a rank's seed).
+pub(crate) fn pattern_byte(seed: u64, i: u64) -> u8 {
     let x = seed ^ i.wrapping_mul(0xBF58_476D_1CE4_E5B9);
     (x ^ (x >> 29) ^ (x >> 47)) as u8
 }

@@ -14,6 +14,8 @@
 //! executor's threads and hand their acknowledgement back to the loop
 //! through a channel and a wake-up, so the socket stays single-threaded.
 
+#[cfg(feature = "cuda")]
+pub mod device;
 pub mod memory;
 pub mod probe;
 mod remote;
@@ -102,8 +104,10 @@ pub fn default_executor(g1: &PhysicalLayout) -> Result<Executor> {
     Ok(executor_spec(g1)?.disk(true).build()?)
 }
 
+/// What an executor for `g1` needs: the CUDA backend for a device G1
+/// (feature `cuda`), memcpy alone for a host G1.
 #[cfg(feature = "cuda")]
-fn executor_spec(g1: &PhysicalLayout) -> Result<ExecutorSpec> {
+pub fn executor_spec(g1: &PhysicalLayout) -> Result<ExecutorSpec> {
     Ok(match g1.kind() {
         kvbm_transfer::MemoryKind::Device(ordinal) => ExecutorSpec::device(
             kvbm_transfer::cuda::CudaDevice::open(ordinal as usize)
@@ -113,8 +117,10 @@ fn executor_spec(g1: &PhysicalLayout) -> Result<ExecutorSpec> {
     })
 }
 
+/// What an executor for `g1` needs: memcpy for a host G1; a device G1
+/// needs feature `cuda`.
 #[cfg(not(feature = "cuda"))]
-fn executor_spec(g1: &PhysicalLayout) -> Result<ExecutorSpec> {
+pub fn executor_spec(g1: &PhysicalLayout) -> Result<ExecutorSpec> {
     if let kvbm_transfer::MemoryKind::Device(_) = g1.kind() {
         return Err(DistError::InvalidConfig(
             "G1 is device memory: build kvbm-dist with feature `cuda`".into(),

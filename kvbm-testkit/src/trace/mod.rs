@@ -5,7 +5,7 @@
 //! its prompt and output lengths in tokens, and the chained hash of every
 //! prompt block (`hash_ids`). Equal ids at equal positions mean a reusable
 //! prefix, exactly as kvbm's sequence hashes do, so a trace can drive the
-//! cache simulators in [`crate::sim`] and kvbm's own replay benchmark.
+//! cache simulators and the replay benchmark of kvbm-bench.
 //!
 //! Two sources: the public Mooncake traces ([`mooncake`], JSONL, 512-token
 //! blocks) and a deterministic synthetic multi-turn workload

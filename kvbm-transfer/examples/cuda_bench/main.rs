@@ -29,7 +29,7 @@ mod gemm;
 mod probe;
 
 use gemm::interfere;
-use kvbm_testkit::bench::gemm::Gemm;
+use kvbm_testkit::gemm::Gemm;
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};

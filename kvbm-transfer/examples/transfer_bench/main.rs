@@ -391,7 +391,10 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let what = args.get(1).map_or("all", String::as_str);
     let runs = args.get(2).and_then(|r| r.parse().ok()).unwrap_or(5);
-    let dir = std::path::PathBuf::from(args.get(3).map_or("/work/tmp-bench", String::as_str));
+    let dir = args.get(3).map_or_else(
+        || std::env::temp_dir().join("kvbm-transfer-bench"),
+        std::path::PathBuf::from,
+    );
     std::fs::create_dir_all(&dir).unwrap();
     println!("load average at start: {}", loadavg());
     if matches!(what, "memcpy" | "all") {

@@ -1,0 +1,225 @@
+//! Command-line arguments.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// kvbm's benchmarks: the tier-to-tier bandwidth matrix and the workload
+/// replay through real tiers.
+#[derive(Debug, Parser)]
+#[command(name = "kvbm-bench", version, about)]
+pub struct Cli {
+    /// Which benchmark.
+    #[command(subcommand)]
+    pub command: Command,
+    /// No progress bar and no log lines (results still print).
+    #[arg(long, short, global = true)]
+    pub quiet: bool,
+    /// Print results as JSON instead of tables.
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// Also write the JSON results to this file (whatever `--json` says).
+    #[arg(long, global = true)]
+    pub json_file: Option<PathBuf>,
+    /// Where to write the SVG plot (default: next to the JSON/table output,
+    /// `kvbm-bench-<command>.svg` in the current directory).
+    #[arg(long, global = true)]
+    pub svg: Option<PathBuf>,
+    /// Do not write an SVG plot.
+    #[arg(long, global = true)]
+    pub no_svg: bool,
+    /// Directory for disk-tier files (needs O_DIRECT: not tmpfs).
+    #[arg(long, global = true, default_value = "target/kvbm-bench")]
+    pub dir: PathBuf,
+    /// memcpy worker threads.
+    #[arg(long, global = true, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub threads: u16,
+}
+
+/// The benchmarks.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Bandwidth matrix: tier pair × layout pair × tokens per block × blocks
+    /// per batch, each row with its same-run reference.
+    Transfer(TransferArgs),
+    /// Replay a workload through real tiers, checking every onboarded block.
+    Replay(ReplayArgs),
+    /// The tier engine's G1 -> G2 offload, idle and beside a GEMM: offload
+    /// batches in flight × batch size × tokens per block, every block
+    /// checked in G2, each row against one large device -> pinned copy.
+    Offload(OffloadArgs),
+}
+
+/// `transfer` options.
+#[derive(Debug, Args)]
+pub struct TransferArgs {
+    /// KV shape: a preset (llama-3.1-8b, llama-3.1-70b, deepseek-mla, tiny)
+    /// or LAYERSxOUTERxINNERxDTYPE_BYTES.
+    #[arg(long, default_value = "llama-3.1-8b")]
+    pub model: String,
+    /// Tokens per block to sweep.
+    #[arg(long, value_delimiter = ',', default_value = "16,32,64")]
+    pub tokens: Vec<usize>,
+    /// Blocks per transfer to sweep.
+    #[arg(long, value_delimiter = ',', default_value = "8,64")]
+    pub batch: Vec<usize>,
+    /// MiB moved per repetition.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub mib: u64,
+    /// Repetitions per row (median and spread are reported).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=1000))]
+    pub reps: u16,
+    /// Only rows whose path contains this (e.g. `G3`, `host`).
+    #[arg(long)]
+    pub only: Option<String>,
+}
+
+/// `offload` options.
+#[derive(Debug, Args)]
+pub struct OffloadArgs {
+    /// KV shape: a preset (llama-3.1-8b, llama-3.1-70b, deepseek-mla, tiny)
+    /// or LAYERSxOUTERxINNERxDTYPE_BYTES.
+    #[arg(long, default_value = "llama-3.1-8b")]
+    pub model: String,
+    /// Tokens per block to sweep (4 and 16: 8 and 32 KiB chunks for
+    /// llama-3.1-8b).
+    #[arg(long, value_delimiter = ',', default_value = "4,16")]
+    pub tokens: Vec<usize>,
+    /// `offload_in_flight` values to sweep.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    pub in_flight: Vec<usize>,
+    /// `offload_batch` values to sweep.
+    #[arg(long, value_delimiter = ',', default_value = "64,256")]
+    pub batch: Vec<usize>,
+    /// The engine's `offload_batch_bytes` in MiB: small blocks' batches
+    /// grow to this size (0: off; default: the engine's).
+    #[arg(long)]
+    pub batch_mib: Option<u64>,
+    /// Loads to sweep: idle, busy (a bf16 GEMM loop on the GPU; needs a
+    /// GPU and a build with `--features cuda,gemm`).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "idle,busy")]
+    pub load: Vec<LoadArg>,
+    /// At least this many MiB per rep (more when 8 batches of the largest
+    /// batch size need more).
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub mib: u64,
+    /// Timed reps per row, after one warm-up (median and spread reported).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=1000))]
+    pub reps: u16,
+    /// MiB of each single-copy reference.
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub reference_mib: u64,
+    /// G1 in host memory, moved by memcpy (idle rows only), even with a GPU.
+    #[arg(long)]
+    pub host_g1: bool,
+    /// Refuse to allocate more host memory than this, GiB.
+    #[arg(long, default_value_t = 8.0)]
+    pub max_host_gib: f64,
+    /// The CUDA backend's copy path (auto: chosen per job).
+    #[arg(long, value_enum, default_value_t = GpuPathArg::Auto)]
+    pub gpu_path: GpuPathArg,
+    /// Busy rows: also stream offloads (the engine's queue never drains)
+    /// for this many ms beside the GEMM, against as long of the GEMM alone
+    /// before and after (0: off).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=60_000))]
+    pub sustain_ms: u64,
+    /// Diagnostics: print the staged copies' timelines of each row's last
+    /// rep (GPU G1; use a small --mib).
+    #[arg(long)]
+    pub timeline: bool,
+}
+
+/// The CUDA backend's copy path for `offload`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum GpuPathArg {
+    /// Chosen per job from the plan and the declared load.
+    Auto,
+    /// The device staging ring.
+    Staged,
+    /// The copy engines (no SMs).
+    CopyEngine,
+    /// The copy kernel on pinned memory.
+    Kernel,
+}
+
+/// Whether the model runs beside the offloads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LoadArg {
+    /// Nothing else on the GPU.
+    Idle,
+    /// A bf16 8192^3 GEMM loop on its own stream; the CUDA backend told
+    /// the GPU is busy.
+    Busy,
+}
+
+/// `replay` options.
+#[derive(Debug, Args)]
+pub struct ReplayArgs {
+    /// A Mooncake JSONL trace (default: the embedded synthetic multi-turn
+    /// workload).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Replay only the first N requests.
+    #[arg(long)]
+    pub max_requests: Option<usize>,
+    /// Seed of the synthetic workload.
+    #[arg(long, default_value_t = 0x6b76_626d)]
+    pub seed: u64,
+    /// Conversations in the synthetic workload.
+    #[arg(long, default_value_t = 400)]
+    pub conversations: usize,
+    /// KV shape: a preset (llama-3.1-8b, llama-3.1-70b, deepseek-mla, tiny)
+    /// or LAYERSxOUTERxINNERxDTYPE_BYTES.
+    #[arg(long, default_value = "llama-3.1-8b")]
+    pub model: String,
+    /// Store each trace block with block_tokens / SCALE tokens, so the
+    /// workload fits the machine.
+    #[arg(long, default_value_t = 128)]
+    pub scale: u32,
+    /// G1 capacity as a fraction of the workload's distinct blocks.
+    #[arg(long, default_value_t = 0.02)]
+    pub g1: f64,
+    /// G2 capacity, same unit.
+    #[arg(long, default_value_t = 0.06)]
+    pub g2: f64,
+    /// G3 capacity, same unit.
+    #[arg(long, default_value_t = 0.12)]
+    pub g3: f64,
+    /// Keep G1 in host memory even when built with `cuda` and a GPU is
+    /// present (G1 is on the GPU then by default).
+    #[arg(long)]
+    pub host_g1: bool,
+    /// G2/G3 admission and eviction of the tier engine.
+    #[arg(long, value_enum, default_value_t = Policy::ReuseScore)]
+    pub policy: Policy,
+    /// Prefill rate for the modelled TTFT saving, tokens per second.
+    #[arg(long, default_value_t = 10_000.0)]
+    pub prefill_rate: f64,
+    /// Refuse to allocate more host memory than this, GiB.
+    #[arg(long, default_value_t = 8.0)]
+    pub max_host_gib: f64,
+    /// Tensor parallelism: run the leader here and this many worker
+    /// processes (GPU `rank` each when built with `cuda`), every block
+    /// sliced across them and checked on every one after each onboard.
+    /// The workers are `kvbm-dist-node` processes, found next to this
+    /// binary or at $KVBM_DIST_NODE. 0 runs everything in this process.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=64))]
+    pub workers: u32,
+    /// Also sweep total capacity (fractions of distinct blocks, in the
+    /// G1:G2:G3 proportions) through the simulators and plot hit rate
+    /// against capacity.
+    #[arg(long)]
+    pub sweep: bool,
+    /// Offload batches the engine keeps in flight (default: the engine's).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub offload_in_flight: Option<u64>,
+}
+
+/// The tier engine's G2/G3 policies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Policy {
+    /// Learned reuse probability per unit of age (the engine's default).
+    ReuseScore,
+    /// Admit everything, evict the least recently used.
+    WriteThrough,
+}

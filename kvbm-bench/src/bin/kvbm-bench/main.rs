@@ -1,0 +1,205 @@
+//! `kvbm-bench`: the bandwidth matrix (`transfer`), the workload replay
+//! through real tiers (`replay`) and the tier engine's offload stream
+//! (`offload`). See the `kvbm_bench` library for what each
+//! measures; this binary parses arguments, shows progress and prints.
+
+mod cli;
+mod output;
+
+use std::io::IsTerminal;
+use std::process::ExitCode;
+
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+use kvbm_bench::matrix::{MatrixConfig, matrix_cells, run_matrix};
+use kvbm_bench::offload::{GpuPath, Load, OffloadConfig, Outcome, run_offload};
+use kvbm_bench::replay::{ReplayConfig, run_replay};
+use kvbm_bench::{BenchError, KvModel};
+use kvbm_pool::tier::TierPolicy;
+use kvbm_testkit::trace::{
+    MOONCAKE_BLOCK_TOKENS, SyntheticConfig, generate_synthetic, read_mooncake,
+};
+
+use crate::cli::{
+    Cli, Command, GpuPathArg, LoadArg, OffloadArgs, Policy, ReplayArgs, TransferArgs,
+};
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let level = if cli.quiet { "error" } else { "warn" };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match &cli.command {
+        Command::Transfer(args) => transfer(&cli, args),
+        Command::Replay(args) => replay(&cli, args),
+        Command::Offload(args) => offload(&cli, args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvbm-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn progress_bar(cli: &Cli, len: u64, what: &str) -> ProgressBar {
+    if cli.quiet || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(len);
+    if let Ok(style) =
+        ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} {elapsed_precise} eta {eta}")
+    {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.set_message(what.to_string());
+    bar
+}
+
+fn transfer(cli: &Cli, args: &TransferArgs) -> Result<(), BenchError> {
+    let config = MatrixConfig {
+        model: KvModel::parse(&args.model)?,
+        tokens_per_block: args.tokens.clone(),
+        blocks_per_batch: args.batch.clone(),
+        bytes_per_rep: args.mib << 20,
+        reps: args.reps.into(),
+        memcpy_threads: cli.threads.into(),
+        disk_dir: cli.dir.clone(),
+        only: args.only.clone(),
+    };
+    let cells = matrix_cells()
+        .iter()
+        .filter(|(p, _, _)| args.only.as_deref().is_none_or(|o| p.name().contains(o)))
+        .count();
+    let bar = progress_bar(
+        cli,
+        (cells * args.tokens.len() * args.batch.len()) as u64,
+        "transfer",
+    );
+    let rows = run_matrix(&config, |_| bar.inc(1))?;
+    bar.finish_and_clear();
+    output::matrix(cli, &config, &rows)
+}
+
+fn replay(cli: &Cli, args: &ReplayArgs) -> Result<(), BenchError> {
+    let (workload, mut requests, block_tokens) = match &args.trace {
+        Some(path) => (
+            format!("Mooncake trace {}", path.display()),
+            read_mooncake(path)?,
+            MOONCAKE_BLOCK_TOKENS,
+        ),
+        None => {
+            let synth = SyntheticConfig {
+                seed: args.seed,
+                conversations: args.conversations,
+                ..SyntheticConfig::default()
+            };
+            (
+                format!(
+                    "embedded synthetic multi-turn chat (seed {:#x}, {} conversations)",
+                    synth.seed, synth.conversations
+                ),
+                generate_synthetic(&synth),
+                synth.block_tokens,
+            )
+        }
+    };
+    if let Some(n) = args.max_requests {
+        requests.truncate(n);
+    }
+    let config = ReplayConfig {
+        workload,
+        requests,
+        block_tokens,
+        model: KvModel::parse(&args.model)?,
+        scale: args.scale,
+        fractions: [args.g1, args.g2, args.g3],
+        host_g1: args.host_g1,
+        policy: match args.policy {
+            Policy::ReuseScore => TierPolicy::ReuseScore,
+            Policy::WriteThrough => TierPolicy::WriteThrough,
+        },
+        prefill_tokens_per_s: args.prefill_rate,
+        memcpy_threads: cli.threads.into(),
+        disk_dir: cli.dir.clone(),
+        max_host_bytes: if args.max_host_gib.is_finite() && args.max_host_gib > 0.0 {
+            (args.max_host_gib * (1u64 << 30) as f64) as u64
+        } else {
+            return Err(BenchError::Config("--max-host-gib must be positive".into()));
+        },
+        sweep: if args.sweep {
+            vec![0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0]
+        } else {
+            Vec::new()
+        },
+        workers: args.workers,
+        worker_exe: None,
+        offload_in_flight: args.offload_in_flight.map(|n| n as usize),
+    };
+    let bar = progress_bar(cli, config.requests.len() as u64, "replay");
+    let report = run_replay(&config, |done, _| bar.set_position(done as u64))?;
+    bar.finish_and_clear();
+    output::replay(cli, &report)
+}
+
+fn offload(cli: &Cli, args: &OffloadArgs) -> Result<(), BenchError> {
+    if !(args.max_host_gib.is_finite() && args.max_host_gib > 0.0) {
+        return Err(BenchError::Config("--max-host-gib must be positive".into()));
+    }
+    let config = OffloadConfig {
+        model: KvModel::parse(&args.model)?,
+        tokens_per_block: args.tokens.clone(),
+        in_flight: args.in_flight.clone(),
+        batches: args.batch.clone(),
+        batch_bytes: args.batch_mib.map(|m| m << 20),
+        loads: args
+            .load
+            .iter()
+            .map(|l| match l {
+                LoadArg::Idle => Load::Idle,
+                LoadArg::Busy => Load::Busy,
+            })
+            .collect(),
+        min_bytes_per_rep: args.mib << 20,
+        reps: args.reps.into(),
+        reference_bytes: args.reference_mib << 20,
+        memcpy_threads: cli.threads.into(),
+        max_host_bytes: (args.max_host_gib * (1u64 << 30) as f64) as u64,
+        host_g1: args.host_g1,
+        gpu_path: match args.gpu_path {
+            GpuPathArg::Auto => GpuPath::Auto,
+            GpuPathArg::Staged => GpuPath::Staged,
+            GpuPathArg::CopyEngine => GpuPath::CopyEngine,
+            GpuPathArg::Kernel => GpuPath::Kernel,
+        },
+        sustain: (args.sustain_ms > 0).then(|| std::time::Duration::from_millis(args.sustain_ms)),
+        timeline: args.timeline,
+    };
+    let rows = config.tokens_per_block.len()
+        * config.in_flight.len()
+        * config.batches.len()
+        * config.loads.len();
+    let bar = progress_bar(cli, rows as u64, "offload");
+    let outcome = run_offload(&config, |_| bar.inc(1))?;
+    bar.finish_and_clear();
+    match outcome {
+        Outcome::NoDevice => {
+            println!("skipped: no CUDA device");
+            Ok(())
+        }
+        Outcome::Ran(report) => {
+            output::offload(cli, &report)?;
+            match report.failures() {
+                0 => Ok(()),
+                n => Err(BenchError::Tier(format!(
+                    "{n} offload rows failed (see their status)"
+                ))),
+            }
+        }
+    }
+}

@@ -1,0 +1,280 @@
+//! The data plane of the replay: kvbm-pool's [`TierEngine`] over three
+//! real tiers, driven the way an inference engine drives it.
+//!
+//! G1 is an engine-shaped layout (layer-separate, K and V planes apart, as
+//! vLLM allocates it) in host memory standing in for GPU memory; G2 is
+//! kvbm's fully contiguous host layout; G3 a fully contiguous `O_DIRECT`
+//! file. For each request, following the simulators' rules
+//! ([`crate::sim::replay()`]): match the prompt (G1, then G2/G3, one
+//! contiguous prefix), onboard what kvbm holds and check every byte of
+//! every onboarded block, compute the rest into fresh G1 blocks (their
+//! bytes a function of their sequence hash) and register them (the engine
+//! offloads them), release the request, and wait for the offload worker
+//! to drain so each request's transfers are timed on their own.
+
+use std::time::Instant;
+
+use kvbm_block::SequenceHash;
+use kvbm_pool::metrics::TierStats;
+use kvbm_pool::tier::{G1Lookup, OnboardTarget, TierEngine};
+
+use super::super::error::{BenchError, Result};
+use super::super::host_view::{HostTier, Mismatch};
+use crate::sim::Tier;
+use kvbm_testkit::trace::Request;
+
+/// Paths in the engine's stats order.
+pub const PATHS: [&str; 4] = ["G1->G2", "G2->G3", "G2->G1", "G3->G1"];
+
+/// Bytes moved on each path and the time of the phases in which that path
+/// alone moved bytes (phases that mix paths give no per-path speed).
+#[derive(Debug, Clone, Default)]
+pub struct PathTotals {
+    /// Blocks moved (engine counters).
+    pub blocks: u64,
+    /// Bytes moved (engine counters, counted from the layouts).
+    pub bytes: u64,
+    /// Bytes moved in single-path phases.
+    pub timed_bytes: u64,
+    /// Seconds of single-path phases.
+    pub timed_secs: f64,
+}
+
+/// What one request did.
+#[derive(Debug, Clone, Default)]
+pub struct RequestOutcome {
+    /// The tier that served each block of the hit prefix, in prompt order.
+    pub prefix: Vec<Tier>,
+    /// Seconds the onboard took (G2/G3 → G1), when there was one.
+    pub onboard_secs: Option<f64>,
+}
+
+/// G1's memory: host memory standing in for the GPU, or the GPU.
+pub enum G1Memory {
+    /// A host-memory stand-in.
+    Host(HostTier),
+    /// Device memory (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    Device(super::gpu::DeviceTier),
+    /// Every worker's own G1, reached through the leader (tensor
+    /// parallelism: [`super::dist`]).
+    Distributed(std::sync::Arc<kvbm_dist::leader::Leader>),
+}
+
+impl G1Memory {
+    /// The physical layout, for the engine (none in this process when
+    /// the workers own G1).
+    pub fn physical(&self) -> Option<&kvbm_transfer::PhysicalLayout> {
+        match self {
+            G1Memory::Host(h) => Some(h.physical()),
+            #[cfg(feature = "cuda")]
+            G1Memory::Device(d) => Some(d.physical()),
+            G1Memory::Distributed(_) => None,
+        }
+    }
+
+    /// Writes block `block`'s pattern for `hash`.
+    ///
+    /// # Safety
+    /// No transfer may touch this block while the call runs.
+    pub(crate) unsafe fn fill(&self, block: usize, hash: u64) -> Result<()> {
+        match self {
+            // SAFETY: forwarded from the caller.
+            G1Memory::Host(h) => unsafe { h.fill(block, hash) },
+            #[cfg(feature = "cuda")]
+            G1Memory::Device(d) => d.fill(block, hash),
+            G1Memory::Distributed(l) => super::dist::fill(l, block, hash),
+        }
+    }
+
+    /// Checks block `block` against the pattern of `hash`.
+    ///
+    /// # Safety
+    /// No transfer may write this block while the call runs.
+    pub(crate) unsafe fn check(&self, block: usize, hash: u64) -> Result<Option<Mismatch>> {
+        match self {
+            // SAFETY: forwarded from the caller.
+            G1Memory::Host(h) => unsafe { h.check(block, hash) },
+            #[cfg(feature = "cuda")]
+            G1Memory::Device(d) => d.check(block, hash),
+            G1Memory::Distributed(l) => super::dist::check(l, block, hash),
+        }
+    }
+}
+
+/// Drives a [`TierEngine`] whose G1 is `g1`.
+pub struct EngineDriver {
+    engine: TierEngine,
+    g1: G1Memory,
+    trace_block_tokens: u32,
+    /// Per-path totals, indexed like [`PATHS`].
+    pub paths: [PathTotals; 4],
+    /// Blocks whose bytes were checked after an onboard.
+    pub verified_blocks: u64,
+    /// Onboard phases (G2/G3 → G1): bytes and seconds.
+    pub onboard_phase: (u64, f64),
+    /// Offload phases (G1 → G2 → G3, drained by `flush`): bytes and seconds.
+    pub offload_phase: (u64, f64),
+    last: TierStats,
+}
+
+fn tier_err(e: impl std::fmt::Display) -> BenchError {
+    BenchError::Tier(e.to_string())
+}
+
+impl EngineDriver {
+    /// Wraps `engine`, whose G1 layout is `g1`'s.
+    pub fn new(engine: TierEngine, g1: G1Memory, trace_block_tokens: u32) -> Self {
+        let last = engine.stats();
+        EngineDriver {
+            engine,
+            g1,
+            trace_block_tokens,
+            paths: Default::default(),
+            verified_blocks: 0,
+            onboard_phase: (0, 0.0),
+            offload_phase: (0, 0.0),
+            last,
+        }
+    }
+
+    /// The engine (for its stats).
+    pub fn engine(&self) -> &TierEngine {
+        &self.engine
+    }
+    /// Books the bytes moved since the last call against a phase of
+    /// `secs` seconds; returns the bytes.
+    fn account(&mut self, secs: f64) -> u64 {
+        let now = self.engine.stats();
+        let total: u64 = (0..4).map(|p| now.bytes[p] - self.last.bytes[p]).sum();
+        let moved: Vec<usize> = (0..4)
+            .filter(|&p| now.bytes[p] > self.last.bytes[p])
+            .collect();
+        for p in 0..4 {
+            self.paths[p].blocks += now.blocks[p] - self.last.blocks[p];
+            self.paths[p].bytes += now.bytes[p] - self.last.bytes[p];
+        }
+        if let [p] = moved[..] {
+            self.paths[p].timed_bytes += now.bytes[p] - self.last.bytes[p];
+            self.paths[p].timed_secs += secs;
+        }
+        self.last = now;
+        total
+    }
+
+    /// Replays request number `index`.
+    pub fn request(&mut self, index: usize, request: &Request) -> Result<RequestOutcome> {
+        let engine = &self.engine;
+        let hashes: Vec<SequenceHash> = request.hash_ids.iter().map(|&h| SequenceHash(h)).collect();
+        let n = hashes.len();
+        let bs = engine.block_size();
+        let id = index as u64;
+        // One token past the blocks: hit rates count every matched block,
+        // as the simulators do; the full-prompt give-back is accounted in
+        // the tokens avoided instead.
+        let m = engine
+            .match_request(id, &hashes, n * bs + 1, G1Lookup::Pool)
+            .map_err(tier_err)?;
+        let mut out = RequestOutcome::default();
+        out.prefix
+            .extend(std::iter::repeat_n(Tier::G1, m.g1_blocks));
+        // The walk may alternate G2 and G3; the engine reports counts only,
+        // which is all the token accounting needs (tokens per block are
+        // equal but for a partial last block, counted by position).
+        out.prefix
+            .extend(std::iter::repeat_n(Tier::G2, m.g2_blocks));
+        out.prefix
+            .extend(std::iter::repeat_n(Tier::G3, m.g3_blocks));
+        let external = m.external_blocks();
+        let mut held = m.g1.into_blocks();
+        let mut onboard_secs = None;
+        if external > 0 {
+            let t0 = Instant::now();
+            let done = engine
+                .onboard(id, OnboardTarget::Pool)
+                .map_err(tier_err)?
+                .wait()
+                .map_err(tier_err)?;
+            let secs = t0.elapsed().as_secs_f64();
+            onboard_secs = Some(secs);
+            let loaded = done.blocks.into_blocks();
+            for b in &loaded {
+                let hash = b.sequence_hash().0;
+                // SAFETY: the onboard has completed and no offload is in
+                // flight (the previous request was flushed; this one has
+                // registered nothing yet), so nothing touches G1 now.
+                if let Some(mm) = unsafe { self.g1.check(b.block_id() as usize, hash)? } {
+                    return Err(BenchError::Corrupt {
+                        block: hash,
+                        path: "G2/G3->G1".into(),
+                        layer: mm.layer,
+                        outer: mm.outer,
+                        offset: mm.offset,
+                    });
+                }
+                self.verified_blocks += 1;
+            }
+            held.extend(loaded);
+        }
+        let at = held.len();
+        // Offload starts when blocks are registered; the phase ends when
+        // the worker has drained.
+        let mut offload_start = None;
+        if at < n {
+            let partial = request.last_block_partial(self.trace_block_tokens);
+            let full_end = if partial { n - 1 } else { n };
+            let mut parent = at.checked_sub(1).map(|p| hashes[p]);
+            if at < full_end {
+                let blocks = engine.g1().allocate(full_end - at).map_err(tier_err)?;
+                let mut complete = Vec::with_capacity(blocks.len());
+                for (b, &h) in blocks.into_iter().zip(&hashes[at..full_end]) {
+                    // SAFETY: as above; the block was just allocated to us.
+                    unsafe { self.g1.fill(b.block_id() as usize, h.0)? };
+                    complete.push(b.complete(h, parent).map_err(tier_err)?);
+                    parent = Some(h);
+                }
+                offload_start = Some(Instant::now());
+                held.extend(
+                    engine
+                        .register_g1(complete)
+                        .map_err(tier_err)?
+                        .into_blocks(),
+                );
+            }
+            if partial {
+                // A partial last block stays in G1 only (never offloaded).
+                let b = engine
+                    .g1()
+                    .allocate(1)
+                    .map_err(tier_err)?
+                    .pop()
+                    .ok_or_else(|| BenchError::Tier("G1 allocated no block".into()))?;
+                let h = hashes[n - 1];
+                // SAFETY: the offloads just queued read other blocks; this
+                // block is fresh and only this thread touches it.
+                unsafe { self.g1.fill(b.block_id() as usize, h.0)? };
+                let c = b
+                    .complete(h, n.checked_sub(2).map(|p| hashes[p]))
+                    .map_err(tier_err)?;
+                held.push(engine.g1().register_block(c).map_err(tier_err)?);
+            }
+        }
+        if let Some(s) = onboard_secs {
+            let bytes = self.account(s);
+            self.onboard_phase.0 += bytes;
+            self.onboard_phase.1 += s;
+        }
+        drop(held);
+        self.engine.release(id);
+        let t0 = offload_start.unwrap_or_else(Instant::now);
+        self.engine.flush();
+        let secs = t0.elapsed().as_secs_f64();
+        let bytes = self.account(secs);
+        if bytes > 0 {
+            self.offload_phase.0 += bytes;
+            self.offload_phase.1 += secs;
+        }
+        out.onboard_secs = onboard_secs;
+        Ok(out)
+    }
+}

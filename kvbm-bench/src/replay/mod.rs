@@ -1,0 +1,653 @@
+//! The trace replay: a workload driven through real tiers with real bytes,
+//! next to LRU and Belady's optimum at the same capacities.
+//!
+//! Capacities are fractions of the workload's distinct blocks, as in the
+//! simulators ([`crate::sim::capacity_for`]). Hit rates count the trace's
+//! blocks (e.g. 512 tokens each); the bytes that move are those of the
+//! model's KV for `block_tokens / scale` tokens, so a trace whose real KV
+//! would need terabytes still runs on a small machine. What the report
+//! calls "tokens of prefill avoided" are trace tokens; the modelled TTFT
+//! saving divides them by a prefill rate the user states.
+//!
+//! The data plane is kvbm-pool's tier engine, driven by
+//! [`engine::EngineDriver`]; the simulators give the references.
+
+pub mod dist;
+pub mod engine;
+#[cfg(feature = "cuda")]
+pub mod gpu;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use kvbm_layout::{BlockOrder, Layout, LayoutKind};
+use kvbm_pool::tier::{TierEngine, TierEngineConfig, TierLayouts, TierPolicy};
+use kvbm_transfer::memory::{DiskAllocator, DiskOptions};
+use kvbm_transfer::{Executor, ExecutorSpec, PhysicalLayout};
+use serde::Serialize;
+
+use self::engine::{EngineDriver, G1Memory, PATHS};
+use super::error::{BenchError, Result};
+use super::host_view::HostTier;
+use super::model::{KvModel, check_disk_alignment};
+use super::stats::percentile;
+use crate::sim::reuse_score::{ReuseScoreConfig, ReuseScoreTiers};
+use crate::sim::{
+    BeladySim, LruFeed, LruSim, LruTiers, ReplayStats, Tier, TierCapacities, TieredSim,
+    capacity_for, replay,
+};
+use kvbm_testkit::trace::{Request, TraceFacts};
+
+/// How a replay is set up.
+#[derive(Debug, Clone)]
+pub struct ReplayConfig {
+    /// What the workload is, for the report.
+    pub workload: String,
+    /// The requests, in arrival order.
+    pub requests: Vec<Request>,
+    /// Tokens per trace block.
+    pub block_tokens: u32,
+    /// KV shape.
+    pub model: KvModel,
+    /// Blocks are stored with `block_tokens / scale` tokens.
+    pub scale: u32,
+    /// G1, G2, G3 capacities as fractions of the distinct blocks.
+    pub fractions: [f64; 3],
+    /// Prefill rate for the modelled TTFT saving, tokens per second.
+    pub prefill_tokens_per_s: f64,
+    /// memcpy worker threads.
+    pub memcpy_threads: usize,
+    /// Directory for the G3 file.
+    pub disk_dir: PathBuf,
+    /// Refuse to allocate more host memory than this (bytes).
+    pub max_host_bytes: u64,
+    /// Admission and eviction in G2 and G3.
+    pub policy: TierPolicy,
+    /// Keep G1 in host memory even when a GPU is present.
+    pub host_g1: bool,
+    /// Total capacities (fractions of distinct blocks) to sweep with the
+    /// simulators; empty for none.
+    pub sweep: Vec<f64>,
+    /// Tensor-parallel ranks: 0 runs the engine in this process; N > 0
+    /// runs the leader here and N worker processes, each holding a 1/N
+    /// slice of every block (see [`dist`]).
+    pub workers: u32,
+    /// The worker binary, `kvbm-dist-node`; `None` to look for it
+    /// ([`dist::find_node_exe`]).
+    pub worker_exe: Option<PathBuf>,
+    /// The engine's `offload_in_flight`; `None` for its default.
+    pub offload_in_flight: Option<usize>,
+}
+
+/// Hits and rates of one tier.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct TierHits {
+    /// Tier name.
+    pub tier: &'static str,
+    /// Capacity in blocks.
+    pub capacity_blocks: usize,
+    /// Prefix hits served.
+    pub hits: u64,
+    /// Hits ÷ block references, percent.
+    pub hit_rate_pct: f64,
+}
+
+/// Bytes and speed of one path.
+#[derive(Debug, Clone, Serialize)]
+pub struct PathReport {
+    /// `G1->G2` etc.
+    pub path: &'static str,
+    /// Blocks moved.
+    pub blocks: u64,
+    /// Bytes moved (copy planner's count).
+    pub bytes: u64,
+    /// Bytes ÷ time over the phases in which this path alone moved bytes
+    /// (0 when it never did), GB/s.
+    pub gbps: f64,
+}
+
+/// One capacity point of the simulator sweep.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct SweepPoint {
+    /// Total capacity as a fraction of distinct blocks.
+    pub fraction: f64,
+    /// Total capacity in blocks (G1 + G2 + G3).
+    pub capacity_blocks: usize,
+    /// The engine's default policy (reuse score) in the tiered simulator.
+    pub tiered_reuse_pct: f64,
+    /// LRU victim tiers in the tiered simulator.
+    pub tiered_lru_pct: f64,
+    /// One LRU cache of the same total size.
+    pub lru_pct: f64,
+    /// Belady's optimum of the same total size.
+    pub belady_pct: f64,
+}
+
+/// Everything a replay reports.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReplayReport {
+    /// Workload description.
+    pub workload: String,
+    /// Requests replayed.
+    pub requests: usize,
+    /// Prompt block references.
+    pub block_references: u64,
+    /// Distinct blocks.
+    pub unique_blocks: usize,
+    /// Tokens per trace block.
+    pub block_tokens: u32,
+    /// KV shape.
+    pub model: KvModel,
+    /// Shrink factor.
+    pub scale: u32,
+    /// Tokens actually stored per block.
+    pub stored_tokens_per_block: usize,
+    /// Bytes per stored block (from the layout).
+    pub block_bytes: u64,
+    /// What G1 is.
+    pub g1_memory: String,
+    /// What decides placement.
+    pub placement: String,
+    /// Per-tier hits.
+    pub tiers: Vec<TierHits>,
+    /// All hits ÷ references, percent.
+    pub hit_rate_pct: f64,
+    /// Prompt tokens of all requests.
+    pub prompt_tokens: u64,
+    /// Prefill tokens avoided by G1 (the engine's own prefix cache).
+    pub tokens_avoided_g1: u64,
+    /// Prefill tokens avoided by kvbm (G2 + G3 hits).
+    pub tokens_avoided_kvbm: u64,
+    /// Prefill rate assumed, tokens/s.
+    pub prefill_tokens_per_s: f64,
+    /// kvbm tokens avoided ÷ prefill rate, seconds over the whole trace.
+    pub modelled_ttft_saving_s: f64,
+    /// Onboard wall time summed over requests (the cost of that saving).
+    pub onboard_total_s: f64,
+    /// Per-path bytes and speed.
+    pub paths: Vec<PathReport>,
+    /// All onboard phases together (G2 and G3 → G1, mixed), GB/s.
+    pub onboard_gbps: f64,
+    /// All offload phases together (G1 → G2 and G2 → G3, mixed), GB/s.
+    pub offload_gbps: f64,
+    /// Offloads the engine skipped (admission refused, queue full, ...).
+    pub offloads_skipped: u64,
+    /// Requests that onboarded from G2/G3.
+    pub onboards: usize,
+    /// Onboard latency median, milliseconds.
+    pub onboard_p50_ms: f64,
+    /// Onboard latency 99th percentile, milliseconds.
+    pub onboard_p99_ms: f64,
+    /// Onboarded blocks whose bytes were checked.
+    pub verified_blocks: u64,
+    /// The tiered simulator with reuse-score G2/G3 at the same capacities.
+    pub sim_reuse_hit_rate_pct: f64,
+    /// The tiered simulator with LRU victim G2/G3 at the same capacities.
+    pub sim_lru_tiers_hit_rate_pct: f64,
+    /// One LRU cache of capacity G1 + G2 + G3.
+    pub lru_hit_rate_pct: f64,
+    /// Belady's optimum of capacity G1 + G2 + G3.
+    pub belady_hit_rate_pct: f64,
+    /// The simulator sweep, when asked for.
+    pub sweep: Vec<SweepPoint>,
+    /// Wall time of the data-plane replay, seconds.
+    pub wall_s: f64,
+}
+
+/// Tokens of prefill a request's hit prefix avoids, per tier: each hit
+/// block saves its tokens; when the whole prompt hits, the last token is
+/// still computed (the engine needs its logits).
+fn tokens_avoided(request: &Request, block_tokens: u32, tiers: &[Tier]) -> [u64; 3] {
+    let mut out = [0u64; 3];
+    let len = u64::from(request.input_length);
+    let bt = u64::from(block_tokens);
+    for (i, t) in tiers.iter().enumerate() {
+        let start = i as u64 * bt;
+        let end = ((i as u64 + 1) * bt).min(len);
+        out[*t as usize] += end.saturating_sub(start);
+    }
+    let total: u64 = out.iter().sum();
+    if total == len && len > 0 {
+        // Take the recomputed token from the last hit's tier.
+        if let Some(t) = tiers.last() {
+            out[*t as usize] -= 1;
+        }
+    }
+    out
+}
+
+fn phase_gbps((bytes, secs): (u64, f64)) -> f64 {
+    if secs > 0.0 {
+        bytes as f64 / secs / 1e9
+    } else {
+        0.0
+    }
+}
+
+/// Splits `total` blocks over the tiers in the proportions of `fractions`.
+fn split(total: usize, fractions: [f64; 3]) -> [usize; 3] {
+    let sum: f64 = fractions.iter().sum();
+    if sum <= 0.0 {
+        return [0; 3];
+    }
+    let g1 = (total as f64 * fractions[0] / sum).floor() as usize;
+    let g2 = (total as f64 * fractions[1] / sum).floor() as usize;
+    [g1, g2, total.saturating_sub(g1 + g2)]
+}
+
+fn lru_tiers_stats(requests: &[Request], block_tokens: u32, caps: [usize; 3]) -> ReplayStats {
+    let mut sim = TieredSim::new(caps[0], LruTiers::new(caps[1], caps[2], LruFeed::Victim));
+    replay(requests, block_tokens, &mut sim)
+}
+
+fn reuse_stats(requests: &[Request], block_tokens: u32, caps: [usize; 3]) -> ReplayStats {
+    let tiers = TierCapacities {
+        g1: caps[0],
+        g2: caps[1],
+        g3: caps[2],
+    };
+    let mut sim = TieredSim::new(
+        caps[0],
+        ReuseScoreTiers::new(ReuseScoreConfig::for_tiers(tiers)),
+    );
+    replay(requests, block_tokens, &mut sim)
+}
+
+fn sweep_point(requests: &[Request], cfg: &ReplayConfig, unique: usize, f: f64) -> SweepPoint {
+    let total = capacity_for(f, unique);
+    let caps = split(total, cfg.fractions);
+    SweepPoint {
+        fraction: f,
+        capacity_blocks: total,
+        tiered_reuse_pct: reuse_stats(requests, cfg.block_tokens, caps).hit_rate_pct(),
+        tiered_lru_pct: lru_tiers_stats(requests, cfg.block_tokens, caps).hit_rate_pct(),
+        lru_pct: replay(requests, cfg.block_tokens, &mut LruSim::new(total)).hit_rate_pct(),
+        belady_pct: replay(
+            requests,
+            cfg.block_tokens,
+            &mut BeladySim::new(requests, total),
+        )
+        .hit_rate_pct(),
+    }
+}
+
+/// Host tiers: G1 a host-memory stand-in, G2 system memory, a CPU
+/// executor.
+fn host_tiers(
+    cfg: &ReplayConfig,
+    g1_layout: Layout,
+    g2_layout: Option<Layout>,
+) -> Result<(G1Memory, Option<PhysicalLayout>, Executor, String)> {
+    let g2 = match g2_layout {
+        Some(l) => Some(HostTier::allocate(l)?.physical().clone()),
+        None => None,
+    };
+    let exec = ExecutorSpec::host()
+        .memcpy_threads(cfg.memcpy_threads)
+        .disk(true)
+        .build()?;
+    Ok((
+        G1Memory::Host(HostTier::allocate(g1_layout)?),
+        g2,
+        exec,
+        if cfg!(feature = "cuda") && !cfg.host_g1 {
+            "host-memory stand-in (engine layout, layer-separate K/V): no CUDA device found"
+        } else {
+            "host-memory stand-in (engine layout, layer-separate K/V)"
+        }
+        .to_string(),
+    ))
+}
+
+/// The engine in this process: G1 on the GPU (feature `cuda`, unless
+/// `host_g1`) or a host stand-in, G2 next to it, G3 on disk.
+fn local_engine(
+    cfg: &ReplayConfig,
+    tier_config: TierEngineConfig,
+    g1_layout: Layout,
+    g2_layout: Option<Layout>,
+    caps: [usize; 3],
+    page: usize,
+) -> Result<(TierEngine, G1Memory, String, bool)> {
+    #[cfg(feature = "cuda")]
+    let gpu = if cfg.host_g1 { None } else { gpu::device() };
+    #[cfg(feature = "cuda")]
+    let (g1, g2, exec, g1_memory) = match &gpu {
+        Some(dev) => (
+            G1Memory::Device(gpu::DeviceTier::allocate(dev, g1_layout)?),
+            g2_layout.map(|l| gpu::pinned_layout(dev, l)).transpose()?,
+            gpu::executor(dev, cfg.memcpy_threads)?,
+            format!(
+                "GPU memory of {} (engine layout, layer-separate K/V); G2 pinned host memory",
+                dev.name()
+            ),
+        ),
+        None => host_tiers(cfg, g1_layout, g2_layout)?,
+    };
+    #[cfg(not(feature = "cuda"))]
+    let (g1, g2, exec, g1_memory) = host_tiers(cfg, g1_layout, g2_layout)?;
+    let g3 = match caps[2] {
+        0 => None,
+        n => {
+            let alloc = DiskAllocator::new(&cfg.disk_dir, DiskOptions::default())?;
+            Some(PhysicalLayout::allocate_disk(
+                Layout::new(
+                    cfg.model.layout_config(n, page)?,
+                    LayoutKind::FullyContiguous,
+                )?,
+                &alloc,
+            )?)
+        }
+    };
+    let g3_direct = g3.as_ref().is_some_and(|l| {
+        l.regions()[0]
+            .file_location()
+            .is_some_and(|(f, _)| f.is_direct())
+    });
+    let g1_physical = g1
+        .physical()
+        .ok_or_else(|| BenchError::Tier("G1 is not in this process".into()))?
+        .clone();
+    let engine = TierEngine::new(
+        tier_config,
+        TierLayouts {
+            g1: g1_physical,
+            g2,
+            g3,
+        },
+        exec,
+    )
+    .map_err(|e| BenchError::Tier(e.to_string()))?;
+    Ok((engine, g1, g1_memory, g3_direct))
+}
+
+/// Runs the replay; `progress(done, total)` is called after each request.
+pub fn run_replay(
+    cfg: &ReplayConfig,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<ReplayReport> {
+    if cfg.fractions.iter().any(|f| !f.is_finite() || *f < 0.0) {
+        return Err(BenchError::Config(
+            "capacity fractions must be finite and non-negative".into(),
+        ));
+    }
+    if !(cfg.prefill_tokens_per_s.is_finite() && cfg.prefill_tokens_per_s > 0.0) {
+        return Err(BenchError::Config("--prefill-rate must be positive".into()));
+    }
+    let requests = &cfg.requests;
+    let facts = TraceFacts::of(requests);
+    let page = cfg.model.scaled_page(cfg.block_tokens, cfg.scale)?;
+    check_disk_alignment(&cfg.model, page)?; // G1 must hold the longest request while it runs.
+    let longest = requests.iter().map(|r| r.hash_ids.len()).max().unwrap_or(0);
+    let caps = [
+        capacity_for(cfg.fractions[0], facts.unique_blocks).max(longest + 1),
+        capacity_for(cfg.fractions[1], facts.unique_blocks),
+        capacity_for(cfg.fractions[2], facts.unique_blocks),
+    ];
+    let g1_slots = caps[0];
+    let block_bytes = cfg.model.layout_config(1, page)?.block_bytes();
+    let host_bytes = (g1_slots + caps[1]) as u64 * block_bytes;
+    if host_bytes > cfg.max_host_bytes {
+        return Err(BenchError::Config(format!(
+            "G1 + G2 would need {:.2} GiB of host memory (limit {:.2} GiB): raise --scale, lower the capacities, or pass --max-host-gib",
+            host_bytes as f64 / (1u64 << 30) as f64,
+            cfg.max_host_bytes as f64 / (1u64 << 30) as f64
+        )));
+    }
+    // Layouts: G1 as an engine allocates it, G2 and G3 as kvbm does.
+    let g1_layout = Layout::new(
+        cfg.model.layout_config(g1_slots.max(1), page)?,
+        LayoutKind::LayerSeparate(BlockOrder::OuterFirst),
+    )?;
+    let g2_layout = match caps[1] {
+        0 => None,
+        n => Some(Layout::new(
+            cfg.model.layout_config(n, page)?,
+            LayoutKind::FullyContiguous,
+        )?),
+    };
+    let mut tier_config = TierEngineConfig::new(cfg.block_tokens as usize)
+        .g2_policy(cfg.policy)
+        .g3_policy(cfg.policy);
+    if let Some(n) = cfg.offload_in_flight {
+        tier_config = tier_config.offload_in_flight(n);
+    }
+    // Declared before the engine so that it outlives it: the leader shuts
+    // the workers down when dropped.
+    let mut _cluster = None;
+    let (engine, g1, g1_memory, g3_direct) = if cfg.workers > 0 {
+        let n = cfg.workers as usize;
+        if !cfg.model.inner_dim.is_multiple_of(n) {
+            return Err(BenchError::Config(format!(
+                "{} KV values per token do not split over {n} ranks",
+                cfg.model.inner_dim
+            )));
+        }
+        let rank_model = KvModel {
+            inner_dim: cfg.model.inner_dim / n,
+            ..cfg.model
+        };
+        check_disk_alignment(&rank_model, page)?;
+        let rank_g1 = Layout::new(
+            rank_model.layout_config(g1_slots.max(1), page)?,
+            LayoutKind::LayerSeparate(BlockOrder::OuterFirst),
+        )?;
+        let exe = match &cfg.worker_exe {
+            Some(p) => p.clone(),
+            None => dist::find_node_exe()?,
+        };
+        let c = dist::start(
+            &exe,
+            cfg.workers,
+            &rank_g1,
+            caps[1],
+            caps[2],
+            &cfg.disk_dir,
+            cfg.host_g1,
+            cfg.memcpy_threads,
+        )?;
+        let mover: std::sync::Arc<dyn kvbm_pool::tier::TierMover> = c.leader.mover();
+        let engine = TierEngine::with_mover(tier_config, mover)
+            .map_err(|e| BenchError::Tier(e.to_string()))?;
+        let g1 = G1Memory::Distributed(std::sync::Arc::clone(&c.leader));
+        let what = format!(
+            "{} worker processes, 1/{} of every block each (G1 per worker: GPU `rank` when built with cuda and present, else a host stand-in; each worker logs which)",
+            cfg.workers, cfg.workers
+        );
+        _cluster = Some(c);
+        (engine, g1, what, false)
+    } else {
+        local_engine(cfg, tier_config, g1_layout, g2_layout, caps, page)?
+    };
+    let mut driver = EngineDriver::new(engine, g1, cfg.block_tokens);
+    let start = Instant::now();
+    let mut hits = [0u64; 3];
+    let mut avoided = [0u64; 3];
+    let mut onboard = Vec::new();
+    let mut refs = 0u64;
+    let mut prompt_tokens = 0u64;
+    for (i, r) in requests.iter().enumerate() {
+        let out = driver.request(i, r)?;
+        let a = tokens_avoided(r, cfg.block_tokens, &out.prefix);
+        for t in 0..3 {
+            avoided[t] += a[t];
+        }
+        for &t in &out.prefix {
+            hits[t as usize] += 1;
+        }
+        if let Some(s) = out.onboard_secs {
+            onboard.push(s);
+        }
+        refs += r.hash_ids.len() as u64;
+        prompt_tokens += u64::from(r.input_length);
+        progress(i + 1, requests.len());
+    }
+    let wall_s = start.elapsed().as_secs_f64();
+    let sim_reuse = reuse_stats(requests, cfg.block_tokens, caps);
+    let sim_lru_tiers = lru_tiers_stats(requests, cfg.block_tokens, caps);
+    let skipped: u64 = driver.engine().stats().skipped.iter().sum();
+    let total_cap: usize = caps.iter().sum();
+    let lru = replay(requests, cfg.block_tokens, &mut LruSim::new(total_cap));
+    let belady = replay(
+        requests,
+        cfg.block_tokens,
+        &mut BeladySim::new(requests, total_cap),
+    );
+    let pct = |n: u64| {
+        if refs == 0 {
+            0.0
+        } else {
+            100.0 * n as f64 / refs as f64
+        }
+    };
+    let names = ["G1", "G2", "G3"];
+    let onboard_ms: Vec<f64> = onboard.iter().map(|s| s * 1e3).collect();
+    Ok(ReplayReport {
+        workload: cfg.workload.clone(),
+        requests: requests.len(),
+        block_references: refs,
+        unique_blocks: facts.unique_blocks,
+        block_tokens: cfg.block_tokens,
+        model: cfg.model,
+        scale: cfg.scale,
+        stored_tokens_per_block: page,
+        block_bytes,
+        g1_memory,
+        placement: format!(
+            "kvbm-pool TierEngine, G2/G3 policy {:?}; G3 {}",
+            cfg.policy,
+            if cfg.workers > 0 {
+                "files on the workers (O_DIRECT where the file system allows)"
+            } else if g3_direct {
+                "O_DIRECT"
+            } else {
+                "buffered (no O_DIRECT here)"
+            }
+        ),
+        tiers: (0..3)
+            .map(|t| TierHits {
+                tier: names[t],
+                capacity_blocks: caps[t],
+                hits: hits[t],
+                hit_rate_pct: pct(hits[t]),
+            })
+            .collect(),
+        hit_rate_pct: pct(hits.iter().sum()),
+        prompt_tokens,
+        tokens_avoided_g1: avoided[0],
+        tokens_avoided_kvbm: avoided[1] + avoided[2],
+        prefill_tokens_per_s: cfg.prefill_tokens_per_s,
+        modelled_ttft_saving_s: (avoided[1] + avoided[2]) as f64 / cfg.prefill_tokens_per_s,
+        onboard_total_s: onboard.iter().sum(),
+        paths: driver
+            .paths
+            .iter()
+            .zip(PATHS)
+            .map(|(t, path)| PathReport {
+                path,
+                blocks: t.blocks,
+                bytes: t.bytes,
+                gbps: if t.timed_secs > 0.0 {
+                    t.timed_bytes as f64 / t.timed_secs / 1e9
+                } else {
+                    0.0
+                },
+            })
+            .collect(),
+        onboard_gbps: phase_gbps(driver.onboard_phase),
+        offload_gbps: phase_gbps(driver.offload_phase),
+        offloads_skipped: skipped,
+        onboards: onboard.len(),
+        onboard_p50_ms: percentile(&onboard_ms, 50.0),
+        onboard_p99_ms: percentile(&onboard_ms, 99.0),
+        verified_blocks: driver.verified_blocks,
+        sim_reuse_hit_rate_pct: sim_reuse.hit_rate_pct(),
+        sim_lru_tiers_hit_rate_pct: sim_lru_tiers.hit_rate_pct(),
+        lru_hit_rate_pct: lru.hit_rate_pct(),
+        belady_hit_rate_pct: belady.hit_rate_pct(),
+        sweep: cfg
+            .sweep
+            .iter()
+            .map(|&f| sweep_point(requests, cfg, facts.unique_blocks, f))
+            .collect(),
+        wall_s,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(input_length: u32, blocks: usize) -> Request {
+        Request {
+            timestamp_ms: 0,
+            input_length,
+            output_length: 1,
+            hash_ids: (0..blocks as u64).collect(),
+        }
+    }
+
+    #[test]
+    fn tokens_avoided_counts_whole_and_partial_blocks_by_tier() {
+        // 1 200 tokens in 512-token blocks: 512 + 512 + 176.
+        let r = request(1200, 3);
+        assert_eq!(tokens_avoided(&r, 512, &[]), [0, 0, 0]);
+        assert_eq!(tokens_avoided(&r, 512, &[Tier::G1]), [512, 0, 0]);
+        assert_eq!(
+            tokens_avoided(&r, 512, &[Tier::G1, Tier::G2]),
+            [512, 512, 0]
+        );
+        // The whole prompt hit: the last token is still computed.
+        assert_eq!(
+            tokens_avoided(&r, 512, &[Tier::G1, Tier::G2, Tier::G3]),
+            [512, 512, 175]
+        );
+        let exact = request(1024, 2);
+        assert_eq!(
+            tokens_avoided(&exact, 512, &[Tier::G3, Tier::G3]),
+            [0, 0, 1023]
+        );
+    }
+
+    #[test]
+    fn split_keeps_the_total_and_the_proportions() {
+        assert_eq!(split(100, [0.02, 0.06, 0.12]), [10, 30, 60]);
+        assert_eq!(split(7, [1.0, 1.0, 1.0]), [2, 2, 3]);
+        assert_eq!(split(5, [0.0, 0.0, 0.0]), [0, 0, 0]);
+        for total in 0..50 {
+            assert_eq!(split(total, [0.3, 0.2, 0.5]).iter().sum::<usize>(), total);
+        }
+    }
+
+    #[test]
+    fn bad_configuration_is_an_error_not_a_panic() {
+        let cfg = ReplayConfig {
+            workload: "test".into(),
+            requests: vec![request(1024, 2)],
+            block_tokens: 512,
+            model: super::super::MODEL_PRESETS[3],
+            scale: 64,
+            fractions: [0.5, f64::NAN, 0.5],
+            prefill_tokens_per_s: 1.0,
+            memcpy_threads: 1,
+            disk_dir: std::env::temp_dir(),
+            max_host_bytes: 1 << 30,
+            policy: TierPolicy::WriteThrough,
+            host_g1: true,
+            sweep: Vec::new(),
+            workers: 0,
+            worker_exe: None,
+            offload_in_flight: None,
+        };
+        assert!(matches!(
+            run_replay(&cfg, |_, _| {}),
+            Err(BenchError::Config(_))
+        ));
+        let tight = ReplayConfig {
+            fractions: [1.0, 1.0, 0.0],
+            max_host_bytes: 1,
+            ..cfg
+        };
+        let e = run_replay(&tight, |_, _| {}).unwrap_err().to_string();
+        assert!(e.contains("--scale"), "{e}");
+    }
+}

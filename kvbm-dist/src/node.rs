@@ -1,0 +1,323 @@
+//! `kvbm-dist-node`: the worker process, one per GPU / tensor-parallel
+//! rank. [`main`] is the whole body of the `kvbm-dist-node` binary (built
+//! by kvbm-bench, next to the benchmark that starts it).
+//!
+//! ```text
+//! kvbm-dist-node worker --endpoint E --instance I --rank R --world W
+//!     --layout DESCRIPTOR_JSON [--g1-file PATH] [--g3-dir DIR]
+//!     [--host-g1] [--threads N] [--fault-delay-ms MS] [--leader-timeout-ms MS]
+//! ```
+//!
+//! G1 comes one of two ways:
+//! - `--g1-file PATH`: host memory shared with the engine process through
+//!   a file both map (created by the engine at the layout's size); the
+//!   multi-process tests start workers this way.
+//! - without it, the worker allocates G1 itself, standing in for the
+//!   engine (benches): on GPU `rank` when built with `cuda`, the GPU exists
+//!   and `--host-g1` is not given (G2 then in pinned memory, copies through
+//!   the CUDA backend with `--threads` memcpy threads beside it), in host
+//!   memory otherwise.
+//!
+//! Either way the worker writes and checks test patterns in G1 for the
+//! leader (its probe), so a leader can verify every rank's bytes.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvbm_layout::{Layout, LayoutDescriptor};
+use kvbm_transfer::PhysicalLayout;
+use kvbm_transfer::memory::SystemAllocator;
+
+use crate::error::{DistError, Result};
+use crate::worker::memory::{HostProbe, SharedMapping};
+use crate::worker::{self, WorkerConfig};
+
+/// A worker process's arguments (`kvbm-dist-node worker ...`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeArgs {
+    /// The leader's endpoint.
+    pub endpoint: String,
+    /// The instance.
+    pub instance: u64,
+    /// This worker's rank.
+    pub rank: u32,
+    /// Ranks in all.
+    pub world: u32,
+    /// The G1 layout, as a descriptor's JSON.
+    pub layout_json: String,
+    /// A file the engine shares as G1; `None`: the worker allocates G1.
+    pub g1_file: Option<PathBuf>,
+    /// Directory for this worker's G3 file.
+    pub g3_dir: Option<PathBuf>,
+    /// Keep a worker-allocated G1 in host memory even when a GPU is present.
+    pub host_g1: bool,
+    /// memcpy threads of a GPU worker's executor.
+    pub threads: usize,
+    /// Fault injection: wait this long before starting each transfer.
+    pub fault_delay: Duration,
+    /// Exit when the leader has been silent this long.
+    pub leader_timeout: Duration,
+}
+
+impl NodeArgs {
+    /// A worker of `rank` in a world of `world` with G1 of `layout_json`,
+    /// the defaults elsewhere (G1 allocated by the worker on its GPU if it
+    /// has one, no G3 directory, 2 memcpy threads, no fault delay, a 30 s
+    /// leader timeout).
+    pub fn new(
+        endpoint: impl Into<String>,
+        instance: u64,
+        rank: u32,
+        world: u32,
+        layout_json: impl Into<String>,
+    ) -> Self {
+        NodeArgs {
+            endpoint: endpoint.into(),
+            instance,
+            rank,
+            world,
+            layout_json: layout_json.into(),
+            g1_file: None,
+            g3_dir: None,
+            host_g1: false,
+            threads: 2,
+            fault_delay: Duration::ZERO,
+            leader_timeout: Duration::from_secs(30),
+        }
+    }
+
+    /// Parses the command line after the program name (`worker --flag
+    /// value ...`).
+    pub fn parse(args: impl IntoIterator<Item = String>) -> Result<NodeArgs> {
+        let bad = |m: String| DistError::InvalidConfig(m);
+        let mut args = args.into_iter();
+        match args.next().as_deref() {
+            Some("worker") => {}
+            other => {
+                return Err(bad(format!(
+                    "usage: kvbm-dist-node worker --flag value..., got {other:?}"
+                )));
+            }
+        }
+        let mut endpoint = None;
+        let mut instance = None;
+        let mut rank = None;
+        let mut world = None;
+        let mut layout = None;
+        let mut out = NodeArgs::new("", 0, 0, 0, "");
+        while let Some(k) = args.next() {
+            let key = k
+                .strip_prefix("--")
+                .ok_or_else(|| bad(format!("expected a --flag, got {k:?}")))?;
+            if key == "host-g1" {
+                out.host_g1 = true;
+                continue;
+            }
+            let v = args
+                .next()
+                .ok_or_else(|| bad(format!("--{key} needs a value")))?;
+            let num =
+                |v: &str| -> Result<u64> { v.parse().map_err(|e| bad(format!("--{key}: {e}"))) };
+            let rank_num = |v: &str| -> Result<u32> {
+                u32::try_from(num(v)?).map_err(|e| bad(format!("--{key}: {e}")))
+            };
+            match key {
+                "endpoint" => endpoint = Some(v),
+                "instance" => instance = Some(num(&v)?),
+                "rank" => rank = Some(rank_num(&v)?),
+                "world" => world = Some(rank_num(&v)?),
+                "layout" => layout = Some(v),
+                "g1-file" => out.g1_file = Some(PathBuf::from(v)),
+                "g3-dir" => out.g3_dir = Some(PathBuf::from(v)),
+                "threads" => {
+                    out.threads = usize::try_from(num(&v)?)
+                        .ok()
+                        .filter(|&t| t > 0)
+                        .ok_or_else(|| bad(format!("--threads {v}: must be at least 1")))?;
+                }
+                "fault-delay-ms" => out.fault_delay = Duration::from_millis(num(&v)?),
+                "leader-timeout-ms" => out.leader_timeout = Duration::from_millis(num(&v)?),
+                _ => return Err(bad(format!("unknown flag --{key}"))),
+            }
+        }
+        let need = |k: &str| bad(format!("--{k} is required"));
+        out.endpoint = endpoint.ok_or_else(|| need("endpoint"))?;
+        out.instance = instance.ok_or_else(|| need("instance"))?;
+        out.rank = rank.ok_or_else(|| need("rank"))?;
+        out.world = world.ok_or_else(|| need("world"))?;
+        out.layout_json = layout.ok_or_else(|| need("layout"))?;
+        Ok(out)
+    }
+
+    /// The command line that [`NodeArgs::parse`] reads back as `self`.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut v = vec![
+            "worker".to_string(),
+            "--endpoint".into(),
+            self.endpoint.clone(),
+            "--instance".into(),
+            self.instance.to_string(),
+            "--rank".into(),
+            self.rank.to_string(),
+            "--world".into(),
+            self.world.to_string(),
+            "--layout".into(),
+            self.layout_json.clone(),
+            "--threads".into(),
+            self.threads.to_string(),
+            "--fault-delay-ms".into(),
+            self.fault_delay.as_millis().to_string(),
+            "--leader-timeout-ms".into(),
+            self.leader_timeout.as_millis().to_string(),
+        ];
+        if let Some(f) = &self.g1_file {
+            v.push("--g1-file".into());
+            v.push(f.display().to_string());
+        }
+        if let Some(d) = &self.g3_dir {
+            v.push("--g3-dir".into());
+            v.push(d.display().to_string());
+        }
+        if self.host_g1 {
+            v.push("--host-g1".into());
+        }
+        v
+    }
+}
+
+/// The `kvbm-dist-node` binary: parses the process's arguments, runs the
+/// worker until the leader shuts it down, and reports an error on stderr.
+pub fn main() -> ExitCode {
+    match NodeArgs::parse(std::env::args().skip(1)).and_then(|a| run(&a)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvbm-dist-node: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs one worker with `args` until the leader shuts it down (`Ok`) or
+/// goes silent.
+pub fn run(args: &NodeArgs) -> Result<()> {
+    let layout = LayoutDescriptor::from_json(&args.layout_json)
+        .and_then(|d| d.to_layout())
+        .map_err(|e| DistError::InvalidConfig(format!("--layout: {e}")))?;
+    if let Some(dir) = &args.g3_dir {
+        std::fs::create_dir_all(dir).map_err(|source| DistError::Io {
+            what: "create the G3 directory",
+            source,
+        })?;
+    }
+    let mut config = match &args.g1_file {
+        Some(path) => {
+            let mapping = SharedMapping::open(path, layout.total_bytes())?;
+            let g1 = Arc::new(mapping).physical_layout(layout)?;
+            let mut config = worker_config(args, g1);
+            config.probe = Some(Box::new(HostProbe));
+            config
+        }
+        None => own_g1(args, layout)?,
+    };
+    config.g3_dir = args.g3_dir.clone();
+    config.fault_delay = args.fault_delay;
+    config.leader_timeout = args.leader_timeout;
+    worker::run(config)
+}
+
+fn worker_config(args: &NodeArgs, g1: PhysicalLayout) -> WorkerConfig {
+    WorkerConfig::new(
+        args.endpoint.clone(),
+        args.instance,
+        args.rank,
+        args.world,
+        g1,
+    )
+}
+
+/// A worker whose G1 it allocates itself: GPU `rank` when there is one
+/// (and `--host-g1` was not given), host memory otherwise.
+fn own_g1(args: &NodeArgs, layout: Layout) -> Result<WorkerConfig> {
+    #[cfg(feature = "cuda")]
+    if !args.host_g1
+        && let Some(dev) = worker::device::device_at(args.rank as usize)
+    {
+        use worker::device::DeviceG1;
+        eprintln!(
+            "kvbm-dist-node rank {}: G1 on GPU {} ({})",
+            args.rank,
+            args.rank,
+            dev.name()
+        );
+        let g1 = DeviceG1::allocate(&dev, layout)?;
+        let mut config = worker_config(args, g1.physical().clone());
+        config.executor = Some(executor(args, g1.physical())?);
+        config.probe = Some(Box::new(g1.probe()));
+        return Ok(config);
+    }
+    let why = if args.host_g1 {
+        "asked for"
+    } else if cfg!(feature = "cuda") {
+        "no CUDA device for this rank"
+    } else {
+        "built without CUDA"
+    };
+    eprintln!(
+        "kvbm-dist-node rank {}: G1 host-memory stand-in ({why})",
+        args.rank
+    );
+    let g1 = PhysicalLayout::allocate_system(layout, &SystemAllocator::new())?;
+    let executor = executor(args, &g1)?;
+    let mut config = worker_config(args, g1);
+    config.executor = Some(executor);
+    config.probe = Some(Box::new(HostProbe));
+    Ok(config)
+}
+
+/// The executor for `g1` (see [`worker::executor_spec`]) with `--threads`
+/// memcpy threads.
+fn executor(args: &NodeArgs, g1: &PhysicalLayout) -> Result<kvbm_transfer::Executor> {
+    Ok(worker::executor_spec(g1)?
+        .memcpy_threads(args.threads)
+        .disk(true)
+        .build()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn strings(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn arguments_round_trip() {
+        let mut a = NodeArgs::new("tcp://127.0.0.1:5555", 7, 1, 2, "{}");
+        assert_eq!(NodeArgs::parse(a.to_args()).unwrap(), a);
+        a.g1_file = Some("/tmp/g1".into());
+        a.g3_dir = Some("/tmp/g3".into());
+        a.host_g1 = true;
+        a.threads = 4;
+        a.fault_delay = Duration::from_millis(5);
+        a.leader_timeout = Duration::from_secs(120);
+        assert_eq!(NodeArgs::parse(a.to_args()).unwrap(), a);
+    }
+
+    #[test]
+    fn bad_arguments_are_errors_naming_the_flag() {
+        for (args, want) in [
+            (&["serve"][..], "usage"),
+            (&["worker", "--rank"], "--rank needs a value"),
+            (&["worker", "--rank", "x"], "--rank"),
+            (&["worker", "--frobnicate", "1"], "--frobnicate"),
+            (&["worker", "--threads", "0"], "--threads"),
+            (&["worker", "--rank", "0"], "--endpoint is required"),
+        ] {
+            let e = NodeArgs::parse(strings(args)).unwrap_err().to_string();
+            assert!(e.contains(want), "{args:?}: {e}");
+        }
+    }
+}
