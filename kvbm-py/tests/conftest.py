@@ -19,7 +19,7 @@ ENGINE_ENV = {
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    """A tiny random Llama written once per session."""
+    """A tiny random Llama, written once per pytest run."""
     out = tmp_path_factory.mktemp("tiny-llama")
     subprocess.run([sys.executable, str(HERE / "tiny_model.py"), str(out)], check=True)
     return str(out)

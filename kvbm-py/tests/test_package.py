@@ -73,3 +73,14 @@ def test_tensors_kvbm_cannot_address_exactly_are_refused():
     b = torch.zeros(10, 2, 16, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="share shape"):
         _worker([a, b], 10)
+
+
+def test_gpu_tensors_without_a_gpu_are_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    t = torch.zeros(2, 4, 16, 2, 64, dtype=torch.float16)
+    spec = [(0x10000, list(t.shape), list(t.stride()))]
+    # The wheel has CUDA support compiled in; libcuda is only looked for
+    # now, and its absence is an error, not a crash.
+    with pytest.raises((RuntimeError, ValueError), match="(?i)cuda"):
+        kvbm_py.Worker("ipc:///nonexistent/kvbm", 0, 1, spec, 2, 4, (t,), device=0)
