@@ -25,6 +25,26 @@ if TYPE_CHECKING:
 __all__ = ["KvbmConnector", "KvbmMetadata"]
 
 
+def _check_cache_config(vllm_config: "VllmConfig", kv_cache_config: Any) -> None:
+    """Refuses at start-up what kvbm cannot serve correctly: several KV
+    cache groups (block ids are per group) or block hashes over a block
+    size other than the cache's (kvbm keys one hash per block)."""
+    if kv_cache_config is None:
+        return
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) > 1:
+        raise ValueError(
+            f"kvbm: {len(groups)} KV cache groups (hybrid attention); kvbm serves one"
+        )
+    block_size = int(vllm_config.cache_config.block_size)
+    hash_block_size = getattr(kv_cache_config, "hash_block_size", None)
+    if hash_block_size and int(hash_block_size) != block_size:
+        raise ValueError(
+            f"kvbm: vLLM hashes blocks of {hash_block_size} tokens but caches blocks of "
+            f"{block_size}; kvbm needs one hash per cached block"
+        )
+
+
 class KvbmConnector(KVConnectorBase_V1):
     """kvbm as a vLLM v1 KV connector.
 
@@ -47,6 +67,7 @@ class KvbmConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.config = KvbmConfig.from_sources(extra)
+        _check_cache_config(vllm_config, kv_cache_config)
         self._scheduler = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
