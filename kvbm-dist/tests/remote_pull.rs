@@ -68,7 +68,9 @@ fn start(instance: u64) -> Instance {
     for rank in 0..WORLD {
         let g1 = dir.path().join(format!("g1-rank{rank}"));
         create_shared_file(&g1, &layout).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_kvbm-dist-node"))
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvbm-dist-node"));
+        pending.secret().pass_to(&mut cmd);
+        let child = cmd
             .arg("worker")
             .args(["--endpoint", pending.endpoint()])
             .args(["--instance", &instance.to_string()])

@@ -13,7 +13,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::sync::Arc;
 
-use kvbm_dist::leader::{Leader, LeaderConfig, PendingLeader};
+use kvbm_dist::auth::InstanceSecret;
+use kvbm_dist::leader::{Leader, LeaderConfig, PRIVATE_ENDPOINT, PendingLeader};
 use kvbm_dist::proto::ProbeOp;
 use kvbm_dist::worker::probe::{BlockProbe, rank_seed};
 use kvbm_dist::worker::{self, WorkerConfig};
@@ -107,8 +108,13 @@ impl BlockProbe for G1Probe {
     }
 }
 
-/// Runs one worker until the leader shuts it down.
+/// Runs one worker until the leader shuts it down. The instance secret
+/// comes from the environment the leader's process started it with (and
+/// is removed from it).
 pub fn run_worker(args: &WorkerArgs) -> Result<()> {
+    // SAFETY: a worker process calls this from `main` before it starts any
+    // thread (the executor's threads start below).
+    let secret = unsafe { InstanceSecret::take_from_env() }.map_err(dist_err)?;
     let layout = LayoutDescriptor::from_json(&args.layout_json)
         .and_then(|d| d.to_layout())
         .map_err(|e| BenchError::Config(format!("--layout: {e}")))?;
@@ -125,6 +131,7 @@ pub fn run_worker(args: &WorkerArgs) -> Result<()> {
         args.rank,
         args.world,
         physical,
+        secret,
     );
     config.g3_dir = Some(args.g3_dir.clone());
     config.executor = Some(executor);
@@ -224,8 +231,9 @@ pub fn start(
     std::fs::create_dir_all(&run_dir)
         .map_err(|e| BenchError::Config(format!("{}: {e}", run_dir.display())))?;
     let bpb = layout.config().block_bytes() * u64::from(world);
+    // On this host: an IPC socket in a directory only this user can enter.
     let config = LeaderConfig::new(
-        "tcp://127.0.0.1:*",
+        PRIVATE_ENDPOINT,
         u64::from(std::process::id()),
         world,
         g2_blocks as u64 * bpb,
@@ -244,8 +252,10 @@ pub fn start(
             host_g1,
             threads,
         };
-        let child = Command::new(exe)
-            .args(args.to_args())
+        let mut cmd = Command::new(exe);
+        cmd.args(args.to_args());
+        pending.secret().pass_to(&mut cmd);
+        let child = cmd
             .spawn()
             .map_err(|e| BenchError::Config(format!("cannot start {}: {e}", exe.display())))?;
         children.push(child);
