@@ -277,6 +277,38 @@ impl DealerSocket {
     pub(crate) fn raw(&self) -> &zmq::Socket {
         &self.socket
     }
+
+    /// A socket on `ctx` that becomes readable when the connection to the
+    /// leader drops (the socket's disconnect events); read it with
+    /// [`drain_disconnects`].
+    pub(crate) fn watch_disconnects(&self, ctx: &zmq::Context) -> Result<zmq::Socket> {
+        let name = format!(
+            "inproc://kvbm-dist-monitor-{}-{}",
+            std::process::id(),
+            NEXT_WAKER.fetch_add(1, Ordering::Relaxed)
+        );
+        self.socket
+            .monitor(&name, zmq::SocketEvent::DISCONNECTED as i32)
+            .map_err(DistError::zmq("monitor"))?;
+        let pair = ctx.socket(zmq::PAIR).map_err(DistError::zmq("monitor"))?;
+        pair.set_linger(0).map_err(DistError::zmq("linger"))?;
+        pair.connect(&name)
+            .map_err(DistError::zmq("monitor connect"))?;
+        Ok(pair)
+    }
+}
+
+/// Reads every pending event of a [`DealerSocket::watch_disconnects`]
+/// socket; true if the connection dropped.
+pub(crate) fn drain_disconnects(monitor: &zmq::Socket) -> bool {
+    let mut dropped = false;
+    while let Ok(parts) = monitor.recv_multipart(zmq::DONTWAIT) {
+        if let Some(event) = parts.first().and_then(|f| f.get(..2)) {
+            dropped |=
+                u16::from_ne_bytes([event[0], event[1]]) == zmq::SocketEvent::DISCONNECTED as u16;
+        }
+    }
+    dropped
 }
 
 static NEXT_WAKER: AtomicU64 = AtomicU64::new(0);

@@ -257,9 +257,8 @@ fn a_rank_lost_during_the_handshake_is_named_and_the_others_shut_down_cleanly() 
     assert!(is_empty(&g3), "G3 left behind in {}", g3.display());
 }
 
-/// The leader of [`a_worker_whose_leader_is_killed_exits_within_a_few_heartbeats`],
-/// run in a child process of this test binary (it does nothing unless
-/// started that way).
+/// The leader of [`orphaned_workers_exit`], run in a child process of this
+/// test binary (it does nothing unless started that way).
 #[test]
 fn leader_process() {
     let Ok(endpoint) = std::env::var("KVBM_TEST_LEADER_ENDPOINT") else {
@@ -277,8 +276,10 @@ fn leader_process() {
     std::thread::sleep(Duration::from_secs(120));
 }
 
-#[test]
-fn a_worker_whose_leader_is_killed_exits_within_a_few_heartbeats() {
+/// Starts [`leader_process`] and two workers, then sends the leader
+/// `signal`: every worker must exit, failing with `expect`, well before
+/// its 60 s leader timeout, and leave no G3 file.
+fn orphaned_workers_exit(signal: libc::c_int, expect: &str) {
     let dir = tempfile::tempdir().unwrap();
     let endpoint = format!("ipc://{}", dir.path().join("leader.sock").display());
     let secret = InstanceSecret::generate().unwrap();
@@ -293,9 +294,9 @@ fn a_worker_whose_leader_is_killed_exits_within_a_few_heartbeats() {
     .env("KVBM_TEST_LEADER_ENDPOINT", &endpoint)
     .stdout(Stdio::piped());
     secret.pass_to(&mut cmd);
-    let mut leader = cmd.spawn().unwrap();
+    let mut leader = Reaper(vec![cmd.spawn().unwrap()]);
     let (tx, rx) = mpsc::channel();
-    let out = std::io::BufReader::new(leader.stdout.take().unwrap());
+    let out = std::io::BufReader::new(leader.0[0].stdout.take().unwrap());
     std::thread::spawn(move || {
         for line in out.lines().map_while(Result::ok) {
             let _ = tx.send(line);
@@ -313,16 +314,29 @@ fn a_worker_whose_leader_is_killed_exits_within_a_few_heartbeats() {
         .collect();
     let mut workers = Reaper(specs.iter().map(WorkerSpec::spawn).collect());
     wait_line("LEADER READY");
-    leader.kill().unwrap(); // SIGKILL: no shutdown reaches the workers.
-    leader.wait().unwrap();
-    // Heartbeats every 100 ms; 10 missed (at least 1 s) and they exit,
-    // far before their 60 s leader timeout.
+    let pid = leader.0[0].id() as libc::pid_t;
+    // SAFETY: kill(2) on our own child's pid; no memory is involved.
+    assert_eq!(unsafe { libc::kill(pid, signal) }, 0);
     for (rank, c) in workers.0.iter_mut().enumerate() {
         let (status, took) = exit_within(c, WAIT).expect("an orphaned worker runs on");
         let err = stderr_of(c);
         assert!(!status.success(), "rank {rank}: {err}");
-        assert!(err.contains("no heartbeat"), "rank {rank}: {err}");
+        assert!(err.contains(expect), "rank {rank}: {err}");
         assert!(took < Duration::from_secs(10), "rank {rank} took {took:?}");
         assert!(is_empty(&specs[rank].g3_dir()), "rank {rank} left G3");
     }
+}
+
+#[test]
+fn a_worker_whose_leader_is_killed_exits_at_once() {
+    // The kernel closes the dead leader's socket: the workers see the
+    // connection drop.
+    orphaned_workers_exit(libc::SIGKILL, "connection to the leader");
+}
+
+#[test]
+fn a_worker_whose_leader_stalls_exits_within_a_few_heartbeats() {
+    // A stopped leader keeps its connections open but sends nothing:
+    // heartbeats every 100 ms, 10 missed (at least 1 s) and they exit.
+    orphaned_workers_exit(libc::SIGSTOP, "no heartbeat");
 }

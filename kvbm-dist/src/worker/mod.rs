@@ -17,7 +17,10 @@
 //! never answers is an error, not a hang), and once configured after
 //! [`HEARTBEAT_MISSES`] heartbeat intervals without a frame (at least a
 //! second, at most the leader timeout), so a worker whose leader died
-//! exits within a few heartbeats and its G3 file goes with it.
+//! exits within a few heartbeats and its G3 file goes with it. A
+//! connection that drops ends the worker sooner: once what arrived
+//! before is read, it exits rather than wait for a heartbeat (or talk to
+//! whoever listens on the endpoint next).
 //!
 //! Threads: one event loop owns the DEALER socket; transfers run on the
 //! executor's threads and hand their acknowledgement back to the loop
@@ -42,7 +45,7 @@ use crate::proto::{
     Ack, AckFailure, BlockPair, Configure, ErrorReply, Hello, InstanceId, Message, Probe, ProbeOp,
     ProbeReply, Ready, TierBounds, Transfer, truncate,
 };
-use crate::transport::{DealerSocket, WakeSender, wake_pair};
+use crate::transport::{DealerSocket, WakeSender, drain_disconnects, wake_pair};
 use tiers::Tiers;
 
 /// What a worker needs to start.
@@ -148,6 +151,9 @@ const TICK: Duration = Duration::from_millis(200);
 pub const HEARTBEAT_MISSES: u32 = 10;
 /// The shortest silence a configured worker tolerates.
 const MIN_SILENCE: Duration = Duration::from_secs(1);
+/// How long a worker whose connection to the leader dropped still reads
+/// what arrived before (a `Shutdown`) before it exits.
+const DISCONNECT_GRACE: Duration = Duration::from_millis(300);
 
 /// How long the leader may stay silent: the leader timeout until the
 /// worker is configured, then [`HEARTBEAT_MISSES`] heartbeats.
@@ -177,6 +183,7 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
     );
     let started = Instant::now();
     let socket = DealerSocket::connect(&ctx, &config.endpoint, identity.as_bytes())?;
+    let monitor = socket.watch_disconnects(&ctx)?;
     let (wake_tx, wake_rx) = wake_pair(&ctx)?;
     let (ack_tx, ack_rx) = mpsc::channel::<Message>();
     let layout = config.g1.layout();
@@ -214,6 +221,7 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
     };
     let mut last_heard: Option<Instant> = None;
     let mut heartbeat_ms: Option<u32> = None;
+    let mut disconnected: Option<Instant> = None;
     loop {
         let limit = silence_limit(config.leader_timeout, heartbeat_ms);
         let tick = heartbeat_ms.map_or(TICK, |ms| {
@@ -223,10 +231,18 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
             let mut items = [
                 socket.raw().as_poll_item(zmq::POLLIN),
                 wake_rx.socket().as_poll_item(zmq::POLLIN),
+                monitor.as_poll_item(zmq::POLLIN),
             ];
             zmq::poll(&mut items, tick.as_millis() as i64).map_err(DistError::zmq("poll"))?;
         }
         wake_rx.drain();
+        if drain_disconnects(&monitor) && disconnected.is_none() {
+            // The leader's process is gone (or closed its socket): whatever
+            // it sent before still gets read, then the worker exits
+            // instead of waiting for a heartbeat, or for whoever listens on
+            // the endpoint next.
+            disconnected = Some(Instant::now());
+        }
         while let Ok(ack) = ack_rx.try_recv() {
             if let Message::Ack(a) = &ack {
                 w.inflight.remove(&a.transfer_id);
@@ -265,6 +281,16 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
                     }))?;
                 }
             }
+        }
+        if let Some(t) = disconnected
+            && t.elapsed() > DISCONNECT_GRACE
+        {
+            for t in w.inflight.values() {
+                t.cancel();
+            }
+            let why = format!("the connection to the leader at {} closed", config.endpoint);
+            tracing::warn!("{why}; exiting");
+            return Err(DistError::LeaderGone(why));
         }
         let silent = last_heard.unwrap_or(started).elapsed();
         if silent > limit {
