@@ -58,18 +58,16 @@ fn cluster(dir: &Path) -> (Leader, Workers) {
     for rank in 0..WORLD {
         let file = dir.join(format!("g1-{rank}"));
         create_shared_file(&file, &layout).unwrap();
-        workers.0.push(
-            Command::new(std::env::current_exe().unwrap())
-                .arg("worker")
-                .args(["--endpoint", pending.endpoint()])
-                .args(["--instance", "1"])
-                .args(["--rank", &rank.to_string()])
-                .args(["--world", &WORLD.to_string()])
-                .args(["--layout", &layout.descriptor().to_json()])
-                .args(["--g1-file", file.to_str().unwrap()])
-                .spawn()
-                .unwrap(),
-        );
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.arg("worker")
+            .args(["--endpoint", pending.endpoint()])
+            .args(["--instance", "1"])
+            .args(["--rank", &rank.to_string()])
+            .args(["--world", &WORLD.to_string()])
+            .args(["--layout", &layout.descriptor().to_json()])
+            .args(["--g1-file", file.to_str().unwrap()]);
+        pending.secret().pass_to(&mut cmd);
+        workers.0.push(cmd.spawn().unwrap());
     }
     (pending.handshake().unwrap(), workers)
 }

@@ -32,34 +32,15 @@ pub enum DistError {
         /// What differs.
         reason: String,
     },
-    /// Two workers claimed the same rank.
-    #[error("rank {rank} claimed twice (peers {first} and {second})")]
+    /// Two of the instance's processes claimed the same rank.
+    #[error("rank {rank} claimed twice (peers \"{first}\" and \"{second}\")")]
     DuplicateRank {
+        /// The first claimant's identity, escaped.
+        first: String,
         /// The rank.
         rank: u32,
-        /// The first claimant's identity.
-        first: String,
-        /// The second claimant's identity.
+        /// The second claimant's identity, escaped.
         second: String,
-    },
-    /// A Hello from a peer of another protocol version.
-    #[error("peer {peer} speaks protocol version {found}, this build speaks {supported}")]
-    VersionMismatch {
-        /// The peer's ZeroMQ identity.
-        peer: String,
-        /// Its version.
-        found: u16,
-        /// Ours.
-        supported: u16,
-    },
-    /// A Hello that does not fit this leader (other instance, other world
-    /// size).
-    #[error("peer {peer} does not belong here: {reason}")]
-    Foreign {
-        /// The peer's identity.
-        peer: String,
-        /// Why.
-        reason: String,
     },
     /// Not every rank said Hello (or Ready) in time.
     #[error("{phase} timed out after {waited_ms} ms; missing ranks {missing:?}{}", rejected_note(.rejected))]
@@ -70,7 +51,8 @@ pub enum DistError {
         waited_ms: u64,
         /// Ranks that did not answer.
         missing: Vec<u32>,
-        /// Frames refused meanwhile, with why.
+        /// The first few frames refused meanwhile, with why (identities
+        /// escaped), and how many more.
         rejected: Vec<String>,
     },
     /// A worker reported an error instead of Ready.
@@ -84,6 +66,9 @@ pub enum DistError {
     /// Bad configuration.
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
+    /// The leader refused this worker's `Hello`.
+    #[error("the leader refused this worker: {0}")]
+    Refused(String),
     /// The leader (or the worker's connection to it) is gone.
     #[error("leader gone: {0}")]
     LeaderGone(String),

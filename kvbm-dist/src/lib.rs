@@ -25,6 +25,7 @@
 //! registered before it is posted.
 //!
 //! Map of the crate:
+//! - [`auth`]: the instance secret and the MAC that admits a worker.
 //! - [`proto`]: the versioned wire format, its validating decoder and the
 //!   receiver-side bounds check.
 //! - [`transport`]: ZeroMQ ROUTER/DEALER sockets speaking [`proto`]
@@ -38,6 +39,7 @@
 //!   binary's `main`) and its arguments.
 //! - [`error`]: the crate's error type, [`DistError`].
 
+pub mod auth;
 pub mod error;
 pub mod leader;
 pub mod node;

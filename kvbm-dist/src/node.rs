@@ -6,7 +6,13 @@
 //! kvbm-dist-node worker --endpoint E --instance I --rank R --world W
 //!     --layout DESCRIPTOR_JSON [--g1-file PATH] [--g3-dir DIR]
 //!     [--host-g1] [--threads N] [--fault-delay-ms MS] [--leader-timeout-ms MS]
+//!     [--secret-file PATH]
 //! ```
+//!
+//! The instance secret comes from the environment variable
+//! `KVBM_INSTANCE_SECRET` (removed at once) or from `--secret-file`, a file
+//! of this user's with mode 0600 — never from the command line, which any
+//! user of the host can read.
 //!
 //! G1 comes one of two ways:
 //! - `--g1-file PATH`: host memory shared with the engine process through
@@ -30,6 +36,7 @@ use kvbm_layout::{Layout, LayoutDescriptor};
 use kvbm_transfer::PhysicalLayout;
 use kvbm_transfer::memory::SystemAllocator;
 
+use crate::auth::InstanceSecret;
 use crate::error::{DistError, Result};
 use crate::worker::memory::{HostProbe, SharedMapping};
 use crate::worker::{self, WorkerConfig};
@@ -59,6 +66,9 @@ pub struct NodeArgs {
     pub fault_delay: Duration,
     /// Exit when the leader has been silent this long.
     pub leader_timeout: Duration,
+    /// A 0600 file holding the instance secret; `None`: the secret comes
+    /// from the environment.
+    pub secret_file: Option<PathBuf>,
 }
 
 impl NodeArgs {
@@ -85,6 +95,7 @@ impl NodeArgs {
             threads: 2,
             fault_delay: Duration::ZERO,
             leader_timeout: Duration::from_secs(30),
+            secret_file: None,
         }
     }
 
@@ -131,6 +142,7 @@ impl NodeArgs {
                 "layout" => layout = Some(v),
                 "g1-file" => out.g1_file = Some(PathBuf::from(v)),
                 "g3-dir" => out.g3_dir = Some(PathBuf::from(v)),
+                "secret-file" => out.secret_file = Some(PathBuf::from(v)),
                 "threads" => {
                     out.threads = usize::try_from(num(&v)?)
                         .ok()
@@ -180,6 +192,10 @@ impl NodeArgs {
             v.push("--g3-dir".into());
             v.push(d.display().to_string());
         }
+        if let Some(f) = &self.secret_file {
+            v.push("--secret-file".into());
+            v.push(f.display().to_string());
+        }
         if self.host_g1 {
             v.push("--host-g1".into());
         }
@@ -189,8 +205,21 @@ impl NodeArgs {
 
 /// The `kvbm-dist-node` binary: parses the process's arguments, runs the
 /// worker until the leader shuts it down, and reports an error on stderr.
+///
+/// Call it first thing in the process's `main`: it takes the secret out of
+/// the environment before any other thread can read or change it.
 pub fn main() -> ExitCode {
-    match NodeArgs::parse(std::env::args().skip(1)).and_then(|a| run(&a)) {
+    // SAFETY: called first in the process's `main` (this function's
+    // contract), before any thread is started.
+    let from_env = unsafe { InstanceSecret::take_from_env() };
+    let outcome = NodeArgs::parse(std::env::args().skip(1)).and_then(|a| {
+        let secret = match &a.secret_file {
+            Some(path) => InstanceSecret::read_file(path),
+            None => from_env,
+        }?;
+        run(&a, secret)
+    });
+    match outcome {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("kvbm-dist-node: {e}");
@@ -199,9 +228,9 @@ pub fn main() -> ExitCode {
     }
 }
 
-/// Runs one worker with `args` until the leader shuts it down (`Ok`) or
-/// goes silent.
-pub fn run(args: &NodeArgs) -> Result<()> {
+/// Runs one worker with `args` and the instance's `secret` until the
+/// leader shuts it down (`Ok`) or goes silent.
+pub fn run(args: &NodeArgs, secret: InstanceSecret) -> Result<()> {
     let layout = LayoutDescriptor::from_json(&args.layout_json)
         .and_then(|d| d.to_layout())
         .map_err(|e| DistError::InvalidConfig(format!("--layout: {e}")))?;
@@ -215,11 +244,11 @@ pub fn run(args: &NodeArgs) -> Result<()> {
         Some(path) => {
             let mapping = SharedMapping::open(path, layout.total_bytes())?;
             let g1 = Arc::new(mapping).physical_layout(layout)?;
-            let mut config = worker_config(args, g1);
+            let mut config = worker_config(args, g1, secret);
             config.probe = Some(Box::new(HostProbe));
             config
         }
-        None => own_g1(args, layout)?,
+        None => own_g1(args, layout, secret)?,
     };
     config.g3_dir = args.g3_dir.clone();
     config.fault_delay = args.fault_delay;
@@ -227,19 +256,20 @@ pub fn run(args: &NodeArgs) -> Result<()> {
     worker::run(config)
 }
 
-fn worker_config(args: &NodeArgs, g1: PhysicalLayout) -> WorkerConfig {
+fn worker_config(args: &NodeArgs, g1: PhysicalLayout, secret: InstanceSecret) -> WorkerConfig {
     WorkerConfig::new(
         args.endpoint.clone(),
         args.instance,
         args.rank,
         args.world,
         g1,
+        secret,
     )
 }
 
 /// A worker whose G1 it allocates itself: GPU `rank` when there is one
 /// (and `--host-g1` was not given), host memory otherwise.
-fn own_g1(args: &NodeArgs, layout: Layout) -> Result<WorkerConfig> {
+fn own_g1(args: &NodeArgs, layout: Layout, secret: InstanceSecret) -> Result<WorkerConfig> {
     #[cfg(feature = "cuda")]
     if !args.host_g1
         && let Some(dev) = worker::device::device_at(args.rank as usize)
@@ -252,7 +282,7 @@ fn own_g1(args: &NodeArgs, layout: Layout) -> Result<WorkerConfig> {
             dev.name()
         );
         let g1 = DeviceG1::allocate(&dev, layout)?;
-        let mut config = worker_config(args, g1.physical().clone());
+        let mut config = worker_config(args, g1.physical().clone(), secret);
         config.executor = Some(executor(args, g1.physical())?);
         config.probe = Some(Box::new(g1.probe()));
         return Ok(config);
@@ -270,7 +300,7 @@ fn own_g1(args: &NodeArgs, layout: Layout) -> Result<WorkerConfig> {
     );
     let g1 = PhysicalLayout::allocate_system(layout, &SystemAllocator::new())?;
     let executor = executor(args, &g1)?;
-    let mut config = worker_config(args, g1);
+    let mut config = worker_config(args, g1, secret);
     config.executor = Some(executor);
     config.probe = Some(Box::new(HostProbe));
     Ok(config)
@@ -303,6 +333,7 @@ mod tests {
         a.threads = 4;
         a.fault_delay = Duration::from_millis(5);
         a.leader_timeout = Duration::from_secs(120);
+        a.secret_file = Some("/run/kvbm/secret".into());
         assert_eq!(NodeArgs::parse(a.to_args()).unwrap(), a);
     }
 

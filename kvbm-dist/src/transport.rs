@@ -1,11 +1,19 @@
 //! ZeroMQ sockets, wrapped to speak [`Message`]s.
 //!
 //! The leader binds a ROUTER; every worker connects a DEALER whose identity
-//! is unique per process (`instance/rank/nonce`), so the leader addresses a
-//! worker by identity and a restarted worker is a new peer. The ROUTER is
-//! *mandatory* (sending to a vanished peer is an error, which tells the
-//! leader a worker is gone without waiting for its heartbeat to lapse) and
-//! hands an identity over to a reconnecting peer.
+//! is unique per process (`instance/rank/random nonce`), so the leader
+//! addresses a worker by identity and a restarted worker is a new peer. The
+//! ROUTER is *mandatory* (sending to a vanished peer is an error, which
+//! tells the leader a worker is gone without waiting for its heartbeat to
+//! lapse) and never hands a connected identity over to a second connection:
+//! a stranger claiming a live worker's identity is dropped by ZeroMQ, so a
+//! frame from a worker's identity comes from the connection that
+//! authenticated it.
+//!
+//! On one host the leader listens by default on an IPC socket inside a
+//! private directory ([`PrivateDir`], mode 0700): only its user can even
+//! connect. Peer identities are attacker-chosen bytes; [`peer_name`] is the
+//! only form in which they reach a log or an error.
 //!
 //! ZeroMQ sockets are not thread-safe, so each one is used by exactly one
 //! thread: its event loop. Other threads (transfer callbacks, API callers)
@@ -48,9 +56,6 @@ impl RouterSocket {
         socket
             .set_router_mandatory(true)
             .map_err(DistError::zmq("router mandatory"))?;
-        socket
-            .set_router_handover(true)
-            .map_err(DistError::zmq("router handover"))?;
         set_frame_limits(&socket)?;
         socket.bind(endpoint).map_err(DistError::zmq("bind"))?;
         let endpoint = match socket.get_last_endpoint() {
@@ -105,6 +110,100 @@ impl RouterSocket {
     pub(crate) fn raw(&self) -> &zmq::Socket {
         &self.socket
     }
+
+    /// Lets frames already queued (a `Shutdown` to every worker) leave for
+    /// up to `ms` when the socket closes, instead of dropping them.
+    pub(crate) fn flush_on_close(&self, ms: i32) {
+        let _ = self.socket.set_linger(ms);
+    }
+}
+
+/// The printable form of a peer's ZeroMQ identity: ASCII escapes for every
+/// byte that is not printable ASCII (so a newline or a terminal escape in
+/// an identity cannot forge a log line), cut to 128 characters.
+pub fn peer_name(peer: &[u8]) -> String {
+    let mut s = peer.escape_ascii().to_string();
+    if s.len() > 128 {
+        s.truncate(128);
+        s.push_str("...");
+    }
+    s
+}
+
+/// A directory only this user can enter (mode 0700), created under
+/// `$XDG_RUNTIME_DIR` (or the temp dir) and removed with everything in it
+/// when dropped: where a leader's IPC socket lives on one host.
+#[derive(Debug)]
+pub struct PrivateDir {
+    path: std::path::PathBuf,
+}
+
+impl PrivateDir {
+    /// Creates a new private directory.
+    pub fn create() -> Result<PrivateDir> {
+        use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+        let base = std::env::var_os("XDG_RUNTIME_DIR")
+            .map(std::path::PathBuf::from)
+            .filter(|p| p.is_dir())
+            .unwrap_or_else(std::env::temp_dir);
+        let path = base.join(format!(
+            "kvbm-dist-{}-{:016x}",
+            std::process::id(),
+            crate::auth::random_u64()?
+        ));
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&path)
+            .map_err(|source| DistError::Io {
+                what: "create the private endpoint directory",
+                source,
+            })?;
+        let dir = PrivateDir { path };
+        let mode = std::fs::symlink_metadata(&dir.path)
+            .map_err(|source| DistError::Io {
+                what: "stat the private endpoint directory",
+                source,
+            })?
+            .mode();
+        if mode & 0o077 != 0 {
+            return Err(DistError::InvalidConfig(format!(
+                "{} has mode {:o}, not 0700",
+                dir.path.display(),
+                mode & 0o777
+            )));
+        }
+        Ok(dir)
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+
+    /// The IPC endpoint of a leader socket inside it.
+    pub fn endpoint(&self) -> String {
+        format!("ipc://{}", self.path.join("leader.sock").display())
+    }
+}
+
+impl Drop for PrivateDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+/// True for a TCP endpoint whose host is not a loopback address (frames to
+/// it cross a network).
+pub(crate) fn is_remote_tcp(endpoint: &str) -> bool {
+    let Some(rest) = endpoint.strip_prefix("tcp://") else {
+        return false;
+    };
+    let host = match rest.rfind(':') {
+        Some(i) => &rest[..i],
+        None => rest,
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    !(host == "localhost" || host == "::1" || host.starts_with("127."))
 }
 
 /// What both ends set: no linger on close, a bounded send queue, and no
@@ -178,6 +277,38 @@ impl DealerSocket {
     pub(crate) fn raw(&self) -> &zmq::Socket {
         &self.socket
     }
+
+    /// A socket on `ctx` that becomes readable when the connection to the
+    /// leader drops (the socket's disconnect events); read it with
+    /// [`drain_disconnects`].
+    pub(crate) fn watch_disconnects(&self, ctx: &zmq::Context) -> Result<zmq::Socket> {
+        let name = format!(
+            "inproc://kvbm-dist-monitor-{}-{}",
+            std::process::id(),
+            NEXT_WAKER.fetch_add(1, Ordering::Relaxed)
+        );
+        self.socket
+            .monitor(&name, zmq::SocketEvent::DISCONNECTED as i32)
+            .map_err(DistError::zmq("monitor"))?;
+        let pair = ctx.socket(zmq::PAIR).map_err(DistError::zmq("monitor"))?;
+        pair.set_linger(0).map_err(DistError::zmq("linger"))?;
+        pair.connect(&name)
+            .map_err(DistError::zmq("monitor connect"))?;
+        Ok(pair)
+    }
+}
+
+/// Reads every pending event of a [`DealerSocket::watch_disconnects`]
+/// socket; true if the connection dropped.
+pub(crate) fn drain_disconnects(monitor: &zmq::Socket) -> bool {
+    let mut dropped = false;
+    while let Ok(parts) = monitor.recv_multipart(zmq::DONTWAIT) {
+        if let Some(event) = parts.first().and_then(|f| f.get(..2)) {
+            dropped |=
+                u16::from_ne_bytes([event[0], event[1]]) == zmq::SocketEvent::DISCONNECTED as u16;
+        }
+    }
+    dropped
 }
 
 static NEXT_WAKER: AtomicU64 = AtomicU64::new(0);

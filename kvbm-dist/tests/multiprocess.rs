@@ -18,6 +18,7 @@ use std::time::Duration;
 use std::sync::Arc;
 
 use kvbm_block::SequenceHash;
+use kvbm_dist::auth::InstanceSecret;
 use kvbm_dist::leader::{
     DistMover, Leader, LeaderConfig, PendingLeader, RankState, evict_distributed_tiers,
 };
@@ -49,6 +50,7 @@ struct Node {
     dir: tempfile::TempDir,
     layout: Layout,
     endpoint: String,
+    secret: InstanceSecret,
     workers: Vec<Option<Child>>,
 }
 
@@ -60,7 +62,9 @@ impl Node {
     fn spawn(&mut self, rank: u32, fault_delay_ms: u64) {
         let g3 = self.dir.path().join(format!("g3-rank{rank}"));
         std::fs::create_dir_all(&g3).unwrap();
-        let child = Command::new(std::env::current_exe().unwrap())
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        self.secret.pass_to(&mut cmd);
+        let child = cmd
             .arg("worker")
             .args(["--endpoint", &self.endpoint])
             .args(["--instance", &INSTANCE.to_string()])
@@ -114,6 +118,7 @@ fn start(delays: [u64; 2]) -> (Node, Leader) {
     let pending = PendingLeader::bind(config).unwrap();
     let mut node = Node {
         endpoint: pending.endpoint().to_owned(),
+        secret: pending.secret().clone(),
         dir,
         layout,
         workers: vec![None, None],

@@ -73,7 +73,9 @@ fn start(instance: u64) -> Instance {
     for rank in 0..WORLD {
         let g1 = dir.path().join(format!("g1-rank{rank}"));
         create_shared_file(&g1, &layout).unwrap();
-        let child = Command::new(std::env::current_exe().unwrap())
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        pending.secret().pass_to(&mut cmd);
+        let child = cmd
             .arg("worker")
             .args(["--endpoint", pending.endpoint()])
             .args(["--instance", &instance.to_string()])

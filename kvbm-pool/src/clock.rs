@@ -26,10 +26,10 @@
 //!
 //! Why the raw counter and not `std::time::Instant`: `Instant::now()` goes
 //! through the vDSO (its data lines, and a fence before the counter read),
-//! 33–36 ns in a tight loop on the development VM and measurably more per
-//! call inside the pool's cache-hungry match + release loop, which a lone
-//! thread then pays on every call; the raw counter read is one instruction
-//! (about 12 ns there) and touches no memory. It relies on the counter
+//! several times the cost of a raw read in a tight loop and more inside
+//! the pool's cache-hungry match + release loop, which a lone thread then
+//! pays on every call; the raw counter read is one instruction and touches
+//! no memory. It relies on the counter
 //! being synchronised across cores, as every modern x86-64 and AArch64
 //! system's is (quanta checks for an invariant TSC and otherwise falls back
 //! to the OS clock); were it not, only the cross-shard order would blur.

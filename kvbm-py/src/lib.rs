@@ -15,10 +15,12 @@
 //! the package, built on these two.
 //!
 //! Module map: [`scheduler`], [`worker`], [`tensors`] (engine tensors as a
-//! kvbm layout), [`error`].
+//! kvbm layout), [`secret`] (the instance secret both sides share),
+//! [`error`].
 
 pub mod error;
 pub mod scheduler;
+pub mod secret;
 pub mod tensors;
 pub mod worker;
 

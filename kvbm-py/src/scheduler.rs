@@ -127,8 +127,11 @@ impl Scheduler {
     /// Binds the leader on `endpoint`, waits for the workers and builds the
     /// tier engine. `g2_bytes` and `g3_bytes` are summed over all workers;
     /// `admission` is `all`, `reuse_score` or `min_uses:N` (G2 and G3).
+    /// The workers must hold the instance secret published at
+    /// `secret_file` (or given in `KVBM_INSTANCE_SECRET`); without either
+    /// the leader draws one no worker knows.
     #[new]
-    #[pyo3(signature = (endpoint, world_size, block_size, g2_bytes, g3_bytes = 0, instance = 0, admission = "reuse_score", handshake_timeout_s = 120.0))]
+    #[pyo3(signature = (endpoint, world_size, block_size, g2_bytes, g3_bytes = 0, instance = 0, admission = "reuse_score", handshake_timeout_s = 120.0, secret_file = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -140,6 +143,7 @@ impl Scheduler {
         instance: u64,
         admission: &str,
         handshake_timeout_s: f64,
+        secret_file: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         let policy = parse_policy(admission)?;
         if !(handshake_timeout_s.is_finite() && handshake_timeout_s > 0.0) {
@@ -150,6 +154,9 @@ impl Scheduler {
         let mut config = LeaderConfig::new(endpoint, instance, world_size, g2_bytes, g3_bytes);
         config.block_size = block_size;
         config.handshake_timeout = Duration::from_secs_f64(handshake_timeout_s);
+        if let Some(path) = &secret_file {
+            config.secret = Some(crate::secret::shared_secret(path)?);
+        }
         let inner = py.detach(move || -> Result<Inner> {
             let leader = PendingLeader::bind(config)?.handshake()?;
             let engine_config = TierEngineConfig::new(block_size as usize)

@@ -70,7 +70,7 @@ impl Worker {
     /// long. An unsupported tensor shape or stride is a `ValueError` here,
     /// before anything runs.
     #[new]
-    #[pyo3(signature = (endpoint, rank, world_size, tensors, dtype_bytes, num_blocks, keepalive, device = None, g3_dir = None, instance = 0, leader_timeout_s = 60.0, transfer_delay_ms = 0))]
+    #[pyo3(signature = (endpoint, rank, world_size, tensors, dtype_bytes, num_blocks, keepalive, secret_file, device = None, g3_dir = None, instance = 0, leader_timeout_s = 600.0, transfer_delay_ms = 0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         endpoint: String,
@@ -80,6 +80,7 @@ impl Worker {
         dtype_bytes: usize,
         num_blocks: usize,
         keepalive: Py<PyAny>,
+        secret_file: PathBuf,
         device: Option<u32>,
         g3_dir: Option<PathBuf>,
         instance: u64,
@@ -106,7 +107,8 @@ impl Worker {
         // held until kvbm read them).
         let g1 = unsafe { engine_layout(&format, &tensors, dtype_bytes, memory, owner.clone()) }?;
         let c = *g1.layout().config();
-        let mut config = WorkerConfig::new(endpoint, instance, rank, world_size, g1);
+        let secret = crate::secret::shared_secret(&secret_file)?;
+        let mut config = WorkerConfig::new(endpoint, instance, rank, world_size, g1, secret);
         config.g3_dir = g3_dir;
         config.leader_timeout = Duration::from_secs_f64(leader_timeout_s);
         config.fault_delay = Duration::from_millis(transfer_delay_ms);

@@ -24,12 +24,12 @@ def block_hashes(n, salt=b""):
 class Rank:
     """One rank's KV tensors (CPU attention's shape) and kvbm worker."""
 
-    def __init__(self, endpoint, rank, g3_dir):
+    def __init__(self, endpoint, rank, g3_dir, secret_file):
         self.rank = rank
         self.layers = [torch.zeros(BLOCKS, 2, BLOCK, INNER, dtype=torch.float16) for _ in range(2)]
         specs = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in self.layers]
         self.worker = kvbm_py.Worker(endpoint, rank, 2, specs, 2, BLOCKS, tuple(self.layers),
-                                     g3_dir=str(g3_dir))
+                                     str(secret_file), g3_dir=str(g3_dir))
 
     def fill(self, block, seed):
         for layer, t in enumerate(self.layers):
@@ -43,8 +43,9 @@ class Rank:
 @pytest.fixture
 def node(tmp_path):
     endpoint = f"ipc://{tmp_path}/leader.sock"
-    ranks = [Rank(endpoint, r, tmp_path / f"g3-{r}") for r in range(2)]
-    sched = kvbm_py.Scheduler(endpoint, 2, BLOCK,
+    secret = tmp_path / "instance.secret"
+    ranks = [Rank(endpoint, r, tmp_path / f"g3-{r}", secret) for r in range(2)]
+    sched = kvbm_py.Scheduler(endpoint, 2, BLOCK, secret_file=str(secret),
                               g2_bytes=2 * RANK_BLOCK_BYTES * 2,   # 2 blocks per rank
                               g3_bytes=8 * RANK_BLOCK_BYTES * 2,   # 8 blocks per rank
                               admission="all", handshake_timeout_s=30)

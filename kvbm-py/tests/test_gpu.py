@@ -35,12 +35,14 @@ def run_round_trip(tmp: str) -> None:
     specs = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in layers]
     try:
         worker = kvbm_py.Worker(endpoint, 0, 1, specs, 2, BLOCKS, tuple(layers),
+                                f"{tmp}/instance.secret",
                                 device=torch.cuda.current_device(), g3_dir=f"{tmp}/g3")
     except ValueError as e:
         if "no CUDA support" in str(e):
             pytest.skip("kvbm_py built without feature `cuda`")
         raise
-    sched = kvbm_py.Scheduler(endpoint, 1, BLOCK, g2_bytes=2 * BLOCK_BYTES,
+    sched = kvbm_py.Scheduler(endpoint, 1, BLOCK, secret_file=f"{tmp}/instance.secret",
+                              g2_bytes=2 * BLOCK_BYTES,
                               g3_bytes=8 * BLOCK_BYTES, admission="all")
     try:
         hashes = [hashlib.sha256(bytes([i])).digest() for i in range(4)]

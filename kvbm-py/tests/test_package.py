@@ -1,6 +1,7 @@
 """The package alone: imports without vLLM, configuration sources, hash
 keys, and KV tensors kvbm refuses at start-up."""
 
+import os
 import subprocess
 import sys
 
@@ -50,10 +51,13 @@ def test_config_reads_extra_then_environment_then_defaults():
     assert GIB == 1 << 30
 
 
+_SECRET = f"/tmp/kvbm-test-{os.getpid()}.secret"
+
+
 def _worker(tensors, num_blocks):
     specs = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in tensors]
     return kvbm_py.Worker("ipc:///nonexistent/kvbm", 0, 1, specs, tensors[0].element_size(),
-                          num_blocks, tuple(tensors))
+                          num_blocks, tuple(tensors), _SECRET)
 
 
 def test_unknown_tensor_shapes_are_refused_at_start_up():
@@ -83,4 +87,4 @@ def test_gpu_tensors_without_a_gpu_are_a_clear_error():
     # The wheel has CUDA support compiled in; libcuda is only looked for
     # now, and its absence is an error, not a crash.
     with pytest.raises((RuntimeError, ValueError), match="(?i)cuda"):
-        kvbm_py.Worker("ipc:///nonexistent/kvbm", 0, 1, spec, 2, 4, (t,), device=0)
+        kvbm_py.Worker("ipc:///nonexistent/kvbm", 0, 1, spec, 2, 4, (t,), _SECRET, device=0)

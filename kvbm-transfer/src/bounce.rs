@@ -8,11 +8,12 @@
 //!
 //! Sizing: the slower hop wants its own bytes in flight. A disk hop keeps
 //! queue depth × request size in flight (8 × 2 MiB by default), so the
-//! slots a batch may hold should add up to more than that: with 1 MiB
-//! slots the O_DIRECT writer of a disk → disk copy sat idle-for-lack-of-
-//! slots 40–81% of the time, with 8 MiB slots it stayed fed. Small slots
-//! that stay in the CPU cache cost a cross-CPU wake-up per chunk, which on
-//! a small VM cost more CPU than the cache saved (`docs/benchmarks.md`).
+//! slots a batch may hold should add up to more than that: with slots
+//! smaller than a request the O_DIRECT writer of a disk → disk copy sits
+//! idle for lack of slots much of the time, and slots several requests
+//! large keep it fed. Small slots that stay in the CPU cache cost a
+//! cross-CPU wake-up per chunk, which on a small VM costs more CPU than the
+//! cache saves.
 //!
 //! `trace` (feature `diagnostics`) records how chunks move through the
 //! slots and the two hops, to find where a pipeline sits idle.

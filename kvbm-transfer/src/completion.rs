@@ -109,9 +109,9 @@ impl<T: Outcome> Completer<T> {
     /// Says the result cannot come before `at` and will likely come soon
     /// after: a thread blocked in [`Completion::wait`] then sleeps until
     /// `at` and polls for up to `spin` before blocking again, so it does
-    /// not pay a thread wake-up after the result arrived (40–130 µs on the
-    /// H200 machine's VM, a few percent of a 128 MiB copy). Futures and
-    /// callbacks are unaffected.
+    /// not pay a thread wake-up after the result arrived (on a virtual
+    /// machine a wake-up is a noticeable share of even a large copy).
+    /// Futures and callbacks are unaffected.
     pub fn due_at(&self, at: Instant, spin: Duration) {
         let Some(shared) = &self.shared else { return };
         let mut state = shared.state.lock();

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::sync::Arc;
 
-use kvbm_dist::leader::{Leader, LeaderConfig, PendingLeader};
+use kvbm_dist::leader::{Leader, LeaderConfig, PRIVATE_ENDPOINT, PendingLeader};
 use kvbm_dist::node::NodeArgs;
 use kvbm_dist::proto::ProbeOp;
 use kvbm_layout::Layout;
@@ -101,8 +101,9 @@ pub fn start(
     std::fs::create_dir_all(&run_dir)
         .map_err(|e| BenchError::Config(format!("{}: {e}", run_dir.display())))?;
     let bpb = layout.config().block_bytes() * u64::from(world);
+    // On this host: an IPC socket in a directory only this user can enter.
     let config = LeaderConfig::new(
-        "tcp://127.0.0.1:*",
+        PRIVATE_ENDPOINT,
         u64::from(std::process::id()),
         world,
         g2_blocks as u64 * bpb,
@@ -122,8 +123,11 @@ pub fn start(
         args.host_g1 = host_g1;
         args.threads = threads;
         args.leader_timeout = std::time::Duration::from_secs(120);
-        let child = Command::new(exe)
-            .args(args.to_args())
+        let mut cmd = Command::new(exe);
+        cmd.args(args.to_args());
+        // The secret travels in the child's environment, never its arguments.
+        pending.secret().pass_to(&mut cmd);
+        let child = cmd
             .spawn()
             .map_err(|e| BenchError::Config(format!("cannot start {}: {e}", exe.display())))?;
         children.push(child);

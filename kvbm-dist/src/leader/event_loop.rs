@@ -16,12 +16,14 @@ use kvbm_transfer::{
     CancelToken, Completer, TransferError, TransferFailure, TransferOutcome, TransferReport,
 };
 
+use crate::auth::InstanceSecret;
 use crate::proto::{Ack, AckFailure, ErrorReply, Hello, Message, Transfer, truncate};
-use crate::transport::{Received, RouterSocket, WakeReceiver};
+use crate::transport::{Received, RouterSocket, WakeReceiver, peer_name};
 
-use super::handshake::shape_difference;
+use super::handshake::{admit, decode_cause, shape_difference};
 use super::lost::LostBlocks;
 use super::mover::{CopyRequest, dist_error, nothing_landed};
+use super::refusals::{RefusalCause, Refusals};
 use super::{Cluster, Command, LeaderConfig, Loss, LostHook, RankState, StatusCell};
 
 mod peers;
@@ -65,6 +67,11 @@ pub(crate) struct EventLoop {
     /// The export or connect waiting for every rank (one at a time).
     peer_op: Option<peers::PendingPeerOp>,
     config: LeaderConfig,
+    secret: InstanceSecret,
+    refusals: Refusals,
+    /// Identities of processes that were replaced or lost: never admitted
+    /// again (a copied `Hello` of theirs stays useless).
+    burned: HashSet<Vec<u8>>,
     router: RouterSocket,
     wake: WakeReceiver,
     commands: mpsc::Receiver<Command>,
@@ -82,8 +89,11 @@ pub(crate) struct EventLoop {
 }
 
 impl EventLoop {
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         config: LeaderConfig,
+        secret: InstanceSecret,
+        refusals: Refusals,
         router: RouterSocket,
         wake: WakeReceiver,
         commands: mpsc::Receiver<Command>,
@@ -112,6 +122,9 @@ impl EventLoop {
             reference: cluster.reference,
             configure: cluster.configure,
             config,
+            secret,
+            refusals,
+            burned: HashSet::new(),
             router,
             wake,
             commands,
@@ -146,6 +159,7 @@ impl EventLoop {
             if !self.take_commands() {
                 break;
             }
+            let refused = self.refusals.counts();
             loop {
                 match self.router.try_recv() {
                     Ok(Some(r)) => self.on_frame(r),
@@ -156,11 +170,17 @@ impl EventLoop {
                     }
                 }
             }
+            if self.refusals.counts() != refused {
+                let counts = self.refusals.counts();
+                self.status.update(|s| s.refused = counts);
+            }
             self.on_clock();
         }
         for rank in &self.ranks {
             let _ = self.router.send(&rank.identity, &Message::Shutdown);
         }
+        // The shutdowns leave before the socket closes.
+        self.router.flush_on_close(2000);
         let ids: Vec<u64> = self.inflight.keys().copied().collect();
         for id in ids {
             if let Some(t) = self.inflight.remove(&id) {
@@ -329,14 +349,10 @@ impl EventLoop {
         if let Some(rank) = rank {
             self.ranks[rank].last_heard = Instant::now();
         }
-        let peer_name = String::from_utf8_lossy(&r.peer).into_owned();
         let message = match r.message {
             Ok(m) => m,
             Err(e) => {
-                tracing::warn!(peer = %peer_name, ?rank, "refused a frame: {e}");
-                let _ = self
-                    .router
-                    .send(&r.peer, &error(None, format!("refused frame: {e}")));
+                self.refuse(&r.peer, decode_cause(&e), format!("refused frame: {e}"));
                 return;
             }
         };
@@ -400,47 +416,60 @@ impl EventLoop {
                 }
             },
             (rank, other) => {
-                tracing::warn!(peer = %peer_name, ?rank, kind = ?other.kind(), "unexpected message");
-                let _ = self.router.send(
-                    &r.peer,
-                    &error(
-                        None,
-                        format!("a leader does not accept {:?} here", other.kind()),
-                    ),
-                );
+                let cause = if rank.is_some() {
+                    RefusalCause::Malformed
+                } else {
+                    RefusalCause::Stranger
+                };
+                let detail = format!("a leader does not accept {:?} here", other.kind());
+                self.refuse(&r.peer, cause, detail);
             }
         }
     }
 
+    /// Counts and answers a refused frame (logged sparingly).
+    fn refuse(&mut self, peer: &[u8], cause: RefusalCause, detail: String) {
+        self.refusals.refuse(peer, cause, &detail);
+        let _ = self
+            .router
+            .send(peer, &error(None, format!("refused: {detail}")));
+    }
+
     fn on_hello(&mut self, peer: Vec<u8>, h: Hello) {
-        let name = String::from_utf8_lossy(&peer).into_owned();
-        let refusal =
-            if h.instance != self.config.instance || h.world_size != self.config.world_size {
-                Some(format!(
-                    "instance {:x} of world {} does not belong to instance {:x} of world {}",
-                    h.instance, h.world_size, self.config.instance, self.config.world_size
-                ))
-            } else {
-                shape_difference(&self.reference, &h)
-                    .map(|d| format!("rank {} cannot rejoin: {d}", h.rank))
-            };
-        if let Some(reason) = refusal {
-            tracing::warn!(peer = %name, "refused hello: {reason}");
-            let _ = self.router.send(&peer, &error(None, reason));
-            let _ = self.router.send(&peer, &Message::Shutdown);
+        if let Err((cause, detail)) = admit(&self.config, &self.secret, &peer, &h) {
+            // A stranger's hello, even for a live rank, changes nothing.
+            self.refuse(&peer, cause, detail);
             return;
         }
         let rank = h.rank as usize;
         if self.ranks[rank].identity == peer {
             return; // a repeated hello
         }
+        if self.burned.contains(&peer) {
+            let detail = format!("identity of a replaced process cannot rejoin rank {rank}");
+            self.refuse(&peer, RefusalCause::Malformed, detail);
+            return;
+        }
+        let name = peer_name(&peer);
+        if let Some(d) = shape_difference(&self.reference, &h) {
+            // One of the instance's own processes, built for another shape.
+            tracing::warn!(peer = %name, "refused hello: rank {rank} cannot rejoin: {d}");
+            let _ = self.router.send(
+                &peer,
+                &error(None, format!("rank {rank} cannot rejoin: {d}")),
+            );
+            let _ = self.router.send(&peer, &Message::Shutdown);
+            return;
+        }
         if self.ranks[rank].state == RankState::Live {
-            // A new process for a rank we thought alive: the old one is gone.
+            // A new process of the instance for a rank we thought alive:
+            // the old one is gone.
             self.lose(rank, format!("replaced by a new process ({name})"));
         }
         tracing::info!(rank, peer = %name, "rejoining");
+        let old = std::mem::replace(&mut self.ranks[rank].identity, peer);
+        self.burned.insert(old);
         let r = &mut self.ranks[rank];
-        r.identity = peer;
         r.state = RankState::Rejoining;
         r.last_heard = Instant::now();
         if let Err(e) = self.router.send(

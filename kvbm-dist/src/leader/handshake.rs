@@ -1,259 +1,345 @@
 //! The handshake: every rank says `Hello`, the leader checks the ranks
 //! agree, sizes G2 and G3 from its byte budgets, sends `Configure`, and
-//! waits until every rank is `Ready`.
+//! waits until every rank is `Ready`, pinging the configured ones each
+//! heartbeat interval meanwhile.
 //!
-//! Configuration errors that waiting cannot fix fail at once and name the
-//! culprit: a peer of another protocol version, of another instance or
-//! world size, two peers claiming one rank, a rank whose block shape
-//! differs from rank 0's, a rank that reports an error instead of
-//! `Ready`. A hostile or garbled frame is answered with an error and
-//! noted, and the wait goes on; if the deadline passes the error names the
-//! missing ranks and what was refused meanwhile.
+//! Only the instance's own processes take part: a `Hello` must carry the
+//! MAC of the instance secret over its fields and the sender's identity.
+//! Anything else — a stranger, a frame of another protocol version, a
+//! `Hello` for another instance, garbage — is answered with an error,
+//! counted and ignored; it never stops the handshake. Errors among the
+//! instance's own processes that waiting cannot fix fail at once and name
+//! the rank: two processes claiming one rank, a rank whose block shape
+//! differs from rank 0's, a rank that reports an error instead of `Ready`
+//! or cannot be reached. On any failure every rank that said `Hello` is
+//! told to shut down (and the message is flushed before the socket
+//! closes), so it exits and removes its G3 file. If the deadline passes
+//! the error names the missing ranks and what was refused meanwhile.
 
 use std::collections::BTreeMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use crate::auth::{InstanceSecret, hello_mac_ok};
 use crate::error::{DistError, Result};
 use crate::proto::{Configure, ErrorReply, Hello, Message, ProtoError, truncate};
-use crate::transport::RouterSocket;
+use crate::transport::{RouterSocket, peer_name};
 
+use super::refusals::{RefusalCause, Refusals};
 use super::{Cluster, LeaderConfig};
 
-pub(crate) fn run(router: &RouterSocket, config: &LeaderConfig) -> Result<Cluster> {
+/// How long a failed handshake waits for its `Shutdown`s to leave.
+const FLUSH_MS: i32 = 2000;
+
+pub(crate) fn run(
+    router: &RouterSocket,
+    config: &LeaderConfig,
+    secret: &InstanceSecret,
+    refusals: &mut Refusals,
+) -> Result<Cluster> {
     let _span = tracing::info_span!("handshake", instance = config.instance).entered();
-    let result = run_inner(router, config);
+    let mut h = Handshake {
+        router,
+        config,
+        secret,
+        refusals,
+        hellos: BTreeMap::new(),
+    };
+    let result = h.run();
     if let Err(e) = &result {
         tracing::warn!("handshake failed: {e}");
+        for (peer, _) in h.hellos.values() {
+            let _ = router.send(peer, &Message::Shutdown);
+        }
+        router.flush_on_close(FLUSH_MS);
     }
     result
 }
 
-fn peer_name(peer: &[u8]) -> String {
-    String::from_utf8_lossy(peer).into_owned()
+fn error(message: String) -> Message {
+    Message::Error(ErrorReply {
+        transfer_id: None,
+        message: truncate(message),
+    })
 }
 
-/// Refuses `peer` and tells it to exit.
-fn dismiss(router: &RouterSocket, peer: &[u8], message: String) {
-    refuse(router, peer, message);
-    let _ = router.send(peer, &Message::Shutdown);
-}
-
-fn refuse(router: &RouterSocket, peer: &[u8], message: String) {
-    let _ = router.send(
-        peer,
-        &Message::Error(ErrorReply {
-            transfer_id: None,
-            message: truncate(message),
-        }),
-    );
-}
-
-/// Tells every peer that said hello to exit, then returns `e`.
-fn abort(
-    router: &RouterSocket,
-    hellos: &BTreeMap<u32, (Vec<u8>, Hello)>,
-    e: DistError,
-) -> DistError {
-    for (peer, _) in hellos.values() {
-        let _ = router.send(peer, &Message::Shutdown);
+/// Checks a `Hello` from `peer` against the instance: `Ok` when it is one
+/// of the instance's processes, or why not.
+pub(crate) fn admit(
+    config: &LeaderConfig,
+    secret: &InstanceSecret,
+    peer: &[u8],
+    h: &Hello,
+) -> std::result::Result<(), (RefusalCause, String)> {
+    if h.instance != config.instance || h.world_size != config.world_size {
+        return Err((
+            RefusalCause::WrongInstance,
+            format!(
+                "instance {:x} of world {} does not belong to instance {:x} of world {}",
+                h.instance, h.world_size, config.instance, config.world_size
+            ),
+        ));
     }
-    e
-}
-
-fn wait(router: &RouterSocket, deadline: Instant) -> Result<bool> {
-    let left = deadline.saturating_duration_since(Instant::now());
-    if left.is_zero() {
-        return Ok(false);
+    if !hello_mac_ok(secret, h.instance, h.rank, h.world_size, peer, &h.auth) {
+        return Err((
+            RefusalCause::Stranger,
+            format!("hello for rank {} without a valid instance MAC", h.rank),
+        ));
     }
-    let mut items = [router.raw().as_poll_item(zmq::POLLIN)];
-    zmq::poll(&mut items, left.as_millis().max(1) as i64).map_err(DistError::zmq("poll"))?;
-    Ok(true)
+    Ok(())
 }
 
-fn run_inner(router: &RouterSocket, config: &LeaderConfig) -> Result<Cluster> {
-    let world = config.world_size;
-    let mut hellos: BTreeMap<u32, (Vec<u8>, Hello)> = BTreeMap::new();
-    let mut rejected: Vec<String> = Vec::new();
-    let started = Instant::now();
-    let deadline = started + config.handshake_timeout;
-    while hellos.len() < world as usize {
-        if !wait(router, deadline)? {
-            let missing = (0..world).filter(|r| !hellos.contains_key(r)).collect();
-            return Err(abort(
-                router,
-                &hellos,
-                DistError::Timeout {
-                    phase: "hello",
-                    waited_ms: started.elapsed().as_millis() as u64,
-                    missing,
-                    rejected,
-                },
-            ));
+/// The cause of a frame the decoder refused.
+pub(crate) fn decode_cause(e: &ProtoError) -> RefusalCause {
+    match e {
+        ProtoError::UnsupportedVersion { .. } => RefusalCause::WrongVersion,
+        _ => RefusalCause::Malformed,
+    }
+}
+
+struct Handshake<'a> {
+    router: &'a RouterSocket,
+    config: &'a LeaderConfig,
+    secret: &'a InstanceSecret,
+    refusals: &'a mut Refusals,
+    hellos: BTreeMap<u32, (Vec<u8>, Hello)>,
+}
+
+impl Handshake<'_> {
+    /// Counts and answers a refused frame.
+    fn refuse(&mut self, peer: &[u8], cause: RefusalCause, detail: String) {
+        self.refusals.refuse(peer, cause, &detail);
+        let _ = self.router.send(peer, &error(format!("refused: {detail}")));
+    }
+
+    fn rank_of(&self, peer: &[u8]) -> Option<u32> {
+        self.hellos
+            .iter()
+            .find(|(_, (p, _))| p == peer)
+            .map(|(&r, _)| r)
+    }
+
+    /// Waits for a frame until `deadline` (or `tick`, whichever first);
+    /// false once the deadline passed.
+    fn wait(&self, deadline: Instant, tick: Option<Duration>) -> Result<bool> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Ok(false);
         }
-        while let Some(r) = router.try_recv()? {
-            let name = peer_name(&r.peer);
-            match r.message {
-                Err(ProtoError::UnsupportedVersion { found, supported }) => {
-                    refuse(
-                        router,
-                        &r.peer,
-                        format!("unsupported protocol version {found}"),
-                    );
-                    return Err(abort(
-                        router,
-                        &hellos,
-                        DistError::VersionMismatch {
-                            peer: name,
-                            found,
-                            supported,
-                        },
-                    ));
-                }
-                Err(e) => {
-                    tracing::warn!(peer = %name, "refused a frame: {e}");
-                    refuse(router, &r.peer, format!("refused frame: {e}"));
-                    rejected.push(format!("{name}: {e}"));
-                }
-                Ok(Message::Hello(h)) => {
-                    if h.instance != config.instance || h.world_size != world {
-                        let reason = format!(
-                            "instance {:x} of world {} (this leader: instance {:x}, world {world})",
-                            h.instance, h.world_size, config.instance
-                        );
-                        dismiss(router, &r.peer, reason.clone());
-                        return Err(abort(
-                            router,
-                            &hellos,
-                            DistError::Foreign { peer: name, reason },
-                        ));
-                    }
-                    match hellos.get(&h.rank) {
-                        Some((first, _)) if *first == r.peer => {} // a repeated hello
-                        Some((first, _)) => {
-                            let e = DistError::DuplicateRank {
-                                rank: h.rank,
-                                first: peer_name(first),
-                                second: name,
-                            };
-                            dismiss(router, &r.peer, e.to_string());
-                            return Err(abort(router, &hellos, e));
-                        }
-                        None => {
-                            tracing::info!(peer = %name, rank = h.rank, "hello");
-                            hellos.insert(h.rank, (r.peer, h));
-                        }
-                    }
-                }
-                Ok(other) => {
-                    tracing::warn!(peer = %name, kind = ?other.kind(), "expected a hello");
-                    refuse(
-                        router,
-                        &r.peer,
-                        format!("expected a hello, got {:?}", other.kind()),
-                    );
-                    rejected.push(format!("{name}: unexpected {:?}", other.kind()));
-                }
+        let left = tick.map_or(left, |t| t.min(left));
+        let mut items = [self.router.raw().as_poll_item(zmq::POLLIN)];
+        zmq::poll(&mut items, left.as_millis().max(1) as i64).map_err(DistError::zmq("poll"))?;
+        Ok(true)
+    }
+
+    fn timeout(&self, phase: &'static str, started: Instant, missing: Vec<u32>) -> DistError {
+        DistError::Timeout {
+            phase,
+            waited_ms: started.elapsed().as_millis() as u64,
+            missing,
+            rejected: self.refusals.samples(),
+        }
+    }
+
+    fn send(&self, rank: u32, message: &Message) -> Result<()> {
+        let (peer, _) = &self.hellos[&rank];
+        self.router
+            .send(peer, message)
+            .map_err(|e| DistError::Worker {
+                rank,
+                message: format!("unreachable during the handshake: {e}"),
+            })
+    }
+
+    fn run(&mut self) -> Result<Cluster> {
+        let world = self.config.world_size;
+        let started = Instant::now();
+        let deadline = started + self.config.handshake_timeout;
+        while self.hellos.len() < world as usize {
+            if !self.wait(deadline, None)? {
+                let missing = (0..world)
+                    .filter(|r| !self.hellos.contains_key(r))
+                    .collect();
+                return Err(self.timeout("hello", started, missing));
+            }
+            while let Some(r) = self.router.try_recv()? {
+                self.on_hello_phase_frame(r.peer, r.message)?;
             }
         }
-    }
 
-    // Every rank must have rank 0's block shape and G1 layout.
-    let reference = hellos[&0].1.clone();
-    for (&rank, (_, h)) in &hellos {
-        if let Some(reason) = shape_difference(&reference, h) {
-            return Err(abort(
-                router,
-                &hellos,
-                DistError::ShapeMismatch { rank, reason },
-            ));
+        // Every rank must have rank 0's block shape and G1 layout.
+        let reference = self.hellos[&0].1.clone();
+        for (&rank, (_, h)) in &self.hellos {
+            if let Some(reason) = shape_difference(&reference, h) {
+                return Err(DistError::ShapeMismatch { rank, reason });
+            }
         }
-    }
-    let bytes_per_block = reference.bytes_per_block;
-    let per_block_all = bytes_per_block.saturating_mul(u64::from(world));
-    let configure = Configure {
-        g2_blocks: (config.g2_bytes / per_block_all).min(crate::proto::MAX_TIER_BLOCKS),
-        g3_blocks: (config.g3_bytes / per_block_all).min(crate::proto::MAX_TIER_BLOCKS),
-        block_size: config.block_size,
-        heartbeat_ms: config
-            .heartbeat_interval
-            .as_millis()
-            .clamp(1, u32::MAX as u128) as u32,
-    };
-    tracing::info!(
-        g2 = configure.g2_blocks,
-        g3 = configure.g3_blocks,
-        "configuring {world} workers"
-    );
-    for (peer, _) in hellos.values() {
-        router.send(peer, &Message::Configure(configure))?;
-    }
+        let bytes_per_block = reference.bytes_per_block;
+        let per_block_all = bytes_per_block.saturating_mul(u64::from(world));
+        let configure = Configure {
+            g2_blocks: (self.config.g2_bytes / per_block_all).min(crate::proto::MAX_TIER_BLOCKS),
+            g3_blocks: (self.config.g3_bytes / per_block_all).min(crate::proto::MAX_TIER_BLOCKS),
+            block_size: self.config.block_size,
+            heartbeat_ms: self
+                .config
+                .heartbeat_interval
+                .as_millis()
+                .clamp(1, u32::MAX as u128) as u32,
+        };
+        tracing::info!(
+            g2 = configure.g2_blocks,
+            g3 = configure.g3_blocks,
+            "configuring {world} workers"
+        );
+        for rank in 0..world {
+            self.send(rank, &Message::Configure(configure))?;
+        }
 
-    let mut ready = vec![false; world as usize];
-    let started = Instant::now();
-    let deadline = started + config.handshake_timeout;
-    let rank_of = |peer: &[u8]| hellos.iter().find(|(_, (p, _))| p == peer).map(|(&r, _)| r);
-    while ready.iter().any(|r| !r) {
-        if !wait(router, deadline)? {
-            let missing = (0..world).filter(|&r| !ready[r as usize]).collect();
-            return Err(abort(
-                router,
-                &hellos,
-                DistError::Timeout {
-                    phase: "ready",
-                    waited_ms: started.elapsed().as_millis() as u64,
-                    missing,
-                    rejected,
-                },
-            ));
-        }
-        while let Some(r) = router.try_recv()? {
-            let name = peer_name(&r.peer);
-            let rank = rank_of(&r.peer);
-            match (rank, r.message) {
-                (Some(rank), Ok(Message::Ready(m))) if m.rank == rank => {
-                    if m.g2_blocks != configure.g2_blocks || m.g3_blocks != configure.g3_blocks {
-                        let e = DistError::Worker {
-                            rank,
-                            message: format!(
-                                "ready with {}/{} G2/G3 blocks, {}/{} configured",
-                                m.g2_blocks, m.g3_blocks, configure.g2_blocks, configure.g3_blocks
-                            ),
-                        };
-                        return Err(abort(router, &hellos, e));
-                    }
+        let mut ready = vec![false; world as usize];
+        let started = Instant::now();
+        let deadline = started + self.config.handshake_timeout;
+        let beat = self.config.heartbeat_interval;
+        let mut next_ping = started + beat;
+        let mut seq = 0u64;
+        while ready.iter().any(|r| !r) {
+            if !self.wait(
+                deadline,
+                Some(next_ping.saturating_duration_since(Instant::now())),
+            )? {
+                let missing = (0..world).filter(|&r| !ready[r as usize]).collect();
+                return Err(self.timeout("ready", started, missing));
+            }
+            while let Some(r) = self.router.try_recv()? {
+                if let Some(rank) = self.on_ready_phase_frame(r.peer, r.message, &configure)? {
                     tracing::info!(rank, "ready");
                     ready[rank as usize] = true;
                 }
-                (Some(rank), Ok(Message::Error(e))) => {
-                    let e = DistError::Worker {
-                        rank,
-                        message: e.message,
-                    };
-                    return Err(abort(router, &hellos, e));
-                }
-                (Some(_), Ok(Message::Hello(_))) => {} // a repeated hello
-                (_, Err(e)) => {
-                    tracing::warn!(peer = %name, "refused a frame: {e}");
-                    refuse(router, &r.peer, format!("refused frame: {e}"));
-                    rejected.push(format!("{name}: {e}"));
-                }
-                (_, Ok(other)) => {
-                    tracing::warn!(peer = %name, kind = ?other.kind(), "expected ready");
-                    refuse(
-                        router,
-                        &r.peer,
-                        format!("expected ready, got {:?}", other.kind()),
-                    );
-                    rejected.push(format!("{name}: unexpected {:?}", other.kind()));
+            }
+            // Configured workers hear from the leader every heartbeat, so
+            // they can tell a slow handshake from a dead leader.
+            if Instant::now() >= next_ping {
+                next_ping = Instant::now() + beat;
+                seq += 1;
+                for rank in 0..world {
+                    self.send(rank, &Message::Ping { seq })?;
                 }
             }
         }
+        Ok(Cluster {
+            identities: self.hellos.values().map(|(p, _)| p.clone()).collect(),
+            reference,
+            configure,
+        })
     }
-    Ok(Cluster {
-        identities: hellos.values().map(|(p, _)| p.clone()).collect(),
-        reference,
-        configure,
-    })
+
+    fn on_hello_phase_frame(
+        &mut self,
+        peer: Vec<u8>,
+        message: std::result::Result<Message, ProtoError>,
+    ) -> Result<()> {
+        let h = match message {
+            Ok(Message::Hello(h)) => h,
+            Ok(other) => {
+                let cause = if self.rank_of(&peer).is_some() {
+                    RefusalCause::Malformed
+                } else {
+                    RefusalCause::Stranger
+                };
+                self.refuse(
+                    &peer,
+                    cause,
+                    format!("expected a hello, got {:?}", other.kind()),
+                );
+                return Ok(());
+            }
+            Err(e) => {
+                self.refuse(&peer, decode_cause(&e), format!("refused frame: {e}"));
+                return Ok(());
+            }
+        };
+        if let Err((cause, detail)) = admit(self.config, self.secret, &peer, &h) {
+            self.refuse(&peer, cause, detail);
+            return Ok(());
+        }
+        match self.hellos.get(&h.rank) {
+            Some((first, _)) if *first == peer => Ok(()), // a repeated hello
+            Some((first, _)) => {
+                // Both hold the secret: two of the instance's own
+                // processes were started for one rank.
+                let e = DistError::DuplicateRank {
+                    rank: h.rank,
+                    first: peer_name(first),
+                    second: peer_name(&peer),
+                };
+                let _ = self.router.send(&peer, &error(e.to_string()));
+                let _ = self.router.send(&peer, &Message::Shutdown);
+                Err(e)
+            }
+            None => {
+                tracing::info!(peer = %peer_name(&peer), rank = h.rank, "hello");
+                self.hellos.insert(h.rank, (peer, h));
+                Ok(())
+            }
+        }
+    }
+
+    /// Handles a frame while waiting for `Ready`; returns the rank that
+    /// became ready, if one did.
+    fn on_ready_phase_frame(
+        &mut self,
+        peer: Vec<u8>,
+        message: std::result::Result<Message, ProtoError>,
+        configure: &Configure,
+    ) -> Result<Option<u32>> {
+        let rank = self.rank_of(&peer);
+        match (rank, message) {
+            (Some(rank), Ok(Message::Ready(m))) if m.rank == rank => {
+                if m.g2_blocks != configure.g2_blocks || m.g3_blocks != configure.g3_blocks {
+                    return Err(DistError::Worker {
+                        rank,
+                        message: format!(
+                            "ready with {}/{} G2/G3 blocks, {}/{} configured",
+                            m.g2_blocks, m.g3_blocks, configure.g2_blocks, configure.g3_blocks
+                        ),
+                    });
+                }
+                Ok(Some(rank))
+            }
+            (Some(rank), Ok(Message::Error(e))) => Err(DistError::Worker {
+                rank,
+                message: e.message,
+            }),
+            // A repeated hello, an answer to a ping.
+            (Some(_), Ok(Message::Hello(_) | Message::Pong { .. })) => Ok(None),
+            (_, Err(e)) => {
+                self.refuse(&peer, decode_cause(&e), format!("refused frame: {e}"));
+                Ok(None)
+            }
+            (None, Ok(Message::Hello(h))) => {
+                let (cause, detail) = match admit(self.config, self.secret, &peer, &h) {
+                    Err(why) => why,
+                    Ok(()) => (
+                        RefusalCause::Malformed,
+                        format!("rank {} already said hello", h.rank),
+                    ),
+                };
+                self.refuse(&peer, cause, detail);
+                Ok(None)
+            }
+            (rank, Ok(other)) => {
+                let cause = if rank.is_some() {
+                    RefusalCause::Malformed
+                } else {
+                    RefusalCause::Stranger
+                };
+                self.refuse(
+                    &peer,
+                    cause,
+                    format!("expected ready, got {:?}", other.kind()),
+                );
+                Ok(None)
+            }
+        }
+    }
 }
 
 /// Why `h` does not match `reference`, if it does not.

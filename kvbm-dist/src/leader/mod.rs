@@ -24,6 +24,19 @@
 //! comes back with the same rank and shape says `Hello`, is configured
 //! again, and the instance is whole once it is `Ready`.
 //!
+//! Who may speak. Only the instance's own processes: the leader holds a
+//! per-instance secret ([`PendingLeader::secret`], random unless the
+//! configuration brings one), its owner hands it to the workers it starts
+//! (in their environment: [`InstanceSecret::pass_to`]), and every `Hello`
+//! must carry its MAC (see [`crate::auth`]). Frames from anyone else are
+//! answered, counted by cause in [`ClusterStatus::refused`], logged at most
+//! once per peer every few seconds, and otherwise ignored: they never stop
+//! a handshake nor evict a live rank. On one host the endpoint
+//! [`PRIVATE_ENDPOINT`] puts the socket in a directory only this user can
+//! enter. Across hosts the MAC still keeps strangers out, but this build's
+//! ZeroMQ has no CURVE, so frames on a non-loopback TCP endpoint travel
+//! unencrypted (the leader warns when it binds one).
+//!
 //! Remote blocks (G4): [`Leader::export_peer`], [`Leader::connect_peer`]
 //! and [`Leader::remote_pull`] (feature `nixl` on the workers) pull a peer
 //! instance's G2 blocks into ours; see the `remote` module.
@@ -32,6 +45,7 @@ mod event_loop;
 mod handshake;
 mod lost;
 mod mover;
+mod refusals;
 mod remote;
 
 use std::sync::Arc;
@@ -42,18 +56,29 @@ use std::time::{Duration, Instant};
 use kvbm_pool::{Tier, TierEngine};
 use parking_lot::{Condvar, Mutex};
 
+use crate::auth::InstanceSecret;
 use crate::error::{DistError, Result};
 use crate::proto::InstanceId;
-use crate::transport::{RouterSocket, WakeSender, wake_pair};
+use crate::transport::{PrivateDir, RouterSocket, WakeSender, is_remote_tcp, wake_pair};
 
 pub use mover::DistMover;
+pub use refusals::{RefusalCause, RefusalCounts, WARN_EVERY};
 pub use remote::{decode_peer_info, encode_peer_info};
+
+/// The endpoint that binds an IPC socket in a new private directory (mode
+/// 0700, under `$XDG_RUNTIME_DIR` or the temp dir, removed when the leader
+/// goes): the choice for workers on the leader's host.
+pub const PRIVATE_ENDPOINT: &str = "private";
 
 /// A leader's parameters.
 #[derive(Debug, Clone)]
 pub struct LeaderConfig {
-    /// Where to bind (`tcp://127.0.0.1:*` picks a free port; `ipc:///path`).
+    /// Where to bind: [`PRIVATE_ENDPOINT`], `ipc:///path`, or
+    /// `tcp://host:port` (`tcp://127.0.0.1:*` picks a free port).
     pub endpoint: String,
+    /// The instance secret workers prove they hold; `None` draws a new
+    /// random one when binding.
+    pub secret: Option<InstanceSecret>,
     /// The instance.
     pub instance: InstanceId,
     /// Ranks to wait for.
@@ -88,6 +113,7 @@ impl LeaderConfig {
     ) -> Self {
         LeaderConfig {
             endpoint: endpoint.into(),
+            secret: None,
             instance,
             world_size,
             g2_bytes,
@@ -125,20 +151,41 @@ impl LeaderConfig {
 /// A bound leader waiting for its workers.
 pub struct PendingLeader {
     config: LeaderConfig,
-    ctx: zmq::Context,
+    secret: InstanceSecret,
     router: RouterSocket,
+    ctx: zmq::Context,
+    dir: Option<PrivateDir>,
 }
 
 impl PendingLeader {
-    /// Binds the leader's socket.
+    /// Binds the leader's socket (in a new private directory for
+    /// [`PRIVATE_ENDPOINT`]).
     pub fn bind(config: LeaderConfig) -> Result<PendingLeader> {
         config.validate()?;
+        let secret = match &config.secret {
+            Some(s) => s.clone(),
+            None => InstanceSecret::generate()?,
+        };
         let ctx = zmq::Context::new();
-        let router = RouterSocket::bind(&ctx, &config.endpoint)?;
+        let (endpoint, dir) = if config.endpoint == PRIVATE_ENDPOINT {
+            let dir = PrivateDir::create()?;
+            (dir.endpoint(), Some(dir))
+        } else {
+            (config.endpoint.clone(), None)
+        };
+        if is_remote_tcp(&endpoint) && zmq::has("curve") != Some(true) {
+            tracing::warn!(
+                %endpoint,
+                "binding a network endpoint: hellos are authenticated, but without CURVE in this ZeroMQ the frames travel unencrypted"
+            );
+        }
+        let router = RouterSocket::bind(&ctx, &endpoint)?;
         Ok(PendingLeader {
             config,
-            ctx,
+            secret,
             router,
+            ctx,
+            dir,
         })
     }
 
@@ -147,18 +194,29 @@ impl PendingLeader {
         self.router.endpoint()
     }
 
+    /// The instance secret, to hand to the workers this leader's owner
+    /// starts (see [`InstanceSecret::pass_to`]).
+    pub fn secret(&self) -> &InstanceSecret {
+        &self.secret
+    }
+
     /// Runs the handshake and starts the event loop. On failure every
     /// worker that said `Hello` is told to shut down.
     pub fn handshake(self) -> Result<Leader> {
-        let cluster = handshake::run(&self.router, &self.config)?;
+        let mut refusals = refusals::Refusals::default();
+        let cluster = handshake::run(&self.router, &self.config, &self.secret, &mut refusals)?;
         let (wake_tx, wake_rx) = wake_pair(&self.ctx)?;
         let wake = Arc::new(wake_tx);
         let (tx, rx) = mpsc::channel();
-        let status = Arc::new(StatusCell::new(cluster.status()));
+        let mut initial = cluster.status();
+        initial.refused = refusals.counts();
+        let status = Arc::new(StatusCell::new(initial));
         let hook: LostHook = Arc::new(Mutex::new(None));
         let mover = Arc::new(DistMover::new(tx.clone(), Arc::clone(&wake), &cluster));
         let lp = event_loop::EventLoop::new(
             self.config.clone(),
+            self.secret.clone(),
+            refusals,
             self.router,
             wake_rx,
             rx,
@@ -181,6 +239,7 @@ impl PendingLeader {
             status,
             hook,
             _ctx: self.ctx,
+            _dir: self.dir,
         })
     }
 }
@@ -203,6 +262,7 @@ impl Cluster {
             g3_blocks: self.configure.g3_blocks as usize,
             losses: Vec::new(),
             lost_blocks: (0, 0),
+            refused: RefusalCounts::default(),
         }
     }
 }
@@ -246,6 +306,8 @@ pub struct ClusterStatus {
     /// G2 and G3 blocks whose bytes were lost with a worker and not
     /// written since (copies from them fail).
     pub lost_blocks: (usize, usize),
+    /// Frames refused since the leader bound its socket, by cause.
+    pub refused: RefusalCounts,
 }
 
 impl ClusterStatus {
@@ -304,6 +366,8 @@ pub struct Leader {
     status: Arc<StatusCell>,
     hook: LostHook,
     _ctx: zmq::Context,
+    /// The private directory of the endpoint, removed after the loop ends.
+    _dir: Option<PrivateDir>,
 }
 
 impl std::fmt::Debug for Leader {

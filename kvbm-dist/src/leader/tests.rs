@@ -8,6 +8,7 @@ use kvbm_transfer::PhysicalLayout;
 use kvbm_transfer::memory::SystemAllocator;
 
 use super::*;
+use crate::auth::{InstanceSecret, hello_mac};
 use crate::proto::{self, Hello, Message};
 use crate::transport::DealerSocket;
 use crate::worker::{self, WorkerConfig};
@@ -25,14 +26,19 @@ fn endpoint(dir: &tempfile::TempDir) -> String {
     format!("ipc://{}", dir.path().join("leader").display())
 }
 
+fn secret() -> InstanceSecret {
+    InstanceSecret::from_bytes([3; 32])
+}
+
 fn config(endpoint: String, world: u32) -> LeaderConfig {
     let mut c = LeaderConfig::new(endpoint, INSTANCE, world, 1 << 20, 0);
     c.handshake_timeout = Duration::from_secs(20);
+    c.secret = Some(secret());
     c
 }
 
 fn worker(endpoint: &str, rank: u32, world: u32, blocks: usize) -> JoinHandle<Result<()>> {
-    let mut c = WorkerConfig::new(endpoint, INSTANCE, rank, world, g1(blocks));
+    let mut c = WorkerConfig::new(endpoint, INSTANCE, rank, world, g1(blocks), secret());
     c.leader_timeout = Duration::from_secs(20);
     std::thread::spawn(move || worker::run(c))
 }
@@ -105,38 +111,85 @@ fn a_duplicate_rank_is_refused() {
     let _ = b.join();
 }
 
-fn hello_frame(version: u16) -> Vec<u8> {
+/// A rank-0 hello of a one-rank world from `identity`, with the MAC of
+/// `secret`.
+fn hello(identity: &[u8], secret: &InstanceSecret) -> Message {
     let l = g1(8);
-    let m = Message::Hello(Hello {
+    Message::Hello(Hello {
         instance: INSTANCE,
         rank: 0,
         world_size: 1,
         device_blocks: 8,
         bytes_per_block: l.layout().config().block_bytes(),
         layout: l.layout().descriptor(),
-    });
-    proto::codec::encode_with_version(&m, version).unwrap()
+        auth: hello_mac(secret, INSTANCE, 0, 1, identity),
+    })
+}
+
+fn hello_frame(version: u16) -> Vec<u8> {
+    proto::codec::encode_with_version(&hello(b"hostile", &secret()), version).unwrap()
 }
 
 #[test]
-fn a_wrong_version_is_named_and_answered() {
+fn a_wrong_version_is_answered_counted_and_survived() {
     let dir = tempfile::tempdir().unwrap();
     let pending = PendingLeader::bind(config(endpoint(&dir), 1)).unwrap();
     let ctx = zmq::Context::new();
     let peer = DealerSocket::connect(&ctx, pending.endpoint(), b"old-worker").unwrap();
-    peer.send_raw(hello_frame(proto::PROTOCOL_VERSION + 1))
-        .unwrap();
-    let e = pending.handshake().unwrap_err();
-    assert!(
-        matches!(&e, DistError::VersionMismatch { peer, found, .. } if peer == "old-worker" && *found == proto::PROTOCOL_VERSION + 1),
-        "{e}"
-    );
+    peer.send_raw(
+        proto::codec::encode_with_version(
+            &hello(b"old-worker", &secret()),
+            proto::PROTOCOL_VERSION + 1,
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let ep = pending.endpoint().to_owned();
+    let handle = std::thread::spawn(move || pending.handshake());
     // The peer got an error reply naming the version.
     let reply = peer.recv_timeout(10_000).unwrap().expect("an error reply");
     assert!(
         matches!(reply.message, Ok(Message::Error(ref r)) if r.message.contains("version")),
         "{reply:?}"
     );
+    // The handshake goes on and completes with the real rank 0.
+    let w = worker(&ep, 0, 1, 8);
+    let leader = handle.join().unwrap().unwrap();
+    assert_eq!(leader.status().refused.wrong_version, 1);
+    leader.shutdown();
+    w.join().unwrap().unwrap();
+}
+
+#[test]
+fn strangers_hellos_are_refused_during_the_handshake() {
+    let dir = tempfile::tempdir().unwrap();
+    let pending = PendingLeader::bind(config(endpoint(&dir), 1)).unwrap();
+    let ctx = zmq::Context::new();
+    let peer = DealerSocket::connect(&ctx, pending.endpoint(), b"stranger").unwrap();
+    // No secret, a wrong secret, a MAC made for another identity, another
+    // instance.
+    peer.send(&hello(b"stranger", &InstanceSecret::from_bytes([0; 32])))
+        .unwrap();
+    peer.send(&hello(b"stranger", &InstanceSecret::from_bytes([9; 32])))
+        .unwrap();
+    peer.send(&hello(b"someone-else", &secret())).unwrap();
+    let mut foreign = hello(b"stranger", &secret());
+    if let Message::Hello(h) = &mut foreign {
+        h.instance = INSTANCE + 1;
+    }
+    peer.send(&foreign).unwrap();
+    let ep = pending.endpoint().to_owned();
+    let handle = std::thread::spawn(move || pending.handshake());
+    for _ in 0..4 {
+        let reply = peer.recv_timeout(10_000).unwrap().expect("an error reply");
+        assert!(matches!(reply.message, Ok(Message::Error(_))), "{reply:?}");
+    }
+    let w = worker(&ep, 0, 1, 8);
+    let leader = handle.join().unwrap().unwrap();
+    let refused = leader.status().refused;
+    assert_eq!((refused.stranger, refused.wrong_instance), (3, 1));
+    leader.shutdown();
+    w.join().unwrap().unwrap();
 }
 
 #[test]

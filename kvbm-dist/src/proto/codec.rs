@@ -60,6 +60,7 @@ fn body(w: &mut Writer, message: &Message) -> Result<(), ProtoError> {
             w.u64(h.device_blocks);
             w.u64(h.bytes_per_block);
             w.descriptor(&h.layout)?;
+            w.buf.extend_from_slice(&h.auth);
         }
         Message::Configure(c) => {
             w.u64(c.g2_blocks);
@@ -198,6 +199,7 @@ fn decode_body(r: &mut Reader<'_>, kind: MessageKind) -> Result<Message, ProtoEr
             device_blocks: r.u64("device blocks")?,
             bytes_per_block: r.u64("bytes per block")?,
             layout: r.descriptor()?,
+            auth: r.array("hello mac")?,
         }),
         MessageKind::Configure => Message::Configure(Configure {
             g2_blocks: r.u64("g2 blocks")?,

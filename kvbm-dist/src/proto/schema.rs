@@ -31,6 +31,10 @@ pub struct Hello {
     pub bytes_per_block: u64,
     /// Its G1 layout.
     pub layout: LayoutDescriptor,
+    /// Proof that the worker holds the instance secret: the
+    /// [`hello_mac`](crate::auth::hello_mac) of the instance, rank, world
+    /// size and the worker's ZeroMQ identity.
+    pub auth: [u8; crate::auth::MAC_BYTES],
 }
 
 /// The leader sizes a worker's G2 and G3.

@@ -26,8 +26,14 @@ fn descriptor() -> impl Strategy<Value = LayoutDescriptor> {
 
 fn message() -> impl Strategy<Value = Message> {
     prop_oneof![
-        (any::<u64>(), 1u32..64, any::<u32>(), descriptor()).prop_map(
-            |(instance, world_size, r, layout)| {
+        (
+            any::<u64>(),
+            1u32..64,
+            any::<u32>(),
+            descriptor(),
+            any::<[u8; 32]>()
+        )
+            .prop_map(|(instance, world_size, r, layout, auth)| {
                 let c = layout.config;
                 Message::Hello(Hello {
                     instance,
@@ -36,9 +42,9 @@ fn message() -> impl Strategy<Value = Message> {
                     device_blocks: c.num_blocks() as u64,
                     bytes_per_block: c.block_bytes(),
                     layout,
+                    auth,
                 })
-            }
-        ),
+            }),
         (0..=MAX_TIER_BLOCKS, 0..=MAX_TIER_BLOCKS, 1u32.., 1u32..).prop_map(|(a, b, c, d)| {
             Message::Configure(Configure {
                 g2_blocks: a,
@@ -228,11 +234,11 @@ fn header_errors_are_named() {
     let mut bad = ping.clone();
     bad[0] = b'X';
     assert!(matches!(decode(&bad), Err(ProtoError::BadMagic { .. })));
-    let v2 = encode_with_version(&Message::Ping { seq: 1 }, 2).unwrap();
+    let next = encode_with_version(&Message::Ping { seq: 1 }, PROTOCOL_VERSION + 1).unwrap();
     assert_eq!(
-        decode(&v2),
+        decode(&next),
         Err(ProtoError::UnsupportedVersion {
-            found: 2,
+            found: PROTOCOL_VERSION + 1,
             supported: PROTOCOL_VERSION
         })
     );
@@ -266,6 +272,7 @@ fn semantic_errors_are_refused_both_ways() {
         device_blocks: 4,
         bytes_per_block: l.config().block_bytes(),
         layout: l.descriptor(),
+        auth: [0; 32],
     };
     assert!(matches!(
         encode(&Message::Hello(hello.clone())),

@@ -10,6 +10,18 @@
 //! executed. With feature `nixl` it also exposes G2 to peer instances and
 //! pulls their G2 blocks into its own (`remote`).
 //!
+//! The worker proves it belongs to the instance with the MAC of the
+//! instance secret in its `Hello` (see [`crate::auth`]). It gives up on a
+//! silent leader: before the leader's `Configure` after
+//! [`WorkerConfig::leader_timeout`] counted from the start (a leader that
+//! never answers is an error, not a hang), and once configured after
+//! [`HEARTBEAT_MISSES`] heartbeat intervals without a frame (at least a
+//! second, at most the leader timeout), so a worker whose leader died
+//! exits within a few heartbeats and its G3 file goes with it. A
+//! connection that drops ends the worker sooner: once what arrived
+//! before is read, it exits rather than wait for a heartbeat (or talk to
+//! whoever listens on the endpoint next).
+//!
 //! Threads: one event loop owns the DEALER socket; transfers run on the
 //! executor's threads and hand their acknowledgement back to the loop
 //! through a channel and a wake-up, so the socket stays single-threaded.
@@ -29,12 +41,13 @@ use std::time::{Duration, Instant};
 
 use kvbm_transfer::{CancelToken, Executor, ExecutorSpec, PhysicalLayout, TransferOutcome};
 
+use crate::auth::{InstanceSecret, hello_mac, random_u64};
 use crate::error::{DistError, Result};
 use crate::proto::{
     Ack, AckFailure, BlockPair, Configure, ErrorReply, Hello, InstanceId, Message, Probe, ProbeOp,
     ProbeReply, Ready, TierBounds, Transfer, truncate,
 };
-use crate::transport::{DealerSocket, WakeSender, wake_pair};
+use crate::transport::{DealerSocket, WakeSender, drain_disconnects, wake_pair};
 use tiers::Tiers;
 
 /// What a worker needs to start.
@@ -47,6 +60,9 @@ pub struct WorkerConfig {
     pub rank: u32,
     /// Ranks of the instance.
     pub world_size: u32,
+    /// The instance secret (from the leader's owner), keying the MAC of
+    /// the worker's `Hello`.
+    pub secret: InstanceSecret,
     /// Its G1 memory, given by the engine process.
     pub g1: PhysicalLayout,
     /// Directory for the G3 file; without one a non-zero G3 size is refused.
@@ -57,7 +73,10 @@ pub struct WorkerConfig {
     /// Fault injection: wait this long before starting each transfer (so a
     /// test can kill the worker while a transfer is in flight).
     pub fault_delay: Duration,
-    /// Exit when the leader has been silent this long after the handshake.
+    /// Exit when no frame came from the leader for this long, counted
+    /// from the start (the leader answers `Hello` only once every rank
+    /// said it, so this bounds the whole start-up); once configured, the
+    /// heartbeat may cut it shorter.
     pub leader_timeout: Duration,
     /// Writes and checks test patterns in G1 for the leader (benches and
     /// tests); without one, probes are refused.
@@ -71,21 +90,23 @@ pub struct WorkerConfig {
 pub type G2Allocator = Box<dyn Fn(kvbm_layout::Layout) -> Result<PhysicalLayout> + Send>;
 
 impl WorkerConfig {
-    /// A worker of `rank` in a world of `world_size`, with `g1`, the
-    /// defaults elsewhere (no G3 directory, a CPU executor, no fault delay,
-    /// a 30 s leader timeout).
+    /// A worker of `rank` in a world of `world_size` of the instance whose
+    /// secret is `secret`, with `g1`, the defaults elsewhere (no G3
+    /// directory, a CPU executor, no fault delay, a 30 s leader timeout).
     pub fn new(
         endpoint: impl Into<String>,
         instance: InstanceId,
         rank: u32,
         world_size: u32,
         g1: PhysicalLayout,
+        secret: InstanceSecret,
     ) -> Self {
         WorkerConfig {
             endpoint: endpoint.into(),
             instance,
             rank,
             world_size,
+            secret,
             g1,
             g3_dir: None,
             executor: None,
@@ -129,26 +150,46 @@ pub fn executor_spec(g1: &PhysicalLayout) -> Result<ExecutorSpec> {
     Ok(ExecutorSpec::host())
 }
 
-/// How often the loop looks at the clock when nothing arrives.
+/// How often the loop looks at the clock when nothing arrives (at most).
 const TICK: Duration = Duration::from_millis(200);
+/// Heartbeat intervals without a frame after which a configured worker
+/// gives its leader up.
+pub const HEARTBEAT_MISSES: u32 = 10;
+/// The shortest silence a configured worker tolerates.
+const MIN_SILENCE: Duration = Duration::from_secs(1);
+/// How long a worker whose connection to the leader dropped still reads
+/// what arrived before (a `Shutdown`) before it exits.
+const DISCONNECT_GRACE: Duration = Duration::from_millis(300);
 
-/// Runs a worker until the leader says `Shutdown` (`Ok`) or goes silent
-/// (`Err(LeaderGone)`).
+/// How long the leader may stay silent: the leader timeout until the
+/// worker is configured, then [`HEARTBEAT_MISSES`] heartbeats.
+fn silence_limit(leader_timeout: Duration, heartbeat_ms: Option<u32>) -> Duration {
+    match heartbeat_ms {
+        None => leader_timeout,
+        Some(ms) => (Duration::from_millis(u64::from(ms)) * HEARTBEAT_MISSES)
+            .max(MIN_SILENCE)
+            .min(leader_timeout),
+    }
+}
+
+/// Runs a worker until the leader says `Shutdown` (`Ok`), goes silent
+/// (`Err(LeaderGone)`) or refuses it (`Err(Refused)`).
 pub fn run(mut config: WorkerConfig) -> Result<()> {
     let executor = match config.executor.clone() {
         Some(e) => e,
         None => default_executor(&config.g1)?,
     };
     let ctx = zmq::Context::new();
-    let nonce = std::process::id() as u64 ^ (Instant::now().elapsed().as_nanos() as u64);
     let identity = format!(
-        "{:x}/{}/{:x}-{:x}",
+        "{:x}/{}/{:x}-{:016x}",
         config.instance,
         config.rank,
         std::process::id(),
-        nonce ^ random_seed()
+        random_u64()?
     );
+    let started = Instant::now();
     let socket = DealerSocket::connect(&ctx, &config.endpoint, identity.as_bytes())?;
+    let monitor = socket.watch_disconnects(&ctx)?;
     let (wake_tx, wake_rx) = wake_pair(&ctx)?;
     let (ack_tx, ack_rx) = mpsc::channel::<Message>();
     let layout = config.g1.layout();
@@ -159,6 +200,13 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
         device_blocks: layout.config().num_blocks() as u64,
         bytes_per_block: layout.config().block_bytes(),
         layout: layout.descriptor(),
+        auth: hello_mac(
+            &config.secret,
+            config.instance,
+            config.rank,
+            config.world_size,
+            identity.as_bytes(),
+        ),
     }))?;
     let _span = tracing::info_span!("worker", rank = config.rank).entered();
     tracing::info!(%identity, endpoint = %config.endpoint, "hello sent");
@@ -178,15 +226,29 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
         wake: Arc::new(wake_tx),
     };
     let mut last_heard: Option<Instant> = None;
+    let mut heartbeat_ms: Option<u32> = None;
+    let mut disconnected: Option<Instant> = None;
     loop {
+        let limit = silence_limit(config.leader_timeout, heartbeat_ms);
+        let tick = heartbeat_ms.map_or(TICK, |ms| {
+            TICK.min(Duration::from_millis(u64::from(ms.max(10))))
+        });
         {
             let mut items = [
                 socket.raw().as_poll_item(zmq::POLLIN),
                 wake_rx.socket().as_poll_item(zmq::POLLIN),
+                monitor.as_poll_item(zmq::POLLIN),
             ];
-            zmq::poll(&mut items, TICK.as_millis() as i64).map_err(DistError::zmq("poll"))?;
+            zmq::poll(&mut items, tick.as_millis() as i64).map_err(DistError::zmq("poll"))?;
         }
         wake_rx.drain();
+        if drain_disconnects(&monitor) && disconnected.is_none() {
+            // The leader's process is gone (or closed its socket): whatever
+            // it sent before still gets read, then the worker exits
+            // instead of waiting for a heartbeat, or for whoever listens on
+            // the endpoint next.
+            disconnected = Some(Instant::now());
+        }
         while let Ok(ack) = ack_rx.try_recv() {
             if let Message::Ack(a) = &ack {
                 w.inflight.remove(&a.transfer_id);
@@ -203,7 +265,16 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
                     }
                     return Ok(());
                 }
+                Ok(Message::Error(e)) if heartbeat_ms.is_none() => {
+                    // Refused before being configured (a wrong secret,
+                    // instance or shape): nothing to wait for.
+                    tracing::warn!("the leader refused this worker: {}", e.message);
+                    return Err(DistError::Refused(e.message));
+                }
                 Ok(m) => {
+                    if let Message::Configure(c) = &m {
+                        heartbeat_ms = Some(c.heartbeat_ms);
+                    }
                     if let Some(reply) = w.handle(m) {
                         socket.send(&reply)?;
                     }
@@ -217,25 +288,39 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
                 }
             }
         }
-        if let Some(t) = last_heard
-            && t.elapsed() > config.leader_timeout
+        if let Some(t) = disconnected
+            && t.elapsed() > DISCONNECT_GRACE
         {
             for t in w.inflight.values() {
                 t.cancel();
             }
-            return Err(DistError::LeaderGone(format!(
-                "nothing heard for {:?}",
-                t.elapsed()
-            )));
+            let why = format!("the connection to the leader at {} closed", config.endpoint);
+            tracing::warn!("{why}; exiting");
+            return Err(DistError::LeaderGone(why));
+        }
+        let silent = last_heard.unwrap_or(started).elapsed();
+        if silent > limit {
+            for t in w.inflight.values() {
+                t.cancel();
+            }
+            let why = match (last_heard, heartbeat_ms) {
+                (None, _) => format!(
+                    "no answer from the leader at {} within {:?} (leader timeout)",
+                    config.endpoint, config.leader_timeout
+                ),
+                (Some(_), None) => format!(
+                    "the leader at {} fell silent during the handshake for {silent:?} (leader timeout {:?})",
+                    config.endpoint, config.leader_timeout
+                ),
+                (Some(_), Some(ms)) => format!(
+                    "no heartbeat from the leader at {} for {silent:?} (pinged every {ms} ms)",
+                    config.endpoint
+                ),
+            };
+            tracing::warn!("{why}; exiting");
+            return Err(DistError::LeaderGone(why));
         }
     }
-}
-
-fn random_seed() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(0);
-    h.finish()
 }
 
 struct Worker {

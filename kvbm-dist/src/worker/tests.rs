@@ -35,11 +35,19 @@ fn hostile_requests_are_refused_and_the_worker_carries_on() {
         &SystemAllocator::new(),
     )
     .unwrap();
-    let mut config = WorkerConfig::new(router.endpoint(), 1, 0, 1, g1);
+    let secret = crate::auth::InstanceSecret::from_bytes([1; 32]);
+    let mut config = WorkerConfig::new(router.endpoint(), 1, 0, 1, g1, secret.clone());
     config.leader_timeout = Duration::from_secs(30);
     let worker = std::thread::spawn(move || run(config));
     let hello = recv(&router);
-    assert!(matches!(hello.message, Ok(Message::Hello(_))));
+    let Ok(Message::Hello(h)) = &hello.message else {
+        panic!("{hello:?}");
+    };
+    // The hello carries the MAC of the secret over its own identity.
+    assert_eq!(
+        h.auth,
+        crate::auth::hello_mac(&secret, 1, 0, 1, &hello.peer)
+    );
     let peer = hello.peer;
     let send = |m: &Message| router.send(&peer, m).unwrap();
 

@@ -49,51 +49,83 @@ pub enum OffloadMode {
 /// A tier engine's parameters.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TierEngineConfig {
-    /// Tokens per block, the same in every tier.
+    /// Tokens per block, the same in every tier. Not a tuning knob: it must
+    /// equal the engine's own block (page) size, and building a tier engine
+    /// over a KV shape of another block size is refused.
     pub block_size: usize,
     /// Eviction of kvbm's G1 books (the engine's GPU prefix cache).
+    /// Leaf-first keeps cached prefixes whole, so a prefix match never stops
+    /// at an evicted block in the middle; plain LRU follows release order
+    /// only; frequency eviction keeps often-used blocks longer at the cost
+    /// of a sketch to update on every use.
     pub g1_eviction: EvictionKind,
-    /// Admission and eviction in G2.
+    /// Admission and eviction in G2. Admitting every block
+    /// ([`TierPolicy::WriteThrough`]) keeps the most for later hits but
+    /// spends host-link bandwidth and G2 slots on one-off prompts; a filter
+    /// ([`TierPolicy::MinUses`], [`TierPolicy::ReuseScore`]) saves both for
+    /// blocks likely to come back, at the price of missing some blocks'
+    /// first reuse.
     pub g2_policy: TierPolicy,
-    /// Admission and eviction in G3.
+    /// Admission and eviction in G3. The same trade as `g2_policy`, where a
+    /// filter also saves disk bandwidth and SSD wear.
     pub g3_policy: TierPolicy,
-    /// The G3 → G1 path.
+    /// The G3 → G1 path. [`G3Onboard::Direct`] gives the lowest latency;
+    /// [`G3Onboard::KeepG2Copy`] spends an extra offload (link bandwidth and
+    /// a G2 slot) per loaded block so that a later request finds it in G2
+    /// instead of on disk.
     pub g3_onboard: G3Onboard,
-    /// When G1 blocks go to G2.
+    /// When G1 blocks go to G2. Write-through copies off the allocation
+    /// path, and G2 duplicates G1; write-back holds more distinct blocks in
+    /// the same G2 memory, but an allocation that evicts from G1 waits for
+    /// the copy.
     pub offload_mode: OffloadMode,
     /// Blocks one offload batch moves (see also `offload_batch_bytes`).
+    /// Larger batches spread each batch's fixed cost (preparing, starting
+    /// and registering a copy) over more blocks; smaller ones land each
+    /// block in G2 sooner after it completes and hold less of G1 and G2
+    /// while in flight.
     pub offload_batch: usize,
     /// Small blocks: a batch takes more than `offload_batch` blocks, until
     /// it moves this many bytes (0: off). Each batch pays fixed costs, and
     /// beside the model each batch's staging kernel waits for SMs, so it is
-    /// bytes per batch and in flight that keep the link busy, not blocks:
-    /// 4-token blocks of 512 KiB (8 KiB chunks) beside a bf16 GEMM on the
-    /// H200 machine, four in flight, in 1 GiB bursts from an empty queue,
-    /// moved 0.86–0.87 of the link in batches of 64 (32 MiB) and 0.90–0.91
-    /// in batches of 128; in 2 GiB bursts the two were within noise
-    /// (docs/benchmarks.md, "Watcher, feeder, batch bytes"). Batches in
-    /// flight still hold at most a quarter of G1 and of G2.
+    /// bytes per batch and in flight that keep the link busy, not blocks.
+    /// Raising it keeps the link busier with small blocks, most of all in
+    /// short bursts from an empty queue, where nothing overlaps a batch's
+    /// wait; the cost is blocks landing later and more memory held per
+    /// batch (measured in `docs/benchmarks.md`, "Offload through the tier
+    /// engine"). Batches in flight still hold at most a quarter of G1 and
+    /// of G2.
     pub offload_batch_bytes: u64,
     /// Offload batches whose copies may be in flight at once. With one, the
     /// link idles while each batch is registered and the next prepared, and
     /// beside the model every batch waits alone for the SMs its staging
     /// kernel needs; with more, one batch's wait overlaps the others' DMA.
-    /// What counts is the bytes in flight: beside a model whose kernels
-    /// hold the SMs for 1.5 ms, 128–256 MiB (H200 machine, docs/
-    /// benchmarks.md, "Final figures: one executor per row": 8 KiB chunks,
-    /// batches of 64 blocks of 512 KiB: 0.38 of the link one at a time,
-    /// 0.67 with two, 0.90 with four). Batches in flight together hold at
-    /// most a quarter of G1 and of G2 (smaller batches when the tiers are
-    /// small).
+    /// More batches keep the link busy while each waits for the model's
+    /// SMs, at the cost of memory held in flight (a batch's sources stay
+    /// held and its targets unregistered until its copy ends). What counts
+    /// is the bytes in flight: they must cover what the link could move
+    /// while the model's kernels hold the SMs, so a model with longer
+    /// kernels wants more (measured in `docs/benchmarks.md`, "Offload
+    /// through the tier engine"). Batches in flight together hold at most a
+    /// quarter of G1 and of G2 (smaller batches when the tiers are small).
     pub offload_in_flight: usize,
     /// Most blocks waiting in the offload queue; beyond it new offloads are
-    /// skipped and counted (the engine is never blocked).
+    /// skipped and counted (the engine is never blocked). A longer queue
+    /// rides out longer bursts of completed blocks without skipping any, at
+    /// the cost of offloading blocks later after they complete (and more of
+    /// them freed, and so skipped, before their turn); a shorter one sheds
+    /// load sooner.
     pub offload_queue: usize,
     /// Use counts are remembered for this many blocks per block of total
-    /// capacity (G1 + G2 + G3), also for blocks no tier holds any more.
+    /// capacity (G1 + G2 + G3), also for blocks no tier holds any more. A
+    /// longer history lets admission recognise blocks that come back long
+    /// after they were evicted, at the cost of memory per remembered block.
     pub history_factor: f64,
     /// Reuse-score ages decay as `(age + 1)^-exponent` (see
     /// [`UseHistory::with_age_exponent`](crate::policy::UseHistory::with_age_exponent)).
+    /// A larger exponent favours recently used blocks; a smaller one lets
+    /// blocks used often long ago keep their rank, the right choice when
+    /// reuse gaps are long compared with the cache's turnover.
     pub reuse_age_exponent: f64,
 }
 

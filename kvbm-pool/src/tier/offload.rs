@@ -21,9 +21,10 @@
 //! registers landed batches in the order they started. One at a time, the
 //! link idles while a batch is registered and the next prepared, and beside
 //! the model every batch waits alone for the SMs its staging kernel needs
-//! (docs/benchmarks.md). A batch's sources stay held, and its targets
-//! unregistered, until its copy ended; write-back and G2 → G3 copies stay
-//! synchronous (their callers wait for the slots they free).
+//! (`docs/benchmarks.md`, "Offload through the tier engine"). A batch's
+//! sources stay held, and its targets unregistered, until its copy ended;
+//! write-back and G2 → G3 copies stay synchronous (their callers wait for
+//! the slots they free).
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;

@@ -32,7 +32,10 @@ class Scheduler:
     waits up to ``handshake_timeout_s`` for ``world_size`` workers, sizes
     G2 and G3 from the byte budgets (summed over all workers) and starts
     the tier engine. ``admission`` is ``"all"``, ``"reuse_score"`` or
-    ``"min_uses:N"``. Requests are keyed by the engine's request id.
+    ``"min_uses:N"``. Workers prove they belong to the instance with the
+    secret published at ``secret_file`` (the first process of the instance
+    to start draws it; ``KVBM_INSTANCE_SECRET`` wins). Requests are keyed
+    by the engine's request id.
     """
 
     def __init__(
@@ -45,6 +48,7 @@ class Scheduler:
         instance: int = 0,
         admission: str = "reuse_score",
         handshake_timeout_s: float = 120.0,
+        secret_file: str | None = None,
     ) -> None: ...
     @property
     def block_size(self) -> int:
@@ -109,7 +113,8 @@ class Worker:
     ``tensors`` holds one ``(address, shape, strides)`` per attention layer,
     in layer order (strides in elements); ``num_blocks`` names the block
     axis; ``keepalive`` keeps the tensors alive as long as kvbm may touch
-    them. Shapes: flash-attn ``[2, blocks, block_size, heads, head]``,
+    them; ``secret_file`` is where the instance secret is published. Shapes:
+    flash-attn ``[2, blocks, block_size, heads, head]``,
     FlashInfer ``[blocks, 2, block_size, heads, head]``, CPU attention
     ``[blocks, 2, block_size, inner]``, MLA ``[blocks, block_size, latent]``;
     anything else, or strides kvbm cannot address exactly, is a
@@ -125,10 +130,11 @@ class Worker:
         dtype_bytes: int,
         num_blocks: int,
         keepalive: Any,
+        secret_file: str,
         device: int | None = None,
         g3_dir: str | None = None,
         instance: int = 0,
-        leader_timeout_s: float = 60.0,
+        leader_timeout_s: float = 600.0,
         transfer_delay_ms: int = 0,
     ) -> None: ...
     @property

@@ -151,6 +151,11 @@ class KvbmConfig:
         # IPC paths are limited to ~100 bytes: name the socket by a digest.
         return f"ipc://{tempfile.gettempdir()}/kvbm-{_digest(engine_id)}.sock"
 
+    def secret_file_for(self, engine_id: str) -> str:
+        """Where the engine instance's secret is published (mode 0600): the
+        first of its processes to start draws it, the others read it."""
+        return os.path.join(tempfile.gettempdir(), f"kvbm-{_digest(engine_id)}.secret")
+
     def g3_dir(self, engine_id: str, rank: int) -> str | None:
         """The G3 directory of ``rank`` (created), or None without G3."""
         if self.disk_cache_gb <= 0:

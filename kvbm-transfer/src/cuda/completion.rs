@@ -8,15 +8,15 @@
 //! never reports success. The watcher also releases what the copy had to
 //! keep alive (memory regions, descriptor buffers) only then.
 //!
-//! The driver's wake-up took 0.14–0.3 ms on the H200 machine, a tenth of a
-//! 128 MiB copy. So for host ↔ device copies the watcher first sleeps until
-//! the copy can have ended at the earliest (its bytes at line rate, counted
-//! from the call), then polls the event: busily for a short budget (0.5 ms
-//! by default), then with short sleeps between queries (every 20 µs, with
-//! a 1 µs timer slack on the watcher thread) for at most as long again as
-//! the copy's shortest duration, and only then sleeps in the driver. The
-//! second phase is for copies that run well below line rate — each
-//! direction of an onboard and an offload at once, a copy behind the
+//! The driver's wake-up after the GPU's interrupt is slow, a noticeable
+//! share of even a large copy. So for host ↔ device copies the watcher
+//! first sleeps until the copy can have ended at the earliest (its bytes at
+//! line rate, counted from the call), then polls the event: busily for a
+//! short budget (0.5 ms by default), then with short sleeps between queries
+//! (every 20 µs, with a 1 µs timer slack on the watcher thread) for at most
+//! as long again as the copy's shortest duration, and only then sleeps in
+//! the driver. The second phase is for copies that run well below line rate
+//! — each direction of an onboard and an offload at once, a copy behind the
 //! model's kernels — which outlast the busy budget and would otherwise pay
 //! the driver's wake-up; it costs a query per interval, not a core.
 //!
@@ -26,9 +26,10 @@
 //! streams), so learning of its end a wake-up later delays no byte; the
 //! watcher sleeps in the driver for it. An engine that keeps several
 //! offloads in flight then costs a sleeping thread rather than a spinning
-//! one: on the H200 machine the watcher of a stream of 8 KiB offloads used
-//! 0.09 of a core where polling every copy took 0.53–0.74, at the same
-//! rate. Onboards are polled whatever follows them: a request waits on
+//! one: the watcher of a stream of small offloads then uses a small
+//! fraction of a core where polling every copy keeps it busy much of the
+//! time, for the same rate (`docs/benchmarks.md`, "Choices measured and
+//! removed"). Onboards are polled whatever follows them: a request waits on
 //! each, and the driver's wake-up would add itself to the wait of every
 //! onboard but the last of a queue.
 
@@ -124,9 +125,9 @@ impl Watcher {
     #[allow(clippy::type_complexity)]
     ///
     /// `spin`: how to poll (see [`PollPlan`]). Sleeping in the driver until
-    /// the GPU's interrupt costs 0.14–0.3 ms of wake-up on the H200 machine
-    /// (a tenth of a 128 MiB copy); the watcher instead sleeps until the
-    /// earliest end of the copy (after the copies handed to it before),
+    /// the GPU's interrupt costs a slow wake-up (a noticeable share of even
+    /// a large copy); the watcher instead sleeps until the earliest end of
+    /// the copy (after the copies handed to it before),
     /// polls the event busily for the budget, then every interval for as
     /// long again as the shortest duration, before falling back to the
     /// driver's blocking wait. The earliest end must be a true lower bound:

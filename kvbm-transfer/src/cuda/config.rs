@@ -1,6 +1,7 @@
 //! The copier's settings: the few a deployment may want to change, sized
 //! from the device by [`CopierConfig::for_device`], and the fixed constants
-//! the copy paths use (docs/benchmarks.md has the measurements behind
+//! the copy paths use (`docs/benchmarks.md`, "CUDA copies between G1 and
+//! G2" and "Choices measured and removed", has the measurements behind
 //! them).
 
 use super::device::CudaDevice;
@@ -45,9 +46,9 @@ pub struct CopierConfig {
     /// Completion wake-up of host ↔ device copies: once a copy's bytes
     /// could have crossed the host link, its watcher busy-polls for at
     /// most this many microseconds before sleeping in the driver (whose
-    /// wake-up after the GPU's interrupt is a tenth of a millisecond or
-    /// more). 0 always sleeps: a deployment short of CPU cores trades that
-    /// latency for a core.
+    /// wake-up after the GPU's interrupt is slow next to a copy). 0 always
+    /// sleeps: a deployment short of CPU cores trades that latency for a
+    /// core.
     pub wake_spin_us: u64,
     /// Diagnostics: record a timeline of each staged copy (GPU timing
     /// events per chunk), read with `CudaCopier::take_timeline`.
@@ -57,7 +58,7 @@ pub struct CopierConfig {
 
 impl CopierConfig {
     /// The settings for `device`: the staging kernel sized from its SM
-    /// count, the rest fixed (the measured choices).
+    /// count, the rest fixed (the choices that measured best).
     pub fn for_device(device: &CudaDevice) -> Self {
         CopierConfig {
             lanes_per_direction: 2,

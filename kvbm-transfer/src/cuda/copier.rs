@@ -1,15 +1,16 @@
 //! The executor of copy plans between G1 (device) and G2 (pinned host).
 //!
-//! Three paths, because no single one is best everywhere (figures from the
-//! H200 machine, see docs/benchmarks.md):
+//! Three paths, because no single one is best everywhere (measured in
+//! `docs/benchmarks.md`, "CUDA copies between G1 and G2"):
 //!
 //! - [`CopyPath::CopyEngine`]: DMA on the copy engines. Affine families of
 //!   runs (a block's K and V across layers, see `strided`) go as one
 //!   pitched descriptor each, lone runs as flat ones, in batch calls where
 //!   the driver has them. Uses no SMs. Each flat descriptor costs the driver
-//!   ~0.6 µs, so flat runs of 8–32 KiB are submission-bound; families cut
-//!   that to a few calls, and then each line still costs the engine ~0.1
-//!   µs (0.84 of line rate at 32 KiB lines, 0.6 at 8 KiB, 0.99 at 256 KiB).
+//!   a fixed submission time, so flat runs of a few KiB are
+//!   submission-bound; families cut that to a few calls, and then each line
+//!   still costs the engine a fixed time of its own, so lines of a few KiB
+//!   stay below line rate and only lines of hundreds of KiB reach it.
 //! - [`CopyPath::Kernel`]: one launch of the gather/scatter kernel reading or
 //!   writing pinned memory through its device pointer. Line rate at every run
 //!   size and the lowest latency, but it occupies SMs while it runs.
@@ -225,20 +226,22 @@ impl CudaCopier {
     /// The path [`CudaCopier::copy`] takes for `n_runs` runs of
     /// `total_bytes` in direction `dir` when none is forced.
     ///
-    /// The rule, from the H200 measurements in docs/benchmarks.md (8, 32 and
-    /// 256 KiB runs, 256 random blocks, one direction and both at once, idle
-    /// and beside a bf16 GEMM loop):
+    /// The rule, from the measurements in `docs/benchmarks.md`, "CUDA
+    /// copies between G1 and G2" (small, medium and large runs, random
+    /// blocks, one direction and both at once, idle and beside a bf16 GEMM
+    /// loop):
     ///
     /// - device-to-device copies and small copies (up to
     ///   `small_copy_bytes`) take the kernel: one launch, the lowest latency;
     /// - runs of `engine_run_bytes` or more take the copy engines (line rate
     ///   with no SMs, both directions at once);
-    /// - smaller runs take the staging ring: 0.96–0.97 of line rate at 32
-    ///   KiB runs one way and 0.93–0.98 both ways, where the kernel reads
-    ///   and writes pinned memory at 0.91–0.95 one way and 0.78 both ways,
-    ///   and the copy engines pay ~0.1 µs per line (0.6 at 8 KiB). Its
-    ///   kernels hold the SMs for a few microseconds per 32 MiB, so it is
-    ///   also the choice beside the model.
+    /// - smaller runs take the staging ring: its large DMA copies come
+    ///   close to line rate one way and both ways, where the kernel reading
+    ///   and writing pinned memory across the host link falls behind (most
+    ///   of all both ways), and the copy engines pay a fixed cost per line
+    ///   that small lines do not hide. Its kernels gather or scatter at HBM
+    ///   speed and hold the SMs only briefly, so it is also the choice
+    ///   beside the model.
     ///
     /// The GPU's load ([`CopyOptions::load`]) does not change the path, so
     /// it is no argument here: beside the model the staging ring still
@@ -506,12 +509,13 @@ impl CudaCopier {
     }
 
     /// Uploads `part`'s descriptors and launches the copy kernel over them
-    /// on the lane's kernel stream. (Launching the first 1024 runs ahead of
-    /// the rest, to start the GPU sooner, measured the same; not kept. So
-    /// did letting the kernel read them in place from mapped pinned memory,
-    /// as the staged path does: a kernel copy beside a copy-engine copy
-    /// in the other direction stayed at 0.41–0.57 of the bidirectional
-    /// rate either way, 1–3 µs slower for a single block; not kept.)
+    /// on the lane's kernel stream. (Launching the first runs ahead of the
+    /// rest, to start the GPU sooner, gained nothing; not kept. Nor did
+    /// letting the kernel read them in place from mapped pinned memory, as
+    /// the staged path does: a kernel copy beside a copy-engine copy in the
+    /// other direction moved no more either way, and a single block took
+    /// longer; not kept. See `docs/benchmarks.md`, "Choices measured and
+    /// removed".)
     fn launch_part(
         &self,
         lane: &Lane,

@@ -1,15 +1,16 @@
 //! A feeder: one thread per staging ring that enqueues staged copies chunk
 //! after chunk, so the caller's `copy()` returns at once.
 //!
-//! Enqueuing a staged copy of 16,384 small runs costs 0.5–0.8 ms of CPU
-//! (planning each slot plus ~64 DMA pieces per slot at ~0.6 µs each). When
-//! one thread submits an onboard and then an offload, the offload's first
-//! chunk reached the GPU only after the whole onboard had been enqueued — a
-//! fifth of an 8 KiB-run copy lost on the H200 machine. With a feeder per
-//! ring the two copies are enqueued by two threads at the same time. A
-//! lone copy does not wait for this thread to wake: when the ring has
-//! nothing queued, the caller enqueues the first chunks itself and the
-//! feeder continues from there (see `StagedRing::submit`).
+//! Enqueuing a staged copy of many small runs takes the CPU a while
+//! (planning each slot, plus dozens of DMA pieces per slot, each a driver
+//! call). When one thread submits an onboard and then an offload, the
+//! offload's first chunk reaches the GPU only after the whole onboard has
+//! been enqueued, and a copy of small runs loses a sizeable share of its
+//! time that way (`docs/benchmarks.md`, "Choices measured and removed").
+//! With a feeder per ring the two copies are enqueued by two threads at the
+//! same time. A lone copy does not wait for this thread to wake: when the
+//! ring has nothing queued, the caller enqueues the first chunks itself and
+//! the feeder continues from there (see `StagedRing::submit`).
 //!
 //! Jobs run in submission order (one ring's slots are reused in order).
 //! A job that is never run still resolves its completion: the completer

@@ -2,33 +2,34 @@
 //! windows of a buffered file's mapping.
 //!
 //! The bounce pipeline for a page-cached file copies every byte on the CPU
-//! (page cache → pinned slot) and then DMAs it (slot → device). On the H200
-//! machine the copy and the DMA share DRAM bandwidth, so the pair moved
-//! ~25–29 GB/s where the DMA alone moves ~50 (`docs/benchmarks.md`). The
-//! page cache is host memory already: [`FileWindowRoute`] maps the file
-//! read-only, page-locks one window of the mapping at a time with
-//! `cuMemHostRegister(READ_ONLY | DEVICEMAP)`, has the copy engines read
-//! the window straight into the device layout (through [`CudaCopier`],
-//! whichever path it picks), and unregisters the window when its DMA is
-//! done. Each byte crosses DRAM once, read by the DMA.
+//! (page cache → pinned slot) and then DMAs it (slot → device). The copy
+//! and the DMA share DRAM bandwidth, so the pair moves well below what the
+//! DMA alone moves (`docs/benchmarks.md`, "Disk to GPU: bounce pipeline and
+//! file-window route"). The page cache is host memory already:
+//! [`FileWindowRoute`] maps the file read-only, page-locks one window of
+//! the mapping at a time with `cuMemHostRegister(READ_ONLY | DEVICEMAP)`,
+//! has the copy engines read the window straight into the device layout
+//! (through [`CudaCopier`], whichever path it picks), and unregisters the
+//! window when its DMA is done. Each byte crosses DRAM once, read by the
+//! DMA.
 //!
-//! Registration is not free, and on the H200 machine (driver 580, Linux
-//! 6.18) it cannot overlap the DMA: page-locking runs at 40–56 GB/s and
-//! releasing at ~100, but a DMA running while another thread registers
-//! windows fell from 46–47 GB/s to 7–12 (`docs/benchmarks.md`). A window
-//! registered for one copy therefore costs register + DMA + unregister in
-//! sequence, and a cold file moves at 16–20 GB/s — less than the bounce
-//! pipeline's 22–29, for a sixth of its CPU time. Windows that stay
-//! registered cost only their DMA (45–48 GB/s, the pinned-memory rate):
+//! Registration is not free, and it cannot overlap the DMA: page-locking
+//! and releasing pages are fast on their own, but a DMA running while
+//! another thread registers windows slows to a fraction of its rate
+//! (with the drivers and kernels tried so far). A window registered for
+//! one copy therefore costs register + DMA + unregister in sequence, and a
+//! cold file moves slower than through the bounce pipeline, though for a
+//! fraction of its CPU time. Windows that stay registered cost only their
+//! DMA (the pinned-memory rate):
 //! [`FileWindowConfig::keep_registered_bytes`] keeps up to that many bytes
 //! of fixed file windows registered between jobs, least recently used
 //! released first. Windows go through a few worker threads; at most
 //! `workers × window_bytes` plus the kept bytes are page-locked at once.
 //!
 //! Read-only pins of file pages are what Linux allows long-term (from 6.5
-//! it refuses long-term *writable* pins of most file-backed pages; on the
-//! H200 machine a registration without the read-only flag was refused with
-//! `CUDA_ERROR_INVALID_VALUE` on ext4 and tmpfs alike). Before a file
+//! it refuses long-term *writable* pins of most file-backed pages, and the
+//! driver reports a registration without the read-only flag as
+//! `CUDA_ERROR_INVALID_VALUE`, on ext4 and tmpfs alike). Before a file
 //! system's first job the route page-locks one page of the file; if the
 //! driver or kernel refuses, the refusal is logged once and remembered,
 //! and every job on that file system is declined (the executor then takes

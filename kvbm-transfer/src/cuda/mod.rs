@@ -9,7 +9,7 @@
 //!   `strided` finds affine families of runs the copy engines move as one
 //!   pitched descriptor each.
 //! - [`copier`]: the executor with its three paths (copy engines, kernel,
-//!   staged) and the measured rule choosing between them; its lanes
+//!   staged) and the rule choosing between them; its lanes
 //!   (streams, staging ring, descriptor buffers), the staged path's
 //!   pipeline, the feeder thread that continues it and its diagnostic
 //!   timelines (feature `diagnostics`) live in private modules (`lanes`,

@@ -1,19 +1,20 @@
 //! Pinned host memory that is fast to get, and usable before it is all there.
 //!
-//! `cuMemHostAlloc` pins 8 GiB in about 3.6 s on the H200 machine: the driver
-//! faults and pins every page from one thread. Here the memory is mapped
-//! with `mmap` (2 MiB aligned, `MADV_HUGEPAGE` where allowed), first-touched
-//! by many threads at once (bound to the GPU's NUMA node where the OS says
-//! which one), and then registered with `cuMemHostRegister`, chunk by chunk:
-//! while the driver registers chunk *k*, the threads already touch chunk
-//! *k+1*. [`PinnedMemory::allocate_in_background`] returns as soon as the
-//! first part is registered and pins the rest on a background thread;
+//! `cuMemHostAlloc` is slow for large sizes: the driver faults and pins
+//! every page from one thread, so the caller waits for all of it before
+//! using any. Here the memory is mapped with `mmap` (2 MiB aligned,
+//! `MADV_HUGEPAGE` where allowed), first-touched by many threads at once
+//! (bound to the GPU's NUMA node where the OS says which one), and then
+//! registered with `cuMemHostRegister`, chunk by chunk: while the driver
+//! registers chunk *k*, the threads already touch chunk *k+1*.
+//! [`PinnedMemory::allocate_in_background`] returns as soon as the first
+//! part is registered and pins the rest on a background thread;
 //! [`PinnedMemory::pinned_len`] says how far it got, and copies are only
 //! allowed into the pinned prefix. One thread registers: the driver takes
-//! one registration at a time (on the H200 machine two or three threads
-//! registering parts of a chunk at once spent 1.5–2.3× the time inside the
-//! driver and finished no sooner). [`PinnedMemory::stats`] says where the
-//! time went (`examples/pin_bench.rs`).
+//! one registration at a time (threads registering parts of a chunk at once
+//! spend more time inside the driver and finish no sooner; see
+//! `docs/benchmarks.md`, "Pinned host memory"). [`PinnedMemory::stats`]
+//! says where the time went (`examples/pin_bench.rs`).
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

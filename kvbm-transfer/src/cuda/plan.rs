@@ -180,8 +180,8 @@ const RAMP_STEPS: u32 = 3;
 /// host bytes together (a KV plan lists a block's runs one after another,
 /// and a FullyContiguous host block is one range: one DMA piece per block,
 /// large enough for line rate). Only a plan whose host side is scattered in
-/// plan order is sorted by host address (sorting 16,384 runs cost the H200
-/// machine's CPU about a millisecond per copy). A run larger than the room
+/// plan order is sorted by host address (sorting a large plan costs CPU
+/// time on every copy, before its first chunk). A run larger than the room
 /// left in a slot continues in the next one.
 ///
 /// Every run is checked against the region lengths before any of its bytes

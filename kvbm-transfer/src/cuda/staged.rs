@@ -2,8 +2,8 @@
 //! runs and large DMA copies.
 //!
 //! An offload gathers each slot's runs on the device (the copy kernel, at
-//! HBM speed, a few microseconds of SMs per 32 MiB) into a dense staging
-//! slot and sends the slot to the host as a few large DMA copies (the copy
+//! HBM speed, holding the SMs only briefly) into a dense staging slot and
+//! sends the slot to the host as a few large DMA copies (the copy
 //! engines at line rate, no SMs); an onboard does the reverse. Kernel and
 //! DMA sit on two streams of one lane and hand slots to each other with
 //! events, so the DMA of one slot overlaps the gather of the next, and
@@ -11,9 +11,9 @@
 //! (or filling) the slots already staged.
 //!
 //! Everything is ordered on the GPU: no host thread waits per chunk. Once
-//! running, the DMA moves slot after slot at line rate (1.3 µs between
-//! slots on the H200 machine), so what the path loses is fixed cost, and
-//! that is what this module keeps small:
+//! running, the DMA moves slot after slot at line rate (the gap between
+//! slots is tiny next to a slot's DMA), so what the path loses is fixed
+//! cost, and that is what this module keeps small:
 //!
 //! - when the ring has nothing queued, the caller enqueues the first two
 //!   chunks itself (the GPU starts with no wait for another thread to wake)
@@ -21,10 +21,10 @@
 //!   thread (see `feeder`), which continues while `copy()` returns; with
 //!   copies queued, the whole copy goes behind them on the feeder;
 //! - no pass over the plan comes before the first chunk: the chunker checks
-//!   each run against its regions as it reaches it (a pass over 16,384
-//!   runs cost 120–185 µs on the H200 machine, the list being cache-cold
-//!   after the caller's wait, a twentieth of a 128 MiB copy). A shared
-//!   plan is never copied; a borrowed one is copied (and so checked whole)
+//!   each run against its regions as it reaches it (a pass over a large
+//!   plan is not free, the list being cache-cold after the caller's wait,
+//!   and it would delay the first DMA by all of it). A shared plan is
+//!   never copied; a borrowed one is copied (and so checked whole)
 //!   after the first chunks are on the GPU, before `copy()` returns;
 //! - chunks are planned one at a time, in plan order (see
 //!   [`super::plan::StagedChunker`]), the first ones small (an eighth of a
@@ -34,7 +34,8 @@
 //!   and read there by the kernel. An upload would go through the
 //!   host-to-device copy engine, where it queued behind an onboard's DMA
 //!   and held a concurrent offload back until the onboard ended (both
-//!   directions from one thread at 0.5 of the bidirectional rate).
+//!   directions from one thread then moved no more than one direction
+//!   alone).
 //!
 //! A `Timeline` (diagnostics, `CopierConfig::timeline`, see `timeline`)
 //! records host instants and GPU timing events around every chunk.

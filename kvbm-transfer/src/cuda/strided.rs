@@ -8,10 +8,11 @@
 //! LayerSeparate device layout its K and V of one layer sit a constant
 //! `num_blocks × run` apart; when the layer tensors come from one allocation,
 //! every layer's K and V do, so a whole block (64 runs) becomes one
-//! descriptor. On the H200 (docs/benchmarks.md) one flat descriptor per run
-//! is submission-bound at 8–32 KiB runs (~0.6 µs of driver time each: 0.2–0.8
-//! of line rate); one per block takes a few calls, and what remains is the
-//! engine's own cost per line (0.85 of line rate at 32 KiB, 0.6 at 8 KiB).
+//! descriptor. One flat descriptor per run is submission-bound at runs of
+//! a few KiB (each costs the driver a fixed time, longer than the engine
+//! needs to move the run); one per block takes a few calls, and what
+//! remains is the engine's own cost per line, which still shows at the
+//! smallest runs (`docs/benchmarks.md`, "Choices measured and removed").
 //!
 //! [`strided_copies`] finds the families. A family never spans a boundary
 //! in `src_bounds` / `dst_bounds` (host registration chunks, device
@@ -138,9 +139,9 @@ pub(crate) struct FamilyLimits {
     /// Largest pitch the driver accepts.
     pub max_pitch: u64,
     /// Families of fewer lines are handed back as single lines: a pitched
-    /// descriptor costs the driver several times a flat one (measured: ~5–10
-    /// µs per `cuMemcpy3DBatchAsync_v2` entry against ~0.6 µs per
-    /// `cuMemcpyBatchAsync_v2` entry), so only tall families pay.
+    /// descriptor costs the driver several times a flat one (a
+    /// `cuMemcpy3DBatchAsync_v2` entry against a `cuMemcpyBatchAsync_v2`
+    /// entry), so only tall families pay.
     pub min_height: u64,
 }
 

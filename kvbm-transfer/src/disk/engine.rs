@@ -139,14 +139,17 @@ pub enum BufferedIo {
     },
 }
 
-/// Below this many CPUs buffered requests stay on the direct engine: on a
-/// 2-vCPU machine parallel page-cache copies moved no more bytes than one
-/// and added hand-offs (`docs/benchmarks.md`).
+/// Below this many CPUs buffered requests stay on the direct engine: with
+/// so few cores, parallel page-cache copies compete for the same CPUs and
+/// move no more bytes than one thread, while each hand-off between threads
+/// costs CPU time.
 const BUFFERED_THREADS_MIN_CPUS: usize = 4;
 
-/// At most this many copy threads by default: on the 16-core H200 machine
-/// 8 threads kept pace with the GPU's DMA, and 12 or more flooded DRAM so
-/// that the DMA of a bounce pipeline starved.
+/// At most this many copy threads by default: a few threads keep pace with
+/// the GPU's DMA, and more flood DRAM, so that the DMA of a bounce
+/// pipeline, which reads the same memory, loses arbitration and starves
+/// (measured in `docs/benchmarks.md`, "Disk to GPU: bounce pipeline and
+/// file-window route").
 const BUFFERED_MAX_THREADS: usize = 8;
 
 impl BufferedIo {

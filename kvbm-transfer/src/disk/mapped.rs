@@ -2,29 +2,30 @@
 //!
 //! A read of a buffered file is a CPU copy out of the page cache, and in a
 //! bounce pipeline (page cache → pinned slot → GPU) that copy shares DRAM
-//! with the device's DMA read of the slots. Measured on the 16-core H200
-//! machine (`docs/benchmarks.md`), three things decide how fast the pair
-//! runs together, and this engine owns all three instead of leaving them to
-//! the kernel's `copy_to_user`:
+//! with the device's DMA read of the slots. Three things decide how fast
+//! the pair runs together (measured in `docs/benchmarks.md`, "Disk to GPU:
+//! bounce pipeline and file-window route"), and this engine owns all three
+//! instead of leaving them to the kernel's `copy_to_user`:
 //!
-//! - **Copy threads sized to the machine.** One thread copies 5–7 GB/s
-//!   (latency-bound), so the hop needs several; but past about half the
-//!   cores the copies flood DRAM, the DMA loses arbitration (8 MiB chunks
-//!   took 2–5 ms instead of 0.25 ms) and the pipeline collapsed to a third
-//!   of the two hops run one after the other. The default
+//! - **Copy threads sized to the machine.** One thread's copy waits on
+//!   memory latency, so the hop needs several; but past about half the
+//!   cores the copies flood DRAM, the DMA loses arbitration (each chunk's
+//!   DMA takes many times as long) and the pipeline falls far below the two
+//!   hops run one after the other. The default
 //!   ([`BufferedIo::resolve`](super::BufferedIo::resolve)) takes half.
 //! - **Prefetch across page boundaries.** The page cache is 4 KiB pages
 //!   scattered in physical memory; the hardware prefetcher stops at each
 //!   boundary, so the copy prefetches the source 4 KiB ahead into L2.
 //! - **Where the stores go.** Non-temporal stores (the default) write
-//!   each destination line without reading it first: a read of a
-//!   page-cached file into host memory ran 41–55 GB/s on 8 threads
-//!   against 23–34 with ordinary stores. In a bounce pipeline ordinary
-//!   stores keep the few, reused slots in the last-level cache, where the
-//!   device's read finds them, and the copy then slows down hardly at all
-//!   while the DMA runs; but it starts slower, and in 8 of 9 same-process
-//!   comparisons the pipeline as a whole moved more with non-temporal
-//!   stores. [`MappedEngine::new`] takes either.
+//!   each destination line without reading it first (no read for
+//!   ownership), so each destination byte crosses the memory bus once
+//!   rather than twice and a read of a page-cached file into host memory
+//!   runs faster than with ordinary stores. In
+//!   a bounce pipeline ordinary stores keep the few, reused slots in the
+//!   last-level cache, where the device's read finds them, and the copy
+//!   then slows down hardly at all while the DMA runs; but it starts
+//!   slower, and the pipeline as a whole usually moves more with
+//!   non-temporal stores. [`MappedEngine::new`] takes either.
 //!
 //! One read-only shared mapping per buffered file is kept while the file
 //! lives (dropped files are unmapped at the next submission). Before each
@@ -277,10 +278,11 @@ impl IoEngine for MappedEngine {
 /// How far ahead of the loads the copy prefetches the source, into L2.
 /// The page cache is 4 KiB pages scattered in physical memory, and the
 /// hardware prefetcher stops at every page boundary, so without help each
-/// thread's copy waits on memory latency. Measured on the 16-core H200
-/// machine, 8 threads, non-temporal stores, page cache → pinned memory:
-/// the memcpy backend's copy (prefetch 1 KiB ahead into L1) 36–39 GB/s, no
-/// software prefetch 45, L2 prefetch 4 KiB ahead 41–55 (`docs/benchmarks.md`).
+/// thread's copy waits on memory latency. A whole page ahead reaches past
+/// the boundary the hardware stops at, and L2 holds a page without
+/// evicting the lines being copied from L1; the memcpy backend's short
+/// prefetch into L1 does neither and copied page-cache data no faster than
+/// no software prefetch at all.
 const PREFETCH_AHEAD: usize = 4096;
 
 /// Copies `len` bytes out of a file mapping: 64 bytes per step, the

@@ -2,11 +2,12 @@
 //!
 //! Onboarding from a buffered (page-cached) file to the GPU through bounce
 //! slots costs a CPU copy (page cache → pinned slot) and a DMA (slot →
-//! device), and on the H200 machine the two share DRAM bandwidth so much
-//! that the pipeline moved only 1.1–1.5 × the two hops run one after the
-//! other (`docs/benchmarks.md`). The page cache is host memory already: a
-//! route can page-lock a window of the file's mapping and let the device's
-//! DMA read it straight, with no CPU copy at all.
+//! device), and the two share DRAM bandwidth so much that the pipeline
+//! moves little more than the two hops run one after the other
+//! (`docs/benchmarks.md`, "Disk to GPU: bounce pipeline and file-window
+//! route"). The page cache is host memory already: a route can page-lock a
+//! window of the file's mapping and let the device's DMA read it straight,
+//! with no CPU copy at all.
 //!
 //! Whether such a route can take a job is only known per job (is the file
 //! open with `O_DIRECT`? does the kernel let the driver pin its pages?), so

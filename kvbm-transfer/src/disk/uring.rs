@@ -15,8 +15,9 @@
 //! added hand-offs, so there they stay inline. By default buffered files
 //! do not come here at all where there are cores to spare: they go to the
 //! mapped engine ([`BufferedIo`](super::BufferedIo)), because in a page
-//! cache → GPU pipeline the punted reads ran at 7.5–10 GB/s against 22–27
-//! alone, with every completion on the ring thread's CPU.
+//! cache → GPU pipeline the punted reads slow to a fraction of their rate
+//! alone, with every completion on the ring thread's CPU
+//! (`docs/benchmarks.md`, "Choices measured and removed").
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
@@ -38,10 +39,11 @@ const BUFFER_SLOTS: u32 = 64;
 const MAX_FIXED_BUFFER: u64 = 1 << 30;
 const WAKE_TOKEN: u64 = u64::MAX;
 /// Buffered requests are handed to io_uring's workers (parallel page-cache
-/// copies) only when the process may use at least this many CPUs. On the
-/// 2-vCPU machine parallel copies moved no more bytes (two copy threads
-/// ≈ one) and a page cache → bounce → host pipeline ran at 2.4 GB/s punted
-/// against 3.5 GB/s inline, spending 0.22 instead of 0.15 CPU-s per 512 MiB.
+/// copies) only when the process may use at least this many CPUs. With
+/// fewer, the workers compete with the ring thread and the pipeline's other
+/// hop for the same cores: parallel copies move no more bytes than one,
+/// and the hand-offs make a pipeline both slower and costlier in CPU time
+/// than copying inline.
 const PUNT_BUFFERED_MIN_CPUS: usize = 4;
 
 type Reply = mpsc::Sender<Result<bool>>;

@@ -25,7 +25,8 @@
 //! backend asks about every request in flight, backing off from a yield to
 //! a short sleep while nothing finishes, and sleeps on a condition variable
 //! when nothing is in flight — the only poll in kvbm, and it is NIXL's. Its
-//! CPU cost per GiB is measured in `docs/benchmarks.md` (section NIXL).
+//! CPU cost per GiB is measured in `docs/benchmarks.md`, "Host, disk and
+//! NIXL transfers (kvbm-transfer)".
 //!
 //! # Environment on CPU machines
 //! UCX may crash at process exit in its InfiniBand module; set

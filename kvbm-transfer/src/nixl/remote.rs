@@ -29,10 +29,12 @@
 //! transport, the serving side's NIXL progress thread answers the reads.
 //!
 //! On TCP, UCX moves a read in segments of `UCX_TCP_TX_SEG_SIZE` /
-//! `UCX_TCP_RX_SEG_SIZE` (8 KiB by default); 256 KiB segments made 2 MiB
-//! block pulls 3–4× faster on loopback here (figures in
-//! `docs/benchmarks.md`, section NIXL). They are UCX environment variables,
-//! read when the backend starts, so they are the deployment's to set.
+//! `UCX_TCP_RX_SEG_SIZE` (8 KiB by default); larger segments (256 KiB)
+//! mean far fewer segments, each with its own fixed cost, per block pulled,
+//! and made pulls several times faster (measured on loopback in
+//! `docs/benchmarks.md`, "Remote G2 pulls (NIXL over UCX)"). They are UCX
+//! environment variables, read when the backend starts, so they are the
+//! deployment's to set.
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -59,6 +59,7 @@ class SchedulerSide:
             instance=instance_of(eid),
             admission=config.admission,
             handshake_timeout_s=config.handshake_timeout_s,
+            secret_file=config.secret_file_for(eid),
         )
         log.info("kvbm: %d worker(s), blocks per tier %s", world, dict(self.kvbm.capacity()))
         self.requests: dict[str, _Tracked] = {}

@@ -69,6 +69,7 @@ class WorkerSide:
             int(first.element_size()),
             num_blocks,
             tuple(tensors),
+            self.config.secret_file_for(eid),
             device=device,
             g3_dir=self.config.g3_dir(eid, rank),
             instance=instance_of(eid),
