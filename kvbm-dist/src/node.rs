@@ -5,9 +5,11 @@
 //! ```text
 //! kvbm-dist-node worker --endpoint E --instance I --rank R --world W
 //!     --layout DESCRIPTOR_JSON [--g1-file PATH] [--g3-dir DIR]
-//!     [--host-g1] [--threads N] [--fault-delay-ms MS] [--leader-timeout-ms MS]
-//!     [--secret-file PATH]
+//!     [--host-g1] [--threads N] [--leader-timeout-ms MS] [--secret-file PATH]
 //! ```
+//!
+//! (With feature `fault-injection`, `--fault-delay-ms MS` delays every
+//! transfer, for tests that kill a worker mid-transfer.)
 //!
 //! The instance secret comes from the environment variable
 //! `KVBM_INSTANCE_SECRET` (removed at once) or from `--secret-file`, a file
@@ -63,6 +65,7 @@ pub struct NodeArgs {
     /// memcpy threads of a GPU worker's executor.
     pub threads: usize,
     /// Fault injection: wait this long before starting each transfer.
+    #[cfg(feature = "fault-injection")]
     pub fault_delay: Duration,
     /// Exit when the leader has been silent this long.
     pub leader_timeout: Duration,
@@ -93,6 +96,7 @@ impl NodeArgs {
             g3_dir: None,
             host_g1: false,
             threads: 2,
+            #[cfg(feature = "fault-injection")]
             fault_delay: Duration::ZERO,
             leader_timeout: Duration::from_secs(30),
             secret_file: None,
@@ -149,6 +153,7 @@ impl NodeArgs {
                         .filter(|&t| t > 0)
                         .ok_or_else(|| bad(format!("--threads {v}: must be at least 1")))?;
                 }
+                #[cfg(feature = "fault-injection")]
                 "fault-delay-ms" => out.fault_delay = Duration::from_millis(num(&v)?),
                 "leader-timeout-ms" => out.leader_timeout = Duration::from_millis(num(&v)?),
                 _ => return Err(bad(format!("unknown flag --{key}"))),
@@ -179,8 +184,6 @@ impl NodeArgs {
             self.layout_json.clone(),
             "--threads".into(),
             self.threads.to_string(),
-            "--fault-delay-ms".into(),
-            self.fault_delay.as_millis().to_string(),
             "--leader-timeout-ms".into(),
             self.leader_timeout.as_millis().to_string(),
         ];
@@ -191,6 +194,11 @@ impl NodeArgs {
         if let Some(d) = &self.g3_dir {
             v.push("--g3-dir".into());
             v.push(d.display().to_string());
+        }
+        #[cfg(feature = "fault-injection")]
+        if !self.fault_delay.is_zero() {
+            v.push("--fault-delay-ms".into());
+            v.push(self.fault_delay.as_millis().to_string());
         }
         if let Some(f) = &self.secret_file {
             v.push("--secret-file".into());
@@ -251,7 +259,10 @@ pub fn run(args: &NodeArgs, secret: InstanceSecret) -> Result<()> {
         None => own_g1(args, layout, secret)?,
     };
     config.g3_dir = args.g3_dir.clone();
-    config.fault_delay = args.fault_delay;
+    #[cfg(feature = "fault-injection")]
+    {
+        config.fault_delay = args.fault_delay;
+    }
     config.leader_timeout = args.leader_timeout;
     worker::run(config)
 }
@@ -331,7 +342,10 @@ mod tests {
         a.g3_dir = Some("/tmp/g3".into());
         a.host_g1 = true;
         a.threads = 4;
-        a.fault_delay = Duration::from_millis(5);
+        #[cfg(feature = "fault-injection")]
+        {
+            a.fault_delay = Duration::from_millis(5);
+        }
         a.leader_timeout = Duration::from_secs(120);
         a.secret_file = Some("/run/kvbm/secret".into());
         assert_eq!(NodeArgs::parse(a.to_args()).unwrap(), a);

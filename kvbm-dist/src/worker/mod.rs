@@ -72,6 +72,7 @@ pub struct WorkerConfig {
     pub executor: Option<Executor>,
     /// Fault injection: wait this long before starting each transfer (so a
     /// test can kill the worker while a transfer is in flight).
+    #[cfg(feature = "fault-injection")]
     pub fault_delay: Duration,
     /// Exit when no frame came from the leader for this long, counted
     /// from the start (the leader answers `Hello` only once every rank
@@ -110,6 +111,7 @@ impl WorkerConfig {
             g1,
             g3_dir: None,
             executor: None,
+            #[cfg(feature = "fault-injection")]
             fault_delay: Duration::ZERO,
             leader_timeout: Duration::from_secs(30),
             probe: None,
@@ -220,7 +222,10 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
         probe: config.probe.take(),
         g2_allocator: config.g2_allocator.take(),
         executor,
+        #[cfg(feature = "fault-injection")]
         fault_delay: config.fault_delay,
+        #[cfg(not(feature = "fault-injection"))]
+        fault_delay: Duration::ZERO,
         inflight: HashMap::new(),
         acks: ack_tx,
         wake: Arc::new(wake_tx),
