@@ -41,5 +41,7 @@ fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<worker::Worker>()?;
     m.add_function(wrap_pyfunction!(sequence_hash, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // Whether this build has the test hooks (feature `test-hooks`).
+    m.add("TEST_HOOKS", cfg!(feature = "test-hooks"))?;
     Ok(())
 }

@@ -111,7 +111,18 @@ impl Worker {
         let mut config = WorkerConfig::new(endpoint, instance, rank, world_size, g1, secret);
         config.g3_dir = g3_dir;
         config.leader_timeout = Duration::from_secs_f64(leader_timeout_s);
-        config.fault_delay = Duration::from_millis(transfer_delay_ms);
+        #[cfg(feature = "test-hooks")]
+        {
+            config.fault_delay = Duration::from_millis(transfer_delay_ms);
+        }
+        #[cfg(not(feature = "test-hooks"))]
+        if transfer_delay_ms > 0 {
+            return Err(PyKvbmError::Invalid(
+                "transfer_delay_ms is a test hook: this build has none (feature `test-hooks`)"
+                    .into(),
+            )
+            .into());
+        }
         let exit = Arc::new(Mutex::new(Exit::Running));
         let thread = {
             let exit = Arc::clone(&exit);

@@ -7,6 +7,12 @@ prefix-cache reset)."""
 import pytest
 from sched_harness import BLOCK, build
 
+import kvbm_py
+
+needs_hooks = pytest.mark.skipif(
+    not kvbm_py._kvbm.TEST_HOOKS, reason="a wheel built without feature test-hooks"
+)
+
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 PREFIX = list(range(100, 100 + 4 * BLOCK))  # 4 full blocks
@@ -51,6 +57,7 @@ def test_loaded_blocks_hold_the_computed_bytes(harness):
     assert a.block_hashes[:4] == c.block_hashes[:4]
 
 
+@needs_hooks
 @pytest.mark.parametrize("harness", [{"test_transfer_delay_ms": 400}], indirect=True)
 def test_request_finished_while_offloads_run_keeps_its_blocks(harness):
     h = harness
@@ -65,6 +72,7 @@ def test_request_finished_while_offloads_run_keeps_its_blocks(harness):
     assert h.kvbm.live_requests() == 0
 
 
+@needs_hooks
 @pytest.mark.parametrize("harness", [{"test_transfer_delay_ms": 500}], indirect=True)
 def test_abort_while_loading(harness):
     from vllm.v1.request import RequestStatus

@@ -92,20 +92,30 @@ fn install_environment(workspace: &Path, venv: &Path, python: &Path) -> Result<(
     std::fs::write(&stamp_path, stamp).map_err(|e| format!("{}: {e}", stamp_path.display()))
 }
 
-/// Builds the wheel with maturin into a fresh directory; returns its path.
+/// Builds the wheel with maturin into a fresh directory, with the test
+/// hooks the suite uses (and the CUDA support `pyproject.toml` asks for);
+/// returns its path.
 fn build_wheel(workspace: &Path, target: &Path, venv: &Path) -> Result<PathBuf, String> {
     let out = target.join(WHEEL_DIR);
     let _ = std::fs::remove_dir_all(&out);
     super::ci::step("maturin build", {
         let mut c = Command::new(venv.join("bin").join("maturin"));
-        c.args(["build", "--profile", "dev", "--quiet", "--manifest-path"])
-            .arg(workspace.join("kvbm-py").join("Cargo.toml"))
-            .arg("--interpreter")
-            .arg(venv.join("bin").join("python"))
-            .arg("--out")
-            .arg(&out)
-            // What maturin >= 1.9.4 sets too: link as an extension module.
-            .env("PYO3_BUILD_EXTENSION_MODULE", "1");
+        c.args([
+            "build",
+            "--profile",
+            "dev",
+            "--quiet",
+            "--features",
+            "test-hooks",
+        ])
+        .arg("--manifest-path")
+        .arg(workspace.join("kvbm-py").join("Cargo.toml"))
+        .arg("--interpreter")
+        .arg(venv.join("bin").join("python"))
+        .arg("--out")
+        .arg(&out)
+        // What maturin >= 1.9.4 sets too: link as an extension module.
+        .env("PYO3_BUILD_EXTENSION_MODULE", "1");
         c
     })?;
     let wheels: Vec<PathBuf> = std::fs::read_dir(&out)

@@ -3,6 +3,8 @@
 from typing import Any, Sequence
 
 __version__: str
+#: Whether this build has the test hooks (feature ``test-hooks``).
+TEST_HOOKS: bool
 
 def sequence_hash(digest: bytes) -> int:
     """The 64-bit key kvbm files an engine block hash under: the first 8
