@@ -129,9 +129,11 @@ impl Scheduler {
     /// `admission` is `all`, `reuse_score` or `min_uses:N` (G2 and G3).
     /// The workers must hold the instance secret published at
     /// `secret_file` (or given in `KVBM_INSTANCE_SECRET`); without either
-    /// the leader draws one no worker knows.
+    /// the leader draws one no worker knows. `offload_in_flight` caps the
+    /// offload batches copying at once (kvbm's default when `None`; each
+    /// holds its G2 targets, so a G2 of very few blocks wants 1).
     #[new]
-    #[pyo3(signature = (endpoint, world_size, block_size, g2_bytes, g3_bytes = 0, instance = 0, admission = "reuse_score", handshake_timeout_s = 120.0, secret_file = None))]
+    #[pyo3(signature = (endpoint, world_size, block_size, g2_bytes, g3_bytes = 0, instance = 0, admission = "reuse_score", handshake_timeout_s = 120.0, secret_file = None, offload_in_flight = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -144,6 +146,7 @@ impl Scheduler {
         admission: &str,
         handshake_timeout_s: f64,
         secret_file: Option<std::path::PathBuf>,
+        offload_in_flight: Option<usize>,
     ) -> PyResult<Self> {
         let policy = parse_policy(admission)?;
         if !(handshake_timeout_s.is_finite() && handshake_timeout_s > 0.0) {
@@ -159,9 +162,12 @@ impl Scheduler {
         }
         let inner = py.detach(move || -> Result<Inner> {
             let leader = PendingLeader::bind(config)?.handshake()?;
-            let engine_config = TierEngineConfig::new(block_size as usize)
+            let mut engine_config = TierEngineConfig::new(block_size as usize)
                 .g2_policy(policy)
                 .g3_policy(policy);
+            if let Some(n) = offload_in_flight {
+                engine_config = engine_config.offload_in_flight(n);
+            }
             let mover: Arc<dyn TierMover> = leader.mover();
             let engine = Arc::new(TierEngine::with_mover(engine_config, mover)?);
             Ok(Inner { engine, leader })

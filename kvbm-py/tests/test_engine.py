@@ -46,6 +46,9 @@ def test_prefix_onboarded_from_g3_when_g2_is_too_small(tiny_model, tmp_path):
         "disk_cache_dir": str(tmp_path / "g3"),
         "admission": "all",
         "load_async": False,
+        # One batch at a time: two in flight would each want G2's only
+        # block, and the second would be skipped.
+        "offload_in_flight": 1,
     }
     # Prefill one block per step, so each block reaches kvbm on its own and
     # pushes the one before it from G2 to G3.
@@ -54,6 +57,7 @@ def test_prefix_onboarded_from_g3_when_g2_is_too_small(tiny_model, tmp_path):
     assert s["g2_to_g3_blocks"] >= 3, s
     assert s["g3_to_g1_blocks"] >= 3, s
     assert s["g2_to_g1_blocks"] + s["g3_to_g1_blocks"] == 4, s
+    assert s["onboard_failures"] == 0, s
     assert r["second"] == r["first"], r
 
 

@@ -51,6 +51,7 @@ class Scheduler:
         admission: str = "reuse_score",
         handshake_timeout_s: float = 120.0,
         secret_file: str | None = None,
+        offload_in_flight: int | None = None,
     ) -> None: ...
     @property
     def block_size(self) -> int:

@@ -25,6 +25,7 @@ _SOURCES: dict[str, tuple[tuple[str, ...], Any]] = {
     "load_async": (("KVBM_LOAD_ASYNC",), True),
     "endpoint": (("KVBM_ENDPOINT",), None),
     "handshake_timeout_s": (("KVBM_HANDSHAKE_TIMEOUT_S",), 120.0),
+    "offload_in_flight": (("KVBM_OFFLOAD_IN_FLIGHT",), 0),
 }
 
 OFFLOAD_MODES = ("eager", "finish", "none")
@@ -80,6 +81,9 @@ class KvbmConfig:
     endpoint: str | None = None
     #: How long the scheduler side waits for every worker, seconds.
     handshake_timeout_s: float = 120.0
+    #: Offload batches copying at once; 0 keeps kvbm's default (4). Each
+    #: holds its G2 targets, so a G2 of a handful of blocks wants 1.
+    offload_in_flight: int = 0
     #: Test hook: overwrite the first block of every onboard with zeros
     #: after it landed (proves an output comparison detects bad bytes).
     test_corrupt_onboard: bool = False
@@ -132,6 +136,7 @@ class KvbmConfig:
             load_async=_as_bool(values["load_async"], "load_async"),
             endpoint=values["endpoint"],
             handshake_timeout_s=_as_float(values["handshake_timeout_s"], "handshake_timeout_s"),
+            offload_in_flight=int(_as_float(values["offload_in_flight"], "offload_in_flight")),
             test_corrupt_onboard=_as_bool(
                 extra.get("test_corrupt_onboard", False), "test_corrupt_onboard"
             ),

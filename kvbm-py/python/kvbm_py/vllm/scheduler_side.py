@@ -60,6 +60,7 @@ class SchedulerSide:
             admission=config.admission,
             handshake_timeout_s=config.handshake_timeout_s,
             secret_file=config.secret_file_for(eid),
+            offload_in_flight=config.offload_in_flight or None,
         )
         log.info("kvbm: %d worker(s), blocks per tier %s", world, dict(self.kvbm.capacity()))
         self.requests: dict[str, _Tracked] = {}
