@@ -1,7 +1,6 @@
 """The package alone: imports without vLLM, configuration sources, hash
 keys, and KV tensors kvbm refuses at start-up."""
 
-import os
 import subprocess
 import sys
 
@@ -51,7 +50,13 @@ def test_config_reads_extra_then_environment_then_defaults():
     assert GIB == 1 << 30
 
 
-_SECRET = f"/tmp/kvbm-test-{os.getpid()}.secret"
+@pytest.fixture(autouse=True)
+def _secret_in_tmp(tmp_path, monkeypatch):
+    # Workers built here publish the instance secret under tmp_path.
+    monkeypatch.setattr(sys.modules[__name__], "_SECRET", str(tmp_path / "instance.secret"))
+
+
+_SECRET = ""
 
 
 def _worker(tensors, num_blocks):

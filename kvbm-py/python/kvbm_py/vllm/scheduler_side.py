@@ -50,6 +50,7 @@ class SchedulerSide:
         self.block_size = int(vllm_config.cache_config.block_size)
         eid = engine_id(vllm_config)
         world = world_size(vllm_config)
+        self.secret_file = config.secret_file_for(eid)
         self.kvbm = Scheduler(
             config.endpoint_for(eid),
             world,
@@ -59,7 +60,7 @@ class SchedulerSide:
             instance=instance_of(eid),
             admission=config.admission,
             handshake_timeout_s=config.handshake_timeout_s,
-            secret_file=config.secret_file_for(eid),
+            secret_file=self.secret_file,
             offload_in_flight=config.offload_in_flight or None,
         )
         log.info("kvbm: %d worker(s), blocks per tier %s", world, dict(self.kvbm.capacity()))
@@ -279,3 +280,8 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self.kvbm.shutdown()
+        # Every worker read the secret at start-up: nobody needs the file.
+        try:
+            os.remove(self.secret_file)
+        except OSError:
+            pass
