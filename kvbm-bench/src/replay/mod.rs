@@ -483,8 +483,10 @@ pub fn run_replay(
     }
     let wall_s = start.elapsed().as_secs_f64();
     let sim_reuse = reuse_stats(requests, cfg.block_tokens, caps);
+
     let sim_lru_tiers = lru_tiers_stats(requests, cfg.block_tokens, caps);
     let skipped: u64 = driver.engine().stats().skipped.iter().sum();
+
     let total_cap: usize = caps.iter().sum();
     let lru = replay(requests, cfg.block_tokens, &mut LruSim::new(total_cap));
     let belady = replay(
@@ -513,8 +515,9 @@ pub fn run_replay(
         block_bytes,
         g1_memory,
         placement: format!(
-            "kvbm-pool TierEngine, G2/G3 policy {:?}; G3 {}",
+            "kvbm-pool TierEngine, G2/G3 policy {:?}, {:?} from G1; G3 {}",
             cfg.policy,
+            driver.engine().config().offload_mode,
             if cfg.workers > 0 {
                 "files on the workers (O_DIRECT where the file system allows)"
             } else if g3_direct {
