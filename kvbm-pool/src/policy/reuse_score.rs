@@ -606,6 +606,45 @@ mod tests {
     }
 
     #[test]
+    fn demoted_copies_go_first_until_given_back() {
+        let history = UseHistory::shared(1000);
+        for _ in 0..5 {
+            history.lock().record_request(&[h(1)]);
+        }
+        history.lock().record_request(&[h(2)]);
+        let pool = pool(&history, 2);
+        store(&pool, &[1, 2]);
+        // Block 1 (the popular one) was loaded into G1: its copy goes first.
+        history.lock().demote(Tier::G2, [h(1)]);
+        assert!(!history.lock().is_demoted(Tier::G3, h(1)));
+        history.lock().record_request(&[h(3)]);
+        store(&pool, &[3]);
+        assert!(!pool.contains(h(1)));
+        assert!(pool.contains(h(2)));
+        // Given back, a demoted copy ranks by its score again.
+        history.lock().demote(Tier::G2, [h(3)]);
+        history.lock().undemote(h(3));
+        history.lock().record_request(&[h(4)]);
+        store(&pool, &[4]);
+        assert!(pool.contains(h(3)), "the given-back block outranks 2");
+        assert!(!pool.contains(h(2)));
+    }
+
+    #[test]
+    fn return_within_model_ranks_popular_blocks_higher() {
+        let history = Arc::new(Mutex::new(
+            UseHistory::new(1000).with_model(ReuseModel::ReturnWithin { horizon: 250 }),
+        ));
+        for _ in 0..5 {
+            history.lock().record_request(&[h(1)]);
+        }
+        history.lock().record_request(&[h(2)]);
+        let u = history.lock();
+        assert_eq!(u.model(), ReuseModel::ReturnWithin { horizon: 250 });
+        assert!(u.score(h(1)) > u.score(h(2)));
+    }
+
+    #[test]
     fn history_forgets_least_recent_first_and_learns_weights() {
         let mut u = UseHistory::new(3);
         u.record_request(&[h(1), h(2)]);

@@ -112,7 +112,7 @@ pub struct TierEngineConfig {
 
 impl TierEngineConfig {
     /// Blocks of `block_size` tokens; reuse-score admission and eviction in
-    /// G2 and G3 scored by the probability of a use within the next 250
+    /// G2 and G3 scored by the probability of a use within the next 350
     /// requests, write-back from G1 (G2 receives G1's victims), LRU
     /// leaf-first G1, direct G3 onboarding, batches of 64, batches of at
     /// least 64 MiB, four batches in flight, a queue of 4096 blocks, a
@@ -130,7 +130,7 @@ impl TierEngineConfig {
             offload_in_flight: 4,
             offload_queue: 4096,
             history_factor: 4.0,
-            reuse_model: ReuseModel::ReturnWithin { horizon: 250 },
+            reuse_model: ReuseModel::ReturnWithin { horizon: 350 },
             reuse_age_exponent: 1.0,
         }
     }
