@@ -27,7 +27,7 @@ use std::time::Instant;
 use kvbm_block::SequenceHash;
 use kvbm_layout::{BlockOrder, Layout, LayoutKind};
 use kvbm_pool::metrics::TierStats;
-use kvbm_pool::tier::{TierEngine, TierEngineConfig, TierLayouts, TierPolicy};
+use kvbm_pool::tier::{OffloadMode, TierEngine, TierEngineConfig, TierLayouts, TierPolicy};
 use kvbm_pool::{ImmutableBlocks, WeakBlock};
 use kvbm_transfer::{Executor, ExecutorSpec, PhysicalLayout};
 use serde::Serialize;
@@ -594,6 +594,7 @@ fn engine_for(
     batch_bytes: Option<u64>,
 ) -> Result<TierEngine> {
     let mut config = TierEngineConfig::new(shape.tokens)
+        .offload_mode(OffloadMode::WriteThrough)
         .g2_policy(TierPolicy::WriteThrough)
         .offload_in_flight(in_flight)
         .offload_limits(batch, shape.blocks);

@@ -27,7 +27,7 @@ use kvbm_dist::worker::memory::{SharedMapping, create_shared_file};
 use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
 use kvbm_pool::Tier;
 use kvbm_pool::tier::{
-    G1Lookup, OnboardTarget, TierEngine, TierEngineConfig, TierMover, TierPolicy,
+    G1Lookup, OffloadMode, OnboardTarget, TierEngine, TierEngineConfig, TierMover, TierPolicy,
 };
 use kvbm_transfer::{CancelToken, TransferOutcome};
 
@@ -460,6 +460,7 @@ fn onboard_and_verify(
 fn the_tier_engine_runs_over_the_workers() {
     let (mut node, leader) = start([0, 0]);
     let config = TierEngineConfig::new(16)
+        .offload_mode(OffloadMode::WriteThrough)
         .g2_policy(TierPolicy::WriteThrough)
         .g3_policy(TierPolicy::WriteThrough);
     let engine =

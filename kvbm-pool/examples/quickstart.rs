@@ -21,6 +21,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .g2_host_bytes(16 * shape.block_bytes())
         .g3_disk(&dir, 256 * shape.block_bytes())
         .g2_policy(WriteThrough) // admit every block (the default learns which recur)
+        .offload_mode(tier::OffloadMode::WriteThrough) // copy to G2 at registration
         .build()?;
 
     // The engine computes a 40-block prompt into G1 and registers it.

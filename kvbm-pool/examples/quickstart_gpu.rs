@@ -31,6 +31,7 @@ fn main() -> Result<()> {
         .g2_host_bytes(16 * shape.block_bytes())
         .g3_disk(&dir, 256 * shape.block_bytes())
         .g2_policy(WriteThrough) // admit every block (the default learns which recur)
+        .offload_mode(tier::OffloadMode::WriteThrough) // copy to G2 at registration
         .build()?;
 
     let tokens: Vec<u32> = (0..40 * 16 + 5).collect();

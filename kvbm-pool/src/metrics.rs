@@ -31,6 +31,8 @@ pub enum Path {
     G2ToG1,
     /// G3 → G1 (onboard).
     G3ToG1,
+    /// G1 → G3 (write-back: a G1 victim G2 refused, offered to G3).
+    G1ToG3,
 }
 
 impl Path {
@@ -41,6 +43,7 @@ impl Path {
             Path::G2ToG3 => "g2_g3",
             Path::G2ToG1 => "g2_g1",
             Path::G3ToG1 => "g3_g1",
+            Path::G1ToG3 => "g1_g3",
         }
     }
 
@@ -87,10 +90,10 @@ impl SkipReason {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct TierStats {
     /// Blocks copied per path, indexed like [`Path`] (G1→G2, G2→G3,
-    /// G2→G1, G3→G1).
-    pub blocks: [u64; 4],
+    /// G2→G1, G3→G1, G1→G3).
+    pub blocks: [u64; 5],
     /// Bytes copied per path.
-    pub bytes: [u64; 4],
+    pub bytes: [u64; 5],
     /// Offloads skipped per reason, in [`SkipReason`] order.
     pub skipped: [u64; 7],
     /// Onboards that failed.
@@ -121,8 +124,8 @@ impl TierStats {
 /// The counters.
 #[derive(Debug, Default)]
 pub(crate) struct EngineMetrics {
-    blocks: [AtomicU64; 4],
-    bytes: [AtomicU64; 4],
+    blocks: [AtomicU64; 5],
+    bytes: [AtomicU64; 5],
     skipped: [AtomicU64; 7],
     onboard_failures: AtomicU64,
     requests: AtomicU64,
@@ -143,7 +146,7 @@ impl EngineMetrics {
         self.blocks[path.index()].fetch_add(blocks, Relaxed);
         self.bytes[path.index()].fetch_add(bytes, Relaxed);
         let label = path.label();
-        if matches!(path, Path::G1ToG2 | Path::G2ToG3) {
+        if matches!(path, Path::G1ToG2 | Path::G2ToG3 | Path::G1ToG3) {
             metrics::counter!("kvbm_offload_blocks_total", "path" => label).increment(blocks);
             metrics::counter!("kvbm_offload_bytes_total", "path" => label).increment(bytes);
         } else {

@@ -10,6 +10,7 @@ use tier_support::*;
 
 fn write_through() -> TierEngineConfig {
     TierEngineConfig::new(BLOCK_TOKENS)
+        .offload_mode(OffloadMode::WriteThrough)
         .g2_policy(TierPolicy::WriteThrough)
         .g3_policy(TierPolicy::WriteThrough)
 }

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvbm_pool::metrics::Path;
-use kvbm_pool::tier::{G1Lookup, OnboardTarget, TierEngine, TierEngineConfig, TierPolicy};
+use kvbm_pool::tier::{
+    G1Lookup, OffloadMode, OnboardTarget, TierEngine, TierEngineConfig, TierPolicy,
+};
 use kvbm_pool::{Tier, TierError};
 use kvbm_testkit::fault::{Fault, FaultRule, FaultyEngine};
 use kvbm_transfer::backend::memcpy::MemcpyBackend;
@@ -29,6 +31,7 @@ fn faulty_executor(rule: FaultRule) -> Executor {
 
 fn config() -> TierEngineConfig {
     TierEngineConfig::new(BLOCK_TOKENS)
+        .offload_mode(OffloadMode::WriteThrough)
         .g2_policy(TierPolicy::WriteThrough)
         .g3_policy(TierPolicy::WriteThrough)
 }

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use kvbm_block::SequenceHash;
 use kvbm_pool::slot::{OnboardState, SlotManager};
-use kvbm_pool::tier::{TierEngineConfig, TierPolicy};
+use kvbm_pool::tier::{OffloadMode, TierEngineConfig, TierPolicy};
 use kvbm_pool::{Tier, TierError};
 use proptest::prelude::*;
 use tier_support::*;
@@ -78,6 +78,7 @@ fn check_table(slots: &SlotManager, id: u64, hashes: &[SequenceHash]) {
 fn run(ops: Vec<Op>) {
     let dir = tempdir();
     let config = TierEngineConfig::new(BLOCK_TOKENS)
+        .offload_mode(OffloadMode::WriteThrough)
         .g2_policy(TierPolicy::WriteThrough)
         .g3_policy(TierPolicy::WriteThrough);
     let slots = SlotManager::new(Arc::new(engine(config, 160, 256, 0, dir.path())));

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use kvbm_block::SequenceHash;
 use kvbm_pool::metrics::SkipReason;
 use kvbm_pool::tier::{
-    LocalMover, TierEngine, TierEngineConfig, TierLayouts, TierMover, TierPolicy,
+    LocalMover, OffloadMode, TierEngine, TierEngineConfig, TierLayouts, TierMover, TierPolicy,
 };
 use kvbm_pool::{ImmutableBlocks, Tier};
 use kvbm_transfer::{
@@ -174,6 +174,7 @@ fn gated_engine_with(
         open: AtomicBool::new(false),
     });
     let config = TierEngineConfig::new(BLOCK_TOKENS)
+        .offload_mode(OffloadMode::WriteThrough)
         .g2_policy(TierPolicy::WriteThrough)
         .offload_limits(batch, 4096)
         .offload_batch_bytes(batch_bytes)

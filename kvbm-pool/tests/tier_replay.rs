@@ -96,9 +96,8 @@ fn replay(engine: &TierEngine, requests: &[Request]) -> Figures {
                 held.extend(compute(engine, &hashes[at..full_end], parent).into_blocks());
             }
             if partial && at < n {
-                // The partial last block is registered in G1 only (in
-                // write-back mode G1 may still evict it to G2, so it gets
-                // its bytes like any other).
+                // The partial last block is registered in G1 only (it
+                // never goes to G2, in either mode).
                 let b = engine.allocate_g1(1).unwrap().pop().unwrap();
                 fill(
                     engine.layout(kvbm_pool::Tier::G1).unwrap(),

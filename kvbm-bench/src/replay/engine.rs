@@ -9,8 +9,9 @@
 //! contiguous prefix), onboard what kvbm holds and check every byte of
 //! every onboarded block, compute the rest into fresh G1 blocks (their
 //! bytes a function of their sequence hash) and register them (the engine
-//! offloads them), release the request, and wait for the offload worker
-//! to drain so each request's transfers are timed on their own.
+//! offloads them to G2 when G1 evicts them, or at once in write-through
+//! mode), release the request, and wait for the offload worker to drain so
+//! each request's transfers are timed on their own.
 
 use std::time::Instant;
 
@@ -24,7 +25,7 @@ use crate::sim::Tier;
 use kvbm_testkit::trace::Request;
 
 /// Paths in the engine's stats order.
-pub const PATHS: [&str; 4] = ["G1->G2", "G2->G3", "G2->G1", "G3->G1"];
+pub const PATHS: [&str; 5] = ["G1->G2", "G2->G3", "G2->G1", "G3->G1", "G1->G3"];
 
 /// Bytes moved on each path and the time of the phases in which that path
 /// alone moved bytes (phases that mix paths give no per-path speed).
@@ -108,7 +109,7 @@ pub struct EngineDriver {
     g1: G1Memory,
     trace_block_tokens: u32,
     /// Per-path totals, indexed like [`PATHS`].
-    pub paths: [PathTotals; 4],
+    pub paths: [PathTotals; 5],
     /// Blocks whose bytes were checked after an onboard.
     pub verified_blocks: u64,
     /// Onboard phases (G2/G3 → G1): bytes and seconds.
@@ -146,11 +147,12 @@ impl EngineDriver {
     /// `secs` seconds; returns the bytes.
     fn account(&mut self, secs: f64) -> u64 {
         let now = self.engine.stats();
-        let total: u64 = (0..4).map(|p| now.bytes[p] - self.last.bytes[p]).sum();
-        let moved: Vec<usize> = (0..4)
+        let n = PATHS.len();
+        let total: u64 = (0..n).map(|p| now.bytes[p] - self.last.bytes[p]).sum();
+        let moved: Vec<usize> = (0..n)
             .filter(|&p| now.bytes[p] > self.last.bytes[p])
             .collect();
-        for p in 0..4 {
+        for p in 0..n {
             self.paths[p].blocks += now.blocks[p] - self.last.blocks[p];
             self.paths[p].bytes += now.bytes[p] - self.last.bytes[p];
         }
@@ -225,7 +227,9 @@ impl EngineDriver {
             let full_end = if partial { n - 1 } else { n };
             let mut parent = at.checked_sub(1).map(|p| hashes[p]);
             if at < full_end {
-                let blocks = engine.g1().allocate(full_end - at).map_err(tier_err)?;
+                // Through the engine: in write-back mode the blocks G1
+                // evicts for these are saved to G2 before this returns.
+                let blocks = engine.allocate_g1(full_end - at).map_err(tier_err)?;
                 let mut complete = Vec::with_capacity(blocks.len());
                 for (b, &h) in blocks.into_iter().zip(&hashes[at..full_end]) {
                     // SAFETY: as above; the block was just allocated to us.
@@ -244,8 +248,7 @@ impl EngineDriver {
             if partial {
                 // A partial last block stays in G1 only (never offloaded).
                 let b = engine
-                    .g1()
-                    .allocate(1)
+                    .allocate_g1(1)
                     .map_err(tier_err)?
                     .pop()
                     .ok_or_else(|| BenchError::Tier("G1 allocated no block".into()))?;

@@ -20,7 +20,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use kvbm_layout::{BlockOrder, Layout, LayoutKind};
-use kvbm_pool::tier::{TierEngine, TierEngineConfig, TierLayouts, TierPolicy};
+use kvbm_pool::tier::{ReuseModel, TierEngine, TierEngineConfig, TierLayouts, TierPolicy};
 use kvbm_transfer::memory::{DiskAllocator, DiskOptions};
 use kvbm_transfer::{Executor, ExecutorSpec, PhysicalLayout};
 use serde::Serialize;
@@ -30,7 +30,7 @@ use super::error::{BenchError, Result};
 use super::host_view::HostTier;
 use super::model::{KvModel, check_disk_alignment};
 use super::stats::percentile;
-use crate::sim::reuse_score::{ReuseScoreConfig, ReuseScoreTiers};
+use crate::sim::reuse_score::{ReuseScoreConfig, ReuseScoreTiers, ScoreModel};
 use crate::sim::{
     BeladySim, LruFeed, LruSim, LruTiers, ReplayStats, Tier, TierCapacities, TieredSim,
     capacity_for, replay,
@@ -239,16 +239,26 @@ fn lru_tiers_stats(requests: &[Request], block_tokens: u32, caps: [usize; 3]) ->
     replay(requests, block_tokens, &mut sim)
 }
 
+/// The tiered simulator running the engine's default reuse-score policy
+/// (its score model and history) at `caps`.
 fn reuse_stats(requests: &[Request], block_tokens: u32, caps: [usize; 3]) -> ReplayStats {
     let tiers = TierCapacities {
         g1: caps[0],
         g2: caps[1],
         g3: caps[2],
     };
-    let mut sim = TieredSim::new(
-        caps[0],
-        ReuseScoreTiers::new(ReuseScoreConfig::for_tiers(tiers)),
-    );
+    let engine = TierEngineConfig::new(block_tokens as usize);
+    let config = ReuseScoreConfig {
+        model: match engine.reuse_model {
+            ReuseModel::ReturnWithin { horizon } => ScoreModel::ReturnWithin { horizon },
+            // The simulator's nearest model (its weights are learned
+            // per age bucket, the engine's per use count only).
+            ReuseModel::Hyperbolic => ScoreModel::Hyperbolic { exponent: 1.0 },
+        },
+        history_factor: engine.history_factor,
+        ..ReuseScoreConfig::for_tiers(tiers)
+    };
+    let mut sim = TieredSim::new(caps[0], ReuseScoreTiers::new(config));
     replay(requests, block_tokens, &mut sim)
 }
 
@@ -483,8 +493,10 @@ pub fn run_replay(
     }
     let wall_s = start.elapsed().as_secs_f64();
     let sim_reuse = reuse_stats(requests, cfg.block_tokens, caps);
+
     let sim_lru_tiers = lru_tiers_stats(requests, cfg.block_tokens, caps);
     let skipped: u64 = driver.engine().stats().skipped.iter().sum();
+
     let total_cap: usize = caps.iter().sum();
     let lru = replay(requests, cfg.block_tokens, &mut LruSim::new(total_cap));
     let belady = replay(
@@ -513,8 +525,9 @@ pub fn run_replay(
         block_bytes,
         g1_memory,
         placement: format!(
-            "kvbm-pool TierEngine, G2/G3 policy {:?}; G3 {}",
+            "kvbm-pool TierEngine, G2/G3 policy {:?}, {:?} from G1; G3 {}",
             cfg.policy,
+            driver.engine().config().offload_mode,
             if cfg.workers > 0 {
                 "files on the workers (O_DIRECT where the file system allows)"
             } else if g3_direct {

@@ -16,6 +16,7 @@ mod frequency;
 mod lineage;
 mod lru;
 mod priority;
+mod return_within;
 mod reuse_score;
 mod sketch;
 mod spill;
@@ -24,8 +25,9 @@ pub use frequency::FrequencyPolicy;
 pub use lineage::LeafFirstPolicy;
 pub use lru::LruPolicy;
 pub use priority::{PolicyFactory, Prioritized};
+pub use return_within::ReturnTable;
 pub use reuse_score::{
-    ReuseScorePolicy, ReuseWeights, Seen, SharedHistory, USE_CLASSES, UseHistory,
+    ReuseModel, ReuseScorePolicy, ReuseWeights, Seen, SharedHistory, USE_CLASSES, UseHistory,
 };
 pub use sketch::CountMinSketch;
 pub use spill::{Evicted, SpillRecorder, VictimLog};

@@ -11,9 +11,11 @@
 //! `score = w[min(k, 4)] / (now - last + 1)`
 //!
 //! where `w[k]` is the probability, learned online, that a block used `k`
-//! times is used again (made non-decreasing in `k`). The lowest score is
-//! evicted, and a block is admitted only when it outscores the block it
-//! would evict. A prompt's blocks form a chain, so a parent is used at
+//! times is used again (made non-decreasing in `k`), or, with
+//! [`ReuseModel::ReturnWithin`], the learned probability that a block of
+//! its use-count class and age is used within the next `horizon` requests
+//! ([`ReturnTable`]). The lowest score is evicted, and a block is admitted
+//! unless it scores below the block it would evict. A prompt's blocks form a chain, so a parent is used at
 //! least as often and as recently as its children and never scores lower:
 //! eviction takes leaves first. Within one request blocks are stamped
 //! deepest first, which breaks ties toward the leaf.
@@ -30,13 +32,41 @@
 //! lazily: one whose block was reused since it was queued is re-keyed when
 //! it comes up.
 
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 
 use kvbm_block::SequenceHash;
 use parking_lot::Mutex;
 
+use super::return_within::ReturnTable;
 use super::{BlockRef, BlockView, EvictionPolicy, Victim};
+use crate::config::Tier;
+
+/// The bit of `tier` in a demotion mask (G2 and G3 only).
+fn tier_bit(tier: Tier) -> u8 {
+    match tier {
+        Tier::G2 => 1,
+        Tier::G3 => 2,
+        Tier::G1 | Tier::G4 => 0,
+    }
+}
+
+/// How a block's use count and age make its reuse score.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ReuseModel {
+    /// `w[min(k, 4)] / (age + 1)^exponent`: the learned probability that a
+    /// block used `k` times is used again at all, spread hyperbolically
+    /// over its age (the exponent is the history's age exponent).
+    Hyperbolic,
+    /// The learned probability that a block of its use-count class, unused
+    /// for its age, is used within the next `horizon` requests (see
+    /// [`ReturnTable`]): it keeps serving the returns that come after a
+    /// long gap, which a hyperbolic decay gives up on.
+    ReturnWithin {
+        /// Look-ahead window in requests.
+        horizon: u64,
+    },
+}
 
 /// Number of use-count classes: 1, 2, 3, and 4 or more.
 pub const USE_CLASSES: usize = 4;
@@ -135,9 +165,11 @@ pub struct UseHistory {
     now: u64,
     seq: u64,
     age_exponent: f64,
-    /// Blocks to evict first when they are next released (their bytes
-    /// are in a faster tier now).
-    demoted: HashSet<SequenceHash>,
+    /// Blocks to evict first (their bytes are in a faster tier now), with
+    /// the tiers (bits of [`tier_bit`]) whose copies are concerned.
+    demoted: HashMap<SequenceHash, u8>,
+    /// The return-within model's table, when that is the score.
+    returns: Option<ReturnTable>,
 }
 
 /// A [`UseHistory`] behind a lock, as the engine and policies share it.
@@ -155,19 +187,62 @@ impl UseHistory {
             now: 0,
             seq: 0,
             age_exponent: 1.0,
-            demoted: HashSet::new(),
+            demoted: HashMap::new(),
+            returns: None,
         }
     }
 
-    /// Marks blocks as first to evict once released: they were just loaded
-    /// into a faster tier, which will give them back when it evicts them
-    /// (write-back), so this tier's copy is redundant meanwhile.
-    pub fn demote(&mut self, hashes: impl IntoIterator<Item = SequenceHash>) {
-        self.demoted.extend(hashes);
+    /// Scores by `model` (default [`ReuseModel::Hyperbolic`]).
+    pub fn with_model(mut self, model: ReuseModel) -> Self {
+        self.returns = match model {
+            ReuseModel::Hyperbolic => None,
+            ReuseModel::ReturnWithin { horizon } => Some(ReturnTable::new(horizon)),
+        };
+        self
     }
 
-    fn take_demoted(&mut self, hash: SequenceHash) -> bool {
-        self.demoted.remove(&hash)
+    /// The score model in use.
+    pub fn model(&self) -> ReuseModel {
+        match &self.returns {
+            None => ReuseModel::Hyperbolic,
+            Some(t) => ReuseModel::ReturnWithin {
+                horizon: t.horizon(),
+            },
+        }
+    }
+
+    /// Marks `tier`'s copies of blocks as first to evict: they were just
+    /// loaded into G1, which gives them back to G2 when it evicts them
+    /// (write-back), so the copy is redundant meanwhile.
+    pub fn demote(&mut self, tier: Tier, hashes: impl IntoIterator<Item = SequenceHash>) {
+        let bit = tier_bit(tier);
+        for h in hashes {
+            *self.demoted.entry(h).or_default() |= bit;
+        }
+    }
+
+    /// G1 gave `hash` back to G2: a G2 copy still held ranks by its score
+    /// again (a G3 copy stays first to evict: G2 holds the block now).
+    pub fn undemote(&mut self, hash: SequenceHash) {
+        self.clear_demoted(Tier::G2, hash);
+    }
+
+    /// `tier` receives `hash` again (from the tier above it): a copy it
+    /// still holds ranks by its score again.
+    pub fn clear_demoted(&mut self, tier: Tier, hash: SequenceHash) {
+        if let Some(bits) = self.demoted.get_mut(&hash) {
+            *bits &= !tier_bit(tier);
+            if *bits == 0 {
+                self.demoted.remove(&hash);
+            }
+        }
+    }
+
+    /// Whether `tier`'s copy of `hash` is marked as first to evict.
+    pub fn is_demoted(&self, tier: Tier, hash: SequenceHash) -> bool {
+        self.demoted
+            .get(&hash)
+            .is_some_and(|b| b & tier_bit(tier) != 0)
     }
 
     /// Scores divide by `(age + 1)^exponent` (default 1). Below 1, blocks
@@ -198,16 +273,26 @@ impl UseHistory {
                 last: now,
                 seq,
             });
+            let previous = (s.count > 0).then(|| (class_of(s.count), now - s.last));
             s.count = s.count.saturating_add(1);
             s.last = now;
             s.seq = seq;
             let count = s.count;
             self.weights.observe(count);
+            if let Some(t) = &mut self.returns {
+                t.observe(previous, class_of(count));
+            }
             self.order.push_back((h, seq));
         }
         self.forget_excess();
         if now.is_multiple_of(REFRESH_EVERY) {
             self.weights.refresh();
+        }
+        // The first request's statistics count from the start.
+        if (now - 1).is_multiple_of(REFRESH_EVERY)
+            && let Some(t) = &mut self.returns
+        {
+            t.refresh();
         }
     }
 
@@ -244,6 +329,9 @@ impl UseHistory {
 
     /// The score of a block with this history entry.
     pub fn score_of(&self, seen: Seen) -> f64 {
+        if let Some(t) = &self.returns {
+            return t.score(class_of(seen.count), self.now.saturating_sub(seen.last));
+        }
         let age = (self.now.saturating_sub(seen.last) + 1) as f64;
         let decay = if self.age_exponent == 1.0 {
             age
@@ -282,17 +370,26 @@ pub struct ReuseScorePolicy {
     history: SharedHistory,
     /// One ordered set per use-count class, then the demoted blocks.
     classes: [BTreeSet<Key>; USE_CLASSES + 1],
-    /// The entry the last peek named: `(class, key)`.
-    peeked: Option<(usize, Key)>,
+    /// The entry the last peek named: `(class, key, hash)`.
+    peeked: Option<(usize, Key, SequenceHash)>,
+    /// The tier this policy ranks (for demotions).
+    tier: Tier,
 }
 
 impl ReuseScorePolicy {
     /// A policy reading `history`.
     pub fn new(history: SharedHistory) -> Self {
+        Self::for_tier(history, Tier::G2)
+    }
+
+    /// A policy of `tier` (G2 or G3) reading `history`: blocks the history
+    /// demotes in that tier are evicted first.
+    pub fn for_tier(history: SharedHistory, tier: Tier) -> Self {
         Self {
             history,
             classes: std::array::from_fn(|_| BTreeSet::new()),
             peeked: None,
+            tier,
         }
     }
 
@@ -310,9 +407,10 @@ impl ReuseScorePolicy {
     fn head(
         classes: &mut [BTreeSet<Key>; USE_CLASSES + 1],
         c: usize,
+        tier: Tier,
         history: &UseHistory,
         view: &BlockView<'_>,
-    ) -> Option<(Key, f64)> {
+    ) -> Option<(Key, f64, SequenceHash)> {
         loop {
             let key = *classes[c].first()?;
             let (last, seq, id, stamp) = key;
@@ -320,15 +418,28 @@ impl ReuseScorePolicy {
                 classes[c].remove(&key);
                 continue;
             };
+            let hash = info.hash();
             if c == DEMOTED {
-                return Some((key, 0.0));
+                if history.is_demoted(tier, hash) {
+                    return Some((key, f64::NEG_INFINITY, hash));
+                }
+                // Given back by the faster tier: ranked by its score again.
+                classes[c].remove(&key);
+                let (k, s) = Self::key_for(history, hash);
+                classes[k].insert((s.last, s.seq, id, stamp));
+                continue;
             }
-            match history.get(info.hash()) {
+            if history.is_demoted(tier, hash) {
+                classes[c].remove(&key);
+                classes[DEMOTED].insert((0, 0, id, stamp));
+                continue;
+            }
+            match history.get(hash) {
                 Some(s) if (class_of(s.count), s.last, s.seq) != (c, last, seq) => {
                     classes[c].remove(&key);
                     classes[class_of(s.count)].insert((s.last, s.seq, id, stamp));
                 }
-                Some(s) => return Some((key, history.score_of(s))),
+                Some(s) => return Some((key, history.score_of(s), hash)),
                 // Forgotten by the history: its queued key stands.
                 None => {
                     let s = Seen {
@@ -336,26 +447,28 @@ impl ReuseScorePolicy {
                         last,
                         seq,
                     };
-                    return Some((key, history.score_of(s)));
+                    return Some((key, history.score_of(s), hash));
                 }
             }
         }
     }
 
-    /// The lowest-scored evictable block: `(class, key, score)`.
-    fn lowest(&mut self, view: &BlockView<'_>) -> Option<(usize, Key, f64)> {
+    /// The lowest-scored evictable block: `(class, key, score, hash)`.
+    fn lowest(&mut self, view: &BlockView<'_>) -> Option<(usize, Key, f64, SequenceHash)> {
         let history = self.history.lock();
-        let mut best: Option<(usize, Key, f64)> = None;
+        let mut best: Option<(usize, Key, f64, SequenceHash)> = None;
         for c in 0..=USE_CLASSES {
-            if let Some((key, score)) = Self::head(&mut self.classes, c, &history, view) {
+            if let Some((key, score, hash)) =
+                Self::head(&mut self.classes, c, self.tier, &history, view)
+            {
                 let better = match best {
                     None => true,
-                    Some((_, bk, bs)) => {
+                    Some((_, bk, bs, _)) => {
                         score < bs || (score == bs && (key.0, key.1) < (bk.0, bk.1))
                     }
                 };
                 if better {
-                    best = Some((c, key, score));
+                    best = Some((c, key, score, hash));
                 }
             }
         }
@@ -370,8 +483,8 @@ impl EvictionPolicy for ReuseScorePolicy {
 
     fn on_release(&mut self, block: BlockRef<'_>) {
         let (c, s) = {
-            let mut history = self.history.lock();
-            if history.take_demoted(block.hash()) {
+            let history = self.history.lock();
+            if history.is_demoted(self.tier, block.hash()) {
                 let seq = history.seq;
                 (
                     DEMOTED,
@@ -389,11 +502,11 @@ impl EvictionPolicy for ReuseScorePolicy {
     }
 
     fn peek_victim(&mut self, view: &BlockView<'_>) -> Option<Victim> {
-        let (c, key, score) = self.lowest(view)?;
-        self.peeked = Some((c, key));
-        // Scores are non-negative, so their bit patterns order like them;
+        let (c, key, score, hash) = self.lowest(view)?;
+        self.peeked = Some((c, key, hash));
+        // Clamped to non-negative, scores' bit patterns order like them;
         // the last use breaks ties (older first).
-        let key128 = (u128::from(score.to_bits()) << 64) | u128::from(key.0);
+        let key128 = (u128::from(score.max(0.0).to_bits()) << 64) | u128::from(key.0);
         Some(Victim {
             id: key.2,
             key: key128,
@@ -401,14 +514,19 @@ impl EvictionPolicy for ReuseScorePolicy {
     }
 
     fn pop_victim(&mut self) {
-        if let Some((c, key)) = self.peeked.take() {
+        if let Some((c, key, hash)) = self.peeked.take() {
             self.classes[c].remove(&key);
+            if c == DEMOTED {
+                // The redundant copy is gone: nothing left to demote here.
+                self.history.lock().clear_demoted(self.tier, hash);
+            }
         }
     }
 
     fn admit(&mut self, candidate: SequenceHash, view: &BlockView<'_>) -> bool {
         match self.lowest(view) {
-            Some((_, _, low)) => self.history.lock().score(candidate) > low,
+            // As the simulator: a tie admits the newcomer.
+            Some((_, _, low, _)) => self.history.lock().score(candidate) >= low,
             None => false,
         }
     }
@@ -485,6 +603,45 @@ mod tests {
             history.lock().record_request(&[h(7)]);
         }
         assert!(pool.admit(h(7)));
+    }
+
+    #[test]
+    fn demoted_copies_go_first_until_given_back() {
+        let history = UseHistory::shared(1000);
+        for _ in 0..5 {
+            history.lock().record_request(&[h(1)]);
+        }
+        history.lock().record_request(&[h(2)]);
+        let pool = pool(&history, 2);
+        store(&pool, &[1, 2]);
+        // Block 1 (the popular one) was loaded into G1: its copy goes first.
+        history.lock().demote(Tier::G2, [h(1)]);
+        assert!(!history.lock().is_demoted(Tier::G3, h(1)));
+        history.lock().record_request(&[h(3)]);
+        store(&pool, &[3]);
+        assert!(!pool.contains(h(1)));
+        assert!(pool.contains(h(2)));
+        // Given back, a demoted copy ranks by its score again.
+        history.lock().demote(Tier::G2, [h(3)]);
+        history.lock().undemote(h(3));
+        history.lock().record_request(&[h(4)]);
+        store(&pool, &[4]);
+        assert!(pool.contains(h(3)), "the given-back block outranks 2");
+        assert!(!pool.contains(h(2)));
+    }
+
+    #[test]
+    fn return_within_model_ranks_popular_blocks_higher() {
+        let history = Arc::new(Mutex::new(
+            UseHistory::new(1000).with_model(ReuseModel::ReturnWithin { horizon: 250 }),
+        ));
+        for _ in 0..5 {
+            history.lock().record_request(&[h(1)]);
+        }
+        history.lock().record_request(&[h(2)]);
+        let u = history.lock();
+        assert_eq!(u.model(), ReuseModel::ReturnWithin { horizon: 250 });
+        assert!(u.score(h(1)) > u.score(h(2)));
     }
 
     #[test]

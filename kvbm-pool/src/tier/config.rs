@@ -2,6 +2,7 @@
 //! offload queue's bounds, and the G3 onboarding path.
 
 use crate::config::EvictionKind;
+use crate::policy::ReuseModel;
 
 /// Admission and eviction of one kvbm tier (G2 or G3).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -12,9 +13,10 @@ pub enum TierPolicy {
     /// frequency filter: one-off prompts never cost PCIe bandwidth or SSD
     /// wear); evict the least recently released.
     MinUses(u32),
-    /// The policy study's winner: rank blocks by learned reuse probability
-    /// per unit of age; admit a block only when it outranks the block it
-    /// would evict. See [`crate::policy::ReuseScorePolicy`].
+    /// The policy study's winner: rank blocks by their learned reuse
+    /// probability (the score is [`TierEngineConfig::reuse_model`]); admit a
+    /// block unless it scores below the block it would evict. See
+    /// [`crate::policy::ReuseScorePolicy`].
     ReuseScore,
 }
 
@@ -35,14 +37,21 @@ pub enum G3Onboard {
 pub enum OffloadMode {
     /// When the engine registers a complete block (asynchronously, by the
     /// offload worker). G2 then also holds what G1 holds.
-    #[default]
     WriteThrough,
     /// When G1 evicts a block to reuse its slot: the copy runs before the
     /// slot is handed out, so allocation through
     /// [`TierEngine::allocate_g1`](super::TierEngine::allocate_g1) waits for
     /// it. G2 then holds only what G1 lost (an exclusive victim cache: more
     /// distinct blocks for the same memory), at the price of copies on the
-    /// allocation path.
+    /// allocation path. Only blocks that went through
+    /// [`register_g1`](super::TierEngine::register_g1) or were onboarded by
+    /// kvbm are saved (a partial block registered straight in the G1 pool
+    /// stays in G1 only); blocks loaded from G2 or G3 into G1 leave those
+    /// tiers' ranks (they are evicted first) until G1 gives them back.
+    /// Engines that keep their own G1 offload with
+    /// [`offload_engine_blocks`](super::TierEngine::offload_engine_blocks)
+    /// instead, whatever the mode.
+    #[default]
     WriteBack,
 }
 
@@ -116,12 +125,16 @@ pub struct TierEngineConfig {
     /// them freed, and so skipped, before their turn); a shorter one sheds
     /// load sooner.
     pub offload_queue: usize,
-    /// Use counts are remembered for this many blocks per block of total
-    /// capacity (G1 + G2 + G3), also for blocks no tier holds any more. A
-    /// longer history lets admission recognise blocks that come back long
-    /// after they were evicted, at the cost of memory per remembered block.
+    /// Use counts are remembered for as many blocks as the tiers hold
+    /// (G1 + G2 + G3) and this many more per block of that capacity, for
+    /// blocks no tier holds any more. A longer history lets admission
+    /// recognise blocks that come back long after they were evicted, at the
+    /// cost of memory per remembered block.
     pub history_factor: f64,
-    /// Reuse-score ages decay as `(age + 1)^-exponent` (see
+    /// How the reuse score ranks a block from its use count and age.
+    pub reuse_model: ReuseModel,
+    /// With [`ReuseModel::Hyperbolic`], ages decay as `(age + 1)^-exponent`
+    /// (see
     /// [`UseHistory::with_age_exponent`](crate::policy::UseHistory::with_age_exponent)).
     /// A larger exponent favours recently used blocks; a smaller one lets
     /// blocks used often long ago keep their rank, the right choice when
@@ -131,9 +144,11 @@ pub struct TierEngineConfig {
 
 impl TierEngineConfig {
     /// Blocks of `block_size` tokens; reuse-score admission and eviction in
-    /// G2 and G3, LRU leaf-first G1, direct G3 onboarding, batches of 64,
-    /// batches of at least 64 MiB, four batches in flight, a queue of 4096
-    /// blocks, a history of 4× the total capacity.
+    /// G2 and G3 scored by the probability of a use within the next 350
+    /// requests, write-back from G1 (G2 receives G1's victims), LRU
+    /// leaf-first G1, direct G3 onboarding, batches of 64, batches of at
+    /// least 64 MiB, four batches in flight, a queue of 4096 blocks, a
+    /// history of the resident blocks and 4× the total capacity more.
     pub fn new(block_size: usize) -> Self {
         Self {
             block_size,
@@ -141,12 +156,13 @@ impl TierEngineConfig {
             g2_policy: TierPolicy::ReuseScore,
             g3_policy: TierPolicy::ReuseScore,
             g3_onboard: G3Onboard::Direct,
-            offload_mode: OffloadMode::WriteThrough,
+            offload_mode: OffloadMode::WriteBack,
             offload_batch: 64,
             offload_batch_bytes: 64 << 20,
             offload_in_flight: 4,
             offload_queue: 4096,
             history_factor: 4.0,
+            reuse_model: ReuseModel::ReturnWithin { horizon: 350 },
             reuse_age_exponent: 1.0,
         }
     }
@@ -181,7 +197,13 @@ impl TierEngineConfig {
         self
     }
 
-    /// Sets the reuse-score age exponent.
+    /// Sets how the reuse score ranks blocks.
+    pub fn reuse_model(mut self, model: ReuseModel) -> Self {
+        self.reuse_model = model;
+        self
+    }
+
+    /// Sets the reuse-score age exponent (hyperbolic model).
     pub fn reuse_age_exponent(mut self, exponent: f64) -> Self {
         self.reuse_age_exponent = exponent;
         self
@@ -226,8 +248,11 @@ impl TierEngineConfig {
         if !(self.reuse_age_exponent.is_finite() && self.reuse_age_exponent > 0.0) {
             return Err("reuse_age_exponent must be positive".into());
         }
-        if !(self.history_factor.is_finite() && self.history_factor >= 1.0) {
-            return Err("history_factor must be at least 1".into());
+        if !(self.history_factor.is_finite() && self.history_factor >= 0.0) {
+            return Err("history_factor must be finite and non-negative".into());
+        }
+        if let ReuseModel::ReturnWithin { horizon: 0 } = self.reuse_model {
+            return Err("the return-within horizon must be at least 1 request".into());
         }
         Ok(())
     }

@@ -8,7 +8,12 @@
 //! [`kvbm_transfer::Executor`]) in one process, a distributed mover when
 //! each block is sliced across tensor-parallel workers.
 //!
-//! - **Offload.** Blocks the engine registers in G1 are queued for G2. One
+//! - **Offload.** By default (write-back) the blocks G1 evicts are copied
+//!   to G2 before their slots are handed out again, through G2's admission;
+//!   a block G2 refuses is offered to G3. G1, G2 and G3 then hold distinct
+//!   blocks: a block loaded into G1 from G2 or G3 is evicted first there
+//!   until G1 gives it back. In write-through mode, and for engines that
+//!   keep their own G1, blocks registered in G1 are queued for G2. One
 //!   worker thread takes batches off a bounded queue, holding only a
 //!   [`WeakBlock`] to each source until its copy starts (a block freed
 //!   before then is skipped: that is cancellation), asks G2's admission
@@ -46,7 +51,7 @@ mod onboard;
 mod request;
 mod shape;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::mpsc::Receiver;
 use std::thread::JoinHandle;
@@ -68,6 +73,7 @@ pub use shape::{Dtype, KvShape};
 use crate::config::{EvictionKind, PoolConfig, Tier};
 use crate::events::KvEventBatch;
 use crate::metrics::{EngineMetrics, TierStats};
+pub use crate::policy::ReuseModel;
 use crate::policy::{
     EvictionPolicy, FrequencyPolicy, LeafFirstPolicy, LruPolicy, ReuseScorePolicy, SharedHistory,
     SpillRecorder, UseHistory, VictimLog,
@@ -81,7 +87,21 @@ pub(crate) fn allocate_g1(shared: &Shared, n: usize) -> Result<Vec<MutableBlock>
     };
     let _serial = shared.g1_alloc.lock();
     let blocks = shared.g1.pool.allocate(n)?;
-    let victims = std::mem::take(&mut *log.lock());
+    let mut victims = std::mem::take(&mut *log.lock());
+    if !victims.is_empty() {
+        {
+            // G1 gives these blocks up: copies G2 or G3 still hold rank by
+            // their scores again.
+            let mut history = shared.history.lock();
+            for v in &victims {
+                history.undemote(v.hash);
+            }
+        }
+        // Only blocks the engine registered for offload (or kvbm loaded)
+        // are saved: a partial block stays in G1 only.
+        let mut saved = shared.g1_saved.lock();
+        victims.retain(|v| saved.remove(&v.hash));
+    }
     if !victims.is_empty() {
         shared.offload.write_back(victims);
     }
@@ -120,6 +140,9 @@ pub(crate) struct Shared {
     /// Serialises G1 allocations in write-back mode, so each allocation
     /// saves exactly the victims it made.
     pub(crate) g1_alloc: Mutex<()>,
+    /// Write-back mode: hashes of the G1 blocks to save to G2 when G1
+    /// evicts them (registered through `register_g1`, or onboarded).
+    pub(crate) g1_saved: Mutex<HashSet<SequenceHash>>,
     pub(crate) mover: Arc<dyn TierMover>,
     pub(crate) history: SharedHistory,
     pub(crate) requests: Mutex<HashMap<RequestId, matching::RequestState>>,
@@ -147,11 +170,12 @@ impl std::fmt::Debug for TierEngine {
 
 fn tier_policy(
     policy: TierPolicy,
+    tier: Tier,
     capacity: usize,
     history: &SharedHistory,
 ) -> Box<dyn EvictionPolicy> {
     match policy {
-        TierPolicy::ReuseScore => Box::new(ReuseScorePolicy::new(Arc::clone(history))),
+        TierPolicy::ReuseScore => Box::new(ReuseScorePolicy::for_tier(Arc::clone(history), tier)),
         TierPolicy::WriteThrough | TierPolicy::MinUses(_) => {
             Box::new(LruPolicy::with_capacity(capacity))
         }
@@ -198,8 +222,10 @@ impl TierEngine {
             .into_iter()
             .filter_map(cap)
             .sum();
+        let ghosts = (total as f64 * config.history_factor).ceil() as usize;
         let history = Arc::new(Mutex::new(
-            UseHistory::new((total as f64 * config.history_factor).ceil() as usize)
+            UseHistory::new(total.saturating_add(ghosts))
+                .with_model(config.reuse_model)
                 .with_age_exponent(config.reuse_age_exponent),
         ));
         let bs = config.block_size;
@@ -233,7 +259,7 @@ impl TierEngine {
         let g2 = match cap(Tier::G2) {
             Some(cap) => {
                 let policy = Box::new(SpillRecorder::new(
-                    tier_policy(config.g2_policy, cap, &history),
+                    tier_policy(config.g2_policy, Tier::G2, cap, &history),
                     Arc::clone(&g2_victims),
                 ));
                 Some(slot(&*mover, cap, Tier::G2, bs, policy)?)
@@ -246,7 +272,7 @@ impl TierEngine {
                 cap,
                 Tier::G3,
                 bs,
-                tier_policy(config.g3_policy, cap, &history),
+                tier_policy(config.g3_policy, Tier::G3, cap, &history),
             )?),
             None => None,
         };
@@ -258,6 +284,7 @@ impl TierEngine {
             g2_victims,
             g1_victims,
             g1_alloc: Mutex::new(()),
+            g1_saved: Mutex::default(),
             mover,
             history,
             requests: Mutex::default(),
@@ -329,7 +356,8 @@ impl TierEngine {
     }
 
     /// Registers blocks the engine completed in G1 (a parent before its
-    /// children) and, in write-through mode, queues them for offload to G2.
+    /// children) and, in write-through mode, queues them for offload to G2
+    /// (in write-back mode they go to G2 when G1 evicts them).
     /// Returns the held G1 blocks in the same order.
     pub fn register_g1(&self, blocks: Vec<CompleteBlock>) -> Result<ImmutableBlocks, TierError> {
         let parents: Vec<Option<SequenceHash>> = blocks.iter().map(|b| b.parent()).collect();
@@ -339,10 +367,17 @@ impl TierEngine {
                 e.blocks.len()
             ))
         })?;
-        if self.shared.config.offload_mode == OffloadMode::WriteThrough {
-            let items =
-                (0..held.len()).filter_map(|i| held.get(i).map(|b| (b.downgrade(), parents[i])));
-            self.offload(items);
+        match self.shared.config.offload_mode {
+            OffloadMode::WriteThrough => {
+                let items = (0..held.len())
+                    .filter_map(|i| held.get(i).map(|b| (b.downgrade(), parents[i])));
+                self.offload(items);
+            }
+            OffloadMode::WriteBack => {
+                let mut saved = self.shared.g1_saved.lock();
+                saved
+                    .extend((0..held.len()).filter_map(|i| held.get(i).map(|b| b.sequence_hash())));
+            }
         }
         Ok(held)
     }

@@ -25,6 +25,11 @@
 //! sources stay held, and its targets unregistered, until its copy ended;
 //! write-back and G2 → G3 copies stay synchronous (their callers wait for
 //! the slots they free).
+//!
+//! Write-back offers G1's victims to G2 one at a time, in eviction order,
+//! each admitted against what G2 would evict at that point (as the
+//! simulator does); a victim G2 refuses is offered to G3 the same way
+//! (a G1 → G3 copy).
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
@@ -476,30 +481,45 @@ fn admitted(shared: &Shared, tier: &TierSlot, policy: TierPolicy, hash: Sequence
     }
 }
 
-/// The victims `tier` should receive: those it does not hold yet (nor
-/// receives from a batch in `flying`) and its admission policy accepts;
-/// the others are counted as skipped.
-fn admit_victims(
+/// Admits and places `victims` in `tier` one at a time, in order: each is
+/// skipped when the tier holds it already (or receives it from a batch in
+/// `flying`), else asked of the admission policy and, if admitted, given a
+/// target at once, so the next one is compared with what the tier would
+/// evict after that. Returns the admitted victims and their targets (the
+/// others are counted as skipped).
+fn place_victims(
     shared: &Shared,
     tier: &TierSlot,
     policy: TierPolicy,
     victims: Vec<Evicted>,
     flying: &HashSet<SequenceHash>,
-) -> Vec<Evicted> {
+) -> (Vec<Evicted>, Vec<MutableBlock>, Vec<Evicted>) {
     let mut keep = Vec::with_capacity(victims.len());
-    let (mut present, mut refused) = (0u64, 0u64);
+    let mut refused_victims = Vec::new();
+    let mut targets = Vec::with_capacity(victims.len());
+    let (mut present, mut refused, mut full) = (0u64, 0u64, 0u64);
+    let mut placed = HashSet::with_capacity(victims.len());
     for v in victims {
-        if flying.contains(&v.hash) || tier.pool.contains(v.hash) {
+        if flying.contains(&v.hash) || placed.contains(&v.hash) || tier.pool.contains(v.hash) {
             present += 1;
         } else if !admitted(shared, tier, policy, v.hash) {
             refused += 1;
+            refused_victims.push(v);
         } else {
-            keep.push(v);
+            match allocate_or_fewer(tier, 1).pop() {
+                Some(t) => {
+                    placed.insert(v.hash);
+                    keep.push(v);
+                    targets.push(t);
+                }
+                None => full += 1,
+            }
         }
     }
     shared.metrics.skipped(SkipReason::Present, present);
     shared.metrics.skipped(SkipReason::NotAdmitted, refused);
-    keep
+    shared.metrics.skipped(SkipReason::TierFull, full);
+    (keep, targets, refused_victims)
 }
 
 /// Up to `n` target blocks: all of them, or as many as the pool can give.
@@ -626,13 +646,38 @@ fn save_g1_victims(shared: &Shared, victims: Vec<Evicted>, flying: &HashSet<Sequ
             .skipped(SkipReason::NoTier, victims.len() as u64);
         return;
     };
-    let keep = admit_victims(shared, g2, shared.config.g2_policy, victims, flying);
-    for part in keep.chunks(batch_limit(shared)) {
-        let targets = allocate_up_to(shared, g2, part.len());
-        let part = &part[..targets.len()];
+    let limit = batch_limit(shared);
+    let mut victims = victims.into_iter().peekable();
+    while victims.peek().is_some() {
+        let part: Vec<Evicted> = victims.by_ref().take(limit).collect();
+        let (part, targets, refused) =
+            place_victims(shared, g2, shared.config.g2_policy, part, flying);
+        if let Some(g3) = shared.g3.as_ref()
+            && !refused.is_empty()
+        {
+            // Refused by G2, the block is offered to G3 (as G2's own
+            // victims are); a copy an onboard left there ranks again.
+            let refused: Vec<Evicted> = {
+                let mut history = shared.history.lock();
+                for v in &refused {
+                    history.clear_demoted(crate::Tier::G3, v.hash);
+                }
+                refused
+            };
+            let none = HashSet::new();
+            let (keep, g3_targets, _) =
+                place_victims(shared, g3, shared.config.g3_policy, refused, &none);
+            if !g3_targets.is_empty() {
+                copy_victims(shared, &shared.g1, g3, Path::G1ToG3, &keep, g3_targets);
+            }
+        }
+        // The blocks G2 evicted for these still hold their bytes: save
+        // them before their slots are written.
         let g2_victims = std::mem::take(&mut *shared.g2_victims.lock());
         spill_to_g3(shared, g2, g2_victims);
-        copy_victims(shared, &shared.g1, g2, Path::G1ToG2, part, targets);
+        if !targets.is_empty() {
+            copy_victims(shared, &shared.g1, g2, Path::G1ToG2, &part, targets);
+        }
     }
 }
 
@@ -641,17 +686,32 @@ fn spill_to_g3(shared: &Shared, g2: &TierSlot, victims: Vec<Evicted>) {
     let Some(g3) = shared.g3.as_ref() else {
         return;
     };
+    // Write-back: a victim G1 holds (loaded there from G2) comes back to G2
+    // when G1 evicts it, so a G3 copy would only duplicate it.
+    let write_back = shared.config.offload_mode == super::OffloadMode::WriteBack;
+    let (victims, in_g1): (Vec<Evicted>, Vec<Evicted>) = victims
+        .into_iter()
+        .partition(|v| !(write_back && shared.g1.pool.contains(v.hash)));
+    {
+        // A G3 copy left from an onboard is this block again: it ranks by
+        // its score once more.
+        let mut history = shared.history.lock();
+        for v in &victims {
+            history.clear_demoted(crate::Tier::G3, v.hash);
+        }
+    }
+    shared
+        .metrics
+        .skipped(SkipReason::Present, in_g1.len() as u64);
     if victims.is_empty() {
         return;
     }
     // Nothing is in flight to G3: its copies are waited for here.
     let none = HashSet::new();
-    let mut keep = admit_victims(shared, g3, shared.config.g3_policy, victims, &none);
+    let (keep, targets, _) = place_victims(shared, g3, shared.config.g3_policy, victims, &none);
     if keep.is_empty() {
         return;
     }
-    let targets = allocate_up_to(shared, g3, keep.len());
-    keep.truncate(targets.len());
     copy_victims(shared, g2, g3, Path::G2ToG3, &keep, targets);
 }
 

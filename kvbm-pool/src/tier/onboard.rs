@@ -513,15 +513,26 @@ fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
             Err(e)
         }
     };
-    // Write-back gives these blocks back to G2 when G1 evicts them, so
-    // G2's copies of what was just loaded go first (G2 stays exclusive).
-    if loaded_ok && shared.config.offload_mode == super::OffloadMode::WriteBack {
-        let from_g2: Vec<SequenceHash> = own
-            .iter()
-            .filter(|&&i| !from_g3[i])
-            .map(|&i| hashes[i])
-            .collect();
-        shared.history.lock().demote(from_g2);
+    // Write-back gives blocks loaded into kvbm's G1 pool back to G2 when
+    // G1 evicts them, so the G2 and G3 copies of what was just loaded go
+    // first meanwhile (the tiers stay exclusive). Blocks written into the
+    // engine's own G1 are never given back: their copies keep their rank.
+    if loaded_ok
+        && !job.writes_engine_blocks
+        && shared.config.offload_mode == super::OffloadMode::WriteBack
+    {
+        shared
+            .g1_saved
+            .lock()
+            .extend(own.iter().map(|&i| hashes[i]));
+        let from_g3 = &from_g3;
+        let from = |g3: bool| own.iter().filter(move |&&i| from_g3[i] == g3);
+        let mut history = shared.history.lock();
+        history.demote(Tier::G2, from(false).map(|&i| hashes[i]));
+        // With `KeepG2Copy` the G3 blocks go to G2 as well: their G3 copies
+        // go first, and the new G2 copies keep their rank.
+        history.demote(Tier::G3, from(true).map(|&i| hashes[i]));
+        drop(history);
     }
     drop(holds);
     let left = shared.offload.onboard_ended();
