@@ -1,0 +1,135 @@
+"""kvbm_py on a GPU: a Llama-3.1-8B-shaped KV cache in vLLM's flash-attn
+layout (32 layers of [2, blocks, 16, 8, 128] bf16 tensors) registered
+through the worker API; 256 random 16-token blocks offloaded to pinned G2
+and onboarded into 256 other blocks through the scheduler API, every byte
+checked. References from the same run: one large pinned <-> device copy
+of the same bytes each way, and a per-block, per-layer `Tensor.copy_` loop
+(what a swap-blocks offload amounts to).
+
+    python kvbm-py/benches/gpu_bench.py [--blocks 256] [--reps 3]
+"""
+
+import argparse
+import hashlib
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+import kvbm_py
+
+LAYERS, BLOCK, HEADS, HEAD = 32, 16, 8, 128
+BLOCK_BYTES = LAYERS * 2 * BLOCK * HEADS * HEAD * 2
+
+
+def gbps(nbytes: int, secs: float) -> float:
+    return nbytes / secs / 1e9
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--blocks", type=int, default=256)
+    ap.add_argument("--capacity", type=int, default=1024, help="G1 blocks")
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device")
+        return 1
+    n = a.blocks
+    nbytes = n * BLOCK_BYTES
+    layers = [
+        torch.randn(2, a.capacity, BLOCK, HEADS, HEAD, device="cuda").to(torch.bfloat16)
+        for _ in range(LAYERS)
+    ]
+    specs = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in layers]
+
+    # References: one large copy each way, and the per-block copy_ loop.
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    d2h = min(timed(lambda: host.copy_(dev, non_blocking=True)) for _ in range(a.reps + 1))
+    h2d = min(timed(lambda: dev.copy_(host, non_blocking=True)) for _ in range(a.reps + 1))
+    del dev
+    rng = random.Random(7)
+    ids = list(range(a.capacity))
+    rng.shuffle(ids)
+    src, dst = ids[:n], ids[n : 2 * n]
+    stage = torch.empty((n, LAYERS, 2, BLOCK, HEADS, HEAD), dtype=torch.bfloat16, pin_memory=True)
+
+    def loop_out():
+        for i, b in enumerate(src):
+            for l, t in enumerate(layers):
+                stage[i, l].copy_(t[:, b], non_blocking=True)
+
+    def loop_in():
+        for i, b in enumerate(dst):
+            for l, t in enumerate(layers):
+                t[:, b].copy_(stage[i, l], non_blocking=True)
+
+    loop_d2h = statistics.median(timed(loop_out) for _ in range(a.reps))
+    loop_h2d = statistics.median(timed(loop_in) for _ in range(a.reps))
+    del stage, host
+
+    out_s, in_s = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        endpoint = f"ipc://{tmp}/leader.sock"
+        worker = kvbm_py.Worker(endpoint, 0, 1, specs, 2, a.capacity, tuple(layers),
+                                f"{tmp}/instance.secret", device=torch.cuda.current_device())
+        sched = kvbm_py.Scheduler(endpoint, 1, BLOCK, secret_file=f"{tmp}/instance.secret",
+                                  g2_bytes=(n + 8) * BLOCK_BYTES, admission="all")
+        try:
+            for rep in range(a.reps + 1):
+                hashes, parent = [], None
+                for i in range(n):
+                    h = hashlib.sha256(f"{rep}:{i}".encode() + (parent or b"")).digest()
+                    hashes.append(h)
+                    parent = h
+                req = f"r{rep}"
+                t_out = timed(lambda: (sched.offload(req, src, hashes, None), sched.flush()))
+                sched.release(req)
+                m = sched.match_prefix(req + "b", hashes, n * BLOCK + 1, 0)
+                assert m.g2_blocks == n, m
+                def onboard():
+                    sched.onboard(req + "b", dst)
+                    err = sched.wait_onboard(req + "b")
+                    assert err is None, err
+                t_in = timed(onboard)
+                for t in layers:
+                    assert torch.equal(t[:, src], t[:, dst]), "an onboarded block differs"
+                sched.release(req + "b")
+                # New bytes for the next rep, so nothing is served stale.
+                for t in layers:
+                    t[:, src] = torch.randn_like(t[:, src])
+                if rep:
+                    out_s.append(t_out)
+                    in_s.append(t_in)
+        finally:
+            sched.shutdown()
+            worker.join(10.0)
+    out, inn = statistics.median(out_s), statistics.median(in_s)
+    print(f"{n} blocks of {BLOCK_BYTES >> 10} KiB ({nbytes / 2**20:.0f} MiB), medians of {a.reps}; every byte checked")
+    print(f"{'path':<28}{'G1->G2 GB/s':>12}{'G2->G1 GB/s':>12}")
+    rows = [
+        ("one large copy (reference)", gbps(nbytes, d2h), gbps(nbytes, h2d)),
+        ("kvbm_py offload / onboard", gbps(nbytes, out), gbps(nbytes, inn)),
+        ("per-block copy_ loop", gbps(nbytes, loop_d2h), gbps(nbytes, loop_h2d)),
+    ]
+    for name, o, i in rows:
+        print(f"{name:<28}{o:>12.2f}{i:>12.2f}")
+    print(f"kvbm / one large copy: {rows[1][1] / rows[0][1]:.3f} / {rows[1][2] / rows[0][2]:.3f}")
+    print(f"kvbm / copy_ loop:     {rows[1][1] / rows[2][1]:.1f}x / {rows[1][2] / rows[2][2]:.1f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
