@@ -4,7 +4,8 @@
 //! checked: `cargo run --release -p kvbm-bench --bin studies --
 //! mooncake_replay_table` (and `policy_experiments`, with
 //! `KVBM_AGE_EXPONENTS=0.5,1` for the reuse score's age exponents). The
-//! short replay that always runs is kvbm-pool's `tier_replay` test.
+//! trace replays that always run are kvbm-bench's `engine_sim_agreement`
+//! tests.
 //!
 //! The replay follows the simulators' rules (`kvbm_bench::sim::replay`):
 //! a request's prompt blocks are looked up in order (G1, then G2/G3) up to
