@@ -81,23 +81,13 @@ impl DeviceProbe {
         block: usize,
         mut f: impl FnMut(&DeviceBuffer, usize, usize, u64) -> std::result::Result<(), String>,
     ) -> std::result::Result<(), String> {
-        let layout = g1.layout();
-        let c = *layout.config();
-        let mut i = 0u64;
-        for layer in 0..c.num_layers() {
-            for outer in 0..c.outer_dim() {
-                let chunk = layout
-                    .chunk(block, layer, outer)
-                    .map_err(|e| e.to_string())?;
-                let buffer = self
-                    .buffers
-                    .get(chunk.region)
-                    .ok_or_else(|| format!("no device buffer for region {}", chunk.region))?;
-                f(buffer, chunk.offset as usize, chunk.len as usize, i)?;
-                i += chunk.len;
-            }
-        }
-        Ok(())
+        super::probe::for_each_chunk(g1, block, |chunk, start| {
+            let buffer = self
+                .buffers
+                .get(chunk.region)
+                .ok_or_else(|| format!("no device buffer for region {}", chunk.region))?;
+            f(buffer, chunk.offset as usize, chunk.len as usize, start)
+        })
     }
 }
 

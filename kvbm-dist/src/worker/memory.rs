@@ -151,30 +151,21 @@ fn for_each_chunk(
             g1.kind()
         ));
     }
-    let layout = g1.layout();
-    let c = *layout.config();
-    let mut i = 0u64;
-    for layer in 0..c.num_layers() {
-        for outer in 0..c.outer_dim() {
-            let chunk = layout
-                .chunk(block, layer, outer)
-                .map_err(|e| e.to_string())?;
-            let region = &g1.regions()[chunk.region];
-            let addr = region
-                .addr()
-                .ok_or_else(|| "a host region without an address".to_string())?;
-            // SAFETY: host memory (checked above) that the region's owner
-            // keeps alive; the layout proved the chunk lies inside its
-            // region; the leader probes a block only while no transfer
-            // touches it, and this thread is the only one probing.
-            let bytes = unsafe {
-                std::slice::from_raw_parts_mut((addr + chunk.offset) as *mut u8, chunk.len as usize)
-            };
-            f(bytes, i);
-            i += chunk.len;
-        }
-    }
-    Ok(())
+    super::probe::for_each_chunk(g1, block, |chunk, start| {
+        let region = &g1.regions()[chunk.region];
+        let addr = region
+            .addr()
+            .ok_or_else(|| "a host region without an address".to_string())?;
+        // SAFETY: host memory (checked above) that the region's owner
+        // keeps alive; the layout proved the chunk lies inside its
+        // region; the leader probes a block only while no transfer
+        // touches it, and this thread is the only one probing.
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut((addr + chunk.offset) as *mut u8, chunk.len as usize)
+        };
+        f(bytes, start);
+        Ok(())
+    })
 }
 
 impl super::probe::BlockProbe for HostProbe {

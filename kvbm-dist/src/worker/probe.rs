@@ -8,6 +8,7 @@
 //! sequence hash) and the rank, so every rank's slice is checked as its
 //! own.
 
+use kvbm_layout::Chunk;
 use kvbm_transfer::PhysicalLayout;
 
 /// Writes and checks per-block patterns in a worker's G1.
@@ -28,4 +29,27 @@ pub trait BlockProbe: Send {
 /// The seed of a rank's slice: every rank's bytes differ.
 pub fn rank_seed(seed: u64, rank: u32) -> u64 {
     seed ^ (u64::from(rank) + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+/// Calls `f(chunk, index of its first byte in the block)` for every chunk
+/// of `block`, in layer, K/V order: the walk every probe's pattern follows.
+pub(crate) fn for_each_chunk(
+    g1: &PhysicalLayout,
+    block: usize,
+    mut f: impl FnMut(Chunk, u64) -> Result<(), String>,
+) -> Result<(), String> {
+    let layout = g1.layout();
+    let c = *layout.config();
+    let mut i = 0u64;
+    for layer in 0..c.num_layers() {
+        for outer in 0..c.outer_dim() {
+            let chunk = layout
+                .chunk(block, layer, outer)
+                .map_err(|e| e.to_string())?;
+            let len = chunk.len;
+            f(chunk, i)?;
+            i += len;
+        }
+    }
+    Ok(())
 }
