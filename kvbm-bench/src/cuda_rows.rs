@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvbm_layout::{Layout, LayoutKind, plan_copy};
+use kvbm_layout::{Layout, LayoutKind, RunOrder, plan_copy_ordered};
 use kvbm_transfer::cuda::{
     Completion, CopierConfig, CopyOptions, CopyPath, CopyRun as CudaRun, CudaCopier, CudaDevice,
     CudaRegion, DeviceBuffer, Direction, PinnedMemory, PinnedOptions, Probe, probe,
@@ -179,8 +179,14 @@ pub fn measure(
     src.fill_all()?;
     let mut plans = Vec::new();
     let mut bytes = 0;
+    // Runs in host order for an onboard, as kvbm-transfer's executor plans.
+    let order = if to_device {
+        RunOrder::Source
+    } else {
+        RunOrder::Destination
+    };
     for chunk in pairs.chunks(per_batch) {
-        let plan = plan_copy(&src.layout, &dst.layout, chunk)?;
+        let plan = plan_copy_ordered(&src.layout, &dst.layout, chunk, order)?;
         bytes += plan.total_bytes();
         let runs: Vec<CudaRun> = plan
             .runs()

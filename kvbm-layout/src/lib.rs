@@ -46,5 +46,5 @@ pub use config::LayoutConfig;
 pub use descriptor::{LAYOUT_DESCRIPTOR_VERSION, LayoutDescriptor};
 pub use error::{LayoutError, Result};
 pub use layout::{BlockOrder, Chunk, Layout, LayoutKind, LayoutStrides};
-pub use plan::{CopyPlan, CopyPlanner, CopyRun, plan_copy};
+pub use plan::{CopyPlan, CopyPlanner, CopyRun, RunOrder, plan_copy, plan_copy_ordered};
 pub use tensor::{KvAxis, KvTensorFormat, RecognisedLayout, TensorView, recognise_kv_tensors};

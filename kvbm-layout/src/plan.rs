@@ -110,7 +110,22 @@ impl CopyPlan {
     }
 }
 
-/// Loop nest of the destination, outermost index first.
+/// Whose addresses a plan's runs follow in increasing order.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum RunOrder {
+    /// The destination's: writes go forward (what disk files and host
+    /// memory copies want).
+    #[default]
+    Destination,
+    /// The source's: for a copy that reads its source with a few large
+    /// DMA transfers (an onboard from a fully contiguous host layout into
+    /// an engine's per-layer device layout), so consecutive source bytes
+    /// come one after another in the plan.
+    Source,
+}
+
+/// Loop nest of a layout, outermost index first (the destination's unless
+/// the plan follows the source).
 #[derive(Debug, Clone, Copy)]
 enum DstOrder {
     BlockLayerOuter,
@@ -254,8 +269,19 @@ fn piece_shape(
 /// once (from an upper bound), plus a sorted copy of the pairs when they are
 /// not in increasing destination order; [`CopyPlanner`] reuses both.
 pub fn plan_copy(src: &Layout, dst: &Layout, pairs: &[(usize, usize)]) -> Result<CopyPlan> {
+    plan_copy_ordered(src, dst, pairs, RunOrder::Destination)
+}
+
+/// [`plan_copy`] with the runs in the address order of the side `order`
+/// names (the same runs, possibly listed differently).
+pub fn plan_copy_ordered(
+    src: &Layout,
+    dst: &Layout,
+    pairs: &[(usize, usize)],
+    order: RunOrder,
+) -> Result<CopyPlan> {
     let mut plan = CopyPlan::default();
-    CopyPlanner::new().plan_into(src, dst, pairs, &mut plan)?;
+    CopyPlanner::new().plan_into_ordered(src, dst, pairs, order, &mut plan)?;
     Ok(plan)
 }
 
@@ -264,6 +290,7 @@ pub fn plan_copy(src: &Layout, dst: &Layout, pairs: &[(usize, usize)]) -> Result
 #[derive(Debug, Clone, Default)]
 pub struct CopyPlanner {
     sorted: Vec<(usize, usize)>,
+    by_src: Vec<(usize, usize)>,
 }
 
 impl CopyPlanner {
@@ -281,64 +308,99 @@ impl CopyPlanner {
         pairs: &[(usize, usize)],
         plan: &mut CopyPlan,
     ) -> Result<()> {
+        self.plan_into_ordered(src, dst, pairs, RunOrder::Destination, plan)
+    }
+
+    /// Plans like [`plan_copy_ordered`] into `plan` (see
+    /// [`CopyPlanner::plan_into`]).
+    pub fn plan_into_ordered(
+        &mut self,
+        src: &Layout,
+        dst: &Layout,
+        pairs: &[(usize, usize)],
+        order: RunOrder,
+        plan: &mut CopyPlan,
+    ) -> Result<()> {
         plan.runs.clear();
         plan.total_bytes = 0;
         plan.num_chunks = 0;
         plan.src_num_regions = src.num_regions();
         plan.dst_num_regions = dst.num_regions();
-        let pairs = self.checked_in_dst_order(src, dst, pairs)?;
-        fill(src, dst, pairs, plan);
+        let CopyPlanner { sorted, by_src } = self;
+        let pairs = checked_in_dst_order(sorted, src, dst, pairs)?;
+        match order {
+            RunOrder::Destination => fill(src, dst, pairs, dst_order(dst), plan),
+            RunOrder::Source => {
+                let pairs = if pairs.windows(2).all(|w| w[0].0 <= w[1].0) {
+                    pairs
+                } else {
+                    by_src.clear();
+                    by_src.extend_from_slice(pairs);
+                    by_src.sort_unstable();
+                    by_src
+                };
+                fill(src, dst, pairs, dst_order(src), plan);
+            }
+        }
         Ok(())
-    }
-
-    /// Validates the pairs and returns them in increasing destination order
-    /// (the caller's slice when it already is, else the sorted scratch).
-    fn checked_in_dst_order<'p>(
-        &'p mut self,
-        src: &Layout,
-        dst: &Layout,
-        pairs: &'p [(usize, usize)],
-    ) -> Result<&'p [(usize, usize)]> {
-        let sc = src.config();
-        let dc = dst.config();
-        sc.same_block_shape(dc)?;
-        let mut sorted_by_dst = true;
-        let mut prev_dst: Option<usize> = None;
-        for &(s, d) in pairs {
-            if s >= sc.num_blocks() {
-                return Err(LayoutError::BlockOutOfRange {
-                    index: s,
-                    count: sc.num_blocks(),
-                });
-            }
-            if d >= dc.num_blocks() {
-                return Err(LayoutError::BlockOutOfRange {
-                    index: d,
-                    count: dc.num_blocks(),
-                });
-            }
-            if let Some(p) = prev_dst
-                && p >= d
-            {
-                sorted_by_dst = false;
-            }
-            prev_dst = Some(d);
-        }
-        if sorted_by_dst {
-            return Ok(pairs);
-        }
-        self.sorted.clear();
-        self.sorted.extend_from_slice(pairs);
-        self.sorted.sort_unstable_by_key(|&(_, d)| d);
-        if let Some(w) = self.sorted.windows(2).find(|w| w[0].1 == w[1].1) {
-            return Err(LayoutError::DuplicateDestination(w[0].1));
-        }
-        Ok(&self.sorted)
     }
 }
 
-/// Fills `plan` for validated pairs in increasing destination order.
-fn fill(src: &Layout, dst: &Layout, pairs: &[(usize, usize)], plan: &mut CopyPlan) {
+/// Validates the pairs and returns them in increasing destination order
+/// (the caller's slice when it already is, else sorted in `scratch`).
+fn checked_in_dst_order<'p>(
+    scratch: &'p mut Vec<(usize, usize)>,
+    src: &Layout,
+    dst: &Layout,
+    pairs: &'p [(usize, usize)],
+) -> Result<&'p [(usize, usize)]> {
+    let sc = src.config();
+    let dc = dst.config();
+    sc.same_block_shape(dc)?;
+    let mut sorted_by_dst = true;
+    let mut prev_dst: Option<usize> = None;
+    for &(s, d) in pairs {
+        if s >= sc.num_blocks() {
+            return Err(LayoutError::BlockOutOfRange {
+                index: s,
+                count: sc.num_blocks(),
+            });
+        }
+        if d >= dc.num_blocks() {
+            return Err(LayoutError::BlockOutOfRange {
+                index: d,
+                count: dc.num_blocks(),
+            });
+        }
+        if let Some(p) = prev_dst
+            && p >= d
+        {
+            sorted_by_dst = false;
+        }
+        prev_dst = Some(d);
+    }
+    if sorted_by_dst {
+        return Ok(pairs);
+    }
+    scratch.clear();
+    scratch.extend_from_slice(pairs);
+    scratch.sort_unstable_by_key(|&(_, d)| d);
+    if let Some(w) = scratch.windows(2).find(|w| w[0].1 == w[1].1) {
+        return Err(LayoutError::DuplicateDestination(w[0].1));
+    }
+    Ok(scratch)
+}
+
+/// Fills `plan` for validated pairs, walking the blocks in `pairs` order
+/// and within them the loop nest `order` (the destination's or the
+/// source's, as the pairs are sorted).
+fn fill(
+    src: &Layout,
+    dst: &Layout,
+    pairs: &[(usize, usize)],
+    order: DstOrder,
+    plan: &mut CopyPlan,
+) {
     let sc = src.config();
     // No overflow below: pairs have distinct in-range destinations, so
     // `pairs.len() <= dst blocks`, and every offset stays below its region's
@@ -347,7 +409,6 @@ fn fill(src: &Layout, dst: &Layout, pairs: &[(usize, usize)], plan: &mut CopyPla
     let outers = sc.outer_dim();
     let chunk = sc.chunk_bytes();
     let (s, d) = (Affine::of(src), Affine::of(dst));
-    let order = dst_order(dst);
     let (outer_step, layer_step) = piece_shape(order, s, d, chunk, layers, outers);
     let piece = chunk * (outer_step * layer_step) as u64;
     // Every piece is at most one run, so this bounds the plan's length.

@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 use kvbm_layout::strategies::{block_shape, copy_case, layout};
 use kvbm_layout::{
     BlockOrder, CopyPlan, CopyPlanner, Layout, LayoutConfig, LayoutDescriptor, LayoutError,
-    LayoutKind, plan_copy,
+    LayoutKind, RunOrder, plan_copy, plan_copy_ordered,
 };
 use proptest::prelude::*;
 
@@ -132,6 +132,26 @@ proptest! {
         // Runs are in destination order and never overlap there.
         for w in plan.runs().windows(2) {
             prop_assert!((w[0].dst_region, w[0].dst_offset + w[0].len) <= (w[1].dst_region, w[1].dst_offset));
+        }
+    }
+
+    #[test]
+    fn a_source_ordered_plan_copies_the_same_bytes((src_l, dst_l, pairs) in copy_case()) {
+        let plan = plan_copy_ordered(&src_l, &dst_l, &pairs, RunOrder::Source).unwrap();
+        let src = filled(&src_l, 0x5a);
+        let mut got = filled(&dst_l, 0xc3);
+        let mut want = got.clone();
+        execute(&plan, &src, &mut got);
+        reference(&src_l, &dst_l, &pairs, &src, &mut want);
+        prop_assert_eq!(got, want);
+        prop_assert_eq!(plan.total_bytes(), pairs.len() as u64 * src_l.config().block_bytes());
+        prop_assert_eq!(plan.runs().iter().map(|r| r.len).sum::<u64>(), plan.total_bytes());
+        // Without fan-out, source bytes come in increasing order.
+        let sources: HashSet<usize> = pairs.iter().map(|&(s, _)| s).collect();
+        if sources.len() == pairs.len() {
+            for w in plan.runs().windows(2) {
+                prop_assert!((w[0].src_region, w[0].src_offset + w[0].len) <= (w[1].src_region, w[1].src_offset) || src_l.num_regions() > 1);
+            }
         }
     }
 

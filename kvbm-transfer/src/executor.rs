@@ -15,7 +15,7 @@ use std::collections::HashSet;
 use std::fmt;
 use std::sync::{Arc, Weak};
 
-use kvbm_layout::plan_copy;
+use kvbm_layout::{RunOrder, plan_copy_ordered};
 use parking_lot::Mutex;
 
 use crate::backend::{BackendKind, TransferBackend, TransferJob};
@@ -448,7 +448,16 @@ impl Driver {
         let Some(permit) = permit.filter(|_| !stop) else {
             return self.batch_done(batch, 0, Err(TransferError::Cancelled));
         };
-        let plan = match plan_copy(self.src.layout(), self.dst.layout(), &batch) {
+        // An onboard into the GPU reads its host side with large DMA
+        // transfers: its runs follow the host's addresses, so the copy
+        // path finds them in order.
+        let order = if self.src.kind().is_host() && matches!(self.dst.kind(), MemoryKind::Device(_))
+        {
+            RunOrder::Source
+        } else {
+            RunOrder::Destination
+        };
+        let plan = match plan_copy_ordered(self.src.layout(), self.dst.layout(), &batch, order) {
             Ok(p) => p,
             Err(e) => {
                 drop(permit);

@@ -38,6 +38,7 @@ mod handles;
 mod kernel;
 mod lanes;
 pub mod memory;
+mod order;
 pub mod pinned;
 pub mod plan;
 mod staged;

@@ -29,6 +29,10 @@ impl Timeline {
         None
     }
 
+    pub(crate) fn note_ordered(&mut self) {
+        match *self {}
+    }
+
     pub(crate) fn note_set_up(&mut self) {
         match *self {}
     }

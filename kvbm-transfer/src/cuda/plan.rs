@@ -14,6 +14,7 @@
 pub use kvbm_layout::CopyRun;
 
 use super::error::CudaError;
+use super::order::HostOrder;
 
 const _: () = assert!(std::mem::size_of::<CopyRun>() == 40);
 
@@ -180,9 +181,9 @@ const RAMP_STEPS: u32 = 3;
 /// host bytes together (a KV plan lists a block's runs one after another,
 /// and a FullyContiguous host block is one range: one DMA piece per block,
 /// large enough for line rate). Only a plan whose host side is scattered in
-/// plan order is sorted by host address (sorting a large plan costs CPU
-/// time on every copy, before its first chunk). A run larger than the room
-/// left in a slot continues in the next one.
+/// plan order is sorted by host address, a part at a time as the chunks
+/// reach it (see [`HostOrder`]). A run larger than the room left in a slot
+/// continues in the next one.
 ///
 /// Every run is checked against the region lengths before any of its bytes
 /// is planned (the ordering guess reads unchecked addresses, safely), so a
@@ -204,8 +205,9 @@ pub(crate) struct StagedChunker<'a> {
 /// here (see [`StagedChunker::resume`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct ChunkCursor {
-    /// Indices into `runs` in the order they are staged; `None`: plan order.
-    order: Option<Vec<u32>>,
+    /// The order runs are staged in when it is not plan order (see
+    /// [`HostOrder`]); `None`: plan order.
+    order: Option<HostOrder>,
     /// Position in the order, and bytes of that run already staged.
     next: usize,
     done: u64,
@@ -258,11 +260,13 @@ impl<'a> StagedChunker<'a> {
             let live = || runs.iter().filter(|r| r.len > 0);
             let sorted = live().zip(live().skip(1)).all(|(a, b)| key(a) <= key(b));
             if !sorted {
-                let mut order: Vec<u32> = (0..runs.len() as u32)
+                // One pass computes the keys (the plan read in order); the
+                // order is then sorted as the chunks reach it.
+                let keyed: Vec<(u64, u32)> = (0..runs.len() as u32)
                     .filter(|&i| runs[i as usize].len > 0)
+                    .map(|i| (key(&runs[i as usize]), i))
                     .collect();
-                order.sort_unstable_by_key(|&i| key(&runs[i as usize]));
-                me.at.order = Some(order);
+                me.at.order = Some(HostOrder::new(keyed));
             }
         }
         me
@@ -321,9 +325,10 @@ impl<'a> StagedChunker<'a> {
     }
 
     /// The `i`-th run in staging order, with its index in the plan.
-    fn run_at(&self, i: usize) -> Option<(usize, &'a CopyRun)> {
-        match &self.at.order {
-            Some(o) => o.get(i).map(|&j| (j as usize, &self.runs[j as usize])),
+    fn run_at(&mut self, i: usize) -> Option<(usize, &'a CopyRun)> {
+        let runs = self.runs;
+        match &mut self.at.order {
+            Some(o) => o.get(i).map(|j| (j as usize, &runs[j as usize])),
             None => self.runs.get(i).map(|r| (i, r)),
         }
     }
@@ -335,7 +340,11 @@ impl<'a> StagedChunker<'a> {
 
     /// Runs not yet wholly planned.
     pub(crate) fn runs_left(&self) -> usize {
-        let total = self.at.order.as_ref().map_or(self.runs.len(), Vec::len);
+        let total = self
+            .at
+            .order
+            .as_ref()
+            .map_or(self.runs.len(), HostOrder::len);
         total.saturating_sub(self.at.next)
     }
 

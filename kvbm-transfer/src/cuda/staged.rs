@@ -30,12 +30,13 @@
 //!   [`super::plan::StagedChunker`]), the first ones small (an eighth of a
 //!   slot, then a quarter, a half), so the first DMA starts tens of
 //!   microseconds after the call instead of after the whole plan;
-//! - the kernel's copies are written straight into mapped pinned memory
-//!   and read there by the kernel. An upload would go through the
+//! - the kernel's copies are written straight into mapped pinned memory.
+//!   An offload's kernel reads them there: an upload would go through the
 //!   host-to-device copy engine, where it queued behind an onboard's DMA
-//!   and held a concurrent offload back until the onboard ended (both
-//!   directions from one thread then moved no more than one direction
-//!   alone).
+//!   and held the offload back until the onboard ended. An onboard's
+//!   chunk uploads its own descriptors on its copy stream just before its
+//!   DMA (a few kilobytes): its kernel would otherwise read them across a
+//!   link its own DMA saturates in that direction, slowing both.
 //!
 //! A `Timeline` (diagnostics, `CopierConfig::timeline`, see `timeline`)
 //! records host instants and GPU timing events around every chunk.
@@ -126,6 +127,8 @@ pub(crate) struct Progress {
     /// The buffer chunks are written to now (a full one is followed by a
     /// fresh lease; the earlier ones stay in `keep`).
     desc_host: *mut u8,
+    /// Where the kernel reads that buffer: its mapped host side for an
+    /// offload, its device side for an onboard.
     desc_gpu: u64,
     /// Device-side copies the buffer holds, and how many are written.
     cap: usize,

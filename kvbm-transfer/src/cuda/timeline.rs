@@ -23,6 +23,8 @@ pub(crate) struct Timeline {
     entered: Instant,
     /// When the copier had checked the plan (the timeline is made then).
     checked: Instant,
+    /// When the chunker had put the runs in host order (if it had to).
+    ordered: Option<Instant>,
     set_up: Option<Instant>,
     enqueued: Option<Instant>,
     /// When the copy was handed to the watcher.
@@ -58,12 +60,18 @@ impl Timeline {
             label,
             entered,
             checked: Instant::now(),
+            ordered: None,
             set_up: None,
             enqueued: None,
             returned: None,
             start: None,
             chunks: Vec::new(),
         })
+    }
+
+    /// Notes that the copy's runs are in the order they are staged.
+    pub(crate) fn note_ordered(&mut self) {
+        self.ordered = Some(Instant::now());
     }
 
     /// Notes that the copy's first chunk is set up.
@@ -131,10 +139,11 @@ pub(crate) fn report(timelines: Vec<Timeline>) -> String {
     let mut out = String::new();
     for t in &timelines {
         out += &format!(
-            "staged timeline {}: entered {:.0} us, plan checked {:.0} us, set up {:.0} us, all chunks enqueued {:.0} us, watched {:.0} us",
+            "staged timeline {}: entered {:.0} us, plan checked {:.0} us, ordered {:.0} us, set up {:.0} us, all chunks enqueued {:.0} us, watched {:.0} us",
             t.label,
             us(Some(t.entered)),
             us(Some(t.checked)),
+            us(t.ordered),
             us(t.set_up),
             us(t.enqueued),
             us(t.returned)

@@ -9,11 +9,14 @@
 //! link busy.
 
 use std::any::Any;
+use std::ffi::c_void;
 use std::sync::Arc;
+
+use cudarc::driver::sys;
 
 use super::super::device::CudaDevice;
 use super::super::dma::enqueue_spans;
-use super::super::error::{CudaError, CudaResult};
+use super::super::error::{CudaError, CudaResult, check};
 use super::super::handles::Stream;
 use super::super::kernel::Grid;
 use super::super::lanes::{DescLease, DescPool, Lane, Ring};
@@ -91,8 +94,12 @@ impl Staging<'_> {
                 // offload and onboard). Sized for the runs and the chunk
                 // boundaries of a copy up to LEASE_SLOTS slots; a larger
                 // copy leases more as it goes.
+                if let Some(t) = timeline.as_deref_mut() {
+                    t.note_ordered();
+                }
                 let cap = chunker.device_copies_for(LEASE_SLOTS * slot_bytes);
                 let (desc, host_ptr, gpu_ptr) = self.lease(cap)?;
+                let dev_ptr = desc.runs_ptr();
                 keep.push(Box::new(desc));
                 if let Some(t) = timeline.as_deref_mut() {
                     t.note_set_up();
@@ -100,9 +107,9 @@ impl Staging<'_> {
                 }
                 progress.insert(Progress {
                     at: Some(chunker.into_cursor()),
-                    zero_table: gpu_ptr,
+                    zero_table: kernel_reads(host, gpu_ptr, dev_ptr),
                     desc_host: host_ptr,
-                    desc_gpu: gpu_ptr,
+                    desc_gpu: kernel_reads(host, gpu_ptr, dev_ptr),
                     cap,
                     written: 0,
                     lane: Arc::clone(lane),
@@ -141,8 +148,10 @@ impl Staging<'_> {
                 // it: it stays in `keep`); the rest goes to a fresh one.
                 let cap = chunker.runs_left() + LEASE_SLOTS as usize + 2;
                 let (desc, host_ptr, gpu_ptr) = self.lease(cap)?;
+                let dev_ptr = desc.runs_ptr();
                 keep.push(Box::new(desc));
-                (p.desc_host, p.desc_gpu, p.cap, p.written) = (host_ptr, gpu_ptr, cap, 0);
+                let reads = kernel_reads(host, gpu_ptr, dev_ptr);
+                (p.desc_host, p.desc_gpu, p.cap, p.written) = (host_ptr, reads, cap, 0);
             }
             let k = ring.next;
             let slot_addr = ring.buf.ptr() + (k * ring.slot_bytes) as u64;
@@ -161,6 +170,22 @@ impl Staging<'_> {
                 break;
             }
             let runs_ptr = p.desc_gpu + (ZERO_TABLE + p.written * run_size) as u64;
+            if host == HostSide::Source {
+                // An onboard's kernel reads its descriptors from device
+                // memory, uploaded on the copy stream ahead of the chunk's
+                // DMA (see `upload_descriptors`); the fresh buffer's first
+                // upload carries its zero table.
+                let from = if p.written == 0 {
+                    0
+                } else {
+                    ZERO_TABLE + p.written * run_size
+                };
+                let to = ZERO_TABLE + (p.written + n) * run_size;
+                // SAFETY: `from..to` lies inside both sides of the leased
+                // buffer (entries below `cap`), whose host side is written
+                // and stays untouched until the copy completed.
+                unsafe { self.upload_descriptors(p.desc_host, p.desc_gpu, from, to)? };
+            }
             p.written += n;
             ring.next = (k + 1) % ring.slots.len();
             if grouped {
@@ -329,6 +354,44 @@ impl Staging<'_> {
         Ok(())
     }
 
+    /// Copies bytes `from..to` of a descriptor buffer from its pinned host
+    /// side to its device side on the copy stream.
+    ///
+    /// An onboard's DMA saturates the host-to-device direction of the link;
+    /// a kernel reading its descriptors from mapped host memory then waits
+    /// behind that traffic on every descriptor and takes read bandwidth
+    /// from the DMA. Uploaded on the copy stream just before the chunk's
+    /// DMA, the descriptors are on the device when the kernel (ordered
+    /// after that DMA) starts. An offload's kernel keeps reading in place:
+    /// its upload would queue on the host-to-device engine behind a
+    /// concurrent onboard.
+    ///
+    /// # Safety
+    /// `from..to` must lie inside the buffer at `host` (pinned) and `dev`
+    /// (its device side), and the host bytes must stay unchanged until the
+    /// copy stream passed this point.
+    unsafe fn upload_descriptors(
+        &self,
+        host: *mut u8,
+        dev: u64,
+        from: usize,
+        to: usize,
+    ) -> CudaResult<()> {
+        if to <= from {
+            return Ok(());
+        }
+        // SAFETY: the caller's promise; the stream orders the upload before
+        // the chunk's DMA and, through the slot's event, the kernel.
+        check("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                dev + from as u64,
+                host.add(from).cast::<c_void>(),
+                to - from,
+                self.lane.copy_stream.raw(),
+            )
+        })
+    }
+
     /// Enqueues a chunk's host-side DMA `pieces` on the copy stream, in the
     /// copy's direction, between timing marks.
     fn dma(
@@ -366,6 +429,16 @@ impl Staging<'_> {
         // aligned (page-aligned allocation) and no copy is using it.
         unsafe { host_ptr.cast::<u64>().write(0) };
         Ok((desc, host_ptr, gpu_ptr))
+    }
+}
+
+/// Where the kernel of a staged copy reads its descriptors: an onboard's
+/// from the buffer's device side (uploaded per chunk), an offload's from
+/// its mapped host side.
+fn kernel_reads(host: HostSide, mapped: u64, device: u64) -> u64 {
+    match host {
+        HostSide::Source => device,
+        HostSide::Destination => mapped,
     }
 }
 
