@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvbm_block::{SequenceDigest, SequenceHash, VllmBlockHash};
-use kvbm_dist::leader::{Leader, LeaderConfig, PendingLeader};
+use kvbm_dist::leader::{Leader, LeaderConfig, PendingLeader, RankState};
 use kvbm_pool::Tier;
 use kvbm_pool::tier::{
     G1Lookup, OnboardHandle, OnboardTarget, TierEngine, TierEngineConfig, TierMover, TierPolicy,
@@ -194,6 +194,25 @@ impl Scheduler {
             d.set_item(name, engine.mover().capacity(tier).unwrap_or(0))?;
         }
         Ok(d)
+    }
+
+    /// Each rank's state as the leader sees it: `"live"`, `"rejoining"`
+    /// or `"lost: <why>"`. While a rank is not live, copies fail (and are
+    /// reported so); a lost rank's G2 and G3 bytes are gone.
+    fn ranks(&self) -> PyResult<Vec<String>> {
+        let inner = self.inner.lock();
+        let inner = inner.as_ref().ok_or(PyKvbmError::Closed("the scheduler"))?;
+        Ok(inner
+            .leader
+            .status()
+            .ranks
+            .into_iter()
+            .map(|r| match r {
+                RankState::Live => "live".to_string(),
+                RankState::Rejoining => "rejoining".to_string(),
+                RankState::Lost { reason } => format!("lost: {reason}"),
+            })
+            .collect())
     }
 
     /// Matches `request_id`'s block hashes (the engine's, one per full

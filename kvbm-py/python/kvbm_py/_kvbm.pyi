@@ -58,6 +58,11 @@ class Scheduler:
         """Tokens per block."""
     def capacity(self) -> dict[str, int]:
         """Blocks per worker in each tier: ``{"g1": .., "g2": .., "g3": ..}``."""
+    def ranks(self) -> list[str]:
+        """Each rank's state as the leader sees it: ``"live"``,
+        ``"rejoining"`` or ``"lost: <why>"``. While a rank is not live,
+        copies fail (and are reported so); a lost rank's G2 and G3 bytes
+        are gone."""
     def match_prefix(
         self, request_id: str, hashes: Sequence[bytes], prompt_tokens: int, engine_blocks: int
     ) -> Match:
