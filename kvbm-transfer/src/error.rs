@@ -7,7 +7,7 @@
 use std::io;
 use std::path::PathBuf;
 
-use crate::memory::MemoryKind;
+use crate::memory::{FsType, MemoryKind};
 
 /// Everything that can go wrong while allocating memory or moving bytes.
 #[derive(Debug, thiserror::Error)]
@@ -94,6 +94,27 @@ pub enum TransferError {
         #[source]
         source: io::Error,
     },
+    /// A disk file's space could not be reserved up front (the disk is too
+    /// small, or the file system refused): the file was not kept.
+    #[error(
+        "cannot reserve {len} bytes ({mib:.1} MiB) for {path} on file system {fs} ({method}): {source}",
+        path = path.display(),
+        mib = *len as f64 / (1u64 << 20) as f64,
+        fs = fs.map_or_else(|| "of unknown type".to_string(), |t| t.to_string())
+    )]
+    Reserve {
+        /// The file.
+        path: PathBuf,
+        /// Bytes asked for.
+        len: u64,
+        /// The file system holding it, where `fstatfs` could tell.
+        fs: Option<FsType>,
+        /// How the space was being reserved (`"fallocate"`, `"writing zeros"`).
+        method: &'static str,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
     /// A physical layout's regions do not match its layout.
     #[error("physical layout mismatch: {0}")]
     LayoutMismatch(String),
@@ -117,6 +138,20 @@ pub enum TransferError {
         /// What went wrong.
         message: String,
     },
+}
+
+impl TransferError {
+    /// The OS error number behind this error (`libc::ENOSPC`, `libc::EIO`,
+    /// ...) where it came from a system call on a file or an allocation;
+    /// `None` for every other failure.
+    pub fn os_error(&self) -> Option<i32> {
+        match self {
+            TransferError::Io { source, .. }
+            | TransferError::Alloc { source, .. }
+            | TransferError::Reserve { source, .. } => source.raw_os_error(),
+            _ => None,
+        }
+    }
 }
 
 /// Shorthand for results in this crate.
