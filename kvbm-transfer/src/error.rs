@@ -130,6 +130,18 @@ pub enum TransferError {
     /// The worker that owned this completion went away without resolving it.
     #[error("transfer abandoned: the worker that owned it stopped ({0})")]
     Abandoned(&'static str),
+    /// A copy that another process ran failed there (a worker of a
+    /// distributed instance): its error as text, and the OS error number it
+    /// saw where there was one.
+    #[error("{origin}: {message}")]
+    Remote {
+        /// Who ran the copy (e.g. `kvbm-dist rank 1`).
+        origin: String,
+        /// The error as that process reported it.
+        message: String,
+        /// The OS error number behind it (`libc::ENOSPC`...), if any.
+        os_error: Option<i32>,
+    },
     /// A backend-specific failure (CUDA driver errors and the like).
     #[error("{backend}: {message}")]
     Backend {
@@ -149,6 +161,7 @@ impl TransferError {
             TransferError::Io { source, .. }
             | TransferError::Alloc { source, .. }
             | TransferError::Reserve { source, .. } => source.raw_os_error(),
+            TransferError::Remote { os_error, .. } => *os_error,
             _ => None,
         }
     }
@@ -156,3 +169,34 @@ impl TransferError {
 
 /// Shorthand for results in this crate.
 pub type Result<T, E = TransferError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn os_error_is_the_errno_where_there_is_one() {
+        let io = TransferError::Io {
+            path: "/g3".into(),
+            offset: 0,
+            len: 4096,
+            source: io::Error::from_raw_os_error(libc::ENOSPC),
+        };
+        assert_eq!(io.os_error(), Some(libc::ENOSPC));
+        let remote = TransferError::Remote {
+            origin: "kvbm-dist rank 1".into(),
+            message: "I/O error".into(),
+            os_error: Some(libc::EIO),
+        };
+        assert_eq!(remote.os_error(), Some(libc::EIO));
+        assert_eq!(remote.to_string(), "kvbm-dist rank 1: I/O error");
+        let text = TransferError::Io {
+            path: "/g3".into(),
+            offset: 0,
+            len: 4096,
+            source: io::Error::new(io::ErrorKind::WriteZero, "wrote nothing"),
+        };
+        assert_eq!(text.os_error(), None);
+        assert_eq!(TransferError::Cancelled.os_error(), None);
+    }
+}

@@ -25,8 +25,8 @@ use crate::error::Result;
 pub struct FailureRow {
     /// `G2->G3` etc.
     pub path: &'static str,
-    /// The OS error (`ENOSPC`, `EIO`, ...), or `other` where the failure
-    /// carried none (a worker's error, reported as text).
+    /// The OS error (`ENOSPC`, `EIO`, ...; a worker's comes with its
+    /// ack), or `other` where the failure carried none.
     pub errno: String,
     /// Blocks that did not land.
     pub blocks: u64,
