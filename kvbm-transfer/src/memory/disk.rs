@@ -162,16 +162,25 @@ pub struct DiskFile {
 
 impl DiskFile {
     /// Opens an existing file (kept on drop), `len` bytes of it usable.
+    /// Its space is not reserved: a sparse file is opened with a warning
+    /// (its writes may fail with `ENOSPC` when the disk fills up).
     pub fn open(path: impl Into<PathBuf>, mode: IoMode) -> Result<Arc<DiskFile>> {
         let path = path.into();
         let (file, direct) = open_file(&path, mode, false)?;
-        let len = file
-            .metadata()
-            .map_err(|source| TransferError::Alloc {
-                what: format!("file {}", path.display()),
-                source,
-            })?
-            .len();
+        let meta = file.metadata().map_err(|source| TransferError::Alloc {
+            what: format!("file {}", path.display()),
+            source,
+        })?;
+        let len = meta.len();
+        let allocated = std::os::unix::fs::MetadataExt::blocks(&meta).saturating_mul(512);
+        if allocated < len {
+            tracing::warn!(
+                path = %path.display(),
+                allocated,
+                len,
+                "the file is sparse: writes into its holes may fail with ENOSPC"
+            );
+        }
         let id = NEXT_FILE.fetch_add(1, Ordering::Relaxed);
         Ok(Arc::new(DiskFile {
             path,
