@@ -679,8 +679,8 @@ fn offload_once(engine: &TierEngine, shape: &Shape) -> Result<Rep> {
     };
     if copied != shape.blocks as u64 || skipped != 0 {
         rep.failure = Some(format!(
-            "the engine copied {copied} of {} blocks, skipped {skipped} ({:?})",
-            shape.blocks, after.skipped
+            "the engine copied {copied} of {} blocks, skipped {skipped} ({:?}); copy failures {:?}",
+            shape.blocks, after.skipped, after.copy_failures
         ));
         return Ok(rep);
     }

@@ -230,6 +230,13 @@ fn tp_replay_over_two_worker_processes_decides_and_verifies_like_one_process() {
     let verified = tp["verified_blocks"].as_u64().unwrap();
     assert!(verified > 0, "nothing onboarded");
     assert_eq!(verified, local["verified_blocks"].as_u64().unwrap());
+    // Failures travel through the leader's engine like any copy's outcome:
+    // none here, and the report says so in the same fields.
+    for r in [&local, &tp] {
+        assert_eq!(r["copy_failures"], serde_json::json!([]));
+        assert_eq!(r["failed_onboards"], 0);
+        assert!(r["failure_summary"].is_null());
+    }
 }
 
 #[test]

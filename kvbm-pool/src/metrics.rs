@@ -4,24 +4,29 @@
 //! (Prometheus with the `prometheus` feature) sees them.
 //!
 //! Names (all prefixed `kvbm_`): `offload_blocks_total{path}`,
-//! `offload_bytes_total{path}`, `offload_skipped_total{reason}`,
+//! `offload_bytes_total{path}`, `offload_skipped_total{reason}` (policy
+//! decisions only), `copy_failures_total{path,errno}` (blocks whose copy
+//! failed, offload and onboard paths alike, by OS error: `ENOSPC`, `EIO`,
+//! ..., `other` where the failure carried none),
 //! `onboard_blocks_total{path}`, `onboard_bytes_total{path}`,
-//! `onboard_failures_total`, `transfer_seconds{path}` (histogram),
+//! `onboard_failures_total` (requests), `transfer_seconds{path}` (histogram),
 //! `offload_queue_depth` and `onboards_in_flight` (gauges), and
 //! `hit_rate{tier}` (gauge, percent of prompt blocks over the last
 //! [`HIT_WINDOW`] matched requests).
 
-use std::collections::VecDeque;
+use std::borrow::Cow;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
+use kvbm_transfer::TransferError;
 use parking_lot::Mutex;
 
 /// Requests in the hit-rate window.
 pub const HIT_WINDOW: usize = 1024;
 
 /// A copy path between tiers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Path {
     /// G1 → G2 (offload).
     G1ToG2,
@@ -47,12 +52,20 @@ impl Path {
         }
     }
 
+    /// Whether the path moves blocks away from G1 (offload) rather than
+    /// into it (onboard).
+    pub fn is_offload(self) -> bool {
+        matches!(self, Path::G1ToG2 | Path::G2ToG3 | Path::G1ToG3)
+    }
+
     fn index(self) -> usize {
         self as usize
     }
 }
 
-/// Why an offload did not happen.
+/// Why an offload did not happen though nothing went wrong: a decision of
+/// the engine or its policies. Copies that failed are not skips; they are
+/// counted apart, by path and cause ([`TierStats::copy_failures`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum SkipReason {
     /// The target tier already holds the block.
@@ -65,8 +78,6 @@ pub enum SkipReason {
     TierFull,
     /// The offload queue was full.
     QueueFull,
-    /// The copy failed; nothing was registered.
-    CopyFailed,
     /// The engine has no such tier.
     NoTier,
 }
@@ -80,10 +91,93 @@ impl SkipReason {
             SkipReason::NotAdmitted => "not_admitted",
             SkipReason::TierFull => "tier_full",
             SkipReason::QueueFull => "queue_full",
-            SkipReason::CopyFailed => "copy_failed",
             SkipReason::NoTier => "no_tier",
         }
     }
+}
+
+/// What made a copy fail: the OS error behind it where there was one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum FailureCause {
+    /// An OS error number (`libc::ENOSPC`, `libc::EIO`, ...) from the
+    /// system call that failed.
+    Errno(i32),
+    /// A failure that carried no OS error: a backend error, a lost worker,
+    /// a block the engine could not register.
+    Other,
+}
+
+impl FailureCause {
+    /// The cause of `error`: its OS error number where it has one.
+    pub fn of(error: &TransferError) -> Self {
+        error
+            .os_error()
+            .map_or(FailureCause::Other, FailureCause::Errno)
+    }
+
+    /// The label used in metric names and reports: the errno's symbolic
+    /// name (`ENOSPC`), `errno_<n>` for one without a known name, `other`.
+    pub fn label(self) -> Cow<'static, str> {
+        match self {
+            FailureCause::Errno(n) => match errno_name(n) {
+                Some(name) => Cow::Borrowed(name),
+                None => Cow::Owned(format!("errno_{n}")),
+            },
+            FailureCause::Other => Cow::Borrowed("other"),
+        }
+    }
+}
+
+impl std::fmt::Display for FailureCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.label())
+    }
+}
+
+/// The symbolic names of the errors a copy between memory and files can
+/// meet.
+fn errno_name(n: i32) -> Option<&'static str> {
+    const NAMES: &[(i32, &str)] = &[
+        (libc::ENOSPC, "ENOSPC"),
+        (libc::EDQUOT, "EDQUOT"),
+        (libc::EIO, "EIO"),
+        (libc::EROFS, "EROFS"),
+        (libc::EFBIG, "EFBIG"),
+        (libc::ENODEV, "ENODEV"),
+        (libc::ENXIO, "ENXIO"),
+        (libc::ESTALE, "ESTALE"),
+        (libc::EBADF, "EBADF"),
+        (libc::EINVAL, "EINVAL"),
+        (libc::EFAULT, "EFAULT"),
+        (libc::ENOMEM, "ENOMEM"),
+        (libc::EAGAIN, "EAGAIN"),
+        (libc::EINTR, "EINTR"),
+        (libc::EBUSY, "EBUSY"),
+        (libc::EPERM, "EPERM"),
+        (libc::EACCES, "EACCES"),
+        (libc::ENOENT, "ENOENT"),
+        (libc::EMFILE, "EMFILE"),
+        (libc::ENFILE, "ENFILE"),
+        (libc::EPIPE, "EPIPE"),
+        (libc::ETIMEDOUT, "ETIMEDOUT"),
+        (libc::ECANCELED, "ECANCELED"),
+        (libc::EOPNOTSUPP, "EOPNOTSUPP"),
+        (libc::ENOSYS, "ENOSYS"),
+    ];
+    NAMES.iter().find(|(e, _)| *e == n).map(|(_, name)| *name)
+}
+
+/// Blocks whose copy failed on one path for one cause. Nothing of them was
+/// registered: a failed offload leaves the block where it was, a failed
+/// onboard fails its request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CopyFailures {
+    /// The copy path.
+    pub path: Path,
+    /// What made the copies fail.
+    pub cause: FailureCause,
+    /// Blocks that did not land.
+    pub blocks: u64,
 }
 
 /// A snapshot of the engine's counters.
@@ -94,9 +188,14 @@ pub struct TierStats {
     pub blocks: [u64; 5],
     /// Bytes copied per path.
     pub bytes: [u64; 5],
-    /// Offloads skipped per reason, in [`SkipReason`] order.
-    pub skipped: [u64; 7],
-    /// Onboards that failed.
+    /// Offloads skipped per reason, in [`SkipReason`] order (decisions
+    /// only: failed copies are in [`TierStats::copy_failures`]).
+    pub skipped: [u64; 6],
+    /// Blocks whose copy failed, per path and cause, sorted by path then
+    /// cause; only pairs that failed at least once appear.
+    pub copy_failures: Vec<CopyFailures>,
+    /// Onboard requests that failed (their own copy failed, or a shared
+    /// onboard they waited on did).
     pub onboard_failures: u64,
     /// Requests matched.
     pub requests: u64,
@@ -119,6 +218,42 @@ impl TierStats {
     pub fn skipped_for(&self, reason: SkipReason) -> u64 {
         self.skipped[reason as usize]
     }
+
+    /// Blocks whose copy on `path` failed, all causes together.
+    pub fn failed_on(&self, path: Path) -> u64 {
+        self.copy_failures
+            .iter()
+            .filter(|f| f.path == path)
+            .map(|f| f.blocks)
+            .sum()
+    }
+
+    /// Blocks whose copy on `path` failed for `cause`.
+    pub fn failed_for(&self, path: Path, cause: FailureCause) -> u64 {
+        self.copy_failures
+            .iter()
+            .filter(|f| f.path == path && f.cause == cause)
+            .map(|f| f.blocks)
+            .sum()
+    }
+
+    /// Blocks whose offload copy failed (G1 → G2, G2 → G3, G1 → G3).
+    pub fn offload_copy_failures(&self) -> u64 {
+        self.copy_failures
+            .iter()
+            .filter(|f| f.path.is_offload())
+            .map(|f| f.blocks)
+            .sum()
+    }
+
+    /// Blocks whose onboard copy failed (G2 → G1, G3 → G1).
+    pub fn onboard_copy_failures(&self) -> u64 {
+        self.copy_failures
+            .iter()
+            .filter(|f| !f.path.is_offload())
+            .map(|f| f.blocks)
+            .sum()
+    }
 }
 
 /// The counters.
@@ -126,7 +261,8 @@ impl TierStats {
 pub(crate) struct EngineMetrics {
     blocks: [AtomicU64; 5],
     bytes: [AtomicU64; 5],
-    skipped: [AtomicU64; 7],
+    skipped: [AtomicU64; 6],
+    failures: Mutex<BTreeMap<(Path, FailureCause), u64>>,
     onboard_failures: AtomicU64,
     requests: AtomicU64,
     lookups: AtomicU64,
@@ -146,7 +282,7 @@ impl EngineMetrics {
         self.blocks[path.index()].fetch_add(blocks, Relaxed);
         self.bytes[path.index()].fetch_add(bytes, Relaxed);
         let label = path.label();
-        if matches!(path, Path::G1ToG2 | Path::G2ToG3 | Path::G1ToG3) {
+        if path.is_offload() {
             metrics::counter!("kvbm_offload_blocks_total", "path" => label).increment(blocks);
             metrics::counter!("kvbm_offload_bytes_total", "path" => label).increment(bytes);
         } else {
@@ -162,6 +298,20 @@ impl EngineMetrics {
         }
         self.skipped[reason as usize].fetch_add(n, Relaxed);
         metrics::counter!("kvbm_offload_skipped_total", "reason" => reason.label()).increment(n);
+    }
+
+    /// `blocks` blocks whose copy on `path` failed for `cause`.
+    pub(crate) fn copy_failed(&self, path: Path, cause: FailureCause, blocks: u64) {
+        if blocks == 0 {
+            return;
+        }
+        *self.failures.lock().entry((path, cause)).or_default() += blocks;
+        metrics::counter!(
+            "kvbm_copy_failures_total",
+            "path" => path.label(),
+            "errno" => cause.label(),
+        )
+        .increment(blocks);
     }
 
     pub(crate) fn onboard_failed(&self) {
@@ -214,6 +364,16 @@ impl EngineMetrics {
         s.blocks.copy_from_slice(&load(&self.blocks));
         s.bytes.copy_from_slice(&load(&self.bytes));
         s.skipped.copy_from_slice(&load(&self.skipped));
+        s.copy_failures = self
+            .failures
+            .lock()
+            .iter()
+            .map(|(&(path, cause), &blocks)| CopyFailures {
+                path,
+                cause,
+                blocks,
+            })
+            .collect();
         s.hits.copy_from_slice(&load(&self.hits));
         s.onboard_failures = self.onboard_failures.load(Relaxed);
         s.requests = self.requests.load(Relaxed);

@@ -383,7 +383,9 @@ impl Scheduler {
     }
 
     /// Counters: blocks and bytes per path (`g1_to_g2`, `g2_to_g3`,
-    /// `g2_to_g1`, `g3_to_g1`), offloads skipped, onboard failures,
+    /// `g2_to_g1`, `g3_to_g1`), offloads skipped (policy decisions),
+    /// blocks whose copy failed (`copy_failures`, every path and cause;
+    /// `copy_failures_by` maps `path/errno` to blocks), onboard failures,
     /// matches, hits per tier, the offload queue depth, and the blocks each
     /// tier holds now.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -396,6 +398,13 @@ impl Scheduler {
             d.set_item(format!("{p}_bytes"), s.bytes[i])?;
         }
         d.set_item("offloads_skipped", s.skipped.iter().sum::<u64>())?;
+        let failures: u64 = s.copy_failures.iter().map(|f| f.blocks).sum();
+        d.set_item("copy_failures", failures)?;
+        let by = PyDict::new(py);
+        for f in &s.copy_failures {
+            by.set_item(format!("{}/{}", f.path.label(), f.cause), f.blocks)?;
+        }
+        d.set_item("copy_failures_by", by)?;
         d.set_item("onboard_failures", s.onboard_failures)?;
         d.set_item("requests", s.requests)?;
         d.set_item("lookups", s.lookups)?;

@@ -2,7 +2,8 @@
 //!
 //! Fixtures the tests and benchmarks of kvbm share, and never a dependency
 //! of a library crate: host memory standing in for a GPU ([`stand_in`]),
-//! fault injection under the disk backend ([`fault`]), workload trace
+//! fault injection under the disk backend ([`fault`]), a small real file
+//! system to fill up ([`small_fs`]), workload trace
 //! readers and a synthetic workload generator ([`trace`]), and, with
 //! feature `gemm`, a GEMM loop standing in for the model ([`gemm`]).
 //!
@@ -14,5 +15,6 @@
 pub mod fault;
 #[cfg(feature = "gemm")]
 pub mod gemm;
+pub mod small_fs;
 pub mod stand_in;
 pub mod trace;

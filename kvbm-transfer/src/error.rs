@@ -7,7 +7,7 @@
 use std::io;
 use std::path::PathBuf;
 
-use crate::memory::MemoryKind;
+use crate::memory::{FsType, MemoryKind};
 
 /// Everything that can go wrong while allocating memory or moving bytes.
 #[derive(Debug, thiserror::Error)]
@@ -94,6 +94,27 @@ pub enum TransferError {
         #[source]
         source: io::Error,
     },
+    /// A disk file's space could not be reserved up front (the disk is too
+    /// small, or the file system refused): the file was not kept.
+    #[error(
+        "cannot reserve {len} bytes ({mib:.1} MiB) for {path} on file system {fs} ({method}): {source}",
+        path = path.display(),
+        mib = *len as f64 / (1u64 << 20) as f64,
+        fs = fs.map_or_else(|| "of unknown type".to_string(), |t| t.to_string())
+    )]
+    Reserve {
+        /// The file.
+        path: PathBuf,
+        /// Bytes asked for.
+        len: u64,
+        /// The file system holding it, where `fstatfs` could tell.
+        fs: Option<FsType>,
+        /// How the space was being reserved (`"fallocate"`, `"writing zeros"`).
+        method: &'static str,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
     /// A physical layout's regions do not match its layout.
     #[error("physical layout mismatch: {0}")]
     LayoutMismatch(String),
@@ -109,6 +130,18 @@ pub enum TransferError {
     /// The worker that owned this completion went away without resolving it.
     #[error("transfer abandoned: the worker that owned it stopped ({0})")]
     Abandoned(&'static str),
+    /// A copy that another process ran failed there (a worker of a
+    /// distributed instance): its error as text, and the OS error number it
+    /// saw where there was one.
+    #[error("{origin}: {message}")]
+    Remote {
+        /// Who ran the copy (e.g. `kvbm-dist rank 1`).
+        origin: String,
+        /// The error as that process reported it.
+        message: String,
+        /// The OS error number behind it (`libc::ENOSPC`...), if any.
+        os_error: Option<i32>,
+    },
     /// A backend-specific failure (CUDA driver errors and the like).
     #[error("{backend}: {message}")]
     Backend {
@@ -119,5 +152,51 @@ pub enum TransferError {
     },
 }
 
+impl TransferError {
+    /// The OS error number behind this error (`libc::ENOSPC`, `libc::EIO`,
+    /// ...) where it came from a system call on a file or an allocation;
+    /// `None` for every other failure.
+    pub fn os_error(&self) -> Option<i32> {
+        match self {
+            TransferError::Io { source, .. }
+            | TransferError::Alloc { source, .. }
+            | TransferError::Reserve { source, .. } => source.raw_os_error(),
+            TransferError::Remote { os_error, .. } => *os_error,
+            _ => None,
+        }
+    }
+}
+
 /// Shorthand for results in this crate.
 pub type Result<T, E = TransferError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn os_error_is_the_errno_where_there_is_one() {
+        let io = TransferError::Io {
+            path: "/g3".into(),
+            offset: 0,
+            len: 4096,
+            source: io::Error::from_raw_os_error(libc::ENOSPC),
+        };
+        assert_eq!(io.os_error(), Some(libc::ENOSPC));
+        let remote = TransferError::Remote {
+            origin: "kvbm-dist rank 1".into(),
+            message: "I/O error".into(),
+            os_error: Some(libc::EIO),
+        };
+        assert_eq!(remote.os_error(), Some(libc::EIO));
+        assert_eq!(remote.to_string(), "kvbm-dist rank 1: I/O error");
+        let text = TransferError::Io {
+            path: "/g3".into(),
+            offset: 0,
+            len: 4096,
+            source: io::Error::new(io::ErrorKind::WriteZero, "wrote nothing"),
+        };
+        assert_eq!(text.os_error(), None);
+        assert_eq!(TransferError::Cancelled.os_error(), None);
+    }
+}

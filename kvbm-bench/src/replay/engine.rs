@@ -11,11 +11,15 @@
 //! bytes a function of their sequence hash) and register them (the engine
 //! offloads them to G2 when G1 evicts them, or at once in write-through
 //! mode), release the request, and wait for the offload worker to drain so
-//! each request's transfers are timed on their own.
+//! each request's transfers are timed on their own. An onboard whose copy
+//! fails is not fatal: the request computes those blocks again, as an
+//! inference engine would, and they count as misses (the engine counts the
+//! failure; [`super::failures`] reports it).
 
 use std::time::Instant;
 
 use kvbm_block::SequenceHash;
+use kvbm_pool::TierError;
 use kvbm_pool::metrics::TierStats;
 use kvbm_pool::tier::{G1Lookup, OnboardTarget, TierEngine};
 
@@ -112,6 +116,8 @@ pub struct EngineDriver {
     pub paths: [PathTotals; 5],
     /// Blocks whose bytes were checked after an onboard.
     pub verified_blocks: u64,
+    /// Onboards whose copy failed; their blocks were computed again.
+    pub failed_onboards: usize,
     /// Onboard phases (G2/G3 → G1): bytes and seconds.
     pub onboard_phase: (u64, f64),
     /// Offload phases (G1 → G2 → G3, drained by `flush`): bytes and seconds.
@@ -133,6 +139,7 @@ impl EngineDriver {
             trace_block_tokens,
             paths: Default::default(),
             verified_blocks: 0,
+            failed_onboards: 0,
             onboard_phase: (0, 0.0),
             offload_phase: (0, 0.0),
             last,
@@ -188,16 +195,29 @@ impl EngineDriver {
         out.prefix
             .extend(std::iter::repeat_n(Tier::G3, m.g3_blocks));
         let external = m.external_blocks();
+        let g1_hits = m.g1_blocks;
         let mut held = m.g1.into_blocks();
         let mut onboard_secs = None;
-        if external > 0 {
+        let onboarded = if external > 0 {
             let t0 = Instant::now();
-            let done = engine
-                .onboard(id, OnboardTarget::Pool)
-                .map_err(tier_err)?
-                .wait()
-                .map_err(tier_err)?;
-            let secs = t0.elapsed().as_secs_f64();
+            let handle = engine.onboard(id, OnboardTarget::Pool).map_err(tier_err)?;
+            match handle.wait() {
+                Ok(done) => Some((done, t0.elapsed().as_secs_f64())),
+                // The copy failed (counted by the engine): as an engine
+                // would, compute the blocks kvbm could not deliver; they
+                // are misses.
+                Err(e @ (TierError::Onboard { .. } | TierError::SharedOnboardFailed(_))) => {
+                    tracing::warn!(request = index, "computing the prefix again: {e}");
+                    self.failed_onboards += 1;
+                    out.prefix.truncate(g1_hits);
+                    None
+                }
+                Err(e) => return Err(tier_err(e)),
+            }
+        } else {
+            None
+        };
+        if let Some((done, secs)) = onboarded {
             onboard_secs = Some(secs);
             let loaded = done.blocks.into_blocks();
             for b in &loaded {

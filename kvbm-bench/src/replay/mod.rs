@@ -14,6 +14,7 @@
 
 pub mod dist;
 pub mod engine;
+pub mod failures;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 use std::path::PathBuf;
@@ -26,6 +27,7 @@ use kvbm_transfer::{Executor, ExecutorSpec, PhysicalLayout};
 use serde::Serialize;
 
 use self::engine::{EngineDriver, G1Memory, PATHS};
+pub use self::failures::{FailureRow, G3Faults};
 use super::error::{BenchError, Result};
 use super::host_view::HostTier;
 use super::model::{KvModel, check_disk_alignment};
@@ -76,6 +78,9 @@ pub struct ReplayConfig {
     pub worker_exe: Option<PathBuf>,
     /// The engine's `offload_in_flight`; `None` for its default.
     pub offload_in_flight: Option<usize>,
+    /// Fault injection for tests of failure reporting (host tiers in this
+    /// process only); none in every real run.
+    pub g3_faults: G3Faults,
 }
 
 /// Hits and rates of one tier.
@@ -169,8 +174,21 @@ pub struct ReplayReport {
     pub onboard_gbps: f64,
     /// All offload phases together (G1 → G2 and G2 → G3, mixed), GB/s.
     pub offload_gbps: f64,
-    /// Offloads the engine skipped (admission refused, queue full, ...).
+    /// Offloads the engine's policy skipped (admission refused, target
+    /// tier full, queue full, ...): decisions, not failures.
     pub offloads_skipped: u64,
+    /// Blocks whose offload copy failed (G1->G2, G2->G3, G1->G3): not
+    /// stored, not among `offloads_skipped`.
+    pub offload_failures: u64,
+    /// Blocks whose onboard copy failed (G2->G1, G3->G1).
+    pub onboard_failures: u64,
+    /// Requests whose onboard failed: their blocks were computed again and
+    /// count as misses.
+    pub failed_onboards: usize,
+    /// Copy failures by path and OS error.
+    pub copy_failures: Vec<FailureRow>,
+    /// What failed, in one line; `None` when nothing did.
+    pub failure_summary: Option<String>,
     /// Requests that onboarded from G2/G3.
     pub onboards: usize,
     /// Onboard latency median, milliseconds.
@@ -291,10 +309,14 @@ fn host_tiers(
         Some(l) => Some(HostTier::allocate(l)?.physical().clone()),
         None => None,
     };
-    let exec = ExecutorSpec::host()
-        .memcpy_threads(cfg.memcpy_threads)
-        .disk(true)
-        .build()?;
+    let exec = if cfg.g3_faults.any() {
+        failures::faulty_executor(cfg.memcpy_threads, cfg.g3_faults)?
+    } else {
+        ExecutorSpec::host()
+            .memcpy_threads(cfg.memcpy_threads)
+            .disk(true)
+            .build()?
+    };
     Ok((
         G1Memory::Host(HostTier::allocate(g1_layout)?),
         g2,
@@ -319,7 +341,11 @@ fn local_engine(
     page: usize,
 ) -> Result<(TierEngine, G1Memory, String, bool)> {
     #[cfg(feature = "cuda")]
-    let gpu = if cfg.host_g1 { None } else { gpu::device() };
+    let gpu = if cfg.host_g1 || cfg.g3_faults.any() {
+        None
+    } else {
+        gpu::device()
+    };
     #[cfg(feature = "cuda")]
     let (g1, g2, exec, g1_memory) = match &gpu {
         Some(dev) => (
@@ -425,6 +451,12 @@ pub fn run_replay(
     // the workers down when dropped.
     let mut _cluster = None;
     let (engine, g1, g1_memory, g3_direct) = if cfg.workers > 0 {
+        if cfg.g3_faults.any() {
+            return Err(BenchError::Config(
+                "G3 fault injection runs with the engine in this process only (no --workers)"
+                    .into(),
+            ));
+        }
         let n = cfg.workers as usize;
         if !cfg.model.inner_dim.is_multiple_of(n) {
             return Err(BenchError::Config(format!(
@@ -495,7 +527,17 @@ pub fn run_replay(
     let sim_reuse = reuse_stats(requests, cfg.block_tokens, caps);
 
     let sim_lru_tiers = lru_tiers_stats(requests, cfg.block_tokens, caps);
-    let skipped: u64 = driver.engine().stats().skipped.iter().sum();
+    let stats = driver.engine().stats();
+    let skipped: u64 = stats.skipped.iter().sum();
+    let failure_rows = failures::rows(&stats);
+    let (offload_failures, onboard_failures) =
+        (stats.offload_copy_failures(), stats.onboard_copy_failures());
+    let failure_summary = failures::summary(
+        offload_failures,
+        onboard_failures,
+        driver.failed_onboards,
+        &failure_rows,
+    );
 
     let total_cap: usize = caps.iter().sum();
     let lru = replay(requests, cfg.block_tokens, &mut LruSim::new(total_cap));
@@ -569,6 +611,11 @@ pub fn run_replay(
         onboard_gbps: phase_gbps(driver.onboard_phase),
         offload_gbps: phase_gbps(driver.offload_phase),
         offloads_skipped: skipped,
+        offload_failures,
+        onboard_failures,
+        failed_onboards: driver.failed_onboards,
+        copy_failures: failure_rows,
+        failure_summary,
         onboards: onboard.len(),
         onboard_p50_ms: percentile(&onboard_ms, 50.0),
         onboard_p99_ms: percentile(&onboard_ms, 99.0),
@@ -650,6 +697,7 @@ mod tests {
             workers: 0,
             worker_exe: None,
             offload_in_flight: None,
+            g3_faults: G3Faults::default(),
         };
         assert!(matches!(
             run_replay(&cfg, |_, _| {}),

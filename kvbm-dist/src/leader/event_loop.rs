@@ -402,6 +402,7 @@ impl EventLoop {
                             failure: Some(AckFailure {
                                 error: e.message,
                                 failed,
+                                os_error: None,
                             }),
                         },
                     );
@@ -512,6 +513,7 @@ impl EventLoop {
                 failure: Some(AckFailure {
                     error: format!("invalid ack: {why}"),
                     failed: t.pair_set.iter().copied().collect(),
+                    os_error: None,
                 }),
             };
         }
@@ -563,7 +565,7 @@ impl EventLoop {
         }
         // Every rank acked: what landed is what landed on all of them.
         let mut landed: Option<HashSet<(u32, u32)>> = None;
-        let mut first_failure: Option<(usize, String)> = None;
+        let mut first_failure: Option<(usize, String, Option<i32>)> = None;
         for (rank, a) in t.acks.iter().enumerate() {
             let Some(a) = a else { continue };
             let set: HashSet<(u32, u32)> = a.completed.iter().copied().collect();
@@ -574,7 +576,7 @@ impl EventLoop {
             if let Some(f) = &a.failure
                 && first_failure.is_none()
             {
-                first_failure = Some((rank, f.error.clone()));
+                first_failure = Some((rank, f.error.clone(), f.os_error));
             }
         }
         let landed = landed.unwrap_or_default();
@@ -590,7 +592,11 @@ impl EventLoop {
             .partition(|&&(s, d)| landed.contains(&(s as u32, d as u32)));
         let error = match first_failure {
             Some(_) if t.cancel.is_cancelled() => TransferError::Cancelled,
-            Some((rank, e)) => dist_error(format!("rank {rank}: {e}")),
+            Some((rank, message, os_error)) => TransferError::Remote {
+                origin: format!("kvbm-dist rank {rank}"),
+                message,
+                os_error,
+            },
             None => dist_error("a worker acknowledged fewer pairs than were sent".into()),
         };
         Err(Box::new(TransferFailure {

@@ -93,6 +93,8 @@ fn body(w: &mut Writer, message: &Message) -> Result<(), ProtoError> {
                     w.u8(1);
                     w.bytes(f.error.as_bytes(), MAX_TEXT_BYTES, "ack error text")?;
                     w.pairs(&f.failed)?;
+                    // 0: none (no OS error is numbered 0).
+                    w.u32(f.os_error.map_or(0, |e| e.max(0) as u32));
                 }
             }
         }
@@ -231,6 +233,13 @@ fn decode_body(r: &mut Reader<'_>, kind: MessageKind) -> Result<Message, ProtoEr
                 1 => Some(AckFailure {
                     error: r.text(MAX_TEXT_BYTES, "ack error text")?,
                     failed: r.pairs("failed pairs")?,
+                    os_error: match r.u32("ack OS error")? {
+                        0 => None,
+                        n => Some(i32::try_from(n).map_err(|_| ProtoError::Invalid {
+                            what: "ack OS error",
+                            reason: format!("{n} is not an error number"),
+                        })?),
+                    },
                 }),
                 other => {
                     return Err(ProtoError::Invalid {

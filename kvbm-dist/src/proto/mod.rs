@@ -44,8 +44,9 @@ pub fn truncate(mut text: String) -> String {
 
 /// The first four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"KVBD";
-/// The protocol version this build speaks (2: `Hello` carries a MAC).
-pub const PROTOCOL_VERSION: u16 = 2;
+/// The protocol version this build speaks (2: `Hello` carries a MAC; 3:
+/// an `Ack`'s failure carries the OS error number).
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Bytes of the frame header.
 pub const HEADER_BYTES: usize = 12;
 /// Largest frame accepted (header included).

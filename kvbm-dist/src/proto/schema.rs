@@ -91,6 +91,9 @@ pub struct AckFailure {
     pub error: String,
     /// Pairs whose destination must be treated as garbage.
     pub failed: Vec<BlockPair>,
+    /// The OS error number behind the failure (`ENOSPC`, `EIO`...), where
+    /// there was one, so the leader counts failures by cause.
+    pub os_error: Option<i32>,
 }
 
 /// A worker finished a transfer.

@@ -78,13 +78,17 @@ fn message() -> impl Strategy<Value = Message> {
             any::<u64>(),
             0..MAX_WORLD_SIZE,
             pairs(20),
-            proptest::option::of((text(), pairs(20)))
+            proptest::option::of((text(), pairs(20), proptest::option::of(1..4096i32)))
         )
             .prop_map(|(transfer_id, rank, completed, f)| Message::Ack(Ack {
                 transfer_id,
                 rank,
                 completed,
-                failure: f.map(|(error, failed)| AckFailure { error, failed }),
+                failure: f.map(|(error, failed, os_error)| AckFailure {
+                    error,
+                    failed,
+                    os_error
+                }),
             })),
         any::<u64>().prop_map(|seq| Message::Ping { seq }),
         (any::<u64>(), 0..MAX_WORLD_SIZE).prop_map(|(seq, rank)| Message::Pong { seq, rank }),

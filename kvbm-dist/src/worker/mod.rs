@@ -452,6 +452,7 @@ impl Worker {
                 failure: Some(AckFailure {
                     error: truncate(error),
                     failed: pairs,
+                    os_error: None,
                 }),
             }))
         };
@@ -557,6 +558,7 @@ fn ack_of(id: u64, rank: u32, pairs: &[(usize, usize)], outcome: TransferOutcome
             rank,
             completed: wire(&f.completed),
             failure: Some(AckFailure {
+                os_error: f.error.os_error(),
                 error: truncate(f.to_string()),
                 failed: {
                     // Everything that is not known to have landed failed.

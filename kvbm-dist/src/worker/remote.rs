@@ -43,6 +43,7 @@ impl Worker {
             failure: Some(AckFailure {
                 error: truncate(error),
                 failed: pairs,
+                os_error: None,
             }),
         }))
     }

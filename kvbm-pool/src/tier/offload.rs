@@ -40,7 +40,7 @@ use kvbm_transfer::{CancelToken, TransferOutcome};
 use parking_lot::{Condvar, Mutex};
 
 use super::{Shared, TierPolicy, TierSlot};
-use crate::metrics::{Path, SkipReason};
+use crate::metrics::{FailureCause, Path, SkipReason};
 use crate::policy::Evicted;
 use crate::pool::{ImmutableBlock, MutableBlock, WeakBlock};
 
@@ -441,14 +441,14 @@ impl Flight {
         };
         if let Some(g2) = shared.g2.as_ref() {
             let took = ended.saturating_duration_since(self.started);
-            let landed = landed_pairs(Path::G1ToG2, &self.pairs, &outcome);
+            let (landed, cause) = landed_pairs(Path::G1ToG2, &self.pairs, &outcome);
             register_landed(
                 shared,
                 g2,
                 Path::G1ToG2,
                 self.targets,
                 &self.items,
-                &landed,
+                (&landed, cause),
                 took,
             );
         }
@@ -751,44 +751,51 @@ fn copy_and_register(
         .mover
         .copy(src.tier, dst.tier, pairs.to_vec(), CancelToken::new())
         .wait();
-    let landed = landed_pairs(path, pairs, &outcome);
+    let (landed, cause) = landed_pairs(path, pairs, &outcome);
     register_landed(
         shared,
         dst,
         path,
         targets,
         items,
-        &landed,
+        (&landed, cause),
         started.elapsed(),
     );
 }
 
-/// Which of `pairs` landed, by `outcome`.
-fn landed_pairs(path: Path, pairs: &[(usize, usize)], outcome: &TransferOutcome) -> Vec<bool> {
+/// Which of `pairs` landed, by `outcome`, and what made the others fail.
+fn landed_pairs(
+    path: Path,
+    pairs: &[(usize, usize)],
+    outcome: &TransferOutcome,
+) -> (Vec<bool>, FailureCause) {
     match outcome {
-        Ok(_) => vec![true; pairs.len()],
+        Ok(_) => (vec![true; pairs.len()], FailureCause::Other),
         Err(failure) => {
-            tracing::warn!(?path, "offload copy failed: {failure}");
+            let cause = FailureCause::of(&failure.error);
+            tracing::warn!(?path, %cause, "offload copy failed: {failure}");
             let ok: HashSet<(usize, usize)> = failure.completed.iter().copied().collect();
-            pairs.iter().map(|p| ok.contains(p)).collect()
+            (pairs.iter().map(|p| ok.contains(p)).collect(), cause)
         }
     }
 }
 
-/// Registers in `dst` each target whose bytes landed (`landed[i]`, in the
-/// order of `targets` and `items`); the others go back to the free list.
-/// `took`: the copy's time, for the metrics.
+/// Registers in `dst` each target whose bytes landed (`landed.0[i]`, in
+/// the order of `targets` and `items`); the others go back to the free
+/// list and count as copy failures for `landed.1`. `took`: the copy's
+/// time, for the metrics.
 fn register_landed(
     shared: &Shared,
     dst: &TierSlot,
     path: Path,
     targets: Vec<MutableBlock>,
     items: &[(SequenceHash, Option<SequenceHash>)],
-    landed: &[bool],
+    (landed, cause): (&[bool], FailureCause),
     took: std::time::Duration,
 ) {
     let mut complete = Vec::with_capacity(targets.len());
     let mut failed = 0u64;
+    let mut unregistered = 0u64;
     for ((target, &(hash, parent)), ok) in targets.into_iter().zip(items).zip(landed) {
         if !ok {
             failed += 1;
@@ -798,7 +805,7 @@ fn register_landed(
             Ok(c) => complete.push(c),
             Err(e) => {
                 tracing::warn!("cannot complete an offload target: {e}");
-                failed += 1;
+                unregistered += 1;
             }
         }
     }
@@ -806,9 +813,12 @@ fn register_landed(
     // Registered and released at once: cached, evictable, matchable.
     if let Err(e) = dst.pool.register(complete) {
         tracing::warn!("offload targets refused by their own pool: {e}");
-        failed += n;
+        unregistered += n;
     } else {
         shared.metrics.copied(path, n, n * dst.block_bytes, took);
     }
-    shared.metrics.skipped(SkipReason::CopyFailed, failed);
+    shared.metrics.copy_failed(path, cause, failed);
+    shared
+        .metrics
+        .copy_failed(path, FailureCause::Other, unregistered);
 }

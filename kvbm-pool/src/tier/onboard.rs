@@ -34,7 +34,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::{G3Onboard, RequestId, Shared, TierError};
 use crate::config::Tier;
-use crate::metrics::Path;
+use crate::metrics::{FailureCause, Path};
 use crate::pool::{ImmutableBlock, ImmutableBlocks, MutableBlock};
 
 /// Where onboarded blocks go.
@@ -160,6 +160,8 @@ struct JobState {
     holds: Vec<super::matching::Segment>,
     owned_inflight: Vec<(SequenceHash, Arc<Inflight>)>,
     error: Option<TransferError>,
+    /// What made each path's copy (G2 → G1, G3 → G1) fail, if it did.
+    failed: [Option<FailureCause>; 2],
     bytes: [u64; 2],
     completer: Option<Completer<Done>>,
 }
@@ -202,6 +204,7 @@ impl OnboardJob {
             match outcome {
                 Ok(report) => state.bytes[path] += report.bytes,
                 Err(failure) => {
+                    state.failed[path] = Some(FailureCause::of(&failure.error));
                     if state.error.is_none() {
                         state.error = Some(failure.error);
                     }
@@ -341,6 +344,7 @@ pub(crate) fn start(
         holds,
         owned_inflight,
         error: None,
+        failed: [None; 2],
         bytes: [0; 2],
         completer: Some(completer),
     });
@@ -445,6 +449,7 @@ fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
         holds,
         owned_inflight,
         error,
+        failed,
         bytes,
         completer,
     } = state;
@@ -508,6 +513,12 @@ fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
             }
         }
         Err(e) => {
+            let counts = [(Path::G2ToG1, g2_count), (Path::G3ToG1, g3_count)];
+            for (cause, (path, blocks)) in failed.into_iter().zip(counts) {
+                if let Some(cause) = cause {
+                    shared.metrics.copy_failed(path, cause, blocks);
+                }
+            }
             shared.metrics.onboard_failed();
             tracing::warn!(%request, "onboard failed: {e}");
             Err(e)

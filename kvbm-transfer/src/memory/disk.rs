@@ -1,20 +1,21 @@
 //! Disk files: the G3 tier's backing store.
 //!
-//! Files are created in a configured directory, sized up front with
-//! `fallocate` (so later writes cannot run out of space half-way), opened
-//! with `O_DIRECT` where the file system supports it (the page cache would
-//! only duplicate what kvbm already caches in G2), and removed on drop
-//! unless asked to persist. Every fallback (no `fallocate`, no `O_DIRECT`)
-//! is taken with a warning, never silently.
+//! Files are created in a configured directory, their whole space reserved
+//! up front (so later writes cannot run out of space half-way: see
+//! [`super::reserve`]), opened with `O_DIRECT` where the file system
+//! supports it (the page cache would only duplicate what kvbm already
+//! caches in G2), and removed on drop unless asked to persist. Every
+//! fallback (zeros written where there is no `fallocate`, buffered I/O
+//! where there is no `O_DIRECT`) is taken with a warning, never silently.
 
 use std::fs::{File, OpenOptions};
-use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+use super::reserve::reserve;
 use crate::error::{Result, TransferError};
 
 /// Alignment of disk extents, offsets and lengths, and of memory used for
@@ -39,11 +40,9 @@ pub enum IoMode {
 pub struct DiskOptions {
     /// How files are opened.
     pub io_mode: IoMode,
-    /// Keep files on drop (default: remove them).
+    /// Keep files on drop (default: remove them). A file whose space could
+    /// not be reserved is removed regardless.
     pub persist: bool,
-    /// When `fallocate` is refused, write zeros instead of truncating to a
-    /// sparse file (slower, but reserves the space).
-    pub zero_fill_fallback: bool,
 }
 
 /// Creates disk files in one directory.
@@ -72,8 +71,22 @@ impl DiskAllocator {
     }
 
     /// Creates a file of at least `len` bytes (rounded up to
-    /// [`DISK_ALIGNMENT`]).
+    /// [`DISK_ALIGNMENT`]), all of them reserved on the disk: with
+    /// `fallocate`, or by writing zeros where the file system has none.
+    /// A disk without the room is [`TransferError::Reserve`] (naming the
+    /// file, the size and the file system type), and no file is left.
     pub fn allocate(&self, len: u64) -> Result<Arc<DiskFile>> {
+        self.allocate_reserving(len, false)
+    }
+
+    /// [`DiskAllocator::allocate`] through the zero-fill fallback, as on a
+    /// file system without `fallocate`.
+    #[cfg(test)]
+    pub(crate) fn allocate_forcing_zero_fill(&self, len: u64) -> Result<Arc<DiskFile>> {
+        self.allocate_reserving(len, true)
+    }
+
+    fn allocate_reserving(&self, len: u64, force_zero_fill: bool) -> Result<Arc<DiskFile>> {
         if len == 0 {
             return Err(TransferError::InvalidRequest(
                 "cannot allocate an empty disk file".into(),
@@ -94,7 +107,11 @@ impl DiskAllocator {
             persist: AtomicBool::new(self.options.persist),
             id: n,
         };
-        disk.preallocate(self.options.zero_fill_fallback)?;
+        if let Err(e) = reserve(&disk.file, &disk.path, len, direct, force_zero_fill) {
+            // Never leave a half-reserved file behind, persistent or not.
+            disk.set_persist(false);
+            return Err(e);
+        }
         Ok(Arc::new(disk))
     }
 }
@@ -145,16 +162,25 @@ pub struct DiskFile {
 
 impl DiskFile {
     /// Opens an existing file (kept on drop), `len` bytes of it usable.
+    /// Its space is not reserved: a sparse file is opened with a warning
+    /// (its writes may fail with `ENOSPC` when the disk fills up).
     pub fn open(path: impl Into<PathBuf>, mode: IoMode) -> Result<Arc<DiskFile>> {
         let path = path.into();
         let (file, direct) = open_file(&path, mode, false)?;
-        let len = file
-            .metadata()
-            .map_err(|source| TransferError::Alloc {
-                what: format!("file {}", path.display()),
-                source,
-            })?
-            .len();
+        let meta = file.metadata().map_err(|source| TransferError::Alloc {
+            what: format!("file {}", path.display()),
+            source,
+        })?;
+        let len = meta.len();
+        let allocated = std::os::unix::fs::MetadataExt::blocks(&meta).saturating_mul(512);
+        if allocated < len {
+            tracing::warn!(
+                path = %path.display(),
+                allocated,
+                len,
+                "the file is sparse: writes into its holes may fail with ENOSPC"
+            );
+        }
         let id = NEXT_FILE.fetch_add(1, Ordering::Relaxed);
         Ok(Arc::new(DiskFile {
             path,
@@ -165,47 +191,6 @@ impl DiskFile {
             persist: AtomicBool::new(true),
             id,
         }))
-    }
-
-    fn preallocate(&self, zero_fill: bool) -> Result<()> {
-        let fd = self.file.as_raw_fd();
-        let len = self.len as libc::off_t;
-        // SAFETY: `fd` is an open file descriptor owned by `self.file`.
-        let rc = unsafe { libc::fallocate(fd, 0, 0, len) };
-        if rc == 0 {
-            return Ok(());
-        }
-        let e = io::Error::last_os_error();
-        let err = |source| TransferError::Alloc {
-            what: format!("file {}", self.path.display()),
-            source,
-        };
-        if !matches!(
-            e.raw_os_error(),
-            Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS)
-        ) {
-            return Err(err(e));
-        }
-        if zero_fill {
-            tracing::warn!(path = %self.path.display(), "fallocate unsupported; zero-filling");
-            // Zero-fill through a buffered handle so O_DIRECT alignment rules
-            // do not apply.
-            let f = OpenOptions::new()
-                .write(true)
-                .open(&self.path)
-                .map_err(err)?;
-            let zeros = vec![0u8; 1 << 20];
-            let mut off = 0u64;
-            while off < self.len {
-                let n = (self.len - off).min(zeros.len() as u64) as usize;
-                std::os::unix::fs::FileExt::write_all_at(&f, &zeros[..n], off).map_err(err)?;
-                off += n as u64;
-            }
-            Ok(())
-        } else {
-            tracing::warn!(path = %self.path.display(), "fallocate unsupported; truncating to a sparse file");
-            self.file.set_len(self.len).map_err(err)
-        }
     }
 
     /// The file's path.

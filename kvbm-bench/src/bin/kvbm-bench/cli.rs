@@ -213,6 +213,20 @@ pub struct ReplayArgs {
     /// Offload batches the engine keeps in flight (default: the engine's).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=64))]
     pub offload_in_flight: Option<u64>,
+    /// Exit 0 even when copies failed during the replay (a disk that
+    /// filled up, I/O errors). Without it such a run exits 3 after its
+    /// report; either way the failures are printed on stderr, by path and
+    /// OS error.
+    #[arg(long)]
+    pub allow_failures: bool,
+    /// Fault injection for tests: G3 writes fail with ENOSPC once this
+    /// many have succeeded (in-process engine, host tiers).
+    #[arg(long, hide = true)]
+    pub g3_enospc_after_writes: Option<u64>,
+    /// Fault injection for tests: G3 reads fail with EIO once this many
+    /// have succeeded (in-process engine, host tiers).
+    #[arg(long, hide = true)]
+    pub g3_eio_after_reads: Option<u64>,
 }
 
 /// The tier engine's G2/G3 policies.

@@ -13,7 +13,7 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvbm_bench::matrix::{MatrixConfig, matrix_cells, run_matrix};
 use kvbm_bench::offload::{GpuPath, Load, OffloadConfig, Outcome, run_offload};
-use kvbm_bench::replay::{ReplayConfig, run_replay};
+use kvbm_bench::replay::{G3Faults, ReplayConfig, ReplayReport, run_replay};
 use kvbm_bench::{BenchError, KvModel};
 use kvbm_pool::tier::TierPolicy;
 use kvbm_testkit::trace::{
@@ -34,16 +34,36 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let result = match &cli.command {
-        Command::Transfer(args) => transfer(&cli, args),
+        Command::Transfer(args) => transfer(&cli, args).map_err(Failed::from),
         Command::Replay(args) => replay(&cli, args),
-        Command::Offload(args) => offload(&cli, args),
+        Command::Offload(args) => offload(&cli, args).map_err(Failed::from),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
+        Err(Failed::CopiesFailed) => ExitCode::from(COPIES_FAILED),
+        Err(Failed::Error(e)) => {
             eprintln!("kvbm-bench: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// The exit status of a replay that ran to the end but whose copies failed
+/// (without `--allow-failures`).
+const COPIES_FAILED: u8 = 3;
+
+/// Why a command did not succeed.
+enum Failed {
+    /// It could not run or finish.
+    Error(BenchError),
+    /// It finished and reported, but copies failed on the way (already
+    /// said on stderr).
+    CopiesFailed,
+}
+
+impl From<BenchError> for Failed {
+    fn from(e: BenchError) -> Self {
+        Failed::Error(e)
     }
 }
 
@@ -86,7 +106,27 @@ fn transfer(cli: &Cli, args: &TransferArgs) -> Result<(), BenchError> {
     output::matrix(cli, &config, &rows)
 }
 
-fn replay(cli: &Cli, args: &ReplayArgs) -> Result<(), BenchError> {
+/// Runs and prints the replay, then says what failed (if anything did).
+fn replay(cli: &Cli, args: &ReplayArgs) -> Result<(), Failed> {
+    let report = replay_report(cli, args)?;
+    // Last, on stderr, whatever `--quiet` and `--json` say: a degraded run
+    // must not pass for a good one.
+    match &report.failure_summary {
+        None => Ok(()),
+        Some(summary) if args.allow_failures => {
+            eprintln!("kvbm-bench: warning: {summary} (allowed by --allow-failures)");
+            Ok(())
+        }
+        Some(summary) => {
+            eprintln!(
+                "kvbm-bench: FAILED: {summary}. Exit status {COPIES_FAILED}; pass --allow-failures to accept such a run"
+            );
+            Err(Failed::CopiesFailed)
+        }
+    }
+}
+
+fn replay_report(cli: &Cli, args: &ReplayArgs) -> Result<ReplayReport, BenchError> {
     let (workload, mut requests, block_tokens) = match &args.trace {
         Some(path) => (
             format!("Mooncake trace {}", path.display()),
@@ -140,11 +180,16 @@ fn replay(cli: &Cli, args: &ReplayArgs) -> Result<(), BenchError> {
         workers: args.workers,
         worker_exe: None,
         offload_in_flight: args.offload_in_flight.map(|n| n as usize),
+        g3_faults: G3Faults {
+            enospc_after_writes: args.g3_enospc_after_writes,
+            eio_after_reads: args.g3_eio_after_reads,
+        },
     };
     let bar = progress_bar(cli, config.requests.len() as u64, "replay");
     let report = run_replay(&config, |done, _| bar.set_position(done as u64))?;
     bar.finish_and_clear();
-    output::replay(cli, &report)
+    output::replay(cli, &report)?;
+    Ok(report)
 }
 
 fn offload(cli: &Cli, args: &OffloadArgs) -> Result<(), BenchError> {

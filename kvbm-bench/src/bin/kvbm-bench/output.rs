@@ -262,7 +262,23 @@ pub fn replay(cli: &Cli, r: &ReplayReport) -> Result<(), BenchError> {
         "  onboard latency: p50 {:.3} ms, p99 {:.3} ms over {} onboards; {} blocks verified byte for byte",
         r.onboard_p50_ms, r.onboard_p99_ms, r.onboards, r.verified_blocks
     );
-    println!("  offloads skipped by the engine: {}", r.offloads_skipped);
+    println!(
+        "  offloads skipped by the engine's policy: {}",
+        r.offloads_skipped
+    );
+    if r.copy_failures.is_empty() && r.failed_onboards == 0 {
+        println!("  copy failures: none");
+    } else {
+        println!(
+            "  COPY FAILURES: {} blocks failed to offload, {} to onboard; {} onboards failed and were computed again",
+            r.offload_failures, r.onboard_failures, r.failed_onboards
+        );
+        let mut t = Table::new(["failed path", "errno", "blocks"]);
+        for f in &r.copy_failures {
+            t.row([f.path.to_string(), f.errno.clone(), f.blocks.to_string()]);
+        }
+        print!("{}", t.render());
+    }
     println!();
     let mut t = Table::new(["path", "blocks", "bytes", "GB/s (single-path phases)"]);
     for p in &r.paths {
