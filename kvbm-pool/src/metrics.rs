@@ -188,6 +188,11 @@ pub struct TierStats {
     pub blocks: [u64; 5],
     /// Bytes copied per path.
     pub bytes: [u64; 5],
+    /// Copies (batches) per path: each covers one or more blocks.
+    pub transfers: [u64; 5],
+    /// Time the copies of each path took, summed, in nanoseconds
+    /// (`transfer_nanos / transfers` is a path's mean copy latency).
+    pub transfer_nanos: [u64; 5],
     /// Offloads skipped per reason, in [`SkipReason`] order (decisions
     /// only: failed copies are in [`TierStats::copy_failures`]).
     pub skipped: [u64; 6],
@@ -254,6 +259,12 @@ impl TierStats {
             .map(|f| f.blocks)
             .sum()
     }
+
+    /// Mean latency of one copy on `path`, `None` before the first.
+    pub fn mean_transfer(&self, path: Path) -> Option<Duration> {
+        let n = self.transfers[path.index()];
+        (n > 0).then(|| Duration::from_nanos(self.transfer_nanos[path.index()] / n))
+    }
 }
 
 /// The counters.
@@ -261,6 +272,8 @@ impl TierStats {
 pub(crate) struct EngineMetrics {
     blocks: [AtomicU64; 5],
     bytes: [AtomicU64; 5],
+    transfers: [AtomicU64; 5],
+    transfer_nanos: [AtomicU64; 5],
     skipped: [AtomicU64; 6],
     failures: Mutex<BTreeMap<(Path, FailureCause), u64>>,
     onboard_failures: AtomicU64,
@@ -281,6 +294,9 @@ impl EngineMetrics {
     pub(crate) fn copied(&self, path: Path, blocks: u64, bytes: u64, took: Duration) {
         self.blocks[path.index()].fetch_add(blocks, Relaxed);
         self.bytes[path.index()].fetch_add(bytes, Relaxed);
+        self.transfers[path.index()].fetch_add(1, Relaxed);
+        let nanos = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+        self.transfer_nanos[path.index()].fetch_add(nanos, Relaxed);
         let label = path.label();
         if path.is_offload() {
             metrics::counter!("kvbm_offload_blocks_total", "path" => label).increment(blocks);
@@ -358,11 +374,23 @@ impl EngineMetrics {
         }
     }
 
+    /// Blocks stored into G2 or G3 so far (counted after they were
+    /// registered there): it changes whenever a match could find more.
+    pub(crate) fn stored(&self) -> u64 {
+        [Path::G1ToG2, Path::G2ToG3, Path::G1ToG3]
+            .into_iter()
+            .map(|p| self.blocks[p.index()].load(Relaxed))
+            .sum()
+    }
+
     pub(crate) fn snapshot(&self) -> TierStats {
         let load = |a: &[AtomicU64]| -> Vec<u64> { a.iter().map(|x| x.load(Relaxed)).collect() };
         let mut s = TierStats::default();
         s.blocks.copy_from_slice(&load(&self.blocks));
         s.bytes.copy_from_slice(&load(&self.bytes));
+        s.transfers.copy_from_slice(&load(&self.transfers));
+        s.transfer_nanos
+            .copy_from_slice(&load(&self.transfer_nanos));
         s.skipped.copy_from_slice(&load(&self.skipped));
         s.copy_failures = self
             .failures

@@ -21,6 +21,9 @@ pub enum PyKvbmError {
     /// The leader or a worker failed.
     #[error(transparent)]
     Dist(#[from] kvbm_dist::DistError),
+    /// The metrics exporter could not start.
+    #[error("{0}")]
+    Metrics(String),
     /// The object was shut down.
     #[error("{0} is shut down")]
     Closed(&'static str),

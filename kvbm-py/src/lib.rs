@@ -15,10 +15,11 @@
 //! the package, built on these two.
 //!
 //! Module map: [`scheduler`], [`worker`], [`tensors`] (engine tensors as a
-//! kvbm layout), [`secret`] (the instance secret both sides share),
+//! kvbm layout), [`prom`] (the Prometheus exporter), [`secret`] (the instance secret both sides share),
 //! [`error`].
 
 pub mod error;
+pub mod prom;
 pub mod scheduler;
 pub mod secret;
 pub mod tensors;
@@ -40,6 +41,7 @@ fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::Match>()?;
     m.add_class::<worker::Worker>()?;
     m.add_function(wrap_pyfunction!(sequence_hash, m)?)?;
+    m.add_function(wrap_pyfunction!(prom::start_metrics_server, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // Whether this build has the test hooks (feature `test-hooks`).
     m.add("TEST_HOOKS", cfg!(feature = "test-hooks"))?;

@@ -11,17 +11,18 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::mpsc::Receiver;
 use std::time::Duration;
 
 use kvbm_block::{SequenceDigest, SequenceHash, VllmBlockHash};
 use kvbm_dist::leader::{Leader, LeaderConfig, PendingLeader, RankState};
-use kvbm_pool::Tier;
 use kvbm_pool::tier::{
     G1Lookup, OnboardHandle, OnboardTarget, TierEngine, TierEngineConfig, TierMover, TierPolicy,
 };
+use kvbm_pool::{KvEvent, KvEventBatch, Tier};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyList};
 
 use crate::error::{PyKvbmError, Result};
 
@@ -86,6 +87,77 @@ impl Match {
     }
 }
 
+/// The last answer of `match_prefix` for a request and what it depended
+/// on: while none of it changed, the same call gives the same answer.
+#[derive(Clone)]
+struct LastMatch {
+    /// The engine's stored-blocks generation when it was computed.
+    generation: u64,
+    engine_blocks: usize,
+    prompt_tokens: usize,
+    /// How many keys it matched over.
+    keys: usize,
+    result: Match,
+}
+
+/// What the scheduler keeps per request between calls, until `release`.
+#[derive(Default)]
+struct Tracked {
+    /// kvbm keys of the request's block hashes, converted once each.
+    keys: Vec<SequenceHash>,
+    /// Reusable while the engine still holds the match (no onboard or
+    /// release since) and nothing was stored into G2/G3.
+    last: Option<LastMatch>,
+}
+
+/// The key of one engine block hash given as a Python object (`bytes`).
+fn key_of(item: &Bound<'_, PyAny>) -> PyResult<SequenceHash> {
+    let digest: &[u8] = item.extract().map_err(|_| {
+        PyKvbmError::Invalid(format!(
+            "a block hash must be bytes, not {}",
+            item.get_type()
+                .name()
+                .map_or_else(|_| "?".to_owned(), |n| n.to_string())
+        ))
+    })?;
+    Ok(sequence_hash(digest)?)
+}
+
+/// Brings `keys` up to date with the engine's block hashes `hashes`,
+/// converting only those not seen yet. The engine's hash list only grows
+/// for a request; a shorter list, or one whose last already converted hash
+/// differs, starts over.
+fn extend_keys(keys: &mut Vec<SequenceHash>, hashes: &Bound<'_, PyAny>) -> PyResult<()> {
+    let Ok(list) = hashes.cast::<PyList>() else {
+        keys.clear();
+        for item in hashes.try_iter()? {
+            keys.push(key_of(&item?)?);
+        }
+        return Ok(());
+    };
+    let len = list.len();
+    let mut from = keys.len();
+    if from > len || (from > 0 && key_of(&list.get_item(from - 1)?)? != keys[from - 1]) {
+        keys.clear();
+        from = 0;
+    }
+    keys.reserve(len - from);
+    for i in from..len {
+        keys.push(key_of(&list.get_item(i)?)?);
+    }
+    Ok(())
+}
+
+/// The tier name an event carries to Python.
+fn tier_name(tier: Tier) -> &'static str {
+    match tier {
+        Tier::G1 => "g1",
+        Tier::G2 => "g2",
+        Tier::G3 => "g3",
+        Tier::G4 => "g4",
+    }
+}
+
 /// The pieces a [`Scheduler`] owns; dropped engine first, then leader.
 struct Inner {
     engine: Arc<TierEngine>,
@@ -106,6 +178,10 @@ pub struct Scheduler {
     onboards: Mutex<HashMap<String, OnboardHandle>>,
     /// Requests whose deferred release finished, not yet polled.
     released: Arc<Mutex<Vec<String>>>,
+    /// Per-request keys and last match, by request.
+    tracked: Mutex<HashMap<String, Tracked>>,
+    /// The tiers' KV events, once `subscribe_events` was called.
+    events: Mutex<Option<Receiver<KvEventBatch>>>,
 }
 
 impl Scheduler {
@@ -120,6 +196,20 @@ impl Scheduler {
 
 fn hashes_of(hashes: &[Vec<u8>]) -> Result<Vec<SequenceHash>> {
     hashes.iter().map(|h| sequence_hash(h)).collect()
+}
+
+impl Scheduler {
+    /// Forgets the request's keys and last match.
+    fn untrack(&self, request_id: &str) {
+        self.tracked.lock().remove(request_id);
+    }
+
+    /// Forgets the request's last match (its engine state changed).
+    fn invalidate(&self, request_id: &str) {
+        if let Some(t) = self.tracked.lock().get_mut(request_id) {
+            t.last = None;
+        }
+    }
 }
 
 #[pymethods]
@@ -177,6 +267,8 @@ impl Scheduler {
             block_size: block_size as usize,
             onboards: Mutex::default(),
             released: Arc::default(),
+            tracked: Mutex::default(),
+            events: Mutex::default(),
         })
     }
 
@@ -216,39 +308,74 @@ impl Scheduler {
     }
 
     /// Matches `request_id`'s block hashes (the engine's, one per full
-    /// block, in prompt order) beyond the `engine_blocks` leading blocks
-    /// the engine already holds. `prompt_tokens` applies the full-prompt
-    /// rule: when everything would hit, one block is given back so the
-    /// engine computes the last token. The G2/G3 blocks found are held
-    /// until `onboard` or `release`.
+    /// block, in prompt order: a list of `bytes`) beyond the
+    /// `engine_blocks` leading blocks the engine already holds.
+    /// `prompt_tokens` applies the full-prompt rule: when everything would
+    /// hit, one block is given back so the engine computes the last token.
+    /// The G2/G3 blocks found are held until `onboard` or `release`.
+    ///
+    /// Calls for the same request (a waiting request is matched every
+    /// scheduler step) convert only the hashes not seen before, and give
+    /// the previous answer without matching again while the arguments are
+    /// the same and nothing was stored into G2/G3 since. `release` forgets
+    /// the request.
     fn match_prefix(
         &self,
-        py: Python<'_>,
         request_id: &str,
-        hashes: Vec<Vec<u8>>,
+        hashes: &Bound<'_, PyAny>,
         prompt_tokens: usize,
         engine_blocks: usize,
     ) -> PyResult<Match> {
         let engine = self.engine()?;
-        let hashes = hashes_of(&hashes)?;
-        let m = py.detach(|| {
-            engine.match_request(
+        let generation = engine.stored_generation();
+        let mut tracked = self.tracked.lock();
+        if !tracked.contains_key(request_id) {
+            tracked.insert(request_id.to_owned(), Tracked::default());
+        }
+        let Some(t) = tracked.get_mut(request_id) else {
+            unreachable!("inserted above")
+        };
+        extend_keys(&mut t.keys, hashes)?;
+        if let Some(last) = &t.last
+            && last.generation == generation
+            && last.engine_blocks == engine_blocks
+            && last.prompt_tokens == prompt_tokens
+            && last.keys == t.keys.len()
+        {
+            return Ok(last.result.clone());
+        }
+        // Matched while holding the GIL: a match takes microseconds and
+        // never waits for Python, and releasing the GIL costs about as much.
+        let m = engine
+            .match_request(
                 request_id,
-                &hashes,
+                &t.keys,
                 prompt_tokens,
                 G1Lookup::Engine {
                     blocks: engine_blocks,
                 },
             )
-        });
-        let m = m.map_err(PyKvbmError::from)?;
-        Ok(Match {
+            .map_err(PyKvbmError::from)?;
+        let result = Match {
             engine_blocks: m.g1_blocks,
             g2_blocks: m.g2_blocks,
             g3_blocks: m.g3_blocks,
             gave_back: m.gave_back,
             external_tokens: m.external_tokens(),
-        })
+        };
+        t.last = Some(LastMatch {
+            generation,
+            engine_blocks,
+            prompt_tokens,
+            keys: t.keys.len(),
+            result: result.clone(),
+        });
+        Ok(result)
+    }
+
+    /// Requests whose keys the scheduler keeps (matched, not released).
+    fn tracked_requests(&self) -> usize {
+        self.tracked.lock().len()
     }
 
     /// Starts copying the request's matched blocks into the engine's
@@ -257,6 +384,7 @@ impl Scheduler {
     /// `wait_onboard`.
     fn onboard(&self, request_id: &str, block_ids: Vec<u32>) -> PyResult<()> {
         let engine = self.engine()?;
+        self.invalidate(request_id);
         let handle = engine
             .onboard(request_id, OnboardTarget::Blocks(block_ids))
             .map_err(PyKvbmError::from)?;
@@ -344,6 +472,7 @@ impl Scheduler {
     fn release(&self, py: Python<'_>, request_id: &str) -> PyResult<bool> {
         let engine = self.engine()?;
         self.onboards.lock().remove(request_id);
+        self.untrack(request_id);
         Ok(py.detach(|| engine.release(request_id)))
     }
 
@@ -354,6 +483,7 @@ impl Scheduler {
     fn release_after_offloads(&self, request_id: String) -> PyResult<()> {
         let engine = self.engine()?;
         self.onboards.lock().remove(&request_id);
+        self.untrack(&request_id);
         let released = Arc::clone(&self.released);
         std::thread::Builder::new()
             .name("kvbm-release".into())
@@ -382,20 +512,23 @@ impl Scheduler {
         Ok(self.engine()?.live_requests())
     }
 
-    /// Counters: blocks and bytes per path (`g1_to_g2`, `g2_to_g3`,
-    /// `g2_to_g1`, `g3_to_g1`), offloads skipped (policy decisions),
-    /// blocks whose copy failed (`copy_failures`, every path and cause;
-    /// `copy_failures_by` maps `path/errno` to blocks), onboard failures,
+    /// Counters: blocks, bytes, copies (`_transfers`) and the seconds
+    /// those copies took, summed, per path (`g1_to_g2`, `g2_to_g3`,
+    /// `g2_to_g1`, `g3_to_g1`, `g1_to_g3`), offloads skipped (policy
+    /// decisions), blocks whose copy failed (`copy_failures`, every path and
+    /// cause; `copy_failures_by` maps `path/errno` to blocks), onboard failures,
     /// matches, hits per tier, the offload queue depth, and the blocks each
     /// tier holds now.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let engine = self.engine()?;
         let s = engine.stats();
         let d = PyDict::new(py);
-        let paths = ["g1_to_g2", "g2_to_g3", "g2_to_g1", "g3_to_g1"];
+        let paths = ["g1_to_g2", "g2_to_g3", "g2_to_g1", "g3_to_g1", "g1_to_g3"];
         for (i, p) in paths.iter().enumerate() {
             d.set_item(format!("{p}_blocks"), s.blocks[i])?;
             d.set_item(format!("{p}_bytes"), s.bytes[i])?;
+            d.set_item(format!("{p}_transfers"), s.transfers[i])?;
+            d.set_item(format!("{p}_seconds"), s.transfer_nanos[i] as f64 * 1e-9)?;
         }
         d.set_item("offloads_skipped", s.skipped.iter().sum::<u64>())?;
         let failures: u64 = s.copy_failures.iter().map(|f| f.blocks).sum();
@@ -421,6 +554,48 @@ impl Scheduler {
         Ok(d)
     }
 
+    /// Starts collecting the tiers' KV events for `take_events` (the first
+    /// ones describe what the tiers hold now). Idempotent.
+    fn subscribe_events(&self) -> PyResult<()> {
+        let engine = self.engine()?;
+        let mut events = self.events.lock();
+        if events.is_none() {
+            *events = Some(engine.subscribe());
+        }
+        Ok(())
+    }
+
+    /// The KV events since the last call, in order, as tuples
+    /// `(stored, tier, key, parent)`: `stored` is `True` for a block stored
+    /// in `tier` (`"g2"` or `"g3"`) and `False` for one removed from it;
+    /// `key` is the block's kvbm key (see `sequence_hash`), `parent` its
+    /// parent's (stored events only, `None` for a first block). G1 events
+    /// are left out: the engine reports its own G1. Empty until
+    /// `subscribe_events`.
+    #[allow(clippy::type_complexity)]
+    fn take_events(&self) -> Vec<(bool, &'static str, u64, Option<u64>)> {
+        let events = self.events.lock();
+        let Some(rx) = events.as_ref() else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for batch in rx.try_iter() {
+            for e in batch.iter() {
+                match *e {
+                    KvEvent::Stored { tier: Tier::G1, .. }
+                    | KvEvent::Removed { tier: Tier::G1, .. } => {}
+                    KvEvent::Stored { hash, parent, tier } => {
+                        out.push((true, tier_name(tier), hash.0, parent.map(|p| p.0)));
+                    }
+                    KvEvent::Removed { hash, tier } => {
+                        out.push((false, tier_name(tier), hash.0, None));
+                    }
+                }
+            }
+        }
+        out
+    }
+
     /// Drops every G2 and G3 block no request holds (an engine's cache
     /// reset); returns how many.
     fn reset(&self) -> PyResult<usize> {
@@ -431,6 +606,8 @@ impl Scheduler {
     fn shutdown(&self, py: Python<'_>) {
         let inner = self.inner.lock().take();
         self.onboards.lock().clear();
+        self.tracked.lock().clear();
+        self.events.lock().take();
         if let Some(inner) = inner {
             py.detach(move || {
                 drop(inner.engine);

@@ -3,7 +3,12 @@
 Generate a prompt greedily, let kvbm's offloads finish, drop vLLM's own
 prefix cache, generate the same prompt again (its prefix now comes from
 kvbm), and print both outputs and kvbm's counters as one JSON line.
-usage: python engine_run.py MODEL_DIR EXTRA_CONFIG_JSON [ENGINE_ARGS_JSON]
+With VARIANTS (in-process engine core only), two more prompts follow: a
+partial hit (the prompt's first 2 blocks and a new suffix) and a
+full-prompt hit (exactly the prompt's first 4 blocks), each generated with
+its prefix loaded from kvbm and again computed from scratch (vLLM's and
+kvbm's caches dropped), with how many blocks kvbm loaded for each.
+usage: python engine_run.py MODEL_DIR EXTRA_CONFIG_JSON [ENGINE_ARGS_JSON [VARIANTS]]
 """
 
 import json
@@ -30,6 +35,7 @@ def main() -> int:
 
     model_dir, extra = sys.argv[1], json.loads(sys.argv[2])
     engine_args = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    variants = len(sys.argv) > 4 and json.loads(sys.argv[4])
     llm = LLM(
         model=model_dir,
         skip_tokenizer_init=True,
@@ -58,28 +64,50 @@ def main() -> int:
         out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
         return list(out[0].outputs[0].token_ids)
 
-    first = generate(prompt, greedy)
-    # The finished request's blocks stay with vLLM until kvbm reports its
-    # offloads done, which a later engine step carries: step until vLLM's
-    # prefix cache can be dropped.
-    for _ in range(200):
-        if llm.reset_prefix_cache():
-            break
-        generate([1], one)
-    else:
+    def drop_prefix_cache(reset_connector=False):
+        # A finished request's blocks stay with vLLM until kvbm reports its
+        # offloads done, which a later engine step carries: step until
+        # vLLM's prefix cache can be dropped.
+        for _ in range(200):
+            if llm.reset_prefix_cache(reset_connector=reset_connector):
+                return
+            generate([1], one)
         raise SystemExit("reset_prefix_cache kept refusing")
+
+    first = generate(prompt, greedy)
+    drop_prefix_cache()
     if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
         # Let kvbm's background copies (G2 victims on their way to G3)
         # land, so what the second request finds does not depend on timing.
         scheduler_connector(llm)._scheduler.kvbm.flush()
     second = generate(prompt, greedy)
+    result = {"first": first, "second": second}
+    if variants:
+        kvbm = scheduler_connector(llm)._scheduler.kvbm
+        cases = {
+            "partial": prompt[: 2 * BLOCK] + [rng.randrange(3, 512) for _ in range(40)],
+            "full_prompt": prompt[: 4 * BLOCK],
+        }
+        out = {}
+        for name, tokens in cases.items():
+            drop_prefix_cache()
+            kvbm.flush()
+            before = kvbm.stats()["g2_to_g1_blocks"]
+            loaded = generate(tokens, greedy)
+            out[name] = {"loaded": loaded, "blocks": kvbm.stats()["g2_to_g1_blocks"] - before}
+        for name, tokens in cases.items():
+            drop_prefix_cache()
+            drop_prefix_cache(reset_connector=True)  # kvbm's G2 and G3 too
+            out[name]["computed"] = generate(tokens, greedy)
+        result["variants"] = out
     if "test_stats_path" in extra:
         # The engine core runs in another process: read what it wrote.
         with open(extra["test_stats_path"]) as f:
             stats = json.load(f)
     else:
         stats = dict(scheduler_connector(llm)._scheduler.kvbm.stats())
-    print("KVBM_RESULT " + json.dumps({"first": first, "second": second, "stats": stats}))
+    result["stats"] = stats
+    print("KVBM_RESULT " + json.dumps(result))
     return 0
 
 

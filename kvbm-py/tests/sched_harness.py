@@ -59,6 +59,10 @@ class Harness:
     scheduled: dict = field(default_factory=dict)
     #: Request ids vLLM reported finished.
     finished: list = field(default_factory=list)
+    #: KV events kvbm's connector handed vLLM (with `kv_events`).
+    events: list = field(default_factory=list)
+    #: Scheduler stats of every step (`SchedulerStats`, or None).
+    stats: list = field(default_factory=list)
 
     @property
     def connector(self):
@@ -70,19 +74,24 @@ class Harness:
         """The kvbm Scheduler object under the connector."""
         return self.sched.connector._scheduler.kvbm
 
-    def request(self, req_id: str, prompt: list[int], max_tokens: int):
+    def new_request(self, req_id: str, prompt: list[int], max_tokens: int):
+        """A vLLM Request with vLLM's block hashes, not yet scheduled."""
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         sp.update_from_generation_config({}, EOS)
-        r = Request(
+        return Request(
             request_id=req_id,
             prompt_token_ids=prompt,
             sampling_params=sp,
             pooling_params=None,
             block_hasher=self.hasher,
         )
+
+    def request(self, req_id: str, prompt: list[int], max_tokens: int):
+        """A new request added to vLLM's scheduler."""
+        r = self.new_request(req_id, prompt, max_tokens)
         self.sched.add_request(r)
         return r
 
@@ -140,6 +149,9 @@ class Harness:
             kv_connector_output=kvo,
         )
         out = self.sched.update_from_output(so, mro)
+        for outs in out.values():
+            if outs.scheduler_stats is not None:
+                self.stats.append(outs.scheduler_stats)
         finished = [
             o.request_id
             for outs in out.values()
@@ -174,14 +186,17 @@ class Harness:
         kv_transfer_state._KV_CONNECTOR_AGENT = None
 
 
-def build(tmp_path, extra: dict, num_blocks: int = 64) -> Harness:
+def build(tmp_path, extra: dict, num_blocks: int = 64, kv_events: bool = False) -> Harness:
     """vLLM's Scheduler and worker-side connector with kvbm's connector
-    configured by `extra`, over host KV tensors of `num_blocks` blocks."""
+    configured by `extra`, over host KV tensors of `num_blocks` blocks.
+    With `kv_events`, vLLM publishes KV events (to its null publisher);
+    the harness keeps those kvbm's connector gave in `events`."""
     from unittest.mock import MagicMock, patch
 
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
+        KVEventsConfig,
         KVTransferConfig,
         ModelConfig,
         SchedulerConfig,
@@ -235,6 +250,9 @@ def build(tmp_path, extra: dict, num_blocks: int = 64) -> Harness:
         cache_config=cache_config,
         kv_transfer_config=kv_transfer_config,
         device_config=DeviceConfig("cpu"),
+        kv_events_config=(
+            KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
+        ),
     )
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     kv_cache_config = KVCacheConfig(
@@ -269,9 +287,19 @@ def build(tmp_path, extra: dict, num_blocks: int = 64) -> Harness:
     )
     hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
-    return Harness(
+    h = Harness(
         sched=sched,
         vllm_config=vllm_config,
         tensors=tensors,
         hasher=get_request_block_hasher(BLOCK, hash_fn),
     )
+    if kv_events:
+        take = sched.connector.take_events
+
+        def take_and_keep():
+            events = list(take())
+            h.events.extend(events)
+            return events
+
+        sched.connector.take_events = take_and_keep
+    return h

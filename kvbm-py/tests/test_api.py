@@ -127,3 +127,17 @@ def test_a_failed_onboard_reports_and_counts_nothing(node):
         sched.offload("c", [1, 2], [hashes[0]])
     with pytest.raises(ValueError):
         kvbm_py.Scheduler("ipc:///tmp/x", 1, 16, 0, admission="sometimes")
+
+
+def test_a_g2_that_cannot_be_allocated_fails_start_up(tmp_path):
+    # Each worker allocates G2 on its own thread once the leader sized it;
+    # one that cannot says so, and the scheduler's start-up fails with it.
+    endpoint = f"ipc://{tmp_path}/leader.sock"
+    secret = tmp_path / "instance.secret"
+    ranks = [Rank(endpoint, r, tmp_path / f"g3-{r}", secret) for r in range(2)]
+    with pytest.raises(RuntimeError) as err:
+        kvbm_py.Scheduler(endpoint, 2, BLOCK, secret_file=str(secret),
+                          g2_bytes=1 << 62, handshake_timeout_s=30)
+    assert "G2" in str(err.value) or "alloc" in str(err.value).lower(), err.value
+    for r in ranks:
+        assert r.worker.join(30.0), "a worker did not stop"

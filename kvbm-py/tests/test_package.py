@@ -93,3 +93,30 @@ def test_gpu_tensors_without_a_gpu_are_a_clear_error():
     # now, and its absence is an error, not a crash.
     with pytest.raises((RuntimeError, ValueError), match="(?i)cuda"):
         kvbm_py.Worker("ipc:///nonexistent/kvbm", 0, 1, spec, 2, 4, (t,), _SECRET, device=0)
+
+
+def test_vllm_finds_the_connector_by_name_after_loading_plugins():
+    # The wheel declares a `vllm.general_plugins` entry point: once vLLM
+    # loaded its plugins, "KvbmConnector" needs no module path.
+    code = (
+        "from importlib.metadata import entry_points; "
+        "assert any(e.value == 'kvbm_py.vllm.plugin:register' "
+        "for e in entry_points(group='vllm.general_plugins')); "
+        "from vllm.plugins import load_general_plugins; load_general_plugins(); "
+        "from vllm.config import KVTransferConfig; "
+        "from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory; "
+        "c = KVConnectorFactory.get_connector_class("
+        "KVTransferConfig(kv_connector='KvbmConnector', kv_role='kv_both')); "
+        "print(c.__module__, c.__name__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.split()[-2:] == ["kvbm_py.vllm.connector", "KvbmConnector"], out.stdout
+
+
+def test_metrics_port_is_read_from_extra_or_environment():
+    assert KvbmConfig.from_sources({}, {}).metrics_port == 0
+    assert KvbmConfig.from_sources({}, {"DYN_KVBM_METRICS_PORT": "9100"}).metrics_port == 9100
+    assert KvbmConfig.from_sources({"metrics_port": 9200}, {"KVBM_METRICS_PORT": "9100"}).metrics_port == 9200
+    with pytest.raises(ValueError, match="TCP port"):
+        KvbmConfig.from_sources({"metrics_port": 70000}, {})

@@ -140,3 +140,47 @@ def test_reset_prefix_cache_with_kvbm_holding_nothing(harness):
     h.request("B", PREFIX + [6], 1)
     h.run_until(lambda: "B" in h.finished)
     assert h.scheduled["B"] == len(PREFIX) + 1  # nothing left to load
+
+
+def test_two_requests_sharing_a_prefix_load_it_once(harness):
+    h = harness
+    h.request("A", PREFIX + [5], 1)
+    offloaded(h, "A")
+    assert h.sched.reset_prefix_cache()
+    b = h.request("B", PREFIX + [1, 2, 3], 2)
+    c = h.request("C", PREFIX + [4, 5, 6], 2)
+    h.run_until(lambda: b.num_output_tokens >= 1 and c.num_output_tokens >= 1)
+    # B loaded the prefix; C waited for that load and then found the
+    # blocks in vLLM's own prefix cache.
+    assert h.kvbm.stats()["g2_to_g1_blocks"] == 4, h.log
+    assert h.scheduled["C"] == 3, h.log
+    for r in (b, c):
+        ids = h.block_ids(r.request_id)
+        assert all(h.holds_pattern(ids[i], r.block_hashes[i]) for i in range(4))
+    offloaded(h, "B")
+    offloaded(h, "C")
+    assert h.connector._scheduler.loading_hashes == {}
+
+
+@needs_hooks
+@pytest.mark.parametrize("harness", [{"test_transfer_delay_ms": 300}], indirect=True)
+def test_preempted_while_its_copies_run(harness):
+    # vLLM never preempts a request while its load runs (it is not running
+    # then); the moment that matters is a preemption while kvbm still
+    # copies the request's blocks: here the offload of a block it just
+    # filled, on blocks that came from a load.
+    h = harness
+    h.request("A", PREFIX + [5], 1)
+    offloaded(h, "A")
+    c = load_again(h, "C", 40)
+    h.run_until(lambda: c.num_computed_tokens >= 5 * BLOCK + 1)
+    assert h.kvbm.stats()["g2_to_g1_blocks"] == 4
+    # Its fifth block is queued or copying (each copy is held back).
+    assert h.sched.reset_prefix_cache(reset_running_requests=True)
+    assert c.num_preemptions == 1
+    h.run_until(lambda: c.num_output_tokens >= 30)
+    done = c.num_computed_tokens // BLOCK
+    ids = h.block_ids("C")
+    assert all(h.holds_pattern(ids[i], c.block_hashes[i]) for i in range(done)), h.log
+    offloaded(h, "C")
+    assert h.kvbm.live_requests() == 0

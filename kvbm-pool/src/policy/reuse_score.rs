@@ -33,6 +33,7 @@
 //! it comes up.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 use kvbm_block::SequenceHash;
@@ -41,6 +42,35 @@ use parking_lot::Mutex;
 use super::return_within::ReturnTable;
 use super::{BlockRef, BlockView, EvictionPolicy, Victim};
 use crate::config::Tier;
+
+/// Hasher of the history's [`SequenceHash`] keys. The values are uniformly
+/// distributed already, so one multiply spreads them over the table;
+/// SipHash would cost more than the rest of a lookup, and the history is
+/// updated for every block of every matched request.
+#[derive(Clone, Copy, Default)]
+struct SeqHasher(u64);
+
+/// Odd multiplier (2^64 / golden ratio) of [`SeqHasher`].
+const SPREAD: u64 = 0x9E37_79B9_7F4A_7C15;
+
+impl Hasher for SeqHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(SPREAD);
+        }
+    }
+
+    fn write_u64(&mut self, x: u64) {
+        self.0 = (self.0 ^ x ^ (x >> 32)).wrapping_mul(SPREAD);
+    }
+}
+
+/// A map keyed by sequence hash, hashed by [`SeqHasher`].
+type SeqMap<V> = HashMap<SequenceHash, V, BuildHasherDefault<SeqHasher>>;
 
 /// The bit of `tier` in a demotion mask (G2 and G3 only).
 fn tier_bit(tier: Tier) -> u8 {
@@ -158,7 +188,7 @@ pub struct Seen {
 /// reuse-score policies of its tiers.
 #[derive(Debug)]
 pub struct UseHistory {
-    seen: HashMap<SequenceHash, Seen>,
+    seen: SeqMap<Seen>,
     order: VecDeque<(SequenceHash, u64)>,
     capacity: usize,
     weights: ReuseWeights,
@@ -167,7 +197,7 @@ pub struct UseHistory {
     age_exponent: f64,
     /// Blocks to evict first (their bytes are in a faster tier now), with
     /// the tiers (bits of [`tier_bit`]) whose copies are concerned.
-    demoted: HashMap<SequenceHash, u8>,
+    demoted: SeqMap<u8>,
     /// The return-within model's table, when that is the score.
     returns: Option<ReturnTable>,
 }
@@ -180,14 +210,14 @@ impl UseHistory {
     pub fn new(capacity: usize) -> Self {
         let capacity = capacity.max(1);
         Self {
-            seen: HashMap::with_capacity(capacity.min(1 << 20)),
+            seen: SeqMap::with_capacity_and_hasher(capacity.min(1 << 20), Default::default()),
             order: VecDeque::new(),
             capacity,
             weights: ReuseWeights::default(),
             now: 0,
             seq: 0,
             age_exponent: 1.0,
-            demoted: HashMap::new(),
+            demoted: SeqMap::default(),
             returns: None,
         }
     }

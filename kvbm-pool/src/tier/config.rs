@@ -229,6 +229,13 @@ impl TierEngineConfig {
         self
     }
 
+    /// Whether a tier's policy reads the use history (reuse-score ranking
+    /// or `min_uses` admission), so matches must record it.
+    pub fn uses_history(&self) -> bool {
+        let reads = |p: TierPolicy| !matches!(p, TierPolicy::WriteThrough);
+        reads(self.g2_policy) || reads(self.g3_policy)
+    }
+
     pub(crate) fn validate(&self) -> Result<(), String> {
         if self.block_size == 0 {
             return Err("block_size must be at least 1".into());

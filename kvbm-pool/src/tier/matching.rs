@@ -105,7 +105,10 @@ pub(crate) fn match_request(
             None => true,
         }
     };
-    if first_time {
+    // The use history feeds the reuse-score ranking and `min_uses`
+    // admission; with write-through tiers nothing reads it, and recording
+    // costs a table update per prompt block.
+    if first_time && shared.config.uses_history() {
         shared.history.lock().record_request(hashes);
     }
 

@@ -498,7 +498,19 @@ impl TierEngine {
         self.shared.metrics.snapshot()
     }
 
+    /// A number that grows whenever blocks are stored into G2 or G3 (and
+    /// only then). Matches only find more when it changed: an engine that
+    /// matches a waiting request again and again may reuse the earlier
+    /// answer while it stands still (the earlier match still holds its
+    /// blocks, so nothing it found can have gone).
+    pub fn stored_generation(&self) -> u64 {
+        self.shared.metrics.stored()
+    }
+
     /// How many requests used `hash` (as the reuse-score policy sees it).
+    /// Uses are recorded only when G2 or G3 ranks or admits by them
+    /// ([`TierPolicy::ReuseScore`] or [`TierPolicy::MinUses`]): with
+    /// write-through tiers this stays 0.
     pub fn uses(&self, hash: SequenceHash) -> u32 {
         self.shared.history.lock().uses(hash)
     }

@@ -13,6 +13,13 @@ The vLLM KV connector is :class:`kvbm_py.vllm.KvbmConnector` (importing
 :class:`kvbm_py.config.KvbmConfig`.
 """
 
-from kvbm_py._kvbm import Match, Scheduler, Worker, __version__, sequence_hash
+from kvbm_py._kvbm import (
+    Match,
+    Scheduler,
+    Worker,
+    __version__,
+    sequence_hash,
+    start_metrics_server,
+)
 
-__all__ = ["Match", "Scheduler", "Worker", "sequence_hash", "__version__"]
+__all__ = ["Match", "Scheduler", "Worker", "sequence_hash", "start_metrics_server", "__version__"]

@@ -11,6 +11,11 @@ def sequence_hash(digest: bytes) -> int:
     bytes, little-endian (as kvbm-block's vLLM scheme keys a block).
     ``ValueError`` for fewer than 8 bytes."""
 
+def start_metrics_server(port: int, host: str = "0.0.0.0") -> int:
+    """Installs kvbm's Prometheus recorder in this process and serves the
+    ``kvbm_*`` metrics over HTTP on ``host:port`` (0 picks a free port);
+    returns the port served. Later calls return the same port."""
+
 class Match:
     """The outcome of :meth:`Scheduler.match_prefix`."""
 
@@ -70,7 +75,14 @@ class Scheduler:
         order) beyond the ``engine_blocks`` the engine holds, in G2 then G3.
         When everything would hit, one block is given back so the engine
         computes the last token. Found blocks are held until
-        :meth:`onboard` or :meth:`release`."""
+        :meth:`onboard` or :meth:`release`.
+
+        Calls for the same request convert only the hashes not seen before
+        and give the previous answer, without matching again, while the
+        arguments are the same and nothing was stored into G2/G3 since;
+        :meth:`release` forgets the request."""
+    def tracked_requests(self) -> int:
+        """Requests whose keys are kept (matched, not released)."""
     def onboard(self, request_id: str, block_ids: Sequence[int]) -> None:
         """Starts copying the matched blocks into the engine's block ids
         (one per matched block, in prefix order)."""
@@ -104,9 +116,16 @@ class Scheduler:
         """Waits until every queued offload was processed."""
     def live_requests(self) -> int:
         """Requests kvbm knows (matched and not released)."""
-    def stats(self) -> dict[str, int]:
-        """Counters: blocks and bytes per path (``g1_to_g2``, ``g2_to_g3``,
-        ``g2_to_g1``, ``g3_to_g1``), skipped offloads, onboard failures,
+    def subscribe_events(self) -> None:
+        """Starts collecting the tiers' KV events for :meth:`take_events`."""
+    def take_events(self) -> list[tuple[bool, str, int, int | None]]:
+        """KV events since the last call: ``(stored, tier, key, parent)``,
+        ``stored`` ``False`` for a removal, ``tier`` ``"g2"`` or ``"g3"``,
+        ``key``/``parent`` kvbm keys (see :func:`sequence_hash`)."""
+    def stats(self) -> dict[str, int | float]:
+        """Counters: blocks, bytes, copies (``_transfers``) and copy seconds
+        (``_seconds``) per path (``g1_to_g2``, ``g2_to_g3``, ``g2_to_g1``,
+        ``g3_to_g1``, ``g1_to_g3``), skipped offloads, onboard failures,
         matches, hits per tier, queue depth, blocks held per tier."""
     def reset(self) -> int:
         """Drops every G2/G3 block no request holds; returns how many."""

@@ -26,6 +26,7 @@ _SOURCES: dict[str, tuple[tuple[str, ...], Any]] = {
     "endpoint": (("KVBM_ENDPOINT",), None),
     "handshake_timeout_s": (("KVBM_HANDSHAKE_TIMEOUT_S",), 120.0),
     "offload_in_flight": (("KVBM_OFFLOAD_IN_FLIGHT",), 0),
+    "metrics_port": (("KVBM_METRICS_PORT", "DYN_KVBM_METRICS_PORT"), 0),
 }
 
 OFFLOAD_MODES = ("eager", "finish", "none")
@@ -84,6 +85,9 @@ class KvbmConfig:
     #: Offload batches copying at once; 0 keeps kvbm's default (4). Each
     #: holds its G2 targets, so a G2 of a handful of blocks wants 1.
     offload_in_flight: int = 0
+    #: TCP port of kvbm's Prometheus exporter in the scheduler process
+    #: (metrics ``kvbm_*``); 0 serves none.
+    metrics_port: int = 0
     #: Test hook: overwrite the first block of every onboard with zeros
     #: after it landed (proves an output comparison detects bad bytes).
     test_corrupt_onboard: bool = False
@@ -137,6 +141,7 @@ class KvbmConfig:
             endpoint=values["endpoint"],
             handshake_timeout_s=_as_float(values["handshake_timeout_s"], "handshake_timeout_s"),
             offload_in_flight=int(_as_float(values["offload_in_flight"], "offload_in_flight")),
+            metrics_port=int(_as_float(values["metrics_port"], "metrics_port")),
             test_corrupt_onboard=_as_bool(
                 extra.get("test_corrupt_onboard", False), "test_corrupt_onboard"
             ),
@@ -144,6 +149,8 @@ class KvbmConfig:
             test_transfer_delay_ms=int(extra.get("test_transfer_delay_ms", 0)),
             test_stats_path=extra.get("test_stats_path"),
         )
+        if not 0 <= cfg.metrics_port <= 65535:
+            raise ValueError(f"kvbm: metrics_port={cfg.metrics_port} is not a TCP port")
         if cfg.offload not in OFFLOAD_MODES:
             raise ValueError(f"kvbm: offload={cfg.offload!r}: expected one of {OFFLOAD_MODES}")
         return cfg

@@ -14,7 +14,14 @@ from kvbm_py.config import KvbmConfig
 from kvbm_py.vllm.metadata import KvbmMetadata
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -108,6 +115,48 @@ class KvbmConnector(KVConnectorBase_V1):
         while kvbm still reads them."""
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
+
+    def take_events(self) -> "Iterable[KVCacheEvent]":
+        """KV events of kvbm's tiers since the last call: ``BlockStored``
+        and ``BlockRemoved`` with medium ``CPU`` (G2) or ``STORAGE`` (G3).
+        Empty unless vLLM publishes KV events."""
+        if self._scheduler is None:
+            return ()
+        return self._scheduler.take_events()
+
+    def get_kv_connector_stats(self) -> "KVConnectorStats | None":
+        """kvbm's counters since the last call (scheduler role), or
+        ``None`` when nothing moved."""
+        if self._scheduler is None:
+            return None
+        from kvbm_py.vllm.stats import KvbmStats
+
+        stats = KvbmStats(data=self._scheduler.take_stats())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: "dict[str, Any] | None" = None
+    ) -> "KVConnectorStats | None":
+        """kvbm's stats object over ``data`` (what
+        :meth:`get_kv_connector_stats` sent)."""
+        from kvbm_py.vllm.stats import KvbmStats
+
+        return KvbmStats(data=dict(data)) if data is not None else KvbmStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: "VllmConfig",
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> "KVConnectorPromMetrics | None":
+        """kvbm's ``vllm:kvbm_*`` metrics on vLLM's own Prometheus
+        endpoint."""
+        from kvbm_py.vllm.stats import KvbmPromMetrics
+
+        return KvbmPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def reset_cache(self) -> bool:
         """Drops every block G2 and G3 hold that no request uses."""

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvbm_py import Scheduler
+from kvbm_py import Scheduler, start_metrics_server
 from kvbm_py.config import GIB, KvbmConfig
 from kvbm_py.vllm.common import engine_id, instance_of, world_size
 from kvbm_py.vllm.metadata import KvbmMetadata
@@ -40,6 +41,8 @@ class _Tracked:
 class _Load:
     block_ids: list[int]
     is_async: bool
+    #: vLLM block hashes of the blocks it writes.
+    hashes: list[bytes] = field(default_factory=list)
 
 
 class SchedulerSide:
@@ -51,6 +54,9 @@ class SchedulerSide:
         eid = engine_id(vllm_config)
         world = world_size(vllm_config)
         self.secret_file = config.secret_file_for(eid)
+        started = time.monotonic()
+        # Waits until every worker allocated its G2 and G3 (on its own
+        # thread); a worker that could not is an error here.
         self.kvbm = Scheduler(
             config.endpoint_for(eid),
             world,
@@ -63,11 +69,34 @@ class SchedulerSide:
             secret_file=self.secret_file,
             offload_in_flight=config.offload_in_flight or None,
         )
-        log.info("kvbm: %d worker(s), blocks per tier %s", world, dict(self.kvbm.capacity()))
+        log.info(
+            "kvbm: caches ready: %d worker(s), blocks per tier %s (waited %.1f s)",
+            world, dict(self.kvbm.capacity()), time.monotonic() - started,
+        )
+        if config.metrics_port:
+            port = start_metrics_server(config.metrics_port)
+            log.info("kvbm: Prometheus metrics on port %d", port)
+        #: vLLM KV events from kvbm's tiers, when vLLM publishes KV events.
+        self.events = None
+        ev = getattr(vllm_config, "kv_events_config", None)
+        if ev is not None and getattr(ev, "enable_kv_cache_events", False):
+            from kvbm_py.vllm.events import EventTracker
+
+            self.events = EventTracker(self.block_size)
+            self.kvbm.subscribe_events()
+        #: kvbm's counters when vLLM last took stats.
+        self._stats_before: dict | None = None
         self.requests: dict[str, _Tracked] = {}
         self.engine_blocks: dict[str, int] = {}
         self.loading: dict[str, _Load] = {}
+        #: Blocks asynchronous loads are writing: hash -> how many loads.
+        #: A request whose next block is among them waits for that load
+        #: (then vLLM's prefix cache has it) instead of loading it again.
+        self.loading_hashes: dict[bytes, int] = {}
         self.sync_started: list[str] = []
+        #: Requests allocated (and maybe loading) since the last step's
+        #: metadata: a preemption reported in the same step came first.
+        self.allocated_now: set[str] = set()
         #: Requests whose onboard started (kvbm keeps them until released).
         self.onboarded: set[str] = set()
         self.failures_left = config.test_fail_onboards
@@ -78,19 +107,30 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(
         self, request: "Request", num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         rid = request.request_id
         if rid in self.loading:
             return 0, False
-        if rid in self.onboarded:
+        tracked = self.requests.get(rid)
+        if rid in self.onboarded or (tracked is not None and tracked.has_offloads):
             # Matched again (a failed asynchronous load, or a preemption):
-            # vLLM freed the request's blocks, so kvbm lets go of them and
-            # starts over.
+            # vLLM freed the request's blocks, so kvbm lets go of them
+            # (waiting for copies still reading them) and starts over.
             self._forget(rid)
+            if tracked is not None:
+                tracked.block_ids = []
         engine_blocks = num_computed_tokens // self.block_size
+        if self.loading_hashes:
+            hashes = request.block_hashes
+            if engine_blocks < len(hashes) and hashes[engine_blocks] in self.loading_hashes:
+                # Another request is loading this prefix: ask again later.
+                return None, False
         try:
+            # kvbm keeps the request's keys and last answer: a request
+            # matched again (it waits, step after step) costs only the
+            # hashes it gained.
             m = self.kvbm.match_prefix(
-                rid, list(request.block_hashes), request.num_tokens, engine_blocks
+                rid, request.block_hashes, request.num_tokens, engine_blocks
             )
         except Exception as e:  # noqa: BLE001 - a miss, never a failed step
             log.warning("kvbm: match of %s failed, computing it: %s", rid, e)
@@ -103,6 +143,7 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
+        self.allocated_now.add(rid)
         ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
         tracked = self.requests.get(rid)
         if tracked is None:
@@ -116,6 +157,8 @@ class SchedulerSide:
         tracked.offloaded = max(tracked.offloaded, start + n)
         is_async = self.config.load_async
         load = _Load(block_ids=target, is_async=is_async)
+        if is_async:
+            load.hashes = list(request.block_hashes[start : start + n])
         copy_to = target
         if self.failures_left > 0:
             self.failures_left -= 1
@@ -129,12 +172,26 @@ class SchedulerSide:
                 self.pending.finished_recving.append(rid)
             return
         self.loading[rid] = load
+        for h in load.hashes:
+            self.loading_hashes[h] = self.loading_hashes.get(h, 0) + 1
         self.onboarded.add(rid)
         if not is_async:
             self.sync_started.append(rid)
 
-    def _loaded(self, rid: str, meta: KvbmMetadata) -> None:
+    def _end_load(self, rid: str) -> "_Load | None":
+        """Takes the request's load out of the books."""
         load = self.loading.pop(rid, None)
+        if load is not None:
+            for h in load.hashes:
+                left = self.loading_hashes.get(h, 0) - 1
+                if left > 0:
+                    self.loading_hashes[h] = left
+                else:
+                    self.loading_hashes.pop(h, None)
+        return load
+
+    def _loaded(self, rid: str, meta: KvbmMetadata) -> None:
+        load = self._end_load(rid)
         if load is None:
             return
         if load.is_async:
@@ -143,7 +200,7 @@ class SchedulerSide:
             meta.corrupt_blocks.append(load.block_ids[0])
 
     def _failed(self, rid: str, error: str, meta: KvbmMetadata) -> None:
-        load = self.loading.pop(rid, None)
+        load = self._end_load(rid)
         if load is None:
             return
         log.warning("kvbm: load of %s failed, vLLM recomputes %d blocks: %s",
@@ -176,6 +233,12 @@ class SchedulerSide:
         # A preempted request's blocks go back to vLLM now: stop reading
         # them before this step's forward can overwrite them.
         for rid in so.preempted_req_ids or ():
+            if rid in self.allocated_now:
+                # Preempted and scheduled again in this step (vLLM resumes
+                # preempted requests at once after a forced prefix-cache
+                # reset): its match already let go of the old blocks, and
+                # its new load must not be cancelled.
+                continue
             tracked = self.requests.get(rid)
             if tracked is not None and (tracked.has_offloads or rid in self.onboarded):
                 self._forget(rid)
@@ -189,6 +252,7 @@ class SchedulerSide:
                 if tracked is not None and rid not in failed_now:
                     self._offload_computed(rid, tracked)
         meta.finished_sending.extend(self.kvbm.poll_released())
+        self.allocated_now.clear()
         return meta
 
     def _track_blocks(self, so: "SchedulerOutput") -> None:
@@ -218,6 +282,8 @@ class SchedulerSide:
         if full <= start:
             return
         parent = hashes[start - 1] if start > 0 else None
+        if self.events is not None:
+            self.events.note(req, start, full)
         self.kvbm.offload(rid, tracked.block_ids[start:full], list(hashes[start:full]), parent)
         tracked.offloaded = full
         tracked.has_offloads = True
@@ -250,7 +316,7 @@ class SchedulerSide:
         rid = request.request_id
         self.engine_blocks.pop(rid, None)
         self.onboarded.discard(rid)
-        load = self.loading.pop(rid, None)
+        load = self._end_load(rid)
         if load is not None:
             # Aborted while loading: stop writing vLLM's blocks (the release
             # cancels the copies and waits for those running). vLLM keeps
@@ -273,6 +339,24 @@ class SchedulerSide:
             return True, None
         self.kvbm.release(rid)
         return False, None
+
+    # ---- events and stats ----
+
+    def take_events(self) -> list:
+        """vLLM KV events of kvbm's tiers since the last call."""
+        if self.events is None:
+            return []
+        return self.events.convert(self.kvbm.take_events())
+
+    def take_stats(self) -> dict:
+        """What kvbm's counters moved since the last call (KvbmStats
+        data)."""
+        from kvbm_py.vllm.stats import delta
+
+        now = dict(self.kvbm.stats())
+        out = delta(now, self._stats_before)
+        self._stats_before = now
+        return out
 
     def reset_cache(self) -> bool:
         self.kvbm.reset()
