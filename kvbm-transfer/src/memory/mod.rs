@@ -11,6 +11,7 @@
 
 mod disk;
 mod engine;
+mod stale;
 mod system;
 
 use std::any::Any;
@@ -19,6 +20,7 @@ use std::sync::Arc;
 
 pub use disk::{DISK_ALIGNMENT, DiskAllocator, DiskFile, DiskOptions, IoMode};
 pub use engine::{EngineKvCache, EngineTensor};
+pub use stale::{FILE_EXTENSION, FILE_PREFIX, file_owner, remove_stale_files};
 pub use system::{HugePages, SystemAllocator, SystemBuffer};
 
 use crate::error::{Result, TransferError};
