@@ -28,7 +28,10 @@ pub struct Cli {
     /// Do not write an SVG plot.
     #[arg(long, global = true)]
     pub no_svg: bool,
-    /// Directory for disk-tier files (needs O_DIRECT: not tmpfs).
+    /// Directory for disk-tier files (G3). They are opened with O_DIRECT;
+    /// where the file system refuses it, kvbm warns and uses buffered I/O
+    /// (the raw disk reference rows of `transfer` need O_DIRECT). Files
+    /// left here by a killed run are removed at the next start.
     #[arg(long, global = true, default_value = "target/kvbm-bench")]
     pub dir: PathBuf,
     /// memcpy worker threads.

@@ -1,5 +1,5 @@
 //! `kvbm-bench`: the bandwidth matrix (`transfer`), the workload replay
-//! through real tiers (`replay`) and the tier engine's offload stream
+//! through real tiers (`replay`), and the tier engine's offload stream
 //! (`offload`). See the `kvbm_bench` library for what each
 //! measures; this binary parses arguments, shows progress and prints.
 
@@ -17,7 +17,7 @@ use kvbm_bench::replay::{ReplayConfig, run_replay};
 use kvbm_bench::{BenchError, KvModel};
 use kvbm_pool::tier::TierPolicy;
 use kvbm_testkit::trace::{
-    MOONCAKE_BLOCK_TOKENS, SyntheticConfig, generate_synthetic, read_mooncake,
+    MOONCAKE_BLOCK_TOKENS, Request, SyntheticConfig, generate_synthetic, read_mooncake,
 };
 
 use crate::cli::{
@@ -33,16 +33,19 @@ fn main() -> ExitCode {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
-    let result = match &cli.command {
+    let result = kvbm_bench::shutdown::install().and_then(|()| match &cli.command {
         Command::Transfer(args) => transfer(&cli, args),
         Command::Replay(args) => replay(&cli, args),
         Command::Offload(args) => offload(&cli, args),
-    };
+    });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("kvbm-bench: {e}");
-            ExitCode::FAILURE
+            match e {
+                BenchError::Interrupted { code, .. } => ExitCode::from(code),
+                _ => ExitCode::FAILURE,
+            }
         }
     }
 }
@@ -62,6 +65,7 @@ fn progress_bar(cli: &Cli, len: u64, what: &str) -> ProgressBar {
 }
 
 fn transfer(cli: &Cli, args: &TransferArgs) -> Result<(), BenchError> {
+    kvbm_bench::disk_dir::prepare(&cli.dir)?;
     let config = MatrixConfig {
         model: KvModel::parse(&args.model)?,
         tokens_per_block: args.tokens.clone(),
@@ -86,8 +90,13 @@ fn transfer(cli: &Cli, args: &TransferArgs) -> Result<(), BenchError> {
     output::matrix(cli, &config, &rows)
 }
 
-fn replay(cli: &Cli, args: &ReplayArgs) -> Result<(), BenchError> {
-    let (workload, mut requests, block_tokens) = match &args.trace {
+/// The workload: a Mooncake trace, or the synthetic one.
+fn workload(
+    trace: Option<&std::path::Path>,
+    seed: u64,
+    conversations: usize,
+) -> Result<(String, Vec<Request>, u32), BenchError> {
+    Ok(match trace {
         Some(path) => (
             format!("Mooncake trace {}", path.display()),
             read_mooncake(path)?,
@@ -95,8 +104,8 @@ fn replay(cli: &Cli, args: &ReplayArgs) -> Result<(), BenchError> {
         ),
         None => {
             let synth = SyntheticConfig {
-                seed: args.seed,
-                conversations: args.conversations,
+                seed,
+                conversations,
                 ..SyntheticConfig::default()
             };
             (
@@ -108,8 +117,26 @@ fn replay(cli: &Cli, args: &ReplayArgs) -> Result<(), BenchError> {
                 synth.block_tokens,
             )
         }
-    };
+    })
+}
+
+fn host_bytes(gib: f64) -> Result<u64, BenchError> {
+    if gib.is_finite() && gib > 0.0 {
+        Ok((gib * (1u64 << 30) as f64) as u64)
+    } else {
+        Err(BenchError::Config("--max-host-gib must be positive".into()))
+    }
+}
+
+fn replay(cli: &Cli, args: &ReplayArgs) -> Result<(), BenchError> {
+    let (workload, mut requests, block_tokens) =
+        workload(args.trace.as_deref(), args.seed, args.conversations)?;
     if let Some(n) = args.max_requests {
+        if n == 0 {
+            return Err(BenchError::Config(
+                "--max-requests 0 leaves no request to replay".into(),
+            ));
+        }
         requests.truncate(n);
     }
     let config = ReplayConfig {
@@ -127,11 +154,7 @@ fn replay(cli: &Cli, args: &ReplayArgs) -> Result<(), BenchError> {
         prefill_tokens_per_s: args.prefill_rate,
         memcpy_threads: cli.threads.into(),
         disk_dir: cli.dir.clone(),
-        max_host_bytes: if args.max_host_gib.is_finite() && args.max_host_gib > 0.0 {
-            (args.max_host_gib * (1u64 << 30) as f64) as u64
-        } else {
-            return Err(BenchError::Config("--max-host-gib must be positive".into()));
-        },
+        max_host_bytes: host_bytes(args.max_host_gib)?,
         sweep: if args.sweep {
             vec![0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0]
         } else {
@@ -142,9 +165,9 @@ fn replay(cli: &Cli, args: &ReplayArgs) -> Result<(), BenchError> {
         offload_in_flight: args.offload_in_flight.map(|n| n as usize),
     };
     let bar = progress_bar(cli, config.requests.len() as u64, "replay");
-    let report = run_replay(&config, |done, _| bar.set_position(done as u64))?;
+    let report = run_replay(&config, |done, _| bar.set_position(done as u64));
     bar.finish_and_clear();
-    output::replay(cli, &report)
+    output::replay(cli, &report?)
 }
 
 fn offload(cli: &Cli, args: &OffloadArgs) -> Result<(), BenchError> {
