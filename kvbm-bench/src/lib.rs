@@ -27,6 +27,9 @@
 //! [`model`] holds the KV shapes (presets and explicit dimensions) both
 //! share; [`table`] and [`svg`] render results without any plotting crate.
 //!
+//! [`soak`] runs the tensor-parallel replay for minutes with a worker
+//! killed and restarted every interval (a benchmark, not a test).
+//!
 //! [`shutdown`] stops a run on SIGINT/SIGTERM with nothing left behind;
 //! [`disk_dir`] checks `--dir` and clears it of killed runs' files.
 //!
@@ -47,6 +50,7 @@ pub mod pattern;
 pub mod replay;
 pub mod shutdown;
 pub mod sim;
+pub mod soak;
 pub mod stats;
 pub mod svg;
 pub mod table;

@@ -152,18 +152,12 @@ impl EngineDriver {
         self.last = self.engine.stats();
     }
 
-    /// Drops every cached block of G1, G2 and G3 from kvbm's books (what
-    /// a worker's loss calls for: its slice of each is gone, G1's too when
-    /// the workers own G1); returns how many. Call it between requests.
+    /// Drops every cached block of G1, G2 and G3 from kvbm's books, none
+    /// of them saved to another tier (what a worker's loss calls for: its
+    /// slice of each is gone, G1's too when the workers own G1); returns
+    /// how many. Call it between requests.
     pub fn forget_cached(&self) -> usize {
-        let g1 = self.engine.g1();
-        let mut n = g1.evict(g1.capacity());
-        for t in [kvbm_pool::Tier::G2, kvbm_pool::Tier::G3] {
-            if let Some(p) = self.engine.pool(t) {
-                n += p.evict(p.capacity());
-            }
-        }
-        n
+        self.engine.drop_cached()
     }
 
     /// Books the bytes moved since the last call against a phase of

@@ -1,6 +1,6 @@
 //! `kvbm-bench`: the bandwidth matrix (`transfer`), the workload replay
-//! through real tiers (`replay`), and the tier engine's offload stream
-//! (`offload`). See the `kvbm_bench` library for what each
+//! through real tiers (`replay`), the tier engine's offload stream
+//! (`offload`) and the soak run of the tensor-parallel replay (`soak`). See the `kvbm_bench` library for what each
 //! measures; this binary parses arguments, shows progress and prints.
 
 mod cli;
@@ -14,6 +14,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use kvbm_bench::matrix::{MatrixConfig, matrix_cells, run_matrix};
 use kvbm_bench::offload::{GpuPath, Load, OffloadConfig, Outcome, run_offload};
 use kvbm_bench::replay::{ReplayConfig, run_replay};
+use kvbm_bench::soak::{SoakConfig, run_soak};
 use kvbm_bench::{BenchError, KvModel};
 use kvbm_pool::tier::TierPolicy;
 use kvbm_testkit::trace::{
@@ -21,7 +22,7 @@ use kvbm_testkit::trace::{
 };
 
 use crate::cli::{
-    Cli, Command, GpuPathArg, LoadArg, OffloadArgs, Policy, ReplayArgs, TransferArgs,
+    Cli, Command, GpuPathArg, LoadArg, OffloadArgs, Policy, ReplayArgs, SoakArgs, TransferArgs,
 };
 
 fn main() -> ExitCode {
@@ -37,6 +38,7 @@ fn main() -> ExitCode {
         Command::Transfer(args) => transfer(&cli, args),
         Command::Replay(args) => replay(&cli, args),
         Command::Offload(args) => offload(&cli, args),
+        Command::Soak(args) => soak(&cli, args),
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -125,6 +127,50 @@ fn host_bytes(gib: f64) -> Result<u64, BenchError> {
         Ok((gib * (1u64 << 30) as f64) as u64)
     } else {
         Err(BenchError::Config("--max-host-gib must be positive".into()))
+    }
+}
+
+fn soak(cli: &Cli, args: &SoakArgs) -> Result<(), BenchError> {
+    if !(args.minutes.is_finite() && args.minutes > 0.0) {
+        return Err(BenchError::Config("--minutes must be positive".into()));
+    }
+    let (workload, requests, block_tokens) =
+        workload(args.trace.as_deref(), args.seed, args.conversations)?;
+    let config = SoakConfig {
+        replay: ReplayConfig {
+            workload,
+            requests,
+            block_tokens,
+            model: KvModel::parse(&args.model)?,
+            scale: args.scale,
+            fractions: [args.g1, args.g2, args.g3],
+            host_g1: args.host_g1,
+            policy: TierPolicy::ReuseScore,
+            prefill_tokens_per_s: 10_000.0,
+            memcpy_threads: cli.threads.into(),
+            disk_dir: cli.dir.clone(),
+            max_host_bytes: host_bytes(args.max_host_gib)?,
+            sweep: Vec::new(),
+            workers: args.workers,
+            worker_exe: None,
+            offload_in_flight: None,
+        },
+        duration: std::time::Duration::from_secs_f64(args.minutes * 60.0),
+        kill_every: (args.kill_every > 0).then(|| std::time::Duration::from_secs(args.kill_every)),
+        rejoin_timeout: std::time::Duration::from_secs(args.rejoin_timeout.max(1)),
+    };
+    let secs = config.duration.as_secs();
+    let bar = progress_bar(cli, secs, "soak (seconds)");
+    let report = run_soak(&config, |_, elapsed| bar.set_position(elapsed.as_secs()));
+    bar.finish_and_clear();
+    let report = report?;
+    output::soak(cli, &report)?;
+    let unjoined = report.kills.iter().filter(|k| k.rejoin_s.is_none()).count();
+    match (report.mismatches, unjoined) {
+        (0, 0) => Ok(()),
+        (m, u) => Err(BenchError::Tier(format!(
+            "soak failed: {m} mismatched blocks, {u} restarted ranks that did not rejoin"
+        ))),
     }
 }
 
