@@ -68,6 +68,7 @@ fn progress_bar(cli: &Cli, len: u64, what: &str) -> ProgressBar {
 
 fn transfer(cli: &Cli, args: &TransferArgs) -> Result<(), BenchError> {
     kvbm_bench::disk_dir::prepare(&cli.dir)?;
+    kvbm_bench::disk_dir::remove_stale(&cli.dir)?;
     let config = MatrixConfig {
         model: KvModel::parse(&args.model)?,
         tokens_per_block: args.tokens.clone(),
