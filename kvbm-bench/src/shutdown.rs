@@ -9,14 +9,15 @@
 //! and exits with 128 + the signal number.
 //!
 //! A run that does not get there within [`GRACE`] of the signal (blocked in
-//! a start-up or a transfer that does not return), or a second signal, is
+//! a start-up or a transfer that does not return), a second signal, or a
+//! signal to a command with no such loop (nothing has called [`check`]) is
 //! ended by force: the registered child processes are killed, the
 //! registered files and directories removed ([`guard_path`],
 //! [`guard_pid`]), one line printed, and the process exits with the same
 //! code.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -28,6 +29,9 @@ use crate::error::{BenchError, Result};
 pub const GRACE: Duration = Duration::from_secs(4);
 
 static SIGNAL: AtomicI32 = AtomicI32::new(0);
+/// Whether a loop of this run calls [`check`]: without one, a signal ends
+/// the run at once.
+static CHECKED: AtomicBool = AtomicBool::new(false);
 static NEXT_GUARD: AtomicU64 = AtomicU64::new(0);
 static REGISTRY: Mutex<Registry> = Mutex::new(Registry {
     paths: Vec::new(),
@@ -85,6 +89,7 @@ pub fn requested() -> Option<i32> {
 
 /// `Err(BenchError::Interrupted)` once SIGINT or SIGTERM has arrived.
 pub fn check() -> Result<()> {
+    CHECKED.store(true, Ordering::Relaxed);
     match requested() {
         None => Ok(()),
         Some(signal) => Err(BenchError::Interrupted {
@@ -106,7 +111,13 @@ pub fn install() -> Result<()> {
                 return;
             };
             SIGNAL.store(first, Ordering::SeqCst);
-            let deadline = Instant::now() + GRACE;
+            // A run that never stops on its own (no loop checks) ends now.
+            let grace = if CHECKED.load(Ordering::Relaxed) {
+                GRACE
+            } else {
+                Duration::ZERO
+            };
+            let deadline = Instant::now() + grace;
             while Instant::now() < deadline {
                 if signals.pending().next().is_some() {
                     break;
