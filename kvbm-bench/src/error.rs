@@ -62,6 +62,22 @@ pub enum BenchError {
         /// Byte offset of the first difference inside the chunk.
         offset: usize,
     },
+    /// `--dir` cannot hold the run's files.
+    #[error("--dir {dir}: {problem}", dir = dir.display())]
+    Dir {
+        /// The directory given.
+        dir: PathBuf,
+        /// What is wrong with it, in words.
+        problem: String,
+    },
+    /// SIGINT or SIGTERM stopped the run (see [`crate::shutdown`]).
+    #[error("interrupted by {signal}: transfers stopped, G3 files removed")]
+    Interrupted {
+        /// `SIGINT` or `SIGTERM`.
+        signal: &'static str,
+        /// The exit status to leave with (128 + the signal number).
+        code: u8,
+    },
     /// Writing an output file failed.
     #[error("{path}: {source}", path = path.display())]
     Output {

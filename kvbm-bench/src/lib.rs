@@ -27,11 +27,18 @@
 //! [`model`] holds the KV shapes (presets and explicit dimensions) both
 //! share; [`table`] and [`svg`] render results without any plotting crate.
 //!
+//! [`soak`] runs the tensor-parallel replay for minutes with a worker
+//! killed and restarted every interval (a benchmark, not a test).
+//!
+//! [`shutdown`] stops a run on SIGINT/SIGTERM with nothing left behind;
+//! [`disk_dir`] checks `--dir` and clears it of killed runs' files.
+//!
 //! [`sim`] holds the cache simulators (LRU, Belady, tiered, reuse score,
 //! the bound studies' scorers) the replay compares itself with.
 
 #[cfg(feature = "cuda")]
 pub mod cuda_rows;
+pub mod disk_dir;
 pub mod error;
 pub mod host_view;
 pub mod matrix;
@@ -41,7 +48,9 @@ pub mod nixl_rows;
 pub mod offload;
 pub mod pattern;
 pub mod replay;
+pub mod shutdown;
 pub mod sim;
+pub mod soak;
 pub mod stats;
 pub mod svg;
 pub mod table;

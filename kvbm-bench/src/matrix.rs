@@ -108,8 +108,8 @@ pub struct MatrixConfig {
     pub reps: usize,
     /// memcpy worker threads.
     pub memcpy_threads: usize,
-    /// Directory for the disk tier's file (must not be tmpfs for
-    /// `O_DIRECT`).
+    /// Directory for the disk tier's file (on a file system that takes
+    /// `O_DIRECT`, which the raw disk reference needs).
     pub disk_dir: PathBuf,
     /// Only run rows whose path name contains this.
     pub only: Option<String>,

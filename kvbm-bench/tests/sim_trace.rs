@@ -4,9 +4,11 @@ use std::io::Cursor;
 
 use kvbm_bench::sim::{LruSim, replay};
 use kvbm_testkit::trace::{
-    LineError, MOONCAKE_BLOCK_TOKENS, MooncakeReader, Request, SyntheticConfig, TraceError,
-    TraceFacts, generate_synthetic,
+    ChainError, ChainValidator, LineError, MOONCAKE_BLOCK_TOKENS, MooncakeReader, Request,
+    SyntheticConfig, TraceError, TraceFacts, generate_synthetic,
 };
+
+mod sim_support;
 
 fn read(text: &str) -> Vec<Result<Request, TraceError>> {
     MooncakeReader::new(Cursor::new(text.to_owned()), "t.jsonl").collect()
@@ -67,6 +69,120 @@ fn block_count_mismatch_is_rejected() {
         }
     ));
     assert!(err.to_string().contains("needs 2 blocks"), "{err}");
+}
+
+/// The error of the first bad line of `text`, as the reader words it.
+fn first_error(text: &str) -> TraceError {
+    read(text)
+        .into_iter()
+        .find_map(Result::err)
+        .expect("the trace is rejected")
+}
+
+fn line(ts: u64, input: u64, ids: &str) -> String {
+    format!(
+        "{{\"timestamp\": {ts}, \"input_length\": {input}, \"output_length\": 1, \"hash_ids\": [{ids}]}}\n"
+    )
+}
+
+#[test]
+fn an_empty_trace_is_an_error() {
+    for text in ["", "\n\n  \n"] {
+        let e = first_error(text);
+        assert!(matches!(e, TraceError::Empty { .. }), "{e}");
+        assert!(e.to_string().starts_with("t.jsonl: no requests"), "{e}");
+    }
+}
+
+#[test]
+fn contradicting_chains_name_both_lines() {
+    // The same id at every position.
+    let e = first_error(&(line(0, 1024, "7, 1") + &line(1, 1024, "3, 7")));
+    assert!(
+        matches!(
+            e,
+            TraceError::Line {
+                line: 2,
+                error: LineError::Chain(ChainError::Position {
+                    id: 7,
+                    position: 1,
+                    first_line: 1,
+                    first_position: 0
+                }),
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().starts_with("t.jsonl:2: hash id 7"), "{e}");
+    // One position, two parents (a shifted chain).
+    let e = first_error(&(line(0, 1536, "0, 1, 2") + "\n" + &line(0, 1536, "0, 5, 2")));
+    assert!(
+        matches!(
+            e,
+            TraceError::Line {
+                line: 3,
+                error: LineError::Chain(ChainError::Parent {
+                    id: 2,
+                    parent: 5,
+                    first_parent: 1,
+                    ..
+                }),
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // Within one line.
+    let e = first_error(&line(0, 1536, "4, 4, 4"));
+    assert!(e.to_string().contains("t.jsonl:1: hash id 4"), "{e}");
+    // Time runs forward.
+    let e = first_error(&(line(9, 512, "0") + &line(8, 512, "0")));
+    assert!(e.to_string().contains("arrival order"), "{e}");
+}
+
+#[test]
+fn impossible_numbers_name_their_field() {
+    for (text, want) in [
+        (
+            line(0, 1024, "0, -1"),
+            "t.jsonl:1: hash_ids[1] is -1, not a non-negative integer",
+        ),
+        (line(0, 1024, "0, 1.5"), "hash_ids[1] is 1.5"),
+        (line(0, 0, ""), "input_length is 0"),
+        (line(0, 4294967296, "0"), "input_length is 4294967296"),
+        (
+            "{\"timestamp\": -3, \"input_length\": 1, \"output_length\": 1, \"hash_ids\": [0]}"
+                .into(),
+            "timestamp is -3",
+        ),
+        (
+            line(0, 100, "0, 1"),
+            "needs 1 blocks of 512 tokens, hash_ids has 2",
+        ),
+    ] {
+        let e = first_error(&text).to_string();
+        assert!(e.contains(want), "{text}: {e}");
+    }
+    // A wrong type keeps serde's words, without its in-line position.
+    let e = first_error("{\"timestamp\": 0, \"input_length\": \"x\"}").to_string();
+    assert!(e.contains("(column") && !e.contains("at line"), "{e}");
+}
+
+#[test]
+fn published_traces_and_the_synthetic_workload_are_consistent() {
+    for name in ["conversation", "synthetic"] {
+        if let Some((requests, _)) = sim_support::load(name) {
+            assert!(!requests.is_empty(), "{name}");
+        }
+    }
+    let mut v = ChainValidator::new();
+    for (i, r) in generate_synthetic(&SyntheticConfig::default())
+        .iter()
+        .enumerate()
+    {
+        v.check(i + 1, r).unwrap();
+    }
 }
 
 #[test]

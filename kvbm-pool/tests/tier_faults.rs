@@ -174,3 +174,39 @@ fn release_during_onboard_frees_everything() {
     assert_eq!(m.g1_blocks, 4);
     verify(&engine, &m.g1.into_blocks());
 }
+
+#[test]
+fn dropped_caches_are_forgotten_and_never_saved() {
+    let dir = tempdir();
+    // Write-back: G1's victims go to G2 at the next allocation, G2's to G3.
+    let config = TierEngineConfig::new(BLOCK_TOKENS)
+        .g2_policy(TierPolicy::WriteThrough)
+        .g3_policy(TierPolicy::WriteThrough);
+    let engine = engine(config, 4, 4, 8, dir.path());
+    for seed in 0..3 {
+        drop(compute(&engine, &chain(seed, 4), None));
+        engine.flush();
+    }
+    let before = engine.stats();
+    assert!(before.blocks_on(Path::G1ToG2) > 0, "nothing reached G2");
+    // Their bytes are gone: nothing of them may be copied anywhere.
+    assert!(engine.drop_cached() > 0);
+    drop(compute(&engine, &chain(7, 4), None));
+    engine.flush();
+    let after = engine.stats();
+    assert_eq!(
+        after.blocks_on(Path::G1ToG2),
+        before.blocks_on(Path::G1ToG2)
+    );
+    assert_eq!(
+        after.blocks_on(Path::G2ToG3),
+        before.blocks_on(Path::G2ToG3)
+    );
+    for seed in 0..3 {
+        let m = engine
+            .match_request(seed, &chain(seed, 4), 4 * BLOCK_TOKENS + 1, G1Lookup::Pool)
+            .unwrap();
+        assert_eq!(m.total_blocks(), 0, "a dropped block still matches");
+        engine.release(seed);
+    }
+}

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
 use kvbm_transfer::backend::memcpy::MemcpyBackend;
 use kvbm_transfer::disk::{DiskBackend, DiskConfig, EngineConfig};
-use kvbm_transfer::memory::{DiskAllocator, IoMode};
+use kvbm_transfer::memory::{DiskAllocator, DiskFile, IoMode};
 use kvbm_transfer::{Executor, ExecutorConfig, PhysicalLayout, TransferError};
 use proptest::prelude::*;
 
@@ -158,6 +158,30 @@ fn disk_files_are_removed_on_drop_unless_persisted() {
     drop(f);
     assert!(path.exists());
     std::fs::remove_file(path).unwrap();
+}
+
+#[test]
+fn files_in_use_are_locked_and_survive_a_sweep_for_stale_ones() {
+    let a = common::disk_allocator("stale-sweep", IoMode::Auto);
+    let f = a.allocate(4096).unwrap();
+    let name = f.path().file_name().unwrap().to_str().unwrap().to_owned();
+    assert_eq!(
+        kvbm_transfer::memory::file_owner(&name),
+        Some(std::process::id())
+    );
+    // Another process's file of the same name would be refused; opening
+    // this one again (a second open file) finds it locked.
+    let again = DiskFile::open(f.path(), IoMode::Buffered).unwrap_err();
+    assert!(again.to_string().contains("in use"), "{again}");
+    // A file left by a killed process: kvbm-named, nobody's lock.
+    let stale = a.dir().join("kvbm-1-0.blocks");
+    std::fs::write(&stale, b"old bytes").unwrap();
+    let removed = kvbm_transfer::memory::remove_stale_files(a.dir()).unwrap();
+    assert_eq!(removed, vec![stale.clone()]);
+    assert!(f.path().exists() && !stale.exists());
+    let path = f.path().to_path_buf();
+    drop(f);
+    assert!(!path.exists());
 }
 
 #[test]

@@ -9,17 +9,28 @@
 //! themselves (a probe through the leader): every onboarded block is
 //! checked on every rank, against a pattern of its hash and the rank.
 
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
+use kvbm_dist::auth::InstanceSecret;
 use kvbm_dist::leader::{Leader, LeaderConfig, PRIVATE_ENDPOINT, PendingLeader};
 use kvbm_dist::node::NodeArgs;
 use kvbm_dist::proto::ProbeOp;
-use kvbm_layout::Layout;
+use kvbm_layout::{BlockOrder, Layout, LayoutKind};
+use kvbm_pool::tier::{TierEngine, TierEngineConfig, TierMover};
+
+use parking_lot::Mutex;
 
 use super::super::error::{BenchError, Result};
 use super::super::host_view::Mismatch;
+use super::ReplayConfig;
+use super::engine::G1Memory;
+use crate::disk_dir::DIST_PREFIX;
+use crate::model::{KvModel, check_disk_alignment};
+use crate::shutdown::{self, Guard};
 
 fn dist_err(e: impl std::fmt::Display) -> BenchError {
     BenchError::Tier(format!("kvbm-dist: {e}"))
@@ -57,18 +68,94 @@ pub fn find_node_exe() -> Result<PathBuf> {
         })
 }
 
-/// The worker processes; killed when dropped.
-pub struct Workers(Vec<Child>);
+/// How to start the worker of each rank (again, after a loss).
+struct Recipe {
+    exe: PathBuf,
+    args: Vec<NodeArgs>,
+    secret: InstanceSecret,
+}
+
+/// The worker processes, one per rank; shut down and reaped when dropped.
+///
+/// Each runs in its own process group, so a Ctrl-C in the terminal reaches
+/// only the replay, which then shuts its workers down in order (a worker
+/// killed by the terminal's signal would leave its G3 file behind).
+pub struct Workers {
+    ranks: Vec<Option<(Child, Guard)>>,
+    recipe: Recipe,
+}
+
+impl Workers {
+    fn spawn(&self, rank: u32) -> Result<(Child, Guard)> {
+        let args = &self.recipe.args[rank as usize];
+        let mut cmd = Command::new(&self.recipe.exe);
+        cmd.args(args.to_args()).process_group(0);
+        // The secret travels in the child's environment, never its arguments.
+        self.recipe.secret.pass_to(&mut cmd);
+        let child = cmd.spawn().map_err(|e| {
+            BenchError::Config(format!("cannot start {}: {e}", self.recipe.exe.display()))
+        })?;
+        let guard = shutdown::guard_pid(child.id());
+        Ok((child, guard))
+    }
+
+    /// The process id of each rank's worker (`None` while a rank has none).
+    pub fn pids(&self) -> Vec<Option<u32>> {
+        self.ranks
+            .iter()
+            .map(|r| r.as_ref().map(|(c, _)| c.id()))
+            .collect()
+    }
+
+    /// Kills rank `rank`'s worker (SIGKILL, as a crash would) and reaps it;
+    /// returns its pid.
+    pub fn kill(&mut self, rank: u32) -> Result<u32> {
+        let (mut child, _guard) = self
+            .ranks
+            .get_mut(rank as usize)
+            .and_then(Option::take)
+            .ok_or_else(|| BenchError::Config(format!("rank {rank} has no worker to kill")))?;
+        let pid = child.id();
+        let _ = child.kill();
+        child
+            .wait()
+            .map_err(|e| BenchError::Tier(format!("cannot reap worker {pid}: {e}")))?;
+        Ok(pid)
+    }
+
+    /// Starts a new worker for rank `rank` (one that has none): it says
+    /// `Hello` and the leader takes it back as that rank. Returns its pid.
+    pub fn restart(&mut self, rank: u32) -> Result<u32> {
+        if self.ranks.get(rank as usize).is_none_or(Option::is_some) {
+            return Err(BenchError::Config(format!(
+                "rank {rank} is not a rank without a worker"
+            )));
+        }
+        let (child, guard) = self.spawn(rank)?;
+        let pid = child.id();
+        self.ranks[rank as usize] = Some((child, guard));
+        Ok(pid)
+    }
+
+    /// The directory of rank `rank`'s G3 file.
+    pub fn g3_dir(&self, rank: u32) -> Option<&Path> {
+        self.recipe
+            .args
+            .get(rank as usize)
+            .and_then(|a| a.g3_dir.as_deref())
+    }
+}
 
 impl Drop for Workers {
     fn drop(&mut self) {
-        for c in &mut self.0 {
-            // Given a moment to exit on the leader's shutdown first.
-            for _ in 0..50 {
+        // A moment to exit on the leader's shutdown first, then killed.
+        let deadline = Instant::now() + Duration::from_secs(1);
+        for (c, _) in self.ranks.iter_mut().flatten() {
+            while Instant::now() < deadline {
                 if matches!(c.try_wait(), Ok(Some(_))) {
                     break;
                 }
-                std::thread::sleep(std::time::Duration::from_millis(20));
+                std::thread::sleep(Duration::from_millis(10));
             }
             let _ = c.kill();
             let _ = c.wait();
@@ -76,12 +163,39 @@ impl Drop for Workers {
     }
 }
 
-/// The leader and its workers.
+/// The run's directory of worker files (`dist-<pid>` under `--dir`),
+/// removed with everything in it when dropped (after the workers).
+pub struct RunDir {
+    path: PathBuf,
+    _guard: Guard,
+}
+
+impl RunDir {
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for RunDir {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir_all(&self.path)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(dir = %self.path.display(), error = %e, "cannot remove the workers' directory");
+        }
+    }
+}
+
+/// The leader and its workers. Dropped in this order: the leader (which
+/// tells the workers to exit), the workers (reaped), their directory.
 pub struct Cluster {
     /// The leader.
     pub leader: Arc<Leader>,
     /// The worker processes (kept alive while this lives).
-    pub workers: Workers,
+    pub workers: Arc<Mutex<Workers>>,
+    /// Where the workers keep their G3 files.
+    pub run_dir: RunDir,
 }
 
 /// Starts `world` workers (`exe` is `kvbm-dist-node`) with G1 `layout` and the leader that
@@ -97,9 +211,15 @@ pub fn start(
     host_g1: bool,
     threads: usize,
 ) -> Result<Cluster> {
-    let run_dir = dir.join(format!("dist-{}", std::process::id()));
-    std::fs::create_dir_all(&run_dir)
-        .map_err(|e| BenchError::Config(format!("{}: {e}", run_dir.display())))?;
+    let path = dir.join(format!("{DIST_PREFIX}{}", std::process::id()));
+    std::fs::create_dir_all(&path).map_err(|e| BenchError::Dir {
+        dir: dir.to_path_buf(),
+        problem: format!("cannot create {}: {e}", path.display()),
+    })?;
+    let run_dir = RunDir {
+        _guard: shutdown::guard_path(&path),
+        path,
+    };
     let bpb = layout.config().block_bytes() * u64::from(world);
     // On this host: an IPC socket in a directory only this user can enter.
     let config = LeaderConfig::new(
@@ -110,34 +230,92 @@ pub fn start(
         g3_blocks as u64 * bpb,
     );
     let pending = PendingLeader::bind(config).map_err(dist_err)?;
-    let mut children = Vec::new();
+    let args = (0..world)
+        .map(|rank| {
+            let mut args = NodeArgs::new(
+                pending.endpoint(),
+                u64::from(std::process::id()),
+                rank,
+                world,
+                layout.descriptor().to_json(),
+            );
+            args.g3_dir = Some(run_dir.path().join(format!("rank{rank}")));
+            args.host_g1 = host_g1;
+            args.threads = threads;
+            // Workers outlive a silent leader by this much at most.
+            args.leader_timeout = Duration::from_secs(10);
+            args
+        })
+        .collect();
+    let mut workers = Workers {
+        ranks: Vec::new(),
+        recipe: Recipe {
+            exe: exe.to_path_buf(),
+            args,
+            secret: pending.secret().clone(),
+        },
+    };
     for rank in 0..world {
-        let mut args = NodeArgs::new(
-            pending.endpoint(),
-            u64::from(std::process::id()),
-            rank,
-            world,
-            layout.descriptor().to_json(),
-        );
-        args.g3_dir = Some(run_dir.join(format!("rank{rank}")));
-        args.host_g1 = host_g1;
-        args.threads = threads;
-        args.leader_timeout = std::time::Duration::from_secs(120);
-        let mut cmd = Command::new(exe);
-        cmd.args(args.to_args());
-        // The secret travels in the child's environment, never its arguments.
-        pending.secret().pass_to(&mut cmd);
-        let child = cmd
-            .spawn()
-            .map_err(|e| BenchError::Config(format!("cannot start {}: {e}", exe.display())))?;
-        children.push(child);
+        let started = workers.spawn(rank)?;
+        workers.ranks.push(Some(started));
     }
-    let workers = Workers(children);
     let leader = pending.handshake().map_err(dist_err)?;
     Ok(Cluster {
         leader: Arc::new(leader),
-        workers,
+        workers: Arc::new(Mutex::new(workers)),
+        run_dir,
     })
+}
+
+/// The tier engine over `cfg.workers` worker processes, each holding a
+/// 1/N slice of every block (G1 per worker: GPU `rank` when built with
+/// `cuda` and present, else a host stand-in), with the leader and workers
+/// that serve it, and what G1 is, for the report.
+pub(crate) fn engine(
+    cfg: &ReplayConfig,
+    tier_config: TierEngineConfig,
+    page: usize,
+    caps: [usize; 3],
+) -> Result<(TierEngine, G1Memory, String, Cluster)> {
+    let n = cfg.workers as usize;
+    if n == 0 || !cfg.model.inner_dim.is_multiple_of(n) {
+        return Err(BenchError::Config(format!(
+            "{} KV values per token do not split over {n} ranks",
+            cfg.model.inner_dim
+        )));
+    }
+    let rank_model = KvModel {
+        inner_dim: cfg.model.inner_dim / n,
+        ..cfg.model
+    };
+    check_disk_alignment(&rank_model, page)?;
+    let rank_g1 = Layout::new(
+        rank_model.layout_config(caps[0].max(1), page)?,
+        LayoutKind::LayerSeparate(BlockOrder::OuterFirst),
+    )?;
+    let exe = match &cfg.worker_exe {
+        Some(p) => p.clone(),
+        None => find_node_exe()?,
+    };
+    let c = start(
+        &exe,
+        cfg.workers,
+        &rank_g1,
+        caps[1],
+        caps[2],
+        &cfg.disk_dir,
+        cfg.host_g1,
+        cfg.memcpy_threads,
+    )?;
+    let mover: Arc<dyn TierMover> = c.leader.mover();
+    let engine =
+        TierEngine::with_mover(tier_config, mover).map_err(|e| BenchError::Tier(e.to_string()))?;
+    let g1 = G1Memory::Distributed(Arc::clone(&c.leader));
+    let what = format!(
+        "{} worker processes, 1/{} of every block each (G1 per worker: GPU `rank` when built with cuda and present, else a host stand-in; each worker logs which)",
+        cfg.workers, cfg.workers
+    );
+    Ok((engine, g1, what, c))
 }
 
 /// Fills block `block` with `hash`'s pattern on every worker.

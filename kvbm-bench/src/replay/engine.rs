@@ -150,6 +150,23 @@ impl EngineDriver {
     pub fn engine(&self) -> &TierEngine {
         &self.engine
     }
+    /// Forgets request `index` after its replay failed half-way: releases
+    /// what it holds and lets queued offloads finish (their bytes are not
+    /// booked to any phase).
+    pub fn abandon(&mut self, index: usize) {
+        self.engine.release(index as u64);
+        self.engine.flush();
+        self.last = self.engine.stats();
+    }
+
+    /// Drops every cached block of G1, G2 and G3 from kvbm's books, none
+    /// of them saved to another tier (what a worker's loss calls for: its
+    /// slice of each is gone, G1's too when the workers own G1); returns
+    /// how many. Call it between requests.
+    pub fn forget_cached(&self) -> usize {
+        self.engine.drop_cached()
+    }
+
     /// Books the bytes moved since the last call against a phase of
     /// `secs` seconds; returns the bytes.
     fn account(&mut self, secs: f64) -> u64 {

@@ -396,11 +396,23 @@ fn local_engine(
     Ok((engine, g1, g1_memory, g3_direct))
 }
 
-/// Runs the replay; `progress(done, total)` is called after each request.
-pub fn run_replay(
-    cfg: &ReplayConfig,
-    mut progress: impl FnMut(usize, usize),
-) -> Result<ReplayReport> {
+/// What a replay's tiers are sized to, checked against the machine.
+pub(crate) struct Plan {
+    /// The workload's figures.
+    pub(crate) facts: TraceFacts,
+    /// Tokens stored per block.
+    pub(crate) page: usize,
+    /// G1, G2, G3 capacities in blocks.
+    pub(crate) caps: [usize; 3],
+    /// Bytes of one stored block.
+    pub(crate) block_bytes: u64,
+    /// The engine's configuration.
+    pub(crate) tier_config: TierEngineConfig,
+}
+
+/// Checks `cfg`, sizes the tiers and prepares the disk directory (cleared
+/// of the files of killed runs).
+pub(crate) fn plan(cfg: &ReplayConfig) -> Result<Plan> {
     if cfg.fractions.iter().any(|f| !f.is_finite() || *f < 0.0) {
         return Err(BenchError::Config(
             "capacity fractions must be finite and non-negative".into(),
@@ -410,6 +422,9 @@ pub fn run_replay(
         return Err(BenchError::Config("--prefill-rate must be positive".into()));
     }
     let requests = &cfg.requests;
+    if requests.is_empty() {
+        return Err(BenchError::Config("the workload has no requests".into()));
+    }
     let facts = TraceFacts::of(requests);
     let page = cfg.model.scaled_page(cfg.block_tokens, cfg.scale)?;
     check_disk_alignment(&cfg.model, page)?; // G1 must hold the longest request while it runs.
@@ -419,9 +434,8 @@ pub fn run_replay(
         capacity_for(cfg.fractions[1], facts.unique_blocks),
         capacity_for(cfg.fractions[2], facts.unique_blocks),
     ];
-    let g1_slots = caps[0];
     let block_bytes = cfg.model.layout_config(1, page)?.block_bytes();
-    let host_bytes = (g1_slots + caps[1]) as u64 * block_bytes;
+    let host_bytes = (caps[0] + caps[1]) as u64 * block_bytes;
     if host_bytes > cfg.max_host_bytes {
         return Err(BenchError::Config(format!(
             "G1 + G2 would need {:.2} GiB of host memory (limit {:.2} GiB): raise --scale, lower the capacities, or pass --max-host-gib",
@@ -429,6 +443,40 @@ pub fn run_replay(
             cfg.max_host_bytes as f64 / (1u64 << 30) as f64
         )));
     }
+    let mut tier_config = TierEngineConfig::new(cfg.block_tokens as usize)
+        .g2_policy(cfg.policy)
+        .g3_policy(cfg.policy);
+    if let Some(n) = cfg.offload_in_flight {
+        tier_config = tier_config.offload_in_flight(n);
+    }
+    if caps[2] > 0 || cfg.workers > 0 {
+        crate::disk_dir::prepare(&cfg.disk_dir)?;
+        crate::disk_dir::remove_stale(&cfg.disk_dir)?;
+    }
+    crate::shutdown::check()?;
+    Ok(Plan {
+        facts,
+        page,
+        caps,
+        block_bytes,
+        tier_config,
+    })
+}
+
+/// Runs the replay; `progress(done, total)` is called after each request.
+pub fn run_replay(
+    cfg: &ReplayConfig,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<ReplayReport> {
+    let Plan {
+        facts,
+        page,
+        caps,
+        block_bytes,
+        tier_config,
+    } = plan(cfg)?;
+    let requests = &cfg.requests;
+    let g1_slots = caps[0];
     // Layouts: G1 as an engine allocates it, G2 and G3 as kvbm does.
     let g1_layout = Layout::new(
         cfg.model.layout_config(g1_slots.max(1), page)?,
@@ -441,15 +489,10 @@ pub fn run_replay(
             LayoutKind::FullyContiguous,
         )?),
     };
-    let mut tier_config = TierEngineConfig::new(cfg.block_tokens as usize)
-        .g2_policy(cfg.policy)
-        .g3_policy(cfg.policy);
-    if let Some(n) = cfg.offload_in_flight {
-        tier_config = tier_config.offload_in_flight(n);
-    }
     // Declared before the engine so that it outlives it: the leader shuts
     // the workers down when dropped.
     let mut _cluster = None;
+    let mut _g3_guard = None;
     let (engine, g1, g1_memory, g3_direct) = if cfg.workers > 0 {
         if cfg.g3_faults.any() {
             return Err(BenchError::Config(
@@ -457,49 +500,20 @@ pub fn run_replay(
                     .into(),
             ));
         }
-        let n = cfg.workers as usize;
-        if !cfg.model.inner_dim.is_multiple_of(n) {
-            return Err(BenchError::Config(format!(
-                "{} KV values per token do not split over {n} ranks",
-                cfg.model.inner_dim
-            )));
-        }
-        let rank_model = KvModel {
-            inner_dim: cfg.model.inner_dim / n,
-            ..cfg.model
-        };
-        check_disk_alignment(&rank_model, page)?;
-        let rank_g1 = Layout::new(
-            rank_model.layout_config(g1_slots.max(1), page)?,
-            LayoutKind::LayerSeparate(BlockOrder::OuterFirst),
-        )?;
-        let exe = match &cfg.worker_exe {
-            Some(p) => p.clone(),
-            None => dist::find_node_exe()?,
-        };
-        let c = dist::start(
-            &exe,
-            cfg.workers,
-            &rank_g1,
-            caps[1],
-            caps[2],
-            &cfg.disk_dir,
-            cfg.host_g1,
-            cfg.memcpy_threads,
-        )?;
-        let mover: std::sync::Arc<dyn kvbm_pool::tier::TierMover> = c.leader.mover();
-        let engine = TierEngine::with_mover(tier_config, mover)
-            .map_err(|e| BenchError::Tier(e.to_string()))?;
-        let g1 = G1Memory::Distributed(std::sync::Arc::clone(&c.leader));
-        let what = format!(
-            "{} worker processes, 1/{} of every block each (G1 per worker: GPU `rank` when built with cuda and present, else a host stand-in; each worker logs which)",
-            cfg.workers, cfg.workers
-        );
+        let (engine, g1, what, c) = dist::engine(cfg, tier_config, page, caps)?;
         _cluster = Some(c);
         (engine, g1, what, false)
     } else {
         local_engine(cfg, tier_config, g1_layout, g2_layout, caps, page)?
     };
+    // A run stopped by force still removes its G3 file.
+    if let Some((file, _)) = engine
+        .layout(kvbm_pool::Tier::G3)
+        .and_then(|l| l.regions().first())
+        .and_then(|r| r.file_location())
+    {
+        _g3_guard = Some(crate::shutdown::guard_path(file.path()));
+    }
     let mut driver = EngineDriver::new(engine, g1, cfg.block_tokens);
     let start = Instant::now();
     let mut hits = [0u64; 3];
@@ -508,6 +522,8 @@ pub fn run_replay(
     let mut refs = 0u64;
     let mut prompt_tokens = 0u64;
     for (i, r) in requests.iter().enumerate() {
+        // Between requests nothing is in flight: a signal stops here.
+        crate::shutdown::check()?;
         let out = driver.request(i, r)?;
         let a = tokens_avoided(r, cfg.block_tokens, &out.prefix);
         for t in 0..3 {
@@ -546,6 +562,7 @@ pub fn run_replay(
         cfg.block_tokens,
         &mut BeladySim::new(requests, total_cap),
     );
+    crate::shutdown::check()?;
     let pct = |n: u64| {
         if refs == 0 {
             0.0
@@ -572,10 +589,12 @@ pub fn run_replay(
             driver.engine().config().offload_mode,
             if cfg.workers > 0 {
                 "files on the workers (O_DIRECT where the file system allows)"
+            } else if caps[2] == 0 {
+                "none (no G3 capacity)"
             } else if g3_direct {
                 "O_DIRECT"
             } else {
-                "buffered (no O_DIRECT here)"
+                "buffered (the file system refused O_DIRECT)"
             }
         ),
         tiers: (0..3)

@@ -683,11 +683,18 @@ impl EventLoop {
     fn on_clock(&mut self) {
         let now = Instant::now();
         self.peer_op_clock(now);
-        // Silent workers.
+        // Silent workers. A rejoining one is setting its tiers up (G2 and
+        // G3 allocated, which takes seconds for large tiers) and answers
+        // nothing meanwhile: it gets the handshake's allowance, as at the
+        // first start.
         for rank in 0..self.ranks.len() {
             let r = &self.ranks[rank];
+            let allowed = match r.state {
+                RankState::Rejoining => self.config.handshake_timeout,
+                _ => self.config.heartbeat_timeout,
+            };
             if !matches!(r.state, RankState::Lost { .. })
-                && now.duration_since(r.last_heard) > self.config.heartbeat_timeout
+                && now.duration_since(r.last_heard) > allowed
             {
                 let silent = now.duration_since(r.last_heard).as_millis();
                 self.lose(rank, format!("silent for {silent} ms"));

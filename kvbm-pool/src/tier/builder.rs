@@ -110,7 +110,9 @@ impl TierEngineBuilder {
 
     /// G3 in a file of at most `bytes` in `dir`, as many whole blocks (each
     /// padded to the disk's alignment) as fit. The file is removed when the
-    /// engine is dropped.
+    /// engine is dropped, and locked while it lives; `build` first removes
+    /// the kvbm files in `dir` that no process holds locked (left by a
+    /// process that was killed), so `dir` should hold only scratch files.
     pub fn g3_disk(mut self, dir: impl Into<PathBuf>, bytes: u64) -> Self {
         self.g3 = Some((dir.into(), bytes));
         self
@@ -220,6 +222,14 @@ impl TierEngineBuilder {
                 let layout =
                     Layout::new(config, LayoutKind::FullyContiguous).map_err(layout_err)?;
                 let disk = DiskAllocator::new(dir, DiskOptions::default())?;
+                let stale = kvbm_transfer::memory::remove_stale_files(disk.dir())?;
+                if !stale.is_empty() {
+                    tracing::warn!(
+                        dir = %disk.dir().display(),
+                        files = stale.len(),
+                        "removed G3 files left by killed processes (no process held their lock)"
+                    );
+                }
                 Some(PhysicalLayout::allocate_disk(layout, &disk)?)
             }
         };

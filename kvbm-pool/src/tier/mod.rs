@@ -466,6 +466,30 @@ impl TierEngine {
         onboard::start(&self.shared, request.into(), target)
     }
 
+    /// Drops every cached block of every tier from kvbm's books without
+    /// saving any of them to another tier, and returns how many: for when
+    /// their bytes are gone (a worker holding a slice of each died with its
+    /// memory), where a write-back save would copy garbage. Blocks held by
+    /// live requests stay. Call it while no offload is queued (after
+    /// [`flush`](Self::flush)).
+    pub fn drop_cached(&self) -> usize {
+        let shared = &self.shared;
+        let _serial = shared.g1_alloc.lock();
+        let mut n = shared.g1.pool.evict(shared.g1.pool.capacity());
+        if let Some(log) = &shared.g1_victims {
+            let victims = std::mem::take(&mut *log.lock());
+            let mut saved = shared.g1_saved.lock();
+            for v in &victims {
+                saved.remove(&v.hash);
+            }
+        }
+        for slot in [&shared.g2, &shared.g3].into_iter().flatten() {
+            n += slot.pool.evict(slot.pool.capacity());
+        }
+        shared.g2_victims.lock().clear();
+        n
+    }
+
     /// Forgets a request and drops everything it holds. When its onboard
     /// writes into engine-given G1 block ids, this waits until no more
     /// bytes can land there. `false` if the request was unknown.

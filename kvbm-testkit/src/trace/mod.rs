@@ -9,13 +9,16 @@
 //!
 //! Two sources: the public Mooncake traces ([`mooncake`], JSONL, 512-token
 //! blocks) and a deterministic synthetic multi-turn workload
-//! ([`synthetic`]) that needs no data files.
+//! ([`synthetic`]) that needs no data files. A trace read from a file is
+//! checked for consistency across its lines ([`validate`]).
 
 pub mod mooncake;
 pub mod synthetic;
+pub mod validate;
 
 pub use mooncake::{LineError, MooncakeReader, TraceError, read_mooncake};
 pub use synthetic::{SyntheticConfig, generate_synthetic};
+pub use validate::{ChainError, ChainValidator};
 
 /// Tokens per block in the Mooncake traces.
 pub const MOONCAKE_BLOCK_TOKENS: u32 = 512;

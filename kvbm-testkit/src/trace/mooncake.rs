@@ -11,6 +11,12 @@
 //! produced with another block size or is corrupt; replaying it would
 //! silently misstate hit rates, which is worse than stopping. Blank lines
 //! are skipped; unknown fields are ignored so that richer traces still load.
+//!
+//! Beyond each line on its own: a prompt has at least one token, numbers
+//! are non-negative integers (a bad one is named by its field, e.g.
+//! `hash_ids[3]`), the lines agree with each other ([`ChainValidator`]:
+//! one position and one parent per hash id, timestamps in order), and a
+//! file with no request at all is an error rather than an empty replay.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader};
@@ -18,14 +24,31 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+use super::validate::{ChainError, ChainValidator};
 use super::{MOONCAKE_BLOCK_TOKENS, Request};
 
 /// What is wrong with one line of a trace.
 #[derive(Debug, thiserror::Error)]
 pub enum LineError {
     /// The line is not a JSON object with the expected fields and types.
-    #[error("not a Mooncake request object: {0}")]
+    #[error("not a Mooncake request object: {}", json_message(.0))]
     Json(#[from] serde_json::Error),
+    /// A field holds a number that cannot be what it stands for.
+    #[error("{field} is {value}, not {want}")]
+    BadNumber {
+        /// The field, e.g. `input_length` or `hash_ids[3]`.
+        field: String,
+        /// The value as written.
+        value: String,
+        /// What it must be.
+        want: &'static str,
+    },
+    /// `input_length` is 0: a request without a prompt.
+    #[error("input_length is 0: a request has at least one prompt token")]
+    EmptyPrompt,
+    /// The line contradicts earlier lines (or itself).
+    #[error(transparent)]
+    Chain(#[from] ChainError),
     /// `hash_ids` does not cover the prompt in 512-token blocks.
     #[error(
         "input_length {input_length} needs {expected} blocks of {block_tokens} tokens, hash_ids has {found}"
@@ -63,6 +86,61 @@ pub enum TraceError {
         /// What is wrong with it.
         error: LineError,
     },
+    /// The file holds no request (it is empty or has only blank lines).
+    #[error("{path}: no requests in the trace ({lines} lines, none a request)", path = path.display())]
+    Empty {
+        /// The trace file.
+        path: PathBuf,
+        /// Lines read.
+        lines: usize,
+    },
+}
+
+/// serde_json's message without its position, which counts lines inside
+/// the one line given to it (always line 1); the column stays.
+fn json_message(e: &serde_json::Error) -> String {
+    let text = e.to_string();
+    match text.rfind(" at line ") {
+        Some(at) if e.column() > 0 => format!("{} (column {})", &text[..at], e.column()),
+        _ => text,
+    }
+}
+
+/// Names the first field of a line that failed to parse as a number of the
+/// expected kind, when that is why it failed.
+fn bad_number(text: &str) -> Option<LineError> {
+    let value: serde_json::Value = serde_json::from_str(text).ok()?;
+    let obj = value.as_object()?;
+    let check = |field: String, v: &serde_json::Value, max: u64| -> Option<LineError> {
+        let n = v.as_number()?;
+        let want = if max == u64::from(u32::MAX) {
+            "an integer from 0 to 4294967295"
+        } else {
+            "a non-negative integer"
+        };
+        match n.as_u64() {
+            Some(x) if x <= max => None,
+            _ => Some(LineError::BadNumber {
+                field,
+                value: n.to_string(),
+                want,
+            }),
+        }
+    };
+    for (field, max) in [
+        ("timestamp", u64::MAX),
+        ("input_length", u64::from(u32::MAX)),
+        ("output_length", u64::from(u32::MAX)),
+    ] {
+        if let Some(e) = obj.get(field).and_then(|v| check(field.into(), v, max)) {
+            return Some(e);
+        }
+    }
+    obj.get("hash_ids")?
+        .as_array()?
+        .iter()
+        .enumerate()
+        .find_map(|(i, v)| check(format!("hash_ids[{i}]"), v, u64::MAX))
 }
 
 #[derive(Deserialize)]
@@ -75,7 +153,13 @@ struct RawRequest {
 
 /// Parses one trace line (without its newline).
 pub fn parse_line(text: &str) -> Result<Request, LineError> {
-    let raw: RawRequest = serde_json::from_str(text)?;
+    let raw: RawRequest = match serde_json::from_str(text) {
+        Ok(raw) => raw,
+        Err(e) => return Err(bad_number(text).unwrap_or(LineError::Json(e))),
+    };
+    if raw.input_length == 0 {
+        return Err(LineError::EmptyPrompt);
+    }
     let expected = Request::blocks_for(raw.input_length, MOONCAKE_BLOCK_TOKENS);
     if raw.hash_ids.len() != expected {
         return Err(LineError::BlockCount {
@@ -95,7 +179,8 @@ pub fn parse_line(text: &str) -> Result<Request, LineError> {
 
 /// Streaming iterator over the requests of a Mooncake JSONL trace.
 ///
-/// Yields `Err` once for the first bad line and then stops.
+/// Yields `Err` once for the first bad line (or, at the end, for a file
+/// without requests: [`TraceError::Empty`]) and then stops.
 #[derive(Debug)]
 pub struct MooncakeReader<R> {
     input: R,
@@ -103,6 +188,7 @@ pub struct MooncakeReader<R> {
     line: usize,
     buf: String,
     done: bool,
+    chains: ChainValidator,
 }
 
 impl MooncakeReader<BufReader<File>> {
@@ -125,6 +211,7 @@ impl<R: BufRead> MooncakeReader<R> {
             line: 0,
             buf: String::new(),
             done: false,
+            chains: ChainValidator::new(),
         }
     }
 }
@@ -137,17 +224,31 @@ impl<R: BufRead> Iterator for MooncakeReader<R> {
             self.buf.clear();
             self.line += 1;
             match self.input.read_line(&mut self.buf) {
-                Ok(0) => self.done = true,
+                Ok(0) => {
+                    self.done = true;
+                    if self.chains.requests() == 0 {
+                        return Some(Err(TraceError::Empty {
+                            path: self.path.clone(),
+                            lines: self.line - 1,
+                        }));
+                    }
+                }
                 Ok(_) => {
                     let text = self.buf.trim();
                     if text.is_empty() {
                         continue;
                     }
-                    let item = parse_line(text).map_err(|error| TraceError::Line {
-                        path: self.path.clone(),
-                        line: self.line,
-                        error,
-                    });
+                    let line = self.line;
+                    let item = parse_line(text)
+                        .and_then(|r| {
+                            self.chains.check(line, &r)?;
+                            Ok(r)
+                        })
+                        .map_err(|error| TraceError::Line {
+                            path: self.path.clone(),
+                            line: self.line,
+                            error,
+                        });
                     self.done = item.is_err();
                     return Some(item);
                 }

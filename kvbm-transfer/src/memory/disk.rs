@@ -7,8 +7,13 @@
 //! caches in G2), and removed on drop unless asked to persist. Every
 //! fallback (zeros written where there is no `fallocate`, buffered I/O
 //! where there is no `O_DIRECT`) is taken with a warning, never silently.
+//!
+//! Every file is named `kvbm-<pid>-<n>.blocks` and locked (`flock`) while
+//! in use, so the files of a process that was killed are recognisable and
+//! removable by the next one ([`remove_stale_files`](super::remove_stale_files)).
 
 use std::fs::{File, OpenOptions};
+use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
@@ -16,6 +21,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use super::reserve::reserve;
+use super::stale;
 use crate::error::{Result, TransferError};
 
 /// Alignment of disk extents, offsets and lengths, and of memory used for
@@ -93,11 +99,23 @@ impl DiskAllocator {
             ));
         }
         let len = len.div_ceil(DISK_ALIGNMENT) * DISK_ALIGNMENT;
-        let n = NEXT_FILE.fetch_add(1, Ordering::Relaxed);
-        let path = self
-            .dir
-            .join(format!("kvbm-{}-{n}.blocks", std::process::id()));
-        let (file, direct) = open_file(&path, self.options.io_mode, true)?;
+        // Created and locked under the directory's shared lock, so that a
+        // sweep for stale files never sees it unlocked.
+        let dir_lock = stale::lock_dir(&self.dir, false);
+        let (n, path, file, direct) = loop {
+            let n = NEXT_FILE.fetch_add(1, Ordering::Relaxed);
+            let path = self.dir.join(stale::file_name(std::process::id(), n));
+            match open_file(&path, self.options.io_mode, true) {
+                Ok((file, direct)) => break (n, path, file, direct),
+                // A file of an earlier process that had this pid: never
+                // reused, the next number is taken instead.
+                Err(TransferError::Alloc { source, .. })
+                    if source.kind() == io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(e),
+            }
+        };
+        let locked = stale::try_lock(&file);
+        drop(dir_lock);
         let disk = DiskFile {
             path,
             file,
@@ -107,6 +125,24 @@ impl DiskAllocator {
             persist: AtomicBool::new(self.options.persist),
             id: n,
         };
+        match locked {
+            Ok(true) => {}
+            Ok(false) => {
+                return Err(TransferError::Alloc {
+                    what: format!("file {}", disk.path.display()),
+                    source: io::Error::new(
+                        io::ErrorKind::WouldBlock,
+                        "locked by another process right after it was created",
+                    ),
+                });
+            }
+            Err(source) => {
+                return Err(TransferError::Alloc {
+                    what: format!("lock on file {}", disk.path.display()),
+                    source,
+                });
+            }
+        }
         if let Err(e) = reserve(&disk.file, &disk.path, len, direct, force_zero_fill) {
             // Never leave a half-reserved file behind, persistent or not.
             disk.set_persist(false);
@@ -161,12 +197,23 @@ pub struct DiskFile {
 }
 
 impl DiskFile {
-    /// Opens an existing file (kept on drop), `len` bytes of it usable.
-    /// Its space is not reserved: a sparse file is opened with a warning
-    /// (its writes may fail with `ENOSPC` when the disk fills up).
+    /// Opens an existing file (kept on drop), `len` bytes of it usable,
+    /// and holds its lock while open: a file another process holds is an
+    /// error. Its space is not reserved: a sparse file is opened with a
+    /// warning (its writes may fail with `ENOSPC` when the disk fills up).
     pub fn open(path: impl Into<PathBuf>, mode: IoMode) -> Result<Arc<DiskFile>> {
         let path = path.into();
         let (file, direct) = open_file(&path, mode, false)?;
+        let lock_err = |source| TransferError::Alloc {
+            what: format!("file {}", path.display()),
+            source,
+        };
+        if !stale::try_lock(&file).map_err(lock_err)? {
+            return Err(lock_err(io::Error::new(
+                io::ErrorKind::WouldBlock,
+                "in use by another process (its lock is held)",
+            )));
+        }
         let meta = file.metadata().map_err(|source| TransferError::Alloc {
             what: format!("file {}", path.display()),
             source,

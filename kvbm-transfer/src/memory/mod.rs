@@ -12,6 +12,7 @@
 mod disk;
 mod engine;
 mod reserve;
+mod stale;
 mod system;
 
 use std::any::Any;
@@ -21,6 +22,7 @@ use std::sync::Arc;
 pub use disk::{DISK_ALIGNMENT, DiskAllocator, DiskFile, DiskOptions, IoMode};
 pub use engine::{EngineKvCache, EngineTensor};
 pub use reserve::FsType;
+pub use stale::{FILE_EXTENSION, FILE_PREFIX, file_owner, remove_stale_files};
 pub use system::{HugePages, SystemAllocator, SystemBuffer};
 
 use crate::error::{Result, TransferError};

@@ -28,7 +28,10 @@ pub struct Cli {
     /// Do not write an SVG plot.
     #[arg(long, global = true)]
     pub no_svg: bool,
-    /// Directory for disk-tier files (needs O_DIRECT: not tmpfs).
+    /// Directory for disk-tier files (G3). They are opened with O_DIRECT;
+    /// where the file system refuses it, kvbm warns and uses buffered I/O
+    /// (the raw disk reference rows of `transfer` need O_DIRECT). Files
+    /// left here by a killed run are removed at the next start.
     #[arg(long, global = true, default_value = "target/kvbm-bench")]
     pub dir: PathBuf,
     /// memcpy worker threads.
@@ -48,6 +51,11 @@ pub enum Command {
     /// batches in flight × batch size × tokens per block, every block
     /// checked in G2, each row against one large device -> pinned copy.
     Offload(OffloadArgs),
+    /// The tensor-parallel replay for minutes, one worker process killed
+    /// and restarted every interval; reports requests served, blocks
+    /// verified, failures by cause, and memory and open files of every
+    /// process at the start and the end (a benchmark, not a test).
+    Soak(SoakArgs),
 }
 
 /// `transfer` options.
@@ -236,4 +244,54 @@ pub enum Policy {
     ReuseScore,
     /// Admit everything, evict the least recently used.
     WriteThrough,
+}
+
+/// `soak` options.
+#[derive(Debug, Args)]
+pub struct SoakArgs {
+    /// A Mooncake JSONL trace (default: the embedded synthetic multi-turn
+    /// workload); replayed from its start again when it runs out.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Minutes to run.
+    #[arg(long, default_value_t = 10.0)]
+    pub minutes: f64,
+    /// Worker processes (tensor-parallel ranks).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub workers: u32,
+    /// Kill one worker (SIGKILL, round robin) and restart it every this
+    /// many seconds (0: never).
+    #[arg(long, default_value_t = 60)]
+    pub kill_every: u64,
+    /// Seconds a restarted rank may take to rejoin before the soak fails.
+    #[arg(long, default_value_t = 60)]
+    pub rejoin_timeout: u64,
+    /// Seed of the synthetic workload.
+    #[arg(long, default_value_t = 0x6b76_626d)]
+    pub seed: u64,
+    /// Conversations in the synthetic workload.
+    #[arg(long, default_value_t = 400)]
+    pub conversations: usize,
+    /// KV shape: a preset (llama-3.1-8b, llama-3.1-70b, deepseek-mla, tiny)
+    /// or LAYERSxOUTERxINNERxDTYPE_BYTES.
+    #[arg(long, default_value = "llama-3.1-8b")]
+    pub model: String,
+    /// Store each trace block with block_tokens / SCALE tokens.
+    #[arg(long, default_value_t = 128)]
+    pub scale: u32,
+    /// G1 capacity as a fraction of the workload's distinct blocks.
+    #[arg(long, default_value_t = 0.02)]
+    pub g1: f64,
+    /// G2 capacity, same unit (small: G2 under pressure).
+    #[arg(long, default_value_t = 0.06)]
+    pub g2: f64,
+    /// G3 capacity, same unit (small: G3 under pressure).
+    #[arg(long, default_value_t = 0.12)]
+    pub g3: f64,
+    /// Keep every worker's G1 in host memory even with a GPU.
+    #[arg(long)]
+    pub host_g1: bool,
+    /// Refuse to allocate more host memory than this, GiB.
+    #[arg(long, default_value_t = 8.0)]
+    pub max_host_gib: f64,
 }

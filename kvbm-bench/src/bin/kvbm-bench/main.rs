@@ -1,6 +1,6 @@
 //! `kvbm-bench`: the bandwidth matrix (`transfer`), the workload replay
-//! through real tiers (`replay`) and the tier engine's offload stream
-//! (`offload`). See the `kvbm_bench` library for what each
+//! through real tiers (`replay`), the tier engine's offload stream
+//! (`offload`) and the soak run of the tensor-parallel replay (`soak`). See the `kvbm_bench` library for what each
 //! measures; this binary parses arguments, shows progress and prints.
 
 mod cli;
@@ -14,14 +14,15 @@ use indicatif::{ProgressBar, ProgressStyle};
 use kvbm_bench::matrix::{MatrixConfig, matrix_cells, run_matrix};
 use kvbm_bench::offload::{GpuPath, Load, OffloadConfig, Outcome, run_offload};
 use kvbm_bench::replay::{G3Faults, ReplayConfig, ReplayReport, run_replay};
+use kvbm_bench::soak::{SoakConfig, run_soak};
 use kvbm_bench::{BenchError, KvModel};
 use kvbm_pool::tier::TierPolicy;
 use kvbm_testkit::trace::{
-    MOONCAKE_BLOCK_TOKENS, SyntheticConfig, generate_synthetic, read_mooncake,
+    MOONCAKE_BLOCK_TOKENS, Request, SyntheticConfig, generate_synthetic, read_mooncake,
 };
 
 use crate::cli::{
-    Cli, Command, GpuPathArg, LoadArg, OffloadArgs, Policy, ReplayArgs, TransferArgs,
+    Cli, Command, GpuPathArg, LoadArg, OffloadArgs, Policy, ReplayArgs, SoakArgs, TransferArgs,
 };
 
 fn main() -> ExitCode {
@@ -33,17 +34,23 @@ fn main() -> ExitCode {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
-    let result = match &cli.command {
-        Command::Transfer(args) => transfer(&cli, args).map_err(Failed::from),
-        Command::Replay(args) => replay(&cli, args),
-        Command::Offload(args) => offload(&cli, args).map_err(Failed::from),
-    };
+    let result = kvbm_bench::shutdown::install()
+        .map_err(Failed::from)
+        .and_then(|()| match &cli.command {
+            Command::Transfer(args) => transfer(&cli, args).map_err(Failed::from),
+            Command::Replay(args) => replay(&cli, args),
+            Command::Offload(args) => offload(&cli, args).map_err(Failed::from),
+            Command::Soak(args) => soak(&cli, args).map_err(Failed::from),
+        });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failed::CopiesFailed) => ExitCode::from(COPIES_FAILED),
         Err(Failed::Error(e)) => {
             eprintln!("kvbm-bench: {e}");
-            ExitCode::FAILURE
+            match e {
+                BenchError::Interrupted { code, .. } => ExitCode::from(code),
+                _ => ExitCode::FAILURE,
+            }
         }
     }
 }
@@ -82,6 +89,8 @@ fn progress_bar(cli: &Cli, len: u64, what: &str) -> ProgressBar {
 }
 
 fn transfer(cli: &Cli, args: &TransferArgs) -> Result<(), BenchError> {
+    kvbm_bench::disk_dir::prepare(&cli.dir)?;
+    kvbm_bench::disk_dir::remove_stale(&cli.dir)?;
     let config = MatrixConfig {
         model: KvModel::parse(&args.model)?,
         tokens_per_block: args.tokens.clone(),
@@ -106,6 +115,89 @@ fn transfer(cli: &Cli, args: &TransferArgs) -> Result<(), BenchError> {
     output::matrix(cli, &config, &rows)
 }
 
+/// The workload: a Mooncake trace, or the synthetic one.
+fn workload(
+    trace: Option<&std::path::Path>,
+    seed: u64,
+    conversations: usize,
+) -> Result<(String, Vec<Request>, u32), BenchError> {
+    Ok(match trace {
+        Some(path) => (
+            format!("Mooncake trace {}", path.display()),
+            read_mooncake(path)?,
+            MOONCAKE_BLOCK_TOKENS,
+        ),
+        None => {
+            let synth = SyntheticConfig {
+                seed,
+                conversations,
+                ..SyntheticConfig::default()
+            };
+            (
+                format!(
+                    "embedded synthetic multi-turn chat (seed {:#x}, {} conversations)",
+                    synth.seed, synth.conversations
+                ),
+                generate_synthetic(&synth),
+                synth.block_tokens,
+            )
+        }
+    })
+}
+
+fn host_bytes(gib: f64) -> Result<u64, BenchError> {
+    if gib.is_finite() && gib > 0.0 {
+        Ok((gib * (1u64 << 30) as f64) as u64)
+    } else {
+        Err(BenchError::Config("--max-host-gib must be positive".into()))
+    }
+}
+
+fn soak(cli: &Cli, args: &SoakArgs) -> Result<(), BenchError> {
+    if !(args.minutes.is_finite() && args.minutes > 0.0) {
+        return Err(BenchError::Config("--minutes must be positive".into()));
+    }
+    let (workload, requests, block_tokens) =
+        workload(args.trace.as_deref(), args.seed, args.conversations)?;
+    let config = SoakConfig {
+        replay: ReplayConfig {
+            workload,
+            requests,
+            block_tokens,
+            model: KvModel::parse(&args.model)?,
+            scale: args.scale,
+            fractions: [args.g1, args.g2, args.g3],
+            host_g1: args.host_g1,
+            policy: TierPolicy::ReuseScore,
+            prefill_tokens_per_s: 10_000.0,
+            memcpy_threads: cli.threads.into(),
+            disk_dir: cli.dir.clone(),
+            max_host_bytes: host_bytes(args.max_host_gib)?,
+            sweep: Vec::new(),
+            workers: args.workers,
+            worker_exe: None,
+            offload_in_flight: None,
+            g3_faults: G3Faults::default(),
+        },
+        duration: std::time::Duration::from_secs_f64(args.minutes * 60.0),
+        kill_every: (args.kill_every > 0).then(|| std::time::Duration::from_secs(args.kill_every)),
+        rejoin_timeout: std::time::Duration::from_secs(args.rejoin_timeout.max(1)),
+    };
+    let secs = config.duration.as_secs();
+    let bar = progress_bar(cli, secs, "soak (seconds)");
+    let report = run_soak(&config, |_, elapsed| bar.set_position(elapsed.as_secs()));
+    bar.finish_and_clear();
+    let report = report?;
+    output::soak(cli, &report)?;
+    let unjoined = report.kills.iter().filter(|k| k.rejoin_s.is_none()).count();
+    match (report.mismatches, unjoined) {
+        (0, 0) => Ok(()),
+        (m, u) => Err(BenchError::Tier(format!(
+            "soak failed: {m} mismatched blocks, {u} restarted ranks that did not rejoin"
+        ))),
+    }
+}
+
 /// Runs and prints the replay, then says what failed (if anything did).
 fn replay(cli: &Cli, args: &ReplayArgs) -> Result<(), Failed> {
     let report = replay_report(cli, args)?;
@@ -127,29 +219,14 @@ fn replay(cli: &Cli, args: &ReplayArgs) -> Result<(), Failed> {
 }
 
 fn replay_report(cli: &Cli, args: &ReplayArgs) -> Result<ReplayReport, BenchError> {
-    let (workload, mut requests, block_tokens) = match &args.trace {
-        Some(path) => (
-            format!("Mooncake trace {}", path.display()),
-            read_mooncake(path)?,
-            MOONCAKE_BLOCK_TOKENS,
-        ),
-        None => {
-            let synth = SyntheticConfig {
-                seed: args.seed,
-                conversations: args.conversations,
-                ..SyntheticConfig::default()
-            };
-            (
-                format!(
-                    "embedded synthetic multi-turn chat (seed {:#x}, {} conversations)",
-                    synth.seed, synth.conversations
-                ),
-                generate_synthetic(&synth),
-                synth.block_tokens,
-            )
-        }
-    };
+    let (workload, mut requests, block_tokens) =
+        workload(args.trace.as_deref(), args.seed, args.conversations)?;
     if let Some(n) = args.max_requests {
+        if n == 0 {
+            return Err(BenchError::Config(
+                "--max-requests 0 leaves no request to replay".into(),
+            ));
+        }
         requests.truncate(n);
     }
     let config = ReplayConfig {
@@ -167,11 +244,7 @@ fn replay_report(cli: &Cli, args: &ReplayArgs) -> Result<ReplayReport, BenchErro
         prefill_tokens_per_s: args.prefill_rate,
         memcpy_threads: cli.threads.into(),
         disk_dir: cli.dir.clone(),
-        max_host_bytes: if args.max_host_gib.is_finite() && args.max_host_gib > 0.0 {
-            (args.max_host_gib * (1u64 << 30) as f64) as u64
-        } else {
-            return Err(BenchError::Config("--max-host-gib must be positive".into()));
-        },
+        max_host_bytes: host_bytes(args.max_host_gib)?,
         sweep: if args.sweep {
             vec![0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0]
         } else {
@@ -186,8 +259,9 @@ fn replay_report(cli: &Cli, args: &ReplayArgs) -> Result<ReplayReport, BenchErro
         },
     };
     let bar = progress_bar(cli, config.requests.len() as u64, "replay");
-    let report = run_replay(&config, |done, _| bar.set_position(done as u64))?;
+    let report = run_replay(&config, |done, _| bar.set_position(done as u64));
     bar.finish_and_clear();
+    let report = report?;
     output::replay(cli, &report)?;
     Ok(report)
 }
