@@ -38,6 +38,7 @@ use std::sync::Arc;
 use kvbm_block::SequenceHash;
 use parking_lot::Mutex;
 
+use super::retention::{HintClock, RetentionHint, Retentions};
 use super::return_within::ReturnTable;
 use super::{BlockRef, BlockView, EvictionPolicy, Victim};
 use crate::config::Tier;
@@ -170,6 +171,24 @@ pub struct UseHistory {
     demoted: HashMap<SequenceHash, u8>,
     /// The return-within model's table, when that is the score.
     returns: Option<ReturnTable>,
+    /// Marks left by retention hints.
+    retentions: Retentions,
+    /// The hints' time base.
+    clock: HintClock,
+    /// `(request clock, hint clock)` at the first recorded request: the
+    /// request rate that converts a hint's time into requests.
+    first: Option<(u64, u64)>,
+}
+
+/// Where retention hints put a block now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Retained {
+    /// No live hint: it ranks by its history.
+    No,
+    /// Kept until this time (ms).
+    Kept(u64),
+    /// First to evict.
+    Done,
 }
 
 /// A [`UseHistory`] behind a lock, as the engine and policies share it.
@@ -189,7 +208,80 @@ impl UseHistory {
             age_exponent: 1.0,
             demoted: HashMap::new(),
             returns: None,
+            retentions: Retentions::new(2.0),
+            clock: HintClock::Wall(std::time::Instant::now()),
+            first: None,
         }
+    }
+
+    /// Protections of [`RetentionHint::ReturnsWithin`] last `slack` times
+    /// the hinted time (default 2, at least 1).
+    pub fn with_hint_slack(mut self, slack: f64) -> Self {
+        self.retentions = Retentions::new(slack);
+        self
+    }
+
+    /// Sets the hints' time base (default: the wall clock since the
+    /// history was made).
+    pub fn set_clock(&mut self, clock: HintClock) {
+        self.clock = clock;
+    }
+
+    /// The hints' clock, milliseconds.
+    pub fn now_ms(&self) -> u64 {
+        self.clock.now_ms()
+    }
+
+    /// Applies a retention hint to a request's blocks (in prompt order),
+    /// given now.
+    pub fn retain(&mut self, hashes: &[SequenceHash], hint: RetentionHint) {
+        let now = self.now_ms();
+        let seen = &self.seen;
+        self.retentions
+            .apply(hashes, hint, now, |h| seen.get(&h).map_or(0, |s| s.count));
+    }
+
+    /// Whether any block carries a hint's mark.
+    pub fn has_retentions(&self) -> bool {
+        !self.retentions.is_empty()
+    }
+
+    /// The hints' marks.
+    pub fn retentions(&self) -> &Retentions {
+        &self.retentions
+    }
+
+    /// Where retention hints put `hash` now.
+    pub fn retained(&self, hash: SequenceHash) -> Retained {
+        if self.retentions.is_empty() {
+            return Retained::No;
+        }
+        if self.retentions.is_done(hash) {
+            return Retained::Done;
+        }
+        match self.retentions.keep_until(hash, self.now_ms()) {
+            Some(until) => Retained::Kept(until),
+            None => Retained::No,
+        }
+    }
+
+    /// The score of a block kept until `until`: the horizon over the
+    /// requests expected before it returns (its remaining protection over
+    /// the slack, at the request rate seen so far), between 0 and 2, so a
+    /// block expected back within the horizon outranks every block scored
+    /// by its history (scores at most 1) and a sooner one a later one.
+    pub fn kept_score(&self, until: u64) -> f64 {
+        let now = self.now_ms();
+        let horizon = match &self.returns {
+            Some(t) => t.horizon() as f64,
+            None => REFRESH_EVERY as f64,
+        };
+        let remaining = until.saturating_sub(now) as f64 / self.retentions.slack();
+        let rate = match self.first {
+            Some((r0, t0)) if now > t0 => (self.now - r0) as f64 / (now - t0) as f64,
+            _ => 0.0,
+        };
+        (horizon / (remaining * rate).max(horizon / 2.0)).min(2.0)
     }
 
     /// Scores by `model` (default [`ReuseModel::Hyperbolic`]).
@@ -263,8 +355,16 @@ impl UseHistory {
     /// Records one request carrying `hashes` (its prompt's blocks, in
     /// order): the clock advances and every block's use count grows by one.
     pub fn record_request(&mut self, hashes: &[SequenceHash]) {
+        if self.first.is_none() {
+            self.first = Some((self.now, self.now_ms()));
+        }
         self.now += 1;
         let now = self.now;
+        if !self.retentions.is_empty() {
+            for &h in hashes {
+                self.retentions.used(h);
+            }
+        }
         for &h in hashes.iter().rev() {
             self.seq += 1;
             let seq = self.seq;
@@ -310,6 +410,10 @@ impl UseHistory {
             self.order
                 .retain(|(h, seq)| seen.get(h).is_some_and(|s| s.seq == *seq));
         }
+        if self.retentions.len() > self.capacity {
+            let seen = &self.seen;
+            self.retentions.forget_done(|h| seen.contains_key(&h));
+        }
     }
 
     /// The clock: requests recorded so far.
@@ -341,8 +445,15 @@ impl UseHistory {
         self.weights.weight(seen.count) / decay
     }
 
-    /// The score of `hash` (an unknown block counts as used once, now).
+    /// The score of `hash` (an unknown block counts as used once, now);
+    /// a block a hint keeps scores by [`kept_score`](Self::kept_score),
+    /// one marked done -1.
     pub fn score(&self, hash: SequenceHash) -> f64 {
+        match self.retained(hash) {
+            Retained::No => {}
+            Retained::Kept(until) => return self.kept_score(until),
+            Retained::Done => return DONE_SCORE,
+        }
         let seen = self.get(hash).unwrap_or(Seen {
             count: 1,
             last: self.now,
@@ -359,17 +470,30 @@ impl UseHistory {
 
 /// The pseudo-class of demoted blocks (evicted before any other).
 const DEMOTED: usize = USE_CLASSES;
+/// The pseudo-class of blocks a hint keeps (ordered by lapse, latest
+/// first).
+const KEPT: usize = USE_CLASSES + 1;
+/// The pseudo-class of blocks a hint marked done (evicted right after the
+/// demoted ones).
+const DONE: usize = USE_CLASSES + 2;
+/// Pseudo-classes and use-count classes together.
+const ALL_CLASSES: usize = USE_CLASSES + 3;
+/// The score of a block marked done.
+const DONE_SCORE: f64 = -1.0;
 
 /// A queued candidate: ordered by last use, then sequence number.
 type Key = (u64, u64, u32, u64);
 
 /// Eviction by lowest reuse score, admission by comparison with the
 /// victim. Reads use counts from a [`SharedHistory`] the tier engine feeds.
+/// Blocks a retention hint keeps or marks done rank in classes of their
+/// own (see [`crate::policy::retention`]).
 #[derive(Debug)]
 pub struct ReuseScorePolicy {
     history: SharedHistory,
-    /// One ordered set per use-count class, then the demoted blocks.
-    classes: [BTreeSet<Key>; USE_CLASSES + 1],
+    /// One ordered set per use-count class, then the demoted, kept and
+    /// done blocks.
+    classes: [BTreeSet<Key>; ALL_CLASSES],
     /// The entry the last peek named: `(class, key, hash)`.
     peeked: Option<(usize, Key, SequenceHash)>,
     /// The tier this policy ranks (for demotions).
@@ -402,10 +526,44 @@ impl ReuseScorePolicy {
         (class_of(seen.count), seen)
     }
 
+    /// Where a block belongs now, outside the demoted class: its hint's
+    /// class, or its use-count class (`None` when the history forgot it:
+    /// its queued key stands).
+    fn place(
+        history: &UseHistory,
+        hash: SequenceHash,
+        id: u32,
+        stamp: u64,
+    ) -> Option<(usize, Key)> {
+        match history.retained(hash) {
+            Retained::Done => return Some((DONE, (0, history.seq, id, stamp))),
+            Retained::Kept(until) => return Some((KEPT, (u64::MAX - until, 0, id, stamp))),
+            Retained::No => {}
+        }
+        let s = history.get(hash)?;
+        Some((class_of(s.count), (s.last, s.seq, id, stamp)))
+    }
+
+    /// Moves kept entries whose protection lapsed back to their classes.
+    fn lapse(classes: &mut [BTreeSet<Key>; ALL_CLASSES], history: &UseHistory) {
+        let now = history.now_ms();
+        while let Some(&key) = classes[KEPT].last() {
+            let until = u64::MAX - key.0;
+            if until > now {
+                break;
+            }
+            classes[KEPT].remove(&key);
+            let (_, _, id, stamp) = key;
+            // Its hash is looked up when it comes up; until then it waits
+            // in the oldest slot of its class.
+            classes[USE_CLASSES - 1].insert((0, 0, id, stamp));
+        }
+    }
+
     /// The valid head of class `c`, re-keying entries whose block was used
-    /// since they were queued; `(key, score)`.
+    /// (or hinted) since they were queued; `(key, score)`.
     fn head(
-        classes: &mut [BTreeSet<Key>; USE_CLASSES + 1],
+        classes: &mut [BTreeSet<Key>; ALL_CLASSES],
         c: usize,
         tier: Tier,
         history: &UseHistory,
@@ -425,8 +583,13 @@ impl ReuseScorePolicy {
                 }
                 // Given back by the faster tier: ranked by its score again.
                 classes[c].remove(&key);
-                let (k, s) = Self::key_for(history, hash);
-                classes[k].insert((s.last, s.seq, id, stamp));
+                match Self::place(history, hash, id, stamp) {
+                    Some((k, key)) => classes[k].insert(key),
+                    None => {
+                        let (k, s) = Self::key_for(history, hash);
+                        classes[k].insert((s.last, s.seq, id, stamp))
+                    }
+                };
                 continue;
             }
             if history.is_demoted(tier, hash) {
@@ -434,14 +597,31 @@ impl ReuseScorePolicy {
                 classes[DEMOTED].insert((0, 0, id, stamp));
                 continue;
             }
-            match history.get(hash) {
-                Some(s) if (class_of(s.count), s.last, s.seq) != (c, last, seq) => {
+            match Self::place(history, hash, id, stamp) {
+                Some((k, new)) if k != c || (c < USE_CLASSES && new != key) => {
                     classes[c].remove(&key);
-                    classes[class_of(s.count)].insert((s.last, s.seq, id, stamp));
+                    classes[k].insert(new);
                 }
-                Some(s) => return Some((key, history.score_of(s), hash)),
-                // Forgotten by the history: its queued key stands.
+                Some((k, new)) if k == KEPT && new != key => {
+                    classes[c].remove(&key);
+                    classes[k].insert(new);
+                }
+                Some(_) => {
+                    let score = match c {
+                        DONE => DONE_SCORE,
+                        KEPT => history.kept_score(u64::MAX - last),
+                        _ => history.score_of(history.get(hash).unwrap_or(Seen {
+                            count: c as u32 + 1,
+                            last,
+                            seq,
+                        })),
+                    };
+                    return Some((key, score, hash));
+                }
+                // Forgotten by the history: its queued key stands (a
+                // lapsed entry parked without a key takes the oldest).
                 None => {
+                    let c = c.min(USE_CLASSES - 1);
                     let s = Seen {
                         count: c as u32 + 1,
                         last,
@@ -456,8 +636,11 @@ impl ReuseScorePolicy {
     /// The lowest-scored evictable block: `(class, key, score, hash)`.
     fn lowest(&mut self, view: &BlockView<'_>) -> Option<(usize, Key, f64, SequenceHash)> {
         let history = self.history.lock();
+        if !self.classes[KEPT].is_empty() {
+            Self::lapse(&mut self.classes, &history);
+        }
         let mut best: Option<(usize, Key, f64, SequenceHash)> = None;
-        for c in 0..=USE_CLASSES {
+        for c in 0..ALL_CLASSES {
             if let Some((key, score, hash)) =
                 Self::head(&mut self.classes, c, self.tier, &history, view)
             {
@@ -482,23 +665,19 @@ impl EvictionPolicy for ReuseScorePolicy {
     }
 
     fn on_release(&mut self, block: BlockRef<'_>) {
-        let (c, s) = {
+        let (id, stamp) = (block.id(), block.stamp());
+        let (c, key) = {
             let history = self.history.lock();
             if history.is_demoted(self.tier, block.hash()) {
-                let seq = history.seq;
-                (
-                    DEMOTED,
-                    Seen {
-                        count: 1,
-                        last: 0,
-                        seq,
-                    },
-                )
+                (DEMOTED, (0, history.seq, id, stamp))
             } else {
-                Self::key_for(&history, block.hash())
+                Self::place(&history, block.hash(), id, stamp).unwrap_or_else(|| {
+                    let (c, s) = Self::key_for(&history, block.hash());
+                    (c, (s.last, s.seq, id, stamp))
+                })
             }
         };
-        self.classes[c].insert((s.last, s.seq, block.id(), block.stamp()));
+        self.classes[c].insert(key);
     }
 
     fn peek_victim(&mut self, view: &BlockView<'_>) -> Option<Victim> {
@@ -525,8 +704,12 @@ impl EvictionPolicy for ReuseScorePolicy {
 
     fn admit(&mut self, candidate: SequenceHash, view: &BlockView<'_>) -> bool {
         match self.lowest(view) {
-            // As the simulator: a tie admits the newcomer.
-            Some((_, _, low, _)) => self.history.lock().score(candidate) >= low,
+            // As the simulator: a tie admits the newcomer (but a block
+            // marked done never displaces another).
+            Some((_, _, low, _)) => {
+                let score = self.history.lock().score(candidate);
+                score >= low && score > DONE_SCORE
+            }
             None => false,
         }
     }
