@@ -21,8 +21,8 @@ use super::{BlockRef, BlockView, EvictionPolicy, Victim};
 enum Peeked {
     Done,
     Inner,
-    /// A set-aside entry `(until, stamp, id, key)`.
-    Aside((u64, u64, u32, u128)),
+    /// A set-aside entry `(until, !key, id, stamp)`.
+    Aside((u64, u128, u32, u64)),
 }
 
 /// G1's policy with retention hints (see the module docs).
@@ -35,8 +35,9 @@ pub struct RetainingPolicy {
     g1_within: u64,
     /// Blocks marked done, `(id, stamp)`, oldest release first.
     done: VecDeque<(u32, u64)>,
-    /// Blocks held back, ordered by lapse: `(until, stamp, id, key)`.
-    aside: BTreeSet<(u64, u64, u32, u128)>,
+    /// Blocks held back, ordered by lapse, then by the inner policy's
+    /// order (its key, inverted): `(until, !key, id, stamp)`.
+    aside: BTreeSet<(u64, u128, u32, u64)>,
     peeked: Option<Peeked>,
 }
 
@@ -80,7 +81,7 @@ impl RetainingPolicy {
         }
         // Then held-back blocks whose protection lapsed.
         while let Some(&e) = self.aside.first() {
-            let (until, stamp, id, key) = e;
+            let (until, key, id, stamp) = e;
             if view.evictable(id, stamp).is_none() {
                 self.aside.remove(&e);
                 continue;
@@ -89,7 +90,7 @@ impl RetainingPolicy {
                 break;
             }
             self.peeked = Some(Peeked::Aside(e));
-            return Some(Victim { id, key });
+            return Some(Victim { id, key: !key });
         }
         loop {
             let Some(v) = self.inner.peek_victim(view) else {
@@ -102,7 +103,7 @@ impl RetainingPolicy {
             match hold {
                 Some((until, stamp)) => {
                     self.inner.pop_victim();
-                    self.aside.insert((until, stamp, v.id, v.key));
+                    self.aside.insert((until, !v.key, v.id, stamp));
                 }
                 None => {
                     self.peeked = Some(Peeked::Inner);
@@ -110,15 +111,16 @@ impl RetainingPolicy {
                 }
             }
         }
-        // Nothing else: the held-back block that returns last.
+        // Nothing else: the held-back block that returns last (of those,
+        // the one the inner policy would have taken first).
         while let Some(&e) = self.aside.last() {
-            let (_, stamp, id, key) = e;
+            let (_, key, id, stamp) = e;
             if view.evictable(id, stamp).is_none() {
                 self.aside.remove(&e);
                 continue;
             }
             self.peeked = Some(Peeked::Aside(e));
-            return Some(Victim { id, key });
+            return Some(Victim { id, key: !key });
         }
         None
     }
@@ -182,7 +184,7 @@ impl EvictionPolicy for RetainingPolicy {
         self.done
             .retain(|&(id, stamp)| view.evictable(id, stamp).is_some());
         self.aside
-            .retain(|&(_, stamp, id, _)| view.evictable(id, stamp).is_some());
+            .retain(|&(_, _, id, stamp)| view.evictable(id, stamp).is_some());
     }
 
     fn queued(&self) -> usize {

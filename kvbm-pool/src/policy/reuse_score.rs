@@ -265,11 +265,12 @@ impl UseHistory {
         }
     }
 
-    /// The score of a block kept until `until`: the horizon over the
-    /// requests expected before it returns (its remaining protection over
-    /// the slack, at the request rate seen so far), between 0 and 2, so a
-    /// block expected back within the horizon outranks every block scored
-    /// by its history (scores at most 1) and a sooner one a later one.
+    /// The score of a block kept until `until`, from the requests `r`
+    /// expected before it returns (its remaining protection over the
+    /// slack, at the request rate seen so far) and the horizon `h`:
+    /// `2 - r / h` within the horizon, `h / r` beyond it. A block expected
+    /// back within the horizon outranks every block scored by its history
+    /// (scores at most 1), and a sooner one a later one.
     pub fn kept_score(&self, until: u64) -> f64 {
         let now = self.now_ms();
         let horizon = match &self.returns {
@@ -281,7 +282,12 @@ impl UseHistory {
             Some((r0, t0)) if now > t0 => (self.now - r0) as f64 / (now - t0) as f64,
             _ => 0.0,
         };
-        (horizon / (remaining * rate).max(horizon / 2.0)).min(2.0)
+        let requests = remaining * rate;
+        if requests <= horizon {
+            2.0 - requests / horizon
+        } else {
+            horizon / requests
+        }
     }
 
     /// Scores by `model` (default [`ReuseModel::Hyperbolic`]).
@@ -535,12 +541,16 @@ impl ReuseScorePolicy {
         id: u32,
         stamp: u64,
     ) -> Option<(usize, Key)> {
+        let seen = history.get(hash);
+        // Ties go to the deeper block (smaller sequence number): a chain
+        // loses its tail first, never a block in its middle.
+        let seq = seen.map_or(0, |s| s.seq);
         match history.retained(hash) {
-            Retained::Done => return Some((DONE, (0, history.seq, id, stamp))),
-            Retained::Kept(until) => return Some((KEPT, (u64::MAX - until, 0, id, stamp))),
+            Retained::Done => return Some((DONE, (0, seq, id, stamp))),
+            Retained::Kept(until) => return Some((KEPT, (u64::MAX - until, seq, id, stamp))),
             Retained::No => {}
         }
-        let s = history.get(hash)?;
+        let s = seen?;
         Some((class_of(s.count), (s.last, s.seq, id, stamp)))
     }
 
@@ -706,8 +716,16 @@ impl EvictionPolicy for ReuseScorePolicy {
         match self.lowest(view) {
             // As the simulator: a tie admits the newcomer (but a block
             // marked done never displaces another).
-            Some((_, _, low, _)) => {
-                let score = self.history.lock().score(candidate);
+            Some((class, key, low, _)) => {
+                let history = self.history.lock();
+                let score = history.score(candidate);
+                if score == low
+                    && class == KEPT
+                    && let Retained::Kept(until) = history.retained(candidate)
+                {
+                    // Kept both: the one that returns sooner stays.
+                    return until <= u64::MAX - key.0;
+                }
                 score >= low && score > DONE_SCORE
             }
             None => false,
