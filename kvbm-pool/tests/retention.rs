@@ -114,7 +114,7 @@ proptest! {
                         if any(|k| *k == Retained::Done) {
                             prop_assert_eq!(how, Retained::Done, "victim {}", victim);
                         }
-                        if matches!(how, Retained::Kept(_)) {
+                        if matches!(how, Retained::Kept { .. }) {
                             prop_assert!(
                                 !any(|k| *k == Retained::No),
                                 "kept block {} evicted while an unhinted one stayed",
@@ -141,7 +141,7 @@ proptest! {
             // Expired hints keep nothing.
             let u = history.lock();
             for y in 0..24u64 {
-                if let Retained::Kept(until) = u.retained(h(y)) {
+                if let Retained::Kept { until, .. } = u.retained(h(y)) {
                     prop_assert!(until > now);
                 }
             }
@@ -286,7 +286,37 @@ fn slot_hints_apply_when_the_slot_is_freed() {
         "b",
         Some(RetentionHint::ReturnsWithin(Duration::from_secs(5)))
     ));
-    // Kept for twice the hint.
-    assert_eq!(engine.retained(other[1]), Retained::Kept(110_000));
+    // Due back within 5 s, kept for twice that.
+    assert_eq!(
+        engine.retained(other[1]),
+        Retained::Kept {
+            due: 105_000,
+            until: 110_000
+        }
+    );
     assert!(!slots.free_with_hint("c", Some(RetentionHint::Done)));
+}
+
+#[test]
+fn done_hints_that_prove_wrong_are_ignored() {
+    let history = history();
+    let mut u = history.lock();
+    // Sessions said "done" and came back, again and again.
+    for k in 0..6u64 {
+        u.record_request(&[h(k)]);
+        u.retain(&[h(k)], RetentionHint::Done);
+        assert!(k > 0 || u.retained(h(0)) == Retained::Done);
+        u.record_request(&[h(k)]);
+    }
+    assert!(!u.done_trusted());
+    u.record_request(&[h(50)]);
+    u.retain(&[h(50)], RetentionHint::Done);
+    assert_eq!(u.retained(h(50)), Retained::No, "ranked by its history");
+    // Right ones restore the trust.
+    for k in 100..200u64 {
+        u.record_request(&[h(k)]);
+        u.retain(&[h(k)], RetentionHint::Done);
+    }
+    assert!(u.done_trusted());
+    assert_eq!(u.retained(h(50)), Retained::Done);
 }

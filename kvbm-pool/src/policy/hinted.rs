@@ -92,10 +92,7 @@ impl RetainingPolicy {
             self.peeked = Some(Peeked::Aside(e));
             return Some(Victim { id, key: !key });
         }
-        loop {
-            let Some(v) = self.inner.peek_victim(view) else {
-                break;
-            };
+        while let Some(v) = self.inner.peek_victim(view) {
             let hold = view.block(v.id).and_then(|b| {
                 let (until, within) = history.retentions().keep(b.hash(), now)?;
                 (within <= self.g1_within).then(|| (until, b.stamp()))

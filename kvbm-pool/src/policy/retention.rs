@@ -7,18 +7,22 @@
 //! tiers act on it:
 //!
 //! - [`RetentionHint::ReturnsWithin`] *keeps* the blocks until `T × slack`
-//!   has passed since the hint was given. While kept, a block ranks above
-//!   the blocks its tier's score would keep for their own sake, by how soon
-//!   it returns (kept blocks that return later are evicted before those
-//!   that return sooner), and G1 (write-back mode) holds back its eviction
-//!   when `T` is short. When the protection lapses the block ranks by its
+//!   has passed since the hint was given. While kept, a block due back
+//!   within the reuse score's horizon ranks above the blocks its tier's
+//!   score keeps for their own sake, by how soon it is due (kept blocks
+//!   that return later are evicted before those that return sooner), and
+//!   G1 (write-back mode) holds back its eviction when `T` is short. When the protection lapses the block ranks by its
 //!   history again, so a wrong `T` costs at most `T × slack` of
 //!   residence.
 //! - [`RetentionHint::Done`] marks the blocks first to evict and not
-//!   worth admitting into a lower tier. It only marks blocks no more
-//!   popular than the request's own deepest block (a shared system prompt,
-//!   carried by other requests too, is left alone) and none that another
-//!   request's hint keeps.
+//!   worth admitting into a full lower tier. It marks the session's own
+//!   blocks: from the deepest block toward the root while the use count
+//!   grows by at most one per block (each earlier turn carried the blocks
+//!   before it once more), so a prefix other traffic shares (a system
+//!   prompt) is left alone, and none that another request's hint keeps.
+//!   Done hints are acted on only while enough of them have not been
+//!   proven wrong (see
+//!   [`UseHistory::done_trusted`](super::UseHistory::done_trusted)).
 //!
 //! Any later request that carries a block clears its mark: a hint covers
 //! the time until the next use. Time is milliseconds of a [`HintClock`]:
@@ -65,6 +69,8 @@ pub enum Mark {
     /// Kept until this time (ms); `until` is the hint's time plus
     /// `T × slack`.
     Keep {
+        /// When the block is expected back: the hint's time plus `T`.
+        due: u64,
         /// When the protection lapses.
         until: u64,
         /// The hint's `T`, milliseconds.
@@ -126,24 +132,30 @@ impl Retentions {
             RetentionHint::ReturnsWithin(t) => {
                 let within = t.as_millis().min(u128::from(u64::MAX / 4)) as u64;
                 let until = now.saturating_add((within as f64 * self.slack).ceil() as u64);
+                let due = now.saturating_add(within);
                 for &h in hashes {
                     let keep = match self.marks.get(&h) {
                         Some(Mark::Keep { until: u, .. }) if *u >= until => continue,
-                        _ => Mark::Keep { until, within },
+                        _ => Mark::Keep { due, until, within },
                     };
                     self.marks.insert(h, keep);
                 }
             }
             RetentionHint::Done => {
-                let Some(&deepest) = hashes.last() else {
-                    return;
-                };
-                let own = uses(deepest).max(1);
-                for &h in hashes {
-                    if uses(h) > own || self.keep_until(h, now).is_some() {
-                        continue;
+                // From the deepest block toward the root, while the use
+                // count grows by at most one a block (each earlier turn of
+                // the session carried the blocks before it once more); a
+                // larger step means other traffic shares the prefix there.
+                let mut previous: Option<u32> = None;
+                for &h in hashes.iter().rev() {
+                    let count = uses(h);
+                    if previous.is_some_and(|p| count > p.saturating_add(1)) {
+                        break;
                     }
-                    self.marks.insert(h, Mark::Done);
+                    previous = Some(count);
+                    if self.keep_until(h, now).is_none() {
+                        self.marks.insert(h, Mark::Done);
+                    }
                 }
             }
         }
@@ -157,10 +169,11 @@ impl Retentions {
         }
     }
 
-    /// The time `hash` is kept until, when a live hint keeps it at `now`.
-    pub fn keep_until(&self, hash: SequenceHash, now: u64) -> Option<u64> {
+    /// When `hash` is due back and when its protection lapses, if a live
+    /// hint keeps it at `now`: `(due, until)`.
+    pub fn keep_until(&self, hash: SequenceHash, now: u64) -> Option<(u64, u64)> {
         match self.marks.get(&hash) {
-            Some(&Mark::Keep { until, .. }) if until > now => Some(until),
+            Some(&Mark::Keep { due, until, .. }) if until > now => Some((due, until)),
             _ => None,
         }
     }
@@ -168,7 +181,7 @@ impl Retentions {
     /// The live keep mark of `hash` at `now`: `(until, within)`.
     pub fn keep(&self, hash: SequenceHash, now: u64) -> Option<(u64, u64)> {
         match self.marks.get(&hash) {
-            Some(&Mark::Keep { until, within }) if until > now => Some((until, within)),
+            Some(&Mark::Keep { until, within, .. }) if until > now => Some((until, within)),
             _ => None,
         }
     }
@@ -222,8 +235,8 @@ mod tests {
             1_000,
             |_| 1,
         );
-        assert_eq!(r.keep_until(h(1), 1_000), Some(21_000));
-        assert_eq!(r.keep_until(h(2), 20_999), Some(21_000));
+        assert_eq!(r.keep_until(h(1), 1_000), Some((11_000, 21_000)));
+        assert_eq!(r.keep_until(h(2), 20_999), Some((11_000, 21_000)));
         assert_eq!(r.keep_until(h(2), 21_000), None);
         r.used(h(1));
         assert_eq!(r.keep_until(h(1), 1_000), None);
@@ -239,12 +252,22 @@ mod tests {
             0,
             |_| 1,
         );
-        // Block 1 is a shared prefix (5 uses); 2, 7 and 3 are this
-        // request's own (2 uses, like its deepest block 3).
-        let uses = |x: SequenceHash| if x == h(1) { 5 } else { 2 };
-        r.apply(&[h(1), h(2), h(7), h(3)], RetentionHint::Done, 100, uses);
+        // Block 1 is a shared prefix (9 uses); 2, 7, 3 and 4 are this
+        // session's own (3, 2, 2 and 1 uses: one turn more each).
+        let uses = |x: SequenceHash| match x.0 {
+            1 => 9,
+            2 => 3,
+            4 => 1,
+            _ => 2,
+        };
+        r.apply(
+            &[h(1), h(2), h(7), h(3), h(4)],
+            RetentionHint::Done,
+            100,
+            uses,
+        );
         assert!(!r.is_done(h(1)));
-        assert!(r.is_done(h(2)) && r.is_done(h(3)));
+        assert!(r.is_done(h(2)) && r.is_done(h(3)) && r.is_done(h(4)));
         assert!(!r.is_done(h(7)));
         assert!(r.keep_until(h(7), 100).is_some());
     }

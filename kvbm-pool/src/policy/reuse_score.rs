@@ -178,15 +178,29 @@ pub struct UseHistory {
     /// `(request clock, hint clock)` at the first recorded request: the
     /// request rate that converts a hint's time into requests.
     first: Option<(u64, u64)>,
+    /// Done hints given, and those proven wrong (a later request carried
+    /// a block they marked).
+    done_hints: (f64, f64),
 }
+
+/// Done hints are acted on while at least this share of them has proven
+/// right (a prior of four right ones included): a wrong "done" loses the
+/// session's next hit, so a source of hints that says it wrongly too often
+/// is ignored.
+const DONE_TRUST: f64 = 0.85;
 
 /// Where retention hints put a block now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Retained {
     /// No live hint: it ranks by its history.
     No,
-    /// Kept until this time (ms).
-    Kept(u64),
+    /// Kept by a hint (times in ms).
+    Kept {
+        /// When it is expected back.
+        due: u64,
+        /// When its protection lapses.
+        until: u64,
+    },
     /// First to evict.
     Done,
 }
@@ -211,6 +225,7 @@ impl UseHistory {
             retentions: Retentions::new(2.0),
             clock: HintClock::Wall(std::time::Instant::now()),
             first: None,
+            done_hints: (0.0, 0.0),
         }
     }
 
@@ -235,6 +250,9 @@ impl UseHistory {
     /// Applies a retention hint to a request's blocks (in prompt order),
     /// given now.
     pub fn retain(&mut self, hashes: &[SequenceHash], hint: RetentionHint) {
+        if hint == RetentionHint::Done {
+            self.done_hints.0 += 1.0;
+        }
         let now = self.now_ms();
         let seen = &self.seen;
         self.retentions
@@ -251,33 +269,44 @@ impl UseHistory {
         &self.retentions
     }
 
+    /// Whether done hints are acted on: at least [`DONE_TRUST`] of them
+    /// (with a prior of four right ones) have not been proven wrong.
+    pub fn done_trusted(&self) -> bool {
+        let (given, wrong) = self.done_hints;
+        (given - wrong + 4.0) / (given + 4.0) >= DONE_TRUST
+    }
+
     /// Where retention hints put `hash` now.
     pub fn retained(&self, hash: SequenceHash) -> Retained {
         if self.retentions.is_empty() {
             return Retained::No;
         }
         if self.retentions.is_done(hash) {
-            return Retained::Done;
+            return if self.done_trusted() {
+                Retained::Done
+            } else {
+                Retained::No
+            };
         }
         match self.retentions.keep_until(hash, self.now_ms()) {
-            Some(until) => Retained::Kept(until),
+            Some((due, until)) => Retained::Kept { due, until },
             None => Retained::No,
         }
     }
 
-    /// The score of a block kept until `until`, from the requests `r`
-    /// expected before it returns (its remaining protection over the
-    /// slack, at the request rate seen so far) and the horizon `h`:
+    /// The score of a kept block due back at `due`, from the requests `r`
+    /// expected before it returns (the time until `due`, at the request
+    /// rate seen so far; none once due) and the horizon `h`:
     /// `2 - r / h` within the horizon, `h / r` beyond it. A block expected
     /// back within the horizon outranks every block scored by its history
     /// (scores at most 1), and a sooner one a later one.
-    pub fn kept_score(&self, until: u64) -> f64 {
+    pub fn kept_score(&self, due: u64) -> f64 {
         let now = self.now_ms();
         let horizon = match &self.returns {
             Some(t) => t.horizon() as f64,
             None => REFRESH_EVERY as f64,
         };
-        let remaining = until.saturating_sub(now) as f64 / self.retentions.slack();
+        let remaining = due.saturating_sub(now) as f64;
         let rate = match self.first {
             Some((r0, t0)) if now > t0 => (self.now - r0) as f64 / (now - t0) as f64,
             _ => 0.0,
@@ -367,8 +396,13 @@ impl UseHistory {
         self.now += 1;
         let now = self.now;
         if !self.retentions.is_empty() {
+            let mut wrong = false;
             for &h in hashes {
+                wrong |= self.retentions.is_done(h);
                 self.retentions.used(h);
+            }
+            if wrong {
+                self.done_hints.1 += 1.0;
             }
         }
         for &h in hashes.iter().rev() {
@@ -457,7 +491,7 @@ impl UseHistory {
     pub fn score(&self, hash: SequenceHash) -> f64 {
         match self.retained(hash) {
             Retained::No => {}
-            Retained::Kept(until) => return self.kept_score(until),
+            Retained::Kept { due, .. } => return self.kept_score(due),
             Retained::Done => return DONE_SCORE,
         }
         let seen = self.get(hash).unwrap_or(Seen {
@@ -490,6 +524,27 @@ const DONE_SCORE: f64 = -1.0;
 /// A queued candidate: ordered by last use, then sequence number.
 type Key = (u64, u64, u32, u64);
 
+/// Where an entry goes: `(class, key, lapse time)` (the lapse time of a
+/// kept entry; 0 otherwise).
+type Placed = (usize, Key, u64);
+
+/// The queued entries: one ordered set per class, and the kept entries
+/// again by the time their protection lapses.
+#[derive(Debug, Default)]
+struct Queues {
+    sets: [BTreeSet<Key>; ALL_CLASSES],
+    lapses: BTreeSet<(u64, Key)>,
+}
+
+impl Queues {
+    fn insert(&mut self, (class, key, until): Placed) {
+        if class == KEPT {
+            self.lapses.insert((until, key));
+        }
+        self.sets[class].insert(key);
+    }
+}
+
 /// Eviction by lowest reuse score, admission by comparison with the
 /// victim. Reads use counts from a [`SharedHistory`] the tier engine feeds.
 /// Blocks a retention hint keeps or marks done rank in classes of their
@@ -499,7 +554,7 @@ pub struct ReuseScorePolicy {
     history: SharedHistory,
     /// One ordered set per use-count class, then the demoted, kept and
     /// done blocks.
-    classes: [BTreeSet<Key>; ALL_CLASSES],
+    classes: Queues,
     /// The entry the last peek named: `(class, key, hash)`.
     peeked: Option<(usize, Key, SequenceHash)>,
     /// The tier this policy ranks (for demotions).
@@ -517,7 +572,7 @@ impl ReuseScorePolicy {
     pub fn for_tier(history: SharedHistory, tier: Tier) -> Self {
         Self {
             history,
-            classes: std::array::from_fn(|_| BTreeSet::new()),
+            classes: Queues::default(),
             peeked: None,
             tier,
         }
@@ -535,55 +590,53 @@ impl ReuseScorePolicy {
     /// Where a block belongs now, outside the demoted class: its hint's
     /// class, or its use-count class (`None` when the history forgot it:
     /// its queued key stands).
-    fn place(
-        history: &UseHistory,
-        hash: SequenceHash,
-        id: u32,
-        stamp: u64,
-    ) -> Option<(usize, Key)> {
+    fn place(history: &UseHistory, hash: SequenceHash, id: u32, stamp: u64) -> Option<Placed> {
         let seen = history.get(hash);
         // Ties go to the deeper block (smaller sequence number): a chain
         // loses its tail first, never a block in its middle.
         let seq = seen.map_or(0, |s| s.seq);
         match history.retained(hash) {
-            Retained::Done => return Some((DONE, (0, seq, id, stamp))),
-            Retained::Kept(until) => return Some((KEPT, (u64::MAX - until, seq, id, stamp))),
+            Retained::Done => return Some((DONE, (0, seq, id, stamp), 0)),
+            Retained::Kept { due, until } => {
+                return Some((KEPT, (u64::MAX - due, seq, id, stamp), until));
+            }
             Retained::No => {}
         }
         let s = seen?;
-        Some((class_of(s.count), (s.last, s.seq, id, stamp)))
+        Some((class_of(s.count), (s.last, s.seq, id, stamp), 0))
     }
 
     /// Moves kept entries whose protection lapsed back to their classes.
-    fn lapse(classes: &mut [BTreeSet<Key>; ALL_CLASSES], history: &UseHistory) {
+    fn lapse(q: &mut Queues, history: &UseHistory) {
         let now = history.now_ms();
-        while let Some(&key) = classes[KEPT].last() {
-            let until = u64::MAX - key.0;
+        while let Some(&(until, key)) = q.lapses.first() {
             if until > now {
                 break;
             }
-            classes[KEPT].remove(&key);
-            let (_, _, id, stamp) = key;
-            // Its hash is looked up when it comes up; until then it waits
-            // in the oldest slot of its class.
-            classes[USE_CLASSES - 1].insert((0, 0, id, stamp));
+            q.lapses.remove(&(until, key));
+            if q.sets[KEPT].remove(&key) {
+                let (_, _, id, stamp) = key;
+                // Its hash is looked up when it comes up; until then it
+                // waits in the oldest slot of its class.
+                q.sets[USE_CLASSES - 1].insert((0, 0, id, stamp));
+            }
         }
     }
 
     /// The valid head of class `c`, re-keying entries whose block was used
     /// (or hinted) since they were queued; `(key, score)`.
     fn head(
-        classes: &mut [BTreeSet<Key>; ALL_CLASSES],
+        classes: &mut Queues,
         c: usize,
         tier: Tier,
         history: &UseHistory,
         view: &BlockView<'_>,
     ) -> Option<(Key, f64, SequenceHash)> {
         loop {
-            let key = *classes[c].first()?;
+            let key = *classes.sets[c].first()?;
             let (last, seq, id, stamp) = key;
             let Some(info) = view.evictable(id, stamp) else {
-                classes[c].remove(&key);
+                classes.sets[c].remove(&key);
                 continue;
             };
             let hash = info.hash();
@@ -592,29 +645,25 @@ impl ReuseScorePolicy {
                     return Some((key, f64::NEG_INFINITY, hash));
                 }
                 // Given back by the faster tier: ranked by its score again.
-                classes[c].remove(&key);
+                classes.sets[c].remove(&key);
                 match Self::place(history, hash, id, stamp) {
-                    Some((k, key)) => classes[k].insert(key),
+                    Some(placed) => classes.insert(placed),
                     None => {
                         let (k, s) = Self::key_for(history, hash);
-                        classes[k].insert((s.last, s.seq, id, stamp))
+                        classes.insert((k, (s.last, s.seq, id, stamp), 0));
                     }
                 };
                 continue;
             }
             if history.is_demoted(tier, hash) {
-                classes[c].remove(&key);
-                classes[DEMOTED].insert((0, 0, id, stamp));
+                classes.sets[c].remove(&key);
+                classes.sets[DEMOTED].insert((0, 0, id, stamp));
                 continue;
             }
             match Self::place(history, hash, id, stamp) {
-                Some((k, new)) if k != c || (c < USE_CLASSES && new != key) => {
-                    classes[c].remove(&key);
-                    classes[k].insert(new);
-                }
-                Some((k, new)) if k == KEPT && new != key => {
-                    classes[c].remove(&key);
-                    classes[k].insert(new);
+                Some((k, new, until)) if k != c || (k != DONE && new != key) => {
+                    classes.sets[c].remove(&key);
+                    classes.insert((k, new, until));
                 }
                 Some(_) => {
                     let score = match c {
@@ -646,7 +695,7 @@ impl ReuseScorePolicy {
     /// The lowest-scored evictable block: `(class, key, score, hash)`.
     fn lowest(&mut self, view: &BlockView<'_>) -> Option<(usize, Key, f64, SequenceHash)> {
         let history = self.history.lock();
-        if !self.classes[KEPT].is_empty() {
+        if !self.classes.lapses.is_empty() {
             Self::lapse(&mut self.classes, &history);
         }
         let mut best: Option<(usize, Key, f64, SequenceHash)> = None;
@@ -676,18 +725,18 @@ impl EvictionPolicy for ReuseScorePolicy {
 
     fn on_release(&mut self, block: BlockRef<'_>) {
         let (id, stamp) = (block.id(), block.stamp());
-        let (c, key) = {
+        let placed = {
             let history = self.history.lock();
             if history.is_demoted(self.tier, block.hash()) {
-                (DEMOTED, (0, history.seq, id, stamp))
+                (DEMOTED, (0, history.seq, id, stamp), 0)
             } else {
                 Self::place(&history, block.hash(), id, stamp).unwrap_or_else(|| {
                     let (c, s) = Self::key_for(&history, block.hash());
-                    (c, (s.last, s.seq, id, stamp))
+                    (c, (s.last, s.seq, id, stamp), 0)
                 })
             }
         };
-        self.classes[c].insert(key);
+        self.classes.insert(placed);
     }
 
     fn peek_victim(&mut self, view: &BlockView<'_>) -> Option<Victim> {
@@ -704,7 +753,7 @@ impl EvictionPolicy for ReuseScorePolicy {
 
     fn pop_victim(&mut self) {
         if let Some((c, key, hash)) = self.peeked.take() {
-            self.classes[c].remove(&key);
+            self.classes.sets[c].remove(&key);
             if c == DEMOTED {
                 // The redundant copy is gone: nothing left to demote here.
                 self.history.lock().clear_demoted(self.tier, hash);
@@ -721,10 +770,10 @@ impl EvictionPolicy for ReuseScorePolicy {
                 let score = history.score(candidate);
                 if score == low
                     && class == KEPT
-                    && let Retained::Kept(until) = history.retained(candidate)
+                    && let Retained::Kept { due, .. } = history.retained(candidate)
                 {
                     // Kept both: the one that returns sooner stays.
-                    return until <= u64::MAX - key.0;
+                    return due <= u64::MAX - key.0;
                 }
                 score >= low && score > DONE_SCORE
             }
@@ -733,13 +782,15 @@ impl EvictionPolicy for ReuseScorePolicy {
     }
 
     fn compact(&mut self, view: &BlockView<'_>) {
-        for class in &mut self.classes {
-            class.retain(|&(_, _, id, stamp)| view.evictable(id, stamp).is_some());
+        let live = |&(_, _, id, stamp): &Key| view.evictable(id, stamp).is_some();
+        for class in &mut self.classes.sets {
+            class.retain(live);
         }
+        self.classes.lapses.retain(|(_, key)| live(key));
     }
 
     fn queued(&self) -> usize {
-        self.classes.iter().map(BTreeSet::len).sum()
+        self.classes.sets.iter().map(BTreeSet::len).sum::<usize>() + self.classes.lapses.len()
     }
 }
 
