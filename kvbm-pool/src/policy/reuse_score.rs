@@ -269,7 +269,7 @@ impl UseHistory {
         &self.retentions
     }
 
-    /// Whether done hints are acted on: at least [`DONE_TRUST`] of them
+    /// Whether done hints are acted on: at least 85% of them
     /// (with a prior of four right ones) have not been proven wrong.
     pub fn done_trusted(&self) -> bool {
         let (given, wrong) = self.done_hints;

@@ -33,8 +33,9 @@ pub enum NextCall {
     Unknown,
 }
 
-/// Parameters of the agentic workload. [`Default`] gives about 2,200 tool
-/// calls of 300 programs and 300 chat conversations over five minutes.
+/// Parameters of the agentic workload. [`Default`] gives 300 programs
+/// (about 2,300 calls) and 300 chat conversations (about 800 requests),
+/// starting over about five minutes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AgenticConfig {
     /// Seed of the generator (the chat traffic uses `chat.seed`).

@@ -3,8 +3,10 @@
 //!
 //! The workload is kvbm-testkit's agentic generator (tool-calling programs
 //! with log-normal tool pauses among chat traffic); each program call
-//! carries a hint of the given accuracy ([`AgenticTrace::hints`]), chat
-//! requests none. The engine's hint clock follows the trace's timestamps.
+//! carries a hint of the given accuracy ([`AgenticTrace::hints`]: the
+//! truth with that probability, otherwise "done" for one continuing call
+//! in three and else a pause drawn afresh from the workload's pause
+//! distribution), chat requests none. The engine's hint clock follows the trace's timestamps.
 //! Each request is replayed as in `tier_replay` (match, onboard with every
 //! byte checked, compute the rest, release, drain the offloads), its hint
 //! given right after its match. LRU and Belady are the simulators' single
