@@ -301,7 +301,7 @@ fn slot_hints_apply_when_the_slot_is_freed() {
 fn done_hints_that_prove_wrong_are_ignored() {
     let history = history();
     let mut u = history.lock();
-    // Sessions said "done" and came back, again and again.
+    // Conversations said "done" and came back, again and again.
     for k in 0..6u64 {
         u.record_request(&[h(k)]);
         u.retain(&[h(k)], RetentionHint::Done);

@@ -125,7 +125,7 @@ impl Scheduler {
 pub enum RetentionArg {
     /// A follow-up is expected within this many seconds.
     Seconds(f64),
-    /// `"done"`: the session was closed.
+    /// `"done"`: the conversation was closed.
     Word(String),
 }
 

@@ -2,7 +2,7 @@
 //! that the cache cannot learn in time.
 //!
 //! An agent framework knows a tool call is running and the conversation
-//! will come back in about `T`; a chat front end knows a session was
+//! will come back in about `T`; a chat front end knows a conversation was
 //! closed. A [`RetentionHint`] says so for one request's blocks, and the
 //! tiers act on it:
 //!
@@ -15,7 +15,7 @@
 //!   history again, so a wrong `T` costs at most `T × slack` of
 //!   residence.
 //! - [`RetentionHint::Done`] marks the blocks first to evict and not
-//!   worth admitting into a full lower tier. It marks the session's own
+//!   worth admitting into a full lower tier. It marks the conversation's own
 //!   blocks: from the deepest block toward the root while the use count
 //!   grows by at most one per block (each earlier turn carried the blocks
 //!   before it once more), so a prefix other traffic shares (a system
@@ -40,7 +40,7 @@ pub enum RetentionHint {
     /// A follow-up that carries these blocks again is expected within this
     /// time (e.g. a tool call is running).
     ReturnsWithin(Duration),
-    /// Nothing will come back for these blocks (the session was closed).
+    /// Nothing will come back for these blocks (the conversation was closed).
     Done,
 }
 
@@ -144,7 +144,7 @@ impl Retentions {
             RetentionHint::Done => {
                 // From the deepest block toward the root, while the use
                 // count grows by at most one a block (each earlier turn of
-                // the session carried the blocks before it once more); a
+                // the conversation carried the blocks before it once more); a
                 // larger step means other traffic shares the prefix there.
                 let mut previous: Option<u32> = None;
                 for &h in hashes.iter().rev() {
@@ -253,7 +253,7 @@ mod tests {
             |_| 1,
         );
         // Block 1 is a shared prefix (9 uses); 2, 7, 3 and 4 are this
-        // session's own (3, 2, 2 and 1 uses: one turn more each).
+        // conversation's own (3, 2, 2 and 1 uses: one turn more each).
         let uses = |x: SequenceHash| match x.0 {
             1 => 9,
             2 => 3,

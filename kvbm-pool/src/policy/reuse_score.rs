@@ -185,7 +185,7 @@ pub struct UseHistory {
 
 /// Done hints are acted on while at least this share of them has proven
 /// right (a prior of four right ones included): a wrong "done" loses the
-/// session's next hit, so a source of hints that says it wrongly too often
+/// conversation's next hit, so a source of hints that says it wrongly too often
 /// is ignored.
 const DONE_TRUST: f64 = 0.85;
 

@@ -3,7 +3,7 @@
 ``{"kvbm_retention": {"returns_within_s": 30}}`` says a follow-up that
 carries this request's prefix is expected within 30 seconds (a tool call is
 running); ``{"kvbm_retention": "done"}`` says nothing will come back (the
-session was closed). kvbm ranks the request's blocks by it in every tier.
+conversation was closed). kvbm ranks the request's blocks by it in every tier.
 """
 
 from __future__ import annotations
