@@ -17,7 +17,8 @@ use std::time::Duration;
 use kvbm_block::{SequenceDigest, SequenceHash, VllmBlockHash};
 use kvbm_dist::leader::{Leader, LeaderConfig, PendingLeader, RankState};
 use kvbm_pool::tier::{
-    G1Lookup, OnboardHandle, OnboardTarget, TierEngine, TierEngineConfig, TierMover, TierPolicy,
+    G1Lookup, OnboardHandle, OnboardTarget, RetentionHint, TierEngine, TierEngineConfig, TierMover,
+    TierPolicy,
 };
 use kvbm_pool::{KvEvent, KvEventBatch, Tier};
 use parking_lot::Mutex;
@@ -191,6 +192,32 @@ impl Scheduler {
             .as_ref()
             .map(|i| Arc::clone(&i.engine))
             .ok_or(PyKvbmError::Closed("the scheduler"))
+    }
+}
+
+/// A retention hint as Python gives it: seconds until a follow-up, or
+/// `"done"`.
+#[derive(FromPyObject)]
+pub enum RetentionArg {
+    /// A follow-up is expected within this many seconds.
+    Seconds(f64),
+    /// `"done"`: the conversation was closed.
+    Word(String),
+}
+
+/// The hint `arg` names; a clear error for anything else.
+pub fn retention_hint(arg: &RetentionArg) -> Result<RetentionHint> {
+    match arg {
+        RetentionArg::Seconds(s) if s.is_finite() && *s >= 0.0 && *s < 1e9 => {
+            Ok(RetentionHint::ReturnsWithin(Duration::from_secs_f64(*s)))
+        }
+        RetentionArg::Seconds(s) => Err(PyKvbmError::Invalid(format!(
+            "retention: {s} is not a time in seconds"
+        ))),
+        RetentionArg::Word(w) if w == "done" => Ok(RetentionHint::Done),
+        RetentionArg::Word(w) => Err(PyKvbmError::Invalid(format!(
+            "retention: {w:?} is neither seconds nor \"done\""
+        ))),
     }
 }
 
@@ -468,9 +495,19 @@ impl Scheduler {
     /// Forgets the request: cancels its offloads not yet started and waits
     /// for running ones and for any onboard still writing its blocks.
     /// After it returns the engine may reuse the request's blocks. `False`
-    /// if the request was unknown.
-    fn release(&self, py: Python<'_>, request_id: &str) -> PyResult<bool> {
+    /// if the request was unknown. `retention`, seconds until a follow-up
+    /// or `"done"`, is a hint for the request's matched blocks.
+    #[pyo3(signature = (request_id, retention = None))]
+    fn release(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        retention: Option<RetentionArg>,
+    ) -> PyResult<bool> {
         let engine = self.engine()?;
+        if let Some(r) = &retention {
+            engine.hint_request(request_id, retention_hint(r)?);
+        }
         self.onboards.lock().remove(request_id);
         self.untrack(request_id);
         Ok(py.detach(|| engine.release(request_id)))
@@ -479,9 +516,18 @@ impl Scheduler {
     /// Lets the request's queued offloads run (not other requests'), then
     /// releases it, on a thread of its own; the id then shows in
     /// `poll_released`. For an engine that keeps a
-    /// finished request's blocks until kvbm read them.
-    fn release_after_offloads(&self, request_id: String) -> PyResult<()> {
+    /// finished request's blocks until kvbm read them. `retention` as in
+    /// `release`.
+    #[pyo3(signature = (request_id, retention = None))]
+    fn release_after_offloads(
+        &self,
+        request_id: String,
+        retention: Option<RetentionArg>,
+    ) -> PyResult<()> {
         let engine = self.engine()?;
+        if let Some(r) = &retention {
+            engine.hint_request(request_id.as_str(), retention_hint(r)?);
+        }
         self.onboards.lock().remove(&request_id);
         self.untrack(&request_id);
         let released = Arc::clone(&self.released);

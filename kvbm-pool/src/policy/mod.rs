@@ -13,21 +13,26 @@
 //! when stale entries pile up, so memory stays bounded.
 
 mod frequency;
+mod hinted;
 mod lineage;
 mod lru;
 mod priority;
+pub mod retention;
 mod return_within;
 mod reuse_score;
 mod sketch;
 mod spill;
 
 pub use frequency::FrequencyPolicy;
+pub use hinted::RetainingPolicy;
 pub use lineage::LeafFirstPolicy;
 pub use lru::LruPolicy;
 pub use priority::{PolicyFactory, Prioritized};
+pub use retention::{HintClock, RetentionHint, Retentions};
 pub use return_within::ReturnTable;
 pub use reuse_score::{
-    ReuseModel, ReuseScorePolicy, ReuseWeights, Seen, SharedHistory, USE_CLASSES, UseHistory,
+    Retained, ReuseModel, ReuseScorePolicy, ReuseWeights, Seen, SharedHistory, USE_CLASSES,
+    UseHistory,
 };
 pub use sketch::CountMinSketch;
 pub use spill::{Evicted, SpillRecorder, VictimLog};

@@ -39,6 +39,7 @@ use std::sync::Arc;
 use kvbm_block::SequenceHash;
 use parking_lot::Mutex;
 
+use super::retention::{HintClock, RetentionHint, Retentions};
 use super::return_within::ReturnTable;
 use super::{BlockRef, BlockView, EvictionPolicy, Victim};
 use crate::config::Tier;
@@ -200,6 +201,38 @@ pub struct UseHistory {
     demoted: SeqMap<u8>,
     /// The return-within model's table, when that is the score.
     returns: Option<ReturnTable>,
+    /// Marks left by retention hints.
+    retentions: Retentions,
+    /// The hints' time base.
+    clock: HintClock,
+    /// `(request clock, hint clock)` at the first recorded request: the
+    /// request rate that converts a hint's time into requests.
+    first: Option<(u64, u64)>,
+    /// Done hints given, and those proven wrong (a later request carried
+    /// a block they marked).
+    done_hints: (f64, f64),
+}
+
+/// Done hints are acted on while at least this share of them has proven
+/// right (a prior of four right ones included): a wrong "done" loses the
+/// conversation's next hit, so a source of hints that says it wrongly too often
+/// is ignored.
+const DONE_TRUST: f64 = 0.85;
+
+/// Where retention hints put a block now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Retained {
+    /// No live hint: it ranks by its history.
+    No,
+    /// Kept by a hint (times in ms).
+    Kept {
+        /// When it is expected back.
+        due: u64,
+        /// When its protection lapses.
+        until: u64,
+    },
+    /// First to evict.
+    Done,
 }
 
 /// A [`UseHistory`] behind a lock, as the engine and policies share it.
@@ -219,6 +252,100 @@ impl UseHistory {
             age_exponent: 1.0,
             demoted: SeqMap::default(),
             returns: None,
+            retentions: Retentions::new(2.0),
+            clock: HintClock::Wall(std::time::Instant::now()),
+            first: None,
+            done_hints: (0.0, 0.0),
+        }
+    }
+
+    /// Protections of [`RetentionHint::ReturnsWithin`] last `slack` times
+    /// the hinted time (default 2, at least 1).
+    pub fn with_hint_slack(mut self, slack: f64) -> Self {
+        self.retentions = Retentions::new(slack);
+        self
+    }
+
+    /// Sets the hints' time base (default: the wall clock since the
+    /// history was made).
+    pub fn set_clock(&mut self, clock: HintClock) {
+        self.clock = clock;
+    }
+
+    /// The hints' clock, milliseconds.
+    pub fn now_ms(&self) -> u64 {
+        self.clock.now_ms()
+    }
+
+    /// Applies a retention hint to a request's blocks (in prompt order),
+    /// given now.
+    pub fn retain(&mut self, hashes: &[SequenceHash], hint: RetentionHint) {
+        if hint == RetentionHint::Done {
+            self.done_hints.0 += 1.0;
+        }
+        let now = self.now_ms();
+        let seen = &self.seen;
+        self.retentions
+            .apply(hashes, hint, now, |h| seen.get(&h).map_or(0, |s| s.count));
+    }
+
+    /// Whether any block carries a hint's mark.
+    pub fn has_retentions(&self) -> bool {
+        !self.retentions.is_empty()
+    }
+
+    /// The hints' marks.
+    pub fn retentions(&self) -> &Retentions {
+        &self.retentions
+    }
+
+    /// Whether done hints are acted on: at least 85% of them
+    /// (with a prior of four right ones) have not been proven wrong.
+    pub fn done_trusted(&self) -> bool {
+        let (given, wrong) = self.done_hints;
+        (given - wrong + 4.0) / (given + 4.0) >= DONE_TRUST
+    }
+
+    /// Where retention hints put `hash` now.
+    pub fn retained(&self, hash: SequenceHash) -> Retained {
+        if self.retentions.is_empty() {
+            return Retained::No;
+        }
+        if self.retentions.is_done(hash) {
+            return if self.done_trusted() {
+                Retained::Done
+            } else {
+                Retained::No
+            };
+        }
+        match self.retentions.keep_until(hash, self.now_ms()) {
+            Some((due, until)) => Retained::Kept { due, until },
+            None => Retained::No,
+        }
+    }
+
+    /// The score of a kept block due back at `due`, from the requests `r`
+    /// expected before it returns (the time until `due`, at the request
+    /// rate seen so far; none once due) and the horizon `h`:
+    /// `2 - r / h` within the horizon, `h / r` beyond it. A block expected
+    /// back within the horizon outranks every block scored by its history
+    /// (scores at most 1), and a sooner one a later one.
+    pub fn kept_score(&self, due: u64) -> f64 {
+        let now = self.now_ms();
+        let horizon = match &self.returns {
+            Some(t) => t.horizon() as f64,
+            None => REFRESH_EVERY as f64,
+        };
+        let remaining = due.saturating_sub(now) as f64;
+        let rate = match self.first {
+            Some((r0, t0)) if now > t0 => (self.now - r0) as f64 / (now - t0) as f64,
+            _ => 0.0,
+        };
+        let requests = remaining * rate;
+        if requests <= horizon {
+            2.0 - requests / horizon
+        } else {
+            horizon / requests
         }
     }
 
@@ -293,8 +420,21 @@ impl UseHistory {
     /// Records one request carrying `hashes` (its prompt's blocks, in
     /// order): the clock advances and every block's use count grows by one.
     pub fn record_request(&mut self, hashes: &[SequenceHash]) {
+        if self.first.is_none() {
+            self.first = Some((self.now, self.now_ms()));
+        }
         self.now += 1;
         let now = self.now;
+        if !self.retentions.is_empty() {
+            let mut wrong = false;
+            for &h in hashes {
+                wrong |= self.retentions.is_done(h);
+                self.retentions.used(h);
+            }
+            if wrong {
+                self.done_hints.1 += 1.0;
+            }
+        }
         for &h in hashes.iter().rev() {
             self.seq += 1;
             let seq = self.seq;
@@ -340,6 +480,10 @@ impl UseHistory {
             self.order
                 .retain(|(h, seq)| seen.get(h).is_some_and(|s| s.seq == *seq));
         }
+        if self.retentions.len() > self.capacity {
+            let seen = &self.seen;
+            self.retentions.forget_done(|h| seen.contains_key(&h));
+        }
     }
 
     /// The clock: requests recorded so far.
@@ -371,8 +515,15 @@ impl UseHistory {
         self.weights.weight(seen.count) / decay
     }
 
-    /// The score of `hash` (an unknown block counts as used once, now).
+    /// The score of `hash` (an unknown block counts as used once, now);
+    /// a block a hint keeps scores by [`kept_score`](Self::kept_score),
+    /// one marked done -1.
     pub fn score(&self, hash: SequenceHash) -> f64 {
+        match self.retained(hash) {
+            Retained::No => {}
+            Retained::Kept { due, .. } => return self.kept_score(due),
+            Retained::Done => return DONE_SCORE,
+        }
         let seen = self.get(hash).unwrap_or(Seen {
             count: 1,
             last: self.now,
@@ -389,17 +540,51 @@ impl UseHistory {
 
 /// The pseudo-class of demoted blocks (evicted before any other).
 const DEMOTED: usize = USE_CLASSES;
+/// The pseudo-class of blocks a hint keeps (ordered by lapse, latest
+/// first).
+const KEPT: usize = USE_CLASSES + 1;
+/// The pseudo-class of blocks a hint marked done (evicted right after the
+/// demoted ones).
+const DONE: usize = USE_CLASSES + 2;
+/// Pseudo-classes and use-count classes together.
+const ALL_CLASSES: usize = USE_CLASSES + 3;
+/// The score of a block marked done.
+const DONE_SCORE: f64 = -1.0;
 
 /// A queued candidate: ordered by last use, then sequence number.
 type Key = (u64, u64, u32, u64);
 
+/// Where an entry goes: `(class, key, lapse time)` (the lapse time of a
+/// kept entry; 0 otherwise).
+type Placed = (usize, Key, u64);
+
+/// The queued entries: one ordered set per class, and the kept entries
+/// again by the time their protection lapses.
+#[derive(Debug, Default)]
+struct Queues {
+    sets: [BTreeSet<Key>; ALL_CLASSES],
+    lapses: BTreeSet<(u64, Key)>,
+}
+
+impl Queues {
+    fn insert(&mut self, (class, key, until): Placed) {
+        if class == KEPT {
+            self.lapses.insert((until, key));
+        }
+        self.sets[class].insert(key);
+    }
+}
+
 /// Eviction by lowest reuse score, admission by comparison with the
 /// victim. Reads use counts from a [`SharedHistory`] the tier engine feeds.
+/// Blocks a retention hint keeps or marks done rank in classes of their
+/// own (see [`crate::policy::retention`]).
 #[derive(Debug)]
 pub struct ReuseScorePolicy {
     history: SharedHistory,
-    /// One ordered set per use-count class, then the demoted blocks.
-    classes: [BTreeSet<Key>; USE_CLASSES + 1],
+    /// One ordered set per use-count class, then the demoted, kept and
+    /// done blocks.
+    classes: Queues,
     /// The entry the last peek named: `(class, key, hash)`.
     peeked: Option<(usize, Key, SequenceHash)>,
     /// The tier this policy ranks (for demotions).
@@ -417,7 +602,7 @@ impl ReuseScorePolicy {
     pub fn for_tier(history: SharedHistory, tier: Tier) -> Self {
         Self {
             history,
-            classes: std::array::from_fn(|_| BTreeSet::new()),
+            classes: Queues::default(),
             peeked: None,
             tier,
         }
@@ -432,20 +617,56 @@ impl ReuseScorePolicy {
         (class_of(seen.count), seen)
     }
 
+    /// Where a block belongs now, outside the demoted class: its hint's
+    /// class, or its use-count class (`None` when the history forgot it:
+    /// its queued key stands).
+    fn place(history: &UseHistory, hash: SequenceHash, id: u32, stamp: u64) -> Option<Placed> {
+        let seen = history.get(hash);
+        // Ties go to the deeper block (smaller sequence number): a chain
+        // loses its tail first, never a block in its middle.
+        let seq = seen.map_or(0, |s| s.seq);
+        match history.retained(hash) {
+            Retained::Done => return Some((DONE, (0, seq, id, stamp), 0)),
+            Retained::Kept { due, until } => {
+                return Some((KEPT, (u64::MAX - due, seq, id, stamp), until));
+            }
+            Retained::No => {}
+        }
+        let s = seen?;
+        Some((class_of(s.count), (s.last, s.seq, id, stamp), 0))
+    }
+
+    /// Moves kept entries whose protection lapsed back to their classes.
+    fn lapse(q: &mut Queues, history: &UseHistory) {
+        let now = history.now_ms();
+        while let Some(&(until, key)) = q.lapses.first() {
+            if until > now {
+                break;
+            }
+            q.lapses.remove(&(until, key));
+            if q.sets[KEPT].remove(&key) {
+                let (_, _, id, stamp) = key;
+                // Its hash is looked up when it comes up; until then it
+                // waits in the oldest slot of its class.
+                q.sets[USE_CLASSES - 1].insert((0, 0, id, stamp));
+            }
+        }
+    }
+
     /// The valid head of class `c`, re-keying entries whose block was used
-    /// since they were queued; `(key, score)`.
+    /// (or hinted) since they were queued; `(key, score)`.
     fn head(
-        classes: &mut [BTreeSet<Key>; USE_CLASSES + 1],
+        classes: &mut Queues,
         c: usize,
         tier: Tier,
         history: &UseHistory,
         view: &BlockView<'_>,
     ) -> Option<(Key, f64, SequenceHash)> {
         loop {
-            let key = *classes[c].first()?;
+            let key = *classes.sets[c].first()?;
             let (last, seq, id, stamp) = key;
             let Some(info) = view.evictable(id, stamp) else {
-                classes[c].remove(&key);
+                classes.sets[c].remove(&key);
                 continue;
             };
             let hash = info.hash();
@@ -454,24 +675,42 @@ impl ReuseScorePolicy {
                     return Some((key, f64::NEG_INFINITY, hash));
                 }
                 // Given back by the faster tier: ranked by its score again.
-                classes[c].remove(&key);
-                let (k, s) = Self::key_for(history, hash);
-                classes[k].insert((s.last, s.seq, id, stamp));
+                classes.sets[c].remove(&key);
+                match Self::place(history, hash, id, stamp) {
+                    Some(placed) => classes.insert(placed),
+                    None => {
+                        let (k, s) = Self::key_for(history, hash);
+                        classes.insert((k, (s.last, s.seq, id, stamp), 0));
+                    }
+                };
                 continue;
             }
             if history.is_demoted(tier, hash) {
-                classes[c].remove(&key);
-                classes[DEMOTED].insert((0, 0, id, stamp));
+                classes.sets[c].remove(&key);
+                classes.sets[DEMOTED].insert((0, 0, id, stamp));
                 continue;
             }
-            match history.get(hash) {
-                Some(s) if (class_of(s.count), s.last, s.seq) != (c, last, seq) => {
-                    classes[c].remove(&key);
-                    classes[class_of(s.count)].insert((s.last, s.seq, id, stamp));
+            match Self::place(history, hash, id, stamp) {
+                Some((k, new, until)) if k != c || (k != DONE && new != key) => {
+                    classes.sets[c].remove(&key);
+                    classes.insert((k, new, until));
                 }
-                Some(s) => return Some((key, history.score_of(s), hash)),
-                // Forgotten by the history: its queued key stands.
+                Some(_) => {
+                    let score = match c {
+                        DONE => DONE_SCORE,
+                        KEPT => history.kept_score(u64::MAX - last),
+                        _ => history.score_of(history.get(hash).unwrap_or(Seen {
+                            count: c as u32 + 1,
+                            last,
+                            seq,
+                        })),
+                    };
+                    return Some((key, score, hash));
+                }
+                // Forgotten by the history: its queued key stands (a
+                // lapsed entry parked without a key takes the oldest).
                 None => {
+                    let c = c.min(USE_CLASSES - 1);
                     let s = Seen {
                         count: c as u32 + 1,
                         last,
@@ -486,8 +725,11 @@ impl ReuseScorePolicy {
     /// The lowest-scored evictable block: `(class, key, score, hash)`.
     fn lowest(&mut self, view: &BlockView<'_>) -> Option<(usize, Key, f64, SequenceHash)> {
         let history = self.history.lock();
+        if !self.classes.lapses.is_empty() {
+            Self::lapse(&mut self.classes, &history);
+        }
         let mut best: Option<(usize, Key, f64, SequenceHash)> = None;
-        for c in 0..=USE_CLASSES {
+        for c in 0..ALL_CLASSES {
             if let Some((key, score, hash)) =
                 Self::head(&mut self.classes, c, self.tier, &history, view)
             {
@@ -512,23 +754,19 @@ impl EvictionPolicy for ReuseScorePolicy {
     }
 
     fn on_release(&mut self, block: BlockRef<'_>) {
-        let (c, s) = {
+        let (id, stamp) = (block.id(), block.stamp());
+        let placed = {
             let history = self.history.lock();
             if history.is_demoted(self.tier, block.hash()) {
-                let seq = history.seq;
-                (
-                    DEMOTED,
-                    Seen {
-                        count: 1,
-                        last: 0,
-                        seq,
-                    },
-                )
+                (DEMOTED, (0, history.seq, id, stamp), 0)
             } else {
-                Self::key_for(&history, block.hash())
+                Self::place(&history, block.hash(), id, stamp).unwrap_or_else(|| {
+                    let (c, s) = Self::key_for(&history, block.hash());
+                    (c, (s.last, s.seq, id, stamp), 0)
+                })
             }
         };
-        self.classes[c].insert((s.last, s.seq, block.id(), block.stamp()));
+        self.classes.insert(placed);
     }
 
     fn peek_victim(&mut self, view: &BlockView<'_>) -> Option<Victim> {
@@ -545,7 +783,7 @@ impl EvictionPolicy for ReuseScorePolicy {
 
     fn pop_victim(&mut self) {
         if let Some((c, key, hash)) = self.peeked.take() {
-            self.classes[c].remove(&key);
+            self.classes.sets[c].remove(&key);
             if c == DEMOTED {
                 // The redundant copy is gone: nothing left to demote here.
                 self.history.lock().clear_demoted(self.tier, hash);
@@ -555,20 +793,34 @@ impl EvictionPolicy for ReuseScorePolicy {
 
     fn admit(&mut self, candidate: SequenceHash, view: &BlockView<'_>) -> bool {
         match self.lowest(view) {
-            // As the simulator: a tie admits the newcomer.
-            Some((_, _, low, _)) => self.history.lock().score(candidate) >= low,
+            // As the simulator: a tie admits the newcomer (but a block
+            // marked done never displaces another).
+            Some((class, key, low, _)) => {
+                let history = self.history.lock();
+                let score = history.score(candidate);
+                if score == low
+                    && class == KEPT
+                    && let Retained::Kept { due, .. } = history.retained(candidate)
+                {
+                    // Kept both: the one that returns sooner stays.
+                    return due <= u64::MAX - key.0;
+                }
+                score >= low && score > DONE_SCORE
+            }
             None => false,
         }
     }
 
     fn compact(&mut self, view: &BlockView<'_>) {
-        for class in &mut self.classes {
-            class.retain(|&(_, _, id, stamp)| view.evictable(id, stamp).is_some());
+        let live = |&(_, _, id, stamp): &Key| view.evictable(id, stamp).is_some();
+        for class in &mut self.classes.sets {
+            class.retain(live);
         }
+        self.classes.lapses.retain(|(_, key)| live(key));
     }
 
     fn queued(&self) -> usize {
-        self.classes.iter().map(BTreeSet::len).sum()
+        self.classes.sets.iter().map(BTreeSet::len).sum::<usize>() + self.classes.lapses.len()
     }
 }
 

@@ -15,6 +15,12 @@
 //! | [`commit_blocks`](SlotManager::commit_blocks) | `save_kv_layer` / `wait_for_save` | `register computed blocks` |
 //! | [`free`](SlotManager::free) | `request_finished` | `free` |
 //!
+//! A request may carry a retention hint ([`RetentionHint`]: "a follow-up
+//! comes within T", "done"), given with
+//! [`set_retention`](SlotManager::set_retention) at any time or with
+//! [`free_with_hint`](SlotManager::free_with_hint); it applies to every
+//! block of the slot (prompt and committed) when the slot is freed.
+//!
 //! Every call is keyed by the engine's request id and is `Send + Sync`.
 
 use std::collections::HashMap;
@@ -24,7 +30,9 @@ use kvbm_block::SequenceHash;
 use parking_lot::Mutex;
 
 use crate::pool::{ImmutableBlock, MutableBlock};
-use crate::tier::{G1Lookup, OnboardHandle, OnboardTarget, RequestId, TierEngine, TierError};
+use crate::tier::{
+    G1Lookup, OnboardHandle, OnboardTarget, RequestId, RetentionHint, TierEngine, TierError,
+};
 
 /// What kvbm found for a new request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,6 +74,8 @@ struct Slot {
     external: usize,
     onboard: Option<OnboardHandle>,
     onboard_started: bool,
+    /// The hint to give the slot's blocks when it is freed.
+    retention: Option<RetentionHint>,
 }
 
 /// The per-request API over a [`TierEngine`].
@@ -123,6 +133,7 @@ impl SlotManager {
             external,
             onboard: None,
             onboard_started: false,
+            retention: None,
         };
         self.slots.lock().insert(request, slot);
         Ok(SlotMatch {
@@ -314,8 +325,42 @@ impl SlotManager {
     /// ones stay cached in G1, and in G2/G3 where offloaded). `false` if
     /// the request was unknown.
     pub fn free(&self, request: impl Into<RequestId>) -> bool {
+        self.free_with_hint(request, None)
+    }
+
+    /// Sets the retention hint the slot's blocks get when it is freed
+    /// (the latest call wins). An error if the request is unknown.
+    pub fn set_retention(
+        &self,
+        request: impl Into<RequestId>,
+        hint: RetentionHint,
+    ) -> Result<(), TierError> {
+        let request = request.into();
+        let mut slots = self.slots.lock();
+        let slot = slots
+            .get_mut(&request)
+            .ok_or(TierError::UnknownRequest(request))?;
+        slot.retention = Some(hint);
+        Ok(())
+    }
+
+    /// [`free`](Self::free), giving the slot's blocks `hint` (or the one
+    /// set with [`set_retention`](Self::set_retention) when `None`) before
+    /// they become evictable.
+    pub fn free_with_hint(
+        &self,
+        request: impl Into<RequestId>,
+        hint: Option<RetentionHint>,
+    ) -> bool {
         let request = request.into();
         let slot = self.slots.lock().remove(&request);
+        match (&slot, hint.or(slot.as_ref().and_then(|s| s.retention))) {
+            (Some(s), Some(h)) => self.engine.retain(&s.hashes, h),
+            (None, Some(h)) => {
+                self.engine.hint_request(&request, h);
+            }
+            (_, None) => {}
+        }
         let known = self.engine.release(&request);
         slot.is_some() || known
     }

@@ -140,6 +140,18 @@ pub struct TierEngineConfig {
     /// blocks used often long ago keep their rank, the right choice when
     /// reuse gaps are long compared with the cache's turnover.
     pub reuse_age_exponent: f64,
+    /// A [`RetentionHint::ReturnsWithin`](crate::policy::RetentionHint)
+    /// keeps blocks for this many times the hinted time, then lets them
+    /// rank by their history again. More slack forgives hints that come
+    /// back late; less limits what a wrong hint costs (at most `slack × T`
+    /// of a block's residence).
+    pub hint_slack: f64,
+    /// G1 (write-back mode) holds back the eviction of hinted blocks whose
+    /// hinted time is at most this; longer hints are left to G2 and G3,
+    /// whose scores rank them by how soon they return. Longer keeps more
+    /// follow-ups' prefixes in GPU memory (no onboard), at the price of G1
+    /// room for everything else.
+    pub hint_g1_within: std::time::Duration,
 }
 
 impl TierEngineConfig {
@@ -148,7 +160,9 @@ impl TierEngineConfig {
     /// requests, write-back from G1 (G2 receives G1's victims), LRU
     /// leaf-first G1, direct G3 onboarding, batches of 64, batches of at
     /// least 64 MiB, four batches in flight, a queue of 4096 blocks, a
-    /// history of the resident blocks and 4× the total capacity more.
+    /// history of the resident blocks and 4× the total capacity more;
+    /// retention hints keep blocks for twice their hinted time, and G1
+    /// holds back hints of up to 30 s.
     pub fn new(block_size: usize) -> Self {
         Self {
             block_size,
@@ -164,7 +178,21 @@ impl TierEngineConfig {
             history_factor: 4.0,
             reuse_model: ReuseModel::ReturnWithin { horizon: 350 },
             reuse_age_exponent: 1.0,
+            hint_slack: 2.0,
+            hint_g1_within: std::time::Duration::from_secs(30),
         }
+    }
+
+    /// Sets how long hints keep blocks, in multiples of the hinted time.
+    pub fn hint_slack(mut self, slack: f64) -> Self {
+        self.hint_slack = slack;
+        self
+    }
+
+    /// Sets the longest hinted time G1 holds blocks back for.
+    pub fn hint_g1_within(mut self, within: std::time::Duration) -> Self {
+        self.hint_g1_within = within;
+        self
     }
 
     /// Sets the G2 policy.
@@ -257,6 +285,9 @@ impl TierEngineConfig {
         }
         if !(self.history_factor.is_finite() && self.history_factor >= 0.0) {
             return Err("history_factor must be finite and non-negative".into());
+        }
+        if !(self.hint_slack.is_finite() && self.hint_slack >= 1.0) {
+            return Err("hint_slack must be at least 1".into());
         }
         if let ReuseModel::ReturnWithin { horizon: 0 } = self.reuse_model {
             return Err("the return-within horizon must be at least 1 request".into());

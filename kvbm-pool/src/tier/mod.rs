@@ -53,6 +53,7 @@ mod shape;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Receiver;
 use std::thread::JoinHandle;
 
@@ -73,11 +74,11 @@ pub use shape::{Dtype, KvShape};
 use crate::config::{EvictionKind, PoolConfig, Tier};
 use crate::events::KvEventBatch;
 use crate::metrics::{EngineMetrics, TierStats};
-pub use crate::policy::ReuseModel;
 use crate::policy::{
-    EvictionPolicy, FrequencyPolicy, LeafFirstPolicy, LruPolicy, ReuseScorePolicy, SharedHistory,
-    SpillRecorder, UseHistory, VictimLog,
+    EvictionPolicy, FrequencyPolicy, LeafFirstPolicy, LruPolicy, RetainingPolicy, ReuseScorePolicy,
+    SharedHistory, SpillRecorder, UseHistory, VictimLog,
 };
+pub use crate::policy::{HintClock, RetentionHint, ReuseModel};
 use crate::pool::{BlockPool, CompleteBlock, ImmutableBlocks, MutableBlock, WeakBlock};
 
 /// Allocates G1 blocks, saving G1's victims to G2 first in write-back mode.
@@ -151,6 +152,9 @@ pub(crate) struct Shared {
     /// Requests with engine-owned G1 blocks queued for offload.
     pub(crate) engine_guards: Mutex<HashMap<RequestId, Arc<offload::EngineGuard>>>,
     pub(crate) metrics: EngineMetrics,
+    /// Set once a retention hint was given (G1's policy forwards until
+    /// then).
+    pub(crate) hinted: Arc<AtomicBool>,
 }
 
 /// The tier engine. `Send + Sync`; share it behind an `Arc`. Dropping it
@@ -226,8 +230,10 @@ impl TierEngine {
         let history = Arc::new(Mutex::new(
             UseHistory::new(total.saturating_add(ghosts))
                 .with_model(config.reuse_model)
-                .with_age_exponent(config.reuse_age_exponent),
+                .with_age_exponent(config.reuse_age_exponent)
+                .with_hint_slack(config.hint_slack),
         ));
+        let hinted = Arc::new(AtomicBool::new(false));
         let bs = config.block_size;
         let g1_victims = (config.offload_mode == OffloadMode::WriteBack).then(VictimLog::default);
         let g1 = {
@@ -245,6 +251,12 @@ impl TierEngine {
                             Box::new(FrequencyPolicy::new(capacity, sample))
                         }
                     };
+                    let inner = Box::new(RetainingPolicy::new(
+                        inner,
+                        Arc::clone(&history),
+                        Arc::clone(&hinted),
+                        config.hint_g1_within,
+                    ));
                     let policy = Box::new(SpillRecorder::new(inner, Arc::clone(log)));
                     BlockPool::with_policy(pool_config, policy)?
                 }
@@ -292,6 +304,7 @@ impl TierEngine {
             offload: offload::OffloadQueue::default(),
             engine_guards: Mutex::default(),
             metrics: EngineMetrics::default(),
+            hinted,
         });
         let worker = {
             let shared = Arc::clone(&shared);
@@ -488,6 +501,60 @@ impl TierEngine {
         }
         shared.g2_victims.lock().clear();
         n
+    }
+
+    /// Gives a retention hint for `hashes` (a request's blocks, in prompt
+    /// order), as of now on the hint clock. Every tier's admission and
+    /// eviction use it (see [`crate::policy::retention`]): G2 and G3 with
+    /// the reuse-score policy, G1 in write-back mode. Any later request
+    /// carrying a block spends its hint.
+    pub fn retain(&self, hashes: &[SequenceHash], hint: RetentionHint) {
+        self.shared.hinted.store(true, Ordering::Relaxed);
+        self.shared.history.lock().retain(hashes, hint);
+        // Blocks already evictable are queued by their old rank: restamp
+        // them in the tiers that rank by hints, so they are queued again.
+        let config = &self.shared.config;
+        if config.offload_mode == OffloadMode::WriteBack {
+            self.shared.g1.pool.touch(hashes);
+        }
+        for (tier, policy) in [
+            (&self.shared.g2, config.g2_policy),
+            (&self.shared.g3, config.g3_policy),
+        ] {
+            if let Some(t) = tier
+                && policy == TierPolicy::ReuseScore
+            {
+                t.pool.touch(hashes);
+            }
+        }
+    }
+
+    /// Gives a retention hint for the blocks of a matched request (its
+    /// prompt's hashes as matched). Give it before the request's blocks
+    /// are released, so that each tier ranks them by it as they become
+    /// evictable. `false` if the request is unknown.
+    pub fn hint_request(&self, request: impl Into<RequestId>, hint: RetentionHint) -> bool {
+        let request = request.into();
+        let hashes = match self.shared.requests.lock().get(&request) {
+            Some(state) => state.hashes.clone(),
+            None => return false,
+        };
+        self.retain(&hashes, hint);
+        true
+    }
+
+    /// Where retention hints put `hash` now.
+    pub fn retained(&self, hash: SequenceHash) -> crate::policy::Retained {
+        self.shared.history.lock().retained(hash)
+    }
+
+    /// Sets the hint clock to `now` (e.g. a replay's trace timestamp, from
+    /// its start). From the first call on, hints count time by these calls
+    /// instead of the wall clock; times should not go backwards (an
+    /// earlier time only makes protections last longer).
+    pub fn set_time(&self, now: std::time::Duration) {
+        let ms = now.as_millis().min(u128::from(u64::MAX)) as u64;
+        self.shared.history.lock().set_clock(HintClock::Manual(ms));
     }
 
     /// Forgets a request and drops everything it holds. When its onboard

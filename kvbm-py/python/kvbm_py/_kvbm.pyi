@@ -103,13 +103,15 @@ class Scheduler:
         """Queues the engine's full blocks (consecutive along the prompt,
         ``parent`` the hash of the block before the first) for offload to
         G2. Their bytes must stay unchanged until the request is released."""
-    def release(self, request_id: str) -> bool:
+    def release(self, request_id: str, retention: float | str | None = None) -> bool:
         """Forgets the request: cancels offloads not started, waits for
         running copies and any onboard into its blocks. ``False`` if
-        unknown."""
-    def release_after_offloads(self, request_id: str) -> None:
+        unknown. ``retention`` (seconds until a follow-up, or ``"done"``)
+        is a hint for the request's matched blocks."""
+    def release_after_offloads(self, request_id: str, retention: float | str | None = None) -> None:
         """Lets the queued offloads run, then releases, on a thread; the id
-        then shows in :meth:`poll_released`."""
+        then shows in :meth:`poll_released`. ``retention`` as in
+        :meth:`release`."""
     def poll_released(self) -> list[str]:
         """Request ids whose deferred release finished since the last poll."""
     def flush(self) -> None:

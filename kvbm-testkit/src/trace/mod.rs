@@ -7,15 +7,19 @@
 //! prefix, exactly as kvbm's sequence hashes do, so a trace can drive the
 //! cache simulators and the replay benchmark of kvbm-bench.
 //!
-//! Two sources: the public Mooncake traces ([`mooncake`], JSONL, 512-token
-//! blocks) and a deterministic synthetic multi-turn workload
-//! ([`synthetic`]) that needs no data files. A trace read from a file is
-//! checked for consistency across its lines ([`validate`]).
+//! Three sources: the public Mooncake traces ([`mooncake`], JSONL, 512-token
+//! blocks), a deterministic synthetic multi-turn workload ([`synthetic`])
+//! that needs no data files, and an agentic mode of it ([`agentic`]: tool
+//! loops with heavy-tailed pauses among chat traffic, each request knowing
+//! when its program calls next). A trace read from a file is checked for
+//! consistency across its lines ([`validate`]).
 
+pub mod agentic;
 pub mod mooncake;
 pub mod synthetic;
 pub mod validate;
 
+pub use agentic::{AgenticConfig, AgenticTrace, NextCall, generate_agentic};
 pub use mooncake::{LineError, MooncakeReader, TraceError, read_mooncake};
 pub use synthetic::{SyntheticConfig, generate_synthetic};
 pub use validate::{ChainError, ChainValidator};

@@ -64,10 +64,10 @@ impl Default for SyntheticConfig {
 }
 
 /// SplitMix64: tiny, fast, and fixed forever.
-struct SplitMix64(u64);
+pub(crate) struct SplitMix64(pub(crate) u64);
 
 impl SplitMix64 {
-    fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -76,16 +76,16 @@ impl SplitMix64 {
     }
 
     /// Uniform in (0, 1].
-    fn unit(&mut self) -> f64 {
+    pub(crate) fn unit(&mut self) -> f64 {
         ((self.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64
     }
 
-    fn exponential(&mut self, mean: f64) -> f64 {
+    pub(crate) fn exponential(&mut self, mean: f64) -> f64 {
         -mean.max(0.0) * portable_ln(self.unit())
     }
 
     /// Uniform integer in `[mean / 2, 3 * mean / 2]`.
-    fn around(&mut self, mean: u32) -> u32 {
+    pub(crate) fn around(&mut self, mean: u32) -> u32 {
         let lo = mean / 2;
         let span = u64::from(mean) + 1;
         lo + (self.next_u64() % span) as u32
@@ -95,7 +95,7 @@ impl SplitMix64 {
 /// Natural logarithm of `x > 0` from IEEE basic operations only, so the
 /// result does not depend on the platform's libm (whose `ln` may differ in
 /// the last bit and shift a truncated timestamp).
-fn portable_ln(x: f64) -> f64 {
+pub(crate) fn portable_ln(x: f64) -> f64 {
     if x <= 0.0 || !x.is_finite() {
         return f64::NEG_INFINITY;
     }

@@ -11,6 +11,7 @@
 //! The figures their conclusions rest on are pinned by kvbm-bench's tests
 //! (`sim_bounds.rs`, `sim_policy.rs`); these only print.
 
+mod agentic;
 mod bounds;
 #[path = "../../../tests/bounds_support/mod.rs"]
 mod bounds_support;
@@ -78,6 +79,11 @@ const STUDIES: &[(&str, &str, fn())] = &[
         "mooncake_replay_table",
         "the traces through the real tier engine, bytes checked",
         tier_replay::mooncake_replay_table,
+    ),
+    (
+        "agentic_hints",
+        "retention hints of 100/90/70% accuracy on the agentic workload",
+        agentic::agentic_hints,
     ),
     (
         "policy_experiments",

@@ -218,7 +218,7 @@ pub fn policy_experiments() {
 }
 
 /// Tokens per block in these replays.
-const BLOCK_TOKENS: usize = 16;
+pub(crate) const BLOCK_TOKENS: usize = 16;
 
 /// One layer, K and V, 16 tokens × 128 × 2 bytes: 4 KiB chunks (the disk
 /// alignment), 8 KiB blocks.
@@ -242,7 +242,7 @@ fn executor() -> Executor {
 }
 
 /// An engine over host G1/G2 and a disk G3 in `dir`.
-fn engine(
+pub(crate) fn engine(
     config: TierEngineConfig,
     g1: usize,
     g2: usize,
@@ -294,7 +294,7 @@ fn block_bytes_mut(layout: &PhysicalLayout, block: u32) -> Vec<&'static mut [u8]
 }
 
 /// Writes the bytes of `hash` into G1 block `block`.
-fn fill(layout: &PhysicalLayout, block: u32, hash: SequenceHash) {
+pub(crate) fn fill(layout: &PhysicalLayout, block: u32, hash: SequenceHash) {
     let mut i = 0;
     for chunk in block_bytes_mut(layout, block) {
         for b in chunk.iter_mut() {
@@ -320,7 +320,7 @@ fn holds(layout: &PhysicalLayout, block: u32, hash: SequenceHash) -> bool {
 
 /// The engine computes `hashes` (a chain continuing `parent`) in fresh G1
 /// blocks, fills their bytes and registers them (queuing their offload).
-fn compute(
+pub(crate) fn compute(
     engine: &TierEngine,
     hashes: &[SequenceHash],
     parent: Option<SequenceHash>,
@@ -338,7 +338,7 @@ fn compute(
 }
 
 /// Checks every block of `blocks` against the hashes they are named by.
-fn verify(engine: &TierEngine, blocks: &[ImmutableBlock]) {
+pub(crate) fn verify(engine: &TierEngine, blocks: &[ImmutableBlock]) {
     let g1 = engine.layout(kvbm_pool::Tier::G1).unwrap();
     for b in blocks {
         assert!(

@@ -13,6 +13,7 @@ from kvbm_py import Scheduler, start_metrics_server
 from kvbm_py.config import GIB, KvbmConfig
 from kvbm_py.vllm.common import engine_id, instance_of, world_size
 from kvbm_py.vllm.metadata import KvbmMetadata
+from kvbm_py.vllm.retention import retention_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -332,12 +333,13 @@ class SchedulerSide:
             if block_ids:
                 tracked.block_ids = list(block_ids)
             self._offload_computed(rid, tracked)
+        hint = retention_of(getattr(request, "kv_transfer_params", None))
         if tracked is not None and tracked.has_offloads:
             # vLLM keeps the blocks until the worker reports this id in
             # finished_sending, which happens once the offloads ran.
-            self.kvbm.release_after_offloads(rid)
+            self.kvbm.release_after_offloads(rid, hint)
             return True, None
-        self.kvbm.release(rid)
+        self.kvbm.release(rid, hint)
         return False, None
 
     # ---- events and stats ----
