@@ -57,6 +57,28 @@ def test_loaded_blocks_hold_the_computed_bytes(harness):
     assert a.block_hashes[:4] == c.block_hashes[:4]
 
 
+def test_offloads_wait_for_the_forwards_that_write_their_blocks(harness):
+    """With asynchronous scheduling vLLM counts a block computed before
+    its forward ran: the connector hands offloads (and the release after
+    them) to kvbm two scheduled steps later, and the bytes still arrive."""
+    h = harness
+    side = h.connector._scheduler
+    side.write_lag = 2
+    h.request("A", PREFIX + [5, 6, 7], 3)
+    h.run_until(lambda: "A" in h.finished)
+    assert side.deferred, "the finished request's offload was handed over at once"
+    assert h.kvbm.stats()["g1_to_g2_blocks"] == 0
+    offloaded(h, "A")
+    assert not side.deferred
+    assert h.kvbm.stats()["g1_to_g2_blocks"] == 4
+    c = load_again(h, "C")
+    h.run_until(lambda: h.scheduled.get("C", 0) > 0)
+    ids = h.block_ids("C")
+    for b in range(4):
+        assert h.holds_pattern(ids[b], c.block_hashes[b]), f"block {b} differs"
+    offloaded(h, "C")
+
+
 @needs_hooks
 @pytest.mark.parametrize("harness", [{"test_transfer_delay_ms": 400}], indirect=True)
 def test_request_finished_while_offloads_run_keeps_its_blocks(harness):

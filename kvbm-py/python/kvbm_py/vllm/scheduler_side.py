@@ -103,6 +103,19 @@ class SchedulerSide:
         self.failures_left = config.test_fail_onboards
         # News for the workers, collected between steps.
         self.pending = KvbmMetadata()
+        #: Scheduler steps an offload waits between being decided and
+        #: being handed to kvbm. With asynchronous scheduling vLLM
+        #: schedules step k while step k - 1 still runs, and a request can
+        #: finish while its next step runs: the blocks those steps write
+        #: are counted computed before their forward ran. kvbm copies on
+        #: its own streams, so the offload waits until vLLM scheduled two
+        #: more steps (each after the output of the step before it), by
+        #: when those forwards have written every byte it reads.
+        sched_cfg = getattr(vllm_config, "scheduler_config", None)
+        self.write_lag = 2 if getattr(sched_cfg, "async_scheduling", False) else 0
+        #: Offloads and releases waiting out `write_lag`, in decision
+        #: order: [steps left, request id, action].
+        self.deferred: list[list] = []
 
     # ---- matching and loading ----
 
@@ -214,6 +227,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, so: "SchedulerOutput") -> KvbmMetadata:
         meta, self.pending = self.pending, KvbmMetadata()
+        self._run_deferred()
         failed_now: set[str] = set()
         # Synchronous loads land before this step's forward.
         for rid in self.sync_started:
@@ -285,13 +299,39 @@ class SchedulerSide:
         parent = hashes[start - 1] if start > 0 else None
         if self.events is not None:
             self.events.note(req, start, full)
-        self.kvbm.offload(rid, tracked.block_ids[start:full], list(hashes[start:full]), parent)
+        ids, keys = tracked.block_ids[start:full], list(hashes[start:full])
+        self._when_written(rid, lambda: self.kvbm.offload(rid, ids, keys, parent))
         tracked.offloaded = full
         tracked.has_offloads = True
+
+    def _when_written(self, rid: str, action) -> None:
+        """Runs `action` (an offload or a release of `rid`) once the
+        forwards counted so far have written their blocks: now, or after
+        `write_lag` more steps."""
+        if self.write_lag == 0:
+            action()
+        else:
+            self.deferred.append([self.write_lag, rid, action])
+
+    def _run_deferred(self) -> None:
+        """A step is being scheduled: runs what waited long enough."""
+        if not self.deferred:
+            return
+        for entry in self.deferred:
+            entry[0] -= 1
+        ready = [e for e in self.deferred if e[0] <= 0]
+        self.deferred = [e for e in self.deferred if e[0] > 0]
+        for _, rid, action in ready:
+            try:
+                action()
+            except Exception as e:  # noqa: BLE001 - the blocks stay uncached
+                log.warning("kvbm: deferred offload of %s failed: %s", rid, e)
 
     def _forget(self, rid: str) -> None:
         """Releases the request in kvbm (its queued offloads are cancelled,
         running ones waited for) while vLLM keeps running it."""
+        # Offloads not handed over yet read blocks vLLM takes back.
+        self.deferred = [e for e in self.deferred if e[1] != rid]
         self.kvbm.release(rid)
         self.onboarded.discard(rid)
         tracked = self.requests.get(rid)
@@ -323,6 +363,7 @@ class SchedulerSide:
             # cancels the copies and waits for those running). vLLM keeps
             # an asynchronously loading request's blocks until the load is
             # reported finished: report it now that nothing lands any more.
+            self.deferred = [e for e in self.deferred if e[1] != rid]
             self.kvbm.release(rid)
             self.requests.pop(rid, None)
             if load.is_async:
@@ -337,7 +378,7 @@ class SchedulerSide:
         if tracked is not None and tracked.has_offloads:
             # vLLM keeps the blocks until the worker reports this id in
             # finished_sending, which happens once the offloads ran.
-            self.kvbm.release_after_offloads(rid, hint)
+            self._when_written(rid, lambda: self.kvbm.release_after_offloads(rid, hint))
             return True, None
         self.kvbm.release(rid, hint)
         return False, None
