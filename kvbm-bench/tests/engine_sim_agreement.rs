@@ -38,6 +38,7 @@ fn replay(requests: Vec<Request>, block_tokens: u32, fractions: [f64; 3]) -> Rep
         workers: 0,
         worker_exe: None,
         offload_in_flight: None,
+        g3_staging_bytes: 0,
     };
     run_replay(&cfg, |_, _| {}).expect("the replay runs")
 }

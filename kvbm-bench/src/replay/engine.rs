@@ -26,6 +26,8 @@ use kvbm_testkit::trace::Request;
 
 /// Paths in the engine's stats order.
 pub const PATHS: [&str; 5] = ["G1->G2", "G2->G3", "G2->G1", "G3->G1", "G1->G3"];
+/// The index of G3 → G1 in [`PATHS`].
+const G3_TO_G1: usize = 3;
 
 /// Bytes moved on each path and the time of the phases in which that path
 /// alone moved bytes (phases that mix paths give no per-path speed).
@@ -46,8 +48,16 @@ pub struct PathTotals {
 pub struct RequestOutcome {
     /// The tier that served each block of the hit prefix, in prompt order.
     pub prefix: Vec<Tier>,
-    /// Seconds the onboard took (G2/G3 → G1), when there was one.
+    /// Seconds from the match to the last onboarded byte in G1 (G2/G3 →
+    /// G1), when there was an onboard.
     pub onboard_secs: Option<f64>,
+    /// Blocks onboarded from G2 and from G3.
+    pub onboard_blocks: [usize; 2],
+    /// Bytes the onboard moved G3 → G1.
+    pub onboard_g3_bytes: u64,
+    /// Seconds from the match until kvbm had allocated the onboard's G1
+    /// blocks.
+    pub onboard_alloc_secs: f64,
 }
 
 /// G1's memory: host memory standing in for the GPU, or the GPU.
@@ -171,6 +181,9 @@ impl EngineDriver {
         let n = hashes.len();
         let bs = engine.block_size();
         let id = index as u64;
+        // Onboard latency runs from the match: G3 reads start there.
+        let t0 = Instant::now();
+        let g3_bytes_before = engine.stats().bytes[G3_TO_G1];
         // One token past the blocks: hit rates count every matched block,
         // as the simulators do; the full-prompt give-back is accounted in
         // the tokens avoided instead.
@@ -191,14 +204,15 @@ impl EngineDriver {
         let mut held = m.g1.into_blocks();
         let mut onboard_secs = None;
         if external > 0 {
-            let t0 = Instant::now();
-            let done = engine
-                .onboard(id, OnboardTarget::Pool)
-                .map_err(tier_err)?
-                .wait()
-                .map_err(tier_err)?;
+            // `onboard` returns once kvbm has allocated the G1 targets (in
+            // write-back mode, after G1's victims were saved).
+            let handle = engine.onboard(id, OnboardTarget::Pool).map_err(tier_err)?;
+            out.onboard_alloc_secs = t0.elapsed().as_secs_f64();
+            let done = handle.wait().map_err(tier_err)?;
             let secs = t0.elapsed().as_secs_f64();
             onboard_secs = Some(secs);
+            out.onboard_blocks = [m.g2_blocks, m.g3_blocks];
+            out.onboard_g3_bytes = engine.stats().bytes[G3_TO_G1] - g3_bytes_before;
             let loaded = done.blocks.into_blocks();
             for b in &loaded {
                 let hash = b.sequence_hash().0;

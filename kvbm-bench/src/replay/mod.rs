@@ -16,6 +16,7 @@ pub mod dist;
 pub mod engine;
 #[cfg(feature = "cuda")]
 pub mod gpu;
+pub mod latency;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -76,6 +77,10 @@ pub struct ReplayConfig {
     pub worker_exe: Option<PathBuf>,
     /// The engine's `offload_in_flight`; `None` for its default.
     pub offload_in_flight: Option<usize>,
+    /// Host memory for G3 prefetch staging, in whole blocks, allocated
+    /// beyond G2's capacity (0: no prefetch; ignored with workers or
+    /// without G2 or G3).
+    pub g3_staging_bytes: u64,
 }
 
 /// Hits and rates of one tier.
@@ -179,6 +184,11 @@ pub struct ReplayReport {
     pub onboard_p99_ms: f64,
     /// Onboarded blocks whose bytes were checked.
     pub verified_blocks: u64,
+    /// G3 prefetch staging blocks (0: onboards read G3 straight into G1).
+    pub g3_staging_blocks: usize,
+    /// Onboard latency against recompute time, and the G3 onboard rate
+    /// against the disk's raw read rate.
+    pub onboard_cost: latency::OnboardCost,
     /// The tiered simulator with reuse-score G2/G3 at the same capacities.
     pub sim_reuse_hit_rate_pct: f64,
     /// The tiered simulator with LRU victim G2/G3 at the same capacities.
@@ -395,7 +405,12 @@ pub fn run_replay(
     ];
     let g1_slots = caps[0];
     let block_bytes = cfg.model.layout_config(1, page)?.block_bytes();
-    let host_bytes = (g1_slots + caps[1]) as u64 * block_bytes;
+    let staging = if cfg.workers == 0 && caps[1] > 0 && caps[2] > 0 {
+        usize::try_from(cfg.g3_staging_bytes / block_bytes).unwrap_or(usize::MAX)
+    } else {
+        0
+    };
+    let host_bytes = (g1_slots + caps[1] + staging) as u64 * block_bytes;
     if host_bytes > cfg.max_host_bytes {
         return Err(BenchError::Config(format!(
             "G1 + G2 would need {:.2} GiB of host memory (limit {:.2} GiB): raise --scale, lower the capacities, or pass --max-host-gib",
@@ -408,16 +423,18 @@ pub fn run_replay(
         cfg.model.layout_config(g1_slots.max(1), page)?,
         LayoutKind::LayerSeparate(BlockOrder::OuterFirst),
     )?;
+    // G2's memory holds its pool and, after it, the staging slots.
     let g2_layout = match caps[1] {
         0 => None,
         n => Some(Layout::new(
-            cfg.model.layout_config(n, page)?,
+            cfg.model.layout_config(n + staging, page)?,
             LayoutKind::FullyContiguous,
         )?),
     };
     let mut tier_config = TierEngineConfig::new(cfg.block_tokens as usize)
         .g2_policy(cfg.policy)
-        .g3_policy(cfg.policy);
+        .g3_policy(cfg.policy)
+        .g3_staging_blocks(staging);
     if let Some(n) = cfg.offload_in_flight {
         tier_config = tier_config.offload_in_flight(n);
     }
@@ -469,6 +486,13 @@ pub fn run_replay(
         local_engine(cfg, tier_config, g1_layout, g2_layout, caps, page)?
     };
     let mut driver = EngineDriver::new(engine, g1, cfg.block_tokens);
+    // The disk's own rate, same run (before and after: the best counts).
+    let raw_before = if caps[2] > 0 && cfg.workers == 0 {
+        latency::raw_read_gbps(&cfg.disk_dir)?
+    } else {
+        0.0
+    };
+    let mut samples = Vec::new();
     let start = Instant::now();
     let mut hits = [0u64; 3];
     let mut avoided = [0u64; 3];
@@ -487,11 +511,22 @@ pub fn run_replay(
         if let Some(s) = out.onboard_secs {
             onboard.push(s);
         }
+        samples.extend(latency::OnboardSample::of(
+            &out,
+            page,
+            cfg.prefill_tokens_per_s,
+        ));
         refs += r.hash_ids.len() as u64;
         prompt_tokens += u64::from(r.input_length);
         progress(i + 1, requests.len());
     }
     let wall_s = start.elapsed().as_secs_f64();
+    let raw_after = if raw_before > 0.0 {
+        latency::raw_read_gbps(&cfg.disk_dir)?
+    } else {
+        0.0
+    };
+    let onboard_cost = latency::summarise(&samples, raw_before.max(raw_after));
     let sim_reuse = reuse_stats(requests, cfg.block_tokens, caps);
 
     let sim_lru_tiers = lru_tiers_stats(requests, cfg.block_tokens, caps);
@@ -573,6 +608,8 @@ pub fn run_replay(
         onboard_p50_ms: percentile(&onboard_ms, 50.0),
         onboard_p99_ms: percentile(&onboard_ms, 99.0),
         verified_blocks: driver.verified_blocks,
+        g3_staging_blocks: staging,
+        onboard_cost,
         sim_reuse_hit_rate_pct: sim_reuse.hit_rate_pct(),
         sim_lru_tiers_hit_rate_pct: sim_lru_tiers.hit_rate_pct(),
         lru_hit_rate_pct: lru.hit_rate_pct(),
@@ -650,6 +687,7 @@ mod tests {
             workers: 0,
             worker_exe: None,
             offload_in_flight: None,
+            g3_staging_bytes: 0,
         };
         assert!(matches!(
             run_replay(&cfg, |_, _| {}),

@@ -213,6 +213,11 @@ pub struct ReplayArgs {
     /// Offload batches the engine keeps in flight (default: the engine's).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=64))]
     pub offload_in_flight: Option<u64>,
+    /// MiB of host memory for G3 prefetch staging, allocated beyond G2's
+    /// capacity: G3 reads start at match time into these blocks (0: read
+    /// G3 straight into G1 at onboard).
+    #[arg(long, default_value_t = kvbm_pool::tier::DEFAULT_G3_STAGING_BYTES >> 20)]
+    pub g3_staging_mib: u64,
 }
 
 /// The tier engine's G2/G3 policies.

@@ -140,6 +140,7 @@ fn replay(cli: &Cli, args: &ReplayArgs) -> Result<(), BenchError> {
         workers: args.workers,
         worker_exe: None,
         offload_in_flight: args.offload_in_flight.map(|n| n as usize),
+        g3_staging_bytes: args.g3_staging_mib << 20,
     };
     let bar = progress_bar(cli, config.requests.len() as u64, "replay");
     let report = run_replay(&config, |done, _| bar.set_position(done as u64))?;

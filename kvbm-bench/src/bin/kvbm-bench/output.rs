@@ -262,6 +262,35 @@ pub fn replay(cli: &Cli, r: &ReplayReport) -> Result<(), BenchError> {
         "  onboard latency: p50 {:.3} ms, p99 {:.3} ms over {} onboards; {} blocks verified byte for byte",
         r.onboard_p50_ms, r.onboard_p99_ms, r.onboards, r.verified_blocks
     );
+    let c = &r.onboard_cost;
+    println!(
+        "  onboard (match -> landed in G1) vs recompute of the same stored tokens at {:.0} tokens/s: p50 {:.3} / {:.3} ms, p99 {:.3} / {:.3} ms; {} of {} onboards slower than recomputing",
+        r.prefill_tokens_per_s,
+        c.p50_ms,
+        c.recompute_p50_ms,
+        c.p99_ms,
+        c.recompute_p99_ms,
+        c.slower_than_recompute,
+        c.onboards
+    );
+    if c.raw_read_gbps > 0.0 {
+        println!(
+            "  G3 onboards ({} served from G3 alone{}): {:.2} GB/s match -> landed ({:.0} % of it until G1 was allocated); raw O_DIRECT sequential read, same disk, same run: {:.2} GB/s; ratio {:.2}",
+            c.g3_onboards,
+            if r.g3_staging_blocks > 0 {
+                format!(
+                    ", prefetched at match into {} staging blocks",
+                    r.g3_staging_blocks
+                )
+            } else {
+                ", read into G1 at onboard".to_string()
+            },
+            c.g3_gbps,
+            c.g3_alloc_share * 100.0,
+            c.raw_read_gbps,
+            c.g3_vs_raw
+        );
+    }
     println!("  offloads skipped by the engine: {}", r.offloads_skipped);
     println!();
     let mut t = Table::new(["path", "blocks", "bytes", "GB/s (single-path phases)"]);
