@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use kvbm_block::SequenceHash;
 use kvbm_pool::metrics::Path;
 use kvbm_pool::tier::{
-    G1Lookup, OffloadMode, OnboardTarget, TierEngine, TierEngineConfig, TierPolicy,
+    G1Lookup, LoadCost, OffloadMode, OnboardTarget, TierEngine, TierEngineConfig, TierPolicy,
 };
 use kvbm_pool::{Tier, TierError};
 use kvbm_testkit::fault::{Fault, FaultRule, FaultyEngine};
@@ -229,6 +229,50 @@ fn failed_prefetch_reports_nothing_loaded() {
         .unwrap();
     verify(&engine, &done.blocks.into_blocks());
     engine.release("f2");
+    assert_settled(&engine);
+}
+
+#[test]
+fn the_cost_model_leaves_loads_slower_than_recompute() {
+    let dir = tempdir();
+    let a = chain(5, 6);
+    let tokens = 6 * BLOCK_TOKENS + 1;
+    // Recomputing a trillion tokens a second beats any disk.
+    let fast = config().load_cost(LoadCost::recompute_at(1e12));
+    let engine = engine_with(fast, 64, G2_POOL + STAGING, 64, dir.path(), executor());
+    push_to_g3(&engine, std::slice::from_ref(&a));
+    let m = engine
+        .match_request("c", &a, tokens, G1Lookup::Pool)
+        .unwrap();
+    assert_eq!((m.g3_blocks, m.declined_blocks), (0, 6));
+    // Nothing declined is held or read.
+    assert_eq!(engine.staging_free_blocks(), STAGING);
+    assert_eq!(engine.pool(Tier::G3).unwrap().audit().unwrap().active, 0);
+    let done = engine
+        .onboard("c", OnboardTarget::Pool)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(done.count, 0);
+    engine.release("c");
+    drop(engine);
+
+    // One token a second: every block is worth loading.
+    let dir = tempdir();
+    let slow = config().load_cost(LoadCost::recompute_at(1.0));
+    let engine = engine_with(slow, 64, G2_POOL + STAGING, 64, dir.path(), executor());
+    push_to_g3(&engine, std::slice::from_ref(&a));
+    let m = engine
+        .match_request("c", &a, tokens, G1Lookup::Pool)
+        .unwrap();
+    assert_eq!((m.g3_blocks, m.declined_blocks), (6, 0));
+    let done = engine
+        .onboard("c", OnboardTarget::Pool)
+        .unwrap()
+        .wait()
+        .unwrap();
+    verify(&engine, &done.blocks.into_blocks());
+    engine.release("c");
     assert_settled(&engine);
 }
 

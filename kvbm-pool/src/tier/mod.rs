@@ -28,11 +28,16 @@
 //! - **Match.** For a request's sequence hashes: the longest prefix in G1,
 //!   continued in G2, then G3 — one contiguous prefix. When the three cover
 //!   the whole prompt one block is given back so the engine recomputes the
-//!   last token (it needs the logits). Matched G2/G3 blocks are held until
-//!   onboarded or released.
+//!   last token (it needs the logits). A cost model, when given the
+//!   engine's prefill rate, leaves a tail whose load would be slower than
+//!   recomputing it ([`LoadCost`]). Matched G2/G3 blocks are held until
+//!   onboarded or released, and the G3 ones start moving at once: they are
+//!   read into a staging area at the end of G2's memory (G3 prefetch,
+//!   `g3_staging_blocks`) while the engine allocates G1.
 //! - **Onboard.** Copies the held blocks into G1 blocks (allocated by kvbm
 //!   from its G1 pool, or given by the engine as ids) and resolves one
-//!   completion per request. A failure reports nothing as loaded. Requests
+//!   completion per request; staged G3 blocks are copied from their slots
+//!   once their read landed. A failure reports nothing as loaded. Requests
 //!   sharing a prefix onboard it once: the second waits for the first's
 //!   blocks to land in G1.
 //!
