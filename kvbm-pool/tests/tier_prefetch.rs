@@ -276,6 +276,25 @@ fn the_cost_model_leaves_loads_slower_than_recompute() {
     assert_settled(&engine);
 }
 
+#[test]
+fn dropping_the_engine_during_a_prefetch_is_clean() {
+    let dir = tempdir();
+    let exec = faulty_executor(
+        FaultRule::always(Fault::Delay(Duration::from_millis(100))).on_dir(IoDir::Read),
+    );
+    let engine = prefetch_engine(exec, dir.path());
+    let a = chain(6, 4);
+    push_to_g3(&engine, std::slice::from_ref(&a));
+    engine
+        .match_request("d", &a, 4 * BLOCK_TOKENS + 1, G1Lookup::Pool)
+        .unwrap();
+    assert!(engine.staging_free_blocks() < STAGING);
+    drop(engine);
+    // The read ends on its own; give it time to, with nothing left to
+    // touch.
+    std::thread::sleep(Duration::from_millis(300));
+}
+
 /// One step of the model test.
 #[derive(Debug, Clone)]
 enum Op {

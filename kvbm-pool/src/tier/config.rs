@@ -154,8 +154,11 @@ pub struct TierEngineConfig {
     /// whether the G2 layout given has room beyond its pool;
     /// [`TierEngineBuilder`](super::TierEngineBuilder) adds up to
     /// [`DEFAULT_G3_STAGING_BYTES`] of G2 memory for it whenever it builds a
-    /// G2 and a G3: onboards from G3 measured faster that way on every
-    /// workload tried (`docs/benchmarks.md`, "G3 onboard").
+    /// G2 and a G3, since a read that starts earlier and in larger pieces
+    /// lands sooner, and the staging slots cost G2's pool nothing (measured
+    /// in `docs/benchmarks.md`, "Trace replay: hit rates"). The price is
+    /// the staging memory, and a read wasted when a request goes away
+    /// before its onboard.
     pub g3_staging_blocks: usize,
     /// Whether a match leaves blocks to recompute whose load would take
     /// longer than recomputing them (see [`LoadCost`]; off by default).
