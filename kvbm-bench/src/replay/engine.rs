@@ -58,6 +58,8 @@ pub struct RequestOutcome {
     /// Seconds from the match until kvbm had allocated the onboard's G1
     /// blocks.
     pub onboard_alloc_secs: f64,
+    /// Matched blocks the engine's cost model left to recompute.
+    pub declined_blocks: usize,
 }
 
 /// G1's memory: host memory standing in for the GPU, or the GPU.
@@ -190,7 +192,10 @@ impl EngineDriver {
         let m = engine
             .match_request(id, &hashes, n * bs + 1, G1Lookup::Pool)
             .map_err(tier_err)?;
-        let mut out = RequestOutcome::default();
+        let mut out = RequestOutcome {
+            declined_blocks: m.declined_blocks,
+            ..RequestOutcome::default()
+        };
         out.prefix
             .extend(std::iter::repeat_n(Tier::G1, m.g1_blocks));
         // The walk may alternate G2 and G3; the engine reports counts only,

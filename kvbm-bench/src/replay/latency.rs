@@ -144,6 +144,7 @@ mod tests {
             onboard_blocks: blocks,
             onboard_g3_bytes: g3_bytes,
             onboard_alloc_secs: secs / 2.0,
+            declined_blocks: 0,
         }
     }
 

@@ -8,9 +8,15 @@
 //! slow G3 tail is dropped while a G2 part before it is kept, and a slow
 //! block in the middle is loaded when the fast ones after it pay for it.
 //! The rates are the configured ones until the engine has measured its own
-//! (an average over recent reads and copies).
+//! (an average over recent copies into G1 and G3 reads, each timed from its
+//! submission); while matches decline blocks, the estimates drift back
+//! towards the configured rates, so a tier measured slow once is tried
+//! again.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use kvbm_transfer::TransferOutcome;
 
 /// The rates a match weighs loading against recomputing.
 ///
@@ -113,6 +119,8 @@ pub(crate) struct MeasuredRate(AtomicU64);
 impl MeasuredRate {
     /// Weight of the newest observation.
     const WEIGHT: f64 = 0.2;
+    /// Weight of the configured rate at each declined match.
+    const RELAX: f64 = 0.05;
 
     /// The measured rate, or `assumed` before any observation.
     pub(crate) fn get(&self, assumed: f64) -> f64 {
@@ -143,6 +151,32 @@ impl MeasuredRate {
     }
 }
 
+impl MeasuredRate {
+    /// Adds the copy that ended with `outcome`, submitted at `submitted`
+    /// (failures say nothing about the rate).
+    pub(crate) fn observe_outcome(&self, outcome: &TransferOutcome, submitted: Instant) {
+        if let Ok(report) = outcome {
+            self.observe(report.bytes, submitted.elapsed().as_secs_f64());
+        }
+    }
+
+    /// Moves the estimate a step towards `assumed`: a tier whose loads are
+    /// all declined is measured no more, so its estimate drifts back to
+    /// the configured rate and is tried again, instead of a slow moment
+    /// declining it for good.
+    pub(crate) fn relax(&self, assumed: f64) {
+        let old = self.0.load(Ordering::Relaxed);
+        if old == 0 {
+            return;
+        }
+        let prev = f64::from_bits(old);
+        let next = prev + Self::RELAX * (assumed - prev);
+        let _ = self
+            .0
+            .compare_exchange(old, next.to_bits(), Ordering::Relaxed, Ordering::Relaxed);
+    }
+}
+
 /// The engine's measured G2 → G1 and G3 read rates.
 #[derive(Debug, Default)]
 pub(crate) struct MeasuredRates {
@@ -157,6 +191,12 @@ impl MeasuredRates {
             self.g2.get(cost.g2_bytes_per_s),
             self.g3.get(cost.g3_bytes_per_s),
         ]
+    }
+
+    /// A match declined blocks: both estimates drift towards `cost`'s.
+    pub(crate) fn declined(&self, cost: &LoadCost) {
+        self.g2.relax(cost.g2_bytes_per_s);
+        self.g3.relax(cost.g3_bytes_per_s);
     }
 }
 
@@ -230,5 +270,13 @@ mod tests {
         r.observe(0, 1.0);
         r.observe(10, 0.0);
         assert!((r.get(5.0) - 120.0).abs() < 1e-9);
+        // Declined matches pull it back towards the assumption.
+        for _ in 0..200 {
+            r.relax(1000.0);
+        }
+        assert!((r.get(5.0) - 1000.0).abs() < 1.0);
+        let fresh = MeasuredRate::default();
+        fresh.relax(7.0);
+        assert_eq!(fresh.get(7.0), 7.0);
     }
 }

@@ -220,6 +220,7 @@ pub(crate) fn match_request(
             &from_g3,
         );
         if keep < external {
+            shared.rates.declined(&shared.config.load_cost);
             let [d2, d3] = truncate_segments(&mut segments, keep);
             in_g2 -= d2;
             in_g3 -= d3;

@@ -161,8 +161,6 @@ struct JobState {
     owned_inflight: Vec<(SequenceHash, Arc<Inflight>)>,
     error: Option<TransferError>,
     bytes: [u64; 2],
-    /// Blocks copied from G3 prefetch staging slots.
-    staged: usize,
     completer: Option<Completer<Done>>,
 }
 
@@ -371,7 +369,6 @@ pub(crate) fn start(
         owned_inflight,
         error: None,
         bytes: [0; 2],
-        staged: staged_pairs.len(),
         completer: Some(completer),
     });
     job.pending
@@ -395,11 +392,18 @@ pub(crate) fn start(
             continue;
         }
         let (shared2, job2) = (Arc::clone(shared), Arc::clone(&job));
+        let submitted = Instant::now();
         match tier {
             Some(tier) => shared
                 .mover
                 .copy(tier.tier, Tier::G1, pairs, job.cancel.clone())
                 .on_complete(move |outcome| {
+                    let rate = if path == 0 {
+                        &shared2.rates.g2
+                    } else {
+                        &shared2.rates.g3
+                    };
+                    rate.observe_outcome(&outcome, submitted);
                     job2.record(path, outcome);
                     job2.arrive(&shared2);
                 }),
@@ -446,12 +450,14 @@ fn copy_staged(
         match read {
             Ok(()) => {
                 let (shared3, job3) = (Arc::clone(&shared2), Arc::clone(&job2));
+                let submitted = Instant::now();
                 shared2
                     .mover
                     .copy(Tier::G2, Tier::G1, pairs, job2.cancel.clone())
                     .on_complete(move |outcome| {
                         // The slots stay ours until the copy has ended.
                         drop(keep);
+                        shared3.rates.g2.observe_outcome(&outcome, submitted);
                         job3.record(1, outcome);
                         job3.arrive(&shared3);
                     });
@@ -531,7 +537,6 @@ fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
         owned_inflight,
         error,
         bytes,
-        staged,
         completer,
     } = state;
     let request = job.request.clone();
@@ -569,15 +574,6 @@ fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
     let g3_count = own.iter().filter(|&&i| from_g3[i]).count() as u64;
     let g2_count = own.len() as u64 - g3_count;
     let loaded_ok = result.is_ok();
-    if loaded_ok {
-        // Rates for the cost model, from onboards that moved one kind only.
-        let secs = took.as_secs_f64();
-        if g3_count == 0 {
-            shared.rates.g2.observe(bytes[0], secs);
-        } else if g2_count == 0 && staged == 0 {
-            shared.rates.g3.observe(bytes[1], secs);
-        }
-    }
     let mut keep_alive: Option<Onboarded> = None;
     let result = match result {
         Ok(done) => {

@@ -155,14 +155,9 @@ impl Prefetch {
     }
 
     fn read_ended(&self, shared: &Shared, outcome: TransferOutcome, started: Instant) {
+        shared.rates.g3.observe_outcome(&outcome, started);
         let outcome = match outcome {
-            Ok(report) => {
-                shared
-                    .rates
-                    .g3
-                    .observe(report.bytes, started.elapsed().as_secs_f64());
-                Ok(())
-            }
+            Ok(_) => Ok(()),
             Err(failure) => {
                 if !self.cancel.is_cancelled() {
                     tracing::warn!("G3 prefetch failed: {failure}");

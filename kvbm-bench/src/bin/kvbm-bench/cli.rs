@@ -218,6 +218,11 @@ pub struct ReplayArgs {
     /// G3 straight into G1 at onboard).
     #[arg(long, default_value_t = kvbm_pool::tier::DEFAULT_G3_STAGING_BYTES >> 20)]
     pub g3_staging_mib: u64,
+    /// Let the engine leave matched blocks to recompute when loading them
+    /// would be slower than prefill at --prefill-rate (its cost model, off
+    /// by default; hit rates then depend on the machine's speed).
+    #[arg(long)]
+    pub decline_slow_loads: bool,
 }
 
 /// The tier engine's G2/G3 policies.

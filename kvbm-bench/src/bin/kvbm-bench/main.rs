@@ -141,6 +141,7 @@ fn replay(cli: &Cli, args: &ReplayArgs) -> Result<(), BenchError> {
         worker_exe: None,
         offload_in_flight: args.offload_in_flight.map(|n| n as usize),
         g3_staging_bytes: args.g3_staging_mib << 20,
+        decline_slow_loads: args.decline_slow_loads,
     };
     let bar = progress_bar(cli, config.requests.len() as u64, "replay");
     let report = run_replay(&config, |done, _| bar.set_position(done as u64))?;

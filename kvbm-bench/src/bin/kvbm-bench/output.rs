@@ -291,6 +291,12 @@ pub fn replay(cli: &Cli, r: &ReplayReport) -> Result<(), BenchError> {
             c.g3_vs_raw
         );
     }
+    if r.decline_slow_loads {
+        println!(
+            "  blocks the engine's cost model left to recompute (slower to load): {}",
+            r.declined_blocks
+        );
+    }
     println!("  offloads skipped by the engine: {}", r.offloads_skipped);
     println!();
     let mut t = Table::new(["path", "blocks", "bytes", "GB/s (single-path phases)"]);
