@@ -7,7 +7,7 @@
 //! stand for are counted the same way. The G3 onboard rate is over the
 //! onboards served from G3 alone (their G3 → G1 bytes over their times),
 //! against a raw sequential `O_DIRECT` read of a scratch file next to the
-//! G3 file in the same run.
+//! G3 file in the same run (as large as G3, 64–256 MiB).
 
 use std::path::Path;
 
@@ -112,13 +112,15 @@ pub fn summarise(samples: &[OnboardSample], raw_read_gbps: f64) -> OnboardCost {
     }
 }
 
-/// Bytes of the scratch file the disk reference reads.
-const RAW_READ_BYTES: u64 = 256 << 20;
+/// Bounds of the scratch file the disk reference reads.
+const RAW_READ_BYTES: (u64, u64) = (64 << 20, 256 << 20);
 
-/// Writes a scratch file of [`RAW_READ_BYTES`] in `dir` with `O_DIRECT`,
-/// reads it back sequentially with `O_DIRECT` in large requests and
-/// removes it: the disk's sequential read rate, GB/s.
-pub fn raw_read_gbps(dir: &Path) -> Result<f64> {
+/// Writes a scratch file of `bytes` in `dir` (as much as G3 holds, within
+/// [`RAW_READ_BYTES`]) with `O_DIRECT`, reads it back sequentially with
+/// `O_DIRECT` in large requests and removes it: the disk's sequential
+/// read rate, GB/s.
+pub fn raw_read_gbps(dir: &Path, bytes: u64) -> Result<f64> {
+    let bytes = bytes.clamp(RAW_READ_BYTES.0, RAW_READ_BYTES.1);
     let path = dir.join(format!("kvbm-replay-raw-read-{}.bin", std::process::id()));
     let io_err = |source| BenchError::Output {
         path: path.clone(),
@@ -126,8 +128,8 @@ pub fn raw_read_gbps(dir: &Path) -> Result<f64> {
     };
     std::fs::create_dir_all(dir).map_err(io_err)?;
     std::fs::File::create(&path).map_err(io_err)?;
-    let result = reference_disk(&path, RAW_READ_BYTES, true)
-        .and_then(|_| reference_disk(&path, RAW_READ_BYTES, false));
+    let result =
+        reference_disk(&path, bytes, true).and_then(|_| reference_disk(&path, bytes, false));
     // A scratch file left behind is only disk space: the rate stands.
     let _ = std::fs::remove_file(&path);
     result

@@ -505,7 +505,7 @@ pub fn run_replay(
     let mut driver = EngineDriver::new(engine, g1, cfg.block_tokens);
     // The disk's own rate, same run (before and after: the best counts).
     let raw_before = if caps[2] > 0 && cfg.workers == 0 {
-        latency::raw_read_gbps(&cfg.disk_dir)?
+        latency::raw_read_gbps(&cfg.disk_dir, caps[2] as u64 * block_bytes)?
     } else {
         0.0
     };
@@ -541,7 +541,7 @@ pub fn run_replay(
     }
     let wall_s = start.elapsed().as_secs_f64();
     let raw_after = if raw_before > 0.0 {
-        latency::raw_read_gbps(&cfg.disk_dir)?
+        latency::raw_read_gbps(&cfg.disk_dir, caps[2] as u64 * block_bytes)?
     } else {
         0.0
     };
