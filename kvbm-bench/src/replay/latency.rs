@@ -116,7 +116,7 @@ pub fn summarise(samples: &[OnboardSample], raw_read_gbps: f64) -> OnboardCost {
 const RAW_READ_BYTES: (u64, u64) = (64 << 20, 256 << 20);
 
 /// Writes a scratch file of `bytes` in `dir` (as much as G3 holds, within
-/// [`RAW_READ_BYTES`]) with `O_DIRECT`, reads it back sequentially with
+/// 64–256 MiB) with `O_DIRECT`, reads it back sequentially with
 /// `O_DIRECT` in large requests and removes it: the disk's sequential
 /// read rate, GB/s.
 pub fn raw_read_gbps(dir: &Path, bytes: u64) -> Result<f64> {
