@@ -163,9 +163,14 @@ fn release_during_prefetch_gives_everything_back() {
         .match_request("r", &a, tokens, G1Lookup::Pool)
         .unwrap();
     assert_eq!(engine.staging_free_blocks(), STAGING - 6);
-    // Matching again replaces the match and stops its read.
+    // Matching again (a scheduler asks at every step) keeps the read.
     engine
         .match_request("r", &a, tokens, G1Lookup::Pool)
+        .unwrap();
+    assert_eq!(engine.staging_free_blocks(), STAGING - 6);
+    // A shorter match replaces it and stops the read.
+    engine
+        .match_request("r", &a[..3], tokens, G1Lookup::Pool)
         .unwrap();
     assert!(engine.release("r"));
     assert_settled(&engine);

@@ -242,9 +242,16 @@ pub(crate) fn match_request(
         declined_blocks: declined,
         block_size: bs,
     };
-    // The disk starts now, while the engine allocates G1.
+    // The disk starts now, while the engine allocates G1 — unless an
+    // earlier match of this request already reads the same blocks.
     let prefetch = if in_g3 > 0 {
-        prefetch::start(shared, &segments)
+        let earlier = match shared.requests.lock().get_mut(&request) {
+            Some(old) if old.onboard.is_none() && old.start == g1_blocks => {
+                old.prefetch.take_if(|p| p.serves(&segments))
+            }
+            _ => None,
+        };
+        earlier.or_else(|| prefetch::start(shared, &segments))
     } else {
         None
     };

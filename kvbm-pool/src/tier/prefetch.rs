@@ -14,7 +14,9 @@
 //! Lifetime: a [`Prefetch`] holds its G3 blocks (so they are not evicted
 //! and overwritten while read) until its read ends, and its staging slots
 //! until the last holder lets go — the request's match, the onboard's
-//! staged copy. A request released (or matched again) before its onboard
+//! staged copy. A new match of the same request keeps the read when it
+//! still serves it (schedulers match a waiting request at every step); a
+//! request released (or matched to other blocks) before its onboard
 //! cancels the read; what was not started is skipped, and slots and holds
 //! return when the read has stopped. A failed or cancelled read is never
 //! copied on: the onboard waiting for it fails and loads nothing.
@@ -120,6 +122,8 @@ pub(crate) struct Prefetch {
     /// onboard (counted from the end of its G1 prefix) is read into G2
     /// block `slot`.
     staged: Vec<(usize, u32)>,
+    /// The G3 block each staged block is read from, in `staged` order.
+    sources: Vec<u32>,
     _slots: StagingSlots,
     state: Mutex<State>,
 }
@@ -128,6 +132,31 @@ impl Prefetch {
     /// The staged blocks, `(index, slot)`.
     pub(crate) fn staged(&self) -> &[(usize, u32)] {
         &self.staged
+    }
+
+    /// Whether this read still serves a new match of the same request
+    /// (`segments`, from the same G1 prefix): every staged block is the
+    /// same G3 block at the same place, and the read has not failed. A
+    /// scheduler that matches a waiting request again at every step then
+    /// keeps one read instead of restarting it.
+    pub(crate) fn serves(&self, segments: &[Segment]) -> bool {
+        if self.cancel.is_cancelled() {
+            return false;
+        }
+        if let State::Read(outcome) = &*self.state.lock()
+            && !matches!(outcome, Some(Ok(())))
+        {
+            return false;
+        }
+        let mut g3_at: Vec<Option<u32>> = Vec::new();
+        for seg in segments {
+            let ids = seg.blocks.block_ids();
+            g3_at.extend(ids.iter().map(|&id| seg.g3.then_some(id)));
+        }
+        self.staged
+            .iter()
+            .zip(&self.sources)
+            .all(|(&(i, _), &g3)| g3_at.get(i).copied().flatten() == Some(g3))
     }
 
     /// Stops the read where it has not started.
@@ -225,10 +254,12 @@ pub(crate) fn start(shared: &Arc<Shared>, segments: &[Segment]) -> Option<Arc<Pr
         .zip(&slots.ids)
         .map(|(&(i, ..), &slot)| (i, slot))
         .collect();
+    let sources = found.iter().map(|&(_, g3, _)| g3).collect();
     let holds = found.into_iter().map(|(.., b)| b).collect();
     let prefetch = Arc::new(Prefetch {
         cancel: CancelToken::new(),
         staged,
+        sources,
         _slots: slots,
         state: Mutex::new(State::Reading {
             waiter: None,
