@@ -127,6 +127,8 @@ pub fn raw_read_gbps(dir: &Path, bytes: u64) -> Result<f64> {
         source,
     };
     std::fs::create_dir_all(dir).map_err(io_err)?;
+    // A run stopped by force still removes it.
+    let _guard = crate::shutdown::guard_path(&path);
     std::fs::File::create(&path).map_err(io_err)?;
     let result =
         reference_disk(&path, bytes, true).and_then(|_| reference_disk(&path, bytes, false));
