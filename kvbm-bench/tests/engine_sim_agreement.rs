@@ -39,6 +39,8 @@ fn replay(requests: Vec<Request>, block_tokens: u32, fractions: [f64; 3]) -> Rep
         worker_exe: None,
         offload_in_flight: None,
         g3_faults: Default::default(),
+        g3_staging_bytes: 0,
+        decline_slow_loads: false,
     };
     run_replay(&cfg, |_, _| {}).expect("the replay runs")
 }

@@ -120,6 +120,8 @@ fn library_replay(dir: &Path, faults: G3Faults) -> ReplayReport {
         worker_exe: None,
         offload_in_flight: None,
         g3_faults: faults,
+        g3_staging_bytes: 0,
+        decline_slow_loads: false,
     };
     run_replay(&cfg, |_, _| {}).expect("the replay runs to the end")
 }

@@ -30,6 +30,8 @@ use kvbm_testkit::trace::Request;
 
 /// Paths in the engine's stats order.
 pub const PATHS: [&str; 5] = ["G1->G2", "G2->G3", "G2->G1", "G3->G1", "G1->G3"];
+/// The index of G3 → G1 in [`PATHS`].
+const G3_TO_G1: usize = 3;
 
 /// Bytes moved on each path and the time of the phases in which that path
 /// alone moved bytes (phases that mix paths give no per-path speed).
@@ -50,8 +52,18 @@ pub struct PathTotals {
 pub struct RequestOutcome {
     /// The tier that served each block of the hit prefix, in prompt order.
     pub prefix: Vec<Tier>,
-    /// Seconds the onboard took (G2/G3 → G1), when there was one.
+    /// Seconds from the match to the last onboarded byte in G1 (G2/G3 →
+    /// G1), when there was an onboard.
     pub onboard_secs: Option<f64>,
+    /// Blocks onboarded from G2 and from G3.
+    pub onboard_blocks: [usize; 2],
+    /// Bytes the onboard moved G3 → G1.
+    pub onboard_g3_bytes: u64,
+    /// Seconds from the match until kvbm had allocated the onboard's G1
+    /// blocks.
+    pub onboard_alloc_secs: f64,
+    /// Matched blocks the engine's cost model left to recompute.
+    pub declined_blocks: usize,
 }
 
 /// G1's memory: host memory standing in for the GPU, or the GPU.
@@ -195,13 +207,19 @@ impl EngineDriver {
         let n = hashes.len();
         let bs = engine.block_size();
         let id = index as u64;
+        // Onboard latency runs from the match: G3 reads start there.
+        let t0 = Instant::now();
+        let g3_bytes_before = engine.stats().bytes[G3_TO_G1];
         // One token past the blocks: hit rates count every matched block,
         // as the simulators do; the full-prompt give-back is accounted in
         // the tokens avoided instead.
         let m = engine
             .match_request(id, &hashes, n * bs + 1, G1Lookup::Pool)
             .map_err(tier_err)?;
-        let mut out = RequestOutcome::default();
+        let mut out = RequestOutcome {
+            declined_blocks: m.declined_blocks,
+            ..RequestOutcome::default()
+        };
         out.prefix
             .extend(std::iter::repeat_n(Tier::G1, m.g1_blocks));
         // The walk may alternate G2 and G3; the engine reports counts only,
@@ -216,8 +234,10 @@ impl EngineDriver {
         let mut held = m.g1.into_blocks();
         let mut onboard_secs = None;
         let onboarded = if external > 0 {
-            let t0 = Instant::now();
+            // `onboard` returns once kvbm has allocated the G1 targets (in
+            // write-back mode, after G1's victims were saved).
             let handle = engine.onboard(id, OnboardTarget::Pool).map_err(tier_err)?;
+            out.onboard_alloc_secs = t0.elapsed().as_secs_f64();
             match handle.wait() {
                 Ok(done) => Some((done, t0.elapsed().as_secs_f64())),
                 // The copy failed (counted by the engine): as an engine
@@ -236,6 +256,8 @@ impl EngineDriver {
         };
         if let Some((done, secs)) = onboarded {
             onboard_secs = Some(secs);
+            out.onboard_blocks = [m.g2_blocks, m.g3_blocks];
+            out.onboard_g3_bytes = engine.stats().bytes[G3_TO_G1] - g3_bytes_before;
             let loaded = done.blocks.into_blocks();
             for b in &loaded {
                 let hash = b.sequence_hash().0;

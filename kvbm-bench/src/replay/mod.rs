@@ -17,11 +17,14 @@ pub mod engine;
 pub mod failures;
 #[cfg(feature = "cuda")]
 pub mod gpu;
+pub mod latency;
 use std::path::PathBuf;
 use std::time::Instant;
 
 use kvbm_layout::{BlockOrder, Layout, LayoutKind};
-use kvbm_pool::tier::{ReuseModel, TierEngine, TierEngineConfig, TierLayouts, TierPolicy};
+use kvbm_pool::tier::{
+    LoadCost, ReuseModel, TierEngine, TierEngineConfig, TierLayouts, TierPolicy,
+};
 use kvbm_transfer::memory::{DiskAllocator, DiskOptions};
 use kvbm_transfer::{Executor, ExecutorSpec, PhysicalLayout};
 use serde::Serialize;
@@ -81,6 +84,13 @@ pub struct ReplayConfig {
     /// Fault injection for tests of failure reporting (host tiers in this
     /// process only); none in every real run.
     pub g3_faults: G3Faults,
+    /// Host memory for G3 prefetch staging, in whole blocks, allocated
+    /// beyond G2's capacity (0: no prefetch; ignored with workers or
+    /// without G2 or G3).
+    pub g3_staging_bytes: u64,
+    /// Let the engine leave blocks to recompute whose load would be slower
+    /// than recomputing them at `prefill_tokens_per_s` (its cost model).
+    pub decline_slow_loads: bool,
 }
 
 /// Hits and rates of one tier.
@@ -197,6 +207,15 @@ pub struct ReplayReport {
     pub onboard_p99_ms: f64,
     /// Onboarded blocks whose bytes were checked.
     pub verified_blocks: u64,
+    /// G3 prefetch staging blocks (0: onboards read G3 straight into G1).
+    pub g3_staging_blocks: usize,
+    /// Whether the engine's cost model could decline slow loads.
+    pub decline_slow_loads: bool,
+    /// Matched blocks the cost model left to recompute.
+    pub declined_blocks: u64,
+    /// Onboard latency against recompute time, and the G3 onboard rate
+    /// against the disk's raw read rate.
+    pub onboard_cost: latency::OnboardCost,
     /// The tiered simulator with reuse-score G2/G3 at the same capacities.
     pub sim_reuse_hit_rate_pct: f64,
     /// The tiered simulator with LRU victim G2/G3 at the same capacities.
@@ -406,6 +425,9 @@ pub(crate) struct Plan {
     pub(crate) caps: [usize; 3],
     /// Bytes of one stored block.
     pub(crate) block_bytes: u64,
+    /// Blocks of G3 prefetch staging, allocated after G2's pool in its
+    /// memory (0: none).
+    pub(crate) staging: usize,
     /// The engine's configuration.
     pub(crate) tier_config: TierEngineConfig,
 }
@@ -435,7 +457,12 @@ pub(crate) fn plan(cfg: &ReplayConfig) -> Result<Plan> {
         capacity_for(cfg.fractions[2], facts.unique_blocks),
     ];
     let block_bytes = cfg.model.layout_config(1, page)?.block_bytes();
-    let host_bytes = (caps[0] + caps[1]) as u64 * block_bytes;
+    let staging = if cfg.workers == 0 && caps[1] > 0 && caps[2] > 0 {
+        usize::try_from(cfg.g3_staging_bytes / block_bytes).unwrap_or(usize::MAX)
+    } else {
+        0
+    };
+    let host_bytes = (caps[0] + caps[1] + staging) as u64 * block_bytes;
     if host_bytes > cfg.max_host_bytes {
         return Err(BenchError::Config(format!(
             "G1 + G2 would need {:.2} GiB of host memory (limit {:.2} GiB): raise --scale, lower the capacities, or pass --max-host-gib",
@@ -445,7 +472,16 @@ pub(crate) fn plan(cfg: &ReplayConfig) -> Result<Plan> {
     }
     let mut tier_config = TierEngineConfig::new(cfg.block_tokens as usize)
         .g2_policy(cfg.policy)
-        .g3_policy(cfg.policy);
+        .g3_policy(cfg.policy)
+        .g3_staging_blocks(staging);
+    if cfg.decline_slow_loads {
+        // The engine counts a trace block's tokens; its bytes are those of
+        // `page` stored tokens. Recomputing `scale` times faster keeps the
+        // comparison per stored token, as the report makes it.
+        tier_config = tier_config.load_cost(LoadCost::recompute_at(
+            cfg.prefill_tokens_per_s * f64::from(cfg.scale),
+        ));
+    }
     if let Some(n) = cfg.offload_in_flight {
         tier_config = tier_config.offload_in_flight(n);
     }
@@ -459,6 +495,7 @@ pub(crate) fn plan(cfg: &ReplayConfig) -> Result<Plan> {
         page,
         caps,
         block_bytes,
+        staging,
         tier_config,
     })
 }
@@ -473,6 +510,7 @@ pub fn run_replay(
         page,
         caps,
         block_bytes,
+        staging,
         tier_config,
     } = plan(cfg)?;
     let requests = &cfg.requests;
@@ -482,10 +520,11 @@ pub fn run_replay(
         cfg.model.layout_config(g1_slots.max(1), page)?,
         LayoutKind::LayerSeparate(BlockOrder::OuterFirst),
     )?;
+    // G2's memory holds its pool and, after it, the staging slots.
     let g2_layout = match caps[1] {
         0 => None,
         n => Some(Layout::new(
-            cfg.model.layout_config(n, page)?,
+            cfg.model.layout_config(n + staging, page)?,
             LayoutKind::FullyContiguous,
         )?),
     };
@@ -515,6 +554,14 @@ pub fn run_replay(
         _g3_guard = Some(crate::shutdown::guard_path(file.path()));
     }
     let mut driver = EngineDriver::new(engine, g1, cfg.block_tokens);
+    // The disk's own rate, same run (before and after: the best counts).
+    let raw_before = if caps[2] > 0 && cfg.workers == 0 {
+        latency::raw_read_gbps(&cfg.disk_dir, caps[2] as u64 * block_bytes)?
+    } else {
+        0.0
+    };
+    let mut samples = Vec::new();
+    let mut declined = 0u64;
     let start = Instant::now();
     let mut hits = [0u64; 3];
     let mut avoided = [0u64; 3];
@@ -535,11 +582,23 @@ pub fn run_replay(
         if let Some(s) = out.onboard_secs {
             onboard.push(s);
         }
+        declined += out.declined_blocks as u64;
+        samples.extend(latency::OnboardSample::of(
+            &out,
+            page,
+            cfg.prefill_tokens_per_s,
+        ));
         refs += r.hash_ids.len() as u64;
         prompt_tokens += u64::from(r.input_length);
         progress(i + 1, requests.len());
     }
     let wall_s = start.elapsed().as_secs_f64();
+    let raw_after = if raw_before > 0.0 {
+        latency::raw_read_gbps(&cfg.disk_dir, caps[2] as u64 * block_bytes)?
+    } else {
+        0.0
+    };
+    let onboard_cost = latency::summarise(&samples, raw_before.max(raw_after));
     let sim_reuse = reuse_stats(requests, cfg.block_tokens, caps);
 
     let sim_lru_tiers = lru_tiers_stats(requests, cfg.block_tokens, caps);
@@ -639,6 +698,10 @@ pub fn run_replay(
         onboard_p50_ms: percentile(&onboard_ms, 50.0),
         onboard_p99_ms: percentile(&onboard_ms, 99.0),
         verified_blocks: driver.verified_blocks,
+        g3_staging_blocks: staging,
+        decline_slow_loads: cfg.decline_slow_loads,
+        declined_blocks: declined,
+        onboard_cost,
         sim_reuse_hit_rate_pct: sim_reuse.hit_rate_pct(),
         sim_lru_tiers_hit_rate_pct: sim_lru_tiers.hit_rate_pct(),
         lru_hit_rate_pct: lru.hit_rate_pct(),
@@ -717,6 +780,8 @@ mod tests {
             worker_exe: None,
             offload_in_flight: None,
             g3_faults: G3Faults::default(),
+            g3_staging_bytes: 0,
+            decline_slow_loads: false,
         };
         assert!(matches!(
             run_replay(&cfg, |_, _| {}),

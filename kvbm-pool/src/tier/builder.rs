@@ -39,6 +39,8 @@ pub struct TierEngineBuilder {
     shape: KvShape,
     g1: Option<G1Source>,
     g2_bytes: Option<u64>,
+    /// G3 prefetch staging blocks; `None`: the default bytes' worth.
+    g3_staging: Option<usize>,
     g3: Option<(PathBuf, u64)>,
     config: TierEngineConfig,
     executor: Option<Executor>,
@@ -64,6 +66,7 @@ impl TierEngine {
             shape,
             g1: None,
             g2_bytes: None,
+            g3_staging: None,
             g3: None,
             config: TierEngineConfig::new(shape.tokens_per_block()),
             executor: None,
@@ -105,6 +108,16 @@ impl TierEngineBuilder {
     /// as many whole blocks as fit.
     pub fn g2_host_bytes(mut self, bytes: u64) -> Self {
         self.g2_bytes = Some(bytes);
+        self
+    }
+
+    /// Host memory for `blocks` blocks of G3 prefetch staging, beyond the G2
+    /// budget (0: no prefetch; G3 blocks are read into G1 at onboard).
+    /// Without this call, [`DEFAULT_G3_STAGING_BYTES`](super::DEFAULT_G3_STAGING_BYTES)
+    /// worth when the engine has both a G2 and a G3 (see
+    /// [`TierEngineConfig::g3_staging_blocks`]).
+    pub fn g3_staging_blocks(mut self, blocks: usize) -> Self {
+        self.g3_staging = Some(blocks);
         self
     }
 
@@ -193,11 +206,25 @@ impl TierEngineBuilder {
                 "G1 is device memory: build kvbm-pool with feature `cuda`".into(),
             ));
         }
+        let mut config = self.config;
+        config.g3_staging_blocks = match (self.g2_bytes, &self.g3) {
+            (Some(g2), Some(_)) => self.g3_staging.unwrap_or(match config.g3_staging_blocks {
+                0 => {
+                    let bytes = super::DEFAULT_G3_STAGING_BYTES.min(g2 / 8);
+                    usize::try_from(bytes / shape.block_bytes().max(1))
+                        .unwrap_or(usize::MAX)
+                        .max(1)
+                }
+                n => n,
+            }),
+            _ => 0,
+        };
         let g2 = match self.g2_bytes {
             None => None,
             Some(bytes) => {
+                let blocks = whole_blocks("G2", bytes, shape.block_bytes())?;
                 let layout = Layout::new(
-                    shape.layout_config(whole_blocks("G2", bytes, shape.block_bytes())?)?,
+                    shape.layout_config(blocks + config.g3_staging_blocks)?,
                     LayoutKind::FullyContiguous,
                 )
                 .map_err(layout_err)?;
@@ -248,7 +275,7 @@ impl TierEngineBuilder {
         for layout in [&g2].into_iter().flatten() {
             executor.register(layout)?;
         }
-        TierEngine::new(self.config, TierLayouts { g1, g2, g3 }, executor)
+        TierEngine::new(config, TierLayouts { g1, g2, g3 }, executor)
     }
 }
 
@@ -304,6 +331,24 @@ mod tests {
         assert_eq!(engine.pool(Tier::G1).unwrap().capacity(), 8);
         assert_eq!(engine.pool(Tier::G2).unwrap().capacity(), 10);
         assert_eq!(engine.pool(Tier::G3).unwrap().capacity(), 20);
+        // Staging for G3 prefetch comes on top of G2's budget.
+        assert_eq!(engine.staging_free_blocks(), 1);
+        let g2_memory = engine
+            .layout(Tier::G2)
+            .unwrap()
+            .layout()
+            .config()
+            .num_blocks();
+        assert_eq!(g2_memory, 11);
+        let off = TierEngine::builder(shape())
+            .g1_host(8)
+            .g2_host_bytes(10 * block)
+            .g3_disk(dir.path(), 20 * block)
+            .g3_staging_blocks(0)
+            .build()
+            .unwrap();
+        assert_eq!(off.staging_free_blocks(), 0);
+        assert_eq!(off.pool(Tier::G2).unwrap().capacity(), 10);
     }
 
     #[test]

@@ -1,8 +1,15 @@
 //! How a tier engine is built: per-tier admission and eviction, the
 //! offload queue's bounds, and the G3 onboarding path.
 
+use super::cost::LoadCost;
 use crate::config::EvictionKind;
 use crate::policy::ReuseModel;
+
+/// Host memory [`TierEngineBuilder`](super::TierEngineBuilder) adds beyond
+/// the G2 budget as the G3 prefetch staging area, unless an eighth of the
+/// G2 budget is less (whole blocks, at least one): room for the G3 part of
+/// several long prompts in flight at once.
+pub const DEFAULT_G3_STAGING_BYTES: u64 = 256 << 20;
 
 /// Admission and eviction of one kvbm tier (G2 or G3).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -133,6 +140,29 @@ pub struct TierEngineConfig {
     pub history_factor: f64,
     /// How the reuse score ranks a block from its use count and age.
     pub reuse_model: ReuseModel,
+    /// Blocks of G2's memory set aside as the staging area of G3 prefetch
+    /// (the last ones of G2's layout; G2's pool gets the rest). When a
+    /// match finds blocks in G3, their reads into staging slots start at
+    /// once, so the disk works while the engine allocates G1 and copies the
+    /// G2 part; the onboard then copies staged blocks G2 → G1 and waits
+    /// only for reads still in flight. Each block is one contiguous read in
+    /// the file and in the slot, and blocks adjacent in the file land in
+    /// adjacent slots, so reads are large where a G1 layout split per layer
+    /// would cut them into one small read per layer and plane. G3 blocks
+    /// beyond the free slots are read straight into G1 at onboard. 0 turns
+    /// prefetch off. [`TierEngineConfig::new`] leaves it 0: it cannot know
+    /// whether the G2 layout given has room beyond its pool;
+    /// [`TierEngineBuilder`](super::TierEngineBuilder) adds up to
+    /// [`DEFAULT_G3_STAGING_BYTES`] of G2 memory for it whenever it builds a
+    /// G2 and a G3, since a read that starts earlier and in larger pieces
+    /// lands sooner, and the staging slots cost G2's pool nothing (measured
+    /// in `docs/benchmarks.md`, "Trace replay: hit rates"). The price is
+    /// the staging memory, and a read wasted when a request goes away
+    /// before its onboard.
+    pub g3_staging_blocks: usize,
+    /// Whether a match leaves blocks to recompute whose load would take
+    /// longer than recomputing them (see [`LoadCost`]; off by default).
+    pub load_cost: LoadCost,
     /// With [`ReuseModel::Hyperbolic`], ages decay as `(age + 1)^-exponent`
     /// (see
     /// [`UseHistory::with_age_exponent`](crate::policy::UseHistory::with_age_exponent)).
@@ -180,6 +210,8 @@ impl TierEngineConfig {
             reuse_age_exponent: 1.0,
             hint_slack: 2.0,
             hint_g1_within: std::time::Duration::from_secs(30),
+            g3_staging_blocks: 0,
+            load_cost: LoadCost::default(),
         }
     }
 
@@ -192,6 +224,18 @@ impl TierEngineConfig {
     /// Sets the longest hinted time G1 holds blocks back for.
     pub fn hint_g1_within(mut self, within: std::time::Duration) -> Self {
         self.hint_g1_within = within;
+        self
+    }
+
+    /// Sets the blocks of G2 memory set aside for G3 prefetch (0: off).
+    pub fn g3_staging_blocks(mut self, blocks: usize) -> Self {
+        self.g3_staging_blocks = blocks;
+        self
+    }
+
+    /// Sets the load-or-recompute cost model.
+    pub fn load_cost(mut self, cost: LoadCost) -> Self {
+        self.load_cost = cost;
         self
     }
 
@@ -289,6 +333,7 @@ impl TierEngineConfig {
         if !(self.hint_slack.is_finite() && self.hint_slack >= 1.0) {
             return Err("hint_slack must be at least 1".into());
         }
+        self.load_cost.validate()?;
         if let ReuseModel::ReturnWithin { horizon: 0 } = self.reuse_model {
             return Err("the return-within horizon must be at least 1 request".into());
         }

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use kvbm_block::SequenceHash;
 
 use super::onboard::OnboardJob;
+use super::prefetch::{self, Prefetch};
 use super::{RequestId, Shared, TierError};
 use crate::pool::ImmutableBlocks;
 
@@ -37,6 +38,10 @@ pub struct TierMatch {
     pub g3_blocks: usize,
     /// Whether one block was given back because the whole prompt hit.
     pub gave_back: bool,
+    /// Matched G2/G3 blocks left for the engine to recompute because the
+    /// cost model ([`super::LoadCost`]) found loading them slower (they
+    /// follow the blocks above and are not held).
+    pub declined_blocks: usize,
     /// Tokens per block.
     pub block_size: usize,
 }
@@ -81,6 +86,34 @@ pub(crate) struct RequestState {
     pub(crate) segments: Vec<Segment>,
     /// The onboard, once started.
     pub(crate) onboard: Option<Arc<OnboardJob>>,
+    /// The G3 read started at match time, until the onboard takes it.
+    pub(crate) prefetch: Option<Arc<Prefetch>>,
+}
+
+impl Drop for RequestState {
+    /// A request forgotten before its onboard took its prefetch stops the
+    /// read (its slots and holds return once the read has stopped).
+    fn drop(&mut self) {
+        if let Some(p) = self.prefetch.take() {
+            p.cancel();
+        }
+    }
+}
+
+/// Keeps the first `keep` blocks of `segments` (prefix order), dropping
+/// the holds of the others; returns the G2 and G3 blocks dropped.
+fn truncate_segments(segments: &mut Vec<Segment>, keep: usize) -> [usize; 2] {
+    let mut dropped = [0usize; 2];
+    let mut left = keep;
+    segments.retain_mut(|seg| {
+        let n = seg.blocks.len();
+        let kept = n.min(left);
+        left -= kept;
+        dropped[usize::from(seg.g3)] += n - kept;
+        seg.blocks.truncate(kept);
+        kept > 0
+    });
+    dropped
 }
 
 pub(crate) fn match_request(
@@ -174,6 +207,29 @@ pub(crate) fn match_request(
             gave_back = false;
         }
     }
+    // Load or recompute: the cost model may leave the tail to the engine.
+    let external = in_g2 + in_g3;
+    let mut declined = 0;
+    if shared.config.load_cost.recompute_tokens_per_s.is_some() && external > 0 {
+        let from_g3: Vec<bool> = segments
+            .iter()
+            .flat_map(|seg| std::iter::repeat_n(seg.g3, seg.blocks.len()))
+            .collect();
+        let bytes = |t: &Option<super::TierSlot>| t.as_ref().map_or(0, |t| t.block_bytes);
+        let keep = shared.config.load_cost.blocks_worth_loading(
+            shared.rates.current(&shared.config.load_cost),
+            bs,
+            [bytes(&shared.g2), bytes(&shared.g3)],
+            &from_g3,
+        );
+        if keep < external {
+            shared.rates.declined(&shared.config.load_cost);
+            let [d2, d3] = truncate_segments(&mut segments, keep);
+            in_g2 -= d2;
+            in_g3 -= d3;
+            declined = d2 + d3;
+        }
+    }
     let g1_blocks = match g1 {
         G1Lookup::Pool => g1_held.len(),
         // The engine applies its own rule to its own prefix.
@@ -186,13 +242,28 @@ pub(crate) fn match_request(
         g2_blocks: in_g2,
         g3_blocks: in_g3,
         gave_back,
+        declined_blocks: declined,
         block_size: bs,
+    };
+    // The disk starts now, while the engine allocates G1 — unless an
+    // earlier match of this request already reads the same blocks.
+    let prefetch = if in_g3 > 0 {
+        let earlier = match shared.requests.lock().get_mut(&request) {
+            Some(old) if old.onboard.is_none() && old.start == g1_blocks => {
+                old.prefetch.take_if(|p| p.serves(&segments))
+            }
+            _ => None,
+        };
+        earlier.or_else(|| prefetch::start(shared, &segments))
+    } else {
+        None
     };
     let state = RequestState {
         hashes: hashes.to_vec(),
         start: g1_blocks,
         segments,
         onboard: None,
+        prefetch,
     };
     let mut requests = shared.requests.lock();
     if requests.get(&request).is_some_and(|s| s.onboard.is_some()) {

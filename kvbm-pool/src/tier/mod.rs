@@ -28,11 +28,16 @@
 //! - **Match.** For a request's sequence hashes: the longest prefix in G1,
 //!   continued in G2, then G3 — one contiguous prefix. When the three cover
 //!   the whole prompt one block is given back so the engine recomputes the
-//!   last token (it needs the logits). Matched G2/G3 blocks are held until
-//!   onboarded or released.
+//!   last token (it needs the logits). A cost model, when given the
+//!   engine's prefill rate, leaves a tail whose load would be slower than
+//!   recomputing it ([`LoadCost`]). Matched G2/G3 blocks are held until
+//!   onboarded or released, and the G3 ones start moving at once: they are
+//!   read into a staging area at the end of G2's memory (G3 prefetch,
+//!   `g3_staging_blocks`) while the engine allocates G1.
 //! - **Onboard.** Copies the held blocks into G1 blocks (allocated by kvbm
 //!   from its G1 pool, or given by the engine as ids) and resolves one
-//!   completion per request. A failure reports nothing as loaded. Requests
+//!   completion per request; staged G3 blocks are copied from their slots
+//!   once their read landed. A failure reports nothing as loaded. Requests
 //!   sharing a prefix onboard it once: the second waits for the first's
 //!   blocks to land in G1.
 //!
@@ -42,12 +47,14 @@
 
 mod builder;
 mod config;
+mod cost;
 mod error;
 mod events;
 mod matching;
 mod mover;
 mod offload;
 mod onboard;
+mod prefetch;
 mod request;
 mod shape;
 
@@ -63,7 +70,8 @@ use kvbm_transfer::{Executor, PhysicalLayout};
 use parking_lot::Mutex;
 
 pub use builder::TierEngineBuilder;
-pub use config::{G3Onboard, OffloadMode, TierEngineConfig, TierPolicy};
+pub use config::{DEFAULT_G3_STAGING_BYTES, G3Onboard, OffloadMode, TierEngineConfig, TierPolicy};
+pub use cost::LoadCost;
 pub use error::TierError;
 pub use matching::{G1Lookup, TierMatch};
 pub use mover::{LocalMover, TierMover};
@@ -155,6 +163,10 @@ pub(crate) struct Shared {
     /// Set once a retention hint was given (G1's policy forwards until
     /// then).
     pub(crate) hinted: Arc<AtomicBool>,
+    /// The G3 prefetch staging area (G2 memory beyond G2's pool).
+    pub(crate) staging: Option<Arc<prefetch::Staging>>,
+    /// G2 → G1 and G3 read rates the engine measured (for the cost model).
+    pub(crate) rates: cost::MeasuredRates,
 }
 
 /// The tier engine. `Send + Sync`; share it behind an `Arc`. Dropping it
@@ -268,7 +280,24 @@ impl TierEngine {
             }
         };
         let g2_victims: VictimLog = Arc::default();
-        let g2 = match cap(Tier::G2) {
+        // The staging area of G3 prefetch: the last blocks of G2's memory.
+        let staging_blocks = match (cap(Tier::G2), cap(Tier::G3)) {
+            (Some(g2), Some(_)) if config.g3_staging_blocks > 0 => {
+                if config.g3_staging_blocks >= g2 {
+                    return Err(TierError::InvalidConfig(format!(
+                        "g3_staging_blocks ({}) must leave G2's pool at least one of its {g2} blocks",
+                        config.g3_staging_blocks
+                    )));
+                }
+                config.g3_staging_blocks
+            }
+            _ => 0,
+        };
+        let staging = (staging_blocks > 0).then(|| {
+            let g2 = cap(Tier::G2).unwrap_or(0);
+            prefetch::Staging::new(g2 - staging_blocks, staging_blocks)
+        });
+        let g2 = match cap(Tier::G2).map(|c| c - staging_blocks) {
             Some(cap) => {
                 let policy = Box::new(SpillRecorder::new(
                     tier_policy(config.g2_policy, Tier::G2, cap, &history),
@@ -305,6 +334,8 @@ impl TierEngine {
             engine_guards: Mutex::default(),
             metrics: EngineMetrics::default(),
             hinted,
+            staging,
+            rates: cost::MeasuredRates::default(),
         });
         let worker = {
             let shared = Arc::clone(&shared);
@@ -562,6 +593,13 @@ impl TierEngine {
     /// bytes can land there. `false` if the request was unknown.
     pub fn release(&self, request: impl Into<RequestId>) -> bool {
         onboard::release(&self.shared, &request.into())
+    }
+
+    /// Free slots of the G3 prefetch staging area (0 without one). Slots
+    /// return when a staged block has been copied into G1, or when the read
+    /// of a request released before its onboard has stopped.
+    pub fn staging_free_blocks(&self) -> usize {
+        self.shared.staging.as_ref().map_or(0, |s| s.free_slots())
     }
 
     /// Requests currently known (matched and not released).

@@ -172,6 +172,8 @@ pub(crate) struct OnboardJob {
     pending: AtomicUsize,
     released: AtomicBool,
     cancel: CancelToken,
+    /// The request's G3 prefetch read, stopped with the job.
+    prefetch_cancel: Mutex<Option<CancelToken>>,
     started: Instant,
     state: Mutex<Option<JobState>>,
     done: Mutex<bool>,
@@ -232,6 +234,7 @@ pub(crate) fn start(
         pending: AtomicUsize::new(1),
         released: AtomicBool::new(false),
         cancel: CancelToken::new(),
+        prefetch_cancel: Mutex::new(None),
         started: Instant::now(),
         writes_engine_blocks: matches!(target, OnboardTarget::Blocks(_)),
         state: Mutex::new(None),
@@ -242,7 +245,7 @@ pub(crate) fn start(
     // Claim the request's holds. No lock is held past this block: G1
     // allocation below may wait for the offload worker, whose copies
     // complete on threads that also finish onboards.
-    let (holds, hashes, parents, sources, from_g3) = {
+    let (holds, hashes, parents, sources, from_g3, prefetch) = {
         let mut requests = shared.requests.lock();
         let Some(state) = requests.get_mut(&request) else {
             return Err(TierError::UnknownRequest(request));
@@ -272,9 +275,13 @@ pub(crate) fn start(
             .map(|i| i.checked_sub(1).map(|p| state.hashes[p]))
             .collect();
         let holds = std::mem::take(&mut state.segments);
+        let prefetch = state.prefetch.take();
         state.onboard = Some(Arc::clone(&job));
-        (holds, hashes, parents, sources, from_g3)
+        (holds, hashes, parents, sources, from_g3, prefetch)
     };
+    if let Some(p) = &prefetch {
+        *job.prefetch_cancel.lock() = Some(p.cancel_token().clone());
+    }
     let n = hashes.len();
 
     // Which blocks this request copies, which it waits for.
@@ -312,7 +319,7 @@ pub(crate) fn start(
         OnboardTarget::Pool => match super::allocate_g1(shared, own.len()) {
             Ok(blocks) => Dst::Pool(blocks),
             Err(e) => {
-                undo_start(shared, &job, holds, owned_inflight);
+                undo_start(shared, &job, holds, prefetch, owned_inflight);
                 return Err(e);
             }
         },
@@ -321,18 +328,38 @@ pub(crate) fn start(
         Dst::Pool(b) => b.iter().map(MutableBlock::block_id).collect(),
         Dst::Ids(ids) => ids.clone(),
     };
-    let mut g2_pairs = Vec::new();
-    let mut g3_pairs = Vec::new();
-    for (k, &i) in own.iter().enumerate() {
-        let d = dst_ids[k] as usize;
-        if from_g3[i] {
-            g3_pairs.push((sources[i] as usize, d));
-        } else {
-            g2_pairs.push((sources[i] as usize, d));
+    // Staged blocks come from their staging slot once the read landed.
+    let mut slot_of: Vec<Option<u32>> = vec![None; n];
+    if let Some(p) = &prefetch {
+        for &(i, slot) in p.staged() {
+            if i < n {
+                slot_of[i] = Some(slot);
+            }
         }
     }
+    let mut g2_pairs = Vec::new();
+    let mut g3_pairs = Vec::new();
+    let mut staged_pairs = Vec::new();
+    for (k, &i) in own.iter().enumerate() {
+        let d = dst_ids[k] as usize;
+        match (from_g3[i], slot_of[i]) {
+            (true, Some(slot)) => staged_pairs.push((slot as usize, d)),
+            (true, None) => g3_pairs.push((sources[i] as usize, d)),
+            (false, _) => g2_pairs.push((sources[i] as usize, d)),
+        }
+    }
+    // A prefetch none of whose blocks this request copies is not waited for.
+    let prefetch = match prefetch {
+        Some(p) if staged_pairs.is_empty() => {
+            p.cancel();
+            None
+        }
+        p => p,
+    };
     let (completer, completion) = completion_pair::<Done>();
-    let transfers = usize::from(!g2_pairs.is_empty()) + usize::from(!g3_pairs.is_empty());
+    let transfers = usize::from(!g2_pairs.is_empty())
+        + usize::from(!g3_pairs.is_empty())
+        + usize::from(prefetch.is_some());
     *job.state.lock() = Some(JobState {
         waited_held: (0..hashes.len()).map(|_| None).collect(),
         hashes,
@@ -369,11 +396,18 @@ pub(crate) fn start(
             continue;
         }
         let (shared2, job2) = (Arc::clone(shared), Arc::clone(&job));
+        let submitted = Instant::now();
         match tier {
             Some(tier) => shared
                 .mover
                 .copy(tier.tier, Tier::G1, pairs, job.cancel.clone())
                 .on_complete(move |outcome| {
+                    let rate = if path == 0 {
+                        &shared2.rates.g2
+                    } else {
+                        &shared2.rates.g3
+                    };
+                    rate.observe_outcome(&outcome, submitted);
                     job2.record(path, outcome);
                     job2.arrive(&shared2);
                 }),
@@ -392,11 +426,61 @@ pub(crate) fn start(
             }
         }
     }
+    if let Some(p) = prefetch {
+        copy_staged(shared, &job, p, staged_pairs);
+    }
     job.arrive(shared);
     Ok(OnboardHandle {
         request,
         completion,
     })
+}
+
+/// Copies staged blocks (`(slot, G1 block)` pairs) into G1 once `p`'s read
+/// has landed; a failed or cancelled read fails the job instead. Counts as
+/// one of the job's transfers (G3 → G1 bytes).
+fn copy_staged(
+    shared: &Arc<Shared>,
+    job: &Arc<OnboardJob>,
+    p: Arc<super::prefetch::Prefetch>,
+    pairs: Vec<(usize, usize)>,
+) {
+    let (shared2, job2, keep) = (Arc::clone(shared), Arc::clone(job), Arc::clone(&p));
+    p.when_read(Box::new(move |read| {
+        let read = match read {
+            Ok(()) if job2.cancel.is_cancelled() => Err(TransferError::Cancelled),
+            r => r,
+        };
+        match read {
+            Ok(()) => {
+                let (shared3, job3) = (Arc::clone(&shared2), Arc::clone(&job2));
+                let submitted = Instant::now();
+                shared2
+                    .mover
+                    .copy(Tier::G2, Tier::G1, pairs, job2.cancel.clone())
+                    .on_complete(move |outcome| {
+                        // The slots stay ours until the copy has ended.
+                        drop(keep);
+                        shared3.rates.g2.observe_outcome(&outcome, submitted);
+                        job3.record(1, outcome);
+                        job3.arrive(&shared3);
+                    });
+            }
+            Err(error) => {
+                drop(keep);
+                job2.record(
+                    1,
+                    Err(Box::new(kvbm_transfer::TransferFailure {
+                        error,
+                        completed: Vec::new(),
+                        failed: pairs,
+                        culprit: None,
+                    })),
+                );
+                job2.arrive(&shared2);
+            }
+        }
+    }));
 }
 
 /// A start that could not allocate its G1 targets: the in-flight entries
@@ -406,6 +490,7 @@ fn undo_start(
     shared: &Shared,
     job: &Arc<OnboardJob>,
     holds: Vec<super::matching::Segment>,
+    prefetch: Option<Arc<super::prefetch::Prefetch>>,
     owned_inflight: Vec<(SequenceHash, Arc<Inflight>)>,
 ) {
     {
@@ -421,9 +506,15 @@ fn undo_start(
         match requests.get_mut(&job.request) {
             Some(state) if state.onboard.as_ref().is_some_and(|j| Arc::ptr_eq(j, job)) => {
                 state.segments = holds;
+                state.prefetch = prefetch;
                 state.onboard = None;
             }
-            _ => drop(holds),
+            _ => {
+                drop(holds);
+                if let Some(p) = prefetch {
+                    p.cancel();
+                }
+            }
         }
     }
     *job.done.lock() = true;
@@ -627,6 +718,9 @@ pub(crate) fn release(shared: &Shared, request: &RequestId) -> bool {
         if job.writes_engine_blocks {
             // The engine may reuse its blocks once we return: stop writing.
             job.cancel.cancel();
+            if let Some(c) = job.prefetch_cancel.lock().as_ref() {
+                c.cancel();
+            }
             job.wait_done();
         }
     }

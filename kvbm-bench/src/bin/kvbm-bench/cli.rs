@@ -235,6 +235,16 @@ pub struct ReplayArgs {
     /// have succeeded (in-process engine, host tiers).
     #[arg(long, hide = true)]
     pub g3_eio_after_reads: Option<u64>,
+    /// MiB of host memory for G3 prefetch staging, allocated beyond G2's
+    /// capacity: G3 reads start at match time into these blocks (0: read
+    /// G3 straight into G1 at onboard).
+    #[arg(long, default_value_t = kvbm_pool::tier::DEFAULT_G3_STAGING_BYTES >> 20)]
+    pub g3_staging_mib: u64,
+    /// Let the engine leave matched blocks to recompute when loading them
+    /// would be slower than prefill at --prefill-rate (its cost model, off
+    /// by default; hit rates then depend on the machine's speed).
+    #[arg(long)]
+    pub decline_slow_loads: bool,
 }
 
 /// The tier engine's G2/G3 policies.

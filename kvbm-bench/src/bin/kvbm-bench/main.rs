@@ -178,6 +178,9 @@ fn soak(cli: &Cli, args: &SoakArgs) -> Result<(), BenchError> {
             worker_exe: None,
             offload_in_flight: None,
             g3_faults: G3Faults::default(),
+            // Workers read G3 themselves: no staging, no cost model.
+            g3_staging_bytes: 0,
+            decline_slow_loads: false,
         },
         duration: std::time::Duration::from_secs_f64(args.minutes * 60.0),
         kill_every: (args.kill_every > 0).then(|| std::time::Duration::from_secs(args.kill_every)),
@@ -257,6 +260,8 @@ fn replay_report(cli: &Cli, args: &ReplayArgs) -> Result<ReplayReport, BenchErro
             enospc_after_writes: args.g3_enospc_after_writes,
             eio_after_reads: args.g3_eio_after_reads,
         },
+        g3_staging_bytes: args.g3_staging_mib << 20,
+        decline_slow_loads: args.decline_slow_loads,
     };
     let bar = progress_bar(cli, config.requests.len() as u64, "replay");
     let report = run_replay(&config, |done, _| bar.set_position(done as u64));

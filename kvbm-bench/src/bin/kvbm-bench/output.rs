@@ -259,10 +259,39 @@ pub fn replay(cli: &Cli, r: &ReplayReport) -> Result<(), BenchError> {
         "  modelled TTFT saving: {:.1} s of prefill at {:.0} tokens/s, for {:.2} s of onboarding",
         r.modelled_ttft_saving_s, r.prefill_tokens_per_s, r.onboard_total_s
     );
+    let c = &r.onboard_cost;
     println!(
-        "  onboard latency: p50 {:.3} ms, p99 {:.3} ms over {} onboards; {} blocks verified byte for byte",
+        "  onboard latency (match -> landed in G1): p50 {:.3} ms, p99 {:.3} ms over {} onboards; {} blocks verified byte for byte",
         r.onboard_p50_ms, r.onboard_p99_ms, r.onboards, r.verified_blocks
     );
+    println!(
+        "  recomputing the same stored tokens at {:.0} tokens/s: p50 {:.3} ms, p99 {:.3} ms; {} onboards were slower",
+        r.prefill_tokens_per_s, c.recompute_p50_ms, c.recompute_p99_ms, c.slower_than_recompute
+    );
+    if c.raw_read_gbps > 0.0 {
+        println!(
+            "  G3 onboards ({} served from G3 alone{}): {:.2} GB/s match -> landed ({:.0} % of it until G1 was allocated); raw O_DIRECT sequential read, same disk, same run: {:.2} GB/s; ratio {:.2}",
+            c.g3_onboards,
+            if r.g3_staging_blocks > 0 {
+                format!(
+                    ", prefetched at match into {} staging blocks",
+                    r.g3_staging_blocks
+                )
+            } else {
+                ", read into G1 at onboard".to_string()
+            },
+            c.g3_gbps,
+            c.g3_alloc_share * 100.0,
+            c.raw_read_gbps,
+            c.g3_vs_raw
+        );
+    }
+    if r.decline_slow_loads {
+        println!(
+            "  blocks the engine's cost model left to recompute (slower to load): {}",
+            r.declined_blocks
+        );
+    }
     println!(
         "  offloads skipped by the engine's policy: {}",
         r.offloads_skipped

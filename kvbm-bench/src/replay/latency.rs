@@ -1,0 +1,177 @@
+//! What onboarding costs a request, next to what recomputing would.
+//!
+//! Each onboard is timed from the match (where G3 reads start) to its last
+//! byte in G1. The recompute time of the same blocks is the tokens they
+//! store divided by the prefill rate the user states: the bytes that move
+//! are those of `block_tokens / scale` tokens per block, so the tokens they
+//! stand for are counted the same way. The G3 onboard rate is over the
+//! onboards served from G3 alone (their G3 → G1 bytes over their times),
+//! against a raw sequential `O_DIRECT` read of a scratch file next to the
+//! G3 file in the same run (as large as G3, 64–256 MiB).
+
+use std::path::Path;
+
+use serde::Serialize;
+
+use super::super::error::{BenchError, Result};
+use super::super::matrix::reference_disk;
+use super::super::stats::percentile;
+use super::engine::RequestOutcome;
+
+/// Onboard latency against recompute time, and the G3 onboard rate.
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct OnboardCost {
+    /// Onboards timed.
+    pub onboards: usize,
+    /// Onboard latency (match → landed in G1) median, milliseconds.
+    pub p50_ms: f64,
+    /// Onboard latency 99th percentile, milliseconds.
+    pub p99_ms: f64,
+    /// Recompute time of the same onboards' stored tokens, median, ms.
+    pub recompute_p50_ms: f64,
+    /// Recompute time, 99th percentile, ms.
+    pub recompute_p99_ms: f64,
+    /// Onboards that took longer than recomputing their tokens.
+    pub slower_than_recompute: usize,
+    /// Onboards served from G3 alone.
+    pub g3_onboards: usize,
+    /// Their G3 → G1 bytes over their summed latency, GB/s.
+    pub g3_gbps: f64,
+    /// Share of their latency spent until kvbm had allocated their G1
+    /// blocks (with write-back, saving G1's victims to G2 and G2's to G3).
+    pub g3_alloc_share: f64,
+    /// Raw sequential `O_DIRECT` read of a scratch file in the G3
+    /// directory, same run, GB/s (0 when not measured).
+    pub raw_read_gbps: f64,
+    /// `g3_gbps / raw_read_gbps`.
+    pub g3_vs_raw: f64,
+}
+
+/// One timed onboard.
+#[derive(Debug, Clone, Copy)]
+pub struct OnboardSample {
+    secs: f64,
+    recompute_secs: f64,
+    blocks: [usize; 2],
+    g3_bytes: u64,
+    alloc_secs: f64,
+}
+
+impl OnboardSample {
+    /// The onboard of `out` (`None` without one), its blocks holding
+    /// `stored_tokens` tokens each, recomputed at `tokens_per_s`.
+    pub fn of(out: &RequestOutcome, stored_tokens: usize, tokens_per_s: f64) -> Option<Self> {
+        let secs = out.onboard_secs?;
+        let blocks = out.onboard_blocks;
+        Some(Self {
+            secs,
+            recompute_secs: ((blocks[0] + blocks[1]) * stored_tokens) as f64 / tokens_per_s,
+            blocks,
+            g3_bytes: out.onboard_g3_bytes,
+            alloc_secs: out.onboard_alloc_secs,
+        })
+    }
+}
+
+/// Sums up `samples`; `raw_read_gbps` is the same run's disk reference.
+pub fn summarise(samples: &[OnboardSample], raw_read_gbps: f64) -> OnboardCost {
+    let ms: Vec<f64> = samples.iter().map(|s| s.secs * 1e3).collect();
+    let recompute: Vec<f64> = samples.iter().map(|s| s.recompute_secs * 1e3).collect();
+    let g3: Vec<&OnboardSample> = samples
+        .iter()
+        .filter(|s| s.blocks[0] == 0 && s.blocks[1] > 0)
+        .collect();
+    let g3_secs: f64 = g3.iter().map(|s| s.secs).sum();
+    let g3_bytes: u64 = g3.iter().map(|s| s.g3_bytes).sum();
+    let g3_alloc: f64 = g3.iter().map(|s| s.alloc_secs).sum();
+    let g3_gbps = if g3_secs > 0.0 {
+        g3_bytes as f64 / g3_secs / 1e9
+    } else {
+        0.0
+    };
+    OnboardCost {
+        onboards: samples.len(),
+        p50_ms: percentile(&ms, 50.0),
+        p99_ms: percentile(&ms, 99.0),
+        recompute_p50_ms: percentile(&recompute, 50.0),
+        recompute_p99_ms: percentile(&recompute, 99.0),
+        slower_than_recompute: samples.iter().filter(|s| s.secs > s.recompute_secs).count(),
+        g3_onboards: g3.len(),
+        g3_gbps,
+        g3_alloc_share: if g3_secs > 0.0 {
+            g3_alloc / g3_secs
+        } else {
+            0.0
+        },
+        raw_read_gbps,
+        g3_vs_raw: if raw_read_gbps > 0.0 {
+            g3_gbps / raw_read_gbps
+        } else {
+            0.0
+        },
+    }
+}
+
+/// Bounds of the scratch file the disk reference reads.
+const RAW_READ_BYTES: (u64, u64) = (64 << 20, 256 << 20);
+
+/// Writes a scratch file of `bytes` in `dir` (as much as G3 holds, within
+/// 64–256 MiB) with `O_DIRECT`, reads it back sequentially with
+/// `O_DIRECT` in large requests and removes it: the disk's sequential
+/// read rate, GB/s.
+pub fn raw_read_gbps(dir: &Path, bytes: u64) -> Result<f64> {
+    let bytes = bytes.clamp(RAW_READ_BYTES.0, RAW_READ_BYTES.1);
+    let path = dir.join(format!("kvbm-replay-raw-read-{}.bin", std::process::id()));
+    let io_err = |source| BenchError::Output {
+        path: path.clone(),
+        source,
+    };
+    std::fs::create_dir_all(dir).map_err(io_err)?;
+    // A run stopped by force still removes it.
+    let _guard = crate::shutdown::guard_path(&path);
+    std::fs::File::create(&path).map_err(io_err)?;
+    let result =
+        reference_disk(&path, bytes, true).and_then(|_| reference_disk(&path, bytes, false));
+    // A scratch file left behind is only disk space: the rate stands.
+    let _ = std::fs::remove_file(&path);
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn out(secs: f64, blocks: [usize; 2], g3_bytes: u64) -> RequestOutcome {
+        RequestOutcome {
+            prefix: Vec::new(),
+            onboard_secs: Some(secs),
+            onboard_blocks: blocks,
+            onboard_g3_bytes: g3_bytes,
+            onboard_alloc_secs: secs / 2.0,
+            declined_blocks: 0,
+        }
+    }
+
+    #[test]
+    fn counts_slow_onboards_and_rates_g3_alone() {
+        // 8 stored tokens per block at 8 000 tokens/s: 1 ms per block.
+        let samples: Vec<OnboardSample> = [
+            out(0.0005, [1, 0], 0),
+            out(0.003, [0, 2], 2_000_000),
+            out(0.001, [0, 2], 2_000_000),
+            out(0.010, [1, 1], 1_000_000),
+        ]
+        .iter()
+        .filter_map(|o| OnboardSample::of(o, 8, 8_000.0))
+        .collect();
+        let c = summarise(&samples, 2.0);
+        assert_eq!(c.onboards, 4);
+        assert_eq!(c.slower_than_recompute, 2);
+        assert_eq!(c.g3_onboards, 2);
+        // 4 MB in 4 ms.
+        assert!((c.g3_gbps - 1.0).abs() < 1e-9, "{}", c.g3_gbps);
+        assert!((c.g3_vs_raw - 0.5).abs() < 1e-9);
+        assert!((c.g3_alloc_share - 0.5).abs() < 1e-9);
+        assert!(OnboardSample::of(&RequestOutcome::default(), 8, 1.0).is_none());
+    }
+}
