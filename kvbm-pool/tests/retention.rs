@@ -318,5 +318,10 @@ fn done_hints_that_prove_wrong_are_ignored() {
         u.retain(&[h(k)], RetentionHint::Done);
     }
     assert!(u.done_trusted());
-    assert_eq!(u.retained(h(50)), Retained::Done);
+    // A hint is judged when given: the doubted one stays ranked by its
+    // history, a new one is acted on.
+    assert_eq!(u.retained(h(50)), Retained::No);
+    u.record_request(&[h(60)]);
+    u.retain(&[h(60)], RetentionHint::Done);
+    assert_eq!(u.retained(h(60)), Retained::Done);
 }

@@ -20,9 +20,11 @@
 //!   grows by at most one per block (each earlier turn carried the blocks
 //!   before it once more), so a prefix other traffic shares (a system
 //!   prompt) is left alone, and none that another request's hint keeps.
-//!   Done hints are acted on only while enough of them have not been
-//!   proven wrong (see
-//!   [`UseHistory::done_trusted`](super::UseHistory::done_trusted)).
+//!   A done hint is acted on only if, when it is given, enough done hints
+//!   have not been proven wrong (see
+//!   [`UseHistory::done_trusted`](super::UseHistory::done_trusted));
+//!   one given while they are not trusted is only kept to be judged, so a
+//!   block's rank never changes after its hint.
 //!
 //! Any later request that carries a block clears its mark: a hint covers
 //! the time until the next use. Time is milliseconds of a [`HintClock`]:
@@ -78,6 +80,9 @@ pub enum Mark {
     },
     /// First to evict.
     Done,
+    /// A done hint given while done hints were not trusted: acted on
+    /// nowhere, kept only to learn whether it proves wrong.
+    Doubted,
 }
 
 /// The marks hints left, per block, with their lapse rule.
@@ -120,12 +125,15 @@ impl Retentions {
     }
 
     /// Applies `hint`, given at `now`, to `hashes` (a request's blocks in
-    /// prompt order); `uses` tells how many requests carried a block.
+    /// prompt order); `uses` tells how many requests carried a block. A
+    /// done hint marks its blocks [`Mark::Done`] when `trusted`, else
+    /// [`Mark::Doubted`].
     pub fn apply(
         &mut self,
         hashes: &[SequenceHash],
         hint: RetentionHint,
         now: u64,
+        trusted: bool,
         uses: impl Fn(SequenceHash) -> u32,
     ) {
         match hint {
@@ -154,7 +162,8 @@ impl Retentions {
                     }
                     previous = Some(count);
                     if self.keep_until(h, now).is_none() {
-                        self.marks.insert(h, Mark::Done);
+                        let mark = if trusted { Mark::Done } else { Mark::Doubted };
+                        self.marks.insert(h, mark);
                     }
                 }
             }
@@ -191,6 +200,11 @@ impl Retentions {
         matches!(self.marks.get(&hash), Some(Mark::Done))
     }
 
+    /// Whether a done hint, acted on or doubted, names `hash`.
+    pub fn said_done(&self, hash: SequenceHash) -> bool {
+        matches!(self.marks.get(&hash), Some(Mark::Done | Mark::Doubted))
+    }
+
     /// The mark of `hash`, lapsed or not.
     pub fn get(&self, hash: SequenceHash) -> Option<Mark> {
         self.marks.get(&hash).copied()
@@ -205,7 +219,7 @@ impl Retentions {
         }
         self.marks.retain(|_, m| match m {
             Mark::Keep { until, .. } => *until > now,
-            Mark::Done => true,
+            Mark::Done | Mark::Doubted => true,
         });
         self.purged_at = self.marks.len();
     }
@@ -214,13 +228,25 @@ impl Retentions {
     /// them), so the map stays bounded.
     pub fn forget_done(&mut self, keep: impl Fn(SequenceHash) -> bool) {
         self.marks
-            .retain(|&h, m| !matches!(m, Mark::Done) || keep(h));
+            .retain(|&h, m| !matches!(m, Mark::Done | Mark::Doubted) || keep(h));
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl Retentions {
+        fn apply_trusted(
+            &mut self,
+            hashes: &[SequenceHash],
+            hint: RetentionHint,
+            now: u64,
+            uses: impl Fn(SequenceHash) -> u32,
+        ) {
+            self.apply(hashes, hint, now, true, uses);
+        }
+    }
 
     fn h(x: u64) -> SequenceHash {
         SequenceHash(x)
@@ -229,7 +255,7 @@ mod tests {
     #[test]
     fn keep_lapses_after_slack_times_the_hint() {
         let mut r = Retentions::new(2.0);
-        r.apply(
+        r.apply_trusted(
             &[h(1), h(2)],
             RetentionHint::ReturnsWithin(Duration::from_secs(10)),
             1_000,
@@ -246,7 +272,7 @@ mod tests {
     fn done_spares_shared_and_kept_blocks() {
         let mut r = Retentions::new(2.0);
         // Block 7 is kept by another request's hint.
-        r.apply(
+        r.apply_trusted(
             &[h(7)],
             RetentionHint::ReturnsWithin(Duration::from_secs(5)),
             0,
@@ -260,7 +286,7 @@ mod tests {
             4 => 1,
             _ => 2,
         };
-        r.apply(
+        r.apply_trusted(
             &[h(1), h(2), h(7), h(3), h(4)],
             RetentionHint::Done,
             100,

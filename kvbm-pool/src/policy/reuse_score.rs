@@ -284,9 +284,11 @@ impl UseHistory {
             self.done_hints.0 += 1.0;
         }
         let now = self.now_ms();
+        let trusted = self.done_trusted();
         let seen = &self.seen;
-        self.retentions
-            .apply(hashes, hint, now, |h| seen.get(&h).map_or(0, |s| s.count));
+        self.retentions.apply(hashes, hint, now, trusted, |h| {
+            seen.get(&h).map_or(0, |s| s.count)
+        });
     }
 
     /// Whether any block carries a hint's mark.
@@ -299,8 +301,9 @@ impl UseHistory {
         &self.retentions
     }
 
-    /// Whether done hints are acted on: at least 85% of them
-    /// (with a prior of four right ones) have not been proven wrong.
+    /// Whether a done hint given now is acted on: at least 85% of those
+    /// given so far (with a prior of four right ones) have not been
+    /// proven wrong.
     pub fn done_trusted(&self) -> bool {
         let (given, wrong) = self.done_hints;
         (given - wrong + 4.0) / (given + 4.0) >= DONE_TRUST
@@ -312,11 +315,7 @@ impl UseHistory {
             return Retained::No;
         }
         if self.retentions.is_done(hash) {
-            return if self.done_trusted() {
-                Retained::Done
-            } else {
-                Retained::No
-            };
+            return Retained::Done;
         }
         match self.retentions.keep_until(hash, self.now_ms()) {
             Some((due, until)) => Retained::Kept { due, until },
@@ -428,7 +427,7 @@ impl UseHistory {
         if !self.retentions.is_empty() {
             let mut wrong = false;
             for &h in hashes {
-                wrong |= self.retentions.is_done(h);
+                wrong |= self.retentions.said_done(h);
                 self.retentions.used(h);
             }
             if wrong {
