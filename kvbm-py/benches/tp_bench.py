@@ -64,7 +64,8 @@ def rank_main(rank, a, endpoint, secret, g3_dir, conn, barrier):
     ]
     specs = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in layers]
     worker = kvbm_py.Worker(endpoint, rank, a.ranks, specs, 2, a.capacity, tuple(layers),
-                            secret, device=ordinal, g3_dir=g3_dir)
+                            secret, device=ordinal, g3_dir=g3_dir,
+                            transfer_delay_ms=a.transfer_delay_ms)
 
     def sync():
         if dev.type == "cuda":
@@ -219,6 +220,9 @@ def main() -> int:
                     help="how long into an onboard a rank is killed")
     ap.add_argument("--dir", default=None, help="where the G3 files go (default: a temp dir)")
     ap.add_argument("--reps", type=int, default=20, help="onboards per latency figure")
+    ap.add_argument("--transfer-delay-ms", type=int, default=0,
+                    help="hold every copy back this long (a wheel with test hooks; tests "
+                         "use it so the kill lands mid-transfer)")
     a = ap.parse_args()
     n = a.blocks
     a.capacity = 2 * n + 64
