@@ -2,8 +2,12 @@
 //! tiny replay, a tiny transfer matrix and a tiny host offload bench, all
 //! as parsed JSON.
 
+mod replay_support;
+
 use std::path::Path;
 use std::process::{Command, Output};
+
+use replay_support::{TINY_REPLAY, stderr};
 
 fn bench(args: &[&str], dir: &Path) -> Output {
     Command::new(env!("CARGO_BIN_EXE_kvbm-bench"))
@@ -13,10 +17,6 @@ fn bench(args: &[&str], dir: &Path) -> Output {
         .arg("--quiet")
         .output()
         .expect("the kvbm-bench binary runs")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
 #[test]
@@ -85,23 +85,7 @@ fn malformed_trace_names_file_and_line() {
 fn tiny_replay_runs_end_to_end_and_verifies_bytes() {
     let dir = tempfile::tempdir().unwrap();
     let o = bench(
-        &[
-            "replay",
-            "--conversations",
-            "40",
-            "--model",
-            "tiny",
-            "--scale",
-            "64",
-            "--g1",
-            "0.05",
-            "--g2",
-            "0.1",
-            "--g3",
-            "0.3",
-            "--sweep",
-            "--json",
-        ],
+        &[&TINY_REPLAY[..], &["--sweep", "--json"]].concat(),
         dir.path(),
     );
     assert!(o.status.success(), "{}", stderr(&o));

@@ -5,43 +5,19 @@
 //! hit rates must be within 0.3 points. On a slice of each Mooncake trace
 //! when present, and always on the embedded synthetic workload.
 
+mod replay_support;
 mod sim_support;
 
-use kvbm_bench::MODEL_PRESETS;
-use kvbm_bench::replay::{ReplayConfig, ReplayReport, run_replay};
-use kvbm_pool::tier::TierPolicy;
+use kvbm_bench::replay::{ReplayReport, run_replay};
 use kvbm_testkit::trace::{MOONCAKE_BLOCK_TOKENS, Request, SyntheticConfig, generate_synthetic};
+use replay_support::tiny_replay_config;
 
 /// Points the engine may differ from the simulator.
 const TOLERANCE: f64 = 0.3;
 
 fn replay(requests: Vec<Request>, block_tokens: u32, fractions: [f64; 3]) -> ReplayReport {
     let dir = tempfile::tempdir().unwrap();
-    let model = *MODEL_PRESETS
-        .iter()
-        .find(|m| m.name == "tiny")
-        .expect("the tiny preset");
-    let cfg = ReplayConfig {
-        workload: "agreement".into(),
-        requests,
-        block_tokens,
-        model,
-        scale: 64,
-        fractions,
-        prefill_tokens_per_s: 10_000.0,
-        memcpy_threads: 1,
-        disk_dir: dir.path().to_path_buf(),
-        max_host_bytes: 1 << 30,
-        policy: TierPolicy::ReuseScore,
-        host_g1: true,
-        sweep: Vec::new(),
-        workers: 0,
-        worker_exe: None,
-        offload_in_flight: None,
-        g3_faults: Default::default(),
-        g3_staging_bytes: 0,
-        decline_slow_loads: false,
-    };
+    let cfg = tiny_replay_config("agreement", requests, block_tokens, fractions, dir.path());
     run_replay(&cfg, |_, _| {}).expect("the replay runs")
 }
 

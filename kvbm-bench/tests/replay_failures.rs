@@ -6,44 +6,26 @@
 //! computed again and never counted as hits. A G3 that does not fit its
 //! file system is refused at start-up, naming the file system.
 
+mod replay_support;
+
 use std::path::Path;
 use std::process::{Command, Output};
 
-use kvbm_bench::MODEL_PRESETS;
 use kvbm_bench::replay::{G3Faults, ReplayConfig, ReplayReport, run_replay};
-use kvbm_pool::tier::TierPolicy;
 use kvbm_testkit::small_fs::SmallFs;
 use kvbm_testkit::trace::{SyntheticConfig, generate_synthetic};
+use replay_support::{TINY_REPLAY, stderr, tiny_replay_config};
 
 /// The tiny replay of `bench_cli`, with `extra` arguments.
 fn tiny_replay(extra: &[&str], dir: &Path) -> Output {
     Command::new(env!("CARGO_BIN_EXE_kvbm-bench"))
-        .args([
-            "replay",
-            "--conversations",
-            "40",
-            "--model",
-            "tiny",
-            "--scale",
-            "64",
-            "--g1",
-            "0.05",
-            "--g2",
-            "0.1",
-            "--g3",
-            "0.3",
-            "--no-svg",
-            "--quiet",
-        ])
+        .args(TINY_REPLAY)
+        .args(["--no-svg", "--quiet"])
         .args(extra)
         .arg("--dir")
         .arg(dir)
         .output()
         .expect("the kvbm-bench binary runs")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
 fn json(o: &Output) -> serde_json::Value {
@@ -103,25 +85,14 @@ fn library_replay(dir: &Path, faults: G3Faults) -> ReplayReport {
         ..SyntheticConfig::default()
     };
     let cfg = ReplayConfig {
-        workload: "failures".into(),
-        requests: generate_synthetic(&synth),
-        block_tokens: synth.block_tokens,
-        model: *MODEL_PRESETS.iter().find(|m| m.name == "tiny").unwrap(),
-        scale: 64,
-        fractions: [0.05, 0.1, 0.3],
-        prefill_tokens_per_s: 10_000.0,
-        memcpy_threads: 1,
-        disk_dir: dir.to_path_buf(),
-        max_host_bytes: 1 << 30,
-        policy: TierPolicy::ReuseScore,
-        host_g1: true,
-        sweep: Vec::new(),
-        workers: 0,
-        worker_exe: None,
-        offload_in_flight: None,
         g3_faults: faults,
-        g3_staging_bytes: 0,
-        decline_slow_loads: false,
+        ..tiny_replay_config(
+            "failures",
+            generate_synthetic(&synth),
+            synth.block_tokens,
+            [0.05, 0.1, 0.3],
+            dir,
+        )
     };
     run_replay(&cfg, |_, _| {}).expect("the replay runs to the end")
 }

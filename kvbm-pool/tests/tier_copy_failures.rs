@@ -10,61 +10,20 @@
 mod tier_support;
 
 use std::os::unix::fs::FileExt;
-use std::sync::Arc;
 
 use kvbm_block::SequenceHash;
 use kvbm_layout::{Layout, LayoutKind};
 use kvbm_pool::Tier;
 use kvbm_pool::metrics::{FailureCause, Path, TierStats};
-use kvbm_pool::tier::{
-    G1Lookup, OffloadMode, OnboardTarget, TierEngine, TierEngineConfig, TierLayouts, TierPolicy,
-};
-use kvbm_testkit::fault::{Fault, FaultRule, FaultyEngine};
+use kvbm_pool::tier::{G1Lookup, OnboardTarget, TierEngine, TierLayouts};
+use kvbm_testkit::fault::{Fault, FaultRule};
 use kvbm_testkit::small_fs::SmallFs;
-use kvbm_transfer::backend::memcpy::MemcpyBackend;
-use kvbm_transfer::disk::{DefaultEngine, DiskBackend, EngineConfig, IoDir};
+use kvbm_transfer::PhysicalLayout;
+use kvbm_transfer::disk::IoDir;
 use kvbm_transfer::memory::{DiskFile, IoMode, MemoryRegion};
-use kvbm_transfer::{Executor, ExecutorConfig, PhysicalLayout};
 use tier_support::*;
 
 const ENOSPC: FailureCause = FailureCause::Errno(libc::ENOSPC);
-
-fn config() -> TierEngineConfig {
-    TierEngineConfig::new(BLOCK_TOKENS)
-        .offload_mode(OffloadMode::WriteThrough)
-        .g2_policy(TierPolicy::WriteThrough)
-        .g3_policy(TierPolicy::WriteThrough)
-}
-
-fn executor_with(rule: Option<FaultRule>) -> Executor {
-    let mut io = FaultyEngine::new(DefaultEngine::new(&EngineConfig::default()).unwrap());
-    if let Some(rule) = rule {
-        io = io.with(rule);
-    }
-    Executor::builder()
-        .backend(Arc::new(MemcpyBackend::new(2).unwrap()))
-        .backend(Arc::new(DiskBackend::with_engine(io, 1 << 20)))
-        .config(ExecutorConfig::default())
-        .build()
-        .unwrap()
-}
-
-/// Computes `chains` one block at a time (G2 holds 4, so the rest go on to
-/// G3), pushes G2's last blocks out with fillers, then empties G1.
-fn push_to_g3(engine: &TierEngine, chains: &[Vec<SequenceHash>]) {
-    for c in chains {
-        for (i, h) in c.iter().enumerate() {
-            let parent = i.checked_sub(1).map(|p| c[p]);
-            drop(compute(engine, std::slice::from_ref(h), parent));
-            engine.flush();
-        }
-    }
-    for h in chain(99, 4) {
-        drop(compute(engine, &[h], None));
-        engine.flush();
-    }
-    engine.g1().evict(usize::MAX >> 1);
-}
 
 fn chains() -> Vec<Vec<SequenceHash>> {
     (1..=4).map(|seed| chain(seed, 8)).collect()
@@ -129,8 +88,8 @@ fn check_failures_are_counted_and_never_hits(
 /// The same workload without faults: what the policy skips and offers.
 fn control_stats() -> TierStats {
     let dir = tempdir();
-    let engine = engine_with(config(), 64, 4, 64, dir.path(), executor_with(None));
-    push_to_g3(&engine, &chains());
+    let engine = write_through_engine(dir.path(), faulty_executor_with(None));
+    push_to_g3(&engine, &chains(), 4);
     let stats = engine.stats();
     assert_eq!(stats.copy_failures, Vec::new());
     // Every chain block went on to G3; the fillers stayed in G2.
@@ -148,9 +107,9 @@ fn injected_enospc_is_a_counted_failure_not_a_skip_or_a_hit() {
     let rule = FaultRule::always(Fault::Errno(libc::ENOSPC))
         .on_dir(IoDir::Write)
         .after(6);
-    let engine = engine_with(config(), 64, 4, 64, dir.path(), executor_with(Some(rule)));
+    let engine = write_through_engine(dir.path(), faulty_executor(rule));
     let chains = chains();
-    push_to_g3(&engine, &chains);
+    push_to_g3(&engine, &chains, 4);
     let stats = check_failures_are_counted_and_never_hits(&engine, &chains, &control);
     assert!(stats.blocks_on(Path::G2ToG3) > 0, "nothing landed first");
     assert_eq!(ENOSPC.label(), "ENOSPC");
@@ -181,9 +140,9 @@ fn onboard_read_errors_are_counted_on_their_path() {
     let rule = FaultRule::always(Fault::Errno(libc::EIO))
         .on_dir(IoDir::Read)
         .times(1);
-    let engine = engine_with(config(), 64, 4, 64, dir.path(), executor_with(Some(rule)));
+    let engine = write_through_engine(dir.path(), faulty_executor(rule));
     let a = chain(7, 4);
-    push_to_g3(&engine, std::slice::from_ref(&a));
+    push_to_g3(&engine, std::slice::from_ref(&a), 4);
     let m = engine
         .match_request("a", &a, 4 * BLOCK_TOKENS + 1, G1Lookup::Pool)
         .unwrap();
@@ -248,9 +207,9 @@ fn a_sparse_g3_on_a_full_ext2_fails_with_the_kernels_enospc() {
         g2: Some(host(4)),
         g3: Some(sparse_g3(&fs.path().join("g3.blocks"), 64)),
     };
-    let engine = TierEngine::new(config(), layouts, executor()).unwrap();
+    let engine = TierEngine::new(write_through_config(), layouts, executor()).unwrap();
     let chains = chains();
-    push_to_g3(&engine, &chains);
+    push_to_g3(&engine, &chains, 4);
     check_failures_are_counted_and_never_hits(&engine, &chains, &control);
     drop(engine);
 }

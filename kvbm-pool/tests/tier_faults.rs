@@ -5,54 +5,14 @@
 
 mod tier_support;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use kvbm_pool::metrics::Path;
-use kvbm_pool::tier::{
-    G1Lookup, OffloadMode, OnboardTarget, TierEngine, TierEngineConfig, TierPolicy,
-};
+use kvbm_pool::tier::{G1Lookup, OnboardTarget, TierEngineConfig, TierPolicy};
 use kvbm_pool::{Tier, TierError};
-use kvbm_testkit::fault::{Fault, FaultRule, FaultyEngine};
-use kvbm_transfer::backend::memcpy::MemcpyBackend;
-use kvbm_transfer::disk::{DefaultEngine, DiskBackend, EngineConfig, IoDir};
-use kvbm_transfer::{Executor, ExecutorConfig};
+use kvbm_testkit::fault::{Fault, FaultRule};
+use kvbm_transfer::disk::IoDir;
 use tier_support::*;
-
-fn faulty_executor(rule: FaultRule) -> Executor {
-    let io = FaultyEngine::new(DefaultEngine::new(&EngineConfig::default()).unwrap()).with(rule);
-    Executor::builder()
-        .backend(Arc::new(MemcpyBackend::new(2).unwrap()))
-        .backend(Arc::new(DiskBackend::with_engine(io, 1 << 20)))
-        .config(ExecutorConfig::default())
-        .build()
-        .unwrap()
-}
-
-fn config() -> TierEngineConfig {
-    TierEngineConfig::new(BLOCK_TOKENS)
-        .offload_mode(OffloadMode::WriteThrough)
-        .g2_policy(TierPolicy::WriteThrough)
-        .g3_policy(TierPolicy::WriteThrough)
-}
-
-/// Computes `chains` one block at a time so every block ends in G3 (G2 has
-/// room for 4), then empties G1.
-fn push_to_g3(engine: &TierEngine, chains: &[Vec<kvbm_block::SequenceHash>]) {
-    for c in chains {
-        for (i, h) in c.iter().enumerate() {
-            let parent = i.checked_sub(1).map(|p| c[p]);
-            drop(compute(engine, std::slice::from_ref(h), parent));
-            engine.flush();
-        }
-    }
-    // Flush G2 into G3 by offloading filler blocks.
-    for h in chain(99, 4) {
-        drop(compute(engine, &[h], None));
-        engine.flush();
-    }
-    engine.g1().evict(usize::MAX >> 1);
-}
 
 #[test]
 fn g3_read_error_fails_only_that_request() {
@@ -63,9 +23,9 @@ fn g3_read_error_fails_only_that_request() {
             .on_dir(IoDir::Read)
             .times(1),
     );
-    let engine = engine_with(config(), 64, 4, 64, dir.path(), exec);
+    let engine = write_through_engine(dir.path(), exec);
     let (a, b) = (chain(1, 4), chain(2, 4));
-    push_to_g3(&engine, &[a.clone(), b.clone()]);
+    push_to_g3(&engine, &[a.clone(), b.clone()], 4);
     let tokens = 4 * BLOCK_TOKENS + 1;
     let ma = engine
         .match_request("a", &a, tokens, G1Lookup::Pool)
@@ -122,9 +82,9 @@ fn shared_prefix_is_onboarded_once() {
     let exec = faulty_executor(
         FaultRule::always(Fault::Delay(Duration::from_millis(150))).on_dir(IoDir::Read),
     );
-    let engine = engine_with(config(), 64, 4, 64, dir.path(), exec);
+    let engine = write_through_engine(dir.path(), exec);
     let a = chain(3, 6);
-    push_to_g3(&engine, std::slice::from_ref(&a));
+    push_to_g3(&engine, std::slice::from_ref(&a), 4);
     let tokens = 6 * BLOCK_TOKENS + 1;
     engine
         .match_request("x", &a, tokens, G1Lookup::Pool)
@@ -154,9 +114,9 @@ fn release_during_onboard_frees_everything() {
     let exec = faulty_executor(
         FaultRule::always(Fault::Delay(Duration::from_millis(100))).on_dir(IoDir::Read),
     );
-    let engine = engine_with(config(), 64, 4, 64, dir.path(), exec);
+    let engine = write_through_engine(dir.path(), exec);
     let a = chain(4, 4);
-    push_to_g3(&engine, std::slice::from_ref(&a));
+    push_to_g3(&engine, std::slice::from_ref(&a), 4);
     engine
         .match_request("z", &a, 4 * BLOCK_TOKENS + 1, G1Lookup::Pool)
         .unwrap();

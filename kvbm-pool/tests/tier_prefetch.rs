@@ -5,19 +5,14 @@
 
 mod tier_support;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvbm_block::SequenceHash;
 use kvbm_pool::metrics::Path;
-use kvbm_pool::tier::{
-    G1Lookup, LoadCost, OffloadMode, OnboardTarget, TierEngine, TierEngineConfig, TierPolicy,
-};
+use kvbm_pool::tier::{G1Lookup, LoadCost, OnboardTarget, TierEngine, TierEngineConfig};
 use kvbm_pool::{Tier, TierError};
-use kvbm_testkit::fault::{Fault, FaultRule, FaultyEngine};
-use kvbm_transfer::backend::memcpy::MemcpyBackend;
-use kvbm_transfer::disk::{DefaultEngine, DiskBackend, EngineConfig, IoDir};
-use kvbm_transfer::{Executor, ExecutorConfig};
+use kvbm_testkit::fault::{Fault, FaultRule};
+use kvbm_transfer::Executor;
+use kvbm_transfer::disk::IoDir;
 use proptest::prelude::*;
 use tier_support::*;
 
@@ -25,22 +20,8 @@ use tier_support::*;
 const STAGING: usize = 8;
 const G2_POOL: usize = 4;
 
-fn faulty_executor(rule: FaultRule) -> Executor {
-    let io = FaultyEngine::new(DefaultEngine::new(&EngineConfig::default()).unwrap()).with(rule);
-    Executor::builder()
-        .backend(Arc::new(MemcpyBackend::new(2).unwrap()))
-        .backend(Arc::new(DiskBackend::with_engine(io, 1 << 20)))
-        .config(ExecutorConfig::default())
-        .build()
-        .unwrap()
-}
-
 fn config() -> TierEngineConfig {
-    TierEngineConfig::new(BLOCK_TOKENS)
-        .offload_mode(OffloadMode::WriteThrough)
-        .g2_policy(TierPolicy::WriteThrough)
-        .g3_policy(TierPolicy::WriteThrough)
-        .g3_staging_blocks(STAGING)
+    write_through_config().g3_staging_blocks(STAGING)
 }
 
 fn prefetch_engine(exec: Executor, dir: &std::path::Path) -> TierEngine {
@@ -48,23 +29,6 @@ fn prefetch_engine(exec: Executor, dir: &std::path::Path) -> TierEngine {
     assert_eq!(engine.pool(Tier::G2).unwrap().capacity(), G2_POOL);
     assert_eq!(engine.staging_free_blocks(), STAGING);
     engine
-}
-
-/// Computes `chains` one block at a time so every block ends in G3, then
-/// empties G1.
-fn push_to_g3(engine: &TierEngine, chains: &[Vec<SequenceHash>]) {
-    for c in chains {
-        for (i, h) in c.iter().enumerate() {
-            let parent = i.checked_sub(1).map(|p| c[p]);
-            drop(compute(engine, std::slice::from_ref(h), parent));
-            engine.flush();
-        }
-    }
-    for h in chain(99, G2_POOL) {
-        drop(compute(engine, &[h], None));
-        engine.flush();
-    }
-    engine.g1().evict(usize::MAX >> 1);
 }
 
 /// Waits (up to 10 s) until the staging area is free again and no tier
@@ -94,7 +58,7 @@ fn prefetched_bytes_equal_what_was_offloaded() {
     let engine = prefetch_engine(executor(), dir.path());
     // 12 blocks in G3, 8 staging slots: 8 staged, 4 read straight.
     let a = chain(1, 12);
-    push_to_g3(&engine, std::slice::from_ref(&a));
+    push_to_g3(&engine, std::slice::from_ref(&a), G2_POOL);
     let tokens = 12 * BLOCK_TOKENS + 1;
     let m = engine
         .match_request("a", &a, tokens, G1Lookup::Pool)
@@ -120,7 +84,7 @@ fn engine_given_blocks_get_the_staged_bytes() {
     let dir = tempdir();
     let engine = prefetch_engine(executor(), dir.path());
     let a = chain(2, 5);
-    push_to_g3(&engine, std::slice::from_ref(&a));
+    push_to_g3(&engine, std::slice::from_ref(&a), G2_POOL);
     let m = engine
         .match_request(
             "e",
@@ -156,7 +120,7 @@ fn release_during_prefetch_gives_everything_back() {
     );
     let engine = prefetch_engine(exec, dir.path());
     let a = chain(3, 6);
-    push_to_g3(&engine, std::slice::from_ref(&a));
+    push_to_g3(&engine, std::slice::from_ref(&a), G2_POOL);
     let start = [Tier::G1, Tier::G2, Tier::G3].map(|t| engine.pool(t).unwrap().counts());
     let tokens = 6 * BLOCK_TOKENS + 1;
     engine
@@ -205,7 +169,7 @@ fn failed_prefetch_reports_nothing_loaded() {
     );
     let engine = prefetch_engine(exec, dir.path());
     let a = chain(4, 4);
-    push_to_g3(&engine, std::slice::from_ref(&a));
+    push_to_g3(&engine, std::slice::from_ref(&a), G2_POOL);
     let tokens = 4 * BLOCK_TOKENS + 1;
     engine
         .match_request("f", &a, tokens, G1Lookup::Pool)
@@ -245,7 +209,7 @@ fn the_cost_model_leaves_loads_slower_than_recompute() {
     // Recomputing a trillion tokens a second beats any disk.
     let fast = config().load_cost(LoadCost::recompute_at(1e12));
     let engine = engine_with(fast, 64, G2_POOL + STAGING, 64, dir.path(), executor());
-    push_to_g3(&engine, std::slice::from_ref(&a));
+    push_to_g3(&engine, std::slice::from_ref(&a), G2_POOL);
     let m = engine
         .match_request("c", &a, tokens, G1Lookup::Pool)
         .unwrap();
@@ -266,7 +230,7 @@ fn the_cost_model_leaves_loads_slower_than_recompute() {
     let dir = tempdir();
     let slow = config().load_cost(LoadCost::recompute_at(1.0));
     let engine = engine_with(slow, 64, G2_POOL + STAGING, 64, dir.path(), executor());
-    push_to_g3(&engine, std::slice::from_ref(&a));
+    push_to_g3(&engine, std::slice::from_ref(&a), G2_POOL);
     let m = engine
         .match_request("c", &a, tokens, G1Lookup::Pool)
         .unwrap();
@@ -289,7 +253,7 @@ fn dropping_the_engine_during_a_prefetch_is_clean() {
     );
     let engine = prefetch_engine(exec, dir.path());
     let a = chain(6, 4);
-    push_to_g3(&engine, std::slice::from_ref(&a));
+    push_to_g3(&engine, std::slice::from_ref(&a), G2_POOL);
     engine
         .match_request("d", &a, 4 * BLOCK_TOKENS + 1, G1Lookup::Pool)
         .unwrap();
@@ -336,7 +300,7 @@ proptest! {
         );
         let engine = prefetch_engine(exec, dir.path());
         let chains = [chain(10, 5), chain(11, 3), chain(12, 7)];
-        push_to_g3(&engine, &chains);
+        push_to_g3(&engine, &chains, G2_POOL);
         let mut onboarded = [false; 3];
         let mut matched = [false; 3];
         for o in ops {

@@ -7,10 +7,13 @@ use std::sync::Arc;
 
 use kvbm_block::SequenceHash;
 use kvbm_layout::{Layout, LayoutConfig, LayoutKind};
-use kvbm_pool::tier::{TierEngine, TierEngineConfig, TierLayouts};
+use kvbm_pool::tier::{OffloadMode, TierEngine, TierEngineConfig, TierLayouts, TierPolicy};
 use kvbm_pool::{ImmutableBlock, ImmutableBlocks};
+use kvbm_testkit::fault::{FaultRule, FaultyEngine};
+use kvbm_transfer::backend::memcpy::MemcpyBackend;
+use kvbm_transfer::disk::{DefaultEngine, DiskBackend, EngineConfig};
 use kvbm_transfer::memory::{DiskAllocator, DiskOptions, SystemAllocator};
-use kvbm_transfer::{Executor, ExecutorSpec, PhysicalLayout};
+use kvbm_transfer::{Executor, ExecutorConfig, ExecutorSpec, PhysicalLayout};
 
 /// Tokens per block in these tests.
 pub const BLOCK_TOKENS: usize = 16;
@@ -34,6 +37,42 @@ pub fn disk(blocks: usize, dir: &std::path::Path) -> PhysicalLayout {
 
 pub fn executor() -> Executor {
     ExecutorSpec::host().disk(true).build().unwrap()
+}
+
+/// An executor whose disk I/O goes through a fault injector applying
+/// `rule` (none: every I/O passes through unharmed).
+pub fn faulty_executor_with(rule: Option<FaultRule>) -> Executor {
+    let mut io = FaultyEngine::new(DefaultEngine::new(&EngineConfig::default()).unwrap());
+    if let Some(rule) = rule {
+        io = io.with(rule);
+    }
+    Executor::builder()
+        .backend(Arc::new(MemcpyBackend::new(2).unwrap()))
+        .backend(Arc::new(DiskBackend::with_engine(io, 1 << 20)))
+        .config(ExecutorConfig::default())
+        .build()
+        .unwrap()
+}
+
+/// An executor whose disk I/O fails as `rule` says.
+pub fn faulty_executor(rule: FaultRule) -> Executor {
+    faulty_executor_with(Some(rule))
+}
+
+/// An engine configuration that offloads every block and admits it to G2
+/// and G3 (write-through everywhere).
+pub fn write_through_config() -> TierEngineConfig {
+    TierEngineConfig::new(BLOCK_TOKENS)
+        .offload_mode(OffloadMode::WriteThrough)
+        .g2_policy(TierPolicy::WriteThrough)
+        .g3_policy(TierPolicy::WriteThrough)
+}
+
+/// A [`write_through_config`] engine of 64 G1 blocks, 4 G2 blocks (so
+/// offloads go on to G3 soon) and 64 G3 blocks in `dir`, copying with
+/// `executor`.
+pub fn write_through_engine(dir: &std::path::Path, executor: Executor) -> TierEngine {
+    engine_with(write_through_config(), 64, 4, 64, dir, executor)
 }
 
 /// An engine over host G1/G2 and a disk G3 in `dir`.
@@ -143,6 +182,24 @@ pub fn compute(
         prev = Some(h);
     }
     engine.register_g1(complete).unwrap()
+}
+
+/// Computes `chains` one block at a time so every block goes on to G3 (on
+/// an engine of [`write_through_config`]), pushes G2's last `g2_blocks`
+/// out to G3 with fillers, then empties G1.
+pub fn push_to_g3(engine: &TierEngine, chains: &[Vec<SequenceHash>], g2_blocks: usize) {
+    for c in chains {
+        for (i, h) in c.iter().enumerate() {
+            let parent = i.checked_sub(1).map(|p| c[p]);
+            drop(compute(engine, std::slice::from_ref(h), parent));
+            engine.flush();
+        }
+    }
+    for h in chain(99, g2_blocks) {
+        drop(compute(engine, &[h], None));
+        engine.flush();
+    }
+    engine.g1().evict(usize::MAX >> 1);
 }
 
 /// Checks every block of `blocks` against the hashes they are named by.

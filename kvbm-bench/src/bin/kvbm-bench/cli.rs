@@ -160,16 +160,10 @@ pub enum LoadArg {
     Busy,
 }
 
-/// `replay` options.
+/// Options `replay` and `soak` share: the synthetic workload and the KV
+/// shape.
 #[derive(Debug, Args)]
-pub struct ReplayArgs {
-    /// A Mooncake JSONL trace (default: the embedded synthetic multi-turn
-    /// workload).
-    #[arg(long)]
-    pub trace: Option<PathBuf>,
-    /// Replay only the first N requests.
-    #[arg(long)]
-    pub max_requests: Option<usize>,
+pub struct WorkloadArgs {
     /// Seed of the synthetic workload.
     #[arg(long, default_value_t = 0x6b76_626d)]
     pub seed: u64,
@@ -180,6 +174,21 @@ pub struct ReplayArgs {
     /// or LAYERSxOUTERxINNERxDTYPE_BYTES.
     #[arg(long, default_value = "llama-3.1-8b")]
     pub model: String,
+}
+
+/// `replay` options.
+#[derive(Debug, Args)]
+pub struct ReplayArgs {
+    /// A Mooncake JSONL trace (default: the embedded synthetic multi-turn
+    /// workload).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Replay only the first N requests.
+    #[arg(long)]
+    pub max_requests: Option<usize>,
+    /// The synthetic workload and the KV shape.
+    #[command(flatten)]
+    pub workload: WorkloadArgs,
     /// Store each trace block with block_tokens / SCALE tokens, so the
     /// workload fits the machine.
     #[arg(long, default_value_t = 128)]
@@ -276,16 +285,9 @@ pub struct SoakArgs {
     /// Seconds a restarted rank may take to rejoin before the soak fails.
     #[arg(long, default_value_t = 60)]
     pub rejoin_timeout: u64,
-    /// Seed of the synthetic workload.
-    #[arg(long, default_value_t = 0x6b76_626d)]
-    pub seed: u64,
-    /// Conversations in the synthetic workload.
-    #[arg(long, default_value_t = 400)]
-    pub conversations: usize,
-    /// KV shape: a preset (llama-3.1-8b, llama-3.1-70b, deepseek-mla, tiny)
-    /// or LAYERSxOUTERxINNERxDTYPE_BYTES.
-    #[arg(long, default_value = "llama-3.1-8b")]
-    pub model: String,
+    /// The synthetic workload and the KV shape.
+    #[command(flatten)]
+    pub workload: WorkloadArgs,
     /// Store each trace block with block_tokens / SCALE tokens.
     #[arg(long, default_value_t = 128)]
     pub scale: u32,

@@ -23,6 +23,7 @@ use kvbm_testkit::trace::{
 
 use crate::cli::{
     Cli, Command, GpuPathArg, LoadArg, OffloadArgs, Policy, ReplayArgs, SoakArgs, TransferArgs,
+    WorkloadArgs,
 };
 
 fn main() -> ExitCode {
@@ -115,33 +116,72 @@ fn transfer(cli: &Cli, args: &TransferArgs) -> Result<(), BenchError> {
     output::matrix(cli, &config, &rows)
 }
 
+/// A loaded workload: what it is, its requests and tokens per block.
+struct Loaded {
+    workload: String,
+    requests: Vec<Request>,
+    block_tokens: u32,
+}
+
 /// The workload: a Mooncake trace, or the synthetic one.
-fn workload(
-    trace: Option<&std::path::Path>,
-    seed: u64,
-    conversations: usize,
-) -> Result<(String, Vec<Request>, u32), BenchError> {
+fn workload(trace: Option<&std::path::Path>, args: &WorkloadArgs) -> Result<Loaded, BenchError> {
     Ok(match trace {
-        Some(path) => (
-            format!("Mooncake trace {}", path.display()),
-            read_mooncake(path)?,
-            MOONCAKE_BLOCK_TOKENS,
-        ),
+        Some(path) => Loaded {
+            workload: format!("Mooncake trace {}", path.display()),
+            requests: read_mooncake(path)?,
+            block_tokens: MOONCAKE_BLOCK_TOKENS,
+        },
         None => {
             let synth = SyntheticConfig {
-                seed,
-                conversations,
+                seed: args.seed,
+                conversations: args.conversations,
                 ..SyntheticConfig::default()
             };
-            (
-                format!(
+            Loaded {
+                workload: format!(
                     "embedded synthetic multi-turn chat (seed {:#x}, {} conversations)",
                     synth.seed, synth.conversations
                 ),
-                generate_synthetic(&synth),
-                synth.block_tokens,
-            )
+                requests: generate_synthetic(&synth),
+                block_tokens: synth.block_tokens,
+            }
         }
+    })
+}
+
+/// The replay of `loaded` through tiers sized `fractions` of its distinct
+/// blocks, as `replay` and `soak` both set it up; the rest at the defaults
+/// `soak` runs with (reuse-score policy, no sweep, no faults, in-process,
+/// and no G3 staging or cost model, since workers read G3 themselves).
+fn replay_config(
+    cli: &Cli,
+    loaded: Loaded,
+    args: &WorkloadArgs,
+    scale: u32,
+    fractions: [f64; 3],
+    host_g1: bool,
+    max_host_gib: f64,
+) -> Result<ReplayConfig, BenchError> {
+    Ok(ReplayConfig {
+        workload: loaded.workload,
+        requests: loaded.requests,
+        block_tokens: loaded.block_tokens,
+        model: KvModel::parse(&args.model)?,
+        scale,
+        fractions,
+        host_g1,
+        policy: TierPolicy::ReuseScore,
+        prefill_tokens_per_s: 10_000.0,
+        memcpy_threads: cli.threads.into(),
+        disk_dir: cli.dir.clone(),
+        max_host_bytes: host_bytes(max_host_gib)?,
+        sweep: Vec::new(),
+        workers: 0,
+        worker_exe: None,
+        offload_in_flight: None,
+        g3_faults: G3Faults::default(),
+        g3_staging_bytes: 0,
+        decline_slow_loads: false,
     })
 }
 
@@ -157,30 +197,19 @@ fn soak(cli: &Cli, args: &SoakArgs) -> Result<(), BenchError> {
     if !(args.minutes.is_finite() && args.minutes > 0.0) {
         return Err(BenchError::Config("--minutes must be positive".into()));
     }
-    let (workload, requests, block_tokens) =
-        workload(args.trace.as_deref(), args.seed, args.conversations)?;
+    let loaded = workload(args.trace.as_deref(), &args.workload)?;
     let config = SoakConfig {
         replay: ReplayConfig {
-            workload,
-            requests,
-            block_tokens,
-            model: KvModel::parse(&args.model)?,
-            scale: args.scale,
-            fractions: [args.g1, args.g2, args.g3],
-            host_g1: args.host_g1,
-            policy: TierPolicy::ReuseScore,
-            prefill_tokens_per_s: 10_000.0,
-            memcpy_threads: cli.threads.into(),
-            disk_dir: cli.dir.clone(),
-            max_host_bytes: host_bytes(args.max_host_gib)?,
-            sweep: Vec::new(),
             workers: args.workers,
-            worker_exe: None,
-            offload_in_flight: None,
-            g3_faults: G3Faults::default(),
-            // Workers read G3 themselves: no staging, no cost model.
-            g3_staging_bytes: 0,
-            decline_slow_loads: false,
+            ..replay_config(
+                cli,
+                loaded,
+                &args.workload,
+                args.scale,
+                [args.g1, args.g2, args.g3],
+                args.host_g1,
+                args.max_host_gib,
+            )?
         },
         duration: std::time::Duration::from_secs_f64(args.minutes * 60.0),
         kill_every: (args.kill_every > 0).then(|| std::time::Duration::from_secs(args.kill_every)),
@@ -222,39 +251,36 @@ fn replay(cli: &Cli, args: &ReplayArgs) -> Result<(), Failed> {
 }
 
 fn replay_report(cli: &Cli, args: &ReplayArgs) -> Result<ReplayReport, BenchError> {
-    let (workload, mut requests, block_tokens) =
-        workload(args.trace.as_deref(), args.seed, args.conversations)?;
+    let mut loaded = workload(args.trace.as_deref(), &args.workload)?;
     if let Some(n) = args.max_requests {
         if n == 0 {
             return Err(BenchError::Config(
                 "--max-requests 0 leaves no request to replay".into(),
             ));
         }
-        requests.truncate(n);
+        loaded.requests.truncate(n);
     }
+    let base = replay_config(
+        cli,
+        loaded,
+        &args.workload,
+        args.scale,
+        [args.g1, args.g2, args.g3],
+        args.host_g1,
+        args.max_host_gib,
+    )?;
     let config = ReplayConfig {
-        workload,
-        requests,
-        block_tokens,
-        model: KvModel::parse(&args.model)?,
-        scale: args.scale,
-        fractions: [args.g1, args.g2, args.g3],
-        host_g1: args.host_g1,
         policy: match args.policy {
             Policy::ReuseScore => TierPolicy::ReuseScore,
             Policy::WriteThrough => TierPolicy::WriteThrough,
         },
         prefill_tokens_per_s: args.prefill_rate,
-        memcpy_threads: cli.threads.into(),
-        disk_dir: cli.dir.clone(),
-        max_host_bytes: host_bytes(args.max_host_gib)?,
         sweep: if args.sweep {
             vec![0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0]
         } else {
             Vec::new()
         },
         workers: args.workers,
-        worker_exe: None,
         offload_in_flight: args.offload_in_flight.map(|n| n as usize),
         g3_faults: G3Faults {
             enospc_after_writes: args.g3_enospc_after_writes,
@@ -262,6 +288,7 @@ fn replay_report(cli: &Cli, args: &ReplayArgs) -> Result<ReplayReport, BenchErro
         },
         g3_staging_bytes: args.g3_staging_mib << 20,
         decline_slow_loads: args.decline_slow_loads,
+        ..base
     };
     let bar = progress_bar(cli, config.requests.len() as u64, "replay");
     let report = run_replay(&config, |done, _| bar.set_position(done as u64));

@@ -20,13 +20,13 @@ use std::time::Duration;
 
 use kvbm_bench::sim::{BeladySim, LruSim, replay as sim_replay};
 use kvbm_block::SequenceHash;
-use kvbm_pool::tier::{G1Lookup, OnboardTarget, RetentionHint, TierEngine, TierEngineConfig};
+use kvbm_pool::tier::{G1Lookup, RetentionHint, TierEngine, TierEngineConfig};
 use kvbm_testkit::trace::{
     AgenticConfig, AgenticTrace, MOONCAKE_BLOCK_TOKENS, NextCall, SyntheticConfig, TraceFacts,
     generate_agentic,
 };
 
-use super::tier_replay::{BLOCK_TOKENS, compute, engine, fill, verify};
+use super::tier_replay::{BLOCK_TOKENS, engine, serve};
 
 /// The workload of the study, `programs` programs and as many chat
 /// conversations.
@@ -68,39 +68,7 @@ fn replay(engine: &TierEngine, trace: &AgenticTrace, hints: Option<&[NextCall]>)
         hits += m.total_blocks() as u64;
         g1_hits += m.g1_blocks as u64;
         let external = m.external_blocks();
-        let mut held = m.g1.into_blocks();
-        if external > 0 {
-            let done = engine
-                .onboard(i as u64, OnboardTarget::Pool)
-                .unwrap()
-                .wait()
-                .unwrap();
-            let loaded = done.blocks.into_blocks();
-            verify(engine, &loaded);
-            held.extend(loaded);
-        }
-        let at = held.len();
-        if at < n {
-            let partial = r.last_block_partial(MOONCAKE_BLOCK_TOKENS);
-            let full_end = if partial { n - 1 } else { n };
-            let parent = at.checked_sub(1).map(|p| hashes[p]);
-            if at < full_end {
-                held.extend(compute(engine, &hashes[at..full_end], parent).into_blocks());
-            }
-            if partial {
-                let b = engine.allocate_g1(1).unwrap().pop().unwrap();
-                fill(
-                    engine.layout(kvbm_pool::Tier::G1).unwrap(),
-                    b.block_id(),
-                    hashes[n - 1],
-                );
-                let c = b.complete(hashes[n - 1], n.checked_sub(2).map(|p| hashes[p]));
-                held.push(engine.g1().register_block(c.unwrap()).unwrap());
-            }
-        }
-        drop(held);
-        engine.release(i as u64);
-        engine.flush();
+        serve(engine, i as u64, r, &hashes, external, m.g1.into_blocks());
     }
     let pct = |x: u64| 100.0 * x as f64 / lookups.max(1) as f64;
     (pct(hits), pct(g1_hits))

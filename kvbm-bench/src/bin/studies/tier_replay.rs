@@ -79,44 +79,61 @@ fn replay(engine: &TierEngine, requests: &[Request]) -> Figures {
         f.hits[1] += m.g2_blocks as u64;
         f.hits[2] += m.g3_blocks as u64;
         let external = m.external_blocks();
-        let mut held = m.g1.into_blocks();
-        if external > 0 {
-            let done = engine
-                .onboard(i as u64, OnboardTarget::Pool)
-                .unwrap()
-                .wait()
-                .unwrap();
-            let loaded = done.blocks.into_blocks();
-            verify(engine, &loaded);
-            f.verified += loaded.len() as u64;
-            held.extend(loaded);
-        }
-        let at = held.len();
-        if at < n {
-            let partial = r.last_block_partial(MOONCAKE_BLOCK_TOKENS);
-            let full_end = if partial { n - 1 } else { n };
-            let parent = at.checked_sub(1).map(|p| hashes[p]);
-            if at < full_end {
-                held.extend(compute(engine, &hashes[at..full_end], parent).into_blocks());
-            }
-            if partial && at < n {
-                // The partial last block is registered in G1 only (it
-                // never goes to G2, in either mode).
-                let b = engine.allocate_g1(1).unwrap().pop().unwrap();
-                fill(
-                    engine.layout(kvbm_pool::Tier::G1).unwrap(),
-                    b.block_id(),
-                    hashes[n - 1],
-                );
-                let c = b.complete(hashes[n - 1], n.checked_sub(2).map(|p| hashes[p]));
-                held.push(engine.g1().register_block(c.unwrap()).unwrap());
-            }
-        }
-        drop(held);
-        engine.release(i as u64);
-        engine.flush();
+        f.verified += serve(engine, i as u64, r, &hashes, external, m.g1.into_blocks());
     }
     f
+}
+
+/// Serves request `id` (`r`, whose blocks are `hashes`) after its match:
+/// onboards the `external` blocks matched outside G1 (every byte checked)
+/// next to the G1 blocks `held`, computes the rest (a partial last block
+/// is registered in G1 only: it never goes to G2, in either mode), then
+/// releases the request and drains the offloads. Returns how many blocks
+/// it onboarded and checked.
+pub(crate) fn serve(
+    engine: &TierEngine,
+    id: u64,
+    r: &Request,
+    hashes: &[SequenceHash],
+    external: usize,
+    mut held: Vec<ImmutableBlock>,
+) -> u64 {
+    let n = hashes.len();
+    let mut verified = 0;
+    if external > 0 {
+        let done = engine
+            .onboard(id, OnboardTarget::Pool)
+            .unwrap()
+            .wait()
+            .unwrap();
+        let loaded = done.blocks.into_blocks();
+        verify(engine, &loaded);
+        verified = loaded.len() as u64;
+        held.extend(loaded);
+    }
+    let at = held.len();
+    if at < n {
+        let partial = r.last_block_partial(MOONCAKE_BLOCK_TOKENS);
+        let full_end = if partial { n - 1 } else { n };
+        let parent = at.checked_sub(1).map(|p| hashes[p]);
+        if at < full_end {
+            held.extend(compute(engine, &hashes[at..full_end], parent).into_blocks());
+        }
+        if partial {
+            let b = engine.allocate_g1(1).unwrap().pop().unwrap();
+            fill(
+                engine.layout(kvbm_pool::Tier::G1).unwrap(),
+                b.block_id(),
+                hashes[n - 1],
+            );
+            let c = b.complete(hashes[n - 1], n.checked_sub(2).map(|p| hashes[p]));
+            held.push(engine.g1().register_block(c.unwrap()).unwrap());
+        }
+    }
+    drop(held);
+    engine.release(id);
+    engine.flush();
+    verified
 }
 
 fn run(
