@@ -87,16 +87,16 @@ impl Staging<'_> {
                 let chunker =
                     StagedChunker::new(runs, src_bases, dst_bases, lens, host, slot_bytes)
                         .with_ramp(ramp);
-                // The device-side copies are written straight into pinned
-                // memory the kernel reads in place: no upload, so no wait
-                // behind another copy's DMA on the host-to-device engine
-                // (an upload queued there behind an onboard serialised
-                // offload and onboard). Sized for the runs and the chunk
-                // boundaries of a copy up to LEASE_SLOTS slots; a larger
-                // copy leases more as it goes.
                 if let Some(t) = timeline.as_deref_mut() {
                     t.note_ordered();
                 }
+                // The device-side copies are written into pinned memory: an
+                // offload's kernel reads them in place (an upload would wait
+                // behind a concurrent onboard's DMA on the host-to-device
+                // engine), an onboard uploads each chunk's on its own copy
+                // stream (see `upload_descriptors`). Sized for the runs and
+                // the chunk boundaries of a copy up to LEASE_SLOTS slots; a
+                // larger copy leases more as it goes.
                 let cap = chunker.device_copies_for(LEASE_SLOTS * slot_bytes);
                 let (desc, host_ptr, gpu_ptr) = self.lease(cap)?;
                 let dev_ptr = desc.runs_ptr();
