@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use kvbm_block::SequenceHash;
 
-use super::reuse_score::{Retained, SharedHistory};
+use super::use_history::{Retained, SharedHistory};
 use super::{BlockRef, BlockView, EvictionPolicy, Victim};
 
 /// What the last peek named.

@@ -22,6 +22,7 @@ mod return_within;
 mod reuse_score;
 mod sketch;
 mod spill;
+mod use_history;
 
 pub use frequency::FrequencyPolicy;
 pub use hinted::RetainingPolicy;
@@ -30,12 +31,12 @@ pub use lru::LruPolicy;
 pub use priority::{PolicyFactory, Prioritized};
 pub use retention::{HintClock, RetentionHint, Retentions};
 pub use return_within::ReturnTable;
-pub use reuse_score::{
-    Retained, ReuseModel, ReuseScorePolicy, ReuseWeights, Seen, SharedHistory, USE_CLASSES,
-    UseHistory,
-};
+pub use reuse_score::ReuseScorePolicy;
 pub use sketch::CountMinSketch;
 pub use spill::{Evicted, SpillRecorder, VictimLog};
+pub use use_history::{
+    Retained, ReuseModel, ReuseWeights, Seen, SharedHistory, USE_CLASSES, UseHistory,
+};
 
 use std::sync::atomic::Ordering::{Acquire, Relaxed};
 

@@ -12,7 +12,7 @@
 //! its lowest-scored one and (b) a parent, used at least as often and as
 //! recently as its child, never scores below it.
 
-use super::reuse_score::USE_CLASSES;
+use super::use_history::USE_CLASSES;
 
 /// Age buckets: quarter octaves of the age in requests.
 const AGE_BUCKETS: usize = 80;
