@@ -11,9 +11,10 @@
 
 use std::path::Path;
 
+use kvbm_transfer::memory::{DiskAllocator, DiskOptions};
 use serde::Serialize;
 
-use super::super::error::{BenchError, Result};
+use super::super::error::Result;
 use super::super::matrix::reference_disk;
 use super::super::stats::percentile;
 use super::engine::RequestOutcome;
@@ -118,22 +119,19 @@ const RAW_READ_BYTES: (u64, u64) = (64 << 20, 256 << 20);
 /// Writes a scratch file of `bytes` in `dir` (as much as G3 holds, within
 /// 64–256 MiB) with `O_DIRECT`, reads it back sequentially with
 /// `O_DIRECT` in large requests and removes it: the disk's sequential
-/// read rate, GB/s.
+/// read rate, GB/s. The file is a kvbm disk file (named, locked and
+/// reserved like G3's), so one a killed run left behind is swept at the
+/// next start.
 pub fn raw_read_gbps(dir: &Path, bytes: u64) -> Result<f64> {
     let bytes = bytes.clamp(RAW_READ_BYTES.0, RAW_READ_BYTES.1);
-    let path = dir.join(format!("kvbm-replay-raw-read-{}.bin", std::process::id()));
-    let io_err = |source| BenchError::Output {
-        path: path.clone(),
-        source,
-    };
-    std::fs::create_dir_all(dir).map_err(io_err)?;
+    let scratch = DiskAllocator::new(dir, DiskOptions::default())?.allocate(bytes)?;
+    let path = scratch.path().to_path_buf();
     // A run stopped by force still removes it.
     let _guard = crate::shutdown::guard_path(&path);
-    std::fs::File::create(&path).map_err(io_err)?;
     let result =
         reference_disk(&path, bytes, true).and_then(|_| reference_disk(&path, bytes, false));
-    // A scratch file left behind is only disk space: the rate stands.
-    let _ = std::fs::remove_file(&path);
+    // Dropping the file removes it.
+    drop(scratch);
     result
 }
 
