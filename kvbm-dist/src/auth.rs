@@ -36,6 +36,8 @@ pub const MAC_BYTES: usize = 32;
 /// What a `Hello`'s MAC covers, before the fields (separates it from any
 /// other use of the key).
 const HELLO_DOMAIN: &[u8] = b"kvbm-dist hello v2\0";
+/// What the leader's CURVE secret key is derived under.
+const CURVE_DOMAIN: &[u8] = b"kvbm-dist curve leader v1\0";
 const BLOCK: usize = 64;
 
 /// A per-instance secret: the key of every `Hello`'s MAC.
@@ -202,6 +204,12 @@ pub(crate) fn hello_mac_ok(
 ) -> bool {
     let want = hello_mac(secret, instance, rank, world_size, identity);
     want.iter().zip(mac).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+}
+
+/// The leader's CURVE secret key: HMAC-SHA256 keyed by the instance
+/// secret over a label of its own (see [`crate::curve`]).
+pub(crate) fn curve_seed(secret: &InstanceSecret) -> [u8; 32] {
+    hmac_sha256(&secret.0, &[CURVE_DOMAIN])
 }
 
 /// HMAC-SHA256 (RFC 2104) of the concatenation of `parts`, with a key of

@@ -26,6 +26,8 @@
 //!
 //! Map of the crate:
 //! - [`auth`]: the instance secret and the MAC that admits a worker.
+//! - [`curve`]: CURVE encryption of TCP traffic, keyed by the instance
+//!   secret.
 //! - [`proto`]: the versioned wire format, its validating decoder and the
 //!   receiver-side bounds check.
 //! - [`transport`]: ZeroMQ ROUTER/DEALER sockets speaking [`proto`]
@@ -40,6 +42,7 @@
 //! - [`error`]: the crate's error type, [`DistError`].
 
 pub mod auth;
+pub mod curve;
 pub mod error;
 pub mod leader;
 pub mod node;

@@ -12,7 +12,8 @@
 //!
 //! On one host the leader listens by default on an IPC socket inside a
 //! private directory ([`PrivateDir`], mode 0700): only its user can even
-//! connect. Peer identities are attacker-chosen bytes; [`peer_name`] is the
+//! connect. On TCP both ends speak CURVE where this build has it
+//! ([`crate::curve`]). Peer identities are attacker-chosen bytes; [`peer_name`] is the
 //! only form in which they reach a log or an error.
 //!
 //! ZeroMQ sockets are not thread-safe, so each one is used by exactly one
@@ -25,6 +26,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
+use crate::curve::{LeaderKey, LeaderPublicKey};
 use crate::error::{DistError, Result};
 use crate::proto::{self, Message, ProtoError};
 
@@ -48,8 +50,9 @@ pub struct RouterSocket {
 
 impl RouterSocket {
     /// Binds `endpoint` (`tcp://host:port`, `tcp://127.0.0.1:*` for an
-    /// ephemeral port, or `ipc:///path`).
-    pub fn bind(ctx: &zmq::Context, endpoint: &str) -> Result<Self> {
+    /// ephemeral port, or `ipc:///path`), as a CURVE server with `curve`
+    /// when given.
+    pub fn bind(ctx: &zmq::Context, endpoint: &str, curve: Option<&LeaderKey>) -> Result<Self> {
         let socket = ctx
             .socket(zmq::ROUTER)
             .map_err(DistError::zmq("router socket"))?;
@@ -57,6 +60,9 @@ impl RouterSocket {
             .set_router_mandatory(true)
             .map_err(DistError::zmq("router mandatory"))?;
         set_frame_limits(&socket)?;
+        if let Some(key) = curve {
+            key.serve(&socket)?;
+        }
         socket.bind(endpoint).map_err(DistError::zmq("bind"))?;
         let endpoint = match socket.get_last_endpoint() {
             Ok(Ok(e)) => e,
@@ -225,8 +231,14 @@ pub struct DealerSocket {
 }
 
 impl DealerSocket {
-    /// Connects to the leader at `endpoint` with `identity`.
-    pub fn connect(ctx: &zmq::Context, endpoint: &str, identity: &[u8]) -> Result<Self> {
+    /// Connects to the leader at `endpoint` with `identity`, as a CURVE
+    /// client of the leader holding `leader` when given.
+    pub fn connect(
+        ctx: &zmq::Context,
+        endpoint: &str,
+        identity: &[u8],
+        leader: Option<&LeaderPublicKey>,
+    ) -> Result<Self> {
         let socket = ctx
             .socket(zmq::DEALER)
             .map_err(DistError::zmq("dealer socket"))?;
@@ -234,6 +246,9 @@ impl DealerSocket {
             .set_identity(identity)
             .map_err(DistError::zmq("identity"))?;
         set_frame_limits(&socket)?;
+        if let Some(key) = leader {
+            key.connect_as_client(&socket)?;
+        }
         socket
             .connect(endpoint)
             .map_err(DistError::zmq("connect"))?;

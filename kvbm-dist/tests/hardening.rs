@@ -62,6 +62,7 @@ fn strangers_and_hijackers_are_refused_and_the_instance_stays_whole() {
     let pending = PendingLeader::bind(leader_config("tcp://127.0.0.1:*", instance, 2)).unwrap();
     let ep = pending.endpoint().to_owned();
     let secret = pending.secret().clone();
+    let key = pending.curve_public().copied();
     let _workers = Reaper(
         (0..2)
             .map(|r| spec(dir.path(), &ep, instance, r, &secret).spawn())
@@ -73,7 +74,7 @@ fn strangers_and_hijackers_are_refused_and_the_instance_stays_whole() {
     // Hellos for the live rank 1: no MAC, a wrong secret's MAC, and the
     // right secret's MAC copied from another identity. None evicts it.
     let ctx = zmq::Context::new();
-    let s = stranger(&ctx, &ep, b"hijacker");
+    let s = stranger(&ctx, &ep, b"hijacker", key.as_ref());
     let wrong = InstanceSecret::from_bytes([0x42; 32]);
     let zero = InstanceSecret::from_bytes([0; 32]);
     s.send(&hello(instance, 1, 2, b"hijacker", &zero)).unwrap();
@@ -113,8 +114,9 @@ fn a_wrong_version_or_instance_during_the_handshake_is_refused_and_it_completes(
     let pending = PendingLeader::bind(leader_config("tcp://127.0.0.1:*", instance, 2)).unwrap();
     let ep = pending.endpoint().to_owned();
     let secret = pending.secret().clone();
+    let key = pending.curve_public().copied();
     let ctx = zmq::Context::new();
-    let s = stranger(&ctx, &ep, b"old-build");
+    let s = stranger(&ctx, &ep, b"old-build", key.as_ref());
     // Well-formed but of the next version, even with a valid MAC.
     let next = with_version(
         &hello(instance, 0, 2, b"old-build", &secret),
@@ -224,10 +226,11 @@ fn a_rank_lost_during_the_handshake_is_named_and_the_others_shut_down_cleanly() 
     let pending = PendingLeader::bind(leader_config("tcp://127.0.0.1:*", instance, 2)).unwrap();
     let ep = pending.endpoint().to_owned();
     let secret = pending.secret().clone();
+    let key = pending.curve_public().copied();
     // Rank 1 says hello (with the secret) and dies before the configure.
     {
         let ctx = zmq::Context::new();
-        let fake = stranger(&ctx, &ep, b"rank-1-dies");
+        let fake = stranger(&ctx, &ep, b"rank-1-dies", key.as_ref());
         fake.send(&hello(instance, 1, 2, b"rank-1-dies", &secret))
             .unwrap();
         std::thread::sleep(Duration::from_millis(300));

@@ -55,11 +55,12 @@ fn strangers_cannot_forge_log_lines_nor_flood_the_log() {
     let pending = PendingLeader::bind(config).unwrap();
     let ep = pending.endpoint().to_owned();
     let secret = pending.secret().clone();
+    let key = pending.curve_public().copied();
     let ctx = zmq::Context::new();
 
     let handshake = std::thread::spawn(move || pending.handshake());
     // A forged identity during the handshake: a hello without the secret.
-    let forger = stranger(&ctx, &ep, FORGED);
+    let forger = stranger(&ctx, &ep, FORGED, key.as_ref());
     forger
         .send(&hello(
             instance,
@@ -90,7 +91,7 @@ fn strangers_cannot_forge_log_lines_nor_flood_the_log() {
 
     // The same identity on the running leader, then a flood of pings.
     forger.send(&Message::Ping { seq: 1 }).unwrap();
-    let flood = stranger(&ctx, &ep, b"flooder");
+    let flood = stranger(&ctx, &ep, b"flooder", key.as_ref());
     for seq in 0..PINGS {
         flood.send(&Message::Ping { seq }).unwrap();
     }

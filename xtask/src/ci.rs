@@ -5,8 +5,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 /// Debian packages the test suite needs on a fresh machine: libclang for
-/// nixl-sys's bindgen (it runs even when NIXL itself is loaded at run time).
-const APT_PACKAGES: &[&str] = &["libclang-dev"];
+/// nixl-sys's bindgen (it runs even when NIXL itself is loaded at run time)
+/// and libsodium, which gives ZeroMQ its CURVE encryption.
+const APT_PACKAGES: &[&str] = &["libclang-dev", "libsodium-dev"];
 
 /// The NIXL runtime the `nixl` feature's tests load: the pip wheel carries
 /// `libnixl_capi.so`, its plugins (POSIX, UCX, ...) and UCX itself.
@@ -107,7 +108,7 @@ pub(crate) fn step(name: &str, mut cmd: Command) -> Result<(), String> {
 /// Runs the whole test suite, echoing its output, and returns how many tests
 /// passed. Zero tests is a failure: a suite that runs nothing proves nothing.
 /// The NIXL runtime is on the library path and required: a NIXL test that
-/// would skip for lack of it fails instead.
+/// would skip for lack of it fails instead; so is CURVE in ZeroMQ.
 fn run_tests(nixl_libs: &Path) -> Result<u64, String> {
     let mut cmd = cargo(&["test", "--workspace", "--all-features", "--locked"]);
     let mut lib_path = nixl_libs.as_os_str().to_owned();
@@ -117,6 +118,7 @@ fn run_tests(nixl_libs: &Path) -> Result<u64, String> {
     }
     cmd.env("LD_LIBRARY_PATH", lib_path)
         .env("KVBM_REQUIRE_NIXL", "1")
+        .env("KVBM_REQUIRE_CURVE", "1")
         // UCX's InfiniBand module can crash at exit on machines without it.
         .env("UCX_MODULES", "^ib");
     println!("xtask ci: == test: {cmd:?}");

@@ -33,9 +33,9 @@
 //! once per peer every few seconds, and otherwise ignored: they never stop
 //! a handshake nor evict a live rank. On one host the endpoint
 //! [`PRIVATE_ENDPOINT`] puts the socket in a directory only this user can
-//! enter. Across hosts the MAC still keeps strangers out, but this build's
-//! ZeroMQ has no CURVE, so frames on a non-loopback TCP endpoint travel
-//! unencrypted (the leader warns when it binds one).
+//! enter. On TCP every frame is encrypted with CURVE under a key derived
+//! from the secret ([`crate::curve`]); a leader refuses a network endpoint
+//! in a build without CURVE.
 //!
 //! Remote blocks (G4): [`Leader::export_peer`], [`Leader::connect_peer`]
 //! and [`Leader::remote_pull`] (feature `nixl` on the workers) pull a peer
@@ -57,9 +57,10 @@ use kvbm_pool::{Tier, TierEngine};
 use parking_lot::{Condvar, Mutex};
 
 use crate::auth::InstanceSecret;
+use crate::curve::{self, LeaderKey, LeaderPublicKey};
 use crate::error::{DistError, Result};
 use crate::proto::InstanceId;
-use crate::transport::{PrivateDir, RouterSocket, WakeSender, is_remote_tcp, wake_pair};
+use crate::transport::{PrivateDir, RouterSocket, WakeSender, wake_pair};
 
 pub use mover::DistMover;
 pub use refusals::{RefusalCause, RefusalCounts, WARN_EVERY};
@@ -151,6 +152,7 @@ impl LeaderConfig {
 /// A bound leader waiting for its workers.
 pub struct PendingLeader {
     config: LeaderConfig,
+    curve: Option<LeaderPublicKey>,
     secret: InstanceSecret,
     router: RouterSocket,
     ctx: zmq::Context,
@@ -173,15 +175,19 @@ impl PendingLeader {
         } else {
             (config.endpoint.clone(), None)
         };
-        if is_remote_tcp(&endpoint) && zmq::has("curve") != Some(true) {
-            tracing::warn!(
-                %endpoint,
-                "binding a network endpoint: hellos are authenticated, but without CURVE in this ZeroMQ the frames travel unencrypted"
-            );
+        curve::check_endpoint(&endpoint)?;
+        let curve = if curve::used_on(&endpoint) {
+            Some(LeaderKey::derive(&secret)?)
+        } else {
+            None
+        };
+        if let Some(key) = &curve {
+            tracing::info!(%endpoint, leader_key = %key.public(), "frames encrypted with CURVE");
         }
-        let router = RouterSocket::bind(&ctx, &endpoint)?;
+        let router = RouterSocket::bind(&ctx, &endpoint, curve.as_ref())?;
         Ok(PendingLeader {
             config,
+            curve: curve.map(|k| *k.public()),
             secret,
             router,
             ctx,
@@ -192,6 +198,12 @@ impl PendingLeader {
     /// The endpoint workers connect to.
     pub fn endpoint(&self) -> &str {
         self.router.endpoint()
+    }
+
+    /// The leader's CURVE public key when its frames are encrypted (TCP,
+    /// in a build with CURVE); workers derive it from the secret.
+    pub fn curve_public(&self) -> Option<&LeaderPublicKey> {
+        self.curve.as_ref()
     }
 
     /// The instance secret, to hand to the workers this leader's owner

@@ -135,7 +135,7 @@ fn a_wrong_version_is_answered_counted_and_survived() {
     let dir = tempfile::tempdir().unwrap();
     let pending = PendingLeader::bind(config(endpoint(&dir), 1)).unwrap();
     let ctx = zmq::Context::new();
-    let peer = DealerSocket::connect(&ctx, pending.endpoint(), b"old-worker").unwrap();
+    let peer = DealerSocket::connect(&ctx, pending.endpoint(), b"old-worker", None).unwrap();
     peer.send_raw(
         proto::codec::encode_with_version(
             &hello(b"old-worker", &secret()),
@@ -165,7 +165,7 @@ fn strangers_hellos_are_refused_during_the_handshake() {
     let dir = tempfile::tempdir().unwrap();
     let pending = PendingLeader::bind(config(endpoint(&dir), 1)).unwrap();
     let ctx = zmq::Context::new();
-    let peer = DealerSocket::connect(&ctx, pending.endpoint(), b"stranger").unwrap();
+    let peer = DealerSocket::connect(&ctx, pending.endpoint(), b"stranger", None).unwrap();
     // No secret, a wrong secret, a MAC made for another identity, another
     // instance.
     peer.send(&hello(b"stranger", &InstanceSecret::from_bytes([0; 32])))
@@ -197,7 +197,7 @@ fn garbage_during_the_handshake_is_answered_and_survived() {
     let dir = tempfile::tempdir().unwrap();
     let pending = PendingLeader::bind(config(endpoint(&dir), 1)).unwrap();
     let ctx = zmq::Context::new();
-    let hostile = DealerSocket::connect(&ctx, pending.endpoint(), b"hostile").unwrap();
+    let hostile = DealerSocket::connect(&ctx, pending.endpoint(), b"hostile", None).unwrap();
     let mut truncated = hello_frame(proto::PROTOCOL_VERSION);
     truncated.truncate(truncated.len() - 3);
     for frame in [vec![], b"XXXX garbage".to_vec(), truncated] {
@@ -227,7 +227,7 @@ fn a_running_leader_answers_hostile_peers_and_stays_whole() {
     let ep = pending.endpoint().to_owned();
     let leader = pending.handshake().unwrap();
     let ctx = zmq::Context::new();
-    let hostile = DealerSocket::connect(&ctx, &ep, b"intruder").unwrap();
+    let hostile = DealerSocket::connect(&ctx, &ep, b"intruder", None).unwrap();
     // Garbage, a forged ack from a stranger, a foreign instance's hello.
     hostile.send_raw(vec![0xff; 40]).unwrap();
     hostile

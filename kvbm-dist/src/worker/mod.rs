@@ -42,6 +42,7 @@ use std::time::{Duration, Instant};
 use kvbm_transfer::{CancelToken, Executor, ExecutorSpec, PhysicalLayout, TransferOutcome};
 
 use crate::auth::{InstanceSecret, hello_mac, random_u64};
+use crate::curve::{self, LeaderKey};
 use crate::error::{DistError, Result};
 use crate::proto::{
     Ack, AckFailure, BlockPair, Configure, ErrorReply, Hello, InstanceId, Message, Probe, ProbeOp,
@@ -174,6 +175,16 @@ fn silence_limit(leader_timeout: Duration, heartbeat_ms: Option<u32>) -> Duratio
     }
 }
 
+/// What to add to "the leader is gone" when nothing was ever heard over
+/// CURVE: a leader of another secret looks exactly like no leader.
+fn curve_hint(curve: bool, last_heard: Option<Instant>) -> &'static str {
+    if curve && last_heard.is_none() {
+        "; the CURVE handshake never completed: is the instance secret the leader's?"
+    } else {
+        ""
+    }
+}
+
 /// Runs a worker until the leader says `Shutdown` (`Ok`), goes silent
 /// (`Err(LeaderGone)`) or refuses it (`Err(Refused)`).
 pub fn run(mut config: WorkerConfig) -> Result<()> {
@@ -190,7 +201,13 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
         random_u64()?
     );
     let started = Instant::now();
-    let socket = DealerSocket::connect(&ctx, &config.endpoint, identity.as_bytes())?;
+    let curve = if curve::used_on(&config.endpoint) {
+        Some(*LeaderKey::derive(&config.secret)?.public())
+    } else {
+        None
+    };
+    let socket =
+        DealerSocket::connect(&ctx, &config.endpoint, identity.as_bytes(), curve.as_ref())?;
     let monitor = socket.watch_disconnects(&ctx)?;
     let (wake_tx, wake_rx) = wake_pair(&ctx)?;
     let (ack_tx, ack_rx) = mpsc::channel::<Message>();
@@ -211,7 +228,7 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
         ),
     }))?;
     let _span = tracing::info_span!("worker", rank = config.rank).entered();
-    tracing::info!(%identity, endpoint = %config.endpoint, "hello sent");
+    tracing::info!(%identity, endpoint = %config.endpoint, curve = curve.is_some(), "hello sent");
     let mut w = Worker {
         instance: config.instance,
         rank: config.rank,
@@ -299,7 +316,11 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
             for t in w.inflight.values() {
                 t.cancel();
             }
-            let why = format!("the connection to the leader at {} closed", config.endpoint);
+            let why = format!(
+                "the connection to the leader at {} closed{}",
+                config.endpoint,
+                curve_hint(curve.is_some(), last_heard)
+            );
             tracing::warn!("{why}; exiting");
             return Err(DistError::LeaderGone(why));
         }
@@ -310,8 +331,10 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
             }
             let why = match (last_heard, heartbeat_ms) {
                 (None, _) => format!(
-                    "no answer from the leader at {} within {:?} (leader timeout)",
-                    config.endpoint, config.leader_timeout
+                    "no answer from the leader at {} within {:?} (leader timeout){}",
+                    config.endpoint,
+                    config.leader_timeout,
+                    curve_hint(curve.is_some(), None)
                 ),
                 (Some(_), None) => format!(
                     "the leader at {} fell silent during the handshake for {silent:?} (leader timeout {:?})",

@@ -27,8 +27,12 @@ fn recv(router: &RouterSocket) -> Received {
 fn hostile_requests_are_refused_and_the_worker_carries_on() {
     let dir = tempfile::tempdir().unwrap();
     let ctx = zmq::Context::new();
-    let router =
-        RouterSocket::bind(&ctx, &format!("ipc://{}", dir.path().join("l").display())).unwrap();
+    let router = RouterSocket::bind(
+        &ctx,
+        &format!("ipc://{}", dir.path().join("l").display()),
+        None,
+    )
+    .unwrap();
     let c = LayoutConfig::new(4, 1, 2, 4, 32, 2).unwrap();
     let g1 = PhysicalLayout::allocate_system(
         Layout::new(c, LayoutKind::FullyContiguous).unwrap(),

@@ -9,6 +9,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use kvbm_dist::auth::{InstanceSecret, hello_mac};
+use kvbm_dist::curve::LeaderPublicKey;
 use kvbm_dist::proto::{self, Hello, Message};
 use kvbm_dist::transport::DealerSocket;
 use kvbm_dist::worker::memory::create_shared_file;
@@ -123,9 +124,16 @@ pub fn with_version(message: &Message, version: u16) -> Vec<u8> {
     frame
 }
 
-/// A stranger's socket on `endpoint` with `identity`.
-pub fn stranger(ctx: &zmq::Context, endpoint: &str, identity: &[u8]) -> DealerSocket {
-    DealerSocket::connect(ctx, endpoint, identity).unwrap()
+/// A stranger's socket on `endpoint` with `identity`, knowing the leader's
+/// CURVE public key `leader` when it has one (a public key is no secret:
+/// the `Hello` MAC is what keeps a stranger out).
+pub fn stranger(
+    ctx: &zmq::Context,
+    endpoint: &str,
+    identity: &[u8],
+    leader: Option<&LeaderPublicKey>,
+) -> DealerSocket {
+    DealerSocket::connect(ctx, endpoint, identity, leader).unwrap()
 }
 
 /// Kills every child when dropped.
