@@ -34,9 +34,35 @@ fn sequence_hash(digest: &[u8]) -> PyResult<u64> {
     Ok(scheduler::sequence_hash(digest)?.0)
 }
 
+/// The environment variable that filters the log lines kvbm writes to
+/// standard error (`tracing`'s filter syntax: `info`,
+/// `kvbm_dist=debug,warn`, ...); unset, warnings and errors.
+pub const LOG_ENV: &str = "KVBM_LOG";
+
+/// Sends kvbm's log lines (lost workers, failed copies, refused peers) to
+/// standard error, filtered by [`LOG_ENV`]. Does nothing where the process
+/// already installed a `tracing` subscriber.
+fn init_logging() {
+    use std::io::IsTerminal;
+    use tracing_subscriber::EnvFilter;
+    let filter = match std::env::var(LOG_ENV) {
+        Ok(spec) => EnvFilter::try_new(&spec).unwrap_or_else(|e| {
+            eprintln!("kvbm: {LOG_ENV}={spec:?} is not a log filter ({e}); logging warnings");
+            EnvFilter::new("warn")
+        }),
+        Err(_) => EnvFilter::new("warn"),
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .try_init();
+}
+
 /// The native module `kvbm_py._kvbm`.
 #[pymodule]
 fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    init_logging();
     m.add_class::<scheduler::Scheduler>()?;
     m.add_class::<scheduler::Match>()?;
     m.add_class::<worker::Worker>()?;
