@@ -18,7 +18,7 @@ use kvbm_block::{SequenceDigest, SequenceHash, VllmBlockHash};
 use kvbm_dist::leader::{Leader, LeaderConfig, PendingLeader, RankState};
 use kvbm_pool::tier::{
     G1Lookup, OnboardHandle, OnboardTarget, RetentionHint, TierEngine, TierEngineConfig, TierMover,
-    TierPolicy,
+    TierPolicy, default_g3_staging_blocks,
 };
 use kvbm_pool::{KvEvent, KvEventBatch, Tier};
 use parking_lot::Mutex;
@@ -239,6 +239,20 @@ impl Scheduler {
     }
 }
 
+/// The G3 staging area in blocks: `bytes` of G2 when given, else kvbm's
+/// default for a G2 of at least eight blocks (none without a G3).
+fn staging_blocks(mover: &dyn TierMover, bytes: Option<u64>) -> usize {
+    let (Some(g2), Some(_)) = (mover.capacity(Tier::G2), mover.capacity(Tier::G3)) else {
+        return 0;
+    };
+    let block_bytes = mover.block_bytes(Tier::G2).max(1);
+    match bytes {
+        Some(b) => usize::try_from(b / block_bytes).unwrap_or(usize::MAX),
+        None if g2 >= 8 => default_g3_staging_blocks(g2 as u64 * block_bytes, block_bytes),
+        None => 0,
+    }
+}
+
 #[pymethods]
 impl Scheduler {
     /// Binds the leader on `endpoint`, waits for the workers and builds the
@@ -249,8 +263,12 @@ impl Scheduler {
     /// the leader draws one no worker knows. `offload_in_flight` caps the
     /// offload batches copying at once (kvbm's default when `None`; each
     /// holds its G2 targets, so a G2 of very few blocks wants 1).
+    /// `g3_staging_bytes` is the part of G2 that G3 blocks are read into
+    /// the moment a match finds them (G3 prefetch); `None`: kvbm's default
+    /// when there is a G3 (256 MiB, at most an eighth of a G2 of at least
+    /// eight blocks), 0: off.
     #[new]
-    #[pyo3(signature = (endpoint, world_size, block_size, g2_bytes, g3_bytes = 0, instance = 0, admission = "reuse_score", handshake_timeout_s = 120.0, secret_file = None, offload_in_flight = None))]
+    #[pyo3(signature = (endpoint, world_size, block_size, g2_bytes, g3_bytes = 0, instance = 0, admission = "reuse_score", handshake_timeout_s = 120.0, secret_file = None, offload_in_flight = None, g3_staging_bytes = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -264,6 +282,7 @@ impl Scheduler {
         handshake_timeout_s: f64,
         secret_file: Option<std::path::PathBuf>,
         offload_in_flight: Option<usize>,
+        g3_staging_bytes: Option<u64>,
     ) -> PyResult<Self> {
         let policy = parse_policy(admission)?;
         if !(handshake_timeout_s.is_finite() && handshake_timeout_s > 0.0) {
@@ -286,6 +305,8 @@ impl Scheduler {
                 engine_config = engine_config.offload_in_flight(n);
             }
             let mover: Arc<dyn TierMover> = leader.mover();
+            engine_config =
+                engine_config.g3_staging_blocks(staging_blocks(&*mover, g3_staging_bytes));
             let engine = Arc::new(TierEngine::with_mover(engine_config, mover)?);
             Ok(Inner { engine, leader })
         })?;
@@ -303,6 +324,18 @@ impl Scheduler {
     #[getter]
     fn block_size(&self) -> usize {
         self.block_size
+    }
+
+    /// G2 blocks set aside as the G3 prefetch's staging area (0: none).
+    #[getter]
+    fn g3_staging_blocks(&self) -> PyResult<usize> {
+        Ok(self.engine()?.config().g3_staging_blocks)
+    }
+
+    /// Staging blocks free now (the others hold G3 blocks read for
+    /// matched requests).
+    fn staging_free_blocks(&self) -> PyResult<usize> {
+        Ok(self.engine()?.staging_free_blocks())
     }
 
     /// Blocks per worker in each tier: `{"g1": .., "g2": .., "g3": ..}`.

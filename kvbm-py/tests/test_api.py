@@ -141,3 +141,46 @@ def test_a_g2_that_cannot_be_allocated_fails_start_up(tmp_path):
     assert "G2" in str(err.value) or "alloc" in str(err.value).lower(), err.value
     for r in ranks:
         assert r.worker.join(30.0), "a worker did not stop"
+
+
+def test_g3_blocks_are_read_into_staging_at_match(tmp_path):
+    # G2 of 6 blocks, 2 of them staging: a match that finds G3 blocks
+    # starts their read at once and holds staging slots until the onboard.
+    endpoint = f"ipc://{tmp_path}/leader.sock"
+    secret = tmp_path / "instance.secret"
+    ranks = [Rank(endpoint, r, tmp_path / f"g3-{r}", secret) for r in range(2)]
+    sched = kvbm_py.Scheduler(endpoint, 2, BLOCK, secret_file=str(secret),
+                              g2_bytes=6 * RANK_BLOCK_BYTES * 2,
+                              g3_bytes=8 * RANK_BLOCK_BYTES * 2,
+                              admission="all", handshake_timeout_s=30,
+                              g3_staging_bytes=2 * RANK_BLOCK_BYTES * 2, offload_in_flight=1)
+    try:
+        assert sched.g3_staging_blocks == 2 and sched.staging_free_blocks() == 2
+        hashes = block_hashes(6, b"stage")
+        for b in range(6):
+            for r in ranks:
+                r.fill(b, seed=100 + b)
+            sched.offload("a", [b], [hashes[b]], hashes[b - 1] if b else None)
+            sched.flush()
+        assert sched.release("a")
+        s = sched.stats()
+        assert s["g2_to_g3_blocks"] == 2, s   # G2's pool holds 4 of the 6
+        m = sched.match_prefix("b", hashes, 6 * BLOCK + 1, 0)
+        assert (m.g2_blocks, m.g3_blocks) == (4, 2), m
+        # The two G3 blocks took the two staging slots.
+        assert sched.staging_free_blocks() == 0
+        targets = list(range(8, 14))
+        sched.onboard("b", targets)
+        assert sched.wait_onboard("b") is None
+        for r in ranks:
+            for src, dst in zip(range(6), targets):
+                assert r.same(src, dst), f"rank {r.rank}: block {dst} differs from {src}"
+        assert sched.release("b")
+        deadline = time.monotonic() + 10
+        while sched.staging_free_blocks() != 2:
+            assert time.monotonic() < deadline, "staging slots were never returned"
+            time.sleep(0.01)
+    finally:
+        sched.shutdown()
+        for r in ranks:
+            assert r.worker.join(10.0)

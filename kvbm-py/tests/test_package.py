@@ -1,6 +1,7 @@
 """The package alone: imports without vLLM, configuration sources, hash
 keys, and KV tensors kvbm refuses at start-up."""
 
+import os
 import subprocess
 import sys
 
@@ -120,3 +121,34 @@ def test_metrics_port_is_read_from_extra_or_environment():
     assert KvbmConfig.from_sources({"metrics_port": 9200}, {"KVBM_METRICS_PORT": "9100"}).metrics_port == 9200
     with pytest.raises(ValueError, match="TCP port"):
         KvbmConfig.from_sources({"metrics_port": 70000}, {})
+
+
+# A scheduler and one worker over host tensors, started and shut down.
+_START_STOP = """
+import tempfile, torch, kvbm_py
+with tempfile.TemporaryDirectory() as d:
+    ep = f"ipc://{d}/leader.sock"
+    layers = [torch.zeros(4, 2, 16, 128, dtype=torch.float16) for _ in range(2)]
+    specs = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in layers]
+    w = kvbm_py.Worker(ep, 0, 1, specs, 2, 4, tuple(layers), f"{d}/secret")
+    s = kvbm_py.Scheduler(ep, 1, 16, secret_file=f"{d}/secret", g2_bytes=4 * 16384,
+                          handshake_timeout_s=30)
+    s.shutdown()
+    assert w.join(10.0)
+"""
+
+
+@pytest.mark.parametrize("spec", [None, "info", "kvbm_dist=info", "kvbm_dist=[bad"])
+def test_kvbm_log_lines_reach_stderr_filtered_by_kvbm_log(spec):
+    env = {k: v for k, v in os.environ.items() if k != "KVBM_LOG"}
+    if spec is not None:
+        env["KVBM_LOG"] = spec
+    out = subprocess.run([sys.executable, "-c", _START_STOP], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    verbose = spec in ("info", "kvbm_dist=info")
+    # The worker's hello and the leader's handshake are info lines.
+    assert ("hello sent" in out.stderr) == verbose, out.stderr
+    assert (" INFO " in out.stderr) == verbose, out.stderr
+    if spec == "kvbm_dist=[bad":
+        assert "KVBM_LOG" in out.stderr and "not a log filter" in out.stderr, out.stderr

@@ -209,12 +209,7 @@ impl TierEngineBuilder {
         let mut config = self.config;
         config.g3_staging_blocks = match (self.g2_bytes, &self.g3) {
             (Some(g2), Some(_)) => self.g3_staging.unwrap_or(match config.g3_staging_blocks {
-                0 => {
-                    let bytes = super::DEFAULT_G3_STAGING_BYTES.min(g2 / 8);
-                    usize::try_from(bytes / shape.block_bytes().max(1))
-                        .unwrap_or(usize::MAX)
-                        .max(1)
-                }
+                0 => super::default_g3_staging_blocks(g2, shape.block_bytes()),
                 n => n,
             }),
             _ => 0,

@@ -42,7 +42,9 @@ class Scheduler:
     ``"min_uses:N"``. Workers prove they belong to the instance with the
     secret published at ``secret_file`` (the first process of the instance
     to start draws it; ``KVBM_INSTANCE_SECRET`` wins). Requests are keyed
-    by the engine's request id.
+    by the engine's request id. With a G3, ``g3_staging_bytes`` of G2 (kvbm's
+    default when ``None``: 256 MiB, at most an eighth of a G2 of at least
+    eight blocks; 0: off) receive the G3 blocks a match finds, read at once.
     """
 
     def __init__(
@@ -57,10 +59,17 @@ class Scheduler:
         handshake_timeout_s: float = 120.0,
         secret_file: str | None = None,
         offload_in_flight: int | None = None,
+        g3_staging_bytes: int | None = None,
     ) -> None: ...
     @property
     def block_size(self) -> int:
         """Tokens per block."""
+    @property
+    def g3_staging_blocks(self) -> int:
+        """G2 blocks set aside as the G3 prefetch's staging area (0: none)."""
+    def staging_free_blocks(self) -> int:
+        """Staging blocks free now (the others hold G3 blocks read for
+        matched requests)."""
     def capacity(self) -> dict[str, int]:
         """Blocks per worker in each tier: ``{"g1": .., "g2": .., "g3": ..}``."""
     def ranks(self) -> list[str]:
