@@ -292,6 +292,7 @@ mod weights {
             (0.25f64..3.0).prop_map(|exponent| ScoreModel::Hyperbolic { exponent }),
             (1u64..5_000).prop_map(|horizon| ScoreModel::ReturnWithin { horizon }),
             (1u64..5_000).prop_map(|horizon| ScoreModel::DensityWithin { horizon }),
+            (1u64..5_000).prop_map(|horizon| ScoreModel::ReturnWithinSpread { horizon }),
         ]
     }
 

@@ -120,6 +120,13 @@ pub enum ScoreModel {
         /// Look-ahead window in requests.
         horizon: u64,
     },
+    /// Like `ReturnWithin`, with the returns of an age bucket spread evenly
+    /// over the bucket's ages, so that a horizon shorter than a bucket
+    /// still counts the part of the bucket it covers.
+    ReturnWithinSpread {
+        /// Look-ahead window in requests.
+        horizon: u64,
+    },
 }
 
 /// Age buckets: quarter octaves of the age in requests.
@@ -129,6 +136,28 @@ fn age_bucket(age: u64) -> usize {
     (((age + 1) as f64).log2() * 4.0)
         .floor()
         .min((AGE_BUCKETS - 1) as f64) as usize
+}
+
+/// The lowest age of bucket `i`.
+fn bucket_start(i: usize) -> f64 {
+    2f64.powf(i as f64 / 4.0) - 1.0
+}
+
+/// Returns at ages in `[start of bucket i, that + horizon)`, each bucket's
+/// returns spread evenly over its ages.
+fn spread_within(returned: &[f64; AGE_BUCKETS], i: usize, horizon: u64) -> f64 {
+    let lo = bucket_start(i);
+    let hi = lo + horizon as f64;
+    let mut sum = 0.0;
+    for (j, &r) in returned.iter().enumerate().skip(i) {
+        let (a, b) = (bucket_start(j), bucket_start(j + 1));
+        if a >= hi {
+            break;
+        }
+        let overlap = (b.min(hi) - a).max(0.0);
+        sum += r * overlap / (b - a);
+    }
+    sum
 }
 
 /// Learned reuse statistics per class, and the scores derived from them.
@@ -216,6 +245,9 @@ impl ReuseWeights {
                         let end = age_bucket(age as u64 + horizon);
                         (suffix[i] - suffix[end]) / alive
                     }
+                    ScoreModel::ReturnWithinSpread { horizon } => {
+                        spread_within(r, i, horizon) / alive
+                    }
                     ScoreModel::DensityWithin { horizon } => {
                         // Returns within the horizon per request of
                         // occupancy until the return or the horizon.
@@ -268,7 +300,9 @@ impl ReuseWeights {
     pub fn score(&self, class: usize, age: u64) -> f64 {
         match self.model {
             ScoreModel::Hyperbolic { .. } => self.table[class][0] / (age + 1) as f64,
-            ScoreModel::ReturnWithin { .. } | ScoreModel::DensityWithin { .. } => {
+            ScoreModel::ReturnWithin { .. }
+            | ScoreModel::DensityWithin { .. }
+            | ScoreModel::ReturnWithinSpread { .. } => {
                 // Ties (equal buckets) go to the younger block.
                 self.table[class][age_bucket(age)] - age as f64 * 1e-15
             }
@@ -392,6 +426,9 @@ pub struct ReuseScoreConfig {
     pub skip_partial: bool,
     /// How class and age make a score.
     pub model: ScoreModel,
+    /// How G3 scores, when it differs from G2 (`None`: `model`). G3's
+    /// ranking alone decides which blocks leave every tier.
+    pub g3_model: Option<ScoreModel>,
     /// Request feature splitting the classes.
     pub feature: ClassFeature,
     /// What the policy's clock counts (ages and the horizon are in its unit).
@@ -423,6 +460,7 @@ impl ReuseScoreConfig {
             history_factor: 4.0,
             skip_partial: true,
             model: ScoreModel::ReturnWithin { horizon: 250 },
+            g3_model: None,
             feature: ClassFeature::None,
             clock: Clock::Requests,
             decay: 1.0,
@@ -450,6 +488,8 @@ pub struct ReuseScoreTiers {
     ghosts: RecencyList,
     ghost_cap: usize,
     weights: ReuseWeights,
+    /// G3's weights when it has a model of its own.
+    g3_weights: Option<ReuseWeights>,
     now: u64,
 }
 
@@ -471,6 +511,9 @@ impl ReuseScoreTiers {
                 config.model,
                 config.feature == ClassFeature::Depth,
             ),
+            g3_weights: config
+                .g3_model
+                .map(|m| ReuseWeights::new(classes, m, config.feature == ClassFeature::Depth)),
             now: 0,
         }
     }
@@ -485,10 +528,11 @@ impl ReuseScoreTiers {
         let previous = self.history.get(&b).copied();
         let count = previous.map_or(0, |s| s.count) + 1;
         let class = group * COUNT_CLASSES + count_class(count);
-        self.weights.observe(
-            previous.map(|s| (s.class as usize, now.saturating_sub(s.last))),
-            class,
-        );
+        let previous_use = previous.map(|s| (s.class as usize, now.saturating_sub(s.last)));
+        self.weights.observe(previous_use, class);
+        if let Some(w) = &mut self.g3_weights {
+            w.observe(previous_use, class);
+        }
         self.history.insert(
             b,
             Seen {
@@ -543,8 +587,10 @@ impl KvbmTiers for ReuseScoreTiers {
             self.g3.remove(b);
         }
         if ctx.index.is_multiple_of(256) {
-            self.weights.decay(self.config.decay);
-            self.weights.refresh();
+            for w in std::iter::once(&mut self.weights).chain(self.g3_weights.as_mut()) {
+                w.decay(self.config.decay);
+                w.refresh();
+            }
         }
         let now = self.now;
         for &b in g1_evicted {
@@ -562,7 +608,12 @@ impl KvbmTiers for ReuseScoreTiers {
                 continue;
             }
             if let Some((out, s)) = self.g2.offer(b, seen, &self.weights, now)
-                && let Some((gone, _)) = self.g3.offer(out, s, &self.weights, now)
+                && let Some((gone, _)) = self.g3.offer(
+                    out,
+                    s,
+                    self.g3_weights.as_ref().unwrap_or(&self.weights),
+                    now,
+                )
             {
                 self.depart(gone);
             }
@@ -577,5 +628,84 @@ impl KvbmTiers for ReuseScoreTiers {
         let g2 = self.g2.meta.keys().map(|&b| (b, Tier::G2));
         g2.chain(self.g3.meta.keys().map(|&b| (b, Tier::G3)))
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tiered::{TierCapacities, TieredSim};
+    use super::super::{ReplayStats, replay};
+    use super::*;
+    use kvbm_testkit::trace::{SyntheticConfig, generate_synthetic};
+
+    fn run(caps: TierCapacities, g3_model: Option<ScoreModel>) -> ReplayStats {
+        let synth = SyntheticConfig {
+            conversations: 60,
+            ..SyntheticConfig::default()
+        };
+        let requests = generate_synthetic(&synth);
+        let config = ReuseScoreConfig {
+            g3_model,
+            ..ReuseScoreConfig::for_tiers(caps)
+        };
+        let mut sim = TieredSim::new(caps.g1, ReuseScoreTiers::new(config));
+        replay(&requests, synth.block_tokens, &mut sim)
+    }
+
+    #[test]
+    fn a_g3_model_ranks_g3_only() {
+        let caps = TierCapacities {
+            g1: 40,
+            g2: 60,
+            g3: 120,
+        };
+        let base = run(caps, None);
+        // G3's own copy of the shared model changes nothing.
+        let same = ScoreModel::ReturnWithin { horizon: 250 };
+        assert_eq!(run(caps, Some(same)), base);
+        // Another G3 model leaves a tiering without G3 as it was.
+        let other = Some(ScoreModel::ReturnWithin { horizon: 20 });
+        let no_g3 = TierCapacities { g3: 0, ..caps };
+        assert_eq!(run(no_g3, other), run(no_g3, None));
+        assert_ne!(run(caps, other), base, "G3 ranks by its own model");
+    }
+
+    #[test]
+    fn spread_counts_the_covered_share_of_each_bucket() {
+        let mut r = [0.0; AGE_BUCKETS];
+        r[40] = 8.0;
+        let width = bucket_start(41) - bucket_start(40);
+        // Half of bucket 40's ages: half of its returns.
+        let half = spread_within(&r, 40, (width / 2.0) as u64);
+        assert!((half - 4.0).abs() < 0.05, "{half}");
+        // A horizon past the bucket takes all of it, and nothing before i.
+        assert_eq!(spread_within(&r, 40, 1 << 20), 8.0);
+        assert_eq!(spread_within(&r, 41, 1 << 20), 0.0);
+    }
+
+    #[test]
+    fn spread_keeps_old_ages_apart_where_whole_buckets_score_nothing() {
+        // Returns only at ages around 3000, where a bucket spans ~550
+        // requests: a horizon of 350 never reaches the next bucket.
+        let (model, spread) = (
+            ScoreModel::ReturnWithin { horizon: 350 },
+            ScoreModel::ReturnWithinSpread { horizon: 350 },
+        );
+        let mut a = ReuseWeights::new(COUNT_CLASSES, model, false);
+        let mut b = ReuseWeights::new(COUNT_CLASSES, spread, false);
+        for w in [&mut a, &mut b] {
+            for _ in 0..1000 {
+                w.observe(None, 0);
+            }
+            for _ in 0..100 {
+                w.observe(Some((0, 3000)), 1);
+                w.observe(Some((3, 3000)), 3);
+                w.observe(Some((3, 3000)), 3);
+            }
+            w.refresh();
+        }
+        assert!(a.score(0, 3000).abs() < 1e-9 && a.score(3, 3000).abs() < 1e-9);
+        assert!(b.score(3, 3000) > b.score(0, 3000));
+        assert!(b.score(0, 3000) > 0.0);
     }
 }

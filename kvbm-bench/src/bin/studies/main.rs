@@ -15,6 +15,7 @@ mod agentic;
 mod bounds;
 #[path = "../../../tests/bounds_support/mod.rs"]
 mod bounds_support;
+mod defaults;
 mod policy;
 #[path = "../../../tests/sim_support.rs"]
 mod sim_support;
@@ -84,6 +85,11 @@ const STUDIES: &[(&str, &str, fn())] = &[
         "agentic_hints",
         "retention hints of 100/90/70% accuracy on the agentic workload",
         agentic::agentic_hints,
+    ),
+    (
+        "defaults_study",
+        "candidate reuse-score defaults against LRU on every workload",
+        defaults::defaults_study,
     ),
     (
         "policy_experiments",
