@@ -14,7 +14,6 @@ use kvbm_pool::policy::{
 };
 use kvbm_pool::tier::{G1Lookup, TierEngineConfig};
 use kvbm_pool::{BlockPool, PoolConfig, SlotManager, Tier};
-use parking_lot::Mutex;
 use proptest::prelude::*;
 use tier_support::*;
 
@@ -25,11 +24,11 @@ fn h(x: u64) -> SequenceHash {
 fn history() -> SharedHistory {
     let mut u = UseHistory::new(4096).with_model(ReuseModel::ReturnWithin { horizon: 350 });
     u.set_clock(HintClock::Manual(0));
-    Arc::new(Mutex::new(u))
+    SharedHistory::new(u)
 }
 
 fn pool(history: &SharedHistory, capacity: usize) -> BlockPool {
-    let policy = Box::new(ReuseScorePolicy::for_tier(Arc::clone(history), Tier::G2));
+    let policy = Box::new(ReuseScorePolicy::for_tier(history.clone(), Tier::G2));
     BlockPool::with_policy(PoolConfig::new(capacity, 4, Tier::G2), policy).unwrap()
 }
 

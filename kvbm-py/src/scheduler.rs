@@ -37,9 +37,16 @@ pub fn sequence_hash(digest: &[u8]) -> Result<SequenceHash> {
             digest.len()
         )));
     }
-    let mut full = [0u8; 32];
-    let n = digest.len().min(32);
-    full[..n].copy_from_slice(&digest[..n]);
+    // vLLM's digests are 32 bytes: a fixed-size copy (a shorter one is
+    // padded with zeros).
+    let full = match digest.first_chunk::<32>() {
+        Some(full) => *full,
+        None => {
+            let mut full = [0u8; 32];
+            full[..digest.len()].copy_from_slice(digest);
+            full
+        }
+    };
     Ok(VllmBlockHash(full).sequence_hash())
 }
 

@@ -13,7 +13,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use kvbm_block::SequenceHash;
 
-use super::use_history::{Retained, SharedHistory};
+use super::shared_history::SharedHistory;
+use super::use_history::Retained;
 use super::{BlockRef, BlockView, EvictionPolicy, Victim};
 
 /// What the last peek named.

@@ -17,9 +17,11 @@ mod hinted;
 mod lineage;
 mod lru;
 mod priority;
+mod recency;
 pub mod retention;
 mod return_within;
 mod reuse_score;
+mod shared_history;
 mod sketch;
 mod spill;
 mod use_history;
@@ -32,11 +34,10 @@ pub use priority::{PolicyFactory, Prioritized};
 pub use retention::{HintClock, RetentionHint, Retentions};
 pub use return_within::ReturnTable;
 pub use reuse_score::ReuseScorePolicy;
+pub use shared_history::{MAX_PENDING_BLOCKS, SharedHistory};
 pub use sketch::CountMinSketch;
 pub use spill::{Evicted, SpillRecorder, VictimLog};
-pub use use_history::{
-    Retained, ReuseModel, ReuseWeights, Seen, SharedHistory, USE_CLASSES, UseHistory,
-};
+pub use use_history::{Retained, ReuseModel, ReuseWeights, Seen, USE_CLASSES, UseHistory};
 
 use std::sync::atomic::Ordering::{Acquire, Relaxed};
 

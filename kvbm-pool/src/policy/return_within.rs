@@ -17,11 +17,17 @@ use super::use_history::USE_CLASSES;
 /// Age buckets: quarter octaves of the age in requests.
 const AGE_BUCKETS: usize = 80;
 
-/// The bucket of an age in requests: `floor(4 log2(age + 1))`, capped.
+/// The bucket of an age in requests: `floor(4 log2(age + 1))`, capped;
+/// computed as `floor(log2((age + 1)^4))` in integers (the reuse score
+/// buckets every block of every recorded request).
 fn age_bucket(age: u64) -> usize {
-    (((age + 1) as f64).log2() * 4.0)
-        .floor()
-        .min((AGE_BUCKETS - 1) as f64) as usize
+    let x = u128::from(age) + 1;
+    // 4 log2(2^20) = 80: every larger age is in the last bucket.
+    if x >= 1 << 20 {
+        return AGE_BUCKETS - 1;
+    }
+    let x4 = (x * x) * (x * x);
+    ((127 - x4.leading_zeros()) as usize).min(AGE_BUCKETS - 1)
 }
 
 /// Learned return statistics per use-count class and the score table
@@ -107,6 +113,18 @@ impl ReturnTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn integer_age_buckets_are_the_logarithms_floors() {
+        let by_log = |age: u64| {
+            ((age.saturating_add(1) as f64).log2() * 4.0)
+                .floor()
+                .min((AGE_BUCKETS - 1) as f64) as usize
+        };
+        for age in (0..1 << 21).chain([u64::MAX - 1, u64::MAX, 1 << 40]) {
+            assert_eq!(age_bucket(age), by_log(age), "age {age}");
+        }
+    }
 
     #[test]
     fn scores_fall_with_age_and_rise_with_uses() {

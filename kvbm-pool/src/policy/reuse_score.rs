@@ -35,9 +35,8 @@ use std::collections::BTreeSet;
 
 use kvbm_block::SequenceHash;
 
-use super::use_history::{
-    DONE_SCORE, Retained, Seen, SharedHistory, USE_CLASSES, UseHistory, class_of,
-};
+use super::shared_history::SharedHistory;
+use super::use_history::{DONE_SCORE, Retained, Seen, USE_CLASSES, UseHistory, class_of};
 use super::{BlockRef, BlockView, EvictionPolicy, Victim};
 use crate::config::Tier;
 
@@ -327,10 +326,6 @@ impl EvictionPolicy for ReuseScorePolicy {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
-    use parking_lot::Mutex;
-
     use super::super::use_history::ReuseModel;
     use super::*;
     use crate::{BlockPool, PoolConfig, Tier};
@@ -340,7 +335,7 @@ mod tests {
     }
 
     fn pool(history: &SharedHistory, capacity: usize) -> BlockPool {
-        let policy = Box::new(ReuseScorePolicy::new(Arc::clone(history)));
+        let policy = Box::new(ReuseScorePolicy::new(history.clone()));
         BlockPool::with_policy(PoolConfig::new(capacity, 4, Tier::G2), policy).unwrap()
     }
 
@@ -420,9 +415,9 @@ mod tests {
 
     #[test]
     fn return_within_model_ranks_popular_blocks_higher() {
-        let history = Arc::new(Mutex::new(
+        let history = SharedHistory::new(
             UseHistory::new(1000).with_model(ReuseModel::ReturnWithin { horizon: 250 }),
-        ));
+        );
         for _ in 0..5 {
             history.lock().record_request(&[h(1)]);
         }

@@ -8,15 +8,16 @@
 //! first), which is what lets a block that returns be recognised as
 //! popular.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::Arc;
 
 use kvbm_block::SequenceHash;
-use parking_lot::Mutex;
 
+use super::recency::Recency;
 use super::retention::{HintClock, RetentionHint, Retentions};
 use super::return_within::ReturnTable;
+use super::shared_history::SharedHistory;
 use crate::config::Tier;
 
 /// Hasher of the history's [`SequenceHash`] keys. The values are uniformly
@@ -160,12 +161,23 @@ pub struct Seen {
     pub seq: u64,
 }
 
+/// A remembered block: what is known and its node in the recency list.
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    seen: Seen,
+    node: u32,
+}
+
+/// The most blocks a history remembers.
+const MAX_CAPACITY: usize = 1 << 31;
+
 /// Use counts of recently seen blocks, shared by the engine and the
 /// reuse-score policies of its tiers.
 #[derive(Debug)]
 pub struct UseHistory {
-    seen: SeqMap<Seen>,
-    order: VecDeque<(SequenceHash, u64)>,
+    seen: SeqMap<Slot>,
+    /// The remembered blocks, least recently used first.
+    recency: Recency,
     capacity: usize,
     weights: ReuseWeights,
     now: u64,
@@ -213,16 +225,14 @@ pub enum Retained {
     Done,
 }
 
-/// A [`UseHistory`] behind a lock, as the engine and policies share it.
-pub type SharedHistory = Arc<Mutex<UseHistory>>;
-
 impl UseHistory {
-    /// A history remembering at most `capacity` blocks (at least 1).
+    /// A history remembering at most `capacity` blocks (at least 1, at
+    /// most 2^31).
     pub fn new(capacity: usize) -> Self {
-        let capacity = capacity.max(1);
+        let capacity = capacity.clamp(1, MAX_CAPACITY);
         Self {
             seen: SeqMap::with_capacity_and_hasher(capacity.min(1 << 20), Default::default()),
-            order: VecDeque::new(),
+            recency: Recency::new(),
             capacity,
             weights: ReuseWeights::default(),
             now: 0,
@@ -265,7 +275,7 @@ impl UseHistory {
         let trusted = self.done_trusted();
         let seen = &self.seen;
         self.retentions.apply(hashes, hint, now, trusted, |h| {
-            seen.get(&h).map_or(0, |s| s.count)
+            seen.get(&h).map_or(0, |s| s.seen.count)
         });
     }
 
@@ -391,7 +401,7 @@ impl UseHistory {
 
     /// A shared history of `capacity` blocks.
     pub fn shared(capacity: usize) -> SharedHistory {
-        Arc::new(Mutex::new(Self::new(capacity)))
+        SharedHistory::new(Self::new(capacity))
     }
 
     /// Records one request carrying `hashes` (its prompt's blocks, in
@@ -413,23 +423,40 @@ impl UseHistory {
             }
         }
         for &h in hashes.iter().rev() {
+            if self.recency.is_full() {
+                // Only a request of billions of blocks gets here.
+                self.forget_one();
+            }
             self.seq += 1;
             let seq = self.seq;
-            let s = self.seen.entry(h).or_insert(Seen {
-                count: 0,
-                last: now,
-                seq,
-            });
-            let previous = (s.count > 0).then(|| (class_of(s.count), now - s.last));
-            s.count = s.count.saturating_add(1);
-            s.last = now;
-            s.seq = seq;
-            let count = s.count;
+            let (previous, count) = match self.seen.entry(h) {
+                Entry::Occupied(mut e) => {
+                    let slot = e.get_mut();
+                    let s = &mut slot.seen;
+                    let previous = (s.count > 0).then(|| (class_of(s.count), now - s.last));
+                    s.count = s.count.saturating_add(1);
+                    s.last = now;
+                    s.seq = seq;
+                    self.recency.touch(slot.node);
+                    (previous, s.count)
+                }
+                Entry::Vacant(v) => {
+                    let Some(node) = self.recency.push_back(h) else {
+                        continue;
+                    };
+                    let seen = Seen {
+                        count: 1,
+                        last: now,
+                        seq,
+                    };
+                    v.insert(Slot { seen, node });
+                    (None, 1)
+                }
+            };
             self.weights.observe(count);
             if let Some(t) = &mut self.returns {
                 t.observe(previous, class_of(count));
             }
-            self.order.push_back((h, seq));
         }
         self.forget_excess();
         if now.is_multiple_of(REFRESH_EVERY) {
@@ -443,19 +470,22 @@ impl UseHistory {
         }
     }
 
+    /// Forgets the least recently used block; `false` when none is left.
+    fn forget_one(&mut self) -> bool {
+        match self.recency.pop_front() {
+            Some(h) => {
+                self.seen.remove(&h);
+                true
+            }
+            None => false,
+        }
+    }
+
     fn forget_excess(&mut self) {
         while self.seen.len() > self.capacity {
-            let Some((h, seq)) = self.order.pop_front() else {
+            if !self.forget_one() {
                 break;
-            };
-            if self.seen.get(&h).is_some_and(|s| s.seq == seq) {
-                self.seen.remove(&h);
             }
-        }
-        if self.order.len() > 2 * self.capacity + 1024 {
-            let seen = &self.seen;
-            self.order
-                .retain(|(h, seq)| seen.get(h).is_some_and(|s| s.seq == *seq));
         }
         if self.retentions.len() > self.capacity {
             let seen = &self.seen;
@@ -475,12 +505,12 @@ impl UseHistory {
 
     /// What is remembered about `hash`.
     pub fn get(&self, hash: SequenceHash) -> Option<Seen> {
-        self.seen.get(&hash).copied()
+        self.seen.get(&hash).map(|s| s.seen)
     }
 
     /// Requests that carried `hash` (0 when unknown or forgotten).
     pub fn uses(&self, hash: SequenceHash) -> u32 {
-        self.seen.get(&hash).map_or(0, |s| s.count)
+        self.seen.get(&hash).map_or(0, |s| s.seen.count)
     }
 
     /// The score of a block with this history entry.

@@ -9,6 +9,13 @@ use super::prefetch::{self, Prefetch};
 use super::{RequestId, Shared, TierError};
 use crate::pool::ImmutableBlocks;
 
+/// Blocks queued for the use history that wake the offload worker to
+/// apply them: half the queue's bound. The worker applies the queue
+/// whenever it is awake anyway (offloads, releases), so this wake-up is
+/// for an engine that matches many requests and finishes none; it keeps
+/// the matching thread from ever applying the queue itself.
+const WAKE_AT_BLOCKS: usize = crate::policy::MAX_PENDING_BLOCKS / 2;
+
 /// Where the G1 part of a match comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum G1Lookup {
@@ -139,10 +146,17 @@ pub(crate) fn match_request(
         }
     };
     // The use history feeds the reuse-score ranking and `min_uses`
-    // admission; with write-through tiers nothing reads it, and recording
-    // costs a table update per prompt block.
+    // admission; with write-through tiers nothing reads it. Recording
+    // costs a table update per prompt block, so the request is only
+    // queued here: any reader of the history applies the queue before it
+    // reads, the offload worker applies it whenever it is awake with
+    // nothing else to do (and releases wake it), and a queue this long
+    // wakes it too.
     if first_time && shared.config.uses_history() {
-        shared.history.lock().record_request(hashes);
+        let queued = shared.history.record_later(hashes);
+        if queued >= WAKE_AT_BLOCKS && queued - hashes.len() < WAKE_AT_BLOCKS {
+            shared.offload.apply_history();
+        }
     }
 
     let (mut g1_held, g1_blocks) = match g1 {

@@ -194,7 +194,7 @@ fn tier_policy(
     history: &SharedHistory,
 ) -> Box<dyn EvictionPolicy> {
     match policy {
-        TierPolicy::ReuseScore => Box::new(ReuseScorePolicy::for_tier(Arc::clone(history), tier)),
+        TierPolicy::ReuseScore => Box::new(ReuseScorePolicy::for_tier(history.clone(), tier)),
         TierPolicy::WriteThrough | TierPolicy::MinUses(_) => {
             Box::new(LruPolicy::with_capacity(capacity))
         }
@@ -242,12 +242,12 @@ impl TierEngine {
             .filter_map(cap)
             .sum();
         let ghosts = (total as f64 * config.history_factor).ceil() as usize;
-        let history = Arc::new(Mutex::new(
+        let history = SharedHistory::new(
             UseHistory::new(total.saturating_add(ghosts))
                 .with_model(config.reuse_model)
                 .with_age_exponent(config.reuse_age_exponent)
                 .with_hint_slack(config.hint_slack),
-        ));
+        );
         let hinted = Arc::new(AtomicBool::new(false));
         let bs = config.block_size;
         let g1_victims = (config.offload_mode == OffloadMode::WriteBack).then(VictimLog::default);
@@ -268,7 +268,7 @@ impl TierEngine {
                     };
                     let inner = Box::new(RetainingPolicy::new(
                         inner,
-                        Arc::clone(&history),
+                        history.clone(),
                         Arc::clone(&hinted),
                         config.hint_g1_within,
                     ));
@@ -595,7 +595,13 @@ impl TierEngine {
     /// writes into engine-given G1 block ids, this waits until no more
     /// bytes can land there. `false` if the request was unknown.
     pub fn release(&self, request: impl Into<RequestId>) -> bool {
-        onboard::release(&self.shared, &request.into())
+        let released = onboard::release(&self.shared, &request.into());
+        // A request ended: the worker catches up with the uses recorded
+        // since the history was last read.
+        if self.shared.history.pending_blocks() > 0 {
+            self.shared.offload.apply_history();
+        }
+        released
     }
 
     /// Free slots of the G3 prefetch staging area (0 without one). Slots

@@ -182,6 +182,9 @@ struct QueueState {
     /// Batches and write-backs the worker has taken and not finished (in
     /// flight, or being prepared); `flush` waits for them.
     working: usize,
+    /// The use history's queue wants applying (the worker applies it
+    /// whenever it has nothing else to do, woken or not).
+    history: bool,
     shutdown: bool,
 }
 
@@ -201,6 +204,13 @@ impl OffloadQueue {
             wb.done.1.notify_all();
         }
         drop(s);
+        self.cv.notify_all();
+    }
+
+    /// Wakes the worker to apply the use history's queue of recorded
+    /// requests, off the thread that matches requests.
+    pub(crate) fn apply_history(&self) {
+        self.state.lock().history = true;
         self.cv.notify_all();
     }
 
@@ -316,6 +326,8 @@ enum Step {
     WriteBack(WriteBack),
     /// Prepare and start a batch.
     Start(Vec<Pending>),
+    /// Apply the use history's queue.
+    History,
     /// The engine is dropped.
     Stop,
 }
@@ -347,6 +359,9 @@ pub(crate) fn run_worker(shared: &Arc<Shared>) {
                     shared.metrics.queue_depth(s.items.len());
                     break Step::Start(batch);
                 }
+                if std::mem::take(&mut s.history) || shared.history.pending_blocks() > 0 {
+                    break Step::History;
+                }
                 q.cv.wait(&mut s);
             }
         };
@@ -363,6 +378,7 @@ pub(crate) fn run_worker(shared: &Arc<Shared>) {
                 wb.done.1.notify_all();
                 q.finished();
             }
+            Step::History => shared.history.apply_pending(),
             Step::Start(batch) => {
                 let _span = tracing::debug_span!("offload_batch", blocks = batch.len()).entered();
                 match start_batch(shared, batch, &flying) {
