@@ -12,7 +12,7 @@
 //! Set `KVBM_ZMQ_CURVE=off` to build without CURVE even where libsodium is
 //! installed, or `KVBM_ZMQ_CURVE=require` to fail the build without it.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 pub use upstream::LibLocation;
 
@@ -94,7 +94,9 @@ impl Build {
 }
 
 /// The system's libsodium, when `pkg-config` knows it and its static
-/// library is installed.
+/// library is installed: its headers and archive copied under `OUT_DIR`,
+/// so the compiler searches no system directory ahead of its own (a
+/// cross toolchain, e.g. one targeting an older glibc, keeps its headers).
 fn system_libsodium() -> Option<LibLocation> {
     let lib = pkg_config::Config::new()
         .cargo_metadata(false)
@@ -102,19 +104,40 @@ fn system_libsodium() -> Option<LibLocation> {
         .probe("libsodium")
         .ok()?;
     let var = |name: &str| pkg_config::get_variable("libsodium", name).ok();
-    let lib_dirs = lib
+    let archive = lib
         .link_paths
         .iter()
         .cloned()
-        .chain(var("libdir").map(PathBuf::from));
-    let lib_dir = lib_dirs
-        .into_iter()
-        .find(|dir| dir.join("libsodium.a").is_file())?;
-    let include_dir = lib
+        .chain(var("libdir").map(PathBuf::from))
+        .map(|dir| dir.join("libsodium.a"))
+        .find(|a| a.is_file())?;
+    let include = lib
         .include_paths
         .iter()
         .cloned()
         .chain(var("includedir").map(PathBuf::from))
         .find(|dir| dir.join("sodium.h").is_file())?;
-    Some(LibLocation::new(lib_dir, include_dir))
+    let out = PathBuf::from(std::env::var_os("OUT_DIR")?).join("libsodium");
+    let (inc, libdir) = (out.join("include"), out.join("lib"));
+    copy_tree(&include.join("sodium"), &inc.join("sodium")).ok()?;
+    std::fs::copy(include.join("sodium.h"), inc.join("sodium.h")).ok()?;
+    std::fs::create_dir_all(&libdir).ok()?;
+    std::fs::copy(&archive, libdir.join("libsodium.a")).ok()?;
+    println!("cargo:rerun-if-changed={}", archive.display());
+    Some(LibLocation::new(libdir, inc))
+}
+
+/// Copies the directory `from` (files and subdirectories) to `to`.
+fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
+        let target = to.join(entry.file_name());
+        if entry.file_type()?.is_dir() {
+            copy_tree(&entry.path(), &target)?;
+        } else {
+            std::fs::copy(entry.path(), &target)?;
+        }
+    }
+    Ok(())
 }
