@@ -45,6 +45,7 @@
 //! was requested; every first match of a request records its prompt in a
 //! shared [`crate::policy::UseHistory`].
 
+mod behind;
 mod builder;
 mod config;
 mod cost;
@@ -57,6 +58,7 @@ mod onboard;
 mod prefetch;
 mod request;
 mod shape;
+mod victims;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;

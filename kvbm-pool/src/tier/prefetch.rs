@@ -34,7 +34,9 @@ use super::matching::Segment;
 use crate::config::Tier;
 use crate::pool::ImmutableBlock;
 
-/// The staging area: slots `base..base + n` of G2's memory.
+/// The staging area: slots `base..base + n` of G2's memory. G3 prefetch
+/// reads into it; G3 write-behind ([`super::behind`]) keeps blocks on their
+/// way to the disk in up to half of it.
 pub(crate) struct Staging {
     base: u32,
     /// `true` for a free slot, by slot index.
@@ -53,6 +55,17 @@ impl Staging {
     /// Free slots.
     pub(crate) fn free_slots(&self) -> usize {
         self.free.lock().iter().filter(|f| **f).count()
+    }
+
+    /// Up to `n` slots for blocks on their way to G3, one per block, as
+    /// long as half of the area stays free for prefetch.
+    pub(super) fn take_for_writes(self: &Arc<Self>, n: usize) -> Vec<StagingSlots> {
+        let spare = {
+            let free = self.free.lock();
+            let n_free = free.iter().filter(|f| **f).count();
+            n_free.saturating_sub(free.len().div_ceil(2))
+        };
+        self.take(n.min(spare)).split()
     }
 
     /// Up to `n` slots: the first run of `n` free ones if there is one (so
@@ -88,9 +101,27 @@ impl Staging {
 }
 
 /// Staging slots in use; freed when dropped.
-struct StagingSlots {
+pub(super) struct StagingSlots {
     staging: Arc<Staging>,
     ids: Vec<u32>,
+}
+
+impl StagingSlots {
+    /// The slots' block ids in G2's memory.
+    pub(super) fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    /// One holder per slot, each freeing its own.
+    fn split(mut self) -> Vec<StagingSlots> {
+        std::mem::take(&mut self.ids)
+            .into_iter()
+            .map(|id| StagingSlots {
+                staging: Arc::clone(&self.staging),
+                ids: vec![id],
+            })
+            .collect()
+    }
 }
 
 impl Drop for StagingSlots {
@@ -234,6 +265,12 @@ pub(crate) fn start(shared: &Arc<Shared>, segments: &[Segment]) -> Option<Arc<Pr
         at += seg.blocks.len();
     }
     if found.is_empty() {
+        return None;
+    }
+    // Blocks whose write to G3 has not landed are read once it has; one
+    // whose write failed is left to the onboard, which then fails.
+    let g3_ids: Vec<u32> = found.iter().map(|&(_, g3, _)| g3).collect();
+    if super::behind::wait_readable(shared, &g3_ids).is_err() {
         return None;
     }
     let slots = staging.take(found.len());
