@@ -22,7 +22,9 @@
 //! Rules that keep every byte read the byte written:
 //! - A G3 slot is read only after its last write landed: G3 prefetch and
 //!   an onboard's direct G3 reads first call [`wait_readable`], which
-//!   fails for a slot whose write failed (until it is written again).
+//!   fails for a slot whose write failed (until it is written again); a
+//!   match stops before such a block ([`written_prefix`]), as it would
+//!   had the block never been registered.
 //! - Two writes to one G3 slot never race: before a slot is written again
 //!   (its block was evicted from G3, so nobody reads it), a queued write to
 //!   it is dropped and a write in flight is waited for.
@@ -321,6 +323,18 @@ pub(crate) fn wait_readable(shared: &Shared, ids: &[u32]) -> Result<(), Transfer
             os_error: f.os_error,
         }),
     }
+}
+
+/// How many of `ids` (G3 blocks, in prefix order) come before the first
+/// whose last write failed: a match stops there, as if G3 lacked it.
+pub(crate) fn written_prefix(shared: &Shared, ids: &[u32]) -> usize {
+    let s = shared.offload.state.lock();
+    if s.writes.failed.is_empty() {
+        return ids.len();
+    }
+    ids.iter()
+        .position(|id| s.writes.failed.contains_key(id))
+        .unwrap_or(ids.len())
 }
 
 /// Writes every queued block and waits for the writes to end (the worker
