@@ -65,7 +65,10 @@ impl Staging {
             let n_free = free.iter().filter(|f| **f).count();
             n_free.saturating_sub(free.len().div_ceil(2))
         };
-        self.take(n.min(spare)).split()
+        match n.min(spare) {
+            0 => Vec::new(),
+            n => self.take(n).split(),
+        }
     }
 
     /// Up to `n` slots: the first run of `n` free ones if there is one (so
@@ -336,5 +339,22 @@ mod tests {
         let all = s.take(20);
         assert_eq!(all.ids.len(), 8);
         assert!(s.take(1).ids.is_empty());
+    }
+
+    #[test]
+    fn writes_take_one_slot_each_and_leave_half_to_prefetch() {
+        let s = Staging::new(10, 8);
+        let mut w = s.take_for_writes(6);
+        assert_eq!(w.len(), 4, "half of the area stays free");
+        assert!(w.iter().all(|slot| slot.ids().len() == 1));
+        assert!(s.take_for_writes(1).is_empty());
+        let p = s.take(2);
+        drop(w.pop());
+        // A write slot came back, but prefetch holds two: 3 of 8 are free,
+        // less than half, so writes get none.
+        assert_eq!(s.free_slots(), 3);
+        assert!(s.take_for_writes(1).is_empty());
+        drop(p);
+        assert_eq!(s.take_for_writes(8).len(), 1);
     }
 }
