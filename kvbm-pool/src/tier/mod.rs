@@ -167,7 +167,8 @@ pub(crate) struct Shared {
     /// Set once a retention hint was given (G1's policy forwards until
     /// then).
     pub(crate) hinted: Arc<AtomicBool>,
-    /// The G3 prefetch staging area (G2 memory beyond G2's pool).
+    /// The G3 staging area (G2 memory beyond G2's pool): prefetch reads
+    /// land there, and write-behind keeps blocks there until written.
     pub(crate) staging: Option<Arc<prefetch::Staging>>,
     /// G2 → G1 and G3 read rates the engine measured (for the cost model).
     pub(crate) rates: cost::MeasuredRates,

@@ -2,8 +2,10 @@
 //! found.
 //!
 //! The last `g3_staging_blocks` blocks of G2's memory are a staging area
-//! outside G2's pool (nothing registers there, nothing is evicted for it).
-//! When a match finds G3 blocks, [`start`] takes staging slots for them
+//! outside G2's pool (nothing registers there, nothing is evicted for it;
+//! up to half of it also holds blocks on their way to G3, see
+//! [`super::behind`]). Before reading, prefetch waits for the writes of the
+//! blocks it reads to land. When a match finds G3 blocks, [`start`] takes staging slots for them
 //! (as many as are free), and submits one G3 → G2 read of those blocks:
 //! sorted by their place in the file and given consecutive slots, so blocks
 //! adjacent in the file become one large read. The read runs while the
