@@ -282,6 +282,8 @@ pub(crate) struct EngineMetrics {
     hits: [AtomicU64; 3],
     queue_depth: AtomicU64,
     window: Mutex<HitWindow>,
+    /// Blocks registered in G3 before their write landed (write-behind).
+    registered_ahead: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -380,7 +382,14 @@ impl EngineMetrics {
         [Path::G1ToG2, Path::G2ToG3, Path::G1ToG3]
             .into_iter()
             .map(|p| self.blocks[p.index()].load(Relaxed))
-            .sum()
+            .sum::<u64>()
+            + self.registered_ahead.load(Relaxed)
+    }
+
+    /// `blocks` blocks registered in G3 ahead of their write (matches find
+    /// them from now on; their bytes are counted when the write lands).
+    pub(crate) fn registered_ahead(&self, blocks: u64) {
+        self.registered_ahead.fetch_add(blocks, Relaxed);
     }
 
     pub(crate) fn snapshot(&self) -> TierStats {

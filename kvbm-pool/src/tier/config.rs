@@ -168,7 +168,10 @@ pub struct TierEngineConfig {
     /// lands sooner, and the staging slots cost G2's pool nothing (measured
     /// in `docs/benchmarks.md`, "Trace replay: hit rates"). The price is
     /// the staging memory, and a read wasted when a request goes away
-    /// before its onboard.
+    /// before its onboard. Up to half of the area also holds blocks on
+    /// their way to G3 (write-behind: a G1 allocation that pushes blocks
+    /// down to G3 waits for memory copies, not for the disk); with no
+    /// staging area those writes are waited for.
     pub g3_staging_blocks: usize,
     /// Whether a match leaves blocks to recompute whose load would take
     /// longer than recomputing them (see [`LoadCost`]; off by default).

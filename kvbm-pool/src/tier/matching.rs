@@ -176,7 +176,12 @@ pub(crate) fn match_request(
         let before = at;
         for (is_g3, tier) in [(false, &shared.g2), (true, &shared.g3)] {
             let Some(tier) = tier else { continue };
-            let run = tier.pool.match_prefix(&hashes[at..]);
+            let mut run = tier.pool.match_prefix(&hashes[at..]);
+            if is_g3 {
+                // A block whose write to G3 failed is not there.
+                let written = super::behind::written_prefix(shared, run.block_ids());
+                run.truncate(written);
+            }
             if run.is_empty() {
                 continue;
             }

@@ -23,8 +23,10 @@
 //!   G2 evicts blocks, the worker copies those victims to G3 before their
 //!   slots are written again (the policy study found exclusive victim
 //!   caching beats writing every block through to disk, and it spares SSD
-//!   wear). Offloads wait while any onboard runs: onboarding is
-//!   latency-critical.
+//!   wear) — into staging slots first, registering them in G3 at once and
+//!   writing them to disk later (write-behind), so a G1 allocation does not
+//!   wait for the disk. Offloads and those writes wait while any onboard
+//!   runs: onboarding is latency-critical.
 //! - **Match.** For a request's sequence hashes: the longest prefix in G1,
 //!   continued in G2, then G3 — one contiguous prefix. When the three cover
 //!   the whole prompt one block is given back so the engine recomputes the
@@ -45,6 +47,7 @@
 //! was requested; every first match of a request records its prompt in a
 //! shared [`crate::policy::UseHistory`].
 
+mod behind;
 mod builder;
 mod config;
 mod cost;
@@ -57,6 +60,7 @@ mod onboard;
 mod prefetch;
 mod request;
 mod shape;
+mod victims;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -166,14 +170,16 @@ pub(crate) struct Shared {
     /// Set once a retention hint was given (G1's policy forwards until
     /// then).
     pub(crate) hinted: Arc<AtomicBool>,
-    /// The G3 prefetch staging area (G2 memory beyond G2's pool).
+    /// The G3 staging area (G2 memory beyond G2's pool): prefetch reads
+    /// land there, and write-behind keeps blocks there until written.
     pub(crate) staging: Option<Arc<prefetch::Staging>>,
     /// G2 → G1 and G3 read rates the engine measured (for the cost model).
     pub(crate) rates: cost::MeasuredRates,
 }
 
 /// The tier engine. `Send + Sync`; share it behind an `Arc`. Dropping it
-/// stops the offload worker (queued offloads are skipped).
+/// stops the offload worker (queued offloads are skipped; blocks already
+/// registered in G3 are written first).
 pub struct TierEngine {
     shared: Arc<Shared>,
     worker: Option<JoinHandle<()>>,
@@ -396,7 +402,8 @@ impl TierEngine {
 
     /// `n` G1 blocks for the engine to fill. In write-back mode the blocks
     /// G1 evicts to make room are copied to G2 before this returns (so the
-    /// engine may overwrite them); in write-through mode this is
+    /// engine may overwrite them; the G3 writes this causes go through the
+    /// staging area and land later); in write-through mode this is
     /// `g1().allocate(n)`. All or nothing.
     pub fn allocate_g1(&self, n: usize) -> Result<Vec<MutableBlock>, TierError> {
         allocate_g1(&self.shared, n)
@@ -481,7 +488,8 @@ impl TierEngine {
         offload::batch_limit(&self.shared)
     }
 
-    /// Blocks until every queued offload has been processed (for tests,
+    /// Blocks until every queued offload has been processed and every
+    /// block left in the staging area for G3 has been written (for tests,
     /// benchmarks and orderly shutdown).
     pub fn flush(&self) {
         self.shared.offload.flush();
@@ -604,9 +612,10 @@ impl TierEngine {
         released
     }
 
-    /// Free slots of the G3 prefetch staging area (0 without one). Slots
-    /// return when a staged block has been copied into G1, or when the read
-    /// of a request released before its onboard has stopped.
+    /// Free slots of the G3 staging area (0 without one). Slots return
+    /// when a staged block has been copied into G1, when the read of a
+    /// request released before its onboard has stopped, or when a block's
+    /// write to G3 has ended.
     pub fn staging_free_blocks(&self) -> usize {
         self.shared.staging.as_ref().map_or(0, |s| s.free_slots())
     }

@@ -39,8 +39,12 @@ use kvbm_block::SequenceHash;
 use kvbm_transfer::{CancelToken, TransferOutcome};
 use parking_lot::{Condvar, Mutex};
 
-use super::{Shared, TierPolicy, TierSlot};
-use crate::metrics::{FailureCause, Path, SkipReason};
+use super::Shared;
+use super::behind::{self, Write, Writes};
+use super::victims::{
+    admitted, allocate_up_to, landed_pairs, register_landed, save_g1_victims, spill_to_g3,
+};
+use crate::metrics::{Path, SkipReason};
 use crate::policy::Evicted;
 use crate::pool::{ImmutableBlock, MutableBlock, WeakBlock};
 
@@ -173,7 +177,7 @@ struct WriteBack {
 }
 
 #[derive(Default)]
-struct QueueState {
+pub(super) struct QueueState {
     items: VecDeque<Pending>,
     /// Write-back batches: they run before anything else, onboards or not.
     urgent: VecDeque<WriteBack>,
@@ -186,13 +190,15 @@ struct QueueState {
     /// whenever it has nothing else to do, woken or not).
     history: bool,
     shutdown: bool,
+    /// G3 write-behind: blocks in staging slots on their way to the disk.
+    pub(super) writes: Writes,
 }
 
 /// The bounded queue, the onboard gate and the flush barrier.
 #[derive(Default)]
 pub(crate) struct OffloadQueue {
-    state: Mutex<QueueState>,
-    cv: Condvar,
+    pub(super) state: Mutex<QueueState>,
+    pub(super) cv: Condvar,
 }
 
 impl OffloadQueue {
@@ -240,9 +246,10 @@ impl OffloadQueue {
         }
     }
 
+    /// Waits until every queued offload, write-back and G3 write has run.
     pub(crate) fn flush(&self) {
         let mut s = self.state.lock();
-        while !s.shutdown && (s.working > 0 || !s.items.is_empty()) {
+        while !s.shutdown && (s.working > 0 || !s.items.is_empty() || s.writes.busy()) {
             self.cv.wait(&mut s);
         }
     }
@@ -328,6 +335,8 @@ enum Step {
     Start(Vec<Pending>),
     /// Apply the use history's queue.
     History,
+    /// Start the queued G3 writes.
+    Write(Vec<Write>),
     /// The engine is dropped.
     Stop,
 }
@@ -351,6 +360,9 @@ pub(crate) fn run_worker(shared: &Arc<Shared>) {
                 if let Some(wb) = s.urgent.pop_front() {
                     s.working += 1;
                     break Step::WriteBack(wb);
+                }
+                if s.writes.ready(s.onboards) {
+                    break Step::Write(s.writes.take());
                 }
                 if flights.len() < limit && s.onboards == 0 && !s.items.is_empty() {
                     let n = batch_limit(shared).min(s.items.len());
@@ -379,6 +391,7 @@ pub(crate) fn run_worker(shared: &Arc<Shared>) {
                 q.finished();
             }
             Step::History => shared.history.apply_pending(),
+            Step::Write(batch) => behind::start(shared, batch),
             Step::Start(batch) => {
                 let _span = tracing::debug_span!("offload_batch", blocks = batch.len()).entered();
                 match start_batch(shared, batch, &flying) {
@@ -396,6 +409,8 @@ pub(crate) fn run_worker(shared: &Arc<Shared>) {
                     q.wait_landed(&f);
                     f.register(shared, &mut flying);
                 }
+                // Blocks registered in G3 get their bytes.
+                behind::drain(shared);
                 let mut s = q.state.lock();
                 let left = s.items.len() as u64;
                 s.items.clear();
@@ -489,81 +504,6 @@ pub(crate) fn batch_limit(shared: &Shared) -> usize {
     config.offload_batch.max(by_bytes).min(quarter.max(1))
 }
 
-fn admitted(shared: &Shared, tier: &TierSlot, policy: TierPolicy, hash: SequenceHash) -> bool {
-    match policy {
-        TierPolicy::WriteThrough => true,
-        TierPolicy::MinUses(n) => shared.history.lock().uses(hash) >= n,
-        TierPolicy::ReuseScore => tier.pool.admit(hash),
-    }
-}
-
-/// Admits and places `victims` in `tier` one at a time, in order: each is
-/// skipped when the tier holds it already (or receives it from a batch in
-/// `flying`), else asked of the admission policy and, if admitted, given a
-/// target at once, so the next one is compared with what the tier would
-/// evict after that. Returns the admitted victims and their targets (the
-/// others are counted as skipped).
-fn place_victims(
-    shared: &Shared,
-    tier: &TierSlot,
-    policy: TierPolicy,
-    victims: Vec<Evicted>,
-    flying: &HashSet<SequenceHash>,
-) -> (Vec<Evicted>, Vec<MutableBlock>, Vec<Evicted>) {
-    let mut keep = Vec::with_capacity(victims.len());
-    let mut refused_victims = Vec::new();
-    let mut targets = Vec::with_capacity(victims.len());
-    let (mut present, mut refused, mut full) = (0u64, 0u64, 0u64);
-    let mut placed = HashSet::with_capacity(victims.len());
-    for v in victims {
-        if flying.contains(&v.hash) || placed.contains(&v.hash) || tier.pool.contains(v.hash) {
-            present += 1;
-        } else if !admitted(shared, tier, policy, v.hash) {
-            refused += 1;
-            refused_victims.push(v);
-        } else {
-            match allocate_or_fewer(tier, 1).pop() {
-                Some(t) => {
-                    placed.insert(v.hash);
-                    keep.push(v);
-                    targets.push(t);
-                }
-                None => full += 1,
-            }
-        }
-    }
-    shared.metrics.skipped(SkipReason::Present, present);
-    shared.metrics.skipped(SkipReason::NotAdmitted, refused);
-    shared.metrics.skipped(SkipReason::TierFull, full);
-    (keep, targets, refused_victims)
-}
-
-/// Up to `n` target blocks: all of them, or as many as the pool can give.
-/// Blocks that found no target are counted as skipped (tier full).
-fn allocate_up_to(shared: &Shared, tier: &TierSlot, n: usize) -> Vec<MutableBlock> {
-    let targets = allocate_or_fewer(tier, n);
-    shared
-        .metrics
-        .skipped(SkipReason::TierFull, (n - targets.len()) as u64);
-    targets
-}
-
-fn allocate_or_fewer(tier: &TierSlot, n: usize) -> Vec<MutableBlock> {
-    match tier.pool.allocate(n) {
-        Ok(b) => b,
-        Err(crate::PoolError::Exhausted {
-            free, evictable, ..
-        }) => {
-            let can = (free + evictable).min(n);
-            if can == 0 {
-                return Vec::new();
-            }
-            tier.pool.allocate(can).unwrap_or_default()
-        }
-        Err(_) => Vec::new(),
-    }
-}
-
 /// Prepares `batch` and starts its G1 → G2 copy; `None` when nothing of
 /// it is to be copied. `flying`: hashes of batches in flight.
 fn start_batch(
@@ -650,191 +590,4 @@ fn start_batch(
         items,
         holds,
     })
-}
-
-/// Write-back: copies G1's victims (whose slots nobody writes until this
-/// returns) to G2, through G2's admission. `flying`: hashes batches in
-/// flight are copying to G2 already.
-fn save_g1_victims(shared: &Shared, victims: Vec<Evicted>, flying: &HashSet<SequenceHash>) {
-    let Some(g2) = shared.g2.as_ref() else {
-        shared
-            .metrics
-            .skipped(SkipReason::NoTier, victims.len() as u64);
-        return;
-    };
-    let limit = batch_limit(shared);
-    let mut victims = victims.into_iter().peekable();
-    while victims.peek().is_some() {
-        let part: Vec<Evicted> = victims.by_ref().take(limit).collect();
-        let (part, targets, refused) =
-            place_victims(shared, g2, shared.config.g2_policy, part, flying);
-        if let Some(g3) = shared.g3.as_ref()
-            && !refused.is_empty()
-        {
-            // Refused by G2, the block is offered to G3 (as G2's own
-            // victims are); a copy an onboard left there ranks again.
-            let refused: Vec<Evicted> = {
-                let mut history = shared.history.lock();
-                for v in &refused {
-                    history.clear_demoted(crate::Tier::G3, v.hash);
-                }
-                refused
-            };
-            let none = HashSet::new();
-            let (keep, g3_targets, _) =
-                place_victims(shared, g3, shared.config.g3_policy, refused, &none);
-            if !g3_targets.is_empty() {
-                copy_victims(shared, &shared.g1, g3, Path::G1ToG3, &keep, g3_targets);
-            }
-        }
-        // The blocks G2 evicted for these still hold their bytes: save
-        // them before their slots are written.
-        let g2_victims = std::mem::take(&mut *shared.g2_victims.lock());
-        spill_to_g3(shared, g2, g2_victims);
-        if !targets.is_empty() {
-            copy_victims(shared, &shared.g1, g2, Path::G1ToG2, &part, targets);
-        }
-    }
-}
-
-/// Copies G2's victims to G3 (those G3 admits and does not hold yet).
-fn spill_to_g3(shared: &Shared, g2: &TierSlot, victims: Vec<Evicted>) {
-    let Some(g3) = shared.g3.as_ref() else {
-        return;
-    };
-    // Write-back: a victim G1 holds (loaded there from G2) comes back to G2
-    // when G1 evicts it, so a G3 copy would only duplicate it.
-    let write_back = shared.config.offload_mode == super::OffloadMode::WriteBack;
-    let (victims, in_g1): (Vec<Evicted>, Vec<Evicted>) = victims
-        .into_iter()
-        .partition(|v| !(write_back && shared.g1.pool.contains(v.hash)));
-    {
-        // A G3 copy left from an onboard is this block again: it ranks by
-        // its score once more.
-        let mut history = shared.history.lock();
-        for v in &victims {
-            history.clear_demoted(crate::Tier::G3, v.hash);
-        }
-    }
-    shared
-        .metrics
-        .skipped(SkipReason::Present, in_g1.len() as u64);
-    if victims.is_empty() {
-        return;
-    }
-    // Nothing is in flight to G3: its copies are waited for here.
-    let none = HashSet::new();
-    let (keep, targets, _) = place_victims(shared, g3, shared.config.g3_policy, victims, &none);
-    if keep.is_empty() {
-        return;
-    }
-    copy_victims(shared, g2, g3, Path::G2ToG3, &keep, targets);
-}
-
-/// Copies evicted blocks (`victims[i]` into `targets[i]`) and registers
-/// each target whose bytes landed.
-fn copy_victims(
-    shared: &Shared,
-    src: &TierSlot,
-    dst: &TierSlot,
-    path: Path,
-    victims: &[Evicted],
-    targets: Vec<MutableBlock>,
-) {
-    let pairs: Vec<(usize, usize)> = victims
-        .iter()
-        .zip(&targets)
-        .map(|(v, t)| (v.id as usize, t.block_id() as usize))
-        .collect();
-    let items: Vec<_> = victims.iter().map(|v| (v.hash, v.parent)).collect();
-    copy_and_register(shared, src, dst, path, &pairs, targets, &items);
-}
-
-/// Copies `pairs` from `src` to `dst` and registers each target whose
-/// bytes landed under its `(hash, parent)`; the others go back to the free
-/// list.
-fn copy_and_register(
-    shared: &Shared,
-    src: &TierSlot,
-    dst: &TierSlot,
-    path: Path,
-    pairs: &[(usize, usize)],
-    targets: Vec<MutableBlock>,
-    items: &[(SequenceHash, Option<SequenceHash>)],
-) {
-    let started = Instant::now();
-    let outcome = shared
-        .mover
-        .copy(src.tier, dst.tier, pairs.to_vec(), CancelToken::new())
-        .wait();
-    let (landed, cause) = landed_pairs(path, pairs, &outcome);
-    register_landed(
-        shared,
-        dst,
-        path,
-        targets,
-        items,
-        (&landed, cause),
-        started.elapsed(),
-    );
-}
-
-/// Which of `pairs` landed, by `outcome`, and what made the others fail.
-fn landed_pairs(
-    path: Path,
-    pairs: &[(usize, usize)],
-    outcome: &TransferOutcome,
-) -> (Vec<bool>, FailureCause) {
-    match outcome {
-        Ok(_) => (vec![true; pairs.len()], FailureCause::Other),
-        Err(failure) => {
-            let cause = FailureCause::of(&failure.error);
-            tracing::warn!(?path, %cause, "offload copy failed: {failure}");
-            let ok: HashSet<(usize, usize)> = failure.completed.iter().copied().collect();
-            (pairs.iter().map(|p| ok.contains(p)).collect(), cause)
-        }
-    }
-}
-
-/// Registers in `dst` each target whose bytes landed (`landed.0[i]`, in
-/// the order of `targets` and `items`); the others go back to the free
-/// list and count as copy failures for `landed.1`. `took`: the copy's
-/// time, for the metrics.
-fn register_landed(
-    shared: &Shared,
-    dst: &TierSlot,
-    path: Path,
-    targets: Vec<MutableBlock>,
-    items: &[(SequenceHash, Option<SequenceHash>)],
-    (landed, cause): (&[bool], FailureCause),
-    took: std::time::Duration,
-) {
-    let mut complete = Vec::with_capacity(targets.len());
-    let mut failed = 0u64;
-    let mut unregistered = 0u64;
-    for ((target, &(hash, parent)), ok) in targets.into_iter().zip(items).zip(landed) {
-        if !ok {
-            failed += 1;
-            continue; // dropped: back to the free list
-        }
-        match target.complete(hash, parent) {
-            Ok(c) => complete.push(c),
-            Err(e) => {
-                tracing::warn!("cannot complete an offload target: {e}");
-                unregistered += 1;
-            }
-        }
-    }
-    let n = complete.len() as u64;
-    // Registered and released at once: cached, evictable, matchable.
-    if let Err(e) = dst.pool.register(complete) {
-        tracing::warn!("offload targets refused by their own pool: {e}");
-        unregistered += n;
-    } else {
-        shared.metrics.copied(path, n, n * dst.block_bytes, took);
-    }
-    shared.metrics.copy_failed(path, cause, failed);
-    shared
-        .metrics
-        .copy_failed(path, FailureCause::Other, unregistered);
 }

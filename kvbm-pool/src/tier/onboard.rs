@@ -356,6 +356,15 @@ pub(crate) fn start(
         }
         p => p,
     };
+    // Direct G3 reads start once the blocks' writes to G3 have landed
+    // (write-behind); a failed write fails the read.
+    let mut g3_ready = match g3_pairs.is_empty() {
+        true => Ok(()),
+        false => {
+            let ids: Vec<u32> = g3_pairs.iter().map(|&(s, _)| s as u32).collect();
+            super::behind::wait_readable(shared, &ids)
+        }
+    };
     let (completer, completion) = completion_pair::<Done>();
     let transfers = usize::from(!g2_pairs.is_empty())
         + usize::from(!g3_pairs.is_empty())
@@ -397,6 +406,21 @@ pub(crate) fn start(
         }
         let (shared2, job2) = (Arc::clone(shared), Arc::clone(&job));
         let submitted = Instant::now();
+        if path == 1
+            && let Err(error) = std::mem::replace(&mut g3_ready, Ok(()))
+        {
+            job2.record(
+                path,
+                Err(Box::new(kvbm_transfer::TransferFailure {
+                    error,
+                    completed: Vec::new(),
+                    failed: pairs,
+                    culprit: None,
+                })),
+            );
+            job2.arrive(&shared2);
+            continue;
+        }
         match tier {
             Some(tier) => shared
                 .mover

@@ -2,8 +2,10 @@
 //! found.
 //!
 //! The last `g3_staging_blocks` blocks of G2's memory are a staging area
-//! outside G2's pool (nothing registers there, nothing is evicted for it).
-//! When a match finds G3 blocks, [`start`] takes staging slots for them
+//! outside G2's pool (nothing registers there, nothing is evicted for it;
+//! up to half of it also holds blocks on their way to G3, see
+//! [`super::behind`]). Before reading, prefetch waits for the writes of the
+//! blocks it reads to land. When a match finds G3 blocks, [`start`] takes staging slots for them
 //! (as many as are free), and submits one G3 → G2 read of those blocks:
 //! sorted by their place in the file and given consecutive slots, so blocks
 //! adjacent in the file become one large read. The read runs while the
@@ -34,7 +36,9 @@ use super::matching::Segment;
 use crate::config::Tier;
 use crate::pool::ImmutableBlock;
 
-/// The staging area: slots `base..base + n` of G2's memory.
+/// The staging area: slots `base..base + n` of G2's memory. G3 prefetch
+/// reads into it; G3 write-behind ([`super::behind`]) keeps blocks on their
+/// way to the disk in up to half of it.
 pub(crate) struct Staging {
     base: u32,
     /// `true` for a free slot, by slot index.
@@ -53,6 +57,20 @@ impl Staging {
     /// Free slots.
     pub(crate) fn free_slots(&self) -> usize {
         self.free.lock().iter().filter(|f| **f).count()
+    }
+
+    /// Up to `n` slots for blocks on their way to G3, one per block, as
+    /// long as half of the area stays free for prefetch.
+    pub(super) fn take_for_writes(self: &Arc<Self>, n: usize) -> Vec<StagingSlots> {
+        let spare = {
+            let free = self.free.lock();
+            let n_free = free.iter().filter(|f| **f).count();
+            n_free.saturating_sub(free.len().div_ceil(2))
+        };
+        match n.min(spare) {
+            0 => Vec::new(),
+            n => self.take(n).split(),
+        }
     }
 
     /// Up to `n` slots: the first run of `n` free ones if there is one (so
@@ -88,9 +106,27 @@ impl Staging {
 }
 
 /// Staging slots in use; freed when dropped.
-struct StagingSlots {
+pub(super) struct StagingSlots {
     staging: Arc<Staging>,
     ids: Vec<u32>,
+}
+
+impl StagingSlots {
+    /// The slots' block ids in G2's memory.
+    pub(super) fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    /// One holder per slot, each freeing its own.
+    fn split(mut self) -> Vec<StagingSlots> {
+        std::mem::take(&mut self.ids)
+            .into_iter()
+            .map(|id| StagingSlots {
+                staging: Arc::clone(&self.staging),
+                ids: vec![id],
+            })
+            .collect()
+    }
 }
 
 impl Drop for StagingSlots {
@@ -236,6 +272,12 @@ pub(crate) fn start(shared: &Arc<Shared>, segments: &[Segment]) -> Option<Arc<Pr
     if found.is_empty() {
         return None;
     }
+    // Blocks whose write to G3 has not landed are read once it has; one
+    // whose write failed is left to the onboard, which then fails.
+    let g3_ids: Vec<u32> = found.iter().map(|&(_, g3, _)| g3).collect();
+    if super::behind::wait_readable(shared, &g3_ids).is_err() {
+        return None;
+    }
     let slots = staging.take(found.len());
     if slots.ids.is_empty() {
         return None;
@@ -299,5 +341,22 @@ mod tests {
         let all = s.take(20);
         assert_eq!(all.ids.len(), 8);
         assert!(s.take(1).ids.is_empty());
+    }
+
+    #[test]
+    fn writes_take_one_slot_each_and_leave_half_to_prefetch() {
+        let s = Staging::new(10, 8);
+        let mut w = s.take_for_writes(6);
+        assert_eq!(w.len(), 4, "half of the area stays free");
+        assert!(w.iter().all(|slot| slot.ids().len() == 1));
+        assert!(s.take_for_writes(1).is_empty());
+        let p = s.take(2);
+        drop(w.pop());
+        // A write slot came back, but prefetch holds two: 3 of 8 are free,
+        // less than half, so writes get none.
+        assert_eq!(s.free_slots(), 3);
+        assert!(s.take_for_writes(1).is_empty());
+        drop(p);
+        assert_eq!(s.take_for_writes(8).len(), 1);
     }
 }
