@@ -155,7 +155,7 @@ fn passed_count(line: &str) -> u64 {
 
 /// Installs the Debian packages in [`APT_PACKAGES`] that are missing, saying
 /// which. Needs root (CI and the dev machines run as root).
-fn install_prerequisites() -> Result<(), String> {
+pub(crate) fn install_prerequisites() -> Result<(), String> {
     let missing: Vec<&str> = APT_PACKAGES
         .iter()
         .copied()
@@ -187,7 +187,7 @@ fn install_prerequisites() -> Result<(), String> {
 }
 
 /// The target directory (`CARGO_TARGET_DIR`, or `target/` in the workspace).
-fn target_dir() -> PathBuf {
+pub(crate) fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| {

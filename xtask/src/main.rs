@@ -7,11 +7,13 @@
 //! - `bench`: run the criterion benches (extra arguments go to `cargo bench`).
 //! - `kernels`: rebuild the committed CUDA fatbins with nvcc.
 //! - `gpu`: build the release binaries for the GPU machine into `gpu-bin/`.
+//! - `wheel`: build kvbm-py's wheel for users (manylinux_2_28, release).
 
 mod ci;
 mod gpu;
 mod kernels;
 mod python;
+mod wheel;
 
 use std::process::ExitCode;
 
@@ -23,6 +25,7 @@ fn main() -> ExitCode {
         Some("py") => ci::python(),
         Some("kernels") => kernels::run(&workspace_root()),
         Some("gpu") => gpu::run(&workspace_root(), &args[1..]),
+        Some("wheel") => wheel::run(&workspace_root(), &ci::target_dir()).map(|_| ()),
         Some(other) => Err(format!("unknown command `{other}`\n\n{USAGE}")),
         None => Err(USAGE.to_string()),
     };
@@ -42,7 +45,8 @@ commands:
   py       build kvbm-py's wheel and run its pytest suite (vLLM CPU engine)
   bench    run the criterion benches (arguments after `bench` go to cargo bench)
   kernels  rebuild the CUDA fatbins (needs nvcc: $NVCC, PATH or /usr/local/cuda)
-  gpu      build release GPU test/bench binaries into gpu-bin/ (--out DIR)";
+  gpu      build release GPU test/bench binaries into gpu-bin/ (--out DIR)
+  wheel    build kvbm-py's wheel for users into target/wheels/ (manylinux_2_28)";
 
 /// The workspace root (xtask lives one level below it).
 pub(crate) fn workspace_root() -> std::path::PathBuf {
