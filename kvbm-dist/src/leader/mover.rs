@@ -86,7 +86,7 @@ impl DistMover {
                 return Err(format!("{t:?} is absent on this instance"));
             }
         }
-        if src == dst {
+        if src == dst && src != Tier::G2 {
             return Err(format!("source and destination are both {src:?}"));
         }
         if pairs.len() > crate::proto::MAX_PAIRS {

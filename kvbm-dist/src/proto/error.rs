@@ -93,4 +93,7 @@ pub enum ProtoError {
     /// The same destination block twice in one request.
     #[error("destination block {0} appears twice")]
     DuplicateDestination(u32),
+    /// A copy within one tier that reads and writes the same block.
+    #[error("block {0} is both read and written by one copy within a tier")]
+    ReadAndWritten(u32),
 }

@@ -288,13 +288,16 @@ fn semantic_errors_are_refused_both_ways() {
         ..hello.clone()
     };
     assert!(encode(&Message::Hello(wrong_blocks)).is_err());
-    let same = Transfer {
+    // Within one tier: G2 only (staging slots beyond its pool).
+    let within = |t: Tier| Transfer {
         id: 1,
-        src: Tier::G2,
-        dst: Tier::G2,
+        src: t,
+        dst: t,
         pairs: vec![],
     };
-    assert!(encode(&Message::Transfer(same)).is_err());
+    assert!(encode(&Message::Transfer(within(Tier::G2))).is_ok());
+    assert!(encode(&Message::Transfer(within(Tier::G1))).is_err());
+    assert!(encode(&Message::Transfer(within(Tier::G3))).is_err());
     let g4 = Transfer {
         id: 1,
         src: Tier::G4,
@@ -355,4 +358,11 @@ fn bounds_name_the_tier() {
         b.check_pairs(Tier::G1, Tier::G2, &[(0, 1), (1, 1)]),
         Err(ProtoError::DuplicateDestination(1))
     );
+    // Within G2 a block is read or written, never both.
+    assert!(b.check_pairs(Tier::G2, Tier::G2, &[(0, 2), (1, 3)]).is_ok());
+    assert_eq!(
+        b.check_pairs(Tier::G2, Tier::G2, &[(0, 2), (2, 3)]),
+        Err(ProtoError::ReadAndWritten(2))
+    );
+    assert!(b.check_pairs(Tier::G1, Tier::G2, &[(2, 2)]).is_ok());
 }

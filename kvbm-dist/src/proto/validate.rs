@@ -74,7 +74,9 @@ pub(crate) fn message(m: &Message) -> Result<(), ProtoError> {
         Message::Transfer(t) => {
             local_tier("source tier", t.src)?;
             local_tier("destination tier", t.dst)?;
-            if t.src == t.dst {
+            // Within one tier only G2 (host memory: the tier engine stages
+            // G3 writes and reads in G2 slots beyond its pool).
+            if t.src == t.dst && t.src != Tier::G2 {
                 return Err(invalid(
                     "transfer",
                     format!("source and destination are both {:?}", t.src),
@@ -207,6 +209,13 @@ impl TierBounds {
             if !seen.insert(d) {
                 return Err(ProtoError::DuplicateDestination(d));
             }
+        }
+        // A copy within a tier never writes a block it reads (the copy's
+        // parts run in any order).
+        if src == dst
+            && let Some(&(s, _)) = pairs.iter().find(|(s, _)| seen.contains(s))
+        {
+            return Err(ProtoError::ReadAndWritten(s));
         }
         Ok(())
     }
