@@ -248,6 +248,9 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
         wake: Arc::new(wake_tx),
     };
     let mut last_heard: Option<Instant> = None;
+    // When the silence limit was first seen passed: the socket gets one
+    // more grace period to deliver what is already on its way.
+    let mut silence_grace: Option<Instant> = None;
     let mut heartbeat_ms: Option<u32> = None;
     let mut disconnected: Option<Instant> = None;
     loop {
@@ -279,6 +282,7 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
         }
         while let Some(received) = socket.try_recv()? {
             last_heard = Some(Instant::now());
+            silence_grace = None;
             match received.message {
                 Ok(Message::Shutdown) => {
                     tracing::info!("shutdown");
@@ -326,6 +330,14 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
         }
         let silent = last_heard.unwrap_or(started).elapsed();
         if silent > limit {
+            // A process that was stopped or descheduled wakes up with its
+            // leader's frames still on their way from the kernel to the
+            // socket (a `Shutdown` among them): read for one grace period
+            // before calling the leader gone.
+            let deadline = *silence_grace.get_or_insert_with(|| Instant::now() + DISCONNECT_GRACE);
+            if Instant::now() < deadline {
+                continue;
+            }
             for t in w.inflight.values() {
                 t.cancel();
             }
