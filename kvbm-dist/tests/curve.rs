@@ -14,11 +14,13 @@ use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::{Arc, mpsc};
 use std::time::Duration;
 
-use common::{Reaper, WAIT, WorkerSpec, exit_within, hello, layout, stderr_of, stranger};
+use common::{
+    Reaper, WAIT, WorkerSpec, exit_within, hello, leader_config, spec, stderr_of, stranger,
+};
 use kvbm_dist::DistError;
 use kvbm_dist::auth::InstanceSecret;
 use kvbm_dist::curve;
-use kvbm_dist::leader::{LeaderConfig, PendingLeader};
+use kvbm_dist::leader::PendingLeader;
 use kvbm_pool::Tier;
 use kvbm_pool::tier::TierMover;
 use kvbm_transfer::CancelToken;
@@ -38,38 +40,8 @@ fn curve_built() -> bool {
     false
 }
 
-fn leader_config(instance: u64, world: u32, handshake: Duration) -> LeaderConfig {
-    let bpb = layout().config().block_bytes();
-    let mut c = LeaderConfig::new(
-        "tcp://127.0.0.1:*",
-        instance,
-        world,
-        4 * bpb * u64::from(world),
-        0,
-    );
-    c.handshake_timeout = handshake;
-    c.heartbeat_interval = Duration::from_millis(100);
-    c
-}
-
-fn worker<'a>(
-    dir: &'a std::path::Path,
-    endpoint: &'a str,
-    instance: u64,
-    rank: u32,
-    secret: &'a InstanceSecret,
-    leader_timeout_ms: u64,
-) -> WorkerSpec<'a> {
-    WorkerSpec {
-        dir,
-        endpoint,
-        instance,
-        rank,
-        world: 2,
-        secret: Some(secret),
-        leader_timeout_ms,
-    }
-}
+/// Where the leaders of these tests listen.
+const TCP: &str = "tcp://127.0.0.1:*";
 
 /// A TCP relay on 127.0.0.1 to `upstream` that keeps every byte it passes
 /// towards the leader.
@@ -134,14 +106,14 @@ fn frames_on_tcp_are_encrypted_end_to_end() {
     }
     let dir = tempfile::tempdir().unwrap();
     let instance = 0xc1;
-    let pending = PendingLeader::bind(leader_config(instance, 2, WAIT)).unwrap();
+    let pending = PendingLeader::bind(leader_config(TCP, instance, 2)).unwrap();
     assert!(pending.curve_public().is_some(), "TCP speaks CURVE");
     let relay = Recorder::start(pending.endpoint());
     let ep = relay.endpoint();
     let secret = pending.secret().clone();
     let _workers = Reaper(
         (0..2)
-            .map(|r| worker(dir.path(), &ep, instance, r, &secret, 60_000).spawn())
+            .map(|r| spec(dir.path(), &ep, instance, r, &secret).spawn())
             .collect(),
     );
     let leader = pending
@@ -177,13 +149,19 @@ fn a_worker_without_the_secret_cannot_reach_the_leader() {
     }
     let dir = tempfile::tempdir().unwrap();
     let instance = 0xc2;
-    let pending = PendingLeader::bind(leader_config(instance, 2, Duration::from_secs(8))).unwrap();
+    let mut config = leader_config(TCP, instance, 2);
+    config.handshake_timeout = Duration::from_secs(8);
+    let pending = PendingLeader::bind(config).unwrap();
     let ep = pending.endpoint().to_owned();
     let secret = pending.secret().clone();
     let wrong = InstanceSecret::from_bytes([9; 32]);
     let mut workers = Reaper(vec![
-        worker(dir.path(), &ep, instance, 0, &secret, 60_000).spawn(),
-        worker(dir.path(), &ep, instance, 1, &wrong, 3_000).spawn(),
+        spec(dir.path(), &ep, instance, 0, &secret).spawn(),
+        WorkerSpec {
+            leader_timeout_ms: 3_000,
+            ..spec(dir.path(), &ep, instance, 1, &wrong)
+        }
+        .spawn(),
     ]);
     // Its CURVE handshake expects another leader key: the leader never
     // sees its hello, so rank 1 is missing rather than refused.
@@ -204,7 +182,7 @@ fn a_peer_without_curve_gets_nothing() {
     }
     let dir = tempfile::tempdir().unwrap();
     let instance = 0xc3;
-    let pending = PendingLeader::bind(leader_config(instance, 2, WAIT)).unwrap();
+    let pending = PendingLeader::bind(leader_config(TCP, instance, 2)).unwrap();
     let ep = pending.endpoint().to_owned();
     let secret = pending.secret().clone();
     let key = *pending.curve_public().unwrap();
@@ -240,7 +218,7 @@ fn a_peer_without_curve_gets_nothing() {
     );
     let _workers = Reaper(
         (0..2)
-            .map(|r| worker(dir.path(), &ep, instance, r, &secret, 60_000).spawn())
+            .map(|r| spec(dir.path(), &ep, instance, r, &secret).spawn())
             .collect(),
     );
     let leader = handle.join().unwrap().expect("the handshake completes");

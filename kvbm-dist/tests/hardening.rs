@@ -13,48 +13,16 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use common::{
-    Reaper, WAIT, WorkerSpec, exit_within, hello, is_empty, layout, stderr_of, stranger,
-    with_version,
+    Reaper, WAIT, WorkerSpec, exit_within, hello, is_empty, leader_config, spec, stderr_of,
+    stranger, with_version,
 };
 use kvbm_dist::DistError;
 use kvbm_dist::auth::{InstanceSecret, SECRET_ENV};
-use kvbm_dist::leader::{LeaderConfig, PendingLeader};
+use kvbm_dist::leader::PendingLeader;
 use kvbm_dist::proto::{self, Message};
 use kvbm_pool::Tier;
 use kvbm_pool::tier::TierMover;
 use kvbm_transfer::CancelToken;
-
-fn leader_config(endpoint: &str, instance: u64, world: u32) -> LeaderConfig {
-    let bpb = layout().config().block_bytes();
-    let mut c = LeaderConfig::new(
-        endpoint,
-        instance,
-        world,
-        4 * bpb * u64::from(world),
-        4 * bpb * u64::from(world),
-    );
-    c.handshake_timeout = WAIT;
-    c.heartbeat_interval = Duration::from_millis(100);
-    c
-}
-
-fn spec<'a>(
-    dir: &'a std::path::Path,
-    endpoint: &'a str,
-    instance: u64,
-    rank: u32,
-    secret: &'a InstanceSecret,
-) -> WorkerSpec<'a> {
-    WorkerSpec {
-        dir,
-        endpoint,
-        instance,
-        rank,
-        world: 2,
-        secret: Some(secret),
-        leader_timeout_ms: 60_000,
-    }
-}
 
 fn strangers_and_hijackers_are_refused_and_the_instance_stays_whole() {
     let dir = tempfile::tempdir().unwrap();

@@ -3,24 +3,21 @@
 //! thread its queue is applied; and the history forgets the least recently
 //! used block first (checked against a queue model).
 
+mod policy_support;
+
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use kvbm_block::SequenceHash;
-use kvbm_pool::policy::{
-    HintClock, RetentionHint, ReuseModel, ReuseScorePolicy, Seen, SharedHistory, UseHistory,
-};
-use kvbm_pool::{BlockPool, PoolConfig, Tier};
+use kvbm_pool::policy::{HintClock, RetentionHint, ReuseModel, Seen, SharedHistory, UseHistory};
+use kvbm_pool::{BlockPool, Tier};
+use policy_support::{h, pool, store};
 use proptest::prelude::*;
 
 /// Block ids drawn from `0..UNIVERSE`.
 const UNIVERSE: u64 = 40;
-
-fn h(x: u64) -> SequenceHash {
-    SequenceHash(x)
-}
 
 fn hashes(blocks: &[u64]) -> Vec<SequenceHash> {
     blocks.iter().map(|&x| h(x)).collect()
@@ -36,28 +33,6 @@ fn history(capacity: usize, hyperbolic: bool) -> SharedHistory {
     let mut u = UseHistory::new(capacity).with_model(model);
     u.set_clock(HintClock::Manual(0));
     SharedHistory::new(u)
-}
-
-/// A G2 pool of `capacity` blocks ranked by `history`.
-fn pool(history: &SharedHistory, capacity: usize) -> BlockPool {
-    let policy = Box::new(ReuseScorePolicy::for_tier(history.clone(), Tier::G2));
-    BlockPool::with_policy(PoolConfig::new(capacity, 4, Tier::G2), policy).unwrap()
-}
-
-/// Stores `x` if the pool admits it (asked only when full); whether stored.
-fn store(pool: &BlockPool, x: u64) -> bool {
-    if pool.contains(h(x)) {
-        return false;
-    }
-    if pool.counts().free == 0 && !pool.admit(h(x)) {
-        return false;
-    }
-    let Ok(mut blocks) = pool.allocate(1) else {
-        return false;
-    };
-    let b = blocks.pop().unwrap().complete(h(x), None).unwrap();
-    drop(pool.register(vec![b]).unwrap());
-    true
 }
 
 #[derive(Clone, Debug)]

@@ -2,6 +2,7 @@
 //! with proptest), and their effect through the tier engine and the slot
 //! API.
 
+mod policy_support;
 mod tier_support;
 
 use std::collections::HashSet;
@@ -10,43 +11,18 @@ use std::time::Duration;
 
 use kvbm_block::SequenceHash;
 use kvbm_pool::policy::{
-    HintClock, Retained, RetentionHint, ReuseModel, ReuseScorePolicy, SharedHistory, UseHistory,
+    HintClock, Retained, RetentionHint, ReuseModel, SharedHistory, UseHistory,
 };
 use kvbm_pool::tier::{G1Lookup, TierEngineConfig};
-use kvbm_pool::{BlockPool, PoolConfig, SlotManager, Tier};
+use kvbm_pool::{SlotManager, Tier};
+use policy_support::{h, pool, store};
 use proptest::prelude::*;
 use tier_support::*;
-
-fn h(x: u64) -> SequenceHash {
-    SequenceHash(x)
-}
 
 fn history() -> SharedHistory {
     let mut u = UseHistory::new(4096).with_model(ReuseModel::ReturnWithin { horizon: 350 });
     u.set_clock(HintClock::Manual(0));
     SharedHistory::new(u)
-}
-
-fn pool(history: &SharedHistory, capacity: usize) -> BlockPool {
-    let policy = Box::new(ReuseScorePolicy::for_tier(history.clone(), Tier::G2));
-    BlockPool::with_policy(PoolConfig::new(capacity, 4, Tier::G2), policy).unwrap()
-}
-
-/// Stores `x` (as one inactive block) if the pool admits it; true when
-/// stored.
-fn store(pool: &BlockPool, x: u64) -> bool {
-    if pool.contains(h(x)) {
-        return false;
-    }
-    if pool.counts().free == 0 && !pool.admit(h(x)) {
-        return false;
-    }
-    let Ok(mut blocks) = pool.allocate(1) else {
-        return false;
-    };
-    let b = blocks.pop().unwrap().complete(h(x), None).unwrap();
-    drop(pool.register(vec![b]).unwrap());
-    true
 }
 
 #[derive(Clone, Debug)]

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use kvbm_dist::auth::{InstanceSecret, hello_mac};
 use kvbm_dist::curve::LeaderPublicKey;
+use kvbm_dist::leader::LeaderConfig;
 use kvbm_dist::proto::{self, Hello, Message};
 use kvbm_dist::transport::DealerSocket;
 use kvbm_dist::worker::memory::create_shared_file;
@@ -145,5 +146,41 @@ impl Drop for Reaper {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+}
+
+/// A leader of `world` ranks on `endpoint`, with G2 and G3 of four blocks
+/// per rank, a heartbeat every 100 ms and a generous handshake.
+pub fn leader_config(endpoint: &str, instance: u64, world: u32) -> LeaderConfig {
+    let bpb = layout().config().block_bytes();
+    let mut c = LeaderConfig::new(
+        endpoint,
+        instance,
+        world,
+        4 * bpb * u64::from(world),
+        4 * bpb * u64::from(world),
+    );
+    c.handshake_timeout = WAIT;
+    c.heartbeat_interval = Duration::from_millis(100);
+    c
+}
+
+/// Rank `rank` of a two-rank instance, holding `secret`, with a
+/// one-minute leader timeout.
+pub fn spec<'a>(
+    dir: &'a std::path::Path,
+    endpoint: &'a str,
+    instance: u64,
+    rank: u32,
+    secret: &'a InstanceSecret,
+) -> WorkerSpec<'a> {
+    WorkerSpec {
+        dir,
+        endpoint,
+        instance,
+        rank,
+        world: 2,
+        secret: Some(secret),
+        leader_timeout_ms: 60_000,
     }
 }

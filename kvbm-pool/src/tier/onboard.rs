@@ -201,6 +201,27 @@ impl OnboardJob {
         }
     }
 
+    /// Records that none of `pairs` on `path` landed, for `error`, and
+    /// counts the path as arrived.
+    fn fail_path(
+        self: &Arc<Self>,
+        shared: &Arc<Shared>,
+        path: usize,
+        error: TransferError,
+        pairs: Vec<(usize, usize)>,
+    ) {
+        self.record(
+            path,
+            Err(Box::new(kvbm_transfer::TransferFailure {
+                error,
+                completed: Vec::new(),
+                failed: pairs,
+                culprit: None,
+            })),
+        );
+        self.arrive(shared);
+    }
+
     fn record(&self, path: usize, outcome: TransferOutcome) {
         if let Some(state) = self.state.lock().as_mut() {
             match outcome {
@@ -409,16 +430,7 @@ pub(crate) fn start(
         if path == 1
             && let Err(error) = std::mem::replace(&mut g3_ready, Ok(()))
         {
-            job2.record(
-                path,
-                Err(Box::new(kvbm_transfer::TransferFailure {
-                    error,
-                    completed: Vec::new(),
-                    failed: pairs,
-                    culprit: None,
-                })),
-            );
-            job2.arrive(&shared2);
+            job2.fail_path(&shared2, path, error, pairs);
             continue;
         }
         match tier {
@@ -437,16 +449,8 @@ pub(crate) fn start(
                 }),
             // Blocks held in a tier the engine lacks cannot exist.
             None => {
-                job2.record(
-                    path,
-                    Err(Box::new(kvbm_transfer::TransferFailure {
-                        error: TransferError::InvalidRequest("no such tier".into()),
-                        completed: Vec::new(),
-                        failed: pairs,
-                        culprit: None,
-                    })),
-                );
-                job2.arrive(&shared2);
+                let error = TransferError::InvalidRequest("no such tier".into());
+                job2.fail_path(&shared2, path, error, pairs);
             }
         }
     }
@@ -492,16 +496,7 @@ fn copy_staged(
             }
             Err(error) => {
                 drop(keep);
-                job2.record(
-                    1,
-                    Err(Box::new(kvbm_transfer::TransferFailure {
-                        error,
-                        completed: Vec::new(),
-                        failed: pairs,
-                        culprit: None,
-                    })),
-                );
-                job2.arrive(&shared2);
+                job2.fail_path(&shared2, 1, error, pairs);
             }
         }
     }));
