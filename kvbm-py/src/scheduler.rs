@@ -17,8 +17,8 @@ use std::time::Duration;
 use kvbm_block::{SequenceDigest, SequenceHash, VllmBlockHash};
 use kvbm_dist::leader::{Leader, LeaderConfig, PendingLeader, RankState};
 use kvbm_pool::tier::{
-    G1Lookup, OnboardHandle, OnboardTarget, RetentionHint, TierEngine, TierEngineConfig, TierMover,
-    TierPolicy, default_g3_staging_blocks,
+    DEFAULT_G3_STAGING_BYTES, G1Lookup, OnboardHandle, OnboardTarget, RetentionHint, TierEngine,
+    TierEngineConfig, TierMover, TierPolicy,
 };
 use kvbm_pool::{KvEvent, KvEventBatch, Tier};
 use parking_lot::Mutex;
@@ -246,18 +246,22 @@ impl Scheduler {
     }
 }
 
-/// The G3 staging area in blocks: `bytes` of G2 when given, else kvbm's
-/// default for a G2 of at least eight blocks (none without a G3).
-fn staging_blocks(mover: &dyn TierMover, bytes: Option<u64>) -> usize {
-    let (Some(g2), Some(_)) = (mover.capacity(Tier::G2), mover.capacity(Tier::G3)) else {
+/// Bytes of host memory, beyond `g2_bytes`, that G3 blocks are read into
+/// at match (G3 prefetch): `asked` when given, else kvbm's default (at
+/// most an eighth of G2); none without a G3.
+fn staging_bytes(g2_bytes: u64, g3_bytes: u64, asked: Option<u64>) -> u64 {
+    if g3_bytes == 0 {
         return 0;
-    };
-    let block_bytes = mover.block_bytes(Tier::G2).max(1);
-    match bytes {
-        Some(b) => usize::try_from(b / block_bytes).unwrap_or(usize::MAX),
-        None if g2 >= 8 => default_g3_staging_blocks(g2 as u64 * block_bytes, block_bytes),
-        None => 0,
     }
+    asked.unwrap_or_else(|| DEFAULT_G3_STAGING_BYTES.min(g2_bytes / 8))
+}
+
+/// `bytes` of the leader's G2 in whole blocks.
+fn staging_blocks(mover: &dyn TierMover, bytes: u64) -> usize {
+    if mover.capacity(Tier::G2).is_none() || mover.capacity(Tier::G3).is_none() {
+        return 0;
+    }
+    usize::try_from(bytes / mover.block_bytes(Tier::G2).max(1)).unwrap_or(usize::MAX)
 }
 
 #[pymethods]
@@ -270,10 +274,10 @@ impl Scheduler {
     /// the leader draws one no worker knows. `offload_in_flight` caps the
     /// offload batches copying at once (kvbm's default when `None`; each
     /// holds its G2 targets, so a G2 of very few blocks wants 1).
-    /// `g3_staging_bytes` is the part of G2 that G3 blocks are read into
-    /// the moment a match finds them (G3 prefetch); `None`: kvbm's default
-    /// when there is a G3 (256 MiB, at most an eighth of a G2 of at least
-    /// eight blocks), 0: off.
+    /// `g3_staging_bytes` of host memory beyond G2's (summed over workers)
+    /// receive the G3 blocks a match finds, read at once (G3 prefetch), and
+    /// the G3 writes nobody should wait for; `None`: kvbm's default when
+    /// there is a G3 (256 MiB, at most an eighth of `g2_bytes`), 0: off.
     #[new]
     #[pyo3(signature = (endpoint, world_size, block_size, g2_bytes, g3_bytes = 0, instance = 0, admission = "reuse_score", handshake_timeout_s = 120.0, secret_file = None, offload_in_flight = None, g3_staging_bytes = None))]
     #[allow(clippy::too_many_arguments)]
@@ -297,7 +301,14 @@ impl Scheduler {
                 PyKvbmError::Invalid(format!("handshake timeout {handshake_timeout_s} s")).into(),
             );
         }
-        let mut config = LeaderConfig::new(endpoint, instance, world_size, g2_bytes, g3_bytes);
+        let staging = staging_bytes(g2_bytes, g3_bytes, g3_staging_bytes);
+        let mut config = LeaderConfig::new(
+            endpoint,
+            instance,
+            world_size,
+            g2_bytes.saturating_add(staging),
+            g3_bytes,
+        );
         config.block_size = block_size;
         config.handshake_timeout = Duration::from_secs_f64(handshake_timeout_s);
         if let Some(path) = &secret_file {
@@ -312,8 +323,7 @@ impl Scheduler {
                 engine_config = engine_config.offload_in_flight(n);
             }
             let mover: Arc<dyn TierMover> = leader.mover();
-            engine_config =
-                engine_config.g3_staging_blocks(staging_blocks(&*mover, g3_staging_bytes));
+            engine_config = engine_config.g3_staging_blocks(staging_blocks(&*mover, staging));
             let engine = Arc::new(TierEngine::with_mover(engine_config, mover)?);
             Ok(Inner { engine, leader })
         })?;

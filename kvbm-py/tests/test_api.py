@@ -144,17 +144,19 @@ def test_a_g2_that_cannot_be_allocated_fails_start_up(tmp_path):
 
 
 def test_g3_blocks_are_read_into_staging_at_match(tmp_path):
-    # G2 of 6 blocks, 2 of them staging: a match that finds G3 blocks
-    # starts their read at once and holds staging slots until the onboard.
+    # G2 of 4 blocks and 2 staging blocks beyond it: a match that finds G3
+    # blocks starts their read at once and holds staging slots until the
+    # onboard.
     endpoint = f"ipc://{tmp_path}/leader.sock"
     secret = tmp_path / "instance.secret"
     ranks = [Rank(endpoint, r, tmp_path / f"g3-{r}", secret) for r in range(2)]
     sched = kvbm_py.Scheduler(endpoint, 2, BLOCK, secret_file=str(secret),
-                              g2_bytes=6 * RANK_BLOCK_BYTES * 2,
+                              g2_bytes=4 * RANK_BLOCK_BYTES * 2,
                               g3_bytes=8 * RANK_BLOCK_BYTES * 2,
                               admission="all", handshake_timeout_s=30,
                               g3_staging_bytes=2 * RANK_BLOCK_BYTES * 2, offload_in_flight=1)
     try:
+        assert sched.capacity()["g2"] == 6
         assert sched.g3_staging_blocks == 2 and sched.staging_free_blocks() == 2
         hashes = block_hashes(6, b"stage")
         for b in range(6):

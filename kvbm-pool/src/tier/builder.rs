@@ -209,7 +209,7 @@ impl TierEngineBuilder {
         let mut config = self.config;
         config.g3_staging_blocks = match (self.g2_bytes, &self.g3) {
             (Some(g2), Some(_)) => self.g3_staging.unwrap_or(match config.g3_staging_blocks {
-                0 => super::default_g3_staging_blocks(g2, shape.block_bytes()),
+                0 => super::config::default_g3_staging_blocks(g2, shape.block_bytes()),
                 n => n,
             }),
             _ => 0,

@@ -14,7 +14,7 @@ pub const DEFAULT_G3_STAGING_BYTES: u64 = 256 << 20;
 /// The G3 staging area (see [`TierEngineConfig::g3_staging_blocks`]) a G2
 /// of `g2_bytes` gets unless told otherwise: [`DEFAULT_G3_STAGING_BYTES`],
 /// at most an eighth of G2, in whole blocks of `block_bytes`, at least one.
-pub fn default_g3_staging_blocks(g2_bytes: u64, block_bytes: u64) -> usize {
+pub(crate) fn default_g3_staging_blocks(g2_bytes: u64, block_bytes: u64) -> usize {
     let bytes = DEFAULT_G3_STAGING_BYTES.min(g2_bytes / 8);
     usize::try_from(bytes / block_bytes.max(1))
         .unwrap_or(usize::MAX)

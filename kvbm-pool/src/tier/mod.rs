@@ -74,10 +74,7 @@ use kvbm_transfer::{Executor, PhysicalLayout};
 use parking_lot::Mutex;
 
 pub use builder::TierEngineBuilder;
-pub use config::{
-    DEFAULT_G3_STAGING_BYTES, G3Onboard, OffloadMode, TierEngineConfig, TierPolicy,
-    default_g3_staging_blocks,
-};
+pub use config::{DEFAULT_G3_STAGING_BYTES, G3Onboard, OffloadMode, TierEngineConfig, TierPolicy};
 pub use cost::LoadCost;
 pub use error::TierError;
 pub use matching::{G1Lookup, TierMatch};

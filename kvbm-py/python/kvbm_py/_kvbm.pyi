@@ -42,9 +42,10 @@ class Scheduler:
     ``"min_uses:N"``. Workers prove they belong to the instance with the
     secret published at ``secret_file`` (the first process of the instance
     to start draws it; ``KVBM_INSTANCE_SECRET`` wins). Requests are keyed
-    by the engine's request id. With a G3, ``g3_staging_bytes`` of G2 (kvbm's
-    default when ``None``: 256 MiB, at most an eighth of a G2 of at least
-    eight blocks; 0: off) receive the G3 blocks a match finds, read at once.
+    by the engine's request id. With a G3, ``g3_staging_bytes`` of host
+    memory beyond ``g2_bytes`` (kvbm's default when ``None``: 256 MiB, at
+    most an eighth of ``g2_bytes``; 0: off) receive the G3 blocks a match
+    finds, read at once, and G3 writes nobody waits for.
     """
 
     def __init__(
