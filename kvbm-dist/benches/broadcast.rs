@@ -6,7 +6,9 @@
 //! V, 16 tokens × 4 KV heads × 128 × bf16 per chunk (16 KiB chunks, 1 MiB
 //! blocks per rank). G1 is a layer-separate host stand-in shared through
 //! /dev/shm, G2 host memory, both moved by memcpy threads. The bench
-//! binary doubles as the worker process (see `main`).
+//! binary doubles as the worker process (see `main`). The broadcast runs
+//! twice: over IPC (the default on one host) and over TCP on 127.0.0.1,
+//! where frames are encrypted with CURVE in a build that has it.
 #![allow(missing_docs)] // criterion_group! generates undocumented functions.
 
 use std::path::Path;
@@ -43,11 +45,13 @@ impl Drop for Workers {
     }
 }
 
-fn cluster(dir: &Path) -> (Leader, Workers) {
+/// A leader on `endpoint` and its two worker processes, their G1 files
+/// in `dir` (named after `tag`).
+fn cluster(dir: &Path, endpoint: String, tag: &str) -> (Leader, Workers) {
     let layout = g1_layout();
     let bpb = layout.config().block_bytes();
     let config = LeaderConfig::new(
-        format!("ipc://{}", dir.join("leader").display()),
+        endpoint,
         1,
         WORLD,
         BLOCKS as u64 * bpb * u64::from(WORLD),
@@ -56,7 +60,7 @@ fn cluster(dir: &Path) -> (Leader, Workers) {
     let pending = PendingLeader::bind(config).unwrap();
     let mut workers = Workers(Vec::new());
     for rank in 0..WORLD {
-        let file = dir.join(format!("g1-{rank}"));
+        let file = dir.join(format!("g1-{tag}-{rank}"));
         create_shared_file(&file, &layout).unwrap();
         let mut cmd = Command::new(std::env::current_exe().unwrap());
         cmd.arg("worker")
@@ -75,8 +79,16 @@ fn cluster(dir: &Path) -> (Leader, Workers) {
 fn bench(c: &mut Criterion) {
     let shm = Path::new("/dev/shm");
     let dir = tempfile::tempdir_in(if shm.is_dir() { shm } else { Path::new("/tmp") }).unwrap();
-    let (leader, _workers) = cluster(dir.path());
+    let ipc = format!("ipc://{}", dir.path().join("leader").display());
+    let (leader, _workers) = cluster(dir.path(), ipc, "ipc");
     let mover = leader.mover();
+    let (tcp_leader, _tcp_workers) = cluster(dir.path(), "tcp://127.0.0.1:*".into(), "tcp");
+    let tcp_mover = tcp_leader.mover();
+    let tcp_name = if kvbm_dist::curve::available() {
+        "broadcast_two_ranks_tcp_curve"
+    } else {
+        "broadcast_two_ranks_tcp"
+    };
 
     // The reference: one rank's copy inside one process.
     let layout = g1_layout();
@@ -117,9 +129,18 @@ fn bench(c: &mut Criterion) {
                 })
             },
         );
+        group.bench_with_input(BenchmarkId::new(tcp_name, n), &pairs, |b, p| {
+            b.iter(|| {
+                tcp_mover
+                    .copy(Tier::G1, Tier::G2, p.clone(), CancelToken::new())
+                    .wait()
+                    .unwrap()
+            })
+        });
     }
     group.finish();
     leader.shutdown();
+    tcp_leader.shutdown();
 }
 
 criterion_group!(benches, bench);
