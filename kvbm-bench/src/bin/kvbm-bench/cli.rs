@@ -176,19 +176,10 @@ pub struct WorkloadArgs {
     pub model: String,
 }
 
-/// `replay` options.
-#[derive(Debug, Args)]
-pub struct ReplayArgs {
-    /// A Mooncake JSONL trace (default: the embedded synthetic multi-turn
-    /// workload).
-    #[arg(long)]
-    pub trace: Option<PathBuf>,
-    /// Replay only the first N requests.
-    #[arg(long)]
-    pub max_requests: Option<usize>,
-    /// The synthetic workload and the KV shape.
-    #[command(flatten)]
-    pub workload: WorkloadArgs,
+/// Options `replay` and `soak` share: how large each tier is, and where
+/// G1 lives.
+#[derive(Debug, Clone, Copy, Args)]
+pub struct TierArgs {
     /// Store each trace block with block_tokens / SCALE tokens, so the
     /// workload fits the machine.
     #[arg(long, default_value_t = 128)]
@@ -202,19 +193,37 @@ pub struct ReplayArgs {
     /// G3 capacity, same unit.
     #[arg(long, default_value_t = 0.12)]
     pub g3: f64,
-    /// Keep G1 in host memory even when built with `cuda` and a GPU is
-    /// present (G1 is on the GPU then by default).
+    /// Keep G1 (every worker's) in host memory even when built with
+    /// `cuda` and a GPU is present (G1 is on the GPU then by default).
     #[arg(long)]
     pub host_g1: bool,
+    /// Refuse to allocate more host memory than this, GiB.
+    #[arg(long, default_value_t = 8.0)]
+    pub max_host_gib: f64,
+}
+
+/// `replay` options.
+#[derive(Debug, Args)]
+pub struct ReplayArgs {
+    /// A Mooncake JSONL trace (default: the embedded synthetic multi-turn
+    /// workload).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Replay only the first N requests.
+    #[arg(long)]
+    pub max_requests: Option<usize>,
+    /// The synthetic workload and the KV shape.
+    #[command(flatten)]
+    pub workload: WorkloadArgs,
+    /// The tiers' sizes and where G1 lives.
+    #[command(flatten)]
+    pub tiers: TierArgs,
     /// G2/G3 admission and eviction of the tier engine.
     #[arg(long, value_enum, default_value_t = Policy::ReuseScore)]
     pub policy: Policy,
     /// Prefill rate for the modelled TTFT saving, tokens per second.
     #[arg(long, default_value_t = 10_000.0)]
     pub prefill_rate: f64,
-    /// Refuse to allocate more host memory than this, GiB.
-    #[arg(long, default_value_t = 8.0)]
-    pub max_host_gib: f64,
     /// Tensor parallelism: run the leader here and this many worker
     /// processes (GPU `rank` each when built with `cuda`), every block
     /// sliced across them and checked on every one after each onboard.
@@ -288,22 +297,8 @@ pub struct SoakArgs {
     /// The synthetic workload and the KV shape.
     #[command(flatten)]
     pub workload: WorkloadArgs,
-    /// Store each trace block with block_tokens / SCALE tokens.
-    #[arg(long, default_value_t = 128)]
-    pub scale: u32,
-    /// G1 capacity as a fraction of the workload's distinct blocks.
-    #[arg(long, default_value_t = 0.02)]
-    pub g1: f64,
-    /// G2 capacity, same unit (small: G2 under pressure).
-    #[arg(long, default_value_t = 0.06)]
-    pub g2: f64,
-    /// G3 capacity, same unit (small: G3 under pressure).
-    #[arg(long, default_value_t = 0.12)]
-    pub g3: f64,
-    /// Keep every worker's G1 in host memory even with a GPU.
-    #[arg(long)]
-    pub host_g1: bool,
-    /// Refuse to allocate more host memory than this, GiB.
-    #[arg(long, default_value_t = 8.0)]
-    pub max_host_gib: f64,
+    /// The tiers' sizes (the defaults keep G2 and G3 under pressure) and
+    /// where G1 lives.
+    #[command(flatten)]
+    pub tiers: TierArgs,
 }

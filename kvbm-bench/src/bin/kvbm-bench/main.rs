@@ -22,8 +22,8 @@ use kvbm_testkit::trace::{
 };
 
 use crate::cli::{
-    Cli, Command, GpuPathArg, LoadArg, OffloadArgs, Policy, ReplayArgs, SoakArgs, TransferArgs,
-    WorkloadArgs,
+    Cli, Command, GpuPathArg, LoadArg, OffloadArgs, Policy, ReplayArgs, SoakArgs, TierArgs,
+    TransferArgs, WorkloadArgs,
 };
 
 fn main() -> ExitCode {
@@ -157,11 +157,17 @@ fn replay_config(
     cli: &Cli,
     loaded: Loaded,
     args: &WorkloadArgs,
-    scale: u32,
-    fractions: [f64; 3],
-    host_g1: bool,
-    max_host_gib: f64,
+    tiers: &TierArgs,
 ) -> Result<ReplayConfig, BenchError> {
+    let TierArgs {
+        scale,
+        g1,
+        g2,
+        g3,
+        host_g1,
+        max_host_gib,
+    } = *tiers;
+    let fractions = [g1, g2, g3];
     Ok(ReplayConfig {
         workload: loaded.workload,
         requests: loaded.requests,
@@ -201,15 +207,7 @@ fn soak(cli: &Cli, args: &SoakArgs) -> Result<(), BenchError> {
     let config = SoakConfig {
         replay: ReplayConfig {
             workers: args.workers,
-            ..replay_config(
-                cli,
-                loaded,
-                &args.workload,
-                args.scale,
-                [args.g1, args.g2, args.g3],
-                args.host_g1,
-                args.max_host_gib,
-            )?
+            ..replay_config(cli, loaded, &args.workload, &args.tiers)?
         },
         duration: std::time::Duration::from_secs_f64(args.minutes * 60.0),
         kill_every: (args.kill_every > 0).then(|| std::time::Duration::from_secs(args.kill_every)),
@@ -260,15 +258,7 @@ fn replay_report(cli: &Cli, args: &ReplayArgs) -> Result<ReplayReport, BenchErro
         }
         loaded.requests.truncate(n);
     }
-    let base = replay_config(
-        cli,
-        loaded,
-        &args.workload,
-        args.scale,
-        [args.g1, args.g2, args.g3],
-        args.host_g1,
-        args.max_host_gib,
-    )?;
+    let base = replay_config(cli, loaded, &args.workload, &args.tiers)?;
     let config = ReplayConfig {
         policy: match args.policy {
             Policy::ReuseScore => TierPolicy::ReuseScore,
