@@ -156,6 +156,8 @@ pub struct PendingLeader {
     secret: InstanceSecret,
     router: RouterSocket,
     ctx: zmq::Context,
+    /// The leader's `inproc` name, for workers in this process.
+    inproc: crate::inproc::Registration,
     dir: Option<PrivateDir>,
 }
 
@@ -185,12 +187,14 @@ impl PendingLeader {
             tracing::info!(%endpoint, leader_key = %key.public(), "frames encrypted with CURVE");
         }
         let router = RouterSocket::bind(&ctx, &endpoint, curve.as_ref())?;
+        let inproc = crate::inproc::register(&ctx, router.raw(), &[&endpoint, router.endpoint()])?;
         Ok(PendingLeader {
             config,
             curve: curve.map(|k| *k.public()),
             secret,
             router,
             ctx,
+            inproc,
             dir,
         })
     }
@@ -250,6 +254,7 @@ impl PendingLeader {
             mover,
             status,
             hook,
+            _inproc: self.inproc,
             _ctx: self.ctx,
             _dir: self.dir,
         })
@@ -377,6 +382,8 @@ pub struct Leader {
     mover: Arc<DistMover>,
     status: Arc<StatusCell>,
     hook: LostHook,
+    /// Withdrawn once the loop ended: no new in-process worker finds it.
+    _inproc: crate::inproc::Registration,
     _ctx: zmq::Context,
     /// The private directory of the endpoint, removed after the loop ends.
     _dir: Option<PrivateDir>,

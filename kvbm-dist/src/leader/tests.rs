@@ -331,3 +331,28 @@ fn remote_pulls_and_peer_connects_are_refused_before_any_worker_reads() {
         w.join().unwrap().unwrap();
     }
 }
+
+#[test]
+fn a_worker_in_the_leaders_process_connects_in_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let pending = PendingLeader::bind(config(endpoint(&dir), 1)).unwrap();
+    // Without its socket file the endpoint is unreachable over IPC: only
+    // the in-process route can carry the handshake and the copy.
+    std::fs::remove_file(dir.path().join("leader")).unwrap();
+    let w = worker(pending.endpoint(), 0, 1, 8);
+    let leader = pending.handshake().unwrap();
+    let out = leader
+        .mover()
+        .copy(
+            kvbm_pool::Tier::G1,
+            kvbm_pool::Tier::G2,
+            vec![(1, 2), (3, 4)],
+            kvbm_transfer::CancelToken::new(),
+        )
+        .wait();
+    assert_eq!(out.unwrap().blocks, 2);
+    leader.shutdown();
+    w.join().unwrap().unwrap();
+    // Once the leader is gone nothing in this process finds it.
+    assert!(crate::inproc::lookup(&endpoint(&dir)).is_none());
+}

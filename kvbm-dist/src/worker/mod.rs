@@ -192,7 +192,9 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
         Some(e) => e,
         None => default_executor(&config.g1)?,
     };
-    let ctx = zmq::Context::new();
+    // A leader in this process is reached in-process (see `inproc`).
+    let (ctx, endpoint) = crate::inproc::lookup(&config.endpoint)
+        .unwrap_or_else(|| (zmq::Context::new(), config.endpoint.clone()));
     let identity = format!(
         "{:x}/{}/{:x}-{:016x}",
         config.instance,
@@ -201,13 +203,12 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
         random_u64()?
     );
     let started = Instant::now();
-    let curve = if curve::used_on(&config.endpoint) {
+    let curve = if curve::used_on(&endpoint) {
         Some(*LeaderKey::derive(&config.secret)?.public())
     } else {
         None
     };
-    let socket =
-        DealerSocket::connect(&ctx, &config.endpoint, identity.as_bytes(), curve.as_ref())?;
+    let socket = DealerSocket::connect(&ctx, &endpoint, identity.as_bytes(), curve.as_ref())?;
     let monitor = socket.watch_disconnects(&ctx)?;
     let (wake_tx, wake_rx) = wake_pair(&ctx)?;
     let (ack_tx, ack_rx) = mpsc::channel::<Message>();
@@ -228,7 +229,7 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
         ),
     }))?;
     let _span = tracing::info_span!("worker", rank = config.rank).entered();
-    tracing::info!(%identity, endpoint = %config.endpoint, curve = curve.is_some(), "hello sent");
+    tracing::info!(%identity, %endpoint, curve = curve.is_some(), "hello sent");
     let mut w = Worker {
         instance: config.instance,
         rank: config.rank,
