@@ -11,16 +11,39 @@
 //! worker still says `Hello` with its MAC, and heartbeats, acknowledgements
 //! and loss handling are those of any worker.
 //!
+//! A copy still crosses four threads (tier engine, leader loop, worker
+//! loop, back). So when the instance is that one worker, the worker lends
+//! its leader its executor and tiers once configured ([`LocalRoute`]), and
+//! the leader's mover runs copies on them directly: the same executor
+//! moves the same bytes, and the caller waits on its completion without a
+//! hop. The loan is withdrawn when the worker's loop ends, and the leader
+//! stops using it once any rank was lost (the wire path then does the
+//! bookkeeping of lost blocks).
+//!
 //! `inproc` connects only sockets of one ZeroMQ context, so the record
 //! carries the leader's context. It also carries the process id: a child
 //! forked after the leader started inherits the record, but not the
 //! context's I/O threads, and must not use either.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use kvbm_transfer::Executor;
 use parking_lot::Mutex;
 
 use crate::error::{DistError, Result};
+use crate::worker::Tiers;
+
+/// What an in-process worker lends its leader: its executor and tiers.
+pub(crate) struct LocalRoute {
+    /// The worker that lent it (its ZeroMQ identity).
+    pub(crate) lender: String,
+    pub(crate) executor: Executor,
+    pub(crate) tiers: Tiers,
+}
+
+/// Where a leader finds the route its in-process worker lent, if any.
+pub(crate) type RouteSlot = Arc<Mutex<Option<Arc<LocalRoute>>>>;
 
 /// A leader reachable in this process.
 struct Entry {
@@ -28,6 +51,17 @@ struct Entry {
     pid: u32,
     ctx: zmq::Context,
     name: String,
+    route: RouteSlot,
+}
+
+/// A leader of this process, as a worker finds it.
+pub(crate) struct InProcess {
+    /// The leader's context (inproc connects only within one).
+    pub(crate) ctx: zmq::Context,
+    /// The leader's `inproc` endpoint.
+    pub(crate) endpoint: String,
+    /// Where the worker lends its route.
+    pub(crate) route: RouteSlot,
 }
 
 /// Every leader of this process that is bound and not yet dropped.
@@ -36,9 +70,9 @@ static LEADERS: Mutex<Vec<Entry>> = Mutex::new(Vec::new());
 static NEXT: AtomicU64 = AtomicU64::new(0);
 
 /// A leader's `inproc` name, recorded until this is dropped.
-#[derive(Debug)]
 pub(crate) struct Registration {
     name: String,
+    route: RouteSlot,
 }
 
 /// Binds a fresh `inproc` name on the leader's `socket` (of context
@@ -64,13 +98,15 @@ pub(crate) fn register(
         .map(|e| (*e).to_owned())
         .collect();
     eps.dedup();
+    let route = RouteSlot::default();
     LEADERS.lock().push(Entry {
         endpoints: eps,
         pid,
         ctx: ctx.clone(),
         name: name.clone(),
+        route: Arc::clone(&route),
     });
-    Ok(Registration { name })
+    Ok(Registration { name, route })
 }
 
 impl Registration {
@@ -78,6 +114,11 @@ impl Registration {
     #[cfg(test)]
     pub(crate) fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Where an in-process worker lends its route.
+    pub(crate) fn route(&self) -> RouteSlot {
+        Arc::clone(&self.route)
     }
 }
 
@@ -92,15 +133,55 @@ impl Drop for Registration {
     }
 }
 
-/// The context and `inproc` endpoint of the leader of this process bound
-/// at `endpoint`, if there is one.
-pub(crate) fn lookup(endpoint: &str) -> Option<(zmq::Context, String)> {
+/// The leader of this process bound at `endpoint`, if there is one.
+pub(crate) fn lookup(endpoint: &str) -> Option<InProcess> {
     let pid = std::process::id();
     LEADERS
         .lock()
         .iter()
         .find(|e| e.pid == pid && e.endpoints.iter().any(|x| x == endpoint))
-        .map(|e| (e.ctx.clone(), e.name.clone()))
+        .map(|e| InProcess {
+            ctx: e.ctx.clone(),
+            endpoint: e.name.clone(),
+            route: Arc::clone(&e.route),
+        })
+}
+
+/// A worker's loan of its route, withdrawn on drop (when its loop ends).
+pub(crate) struct Loan {
+    slot: RouteSlot,
+    lender: String,
+}
+
+impl Loan {
+    /// A loan by the worker `lender` through `slot`; nothing lent yet.
+    pub(crate) fn new(slot: RouteSlot, lender: String) -> Self {
+        Loan { slot, lender }
+    }
+
+    /// Lends `executor` and `tiers` (replacing an earlier loan of this
+    /// worker or another).
+    pub(crate) fn lend(&self, executor: &Executor, tiers: &Tiers) {
+        *self.slot.lock() = Some(Arc::new(LocalRoute {
+            lender: self.lender.clone(),
+            executor: executor.clone(),
+            tiers: tiers.clone(),
+        }));
+    }
+
+    /// Withdraws this worker's loan, if it is the one lent.
+    pub(crate) fn withdraw(&self) {
+        let mut slot = self.slot.lock();
+        if slot.as_ref().is_some_and(|r| r.lender == self.lender) {
+            *slot = None;
+        }
+    }
+}
+
+impl Drop for Loan {
+    fn drop(&mut self) {
+        self.withdraw();
+    }
 }
 
 #[cfg(test)]
@@ -112,8 +193,8 @@ mod tests {
         let ctx = zmq::Context::new();
         let socket = ctx.socket(zmq::ROUTER).unwrap();
         let reg = register(&ctx, &socket, &["ipc:///a", "ipc:///b"]).unwrap();
-        let (_, name) = lookup("ipc:///b").unwrap();
-        assert_eq!(name, reg.name());
+        let found = lookup("ipc:///b").unwrap();
+        assert_eq!(found.endpoint, reg.name());
         assert!(lookup("ipc:///c").is_none());
         drop(reg);
         assert!(lookup("ipc:///a").is_none());

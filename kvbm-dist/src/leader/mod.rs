@@ -228,7 +228,13 @@ impl PendingLeader {
         initial.refused = refusals.counts();
         let status = Arc::new(StatusCell::new(initial));
         let hook: LostHook = Arc::new(Mutex::new(None));
-        let mover = Arc::new(DistMover::new(tx.clone(), Arc::clone(&wake), &cluster));
+        let mover = Arc::new(DistMover::new(
+            tx.clone(),
+            Arc::clone(&wake),
+            &cluster,
+            Some(self.inproc.route()),
+            Arc::clone(&status),
+        ));
         let lp = event_loop::EventLoop::new(
             self.config.clone(),
             self.secret.clone(),

@@ -16,10 +16,11 @@ use kvbm_transfer::{
     completion_pair,
 };
 
+use crate::inproc::{LocalRoute, RouteSlot};
 use crate::proto::TierBounds;
 use crate::transport::WakeSender;
 
-use super::{Cluster, Command};
+use super::{Cluster, Command, StatusCell};
 
 /// A copy on its way to the event loop.
 pub(crate) struct CopyRequest {
@@ -36,6 +37,10 @@ pub struct DistMover {
     wake: Arc<WakeSender>,
     bounds: TierBounds,
     block_bytes: u64,
+    /// Where the only worker, when it runs in this process, lends its
+    /// executor (see `inproc`).
+    local: Option<RouteSlot>,
+    status: Arc<StatusCell>,
 }
 
 impl std::fmt::Debug for DistMover {
@@ -66,11 +71,19 @@ pub(crate) fn nothing_landed(message: String, pairs: Vec<(usize, usize)>) -> Tra
 }
 
 impl DistMover {
-    pub(crate) fn new(tx: mpsc::Sender<Command>, wake: Arc<WakeSender>, cluster: &Cluster) -> Self {
+    pub(crate) fn new(
+        tx: mpsc::Sender<Command>,
+        wake: Arc<WakeSender>,
+        cluster: &Cluster,
+        local: Option<RouteSlot>,
+        status: Arc<StatusCell>,
+    ) -> Self {
         let world = cluster.identities.len() as u64;
         DistMover {
             tx,
             wake,
+            local: local.filter(|_| world == 1),
+            status,
             bounds: TierBounds {
                 g1: cluster.reference.device_blocks,
                 g2: cluster.configure.g2_blocks,
@@ -111,6 +124,20 @@ impl DistMover {
             .check_pairs(src, dst, &wire)
             .map_err(|e| e.to_string())
     }
+
+    /// The route the in-process worker lent, while the instance never lost
+    /// a rank.
+    fn local_route(&self) -> Option<Arc<LocalRoute>> {
+        let route = self.local.as_ref()?.lock().clone()?;
+        let s = self.status.status.lock();
+        (s.is_whole() && s.losses.is_empty()).then_some(route)
+    }
+
+    /// Whether copies now run on the in-process worker's executor.
+    #[cfg(test)]
+    pub(crate) fn is_local(&self) -> bool {
+        self.local_route().is_some()
+    }
 }
 
 impl TierMover for DistMover {
@@ -146,6 +173,14 @@ impl TierMover for DistMover {
         }
         if pairs.is_empty() {
             return Completion::ready(Ok(kvbm_transfer::TransferReport::default()));
+        }
+        if let Some(route) = self.local_route()
+            && let (Some(s), Some(d)) = (route.tiers.layout(src), route.tiers.layout(dst))
+        {
+            return route
+                .executor
+                .transfer_with(s, d, &pairs, cancel)
+                .into_completion();
         }
         let (completer, completion) = completion_pair();
         let request = CopyRequest {

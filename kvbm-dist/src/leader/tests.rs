@@ -53,6 +53,8 @@ fn a_handshake_configures_every_rank() {
     let leader = pending.handshake().unwrap();
     let s = leader.status();
     assert!(s.is_whole());
+    // Two ranks: every copy is broadcast, even with both in this process.
+    assert!(!leader.mover().is_local());
     // 1 MiB over 2 workers of 1 KiB blocks: 512 blocks each.
     let bpb = g1(8).layout().config().block_bytes();
     assert_eq!(s.g2_blocks as u64, (1 << 20) / (2 * bpb));
@@ -333,26 +335,40 @@ fn remote_pulls_and_peer_connects_are_refused_before_any_worker_reads() {
 }
 
 #[test]
-fn a_worker_in_the_leaders_process_connects_in_process() {
+fn a_worker_in_the_leaders_process_connects_in_process_and_lends_its_executor() {
     let dir = tempfile::tempdir().unwrap();
     let pending = PendingLeader::bind(config(endpoint(&dir), 1)).unwrap();
     // Without its socket file the endpoint is unreachable over IPC: only
-    // the in-process route can carry the handshake and the copy.
+    // the in-process route can carry the handshake.
     std::fs::remove_file(dir.path().join("leader")).unwrap();
-    let w = worker(pending.endpoint(), 0, 1, 8);
+    let mut c = WorkerConfig::new(pending.endpoint(), INSTANCE, 0, 1, g1(8), secret());
+    c.leader_timeout = Duration::from_secs(20);
+    c.probe = Some(Box::new(worker::memory::HostProbe));
+    let w = std::thread::spawn(move || worker::run(c));
     let leader = pending.handshake().unwrap();
-    let out = leader
-        .mover()
-        .copy(
-            kvbm_pool::Tier::G1,
-            kvbm_pool::Tier::G2,
-            vec![(1, 2), (3, 4)],
-            kvbm_transfer::CancelToken::new(),
-        )
-        .wait();
-    assert_eq!(out.unwrap().blocks, 2);
+    let mover = leader.mover();
+    assert!(mover.is_local(), "the only worker lends its executor");
+    // G1 block 1 -> G2 block 2 -> G1 block 3, on the lent executor.
+    leader.probe(proto::ProbeOp::Fill, vec![(1, 42)]).unwrap();
+    for (src, dst, pair) in [
+        (kvbm_pool::Tier::G1, kvbm_pool::Tier::G2, (1, 2)),
+        (kvbm_pool::Tier::G2, kvbm_pool::Tier::G1, (2, 3)),
+    ] {
+        let out = mover
+            .copy(src, dst, vec![pair], kvbm_transfer::CancelToken::new())
+            .wait();
+        assert_eq!(out.unwrap().blocks, 1);
+    }
+    let check = |seed| {
+        leader
+            .probe(proto::ProbeOp::Check, vec![(3, seed)])
+            .unwrap()
+    };
+    assert_eq!(check(42), vec![Vec::<u32>::new()]);
+    assert_eq!(check(43), vec![vec![3]], "the check tells patterns apart");
     leader.shutdown();
     w.join().unwrap().unwrap();
-    // Once the leader is gone nothing in this process finds it.
+    // The loan ended with the worker's loop, the record with the leader.
+    assert!(!mover.is_local());
     assert!(crate::inproc::lookup(&endpoint(&dir)).is_none());
 }

@@ -49,7 +49,7 @@ use crate::proto::{
     ProbeReply, Ready, TierBounds, Transfer, truncate,
 };
 use crate::transport::{DealerSocket, WakeSender, drain_disconnects, wake_pair};
-use tiers::Tiers;
+pub(crate) use tiers::Tiers;
 
 /// What a worker needs to start.
 pub struct WorkerConfig {
@@ -192,9 +192,6 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
         Some(e) => e,
         None => default_executor(&config.g1)?,
     };
-    // A leader in this process is reached in-process (see `inproc`).
-    let (ctx, endpoint) = crate::inproc::lookup(&config.endpoint)
-        .unwrap_or_else(|| (zmq::Context::new(), config.endpoint.clone()));
     let identity = format!(
         "{:x}/{}/{:x}-{:016x}",
         config.instance,
@@ -202,6 +199,21 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
         std::process::id(),
         random_u64()?
     );
+    // A leader in this process is reached in-process, and the only worker
+    // of its instance lends it its executor (see `inproc`). A worker whose
+    // copies are held back (fault injection) keeps them on the wire.
+    #[cfg(feature = "fault-injection")]
+    let held_back = !config.fault_delay.is_zero();
+    #[cfg(not(feature = "fault-injection"))]
+    let held_back = false;
+    let (ctx, endpoint, loan) = match crate::inproc::lookup(&config.endpoint) {
+        Some(p) => {
+            let lends = config.world_size == 1 && !held_back;
+            let loan = lends.then(|| crate::inproc::Loan::new(p.route, identity.clone()));
+            (p.ctx, p.endpoint, loan)
+        }
+        None => (zmq::Context::new(), config.endpoint.clone(), None),
+    };
     let started = Instant::now();
     let curve = if curve::used_on(&endpoint) {
         Some(*LeaderKey::derive(&config.secret)?.public())
@@ -247,6 +259,7 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
         inflight: HashMap::new(),
         acks: ack_tx,
         wake: Arc::new(wake_tx),
+        loan,
     };
     let mut last_heard: Option<Instant> = None;
     // When the silence limit was first seen passed: the socket gets one
@@ -379,6 +392,8 @@ struct Worker {
     inflight: HashMap<u64, CancelToken>,
     acks: mpsc::Sender<Message>,
     wake: Arc<WakeSender>,
+    /// The executor and tiers lent to a leader in this process.
+    loan: Option<crate::inproc::Loan>,
 }
 
 impl Worker {
@@ -427,6 +442,9 @@ impl Worker {
             Ok(()) => {
                 // The agent exposed the G2 just replaced: peers reconnect.
                 self.remote = remote::RemoteState::default();
+                if let Some(loan) = &self.loan {
+                    loan.lend(&self.executor, &self.tiers);
+                }
                 tracing::info!(g2 = c.g2_blocks, g3 = c.g3_blocks, "configured");
                 Message::Ready(Ready {
                     rank: self.rank,
@@ -435,6 +453,9 @@ impl Worker {
                 })
             }
             Err(e) => {
+                if let Some(loan) = &self.loan {
+                    loan.withdraw();
+                }
                 tracing::warn!("configure failed: {e}");
                 error_reply(None, format!("configure failed: {e}"))
             }

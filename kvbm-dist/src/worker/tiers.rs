@@ -38,6 +38,8 @@ fn disk_aligned(g1: &PhysicalLayout) -> bool {
         })
 }
 
+/// G1, and G2 / G3 once configured.
+#[derive(Clone)]
 pub(crate) struct Tiers {
     g1: PhysicalLayout,
     g2: Option<PhysicalLayout>,
