@@ -32,8 +32,8 @@
 //!   receiver-side bounds check.
 //! - [`transport`]: ZeroMQ ROUTER/DEALER sockets speaking [`proto`]
 //!   messages, and the wake-up pair that keeps each socket on one thread.
-//! - `inproc`: workers in the leader's own process connect over
-//!   ZeroMQ's in-process transport.
+//! - `loan`: the only worker, in its leader's process, lends the leader
+//!   its executor.
 //! - [`worker`]: the worker process's loop, its tiers, and host memory
 //!   shared with an engine process.
 //! - [`leader`]: the handshake, the leader's event loop (broadcast,
@@ -46,8 +46,8 @@
 pub mod auth;
 pub mod curve;
 pub mod error;
-mod inproc;
 pub mod leader;
+mod loan;
 pub mod node;
 pub mod proto;
 pub mod transport;

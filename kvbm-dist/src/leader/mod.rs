@@ -156,8 +156,8 @@ pub struct PendingLeader {
     secret: InstanceSecret,
     router: RouterSocket,
     ctx: zmq::Context,
-    /// The leader's `inproc` name, for workers in this process.
-    inproc: crate::inproc::Registration,
+    /// The endpoint bound (a private directory's filled in).
+    bound: String,
     dir: Option<PrivateDir>,
 }
 
@@ -187,14 +187,13 @@ impl PendingLeader {
             tracing::info!(%endpoint, leader_key = %key.public(), "frames encrypted with CURVE");
         }
         let router = RouterSocket::bind(&ctx, &endpoint, curve.as_ref())?;
-        let inproc = crate::inproc::register(&ctx, router.raw(), &[&endpoint, router.endpoint()])?;
         Ok(PendingLeader {
             config,
             curve: curve.map(|k| *k.public()),
             secret,
             router,
             ctx,
-            inproc,
+            bound: endpoint,
             dir,
         })
     }
@@ -216,6 +215,15 @@ impl PendingLeader {
         &self.secret
     }
 
+    /// The executor the instance's one worker lends, when it runs in this
+    /// process (see `loan`).
+    fn borrow(&self, cluster: &Cluster) -> Option<crate::loan::RouteSlot> {
+        let [identity] = cluster.identities.as_slice() else {
+            return None;
+        };
+        crate::loan::borrow(&[&self.bound, self.router.endpoint()], identity)
+    }
+
     /// Runs the handshake and starts the event loop. On failure every
     /// worker that said `Hello` is told to shut down.
     pub fn handshake(self) -> Result<Leader> {
@@ -232,7 +240,7 @@ impl PendingLeader {
             tx.clone(),
             Arc::clone(&wake),
             &cluster,
-            Some(self.inproc.route()),
+            self.borrow(&cluster),
             Arc::clone(&status),
         ));
         let lp = event_loop::EventLoop::new(
@@ -260,7 +268,6 @@ impl PendingLeader {
             mover,
             status,
             hook,
-            _inproc: self.inproc,
             _ctx: self.ctx,
             _dir: self.dir,
         })
@@ -388,8 +395,6 @@ pub struct Leader {
     mover: Arc<DistMover>,
     status: Arc<StatusCell>,
     hook: LostHook,
-    /// Withdrawn once the loop ended: no new in-process worker finds it.
-    _inproc: crate::inproc::Registration,
     _ctx: zmq::Context,
     /// The private directory of the endpoint, removed after the loop ends.
     _dir: Option<PrivateDir>,

@@ -16,7 +16,7 @@ use kvbm_transfer::{
     completion_pair,
 };
 
-use crate::inproc::{LocalRoute, RouteSlot};
+use crate::loan::{LocalRoute, RouteSlot};
 use crate::proto::TierBounds;
 use crate::transport::WakeSender;
 
@@ -38,7 +38,7 @@ pub struct DistMover {
     bounds: TierBounds,
     block_bytes: u64,
     /// Where the only worker, when it runs in this process, lends its
-    /// executor (see `inproc`).
+    /// executor (see `loan`).
     local: Option<RouteSlot>,
     status: Arc<StatusCell>,
 }
@@ -82,7 +82,7 @@ impl DistMover {
         DistMover {
             tx,
             wake,
-            local: local.filter(|_| world == 1),
+            local,
             status,
             bounds: TierBounds {
                 g1: cluster.reference.device_blocks,

@@ -199,28 +199,24 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
         std::process::id(),
         random_u64()?
     );
-    // A leader in this process is reached in-process, and the only worker
-    // of its instance lends it its executor (see `inproc`). A worker whose
+    // The only worker of an instance offers its leader its executor, in
+    // case the leader runs in this process (see `loan`). A worker whose
     // copies are held back (fault injection) keeps them on the wire.
     #[cfg(feature = "fault-injection")]
     let held_back = !config.fault_delay.is_zero();
     #[cfg(not(feature = "fault-injection"))]
     let held_back = false;
-    let (ctx, endpoint, loan) = match crate::inproc::lookup(&config.endpoint) {
-        Some(p) => {
-            let lends = config.world_size == 1 && !held_back;
-            let loan = lends.then(|| crate::inproc::Loan::new(p.route, identity.clone()));
-            (p.ctx, p.endpoint, loan)
-        }
-        None => (zmq::Context::new(), config.endpoint.clone(), None),
-    };
+    let loan = (config.world_size == 1 && !held_back)
+        .then(|| crate::loan::Loan::offer(&config.endpoint, identity.as_bytes()));
+    let ctx = zmq::Context::new();
     let started = Instant::now();
-    let curve = if curve::used_on(&endpoint) {
+    let curve = if curve::used_on(&config.endpoint) {
         Some(*LeaderKey::derive(&config.secret)?.public())
     } else {
         None
     };
-    let socket = DealerSocket::connect(&ctx, &endpoint, identity.as_bytes(), curve.as_ref())?;
+    let socket =
+        DealerSocket::connect(&ctx, &config.endpoint, identity.as_bytes(), curve.as_ref())?;
     let monitor = socket.watch_disconnects(&ctx)?;
     let (wake_tx, wake_rx) = wake_pair(&ctx)?;
     let (ack_tx, ack_rx) = mpsc::channel::<Message>();
@@ -241,7 +237,7 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
         ),
     }))?;
     let _span = tracing::info_span!("worker", rank = config.rank).entered();
-    tracing::info!(%identity, %endpoint, curve = curve.is_some(), "hello sent");
+    tracing::info!(%identity, endpoint = %config.endpoint, curve = curve.is_some(), "hello sent");
     let mut w = Worker {
         instance: config.instance,
         rank: config.rank,
@@ -393,7 +389,7 @@ struct Worker {
     acks: mpsc::Sender<Message>,
     wake: Arc<WakeSender>,
     /// The executor and tiers lent to a leader in this process.
-    loan: Option<crate::inproc::Loan>,
+    loan: Option<crate::loan::Loan>,
 }
 
 impl Worker {
