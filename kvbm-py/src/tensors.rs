@@ -31,7 +31,10 @@ pub struct RawTensor {
 ///
 /// - flash-attn `[2, num_blocks, block_size, heads, head_size]`;
 /// - FlashInfer `[num_blocks, 2, block_size, heads, head_size]`;
-/// - CPU attention `[num_blocks, 2, block_size, inner]`;
+/// - CPU attention `[num_blocks, kv_heads, block_size, 2 * head_size]`
+///   (each head's K and V rows packed in its page, so the whole block is
+///   one chunk; `kv_heads` is this rank's share, 1 under tensor
+///   parallelism with as many ranks as KV heads);
 /// - MLA `[num_blocks, block_size, latent]`.
 ///
 /// Strides decide the order inside a block (NHD or HND both work); a shape
@@ -43,14 +46,17 @@ pub fn vllm_format(shape: &[usize], num_blocks: usize) -> Result<KvTensorFormat>
             "unsupported KV tensor: shape {shape:?} with {num_blocks} blocks is none of \
              flash-attn [2, num_blocks, block_size, heads, head_size], FlashInfer \
              [num_blocks, 2, block_size, heads, head_size], CPU attention \
-             [num_blocks, 2, block_size, inner] or MLA [num_blocks, block_size, latent]"
+             [num_blocks, heads, block_size, 2 * head_size] or MLA [num_blocks, block_size, \
+             latent]"
         ))
     };
     let format = match shape {
         [2, nb, _, _, _] if *nb == num_blocks => KvTensorFormat::FlashAttn,
         [nb, 2, _, _, _] if *nb == num_blocks => KvTensorFormat::FlashInfer,
-        [nb, 2, _, _] if *nb == num_blocks => {
-            KvTensorFormat::Custom(vec![Block, Outer, Page, Inner])
+        // Heads and the packed K|V row are both per-token data of the
+        // block's one chunk, not a K/V selector.
+        [nb, _, _, _] if *nb == num_blocks => {
+            KvTensorFormat::Custom(vec![Block, Inner, Page, Inner])
         }
         [nb, _, _] if *nb == num_blocks => KvTensorFormat::Mla,
         _ => return Err(unsupported()),
@@ -175,17 +181,16 @@ mod tests {
         assert!(e.to_string().contains("unsupported KV tensor"), "{e}");
     }
 
-    #[test]
-    fn cpu_attention_tensors_become_a_layout() {
-        // Two layers of [blocks, 2, 32, 128] bf16, as vLLM's CPU backend
-        // hands them over.
-        let (nb, per_block) = (4usize, 2 * 32 * 128);
+    /// Two layers of vLLM CPU attention tensors `[nb, heads, 32, 128]`
+    /// (bf16) as one layout: one chunk per block and layer.
+    fn cpu_attention_layout(nb: usize, heads: usize) -> (usize, usize, usize, u64) {
+        let per_block = heads * 32 * 128;
         let mut mem = vec![0u16; 2 * nb * per_block];
         let base = mem.as_mut_ptr() as u64;
         let tensors: Vec<RawTensor> = (0..2)
             .map(|l| RawTensor {
                 addr: base + (l * nb * per_block * 2) as u64,
-                shape: vec![nb, 2, 32, 128],
+                shape: vec![nb, heads, 32, 128],
                 strides: vec![per_block, 32 * 128, 128, 1],
             })
             .collect();
@@ -194,10 +199,28 @@ mod tests {
         // SAFETY: `mem` outlives the layout (dropped at the end of the test).
         let l = unsafe { engine_layout(&format, &tensors, 2, TensorMemory::Host, owner) }.unwrap();
         let c = *l.layout().config();
-        assert_eq!((c.num_blocks(), c.num_layers(), c.outer_dim()), (nb, 2, 2));
-        assert_eq!(c.block_bytes(), 2 * 2 * 32 * 128 * 2);
+        let out = (
+            c.num_blocks(),
+            c.num_layers(),
+            c.outer_dim(),
+            c.block_bytes(),
+        );
         drop(l);
         drop(mem);
+        out
+    }
+
+    #[test]
+    fn cpu_attention_tensors_become_a_layout() {
+        // As vLLM's CPU backend hands them over: 2 KV heads (one rank),
+        // 1 (each of 2 tensor-parallel ranks) or 4.
+        for heads in [1, 2, 4] {
+            assert_eq!(
+                cpu_attention_layout(4, heads),
+                (4, 2, 1, (2 * heads * 32 * 128 * 2) as u64),
+                "{heads} heads"
+            );
+        }
     }
 
     #[test]

@@ -8,9 +8,14 @@ partial hit (the prompt's first 2 blocks and a new suffix) and a
 full-prompt hit (exactly the prompt's first 4 blocks), each generated with
 its prefix loaded from kvbm and again computed from scratch (vLLM's and
 kvbm's caches dropped), with how many blocks kvbm loaded for each.
-usage: python engine_run.py MODEL_DIR EXTRA_CONFIG_JSON [ENGINE_ARGS_JSON [VARIANTS]]
+With CORRUPT (in-process engine core only), the prompt a third time with
+the corrupt-onboard test hook switched on: loaded from kvbm again, one
+loaded block zeroed on every rank before the forward reads it.
+usage: python engine_run.py MODEL_DIR EXTRA_CONFIG_JSON [ENGINE_ARGS_JSON [OPTIONS_JSON]]
+where OPTIONS_JSON is {"variants": bool, "corrupt": bool}
 """
 
+import dataclasses
 import json
 import os
 import random
@@ -35,7 +40,8 @@ def main() -> int:
 
     model_dir, extra = sys.argv[1], json.loads(sys.argv[2])
     engine_args = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
-    variants = len(sys.argv) > 4 and json.loads(sys.argv[4])
+    options = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+    variants = options.get("variants", False)
     llm = LLM(
         model=model_dir,
         skip_tokenizer_init=True,
@@ -100,6 +106,20 @@ def main() -> int:
             drop_prefix_cache(reset_connector=True)  # kvbm's G2 and G3 too
             out[name]["computed"] = generate(tokens, greedy)
         result["variants"] = out
+    if options.get("corrupt"):
+        side = scheduler_connector(llm)._scheduler
+        drop_prefix_cache()
+        side.kvbm.flush()
+        side.config = dataclasses.replace(side.config, test_corrupt_onboard=True)
+        before = side.kvbm.stats()["g2_to_g1_blocks"]
+        corrupted = generate(prompt, greedy)
+        result["corrupt"] = {
+            "output": corrupted,
+            "blocks": side.kvbm.stats()["g2_to_g1_blocks"] - before,
+        }
+    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
+        # Each worker rank as kvbm's leader sees it.
+        result["ranks"] = list(scheduler_connector(llm)._scheduler.kvbm.ranks())
     if "test_stats_path" in extra:
         # The engine core runs in another process: read what it wrote.
         with open(extra["test_stats_path"]) as f:

@@ -270,7 +270,7 @@ def build(tmp_path, extra: dict, num_blocks: int = 64, kv_events: bool = False) 
     vllm_config.cache_config.num_gpu_blocks = num_blocks
 
     # The worker first (vLLM's bootstrap, TP = 1), then its KV tensors
-    # (CPU attention's shape: blocks x K/V x tokens x heads*head), then the
+    # (CPU attention's 4-axis shape, blocks first), then the
     # scheduler, whose connector waits for the worker.
     tp = MagicMock()
     tp.broadcast_object.side_effect = lambda value, src=0: value

@@ -3,6 +3,7 @@ vLLM's prefix cache dropped, the same prompt again with its prefix loaded
 from kvbm must give identical greedy outputs."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +21,10 @@ def run_engine(
     engine_args: dict | None = None,
     env: dict | None = None,
     variants: bool = False,
+    corrupt: bool = False,
 ) -> dict:
-    args = [json.dumps(extra), json.dumps(engine_args or {}), json.dumps(variants)]
+    options = {"variants": variants, "corrupt": corrupt}
+    args = [json.dumps(extra), json.dumps(engine_args or {}), json.dumps(options)]
     proc = subprocess.run(
         [sys.executable, str(HERE / "engine_run.py"), model, *args],
         env={**engine_env(tmp_path), **(env or {})},
@@ -92,3 +95,51 @@ def test_engine_core_and_worker_in_separate_processes(tiny_model, tmp_path):
     s = r["stats"]
     assert s["g2_to_g1_blocks"] == 4, s
     assert r["second"] == r["first"], r
+
+
+def _one_cpu_per_rank(ranks: int) -> str:
+    """vLLM's CPU thread binding for `ranks` worker processes: one CPU of
+    this process's each (vLLM's automatic binding wants a NUMA node per
+    rank), or none when there are too few."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return "|".join(str(c) for c in cpus[:ranks]) if len(cpus) >= ranks else "nobind"
+
+
+def test_tensor_parallel_ranks_onboard_from_g2(tiny_model, tmp_path):
+    # TP = 2: vLLM's multiprocessing executor runs two worker processes,
+    # each with one of the model's two KV heads and a kvbm worker of that
+    # rank; kvbm's leader is in the engine core (this test's engine
+    # process). Generate, drop vLLM's prefix cache, generate again: the
+    # prefix comes back from G2 on both ranks. Then once more with one
+    # onboarded block zeroed on every rank: the output must change.
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": _one_cpu_per_rank(2),
+        # vLLM torch.compiles its vocabulary-parallel embedding mask when
+        # TP > 1; the compile cache lives under the per-test TMPDIR, so
+        # every run would spend ~15 s compiling C++. Eager gives the same
+        # outputs.
+        "TORCH_COMPILE_DISABLE": "1",
+    }
+    r = run_engine(
+        tiny_model,
+        tmp_path,
+        {"cpu_cache_gb": 0.01, "admission": "all"},
+        {"tensor_parallel_size": 2},
+        env=env,
+        corrupt=True,
+    )
+    s = r["stats"]
+    assert r["ranks"] == ["live", "live"], r["ranks"]
+    assert r["second"] == r["first"], r
+    # The prompt's 4 full blocks went to G2 and came back twice (clean,
+    # then corrupted), with nothing failed.
+    assert s["g1_to_g2_blocks"] >= 4, s
+    assert s["g2_to_g1_blocks"] == 8 and s["hits_g2"] == 8, s
+    assert s["onboard_failures"] == 0 and s["copy_failures"] == 0, s
+    # Bytes are summed over ranks: every block moved on both, each rank
+    # holding half of a block (one KV head of two).
+    rank_block_bytes = BLOCK_BYTES // 2
+    assert s["g2_to_g1_bytes"] == 8 * 2 * rank_block_bytes, s
+    assert s["g1_to_g2_bytes"] == s["g1_to_g2_blocks"] * 2 * rank_block_bytes, s
+    assert r["corrupt"]["blocks"] == 4, r["corrupt"]
+    assert r["corrupt"]["output"] != r["first"], r
