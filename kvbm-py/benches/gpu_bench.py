@@ -1,6 +1,9 @@
-"""kvbm_py on a GPU: a Llama-3.1-8B-shaped KV cache in vLLM's flash-attn
-layout (32 layers of [2, blocks, 16, 8, 128] bf16 tensors) registered
-through the worker API; 256 random 16-token blocks offloaded to pinned G2
+"""kvbm_py on a GPU: a Llama-3.1-8B-shaped KV cache (32 layers, 8 KV heads
+of 128, bf16) in vLLM's layout registered through the worker API: by
+default vLLM 0.32's `[blocks, heads, 16, 2 * 128]` view of its default
+(NHD) KV cache layout, each block's K|V bytes of a layer one 64 KiB run;
+`--layout split` the older flash-attn `[2, blocks, 16, 8, 128]`, two
+32 KiB runs per block and layer. 256 random 16-token blocks offloaded to pinned G2
 and onboarded into 256 other blocks through the scheduler API, every byte
 checked. References from the same run: one large pinned <-> device copy
 of the same bytes each way, timed in every repetition right before kvbm's
@@ -10,7 +13,7 @@ of the link's rate during the run cancels), and a per-block, per-layer
 moved, as a deployment's host cache holds many requests: offload batches
 in flight are capped at a quarter of G2.
 
-    python kvbm-py/benches/gpu_bench.py [--blocks 256] [--reps 9]
+    python kvbm-py/benches/gpu_bench.py [--blocks 256] [--reps 9] [--layout packed|split]
 """
 
 import argparse
@@ -46,16 +49,33 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=256)
     ap.add_argument("--capacity", type=int, default=1024, help="G1 blocks")
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--layout", choices=["packed", "split"], default="packed")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device")
         return 1
     n = a.blocks
     nbytes = n * BLOCK_BYTES
-    layers = [
-        torch.randn(2, a.capacity, BLOCK, HEADS, HEAD, device="cuda").to(torch.bfloat16)
-        for _ in range(LAYERS)
-    ]
+    if a.layout == "packed":
+        # Memory [blocks, tokens, heads, K|V], viewed [blocks, heads, tokens, K|V].
+        layers = [
+            torch.randn(a.capacity, BLOCK, HEADS, 2 * HEAD, device="cuda")
+            .to(torch.bfloat16)
+            .permute(0, 2, 1, 3)
+            for _ in range(LAYERS)
+        ]
+
+        def of(t, b):
+            return t[b]
+    else:
+        layers = [
+            torch.randn(2, a.capacity, BLOCK, HEADS, HEAD, device="cuda").to(torch.bfloat16)
+            for _ in range(LAYERS)
+        ]
+
+        def of(t, b):
+            return t[:, b]
+
     specs = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in layers]
 
     # References: one large copy each way (timed again beside every kvbm
@@ -71,17 +91,18 @@ def main() -> int:
     ids = list(range(a.capacity))
     rng.shuffle(ids)
     src, dst = ids[:n], ids[n : 2 * n]
-    stage = torch.empty((n, LAYERS, 2, BLOCK, HEADS, HEAD), dtype=torch.bfloat16, pin_memory=True)
+    block_shape = tuple(of(layers[0], 0).shape)
+    stage = torch.empty((n, LAYERS) + block_shape, dtype=torch.bfloat16, pin_memory=True)
 
     def loop_out():
         for i, b in enumerate(src):
             for l, t in enumerate(layers):
-                stage[i, l].copy_(t[:, b], non_blocking=True)
+                stage[i, l].copy_(of(t, b), non_blocking=True)
 
     def loop_in():
         for i, b in enumerate(dst):
             for l, t in enumerate(layers):
-                t[:, b].copy_(stage[i, l], non_blocking=True)
+                of(t, b).copy_(stage[i, l], non_blocking=True)
 
     loop_d2h = statistics.median(timed(loop_out) for _ in range(a.reps))
     loop_h2d = statistics.median(timed(loop_in) for _ in range(a.reps))
@@ -114,11 +135,15 @@ def main() -> int:
                 r_in = big_h2d()
                 t_in = timed(onboard)
                 for t in layers:
-                    assert torch.equal(t[:, src], t[:, dst]), "an onboarded block differs"
+                    assert torch.equal(of(t, src), of(t, dst)), "an onboarded block differs"
                 sched.release(req + "b")
                 # New bytes for the next rep, so nothing is served stale.
                 for t in layers:
-                    t[:, src] = torch.randn_like(t[:, src])
+                    fresh = torch.randn_like(of(t, src))
+                    if a.layout == "packed":
+                        t[src] = fresh
+                    else:
+                        t[:, src] = fresh
                 if rep:
                     out_s.append(t_out)
                     in_s.append(t_in)
@@ -133,7 +158,7 @@ def main() -> int:
     # Each repetition's kvbm time against the reference timed just before it.
     ratio_out = med(r / t for r, t in zip(ref_out, out_s))
     ratio_in = med(r / t for r, t in zip(ref_in, in_s))
-    print(f"{n} blocks of {BLOCK_BYTES >> 10} KiB ({nbytes / 2**20:.0f} MiB), medians of {a.reps}; every byte checked")
+    print(f"{n} blocks of {BLOCK_BYTES >> 10} KiB ({nbytes / 2**20:.0f} MiB), layout {a.layout}, medians of {a.reps}; every byte checked")
     print(f"{'path':<28}{'G1->G2 GB/s':>12}{'G2->G1 GB/s':>12}")
     rows = [
         ("one large copy (reference)", gbps(nbytes, d2h), gbps(nbytes, h2d)),

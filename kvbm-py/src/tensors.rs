@@ -31,10 +31,13 @@ pub struct RawTensor {
 ///
 /// - flash-attn `[2, num_blocks, block_size, heads, head_size]`;
 /// - FlashInfer `[num_blocks, 2, block_size, heads, head_size]`;
-/// - CPU attention `[num_blocks, kv_heads, block_size, 2 * head_size]`
-///   (each head's K and V rows packed in its page, so the whole block is
-///   one chunk; `kv_heads` is this rank's share, 1 under tensor
-///   parallelism with as many ranks as KV heads);
+/// - `[num_blocks, kv_heads, block_size, 2 * head_size]`: what every
+///   backend of vLLM 0.32 and later hands over, CPU attention included
+///   (each head's K and V rows packed in its page; the physical order of
+///   the axes is the engine's KV cache layout, read from the strides). A
+///   block whose bytes are one run per layer is one chunk; a layout with
+///   heads outside blocks is refused. `kv_heads` is this rank's share, 1
+///   under tensor parallelism with as many ranks as KV heads;
 /// - MLA `[num_blocks, block_size, latent]`.
 ///
 /// Strides decide the order inside a block (NHD or HND both work); a shape
@@ -45,7 +48,7 @@ pub fn vllm_format(shape: &[usize], num_blocks: usize) -> Result<KvTensorFormat>
         PyKvbmError::Invalid(format!(
             "unsupported KV tensor: shape {shape:?} with {num_blocks} blocks is none of \
              flash-attn [2, num_blocks, block_size, heads, head_size], FlashInfer \
-             [num_blocks, 2, block_size, heads, head_size], CPU attention \
+             [num_blocks, 2, block_size, heads, head_size], vLLM 0.32+ \
              [num_blocks, heads, block_size, 2 * head_size] or MLA [num_blocks, block_size, \
              latent]"
         ))
@@ -221,6 +224,46 @@ mod tests {
                 "{heads} heads"
             );
         }
+    }
+
+    /// One layer `[nb, heads, 16, 256]` (logical, K|V packed in the last
+    /// axis) with the strides of `order` (a permutation of the four axes,
+    /// outermost first), as vLLM's KV cache layouts view their memory.
+    fn packed_layer(nb: usize, heads: usize, order: [usize; 4]) -> Result<(usize, u64)> {
+        let shape = [nb, heads, 16, 256];
+        let mut strides = [0usize; 4];
+        let mut step = 1;
+        for &axis in order.iter().rev() {
+            strides[axis] = step;
+            step *= shape[axis];
+        }
+        let mut mem = vec![0u16; step];
+        let t = RawTensor {
+            addr: mem.as_mut_ptr() as u64,
+            shape: shape.to_vec(),
+            strides: strides.to_vec(),
+        };
+        let format = vllm_format(&t.shape, nb)?;
+        // SAFETY: `mem` outlives the layout (dropped below).
+        let l = unsafe { engine_layout(&format, &[t], 2, TensorMemory::Host, Arc::new(())) }?;
+        let c = *l.layout().config();
+        let out = (c.outer_dim(), c.block_bytes());
+        drop(l);
+        drop(mem);
+        Ok(out)
+    }
+
+    #[test]
+    fn vllm_packed_layouts_are_one_chunk_or_refused() {
+        let block = (8 * 16 * 256 * 2) as u64;
+        // Blocks outermost, heads before or after tokens (HND / NHD): each
+        // block's bytes are one run.
+        assert_eq!(packed_layer(4, 8, [0, 1, 2, 3]).unwrap(), (1, block));
+        assert_eq!(packed_layer(4, 8, [0, 2, 1, 3]).unwrap(), (1, block));
+        // Heads outside blocks: a block is scattered over every head's
+        // slab, which one chunk cannot address; refused, never misread.
+        let r = packed_layer(4, 8, [1, 0, 2, 3]);
+        assert!(matches!(r, Err(PyKvbmError::Layout(_))), "{r:?}");
     }
 
     #[test]

@@ -1,17 +1,35 @@
 """kvbm_py over GPU KV tensors (skipped without CUDA or without a wheel
-built with feature `cuda`): vLLM's flash-attn layout on the device, G2
+built with feature `cuda`): vLLM's layouts on the device (vLLM 0.32's
+packed `[blocks, heads, tokens, 2 * head_size]` view of its NHD layout,
+and the older flash-attn `[2, blocks, tokens, heads, head_size]`), G2
 pinned host memory, G3 disk; blocks offloaded through G2 into G3 come back
 into other device blocks byte for byte. Runs as a script too:
 ``python test_gpu.py``."""
 
 import hashlib
+import os
 import sys
 import tempfile
 import time
 
 import pytest
 
-torch = pytest.importorskip("torch")
+# KVBM_REQUIRE_GPU=1 (the GPU machine) turns every skip below into a failure.
+REQUIRED = os.environ.get("KVBM_REQUIRE_GPU") == "1"
+
+
+def _skip(reason: str):
+    if REQUIRED:
+        pytest.fail(f"{reason}, and KVBM_REQUIRE_GPU=1")
+    pytest.skip(reason)
+
+
+try:
+    import torch
+except ImportError:
+    if REQUIRED:
+        raise
+    pytest.skip("torch is not installed", allow_module_level=True)
 
 import kvbm_py  # noqa: E402
 
@@ -22,16 +40,31 @@ BLOCK_BYTES = 2 * 2 * BLOCK * HEADS * HEAD * 2
 
 def _cuda_or_skip():
     if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
+        _skip("no CUDA device")
 
 
-def run_round_trip(tmp: str) -> None:
-    endpoint = f"ipc://{tmp}/leader.sock"
-    # flash-attn: [2, num_blocks, block_size, heads, head_size] per layer.
+def device_layers(layout: str):
+    """Two layers of KV tensors on the GPU, and how to index a block."""
+    if layout == "packed":
+        # Memory [blocks, tokens, heads, K|V], viewed [blocks, heads, tokens, K|V].
+        layers = [
+            torch.randn(BLOCKS, BLOCK, HEADS, 2 * HEAD, device="cuda")
+            .to(torch.bfloat16)
+            .permute(0, 2, 1, 3)
+            for _ in range(2)
+        ]
+        return layers, lambda t, b: t[b]
+    # flash-attn before vLLM 0.32: [2, num_blocks, block_size, heads, head_size].
     layers = [
         torch.randn(2, BLOCKS, BLOCK, HEADS, HEAD, device="cuda").to(torch.bfloat16)
         for _ in range(2)
     ]
+    return layers, lambda t, b: t[:, b]
+
+
+def run_round_trip(tmp: str, layout: str) -> None:
+    endpoint = f"ipc://{tmp}/leader.sock"
+    layers, of = device_layers(layout)
     specs = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in layers]
     try:
         worker = kvbm_py.Worker(endpoint, 0, 1, specs, 2, BLOCKS, tuple(layers),
@@ -39,7 +72,7 @@ def run_round_trip(tmp: str) -> None:
                                 device=torch.cuda.current_device(), g3_dir=f"{tmp}/g3")
     except ValueError as e:
         if "no CUDA support" in str(e):
-            pytest.skip("kvbm_py built without feature `cuda`")
+            _skip("kvbm_py built without feature `cuda`")
         raise
     sched = kvbm_py.Scheduler(endpoint, 1, BLOCK, secret_file=f"{tmp}/instance.secret",
                               g2_bytes=2 * BLOCK_BYTES,
@@ -60,24 +93,26 @@ def run_round_trip(tmp: str) -> None:
         torch.cuda.synchronize()
         for t in layers:
             for src, dst in zip(range(4), targets):
-                assert torch.equal(t[:, src], t[:, dst]), f"block {dst} differs from {src}"
+                assert torch.equal(of(t, src), of(t, dst)), f"block {dst} differs from {src}"
         s = sched.stats()
         assert (s["g2_to_g1_blocks"], s["g3_to_g1_blocks"]) == (2, 2), s
         sched.release("b")
-        print(f"GPU round trip OK: 4 blocks of {BLOCK_BYTES} bytes back in {ms:.1f} ms; {s}")
+        print(f"GPU round trip OK ({layout}): 4 blocks of {BLOCK_BYTES} bytes back in {ms:.1f} ms; {s}")
     finally:
         sched.shutdown()
         assert worker.join(10.0) and worker.error() is None, worker.error()
 
 
-def test_gpu_tensors_round_trip_through_pinned_g2_and_g3(tmp_path):
+@pytest.mark.parametrize("layout", ["packed", "split"])
+def test_gpu_tensors_round_trip_through_pinned_g2_and_g3(tmp_path, layout):
     _cuda_or_skip()
-    run_round_trip(str(tmp_path))
+    run_round_trip(str(tmp_path), layout)
 
 
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         print("no CUDA device")
         sys.exit(1)
-    with tempfile.TemporaryDirectory() as d:
-        run_round_trip(d)
+    for layout in ["packed", "split"]:
+        with tempfile.TemporaryDirectory() as d:
+            run_round_trip(d, layout)
