@@ -31,6 +31,7 @@ pub use hinted::RetainingPolicy;
 pub use lineage::LeafFirstPolicy;
 pub use lru::LruPolicy;
 pub use priority::{PolicyFactory, Prioritized};
+pub use recency::Recency;
 pub use retention::{HintClock, RetentionHint, Retentions};
 pub use return_within::ReturnTable;
 pub use reuse_score::ReuseScorePolicy;

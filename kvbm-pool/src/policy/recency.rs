@@ -1,35 +1,50 @@
-//! The order in which the use history's blocks were last used: a doubly
-//! linked list over a slab. A use moves a block to the back in constant
-//! time, and the least recently used block is at the front, so the history
-//! forgets blocks without a queue of stale entries to sweep.
+//! A recency list: entries from least to most recently used, as a doubly
+//! linked list over a slab. Appending, moving an entry to the back,
+//! removing one and popping the front are O(1) and allocate nothing once
+//! the slab has grown; a removed entry's node is reused. The use history
+//! orders its blocks with one (so it forgets blocks without a queue of
+//! stale entries to sweep), and the simulators build their caches on it.
 
 use kvbm_block::SequenceHash;
 
 /// No node (the end of the list).
-pub(crate) const NIL: u32 = u32::MAX;
+const NIL: u32 = u32::MAX;
 
-/// One remembered block's place in the list.
+/// One entry's place in the list.
 #[derive(Debug, Clone, Copy)]
-struct Node {
-    hash: SequenceHash,
+struct Node<T> {
+    value: T,
     prev: u32,
     next: u32,
 }
 
-/// Blocks from least to most recently used.
-#[derive(Debug)]
-pub(crate) struct Recency {
-    nodes: Vec<Node>,
-    /// Nodes of forgotten blocks, for reuse.
+/// Entries from least to most recently used, each addressed by the node id
+/// [`push_back`](Self::push_back) returned.
+#[derive(Debug, Clone)]
+pub struct Recency<T: Copy> {
+    nodes: Vec<Node<T>>,
+    /// Nodes of removed entries, for reuse.
     free: Vec<u32>,
     head: u32,
     tail: u32,
 }
 
-impl Recency {
-    pub(crate) fn new() -> Self {
+impl<T: Copy> Default for Recency<T> {
+    fn default() -> Self {
+        Self::with_capacity(0)
+    }
+}
+
+impl<T: Copy> Recency<T> {
+    /// An empty list.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// An empty list with room for `capacity` entries before its slab grows.
+    pub fn with_capacity(capacity: usize) -> Self {
         Self {
-            nodes: Vec::new(),
+            nodes: Vec::with_capacity(capacity),
             free: Vec::new(),
             head: NIL,
             tail: NIL,
@@ -37,16 +52,16 @@ impl Recency {
     }
 
     /// Whether no node is left to hand out (the list holds `u32::MAX`
-    /// blocks).
-    pub(crate) fn is_full(&self) -> bool {
+    /// entries).
+    pub fn is_full(&self) -> bool {
         self.free.is_empty() && self.nodes.len() >= NIL as usize
     }
 
-    /// Appends `hash` as the most recently used block; its node, or `None`
-    /// when the list [is full](Self::is_full).
-    pub(crate) fn push_back(&mut self, hash: SequenceHash) -> Option<u32> {
+    /// Appends `value` as the most recently used entry; its node id, or
+    /// `None` when the list [is full](Self::is_full).
+    pub fn push_back(&mut self, value: T) -> Option<u32> {
         let node = Node {
-            hash,
+            value,
             prev: self.tail,
             next: NIL,
         };
@@ -65,8 +80,9 @@ impl Recency {
         Some(id)
     }
 
-    /// Moves node `id` to the back (its block was used again).
-    pub(crate) fn touch(&mut self, id: u32) {
+    /// Moves node `id` (an entry in the list) to the back: it was used
+    /// again.
+    pub fn touch(&mut self, id: u32) {
         if self.tail == id {
             return;
         }
@@ -74,15 +90,34 @@ impl Recency {
         self.link_back(id);
     }
 
-    /// Removes the least recently used block; its hash.
-    pub(crate) fn pop_front(&mut self) -> Option<SequenceHash> {
-        let id = self.head;
-        if id == NIL {
-            return None;
-        }
+    /// Removes node `id` (an entry in the list); its value.
+    pub fn remove(&mut self, id: u32) -> T {
         self.unlink(id);
         self.free.push(id);
-        Some(self.nodes[id as usize].hash)
+        self.nodes[id as usize].value
+    }
+
+    /// The least recently used entry's value.
+    pub fn front(&self) -> Option<T> {
+        (self.head != NIL).then(|| self.nodes[self.head as usize].value)
+    }
+
+    /// Removes the least recently used entry; its value.
+    pub fn pop_front(&mut self) -> Option<T> {
+        let id = self.head;
+        (id != NIL).then(|| self.remove(id))
+    }
+
+    /// Values from least to most recently used.
+    pub fn iter(&self) -> impl Iterator<Item = T> + '_ {
+        let mut i = self.head;
+        std::iter::from_fn(move || {
+            (i != NIL).then(|| {
+                let n = self.nodes[i as usize];
+                i = n.next;
+                n.value
+            })
+        })
     }
 
     fn link_back(&mut self, id: u32) {
@@ -114,6 +149,9 @@ impl Recency {
         }
     }
 }
+
+/// The use history's list of remembered blocks.
+pub(crate) type BlockRecency = Recency<SequenceHash>;
 
 #[cfg(test)]
 mod tests {

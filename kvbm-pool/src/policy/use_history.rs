@@ -14,7 +14,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use kvbm_block::SequenceHash;
 
-use super::recency::Recency;
+use super::recency::BlockRecency;
 use super::retention::{HintClock, RetentionHint, Retentions};
 use super::return_within::ReturnTable;
 use super::shared_history::SharedHistory;
@@ -177,7 +177,7 @@ const MAX_CAPACITY: usize = 1 << 31;
 pub struct UseHistory {
     seen: SeqMap<Slot>,
     /// The remembered blocks, least recently used first.
-    recency: Recency,
+    recency: BlockRecency,
     capacity: usize,
     weights: ReuseWeights,
     now: u64,
@@ -232,7 +232,7 @@ impl UseHistory {
         let capacity = capacity.clamp(1, MAX_CAPACITY);
         Self {
             seen: SeqMap::with_capacity_and_hasher(capacity.min(1 << 20), Default::default()),
-            recency: Recency::new(),
+            recency: BlockRecency::new(),
             capacity,
             weights: ReuseWeights::default(),
             now: 0,
