@@ -315,6 +315,18 @@ impl PoolState {
         self.evict_locked(&mut policies, &mut free, n)
     }
 
+    /// Evicts up to `n` inactive blocks and takes exactly their slots (not
+    /// other free ones), allocated.
+    pub(crate) fn evict_taken(&self, n: usize) -> Taken {
+        let _gate = self.gate.write();
+        let mut policies = self.lock_all();
+        let mut free = self.free.lock();
+        // The victims are pushed onto the free list's end, and the list is
+        // locked throughout: the last `evicted` entries are exactly theirs.
+        let evicted = self.evict_locked(&mut policies, &mut free, n);
+        self.pop_free(&mut free, evicted)
+    }
+
     /// Evicts with the gate held exclusively and every policy shard locked.
     fn evict_locked(
         &self,

@@ -226,6 +226,17 @@ impl BlockPool {
         self.core.evict(n)
     }
 
+    /// Evicts up to `n` inactive blocks and hands out their slots, to be
+    /// reused by the caller only: the free list's other blocks stay free.
+    /// For saving the victims' bytes before anyone overwrites them.
+    pub fn evict_to_allocated(&self, n: usize) -> Vec<MutableBlock> {
+        let ids = self.core.evict_taken(n);
+        let store = self.store();
+        ids.into_iter()
+            .map(|id| MutableBlock::from_store(Arc::clone(&store), id))
+            .collect()
+    }
+
     /// Admission: whether a block named `hash` is worth caching now. Always
     /// yes while free blocks remain; otherwise the policy compares it with
     /// the block it would evict.

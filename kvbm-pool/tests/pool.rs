@@ -75,6 +75,32 @@ fn allocation_evicts_only_inactive_blocks() {
 }
 
 #[test]
+fn evicting_to_allocated_takes_the_victims_slots_not_free_ones() {
+    let p = pool(6, EvictionKind::Lru);
+    let cached = chain(&p, &[1, 2, 3, 4]);
+    let ids: Vec<u32> = (0..4).map(|i| cached.get(i).unwrap().block_id()).collect();
+    drop(cached);
+    assert_eq!(p.counts().free, 2);
+    let taken = p.evict_to_allocated(3);
+    assert_eq!(taken.len(), 3);
+    assert!(
+        taken.iter().all(|b| ids.contains(&b.block_id())),
+        "the victims' slots, not free ones"
+    );
+    assert_eq!(p.counts().free, 2, "the free blocks stay free");
+    let still = [1, 2, 3, 4].iter().filter(|&&v| p.contains(h(v))).count();
+    assert_eq!(still, 1, "three were evicted");
+    assert_eq!(
+        p.evict_to_allocated(5).len(),
+        1,
+        "one inactive block was left"
+    );
+    drop(taken);
+    assert_eq!(p.counts().free, 6);
+    p.audit().unwrap();
+}
+
+#[test]
 fn duplicates_reuse_the_primary_or_stay_private() {
     let p = pool(4, EvictionKind::Lru);
     let first = chain(&p, &[7]);

@@ -2,12 +2,14 @@
 //! of arrive / allocate+onboard / compute / finish / evict-G1 against a
 //! reference model of what kvbm must find.
 //!
-//! The tiers are sized so nothing is ever pushed out of G2 and the policy
-//! is write-through: then the model is exact — after every computed block
-//! has been offloaded, a request's match must cover exactly the longest
-//! prefix of its hashes that any earlier request computed (less one block
-//! when that covers the whole prompt), and every block in a slot's G1
-//! table must hold the bytes of its hash.
+//! The tiers are sized so nothing is ever pushed out of G2, which admits
+//! every block: then the model is exact — after every computed block has
+//! been offloaded, a request's match must cover exactly the longest prefix
+//! of its hashes that any earlier request computed (less one block when
+//! that covers the whole prompt), and every block in a slot's G1 table must
+//! hold the bytes of its hash. Both offload modes run: write-through, and
+//! write-back with a G1 small enough to evict, where allocations keep G1's
+//! free reserve and save its victims behind them.
 
 mod tier_support;
 
@@ -43,7 +45,7 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        3 => (0..5u64, 0..3u64, 1..10usize, prop_oneof![Just(0usize), 1..17usize])
+        3 => (0..5u64, 0..12u64, 1..10usize, prop_oneof![Just(0usize), 1..17usize])
             .prop_map(|(id, seed, len, extra)| Op::Arrive { id, seed, len, extra }),
         3 => (0..5u64).prop_map(|id| Op::Allocate { id }),
         3 => (0..5u64).prop_map(|id| Op::Compute { id }),
@@ -75,13 +77,19 @@ fn check_table(slots: &SlotManager, id: u64, hashes: &[SequenceHash]) {
     }
 }
 
-fn run(ops: Vec<Op>) {
+fn run(ops: Vec<Op>, mode: OffloadMode) {
     let dir = tempdir();
     let config = TierEngineConfig::new(BLOCK_TOKENS)
-        .offload_mode(OffloadMode::WriteThrough)
+        .offload_mode(mode)
         .g2_policy(TierPolicy::WriteThrough)
         .g3_policy(TierPolicy::WriteThrough);
-    let slots = SlotManager::new(Arc::new(engine(config, 160, 256, 0, dir.path())));
+    // Write-back: 12 chains of up to 9 blocks overflow 128 G1 blocks, whose
+    // reserve is 2 (a sixty-fourth).
+    let g1 = match mode {
+        OffloadMode::WriteThrough => 160,
+        OffloadMode::WriteBack => 64,
+    };
+    let slots = SlotManager::new(Arc::new(engine(config, g1, 256, 0, dir.path())));
     let mut known: HashSet<SequenceHash> = HashSet::new();
     let mut live: HashMap<u64, Live> = HashMap::new();
 
@@ -94,6 +102,8 @@ fn run(ops: Vec<Op>) {
                 extra,
             } => {
                 let hashes = chain(seed, len);
+                // Background saves of G1's reserve land before the match.
+                slots.engine().flush();
                 // A partial last block when extra > 0.
                 let prompt_tokens = len * BLOCK_TOKENS + extra;
                 let m = slots
@@ -165,6 +175,10 @@ fn run(ops: Vec<Op>) {
             }
             Op::EvictG1 => {
                 slots.engine().g1().evict(usize::MAX >> 1);
+                if mode == OffloadMode::WriteBack {
+                    // The engine's next allocation saves what G1 evicted.
+                    slots.engine().allocate_g1(0).unwrap();
+                }
             }
         }
         let engine = slots.engine();
@@ -189,6 +203,11 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
     #[test]
     fn slots_match_the_model(ops in proptest::collection::vec(op(), 1..40)) {
-        run(ops);
+        run(ops, OffloadMode::WriteThrough);
+    }
+
+    #[test]
+    fn slots_match_the_model_in_write_back(ops in proptest::collection::vec(op(), 40..120)) {
+        run(ops, OffloadMode::WriteBack);
     }
 }

@@ -81,6 +81,9 @@ pub struct ReplayConfig {
     pub worker_exe: Option<PathBuf>,
     /// The engine's `offload_in_flight`; `None` for its default.
     pub offload_in_flight: Option<usize>,
+    /// The engine's `g1_free_reserve` (write-back: G1 slots kept free ahead
+    /// of need); `None` for its default.
+    pub g1_free_reserve: Option<usize>,
     /// Fault injection for tests of failure reporting (host tiers in this
     /// process only); none in every real run.
     pub g3_faults: G3Faults,
@@ -482,6 +485,9 @@ pub(crate) fn plan(cfg: &ReplayConfig) -> Result<Plan> {
             cfg.prefill_tokens_per_s * f64::from(cfg.scale),
         ));
     }
+    if let Some(n) = cfg.g1_free_reserve {
+        tier_config = tier_config.g1_free_reserve(n);
+    }
     if let Some(n) = cfg.offload_in_flight {
         tier_config = tier_config.offload_in_flight(n);
     }
@@ -643,9 +649,10 @@ pub fn run_replay(
         block_bytes,
         g1_memory,
         placement: format!(
-            "kvbm-pool TierEngine, G2/G3 policy {:?}, {:?} from G1; G3 {}",
+            "kvbm-pool TierEngine, G2/G3 policy {:?}, {:?} from G1 (G1 free reserve {}); G3 {}",
             cfg.policy,
             driver.engine().config().offload_mode,
+            driver.engine().config().g1_reserve_for(caps[0]),
             if cfg.workers > 0 {
                 "files on the workers (O_DIRECT where the file system allows)"
             } else if caps[2] == 0 {
@@ -779,6 +786,7 @@ mod tests {
             workers: 0,
             worker_exe: None,
             offload_in_flight: None,
+            g1_free_reserve: None,
             g3_faults: G3Faults::default(),
             g3_staging_bytes: 0,
             decline_slow_loads: false,

@@ -67,6 +67,7 @@ pub fn tiny_replay_config(
         workers: 0,
         worker_exe: None,
         offload_in_flight: None,
+        g1_free_reserve: None,
         g3_faults: Default::default(),
         g3_staging_bytes: 0,
         decline_slow_loads: false,

@@ -149,6 +149,13 @@ impl TierEngineBuilder {
         self
     }
 
+    /// Write-back: G1 slots kept free ahead of need, their victims saved
+    /// in the background (see [`TierEngineConfig::g1_free_reserve`]).
+    pub fn g1_free_reserve(mut self, blocks: usize) -> Self {
+        self.config.g1_free_reserve = blocks;
+        self
+    }
+
     /// Every engine parameter at once, for experts. Its block size must be
     /// the shape's tokens per block.
     pub fn config(mut self, config: TierEngineConfig) -> Self {

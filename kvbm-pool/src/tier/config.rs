@@ -58,9 +58,11 @@ pub enum OffloadMode {
     /// When G1 evicts a block to reuse its slot: the copy runs before the
     /// slot is handed out, so allocation through
     /// [`TierEngine::allocate_g1`](super::TierEngine::allocate_g1) waits for
-    /// it. G2 then holds only what G1 lost (an exclusive victim cache: more
-    /// distinct blocks for the same memory), at the price of copies on the
-    /// allocation path. Only blocks that went through
+    /// it, unless G1's free reserve
+    /// ([`g1_free_reserve`](TierEngineConfig::g1_free_reserve)) covers the
+    /// allocation and the copy ran in the background. G2 then holds only
+    /// what G1 lost (an exclusive victim cache: more distinct blocks for the
+    /// same memory), at the price of copies on the allocation path. Only blocks that went through
     /// [`register_g1`](super::TierEngine::register_g1) or were onboarded by
     /// kvbm are saved (a partial block registered straight in the G1 pool
     /// stays in G1 only); blocks loaded from G2 or G3 into G1 leave those
@@ -195,6 +197,19 @@ pub struct TierEngineConfig {
     /// follow-ups' prefixes in GPU memory (no onboard), at the price of G1
     /// room for everything else.
     pub hint_g1_within: std::time::Duration,
+    /// Write-back mode: G1 slots kept free ahead of need. After each G1
+    /// allocation the engine evicts G1's next victims until this many slots
+    /// are free and saves them to G2 in the background (off the caller's
+    /// path, deferred while onboards run), so a later allocation of up to
+    /// this many blocks takes free slots instead of waiting for a
+    /// write-back; an allocation that needs more waits for the background
+    /// saves, then evicts the rest itself. The price is this many blocks of
+    /// G1's cache: their contents move to G2 early (and G2 evicts as many
+    /// sooner), so the engine keeps at most a sixty-fourth of G1 free this
+    /// way whatever is asked. A request's onboard is the allocation this is
+    /// for: the reserve should cover a typical matched prefix. 0 turns it
+    /// off.
+    pub g1_free_reserve: usize,
 }
 
 impl TierEngineConfig {
@@ -205,7 +220,8 @@ impl TierEngineConfig {
     /// least 64 MiB, four batches in flight, a queue of 4096 blocks, a
     /// history of the resident blocks and 4× the total capacity more;
     /// retention hints keep blocks for twice their hinted time, and G1
-    /// holds back hints of up to 30 s.
+    /// holds back hints of up to 30 s; up to 256 G1 slots (a sixty-fourth of
+    /// G1 at most) kept free ahead of need.
     pub fn new(block_size: usize) -> Self {
         Self {
             block_size,
@@ -225,7 +241,15 @@ impl TierEngineConfig {
             hint_g1_within: std::time::Duration::from_secs(30),
             g3_staging_blocks: 0,
             load_cost: LoadCost::default(),
+            g1_free_reserve: 256,
         }
+    }
+
+    /// Sets the G1 slots kept free ahead of need in write-back mode (0:
+    /// off).
+    pub fn g1_free_reserve(mut self, blocks: usize) -> Self {
+        self.g1_free_reserve = blocks;
+        self
     }
 
     /// Sets how long hints keep blocks, in multiples of the hinted time.
@@ -312,6 +336,16 @@ impl TierEngineConfig {
         self.offload_batch = batch;
         self.offload_queue = queue;
         self
+    }
+
+    /// The G1 slots kept free ahead of need for a G1 of `g1_blocks` blocks:
+    /// `g1_free_reserve`, at most a sixty-fourth of G1 (0 in write-through
+    /// mode).
+    pub fn g1_reserve_for(&self, g1_blocks: usize) -> usize {
+        match self.offload_mode {
+            OffloadMode::WriteBack => self.g1_free_reserve.min(g1_blocks / 64),
+            OffloadMode::WriteThrough => 0,
+        }
     }
 
     /// Whether a tier's policy reads the use history (reuse-score ranking

@@ -93,32 +93,87 @@ use crate::policy::{
 pub use crate::policy::{HintClock, RetentionHint, ReuseModel};
 use crate::pool::{BlockPool, CompleteBlock, ImmutableBlocks, MutableBlock, WeakBlock};
 
-/// Allocates G1 blocks, saving G1's victims to G2 first in write-back mode.
-pub(crate) fn allocate_g1(shared: &Shared, n: usize) -> Result<Vec<MutableBlock>, TierError> {
+/// Allocates G1 blocks, saving G1's victims to G2 first in write-back mode;
+/// then, with `top_up`, tops G1's free slots up to the reserve (see
+/// [`TierEngineConfig::g1_free_reserve`]). An onboard allocates without:
+/// the saves would compete with its copies, and run before or after its
+/// loaded blocks' G2 and G3 copies lose their rank depending on timing;
+/// the engine's next allocation tops up.
+pub(crate) fn allocate_g1(
+    shared: &Shared,
+    n: usize,
+    top_up: bool,
+) -> Result<Vec<MutableBlock>, TierError> {
     let Some(log) = &shared.g1_victims else {
         return Ok(shared.g1.pool.allocate(n)?);
     };
     let _serial = shared.g1_alloc.lock();
+    if shared.g1.pool.counts().free < n {
+        // Slots being cleaned are about to be free: take them rather than
+        // evict more (and so the victims do not depend on timing).
+        shared.offload.wait_cleaned();
+    }
     let blocks = shared.g1.pool.allocate(n)?;
+    let victims = take_g1_victims(shared, log);
+    if !victims.is_empty() {
+        shared.offload.write_back(victims);
+    }
+    if top_up {
+        clean_ahead(shared, log);
+    }
+    Ok(blocks)
+}
+
+/// G1's victims logged since the last call that the engine registered for
+/// offload (or kvbm loaded); a partial block stays in G1 only. Copies G2 or
+/// G3 still hold rank by their scores again.
+fn take_g1_victims(shared: &Shared, log: &VictimLog) -> Vec<crate::policy::Evicted> {
     let mut victims = std::mem::take(&mut *log.lock());
     if !victims.is_empty() {
         {
-            // G1 gives these blocks up: copies G2 or G3 still hold rank by
-            // their scores again.
             let mut history = shared.history.lock();
             for v in &victims {
                 history.undemote(v.hash);
             }
         }
-        // Only blocks the engine registered for offload (or kvbm loaded)
-        // are saved: a partial block stays in G1 only.
         let mut saved = shared.g1_saved.lock();
         victims.retain(|v| saved.remove(&v.hash));
     }
-    if !victims.is_empty() {
-        shared.offload.write_back(victims);
+    victims
+}
+
+/// Evicts G1's next victims until the reserve of free slots is reached and
+/// hands them, with their slots held until their bytes are in G2, to the
+/// offload worker. Called with `g1_alloc` held.
+fn clean_ahead(shared: &Shared, log: &VictimLog) {
+    let counts = shared.g1.pool.counts();
+    let reserve = shared.config.g1_reserve_for(counts.capacity);
+    if reserve == 0 {
+        return;
     }
-    Ok(blocks)
+    // Slots still held by earlier saves count as free: the victims chosen
+    // then do not depend on how far the worker has got.
+    let pending = shared.offload.cleaning_slots();
+    let k = reserve
+        .saturating_sub(counts.free + pending)
+        .min(counts.inactive);
+    if k == 0 {
+        return;
+    }
+    let slots = shared.g1.pool.evict_to_allocated(k);
+    if slots.is_empty() {
+        return;
+    }
+    // Victims another thread evicted straight from the G1 pool meanwhile
+    // are on the free list, not held here: those are saved now.
+    let held: HashSet<u32> = slots.iter().map(MutableBlock::block_id).collect();
+    let (behind, now): (Vec<_>, Vec<_>) = take_g1_victims(shared, log)
+        .into_iter()
+        .partition(|v| held.contains(&v.id));
+    if !now.is_empty() {
+        shared.offload.write_back(now);
+    }
+    shared.offload.clean(behind, slots);
 }
 
 /// The memory of each tier. G1 is required; without G2 nothing is
@@ -400,17 +455,27 @@ impl TierEngine {
     /// `n` G1 blocks for the engine to fill. In write-back mode the blocks
     /// G1 evicts to make room are copied to G2 before this returns (so the
     /// engine may overwrite them; the G3 writes this causes go through the
-    /// staging area and land later); in write-through mode this is
-    /// `g1().allocate(n)`. All or nothing.
+    /// staging area and land later), unless G1's free reserve covers `n`:
+    /// then this takes free slots, and the victims evicted to refill the
+    /// reserve are saved in the background (their slots are handed out only
+    /// once saved). In write-through mode this is `g1().allocate(n)`. All or
+    /// nothing.
     pub fn allocate_g1(&self, n: usize) -> Result<Vec<MutableBlock>, TierError> {
-        allocate_g1(&self.shared, n)
+        allocate_g1(&self.shared, n, true)
     }
 
     /// Registers blocks the engine completed in G1 (a parent before its
     /// children) and, in write-through mode, queues them for offload to G2
-    /// (in write-back mode they go to G2 when G1 evicts them).
+    /// (in write-back mode they go to G2 when G1 evicts them). Waits for
+    /// background saves of G1's reserve still running (they have ended
+    /// by the time a forward pass completes).
     /// Returns the held G1 blocks in the same order.
     pub fn register_g1(&self, blocks: Vec<CompleteBlock>) -> Result<ImmutableBlocks, TierError> {
+        // What the background saves of G1's reserve spill to G3 depends on
+        // what G1 holds: they end first, so the books do not depend on how
+        // far the worker got (an engine registers a forward pass after its
+        // allocation; the saves have ended by then).
+        self.shared.offload.wait_cleaned();
         let parents: Vec<Option<SequenceHash>> = blocks.iter().map(|b| b.parent()).collect();
         let held = self.shared.g1.pool.register(blocks).map_err(|e| {
             TierError::InvalidConfig(format!(
@@ -527,6 +592,9 @@ impl TierEngine {
     pub fn drop_cached(&self) -> usize {
         let shared = &self.shared;
         let _serial = shared.g1_alloc.lock();
+        // Background saves of G1's reserve end first (what they copy is
+        // dropped below with the rest).
+        shared.offload.wait_cleaned();
         let mut n = shared.g1.pool.evict(shared.g1.pool.capacity());
         if let Some(log) = &shared.g1_victims {
             let victims = std::mem::take(&mut *log.lock());

@@ -24,7 +24,9 @@
 //! (`docs/benchmarks.md`, "Offload through the tier engine"). A batch's
 //! sources stay held, and its targets unregistered, until its copy ended;
 //! write-back and G2 → G3 copies stay synchronous (their callers wait for
-//! the slots they free).
+//! the slots they free), but for the saves of G1's free reserve, which the
+//! worker runs while no onboard does (or at once when an allocation needs
+//! their slots) and which hold their slots until saved.
 //!
 //! Write-back offers G1's victims to G2 one at a time, in eviction order,
 //! each admitted against what G2 would evict at that point (as the
@@ -176,11 +178,27 @@ struct WriteBack {
     done: Arc<(Mutex<bool>, Condvar)>,
 }
 
+/// G1 victims evicted ahead of need (the free reserve) and their slots,
+/// held until the victims are saved: then the slots join G1's free list.
+struct Clean {
+    victims: Vec<Evicted>,
+    slots: Vec<MutableBlock>,
+}
+
 #[derive(Default)]
 pub(super) struct QueueState {
     items: VecDeque<Pending>,
     /// Write-back batches: they run before anything else, onboards or not.
     urgent: VecDeque<WriteBack>,
+    /// Background saves of G1's reserve, not started.
+    cleans: VecDeque<Clean>,
+    /// Background saves queued or running; `flush` waits for them.
+    cleaning: usize,
+    /// G1 slots those saves hold (free once they end).
+    cleaning_slots: usize,
+    /// Allocations waiting for the background saves: they then run even
+    /// while onboards do.
+    clean_wanted: usize,
     /// Onboards running: the worker does not start a batch meanwhile.
     onboards: usize,
     /// Batches and write-backs the worker has taken and not finished (in
@@ -209,7 +227,13 @@ impl OffloadQueue {
             *wb.done.0.lock() = true;
             wb.done.1.notify_all();
         }
+        // Not saved: the engine goes away with its G2.
+        let cleans = std::mem::take(&mut s.cleans);
+        s.cleaning = s.cleaning.saturating_sub(cleans.len());
+        let held: usize = cleans.iter().map(|c| c.slots.len()).sum();
+        s.cleaning_slots = s.cleaning_slots.saturating_sub(held);
         drop(s);
+        drop(cleans);
         self.cv.notify_all();
     }
 
@@ -246,10 +270,48 @@ impl OffloadQueue {
         }
     }
 
-    /// Waits until every queued offload, write-back and G3 write has run.
+    /// Hands G1's victims evicted ahead of need, and their held slots, to
+    /// the worker, which saves the victims when no onboard runs (or an
+    /// allocation waits for them) and then frees the slots.
+    pub(crate) fn clean(&self, victims: Vec<Evicted>, slots: Vec<MutableBlock>) {
+        let mut s = self.state.lock();
+        if s.shutdown {
+            return;
+        }
+        s.cleaning_slots += slots.len();
+        s.cleans.push_back(Clean { victims, slots });
+        s.cleaning += 1;
+        drop(s);
+        self.cv.notify_all();
+    }
+
+    /// G1 slots held by background saves not ended yet (they will be free).
+    pub(crate) fn cleaning_slots(&self) -> usize {
+        self.state.lock().cleaning_slots
+    }
+
+    /// Waits until the background saves handed over so far have ended
+    /// (their slots are free).
+    pub(crate) fn wait_cleaned(&self) {
+        let mut s = self.state.lock();
+        if s.cleaning == 0 {
+            return;
+        }
+        s.clean_wanted += 1;
+        self.cv.notify_all();
+        while !s.shutdown && s.cleaning > 0 {
+            self.cv.wait(&mut s);
+        }
+        s.clean_wanted -= 1;
+    }
+
+    /// Waits until every queued offload, write-back, background save and G3
+    /// write has run.
     pub(crate) fn flush(&self) {
         let mut s = self.state.lock();
-        while !s.shutdown && (s.working > 0 || !s.items.is_empty() || s.writes.busy()) {
+        while !s.shutdown
+            && (s.working > 0 || s.cleaning > 0 || !s.items.is_empty() || s.writes.busy())
+        {
             self.cv.wait(&mut s);
         }
     }
@@ -331,6 +393,8 @@ enum Step {
     Land,
     /// Save G1's victims (write-back mode).
     WriteBack(WriteBack),
+    /// Save G1's victims evicted ahead of need, then free their slots.
+    Clean(Clean),
     /// Prepare and start a batch.
     Start(Vec<Pending>),
     /// Apply the use history's queue.
@@ -361,6 +425,11 @@ pub(crate) fn run_worker(shared: &Arc<Shared>) {
                     s.working += 1;
                     break Step::WriteBack(wb);
                 }
+                if (s.onboards == 0 || s.clean_wanted > 0)
+                    && let Some(c) = s.cleans.pop_front()
+                {
+                    break Step::Clean(c);
+                }
                 if s.writes.ready(s.onboards) {
                     break Step::Write(s.writes.take());
                 }
@@ -389,6 +458,16 @@ pub(crate) fn run_worker(shared: &Arc<Shared>) {
                 *wb.done.0.lock() = true;
                 wb.done.1.notify_all();
                 q.finished();
+            }
+            Step::Clean(c) => {
+                save_g1_victims(shared, c.victims, &flying);
+                let held = c.slots.len();
+                drop(c.slots);
+                let mut s = q.state.lock();
+                s.cleaning = s.cleaning.saturating_sub(1);
+                s.cleaning_slots = s.cleaning_slots.saturating_sub(held);
+                drop(s);
+                q.cv.notify_all();
             }
             Step::History => shared.history.apply_pending(),
             Step::Write(batch) => behind::start(shared, batch),

@@ -337,7 +337,7 @@ pub(crate) fn start(
     }
     let dst = match target {
         OnboardTarget::Blocks(ids) => Dst::Ids(ids),
-        OnboardTarget::Pool => match super::allocate_g1(shared, own.len()) {
+        OnboardTarget::Pool => match super::allocate_g1(shared, own.len(), false) {
             Ok(blocks) => Dst::Pool(blocks),
             Err(e) => {
                 undo_start(shared, &job, holds, prefetch, owned_inflight);

@@ -5,8 +5,10 @@
 //! each admitted against what G2 would evict at that point (as the
 //! simulator does); a victim G2 refuses is offered to G3 the same way
 //! (a G1 → G3 copy). The caller of a write-back waits for the G1 → G2
-//! copies (the slots they free are about to be written); copies to G3 go
-//! through [`super::behind`], which keeps the disk off that wait.
+//! copies (the slots they free are about to be written), unless they are
+//! G1's free reserve being refilled, whose slots stay held until saved;
+//! copies to G3 go through [`super::behind`], which keeps the disk off that
+//! wait.
 
 use std::collections::HashSet;
 use std::time::Instant;

@@ -239,6 +239,12 @@ pub struct ReplayArgs {
     /// Offload batches the engine keeps in flight (default: the engine's).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=64))]
     pub offload_in_flight: Option<u64>,
+    /// G1 slots the engine keeps free ahead of need, saving G1's victims
+    /// in the background (default: the engine's, 256 but at most a
+    /// sixty-fourth of G1; 0: every allocation that evicts waits for the
+    /// save).
+    #[arg(long)]
+    pub g1_free_reserve: Option<usize>,
     /// Exit 0 even when copies failed during the replay (a disk that
     /// filled up, I/O errors). Without it such a run exits 3 after its
     /// report; either way the failures are printed on stderr, by path and

@@ -185,6 +185,7 @@ fn replay_config(
         workers: 0,
         worker_exe: None,
         offload_in_flight: None,
+        g1_free_reserve: None,
         g3_faults: G3Faults::default(),
         g3_staging_bytes: 0,
         decline_slow_loads: false,
@@ -272,6 +273,7 @@ fn replay_report(cli: &Cli, args: &ReplayArgs) -> Result<ReplayReport, BenchErro
         },
         workers: args.workers,
         offload_in_flight: args.offload_in_flight.map(|n| n as usize),
+        g1_free_reserve: args.g1_free_reserve,
         g3_faults: G3Faults {
             enospc_after_writes: args.g3_enospc_after_writes,
             eio_after_reads: args.g3_eio_after_reads,

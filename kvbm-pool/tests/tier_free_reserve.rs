@@ -1,0 +1,122 @@
+//! G1's free reserve in write-back mode: an allocation that fits in the
+//! free slots returns without waiting for a write-back, the victims evicted
+//! ahead of need are saved behind it, their slots are reused only once
+//! saved, and every block read back holds the bytes that went out.
+
+mod tier_support;
+
+use std::time::Duration;
+
+use kvbm_block::SequenceHash;
+use kvbm_pool::metrics::Path;
+use kvbm_pool::tier::{G1Lookup, OnboardTarget, TierEngine, TierEngineConfig, TierPolicy};
+use kvbm_pool::{EvictionKind, Tier};
+use kvbm_testkit::fault::{Fault, FaultRule};
+use kvbm_transfer::disk::IoDir;
+use tier_support::*;
+
+/// G1 blocks: the reserve is at most a sixty-fourth of them, so 4.
+const G1: usize = 256;
+const RESERVE: usize = 4;
+const G2: usize = 4;
+const G3: usize = 64;
+
+/// Write-back, every block admitted, LRU everywhere, no staging area (so a
+/// G2 victim's disk write is part of the save), G1 keeping `reserve` slots
+/// free.
+fn engine(reserve: usize, dir: &std::path::Path) -> TierEngine {
+    let config = TierEngineConfig::new(BLOCK_TOKENS)
+        .g1_eviction(EvictionKind::Lru)
+        .g2_policy(TierPolicy::WriteThrough)
+        .g3_policy(TierPolicy::WriteThrough)
+        .g1_free_reserve(reserve);
+    // Disk writes take 100 ms: a save that reaches G3 is slow.
+    let slow = faulty_executor(
+        FaultRule::always(Fault::Delay(Duration::from_millis(100))).on_dir(IoDir::Write),
+    );
+    engine_with(config, G1, G2, G3, dir, slow)
+}
+
+/// Computes `hashes` one block at a time, each released at once.
+fn compute_each(engine: &TierEngine, hashes: &[SequenceHash]) {
+    for (i, h) in hashes.iter().enumerate() {
+        let parent = i.checked_sub(1).map(|p| hashes[p]);
+        drop(compute(engine, std::slice::from_ref(h), parent));
+    }
+}
+
+/// Onboards `hashes` from G2/G3 into kvbm's G1 and checks every byte;
+/// returns how many blocks were loaded.
+fn load(engine: &TierEngine, id: &str, hashes: &[SequenceHash]) -> usize {
+    let m = engine
+        .match_request(id, hashes, hashes.len() * BLOCK_TOKENS + 1, G1Lookup::Pool)
+        .unwrap();
+    let external = m.external_blocks();
+    drop(m);
+    if external > 0 {
+        let done = engine
+            .onboard(id, OnboardTarget::Pool)
+            .and_then(|h| h.wait())
+            .unwrap();
+        verify(engine, &done.blocks.into_blocks());
+    }
+    engine.release(id);
+    external
+}
+
+/// Fills G1 and pushes blocks down to G3, then allocates one block and
+/// reports whether the G2 → G3 write its save causes had landed when the
+/// allocation returned. The block is filled with other bytes at once;
+/// afterwards every block evicted from G1 is read back and checked.
+fn allocation_waited_for_the_save(reserve: usize) -> bool {
+    let dir = tempdir();
+    let engine = engine(reserve, dir.path());
+    let a = chain(11, G1 + 8);
+    compute_each(&engine, &a);
+    engine.flush();
+    let g1 = engine.g1().counts();
+    assert_eq!(g1.free, reserve, "G1 keeps its reserve free");
+    assert_eq!(engine.stats().offload_copy_failures(), 0);
+
+    let before = engine.stats().blocks_on(Path::G2ToG3);
+    let block = engine.allocate_g1(1).unwrap().pop().unwrap();
+    let waited = engine.stats().blocks_on(Path::G2ToG3) > before;
+    // Overwrite the slot at once: had it been a victim not yet saved, its
+    // copy in G2 would hold these bytes.
+    let fresh = chain(12, 1)[0];
+    fill(engine.layout(Tier::G1).unwrap(), block.block_id(), fresh);
+    let held = engine
+        .register_g1(vec![block.complete(fresh, None).unwrap()])
+        .unwrap();
+    drop(held);
+    engine.flush();
+    assert_eq!(engine.stats().offload_copy_failures(), 0);
+
+    // G1 evicted its least recently used blocks, oldest first: the first
+    // `evicted` blocks of the chain are in G2 or G3, byte for byte.
+    let evicted = a.len() + 1 - (G1 - reserve);
+    let down = &a[..evicted];
+    assert_eq!(engine.g1().cached_prefix_len(down), 0);
+    let g2 = engine.pool(Tier::G2).unwrap();
+    let g3 = engine.pool(Tier::G3).unwrap();
+    for h in down {
+        assert!(
+            g2.cached_prefix_len(std::slice::from_ref(h))
+                + g3.cached_prefix_len(std::slice::from_ref(h))
+                == 1,
+            "an evicted block is kept in G2 or G3"
+        );
+    }
+    assert_eq!(load(&engine, "down", down), evicted);
+    waited
+}
+
+#[test]
+fn an_allocation_within_the_reserve_does_not_wait_for_the_save() {
+    assert!(!allocation_waited_for_the_save(RESERVE));
+}
+
+#[test]
+fn without_a_reserve_the_allocation_waits_for_the_save() {
+    assert!(allocation_waited_for_the_save(0));
+}
