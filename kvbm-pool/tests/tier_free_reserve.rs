@@ -37,14 +37,6 @@ fn engine(reserve: usize, dir: &std::path::Path) -> TierEngine {
     engine_with(config, G1, G2, G3, dir, slow)
 }
 
-/// Computes `hashes` one block at a time, each released at once.
-fn compute_each(engine: &TierEngine, hashes: &[SequenceHash]) {
-    for (i, h) in hashes.iter().enumerate() {
-        let parent = i.checked_sub(1).map(|p| hashes[p]);
-        drop(compute(engine, std::slice::from_ref(h), parent));
-    }
-}
-
 /// Onboards `hashes` from G2/G3 into kvbm's G1 and checks every byte;
 /// returns how many blocks were loaded.
 fn load(engine: &TierEngine, id: &str, hashes: &[SequenceHash]) -> usize {

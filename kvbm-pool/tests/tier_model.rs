@@ -83,8 +83,8 @@ fn run(ops: Vec<Op>, mode: OffloadMode) {
         .offload_mode(mode)
         .g2_policy(TierPolicy::WriteThrough)
         .g3_policy(TierPolicy::WriteThrough);
-    // Write-back: 12 chains of up to 9 blocks overflow 128 G1 blocks, whose
-    // reserve is 2 (a sixty-fourth).
+    // Write-back: 12 chains of up to 9 blocks overflow 64 G1 blocks, whose
+    // reserve is 1 (a sixty-fourth).
     let g1 = match mode {
         OffloadMode::WriteThrough => 160,
         OffloadMode::WriteBack => 64,

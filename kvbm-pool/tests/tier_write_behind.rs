@@ -47,14 +47,6 @@ fn slow_writes(ms: u64) -> Executor {
     faulty_executor(FaultRule::always(Fault::Delay(Duration::from_millis(ms))).on_dir(IoDir::Write))
 }
 
-/// Computes `hashes` one block at a time (each block released at once).
-fn compute_each(engine: &TierEngine, hashes: &[SequenceHash]) {
-    for (i, h) in hashes.iter().enumerate() {
-        let parent = i.checked_sub(1).map(|p| hashes[p]);
-        drop(compute(engine, std::slice::from_ref(h), parent));
-    }
-}
-
 /// Matches `hashes` (as request `id`), onboards into kvbm's G1 and checks
 /// every loaded byte; returns how many blocks came from G2 or G3.
 fn load(engine: &TierEngine, id: &str, hashes: &[SequenceHash]) -> Result<usize, TierError> {

@@ -173,6 +173,10 @@ fn clean_ahead(shared: &Shared, log: &VictimLog) {
     if !now.is_empty() {
         shared.offload.write_back(now);
     }
+    if behind.is_empty() {
+        // Nothing to save (partial blocks stay in G1 only): free at once.
+        return;
+    }
     shared.offload.clean(behind, slots);
 }
 

@@ -192,9 +192,8 @@ pub(super) struct QueueState {
     urgent: VecDeque<WriteBack>,
     /// Background saves of G1's reserve, not started.
     cleans: VecDeque<Clean>,
-    /// Background saves queued or running; `flush` waits for them.
-    cleaning: usize,
-    /// G1 slots those saves hold (free once they end).
+    /// G1 slots held by background saves queued or running (every save
+    /// holds at least one; free once it ends); `flush` waits for them.
     cleaning_slots: usize,
     /// Allocations waiting for the background saves: they then run even
     /// while onboards do.
@@ -229,7 +228,6 @@ impl OffloadQueue {
         }
         // Not saved: the engine goes away with its G2.
         let cleans = std::mem::take(&mut s.cleans);
-        s.cleaning = s.cleaning.saturating_sub(cleans.len());
         let held: usize = cleans.iter().map(|c| c.slots.len()).sum();
         s.cleaning_slots = s.cleaning_slots.saturating_sub(held);
         drop(s);
@@ -275,12 +273,11 @@ impl OffloadQueue {
     /// allocation waits for them) and then frees the slots.
     pub(crate) fn clean(&self, victims: Vec<Evicted>, slots: Vec<MutableBlock>) {
         let mut s = self.state.lock();
-        if s.shutdown {
+        if s.shutdown || slots.is_empty() {
             return;
         }
         s.cleaning_slots += slots.len();
         s.cleans.push_back(Clean { victims, slots });
-        s.cleaning += 1;
         drop(s);
         self.cv.notify_all();
     }
@@ -294,12 +291,12 @@ impl OffloadQueue {
     /// (their slots are free).
     pub(crate) fn wait_cleaned(&self) {
         let mut s = self.state.lock();
-        if s.cleaning == 0 {
+        if s.cleaning_slots == 0 {
             return;
         }
         s.clean_wanted += 1;
         self.cv.notify_all();
-        while !s.shutdown && s.cleaning > 0 {
+        while !s.shutdown && s.cleaning_slots > 0 {
             self.cv.wait(&mut s);
         }
         s.clean_wanted -= 1;
@@ -310,7 +307,7 @@ impl OffloadQueue {
     pub(crate) fn flush(&self) {
         let mut s = self.state.lock();
         while !s.shutdown
-            && (s.working > 0 || s.cleaning > 0 || !s.items.is_empty() || s.writes.busy())
+            && (s.working > 0 || s.cleaning_slots > 0 || !s.items.is_empty() || s.writes.busy())
         {
             self.cv.wait(&mut s);
         }
@@ -464,7 +461,6 @@ pub(crate) fn run_worker(shared: &Arc<Shared>) {
                 let held = c.slots.len();
                 drop(c.slots);
                 let mut s = q.state.lock();
-                s.cleaning = s.cleaning.saturating_sub(1);
                 s.cleaning_slots = s.cleaning_slots.saturating_sub(held);
                 drop(s);
                 q.cv.notify_all();

@@ -184,6 +184,15 @@ pub fn compute(
     engine.register_g1(complete).unwrap()
 }
 
+/// Computes `hashes` (one chain) one block at a time, each block released
+/// at once.
+pub fn compute_each(engine: &TierEngine, hashes: &[SequenceHash]) {
+    for (i, h) in hashes.iter().enumerate() {
+        let parent = i.checked_sub(1).map(|p| hashes[p]);
+        drop(compute(engine, std::slice::from_ref(h), parent));
+    }
+}
+
 /// Computes `chains` one block at a time so every block goes on to G3 (on
 /// an engine of [`write_through_config`]), pushes G2's last `g2_blocks`
 /// out to G3 with fillers, then empties G1.
