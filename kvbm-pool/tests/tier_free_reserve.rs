@@ -5,14 +5,9 @@
 
 mod tier_support;
 
-use std::time::Duration;
-
-use kvbm_block::SequenceHash;
 use kvbm_pool::metrics::Path;
-use kvbm_pool::tier::{G1Lookup, OnboardTarget, TierEngine, TierEngineConfig, TierPolicy};
+use kvbm_pool::tier::{TierEngine, TierEngineConfig, TierPolicy};
 use kvbm_pool::{EvictionKind, Tier};
-use kvbm_testkit::fault::{Fault, FaultRule};
-use kvbm_transfer::disk::IoDir;
 use tier_support::*;
 
 /// G1 blocks: the reserve is at most a sixty-fourth of them, so 4.
@@ -31,29 +26,7 @@ fn engine(reserve: usize, dir: &std::path::Path) -> TierEngine {
         .g3_policy(TierPolicy::WriteThrough)
         .g1_free_reserve(reserve);
     // Disk writes take 100 ms: a save that reaches G3 is slow.
-    let slow = faulty_executor(
-        FaultRule::always(Fault::Delay(Duration::from_millis(100))).on_dir(IoDir::Write),
-    );
-    engine_with(config, G1, G2, G3, dir, slow)
-}
-
-/// Onboards `hashes` from G2/G3 into kvbm's G1 and checks every byte;
-/// returns how many blocks were loaded.
-fn load(engine: &TierEngine, id: &str, hashes: &[SequenceHash]) -> usize {
-    let m = engine
-        .match_request(id, hashes, hashes.len() * BLOCK_TOKENS + 1, G1Lookup::Pool)
-        .unwrap();
-    let external = m.external_blocks();
-    drop(m);
-    if external > 0 {
-        let done = engine
-            .onboard(id, OnboardTarget::Pool)
-            .and_then(|h| h.wait())
-            .unwrap();
-        verify(engine, &done.blocks.into_blocks());
-    }
-    engine.release(id);
-    external
+    engine_with(config, G1, G2, G3, dir, slow_writes(100))
 }
 
 /// Fills G1 and pushes blocks down to G3, then allocates one block and
@@ -99,7 +72,7 @@ fn allocation_waited_for_the_save(reserve: usize) -> bool {
             "an evicted block is kept in G2 or G3"
         );
     }
-    assert_eq!(load(&engine, "down", down), evicted);
+    assert_eq!(load(&engine, "down", down).unwrap(), evicted);
     waited
 }
 

@@ -8,12 +8,11 @@
 mod tier_support;
 
 use std::os::unix::fs::FileExt;
-use std::time::Duration;
 
 use kvbm_block::SequenceHash;
 use kvbm_pool::metrics::Path;
-use kvbm_pool::tier::{G1Lookup, OnboardTarget, TierEngine, TierEngineConfig, TierPolicy};
-use kvbm_pool::{EvictionKind, Tier, TierError};
+use kvbm_pool::tier::{G1Lookup, TierEngine, TierEngineConfig, TierPolicy};
+use kvbm_pool::{EvictionKind, Tier};
 use kvbm_testkit::fault::{Fault, FaultRule};
 use kvbm_transfer::disk::IoDir;
 use kvbm_transfer::{Executor, PhysicalLayout};
@@ -40,37 +39,6 @@ fn wb_engine(exec: Executor, dir: &std::path::Path, g3: usize) -> TierEngine {
     let engine = engine_with(config(), G1, G2_POOL + STAGING, g3, dir, exec);
     assert_eq!(engine.staging_free_blocks(), STAGING);
     engine
-}
-
-/// Disk writes take `ms` milliseconds each.
-fn slow_writes(ms: u64) -> Executor {
-    faulty_executor(FaultRule::always(Fault::Delay(Duration::from_millis(ms))).on_dir(IoDir::Write))
-}
-
-/// Matches `hashes` (as request `id`), onboards into kvbm's G1 and checks
-/// every loaded byte; returns how many blocks came from G2 or G3.
-fn load(engine: &TierEngine, id: &str, hashes: &[SequenceHash]) -> Result<usize, TierError> {
-    let m = engine.match_request(id, hashes, hashes.len() * BLOCK_TOKENS + 1, G1Lookup::Pool)?;
-    let external = m.external_blocks();
-    drop(m);
-    if external == 0 {
-        engine.release(id);
-        return Ok(0);
-    }
-    let done = engine
-        .onboard(id, OnboardTarget::Pool)
-        .and_then(|h| h.wait());
-    let blocks = match done {
-        Ok(d) => d.blocks.into_blocks(),
-        Err(e) => {
-            engine.release(id);
-            return Err(e);
-        }
-    };
-    verify(engine, &blocks);
-    drop(blocks);
-    engine.release(id);
-    Ok(external)
 }
 
 #[test]

@@ -478,8 +478,10 @@ impl TierEngine {
         // What the background saves of G1's reserve spill to G3 depends on
         // what G1 holds: they end first, so the books do not depend on how
         // far the worker got (an engine registers a forward pass after its
-        // allocation; the saves have ended by then).
-        self.shared.offload.wait_cleaned();
+        // allocation; the saves have ended by then). Write-through has none.
+        if self.shared.g1_victims.is_some() {
+            self.shared.offload.wait_cleaned();
+        }
         let parents: Vec<Option<SequenceHash>> = blocks.iter().map(|b| b.parent()).collect();
         let held = self.shared.g1.pool.register(blocks).map_err(|e| {
             TierError::InvalidConfig(format!(

@@ -4,14 +4,17 @@
 #![allow(dead_code)]
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use kvbm_block::SequenceHash;
 use kvbm_layout::{Layout, LayoutConfig, LayoutKind};
-use kvbm_pool::tier::{OffloadMode, TierEngine, TierEngineConfig, TierLayouts, TierPolicy};
-use kvbm_pool::{ImmutableBlock, ImmutableBlocks};
-use kvbm_testkit::fault::{FaultRule, FaultyEngine};
+use kvbm_pool::tier::{
+    G1Lookup, OffloadMode, OnboardTarget, TierEngine, TierEngineConfig, TierLayouts, TierPolicy,
+};
+use kvbm_pool::{ImmutableBlock, ImmutableBlocks, TierError};
+use kvbm_testkit::fault::{Fault, FaultRule, FaultyEngine};
 use kvbm_transfer::backend::memcpy::MemcpyBackend;
-use kvbm_transfer::disk::{DefaultEngine, DiskBackend, EngineConfig};
+use kvbm_transfer::disk::{DefaultEngine, DiskBackend, EngineConfig, IoDir};
 use kvbm_transfer::memory::{DiskAllocator, DiskOptions, SystemAllocator};
 use kvbm_transfer::{Executor, ExecutorConfig, ExecutorSpec, PhysicalLayout};
 
@@ -57,6 +60,37 @@ pub fn faulty_executor_with(rule: Option<FaultRule>) -> Executor {
 /// An executor whose disk I/O fails as `rule` says.
 pub fn faulty_executor(rule: FaultRule) -> Executor {
     faulty_executor_with(Some(rule))
+}
+
+/// Disk writes take `ms` milliseconds each.
+pub fn slow_writes(ms: u64) -> Executor {
+    faulty_executor(FaultRule::always(Fault::Delay(Duration::from_millis(ms))).on_dir(IoDir::Write))
+}
+
+/// Matches `hashes` (as request `id`), onboards into kvbm's G1 and checks
+/// every loaded byte; returns how many blocks came from G2 or G3.
+pub fn load(engine: &TierEngine, id: &str, hashes: &[SequenceHash]) -> Result<usize, TierError> {
+    let m = engine.match_request(id, hashes, hashes.len() * BLOCK_TOKENS + 1, G1Lookup::Pool)?;
+    let external = m.external_blocks();
+    drop(m);
+    if external == 0 {
+        engine.release(id);
+        return Ok(0);
+    }
+    let done = engine
+        .onboard(id, OnboardTarget::Pool)
+        .and_then(|h| h.wait());
+    let blocks = match done {
+        Ok(d) => d.blocks.into_blocks(),
+        Err(e) => {
+            engine.release(id);
+            return Err(e);
+        }
+    };
+    verify(engine, &blocks);
+    drop(blocks);
+    engine.release(id);
+    Ok(external)
 }
 
 /// An engine configuration that offloads every block and admits it to G2
