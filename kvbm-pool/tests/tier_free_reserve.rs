@@ -6,25 +6,26 @@
 mod tier_support;
 
 use kvbm_pool::metrics::Path;
-use kvbm_pool::tier::{TierEngine, TierEngineConfig, TierPolicy};
+use kvbm_pool::tier::{OffloadMode, TierEngine, TierEngineConfig, TierPolicy};
 use kvbm_pool::{EvictionKind, Tier};
 use tier_support::*;
 
-/// G1 blocks: the reserve is at most a sixty-fourth of them, so 4.
+/// G1 blocks: the automatic reserve is a sixty-fourth of them, 4.
 const G1: usize = 256;
-const RESERVE: usize = 4;
 const G2: usize = 4;
 const G3: usize = 64;
 
 /// Write-back, every block admitted, LRU everywhere, no staging area (so a
 /// G2 victim's disk write is part of the save), G1 keeping `reserve` slots
-/// free.
-fn engine(reserve: usize, dir: &std::path::Path) -> TierEngine {
-    let config = TierEngineConfig::new(BLOCK_TOKENS)
+/// free (`None`: the automatic size).
+fn engine(reserve: Option<usize>, dir: &std::path::Path) -> TierEngine {
+    let mut config = TierEngineConfig::new(BLOCK_TOKENS)
         .g1_eviction(EvictionKind::Lru)
         .g2_policy(TierPolicy::WriteThrough)
-        .g3_policy(TierPolicy::WriteThrough)
-        .g1_free_reserve(reserve);
+        .g3_policy(TierPolicy::WriteThrough);
+    if let Some(blocks) = reserve {
+        config = config.g1_free_reserve(blocks);
+    }
     // Disk writes take 100 ms: a save that reaches G3 is slow.
     engine_with(config, G1, G2, G3, dir, slow_writes(100))
 }
@@ -33,9 +34,11 @@ fn engine(reserve: usize, dir: &std::path::Path) -> TierEngine {
 /// reports whether the G2 → G3 write its save causes had landed when the
 /// allocation returned. The block is filled with other bytes at once;
 /// afterwards every block evicted from G1 is read back and checked.
-fn allocation_waited_for_the_save(reserve: usize) -> bool {
+fn allocation_waited_for_the_save(reserve: Option<usize>, expected: usize) -> bool {
     let dir = tempdir();
     let engine = engine(reserve, dir.path());
+    let reserve = engine.config().g1_reserve_for(G1);
+    assert_eq!(reserve, expected);
     let a = chain(11, G1 + 8);
     compute_each(&engine, &a);
     engine.flush();
@@ -78,10 +81,27 @@ fn allocation_waited_for_the_save(reserve: usize) -> bool {
 
 #[test]
 fn an_allocation_within_the_reserve_does_not_wait_for_the_save() {
-    assert!(!allocation_waited_for_the_save(RESERVE));
+    assert!(!allocation_waited_for_the_save(None, G1 / 64));
+}
+
+#[test]
+fn an_explicit_reserve_is_kept_beyond_the_automatic_size() {
+    assert!(!allocation_waited_for_the_save(Some(40), 40));
 }
 
 #[test]
 fn without_a_reserve_the_allocation_waits_for_the_save() {
-    assert!(allocation_waited_for_the_save(0));
+    assert!(allocation_waited_for_the_save(Some(0), 0));
+}
+
+#[test]
+fn the_reserve_is_sized_from_g1_and_capped_at_half_of_it() {
+    let auto = TierEngineConfig::new(BLOCK_TOKENS);
+    assert_eq!(auto.g1_reserve_for(81), 1);
+    assert_eq!(auto.g1_reserve_for(3_655), 57);
+    assert_eq!(auto.g1_reserve_for(1 << 20), 256);
+    assert_eq!(auto.clone().g1_free_reserve(12).g1_reserve_for(81), 12);
+    assert_eq!(auto.clone().g1_free_reserve(1_000).g1_reserve_for(81), 40);
+    let through = auto.offload_mode(OffloadMode::WriteThrough).g1_free_reserve(12);
+    assert_eq!(through.g1_reserve_for(81), 0);
 }

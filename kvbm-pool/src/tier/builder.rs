@@ -149,10 +149,11 @@ impl TierEngineBuilder {
         self
     }
 
-    /// Write-back: G1 slots kept free ahead of need, their victims saved
-    /// in the background (see [`TierEngineConfig::g1_free_reserve`]).
+    /// Write-back: keeps `blocks` G1 slots free ahead of need (at most half
+    /// of G1; 0: off) instead of the automatic size, their victims saved in
+    /// the background (see [`TierEngineConfig::g1_free_reserve`]).
     pub fn g1_free_reserve(mut self, blocks: usize) -> Self {
-        self.config.g1_free_reserve = blocks;
+        self.config.g1_free_reserve = Some(blocks);
         self
     }
 

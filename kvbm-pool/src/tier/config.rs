@@ -203,14 +203,22 @@ pub struct TierEngineConfig {
     /// path, deferred while onboards run), so a later allocation of up to
     /// this many blocks takes free slots instead of waiting for a
     /// write-back; an allocation that needs more waits for the background
-    /// saves, then evicts the rest itself. The price is this many blocks of
-    /// G1's cache: their contents move to G2 early (and G2 evicts as many
-    /// sooner), so the engine keeps at most a sixty-fourth of G1 free this
-    /// way whatever is asked. A request's onboard is the allocation this is
-    /// for: the reserve should cover a typical matched prefix. 0 turns it
-    /// off.
-    pub g1_free_reserve: usize,
+    /// saves, then evicts the rest itself. A request's onboard is the
+    /// allocation this is for: the reserve should cover a typical matched
+    /// prefix. The price is this many blocks of the total cache: their
+    /// contents move to G2 early and G2 evicts as many sooner.
+    ///
+    /// `None` (the default) sizes it from G1: 256 blocks, at most a
+    /// sixty-fourth of G1, so that it costs next to no hit rate.
+    /// `Some(n)` keeps `n` slots free, at most half of G1: an engine whose
+    /// G1 is small next to its onboards trades some hit rate for onboards
+    /// that wait less. `Some(0)` turns it off.
+    pub g1_free_reserve: Option<usize>,
 }
+
+/// The automatic G1 free reserve's size in blocks, before its cap of a
+/// sixty-fourth of G1 ([`TierEngineConfig::g1_free_reserve`]).
+const AUTO_G1_RESERVE: usize = 256;
 
 impl TierEngineConfig {
     /// Blocks of `block_size` tokens; reuse-score admission and eviction in
@@ -241,14 +249,14 @@ impl TierEngineConfig {
             hint_g1_within: std::time::Duration::from_secs(30),
             g3_staging_blocks: 0,
             load_cost: LoadCost::default(),
-            g1_free_reserve: 256,
+            g1_free_reserve: None,
         }
     }
 
-    /// Sets the G1 slots kept free ahead of need in write-back mode (0:
-    /// off).
+    /// Keeps `blocks` G1 slots free ahead of need in write-back mode, at
+    /// most half of G1, instead of the automatic size (0: off).
     pub fn g1_free_reserve(mut self, blocks: usize) -> Self {
-        self.g1_free_reserve = blocks;
+        self.g1_free_reserve = Some(blocks);
         self
     }
 
@@ -338,13 +346,14 @@ impl TierEngineConfig {
         self
     }
 
-    /// The G1 slots kept free ahead of need for a G1 of `g1_blocks` blocks:
-    /// `g1_free_reserve`, at most a sixty-fourth of G1 (0 in write-through
+    /// The G1 slots kept free ahead of need for a G1 of `g1_blocks` blocks
+    /// (see [`g1_free_reserve`](Self::g1_free_reserve); 0 in write-through
     /// mode).
     pub fn g1_reserve_for(&self, g1_blocks: usize) -> usize {
-        match self.offload_mode {
-            OffloadMode::WriteBack => self.g1_free_reserve.min(g1_blocks / 64),
-            OffloadMode::WriteThrough => 0,
+        match (self.offload_mode, self.g1_free_reserve) {
+            (OffloadMode::WriteThrough, _) => 0,
+            (OffloadMode::WriteBack, None) => AUTO_G1_RESERVE.min(g1_blocks / 64),
+            (OffloadMode::WriteBack, Some(n)) => n.min(g1_blocks / 2),
         }
     }
 

@@ -240,9 +240,9 @@ pub struct ReplayArgs {
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=64))]
     pub offload_in_flight: Option<u64>,
     /// G1 slots the engine keeps free ahead of need, saving G1's victims
-    /// in the background (default: the engine's, 256 but at most a
-    /// sixty-fourth of G1; 0: every allocation that evicts waits for the
-    /// save).
+    /// in the background, at most half of G1 (default: the engine's
+    /// automatic size, 256 but at most a sixty-fourth of G1; 0: every
+    /// allocation that evicts waits for the save).
     #[arg(long)]
     pub g1_free_reserve: Option<usize>,
     /// Exit 0 even when copies failed during the replay (a disk that
