@@ -102,6 +102,8 @@ fn the_reserve_is_sized_from_g1_and_capped_at_half_of_it() {
     assert_eq!(auto.g1_reserve_for(1 << 20), 256);
     assert_eq!(auto.clone().g1_free_reserve(12).g1_reserve_for(81), 12);
     assert_eq!(auto.clone().g1_free_reserve(1_000).g1_reserve_for(81), 40);
-    let through = auto.offload_mode(OffloadMode::WriteThrough).g1_free_reserve(12);
+    let through = auto
+        .offload_mode(OffloadMode::WriteThrough)
+        .g1_free_reserve(12);
     assert_eq!(through.g1_reserve_for(81), 0);
 }
