@@ -4,8 +4,8 @@ use std::collections::{HashMap, HashSet};
 
 use kvbm_bench::sim::reuse_score::{ReuseScoreConfig, ReuseScoreTiers};
 use kvbm_bench::sim::{
-    BeladySim, CacheSim, KvbmTiers, LruFeed, LruSim, LruTiers, RequestCtx, Tier, TierCapacities,
-    TieredSim, TouchOrder, replay,
+    BeladySim, CacheSim, G1Keeps, KvbmTiers, LruFeed, LruSim, LruTiers, RequestCtx, Tier,
+    TierCapacities, TieredSim, TouchOrder, replay,
 };
 use kvbm_testkit::trace::{BlockId, Request};
 use proptest::prelude::*;
@@ -281,6 +281,39 @@ fn victim_lru_tiers_serve_what_g1_dropped() {
     // Served blocks moved back to G1 and left kvbm (exclusive tiers).
     assert_eq!(sim.lookup(1), Some(Tier::G1));
     assert_eq!(sim.kvbm().occupancy().0, 2);
+}
+
+/// With G1 keeping full blocks only, a partial last block holds a G1 slot
+/// while its request runs and is freed with it; kvbm never receives it, so
+/// the same prompt later hits its full blocks only. Keeping every block,
+/// the same replay hits the partial block in G1.
+#[test]
+fn a_g1_keeping_full_blocks_frees_the_partial_block_and_never_offers_it() {
+    let r = |ids: &[BlockId], tokens: u32| Request {
+        timestamp_ms: 0,
+        input_length: tokens,
+        output_length: 1,
+        hash_ids: ids.to_vec(),
+    };
+    // Blocks 1 and 2 are full, 3 holds 2 of its 4 tokens.
+    let a = r(&[1, 2, 3], 2 * BT + 2);
+    let mut sim =
+        TieredSim::new(3, LruTiers::new(8, 0, LruFeed::Victim)).with_g1_keeping(G1Keeps::FullOnly);
+    replay(std::slice::from_ref(&a), BT, &mut sim);
+    assert!(sim.g1_contains(1) && sim.g1_contains(2));
+    assert!(!sim.g1_contains(3), "the partial block's slot is freed");
+    assert_eq!(sim.g1_len(), 2);
+    // Two other prompts push a's blocks out of G1 into kvbm's G2.
+    replay(&[r(&[10, 11], 2 * BT), r(&[20, 21], 2 * BT)], BT, &mut sim);
+    let held: HashSet<BlockId> = sim.kvbm().cached().into_iter().map(|(b, _)| b).collect();
+    assert!(held.contains(&1) && held.contains(&2));
+    assert!(!held.contains(&3), "kvbm never receives a partial block");
+    let s = replay(std::slice::from_ref(&a), BT, &mut sim);
+    assert_eq!(s.total_hits(), 2);
+
+    let mut every = TieredSim::new(3, LruTiers::new(8, 0, LruFeed::Victim));
+    let s = replay(&[a.clone(), a], BT, &mut every);
+    assert_eq!(s.hits, [3, 0, 0]);
 }
 
 mod weights {

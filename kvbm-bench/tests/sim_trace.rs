@@ -26,6 +26,8 @@ fn reads_requests_and_skips_blank_lines() {
     assert_eq!(reqs[0].timestamp_ms, 5);
     assert!(reqs[0].last_block_partial(MOONCAKE_BLOCK_TOKENS));
     assert!(!reqs[1].last_block_partial(MOONCAKE_BLOCK_TOKENS));
+    assert_eq!(reqs[0].full_blocks(MOONCAKE_BLOCK_TOKENS), 2);
+    assert_eq!(reqs[1].full_blocks(MOONCAKE_BLOCK_TOKENS), 1);
 }
 
 #[test]

@@ -210,11 +210,13 @@ impl EngineDriver {
         // Onboard latency runs from the match: G3 reads start there.
         let t0 = Instant::now();
         let g3_bytes_before = engine.stats().bytes[G3_TO_G1];
-        // One token past the blocks: hit rates count every matched block,
-        // as the simulators do; the full-prompt give-back is accounted in
-        // the tokens avoided instead.
+        // One token past the full blocks: hit rates count every matched
+        // full block, as the simulators do (the full-prompt give-back is
+        // accounted in the tokens avoided instead); a partial last block is
+        // never matched, so it is not recorded either.
+        let full_end = request.full_blocks(self.trace_block_tokens);
         let m = engine
-            .match_request(id, &hashes, n * bs + 1, G1Lookup::Pool)
+            .match_request(id, &hashes, full_end * bs + 1, G1Lookup::Pool)
             .map_err(tier_err)?;
         let mut out = RequestOutcome {
             declined_blocks: m.declined_blocks,
@@ -281,9 +283,8 @@ impl EngineDriver {
         // Offload starts when blocks are registered; the phase ends when
         // the worker has drained.
         let mut offload_start = None;
+        let mut partial_slot = None;
         if at < n {
-            let partial = request.last_block_partial(self.trace_block_tokens);
-            let full_end = if partial { n - 1 } else { n };
             let mut parent = at.checked_sub(1).map(|p| hashes[p]);
             if at < full_end {
                 // Through the engine: in write-back mode the blocks G1
@@ -304,21 +305,19 @@ impl EngineDriver {
                         .into_blocks(),
                 );
             }
-            if partial {
-                // A partial last block stays in G1 only (never offloaded).
+            if full_end < n {
+                // A partial last block takes a G1 slot while the request
+                // runs and is not cached after it (vLLM's prefix cache holds
+                // full blocks only): its slot is freed with the request.
                 let b = engine
                     .allocate_g1(1)
                     .map_err(tier_err)?
                     .pop()
                     .ok_or_else(|| BenchError::Tier("G1 allocated no block".into()))?;
-                let h = hashes[n - 1];
                 // SAFETY: the offloads just queued read other blocks; this
                 // block is fresh and only this thread touches it.
-                unsafe { self.g1.fill(b.block_id() as usize, h.0)? };
-                let c = b
-                    .complete(h, n.checked_sub(2).map(|p| hashes[p]))
-                    .map_err(tier_err)?;
-                held.push(engine.g1().register_block(c).map_err(tier_err)?);
+                unsafe { self.g1.fill(b.block_id() as usize, hashes[n - 1].0)? };
+                partial_slot = Some(b);
             }
         }
         if let Some(s) = onboard_secs {
@@ -327,6 +326,7 @@ impl EngineDriver {
             self.onboard_phase.1 += s;
         }
         drop(held);
+        drop(partial_slot);
         self.engine.release(id);
         let t0 = offload_start.unwrap_or_else(Instant::now);
         self.engine.flush();

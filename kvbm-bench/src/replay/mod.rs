@@ -37,7 +37,7 @@ use super::model::{KvModel, check_disk_alignment};
 use super::stats::percentile;
 use crate::sim::reuse_score::{ReuseScoreConfig, ReuseScoreTiers, ScoreModel};
 use crate::sim::{
-    BeladySim, LruFeed, LruSim, LruTiers, ReplayStats, Tier, TierCapacities, TieredSim,
+    BeladySim, G1Keeps, LruFeed, LruSim, LruTiers, ReplayStats, Tier, TierCapacities, TieredSim,
     capacity_for, replay,
 };
 use kvbm_testkit::trace::{Request, TraceFacts};
@@ -275,7 +275,8 @@ fn split(total: usize, fractions: [f64; 3]) -> [usize; 3] {
 }
 
 fn lru_tiers_stats(requests: &[Request], block_tokens: u32, caps: [usize; 3]) -> ReplayStats {
-    let mut sim = TieredSim::new(caps[0], LruTiers::new(caps[1], caps[2], LruFeed::Victim));
+    let mut sim = TieredSim::new(caps[0], LruTiers::new(caps[1], caps[2], LruFeed::Victim))
+        .with_g1_keeping(G1Keeps::FullOnly);
     replay(requests, block_tokens, &mut sim)
 }
 
@@ -298,7 +299,8 @@ fn reuse_stats(requests: &[Request], block_tokens: u32, caps: [usize; 3]) -> Rep
         history_factor: engine.history_factor,
         ..ReuseScoreConfig::for_tiers(tiers)
     };
-    let mut sim = TieredSim::new(caps[0], ReuseScoreTiers::new(config));
+    let mut sim =
+        TieredSim::new(caps[0], ReuseScoreTiers::new(config)).with_g1_keeping(G1Keeps::FullOnly);
     replay(requests, block_tokens, &mut sim)
 }
 

@@ -30,4 +30,4 @@ pub mod trace_index;
 pub use belady::BeladySim;
 pub use lru::{LruSim, TouchOrder};
 pub use replay::{CacheSim, ReplayStats, RequestCtx, Tier, capacity_for, replay};
-pub use tiered::{KvbmTiers, LruFeed, LruTiers, TierCapacities, TieredSim};
+pub use tiered::{G1Keeps, KvbmTiers, LruFeed, LruTiers, TierCapacities, TieredSim};

@@ -3,9 +3,11 @@
 //! G1 is the engine's GPU prefix cache: the engine inserts every block of
 //! every request it runs, and evicts by recency, deepest blocks first
 //! (vLLM frees a finished request's blocks tail-first), never a block of
-//! the request it is admitting unless that request alone overflows G1. kvbm does not choose
-//! what G1 holds; it sees every request and every block G1 evicts, and
-//! decides what G2 and G3 admit and evict: that is a [`KvbmTiers`] policy.
+//! the request it is admitting unless that request alone overflows G1.
+//! Whether a request's partial last block stays cached after it is the
+//! engine's choice ([`G1Keeps`]). kvbm does not choose what G1 holds; it
+//! sees every request and every block G1 evicts, and decides what G2 and
+//! G3 admit and evict: that is a [`KvbmTiers`] policy.
 //!
 //! A lookup walks the prompt and, for each block, asks G1 first, then
 //! kvbm; the first tier holding the block serves it, and the walk stops at
@@ -13,7 +15,7 @@
 
 use super::lru::{LruSim, TouchOrder};
 use super::replay::{CacheSim, RequestCtx, Tier, capacity_for};
-use kvbm_testkit::trace::BlockId;
+use kvbm_testkit::trace::{BlockId, Request};
 
 /// Capacities of the three tiers, in blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -61,20 +63,53 @@ pub trait KvbmTiers {
     fn cached(&self) -> Vec<(BlockId, Tier)>;
 }
 
+/// Which of a request's blocks the engine's G1 keeps cached once the
+/// request is done.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum G1Keeps {
+    /// Every block, the partial last one included, as a prefix cache at
+    /// token granularity would (the policy study's model).
+    #[default]
+    Every,
+    /// Full blocks only, as in vLLM, whose prefix cache hashes full blocks
+    /// only, and in kvbm-bench's replay: the partial last block takes a
+    /// slot while its request runs, which is freed with the request, and
+    /// kvbm never sees the block (the engine neither matches nor offers it).
+    FullOnly,
+}
+
 /// The engine's G1 followed by kvbm's tiers under policy `K`.
 #[derive(Debug, Clone)]
 pub struct TieredSim<K> {
     g1: LruSim,
+    keeps: G1Keeps,
     kvbm: K,
+    /// With [`G1Keeps::FullOnly`], the request kvbm is shown: its full
+    /// blocks (reused between requests).
+    full: Request,
 }
 
 impl<K: KvbmTiers> TieredSim<K> {
-    /// An engine G1 of `g1_capacity` blocks in front of `kvbm`.
+    /// An engine G1 of `g1_capacity` blocks in front of `kvbm`, keeping
+    /// every block ([`G1Keeps::Every`]).
     pub fn new(g1_capacity: usize, kvbm: K) -> Self {
         Self {
             g1: LruSim::with_order(g1_capacity, TouchOrder::LeafFirst),
+            keeps: G1Keeps::Every,
             kvbm,
+            full: Request {
+                timestamp_ms: 0,
+                input_length: 0,
+                output_length: 0,
+                hash_ids: Vec::new(),
+            },
         }
+    }
+
+    /// The same with G1 keeping `keeps`.
+    pub fn with_g1_keeping(mut self, keeps: G1Keeps) -> Self {
+        self.keeps = keeps;
+        self
     }
 
     /// The kvbm policy (for inspection).
@@ -103,8 +138,37 @@ impl<K: KvbmTiers> CacheSim for TieredSim<K> {
     }
 
     fn record(&mut self, ctx: &RequestCtx<'_>) {
+        let partial = match (self.keeps, ctx.blocks().last()) {
+            (G1Keeps::FullOnly, Some(&last)) if ctx.last_block_partial => Some(last),
+            _ => None,
+        };
+        let Some(last) = partial else {
+            let evicted = self.g1.touch_all(ctx.blocks());
+            self.kvbm.record(ctx, evicted);
+            return;
+        };
+        // The partial block takes a G1 slot while the request runs; kvbm
+        // never sees it (the engine neither matches nor registers it), and
+        // its slot is freed afterwards unless a full block of that id was
+        // cached already.
+        let cached = self.g1.contains(last);
         let evicted = self.g1.touch_all(ctx.blocks());
-        self.kvbm.record(ctx, evicted);
+        let r = ctx.request;
+        self.full.hash_ids.clear();
+        self.full.hash_ids.extend_from_slice(ctx.full_blocks());
+        self.full.timestamp_ms = r.timestamp_ms;
+        // The prompt length stays the request's (no kvbm policy reads it).
+        self.full.input_length = r.input_length;
+        self.full.output_length = r.output_length;
+        let full = RequestCtx {
+            request: &self.full,
+            last_block_partial: false,
+            ..*ctx
+        };
+        self.kvbm.record(&full, evicted);
+        if !cached {
+            self.g1.remove(last);
+        }
     }
 }
 

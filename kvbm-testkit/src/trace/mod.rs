@@ -58,6 +58,13 @@ impl Request {
     pub fn last_block_partial(&self, block_tokens: u32) -> bool {
         block_tokens != 0 && !self.input_length.is_multiple_of(block_tokens)
     }
+
+    /// Prompt blocks an engine can cache and reuse: all but a partial last
+    /// block.
+    pub fn full_blocks(&self, block_tokens: u32) -> usize {
+        let n = self.hash_ids.len();
+        n - usize::from(n > 0 && self.last_block_partial(block_tokens))
+    }
 }
 
 /// Summary figures of a trace, used to size caches and to check that a

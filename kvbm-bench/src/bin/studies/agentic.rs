@@ -58,8 +58,10 @@ fn replay(engine: &TierEngine, trace: &AgenticTrace, hints: Option<&[NextCall]>)
         let hashes: Vec<SequenceHash> = r.hash_ids.iter().map(|&h| SequenceHash(h)).collect();
         let n = hashes.len();
         engine.set_time(Duration::from_millis(r.timestamp_ms));
+        // A partial last block is never matched (nor recorded).
+        let full = r.full_blocks(MOONCAKE_BLOCK_TOKENS);
         let m = engine
-            .match_request(i as u64, &hashes, n * BLOCK_TOKENS + 1, G1Lookup::Pool)
+            .match_request(i as u64, &hashes, full * BLOCK_TOKENS + 1, G1Lookup::Pool)
             .unwrap();
         if let Some(h) = hints.and_then(|h| hint_of(h[i])) {
             engine.hint_request(i as u64, h);

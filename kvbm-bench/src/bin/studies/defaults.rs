@@ -1,7 +1,8 @@
 //! Candidate defaults of the reuse score against single LRU, in the tiered
 //! simulator, on every workload the benchmarks page reports: the Mooncake
 //! conversation and synthetic traces, the embedded synthetic chat and the
-//! agentic workload (no hints). Run with
+//! agentic workload (no hints), with G1 keeping full blocks only as the
+//! engine replay's does. Run with
 //! `cargo run --release -p kvbm-bench --bin studies -- defaults_study`;
 //! `KVBM_STUDY_FILTER` keeps the variants whose label contains it;
 //! `KVBM_STUDY_GAPS=1` adds, per row, the hits of single LRU, Belady and
@@ -11,7 +12,9 @@ use crate::sim_support;
 
 use kvbm_bench::sim::gaps::{GAP_RANGES, GapSplit, range_label};
 use kvbm_bench::sim::reuse_score::{ClassFeature, ReuseScoreConfig, ReuseScoreTiers, ScoreModel};
-use kvbm_bench::sim::{BeladySim, LruSim, TierCapacities, TieredSim, capacity_for, replay};
+use kvbm_bench::sim::{
+    BeladySim, G1Keeps, LruSim, TierCapacities, TieredSim, capacity_for, replay,
+};
 use kvbm_testkit::trace::{
     AgenticConfig, MOONCAKE_BLOCK_TOKENS, Request, SyntheticConfig, TraceFacts, generate_agentic,
     generate_synthetic,
@@ -228,7 +231,8 @@ pub fn defaults_study() {
                     continue;
                 }
                 let caps = split.apply(caps, longest);
-                let mut sim = TieredSim::new(caps.g1, ReuseScoreTiers::new(make(caps)));
+                let mut sim = TieredSim::new(caps.g1, ReuseScoreTiers::new(make(caps)))
+                    .with_g1_keeping(G1Keeps::FullOnly);
                 let hit = replay(&w.requests, w.block_tokens, &mut sim).hit_rate_pct();
                 println!("  {label:<32} {hit:.2}  ({:+.2})", hit - lru);
             }
@@ -243,7 +247,8 @@ fn gaps(w: &Workload, caps: TierCapacities) {
     let mut belady = GapSplit::new(BeladySim::new(&w.requests, caps.total()));
     replay(&w.requests, w.block_tokens, &mut belady);
     let policy = ReuseScoreTiers::new(ReuseScoreConfig::for_tiers(caps));
-    let mut ours = GapSplit::new(TieredSim::new(caps.g1, policy));
+    let mut ours =
+        GapSplit::new(TieredSim::new(caps.g1, policy).with_g1_keeping(G1Keeps::FullOnly));
     replay(&w.requests, w.block_tokens, &mut ours);
     let labels: Vec<String> = (0..GAP_RANGES).map(range_label).collect();
     println!("    gap:        {}", labels.join(" | "));

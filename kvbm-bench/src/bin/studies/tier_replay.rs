@@ -11,7 +11,8 @@
 //! a request's prompt blocks are looked up in order (G1, then G2/G3) up to
 //! the first miss; then the engine computes the rest and every block of the
 //! request is inserted (full blocks are registered in G1 and offered to
-//! G2; a partial last block only in G1). Capacities are
+//! G2; a partial last block takes a G1 slot while the request runs and is
+//! not cached after it). Capacities are
 //! `floor(fraction × unique blocks)`.
 
 use std::path::PathBuf;
@@ -70,9 +71,11 @@ fn replay(engine: &TierEngine, requests: &[Request]) -> Figures {
     for (i, r) in requests.iter().enumerate() {
         let hashes: Vec<SequenceHash> = r.hash_ids.iter().map(|&h| SequenceHash(h)).collect();
         let n = hashes.len();
-        // One token past the blocks: no full-prompt give-back while measuring.
+        // One token past the full blocks: no full-prompt give-back while
+        // measuring; a partial last block is never matched.
+        let full = r.full_blocks(MOONCAKE_BLOCK_TOKENS);
         let m = engine
-            .match_request(i as u64, &hashes, n * bs + 1, G1Lookup::Pool)
+            .match_request(i as u64, &hashes, full * bs + 1, G1Lookup::Pool)
             .unwrap();
         f.lookups += n as u64;
         f.hits[0] += m.g1_blocks as u64;
@@ -87,7 +90,7 @@ fn replay(engine: &TierEngine, requests: &[Request]) -> Figures {
 /// Serves request `id` (`r`, whose blocks are `hashes`) after its match:
 /// onboards the `external` blocks matched outside G1 (every byte checked)
 /// next to the G1 blocks `held`, computes the rest (a partial last block
-/// is registered in G1 only: it never goes to G2, in either mode), then
+/// is not registered: its G1 slot is freed with the request), then
 /// releases the request and drains the offloads. Returns how many blocks
 /// it onboarded and checked.
 pub(crate) fn serve(
@@ -112,25 +115,25 @@ pub(crate) fn serve(
         held.extend(loaded);
     }
     let at = held.len();
+    let mut partial_slot = None;
     if at < n {
-        let partial = r.last_block_partial(MOONCAKE_BLOCK_TOKENS);
-        let full_end = if partial { n - 1 } else { n };
+        let full_end = r.full_blocks(MOONCAKE_BLOCK_TOKENS);
         let parent = at.checked_sub(1).map(|p| hashes[p]);
         if at < full_end {
             held.extend(compute(engine, &hashes[at..full_end], parent).into_blocks());
         }
-        if partial {
+        if full_end < n {
             let b = engine.allocate_g1(1).unwrap().pop().unwrap();
             fill(
                 engine.layout(kvbm_pool::Tier::G1).unwrap(),
                 b.block_id(),
                 hashes[n - 1],
             );
-            let c = b.complete(hashes[n - 1], n.checked_sub(2).map(|p| hashes[p]));
-            held.push(engine.g1().register_block(c.unwrap()).unwrap());
+            partial_slot = Some(b);
         }
     }
     drop(held);
+    drop(partial_slot);
     engine.release(id);
     engine.flush();
     verified
