@@ -57,20 +57,56 @@ def test_loaded_blocks_hold_the_computed_bytes(harness):
     assert a.block_hashes[:4] == c.block_hashes[:4]
 
 
-def test_offloads_wait_for_the_forwards_that_write_their_blocks(harness):
-    """With asynchronous scheduling vLLM counts a block computed before
-    its forward ran: the connector hands offloads (and the release after
-    them) to kvbm two scheduled steps later, and the bytes still arrive."""
+class _CheckedOffloads:
+    """Stands for the kvbm Scheduler under the connector and checks, as
+    each offload is handed over, that every block it reads was already
+    written by the fabricated forward (holds its hash's pattern)."""
+
+    def __init__(self, h):
+        self._h, self._kvbm, self.calls = h, h.kvbm, []
+
+    def offload(self, rid, block_ids, hashes, parent=None):
+        for b, key in zip(block_ids, hashes):
+            assert self._h.holds_pattern(b, key), (
+                f"{rid}: block {b} handed to kvbm before its forward wrote it\n"
+                + "\n".join(self._h.log[-5:])
+            )
+        self.calls.append((rid, list(block_ids)))
+        return self._kvbm.offload(rid, block_ids, hashes, parent)
+
+    def __getattr__(self, name):
+        return getattr(self._kvbm, name)
+
+
+@pytest.mark.parametrize("batches", [1, 2])
+@pytest.mark.parametrize(
+    "harness",
+    [{"load_async": True}, {"load_async": False}, {"offload": "finish"}],
+    indirect=True,
+)
+def test_offloads_wait_for_the_forwards_that_write_their_blocks(harness, batches):
+    """Requests sharing a prefix scheduled in one step: vLLM caches the
+    blocks the first computes when it allocates them, and the others hit
+    them before the forward wrote a byte. Whoever asks, kvbm gets a block
+    only once the forward writing it ran: at once with synchronous
+    scheduling (batches = 1), a step later with two batches in flight
+    (asynchronous scheduling, whose accounting the fence follows)."""
     h = harness
     side = h.connector._scheduler
-    side.write_lag = 2
+    side.fence.batches = batches
+    checked = side.kvbm = _CheckedOffloads(h)
     h.request("A", PREFIX + [5, 6, 7], 3)
-    h.run_until(lambda: "A" in h.finished)
-    assert side.deferred, "the finished request's offload was handed over at once"
-    assert h.kvbm.stats()["g1_to_g2_blocks"] == 0
-    offloaded(h, "A")
-    assert not side.deferred
-    assert h.kvbm.stats()["g1_to_g2_blocks"] == 4
+    h.request("B", PREFIX + [8] * BLOCK + [9], 2)
+    h.request("D", PREFIX[: 2 * BLOCK] + [4] * 5, 2)
+    h.step()
+    # One step scheduled all three; B and D hit A's blocks in vLLM's
+    # prefix cache (A computes them in this very step).
+    assert h.scheduled["A"] == len(PREFIX) + 3 and h.scheduled["B"] == BLOCK + 1, h.log
+    for rid in ("A", "B", "D"):
+        offloaded(h, rid)
+    side.kvbm = checked._kvbm
+    assert checked.calls, h.log
+    assert h.kvbm.stats()["g1_to_g2_blocks"] == 5, h.kvbm.stats()
     c = load_again(h, "C")
     h.run_until(lambda: h.scheduled.get("C", 0) > 0)
     ids = h.block_ids("C")

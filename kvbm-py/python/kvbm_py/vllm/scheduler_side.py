@@ -7,11 +7,13 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvbm_py import Scheduler, start_metrics_server
 from kvbm_py.config import GIB, KvbmConfig
 from kvbm_py.vllm.common import engine_id, instance_of, world_size
+from kvbm_py.vllm.fence import WriteFence
 from kvbm_py.vllm.metadata import KvbmMetadata
 from kvbm_py.vllm.retention import retention_of
 
@@ -103,19 +105,13 @@ class SchedulerSide:
         self.failures_left = config.test_fail_onboards
         # News for the workers, collected between steps.
         self.pending = KvbmMetadata()
-        #: Scheduler steps an offload waits between being decided and
-        #: being handed to kvbm. With asynchronous scheduling vLLM
-        #: schedules step k while step k - 1 still runs, and a request can
-        #: finish while its next step runs: the blocks those steps write
-        #: are counted computed before their forward ran. kvbm copies on
-        #: its own streams, so the offload waits until vLLM scheduled two
-        #: more steps (each after the output of the step before it), by
-        #: when those forwards have written every byte it reads.
-        sched_cfg = getattr(vllm_config, "scheduler_config", None)
-        self.write_lag = 2 if getattr(sched_cfg, "async_scheduling", False) else 0
-        #: Offloads and releases waiting out `write_lag`, in decision
-        #: order: [steps left, request id, action].
-        self.deferred: list[list] = []
+        #: Which blocks a scheduled forward has yet to write: an offload
+        #: reads a block only once the forward writing it has run, whoever
+        #: asks (a request that hit it in vLLM's prefix cache too).
+        self.fence = WriteFence(max(1, int(getattr(vllm_config, "max_concurrent_batches", 1))))
+        #: Offloads and releases waiting for the forward of a step, in
+        #: decision order: (step, request id, action).
+        self.deferred: list[tuple[int, str, Callable[[], Any]]] = []
 
     # ---- matching and loading ----
 
@@ -208,6 +204,7 @@ class SchedulerSide:
         load = self._end_load(rid)
         if load is None:
             return
+        self.fence.whole(load.block_ids)
         if load.is_async:
             meta.finished_recving.append(rid)
         if self.config.test_corrupt_onboard and load.block_ids:
@@ -219,6 +216,9 @@ class SchedulerSide:
             return
         log.warning("kvbm: load of %s failed, vLLM recomputes %d blocks: %s",
                     rid, len(load.block_ids), error)
+        # Another request may hit these blocks in vLLM's prefix cache
+        # before they are recomputed: nothing copies them out until then.
+        self.fence.poison(load.block_ids)
         meta.load_errors.extend(load.block_ids)
         if load.is_async:
             meta.finished_recving.append(rid)
@@ -226,6 +226,13 @@ class SchedulerSide:
     # ---- each step ----
 
     def build_connector_meta(self, so: "SchedulerOutput") -> KvbmMetadata:
+        self.fence.begin_step()
+        try:
+            return self._build_meta(so)
+        finally:
+            self.fence.end_step()
+
+    def _build_meta(self, so: "SchedulerOutput") -> KvbmMetadata:
         meta, self.pending = self.pending, KvbmMetadata()
         self._run_deferred()
         failed_now: set[str] = set()
@@ -259,6 +266,7 @@ class SchedulerSide:
                 self._forget(rid)
                 tracked.block_ids = []
         self._track_blocks(so)
+        self._note_writes(so)
         if self.config.offload == "eager":
             scheduled = [r.req_id for r in so.scheduled_new_reqs]
             scheduled += list(so.scheduled_cached_reqs.req_ids)
@@ -287,40 +295,66 @@ class SchedulerSide:
             elif new_ids:
                 tracked.block_ids.extend(new_ids[0])
 
+    def _note_writes(self, so: "SchedulerOutput") -> None:
+        """Tells the fence which blocks this step's forward writes: for
+        each scheduled request, those its scheduled tokens fall in."""
+        scheduled = so.num_scheduled_tokens
+        for new in so.scheduled_new_reqs:
+            self._note_range(new.block_ids[0], new.num_computed_tokens, scheduled.get(new.req_id, 0))
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            tracked = self.requests.get(rid)
+            if tracked is not None:
+                self._note_range(
+                    tracked.block_ids, cached.num_computed_tokens[i], scheduled.get(rid, 0)
+                )
+
+    def _note_range(self, block_ids: list[int], computed: int, tokens: int) -> None:
+        if tokens > 0:
+            first, last = computed // self.block_size, (computed + tokens - 1) // self.block_size
+            self.fence.writes(block_ids[first : last + 1])
+
     def _offload_computed(self, rid: str, tracked: _Tracked) -> None:
         """Queues the request's full blocks computed so far (forwards that
-        finished, prefix hits, landed loads) for offload."""
+        ran or run now, prefix hits, landed loads) for offload, to run once
+        the forwards writing them finished."""
         req = tracked.request
         hashes = req.block_hashes
         full = min(req.num_computed_tokens // self.block_size, len(hashes), len(tracked.block_ids))
         start = tracked.offloaded
         if full <= start:
             return
+        # Blocks of a failed load (and those after them) wait until vLLM
+        # recomputed them; the request offloads them then.
+        full = start + self.fence.clean_prefix(tracked.block_ids[start:full])
+        if full <= start:
+            return
         parent = hashes[start - 1] if start > 0 else None
         if self.events is not None:
             self.events.note(req, start, full)
         ids, keys = tracked.block_ids[start:full], list(hashes[start:full])
-        self._when_written(rid, lambda: self.kvbm.offload(rid, ids, keys, parent))
+        step = self.fence.written_by(ids)
+        self._when_written(rid, step, lambda: self.kvbm.offload(rid, ids, keys, parent))
         tracked.offloaded = full
         tracked.has_offloads = True
 
-    def _when_written(self, rid: str, action) -> None:
-        """Runs `action` (an offload or a release of `rid`) once the
-        forwards counted so far have written their blocks: now, or after
-        `write_lag` more steps."""
-        if self.write_lag == 0:
+    def _when_written(self, rid: str, step: int, action: Callable[[], Any]) -> None:
+        """Runs `action` (an offload or a release of `rid`) once the forward
+        of `step` finished and after `rid`'s actions decided before it: now,
+        or from a later step's metadata."""
+        waiting = [s for s, r, _ in self.deferred if r == rid]
+        if not waiting and self.fence.is_done(step):
             action()
         else:
-            self.deferred.append([self.write_lag, rid, action])
+            self.deferred.append((max([step, *waiting]), rid, action))
 
     def _run_deferred(self) -> None:
-        """A step is being scheduled: runs what waited long enough."""
+        """A step is being scheduled: runs, in decision order, what waited
+        for forwards that have finished now."""
         if not self.deferred:
             return
-        for entry in self.deferred:
-            entry[0] -= 1
-        ready = [e for e in self.deferred if e[0] <= 0]
-        self.deferred = [e for e in self.deferred if e[0] > 0]
+        ready = [e for e in self.deferred if self.fence.is_done(e[0])]
+        self.deferred = [e for e in self.deferred if not self.fence.is_done(e[0])]
         for _, rid, action in ready:
             try:
                 action()
@@ -378,7 +412,7 @@ class SchedulerSide:
         if tracked is not None and tracked.has_offloads:
             # vLLM keeps the blocks until the worker reports this id in
             # finished_sending, which happens once the offloads ran.
-            self._when_written(rid, lambda: self.kvbm.release_after_offloads(rid, hint))
+            self._when_written(rid, 0, lambda: self.kvbm.release_after_offloads(rid, hint))
             return True, None
         self.kvbm.release(rid, hint)
         return False, None

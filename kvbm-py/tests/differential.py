@@ -1,0 +1,190 @@
+"""Engine runs of the differential test: vLLM on CPU, with kvbm's connector
+or without it (the reference), one engine after another in this process
+(vLLM's import is most of an engine's start-up).
+
+With kvbm (EXTRA_CONFIG_JSON an object), each case runs twice: its waves
+(round 1), then kvbm is made to release the finished blocks, vLLM's prefix
+cache is dropped, and the same waves again (round 2: the shared prefixes
+now come from kvbm). Between cases, vLLM's and kvbm's caches are dropped,
+so each case starts empty. Without kvbm (EXTRA_CONFIG_JSON ``null``), every
+prompt of every case is generated once, in one batch (the tiny model's
+greedy outputs do not depend on the batch; the test relies on that).
+Prints one JSON line per run: per case, the outputs of each round
+(prompt index -> token ids), which prompts were aborted, and kvbm's
+counters.
+usage: python differential.py MODEL_DIR RUNS_JSON
+where RUNS_JSON is a list of {"name", "extra" (object or null), "engine"
+(vLLM engine arguments), "seeds"}; a negative seed -N is the reported
+failure with N prompts sharing a prefix (fuzz_workload.repro_case).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from fuzz_workload import BLOCK, MAX_MODEL_LEN, Case, make_case, repro_case  # noqa: E402
+
+#: An engine that neither finishes nor drains in this many steps is stuck.
+MAX_STEPS = 20_000
+
+
+def case_of(seed: int) -> Case:
+    return repro_case(-seed) if seed < 0 else make_case(seed)
+
+
+def build_engine(model_dir: str, extra: dict | None, engine_args: dict):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kv = None
+    if extra is not None:
+        kv = KVTransferConfig(
+            kv_connector="KvbmConnector",
+            kv_connector_module_path="kvbm_py.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+            kv_load_failure_policy="recompute",
+        )
+    args = {"max_num_seqs": 8, **engine_args}
+    return LLM(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="bfloat16",
+        max_model_len=MAX_MODEL_LEN,
+        block_size=BLOCK,
+        enable_prefix_caching=True,
+        seed=0,
+        kv_transfer_config=kv,
+        **args,
+    )
+
+
+def greedy(max_tokens: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+
+
+def run_waves(llm, case: Case, tag: str) -> tuple[dict[int, list[int]], list[int]]:
+    """Runs the case's waves through the engine step by step; returns the
+    finished prompts' outputs and the aborted prompts."""
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    outputs: dict[int, list[int]] = {}
+    aborted: list[int] = []
+    for w, wave in enumerate(case.waves):
+        waiting = sorted(wave, key=lambda a: a.at_step)
+        prompt_of: dict[str, int] = {}
+        aborts: dict[int, list[str]] = {}
+        step = 0
+        while waiting or engine.has_unfinished_requests():
+            while waiting and waiting[0].at_step <= step:
+                a = waiting.pop(0)
+                name = f"{tag}-{case.seed}-{w}-{a.prompt}"
+                rid = engine.add_request(
+                    name, TokensPrompt(prompt_token_ids=case.prompts[a.prompt]), greedy(a.max_tokens)
+                )
+                prompt_of[name] = prompt_of[rid] = a.prompt
+                if a.abort_after is not None:
+                    aborts.setdefault(step + a.abort_after, []).append(rid)
+                    aborted.append(a.prompt)
+            if step in aborts:
+                engine.abort_request(aborts.pop(step))
+            for out in engine.step():
+                if out.finished and out.request_id in prompt_of:
+                    outputs[prompt_of[out.request_id]] = list(out.outputs[0].token_ids)
+            step += 1
+            if step > MAX_STEPS:
+                raise SystemExit(f"seed {case.seed}: wave {w} still running after {MAX_STEPS} steps")
+    for p in aborted:
+        outputs.pop(p, None)
+    return outputs, aborted
+
+
+def drop_prefix_cache(llm, reset_connector: bool = False) -> None:
+    """Steps the engine until vLLM's prefix cache can be dropped (kvbm lets
+    go of finished requests' blocks once their offloads ran, which a later
+    step reports)."""
+    for _ in range(200):
+        if llm.reset_prefix_cache(reset_connector=reset_connector):
+            return
+        llm.generate([{"prompt_token_ids": [1]}], greedy(1), use_tqdm=False)
+    raise SystemExit("reset_prefix_cache kept refusing")
+
+
+def scheduler_side(llm):
+    """kvbm's scheduler side inside the in-process engine core."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
+
+
+def reference(llm, seeds: list[int]) -> dict:
+    from vllm.inputs import TokensPrompt
+
+    out = {}
+    for seed in seeds:
+        case = case_of(seed)
+        arrivals = [a for wave in case.waves for a in wave]
+        prompts = [TokensPrompt(prompt_token_ids=case.prompts[a.prompt]) for a in arrivals]
+        params = [greedy(a.max_tokens) for a in arrivals]
+        results = llm.generate(prompts, params, use_tqdm=False)
+        out[str(seed)] = {str(a.prompt): list(r.outputs[0].token_ids) for a, r in zip(arrivals, results)}
+    return out
+
+
+def with_kvbm(llm, seeds: list[int]) -> dict:
+    side = scheduler_side(llm)
+    out = {}
+    for seed in seeds:
+        case = case_of(seed)
+        before = dict(side.kvbm.stats())
+        first, aborted = run_waves(llm, case, "r1")
+        drop_prefix_cache(llm)
+        # Let kvbm's background copies (G2 victims on their way to G3) land,
+        # so what round 2 finds does not depend on timing.
+        side.kvbm.flush()
+        second, aborted2 = run_waves(llm, case, "r2")
+        after = dict(side.kvbm.stats())
+        moved = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int)}
+        out[str(seed)] = {
+            "first": {str(k): v for k, v in first.items()},
+            "second": {str(k): v for k, v in second.items()},
+            "aborted": sorted(set(aborted) | set(aborted2)),
+            "stats": moved,
+        }
+        # The next case starts with empty caches, vLLM's and kvbm's.
+        drop_prefix_cache(llm)
+        drop_prefix_cache(llm, reset_connector=True)
+    return out
+
+
+def shut_down(llm) -> None:
+    """Stops the engine (and kvbm with it) so that the next one can start
+    in this process."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    cleanup_dist_env_and_memory()
+
+
+def main() -> int:
+    model_dir, runs = sys.argv[1], json.loads(sys.argv[2])
+    for run in runs:
+        llm = build_engine(model_dir, run["extra"], run["engine"])
+        seeds = run["seeds"]
+        result = reference(llm, seeds) if run["extra"] is None else with_kvbm(llm, seeds)
+        print("KVBM_RESULT " + json.dumps({"name": run["name"], "cases": result}), flush=True)
+        shut_down(llm)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
