@@ -81,6 +81,36 @@ pub enum DistError {
         #[source]
         source: std::io::Error,
     },
+    /// Verify mode: a block's bytes do not match the checksum recorded
+    /// when it was written (`expected: None`: none was recorded).
+    #[error("checksum mismatch in {tier:?} slot {slot}: {}", mismatch_note(*.expected, *.found))]
+    ChecksumMismatch {
+        /// The tier whose slot failed the check.
+        tier: kvbm_pool::Tier,
+        /// The slot (block id) in that tier.
+        slot: u32,
+        /// The sum recorded when the slot was written, if one was.
+        expected: Option<u64>,
+        /// The sum of the bytes found.
+        found: u64,
+    },
+    /// Verify mode: a block's bytes could not be read to be summed.
+    #[error("checksum unavailable for {tier:?} slot {slot}: {reason}")]
+    ChecksumUnavailable {
+        /// The tier.
+        tier: kvbm_pool::Tier,
+        /// The slot (block id) in that tier.
+        slot: u32,
+        /// Why the bytes could not be read.
+        reason: String,
+    },
+}
+
+fn mismatch_note(expected: Option<u64>, found: u64) -> String {
+    match expected {
+        Some(e) => format!("recorded {e:016x}, found {found:016x}"),
+        None => format!("no sum recorded (found {found:016x})"),
+    }
 }
 
 fn rejected_note(rejected: &[String]) -> String {

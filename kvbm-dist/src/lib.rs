@@ -51,6 +51,7 @@ mod loan;
 pub mod node;
 pub mod proto;
 pub mod transport;
+mod verify;
 pub mod worker;
 
 pub use error::{DistError, Result};

@@ -200,6 +200,16 @@ impl Scheduler {
             .map(|i| Arc::clone(&i.engine))
             .ok_or(PyKvbmError::Closed("the scheduler"))
     }
+
+    /// Blocks that failed their checksum in verify mode, summed over
+    /// workers, as the leader counted them.
+    fn verify_mismatches(&self) -> Result<u64> {
+        self.inner
+            .lock()
+            .as_ref()
+            .map(|i| i.leader.status().verify_mismatches)
+            .ok_or(PyKvbmError::Closed("the scheduler"))
+    }
 }
 
 /// A retention hint as Python gives it: seconds until a follow-up, or
@@ -278,8 +288,11 @@ impl Scheduler {
     /// receive the G3 blocks a match finds, read at once (G3 prefetch), and
     /// the G3 writes nobody should wait for; `None`: kvbm's default when
     /// there is a G3 (256 MiB, at most an eighth of `g2_bytes`), 0: off.
+    /// `verify` has the workers checksum every block written into G2 or
+    /// G3 and fail (for the engine to recompute) a load whose bytes no
+    /// longer match; mismatches show in `stats()["verify_mismatches"]`.
     #[new]
-    #[pyo3(signature = (endpoint, world_size, block_size, g2_bytes, g3_bytes = 0, instance = 0, admission = "reuse_score", handshake_timeout_s = 120.0, secret_file = None, offload_in_flight = None, g3_staging_bytes = None))]
+    #[pyo3(signature = (endpoint, world_size, block_size, g2_bytes, g3_bytes = 0, instance = 0, admission = "reuse_score", handshake_timeout_s = 120.0, secret_file = None, offload_in_flight = None, g3_staging_bytes = None, verify = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -294,6 +307,7 @@ impl Scheduler {
         secret_file: Option<std::path::PathBuf>,
         offload_in_flight: Option<usize>,
         g3_staging_bytes: Option<u64>,
+        verify: bool,
     ) -> PyResult<Self> {
         let policy = parse_policy(admission)?;
         if !(handshake_timeout_s.is_finite() && handshake_timeout_s > 0.0) {
@@ -310,6 +324,7 @@ impl Scheduler {
             g3_bytes,
         );
         config.block_size = block_size;
+        config.verify = verify;
         config.handshake_timeout = Duration::from_secs_f64(handshake_timeout_s);
         if let Some(path) = &secret_file {
             config.secret = Some(crate::secret::shared_secret(path)?);
@@ -613,8 +628,9 @@ impl Scheduler {
     /// `g2_to_g1`, `g3_to_g1`, `g1_to_g3`), offloads skipped (policy
     /// decisions), blocks whose copy failed (`copy_failures`, every path and
     /// cause; `copy_failures_by` maps `path/errno` to blocks), onboard failures,
-    /// matches, hits per tier, the offload queue depth, and the blocks each
-    /// tier holds now.
+    /// matches, hits per tier, the offload queue depth, the blocks each
+    /// tier holds now, and blocks that failed their checksum in verify
+    /// mode (`verify_mismatches`, summed over workers; 0 when off).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let engine = self.engine()?;
         let s = engine.stats();
@@ -641,6 +657,7 @@ impl Scheduler {
         d.set_item("hits_g2", s.hits[1])?;
         d.set_item("hits_g3", s.hits[2])?;
         d.set_item("queue_depth", s.queue_depth)?;
+        d.set_item("verify_mismatches", self.verify_mismatches()?)?;
         for (name, tier) in [("g2", Tier::G2), ("g3", Tier::G3)] {
             let held = engine
                 .pool(tier)

@@ -403,6 +403,7 @@ impl EventLoop {
                                 error: e.message,
                                 failed,
                                 os_error: None,
+                                checksum_mismatches: 0,
                             }),
                         },
                     );
@@ -514,11 +515,17 @@ impl EventLoop {
                     error: format!("invalid ack: {why}"),
                     failed: t.pair_set.iter().copied().collect(),
                     os_error: None,
+                    checksum_mismatches: 0,
                 }),
             };
         }
         let id = a.transfer_id;
+        let mismatches = a.failure.as_ref().map_or(0, |f| f.checksum_mismatches);
         t.acks[rank] = Some(a);
+        if mismatches > 0 {
+            self.status
+                .update(|s| s.verify_mismatches += u64::from(mismatches));
+        }
         self.try_resolve(id);
     }
 

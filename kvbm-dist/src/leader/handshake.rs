@@ -184,6 +184,7 @@ impl Handshake<'_> {
                 .heartbeat_interval
                 .as_millis()
                 .clamp(1, u32::MAX as u128) as u32,
+            verify: self.config.verify,
         };
         tracing::info!(
             g2 = configure.g2_blocks,

@@ -99,6 +99,9 @@ pub struct LeaderConfig {
     /// A transfer unanswered this long loses the workers that did not
     /// answer.
     pub transfer_timeout: Duration,
+    /// Verify mode: workers checksum every block written into G2 or G3
+    /// and fail a copy out of them whose bytes changed (off by default).
+    pub verify: bool,
 }
 
 impl LeaderConfig {
@@ -124,6 +127,7 @@ impl LeaderConfig {
             heartbeat_interval: Duration::from_millis(200),
             heartbeat_timeout: Duration::from_secs(5),
             transfer_timeout: Duration::from_secs(60),
+            verify: false,
         }
     }
 
@@ -293,6 +297,7 @@ impl Cluster {
             losses: Vec::new(),
             lost_blocks: (0, 0),
             refused: RefusalCounts::default(),
+            verify_mismatches: 0,
         }
     }
 }
@@ -338,6 +343,9 @@ pub struct ClusterStatus {
     pub lost_blocks: (usize, usize),
     /// Frames refused since the leader bound its socket, by cause.
     pub refused: RefusalCounts,
+    /// Verify mode: blocks whose bytes failed their checksum on a read,
+    /// summed over workers (each failed its copy).
+    pub verify_mismatches: u64,
 }
 
 impl ClusterStatus {
@@ -495,4 +503,4 @@ pub fn evict_distributed_tiers(engine: &TierEngine) -> usize {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

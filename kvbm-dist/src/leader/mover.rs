@@ -175,12 +175,25 @@ impl TierMover for DistMover {
             return Completion::ready(Ok(kvbm_transfer::TransferReport::default()));
         }
         if let Some(route) = self.local_route()
-            && let (Some(s), Some(d)) = (route.tiers.layout(src), route.tiers.layout(dst))
+            && let (Some(s), Some(d)) = (route.tiers.end(src), route.tiers.end(dst))
         {
-            return route
+            let completion = route
                 .executor
-                .transfer_with(s, d, &pairs, cancel)
+                .transfer_with(&s.layout, &d.layout, &pairs, cancel)
                 .into_completion();
+            let Some(sums) = route.tiers.checksums() else {
+                return completion;
+            };
+            // Verify mode: the same checks as on the worker's socket.
+            let (completer, settled) = completion_pair();
+            let status = Arc::clone(&self.status);
+            sums.settle_later(s, d, pairs, completion, move |outcome, mismatches| {
+                if mismatches > 0 {
+                    status.update(|st| st.verify_mismatches += u64::from(mismatches));
+                }
+                completer.complete(outcome);
+            });
+            return settled;
         }
         let (completer, completion) = completion_pair();
         let request = CopyRequest {

@@ -14,7 +14,7 @@ use crate::transport::DealerSocket;
 use crate::worker::{self, WorkerConfig};
 use kvbm_pool::tier::TierMover;
 
-const INSTANCE: u64 = 7;
+pub(crate) const INSTANCE: u64 = 7;
 
 fn g1(blocks: usize) -> PhysicalLayout {
     let c = LayoutConfig::new(blocks, 2, 2, 4, 32, 2).unwrap();
@@ -22,15 +22,15 @@ fn g1(blocks: usize) -> PhysicalLayout {
     PhysicalLayout::allocate_system(l, &SystemAllocator::new()).unwrap()
 }
 
-fn endpoint(dir: &tempfile::TempDir) -> String {
+pub(crate) fn endpoint(dir: &tempfile::TempDir) -> String {
     format!("ipc://{}", dir.path().join("leader").display())
 }
 
-fn secret() -> InstanceSecret {
+pub(crate) fn secret() -> InstanceSecret {
     InstanceSecret::from_bytes([3; 32])
 }
 
-fn config(endpoint: String, world: u32) -> LeaderConfig {
+pub(crate) fn config(endpoint: String, world: u32) -> LeaderConfig {
     let mut c = LeaderConfig::new(endpoint, INSTANCE, world, 1 << 20, 0);
     c.handshake_timeout = Duration::from_secs(20);
     c.secret = Some(secret());

@@ -67,6 +67,7 @@ fn body(w: &mut Writer, message: &Message) -> Result<(), ProtoError> {
             w.u64(c.g3_blocks);
             w.u32(c.block_size);
             w.u32(c.heartbeat_ms);
+            w.u8(u8::from(c.verify));
         }
         Message::Ready(r) => {
             w.u32(r.rank);
@@ -95,6 +96,7 @@ fn body(w: &mut Writer, message: &Message) -> Result<(), ProtoError> {
                     w.pairs(&f.failed)?;
                     // 0: none (no OS error is numbered 0).
                     w.u32(f.os_error.map_or(0, |e| e.max(0) as u32));
+                    w.u32(f.checksum_mismatches);
                 }
             }
         }
@@ -208,6 +210,16 @@ fn decode_body(r: &mut Reader<'_>, kind: MessageKind) -> Result<Message, ProtoEr
             g3_blocks: r.u64("g3 blocks")?,
             block_size: r.u32("block size")?,
             heartbeat_ms: r.u32("heartbeat")?,
+            verify: match r.u8("verify flag")? {
+                0 => false,
+                1 => true,
+                other => {
+                    return Err(ProtoError::Invalid {
+                        what: "verify flag",
+                        reason: format!("{other} is neither 0 nor 1"),
+                    });
+                }
+            },
         }),
         MessageKind::Ready => Message::Ready(Ready {
             rank: r.u32("rank")?,
@@ -240,6 +252,7 @@ fn decode_body(r: &mut Reader<'_>, kind: MessageKind) -> Result<Message, ProtoEr
                             reason: format!("{n} is not an error number"),
                         })?),
                     },
+                    checksum_mismatches: r.u32("ack checksum mismatches")?,
                 }),
                 other => {
                     return Err(ProtoError::Invalid {

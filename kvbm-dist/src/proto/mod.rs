@@ -45,8 +45,9 @@ pub fn truncate(mut text: String) -> String {
 /// The first four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"KVBD";
 /// The protocol version this build speaks (2: `Hello` carries a MAC; 3:
-/// an `Ack`'s failure carries the OS error number).
-pub const PROTOCOL_VERSION: u16 = 3;
+/// an `Ack`'s failure carries the OS error number; 4: `Configure` carries
+/// the verify flag and an `Ack`'s failure its checksum mismatches).
+pub const PROTOCOL_VERSION: u16 = 4;
 /// Bytes of the frame header.
 pub const HEADER_BYTES: usize = 12;
 /// Largest frame accepted (header included).

@@ -49,6 +49,10 @@ pub struct Configure {
     /// The leader pings this often; a worker that hears nothing for many
     /// intervals may give up on it.
     pub heartbeat_ms: u32,
+    /// Checksum every block written into G2 or G3 and check it when the
+    /// block is read back (see `crate::verify`); a block that fails the
+    /// check is a failed pair.
+    pub verify: bool,
 }
 
 /// A worker allocated what [`Configure`] asked for.
@@ -94,6 +98,9 @@ pub struct AckFailure {
     /// The OS error number behind the failure (`ENOSPC`, `EIO`...), where
     /// there was one, so the leader counts failures by cause.
     pub os_error: Option<i32>,
+    /// How many of the failed pairs failed their checksum check (verify
+    /// mode), so the leader counts them.
+    pub checksum_mismatches: u32,
 }
 
 /// A worker finished a transfer.

@@ -45,14 +45,22 @@ fn message() -> impl Strategy<Value = Message> {
                     auth,
                 })
             }),
-        (0..=MAX_TIER_BLOCKS, 0..=MAX_TIER_BLOCKS, 1u32.., 1u32..).prop_map(|(a, b, c, d)| {
-            Message::Configure(Configure {
-                g2_blocks: a,
-                g3_blocks: b,
-                block_size: c,
-                heartbeat_ms: d,
-            })
-        }),
+        (
+            0..=MAX_TIER_BLOCKS,
+            0..=MAX_TIER_BLOCKS,
+            1u32..,
+            1u32..,
+            any::<bool>()
+        )
+            .prop_map(|(a, b, c, d, verify)| {
+                Message::Configure(Configure {
+                    g2_blocks: a,
+                    g3_blocks: b,
+                    block_size: c,
+                    heartbeat_ms: d,
+                    verify,
+                })
+            }),
         (0..MAX_WORLD_SIZE, 0..=MAX_TIER_BLOCKS, 0..=MAX_TIER_BLOCKS).prop_map(|(rank, a, b)| {
             Message::Ready(Ready {
                 rank,
@@ -85,9 +93,10 @@ fn message() -> impl Strategy<Value = Message> {
                 rank,
                 completed,
                 failure: f.map(|(error, failed, os_error)| AckFailure {
+                    checksum_mismatches: (failed.len() / 2) as u32,
                     error,
                     failed,
-                    os_error
+                    os_error,
                 }),
             })),
         any::<u64>().prop_map(|seq| Message::Ping { seq }),

@@ -94,6 +94,18 @@ pub(crate) fn message(m: &Message) -> Result<(), ProtoError> {
                     max: MAX_PAIRS as u64,
                 });
             }
+            if let Some(f) = &a.failure
+                && f.checksum_mismatches as usize > f.failed.len()
+            {
+                return Err(invalid(
+                    "ack checksum mismatches",
+                    format!(
+                        "{} mismatches among {} failed pairs",
+                        f.checksum_mismatches,
+                        f.failed.len()
+                    ),
+                ));
+            }
             Ok(())
         }
         Message::Pong { rank: r, .. } => rank(*r),

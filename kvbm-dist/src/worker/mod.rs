@@ -506,6 +506,7 @@ impl Worker {
                     error: truncate(error),
                     failed: pairs,
                     os_error: None,
+                    checksum_mismatches: 0,
                 }),
             }))
         };
@@ -522,9 +523,18 @@ impl Worker {
         let (Some(src), Some(dst)) = (self.tiers.layout(t.src), self.tiers.layout(t.dst)) else {
             return refuse(format!("{:?} -> {:?}: tier absent", t.src, t.dst), t.pairs);
         };
+        let verify = match (
+            self.tiers.checksums(),
+            self.tiers.end(t.src),
+            self.tiers.end(t.dst),
+        ) {
+            (Some(sums), Some(s), Some(d)) => Some((Arc::clone(sums), s, d)),
+            _ => None,
+        };
         let cancel = CancelToken::new();
         self.inflight.insert(t.id, cancel.clone());
         let job = Job {
+            verify,
             id: t.id,
             rank: self.rank,
             src: src.clone(),
@@ -564,6 +574,12 @@ fn error_reply(transfer_id: Option<u64>, message: String) -> Message {
 
 /// One transfer on its way to the executor.
 struct Job {
+    /// Verify mode: the table and the copy's ends.
+    verify: Option<(
+        Arc<crate::verify::Checksums>,
+        crate::verify::End,
+        crate::verify::End,
+    )>,
     id: u64,
     rank: u32,
     src: PhysicalLayout,
@@ -586,10 +602,24 @@ impl Job {
             .executor
             .transfer_with(&self.src, &self.dst, &pairs, self.cancel);
         let (id, rank, acks, wake) = (self.id, self.rank, self.acks, self.wake);
-        handle.into_completion().on_complete(move |outcome| {
-            let _ = acks.send(Message::Ack(ack_of(id, rank, &pairs, outcome)));
-            wake.wake();
-        });
+        let completion = handle.into_completion();
+        match self.verify {
+            Some((sums, src, dst)) => {
+                let settled = pairs.clone();
+                sums.settle_later(src, dst, settled, completion, move |outcome, mismatches| {
+                    let mut ack = ack_of(id, rank, &pairs, outcome);
+                    if let Some(f) = &mut ack.failure {
+                        f.checksum_mismatches = mismatches;
+                    }
+                    let _ = acks.send(Message::Ack(ack));
+                    wake.wake();
+                });
+            }
+            None => completion.on_complete(move |outcome| {
+                let _ = acks.send(Message::Ack(ack_of(id, rank, &pairs, outcome)));
+                wake.wake();
+            }),
+        }
     }
 }
 
@@ -612,6 +642,7 @@ fn ack_of(id: u64, rank: u32, pairs: &[(usize, usize)], outcome: TransferOutcome
             completed: wire(&f.completed),
             failure: Some(AckFailure {
                 os_error: f.error.os_error(),
+                checksum_mismatches: 0,
                 error: truncate(f.to_string()),
                 failed: {
                     // Everything that is not known to have landed failed.

@@ -44,6 +44,7 @@ impl Worker {
                 error: truncate(error),
                 failed: pairs,
                 os_error: None,
+                checksum_mismatches: 0,
             }),
         }))
     }
@@ -201,10 +202,34 @@ impl Worker {
             blocks = pairs.len(),
             "remote pull"
         );
-        completion.on_complete(move |outcome| {
-            let _ = acks.send(Message::Ack(super::ack_of(id, rank, &pairs, outcome)));
-            wake.wake();
-        });
+        // Verify mode: what landed in G2 is summed there (the peer's bytes
+        // cannot be checked here; later reads of these slots are).
+        let verify = self
+            .tiers
+            .checksums()
+            .cloned()
+            .zip(self.tiers.end(Tier::G2));
+        match verify {
+            Some((sums, g2)) => {
+                let src = crate::verify::End {
+                    tier: Tier::G4,
+                    layout: g2.layout.clone(),
+                };
+                let settled = pairs.clone();
+                sums.settle_later(src, g2, settled, completion, move |outcome, n| {
+                    let mut ack = super::ack_of(id, rank, &pairs, outcome);
+                    if let Some(f) = &mut ack.failure {
+                        f.checksum_mismatches = n;
+                    }
+                    let _ = acks.send(Message::Ack(ack));
+                    wake.wake();
+                });
+            }
+            None => completion.on_complete(move |outcome| {
+                let _ = acks.send(Message::Ack(super::ack_of(id, rank, &pairs, outcome)));
+                wake.wake();
+            }),
+        }
         None
     }
 }

@@ -75,6 +75,7 @@ fn hostile_requests_are_refused_and_the_worker_carries_on() {
         g3_blocks: 0,
         block_size: 4,
         heartbeat_ms: 100,
+        verify: false,
     }));
     assert!(matches!(recv(&router).message, Ok(Message::Ready(_))));
     // Out of range, duplicate destinations, an absent G3: refused by name.

@@ -14,6 +14,7 @@ use kvbm_transfer::{Executor, PhysicalLayout};
 
 use crate::error::{DistError, Result};
 use crate::proto::{Configure, TierBounds};
+use crate::verify::{Checksums, End};
 
 /// Whether every chunk of G1 starts and ends on the disk alignment (device
 /// memory always counts as aligned: it reaches disk through a bounce
@@ -38,12 +39,15 @@ fn disk_aligned(g1: &PhysicalLayout) -> bool {
         })
 }
 
-/// G1, and G2 / G3 once configured.
+/// G1, and G2 / G3 once configured, with their checksums in verify mode.
 #[derive(Clone)]
 pub(crate) struct Tiers {
     g1: PhysicalLayout,
     g2: Option<PhysicalLayout>,
     g3: Option<PhysicalLayout>,
+    /// Verify mode: the sums of G2's and G3's blocks, shared by every
+    /// route that copies on these tiers (the worker's and a lent one).
+    checksums: Option<std::sync::Arc<Checksums>>,
 }
 
 impl Tiers {
@@ -52,6 +56,7 @@ impl Tiers {
             g1,
             g2: None,
             g3: None,
+            checksums: None,
         }
     }
 
@@ -113,7 +118,22 @@ impl Tiers {
         };
         self.g2 = g2;
         self.g3 = g3;
+        // New tiers hold nothing yet: no sums carry over.
+        self.checksums = c.verify.then(|| std::sync::Arc::new(Checksums::new()));
         Ok(())
+    }
+
+    /// The checksums of G2 and G3, in verify mode.
+    pub(crate) fn checksums(&self) -> Option<&std::sync::Arc<Checksums>> {
+        self.checksums.as_ref()
+    }
+
+    /// The end of a copy on `tier`, when the tier is present.
+    pub(crate) fn end(&self, tier: Tier) -> Option<End> {
+        Some(End {
+            tier,
+            layout: self.layout(tier)?.clone(),
+        })
     }
 
     pub(crate) fn g1(&self) -> &PhysicalLayout {

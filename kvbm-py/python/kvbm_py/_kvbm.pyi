@@ -45,7 +45,10 @@ class Scheduler:
     by the engine's request id. With a G3, ``g3_staging_bytes`` of host
     memory beyond ``g2_bytes`` (kvbm's default when ``None``: 256 MiB, at
     most an eighth of ``g2_bytes``; 0: off) receive the G3 blocks a match
-    finds, read at once, and G3 writes nobody waits for.
+    finds, read at once, and G3 writes nobody waits for. With ``verify``
+    the workers checksum every block written into G2 or G3 and fail a
+    load whose bytes no longer match (the engine recomputes it); see
+    ``stats()["verify_mismatches"]``.
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class Scheduler:
         secret_file: str | None = None,
         offload_in_flight: int | None = None,
         g3_staging_bytes: int | None = None,
+        verify: bool = False,
     ) -> None: ...
     @property
     def block_size(self) -> int:
@@ -138,7 +142,9 @@ class Scheduler:
         """Counters: blocks, bytes, copies (``_transfers``) and copy seconds
         (``_seconds``) per path (``g1_to_g2``, ``g2_to_g3``, ``g2_to_g1``,
         ``g3_to_g1``, ``g1_to_g3``), skipped offloads, onboard failures,
-        matches, hits per tier, queue depth, blocks held per tier."""
+        matches, hits per tier, queue depth, blocks held per tier, and
+        ``verify_mismatches``: blocks that failed their checksum (0 unless
+        ``verify``)."""
     def reset(self) -> int:
         """Drops every G2/G3 block no request holds; returns how many."""
     def shutdown(self) -> None:

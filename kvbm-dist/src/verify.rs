@@ -1,0 +1,401 @@
+//! Verify mode: a checksum of every block written into G2 or G3, checked
+//! when the block is read back.
+//!
+//! Defence in depth against bytes that change at rest (a stray write into
+//! host memory, a disk that returns other bytes than it was given): with
+//! `Configure::verify` on, the worker that owns the bytes records the
+//! xxh3-64 of each block as it lands in G2 or G3 and checks it when the
+//! block is copied out again. A block that fails is a failed pair of the
+//! copy (the engine recomputes it), never served.
+//!
+//! One table per worker ([`Checksums`]), keyed by `(tier, slot)`, lives in
+//! the worker's tiers, so the copies the worker runs for its socket and
+//! the ones its leader runs on the lent executor (see `loan`) settle
+//! through the same code ([`Checksums::settle_later`]). A block's sum is
+//! taken over its chunks in layer, K/V order, so it does not depend on the
+//! layout: a block in G2, in G3 (padded) and in a host G1 sums alike.
+//!
+//! What is checked, per copy, once its bytes landed:
+//! - into G2 (from G1, G3, G2 or a peer's G2): the sum of the destination
+//!   block, read from the destination, is recorded;
+//! - out of G2 (to G1, G2 or G3): the source block is checked against its
+//!   recorded sum; into G3 the verified sum is recorded for the G3 slot
+//!   (the disk is not read back);
+//! - G1 → G3: the sum of the G1 source is recorded when G1 is host memory,
+//!   otherwise the G3 block is read back from the file and summed;
+//! - out of G3: the destination is summed when it is host memory (G2, or a
+//!   host G1) and compared with the G3 slot's sum. Into a device G1 the
+//!   bytes that landed cannot be read here: the G3 block is read from the
+//!   file again and checked instead, which catches what changed on disk
+//!   but not a fault of the device copy itself.
+//!
+//! A slot read with no recorded sum (never written while verify was on)
+//! fails the check. A slot whose copy failed loses its sum; an overwritten
+//! slot gets the new one. Mismatches are counted and logged at most once
+//! every [`WARN_EVERY`].
+
+use std::collections::{HashMap, HashSet};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use kvbm_pool::Tier;
+use kvbm_transfer::{Completion, PhysicalLayout, TransferError, TransferFailure, TransferOutcome};
+use parking_lot::Mutex;
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::error::DistError;
+
+/// The shortest interval between two mismatch warnings.
+pub(crate) const WARN_EVERY: Duration = Duration::from_secs(5);
+/// Most threads one copy's hashing uses.
+const MAX_THREADS: usize = 8;
+/// Bytes below which another hashing thread is not worth its start.
+const BYTES_PER_THREAD: u64 = 8 << 20;
+
+/// One end of a copy: the tier and its memory.
+#[derive(Clone)]
+pub(crate) struct End {
+    /// G1, G2, G3, or G4 for a peer instance's G2 (never read here).
+    pub(crate) tier: Tier,
+    /// The memory of the tier on this worker.
+    pub(crate) layout: PhysicalLayout,
+}
+
+/// The checksums of one worker's G2 and G3 blocks, and its mismatches.
+#[derive(Default)]
+pub(crate) struct Checksums {
+    sums: Mutex<HashMap<(Tier, u32), u64>>,
+    mismatches: AtomicU64,
+    /// When the last warning was logged, and mismatches left unlogged
+    /// since.
+    warned: Mutex<(Option<Instant>, u64)>,
+}
+
+/// Whether `tier` keeps checksums.
+fn tracked(tier: Tier) -> bool {
+    matches!(tier, Tier::G2 | Tier::G3)
+}
+
+/// The xxh3-64 of `block` of `layout`, over its chunks in layer, K/V
+/// order; host memory and disk files can be read, device memory cannot.
+pub(crate) fn block_sum(layout: &PhysicalLayout, block: usize) -> Result<u64, String> {
+    let host = layout.kind().is_host();
+    let mut hasher = Xxh3::new();
+    let mut file: Option<(usize, File)> = None;
+    let mut buf = Vec::new();
+    crate::worker::probe::for_each_chunk(layout, block, |chunk, _| {
+        let region = layout
+            .regions()
+            .get(chunk.region)
+            .ok_or_else(|| format!("chunk in region {} beyond the layout", chunk.region))?;
+        if host {
+            let addr = region
+                .addr()
+                .ok_or_else(|| "a host region without an address".to_string())?;
+            // SAFETY: host memory (checked above) that the region's owner
+            // keeps alive while `layout` lives; the layout proved the chunk
+            // lies inside its region. The block is not written while its
+            // copy is being settled (the tier engine holds it), and the
+            // bytes are only read.
+            let bytes = unsafe {
+                std::slice::from_raw_parts((addr + chunk.offset) as *const u8, chunk.len as usize)
+            };
+            hasher.update(bytes);
+            return Ok(());
+        }
+        let Some((disk, base)) = region.file_location() else {
+            return Err(format!("{:?} memory cannot be read here", layout.kind()));
+        };
+        if file.as_ref().is_none_or(|(r, _)| *r != chunk.region) {
+            let f = File::open(disk.path())
+                .map_err(|e| format!("open {}: {e}", disk.path().display()))?;
+            file = Some((chunk.region, f));
+        }
+        let Some((_, f)) = &file else {
+            return Err("no file".into());
+        };
+        buf.resize(chunk.len as usize, 0);
+        f.read_exact_at(&mut buf, base + chunk.offset)
+            .map_err(|e| format!("read {}: {e}", disk.path().display()))?;
+        hasher.update(&buf);
+        Ok(())
+    })?;
+    Ok(hasher.digest())
+}
+
+impl Checksums {
+    /// An empty table.
+    pub(crate) fn new() -> Self {
+        Self::default()
+    }
+
+    /// Mismatches found since the table was made.
+    pub(crate) fn mismatches(&self) -> u64 {
+        self.mismatches.load(Ordering::Relaxed)
+    }
+
+    /// The sum recorded for `slot` of `tier`.
+    #[cfg(test)]
+    pub(crate) fn get(&self, tier: Tier, slot: u32) -> Option<u64> {
+        self.sums.lock().get(&(tier, slot)).copied()
+    }
+
+    /// Checks and records what a copy moved once `completion` resolves (on
+    /// a thread of its own, so hashing never holds the executor's), then
+    /// calls `done` with the settled outcome and the number of pairs that
+    /// failed their check.
+    pub(crate) fn settle_later(
+        self: &Arc<Self>,
+        src: End,
+        dst: End,
+        pairs: Vec<(usize, usize)>,
+        completion: Completion<TransferOutcome>,
+        done: impl FnOnce(TransferOutcome, u32) + Send + 'static,
+    ) {
+        let this = Arc::clone(self);
+        completion.on_complete(move |outcome| {
+            let job = move || {
+                let (outcome, mismatches) = this.settle(&src, &dst, &pairs, outcome);
+                done(outcome, mismatches);
+            };
+            // A thread of its own; when none can be had, here.
+            let slot = Arc::new(Mutex::new(Some(job)));
+            let theirs = Arc::clone(&slot);
+            let spawned = std::thread::Builder::new()
+                .name("kvbm-verify".into())
+                .spawn(move || {
+                    if let Some(job) = theirs.lock().take() {
+                        job();
+                    }
+                });
+            if spawned.is_err()
+                && let Some(job) = slot.lock().take()
+            {
+                job();
+            }
+        });
+    }
+
+    /// Checks and records what a copy of `pairs` from `src` to `dst` moved
+    /// (see the module): pairs that fail become failed pairs of the
+    /// returned outcome. Returns it with the number of checksum
+    /// mismatches among them.
+    pub(crate) fn settle(
+        &self,
+        src: &End,
+        dst: &End,
+        pairs: &[(usize, usize)],
+        outcome: TransferOutcome,
+    ) -> (TransferOutcome, u32) {
+        let landed: Vec<(usize, usize)> = match &outcome {
+            Ok(_) => pairs.to_vec(),
+            Err(f) => f.completed.clone(),
+        };
+        let recorded: Vec<Option<u64>> = {
+            let sums = self.sums.lock();
+            landed
+                .iter()
+                .map(|&(s, _)| sums.get(&(src.tier, slot(s))).copied())
+                .collect()
+        };
+        let verdicts = self.judge_all(src, dst, &landed, &recorded);
+        let landed_set: HashSet<(usize, usize)> = landed.iter().copied().collect();
+        let mut rejected: Vec<((usize, usize), DistError)> = Vec::new();
+        {
+            let mut sums = self.sums.lock();
+            if tracked(dst.tier) {
+                for &(_, d) in pairs.iter().filter(|p| !landed_set.contains(p)) {
+                    sums.remove(&(dst.tier, slot(d)));
+                }
+            }
+            for (&pair, verdict) in landed.iter().zip(verdicts) {
+                match verdict {
+                    Ok(Some(sum)) => {
+                        sums.insert((dst.tier, slot(pair.1)), sum);
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        sums.remove(&(dst.tier, slot(pair.1)));
+                        rejected.push((pair, e));
+                    }
+                }
+            }
+        }
+        if rejected.is_empty() {
+            return (outcome, 0);
+        }
+        let mismatches = rejected
+            .iter()
+            .filter(|(_, e)| matches!(e, DistError::ChecksumMismatch { .. }))
+            .count();
+        self.report(mismatches as u64, &rejected[0].1, rejected.len());
+        let bad: HashSet<(usize, usize)> = rejected.iter().map(|(p, _)| *p).collect();
+        let completed: Vec<_> = landed.into_iter().filter(|p| !bad.contains(p)).collect();
+        let kept: HashSet<(usize, usize)> = completed.iter().copied().collect();
+        let failed = pairs
+            .iter()
+            .copied()
+            .filter(|p| !kept.contains(p))
+            .collect();
+        let more = match rejected.len() {
+            1 => String::new(),
+            n => format!(" (and {} more pairs)", n - 1),
+        };
+        let error = match outcome {
+            // A copy that failed on its own keeps its first error.
+            Err(f) => f.error,
+            Ok(_) => TransferError::Backend {
+                backend: "kvbm-dist verify",
+                message: format!("{}{more}", rejected[0].1),
+            },
+        };
+        let failure = TransferFailure {
+            error,
+            completed,
+            failed,
+            culprit: Some(rejected[0].0),
+        };
+        (Err(Box::new(failure)), mismatches as u32)
+    }
+
+    /// The verdicts of `landed` (see [`Checksums::judge`]), hashed on
+    /// several threads when the copy is large.
+    fn judge_all(
+        &self,
+        src: &End,
+        dst: &End,
+        landed: &[(usize, usize)],
+        recorded: &[Option<u64>],
+    ) -> Vec<Result<Option<u64>, DistError>> {
+        let block_bytes = src.layout.layout().config().block_bytes();
+        let total = block_bytes.saturating_mul(landed.len() as u64);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = (total / BYTES_PER_THREAD)
+            .clamp(1, MAX_THREADS as u64)
+            .min(cores as u64)
+            .min(landed.len().max(1) as u64) as usize;
+        let judge_range = |from: usize, to: usize| {
+            (from..to)
+                .map(|i| judge(src, dst, landed[i], recorded[i]))
+                .collect::<Vec<_>>()
+        };
+        if threads <= 1 {
+            return judge_range(0, landed.len());
+        }
+        let per = landed.len().div_ceil(threads);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..landed.len())
+                .step_by(per)
+                .map(|from| {
+                    let to = (from + per).min(landed.len());
+                    let judge_range = &judge_range;
+                    let spawned = std::thread::Builder::new()
+                        .name("kvbm-verify-hash".into())
+                        .spawn_scoped(scope, move || judge_range(from, to));
+                    (from, to, spawned)
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|(from, to, spawned)| match spawned.map(|h| h.join()) {
+                    Ok(Ok(v)) => v,
+                    // A thread that could not start (or died) leaves its
+                    // share to this one.
+                    _ => judge_range(from, to),
+                })
+                .collect()
+        })
+    }
+
+    /// Counts `mismatches` and warns, at most once every [`WARN_EVERY`].
+    fn report(&self, mismatches: u64, first: &DistError, failed: usize) {
+        self.mismatches.fetch_add(mismatches, Ordering::Relaxed);
+        let mut warned = self.warned.lock();
+        let now = Instant::now();
+        if warned.0.is_some_and(|t| now.duration_since(t) < WARN_EVERY) {
+            warned.1 += failed as u64;
+            return;
+        }
+        let suppressed = std::mem::take(&mut warned.1);
+        warned.0 = Some(now);
+        tracing::warn!(
+            failed,
+            suppressed,
+            total_mismatches = self.mismatches(),
+            "verify: {first}; the blocks are reported as failed copies"
+        );
+    }
+}
+
+/// A block id as the table keys it (every id came off the wire as a u32,
+/// or was checked against a tier of at most `u32::MAX` blocks).
+fn slot(id: usize) -> u32 {
+    u32::try_from(id).unwrap_or(u32::MAX)
+}
+
+/// The verdict of one pair that landed: `Ok(sum to record for the
+/// destination slot)`, `None` when the destination keeps no sums; `Err`
+/// when the pair fails the check. `recorded` is the source slot's sum.
+fn judge(
+    src: &End,
+    dst: &End,
+    (s, d): (usize, usize),
+    recorded: Option<u64>,
+) -> Result<Option<u64>, DistError> {
+    let sum = |end: &End, block: usize| {
+        block_sum(&end.layout, block).map_err(|reason| DistError::ChecksumUnavailable {
+            tier: end.tier,
+            slot: slot(block),
+            reason,
+        })
+    };
+    let expect = |tier: Tier, slot_id: usize, expected: Option<u64>, found: u64| {
+        if expected == Some(found) {
+            Ok(())
+        } else {
+            Err(DistError::ChecksumMismatch {
+                tier,
+                slot: slot(slot_id),
+                expected,
+                found,
+            })
+        }
+    };
+    let record = tracked(dst.tier);
+    match src.tier {
+        Tier::G2 => {
+            let found = sum(src, s)?;
+            expect(Tier::G2, s, recorded, found)?;
+            match dst.tier {
+                Tier::G2 => {
+                    let landed = sum(dst, d)?;
+                    expect(Tier::G2, d, Some(found), landed)?;
+                    Ok(Some(landed))
+                }
+                Tier::G3 => Ok(Some(found)),
+                _ => Ok(None),
+            }
+        }
+        Tier::G3 => {
+            let found = if dst.layout.kind().is_host() {
+                sum(dst, d)?
+            } else {
+                sum(src, s)?
+            };
+            expect(Tier::G3, s, recorded, found)?;
+            Ok(record.then_some(found))
+        }
+        // From G1 (the engine's, unchecked) or a peer's G2.
+        _ if !record => Ok(None),
+        _ if dst.tier == Tier::G3 && src.layout.kind().is_host() && src.tier == Tier::G1 => {
+            Ok(Some(sum(src, s)?))
+        }
+        _ => Ok(Some(sum(dst, d)?)),
+    }
+}
+
+#[cfg(test)]
+mod tests;
