@@ -14,7 +14,8 @@ Prints one JSON line per run: per case, the outputs of each round
 counters.
 usage: python differential.py MODEL_DIR RUNS_JSON
 where RUNS_JSON is a list of {"name", "extra" (object or null), "engine"
-(vLLM engine arguments), "seeds"}; a negative seed -N is the reported
+(vLLM engine arguments), "seeds", "corrupt_g3" (optional: damage every
+G3 block between the rounds)}; a negative seed -N is the reported
 failure with N prompts sharing a prefix (fuzz_workload.repro_case).
 """
 
@@ -139,7 +140,28 @@ def reference(llm, seeds: list[int]) -> dict:
     return out
 
 
-def with_kvbm(llm, seeds: list[int]) -> dict:
+def corrupt_files(directory: str) -> int:
+    """Flips one byte in every 4 KiB of each G3 file under `directory`
+    (every stored block); returns the bytes flipped."""
+    flipped = 0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            if not name.endswith(".blocks"):
+                continue
+            with open(os.path.join(root, name), "r+b") as f:
+                size = f.seek(0, os.SEEK_END)
+                for at in range(0, size, 4096):
+                    f.seek(at)
+                    byte = f.read(1)
+                    f.seek(at)
+                    f.write(bytes([byte[0] ^ 0x5A]))
+                    flipped += 1
+    return flipped
+
+
+def with_kvbm(llm, seeds: list[int], corrupt_g3: str | None = None) -> dict:
+    """Runs each case twice (see the module doc); with `corrupt_g3` (the G3
+    directory), G3's bytes are damaged between the rounds."""
     side = scheduler_side(llm)
     out = {}
     for seed in seeds:
@@ -150,6 +172,8 @@ def with_kvbm(llm, seeds: list[int]) -> dict:
         # Let kvbm's background copies (G2 victims on their way to G3) land,
         # so what round 2 finds does not depend on timing.
         side.kvbm.flush()
+        if corrupt_g3 is not None and not corrupt_files(corrupt_g3):
+            raise SystemExit(f"no G3 file to corrupt under {corrupt_g3}")
         second, aborted2 = run_waves(llm, case, "r2")
         after = dict(side.kvbm.stats())
         moved = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int)}
@@ -180,7 +204,11 @@ def main() -> int:
     for run in runs:
         llm = build_engine(model_dir, run["extra"], run["engine"])
         seeds = run["seeds"]
-        result = reference(llm, seeds) if run["extra"] is None else with_kvbm(llm, seeds)
+        if run["extra"] is None:
+            result = reference(llm, seeds)
+        else:
+            corrupt = run["extra"]["disk_cache_dir"] if run.get("corrupt_g3") else None
+            result = with_kvbm(llm, seeds, corrupt)
         print("KVBM_RESULT " + json.dumps({"name": run["name"], "cases": result}), flush=True)
         shut_down(llm)
     return 0

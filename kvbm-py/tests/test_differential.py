@@ -65,9 +65,22 @@ CONFIGS: dict[str, tuple[dict, dict, int]] = {
 
 
 def _extra(keys: dict, tmp_path: Path) -> dict:
+    """kvbm's keys of a configuration, with verification on (a load whose
+    bytes changed since they were stored fails instead of being served)."""
     keys = dict(keys)
     g3 = keys.pop("g3", None)
-    return {**(_g3(tmp_path, g3) if g3 else {}), **keys}
+    return {**(_g3(tmp_path, g3) if g3 else {}), "verify": True, **keys}
+
+
+#: Runs whose G3 is damaged between the rounds (every stored block), with
+#: verification on and off: on, every output must still be right; off,
+#: some must not (the damage reaches the outputs, so the first proves
+#: something).
+CORRUPTED = {
+    "g3-damaged-verified": {"verify": True},
+    "g3-damaged-unverified": {"verify": False},
+}
+CORRUPTED_SEEDS = [7, 8, 9]
 
 
 def _seeds(index: int) -> list[int]:
@@ -101,6 +114,9 @@ def _runs(tp: int, tmp_path: Path) -> list[dict]:
             runs.append({"name": name, "extra": extra, "engine": engine, "seeds": _seeds(list(CONFIGS).index(name))})
     if tp == 1:
         runs += [{"name": n, "extra": x, "engine": {}, "seeds": [-int(n.split("-")[1])]} for n, x in REPRO.items()]
+        for n, keys in CORRUPTED.items():
+            extra = {**_g3(tmp_path / n, 1), "admission": "all", **keys}
+            runs.append({"name": n, "extra": extra, "engine": {}, "seeds": CORRUPTED_SEEDS, "corrupt_g3": True})
     seeds = sorted({s for r in runs for s in r["seeds"]})
     return [{"name": "reference", "extra": None, "engine": {}, "seeds": seeds}, *runs] if runs else []
 
@@ -162,6 +178,7 @@ def check(name: str, got: dict, want: dict, extra: dict, engine: dict) -> int:
                 )
         s = case["stats"]
         assert s.get("onboard_failures", 0) == 0 and s.get("copy_failures", 0) == 0, (seed, s)
+        assert s.get("verify_mismatches", 0) == 0, (seed, s)
         loaded += s.get("g2_to_g1_blocks", 0) + s.get("g3_to_g1_blocks", 0)
     return loaded
 
@@ -185,3 +202,28 @@ def test_prompts_sharing_a_prefix_in_one_generate(name, results):
     loaded = check(name, got, want, run["extra"], run["engine"])
     # Round 2 found the shared 8-block stem in kvbm.
     assert loaded >= 8, got
+
+
+def test_damaged_g3_blocks_are_recomputed_when_verified(results):
+    got, want, run = results("g3-damaged-verified", 1)
+    mismatches = 0
+    for seed, case in got.items():
+        for rnd in ("first", "second"):
+            for prompt, tokens in case[rnd].items():
+                assert tokens == want[seed][prompt], (
+                    f"seed {seed}, round {rnd}, prompt {prompt}: a damaged block was served"
+                )
+        mismatches += case["stats"].get("verify_mismatches", 0)
+    assert mismatches > 0, "no load read a damaged block: the test proves nothing"
+
+
+def test_damaged_g3_blocks_reach_the_outputs_when_unverified(results):
+    got, want, _ = results("g3-damaged-unverified", 1)
+    differ = [
+        (seed, prompt)
+        for seed, case in got.items()
+        for prompt, tokens in case["second"].items()
+        if tokens != want[seed][prompt]
+    ]
+    assert differ, "the damage changed no output: the verified run proves nothing"
+    assert all(c["stats"].get("verify_mismatches", 0) == 0 for c in got.values())

@@ -27,6 +27,7 @@ _SOURCES: dict[str, tuple[tuple[str, ...], Any]] = {
     "handshake_timeout_s": (("KVBM_HANDSHAKE_TIMEOUT_S",), 120.0),
     "offload_in_flight": (("KVBM_OFFLOAD_IN_FLIGHT",), 0),
     "metrics_port": (("KVBM_METRICS_PORT", "DYN_KVBM_METRICS_PORT"), 0),
+    "verify": (("KVBM_VERIFY",), False),
 }
 
 OFFLOAD_MODES = ("eager", "finish", "none")
@@ -88,6 +89,12 @@ class KvbmConfig:
     #: TCP port of kvbm's Prometheus exporter in the scheduler process
     #: (metrics ``kvbm_*``); 0 serves none.
     metrics_port: int = 0
+    #: Checksum every block as it lands in G2 or G3 and check it when it
+    #: is loaded: a block whose bytes changed is reported to the engine as
+    #: a failed load (recomputed, never served) and counted
+    #: (``verify_mismatches``). Costs a hash of every byte offloaded and
+    #: onboarded (``docs/benchmarks.md``).
+    verify: bool = False
     #: Test hook: overwrite the first block of every onboard with zeros
     #: after it landed (proves an output comparison detects bad bytes).
     test_corrupt_onboard: bool = False
@@ -142,6 +149,7 @@ class KvbmConfig:
             handshake_timeout_s=_as_float(values["handshake_timeout_s"], "handshake_timeout_s"),
             offload_in_flight=int(_as_float(values["offload_in_flight"], "offload_in_flight")),
             metrics_port=int(_as_float(values["metrics_port"], "metrics_port")),
+            verify=_as_bool(values["verify"], "verify"),
             test_corrupt_onboard=_as_bool(
                 extra.get("test_corrupt_onboard", False), "test_corrupt_onboard"
             ),

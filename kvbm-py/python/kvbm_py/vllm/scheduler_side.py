@@ -26,6 +26,10 @@ log = logging.getLogger("kvbm_py.vllm")
 
 #: A block id no G1 has: an onboard aimed there fails on every worker.
 _NO_BLOCK = 0xFFFF_FFFF
+#: Loads a request may try: one more after a failure (a worker that was
+#: lost comes back), then it computes what vLLM does not hold, since a
+#: damaged block stays in kvbm's books and every load of it fails.
+_LOAD_ATTEMPTS = 2
 
 
 @dataclass
@@ -71,6 +75,7 @@ class SchedulerSide:
             handshake_timeout_s=config.handshake_timeout_s,
             secret_file=self.secret_file,
             offload_in_flight=config.offload_in_flight or None,
+            verify=config.verify,
         )
         log.info(
             "kvbm: caches ready: %d worker(s), blocks per tier %s (waited %.1f s)",
@@ -102,6 +107,9 @@ class SchedulerSide:
         self.allocated_now: set[str] = set()
         #: Requests whose onboard started (kvbm keeps them until released).
         self.onboarded: set[str] = set()
+        #: Failed loads per live request (vLLM matches a request whose
+        #: asynchronous load failed again): see `_LOAD_ATTEMPTS`.
+        self.load_failures: dict[str, int] = {}
         self.failures_left = config.test_fail_onboards
         # News for the workers, collected between steps.
         self.pending = KvbmMetadata()
@@ -119,7 +127,7 @@ class SchedulerSide:
         self, request: "Request", num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         rid = request.request_id
-        if rid in self.loading:
+        if rid in self.loading or self.load_failures.get(rid, 0) >= _LOAD_ATTEMPTS:
             return 0, False
         tracked = self.requests.get(rid)
         if rid in self.onboarded or (tracked is not None and tracked.has_offloads):
@@ -216,6 +224,7 @@ class SchedulerSide:
             return
         log.warning("kvbm: load of %s failed, vLLM recomputes %d blocks: %s",
                     rid, len(load.block_ids), error)
+        self.load_failures[rid] = self.load_failures.get(rid, 0) + 1
         # Another request may hit these blocks in vLLM's prefix cache
         # before they are recomputed: nothing copies them out until then.
         self.fence.poison(load.block_ids)
@@ -391,6 +400,7 @@ class SchedulerSide:
         rid = request.request_id
         self.engine_blocks.pop(rid, None)
         self.onboarded.discard(rid)
+        self.load_failures.pop(rid, None)
         load = self._end_load(rid)
         if load is not None:
             # Aborted while loading: stop writing vLLM's blocks (the release

@@ -24,6 +24,7 @@ COUNTERS = (
     ("hit_blocks_g3", "hits_g3"),
     ("onboard_failures", "onboard_failures"),
     ("offloads_skipped", "offloads_skipped"),
+    ("verify_mismatches", "verify_mismatches"),
 ) + tuple(
     (f"{p}_{what}", f"{p}_{what}")
     for p in PATHS
@@ -79,15 +80,16 @@ class KvbmStats(KVConnectorStats):
                 continue
             out[f"{p}_MiB"] = round(d.get(f"{p}_bytes", 0) / (1 << 20), 3)
             out[f"{p}_avg_ms"] = round(1e3 * d.get(f"{p}_seconds", 0.0) / n, 3)
-        if d.get("onboard_failures"):
-            out["onboard_failures"] = d["onboard_failures"]
+        for key in ("onboard_failures", "verify_mismatches"):
+            if d.get(key):
+                out[key] = d[key]
         return out
 
 
 class KvbmPromMetrics(KVConnectorPromMetrics):
     """kvbm's counters as vLLM Prometheus metrics (``vllm:kvbm_*``), per
-    engine: prompt blocks looked up, blocks hit per tier, and blocks,
-    bytes and copy seconds per path."""
+    engine: prompt blocks looked up, blocks hit per tier, blocks, bytes
+    and copy seconds per path, and blocks that failed their checksum."""
 
     def __init__(
         self,
@@ -109,6 +111,10 @@ class KvbmPromMetrics(KVConnectorPromMetrics):
         self._seconds = counter(
             "vllm:kvbm_transfer_seconds", "Seconds kvbm's copies took, per path.", "path"
         )
+        self._mismatches = counter(
+            "vllm:kvbm_verify_mismatches",
+            "Blocks whose bytes failed their checksum at load (verify mode); recomputed.",
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Adds one interval's :class:`KvbmStats` data to the metrics."""
@@ -121,3 +127,4 @@ class KvbmPromMetrics(KVConnectorPromMetrics):
             self._blocks.labels(*values, p).inc(d.get(f"{p}_blocks", 0))
             self._bytes.labels(*values, p).inc(d.get(f"{p}_bytes", 0))
             self._seconds.labels(*values, p).inc(d.get(f"{p}_seconds", 0.0))
+        self._mismatches.labels(*values).inc(d.get("verify_mismatches", 0))
