@@ -150,6 +150,24 @@ pub fn chain(seed: u64, n: usize) -> Vec<SequenceHash> {
         .collect()
 }
 
+/// `n` sequence hashes continuing `parent` (a new root without one),
+/// told apart from other continuations of the same parent by `salt`: like
+/// a real sequence hash, a block's hash depends on everything before it,
+/// so requests that diverge after a shared prefix get distinct blocks.
+pub fn branch(parent: Option<SequenceHash>, salt: u64, n: usize) -> Vec<SequenceHash> {
+    let mut h =
+        parent.map_or(0x5EED_0000_0000_0000, |p| p.0) ^ salt.wrapping_mul(0xD6E8_FEB8_6659_FD93);
+    (0..n)
+        .map(|i| {
+            h = (h ^ (i as u64 + 1))
+                .wrapping_mul(0x94D0_49BB_1331_11EB)
+                .rotate_left(29)
+                | 1;
+            SequenceHash(h)
+        })
+        .collect()
+}
+
 /// Byte `i` of a block named `hash`.
 fn byte_of(hash: SequenceHash, i: usize) -> u8 {
     let x = hash.0 ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
@@ -182,6 +200,14 @@ pub fn fill(layout: &PhysicalLayout, block: u32, hash: SequenceHash) {
             *b = byte_of(hash, i);
             i += 1;
         }
+    }
+}
+
+/// Writes junk into G1 block `block`: bytes no hash's block holds, as an
+/// engine's memory may hold anything before a forward pass writes it.
+pub fn scribble(layout: &PhysicalLayout, block: u32) {
+    for chunk in block_bytes_mut(layout, block) {
+        chunk.fill(0xA5);
     }
 }
 
