@@ -143,8 +143,10 @@ impl Checksums {
         self.sums.lock().get(&(tier, slot)).copied()
     }
 
-    /// Checks and records what a copy moved once `completion` resolves (on
-    /// a thread of its own, so hashing never holds the executor's), then
+    /// Checks and records what a copy moved, on a thread of its own (so
+    /// hashing never holds the executor's): sources that stay unchanged
+    /// while the copy runs (a G2 block, a G3 block bound for device memory)
+    /// are hashed while it runs, the rest once `completion` resolves. Then
     /// calls `done` with the settled outcome and the number of pairs that
     /// failed their check.
     pub(crate) fn settle_later(
@@ -155,34 +157,70 @@ impl Checksums {
         completion: Completion<TransferOutcome>,
         done: impl FnOnce(TransferOutcome, u32) + Send + 'static,
     ) {
-        let this = Arc::clone(self);
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
         completion.on_complete(move |outcome| {
-            let job = move || {
-                let (outcome, mismatches) = this.settle(&src, &dst, &pairs, outcome);
-                done(outcome, mismatches);
-            };
-            // A thread of its own; when none can be had, here.
-            let slot = Arc::new(Mutex::new(Some(job)));
-            let theirs = Arc::clone(&slot);
-            let spawned = std::thread::Builder::new()
-                .name("kvbm-verify".into())
-                .spawn(move || {
-                    if let Some(job) = theirs.lock().take() {
-                        job();
-                    }
-                });
-            if spawned.is_err()
-                && let Some(job) = slot.lock().take()
-            {
-                job();
-            }
+            let _ = tx.send(outcome);
         });
+        let this = Arc::clone(self);
+        let job = move || {
+            let early = this.sum_sources(&src, &dst, &pairs);
+            let outcome = rx.recv().unwrap_or_else(|_| {
+                Err(Box::new(TransferFailure {
+                    error: TransferError::Backend {
+                        backend: "kvbm-dist verify",
+                        message: "the copy ended without an outcome".into(),
+                    },
+                    completed: Vec::new(),
+                    failed: pairs.clone(),
+                    culprit: None,
+                }))
+            });
+            let (outcome, mismatches) = this.settle_with(&src, &dst, &pairs, outcome, &early);
+            done(outcome, mismatches);
+        };
+        // A thread of its own; when none can be had, here (waiting for the
+        // copy).
+        let slot = Arc::new(Mutex::new(Some(job)));
+        let theirs = Arc::clone(&slot);
+        let spawned = std::thread::Builder::new()
+            .name("kvbm-verify".into())
+            .spawn(move || {
+                if let Some(job) = theirs.lock().take() {
+                    job();
+                }
+            });
+        if spawned.is_err()
+            && let Some(job) = slot.lock().take()
+        {
+            job();
+        }
+    }
+
+    /// The sums of `pairs`' sources that no copy changes while this one
+    /// reads them (see [`Checksums::settle_later`]), in pair order; `None`
+    /// where the source is summed after the copy, or not at all.
+    fn sum_sources(
+        &self,
+        src: &End,
+        dst: &End,
+        pairs: &[(usize, usize)],
+    ) -> Vec<Option<Result<u64, String>>> {
+        let early = match src.tier {
+            Tier::G2 => true,
+            Tier::G3 => !dst.layout.kind().is_host(),
+            _ => false,
+        };
+        if !early {
+            return vec![None; pairs.len()];
+        }
+        par_map(src, pairs.len(), |i| Some(block_sum(&src.layout, pairs[i].0)))
     }
 
     /// Checks and records what a copy of `pairs` from `src` to `dst` moved
     /// (see the module): pairs that fail become failed pairs of the
     /// returned outcome. Returns it with the number of checksum
     /// mismatches among them.
+    #[cfg(test)]
     pub(crate) fn settle(
         &self,
         src: &End,
@@ -190,10 +228,30 @@ impl Checksums {
         pairs: &[(usize, usize)],
         outcome: TransferOutcome,
     ) -> (TransferOutcome, u32) {
+        let early = self.sum_sources(src, dst, pairs);
+        self.settle_with(src, dst, pairs, outcome, &early)
+    }
+
+    /// [`Checksums::settle`] with the sources' sums taken while the copy
+    /// ran (`early`, in pair order).
+    fn settle_with(
+        &self,
+        src: &End,
+        dst: &End,
+        pairs: &[(usize, usize)],
+        outcome: TransferOutcome,
+        early: &[Option<Result<u64, String>>],
+    ) -> (TransferOutcome, u32) {
         let landed: Vec<(usize, usize)> = match &outcome {
             Ok(_) => pairs.to_vec(),
             Err(f) => f.completed.clone(),
         };
+        let index: HashMap<(usize, usize), usize> =
+            pairs.iter().enumerate().map(|(i, &p)| (p, i)).collect();
+        let early: Vec<Option<Result<u64, String>>> = landed
+            .iter()
+            .map(|p| index.get(p).and_then(|&i| early.get(i).cloned().flatten()))
+            .collect();
         let recorded: Vec<Option<u64>> = {
             let sums = self.sums.lock();
             landed
@@ -201,7 +259,9 @@ impl Checksums {
                 .map(|&(s, _)| sums.get(&(src.tier, slot(s))).copied())
                 .collect()
         };
-        let verdicts = self.judge_all(src, dst, &landed, &recorded);
+        let verdicts = par_map(src, landed.len(), |i| {
+            judge(src, dst, landed[i], recorded[i], early[i].clone())
+        });
         let landed_set: HashSet<(usize, usize)> = landed.iter().copied().collect();
         let mut rejected: Vec<((usize, usize), DistError)> = Vec::new();
         {
@@ -261,55 +321,6 @@ impl Checksums {
         (Err(Box::new(failure)), mismatches as u32)
     }
 
-    /// The verdicts of `landed` (see [`Checksums::judge`]), hashed on
-    /// several threads when the copy is large.
-    fn judge_all(
-        &self,
-        src: &End,
-        dst: &End,
-        landed: &[(usize, usize)],
-        recorded: &[Option<u64>],
-    ) -> Vec<Result<Option<u64>, DistError>> {
-        let block_bytes = src.layout.layout().config().block_bytes();
-        let total = block_bytes.saturating_mul(landed.len() as u64);
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let threads = (total / BYTES_PER_THREAD)
-            .clamp(1, MAX_THREADS as u64)
-            .min(cores as u64)
-            .min(landed.len().max(1) as u64) as usize;
-        let judge_range = |from: usize, to: usize| {
-            (from..to)
-                .map(|i| judge(src, dst, landed[i], recorded[i]))
-                .collect::<Vec<_>>()
-        };
-        if threads <= 1 {
-            return judge_range(0, landed.len());
-        }
-        let per = landed.len().div_ceil(threads);
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = (0..landed.len())
-                .step_by(per)
-                .map(|from| {
-                    let to = (from + per).min(landed.len());
-                    let judge_range = &judge_range;
-                    let spawned = std::thread::Builder::new()
-                        .name("kvbm-verify-hash".into())
-                        .spawn_scoped(scope, move || judge_range(from, to));
-                    (from, to, spawned)
-                })
-                .collect();
-            handles
-                .into_iter()
-                .flat_map(|(from, to, spawned)| match spawned.map(|h| h.join()) {
-                    Ok(Ok(v)) => v,
-                    // A thread that could not start (or died) leaves its
-                    // share to this one.
-                    _ => judge_range(from, to),
-                })
-                .collect()
-        })
-    }
-
     /// Counts `mismatches` and warns, at most once every [`WARN_EVERY`].
     fn report(&self, mismatches: u64, first: &DistError, failed: usize) {
         self.mismatches.fetch_add(mismatches, Ordering::Relaxed);
@@ -330,6 +341,45 @@ impl Checksums {
     }
 }
 
+/// `f(0..n)` for `n` blocks of `end`, on several threads when they are
+/// many bytes.
+fn par_map<T: Send>(end: &End, n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    let block_bytes = end.layout.layout().config().block_bytes();
+    let total = block_bytes.saturating_mul(n as u64);
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let threads = (total / BYTES_PER_THREAD)
+        .clamp(1, MAX_THREADS as u64)
+        .min(cores as u64)
+        .min(n.max(1) as u64) as usize;
+    let range = |from: usize, to: usize| (from..to).map(&f).collect::<Vec<_>>();
+    if threads <= 1 {
+        return range(0, n);
+    }
+    let per = n.div_ceil(threads);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..n)
+            .step_by(per)
+            .map(|from| {
+                let to = (from + per).min(n);
+                let range = &range;
+                let spawned = std::thread::Builder::new()
+                    .name("kvbm-verify-hash".into())
+                    .spawn_scoped(scope, move || range(from, to));
+                (from, to, spawned)
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|(from, to, spawned)| match spawned.map(|h| h.join()) {
+                Ok(Ok(v)) => v,
+                // A thread that could not start (or died) leaves its share
+                // to this one.
+                _ => range(from, to),
+            })
+            .collect()
+    })
+}
+
 /// A block id as the table keys it (every id came off the wire as a u32,
 /// or was checked against a tier of at most `u32::MAX` blocks).
 fn slot(id: usize) -> u32 {
@@ -338,19 +388,26 @@ fn slot(id: usize) -> u32 {
 
 /// The verdict of one pair that landed: `Ok(sum to record for the
 /// destination slot)`, `None` when the destination keeps no sums; `Err`
-/// when the pair fails the check. `recorded` is the source slot's sum.
+/// when the pair fails the check. `recorded` is the source slot's sum,
+/// `early` the source's sum taken while the copy ran, if it was.
 fn judge(
     src: &End,
     dst: &End,
     (s, d): (usize, usize),
     recorded: Option<u64>,
+    early: Option<Result<u64, String>>,
 ) -> Result<Option<u64>, DistError> {
+    let unavailable = |end: &End, block: usize, reason| DistError::ChecksumUnavailable {
+        tier: end.tier,
+        slot: slot(block),
+        reason,
+    };
     let sum = |end: &End, block: usize| {
-        block_sum(&end.layout, block).map_err(|reason| DistError::ChecksumUnavailable {
-            tier: end.tier,
-            slot: slot(block),
-            reason,
-        })
+        block_sum(&end.layout, block).map_err(|reason| unavailable(end, block, reason))
+    };
+    let source_sum = || match early.clone() {
+        Some(r) => r.map_err(|reason| unavailable(src, s, reason)),
+        None => sum(src, s),
     };
     let expect = |tier: Tier, slot_id: usize, expected: Option<u64>, found: u64| {
         if expected == Some(found) {
@@ -367,7 +424,7 @@ fn judge(
     let record = tracked(dst.tier);
     match src.tier {
         Tier::G2 => {
-            let found = sum(src, s)?;
+            let found = source_sum()?;
             expect(Tier::G2, s, recorded, found)?;
             match dst.tier {
                 Tier::G2 => {
@@ -383,7 +440,7 @@ fn judge(
             let found = if dst.layout.kind().is_host() {
                 sum(dst, d)?
             } else {
-                sum(src, s)?
+                source_sum()?
             };
             expect(Tier::G3, s, recorded, found)?;
             Ok(record.then_some(found))

@@ -11,9 +11,13 @@ transfer (the ratio is the median of the repetitions' ratios, so a drift
 of the link's rate during the run cancels), and a per-block, per-layer
 `Tensor.copy_` loop (what a swap-blocks offload amounts to). G2 holds four times the blocks
 moved, as a deployment's host cache holds many requests: offload batches
-in flight are capped at a quarter of G2.
+in flight are capped at a quarter of G2. `--verify` measures kvbm a second
+time with block checksums on (the connector's `verify`), in the same run,
+and prints what they cost. `--device cpu` runs the same on host memory
+(G1 a host tensor, the references host memcpys), for machines without a GPU.
 
     python kvbm-py/benches/gpu_bench.py [--blocks 256] [--reps 9] [--layout packed|split]
+        [--verify] [--device cuda|cpu]
 """
 
 import argparse
@@ -36,11 +40,16 @@ def gbps(nbytes: int, secs: float) -> float:
     return nbytes / secs / 1e9
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn) -> float:
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - t0
 
 
@@ -50,16 +59,20 @@ def main() -> int:
     ap.add_argument("--capacity", type=int, default=1024, help="G1 blocks")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--layout", choices=["packed", "split"], default="packed")
+    ap.add_argument("--verify", action="store_true", help="also measure with checksums on")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     a = ap.parse_args()
-    if not torch.cuda.is_available():
+    if a.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device")
         return 1
+    device = a.device
+    pinned = device == "cuda"
     n = a.blocks
     nbytes = n * BLOCK_BYTES
     if a.layout == "packed":
         # Memory [blocks, tokens, heads, K|V], viewed [blocks, heads, tokens, K|V].
         layers = [
-            torch.randn(a.capacity, BLOCK, HEADS, 2 * HEAD, device="cuda")
+            torch.randn(a.capacity, BLOCK, HEADS, 2 * HEAD, device=device)
             .to(torch.bfloat16)
             .permute(0, 2, 1, 3)
             for _ in range(LAYERS)
@@ -69,7 +82,7 @@ def main() -> int:
             return t[b]
     else:
         layers = [
-            torch.randn(2, a.capacity, BLOCK, HEADS, HEAD, device="cuda").to(torch.bfloat16)
+            torch.randn(2, a.capacity, BLOCK, HEADS, HEAD, device=device).to(torch.bfloat16)
             for _ in range(LAYERS)
         ]
 
@@ -80,8 +93,8 @@ def main() -> int:
 
     # References: one large copy each way (timed again beside every kvbm
     # transfer below), and the per-block copy_ loop.
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
     def big_d2h():
         return timed(lambda: host.copy_(dev, non_blocking=True))
     def big_h2d():
@@ -92,7 +105,7 @@ def main() -> int:
     rng.shuffle(ids)
     src, dst = ids[:n], ids[n : 2 * n]
     block_shape = tuple(of(layers[0], 0).shape)
-    stage = torch.empty((n, LAYERS) + block_shape, dtype=torch.bfloat16, pin_memory=True)
+    stage = torch.empty((n, LAYERS) + block_shape, dtype=torch.bfloat16, pin_memory=pinned)
 
     def loop_out():
         for i, b in enumerate(src):
@@ -108,50 +121,59 @@ def main() -> int:
     loop_h2d = statistics.median(timed(loop_in) for _ in range(a.reps))
     del stage
 
-    out_s, in_s, ref_out, ref_in = [], [], [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        endpoint = f"ipc://{tmp}/leader.sock"
-        worker = kvbm_py.Worker(endpoint, 0, 1, specs, 2, a.capacity, tuple(layers),
-                                f"{tmp}/instance.secret", device=torch.cuda.current_device())
-        sched = kvbm_py.Scheduler(endpoint, 1, BLOCK, secret_file=f"{tmp}/instance.secret",
-                                  g2_bytes=4 * n * BLOCK_BYTES, admission="all")
-        try:
-            for rep in range(a.reps + 1):
-                hashes, parent = [], None
-                for i in range(n):
-                    h = hashlib.sha256(f"{rep}:{i}".encode() + (parent or b"")).digest()
-                    hashes.append(h)
-                    parent = h
-                req = f"r{rep}"
-                r_out = big_d2h()
-                t_out = timed(lambda: (sched.offload(req, src, hashes, None), sched.flush()))
-                sched.release(req)
-                m = sched.match_prefix(req + "b", hashes, n * BLOCK + 1, 0)
-                assert m.g2_blocks == n, m
-                def onboard():
-                    sched.onboard(req + "b", dst)
-                    err = sched.wait_onboard(req + "b")
-                    assert err is None, err
-                r_in = big_h2d()
-                t_in = timed(onboard)
-                for t in layers:
-                    assert torch.equal(of(t, src), of(t, dst)), "an onboarded block differs"
-                sched.release(req + "b")
-                # New bytes for the next rep, so nothing is served stale.
-                for t in layers:
-                    fresh = torch.randn_like(of(t, src))
-                    if a.layout == "packed":
-                        t[src] = fresh
-                    else:
-                        t[:, src] = fresh
-                if rep:
-                    out_s.append(t_out)
-                    in_s.append(t_in)
-                    ref_out.append(r_out)
-                    ref_in.append(r_in)
-        finally:
-            sched.shutdown()
-            worker.join(10.0)
+    def measure(verify: bool) -> tuple[list, list, list, list]:
+        """kvbm's offload and onboard times over the repetitions (the first
+        a warm-up), each with the large copy timed right before it."""
+        out_s, in_s, ref_out, ref_in = [], [], [], []
+        with tempfile.TemporaryDirectory() as tmp:
+            endpoint = f"ipc://{tmp}/leader.sock"
+            gpu = torch.cuda.current_device() if device == "cuda" else None
+            worker = kvbm_py.Worker(endpoint, 0, 1, specs, 2, a.capacity, tuple(layers),
+                                    f"{tmp}/instance.secret", device=gpu)
+            sched = kvbm_py.Scheduler(endpoint, 1, BLOCK, secret_file=f"{tmp}/instance.secret",
+                                      g2_bytes=4 * n * BLOCK_BYTES, admission="all",
+                                      verify=verify)
+            try:
+                for rep in range(a.reps + 1):
+                    hashes, parent = [], None
+                    for i in range(n):
+                        h = hashlib.sha256(f"{verify}:{rep}:{i}".encode() + (parent or b"")).digest()
+                        hashes.append(h)
+                        parent = h
+                    req = f"r{rep}"
+                    r_out = big_d2h()
+                    t_out = timed(lambda: (sched.offload(req, src, hashes, None), sched.flush()))
+                    sched.release(req)
+                    m = sched.match_prefix(req + "b", hashes, n * BLOCK + 1, 0)
+                    assert m.g2_blocks == n, m
+                    def onboard():
+                        sched.onboard(req + "b", dst)
+                        err = sched.wait_onboard(req + "b")
+                        assert err is None, err
+                    r_in = big_h2d()
+                    t_in = timed(onboard)
+                    for t in layers:
+                        assert torch.equal(of(t, src), of(t, dst)), "an onboarded block differs"
+                    sched.release(req + "b")
+                    # New bytes for the next rep, so nothing is served stale.
+                    for t in layers:
+                        fresh = torch.randn_like(of(t, src))
+                        if a.layout == "packed":
+                            t[src] = fresh
+                        else:
+                            t[:, src] = fresh
+                    if rep:
+                        out_s.append(t_out)
+                        in_s.append(t_in)
+                        ref_out.append(r_out)
+                        ref_in.append(r_in)
+                assert sched.stats()["verify_mismatches"] == 0
+            finally:
+                sched.shutdown()
+                worker.join(10.0)
+        return out_s, in_s, ref_out, ref_in
+
+    out_s, in_s, ref_out, ref_in = measure(False)
     med = statistics.median
     out, inn = med(out_s), med(in_s)
     d2h, h2d = med(ref_out), med(ref_in)
@@ -169,6 +191,16 @@ def main() -> int:
         print(f"{name:<28}{o:>12.2f}{i:>12.2f}")
     print(f"kvbm / one large copy (median of paired ratios): {ratio_out:.3f} / {ratio_in:.3f}")
     print(f"kvbm / copy_ loop:     {rows[1][1] / rows[2][1]:.1f}x / {rows[1][2] / rows[2][2]:.1f}x")
+    if a.verify:
+        v_out, v_in, v_ref_out, v_ref_in = measure(True)
+        v_ratio_out = med(r / t for r, t in zip(v_ref_out, v_out))
+        v_ratio_in = med(r / t for r, t in zip(v_ref_in, v_in))
+        print(f"{'kvbm_py, verify on':<28}{gbps(nbytes, med(v_out)):>12.2f}{gbps(nbytes, med(v_in)):>12.2f}")
+        print(f"verify on / one large copy: {v_ratio_out:.3f} / {v_ratio_in:.3f}")
+        print(
+            f"verify cost (1 - on/off of the ratios): {1 - v_ratio_out / ratio_out:.3f} / "
+            f"{1 - v_ratio_in / ratio_in:.3f}"
+        )
     return 0
 
 
