@@ -14,8 +14,9 @@ Prints one JSON line per run: per case, the outputs of each round
 counters.
 usage: python differential.py MODEL_DIR RUNS_JSON
 where RUNS_JSON is a list of {"name", "extra" (object or null), "engine"
-(vLLM engine arguments), "seeds", "corrupt_g3" (optional: damage every
-G3 block between the rounds)}; a negative seed -N is the reported
+(vLLM engine arguments), "seeds", "max_tokens" (optional: the most a
+case's prompts generate) and "corrupt_g3" (optional: damage every G3 block
+between the rounds)}; a negative seed -N is the reported
 failure with N prompts sharing a prefix (fuzz_workload.repro_case).
 """
 
@@ -29,14 +30,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from fuzz_workload import BLOCK, MAX_MODEL_LEN, Case, make_case, repro_case  # noqa: E402
+from fuzz_workload import BLOCK, MAX_MODEL_LEN, MAX_TOKENS, Case, make_case, repro_case  # noqa: E402
 
 #: An engine that neither finishes nor drains in this many steps is stuck.
 MAX_STEPS = 20_000
 
 
-def case_of(seed: int) -> Case:
-    return repro_case(-seed) if seed < 0 else make_case(seed)
+def case_of(seed: int, max_tokens: int) -> Case:
+    return repro_case(-seed) if seed < 0 else make_case(seed, max_tokens)
 
 
 def build_engine(model_dir: str, extra: dict | None, engine_args: dict):
@@ -126,12 +127,12 @@ def scheduler_side(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
 
 
-def reference(llm, seeds: list[int]) -> dict:
+def reference(llm, seeds: list[int], max_tokens: int) -> dict:
     from vllm.inputs import TokensPrompt
 
     out = {}
     for seed in seeds:
-        case = case_of(seed)
+        case = case_of(seed, max_tokens)
         arrivals = [a for wave in case.waves for a in wave]
         prompts = [TokensPrompt(prompt_token_ids=case.prompts[a.prompt]) for a in arrivals]
         params = [greedy(a.max_tokens) for a in arrivals]
@@ -159,13 +160,24 @@ def corrupt_files(directory: str) -> int:
     return flipped
 
 
-def with_kvbm(llm, seeds: list[int], corrupt_g3: str | None = None) -> dict:
+def with_kvbm(llm, seeds: list[int], max_tokens: int, corrupt_g3: str | None = None) -> dict:
     """Runs each case twice (see the module doc); with `corrupt_g3` (the G3
     directory), G3's bytes are damaged between the rounds."""
     side = scheduler_side(llm)
+    # Count vLLM's preemptions, so a test can tell that it provoked some.
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    preempted: list[str] = []
+    preempt = sched._preempt_request
+
+    def counting(request, *args, **kwargs):
+        preempted.append(request.request_id)
+        return preempt(request, *args, **kwargs)
+
+    sched._preempt_request = counting
     out = {}
     for seed in seeds:
-        case = case_of(seed)
+        preempted.clear()
+        case = case_of(seed, max_tokens)
         before = dict(side.kvbm.stats())
         first, aborted = run_waves(llm, case, "r1")
         drop_prefix_cache(llm)
@@ -181,6 +193,7 @@ def with_kvbm(llm, seeds: list[int], corrupt_g3: str | None = None) -> dict:
             "first": {str(k): v for k, v in first.items()},
             "second": {str(k): v for k, v in second.items()},
             "aborted": sorted(set(aborted) | set(aborted2)),
+            "preemptions": len(preempted),
             "stats": moved,
         }
         # The next case starts with empty caches, vLLM's and kvbm's.
@@ -203,12 +216,12 @@ def main() -> int:
     model_dir, runs = sys.argv[1], json.loads(sys.argv[2])
     for run in runs:
         llm = build_engine(model_dir, run["extra"], run["engine"])
-        seeds = run["seeds"]
+        seeds, max_tokens = run["seeds"], run.get("max_tokens", MAX_TOKENS)
         if run["extra"] is None:
-            result = reference(llm, seeds)
+            result = reference(llm, seeds, max_tokens)
         else:
             corrupt = run["extra"]["disk_cache_dir"] if run.get("corrupt_g3") else None
-            result = with_kvbm(llm, seeds, corrupt)
+            result = with_kvbm(llm, seeds, max_tokens, corrupt)
         print("KVBM_RESULT " + json.dumps({"name": run["name"], "cases": result}), flush=True)
         shut_down(llm)
     return 0

@@ -19,6 +19,8 @@ BLOCK = 32
 MAX_MODEL_LEN = 512
 #: Token ids are drawn from [3, VOCAB) (0-2 are special in the tiny model).
 VOCAB = 512
+#: The most tokens a case's prompts generate, unless a run says otherwise.
+MAX_TOKENS = 12
 
 
 @dataclass
@@ -60,8 +62,9 @@ def _length(rng: random.Random, low: int, high: int) -> int:
     return n
 
 
-def make_case(seed: int, max_tokens: int = 12) -> Case:
-    """The case of `seed`: 4 to 8 prompts over 1 to 3 stems."""
+def make_case(seed: int, max_tokens: int = MAX_TOKENS) -> Case:
+    """The case of `seed`: 4 to 8 prompts over 1 to 3 stems, each
+    generating 1 to `max_tokens` tokens."""
     rng = random.Random(seed)
     longest = MAX_MODEL_LEN - max_tokens
     stems = [_tokens(rng, _length(rng, BLOCK, 288)) for _ in range(rng.randint(1, 3))]

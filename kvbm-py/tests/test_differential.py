@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import HERE, engine_env
+from fuzz_workload import MAX_TOKENS
 
 BLOCK_BYTES = 2 * 2 * 2 * 32 * 64 * 2  # layers x K/V x heads x tokens x head x bf16
 GIB = 1 << 30
@@ -51,7 +52,7 @@ CONFIGS: dict[str, tuple[dict, dict, int]] = {
     "finish-sync-g2-default": ({"offload": "finish", "load_async": False, "cpu_cache_gb": 0.05}, {}, 1),
     "eager-async-chunked-preempting": (
         {"cpu_cache_gb": 0.05, "admission": "all"},
-        {"max_num_batched_tokens": 64, "num_gpu_blocks_override": 40},
+        {"max_num_batched_tokens": 96, "num_gpu_blocks_override": 20},
         1,
     ),
     "eager-sync-async-scheduling-g3": (
@@ -102,23 +103,43 @@ def _selected() -> list[str]:
 REPRO = {f"repro-{n}": {"cpu_cache_gb": 1} for n in (2, 6)}
 
 
+#: Configurations whose prompts generate more (up to this many tokens), so
+#: that decoding requests outgrow a small KV cache and vLLM preempts them.
+LONG_OUTPUTS = {"eager-async-chunked-preempting": 96}
+
+
 def _runs(tp: int, tmp_path: Path) -> list[dict]:
-    """Every engine run of one TP size: the reference first (the engine
-    without kvbm over every seed the others use), then each selected
+    """Every engine run of one TP size: the references first (the engine
+    without kvbm over every case the others use), then each selected
     configuration (and at TP = 1 the reported failure's)."""
     runs = []
     for name in _selected():
         keys, engine, size = CONFIGS[name]
         if size == tp:
             extra = _extra(keys, tmp_path / name)
-            runs.append({"name": name, "extra": extra, "engine": engine, "seeds": _seeds(list(CONFIGS).index(name))})
+            seeds = _seeds(list(CONFIGS).index(name))
+            runs.append({"name": name, "extra": extra, "engine": engine, "seeds": seeds})
+            if name in LONG_OUTPUTS:
+                runs[-1]["max_tokens"] = LONG_OUTPUTS[name]
     if tp == 1:
         runs += [{"name": n, "extra": x, "engine": {}, "seeds": [-int(n.split("-")[1])]} for n, x in REPRO.items()]
         for n, keys in CORRUPTED.items():
             extra = {**_g3(tmp_path / n, 1), "admission": "all", **keys}
             runs.append({"name": n, "extra": extra, "engine": {}, "seeds": CORRUPTED_SEEDS, "corrupt_g3": True})
-    seeds = sorted({s for r in runs for s in r["seeds"]})
-    return [{"name": "reference", "extra": None, "engine": {}, "seeds": seeds}, *runs] if runs else []
+    references = {}
+    for r in runs:
+        key = _reference_of(r)
+        references.setdefault(key, set()).update(r["seeds"])
+    refs = [
+        {"name": key, "extra": None, "engine": {}, "seeds": sorted(seeds), "max_tokens": int(key.split("-")[1])}
+        for key, seeds in references.items()
+    ]
+    return [*refs, *runs]
+
+
+def _reference_of(run: dict) -> str:
+    """The name of the reference run for `run`'s cases."""
+    return f"reference-{run.get('max_tokens', MAX_TOKENS)}"
 
 
 def run_process(model: str, tmp_path: Path, runs: list[dict], tp: int) -> dict:
@@ -158,7 +179,8 @@ def results(tiny_model, tmp_path_factory):
             runs = _runs(tp, tmp)
             done[tp] = {"runs": {r["name"]: r for r in runs}, "out": run_process(tiny_model, tmp, runs, tp)}
         d = done[tp]
-        return d["out"][name], d["out"]["reference"], d["runs"][name]
+        run = d["runs"][name]
+        return d["out"][name], d["out"][_reference_of(run)], run
 
     return get
 
@@ -190,6 +212,8 @@ def test_outputs_equal_the_engine_without_kvbm(name, results):
     loaded = check(name, got, want, run["extra"], run["engine"])
     # The comparison is about bytes kvbm served: it must have served some.
     assert loaded > 0, f"{name}: kvbm loaded nothing over seeds {run['seeds']}"
+    if "preempting" in name:
+        assert sum(c["preemptions"] for c in got.values()) > 0, f"{name}: vLLM preempted nothing"
 
 
 @pytest.mark.parametrize("name", list(REPRO))
