@@ -213,7 +213,9 @@ impl Checksums {
         if !early {
             return vec![None; pairs.len()];
         }
-        par_map(src, pairs.len(), |i| Some(block_sum(&src.layout, pairs[i].0)))
+        par_map(src, pairs.len(), |i| {
+            Some(block_sum(&src.layout, pairs[i].0))
+        })
     }
 
     /// Checks and records what a copy of `pairs` from `src` to `dst` moved
