@@ -6,8 +6,8 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvbm_py import Scheduler, start_metrics_server
