@@ -2,13 +2,12 @@
 or without it (the reference), one engine after another in this process
 (vLLM's import is most of an engine's start-up).
 
-With kvbm (EXTRA_CONFIG_JSON an object), each case runs twice: its waves
+With kvbm ("extra" an object), each case runs twice: its waves
 (round 1), then kvbm is made to release the finished blocks, vLLM's prefix
 cache is dropped, and the same waves again (round 2: the shared prefixes
 now come from kvbm). Between cases, vLLM's and kvbm's caches are dropped,
-so each case starts empty. Without kvbm (EXTRA_CONFIG_JSON ``null``), every
-prompt of every case is generated once, in one batch (the tiny model's
-greedy outputs do not depend on the batch; the test relies on that).
+so each case starts empty. Without kvbm ("extra" ``null``), each case's
+waves run once, with vLLM's prefix cache dropped between cases.
 Prints one JSON line per run: per case, the outputs of each round
 (prompt index -> token ids), which prompts were aborted, and kvbm's
 counters.
@@ -128,16 +127,14 @@ def scheduler_side(llm):
 
 
 def reference(llm, seeds: list[int], max_tokens: int) -> dict:
-    from vllm.inputs import TokensPrompt
-
+    """Each case's waves once on the engine without kvbm: the same batches
+    as kvbm's first round (at TP = 2 the CPU engine's outputs depend on
+    which requests share a batch, so the schedule is replayed exactly)."""
     out = {}
     for seed in seeds:
-        case = case_of(seed, max_tokens)
-        arrivals = [a for wave in case.waves for a in wave]
-        prompts = [TokensPrompt(prompt_token_ids=case.prompts[a.prompt]) for a in arrivals]
-        params = [greedy(a.max_tokens) for a in arrivals]
-        results = llm.generate(prompts, params, use_tqdm=False)
-        out[str(seed)] = {str(a.prompt): list(r.outputs[0].token_ids) for a, r in zip(arrivals, results)}
+        outputs, _ = run_waves(llm, case_of(seed, max_tokens), "ref")
+        out[str(seed)] = {str(k): v for k, v in outputs.items()}
+        llm.reset_prefix_cache()
     return out
 
 

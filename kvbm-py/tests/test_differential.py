@@ -116,6 +116,8 @@ def _runs(tp: int, tmp_path: Path) -> list[dict]:
     for name in _selected():
         keys, engine, size = CONFIGS[name]
         if size == tp:
+            if tp > 1:
+                engine = {**engine, "tensor_parallel_size": tp}
             extra = _extra(keys, tmp_path / name)
             seeds = _seeds(list(CONFIGS).index(name))
             runs.append({"name": name, "extra": extra, "engine": engine, "seeds": seeds})
@@ -126,28 +128,29 @@ def _runs(tp: int, tmp_path: Path) -> list[dict]:
         for n, keys in CORRUPTED.items():
             extra = {**_g3(tmp_path / n, 1), "admission": "all", **keys}
             runs.append({"name": n, "extra": extra, "engine": {}, "seeds": CORRUPTED_SEEDS, "corrupt_g3": True})
-    references = {}
+    refs: dict[str, dict] = {}
     for r in runs:
-        key = _reference_of(r)
-        references.setdefault(key, set()).update(r["seeds"])
-    refs = [
-        {"name": key, "extra": None, "engine": {}, "seeds": sorted(seeds), "max_tokens": int(key.split("-")[1])}
-        for key, seeds in references.items()
-    ]
-    return [*refs, *runs]
+        ref = refs.setdefault(_reference_of(r), {
+            "name": _reference_of(r),
+            "extra": None,
+            "engine": r["engine"],
+            "seeds": [],
+            "max_tokens": r.get("max_tokens", MAX_TOKENS),
+        })
+        ref["seeds"] = sorted(set(ref["seeds"]) | set(r["seeds"]))
+    return [*refs.values(), *runs]
 
 
 def _reference_of(run: dict) -> str:
-    """The name of the reference run for `run`'s cases."""
-    return f"reference-{run.get('max_tokens', MAX_TOKENS)}"
+    """The name of the reference run for `run`'s cases: the engine without
+    kvbm, with the same engine arguments and outputs as long."""
+    engine = json.dumps(run["engine"], sort_keys=True)
+    return f"reference {engine} {run.get('max_tokens', MAX_TOKENS)}"
 
 
 def run_process(model: str, tmp_path: Path, runs: list[dict], tp: int) -> dict:
     """Runs `runs` in one engine process; returns each run's cases by name."""
     env = {**engine_env(tmp_path), **(TP2_ENV if tp > 1 else {})}
-    for r in runs:
-        if tp > 1:
-            r["engine"] = {**r["engine"], "tensor_parallel_size": tp}
     proc = subprocess.run(
         [sys.executable, str(HERE / "differential.py"), model, json.dumps(runs)],
         env=env,
@@ -191,6 +194,7 @@ def check(name: str, got: dict, want: dict, extra: dict, engine: dict) -> int:
     loaded = 0
     for seed, case in got.items():
         again = f"KVBM_FUZZ_CONFIG={name} KVBM_FUZZ_SEED={seed} KVBM_FUZZ_CASES=1"
+        assert set(case["first"]) == set(want[seed]), (name, seed, "the rounds aborted other prompts")
         for rnd in ("first", "second"):
             for prompt, tokens in case[rnd].items():
                 assert tokens == want[seed][prompt], (
