@@ -1,5 +1,5 @@
 //! Pins the policy study's winner (reuse score) on the tiered
-//! configurations of issue 6.
+//! configurations of the policy study (docs/policy-study.md).
 
 mod sim_support;
 

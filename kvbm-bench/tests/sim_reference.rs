@@ -1,4 +1,5 @@
-//! The reference simulators reproduce the figures issue 6 quotes.
+//! The reference simulators reproduce the figures of the policy study
+//! (docs/policy-study.md).
 
 mod sim_support;
 

@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use kvbm_testkit::trace::{Request, TraceFacts, read_mooncake};
 
 /// The Mooncake trace directory, if present: `shared/data/mooncake` in the
-/// workspace root or in any directory above it (worktrees live deeper than
-/// the main checkout).
+/// workspace root or in any directory above it (a checkout may live deeper
+/// than the data).
 pub fn mooncake_dir() -> Option<PathBuf> {
     let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     here.ancestors()
