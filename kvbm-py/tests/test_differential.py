@@ -3,11 +3,13 @@ token, the outputs of the same engine without kvbm, over randomized
 workloads of concurrent prompts sharing prefixes (fuzz_workload.py), in
 every configuration a user can pick.
 
-Each configuration runs in an engine process of its own (differential.py)
-over ``KVBM_FUZZ_CASES`` seeds (default 4; more for a soak), starting at
-``KVBM_FUZZ_SEED`` (default 0). ``KVBM_FUZZ_CONFIG=name[,name]`` runs only
-those configurations. A failure names the configuration and seed, and the
-command that re-runs that case alone.
+Each configuration runs over ``KVBM_FUZZ_CASES`` seeds (default 4; more
+for a soak), starting at ``KVBM_FUZZ_SEED`` (default 0);
+``KVBM_FUZZ_CONFIG=name[,name]`` runs only those configurations. One
+process per TP size (differential.py) starts the engines one after
+another: for each configuration's engine arguments a reference without
+kvbm that replays every case's schedule, then kvbm's runs. A failure names
+the configuration and seed, and the command that re-runs that case alone.
 """
 
 from __future__ import annotations
