@@ -5,7 +5,8 @@ every configuration a user can pick.
 
 Each configuration runs over ``KVBM_FUZZ_CASES`` seeds (default 4; more
 for a soak), starting at ``KVBM_FUZZ_SEED`` (default 0);
-``KVBM_FUZZ_CONFIG=name[,name]`` runs only those configurations. One
+``KVBM_FUZZ_CONFIG=name[,name]`` runs only those configurations, and
+``KVBM_FUZZ_SEEDS=seed[,seed]`` only those seeds. One
 process per TP size (differential.py) starts the engines one after
 another: for each configuration's engine arguments a reference without
 kvbm that replays every case's schedule, then kvbm's runs. A failure names
@@ -87,6 +88,12 @@ CORRUPTED_SEEDS = [7, 8, 9]
 
 
 def _seeds(index: int) -> list[int]:
+    """The seeds of configuration `index`: ``KVBM_FUZZ_SEEDS`` if set (a
+    failure's, to run it alone), else ``KVBM_FUZZ_CASES`` from
+    ``KVBM_FUZZ_SEED``, apart from the other configurations'."""
+    exact = os.environ.get("KVBM_FUZZ_SEEDS")
+    if exact:
+        return [int(s) for s in exact.split(",")]
     cases = int(os.environ.get("KVBM_FUZZ_CASES", "4"))
     base = int(os.environ.get("KVBM_FUZZ_SEED", "0"))
     return [base + 1000 * index + i for i in range(cases)]
@@ -107,7 +114,7 @@ REPRO = {f"repro-{n}": {"cpu_cache_gb": 1} for n in (2, 6)}
 
 #: Configurations whose prompts generate more (up to this many tokens), so
 #: that decoding requests outgrow a small KV cache and vLLM preempts them.
-LONG_OUTPUTS = {"eager-async-chunked-preempting": 96}
+LONG_OUTPUTS = {"eager-async-chunked-preempting": 48}
 
 
 def _runs(tp: int, tmp_path: Path) -> list[dict]:
@@ -195,7 +202,7 @@ def check(name: str, got: dict, want: dict, extra: dict, engine: dict) -> int:
     blocks kvbm loaded."""
     loaded = 0
     for seed, case in got.items():
-        again = f"KVBM_FUZZ_CONFIG={name} KVBM_FUZZ_SEED={seed} KVBM_FUZZ_CASES=1"
+        again = f"KVBM_FUZZ_CONFIG={name} KVBM_FUZZ_SEEDS={seed}"
         assert set(case["first"]) == set(want[seed]), (name, seed, "the rounds aborted other prompts")
         for rnd in ("first", "second"):
             for prompt, tokens in case[rnd].items():
