@@ -11,6 +11,8 @@
 //! Map of the crate:
 //! - [`memory`]: [`MemoryKind`], [`MemoryRegion`], the system and disk
 //!   allocators; [`physical`]: a layout bound to its regions.
+//! - [`checksum`]: the block checksum verify mode records and checks,
+//!   computed alike on the host and (feature `cuda`) on the GPU.
 //! - [`completion`]: [`Completion`] (a future, a blocking wait, or a
 //!   callback), [`Completer`], [`CancelToken`].
 //! - [`backend`]: the [`TransferBackend`] trait, [`TransferJob`], and the
@@ -63,6 +65,7 @@
 pub mod assembly;
 pub mod backend;
 pub mod bounce;
+pub mod checksum;
 pub mod completion;
 #[cfg(feature = "cuda")]
 pub mod cuda;

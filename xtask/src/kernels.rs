@@ -11,10 +11,16 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Kernel sources and their fatbins, relative to the workspace root.
-const KERNELS: &[(&str, &str)] = &[(
-    "kvbm-transfer/kernels/copy_runs.cu",
-    "kvbm-transfer/kernels/copy_runs.fatbin",
-)];
+const KERNELS: &[(&str, &str)] = &[
+    (
+        "kvbm-transfer/kernels/copy_runs.cu",
+        "kvbm-transfer/kernels/copy_runs.fatbin",
+    ),
+    (
+        "kvbm-transfer/kernels/block_sums.cu",
+        "kvbm-transfer/kernels/block_sums.fatbin",
+    ),
+];
 
 /// Targets: native code for A100 and H100/H200, plus PTX for newer GPUs.
 const GENCODE: &[&str] = &[

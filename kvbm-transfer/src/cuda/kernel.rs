@@ -1,4 +1,5 @@
-//! The gather/scatter copy kernel: loading the committed fatbin and launching.
+//! Loading the committed fatbins, and launching the gather/scatter copy
+//! kernel.
 //!
 //! The CUDA C source is `kernels/copy_runs.cu`; `cargo xtask kernels` rebuilds
 //! `kernels/copy_runs.fatbin` (sm_80, sm_90 and compute_90 PTX), which is
@@ -19,15 +20,76 @@ static FATBIN: &[u8] = include_bytes!("../../kernels/copy_runs.fatbin");
 /// Name of the kernel entry point in the fatbin.
 const ENTRY: &std::ffi::CStr = c"kvbm_copy_runs";
 
-/// The loaded module and its one function; the module is unloaded on drop.
-pub(crate) struct CopyKernel {
-    module: CUmodule,
-    func: CUfunction,
+/// A loaded fatbin, unloaded on drop; kernels hold it alive.
+pub(crate) struct Module {
+    raw: CUmodule,
     ctx: Arc<CudaContext>,
 }
 
-// SAFETY: module and function handles are plain driver handles, valid from
-// any thread on which their context is current; the driver serialises use.
+// SAFETY: a module handle is a plain driver handle, valid from any thread
+// on which its context is current; the driver serialises use.
+unsafe impl Send for Module {}
+// SAFETY: as above; nothing is mutated through a shared reference.
+unsafe impl Sync for Module {}
+
+impl Module {
+    /// Loads `fatbin` into `ctx`.
+    pub(crate) fn load(ctx: &Arc<CudaContext>, fatbin: &[u8]) -> CudaResult<Self> {
+        ctx.bind_to_thread()
+            .map_err(|e| super::error::CudaError::driver("cuCtxSetCurrent", e.0))?;
+        // A fatbin is embedded with byte alignment; the driver wants it
+        // 8-byte aligned, so hand it an aligned copy.
+        let mut aligned = vec![0u64; fatbin.len().div_ceil(8)];
+        // SAFETY: `aligned` holds at least fatbin.len() bytes; the regions
+        // do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                fatbin.as_ptr(),
+                aligned.as_mut_ptr().cast::<u8>(),
+                fatbin.len(),
+            );
+        }
+        let mut raw: CUmodule = std::ptr::null_mut();
+        // SAFETY: `aligned` is a complete fatbin image that outlives the
+        // call; the context is current.
+        check("cuModuleLoadData", unsafe {
+            sys::cuModuleLoadData(&mut raw, aligned.as_ptr().cast::<c_void>())
+        })?;
+        Ok(Module {
+            raw,
+            ctx: Arc::clone(ctx),
+        })
+    }
+
+    /// The kernel entry point `name`.
+    pub(crate) fn function(&self, name: &std::ffi::CStr) -> CudaResult<CUfunction> {
+        let mut func: CUfunction = std::ptr::null_mut();
+        // SAFETY: the module is loaded; `name` is NUL-terminated.
+        check("cuModuleGetFunction", unsafe {
+            sys::cuModuleGetFunction(&mut func, self.raw, name.as_ptr())
+        })?;
+        Ok(func)
+    }
+}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: loaded by `load` and unloaded once, here; every launch
+            // holds its kernel (and so this module) alive until it completes.
+            unsafe { sys::cuModuleUnload(self.raw) };
+        }
+    }
+}
+
+/// The copy kernel: its module and entry point.
+pub(crate) struct CopyKernel {
+    func: CUfunction,
+    _module: Module,
+}
+
+// SAFETY: a function handle is a plain driver handle valid while its
+// module (owned here) is loaded; the driver serialises launches.
 unsafe impl Send for CopyKernel {}
 // SAFETY: as above; launching takes no mutable state on our side.
 unsafe impl Sync for CopyKernel {}
@@ -44,38 +106,11 @@ pub(crate) struct Grid {
 impl CopyKernel {
     /// Loads the embedded fatbin into `ctx`.
     pub(crate) fn load(ctx: &Arc<CudaContext>) -> CudaResult<Self> {
-        ctx.bind_to_thread()
-            .map_err(|e| super::error::CudaError::driver("cuCtxSetCurrent", e.0))?;
-        // The fatbin is embedded with byte alignment; the driver wants it
-        // 8-byte aligned, so hand it an aligned copy.
-        let mut aligned = vec![0u64; FATBIN.len().div_ceil(8)];
-        // SAFETY: `aligned` holds at least FATBIN.len() bytes; the regions
-        // do not overlap.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                FATBIN.as_ptr(),
-                aligned.as_mut_ptr().cast::<u8>(),
-                FATBIN.len(),
-            );
-        }
-        let mut module: CUmodule = std::ptr::null_mut();
-        // SAFETY: `aligned` is a complete fatbin image that outlives the call;
-        // the context is current.
-        check("cuModuleLoadData", unsafe {
-            sys::cuModuleLoadData(&mut module, aligned.as_ptr().cast::<c_void>())
-        })?;
-        let mut func: CUfunction = std::ptr::null_mut();
-        // SAFETY: `module` was just loaded; ENTRY is NUL-terminated.
-        let rc = unsafe { sys::cuModuleGetFunction(&mut func, module, ENTRY.as_ptr()) };
-        if let Err(e) = check("cuModuleGetFunction", rc) {
-            // SAFETY: the module was loaded above and has no other user.
-            unsafe { sys::cuModuleUnload(module) };
-            return Err(e);
-        }
+        let module = Module::load(ctx, FATBIN)?;
+        let func = module.function(ENTRY)?;
         Ok(CopyKernel {
-            module,
             func,
-            ctx: Arc::clone(ctx),
+            _module: module,
         })
     }
 
@@ -128,16 +163,5 @@ impl CopyKernel {
                 std::ptr::null_mut(),
             )
         })
-    }
-}
-
-impl Drop for CopyKernel {
-    fn drop(&mut self) {
-        if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: the module was loaded by `load` and is unloaded once,
-            // here; no launch can be in flight because every copy holds the
-            // device (and so this kernel) alive until it completes.
-            unsafe { sys::cuModuleUnload(self.module) };
-        }
     }
 }

@@ -19,6 +19,8 @@
 //! - [`completion`]: GPU completion as the crate's completion future,
 //!   resolved by a watcher thread that sleeps until a copy can have ended,
 //!   polls briefly, then sleeps in `cuEventSynchronize`.
+//! - [`block_sums`]: block checksums of device memory taken on the GPU
+//!   (verify mode), equal to the host's.
 //! - [`backend`]: [`CudaBackend`], the copier behind the crate's
 //!   `TransferBackend` trait, and pinned/device memory as `MemoryRegion`s.
 //!
@@ -26,6 +28,7 @@
 //! copy kernel ships as a committed fatbin (`kernels/`).
 
 pub mod backend;
+pub mod block_sums;
 pub mod completion;
 mod config;
 pub mod copier;
@@ -50,6 +53,7 @@ mod timeline;
 mod timeline;
 
 pub use backend::{CudaBackend, to_transfer_error};
+pub use block_sums::{ChunkTable, DeviceChecksums};
 pub use completion::Completion;
 pub use copier::{CopierConfig, CopyOptions, CopyPath, CudaCopier, Direction, GpuLoad};
 pub use device::{CudaDevice, Probe, probe};
