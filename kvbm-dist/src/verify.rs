@@ -4,9 +4,9 @@
 //! Defence in depth against bytes that change at rest (a stray write into
 //! host memory, a disk that returns other bytes than it was given): with
 //! `Configure::verify` on, the worker that owns the bytes records the
-//! xxh3-64 of each block as it lands in G2 or G3 and checks it when the
-//! block is copied out again. A block that fails is a failed pair of the
-//! copy (the engine recomputes it), never served.
+//! checksum of each block (`kvbm_transfer::checksum`) as it lands in G2 or
+//! G3 and checks it when the block is copied out again. A block that fails
+//! is a failed pair of the copy (the engine recomputes it), never served.
 //!
 //! One table per worker ([`Checksums`]), keyed by `(tier, slot)`, lives in
 //! the worker's tiers, so the copies the worker runs for its socket and
@@ -17,17 +17,21 @@
 //!
 //! What is checked, per copy, once its bytes landed:
 //! - into G2 (from G1, G3, G2 or a peer's G2): the sum of the destination
-//!   block, read from the destination, is recorded;
+//!   block, read from the destination, is recorded; from a G1 on a GPU,
+//!   the sum of the source taken on the GPU while the copy runs (module
+//!   `device`);
 //! - out of G2 (to G1, G2 or G3): the source block is checked against its
-//!   recorded sum; into G3 the verified sum is recorded for the G3 slot
-//!   (the disk is not read back);
-//! - G1 → G3: the sum of the G1 source is recorded when G1 is host memory,
-//!   otherwise the G3 block is read back from the file and summed;
-//! - out of G3: the destination is summed when it is host memory (G2, or a
-//!   host G1) and compared with the G3 slot's sum. Into a device G1 the
-//!   bytes that landed cannot be read here: the G3 block is read from the
-//!   file again and checked instead, which catches what changed on disk
-//!   but not a fault of the device copy itself.
+//!   recorded sum; into a G1 on a GPU, the destination is summed on the
+//!   GPU once it landed; into G3 the verified sum is recorded for the G3
+//!   slot (the disk is not read back);
+//! - G1 → G3: the sum of the G1 source is recorded (taken on the GPU for a
+//!   device G1);
+//! - out of G3: the destination is summed (on the GPU for a device G1) and
+//!   compared with the G3 slot's sum. Without the GPU summer (no feature
+//!   `cuda`, or its kernel failed to load), G1 blocks in GPU memory cannot
+//!   be read: a G1 → G2/G3 copy is checked by reading the destination, and
+//!   a G3 → G1 copy by reading the G3 block from the file again, which
+//!   catches what changed on disk but not a fault of the device copy.
 //!
 //! A slot read with no recorded sum (never written while verify was on)
 //! fails the check. A slot whose copy failed loses its sum; an overwritten
@@ -42,11 +46,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvbm_pool::Tier;
+use kvbm_transfer::checksum::BlockChecksum;
 use kvbm_transfer::{Completion, PhysicalLayout, TransferError, TransferFailure, TransferOutcome};
 use parking_lot::Mutex;
-use xxhash_rust::xxh3::Xxh3;
 
+use self::device::{DeviceSums, Prepared};
 use crate::error::DistError;
+
+mod device;
 
 /// The shortest interval between two mismatch warnings.
 pub(crate) const WARN_EVERY: Duration = Duration::from_secs(5);
@@ -68,6 +75,8 @@ pub(crate) struct End {
 #[derive(Default)]
 pub(crate) struct Checksums {
     sums: Mutex<HashMap<(Tier, u32), u64>>,
+    /// Sums G1 blocks on the GPU, when G1 is device memory.
+    device: Option<DeviceSums>,
     mismatches: AtomicU64,
     /// When the last warning was logged, and mismatches left unlogged
     /// since.
@@ -79,11 +88,12 @@ fn tracked(tier: Tier) -> bool {
     matches!(tier, Tier::G2 | Tier::G3)
 }
 
-/// The xxh3-64 of `block` of `layout`, over its chunks in layer, K/V
-/// order; host memory and disk files can be read, device memory cannot.
+/// The checksum of `block` of `layout`, over its chunks in layer, K/V
+/// order; host memory and disk files can be read, device memory cannot
+/// (see [`DeviceSums`]).
 pub(crate) fn block_sum(layout: &PhysicalLayout, block: usize) -> Result<u64, String> {
     let host = layout.kind().is_host();
-    let mut hasher = Xxh3::new();
+    let mut hasher = BlockChecksum::new();
     let mut file: Option<(usize, File)> = None;
     let mut buf = Vec::new();
     crate::worker::probe::for_each_chunk(layout, block, |chunk, _| {
@@ -127,9 +137,17 @@ pub(crate) fn block_sum(layout: &PhysicalLayout, block: usize) -> Result<u64, St
 }
 
 impl Checksums {
-    /// An empty table.
-    pub(crate) fn new() -> Self {
-        Self::default()
+    /// An empty table for a worker whose G1 is `g1`.
+    pub(crate) fn new(g1: &PhysicalLayout) -> Self {
+        Checksums {
+            device: DeviceSums::for_g1(g1),
+            ..Self::default()
+        }
+    }
+
+    /// The GPU summer, when it can read `end`'s memory.
+    fn device_for(&self, end: &End) -> Option<&DeviceSums> {
+        self.device.as_ref().filter(|d| d.covers(end))
     }
 
     /// Mismatches found since the table was made.
@@ -164,6 +182,7 @@ impl Checksums {
         let this = Arc::clone(self);
         let job = move || {
             let early = this.sum_sources(&src, &dst, &pairs);
+            let landing = this.prepare_landing(&src, &dst, &pairs);
             let outcome = rx.recv().unwrap_or_else(|_| {
                 Err(Box::new(TransferFailure {
                     error: TransferError::Backend {
@@ -175,7 +194,8 @@ impl Checksums {
                     culprit: None,
                 }))
             });
-            let (outcome, mismatches) = this.settle_with(&src, &dst, &pairs, outcome, &early);
+            let (outcome, mismatches) =
+                this.settle_with(&src, &dst, &pairs, outcome, &early, landing);
             done(outcome, mismatches);
         };
         // A thread of its own; when none can be had, here (waiting for the
@@ -205,17 +225,59 @@ impl Checksums {
         dst: &End,
         pairs: &[(usize, usize)],
     ) -> Vec<Option<Result<u64, String>>> {
-        let early = match src.tier {
-            Tier::G2 => true,
-            Tier::G3 => !dst.layout.kind().is_host(),
-            _ => false,
-        };
+        if tracked(dst.tier)
+            && let Some(device) = self.device_for(src)
+        {
+            let blocks: Vec<usize> = pairs.iter().map(|p| p.0).collect();
+            return match device.sums(&src.layout, &blocks) {
+                Ok(sums) => sums.into_iter().map(|s| Some(Ok(s))).collect(),
+                Err(e) => vec![Some(Err(e)); pairs.len()],
+            };
+        }
+        // A destination the GPU sums once it landed needs no source sum.
+        let early = self.device_for(dst).is_none()
+            && match src.tier {
+                Tier::G2 => true,
+                Tier::G3 => !dst.layout.kind().is_host(),
+                _ => false,
+            };
         if !early {
             return vec![None; pairs.len()];
         }
-        par_map(src, pairs.len(), |i| {
+        par_map(src, pairs.len(), true, |i| {
             Some(block_sum(&src.layout, pairs[i].0))
         })
+    }
+
+    /// The destinations of `pairs` ready to be summed on the GPU once the
+    /// copy landed, when the source keeps sums and the destination is
+    /// device memory the GPU summer reads (worked out while the copy runs).
+    fn prepare_landing(
+        &self,
+        src: &End,
+        dst: &End,
+        pairs: &[(usize, usize)],
+    ) -> Option<Result<Prepared, String>> {
+        let device = self.device_for(dst).filter(|_| tracked(src.tier))?;
+        let blocks: Vec<usize> = pairs.iter().map(|p| p.1).collect();
+        Some(device.prepare(&dst.layout, &blocks))
+    }
+
+    /// The sums of the destinations `landing` prepared, in pair order.
+    fn sum_landing(
+        &self,
+        landing: Option<Result<Prepared, String>>,
+        n: usize,
+    ) -> Vec<Option<Result<u64, String>>> {
+        let summed = match (landing, &self.device) {
+            (None, _) | (_, None) => return vec![None; n],
+            (Some(Err(e)), _) => Err(e),
+            (Some(Ok(prepared)), Some(device)) => device.sums_of(&prepared),
+        };
+        match summed {
+            Ok(sums) => sums.into_iter().map(|s| Some(Ok(s))).collect(),
+            Err(e) => vec![Some(Err(e)); n],
+        }
     }
 
     /// Checks and records what a copy of `pairs` from `src` to `dst` moved
@@ -231,7 +293,8 @@ impl Checksums {
         outcome: TransferOutcome,
     ) -> (TransferOutcome, u32) {
         let early = self.sum_sources(src, dst, pairs);
-        self.settle_with(src, dst, pairs, outcome, &early)
+        let landing = self.prepare_landing(src, dst, pairs);
+        self.settle_with(src, dst, pairs, outcome, &early, landing)
     }
 
     /// [`Checksums::settle`] with the sources' sums taken while the copy
@@ -243,6 +306,7 @@ impl Checksums {
         pairs: &[(usize, usize)],
         outcome: TransferOutcome,
         early: &[Option<Result<u64, String>>],
+        landing: Option<Result<Prepared, String>>,
     ) -> (TransferOutcome, u32) {
         let landed: Vec<(usize, usize)> = match &outcome {
             Ok(_) => pairs.to_vec(),
@@ -250,10 +314,15 @@ impl Checksums {
         };
         let index: HashMap<(usize, usize), usize> =
             pairs.iter().enumerate().map(|(i, &p)| (p, i)).collect();
-        let early: Vec<Option<Result<u64, String>>> = landed
-            .iter()
-            .map(|p| index.get(p).and_then(|&i| early.get(i).cloned().flatten()))
-            .collect();
+        let in_pair_order =
+            |sums: &[Option<Result<u64, String>>]| -> Vec<Option<Result<u64, String>>> {
+                landed
+                    .iter()
+                    .map(|p| index.get(p).and_then(|&i| sums.get(i).cloned().flatten()))
+                    .collect()
+            };
+        let early = in_pair_order(early);
+        let on_device = in_pair_order(&self.sum_landing(landing, pairs.len()));
         let recorded: Vec<Option<u64>> = {
             let sums = self.sums.lock();
             landed
@@ -261,8 +330,20 @@ impl Checksums {
                 .map(|&(s, _)| sums.get(&(src.tier, slot(s))).copied())
                 .collect()
         };
-        let verdicts = par_map(src, landed.len(), |i| {
-            judge(src, dst, landed[i], recorded[i], early[i].clone())
+        // Judging reads memory or files here unless each pair's sum was
+        // taken already: on the GPU, or from a source that needs no
+        // second reading (its destination keeps no sum, or is G3, or the
+        // source is a G1 summed on the GPU).
+        let taken = |sums: &[Option<Result<u64, String>>]| sums.iter().all(Option::is_some);
+        let source_suffices = !tracked(dst.tier) || dst.tier == Tier::G3 || src.tier == Tier::G1;
+        let reads = !(taken(&on_device) || taken(&early) && source_suffices);
+        let verdicts = par_map(src, landed.len(), reads, |i| {
+            let sums = Sums {
+                recorded: recorded[i],
+                source: early[i].clone(),
+                landed: on_device[i].clone(),
+            };
+            judge(src, dst, landed[i], sums)
         });
         let landed_set: HashSet<(usize, usize)> = landed.iter().copied().collect();
         let mut rejected: Vec<((usize, usize), DistError)> = Vec::new();
@@ -343,9 +424,12 @@ impl Checksums {
     }
 }
 
-/// `f(0..n)` for `n` blocks of `end`, on several threads when they are
-/// many bytes.
-fn par_map<T: Send>(end: &End, n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+/// `f(0..n)` for `n` blocks of `end`, on several threads when `f` reads
+/// the blocks' bytes and they are many.
+fn par_map<T: Send>(end: &End, n: usize, reads: bool, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    if !reads {
+        return (0..n).map(f).collect();
+    }
     let block_bytes = end.layout.layout().config().block_bytes();
     let total = block_bytes.saturating_mul(n as u64);
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
@@ -388,16 +472,24 @@ fn slot(id: usize) -> u32 {
     u32::try_from(id).unwrap_or(u32::MAX)
 }
 
+/// What is known of one pair's sums before it is judged.
+struct Sums {
+    /// The source slot's recorded sum.
+    recorded: Option<u64>,
+    /// The source's sum, taken while the copy ran, if it was.
+    source: Option<Result<u64, String>>,
+    /// The destination's sum taken on the GPU once it landed, if it was.
+    landed: Option<Result<u64, String>>,
+}
+
 /// The verdict of one pair that landed: `Ok(sum to record for the
 /// destination slot)`, `None` when the destination keeps no sums; `Err`
-/// when the pair fails the check. `recorded` is the source slot's sum,
-/// `early` the source's sum taken while the copy ran, if it was.
+/// when the pair fails the check.
 fn judge(
     src: &End,
     dst: &End,
     (s, d): (usize, usize),
-    recorded: Option<u64>,
-    early: Option<Result<u64, String>>,
+    sums: Sums,
 ) -> Result<Option<u64>, DistError> {
     let unavailable = |end: &End, block: usize, reason| DistError::ChecksumUnavailable {
         tier: end.tier,
@@ -407,9 +499,14 @@ fn judge(
     let sum = |end: &End, block: usize| {
         block_sum(&end.layout, block).map_err(|reason| unavailable(end, block, reason))
     };
-    let source_sum = || match early.clone() {
+    let source_sum = || match sums.source.clone() {
         Some(r) => r.map_err(|reason| unavailable(src, s, reason)),
         None => sum(src, s),
+    };
+    // The destination's sum: taken on the GPU, or read here.
+    let landed_sum = || match sums.landed.clone() {
+        Some(r) => r.map_err(|reason| unavailable(dst, d, reason)),
+        None => sum(dst, d),
     };
     let expect = |tier: Tier, slot_id: usize, expected: Option<u64>, found: u64| {
         if expected == Some(found) {
@@ -426,11 +523,15 @@ fn judge(
     let record = tracked(dst.tier);
     match src.tier {
         Tier::G2 => {
-            let found = source_sum()?;
-            expect(Tier::G2, s, recorded, found)?;
+            let found = if sums.landed.is_some() {
+                landed_sum()?
+            } else {
+                source_sum()?
+            };
+            expect(Tier::G2, s, sums.recorded, found)?;
             match dst.tier {
                 Tier::G2 => {
-                    let landed = sum(dst, d)?;
+                    let landed = landed_sum()?;
                     expect(Tier::G2, d, Some(found), landed)?;
                     Ok(Some(landed))
                 }
@@ -439,20 +540,20 @@ fn judge(
             }
         }
         Tier::G3 => {
-            let found = if dst.layout.kind().is_host() {
-                sum(dst, d)?
+            let found = if sums.landed.is_some() || dst.layout.kind().is_host() {
+                landed_sum()?
             } else {
                 source_sum()?
             };
-            expect(Tier::G3, s, recorded, found)?;
+            expect(Tier::G3, s, sums.recorded, found)?;
             Ok(record.then_some(found))
         }
         // From G1 (the engine's, unchecked) or a peer's G2.
         _ if !record => Ok(None),
-        _ if dst.tier == Tier::G3 && src.layout.kind().is_host() && src.tier == Tier::G1 => {
-            Ok(Some(sum(src, s)?))
-        }
-        _ => Ok(Some(sum(dst, d)?)),
+        // A G1 source summed on the GPU, or a host G1 bound for G3.
+        Tier::G1 if sums.source.is_some() => Ok(Some(source_sum()?)),
+        Tier::G1 if dst.tier == Tier::G3 && src.layout.kind().is_host() => Ok(Some(sum(src, s)?)),
+        _ => Ok(Some(landed_sum()?)),
     }
 }
 

@@ -2,8 +2,9 @@
 //! the GPU machine (which has no cargo) and copy them into one folder.
 //!
 //! Builds the `cuda` feature's test executables and examples of
-//! kvbm-transfer, kvbm-pool's `quickstart_gpu` example, and `kvbm-bench`
-//! with its worker `kvbm-dist-node`
+//! kvbm-transfer, kvbm-dist's test executables, kvbm-pool's
+//! `quickstart_gpu` example, and `kvbm-bench` with its worker
+//! `kvbm-dist-node`
 //! (features `cuda,gemm`: the replay with G1 on the GPU, also across
 //! worker processes, the offload bench beside a GEMM) in release mode, reads
 //! their paths from cargo's JSON messages, and copies them to `DIR`
@@ -25,8 +26,9 @@ pub fn run(root: &Path, args: &[String]) -> Result<(), String> {
     std::fs::create_dir_all(&out).map_err(|e| format!("create {}: {e}", out.display()))?;
     let mut copied = 0;
     // (package, features, what to build)
-    let builds: [(&str, &str, &[&str]); 4] = [
+    let builds: [(&str, &str, &[&str]); 5] = [
         ("kvbm-transfer", "cuda", &["--tests"]),
+        ("kvbm-dist", "cuda", &["--lib", "--tests"]),
         ("kvbm-transfer", "cuda,diagnostics", &["--examples"]),
         ("kvbm-pool", "cuda", &["--example", "quickstart_gpu"]),
         (

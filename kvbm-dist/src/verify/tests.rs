@@ -32,6 +32,35 @@ fn g1(blocks: usize) -> PhysicalLayout {
     PhysicalLayout::allocate_system(l, &SystemAllocator::new()).unwrap()
 }
 
+/// A G1 of [`G1_BLOCKS`] in `memory`, and its probe.
+fn g1_in(memory: Memory) -> (PhysicalLayout, Box<dyn crate::worker::probe::BlockProbe>) {
+    match memory {
+        Memory::Host => (g1(G1_BLOCKS), Box::new(worker::memory::HostProbe)),
+        #[cfg(feature = "cuda")]
+        Memory::Gpu => {
+            let dev = kvbm_transfer::cuda::CudaDevice::open(0).unwrap();
+            let l = Layout::new(shape(G1_BLOCKS), LayoutKind::FullyContiguous).unwrap();
+            let g1 = worker::device::DeviceG1::allocate(&dev, l).unwrap();
+            (g1.physical().clone(), Box::new(g1.probe()))
+        }
+    }
+}
+
+/// G2 for `layout` beside a G1 in `memory`.
+fn g2_in(memory: Memory, layout: Layout) -> crate::Result<PhysicalLayout> {
+    match memory {
+        Memory::Host => Ok(PhysicalLayout::allocate_system(
+            layout,
+            &SystemAllocator::new(),
+        )?),
+        #[cfg(feature = "cuda")]
+        Memory::Gpu => {
+            let dev = kvbm_transfer::cuda::CudaDevice::open(0).unwrap();
+            Ok(PhysicalLayout::allocate_pinned(layout, &dev)?)
+        }
+    }
+}
+
 const G1_BLOCKS: usize = 16;
 const G2_BLOCKS: u64 = 64;
 const G3_BLOCKS: u64 = 32;
@@ -45,9 +74,24 @@ struct Instance {
     _dir: tempfile::TempDir,
 }
 
+/// Where the workers' G1 lives.
+#[derive(Clone, Copy, PartialEq)]
+enum Memory {
+    /// System memory (G2 too).
+    Host,
+    /// GPU 0's memory, with G2 pinned beside it.
+    #[cfg(feature = "cuda")]
+    Gpu,
+}
+
 /// Starts an instance of `world` ranks in this process: one rank lends
 /// its executor (the leader copies directly), two talk over the socket.
 fn start(world: u32, verify: bool) -> Instance {
+    start_on(world, verify, Memory::Host)
+}
+
+/// [`start`] with G1 in `memory`.
+fn start_on(world: u32, verify: bool, memory: Memory) -> Instance {
     let dir = tempfile::tempdir().unwrap();
     let block = shape(1).block_bytes() * u64::from(world);
     let mut c = config(endpoint(&dir), world);
@@ -58,21 +102,15 @@ fn start(world: u32, verify: bool) -> Instance {
     let (mut workers, mut g2, mut g3) = (Vec::new(), Vec::new(), Vec::new());
     for rank in 0..world {
         let disk = tempfile::tempdir().unwrap();
-        let mut wc = WorkerConfig::new(
-            pending.endpoint(),
-            INSTANCE,
-            rank,
-            world,
-            g1(G1_BLOCKS),
-            secret(),
-        );
+        let (g1, probe) = g1_in(memory);
+        let mut wc = WorkerConfig::new(pending.endpoint(), INSTANCE, rank, world, g1, secret());
         wc.leader_timeout = Duration::from_secs(20);
-        wc.probe = Some(Box::new(worker::memory::HostProbe));
+        wc.probe = Some(probe);
         wc.g3_dir = Some(disk.path().to_path_buf());
         let seen: Arc<Mutex<Option<PhysicalLayout>>> = Arc::default();
         let keep = Arc::clone(&seen);
         wc.g2_allocator = Some(Box::new(move |layout| {
-            let l = PhysicalLayout::allocate_system(layout, &SystemAllocator::new())?;
+            let l = g2_in(memory, layout)?;
             *keep.lock() = Some(l.clone());
             Ok(l)
         }));
@@ -184,8 +222,8 @@ fn failed_on_checksum(
 
 const SEEDS: [(u32, u64); 2] = [(1, 11), (2, 12)];
 
-fn round_trips(world: u32) {
-    let i = start(world, true);
+fn round_trips(world: u32, memory: Memory) {
+    let i = start_on(world, true, memory);
     i.fill(&SEEDS);
     // G1 -> G2 -> G1.
     i.copy(Tier::G1, Tier::G2, &[(1, 10), (2, 11)]).unwrap();
@@ -212,16 +250,16 @@ fn round_trips(world: u32) {
 
 #[test]
 fn verified_round_trips_keep_the_bytes_over_the_lent_route() {
-    round_trips(1);
+    round_trips(1, Memory::Host);
 }
 
 #[test]
 fn verified_round_trips_keep_the_bytes_over_the_socket() {
-    round_trips(2);
+    round_trips(2, Memory::Host);
 }
 
-fn a_corrupted_g2_block_fails_its_onboard(world: u32) {
-    let i = start(world, true);
+fn a_corrupted_g2_block_fails_its_onboard(world: u32, memory: Memory) {
+    let i = start_on(world, true, memory);
     i.fill(&SEEDS);
     i.copy(Tier::G1, Tier::G2, &[(1, 10), (2, 11)]).unwrap();
     i.corrupt_g2(10);
@@ -247,16 +285,16 @@ fn a_corrupted_g2_block_fails_its_onboard(world: u32) {
 
 #[test]
 fn a_corrupted_g2_block_fails_its_onboard_over_the_lent_route() {
-    a_corrupted_g2_block_fails_its_onboard(1);
+    a_corrupted_g2_block_fails_its_onboard(1, Memory::Host);
 }
 
 #[test]
 fn a_corrupted_g2_block_fails_its_onboard_over_the_socket() {
-    a_corrupted_g2_block_fails_its_onboard(2);
+    a_corrupted_g2_block_fails_its_onboard(2, Memory::Host);
 }
 
-fn a_corrupted_g3_block_fails_its_onboard(world: u32) {
-    let i = start(world, true);
+fn a_corrupted_g3_block_fails_its_onboard(world: u32, memory: Memory) {
+    let i = start_on(world, true, memory);
     i.fill(&SEEDS);
     i.copy(Tier::G1, Tier::G2, &[(1, 10), (2, 11)]).unwrap();
     i.copy(Tier::G2, Tier::G3, &[(10, 5), (11, 6)]).unwrap();
@@ -277,12 +315,42 @@ fn a_corrupted_g3_block_fails_its_onboard(world: u32) {
 
 #[test]
 fn a_corrupted_g3_block_fails_its_onboard_over_the_lent_route() {
-    a_corrupted_g3_block_fails_its_onboard(1);
+    a_corrupted_g3_block_fails_its_onboard(1, Memory::Host);
 }
 
 #[test]
 fn a_corrupted_g3_block_fails_its_onboard_over_the_socket() {
-    a_corrupted_g3_block_fails_its_onboard(2);
+    a_corrupted_g3_block_fails_its_onboard(2, Memory::Host);
+}
+
+/// GPU 0, or a skip line (a failure with `KVBM_REQUIRE_GPU=1`).
+#[cfg(feature = "cuda")]
+fn gpu_or_skip() -> bool {
+    let found = worker::device::device_at(0).is_some();
+    if !found {
+        assert!(
+            std::env::var("KVBM_REQUIRE_GPU").as_deref() != Ok("1"),
+            "KVBM_REQUIRE_GPU=1 but no CUDA device"
+        );
+        println!("skipped: no CUDA device");
+    }
+    found
+}
+
+/// With G1 on a GPU its side of each copy is summed there: round trips,
+/// and corrupted G2 and G3 blocks refused on the way into GPU memory, over
+/// both routes.
+#[cfg(feature = "cuda")]
+#[test]
+fn blocks_bound_for_gpu_memory_are_checked_on_the_gpu() {
+    if !gpu_or_skip() {
+        return;
+    }
+    for world in [1, 2] {
+        round_trips(world, Memory::Gpu);
+        a_corrupted_g2_block_fails_its_onboard(world, Memory::Gpu);
+        a_corrupted_g3_block_fails_its_onboard(world, Memory::Gpu);
+    }
 }
 
 /// Verify mode is opt-in: without it nothing is summed and corrupted
@@ -325,7 +393,7 @@ fn sums_are_replaced_on_overwrite_and_cleared_on_failure() {
         tier: Tier::G2,
         layout: PhysicalLayout::allocate_system(l, &SystemAllocator::new()).unwrap(),
     };
-    let sums = Checksums::new();
+    let sums = Checksums::new(&g1.layout);
     let ok = || Ok(kvbm_transfer::TransferReport::default());
     let (out, n) = sums.settle(&g1, &g2, &[(0, 1)], ok());
     assert!(out.is_ok() && n == 0);

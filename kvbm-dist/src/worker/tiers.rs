@@ -119,7 +119,9 @@ impl Tiers {
         self.g2 = g2;
         self.g3 = g3;
         // New tiers hold nothing yet: no sums carry over.
-        self.checksums = c.verify.then(|| std::sync::Arc::new(Checksums::new()));
+        self.checksums = c
+            .verify
+            .then(|| std::sync::Arc::new(Checksums::new(&self.g1)));
         Ok(())
     }
 
