@@ -66,6 +66,25 @@ pub enum DistError {
     /// Bad configuration.
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
+    /// A tier's size holds more blocks than a tier can index.
+    #[error(
+        "{tier:?} of {bytes} bytes is {blocks} blocks of {block_bytes} bytes, more than the \
+         {max_blocks} blocks a tier holds: at most {limit} bytes"
+    )]
+    TierTooLarge {
+        /// G2 or G3.
+        tier: kvbm_pool::Tier,
+        /// The size asked for, over all workers.
+        bytes: u64,
+        /// Blocks it would hold.
+        blocks: u64,
+        /// Bytes of one block over all workers.
+        block_bytes: u64,
+        /// The most blocks a tier holds.
+        max_blocks: u64,
+        /// The largest size that fits.
+        limit: u64,
+    },
     /// The leader refused this worker's `Hello`.
     #[error("the leader refused this worker: {0}")]
     Refused(String),

@@ -32,7 +32,9 @@ pub enum PyKvbmError {
 impl From<PyKvbmError> for PyErr {
     fn from(e: PyKvbmError) -> PyErr {
         match e {
-            PyKvbmError::Invalid(_) | PyKvbmError::Layout(_) => {
+            PyKvbmError::Invalid(_)
+            | PyKvbmError::Layout(_)
+            | PyKvbmError::Dist(kvbm_dist::DistError::TierTooLarge { .. }) => {
                 PyValueError::new_err(e.to_string())
             }
             _ => PyRuntimeError::new_err(e.to_string()),

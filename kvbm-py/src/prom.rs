@@ -56,7 +56,7 @@ fn serve(mut stream: TcpStream, handle: &PrometheusHandle) -> std::io::Result<()
 /// the port already served (one exporter per process); a port that cannot
 /// be bound is an error.
 #[pyfunction]
-#[pyo3(signature = (port, host = "0.0.0.0"))]
+#[pyo3(signature = (port, host = "127.0.0.1"))]
 pub fn start_metrics_server(port: u16, host: &str) -> PyResult<u16> {
     let mut serving = SERVING.lock();
     if let Some((_, served)) = serving.as_ref() {

@@ -643,6 +643,10 @@ impl Scheduler {
             d.set_item(format!("{p}_seconds"), s.transfer_nanos[i] as f64 * 1e-9)?;
         }
         d.set_item("offloads_skipped", s.skipped.iter().sum::<u64>())?;
+        d.set_item(
+            "offloads_not_admitted",
+            s.skipped_for(kvbm_pool::metrics::SkipReason::NotAdmitted),
+        )?;
         let failures: u64 = s.copy_failures.iter().map(|f| f.blocks).sum();
         d.set_item("copy_failures", failures)?;
         let by = PyDict::new(py);

@@ -4,6 +4,7 @@ from kvbm must give identical greedy outputs."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -83,15 +84,29 @@ def test_prefix_onboarded_from_g3_when_g2_is_too_small(tiny_model, tmp_path):
     assert r["second"] == r["first"], r
 
 
+#: An engine instance's files in $TMPDIR (kvbm_py.instance_files).
+INSTANCE_FILE = re.compile(r"^kvbm-[0-9a-f]{16}\.(sock|secret|lock|tmp-\d+)$")
+
+
+def _instance_files(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir() if INSTANCE_FILE.match(p.name))
+
+
 def test_engine_core_and_worker_in_separate_processes(tiny_model, tmp_path):
     # vLLM's default process layout: the scheduler (kvbm's leader) in the
     # engine-core process, the model runner (kvbm's worker) in a worker
     # process; they meet over kvbm's IPC socket.
+    # Files an instance killed earlier left: removed at start.
+    for name in ("kvbm-0123456789abcdef.sock", "kvbm-0123456789abcdef.secret",
+                 "kvbm-0123456789abcdef.lock", "kvbm-fedcba9876543210.secret"):
+        (tmp_path / name).write_text("x")
     extra = {"cpu_cache_gb": 0.01, "admission": "all", "test_stats_path": str(tmp_path / "stats.json")}
     r = run_engine(tiny_model, tmp_path, extra, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
     s = r["stats"]
     assert s["g2_to_g1_blocks"] == 4, s
     assert r["second"] == r["first"], r
+    # And the engine's own are gone once it stopped.
+    assert _instance_files(tmp_path) == [], _instance_files(tmp_path)
 
 
 def _one_cpu_per_rank(ranks: int) -> str:

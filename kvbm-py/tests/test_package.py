@@ -152,3 +152,74 @@ def test_kvbm_log_lines_reach_stderr_filtered_by_kvbm_log(spec):
     assert (" INFO " in out.stderr) == verbose, out.stderr
     if spec == "kvbm_dist=[bad":
         assert "KVBM_LOG" in out.stderr and "not a log filter" in out.stderr, out.stderr
+
+
+def test_a_misspelled_key_is_refused_naming_the_closest_one():
+    with pytest.raises(ValueError, match=r"unknown configuration key 'cpu_cache_gbs'; did you mean 'cpu_cache_gb'\?"):
+        KvbmConfig.from_sources({"cpu_cache_gbs": 1}, {})
+    with pytest.raises(ValueError, match=r"'disk_cache_gb'"):
+        KvbmConfig.from_sources({"disk_cache_size_gb": 1}, {})
+    # Nothing close: the known keys are listed.
+    with pytest.raises(ValueError, match=r"unknown configuration key 'zzz'; known keys: admission, "):
+        KvbmConfig.from_sources({"zzz": 1}, {})
+
+
+def test_sizes_kvbm_cannot_hold_name_the_key_the_value_and_the_limit():
+    for value in (1e12, "1e30", float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"kvbm: cpu_cache_gb=") as e:
+            KvbmConfig.from_sources({"cpu_cache_gb": value}, {})
+        assert "limit" in str(e.value) or "finite" in str(e.value), e.value
+    c = KvbmConfig.from_sources({"disk_cache_gb": 9e9}, {})
+    assert c.tier_bytes("disk_cache_gb", 1) == int(9e9 * GIB)
+    with pytest.raises(ValueError, match=r"disk_cache_gb=9000000000.0 GiB per worker is larger than the limit of \d+ GiB with 4 workers"):
+        c.tier_bytes("disk_cache_gb", 4)
+
+
+def test_a_tier_larger_than_its_block_index_is_refused_at_start_up():
+    # 1e6 GiB of 32 KiB blocks is more blocks than a tier indexes: an
+    # error naming the key, not a quietly smaller tier.
+    from kvbm_py.vllm.scheduler_side import naming_the_size_key
+
+    code = _START_STOP.replace("g2_bytes=4 * 16384", "g2_bytes=4 * 16384, g3_bytes=10**6 * 2**30")
+    assert code != _START_STOP
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "ValueError: G3 of " in out.stderr and "blocks a tier holds: at most" in out.stderr, out.stderr[-2000:]
+    message = out.stderr.strip().splitlines()[-1].removeprefix("ValueError: ")
+    config = KvbmConfig.from_sources({"disk_cache_gb": 1e6}, {})
+    named = naming_the_size_key(ValueError(message), config)
+    assert str(named).startswith("kvbm: disk_cache_gb=1000000.0 GiB per worker: G3 of "), named
+
+
+_METRICS_HOST = """
+import kvbm_py
+port = kvbm_py.start_metrics_server(0{host})
+want = "{want}:%04X" % port
+rows = [l.split()[1] for l in open("/proc/net/tcp").read().splitlines()[1:]]
+assert want in rows, (want, rows)
+"""
+
+
+def test_the_metrics_exporter_listens_on_this_host_unless_told():
+    assert KvbmConfig.from_sources({}, {}).metrics_host == "127.0.0.1"
+    assert KvbmConfig.from_sources({}, {"KVBM_METRICS_HOST": "0.0.0.0"}).metrics_host == "0.0.0.0"
+    for host, want in (("", "0100007F"), (", '0.0.0.0'", "00000000")):
+        code = _METRICS_HOST.format(host=host, want=want)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_connector_log_lines_appear_where_vllms_do():
+    # vLLM configures its `vllm` logger (handler on stdout, INFO); the
+    # connector's INFO lines must come out through it without any set-up.
+    code = (
+        "import vllm.logger\n"
+        "from kvbm_py.vllm.common import log\n"
+        "log.info('kvbm: caches ready (test line)')\n"
+        "log.debug('kvbm: not at INFO')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LOGGING")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [l for l in (out.stdout + out.stderr).splitlines() if "kvbm:" in l]
+    assert len(lines) == 1 and "INFO" in lines[0] and "caches ready (test line)" in lines[0], lines

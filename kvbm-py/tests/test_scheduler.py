@@ -4,6 +4,8 @@ checked byte for byte, and the awkward moments are forced (an abort while
 loading, a failed load, a request finishing while its offloads run, a
 prefix-cache reset)."""
 
+import logging
+
 import pytest
 from sched_harness import BLOCK, build
 
@@ -242,3 +244,55 @@ def test_preempted_while_its_copies_run(harness):
     assert all(h.holds_pattern(ids[i], c.block_hashes[i]) for i in range(done)), h.log
     offloaded(h, "C")
     assert h.kvbm.live_requests() == 0
+
+
+class _Lines(logging.Handler):
+    """Collects the connector's log lines."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+#: A G2 of four of the harness's 16 KiB blocks.
+SMALL_G2 = {"cpu_cache_gb": 4.5 * 16384 / 2**30, "offload_in_flight": 1}
+
+
+@pytest.mark.parametrize(
+    "harness",
+    [{"admission": "reuse_score", **SMALL_G2}, {"admission": "all", **SMALL_G2}],
+    indirect=True,
+)
+def test_g2_turning_first_time_blocks_down_is_explained_once(harness):
+    h = harness
+    lines = _Lines()
+    logger = logging.getLogger("vllm.kvbm_py")
+    logger.addHandler(lines)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        # A's prefix comes back (from G2): its blocks outrank new ones,
+        # and G2 is full of them.
+        h.request("A", PREFIX + [5], 1)
+        offloaded(h, "A")
+        load_again(h, "A2")
+        offloaded(h, "A2")
+        # New prompts: G2 turns their blocks down, which the next finished
+        # request finds.
+        for i, rid in enumerate("BCD"):
+            h.request(rid, [7 + i] * (4 * BLOCK) + [5], 1)
+            offloaded(h, rid)
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    said = [line for line in lines.lines if "turned down" in line]
+    refused = h.kvbm.stats()["offloads_not_admitted"]
+    if h.connector._scheduler.config.admission == "all":
+        assert refused == 0 and said == [], (refused, said)
+    else:
+        # Blocks seen once are held back, and the log says why, once.
+        assert refused > 0, dict(h.kvbm.stats())
+        assert len(said) == 1 and "admission=all admits every block" in said[0], said

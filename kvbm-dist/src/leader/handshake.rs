@@ -19,6 +19,8 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use kvbm_pool::Tier;
+
 use crate::auth::{InstanceSecret, hello_mac_ok};
 use crate::error::{DistError, Result};
 use crate::proto::{Configure, ErrorReply, Hello, Message, ProtoError, truncate};
@@ -176,8 +178,8 @@ impl Handshake<'_> {
         let bytes_per_block = reference.bytes_per_block;
         let per_block_all = bytes_per_block.saturating_mul(u64::from(world));
         let configure = Configure {
-            g2_blocks: (self.config.g2_bytes / per_block_all).min(crate::proto::MAX_TIER_BLOCKS),
-            g3_blocks: (self.config.g3_bytes / per_block_all).min(crate::proto::MAX_TIER_BLOCKS),
+            g2_blocks: tier_blocks(Tier::G2, self.config.g2_bytes, per_block_all)?,
+            g3_blocks: tier_blocks(Tier::G3, self.config.g3_bytes, per_block_all)?,
             block_size: self.config.block_size,
             heartbeat_ms: self
                 .config
@@ -364,4 +366,46 @@ pub(crate) fn shape_difference(reference: &Hello, h: &Hello) -> Option<String> {
         ));
     }
     None
+}
+
+/// Blocks of `block_bytes` in a `tier` of `bytes`; an error when a tier
+/// cannot index that many.
+fn tier_blocks(tier: Tier, bytes: u64, block_bytes: u64) -> Result<u64> {
+    let blocks = bytes / block_bytes.max(1);
+    let max_blocks = crate::proto::MAX_TIER_BLOCKS;
+    if blocks <= max_blocks {
+        return Ok(blocks);
+    }
+    Err(DistError::TierTooLarge {
+        tier,
+        bytes,
+        blocks,
+        block_bytes,
+        max_blocks,
+        limit: max_blocks
+            .saturating_mul(block_bytes)
+            .saturating_add(block_bytes.saturating_sub(1)),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tier_larger_than_its_index_is_refused_with_its_limit() {
+        let max = crate::proto::MAX_TIER_BLOCKS;
+        assert_eq!(tier_blocks(Tier::G2, max * 4096, 4096).unwrap(), max);
+        assert_eq!(tier_blocks(Tier::G2, 4096 * 3 + 5, 4096).unwrap(), 3);
+        let e = tier_blocks(Tier::G3, (max + 1) * 4096, 4096).unwrap_err();
+        let DistError::TierTooLarge { tier, limit, .. } = &e else {
+            panic!("{e}");
+        };
+        assert_eq!((*tier, *limit), (Tier::G3, max * 4096 + 4095));
+        let text = e.to_string();
+        assert!(
+            text.starts_with("G3 of ") && text.contains(&limit.to_string()),
+            "{text}"
+        );
+    }
 }

@@ -11,7 +11,7 @@ def sequence_hash(digest: bytes) -> int:
     bytes, little-endian (as kvbm-block's vLLM scheme keys a block).
     ``ValueError`` for fewer than 8 bytes."""
 
-def start_metrics_server(port: int, host: str = "0.0.0.0") -> int:
+def start_metrics_server(port: int, host: str = "127.0.0.1") -> int:
     """Installs kvbm's Prometheus recorder in this process and serves the
     ``kvbm_*`` metrics over HTTP on ``host:port`` (0 picks a free port);
     returns the port served. Later calls return the same port."""

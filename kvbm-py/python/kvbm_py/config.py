@@ -7,7 +7,9 @@ falls back to its default. See ``docs/vllm.md`` for the table.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
+import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -27,10 +29,19 @@ _SOURCES: dict[str, tuple[tuple[str, ...], Any]] = {
     "handshake_timeout_s": (("KVBM_HANDSHAKE_TIMEOUT_S",), 120.0),
     "offload_in_flight": (("KVBM_OFFLOAD_IN_FLIGHT",), 0),
     "metrics_port": (("KVBM_METRICS_PORT", "DYN_KVBM_METRICS_PORT"), 0),
+    "metrics_host": (("KVBM_METRICS_HOST",), "127.0.0.1"),
     "verify": (("KVBM_VERIFY",), False),
 }
 
 OFFLOAD_MODES = ("eager", "finish", "none")
+
+#: Test hooks: keys the test suite sets, never read from the environment.
+_TEST_KEYS = ("test_corrupt_onboard", "test_fail_onboards", "test_transfer_delay_ms", "test_stats_path")
+
+#: The largest size a tier may be given, GiB per worker (2^64 bytes over
+#: all workers is what kvbm can count; a tier's block count is checked
+#: once the block size is known).
+_MAX_GB = float((1 << 64) // GIB)
 
 
 def _digest(text: str) -> str:
@@ -51,11 +62,25 @@ def _as_bool(value: Any, key: str) -> bool:
 def _as_float(value: Any, key: str) -> float:
     try:
         out = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ValueError(f"kvbm: {key}={value!r} is not a number") from None
-    if not out >= 0.0:
-        raise ValueError(f"kvbm: {key}={value!r} must be >= 0")
+    if not out >= 0.0 or math.isinf(out):
+        raise ValueError(f"kvbm: {key}={value!r} must be a finite number >= 0")
     return out
+
+
+def _as_size(value: Any, key: str) -> float:
+    """A size in GiB per worker, no larger than kvbm can count."""
+    out = _as_float(value, key)
+    if out > _MAX_GB:
+        raise ValueError(f"kvbm: {key}={value!r} GiB is larger than the limit of {_MAX_GB:.0f} GiB")
+    return out
+
+
+def _unknown_key(key: str, known: list[str]) -> ValueError:
+    near = difflib.get_close_matches(key, known, n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else f"; known keys: {', '.join(sorted(known))}"
+    return ValueError(f"kvbm: unknown configuration key {key!r}{hint}")
 
 
 @dataclass(frozen=True)
@@ -89,6 +114,9 @@ class KvbmConfig:
     #: TCP port of kvbm's Prometheus exporter in the scheduler process
     #: (metrics ``kvbm_*``); 0 serves none.
     metrics_port: int = 0
+    #: Address the exporter listens on: this host only by default;
+    #: ``0.0.0.0`` serves every interface.
+    metrics_host: str = "127.0.0.1"
     #: Checksum every block as it lands in G2 or G3 and check it when it
     #: is loaded: a block whose bytes changed is reported to the engine as
     #: a failed load (recomputed, never served) and counted
@@ -113,20 +141,16 @@ class KvbmConfig:
         cls, extra: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
     ) -> "KvbmConfig":
         """Reads every key from ``extra``, then ``env`` (default
-        ``os.environ``), then the default. Unknown keys in ``extra`` that
-        start with ``kvbm`` or ``test_`` are refused (typos); other keys
-        belong to other components and are ignored."""
+        ``os.environ``), then the default. A key kvbm does not know is
+        refused, naming the closest one it does (``extra`` is kvbm's own:
+        under vLLM's MultiConnector each connector gets its own
+        ``kv_connector_extra_config``)."""
         extra = dict(extra or {})
         env = os.environ if env is None else env
-        known = set(_SOURCES) | {
-            "test_corrupt_onboard",
-            "test_fail_onboards",
-            "test_transfer_delay_ms",
-            "test_stats_path",
-        }
+        known = [*_SOURCES, *_TEST_KEYS]
         for key in extra:
-            if key not in known and (key.startswith("test_") or key.startswith("kvbm")):
-                raise ValueError(f"kvbm: unknown configuration key {key!r}")
+            if key not in known:
+                raise _unknown_key(str(key), known)
         values: dict[str, Any] = {}
         for key, (names, default) in _SOURCES.items():
             if key in extra and extra[key] is not None:
@@ -139,8 +163,8 @@ class KvbmConfig:
             else:
                 values[key] = default
         cfg = cls(
-            cpu_cache_gb=_as_float(values["cpu_cache_gb"], "cpu_cache_gb"),
-            disk_cache_gb=_as_float(values["disk_cache_gb"], "disk_cache_gb"),
+            cpu_cache_gb=_as_size(values["cpu_cache_gb"], "cpu_cache_gb"),
+            disk_cache_gb=_as_size(values["disk_cache_gb"], "disk_cache_gb"),
             disk_cache_dir=values["disk_cache_dir"],
             offload=str(values["offload"]),
             admission=str(values["admission"]),
@@ -149,6 +173,7 @@ class KvbmConfig:
             handshake_timeout_s=_as_float(values["handshake_timeout_s"], "handshake_timeout_s"),
             offload_in_flight=int(_as_float(values["offload_in_flight"], "offload_in_flight")),
             metrics_port=int(_as_float(values["metrics_port"], "metrics_port")),
+            metrics_host=str(values["metrics_host"]),
             verify=_as_bool(values["verify"], "verify"),
             test_corrupt_onboard=_as_bool(
                 extra.get("test_corrupt_onboard", False), "test_corrupt_onboard"
@@ -162,6 +187,22 @@ class KvbmConfig:
         if cfg.offload not in OFFLOAD_MODES:
             raise ValueError(f"kvbm: offload={cfg.offload!r}: expected one of {OFFLOAD_MODES}")
         return cfg
+
+    def tier_bytes(self, key: str, world: int) -> int:
+        """The bytes of the tier sized by ``key`` (``cpu_cache_gb`` or
+        ``disk_cache_gb``) over ``world`` workers; an error naming the key,
+        its value and the limit when kvbm cannot count that many."""
+        gb = getattr(self, key)
+        total = int(gb * GIB) * world
+        if total >= 1 << 64:
+            limit = ((1 << 64) - 1) / GIB / world
+            raise ValueError(f"kvbm: {key}={gb!r} GiB per worker is larger than the limit of {limit:.0f} GiB with {world} workers")
+        return total
+
+    def files_digest(self, engine_id: str) -> str:
+        """What the instance's files in the temporary directory are named
+        after (``kvbm_py.instance_files``)."""
+        return _digest(engine_id)
 
     def endpoint_for(self, engine_id: str) -> str:
         """The leader's endpoint: the configured one, or an IPC socket named

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+#: The connector's log lines. A child of vLLM's ``vllm`` logger, so they
+#: appear where vLLM's own do, at the level and in the format vLLM's logging
+#: configuration (``VLLM_LOGGING_LEVEL``, ``VLLM_LOGGING_CONFIG_PATH``) sets.
+log = logging.getLogger("vllm.kvbm_py")
 
 
 def engine_id(vllm_config: "VllmConfig") -> str:

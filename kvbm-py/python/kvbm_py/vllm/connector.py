@@ -165,9 +165,12 @@ class KvbmConnector(KVConnectorBase_V1):
         return self._scheduler.reset_cache()
 
     def shutdown(self) -> None:
-        """Stops kvbm (the leader tells its workers to exit)."""
+        """Stops kvbm (the leader tells its workers to exit) and lets go of
+        the instance's files in the temporary directory."""
         if self._scheduler is not None:
             self._scheduler.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()
 
     # ---- worker role ----
 

@@ -8,10 +8,10 @@ conversation was closed). kvbm ranks the request's blocks by it in every tier.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-log = logging.getLogger("kvbm_py.vllm")
+from kvbm_py.vllm.common import log
+
 
 #: The key in ``kv_transfer_params``.
 KEY = "kvbm_retention"

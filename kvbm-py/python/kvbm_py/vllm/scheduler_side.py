@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
 import json
-import logging
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvbm_py import Scheduler, start_metrics_server
-from kvbm_py.config import GIB, KvbmConfig
-from kvbm_py.vllm.common import engine_id, instance_of, world_size
+from kvbm_py import Scheduler, instance_files, start_metrics_server
+from kvbm_py.config import KvbmConfig
+from kvbm_py.vllm.common import engine_id, instance_of, log, world_size
 from kvbm_py.vllm.fence import WriteFence
 from kvbm_py.vllm.metadata import KvbmMetadata
 from kvbm_py.vllm.retention import retention_of
@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger("kvbm_py.vllm")
 
 #: A block id no G1 has: an onboard aimed there fails on every worker.
 _NO_BLOCK = 0xFFFF_FFFF
@@ -52,6 +51,15 @@ class _Load:
     hashes: list[bytes] = field(default_factory=list)
 
 
+def naming_the_size_key(error: ValueError, config: KvbmConfig) -> ValueError:
+    """``error`` from starting kvbm, with the key and value of the tier it
+    finds too large (kvbm's Rust side names the tier, G2 or G3)."""
+    key = {"G2": "cpu_cache_gb", "G3": "disk_cache_gb"}.get(str(error)[:2])
+    if key is None:
+        return error
+    return ValueError(f"kvbm: {key}={getattr(config, key)!r} GiB per worker: {error}")
+
+
 class SchedulerSide:
     """Match, onboard, offload and release over a kvbm :class:`Scheduler`."""
 
@@ -61,29 +69,38 @@ class SchedulerSide:
         eid = engine_id(vllm_config)
         world = world_size(vllm_config)
         self.secret_file = config.secret_file_for(eid)
+        # Files earlier instances left in $TMPDIR go; this instance's stay
+        # until its last process shuts down.
+        instance_files.sweep()
+        self.files = instance_files.InstanceLock(config.files_digest(eid))
+        atexit.register(self.files.release)
         started = time.monotonic()
         # Waits until every worker allocated its G2 and G3 (on its own
         # thread); a worker that could not is an error here.
-        self.kvbm = Scheduler(
-            config.endpoint_for(eid),
-            world,
-            self.block_size,
-            int(config.cpu_cache_gb * GIB) * world,
-            int(config.disk_cache_gb * GIB) * world,
-            instance=instance_of(eid),
-            admission=config.admission,
-            handshake_timeout_s=config.handshake_timeout_s,
-            secret_file=self.secret_file,
-            offload_in_flight=config.offload_in_flight or None,
-            verify=config.verify,
-        )
+        sizes = {key: config.tier_bytes(key, world) for key in ("cpu_cache_gb", "disk_cache_gb")}
+        try:
+            self.kvbm = Scheduler(
+                config.endpoint_for(eid),
+                world,
+                self.block_size,
+                sizes["cpu_cache_gb"],
+                sizes["disk_cache_gb"],
+                instance=instance_of(eid),
+                admission=config.admission,
+                handshake_timeout_s=config.handshake_timeout_s,
+                secret_file=self.secret_file,
+                offload_in_flight=config.offload_in_flight or None,
+                verify=config.verify,
+            )
+        except ValueError as e:
+            raise naming_the_size_key(e, config) from None
         log.info(
             "kvbm: caches ready: %d worker(s), blocks per tier %s (waited %.1f s)",
             world, dict(self.kvbm.capacity()), time.monotonic() - started,
         )
         if config.metrics_port:
-            port = start_metrics_server(config.metrics_port)
-            log.info("kvbm: Prometheus metrics on port %d", port)
+            port = start_metrics_server(config.metrics_port, config.metrics_host)
+            log.info("kvbm: Prometheus metrics on %s:%d", config.metrics_host, port)
         #: vLLM KV events from kvbm's tiers, when vLLM publishes KV events.
         self.events = None
         ev = getattr(vllm_config, "kv_events_config", None)
@@ -94,6 +111,11 @@ class SchedulerSide:
             self.kvbm.subscribe_events()
         #: kvbm's counters when vLLM last took stats.
         self._stats_before: dict | None = None
+        #: Whether the log said why G2 turns blocks down (or never will),
+        #: and when a step next looks (at most once a second; a finished
+        #: request always does).
+        self._admission_explained = config.admission == "all"
+        self._admission_check_at = 0.0
         self.requests: dict[str, _Tracked] = {}
         self.engine_blocks: dict[str, int] = {}
         self.loading: dict[str, _Load] = {}
@@ -240,6 +262,9 @@ class SchedulerSide:
             return self._build_meta(so)
         finally:
             self.fence.end_step()
+            if not self._admission_explained and time.monotonic() >= self._admission_check_at:
+                self._admission_check_at = time.monotonic() + 1.0
+                self._explain_admission()
 
     def _build_meta(self, so: "SchedulerOutput") -> KvbmMetadata:
         meta, self.pending = self.pending, KvbmMetadata()
@@ -389,6 +414,23 @@ class SchedulerSide:
         finally:
             if self.config.test_stats_path:
                 self._write_stats(self.config.test_stats_path)
+            if not self._admission_explained:
+                self._explain_admission()
+
+    def _explain_admission(self) -> None:
+        """Says once, when G2 first turns blocks down, why: a new user
+        otherwise sees G2 stay nearly empty and concludes kvbm does not
+        work."""
+        refused = int(self.kvbm.stats().get("offloads_not_admitted", 0))
+        if refused == 0:
+            return
+        self._admission_explained = True
+        log.info(
+            "kvbm: admission=%s turned down %d block(s) so far: G2 admits a block once "
+            "kvbm predicts it will be used again (a prefix is kept from its second use "
+            "on), which serves more hits when G2 is full; admission=all admits every block",
+            self.config.admission, refused,
+        )
 
     def _write_stats(self, path: str) -> None:
         tmp = f"{path}.tmp"
@@ -456,3 +498,4 @@ class SchedulerSide:
             os.remove(self.secret_file)
         except OSError:
             pass
+        self.files.release()

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import logging
+import atexit
 from typing import TYPE_CHECKING, Any
 
-from kvbm_py import Worker
+from kvbm_py import Worker, instance_files
 from kvbm_py.config import KvbmConfig
-from kvbm_py.vllm.common import engine_id, instance_of, world_size
+from kvbm_py.vllm.common import engine_id, instance_of, log, world_size
 from kvbm_py.vllm.metadata import KvbmMetadata
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
-
-log = logging.getLogger("kvbm_py.vllm")
 
 
 def _rank() -> int:
@@ -60,6 +58,9 @@ class WorkerSide:
             raise ValueError(f"kvbm: KV tensors on {first.device} are not supported")
         eid = engine_id(self.vllm_config)
         rank = _rank()
+        instance_files.sweep()
+        self.files = instance_files.InstanceLock(self.config.files_digest(eid))
+        atexit.register(self.files.release)
         specs = [(int(t.data_ptr()), list(t.shape), list(t.stride())) for t in tensors]
         self.worker = Worker(
             self.config.endpoint_for(eid),
@@ -100,3 +101,9 @@ class WorkerSide:
     def load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
+
+    def shutdown(self) -> None:
+        """Lets go of the instance's files (the last process removes them)."""
+        files = getattr(self, "files", None)
+        if files is not None:
+            files.release()
