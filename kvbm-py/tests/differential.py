@@ -52,12 +52,11 @@ def build_engine(model_dir: str, extra: dict | None, engine_args: dict):
             kv_connector_extra_config=extra,
             kv_load_failure_policy="recompute",
         )
-    args = {"max_num_seqs": 8, **engine_args}
+    args = {"max_num_seqs": 8, "dtype": "bfloat16", **engine_args}
     return LLM(
         model=model_dir,
         skip_tokenizer_init=True,
         enforce_eager=True,
-        dtype="bfloat16",
         max_model_len=MAX_MODEL_LEN,
         block_size=BLOCK,
         enable_prefix_caching=True,
