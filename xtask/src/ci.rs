@@ -51,8 +51,8 @@ pub fn run() -> Result<(), String> {
             "warnings",
         ]),
     )?;
-    let passed = run_tests(&nixl_libs)?;
-    println!("xtask ci: {passed} tests passed");
+    let tally = run_tests(&nixl_libs)?;
+    println!("xtask ci: {}", tally.summary());
     python()?;
     let mut doc = cargo(&[
         "doc",
@@ -105,12 +105,16 @@ pub(crate) fn step(name: &str, mut cmd: Command) -> Result<(), String> {
     }
 }
 
-/// Runs the whole test suite, echoing its output, and returns how many tests
-/// passed. Zero tests is a failure: a suite that runs nothing proves nothing.
-/// The NIXL runtime is on the library path and required: a NIXL test that
-/// would skip for lack of it fails instead; so is CURVE in ZeroMQ.
-fn run_tests(nixl_libs: &Path) -> Result<u64, String> {
+/// Runs the whole test suite, echoing its output, and returns what passed
+/// and what was skipped. Zero tests is a failure: a suite that runs nothing
+/// proves nothing. The NIXL runtime is on the library path and required: a
+/// NIXL test that would skip for lack of it fails instead; so is CURVE in
+/// ZeroMQ. Tests print their output (`--show-output`) so that a GPU test
+/// that returned early on a machine without one is seen and counted as
+/// skipped.
+fn run_tests(nixl_libs: &Path) -> Result<Tally, String> {
     let mut cmd = cargo(&["test", "--workspace", "--all-features", "--locked"]);
+    cmd.args(["--", "--show-output"]);
     let mut lib_path = nixl_libs.as_os_str().to_owned();
     if let Some(old) = std::env::var_os("LD_LIBRARY_PATH").filter(|p| !p.is_empty()) {
         lib_path.push(":");
@@ -126,22 +130,73 @@ fn run_tests(nixl_libs: &Path) -> Result<u64, String> {
         .stdout(Stdio::piped())
         .spawn()
         .map_err(|e| format!("test: could not start: {e}"))?;
-    let mut passed = 0u64;
+    let mut tally = Tally::default();
     if let Some(out) = child.stdout.take() {
         for line in BufReader::new(out).lines() {
             let line = line.map_err(|e| format!("test: reading output: {e}"))?;
             println!("{line}");
-            passed += passed_count(&line);
+            tally.read(&line);
         }
     }
     let status = child.wait().map_err(|e| format!("test: {e}"))?;
     if !status.success() {
         return Err(format!("tests failed ({status})"));
     }
-    if passed == 0 {
+    if tally.passed() == 0 {
         return Err("no test ran: the suite must run at least one test".to_string());
     }
-    Ok(passed)
+    Ok(tally)
+}
+
+/// The line a GPU test prints when it returns early without a device.
+const GPU_SKIP_LINE: &str = "skipped: no CUDA device";
+
+/// What a test run's output says: tests libtest counted as passed, and
+/// those among them that only said they skipped.
+#[derive(Debug, Default)]
+struct Tally {
+    /// Tests libtest reported as passed (the skipped ones included).
+    reported: u64,
+    /// Tests that printed [`GPU_SKIP_LINE`].
+    skipped: u64,
+    /// Whether the test whose output is being read already counted as
+    /// skipped (each test counts once, however often it says so).
+    skip_seen: bool,
+}
+
+impl Tally {
+    /// Takes one line of `cargo test` output into account.
+    fn read(&mut self, line: &str) {
+        let line = line.trim_end();
+        if line.trim() == GPU_SKIP_LINE {
+            if !self.skip_seen {
+                self.skipped += 1;
+                self.skip_seen = true;
+            }
+            return;
+        }
+        // Where one test's output ends: libtest's header of a test's
+        // captured output, a test's result line (harnesses that do not
+        // capture), the start and the end of a test binary's run.
+        let boundary = (line.starts_with("---- ") && line.ends_with(" ----"))
+            || (line.starts_with("test ") && line.ends_with(" ... ok"))
+            || line.starts_with("running ")
+            || line.starts_with("test result: ");
+        if boundary {
+            self.skip_seen = false;
+        }
+        self.reported += passed_count(line);
+    }
+
+    /// Tests that passed without skipping.
+    fn passed(&self) -> u64 {
+        self.reported.saturating_sub(self.skipped)
+    }
+
+    /// The summary line, skips apart from passes as pytest reports them.
+    fn summary(&self) -> String {
+        format!("{} passed, {} skipped", self.passed(), self.skipped)
+    }
 }
 
 /// Extracts N from a libtest summary line `test result: ok. N passed; ...`.
@@ -233,7 +288,7 @@ fn install_nixl_runtime() -> Result<PathBuf, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::passed_count;
+    use super::{Tally, passed_count};
 
     #[test]
     fn reads_libtest_summary_lines() {
@@ -243,5 +298,48 @@ mod tests {
         );
         assert_eq!(passed_count("test result: ok. 0 passed; 0 failed"), 0);
         assert_eq!(passed_count("running 3 tests"), 0);
+    }
+
+    #[test]
+    fn gpu_tests_that_returned_early_count_as_skipped() {
+        // `cargo test -- --show-output`: two GPU tests of one binary
+        // skipped (one said so twice), a third test passed, then a
+        // harness that prints as it goes.
+        let output = "\
+running 3 tests
+test gpu_copy ... ok
+test gpu_pin ... ok
+test host_copy ... ok
+
+successes:
+
+---- gpu_copy stdout ----
+skipped: no CUDA device
+skipped: no CUDA device
+
+---- gpu_pin stdout ----
+skipped: no CUDA device
+
+
+successes:
+    gpu_copy
+    gpu_pin
+    host_copy
+
+test result: ok. 3 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out
+
+running 2 tests
+skipped: no CUDA device
+test own_harness_gpu ... ok
+test own_harness_host ... ok
+
+test result: ok. 2 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out
+";
+        let mut t = Tally::default();
+        for line in output.lines() {
+            t.read(line);
+        }
+        assert_eq!((t.passed(), t.skipped), (2, 3));
+        assert_eq!(t.summary(), "2 passed, 3 skipped");
     }
 }
