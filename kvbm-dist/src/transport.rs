@@ -136,6 +136,30 @@ pub fn peer_name(peer: &[u8]) -> String {
     s
 }
 
+/// The printable form of text a peer sent (an error text, a reason that
+/// quotes its frame): every control character, and every character that
+/// reorders what a terminal shows (bidirectional overrides), as its
+/// escape (`\n`, `\u{1b}`), so a peer's text cannot start a log line of
+/// its own or colour one. Escaping twice changes nothing: the escaped
+/// text holds no such character. Every peer-supplied string goes through
+/// this before it reaches a log line or an error.
+pub fn printable(text: &str) -> String {
+    let hostile =
+        |c: char| c.is_control() || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+    if !text.contains(hostile) {
+        return text.to_owned();
+    }
+    let mut s = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if hostile(c) {
+            s.extend(c.escape_default());
+        } else {
+            s.push(c);
+        }
+    }
+    s
+}
+
 /// A directory only this user can enter (mode 0700), created under
 /// `$XDG_RUNTIME_DIR` (or the temp dir) and removed with everything in it
 /// when dropped: where a leader's IPC socket lives on one host.

@@ -6,12 +6,13 @@
 //! and logged at most once per peer per [`WARN_EVERY`], with the number
 //! suppressed since. Peers beyond [`MAX_TRACKED`] share one allowance, so
 //! a crowd of identities cannot flood the log either. Identities are
-//! printed escaped ([`peer_name`]).
+//! printed escaped ([`peer_name`]), and so is the reason, which may quote
+//! the peer's frame ([`printable`]).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use crate::transport::peer_name;
+use crate::transport::{peer_name, printable};
 
 /// At most one warning per peer this often.
 pub const WARN_EVERY: Duration = Duration::from_secs(5);
@@ -110,6 +111,7 @@ impl Refusals {
             RefusalCause::Malformed => &mut c.malformed,
         } += 1;
         let name = peer_name(peer);
+        let detail = printable(detail);
         if self.samples.len() < MAX_SAMPLES {
             self.samples
                 .push(format!("\"{name}\" ({}): {detail}", cause.name()));

@@ -18,6 +18,7 @@ use super::{
     HEADER_BYTES, MAGIC, MAX_DESCRIPTOR_BYTES, MAX_FRAME_BYTES, MAX_NIXL_METADATA_BYTES, MAX_PAIRS,
     MAX_TEXT_BYTES, MAX_WORLD_SIZE, PROTOCOL_VERSION,
 };
+use crate::transport::printable;
 
 /// Encodes `message` as one frame. Fails (instead of sending something the
 /// peer would refuse) when a field is over its limit or the message does
@@ -511,7 +512,7 @@ impl<'a> Reader<'a> {
     fn text(&mut self, max: usize, what: &'static str) -> Result<String, ProtoError> {
         let b = self.bytes(max, what)?;
         std::str::from_utf8(b)
-            .map(str::to_owned)
+            .map(printable)
             .map_err(|e| ProtoError::Invalid {
                 what,
                 reason: e.to_string(),
@@ -539,15 +540,17 @@ impl<'a> Reader<'a> {
 
     fn descriptor(&mut self) -> Result<LayoutDescriptor, ProtoError> {
         let b = self.bytes(MAX_DESCRIPTOR_BYTES, "layout descriptor")?;
+        // The JSON decoder's message quotes the peer's text (an unknown
+        // variant's name, say): escaped, like every text a peer sends.
         let d = LayoutDescriptor::from_json_slice(b).map_err(|e| ProtoError::Invalid {
             what: "layout descriptor",
-            reason: e.to_string(),
+            reason: printable(&e.to_string()),
         })?;
         // A descriptor that decodes but does not rebuild is refused here,
         // so nothing past the decoder sees an impossible layout.
         d.to_layout().map_err(|e| ProtoError::Invalid {
             what: "layout descriptor",
-            reason: e.to_string(),
+            reason: printable(&e.to_string()),
         })?;
         Ok(d)
     }

@@ -375,3 +375,122 @@ fn bounds_name_the_tier() {
     );
     assert!(b.check_pairs(Tier::G1, Tier::G2, &[(2, 2)]).is_ok());
 }
+
+/// Text with every kind of character that could forge or colour a log
+/// line: a newline starting a fake record, a carriage return, terminal
+/// escapes, C1 controls, a bidirectional override.
+const HOSTILE: &str = "evil\nINFO kvbm_dist::leader: all ranks verified\r\x1b[32mOK\x1b[0m\u{85}\u{9b}\u{202e}\u{7f}\t\0";
+
+/// True when `s` holds none of the characters [`HOSTILE`] is made of.
+fn printable_only(s: &str) -> bool {
+    !s.chars()
+        .any(|c| c.is_control() || ('\u{202a}'..='\u{202e}').contains(&c))
+}
+
+#[test]
+fn peer_text_decodes_escaped_in_every_field() {
+    let text = HOSTILE.to_owned();
+    let messages = [
+        Message::Error(ErrorReply {
+            transfer_id: Some(3),
+            message: text.clone(),
+        }),
+        Message::Ack(Ack {
+            transfer_id: 4,
+            rank: 0,
+            completed: Vec::new(),
+            failure: Some(AckFailure {
+                error: text.clone(),
+                failed: vec![(1, 2)],
+                os_error: Some(28),
+                checksum_mismatches: 0,
+            }),
+        }),
+        Message::ProbeReply(ProbeReply {
+            id: 5,
+            rank: 0,
+            mismatched: Vec::new(),
+            error: Some(text.clone()),
+        }),
+    ];
+    for m in messages {
+        let decoded = match decode(&encode(&m).unwrap()).unwrap() {
+            Message::Error(e) => e.message,
+            Message::Ack(a) => a.failure.unwrap().error,
+            Message::ProbeReply(p) => p.error.unwrap(),
+            other => panic!("{other:?}"),
+        };
+        assert!(printable_only(&decoded), "{decoded:?}");
+        assert!(decoded.starts_with(r"evil\nINFO"), "{decoded}");
+        assert!(decoded.contains(r"\u{1b}[32mOK"), "{decoded}");
+    }
+}
+
+/// A rank-0 hello whose layout descriptor's JSON is `json`.
+fn hello_with_layout_json(json: &str) -> Vec<u8> {
+    let layout = Layout::new(
+        kvbm_layout::LayoutConfig::new(8, 2, 2, 16, 128, 2).unwrap(),
+        kvbm_layout::LayoutKind::FullyContiguous,
+    )
+    .unwrap();
+    let c = *layout.config();
+    let frame = encode(&Message::Hello(Hello {
+        instance: 1,
+        rank: 0,
+        world_size: 1,
+        device_blocks: c.num_blocks() as u64,
+        bytes_per_block: c.block_bytes(),
+        layout: layout.descriptor(),
+        auth: [0; 32],
+    }))
+    .unwrap();
+    // Header, then instance, rank, world, blocks, bytes per block; the
+    // descriptor's length and JSON; the MAC.
+    let fields = HEADER_BYTES + 8 + 4 + 4 + 8 + 8;
+    let mut out = frame[..fields].to_vec();
+    out.extend_from_slice(&(json.len() as u32).to_le_bytes());
+    out.extend_from_slice(json.as_bytes());
+    out.extend_from_slice(&frame[frame.len() - 32..]);
+    let body = (out.len() - HEADER_BYTES) as u32;
+    out[8..12].copy_from_slice(&body.to_le_bytes());
+    out
+}
+
+/// `s` as a JSON string literal.
+fn json_string(s: &str) -> String {
+    let mut out = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '"' | '\\' => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+#[test]
+fn a_layout_quoting_control_characters_is_refused_escaped() {
+    let good = Layout::new(
+        kvbm_layout::LayoutConfig::new(8, 2, 2, 16, 128, 2).unwrap(),
+        kvbm_layout::LayoutKind::FullyContiguous,
+    )
+    .unwrap()
+    .descriptor()
+    .to_json();
+    assert!(decode(&hello_with_layout_json(&good)).is_ok());
+    // An unknown layout kind whose name is the hostile text: the JSON
+    // decoder's message quotes it.
+    let variant = json_string(HOSTILE);
+    let evil = good.replace("\"FullyContiguous\"", &variant);
+    assert_ne!(evil, good);
+    let e = decode(&hello_with_layout_json(&evil))
+        .unwrap_err()
+        .to_string();
+    assert!(printable_only(&e), "{e:?}");
+    assert!(e.contains(r"evil\nINFO kvbm_dist::leader"), "{e}");
+}

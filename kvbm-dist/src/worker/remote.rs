@@ -123,6 +123,8 @@ impl Worker {
                 .describe()
                 .unwrap_or_else(|e| error_reply(None, format!("connect: {e}"))),
             Err(e) => {
+                // The error may quote the peer's metadata.
+                let e = crate::transport::printable(&e.to_string());
                 tracing::warn!(peer = p.instance, "connect refused: {e}");
                 error_reply(None, format!("connect to instance {:x}: {e}", p.instance))
             }
