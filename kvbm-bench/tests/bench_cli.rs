@@ -82,6 +82,18 @@ fn malformed_trace_names_file_and_line() {
 }
 
 #[test]
+fn an_endless_trace_line_is_refused_with_its_number() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = bench(&["replay", "--trace", "/dev/zero"], dir.path());
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("/dev/zero:1: line longer than"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
 fn tiny_replay_runs_end_to_end_and_verifies_bytes() {
     let dir = tempfile::tempdir().unwrap();
     let o = bench(

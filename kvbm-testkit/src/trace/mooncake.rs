@@ -5,6 +5,10 @@
 //! it holds one line at a time, so an hour of production traffic costs no
 //! more memory than its caller keeps.
 //!
+//! A line is at most [`MAX_LINE_BYTES`] long: a longer one (a binary file,
+//! `/dev/zero`) is refused with its line number as soon as the limit is
+//! read, instead of growing a buffer until memory runs out.
+//!
 //! Validation is strict: `hash_ids.len()` must equal
 //! `ceil(input_length / 512)`. Every line of both published files satisfies
 //! it (12,031 + 3,993 lines checked), so a mismatch means the file was
@@ -19,7 +23,7 @@
 //! file with no request at all is an error rather than an empty replay.
 
 use std::fs::File;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
@@ -65,6 +69,10 @@ pub enum LineError {
     },
 }
 
+/// The longest trace line read, in bytes (its newline included): room
+/// for about 800,000 hash ids, a prompt of 400 million tokens.
+pub const MAX_LINE_BYTES: usize = 16 << 20;
+
 /// Error reading a Mooncake trace.
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
@@ -85,6 +93,16 @@ pub enum TraceError {
         line: usize,
         /// What is wrong with it.
         error: LineError,
+    },
+    /// A line is longer than [`MAX_LINE_BYTES`].
+    #[error("{path}:{line}: line longer than {limit} bytes (the limit of one trace line); is this a Mooncake JSONL trace?", path = path.display())]
+    LineTooLong {
+        /// The trace file.
+        path: PathBuf,
+        /// 1-based line number.
+        line: usize,
+        /// The limit, in bytes.
+        limit: usize,
     },
     /// The file holds no request (it is empty or has only blank lines).
     #[error("{path}: no requests in the trace ({lines} lines, none a request)", path = path.display())]
@@ -223,7 +241,17 @@ impl<R: BufRead> Iterator for MooncakeReader<R> {
         while !self.done {
             self.buf.clear();
             self.line += 1;
-            match self.input.read_line(&mut self.buf) {
+            let limit = MAX_LINE_BYTES as u64;
+            match (&mut self.input).take(limit).read_line(&mut self.buf) {
+                Ok(n) if n as u64 == limit && !self.buf.ends_with('\n') => {
+                    self.done = true;
+                    self.buf = String::new();
+                    return Some(Err(TraceError::LineTooLong {
+                        path: self.path.clone(),
+                        line: self.line,
+                        limit: MAX_LINE_BYTES,
+                    }));
+                }
                 Ok(0) => {
                     self.done = true;
                     if self.chains.requests() == 0 {
@@ -268,4 +296,48 @@ impl<R: BufRead> Iterator for MooncakeReader<R> {
 /// Reads a whole Mooncake trace into memory.
 pub fn read_mooncake(path: impl AsRef<Path>) -> Result<Vec<Request>, TraceError> {
     MooncakeReader::open(path)?.collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LINE: &str =
+        "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 5, \"hash_ids\": [1, 2]}\n";
+
+    #[test]
+    fn an_endless_line_is_refused_with_its_number() {
+        // Like `/dev/zero`: no newline, ever.
+        let input = LINE.as_bytes().chain(std::io::repeat(0));
+        let mut r = MooncakeReader::new(BufReader::new(input), "zeros");
+        assert!(r.next().unwrap().is_ok());
+        match r.next().unwrap() {
+            Err(TraceError::LineTooLong { line: 2, limit, .. }) => {
+                assert_eq!(limit, MAX_LINE_BYTES);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(r.next().is_none());
+        let e = MooncakeReader::new(BufReader::new(std::io::repeat(b'7')), "sevens")
+            .next()
+            .unwrap()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("sevens:1: line longer than 16777216 bytes"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_line_of_exactly_the_limit_is_read() {
+        // Padding after the object, then the newline: MAX_LINE_BYTES in all.
+        let mut line = LINE.trim_end().to_owned();
+        line.push_str(&" ".repeat(MAX_LINE_BYTES - line.len() - 1));
+        line.push('\n');
+        assert_eq!(line.len(), MAX_LINE_BYTES);
+        let text = format!("{line}{LINE}");
+        let r = MooncakeReader::new(text.as_bytes(), "limit");
+        assert_eq!(r.collect::<Result<Vec<_>, _>>().unwrap().len(), 2);
+    }
 }
