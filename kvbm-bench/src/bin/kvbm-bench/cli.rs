@@ -101,7 +101,7 @@ pub struct OffloadArgs {
     pub batch: Vec<usize>,
     /// The engine's `offload_batch_bytes` in MiB: small blocks' batches
     /// grow to this size (0: off; default: the engine's).
-    #[arg(long)]
+    #[arg(long, value_parser = mib)]
     pub batch_mib: Option<u64>,
     /// Loads to sweep: idle, busy (a bf16 GEMM loop on the GPU; needs a
     /// GPU and a build with `--features cuda,gemm`).
@@ -121,7 +121,7 @@ pub struct OffloadArgs {
     #[arg(long)]
     pub host_g1: bool,
     /// Refuse to allocate more host memory than this, GiB.
-    #[arg(long, default_value_t = 8.0)]
+    #[arg(long, default_value_t = 8.0, value_parser = gib)]
     pub max_host_gib: f64,
     /// The CUDA backend's copy path (auto: chosen per job).
     #[arg(long, value_enum, default_value_t = GpuPathArg::Auto)]
@@ -198,7 +198,7 @@ pub struct TierArgs {
     #[arg(long)]
     pub host_g1: bool,
     /// Refuse to allocate more host memory than this, GiB.
-    #[arg(long, default_value_t = 8.0)]
+    #[arg(long, default_value_t = 8.0, value_parser = gib)]
     pub max_host_gib: f64,
 }
 
@@ -262,7 +262,7 @@ pub struct ReplayArgs {
     /// MiB of host memory for G3 prefetch staging, allocated beyond G2's
     /// capacity: G3 reads start at match time into these blocks (0: read
     /// G3 straight into G1 at onboard).
-    #[arg(long, default_value_t = kvbm_pool::tier::DEFAULT_G3_STAGING_BYTES >> 20)]
+    #[arg(long, default_value_t = kvbm_pool::tier::DEFAULT_G3_STAGING_BYTES >> 20, value_parser = mib)]
     pub g3_staging_mib: u64,
     /// Let the engine leave matched blocks to recompute when loading them
     /// would be slower than prefill at --prefill-rate (its cost model, off
@@ -288,7 +288,7 @@ pub struct SoakArgs {
     #[arg(long)]
     pub trace: Option<PathBuf>,
     /// Minutes to run.
-    #[arg(long, default_value_t = 10.0)]
+    #[arg(long, default_value_t = 10.0, value_parser = minutes)]
     pub minutes: f64,
     /// Worker processes (tensor-parallel ranks).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
@@ -307,4 +307,89 @@ pub struct SoakArgs {
     /// where G1 lives.
     #[command(flatten)]
     pub tiers: TierArgs,
+}
+
+/// The largest size in MiB whose bytes fit in 64 bits.
+pub const MAX_MIB: u64 = u64::MAX >> 20;
+/// The largest size in GiB whose bytes fit in 64 bits.
+pub const MAX_GIB: f64 = (u64::MAX >> 30) as f64;
+/// The longest soak, in minutes (a hundred years).
+pub const MAX_MINUTES: f64 = 100.0 * 365.0 * 24.0 * 60.0;
+
+/// A size in MiB whose bytes fit in 64 bits (clap names the flag and the
+/// value in front of the message).
+fn mib(text: &str) -> Result<u64, String> {
+    let v: u64 = text
+        .parse()
+        .map_err(|e| format!("not a whole number of MiB: {e}"))?;
+    if v > MAX_MIB {
+        return Err(format!(
+            "{v} MiB does not fit in 64-bit byte counts; the limit is {MAX_MIB} MiB"
+        ));
+    }
+    Ok(v)
+}
+
+/// A positive size in GiB whose bytes fit in 64 bits.
+fn gib(text: &str) -> Result<f64, String> {
+    let v: f64 = text
+        .parse()
+        .map_err(|e| format!("not a number of GiB: {e}"))?;
+    if !(v.is_finite() && v > 0.0) {
+        return Err(format!("{v} GiB: the size must be positive"));
+    }
+    if v > MAX_GIB {
+        return Err(format!(
+            "{v} GiB does not fit in 64-bit byte counts; the limit is {MAX_GIB} GiB"
+        ));
+    }
+    Ok(v)
+}
+
+/// A positive duration in minutes, at most [`MAX_MINUTES`].
+fn minutes(text: &str) -> Result<f64, String> {
+    let v: f64 = text
+        .parse()
+        .map_err(|e| format!("not a number of minutes: {e}"))?;
+    if !(v.is_finite() && v > 0.0 && v <= MAX_MINUTES) {
+        return Err(format!(
+            "{v} minutes: the duration must be positive and at most {MAX_MINUTES}"
+        ));
+    }
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    fn error(args: &[&str]) -> String {
+        Cli::try_parse_from([&["kvbm-bench"], args].concat())
+            .unwrap_err()
+            .to_string()
+    }
+
+    #[test]
+    fn size_flags_refuse_sizes_whose_bytes_overflow() {
+        let max = MAX_MIB.to_string();
+        let over = (MAX_MIB + 1).to_string();
+        for (sub, flag) in [("replay", "--g3-staging-mib"), ("offload", "--batch-mib")] {
+            assert!(Cli::try_parse_from(["kvbm-bench", sub, flag, &max]).is_ok());
+            let e = error(&[sub, flag, &over]);
+            assert!(
+                e.contains(flag) && e.contains(&over) && e.contains(&format!("limit is {max} MiB")),
+                "{e}"
+            );
+        }
+        for sub in ["replay", "offload", "soak"] {
+            for bad in ["1e30", "inf", "0", "-1"] {
+                let e = error(&[sub, &format!("--max-host-gib={bad}")]);
+                assert!(e.contains("--max-host-gib") && e.contains(bad), "{e}");
+            }
+        }
+        let e = error(&["soak", "--minutes", "1e300"]);
+        assert!(e.contains("--minutes") && e.contains("at most"), "{e}");
+    }
 }

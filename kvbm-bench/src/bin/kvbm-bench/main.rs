@@ -96,7 +96,7 @@ fn transfer(cli: &Cli, args: &TransferArgs) -> Result<(), BenchError> {
         model: KvModel::parse(&args.model)?,
         tokens_per_block: args.tokens.clone(),
         blocks_per_batch: args.batch.clone(),
-        bytes_per_rep: args.mib << 20,
+        bytes_per_rep: mib_bytes(args.mib),
         reps: args.reps.into(),
         memcpy_threads: cli.threads.into(),
         disk_dir: cli.dir.clone(),
@@ -192,25 +192,43 @@ fn replay_config(
     })
 }
 
+/// A size flag's MiB in bytes (its parser kept it at most
+/// [`cli::MAX_MIB`], so this cannot overflow; it saturates regardless).
+fn mib_bytes(mib: u64) -> u64 {
+    mib.saturating_mul(1 << 20)
+}
+
+/// `--max-host-gib` in bytes (the parser kept it positive and below
+/// 2^64 bytes).
 fn host_bytes(gib: f64) -> Result<u64, BenchError> {
-    if gib.is_finite() && gib > 0.0 {
+    if gib.is_finite() && gib > 0.0 && gib <= cli::MAX_GIB {
         Ok((gib * (1u64 << 30) as f64) as u64)
     } else {
-        Err(BenchError::Config("--max-host-gib must be positive".into()))
+        Err(BenchError::Config(format!(
+            "--max-host-gib {gib}: must be positive and at most {} GiB",
+            cli::MAX_GIB
+        )))
     }
 }
 
 fn soak(cli: &Cli, args: &SoakArgs) -> Result<(), BenchError> {
-    if !(args.minutes.is_finite() && args.minutes > 0.0) {
-        return Err(BenchError::Config("--minutes must be positive".into()));
-    }
+    let duration = std::time::Duration::try_from_secs_f64(args.minutes * 60.0)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| {
+            BenchError::Config(format!(
+                "--minutes {}: must be positive and at most {}",
+                args.minutes,
+                cli::MAX_MINUTES
+            ))
+        })?;
     let loaded = workload(args.trace.as_deref(), &args.workload)?;
     let config = SoakConfig {
         replay: ReplayConfig {
             workers: args.workers,
             ..replay_config(cli, loaded, &args.workload, &args.tiers)?
         },
-        duration: std::time::Duration::from_secs_f64(args.minutes * 60.0),
+        duration,
         kill_every: (args.kill_every > 0).then(|| std::time::Duration::from_secs(args.kill_every)),
         rejoin_timeout: std::time::Duration::from_secs(args.rejoin_timeout.max(1)),
     };
@@ -278,7 +296,7 @@ fn replay_report(cli: &Cli, args: &ReplayArgs) -> Result<ReplayReport, BenchErro
             enospc_after_writes: args.g3_enospc_after_writes,
             eio_after_reads: args.g3_eio_after_reads,
         },
-        g3_staging_bytes: args.g3_staging_mib << 20,
+        g3_staging_bytes: mib_bytes(args.g3_staging_mib),
         decline_slow_loads: args.decline_slow_loads,
         ..base
     };
@@ -291,15 +309,12 @@ fn replay_report(cli: &Cli, args: &ReplayArgs) -> Result<ReplayReport, BenchErro
 }
 
 fn offload(cli: &Cli, args: &OffloadArgs) -> Result<(), BenchError> {
-    if !(args.max_host_gib.is_finite() && args.max_host_gib > 0.0) {
-        return Err(BenchError::Config("--max-host-gib must be positive".into()));
-    }
     let config = OffloadConfig {
         model: KvModel::parse(&args.model)?,
         tokens_per_block: args.tokens.clone(),
         in_flight: args.in_flight.clone(),
         batches: args.batch.clone(),
-        batch_bytes: args.batch_mib.map(|m| m << 20),
+        batch_bytes: args.batch_mib.map(mib_bytes),
         loads: args
             .load
             .iter()
@@ -308,11 +323,11 @@ fn offload(cli: &Cli, args: &OffloadArgs) -> Result<(), BenchError> {
                 LoadArg::Busy => Load::Busy,
             })
             .collect(),
-        min_bytes_per_rep: args.mib << 20,
+        min_bytes_per_rep: mib_bytes(args.mib),
         reps: args.reps.into(),
-        reference_bytes: args.reference_mib << 20,
+        reference_bytes: mib_bytes(args.reference_mib),
         memcpy_threads: cli.threads.into(),
-        max_host_bytes: (args.max_host_gib * (1u64 << 30) as f64) as u64,
+        max_host_bytes: host_bytes(args.max_host_gib)?,
         host_g1: args.host_g1,
         gpu_path: match args.gpu_path {
             GpuPathArg::Auto => GpuPath::Auto,
