@@ -78,6 +78,17 @@ pub enum BenchError {
         /// The exit status to leave with (128 + the signal number).
         code: u8,
     },
+    /// A file an output flag names (`--json-file`, `--svg`) cannot be
+    /// written.
+    #[error("{flag} {path}: cannot write this file: {source}", path = path.display())]
+    OutputFlag {
+        /// The flag.
+        flag: &'static str,
+        /// The file it names.
+        path: PathBuf,
+        /// Why it cannot be written.
+        source: std::io::Error,
+    },
     /// Writing an output file failed.
     #[error("{path}: {source}", path = path.display())]
     Output {

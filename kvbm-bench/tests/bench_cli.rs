@@ -286,3 +286,40 @@ fn offload_without_a_device_or_host_g1_skips() {
         assert_eq!(out.trim(), "skipped: no CUDA device");
     }
 }
+
+#[test]
+fn an_output_path_that_cannot_be_written_fails_before_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let missing = dir.path().join("missing").join("out.json");
+    for (flag, path) in [
+        ("--json-file", "/proc/nope.json"),
+        ("--json-file", missing.to_str().unwrap()),
+        ("--svg", "/proc/nope.svg"),
+    ] {
+        let o = Command::new(env!("CARGO_BIN_EXE_kvbm-bench"))
+            .args(TINY_REPLAY)
+            .args([flag, path, "--quiet", "--dir"])
+            .arg(&run_dir)
+            .output()
+            .expect("the kvbm-bench binary runs");
+        assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+        let e = stderr(&o);
+        assert!(e.contains(&format!("{flag} {path}: cannot write")), "{e}");
+        // Refused before the run: it did not even create its directory.
+        assert!(!run_dir.exists(), "{flag} {path}: the run started");
+    }
+    // A file that can be written is left alone until the run writes it.
+    let out = dir.path().join("out.json");
+    let o = bench(
+        &[
+            &TINY_REPLAY[..],
+            &["--no-svg", "--json-file", out.to_str().unwrap()],
+        ]
+        .concat(),
+        &run_dir,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    assert!(r["verified_blocks"].as_u64().unwrap() > 0);
+}

@@ -35,7 +35,8 @@ fn main() -> ExitCode {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
-    let result = kvbm_bench::shutdown::install()
+    let result = output::check_paths(&cli)
+        .and_then(|()| kvbm_bench::shutdown::install())
         .map_err(Failed::from)
         .and_then(|()| match &cli.command {
             Command::Transfer(args) => transfer(&cli, args).map_err(Failed::from),

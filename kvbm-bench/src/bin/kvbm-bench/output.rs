@@ -1,7 +1,7 @@
 //! Printing results: tables on the terminal, JSON for machines, SVG plots
 //! written next to them.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use kvbm_bench::BenchError;
 use kvbm_bench::matrix::{MatrixConfig, MatrixRow};
@@ -14,6 +14,50 @@ use serde_json::json;
 
 use crate::cli::Cli;
 
+/// Checks, before a command runs, that the files `--json-file` and `--svg`
+/// name can be written (creating `--svg`'s directory, as writing the plot
+/// would), so a bad path fails at once, naming its flag, instead of after
+/// the run.
+pub fn check_paths(cli: &Cli) -> Result<(), BenchError> {
+    if let Some(path) = &cli.json_file {
+        probe("--json-file", path)?;
+    }
+    if let Some(path) = cli.svg.as_ref().filter(|_| !cli.no_svg) {
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).map_err(|source| BenchError::OutputFlag {
+                flag: "--svg",
+                path: path.clone(),
+                source,
+            })?;
+        }
+        probe("--svg", path)?;
+    }
+    Ok(())
+}
+
+/// Opens `path` for writing without changing it, and removes it again
+/// when it did not exist.
+fn probe(flag: &'static str, path: &Path) -> Result<(), BenchError> {
+    let existed = std::fs::symlink_metadata(path).is_ok();
+    match std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path)
+    {
+        Ok(_) => {
+            if !existed {
+                let _ = std::fs::remove_file(path);
+            }
+            Ok(())
+        }
+        Err(source) => Err(BenchError::OutputFlag {
+            flag,
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+}
+
 fn write_svg(cli: &Cli, default_name: &str, plot: &LinePlot) -> Result<(), BenchError> {
     if cli.no_svg {
         return Ok(());
@@ -22,9 +66,16 @@ fn write_svg(cli: &Cli, default_name: &str, plot: &LinePlot) -> Result<(), Bench
         .svg
         .clone()
         .unwrap_or_else(|| cli.dir.join(default_name));
-    let io = |source| BenchError::Output {
-        path: path.clone(),
-        source,
+    let io = |source| match &cli.svg {
+        Some(_) => BenchError::OutputFlag {
+            flag: "--svg",
+            path: path.clone(),
+            source,
+        },
+        None => BenchError::Output {
+            path: path.clone(),
+            source,
+        },
     };
     if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent).map_err(io)?;
@@ -41,14 +92,17 @@ fn write_svg(cli: &Cli, default_name: &str, plot: &LinePlot) -> Result<(), Bench
 fn emit_json(cli: &Cli, value: &serde_json::Value) -> Result<bool, BenchError> {
     let text = serde_json::to_string_pretty(value)
         .map_err(|e| BenchError::Config(format!("cannot encode JSON: {e}")))?;
+    // Printed first: a file that cannot be written still leaves the
+    // results on stdout.
+    if cli.json {
+        println!("{text}");
+    }
     if let Some(path) = &cli.json_file {
-        std::fs::write(path, format!("{text}\n")).map_err(|source| BenchError::Output {
+        std::fs::write(path, format!("{text}\n")).map_err(|source| BenchError::OutputFlag {
+            flag: "--json-file",
             path: path.clone(),
             source,
         })?;
-    }
-    if cli.json {
-        println!("{text}");
     }
     Ok(cli.json)
 }
