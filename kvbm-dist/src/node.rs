@@ -77,8 +77,8 @@ pub struct NodeArgs {
 impl NodeArgs {
     /// A worker of `rank` in a world of `world` with G1 of `layout_json`,
     /// the defaults elsewhere (G1 allocated by the worker on its GPU if it
-    /// has one, no G3 directory, 2 memcpy threads, no fault delay, a 30 s
-    /// leader timeout).
+    /// has one, no G3 directory, 2 memcpy threads, no fault delay, a leader
+    /// timeout that outlasts the default leader handshake: 40 s).
     pub fn new(
         endpoint: impl Into<String>,
         instance: u64,
@@ -98,7 +98,9 @@ impl NodeArgs {
             threads: 2,
             #[cfg(feature = "fault-injection")]
             fault_delay: Duration::ZERO,
-            leader_timeout: Duration::from_secs(30),
+            leader_timeout: crate::leader::worker_leader_timeout(
+                crate::leader::DEFAULT_HANDSHAKE_TIMEOUT,
+            ),
             secret_file: None,
         }
     }

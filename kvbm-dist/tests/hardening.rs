@@ -18,7 +18,7 @@ use common::{
 };
 use kvbm_dist::DistError;
 use kvbm_dist::auth::{InstanceSecret, SECRET_ENV};
-use kvbm_dist::leader::PendingLeader;
+use kvbm_dist::leader::{PRIVATE_ENDPOINT, PendingLeader};
 use kvbm_dist::proto::{self, Message};
 use kvbm_pool::Tier;
 use kvbm_pool::tier::TierMover;
@@ -223,6 +223,40 @@ fn a_rank_lost_during_the_handshake_is_named_and_the_others_shut_down_cleanly() 
     assert!(is_empty(&g3), "G3 left behind in {}", g3.display());
 }
 
+fn a_late_rank_is_named_and_the_rank_in_time_is_not_blamed() {
+    let dir = tempfile::tempdir().unwrap();
+    let instance = 0xa7;
+    let mut config = leader_config(PRIVATE_ENDPOINT, instance, 2);
+    config.handshake_timeout = Duration::from_secs(3);
+    let wait = config.worker_leader_timeout();
+    assert!(wait > config.handshake_timeout);
+    let pending = PendingLeader::bind(config).unwrap();
+    let ep = pending.endpoint().to_owned();
+    let secret = pending.secret().clone();
+    // Rank 0 comes at once, with the leader timeout the leader gives its
+    // workers; rank 1 never does.
+    let mut workers = Reaper(vec![
+        WorkerSpec {
+            leader_timeout_ms: wait.as_millis() as u64,
+            ..spec(dir.path(), &ep, instance, 0, &secret)
+        }
+        .spawn(),
+    ]);
+    let e = pending.handshake().unwrap_err();
+    assert!(
+        matches!(&e, DistError::Timeout { phase: "hello", missing, .. } if *missing == [1]),
+        "only the late rank is named: {e}"
+    );
+    // Rank 0 was still waiting: the leader told it to shut down, and it
+    // did not report its leader gone.
+    let Some((status, _)) = exit_within(&mut workers.0[0], WAIT) else {
+        panic!("rank 0 hung: {}", stderr_of(&mut workers.0[0]));
+    };
+    let err = stderr_of(&mut workers.0[0]);
+    assert!(status.success(), "{status:?} {err}");
+    assert!(!err.contains("leader gone"), "{err}");
+}
+
 /// The leader of [`orphaned_workers_exit`], run in a child process of this
 /// test binary (it does nothing unless started that way).
 fn leader_process() {
@@ -305,7 +339,11 @@ fn a_worker_whose_leader_stalls_exits_within_a_few_heartbeats() {
 }
 
 /// Every test, by name.
-const TESTS: [(&str, fn()); 9] = [
+const TESTS: [(&str, fn()); 10] = [
+    (
+        "a_late_rank_is_named_and_the_rank_in_time_is_not_blamed",
+        a_late_rank_is_named_and_the_rank_in_time_is_not_blamed,
+    ),
     (
         "strangers_and_hijackers_are_refused_and_the_instance_stays_whole",
         strangers_and_hijackers_are_refused_and_the_instance_stays_whole,

@@ -229,6 +229,9 @@ pub fn start(
         g2_blocks as u64 * bpb,
         g3_blocks as u64 * bpb,
     );
+    // Workers wait for the leader longer than it waits for them: a rank
+    // that is late is then the one its error names.
+    let leader_timeout = config.worker_leader_timeout();
     let pending = PendingLeader::bind(config).map_err(dist_err)?;
     let args = (0..world)
         .map(|rank| {
@@ -242,8 +245,7 @@ pub fn start(
             args.g3_dir = Some(run_dir.path().join(format!("rank{rank}")));
             args.host_g1 = host_g1;
             args.threads = threads;
-            // Workers outlive a silent leader by this much at most.
-            args.leader_timeout = Duration::from_secs(10);
+            args.leader_timeout = leader_timeout;
             args
         })
         .collect();

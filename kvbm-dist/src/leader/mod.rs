@@ -104,7 +104,30 @@ pub struct LeaderConfig {
     pub verify: bool,
 }
 
+/// The leader's default handshake timeout (per phase: hello, ready).
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How much longer than the leader's handshake timeout a worker waits for
+/// its leader's first word: the leader answers the hellos only once every
+/// rank said hello, so a worker that gave up first would leave, and be
+/// blamed, for a rank that was late.
+pub const WORKER_WAIT_MARGIN: Duration = Duration::from_secs(10);
+
+/// The leader timeout for the workers of a leader whose handshake waits
+/// `handshake_timeout`: longer, so that when a rank is late the leader's
+/// error names that rank, and the ranks that came in time are told to
+/// shut down rather than give up on their own.
+pub fn worker_leader_timeout(handshake_timeout: Duration) -> Duration {
+    handshake_timeout.saturating_add(WORKER_WAIT_MARGIN)
+}
+
 impl LeaderConfig {
+    /// The leader timeout to give this leader's workers
+    /// ([`worker_leader_timeout`] of its handshake timeout).
+    pub fn worker_leader_timeout(&self) -> Duration {
+        worker_leader_timeout(self.handshake_timeout)
+    }
+
     /// A leader of `world_size` ranks on `endpoint` with the given budgets;
     /// 16-token blocks, a 30 s handshake timeout, 200 ms heartbeats, a 5 s
     /// heartbeat timeout and a 60 s transfer timeout.
@@ -123,7 +146,7 @@ impl LeaderConfig {
             g2_bytes,
             g3_bytes,
             block_size: 16,
-            handshake_timeout: Duration::from_secs(30),
+            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             heartbeat_interval: Duration::from_millis(200),
             heartbeat_timeout: Duration::from_secs(5),
             transfer_timeout: Duration::from_secs(60),

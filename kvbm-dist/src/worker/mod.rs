@@ -94,7 +94,8 @@ pub type G2Allocator = Box<dyn Fn(kvbm_layout::Layout) -> Result<PhysicalLayout>
 impl WorkerConfig {
     /// A worker of `rank` in a world of `world_size` of the instance whose
     /// secret is `secret`, with `g1`, the defaults elsewhere (no G3
-    /// directory, a CPU executor, no fault delay, a 30 s leader timeout).
+    /// directory, a CPU executor, no fault delay, a leader timeout that
+    /// outlasts the default leader handshake: 40 s).
     pub fn new(
         endpoint: impl Into<String>,
         instance: InstanceId,
@@ -114,7 +115,9 @@ impl WorkerConfig {
             executor: None,
             #[cfg(feature = "fault-injection")]
             fault_delay: Duration::ZERO,
-            leader_timeout: Duration::from_secs(30),
+            leader_timeout: crate::leader::worker_leader_timeout(
+                crate::leader::DEFAULT_HANDSHAKE_TIMEOUT,
+            ),
             probe: None,
             g2_allocator: None,
         }
