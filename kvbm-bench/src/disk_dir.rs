@@ -73,15 +73,7 @@ pub fn prepare(dir: &Path) -> Result<()> {
     }
 }
 
-/// True when process `pid` exists (even if it is not ours to signal).
-pub fn process_alive(pid: u32) -> bool {
-    let Ok(pid) = libc::pid_t::try_from(pid) else {
-        return false;
-    };
-    // SAFETY: signal 0 only checks that the process exists.
-    let rc = unsafe { libc::kill(pid, 0) };
-    rc == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
-}
+pub use kvbm_transfer::memory::process_alive;
 
 /// Removes the files of killed runs under `dir` (see the module docs) and
 /// returns them; says so in one log line when there were any.

@@ -39,6 +39,8 @@
 //! - [`leader`]: the handshake, the leader's event loop (broadcast,
 //!   acknowledgements, heartbeats, faults, rejoin) and the distributed
 //!   mover.
+//! - [`private_dir`]: the 0700 directory of a leader's IPC socket, and
+//!   the removal of those killed leaders left behind.
 //! - [`node`]: the worker process's entry point (the `kvbm-dist-node`
 //!   binary's `main`) and its arguments.
 //! - [`error`]: the crate's error type, [`DistError`].
@@ -49,6 +51,7 @@ pub mod error;
 pub mod leader;
 mod loan;
 pub mod node;
+pub mod private_dir;
 pub mod proto;
 pub mod transport;
 mod verify;

@@ -160,67 +160,7 @@ pub fn printable(text: &str) -> String {
     s
 }
 
-/// A directory only this user can enter (mode 0700), created under
-/// `$XDG_RUNTIME_DIR` (or the temp dir) and removed with everything in it
-/// when dropped: where a leader's IPC socket lives on one host.
-#[derive(Debug)]
-pub struct PrivateDir {
-    path: std::path::PathBuf,
-}
-
-impl PrivateDir {
-    /// Creates a new private directory.
-    pub fn create() -> Result<PrivateDir> {
-        use std::os::unix::fs::{DirBuilderExt, MetadataExt};
-        let base = std::env::var_os("XDG_RUNTIME_DIR")
-            .map(std::path::PathBuf::from)
-            .filter(|p| p.is_dir())
-            .unwrap_or_else(std::env::temp_dir);
-        let path = base.join(format!(
-            "kvbm-dist-{}-{:016x}",
-            std::process::id(),
-            crate::auth::random_u64()?
-        ));
-        std::fs::DirBuilder::new()
-            .mode(0o700)
-            .create(&path)
-            .map_err(|source| DistError::Io {
-                what: "create the private endpoint directory",
-                source,
-            })?;
-        let dir = PrivateDir { path };
-        let mode = std::fs::symlink_metadata(&dir.path)
-            .map_err(|source| DistError::Io {
-                what: "stat the private endpoint directory",
-                source,
-            })?
-            .mode();
-        if mode & 0o077 != 0 {
-            return Err(DistError::InvalidConfig(format!(
-                "{} has mode {:o}, not 0700",
-                dir.path.display(),
-                mode & 0o777
-            )));
-        }
-        Ok(dir)
-    }
-
-    /// The directory.
-    pub fn path(&self) -> &std::path::Path {
-        &self.path
-    }
-
-    /// The IPC endpoint of a leader socket inside it.
-    pub fn endpoint(&self) -> String {
-        format!("ipc://{}", self.path.join("leader.sock").display())
-    }
-}
-
-impl Drop for PrivateDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.path);
-    }
-}
+pub use crate::private_dir::PrivateDir;
 
 /// True for a TCP endpoint whose host is not a loopback address (frames to
 /// it cross a network).

@@ -22,7 +22,9 @@ use std::sync::Arc;
 pub use disk::{DISK_ALIGNMENT, DiskAllocator, DiskFile, DiskOptions, IoMode};
 pub use engine::{EngineKvCache, EngineTensor};
 pub use reserve::FsType;
-pub use stale::{FILE_EXTENSION, FILE_PREFIX, file_owner, remove_stale_files};
+pub use stale::{
+    FILE_EXTENSION, FILE_PREFIX, file_owner, process_alive, remove_stale_files, try_lock_exclusive,
+};
 pub use system::{HugePages, SystemAllocator, SystemBuffer};
 
 use crate::error::{Result, TransferError};

@@ -71,6 +71,25 @@ pub(crate) fn try_lock(file: &File) -> io::Result<bool> {
     }
 }
 
+/// Takes `file`'s exclusive `flock` without waiting: `Ok(false)` when
+/// another open file holds it. The lock lasts as long as `file` stays
+/// open and goes with the process however it ends, which is how kvbm
+/// tells what a live process uses from what a killed one left: its disk
+/// files, and any other marker locked the same way.
+pub fn try_lock_exclusive(file: &File) -> io::Result<bool> {
+    try_lock(file)
+}
+
+/// True when process `pid` exists (even if it is not ours to signal).
+pub fn process_alive(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: signal 0 only checks that the process exists.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
 /// A lock on a directory, released when dropped. `None` where the file
 /// system refuses locks on directories: files are still locked one by
 /// one, only the window between creating and locking one stays open.
