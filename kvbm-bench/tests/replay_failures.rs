@@ -79,6 +79,32 @@ fn failed_offloads_fail_the_replay_unless_allowed() {
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
 
+#[test]
+fn copy_failure_warnings_are_rate_limited() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_kvbm-bench"))
+        .args(TINY_REPLAY)
+        .args(["--no-svg", "--json", "--g3-enospc-after-writes", "20"])
+        .arg("--dir")
+        .arg(dir.path())
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("the kvbm-bench binary runs");
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    let failed = json(&o)["offload_failures"].as_u64().unwrap();
+    assert!(failed > 50, "too few failures to flood: {failed}");
+    let e = stderr(&o);
+    let warnings = e
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("failed"))
+        .count();
+    // One line per kind of failure, and another only every few seconds.
+    assert!(
+        (1..=6).contains(&warnings),
+        "{warnings} warnings for {failed} failed blocks:\n{e}"
+    );
+}
+
 fn library_replay(dir: &Path, faults: G3Faults) -> ReplayReport {
     let synth = SyntheticConfig {
         conversations: 40,

@@ -36,16 +36,16 @@
 //! A slot read with no recorded sum (never written while verify was on)
 //! fails the check. A slot whose copy failed loses its sum; an overwritten
 //! slot gets the new one. Mismatches are counted and logged at most once
-//! every [`WARN_EVERY`].
+//! every [`WARN_EVERY`](kvbm_pool::rate_limit::WARN_EVERY).
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
 
 use kvbm_pool::Tier;
+use kvbm_pool::rate_limit::RateLimit;
 use kvbm_transfer::checksum::BlockChecksum;
 use kvbm_transfer::{Completion, PhysicalLayout, TransferError, TransferFailure, TransferOutcome};
 use parking_lot::Mutex;
@@ -55,8 +55,6 @@ use crate::error::DistError;
 
 mod device;
 
-/// The shortest interval between two mismatch warnings.
-pub(crate) const WARN_EVERY: Duration = Duration::from_secs(5);
 /// Most threads one copy's hashing uses.
 const MAX_THREADS: usize = 8;
 /// Bytes below which another hashing thread is not worth its start.
@@ -78,9 +76,8 @@ pub(crate) struct Checksums {
     /// Sums G1 blocks on the GPU, when G1 is device memory.
     device: Option<DeviceSums>,
     mismatches: AtomicU64,
-    /// When the last warning was logged, and mismatches left unlogged
-    /// since.
-    warned: Mutex<(Option<Instant>, u64)>,
+    /// At most one mismatch warning every [`WARN_EVERY`](kvbm_pool::rate_limit::WARN_EVERY).
+    warned: RateLimit,
 }
 
 /// Whether `tier` keeps checksums.
@@ -404,17 +401,13 @@ impl Checksums {
         (Err(Box::new(failure)), mismatches as u32)
     }
 
-    /// Counts `mismatches` and warns, at most once every [`WARN_EVERY`].
+    /// Counts `mismatches` and warns, at most once every [`WARN_EVERY`](kvbm_pool::rate_limit::WARN_EVERY)
+    /// (`suppressed`: the warnings held back since the last one).
     fn report(&self, mismatches: u64, first: &DistError, failed: usize) {
         self.mismatches.fetch_add(mismatches, Ordering::Relaxed);
-        let mut warned = self.warned.lock();
-        let now = Instant::now();
-        if warned.0.is_some_and(|t| now.duration_since(t) < WARN_EVERY) {
-            warned.1 += failed as u64;
+        let Some(suppressed) = self.warned.check() else {
             return;
-        }
-        let suppressed = std::mem::take(&mut warned.1);
-        warned.0 = Some(now);
+        };
         tracing::warn!(
             failed,
             suppressed,

@@ -48,6 +48,7 @@ mod gate;
 pub mod metrics;
 pub mod policy;
 mod pool;
+pub mod rate_limit;
 mod registry;
 mod slab;
 pub mod slot;

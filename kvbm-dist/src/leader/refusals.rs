@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use crate::transport::{peer_name, printable};
 
 /// At most one warning per peer this often.
-pub const WARN_EVERY: Duration = Duration::from_secs(5);
+pub const WARN_EVERY: Duration = kvbm_pool::rate_limit::WARN_EVERY;
 /// Peers remembered individually; the rest share one allowance.
 const MAX_TRACKED: usize = 256;
 /// Refusals kept as text for a handshake's timeout error.

@@ -52,6 +52,7 @@ use crate::config::Tier;
 use crate::metrics::Path;
 use crate::policy::Evicted;
 use crate::pool::MutableBlock;
+use crate::rate_limit::{RateLimit, WARN_EVERY, held_back_note};
 
 /// One block waiting in a staging slot for its G3 write.
 pub(super) struct Write {
@@ -292,7 +293,11 @@ fn account(
             && let Err(f) = outcome
         {
             let cause = crate::metrics::FailureCause::of(&f.error);
-            tracing::warn!(?path, %cause, "G3 write failed: {f}");
+            static WARN: RateLimit = RateLimit::new(WARN_EVERY);
+            if let Some(held_back) = WARN.check() {
+                let more = held_back_note(held_back);
+                tracing::warn!(?path, %cause, "G3 write failed: {f}{more}");
+            }
             shared.metrics.copy_failed(path, cause, lost);
         }
     }

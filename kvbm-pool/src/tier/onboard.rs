@@ -36,6 +36,7 @@ use super::{G3Onboard, RequestId, Shared, TierError};
 use crate::config::Tier;
 use crate::metrics::{FailureCause, Path};
 use crate::pool::{ImmutableBlock, ImmutableBlocks, MutableBlock};
+use crate::rate_limit::{RateLimit, WARN_EVERY, held_back_note};
 
 /// Where onboarded blocks go.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -630,7 +631,11 @@ fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
                 }
             }
             shared.metrics.onboard_failed();
-            tracing::warn!(%request, "onboard failed: {e}");
+            static WARN: RateLimit = RateLimit::new(WARN_EVERY);
+            if let Some(held_back) = WARN.check() {
+                let more = held_back_note(held_back);
+                tracing::warn!(%request, "onboard failed: {e}{more}");
+            }
             Err(e)
         }
     };

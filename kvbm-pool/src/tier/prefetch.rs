@@ -35,6 +35,7 @@ use super::Shared;
 use super::matching::Segment;
 use crate::config::Tier;
 use crate::pool::ImmutableBlock;
+use crate::rate_limit::{RateLimit, WARN_EVERY, held_back_note};
 
 /// The staging area: slots `base..base + n` of G2's memory. G3 prefetch
 /// reads into it; G3 write-behind ([`super::behind`]) keeps blocks on their
@@ -224,8 +225,12 @@ impl Prefetch {
         let outcome = match outcome {
             Ok(_) => Ok(()),
             Err(failure) => {
-                if !self.cancel.is_cancelled() {
-                    tracing::warn!("G3 prefetch failed: {failure}");
+                static WARN: RateLimit = RateLimit::new(WARN_EVERY);
+                if !self.cancel.is_cancelled()
+                    && let Some(held_back) = WARN.check()
+                {
+                    let more = held_back_note(held_back);
+                    tracing::warn!("G3 prefetch failed: {failure}{more}");
                 }
                 Err(failure.error)
             }

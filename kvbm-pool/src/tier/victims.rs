@@ -21,6 +21,7 @@ use super::{Shared, TierPolicy, TierSlot};
 use crate::metrics::{FailureCause, Path, SkipReason};
 use crate::policy::Evicted;
 use crate::pool::MutableBlock;
+use crate::rate_limit::{RateLimit, WARN_EVERY, held_back_note};
 
 pub(super) fn admitted(
     shared: &Shared,
@@ -244,7 +245,11 @@ pub(super) fn landed_pairs(
         Ok(_) => (vec![true; pairs.len()], FailureCause::Other),
         Err(failure) => {
             let cause = FailureCause::of(&failure.error);
-            tracing::warn!(?path, %cause, "offload copy failed: {failure}");
+            static WARN: RateLimit = RateLimit::new(WARN_EVERY);
+            if let Some(held_back) = WARN.check() {
+                let more = held_back_note(held_back);
+                tracing::warn!(?path, %cause, "offload copy failed: {failure}{more}");
+            }
             let ok: HashSet<(usize, usize)> = failure.completed.iter().copied().collect();
             (pairs.iter().map(|p| ok.contains(p)).collect(), cause)
         }
