@@ -177,3 +177,34 @@ fn a_g3_larger_than_its_file_system_is_refused_at_start() {
         "a G3 file was left behind"
     );
 }
+
+#[test]
+fn a_disk_without_room_for_the_raw_read_reference_still_reports() {
+    // Room for the tiny replay's G3 (under 5 MiB), not for the 64 MiB
+    // scratch file of the raw read reference.
+    let fs = match SmallFs::ext2(16 << 20) {
+        Ok(fs) => fs,
+        Err(why) => {
+            eprintln!("skipping: {why}");
+            return;
+        }
+    };
+    let o = tiny_replay(&["--json"], fs.path());
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let r = json(&o);
+    assert!(r["verified_blocks"].as_u64().unwrap() > 0, "{r}");
+    let c = &r["onboard_cost"];
+    assert_eq!(c["raw_read_gbps"], 0.0, "{c}");
+    let why = c["raw_read_skipped"]
+        .as_str()
+        .expect("the reason it was skipped");
+    assert!(why.contains("no room for its scratch file"), "{why}");
+    // The table says it too.
+    let o = tiny_replay(&[], fs.path());
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("raw O_DIRECT read reference skipped: no room"),
+        "{out}"
+    );
+}

@@ -7,15 +7,20 @@
 //! stand for are counted the same way. The G3 onboard rate is over the
 //! onboards served from G3 alone (their G3 → G1 bytes over their times),
 //! against a raw sequential `O_DIRECT` read of a scratch file next to the
-//! G3 file in the same run (as large as G3, 64–256 MiB).
+//! G3 file in the same run (as large as G3, 64–256 MiB). The scratch file
+//! is reserved at start-up, right after G3, and kept until the end, so a
+//! disk without room for it says so before the replay, never after; when
+//! the reference cannot be measured the report says it was skipped, and
+//! why, and is printed all the same.
 
 use std::path::Path;
 
-use kvbm_transfer::memory::{DiskAllocator, DiskOptions};
+use kvbm_transfer::memory::{DiskAllocator, DiskFile, DiskOptions};
 use serde::Serialize;
 
 use super::super::error::Result;
 use super::super::matrix::reference_disk;
+use super::super::shutdown::Guard;
 use super::super::stats::percentile;
 use super::engine::RequestOutcome;
 
@@ -46,6 +51,10 @@ pub struct OnboardCost {
     pub raw_read_gbps: f64,
     /// `g3_gbps / raw_read_gbps`.
     pub g3_vs_raw: f64,
+    /// Why the raw read reference was not measured, when it was not (no
+    /// room for its scratch file, an I/O error); `None` when it was, or
+    /// when there was no G3 to compare.
+    pub raw_read_skipped: Option<String>,
 }
 
 /// One timed onboard.
@@ -110,29 +119,88 @@ pub fn summarise(samples: &[OnboardSample], raw_read_gbps: f64) -> OnboardCost {
         } else {
             0.0
         },
+        raw_read_skipped: None,
     }
 }
 
 /// Bounds of the scratch file the disk reference reads.
 const RAW_READ_BYTES: (u64, u64) = (64 << 20, 256 << 20);
 
-/// Writes a scratch file of `bytes` in `dir` (as much as G3 holds, within
-/// 64–256 MiB) with `O_DIRECT`, reads it back sequentially with
-/// `O_DIRECT` in large requests and removes it: the disk's sequential
-/// read rate, GB/s. The file is a kvbm disk file (named, locked and
-/// reserved like G3's), so one a killed run left behind is swept at the
-/// next start.
-pub fn raw_read_gbps(dir: &Path, bytes: u64) -> Result<f64> {
-    let bytes = bytes.clamp(RAW_READ_BYTES.0, RAW_READ_BYTES.1);
-    let scratch = DiskAllocator::new(dir, DiskOptions::default())?.allocate(bytes)?;
-    let path = scratch.path().to_path_buf();
-    // A run stopped by force still removes it.
-    let _guard = crate::shutdown::guard_path(&path);
-    let result =
-        reference_disk(&path, bytes, true).and_then(|_| reference_disk(&path, bytes, false));
-    // Dropping the file removes it.
-    drop(scratch);
-    result
+/// The disk reference: a scratch file in the G3 directory (as much as G3
+/// holds, within 64–256 MiB), reserved in full when made and removed when
+/// dropped, which [`measure`](Self::measure) writes and reads back
+/// sequentially with `O_DIRECT`. It is a kvbm disk file (named, locked
+/// and reserved like G3's), so one a killed run left behind is swept at
+/// the next start.
+pub struct RawReadReference {
+    file: std::sync::Arc<DiskFile>,
+    bytes: u64,
+    _guard: Guard,
+}
+
+impl RawReadReference {
+    /// Reserves the scratch file in `dir` for a G3 of `g3_bytes`.
+    pub fn reserve(dir: &Path, g3_bytes: u64) -> Result<Self> {
+        let bytes = g3_bytes.clamp(RAW_READ_BYTES.0, RAW_READ_BYTES.1);
+        let file = DiskAllocator::new(dir, DiskOptions::default())?.allocate(bytes)?;
+        // A run stopped by force still removes it.
+        let guard = crate::shutdown::guard_path(file.path());
+        Ok(Self {
+            file,
+            bytes,
+            _guard: guard,
+        })
+    }
+
+    /// The disk's sequential read rate, GB/s.
+    pub fn measure(&self) -> Result<f64> {
+        let path = self.file.path();
+        reference_disk(path, self.bytes, true).and_then(|_| reference_disk(path, self.bytes, false))
+    }
+}
+
+/// The raw read rate of the disk in `dir` for a G3 of `g3_bytes`, measured
+/// before and after a replay (the best counts), or why it was not.
+#[derive(Default)]
+pub struct RawRead {
+    reference: Option<RawReadReference>,
+    /// The best rate measured, GB/s (0 when none was).
+    pub gbps: f64,
+    /// Why it was not measured (or only once).
+    pub skipped: Option<String>,
+}
+
+impl RawRead {
+    /// Reserves the scratch file and measures once; a failure is kept as
+    /// the reason the reference was skipped.
+    pub fn start(dir: &Path, g3_bytes: u64) -> Self {
+        let mut raw = RawRead::default();
+        match RawReadReference::reserve(dir, g3_bytes) {
+            Ok(r) => {
+                raw.reference = Some(r);
+                raw.measure();
+            }
+            Err(e) => raw.skipped = Some(format!("no room for its scratch file: {e}")),
+        }
+        raw
+    }
+
+    /// Measures again (after the replay), then removes the scratch file.
+    pub fn finish(&mut self) {
+        self.measure();
+        self.reference = None;
+    }
+
+    fn measure(&mut self) {
+        let Some(r) = &self.reference else { return };
+        match r.measure() {
+            Ok(gbps) => self.gbps = self.gbps.max(gbps),
+            Err(e) => {
+                self.skipped = Some(format!("reading its scratch file failed: {e}"));
+                self.reference = None;
+            }
+        }
+    }
 }
 
 #[cfg(test)]

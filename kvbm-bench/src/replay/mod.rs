@@ -562,11 +562,12 @@ pub fn run_replay(
         _g3_guard = Some(crate::shutdown::guard_path(file.path()));
     }
     let mut driver = EngineDriver::new(engine, g1, cfg.block_tokens);
-    // The disk's own rate, same run (before and after: the best counts).
-    let raw_before = if caps[2] > 0 && cfg.workers == 0 {
-        latency::raw_read_gbps(&cfg.disk_dir, caps[2] as u64 * block_bytes)?
+    // The disk's own rate, same run (before and after: the best counts);
+    // its scratch file is reserved now, beside G3, and kept to the end.
+    let mut raw = if caps[2] > 0 && cfg.workers == 0 {
+        latency::RawRead::start(&cfg.disk_dir, caps[2] as u64 * block_bytes)
     } else {
-        0.0
+        latency::RawRead::default()
     };
     let mut samples = Vec::new();
     let mut declined = 0u64;
@@ -601,12 +602,11 @@ pub fn run_replay(
         progress(i + 1, requests.len());
     }
     let wall_s = start.elapsed().as_secs_f64();
-    let raw_after = if raw_before > 0.0 {
-        latency::raw_read_gbps(&cfg.disk_dir, caps[2] as u64 * block_bytes)?
-    } else {
-        0.0
+    raw.finish();
+    let onboard_cost = latency::OnboardCost {
+        raw_read_skipped: raw.skipped.take(),
+        ..latency::summarise(&samples, raw.gbps)
     };
-    let onboard_cost = latency::summarise(&samples, raw_before.max(raw_after));
     let sim_reuse = reuse_stats(requests, cfg.block_tokens, caps);
 
     let sim_lru_tiers = lru_tiers_stats(requests, cfg.block_tokens, caps);

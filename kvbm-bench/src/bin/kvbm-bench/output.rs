@@ -340,6 +340,9 @@ pub fn replay(cli: &Cli, r: &ReplayReport) -> Result<(), BenchError> {
             c.g3_vs_raw
         );
     }
+    if let Some(why) = &c.raw_read_skipped {
+        println!("  raw O_DIRECT read reference skipped: {why}");
+    }
     if r.decline_slow_loads {
         println!(
             "  blocks the engine's cost model left to recompute (slower to load): {}",
