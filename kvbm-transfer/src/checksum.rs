@@ -55,17 +55,8 @@ fn word(b: &[u8]) -> u64 {
 pub fn chunk_terms(chunk: u32, bytes: &[u8]) -> u64 {
     let quads = bytes.len() / 32 * 32;
     let whole = bytes.len() / 8 * 8;
-    let mut k = key(chunk, 0);
-    // Four independent lanes, which the compiler keeps in vector registers.
-    let mut acc = [0u64; 4];
-    for q in bytes[..quads].chunks_exact(32) {
-        for (lane, a) in acc.iter_mut().enumerate() {
-            let kl = k.wrapping_add(KEY_MUL.wrapping_mul(lane as u64));
-            *a = a.wrapping_add(term(word(&q[lane * 8..]), kl));
-        }
-        k = k.wrapping_add(KEY_MUL.wrapping_mul(4));
-    }
-    let mut sum = acc.iter().fold(0u64, |s, a| s.wrapping_add(*a));
+    let k = key(chunk, 0);
+    let (mut sum, mut k) = quad_terms(k, &bytes[..quads]);
     for w in bytes[quads..whole].chunks_exact(8) {
         sum = sum.wrapping_add(term(word(w), k));
         k = k.wrapping_add(KEY_MUL);
@@ -77,6 +68,64 @@ pub fn chunk_terms(chunk: u32, bytes: &[u8]) -> u64 {
         sum = sum.wrapping_add(term(u64::from_le_bytes(last), k));
     }
     sum
+}
+
+/// The terms of `quads` (a multiple of 32 bytes) whose first word has key
+/// `k`, and the key of the word after them: with AVX2 where the CPU has
+/// it, else four scalar lanes.
+fn quad_terms(k: u64, quads: &[u8]) -> (u64, u64) {
+    let next = k.wrapping_add(KEY_MUL.wrapping_mul((quads.len() / 8) as u64));
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        return (unsafe { avx2::quad_terms(k, quads) }, next);
+    }
+    let mut k = k;
+    let mut acc = [0u64; 4];
+    for q in quads.chunks_exact(32) {
+        for (lane, a) in acc.iter_mut().enumerate() {
+            let kl = k.wrapping_add(KEY_MUL.wrapping_mul(lane as u64));
+            *a = a.wrapping_add(term(word(&q[lane * 8..]), kl));
+        }
+        k = k.wrapping_add(KEY_MUL.wrapping_mul(4));
+    }
+    (acc.iter().fold(0u64, |s, a| s.wrapping_add(*a)), next)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::KEY_MUL;
+
+    /// The terms of `quads` (a multiple of 32 bytes, four words a load)
+    /// whose first word has key `k`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn quad_terms(k: u64, quads: &[u8]) -> u64 {
+        let lane = |i: u64| k.wrapping_add(KEY_MUL.wrapping_mul(i)) as i64;
+        let step = KEY_MUL.wrapping_mul(4) as i64;
+        let mut keys = _mm256_set_epi64x(lane(3), lane(2), lane(1), lane(0));
+        let step = _mm256_set1_epi64x(step);
+        let mut acc = _mm256_setzero_si256();
+        for q in quads.chunks_exact(32) {
+            // SAFETY: `q` holds 32 bytes; the load takes no alignment.
+            let w = unsafe { _mm256_loadu_si256(q.as_ptr().cast::<__m256i>()) };
+            let x = _mm256_xor_si256(w, keys);
+            // lo32(x) * hi32(x) in each 64-bit lane.
+            let product = _mm256_mul_epu32(x, _mm256_srli_epi64::<32>(x));
+            // The word with its halves swapped.
+            let swapped = _mm256_shuffle_epi32::<0b10_11_00_01>(w);
+            acc = _mm256_add_epi64(acc, _mm256_add_epi64(product, swapped));
+            keys = _mm256_add_epi64(keys, step);
+        }
+        let mut lanes = [0u64; 4];
+        // SAFETY: `lanes` holds 32 bytes; the store takes no alignment.
+        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast::<__m256i>(), acc) };
+        lanes.iter().fold(0u64, |s, a| s.wrapping_add(*a))
+    }
 }
 
 /// The checksum of a block whose terms add up to `terms` and whose chunks
