@@ -150,23 +150,6 @@ fn strangers_cannot_forge_log_lines_nor_flood_the_log() {
     );
 }
 
-/// `text` as a JSON string literal.
-fn json_string(text: &str) -> String {
-    let mut out = String::from("\"");
-    for c in text.chars() {
-        match c {
-            '"' | '\\' => {
-                out.push('\\');
-                out.push(c);
-            }
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
-}
-
 /// A rank-0 hello of `instance` in a world of one whose layout names an
 /// unknown kind: [`FORGED`] (the decoder's error quotes it).
 fn hello_with_forged_layout(instance: u64) -> Vec<u8> {
@@ -180,7 +163,10 @@ fn hello_with_forged_layout(instance: u64) -> Vec<u8> {
         Some((_, rest)) => rest.split_once(",\"strides\"").unwrap().0.to_owned(),
         None => panic!("no kind in {json}"),
     };
-    let forged = json.replace(&kind, &json_string(&String::from_utf8_lossy(FORGED)));
+    let forged = json.replace(
+        &kind,
+        &serde_json::to_string(&String::from_utf8_lossy(FORGED)).unwrap(),
+    );
     // Header and the five numbers, then the descriptor's length and JSON,
     // then the MAC.
     let fields = HEADER_BYTES + 8 + 4 + 4 + 8 + 8;

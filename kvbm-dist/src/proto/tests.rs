@@ -456,23 +456,6 @@ fn hello_with_layout_json(json: &str) -> Vec<u8> {
     out
 }
 
-/// `s` as a JSON string literal.
-fn json_string(s: &str) -> String {
-    let mut out = String::from("\"");
-    for c in s.chars() {
-        match c {
-            '"' | '\\' => {
-                out.push('\\');
-                out.push(c);
-            }
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
-}
-
 #[test]
 fn a_layout_quoting_control_characters_is_refused_escaped() {
     let good = Layout::new(
@@ -485,7 +468,7 @@ fn a_layout_quoting_control_characters_is_refused_escaped() {
     assert!(decode(&hello_with_layout_json(&good)).is_ok());
     // An unknown layout kind whose name is the hostile text: the JSON
     // decoder's message quotes it.
-    let variant = json_string(HOSTILE);
+    let variant = serde_json::to_string(HOSTILE).unwrap();
     let evil = good.replace("\"FullyContiguous\"", &variant);
     assert_ne!(evil, good);
     let e = decode(&hello_with_layout_json(&evil))
