@@ -296,3 +296,36 @@ def test_g2_turning_first_time_blocks_down_is_explained_once(harness):
         # Blocks seen once are held back, and the log says why, once.
         assert refused > 0, dict(h.kvbm.stats())
         assert len(said) == 1 and "admission=all admits every block" in said[0], said
+
+
+#: A G2 of nine of the harness's 16 KiB blocks, and five 4-block prompts.
+NINE_BLOCK_G2 = {"cpu_cache_gb": 9.5 * 16384 / 2**30, "offload_in_flight": 1}
+FIVE_PROMPTS = [[10 + p] * (4 * BLOCK) + [5] for p in range(5)]
+
+
+@pytest.mark.parametrize("newest_first", [False, True])
+@pytest.mark.parametrize("hint_s", [None, 30])
+def test_what_a_hint_every_request_carries_costs(tmp_path, hint_s, newest_first):
+    # The table in docs/vllm.md ("A hint can cost hits"): hinted alike, G2
+    # keeps the first requests' blocks; unhinted, the most recent ones.
+    h = build(tmp_path, dict(NINE_BLOCK_G2))
+    try:
+        loaded = 0
+        for rnd in range(2):
+            order = list(enumerate(FIVE_PROMPTS))
+            if rnd == 1 and newest_first:
+                order.reverse()
+            before = h.kvbm.stats()["g2_to_g1_blocks"]
+            for i, prompt in order:
+                r = h.new_request(f"r{rnd}-{i}", prompt, 1)
+                if hint_s is not None:
+                    r.kv_transfer_params = {"kvbm_retention": {"returns_within_s": hint_s}}
+                h.sched.add_request(r)
+                offloaded(h, r.request_id)
+            loaded = h.kvbm.stats()["g2_to_g1_blocks"] - before
+            if rnd == 0:
+                assert loaded == 0 and h.sched.reset_prefix_cache()
+    finally:
+        h.close()
+    want = {(None, False): 0, (None, True): 9, (30, False): 7, (30, True): 7}
+    assert loaded == want[(hint_s, newest_first)], (hint_s, newest_first, loaded)
