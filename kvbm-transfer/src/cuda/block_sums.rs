@@ -48,12 +48,14 @@ struct Scratch {
 }
 
 /// The chunks of some blocks of a device layout, ready to be summed: one
-/// entry per chunk, in layer, K/V order within each block.
+/// entry per chunk, in layer, K/V order within each block. It holds the
+/// layout, and so its memory, alive.
 #[derive(Debug, Clone)]
 pub struct ChunkTable {
     chunks: Vec<SumChunk>,
     blocks: usize,
     block_bytes: u64,
+    _memory: PhysicalLayout,
 }
 
 /// Sums blocks of device memory on one GPU; one call at a time.
@@ -151,17 +153,18 @@ impl DeviceChecksums {
             chunks,
             blocks: blocks.len(),
             block_bytes: c.block_bytes(),
+            _memory: layout.clone(),
         })
     }
 
     /// The checksums of the blocks of `table`, in order. Waits for the GPU.
-    /// The blocks must not be written while this runs, and the memory the
-    /// table was made from must still be allocated.
+    /// The blocks must not be written while this runs.
     pub fn sums(&self, table: &ChunkTable) -> CudaResult<Vec<u64>> {
         let ChunkTable {
             chunks: table,
             blocks,
             block_bytes,
+            ..
         } = table;
         if *blocks == 0 {
             return Ok(Vec::new());
@@ -213,9 +216,10 @@ impl DeviceChecksums {
             .div_ceil(THREADS / 32)
             .clamp(1, self.device.sm_count().max(1) * CTAS_PER_SM);
         // SAFETY: `params` matches the kernel's signature (pointer, u32,
-        // pointer) and lives across the call; every chunk address was
-        // checked to lie in this device's memory of `layout`, which the
-        // caller keeps alive and unwritten until the synchronize below.
+        // pointer) and lives across the call; every chunk address lies in
+        // this device's memory of the table's layout (checked when the
+        // table was made), which the table keeps allocated until the
+        // synchronize below; the kernel only reads it.
         check("cuLaunchKernel", unsafe {
             sys::cuLaunchKernel(
                 self.func,
