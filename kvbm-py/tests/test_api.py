@@ -135,9 +135,11 @@ def test_a_g2_that_cannot_be_allocated_fails_start_up(tmp_path):
     endpoint = f"ipc://{tmp_path}/leader.sock"
     secret = tmp_path / "instance.secret"
     ranks = [Rank(endpoint, r, tmp_path / f"g3-{r}", secret) for r in range(2)]
+    # The most blocks a tier indexes (2^32 - 1), 64 TiB per rank: more
+    # than this machine can map.
     with pytest.raises(RuntimeError) as err:
         kvbm_py.Scheduler(endpoint, 2, BLOCK, secret_file=str(secret),
-                          g2_bytes=1 << 62, handshake_timeout_s=30)
+                          g2_bytes=((1 << 32) - 1) * RANK_BLOCK_BYTES * 2, handshake_timeout_s=30)
     assert "G2" in str(err.value) or "alloc" in str(err.value).lower(), err.value
     for r in ranks:
         assert r.worker.join(30.0), "a worker did not stop"
