@@ -210,10 +210,13 @@ def test_the_metrics_exporter_listens_on_this_host_unless_told():
 
 
 def test_connector_log_lines_appear_where_vllms_do():
-    # vLLM configures its `vllm` logger (handler on stdout, INFO); the
-    # connector's INFO lines must come out through it without any set-up.
+    # vLLM configures its `vllm` logger (handler on stdout, INFO) as an
+    # engine starts, as below; the connector's INFO lines must come out
+    # through it without any set-up of their own.
     code = (
-        "import vllm.logger\n"
+        "from vllm.config.logging import LoggingConfig\n"
+        "from vllm.logger import configure_logging_if_needed\n"
+        "configure_logging_if_needed(LoggingConfig())\n"
         "from kvbm_py.vllm.common import log\n"
         "log.info('kvbm: caches ready (test line)')\n"
         "log.debug('kvbm: not at INFO')\n"
