@@ -51,6 +51,7 @@ pub mod error;
 pub mod leader;
 mod loan;
 pub mod node;
+pub mod paged;
 pub mod private_dir;
 pub mod proto;
 pub mod transport;

@@ -45,6 +45,7 @@ mod core;
 mod error;
 mod events;
 mod gate;
+pub mod ledger;
 pub mod metrics;
 pub mod policy;
 mod pool;

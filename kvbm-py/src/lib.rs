@@ -2,7 +2,7 @@
 //!
 //! Python bindings of kvbm, imported as `kvbm_py` (the native part is
 //! `kvbm_py._kvbm`; the name keeps clear of other packages called
-//! `kvbm`). Two objects, thin over the Rust types:
+//! `kvbm`). Objects thin over the Rust types:
 //!
 //! - [`Scheduler`](scheduler::Scheduler), in the engine's scheduler
 //!   process: a kvbm-dist leader and a kvbm-pool tier engine over the
@@ -11,14 +11,20 @@
 //!   tensor-parallel rank): the engine's KV tensors as kvbm's G1, G2 in
 //!   host memory and G3 on disk, executing the leader's copies.
 //!
-//! The vLLM KV connector (`kvbm_py.vllm.KvbmConnector`) is Python code in
-//! the package, built on these two.
+//! - [`OffloadBooks`](offload::OffloadBooks) and
+//!   [`PageWorker`](offload::PageWorker): kvbm as the backend of vLLM's
+//!   offloading connector, the books in the scheduler and the copies in
+//!   each rank.
 //!
-//! Module map: [`scheduler`], [`worker`], [`tensors`] (engine tensors as a
+//! The vLLM integration (`kvbm_py.vllm`) is Python code in the package,
+//! built on these.
+//!
+//! Module map: [`scheduler`], [`worker`], [`offload`], [`tensors`] (engine tensors as a
 //! kvbm layout), [`prom`] (the Prometheus exporter), [`secret`] (the instance secret both sides share),
 //! [`error`].
 
 pub mod error;
+pub mod offload;
 pub mod prom;
 pub mod scheduler;
 pub mod secret;
@@ -66,6 +72,8 @@ fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::Scheduler>()?;
     m.add_class::<scheduler::Match>()?;
     m.add_class::<worker::Worker>()?;
+    m.add_class::<offload::OffloadBooks>()?;
+    m.add_class::<offload::PageWorker>()?;
     m.add_function(wrap_pyfunction!(sequence_hash, m)?)?;
     m.add_function(wrap_pyfunction!(prom::start_metrics_server, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

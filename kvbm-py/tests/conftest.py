@@ -25,6 +25,15 @@ def tiny_model(tmp_path_factory) -> str:
     return str(out)
 
 
+@pytest.fixture(scope="session")
+def tiny_hybrid_model(tmp_path_factory) -> str:
+    """A tiny random Gemma-3-style model (sliding window + full attention:
+    two KV cache groups), written once per pytest run."""
+    out = tmp_path_factory.mktemp("tiny-hybrid")
+    subprocess.run([sys.executable, str(HERE / "tiny_model.py"), str(out), "hybrid"], check=True)
+    return str(out)
+
+
 def engine_env(tmp_path: Path) -> dict:
     """The environment of an engine subprocess: offline, in-process engine
     core, 1 GiB of CPU KV cache, kvbm's sockets and files under tmp_path."""

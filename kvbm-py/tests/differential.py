@@ -13,7 +13,9 @@ Prints one JSON line per run: per case, the outputs of each round
 counters.
 usage: python differential.py MODEL_DIR RUNS_JSON
 where RUNS_JSON is a list of {"name", "extra" (object or null), "engine"
-(vLLM engine arguments), "seeds", "max_tokens" (optional: the most a
+(vLLM engine arguments), "seeds", "connector" (optional: kvbm's connector
+by name, KvbmConnector by default), "model_dir" (optional: another model
+than MODEL_DIR), "max_tokens" (optional: the most a
 case's prompts generate) and "corrupt_g3" (optional: damage every G3 block
 between the rounds)}; a negative seed -N is the reported
 failure with N prompts sharing a prefix (fuzz_workload.repro_case).
@@ -39,15 +41,16 @@ def case_of(seed: int, max_tokens: int) -> Case:
     return repro_case(-seed) if seed < 0 else make_case(seed, max_tokens)
 
 
-def build_engine(model_dir: str, extra: dict | None, engine_args: dict):
+def build_engine(model_dir: str, extra: dict | None, engine_args: dict, connector: str = "KvbmConnector"):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     kv = None
     if extra is not None:
+        module = "kvbm_py.vllm" if connector == "KvbmConnector" else "kvbm_py.vllm.offload"
         kv = KVTransferConfig(
-            kv_connector="KvbmConnector",
-            kv_connector_module_path="kvbm_py.vllm",
+            kv_connector=connector,
+            kv_connector_module_path=module,
             kv_role="kv_both",
             kv_connector_extra_config=extra,
             kv_load_failure_policy="recompute",
@@ -103,10 +106,29 @@ def run_waves(llm, case: Case, tag: str) -> tuple[dict[int, list[int]], list[int
                     outputs[prompt_of[out.request_id]] = list(out.outputs[0].token_ids)
             step += 1
             if step > MAX_STEPS:
-                raise SystemExit(f"seed {case.seed}: wave {w} still running after {MAX_STEPS} steps")
+                raise SystemExit(
+                    f"seed {case.seed}: wave {w} still running after {MAX_STEPS} steps: {stuck(llm)}"
+                )
     for p in aborted:
         outputs.pop(p, None)
     return outputs, aborted
+
+
+def stuck(llm) -> str:
+    """The engine's unfinished requests: id, status, tokens computed of
+    all, and the free blocks (what a stuck run reports)."""
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    reqs = [*sched.running, *sched.waiting]
+    free = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    shown = ", ".join(f"{r.request_id} {r.status.name} {r.num_computed_tokens}/{r.num_tokens}" for r in reqs)
+    holders: dict[str, list[int]] = {}
+    for m in sched.kv_cache_manager.coordinator.single_type_managers:
+        for rid, blocks in m.req_to_blocks.items():
+            held = [b.block_id for b in blocks if b.block_id]
+            if held:
+                holders.setdefault(rid, []).extend(held)
+    states = {rid: sched.requests[rid].status.name if rid in sched.requests else "gone" for rid in holders}
+    return f"{shown}; {free} free blocks; holding blocks: {holders} in states {states}"
 
 
 def drop_prefix_cache(llm, reset_connector: bool = False) -> None:
@@ -120,9 +142,60 @@ def drop_prefix_cache(llm, reset_connector: bool = False) -> None:
     raise SystemExit("reset_prefix_cache kept refusing")
 
 
-def scheduler_side(llm):
+class ConnectorSide:
+    """kvbm's scheduler side inside the in-process engine core: its
+    counters, and a flush that lets every queued copy land."""
+
+    def __init__(self, llm):
+        self.kvbm = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler.kvbm
+
+    def stats(self) -> dict:
+        return dict(self.kvbm.stats())
+
+    def flush(self) -> None:
+        self.kvbm.flush()
+
+
+class OffloadSide:
+    """The same for kvbm behind vLLM's offloading connector: the manager's
+    counters (loads per KV cache group), the worker's failed blocks when
+    it runs in this process, and a flush that steps the engine until no
+    store is in flight."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        core = llm.llm_engine.engine_core.engine_core
+        self.manager = core.scheduler.connector.connector_scheduler.manager
+        self.groups = len(core.scheduler.kv_cache_config.kv_cache_groups)
+
+    def _worker(self):
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if not has_kv_transfer_group():
+            return None
+        conn = get_kv_transfer_group()
+        return getattr(getattr(conn, "connector_worker", None), "worker", None)
+
+    def stats(self) -> dict:
+        m = self.manager.stats
+        out = {"g1_to_g2_blocks": m["stored"], "g2_to_g1_blocks": m["loaded"], "groups": self.groups}
+        out.update({f"loaded_group_{g}": n for g, n in m["loaded_per_group"].items()})
+        w = self._worker()
+        if w is not None:
+            out["verify_mismatches"] = w.failed_blocks
+        return out
+
+    def flush(self) -> None:
+        for _ in range(200):
+            if self.manager.books.counts()["writing"] == 0:
+                return
+            self.llm.generate([{"prompt_token_ids": [1]}], greedy(1), use_tqdm=False)
+        raise SystemExit(f"stores still in flight after 200 steps: {self.manager.books.counts()} {self.manager.stats}")
+
+
+def scheduler_side(llm, connector: str = "KvbmConnector"):
     """kvbm's scheduler side inside the in-process engine core."""
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
+    return ConnectorSide(llm) if connector == "KvbmConnector" else OffloadSide(llm)
 
 
 def reference(llm, seeds: list[int], max_tokens: int) -> dict:
@@ -156,10 +229,12 @@ def corrupt_files(directory: str) -> int:
     return flipped
 
 
-def with_kvbm(llm, seeds: list[int], max_tokens: int, corrupt_g3: str | None = None) -> dict:
+def with_kvbm(
+    llm, seeds: list[int], max_tokens: int, corrupt_g3: str | None = None, connector: str = "KvbmConnector"
+) -> dict:
     """Runs each case twice (see the module doc); with `corrupt_g3` (the G3
     directory), G3's bytes are damaged between the rounds."""
-    side = scheduler_side(llm)
+    side = scheduler_side(llm, connector)
     # Count vLLM's preemptions, so a test can tell that it provoked some.
     sched = llm.llm_engine.engine_core.engine_core.scheduler
     preempted: list[str] = []
@@ -174,17 +249,20 @@ def with_kvbm(llm, seeds: list[int], max_tokens: int, corrupt_g3: str | None = N
     for seed in seeds:
         preempted.clear()
         case = case_of(seed, max_tokens)
-        before = dict(side.kvbm.stats())
+        before = side.stats()
         first, aborted = run_waves(llm, case, "r1")
         drop_prefix_cache(llm)
         # Let kvbm's background copies (G2 victims on their way to G3) land,
         # so what round 2 finds does not depend on timing.
-        side.kvbm.flush()
+        side.flush()
         if corrupt_g3 is not None and not corrupt_files(corrupt_g3):
             raise SystemExit(f"no G3 file to corrupt under {corrupt_g3}")
         second, aborted2 = run_waves(llm, case, "r2")
-        after = dict(side.kvbm.stats())
+        after = side.stats()
         moved = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int)}
+        if isinstance(side, OffloadSide):
+            moved["groups"] = side.groups
+            moved["hybrid_manager"] = not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
         out[str(seed)] = {
             "first": {str(k): v for k, v in first.items()},
             "second": {str(k): v for k, v in second.items()},
@@ -211,13 +289,14 @@ def shut_down(llm) -> None:
 def main() -> int:
     model_dir, runs = sys.argv[1], json.loads(sys.argv[2])
     for run in runs:
-        llm = build_engine(model_dir, run["extra"], run["engine"])
+        connector = run.get("connector", "KvbmConnector")
+        llm = build_engine(run.get("model_dir", model_dir), run["extra"], run["engine"], connector)
         seeds, max_tokens = run["seeds"], run.get("max_tokens", MAX_TOKENS)
         if run["extra"] is None:
             result = reference(llm, seeds, max_tokens)
         else:
             corrupt = run["extra"]["disk_cache_dir"] if run.get("corrupt_g3") else None
-            result = with_kvbm(llm, seeds, max_tokens, corrupt)
+            result = with_kvbm(llm, seeds, max_tokens, corrupt, connector)
         print("KVBM_RESULT " + json.dumps({"name": run["name"], "cases": result}), flush=True)
         shut_down(llm)
     return 0

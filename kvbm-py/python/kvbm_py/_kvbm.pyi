@@ -197,3 +197,82 @@ class Worker:
         """Why the worker stopped, if on an error."""
     def join(self, timeout_s: float = 10.0) -> bool:
         """Waits for the worker to stop; ``True`` if it stopped."""
+
+class OffloadBooks:
+    """The scheduler's books of the host tier behind vLLM's offloading
+    connector: which (block, KV cache group) key each of ``slots`` slots
+    holds, ranked and admitted by ``admission`` (``"all"``,
+    ``"reuse_score"`` or ``"min_uses:N"``). Keys are vLLM's offload keys
+    (block hash, then the group as 4 big-endian bytes). A slot handed out
+    by :meth:`reserve` is loadable only after :meth:`commit`, and a pinned
+    block is not evicted until :meth:`unpin`."""
+
+    def __init__(self, slots: int, admission: str = "reuse_score") -> None: ...
+    @property
+    def slots(self) -> int:
+        """Slots in the tier."""
+    @staticmethod
+    def key(key: bytes) -> int:
+        """kvbm's 64-bit key of an offload key."""
+    def lookup(self, key: bytes) -> int:
+        """``0`` not held, ``1`` store in flight, ``2`` loadable."""
+    def record_request(self, keys: Sequence[bytes]) -> None:
+        """Records a request's keys (prefix order) for the reuse ranking."""
+    def reserve(self, keys: Sequence[bytes], chained: bool = True) -> tuple[list[tuple[int, int]], list[int], int, int]:
+        """``(index into keys, slot)`` per key to write, the kvbm keys
+        evicted for them, and how many were refused by admission or left
+        out while every slot was busy."""
+    def commit(self, keys: Sequence[bytes], ok: bool) -> None:
+        """Confirms (``ok``) or abandons the stores of ``keys``."""
+    def pin(self, keys: Sequence[bytes]) -> list[int]:
+        """Pins ``keys`` for one load and returns their slots;
+        ``ValueError`` if any is not loadable."""
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        """Ends one load of each of ``keys``."""
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Marks ``keys`` as just used."""
+    def reset(self) -> int:
+        """Drops every block no load or store uses; returns how many."""
+    def clear(self) -> int:
+        """Forgets every store and load in flight and drops every block."""
+    def doom(self, keys: Sequence[bytes]) -> None:
+        """Marks ``keys`` as damaged: never loaded again."""
+    def counts(self) -> dict[str, int]:
+        """``{"ready", "writing", "reading"}`` slot counts."""
+    def take_events(self) -> list[tuple[bool, int]]:
+        """``(stored, kvbm key)`` since the last call."""
+
+class PageWorker:
+    """One rank's host tier behind vLLM's offloading connector: the
+    engine's page tensors per KV cache group (``groups``: per group the
+    page address of each layer, the page bytes and the block stride;
+    ``num_blocks`` blocks behind each address, kept alive by
+    ``keepalive``) and ``slots`` host slots of ``slot_bytes`` (pinned near
+    the CUDA device ``device``, system memory when ``None``). With
+    ``verify`` every stored slot's checksum is recorded and checked after
+    each load of it."""
+
+    def __init__(
+        self,
+        groups: Sequence[tuple[Sequence[int], int, int]],
+        num_blocks: int,
+        slots: int,
+        slot_bytes: int,
+        keepalive: Any,
+        device: int | None = None,
+        verify: bool = False,
+    ) -> None: ...
+    @property
+    def slots(self) -> int:
+        """Slots in the tier."""
+    def store(self, job: int, copies: Sequence[tuple[int, int, int]]) -> None:
+        """Starts copying ``(group, engine block, slot)`` pages into slots."""
+    def load(self, job: int, copies: Sequence[tuple[int, int, int]]) -> None:
+        """Starts copying slots into ``(group, engine block, slot)`` pages."""
+    def finished(self) -> list[tuple[int, bool, int, float, list[tuple[int, int]], str | None]]:
+        """Jobs ended since the last call: ``(job, ok, bytes, seconds,
+        failed (group, block) pairs, error)``."""
+    def wait(self, jobs: Sequence[int]) -> None:
+        """Waits until none of ``jobs`` is in flight."""
+    def corrupt_slot(self, slot: int) -> None:
+        """Test hook (feature ``test-hooks``): changes every byte of ``slot``."""

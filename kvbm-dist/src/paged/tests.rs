@@ -1,0 +1,160 @@
+//! Round trips through the slots on host pages, with the groups of a
+//! hybrid model: every byte that comes back is the byte that went out,
+//! and a slot changed at rest is never served in verify mode.
+
+use std::sync::Arc;
+
+use super::*;
+
+/// Host "engine" tensors: per group, one buffer per layer of
+/// `blocks * stride` bytes, filled with a pattern unique to each byte.
+struct Engine {
+    buffers: Vec<Vec<Vec<u8>>>,
+    groups: Vec<PageGroup>,
+}
+
+fn engine(shapes: &[(usize, u64, u64)], blocks: usize) -> Engine {
+    let mut buffers = Vec::new();
+    let mut groups = Vec::new();
+    for (g, &(layers, page, stride)) in shapes.iter().enumerate() {
+        let bufs: Vec<Vec<u8>> = (0..layers)
+            .map(|l| {
+                (0..blocks as u64 * stride)
+                    .map(|i| (i.wrapping_mul(31) ^ (l as u64 * 7) ^ (g as u64 * 101)) as u8)
+                    .collect()
+            })
+            .collect();
+        groups.push(PageGroup {
+            layers: bufs.iter().map(|b| b.as_ptr() as u64).collect(),
+            page_bytes: page,
+            block_stride: stride,
+        });
+        buffers.push(bufs);
+    }
+    Engine { buffers, groups }
+}
+
+fn page(e: &Engine, group: usize, layer: usize, block: usize) -> Vec<u8> {
+    let g = &e.groups[group];
+    let start = block * g.block_stride as usize;
+    e.buffers[group][layer][start..start + g.page_bytes as usize].to_vec()
+}
+
+fn worker(e: &Engine, blocks: usize, slots: usize, verify: bool) -> PagedWorker {
+    let widest = e.groups.iter().map(PageGroup::block_bytes).max().unwrap();
+    let config = PagedConfig {
+        groups: e.groups.clone(),
+        num_blocks: blocks,
+        memory: PageMemory::Host,
+        slots,
+        slot_bytes: widest,
+        verify,
+    };
+    // SAFETY: the buffers outlive the worker (dropped at the end of each
+    // test, after it) and nothing else writes them during a job.
+    unsafe { PagedWorker::new(config, Arc::new(())) }.unwrap()
+}
+
+/// A sliding-window group of 2 layers with padded pages, a full-attention
+/// group of 2 layers, and a state group of 1 layer with larger pages.
+const HYBRID: [(usize, u64, u64); 3] = [(2, 96, 128), (2, 128, 128), (1, 200, 256)];
+
+#[test]
+fn every_group_round_trips_through_shared_slots() {
+    let blocks = 6;
+    let mut e = engine(&HYBRID, blocks);
+    let w = worker(&e, blocks, 8, true);
+    let copies = |pairs: &[(usize, usize, usize)]| {
+        pairs
+            .iter()
+            .map(|&(group, block, slot)| PageCopy { group, block, slot })
+            .collect::<Vec<_>>()
+    };
+    let stored = [(0, 1, 0), (1, 1, 1), (2, 4, 2), (0, 5, 3)];
+    let before: Vec<Vec<Vec<u8>>> = stored
+        .iter()
+        .map(|&(g, b, _)| {
+            (0..e.groups[g].layers.len())
+                .map(|l| page(&e, g, l, b))
+                .collect()
+        })
+        .collect();
+    w.store(1, copies(&stored)).unwrap();
+    w.wait(&[1]);
+    let r = w.finished();
+    assert_eq!(r.len(), 1);
+    assert!(r[0].failed.is_empty() && r[0].error.is_none(), "{r:?}");
+    assert_eq!(r[0].bytes, 2 * 96 + 2 * 128 + 200 + 2 * 96);
+
+    // Wipe the engine, then load each slot into another block.
+    for group in &mut e.buffers {
+        for layer in group.iter_mut() {
+            layer.fill(0);
+        }
+    }
+    let loaded = [(0, 2, 0), (1, 0, 1), (2, 3, 2), (0, 4, 3)];
+    w.load(2, copies(&loaded)).unwrap();
+    w.wait(&[2]);
+    let r = w.finished();
+    assert!(r[0].failed.is_empty(), "{r:?}");
+    for (i, &(g, b, _)) in loaded.iter().enumerate() {
+        for (l, want) in before[i].iter().enumerate() {
+            assert_eq!(&page(&e, g, l, b), want, "group {g} layer {l} block {b}");
+        }
+    }
+    // Padding between pages is never written.
+    assert!(e.buffers[0][0][96..128].iter().all(|&b| b == 0));
+}
+
+#[test]
+fn a_slot_changed_at_rest_fails_its_load_in_verify_mode() {
+    let blocks = 4;
+    let e = engine(&HYBRID, blocks);
+    let w = worker(&e, blocks, 4, true);
+    let c = |group, block, slot| PageCopy { group, block, slot };
+    w.store(7, vec![c(0, 0, 0), c(1, 1, 1)]).unwrap();
+    w.wait(&[7]);
+    assert!(w.finished()[0].failed.is_empty());
+    // Flip a byte of slot 1 at rest.
+    let addr = w.shared.g2[0].regions()[0].addr().unwrap() + w.slot_bytes();
+    // SAFETY: inside the slot region, which no job copies now.
+    unsafe { *(addr as *mut u8) ^= 0xff };
+    w.load(8, vec![c(0, 2, 0), c(1, 3, 1)]).unwrap();
+    w.wait(&[8]);
+    let r = w.finished();
+    assert_eq!(r[0].failed, vec![c(1, 3, 1)]);
+    assert!(r[0].error.as_deref().unwrap().contains("checksum"));
+    // A slot never stored fails too.
+    w.load(9, vec![c(0, 2, 3)]).unwrap();
+    w.wait(&[9]);
+    assert_eq!(w.finished()[0].failed.len(), 1);
+}
+
+#[test]
+fn bad_jobs_and_shapes_are_refused_with_an_error() {
+    let e = engine(&HYBRID, 2);
+    let w = worker(&e, 2, 2, false);
+    let c = |group, block, slot| PageCopy { group, block, slot };
+    assert!(w.store(1, vec![c(3, 0, 0)]).is_err());
+    assert!(w.store(1, vec![c(0, 0, 2)]).is_err());
+    // A block beyond the engine's is a failed copy, not a panic.
+    w.store(2, vec![c(0, 9, 0)]).unwrap();
+    w.wait(&[2]);
+    assert_eq!(w.finished()[0].failed.len(), 1);
+    let mut config = PagedConfig {
+        groups: e.groups.clone(),
+        num_blocks: 2,
+        memory: PageMemory::Host,
+        slots: 2,
+        slot_bytes: 100,
+        verify: false,
+    };
+    // SAFETY: refused before anything is touched.
+    let err = unsafe { PagedWorker::new(config.clone(), Arc::new(())) };
+    assert!(err.is_err_and(|e| e.to_string().contains("cannot hold")));
+    config.slot_bytes = 1024;
+    config.groups[0].block_stride = 10;
+    // SAFETY: as above.
+    let err = unsafe { PagedWorker::new(config, Arc::new(())) };
+    assert!(err.is_err_and(|e| e.to_string().contains("stride")));
+}

@@ -1,0 +1,459 @@
+"""kvbm as the backend of vLLM's ``OffloadingConnector``: every model vLLM
+serves, hybrid ones included.
+
+vLLM's offloading connector holds the KV-cache-group logic (which blocks
+of a sliding-window group are worth keeping, Mamba state alignment, which
+prefix every group can serve) and asks a pluggable *spec* for the rest:
+
+- a manager in the scheduler (:class:`KvbmOffloadingManager`): kvbm's
+  books of the host tier (``OffloadBooks``): one slot per (block, group),
+  ranked and admitted by kvbm's default policy, a slot loadable only once
+  its store completed and never reused while a load reads it;
+- a worker in each rank (:class:`KvbmOffloadingWorker`): kvbm's copy
+  engine (``PageWorker``) between the engine's page tensors of every group
+  and that rank's slots, pinned next to a GPU, with a checksum of every
+  slot in verify mode.
+
+Turn it on with::
+
+    {"kv_connector": "KvbmOffloadingConnector", "kv_role": "kv_both",
+     "kv_load_failure_policy": "recompute",
+     "kv_connector_extra_config": {"cpu_cache_gb": 8}}
+
+``KvbmOffloadingConnector`` is vLLM's ``OffloadingConnector`` with kvbm's
+spec and one addition: a load that fails (a copy error, or a slot that
+fails its checksum) is reported as a failed load of its request, so the
+engine recomputes the request (with ``kv_load_failure_policy:
+"recompute"``), and its keys are never loaded again. vLLM's own name works too
+(``"kv_connector": "OffloadingConnector"`` with ``"spec_name": "kvbm"``),
+but vLLM 0.32's connector takes no failed job: there a failed load stops
+the engine rather than serve wrong bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec,
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    TransferResult,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from kvbm_py import _kvbm
+from kvbm_py.config import GIB, KvbmConfig
+from kvbm_py.vllm.common import log as logger
+from kvbm_py.vllm.plugin import SPEC_NAME, register_spec
+
+#: Keys of ``kv_connector_extra_config`` that belong to vLLM's offloading
+#: connector, not to kvbm.
+VLLM_KEYS = frozenset(
+    {
+        "spec_name",
+        "spec_module_path",
+        "blocks_per_chunk",
+        "block_size",
+        "offload_prompt_only",
+        "self_describing_kv_events",
+        "cpu_bytes_to_use",
+        "num_cpu_blocks",
+        "eviction_policy",
+    }
+)
+
+#: kvbm keys this route does not serve yet, with why.
+NOT_ON_THIS_ROUTE = {
+    "disk_cache_gb": "G3 (disk) is served by KvbmConnector only so far",
+    "offload": "vLLM's offloading connector decides when blocks are stored",
+    "load_async": "vLLM's offloading connector always loads asynchronously",
+}
+
+
+def _kvbm_config(extra: Mapping[str, Any]) -> KvbmConfig:
+    own = {k: v for k, v in extra.items() if k not in VLLM_KEYS}
+    cfg = KvbmConfig.from_sources(own)
+    for key, why in NOT_ON_THIS_ROUTE.items():
+        if key in own and own[key] != getattr(KvbmConfig, key):
+            raise ValueError(f"kvbm: {key}={own[key]!r} is not available with the offloading spec: {why}")
+    if cfg.disk_cache_gb > 0:
+        raise ValueError(f"kvbm: disk_cache_gb: {NOT_ON_THIS_ROUTE['disk_cache_gb']}")
+    return cfg
+
+
+class KvbmSlots(BlockIDsLoadStoreSpec):
+    """Where a job's blocks live in the host tier: one slot per key, in the
+    order of the engine's blocks in the job, with each key's KV cache group
+    (its position among the offloaded groups), which the worker checks
+    against the engine's blocks before it copies anything."""
+
+    def __init__(self, slots: list[int], groups: list[int]):
+        super().__init__(slots)
+        self.groups = groups
+
+    @staticmethod
+    def medium() -> str:
+        return "CPU"
+
+
+class KvbmOffloadingSpec(OffloadingSpec):
+    """kvbm's spec: sizes the host tier from ``cpu_cache_gb`` per worker
+    (or vLLM's ``cpu_bytes_to_use`` for all workers) and builds the
+    manager and the worker."""
+
+    def __init__(self, config: OffloadingConfig):
+        super().__init__(config)
+        self.kvbm = _kvbm_config(self.extra_config)
+        if self.blocks_per_chunk != 1:
+            raise ValueError(
+                f"kvbm: blocks_per_chunk={self.blocks_per_chunk}: kvbm keeps one engine block per slot"
+            )
+        world = max(1, config.parallel.world_size)
+        self.slot_bytes = config.worker_kv_bytes_per_block
+        if self.slot_bytes <= 0:
+            raise ValueError("kvbm: the engine reported 0 KV bytes per block")
+        if "cpu_bytes_to_use" in self.extra_config:
+            per_worker = int(self.extra_config["cpu_bytes_to_use"]) // world
+        else:
+            per_worker = self.kvbm.tier_bytes("cpu_cache_gb", 1)
+        self.slots = per_worker // self.slot_bytes
+        if self.slots < 1:
+            raise ValueError(
+                f"kvbm: cpu_cache_gb={per_worker / GIB:g} GiB per worker holds no block of "
+                f"{self.slot_bytes} bytes"
+            )
+        self._manager: KvbmOffloadingManager | None = None
+        self._worker: KvbmOffloadingWorker | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            self._manager = KvbmOffloadingManager(self)
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            self._worker = KvbmOffloadingWorker(self, kv_caches)
+        return self._worker
+
+
+class KvbmOffloadingManager(OffloadingManager):
+    """The scheduler's half: kvbm's books of the host tier."""
+
+    def __init__(self, spec: KvbmOffloadingSpec):
+        self.books = _kvbm.OffloadBooks(spec.slots, spec.kvbm.admission)
+        #: Position among the offloaded groups of each KV cache group id.
+        self.group_pos = {g.group_id: i for i, g in enumerate(spec.config.groups)}
+        self.events_on = spec.kv_events_config.enable_kv_cache_events
+        #: The offload key of every key the books hold, for evictions.
+        self.names: dict[int, OffloadKey] = {}
+        #: Keys seen per request and not yet recorded in the use history.
+        self.seen: dict[str, list[OffloadKey]] = {}
+        self.recorded: dict[str, set[OffloadKey]] = {}
+        #: Blocks stored, loaded, refused by admission, left out while
+        #: every slot was busy, evicted; loads per KV cache group.
+        self.stats: dict[str, Any] = {
+            "stored": 0, "loaded": 0, "refused": 0, "full": 0, "evicted": 0, "loaded_per_group": {}
+        }
+        self._events: list[OffloadingEvent] = []
+        logger.info("kvbm: offloading spec with %d host slots of %d bytes per worker", spec.slots, spec.slot_bytes)
+
+    def _note(self, req: ReqContext, keys: Iterable[OffloadKey]) -> None:
+        done = self.recorded.setdefault(req.req_id, set())
+        pending = self.seen.setdefault(req.req_id, [])
+        pending.extend(k for k in keys if k not in done)
+
+    def _record(self, req: ReqContext) -> None:
+        pending = self.seen.pop(req.req_id, [])
+        if pending:
+            done = self.recorded.setdefault(req.req_id, set())
+            fresh = list(dict.fromkeys(k for k in pending if k not in done))
+            done.update(fresh)
+            self.books.record_request(fresh)
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        self._note(req_context, (key,))
+        state = self.books.lookup(key)
+        if state == 2:
+            return LookupResult.HIT
+        # A block whose store is in flight is not loadable yet; asking
+        # again later would hold the request back for a copy that may
+        # fail, so it counts as a miss now.
+        return LookupResult.MISS
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        keys = list(keys)
+        slots = self.books.pin(keys)
+        self.stats["loaded"] += len(keys)
+        per_group = self.stats["loaded_per_group"]
+        groups = self._groups(keys)
+        for group in groups:
+            per_group[group] = per_group.get(group, 0) + 1
+        return KvbmSlots(slots, groups)
+
+    def _groups(self, keys: list[OffloadKey]) -> list[int]:
+        return [self.group_pos[int.from_bytes(key[-4:], "big")] for key in keys]
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.books.touch(list(keys))
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.books.unpin(list(keys))
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        keys = list(keys)
+        self._note(req_context, keys)
+        self._record(req_context)
+        placed, evicted, refused, full = self.books.reserve(keys)
+        evicted_keys = [self.names.pop(k) for k in evicted if k in self.names]
+        to_store = [keys[i] for i, _ in placed]
+        for key in to_store:
+            self.names[_kvbm.OffloadBooks.key(key)] = key
+        self.stats["stored"] += len(to_store)
+        self.stats["refused"] += refused
+        self.stats["full"] += full
+        self.stats["evicted"] += len(evicted_keys)
+        self._evicted_events(evicted_keys)
+        return PrepareStoreOutput(
+            keys_to_store=to_store,
+            store_spec=KvbmSlots([slot for _, slot in placed], self._groups(to_store)),
+            evicted_keys=evicted_keys,
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        keys = list(keys)
+        self.books.commit(keys, success)
+        if success:
+            if self.events_on and keys:
+                self._events.append(OffloadingEvent(keys=keys, medium=Medium.CPU, removed=False))
+        else:
+            for key in keys:
+                self.names.pop(_kvbm.OffloadBooks.key(key), None)
+
+    def _evicted_events(self, keys: list[OffloadKey]) -> None:
+        if self.events_on and keys:
+            self._events.append(OffloadingEvent(keys=keys, medium=Medium.CPU, removed=True))
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._record(req_context)
+        self.recorded.pop(req_context.req_id, None)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        events, self._events = self._events, []
+        # The books' own record (stores confirmed, evictions) is what the
+        # events above were built from; drop it so it stays bounded.
+        self.books.take_events()
+        return events
+
+    def reset_cache(self) -> None:
+        # vLLM discards its jobs in flight here and makes every worker wait
+        # for them before its next copy, so their slots may be reused.
+        self.books.clear()
+        self._evicted_events(list(self.names.values()))
+        self.names.clear()
+        self.seen.clear()
+        self.recorded.clear()
+
+    def forget_damaged(self, keys: list[OffloadKey]) -> None:
+        """Keys whose load failed: never loaded again (they read as
+        misses, so the engine computes and stores them anew once their
+        slots were reused)."""
+        self.books.doom(keys)
+        self.stats["damaged"] = self.stats.get("damaged", 0) + len(keys)
+
+    def shutdown(self) -> None:
+        self.names.clear()
+
+
+class KvbmOffloadingWorker(OffloadingWorker):
+    """One rank's half: the engine's pages of every group and this rank's
+    host slots, copied by kvbm."""
+
+    def __init__(self, spec: KvbmOffloadingSpec, kv_caches: CanonicalKVCaches):
+        groups, device, num_blocks = _page_groups(kv_caches)
+        widest = max(page * len(layers) for layers, page, _ in groups)
+        if widest > spec.slot_bytes:
+            raise ValueError(
+                f"kvbm: a block of {widest} bytes exceeds the {spec.slot_bytes} bytes vLLM reported per block"
+            )
+        self.pages = _kvbm.PageWorker(
+            groups,
+            num_blocks,
+            spec.slots,
+            spec.slot_bytes,
+            kv_caches,
+            device=device,
+            verify=spec.kvbm.verify,
+        )
+        self.test_corrupt_loads = spec.kvbm.test_corrupt_onboard
+        #: KV cache groups of the engine.
+        self.groups = len(groups)
+        #: Whether a failed load is reported as a failed request (set by
+        #: :class:`KvbmOffloadingConnector`); else it fails the job.
+        self.report_load_errors = False
+        #: Load jobs that failed since the connector last asked.
+        self.failed_loads: set[int] = set()
+        self.loads: set[int] = set()
+        self.loaded_blocks = [0] * len(groups)
+        self.failed_blocks = 0
+
+    @staticmethod
+    def _copies(gpu: GPULoadStoreSpec, slots: LoadStoreSpec) -> list[tuple[int, int, int]]:
+        assert isinstance(slots, KvbmSlots)
+        block_ids = gpu.block_ids.tolist()
+        slot_ids = slots.block_ids.tolist()
+        if len(block_ids) != len(slot_ids):
+            raise ValueError(f"kvbm: a job of {len(block_ids)} engine blocks and {len(slot_ids)} slots")
+        copies = []
+        at = 0
+        for group, size in enumerate(gpu.group_sizes):
+            for i in range(at, at + size):
+                copies.append((group, block_ids[i], slot_ids[i]))
+            at += size
+        if [c[0] for c in copies] != slots.groups:
+            # Never copy a block into another key's slot.
+            raise ValueError("kvbm: a job whose engine blocks and slots belong to different KV cache groups")
+        return copies
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        self.pages.store(job_id, self._copies(src_spec, dst_spec))
+        return True
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        copies = self._copies(dst_spec, src_spec)
+        if self.test_corrupt_loads and copies:
+            self.pages.corrupt_slot(copies[0][2])
+        self.pages.load(job_id, copies)
+        self.loads.add(job_id)
+        for group, _, _ in copies:
+            self.loaded_blocks[group] += 1
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        results = []
+        for job, ok, nbytes, seconds, failed, error in self.pages.finished():
+            is_load = job in self.loads
+            self.loads.discard(job)
+            if not ok:
+                self.failed_blocks += len(failed)
+                logger.warning("kvbm: %s job %d failed: %s", "load" if is_load else "store", job, error)
+                if is_load and self.report_load_errors:
+                    self.failed_loads.add(job)
+                    ok = True  # the request is reported failed: recomputed
+            results.append(TransferResult(job_id=job, success=ok, transfer_size=nbytes, transfer_time=seconds))
+        return results
+
+    def wait(self, job_ids: set[int]) -> None:
+        self.pages.wait(list(job_ids))
+
+
+def _page_groups(kv_caches: CanonicalKVCaches) -> tuple[list[tuple[list[int], int, int]], int | None, int]:
+    """Each KV cache group as ``(page address per layer, page bytes, block
+    stride)``, the CUDA ordinal of the pages (None on the host) and the
+    engine's block count."""
+    tensors = [t.tensor for t in kv_caches.tensors]
+    if not tensors:
+        raise ValueError("kvbm: the engine registered no KV cache tensors")
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"kvbm: KV cache tensors on several devices: {sorted(map(str, devices))}")
+    device = tensors[0].device
+    ordinal = None if device.type == "cpu" else (device.index or 0)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"kvbm: KV cache tensors on {device}: kvbm copies host and CUDA memory")
+    num_blocks = tensors[0].shape[0]
+    groups = []
+    for g, refs in enumerate(kv_caches.group_data_refs):
+        if not refs:
+            raise ValueError(f"kvbm: KV cache group {g} has no layers")
+        layers, pages, strides = [], set(), set()
+        for ref in refs:
+            t = tensors[ref.tensor_idx]
+            if t.dtype != torch.int8 or t.dim() != 2 or t.stride(1) != 1 or t.shape[0] != num_blocks:
+                raise ValueError(f"kvbm: KV cache tensor {ref.tensor_idx} is not a (blocks, page bytes) view")
+            span = t.untyped_storage().nbytes() - t.storage_offset()
+            if span < num_blocks * t.stride(0):
+                raise ValueError(f"kvbm: KV cache tensor {ref.tensor_idx} ends inside its last block's stride")
+            layers.append(t.data_ptr())
+            pages.add(ref.page_size_bytes)
+            strides.add(t.stride(0))
+        if len(pages) != 1 or len(strides) != 1:
+            raise ValueError(
+                f"kvbm: KV cache group {g} mixes page sizes {sorted(pages)} or block strides {sorted(strides)}"
+            )
+        groups.append((layers, pages.pop(), strides.pop()))
+    return groups, ordinal, num_blocks
+
+
+class KvbmOffloadingConnector(OffloadingConnector):
+    """vLLM's ``OffloadingConnector`` over kvbm's spec, with failed loads
+    reported through vLLM's load-error path (the engine recomputes them)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        extra.setdefault("spec_name", SPEC_NAME)
+        if extra["spec_name"] != SPEC_NAME:
+            raise ValueError(f"kvbm: KvbmOffloadingConnector runs kvbm's spec, not {extra['spec_name']!r}")
+        extra.pop("spec_module_path", None)
+        register_spec()
+        super().__init__(vllm_config, role, kv_cache_config)
+
+    def _kvbm_worker(self) -> KvbmOffloadingWorker | None:
+        w = getattr(getattr(self, "connector_worker", None), "worker", None)
+        return w if isinstance(w, KvbmOffloadingWorker) else None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        super().register_kv_caches(kv_caches)
+        w = self._kvbm_worker()
+        if w is not None:
+            w.report_load_errors = True
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM's results, plus the requests whose load failed: the engine
+        recomputes them whole (vLLM takes block-level load errors only
+        for models of one KV cache group; a request is right for every
+        model)."""
+        w = self._kvbm_worker()
+        jobs = dict(self.connector_worker._load_jobs) if w is not None else {}
+        results = super().get_transfer_results(finished_req_ids)
+        if w is not None and w.failed_loads:
+            results.failed_recving |= {jobs[j] for j in w.failed_loads if j in jobs}
+            w.failed_loads.clear()
+        return results
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The scheduler's half of a failed load: the keys that request
+        was loading are never loaded again."""
+        failed = connector_output.failed_recving
+        damaged: list[OffloadKey] = []
+        if failed:
+            sched = self.connector_scheduler
+            for job in sched._jobs.values():
+                if not job.is_store and job.req_id in failed:
+                    damaged.extend(job.keys)
+        super().update_connector_output(connector_output)
+        if damaged:
+            manager = self.connector_scheduler.manager
+            assert isinstance(manager, KvbmOffloadingManager)
+            manager.forget_damaged(damaged)

@@ -1,0 +1,301 @@
+//! The two halves of kvbm as a backend of vLLM's offloading connector:
+//! [`OffloadBooks`] (kvbm-pool's [`Ledger`]) in the scheduler and
+//! [`PageWorker`] (kvbm-dist's [`PagedWorker`]) in each rank.
+//!
+//! Keys are vLLM's offload keys: a block hash followed by the 4-byte
+//! big-endian KV cache group index. kvbm files one under the block's
+//! sequence hash (its first 8 bytes, as [`sequence_hash`] reads them)
+//! mixed with the group, so the same block of two groups has two keys.
+
+use std::sync::Arc;
+
+use kvbm_block::SequenceHash;
+use kvbm_dist::paged::{PageCopy, PageGroup, PageMemory, PagedConfig, PagedWorker};
+use kvbm_pool::ledger::{Ledger, Presence};
+use kvbm_transfer::memory::Owner;
+use pyo3::prelude::*;
+
+use crate::error::{PyKvbmError, Result};
+use crate::scheduler::{parse_policy, sequence_hash};
+
+/// kvbm's key of one vLLM offload key (`hash || group`, the group as 4
+/// big-endian bytes).
+pub fn offload_key(key: &[u8]) -> Result<SequenceHash> {
+    if key.len() < 12 {
+        return Err(PyKvbmError::Invalid(format!(
+            "an offload key of {} bytes: expected a block hash of at least 8 and a 4-byte group",
+            key.len()
+        )));
+    }
+    let (hash, group) = key.split_at(key.len() - 4);
+    let group = u32::from_be_bytes([group[0], group[1], group[2], group[3]]);
+    let base = sequence_hash(hash)?.0;
+    // Group 0 keeps the block's own key, so a single-group model's keys
+    // are the sequence hashes kvbm uses everywhere else.
+    Ok(SequenceHash(
+        base ^ u64::from(group).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+    ))
+}
+
+fn keys_of(keys: &[Vec<u8>]) -> Result<Vec<SequenceHash>> {
+    keys.iter().map(|k| offload_key(k)).collect()
+}
+
+/// What [`OffloadBooks::reserve`] returns to Python: `(index into keys,
+/// slot)` per key to write, the evicted kvbm keys, refused and full counts.
+type Reserved = (Vec<(usize, u32)>, Vec<u64>, usize, usize);
+
+/// The scheduler's books of the host tier: which block each slot holds.
+#[pyclass(module = "kvbm_py._kvbm")]
+pub struct OffloadBooks {
+    ledger: Ledger,
+}
+
+#[pymethods]
+impl OffloadBooks {
+    /// Books for `slots` slots; `admission` is `"all"`, `"reuse_score"`
+    /// or `"min_uses:N"`.
+    #[new]
+    #[pyo3(signature = (slots, admission = "reuse_score"))]
+    fn new(slots: usize, admission: &str) -> PyResult<Self> {
+        if slots == 0 {
+            return Err(PyKvbmError::Invalid("an offload tier of 0 slots".into()).into());
+        }
+        let policy = parse_policy(admission)?;
+        let ledger = Ledger::new(slots, policy).map_err(|e| PyKvbmError::Invalid(e.to_string()))?;
+        Ok(OffloadBooks { ledger })
+    }
+
+    /// Slots in the tier.
+    #[getter]
+    fn slots(&self) -> usize {
+        self.ledger.capacity()
+    }
+
+    /// kvbm's 64-bit key of an offload key.
+    #[staticmethod]
+    fn key(key: &[u8]) -> PyResult<u64> {
+        Ok(offload_key(key)?.0)
+    }
+
+    /// `0` when the key is not held, `1` while its store is in flight,
+    /// `2` when it can be loaded.
+    fn lookup(&self, key: &[u8]) -> PyResult<u8> {
+        Ok(match self.ledger.presence(offload_key(key)?) {
+            Presence::Absent => 0,
+            Presence::Writing => 1,
+            Presence::Ready => 2,
+        })
+    }
+
+    /// Records a request's keys (prefix order) for the reuse ranking.
+    fn record_request(&self, keys: Vec<Vec<u8>>) -> PyResult<()> {
+        self.ledger.record_request(&keys_of(&keys)?);
+        Ok(())
+    }
+
+    /// Slots for the keys to store, in order (each key's parent is the
+    /// key before it in the list when `chained`): returns the
+    /// `(index into keys, slot)` of each key to write, the kvbm keys of the
+    /// blocks evicted for them, and how many were refused by admission or
+    /// left out because every slot is busy.
+    #[pyo3(signature = (keys, chained = true))]
+    fn reserve(&self, keys: Vec<Vec<u8>>, chained: bool) -> PyResult<Reserved> {
+        let hashes = keys_of(&keys)?;
+        let with_parents: Vec<_> = hashes
+            .iter()
+            .enumerate()
+            .map(|(i, &h)| (h, (chained && i > 0).then(|| hashes[i - 1])))
+            .collect();
+        let r = self.ledger.reserve(&with_parents);
+        let mut index = std::collections::HashMap::with_capacity(hashes.len());
+        for (i, h) in hashes.iter().enumerate() {
+            index.entry(*h).or_insert(i);
+        }
+        let slots = r.slots.iter().map(|(h, s)| (index[h], *s)).collect();
+        Ok((
+            slots,
+            r.evicted.iter().map(|h| h.0).collect(),
+            r.refused,
+            r.full,
+        ))
+    }
+
+    /// Confirms (`ok`) or abandons the stores of `keys`.
+    fn commit(&self, keys: Vec<Vec<u8>>, ok: bool) -> PyResult<()> {
+        self.ledger.commit(&keys_of(&keys)?, ok);
+        Ok(())
+    }
+
+    /// Pins `keys` for one load and returns their slots; `ValueError` if
+    /// any is not loadable (then nothing is pinned).
+    fn pin(&self, keys: Vec<Vec<u8>>) -> PyResult<Vec<u32>> {
+        self.ledger
+            .pin(&keys_of(&keys)?)
+            .map_err(|e| PyKvbmError::Invalid(e.to_string()).into())
+    }
+
+    /// Ends one load of each of `keys`.
+    fn unpin(&self, keys: Vec<Vec<u8>>) -> PyResult<()> {
+        self.ledger.unpin(&keys_of(&keys)?);
+        Ok(())
+    }
+
+    /// Marks `keys` as just used.
+    fn touch(&self, keys: Vec<Vec<u8>>) -> PyResult<()> {
+        self.ledger.touch(&keys_of(&keys)?);
+        Ok(())
+    }
+
+    /// Drops every block no load or store uses; returns how many.
+    fn reset(&self) -> usize {
+        self.ledger.reset()
+    }
+
+    /// Forgets every store and load in flight and drops every block (the
+    /// engine waits for its copies in flight before it sends new ones).
+    fn clear(&self) -> usize {
+        self.ledger.clear()
+    }
+
+    /// Marks `keys` as damaged: never loaded again (a load of them
+    /// failed).
+    fn doom(&self, keys: Vec<Vec<u8>>) -> PyResult<()> {
+        self.ledger.doom(&keys_of(&keys)?);
+        Ok(())
+    }
+
+    /// `{"ready": .., "writing": .., "reading": ..}` slot counts.
+    fn counts(&self) -> std::collections::HashMap<&'static str, usize> {
+        let c = self.ledger.counts();
+        [
+            ("ready", c.ready),
+            ("writing", c.writing),
+            ("reading", c.reading),
+        ]
+        .into()
+    }
+
+    /// `(stored, key)` for every block stored or removed since the last
+    /// call (kvbm keys).
+    fn take_events(&self) -> Vec<(bool, u64)> {
+        self.ledger
+            .take_events()
+            .into_iter()
+            .map(|(s, h)| (s, h.0))
+            .collect()
+    }
+}
+
+/// Keeps the engine's tensors (Python objects) alive as long as the
+/// worker's regions over them.
+struct KeepAlive(#[allow(dead_code)] Py<PyAny>);
+
+/// One rank's host tier: the engine's page tensors per KV cache group and
+/// `slots` host slots, copying jobs between them.
+#[pyclass(module = "kvbm_py._kvbm")]
+pub struct PageWorker {
+    inner: PagedWorker,
+}
+
+/// A job's end as Python sees it: `(job, ok, bytes, seconds, failed
+/// (group, block) pairs, error)`.
+type Finished = (u64, bool, u64, f64, Vec<(usize, usize)>, Option<String>);
+
+fn copies_of(copies: Vec<(usize, usize, usize)>) -> Vec<PageCopy> {
+    copies
+        .into_iter()
+        .map(|(group, block, slot)| PageCopy { group, block, slot })
+        .collect()
+}
+
+#[pymethods]
+impl PageWorker {
+    /// `groups` holds per KV cache group `(page addresses per layer,
+    /// page bytes, block stride)`; each address must have `num_blocks`
+    /// blocks of the stride behind it, alive while `keepalive` is.
+    /// `device` is the CUDA ordinal of device pages, `None` for host
+    /// pages. With `verify` every stored slot's checksum is recorded and
+    /// checked when it is loaded.
+    #[new]
+    #[pyo3(signature = (groups, num_blocks, slots, slot_bytes, keepalive, device = None, verify = false))]
+    fn new(
+        groups: Vec<(Vec<u64>, u64, u64)>,
+        num_blocks: usize,
+        slots: usize,
+        slot_bytes: u64,
+        keepalive: Py<PyAny>,
+        device: Option<u32>,
+        verify: bool,
+    ) -> PyResult<Self> {
+        let config = PagedConfig {
+            groups: groups
+                .into_iter()
+                .map(|(layers, page_bytes, block_stride)| PageGroup {
+                    layers,
+                    page_bytes,
+                    block_stride,
+                })
+                .collect(),
+            num_blocks,
+            memory: device.map_or(PageMemory::Host, PageMemory::Device),
+            slots,
+            slot_bytes,
+            verify,
+        };
+        let owner: Owner = Arc::new(KeepAlive(keepalive));
+        // SAFETY: the pages belong to the engine, which keeps them while
+        // the objects in `keepalive` live (the worker holds them); the
+        // Python side passes every tensor's storage, which spans its
+        // blocks (checked there). The engine leaves a block alone while a
+        // job copies it (the offloading connector's contract).
+        let inner = unsafe { PagedWorker::new(config, owner) }.map_err(PyKvbmError::Dist)?;
+        Ok(PageWorker { inner })
+    }
+
+    /// Slots in the tier.
+    #[getter]
+    fn slots(&self) -> usize {
+        self.inner.slots()
+    }
+
+    /// Starts copying `(group, engine block, slot)` pages into slots.
+    fn store(&self, job: u64, copies: Vec<(usize, usize, usize)>) -> PyResult<()> {
+        Ok(self
+            .inner
+            .store(job, copies_of(copies))
+            .map_err(PyKvbmError::Dist)?)
+    }
+
+    /// Starts copying slots into `(group, engine block, slot)` pages.
+    fn load(&self, job: u64, copies: Vec<(usize, usize, usize)>) -> PyResult<()> {
+        Ok(self
+            .inner
+            .load(job, copies_of(copies))
+            .map_err(PyKvbmError::Dist)?)
+    }
+
+    /// Jobs ended since the last call.
+    fn finished(&self) -> Vec<Finished> {
+        self.inner
+            .finished()
+            .into_iter()
+            .map(|r| {
+                let failed: Vec<_> = r.failed.iter().map(|c| (c.group, c.block)).collect();
+                let ok = failed.is_empty() && r.error.is_none();
+                (r.job, ok, r.bytes, r.seconds, failed, r.error)
+            })
+            .collect()
+    }
+
+    /// Waits until none of `jobs` is in flight (without the GIL).
+    fn wait(&self, py: Python<'_>, jobs: Vec<u64>) {
+        py.detach(|| self.inner.wait(&jobs));
+    }
+
+    /// Changes every byte of `slot` (tests: memory that changed at rest).
+    #[cfg(feature = "test-hooks")]
+    fn corrupt_slot(&self, slot: usize) -> PyResult<()> {
+        Ok(self.inner.corrupt_slot(slot).map_err(PyKvbmError::Dist)?)
+    }
+}
