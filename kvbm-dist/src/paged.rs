@@ -140,6 +140,10 @@ struct Reports {
 struct Shared {
     g1: Vec<PhysicalLayout>,
     g2: Vec<PhysicalLayout>,
+    /// Slots a job may name; slot `slots` is the zero slot.
+    slots: usize,
+    /// The executor's clone that wipes the pages of failed loads.
+    executor: Executor,
     /// The checksum of each slot's block (verify mode).
     sums: Option<Mutex<Vec<Option<u64>>>>,
     reports: Mutex<Reports>,
@@ -302,7 +306,10 @@ impl PagedWorker {
             .map(|g| unsafe { group_g1(g, config.num_blocks, config.memory, &owner) })
             .collect::<Result<Vec<_>>>()?;
         let executor = crate::worker::executor_spec(&g1[0])?.build()?;
-        let region = slot_region(config.memory, config.slots, config.slot_bytes)?;
+        // One slot more than asked: the zero slot, copied over the pages
+        // of a failed load.
+        let region = slot_region(config.memory, config.slots + 1, config.slot_bytes)?;
+        zero_last_slot(&region, config.slot_bytes)?;
         executor.register(&region)?;
         let g2 = config
             .groups
@@ -312,6 +319,8 @@ impl PagedWorker {
         let shared = Arc::new(Shared {
             g1,
             g2,
+            slots: config.slots,
+            executor: executor.clone(),
             sums: config.verify.then(|| Mutex::new(vec![None; config.slots])),
             reports: Mutex::new(Reports::default()),
             settled: Condvar::new(),
@@ -338,7 +347,7 @@ impl PagedWorker {
 
     /// Slots of G2.
     pub fn slots(&self) -> usize {
-        self.shared.g2[0].layout().config().num_blocks()
+        self.shared.slots
     }
 
     /// Starts copying engine pages into slots.
@@ -479,7 +488,6 @@ fn settle(shared: &Shared, p: Pending) -> JobReport {
             }
         }
     }
-    let seconds = p.started.elapsed().as_secs_f64();
     if let Some(sums) = &shared.sums {
         judge(
             shared,
@@ -490,6 +498,10 @@ fn settle(shared: &Shared, p: Pending) -> JobReport {
             &mut error,
         );
     }
+    if p.direction == Direction::Load && !failed.is_empty() {
+        wipe(shared, &failed, &mut error);
+    }
+    let seconds = p.started.elapsed().as_secs_f64();
     JobReport {
         job: p.job,
         direction: p.direction,
@@ -498,6 +510,48 @@ fn settle(shared: &Shared, p: Pending) -> JobReport {
         failed,
         error,
     }
+}
+
+/// Overwrites the pages a failed load wrote with zeros (from the zero
+/// slot), so bytes that failed their check never stay where the engine
+/// might read them: a request recomputed after a failed load may reuse
+/// those blocks, and a partly filled block is read whole by attention
+/// kernels that mask, not skip, the tokens beyond its end.
+fn wipe(shared: &Shared, failed: &[PageCopy], error: &mut Option<String>) {
+    for (group, (g1, g2)) in shared.g1.iter().zip(&shared.g2).enumerate() {
+        let pairs: Vec<(usize, usize)> = failed
+            .iter()
+            .filter(|c| c.group == group)
+            .map(|c| (shared.slots, c.block))
+            .collect();
+        if pairs.is_empty() {
+            continue;
+        }
+        if let Err(f) = shared.executor.transfer(g2, g1, &pairs).wait() {
+            tracing::error!("kvbm: wiping the pages of a failed load failed: {f}");
+            error.get_or_insert_with(|| format!("wiping a failed load's pages: {f}"));
+        }
+    }
+}
+
+/// Writes zeros over the last slot of `region` (host-addressable memory:
+/// system or pinned).
+fn zero_last_slot(region: &PhysicalLayout, slot_bytes: u64) -> Result<()> {
+    let slots = region.layout().config().num_blocks() as u64;
+    let r = &region.regions()[0];
+    let addr = r
+        .addr()
+        .ok_or_else(|| invalid("a slot region without an address"))?;
+    // SAFETY: the region holds `slots` slots of `slot_bytes` (its layout),
+    // host-addressable memory it owns; nothing else uses it yet.
+    unsafe {
+        std::ptr::write_bytes(
+            (addr + (slots - 1) * slot_bytes) as *mut u8,
+            0,
+            slot_bytes as usize,
+        );
+    }
+    Ok(())
 }
 
 /// Verify mode: records the sums of stored slots, and checks the slot a

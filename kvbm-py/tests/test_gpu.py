@@ -3,7 +3,9 @@ built with feature `cuda`): vLLM's layouts on the device (vLLM 0.32's
 packed `[blocks, heads, tokens, 2 * head_size]` view of its NHD layout,
 and the older flash-attn `[2, blocks, tokens, heads, head_size]`), G2
 pinned host memory, G3 disk; blocks offloaded through G2 into G3 come back
-into other device blocks byte for byte. Runs as a script too:
+into other device blocks byte for byte; the offloading spec's worker
+moves device pages of two KV cache groups through pinned slots. Runs as
+a script too:
 ``python test_gpu.py``."""
 
 import hashlib
@@ -109,6 +111,54 @@ def test_gpu_tensors_round_trip_through_pinned_g2_and_g3(tmp_path, layout):
     run_round_trip(str(tmp_path), layout)
 
 
+def run_spec_round_trip(verify: bool) -> None:
+    """The offloading spec's worker on device pages of two KV cache groups
+    (different page sizes): stored into pinned slots, wiped, loaded back
+    into other blocks byte for byte; with ``verify``, a slot changed at
+    rest fails its load (when the build has the test hooks)."""
+    groups = [(3, 16 << 10), (2, 32 << 10)]  # (layers, page bytes)
+    pages = [
+        [torch.randint(-128, 127, (BLOCKS, page), dtype=torch.int8, device="cuda") for _ in range(n)]
+        for n, page in groups
+    ]
+    slot_bytes = max(n * page for n, page in groups)
+    try:
+        worker = kvbm_py._kvbm.PageWorker(
+            [([t.data_ptr() for t in g], page, page) for g, (_, page) in zip(pages, groups)],
+            BLOCKS, 8, slot_bytes, pages, device=torch.cuda.current_device(), verify=verify,
+        )
+    except (ValueError, RuntimeError) as e:
+        if "feature `cuda`" in str(e):
+            _skip("kvbm_py built without feature `cuda`")
+        raise
+    before = [[t[[1, 2]].clone() for t in g] for g in pages]
+    worker.store(1, [(0, 1, 0), (0, 2, 1), (1, 1, 2), (1, 2, 3)])
+    worker.wait([1])
+    assert all(r[1] for r in worker.finished())
+    for g in pages:
+        for t in g:
+            t.zero_()
+    worker.load(2, [(0, 5, 0), (0, 6, 1), (1, 5, 2), (1, 6, 3)])
+    worker.wait([2])
+    (job,) = worker.finished()
+    assert job[1], job
+    for g, want in zip(pages, before):
+        for t, w in zip(g, want):
+            assert torch.equal(t[[5, 6]], w)
+    if verify and kvbm_py._kvbm.TEST_HOOKS:
+        worker.corrupt_slot(3)
+        worker.load(3, [(1, 7, 3)])
+        worker.wait([3])
+        (job,) = worker.finished()
+        assert not job[1] and job[4] == [(1, 7)], job
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_spec_worker_round_trips_device_pages_of_two_groups(verify):
+    _cuda_or_skip()
+    run_spec_round_trip(verify)
+
+
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         print("no CUDA device")
@@ -116,3 +166,6 @@ if __name__ == "__main__":
     for layout in ["packed", "split"]:
         with tempfile.TemporaryDirectory() as d:
             run_round_trip(d, layout)
+    for verify in (False, True):
+        run_spec_round_trip(verify)
+    print("spec worker round trips OK")

@@ -124,6 +124,15 @@ fn a_slot_changed_at_rest_fails_its_load_in_verify_mode() {
     let r = w.finished();
     assert_eq!(r[0].failed, vec![c(1, 3, 1)]);
     assert!(r[0].error.as_deref().unwrap().contains("checksum"));
+    // The failed load's pages hold zeros, not the damaged bytes; the
+    // other copy of the job landed.
+    for l in 0..2 {
+        assert!(
+            page(&e, 1, l, 3).iter().all(|&b| b == 0),
+            "layer {l} kept damaged bytes"
+        );
+        assert_eq!(page(&e, 0, l, 2), page(&e, 0, l, 0));
+    }
     // A slot never stored fails too.
     w.load(9, vec![c(0, 2, 3)]).unwrap();
     w.wait(&[9]);
