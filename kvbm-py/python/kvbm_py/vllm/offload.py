@@ -106,10 +106,6 @@ class KvbmSlots(BlockIDsLoadStoreSpec):
         super().__init__(slots)
         self.groups = groups
 
-    @staticmethod
-    def medium() -> str:
-        return "CPU"
-
 
 class KvbmOffloadingSpec(OffloadingSpec):
     """kvbm's spec: sizes the host tier from ``cpu_cache_gb`` per worker
@@ -165,9 +161,11 @@ class KvbmOffloadingManager(OffloadingManager):
         self.seen: dict[str, list[OffloadKey]] = {}
         self.recorded: dict[str, set[OffloadKey]] = {}
         #: Blocks stored, loaded, refused by admission, left out while
-        #: every slot was busy, evicted; loads per KV cache group.
+        #: every slot was busy, evicted, found damaged; loads per KV cache
+        #: group.
         self.stats: dict[str, Any] = {
-            "stored": 0, "loaded": 0, "refused": 0, "full": 0, "evicted": 0, "loaded_per_group": {}
+            "stored": 0, "loaded": 0, "refused": 0, "full": 0, "evicted": 0, "damaged": 0,
+            "loaded_per_group": {},
         }
         self._events: list[OffloadingEvent] = []
         logger.info("kvbm: offloading spec with %d host slots of %d bytes per worker", spec.slots, spec.slot_bytes)
@@ -280,7 +278,7 @@ class KvbmOffloadingManager(OffloadingManager):
         misses, so the engine computes and stores them anew once their
         slots were reused)."""
         self.books.doom(keys)
-        self.stats["damaged"] = self.stats.get("damaged", 0) + len(keys)
+        self.stats["damaged"] += len(keys)
 
     def shutdown(self) -> None:
         self.names.clear()
@@ -315,7 +313,7 @@ class KvbmOffloadingWorker(OffloadingWorker):
         #: Load jobs that failed since the connector last asked.
         self.failed_loads: set[int] = set()
         self.loads: set[int] = set()
-        self.loaded_blocks = [0] * len(groups)
+        #: Blocks of failed jobs so far.
         self.failed_blocks = 0
 
     @staticmethod
@@ -346,8 +344,6 @@ class KvbmOffloadingWorker(OffloadingWorker):
             self.pages.corrupt_slot(copies[0][2])
         self.pages.load(job_id, copies)
         self.loads.add(job_id)
-        for group, _, _ in copies:
-            self.loaded_blocks[group] += 1
         return True
 
     def get_finished(self) -> list[TransferResult]:
@@ -407,8 +403,9 @@ def _page_groups(kv_caches: CanonicalKVCaches) -> tuple[list[tuple[list[int], in
 
 
 class KvbmOffloadingConnector(OffloadingConnector):
-    """vLLM's ``OffloadingConnector`` over kvbm's spec, with failed loads
-    reported through vLLM's load-error path (the engine recomputes them)."""
+    """vLLM's ``OffloadingConnector`` over kvbm's spec, with a failed load
+    reported as a failed load of its request (the engine recomputes the
+    request) and its keys never loaded again."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
