@@ -186,8 +186,11 @@ class Harness:
         kv_transfer_state._KV_CONNECTOR_AGENT = None
 
 
-def build(tmp_path, extra: dict, num_blocks: int = 64, kv_events: bool = False) -> Harness:
+def build(
+    tmp_path, extra: dict, num_blocks: int = 64, kv_events: bool = False, connector: str = "KvbmConnector"
+) -> Harness:
     """vLLM's Scheduler and worker-side connector with kvbm's connector
+    (`connector`: ``KvbmConnector`` or ``KvbmOffloadingConnector``)
     configured by `extra`, over host KV tensors of `num_blocks` blocks.
     With `kv_events`, vLLM publishes KV events (to its null publisher);
     the harness keeps those kvbm's connector gave in `events`."""
@@ -238,8 +241,8 @@ def build(tmp_path, extra: dict, num_blocks: int = 64, kv_events: bool = False) 
         enable_prefix_caching=True,
     )
     kv_transfer_config = KVTransferConfig(
-        kv_connector="KvbmConnector",
-        kv_connector_module_path="kvbm_py.vllm",
+        kv_connector=connector,
+        kv_connector_module_path="kvbm_py.vllm" if connector == "KvbmConnector" else "kvbm_py.vllm.offload",
         kv_role="kv_both",
         kv_connector_extra_config=extra,
         kv_load_failure_policy="recompute",

@@ -157,8 +157,9 @@ class KvbmOffloadingManager(OffloadingManager):
         self.events_on = spec.kv_events_config.enable_kv_cache_events
         #: The offload key of every key the books hold, for evictions.
         self.names: dict[int, OffloadKey] = {}
-        #: Keys seen per request and not yet recorded in the use history.
-        self.seen: dict[str, list[OffloadKey]] = {}
+        #: Keys seen per request (an ordered set) and not yet recorded in
+        #: the use history.
+        self.seen: dict[str, dict[OffloadKey, None]] = {}
         self.recorded: dict[str, set[OffloadKey]] = {}
         #: Blocks stored, loaded, refused by admission, left out while
         #: every slot was busy, evicted, found damaged; loads per KV cache
@@ -170,21 +171,21 @@ class KvbmOffloadingManager(OffloadingManager):
         self._events: list[OffloadingEvent] = []
         logger.info("kvbm: offloading spec with %d host slots of %d bytes per worker", spec.slots, spec.slot_bytes)
 
-    def _note(self, req: ReqContext, keys: Iterable[OffloadKey]) -> None:
-        done = self.recorded.setdefault(req.req_id, set())
-        pending = self.seen.setdefault(req.req_id, [])
-        pending.extend(k for k in keys if k not in done)
-
     def _record(self, req: ReqContext) -> None:
-        pending = self.seen.pop(req.req_id, [])
+        pending = self.seen.pop(req.req_id, None)
         if pending:
             done = self.recorded.setdefault(req.req_id, set())
-            fresh = list(dict.fromkeys(k for k in pending if k not in done))
+            fresh = [k for k in pending if k not in done]
             done.update(fresh)
             self.books.record_request(fresh)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        self._note(req_context, (key,))
+        # vLLM asks key by key, every step a request waits: keep it to a
+        # dictionary insert and one call into the books.
+        seen = self.seen.get(req_context.req_id)
+        if seen is None:
+            seen = self.seen[req_context.req_id] = {}
+        seen[key] = None
         state = self.books.lookup(key)
         if state == 2:
             return LookupResult.HIT
@@ -216,7 +217,7 @@ class KvbmOffloadingManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         keys = list(keys)
-        self._note(req_context, keys)
+        self.seen.setdefault(req_context.req_id, {}).update(dict.fromkeys(keys))
         self._record(req_context)
         placed, evicted, refused, full = self.books.reserve(keys)
         evicted_keys = [self.names.pop(k) for k in evicted if k in self.names]
