@@ -100,6 +100,18 @@ pub enum DistError {
         #[source]
         source: std::io::Error,
     },
+    /// A kept G3 directory is open in another engine.
+    #[error("G3 directory {0} is in use by another engine (its lock is held)")]
+    G3InUse(std::path::PathBuf),
+    /// An I/O error on a named file or directory (a G3 that is kept).
+    #[error("{what}: {source}")]
+    File {
+        /// What was being done, naming the path.
+        what: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
     /// Verify mode: a block's bytes do not match the checksum recorded
     /// when it was written (`expected: None`: none was recorded).
     #[error("checksum mismatch in {tier:?} slot {slot}: {}", mismatch_note(*.expected, *.found))]

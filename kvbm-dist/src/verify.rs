@@ -69,20 +69,44 @@ pub(crate) struct End {
     pub(crate) layout: PhysicalLayout,
 }
 
+/// Which tiers keep checksums: both in verify mode; G3 alone where G3
+/// outlives the engine (its records carry the sums) and verify is off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Tracked {
+    pub(crate) g2: bool,
+    pub(crate) g3: bool,
+}
+
+impl Tracked {
+    /// Both G2 and G3.
+    pub(crate) const ALL: Tracked = Tracked { g2: true, g3: true };
+
+    /// Whether `tier` keeps checksums.
+    fn of(self, tier: Tier) -> bool {
+        match tier {
+            Tier::G2 => self.g2,
+            Tier::G3 => self.g3,
+            _ => false,
+        }
+    }
+}
+
+impl Default for Tracked {
+    fn default() -> Self {
+        Tracked::ALL
+    }
+}
+
 /// The checksums of one worker's G2 and G3 blocks, and its mismatches.
 #[derive(Default)]
 pub(crate) struct Checksums {
+    tracked: Tracked,
     sums: Mutex<HashMap<(Tier, u32), u64>>,
     /// Sums G1 blocks on the GPU, when G1 is device memory.
     device: Option<DeviceSums>,
     mismatches: AtomicU64,
     /// At most one mismatch warning every [`WARN_EVERY`](kvbm_pool::rate_limit::WARN_EVERY).
     warned: RateLimit,
-}
-
-/// Whether `tier` keeps checksums.
-fn tracked(tier: Tier) -> bool {
-    matches!(tier, Tier::G2 | Tier::G3)
 }
 
 /// The checksum of `block` of `layout`, over its chunks in layer, K/V
@@ -134,12 +158,28 @@ pub(crate) fn block_sum(layout: &PhysicalLayout, block: usize) -> Result<u64, St
 }
 
 impl Checksums {
-    /// An empty table for a worker whose G1 is `g1`.
-    pub(crate) fn new(g1: &PhysicalLayout) -> Self {
+    /// An empty table of the `tracked` tiers for a worker whose G1 is
+    /// `g1`.
+    pub(crate) fn new(g1: &PhysicalLayout, tracked: Tracked) -> Self {
         Checksums {
+            tracked,
             device: DeviceSums::for_g1(g1),
             ..Self::default()
         }
+    }
+
+    /// Records `sum` for `slot` of `tier` (a block found again in a G3
+    /// that outlived its engine).
+    pub(crate) fn seed(&self, tier: Tier, sums: impl IntoIterator<Item = (u32, u64)>) {
+        let mut table = self.sums.lock();
+        for (slot, sum) in sums {
+            table.insert((tier, slot), sum);
+        }
+    }
+
+    /// Whether copies between `src` and `dst` are checked at all.
+    pub(crate) fn checks(&self, src: Tier, dst: Tier) -> bool {
+        self.tracked.of(src) || self.tracked.of(dst)
     }
 
     /// The GPU summer, when it can read `end`'s memory.
@@ -153,7 +193,6 @@ impl Checksums {
     }
 
     /// The sum recorded for `slot` of `tier`.
-    #[cfg(test)]
     pub(crate) fn get(&self, tier: Tier, slot: u32) -> Option<u64> {
         self.sums.lock().get(&(tier, slot)).copied()
     }
@@ -172,6 +211,10 @@ impl Checksums {
         completion: Completion<TransferOutcome>,
         done: impl FnOnce(TransferOutcome, u32) + Send + 'static,
     ) {
+        if !self.checks(src.tier, dst.tier) {
+            completion.on_complete(move |outcome| done(outcome, 0));
+            return;
+        }
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         completion.on_complete(move |outcome| {
             let _ = tx.send(outcome);
@@ -222,7 +265,7 @@ impl Checksums {
         dst: &End,
         pairs: &[(usize, usize)],
     ) -> Vec<Option<Result<u64, String>>> {
-        if tracked(dst.tier)
+        if self.tracked.of(dst.tier)
             && let Some(device) = self.device_for(src)
         {
             let blocks: Vec<usize> = pairs.iter().map(|p| p.0).collect();
@@ -255,7 +298,7 @@ impl Checksums {
         dst: &End,
         pairs: &[(usize, usize)],
     ) -> Option<Result<Prepared, String>> {
-        let device = self.device_for(dst).filter(|_| tracked(src.tier))?;
+        let device = self.device_for(dst).filter(|_| self.tracked.of(src.tier))?;
         let blocks: Vec<usize> = pairs.iter().map(|p| p.1).collect();
         Some(device.prepare(&dst.layout, &blocks))
     }
@@ -332,7 +375,8 @@ impl Checksums {
         // second reading (its destination keeps no sum, or is G3, or the
         // source is a G1 summed on the GPU).
         let taken = |sums: &[Option<Result<u64, String>>]| sums.iter().all(Option::is_some);
-        let source_suffices = !tracked(dst.tier) || dst.tier == Tier::G3 || src.tier == Tier::G1;
+        let source_suffices =
+            !self.tracked.of(dst.tier) || dst.tier == Tier::G3 || src.tier == Tier::G1;
         let reads = !(taken(&on_device) || taken(&early) && source_suffices);
         let verdicts = par_map(src, landed.len(), reads, |i| {
             let sums = Sums {
@@ -340,13 +384,13 @@ impl Checksums {
                 source: early[i].clone(),
                 landed: on_device[i].clone(),
             };
-            judge(src, dst, landed[i], sums)
+            judge(self.tracked, src, dst, landed[i], sums)
         });
         let landed_set: HashSet<(usize, usize)> = landed.iter().copied().collect();
         let mut rejected: Vec<((usize, usize), DistError)> = Vec::new();
         {
             let mut sums = self.sums.lock();
-            if tracked(dst.tier) {
+            if self.tracked.of(dst.tier) {
                 for &(_, d) in pairs.iter().filter(|p| !landed_set.contains(p)) {
                     sums.remove(&(dst.tier, slot(d)));
                 }
@@ -479,6 +523,7 @@ struct Sums {
 /// destination slot)`, `None` when the destination keeps no sums; `Err`
 /// when the pair fails the check.
 fn judge(
+    tracked: Tracked,
     src: &End,
     dst: &End,
     (s, d): (usize, usize),
@@ -513,7 +558,7 @@ fn judge(
             })
         }
     };
-    let record = tracked(dst.tier);
+    let record = tracked.of(dst.tier);
     match src.tier {
         Tier::G2 => {
             let found = if sums.landed.is_some() {
@@ -521,9 +566,11 @@ fn judge(
             } else {
                 source_sum()?
             };
-            expect(Tier::G2, s, sums.recorded, found)?;
+            if tracked.g2 {
+                expect(Tier::G2, s, sums.recorded, found)?;
+            }
             match dst.tier {
-                Tier::G2 => {
+                Tier::G2 if record => {
                     let landed = landed_sum()?;
                     expect(Tier::G2, d, Some(found), landed)?;
                     Ok(Some(landed))

@@ -298,6 +298,25 @@ impl PoolState {
         Ok(self.pop_free(&mut free, n))
     }
 
+    /// Takes those of `ids` that are on the free list (in `ids`' order,
+    /// each once).
+    pub(crate) fn take_ids(&self, ids: &[u32]) -> Taken {
+        let _gate = self.gate.write();
+        let mut free = self.free.lock();
+        let on_list: std::collections::HashSet<u32> = free.iter().copied().collect();
+        let mut seen = std::collections::HashSet::with_capacity(ids.len());
+        let taken: Taken = ids
+            .iter()
+            .copied()
+            .filter(|id| on_list.contains(id) && seen.insert(*id))
+            .collect();
+        free.retain(|id| !seen.contains(id));
+        for &id in &taken {
+            self.entry(id).set_state(State::Allocated);
+        }
+        taken
+    }
+
     fn pop_free(&self, free: &mut MutexGuard<'_, Vec<u32>>, n: usize) -> Taken {
         let at = free.len() - n;
         let taken: Taken = free.split_off(at);

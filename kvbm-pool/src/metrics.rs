@@ -10,9 +10,14 @@
 //! ..., `other` where the failure carried none),
 //! `onboard_blocks_total{path}`, `onboard_bytes_total{path}`,
 //! `onboard_failures_total` (requests), `transfer_seconds{path}` (histogram),
-//! `offload_queue_depth` and `onboards_in_flight` (gauges), and
+//! `offload_queue_depth` and `onboards_in_flight` (gauges),
 //! `hit_rate{tier}` (gauge, percent of prompt blocks over the last
-//! [`HIT_WINDOW`] matched requests).
+//! [`HIT_WINDOW`] matched requests), and for a G3 kept across restarts
+//! `g3_recovered_blocks_total` (found again at start),
+//! `g3_rejected_blocks_total` (left out at start: a record that was torn or
+//! damaged, or a block not every rank held) and `g3_unreadable_blocks_total`
+//! (blocks whose read failed, for a checksum or the disk; not read again
+//! until rewritten).
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, VecDeque};
@@ -211,6 +216,14 @@ pub struct TierStats {
     pub hits: [u64; 3],
     /// Blocks currently waiting in the offload queue.
     pub queue_depth: u64,
+    /// G3 blocks found again at start (a G3 kept across restarts).
+    pub g3_recovered: u64,
+    /// G3 blocks left out at start: torn or damaged records, blocks not
+    /// every rank held, slots G3 no longer has.
+    pub g3_rejected: u64,
+    /// G3 blocks whose read failed (checksum or disk), not read again
+    /// until written again.
+    pub g3_unreadable: u64,
 }
 
 impl TierStats {
@@ -284,6 +297,9 @@ pub(crate) struct EngineMetrics {
     window: Mutex<HitWindow>,
     /// Blocks registered in G3 before their write landed (write-behind).
     registered_ahead: AtomicU64,
+    g3_recovered: AtomicU64,
+    g3_rejected: AtomicU64,
+    g3_unreadable: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -330,6 +346,21 @@ impl EngineMetrics {
             "errno" => cause.label(),
         )
         .increment(blocks);
+    }
+
+    /// A kept G3 gave back `recovered` blocks at start and left out
+    /// `rejected`.
+    pub(crate) fn g3_reopened(&self, recovered: u64, rejected: u64) {
+        self.g3_recovered.fetch_add(recovered, Relaxed);
+        self.g3_rejected.fetch_add(rejected, Relaxed);
+        metrics::counter!("kvbm_g3_recovered_blocks_total").increment(recovered);
+        metrics::counter!("kvbm_g3_rejected_blocks_total").increment(rejected);
+    }
+
+    /// `blocks` G3 blocks could not be read back.
+    pub(crate) fn g3_unreadable(&self, blocks: u64) {
+        self.g3_unreadable.fetch_add(blocks, Relaxed);
+        metrics::counter!("kvbm_g3_unreadable_blocks_total").increment(blocks);
     }
 
     pub(crate) fn onboard_failed(&self) {
@@ -416,6 +447,9 @@ impl EngineMetrics {
         s.requests = self.requests.load(Relaxed);
         s.lookups = self.lookups.load(Relaxed);
         s.queue_depth = self.queue_depth.load(Relaxed);
+        s.g3_recovered = self.g3_recovered.load(Relaxed);
+        s.g3_rejected = self.g3_rejected.load(Relaxed);
+        s.g3_unreadable = self.g3_unreadable.load(Relaxed);
         s
     }
 }

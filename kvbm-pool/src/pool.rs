@@ -157,6 +157,18 @@ impl BlockPool {
             .collect())
     }
 
+    /// Blocks `ids`, those of them that are free, in `ids`' order: for a
+    /// tier whose memory kept its blocks across a restart, so each is
+    /// registered again in the slot that holds its bytes.
+    pub fn allocate_ids(&self, ids: &[u32]) -> Vec<MutableBlock> {
+        let store = self.store();
+        self.core
+            .take_ids(ids)
+            .into_iter()
+            .map(|id| MutableBlock::from_store(Arc::clone(&store), id))
+            .collect()
+    }
+
     /// Registers complete blocks (in order: a parent before its children)
     /// and returns a held handle per block, in the same order. A hash that is
     /// already registered is deduplicated per the pool's

@@ -340,6 +340,8 @@ impl Scheduler {
             let mover: Arc<dyn TierMover> = leader.mover();
             engine_config = engine_config.g3_staging_blocks(staging_blocks(&*mover, staging));
             let engine = Arc::new(TierEngine::with_mover(engine_config, mover)?);
+            // What the workers' kept G3 held before this engine started.
+            leader.restore_g3(&engine);
             Ok(Inner { engine, leader })
         })?;
         Ok(Scheduler {
@@ -661,6 +663,9 @@ impl Scheduler {
         d.set_item("hits_g2", s.hits[1])?;
         d.set_item("hits_g3", s.hits[2])?;
         d.set_item("queue_depth", s.queue_depth)?;
+        d.set_item("g3_recovered_blocks", s.g3_recovered)?;
+        d.set_item("g3_rejected_blocks", s.g3_rejected)?;
+        d.set_item("g3_unreadable_blocks", s.g3_unreadable)?;
         d.set_item("verify_mismatches", self.verify_mismatches()?)?;
         for (name, tier) in [("g2", Tier::G2), ("g3", Tier::G3)] {
             let held = engine

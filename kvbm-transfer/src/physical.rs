@@ -11,7 +11,9 @@ use std::sync::Arc;
 use kvbm_layout::Layout;
 
 use crate::error::{Result, TransferError};
-use crate::memory::{DISK_ALIGNMENT, DiskAllocator, MemoryKind, MemoryRegion, SystemAllocator};
+use crate::memory::{
+    DISK_ALIGNMENT, DiskAllocator, DiskFile, MemoryKind, MemoryRegion, SystemAllocator,
+};
 
 /// A layout and its regions.
 #[derive(Debug, Clone)]
@@ -71,6 +73,15 @@ impl PhysicalLayout {
     /// `LayoutConfig::with_alignment` or explicit strides), otherwise this is
     /// a [`TransferError::Misaligned`] naming the alignment.
     pub fn allocate_disk(layout: Layout, alloc: &DiskAllocator) -> Result<Self> {
+        let len = Self::disk_bytes(&layout, alloc.dir())?;
+        let file = alloc.allocate(len)?;
+        Self::on_disk_file(layout, file)
+    }
+
+    /// The bytes of the one disk file that holds every region of `layout`
+    /// ([`PhysicalLayout::allocate_disk`]'s rules; `dir` names where the
+    /// file goes in an error).
+    pub fn disk_bytes(layout: &Layout, dir: &std::path::Path) -> Result<u64> {
         let strides = layout.strides();
         for (what, value) in [
             ("chunk size", layout.config().chunk_bytes()),
@@ -83,17 +94,33 @@ impl PhysicalLayout {
                     alignment: DISK_ALIGNMENT,
                     what,
                     value,
-                    path: alloc.dir().to_path_buf(),
+                    path: dir.to_path_buf(),
                 });
             }
         }
+        let mut end = 0u64;
+        for r in 0..layout.num_regions() {
+            end += layout.region_size(r)?.div_ceil(DISK_ALIGNMENT) * DISK_ALIGNMENT;
+        }
+        Ok(end)
+    }
+
+    /// `layout` over `file` (of at least [`PhysicalLayout::disk_bytes`]),
+    /// each region starting on a [`DISK_ALIGNMENT`] boundary, in order.
+    pub fn on_disk_file(layout: Layout, file: Arc<DiskFile>) -> Result<Self> {
         let mut offsets = Vec::with_capacity(layout.num_regions());
         let mut end = 0u64;
         for r in 0..layout.num_regions() {
             offsets.push(end);
             end += layout.region_size(r)?.div_ceil(DISK_ALIGNMENT) * DISK_ALIGNMENT;
         }
-        let file = alloc.allocate(end)?;
+        if end > file.len() {
+            return Err(TransferError::InvalidRequest(format!(
+                "{} holds {} bytes; the layout needs {end}",
+                file.path().display(),
+                file.len()
+            )));
+        }
         let regions = offsets
             .iter()
             .enumerate()

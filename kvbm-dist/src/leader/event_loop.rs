@@ -218,7 +218,7 @@ impl EventLoop {
         Some(format!("instance degraded: rank {rank} is {why}"))
     }
 
-    fn start_copy(&mut self, c: CopyRequest) {
+    fn start_copy(&mut self, mut c: CopyRequest) {
         if let Some(why) = self.degraded() {
             c.completer.complete(nothing_landed(why, c.pairs));
             return;
@@ -238,12 +238,14 @@ impl EventLoop {
             return;
         }
         let (src, dst) = (c.src, c.dst);
+        let labels = std::mem::take(&mut c.labels);
         self.broadcast(c, |id, pairs| {
             Message::Transfer(Transfer {
                 id,
                 src,
                 dst,
                 pairs,
+                labels,
             })
         });
     }

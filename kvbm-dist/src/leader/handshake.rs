@@ -23,7 +23,7 @@ use kvbm_pool::Tier;
 
 use crate::auth::{InstanceSecret, hello_mac_ok};
 use crate::error::{DistError, Result};
-use crate::proto::{Configure, ErrorReply, Hello, Message, ProtoError, truncate};
+use crate::proto::{BlockLabel, Configure, ErrorReply, Hello, Message, ProtoError, truncate};
 use crate::transport::{RouterSocket, peer_name};
 
 use super::refusals::{RefusalCause, Refusals};
@@ -198,6 +198,8 @@ impl Handshake<'_> {
         }
 
         let mut ready = vec![false; world as usize];
+        let mut kept: Vec<Vec<(u32, BlockLabel)>> = vec![Vec::new(); world as usize];
+        let mut rejected_records = 0u64;
         let started = Instant::now();
         let deadline = started + self.config.handshake_timeout;
         let beat = self.config.heartbeat_interval;
@@ -212,9 +214,13 @@ impl Handshake<'_> {
                 return Err(self.timeout("ready", started, missing));
             }
             while let Some(r) = self.router.try_recv()? {
-                if let Some(rank) = self.on_ready_phase_frame(r.peer, r.message, &configure)? {
-                    tracing::info!(rank, "ready");
+                if let Some((rank, blocks, rejected)) =
+                    self.on_ready_phase_frame(r.peer, r.message, &configure)?
+                {
+                    tracing::info!(rank, kept_g3_blocks = blocks.len(), rejected, "ready");
                     ready[rank as usize] = true;
+                    kept[rank as usize] = blocks;
+                    rejected_records += rejected;
                 }
             }
             // Configured workers hear from the leader every heartbeat, so
@@ -231,6 +237,7 @@ impl Handshake<'_> {
             identities: self.hellos.values().map(|(p, _)| p.clone()).collect(),
             reference,
             configure,
+            kept_g3: kept_everywhere(kept, rejected_records),
         })
     }
 
@@ -286,13 +293,13 @@ impl Handshake<'_> {
     }
 
     /// Handles a frame while waiting for `Ready`; returns the rank that
-    /// became ready, if one did.
+    /// became ready, if one did, with the blocks its kept G3 holds.
     fn on_ready_phase_frame(
         &mut self,
         peer: Vec<u8>,
         message: std::result::Result<Message, ProtoError>,
         configure: &Configure,
-    ) -> Result<Option<u32>> {
+    ) -> Result<Option<ReadyRank>> {
         let rank = self.rank_of(&peer);
         match (rank, message) {
             (Some(rank), Ok(Message::Ready(m))) if m.rank == rank => {
@@ -305,7 +312,7 @@ impl Handshake<'_> {
                         ),
                     });
                 }
-                Ok(Some(rank))
+                Ok(Some((rank, m.recovered, m.rejected)))
             }
             (Some(rank), Ok(Message::Error(e))) => Err(DistError::Worker {
                 rank,
@@ -408,4 +415,40 @@ mod tests {
             "{text}"
         );
     }
+}
+
+/// The kept G3 blocks every rank holds in the same slot under the same
+/// label (a block is whole only with every rank's slice), and how many were
+/// left out: `rejected` records the ranks refused, plus the blocks some
+/// rank lacks (counted once per rank that holds them).
+fn kept_everywhere(per_rank: Vec<Vec<(u32, BlockLabel)>>, rejected: u64) -> KeptG3 {
+    let total: usize = per_rank.iter().map(Vec::len).sum();
+    let world = per_rank.len();
+    let mut ranks = per_rank.into_iter();
+    let Some(first) = ranks.next() else {
+        return KeptG3::default();
+    };
+    let mut blocks: Vec<(u32, BlockLabel)> = first;
+    for other in ranks {
+        let theirs: std::collections::HashSet<(u32, BlockLabel)> = other.into_iter().collect();
+        blocks.retain(|b| theirs.contains(b));
+    }
+    let partial = (total - blocks.len() * world) as u64;
+    KeptG3 {
+        blocks,
+        rejected: rejected + partial,
+    }
+}
+
+/// A rank that became ready: its rank, the blocks its kept G3 holds and
+/// the records it left out.
+type ReadyRank = (u32, Vec<(u32, BlockLabel)>, u64);
+
+/// What the ranks' kept G3 held at start.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct KeptG3 {
+    /// Blocks every rank holds: `(slot, label)`.
+    pub(crate) blocks: Vec<(u32, BlockLabel)>,
+    /// Blocks and records left out.
+    pub(crate) rejected: u64,
 }

@@ -53,6 +53,7 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use kvbm_block::SequenceHash;
 use kvbm_pool::{Tier, TierEngine};
 use parking_lot::{Condvar, Mutex};
 
@@ -255,10 +256,11 @@ impl PendingLeader {
     /// worker that said `Hello` is told to shut down.
     pub fn handshake(self) -> Result<Leader> {
         let mut refusals = refusals::Refusals::default();
-        let cluster = handshake::run(&self.router, &self.config, &self.secret, &mut refusals)?;
+        let mut cluster = handshake::run(&self.router, &self.config, &self.secret, &mut refusals)?;
         let (wake_tx, wake_rx) = wake_pair(&self.ctx)?;
         let wake = Arc::new(wake_tx);
         let (tx, rx) = mpsc::channel();
+        let kept_g3 = std::mem::take(&mut cluster.kept_g3);
         let mut initial = cluster.status();
         initial.refused = refusals.counts();
         let status = Arc::new(StatusCell::new(initial));
@@ -291,6 +293,7 @@ impl PendingLeader {
         Ok(Leader {
             tx,
             wake,
+            kept_g3,
             thread: Some(thread),
             mover,
             status,
@@ -308,6 +311,8 @@ pub(crate) struct Cluster {
     /// Rank 0's hello: the shape every rank (and every rejoining one) has.
     pub(crate) reference: crate::proto::Hello,
     pub(crate) configure: crate::proto::Configure,
+    /// What every rank's kept G3 held at start.
+    pub(crate) kept_g3: handshake::KeptG3,
 }
 
 impl Cluster {
@@ -422,6 +427,8 @@ pub(crate) enum Command {
 pub struct Leader {
     tx: mpsc::Sender<Command>,
     wake: Arc<WakeSender>,
+    /// What every rank's kept G3 held at start.
+    kept_g3: handshake::KeptG3,
     thread: Option<JoinHandle<()>>,
     mover: Arc<DistMover>,
     status: Arc<StatusCell>,
@@ -443,6 +450,35 @@ impl Leader {
     /// The distributed mover, for `TierEngine::with_mover` (or direct use).
     pub fn mover(&self) -> Arc<DistMover> {
         Arc::clone(&self.mover)
+    }
+
+    /// The blocks every rank's G3 held when it was opened, where G3 is
+    /// kept across restarts (`WorkerConfig::g3_identity`): `(slot,
+    /// label)`.
+    pub fn kept_g3(&self) -> &[(u32, crate::proto::BlockLabel)] {
+        &self.kept_g3.blocks
+    }
+
+    /// Registers [`Leader::kept_g3`] in `engine`'s G3 (built on this
+    /// leader's mover), so its first requests hit what the last engine
+    /// left on disk. Returns how many blocks it registered.
+    pub fn restore_g3(&self, engine: &TierEngine) -> usize {
+        let blocks: Vec<(u32, kvbm_pool::tier::G3Label)> = self
+            .kept_g3
+            .blocks
+            .iter()
+            .map(|&(slot, l)| (slot, (SequenceHash(l.hash), l.parent.map(SequenceHash))))
+            .collect();
+        let n = engine.restore_g3(&blocks, self.kept_g3.rejected);
+        if !blocks.is_empty() || self.kept_g3.rejected > 0 {
+            tracing::info!(
+                kept = blocks.len(),
+                registered = n,
+                rejected = self.kept_g3.rejected,
+                "G3 blocks found again"
+            );
+        }
+        n
     }
 
     /// A snapshot of the instance.

@@ -10,13 +10,14 @@ use std::sync::Arc;
 use std::sync::mpsc;
 
 use kvbm_pool::Tier;
-use kvbm_pool::tier::TierMover;
+use kvbm_pool::tier::{G3Label, TierMover};
 use kvbm_transfer::{
     CancelToken, Completer, Completion, TransferError, TransferFailure, TransferOutcome,
     completion_pair,
 };
 
 use crate::loan::{LocalRoute, RouteSlot};
+use crate::proto::BlockLabel;
 use crate::proto::TierBounds;
 use crate::transport::WakeSender;
 
@@ -27,6 +28,8 @@ pub(crate) struct CopyRequest {
     pub(crate) src: Tier,
     pub(crate) dst: Tier,
     pub(crate) pairs: Vec<(usize, usize)>,
+    /// Into G3: what each pair's block holds (or nothing).
+    pub(crate) labels: Vec<BlockLabel>,
     pub(crate) cancel: CancelToken,
     pub(crate) completer: Completer<TransferOutcome>,
 }
@@ -168,6 +171,40 @@ impl TierMover for DistMover {
         pairs: Vec<(usize, usize)>,
         cancel: CancelToken,
     ) -> Completion<TransferOutcome> {
+        self.run(src, dst, pairs, Vec::new(), cancel)
+    }
+
+    /// [`TierMover::copy`] into G3, the labels sent with the pairs: a
+    /// worker whose G3 outlives the engine records them.
+    fn copy_into_g3(
+        &self,
+        src: Tier,
+        pairs: Vec<(usize, usize)>,
+        labels: Vec<G3Label>,
+        cancel: CancelToken,
+    ) -> Completion<TransferOutcome> {
+        let labels = labels
+            .into_iter()
+            .map(|(hash, parent)| BlockLabel {
+                hash: hash.0,
+                parent: parent.map(|p| p.0),
+            })
+            .collect();
+        self.run(src, Tier::G3, pairs, labels, cancel)
+    }
+}
+
+impl DistMover {
+    /// Copies `pairs` on every worker (the in-process one's executor when
+    /// it lent it), with `labels` for a copy into G3.
+    fn run(
+        &self,
+        src: Tier,
+        dst: Tier,
+        pairs: Vec<(usize, usize)>,
+        labels: Vec<BlockLabel>,
+        cancel: CancelToken,
+    ) -> Completion<TransferOutcome> {
         if let Err(e) = self.check(src, dst, &pairs) {
             return Completion::ready(nothing_landed(e, pairs));
         }
@@ -175,24 +212,26 @@ impl TierMover for DistMover {
             return Completion::ready(Ok(kvbm_transfer::TransferReport::default()));
         }
         if let Some(route) = self.local_route()
-            && let (Some(s), Some(d)) = (route.tiers.end(src), route.tiers.end(dst))
+            && route.tiers.end(src).is_some()
+            && route.tiers.end(dst).is_some()
         {
-            let completion = route
-                .executor
-                .transfer_with(&s.layout, &d.layout, &pairs, cancel)
-                .into_completion();
-            let Some(sums) = route.tiers.checksums() else {
-                return completion;
-            };
-            // Verify mode: the same checks as on the worker's socket.
+            // The same checks and records as on the worker's socket.
             let (completer, settled) = completion_pair();
             let status = Arc::clone(&self.status);
-            sums.settle_later(s, d, pairs, completion, move |outcome, mismatches| {
-                if mismatches > 0 {
-                    status.update(|st| st.verify_mismatches += u64::from(mismatches));
-                }
-                completer.complete(outcome);
-            });
+            route.tiers.copy(
+                &route.executor,
+                src,
+                dst,
+                pairs,
+                labels,
+                cancel,
+                move |outcome, mismatches| {
+                    if mismatches > 0 {
+                        status.update(|st| st.verify_mismatches += u64::from(mismatches));
+                    }
+                    completer.complete(outcome);
+                },
+            );
             return settled;
         }
         let (completer, completion) = completion_pair();
@@ -200,6 +239,7 @@ impl TierMover for DistMover {
             src,
             dst,
             pairs,
+            labels,
             cancel,
             completer,
         };

@@ -127,6 +127,7 @@ impl Leader {
                 src: Tier::G2,
                 dst: Tier::G2,
                 pairs,
+                labels: Vec::new(),
                 cancel: CancelToken::new(),
                 completer,
             },

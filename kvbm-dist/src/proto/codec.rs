@@ -10,8 +10,8 @@ use kvbm_pool::Tier;
 
 use super::error::ProtoError;
 use super::schema::{
-    Ack, AckFailure, BlockPair, Configure, ErrorReply, Hello, Message, MessageKind, PeerInfo,
-    PeerRank, Probe, ProbeOp, ProbeReply, Ready, RemotePull, Transfer,
+    Ack, AckFailure, BlockLabel, BlockPair, Configure, ErrorReply, Hello, Message, MessageKind,
+    PeerInfo, PeerRank, Probe, ProbeOp, ProbeReply, Ready, RemotePull, Transfer,
 };
 use super::validate;
 use super::{
@@ -74,6 +74,12 @@ fn body(w: &mut Writer, message: &Message) -> Result<(), ProtoError> {
             w.u32(r.rank);
             w.u64(r.g2_blocks);
             w.u64(r.g3_blocks);
+            w.count(r.recovered.len(), MAX_PAIRS, "recovered blocks")?;
+            for &(slot, label) in &r.recovered {
+                w.u32(slot);
+                w.label(label);
+            }
+            w.u64(r.rejected);
         }
         Message::Error(e) => {
             w.opt_u64(e.transfer_id);
@@ -84,6 +90,10 @@ fn body(w: &mut Writer, message: &Message) -> Result<(), ProtoError> {
             w.u8(tier_code(t.src));
             w.u8(tier_code(t.dst));
             w.pairs(&t.pairs)?;
+            w.count(t.labels.len(), MAX_PAIRS, "block labels")?;
+            for &label in &t.labels {
+                w.label(label);
+            }
         }
         Message::Ack(a) => {
             w.u64(a.transfer_id);
@@ -153,6 +163,9 @@ fn body(w: &mut Writer, message: &Message) -> Result<(), ProtoError> {
     }
     Ok(())
 }
+
+/// Fewest bytes of a [`BlockLabel`] on the wire (a hash, no parent).
+const LABEL_BYTES: usize = 9;
 
 /// Decodes and validates one frame.
 pub fn decode(frame: &[u8]) -> Result<Message, ProtoError> {
@@ -226,6 +239,13 @@ fn decode_body(r: &mut Reader<'_>, kind: MessageKind) -> Result<Message, ProtoEr
             rank: r.u32("rank")?,
             g2_blocks: r.u64("g2 blocks")?,
             g3_blocks: r.u64("g3 blocks")?,
+            recovered: {
+                let n = r.count(MAX_PAIRS, 4 + LABEL_BYTES, "recovered blocks")?;
+                (0..n)
+                    .map(|_| Ok((r.u32("recovered slot")?, r.label()?)))
+                    .collect::<Result<_, ProtoError>>()?
+            },
+            rejected: r.u64("rejected records")?,
         }),
         MessageKind::Error => Message::Error(ErrorReply {
             transfer_id: r.opt_u64("transfer id")?,
@@ -236,6 +256,12 @@ fn decode_body(r: &mut Reader<'_>, kind: MessageKind) -> Result<Message, ProtoEr
             src: r.tier("source tier")?,
             dst: r.tier("destination tier")?,
             pairs: r.pairs("pairs")?,
+            labels: {
+                let n = r.count(MAX_PAIRS, LABEL_BYTES, "block labels")?;
+                (0..n)
+                    .map(|_| r.label())
+                    .collect::<Result<_, ProtoError>>()?
+            },
         }),
         MessageKind::Ack => {
             let transfer_id = r.u64("transfer id")?;
@@ -400,6 +426,10 @@ impl Writer {
         self.buf.extend_from_slice(b);
         Ok(())
     }
+    fn label(&mut self, label: BlockLabel) {
+        self.u64(label.hash);
+        self.opt_u64(label.parent);
+    }
     fn pairs(&mut self, pairs: &[BlockPair]) -> Result<(), ProtoError> {
         self.count(pairs.len(), MAX_PAIRS, "pairs")?;
         self.buf.reserve(pairs.len() * 8);
@@ -526,6 +556,13 @@ impl<'a> Reader<'a> {
             v.push((self.u32(what)?, self.u32(what)?));
         }
         Ok(v)
+    }
+
+    fn label(&mut self) -> Result<BlockLabel, ProtoError> {
+        Ok(BlockLabel {
+            hash: self.u64("block hash")?,
+            parent: self.opt_u64("parent hash")?,
+        })
     }
 
     fn tier(&mut self, what: &'static str) -> Result<Tier, ProtoError> {

@@ -24,8 +24,8 @@ mod validate;
 pub use codec::{decode, encode};
 pub use error::ProtoError;
 pub use schema::{
-    Ack, AckFailure, BlockPair, Configure, ErrorReply, Hello, InstanceId, Message, MessageKind,
-    PeerInfo, PeerRank, Probe, ProbeOp, ProbeReply, Ready, RemotePull, Transfer,
+    Ack, AckFailure, BlockLabel, BlockPair, Configure, ErrorReply, Hello, InstanceId, Message,
+    MessageKind, PeerInfo, PeerRank, Probe, ProbeOp, ProbeReply, Ready, RemotePull, Transfer,
 };
 pub use validate::TierBounds;
 
@@ -46,8 +46,10 @@ pub fn truncate(mut text: String) -> String {
 pub const MAGIC: [u8; 4] = *b"KVBD";
 /// The protocol version this build speaks (2: `Hello` carries a MAC; 3:
 /// an `Ack`'s failure carries the OS error number; 4: `Configure` carries
-/// the verify flag and an `Ack`'s failure its checksum mismatches).
-pub const PROTOCOL_VERSION: u16 = 4;
+/// the verify flag and an `Ack`'s failure its checksum mismatches; 5: a
+/// `Transfer` into G3 carries block labels and `Ready` the blocks a kept
+/// G3 held).
+pub const PROTOCOL_VERSION: u16 = 5;
 /// Bytes of the frame header.
 pub const HEADER_BYTES: usize = 12;
 /// Largest frame accepted (header included).

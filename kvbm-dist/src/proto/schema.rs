@@ -10,6 +10,8 @@
 use kvbm_layout::LayoutDescriptor;
 use kvbm_pool::Tier;
 
+pub use crate::g3_store::BlockLabel;
+
 /// One model instance (a leader and its workers) among several.
 pub type InstanceId = u64;
 
@@ -56,7 +58,7 @@ pub struct Configure {
 }
 
 /// A worker allocated what [`Configure`] asked for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ready {
     /// Its rank.
     pub rank: u32,
@@ -64,6 +66,11 @@ pub struct Ready {
     pub g2_blocks: u64,
     /// Blocks of G3 it holds.
     pub g3_blocks: u64,
+    /// The blocks its G3 held when opened, where G3 outlives the engine:
+    /// `(slot, what it holds)`.
+    pub recovered: Vec<(u32, BlockLabel)>,
+    /// Records its kept G3 left out when opened (torn or damaged).
+    pub rejected: u64,
 }
 
 /// A refusal or failure that has no better message.
@@ -86,6 +93,9 @@ pub struct Transfer {
     pub dst: Tier,
     /// Block pairs.
     pub pairs: Vec<BlockPair>,
+    /// Into G3: what each pair's block holds (one per pair), recorded
+    /// with it where G3 outlives the engine; empty otherwise.
+    pub labels: Vec<BlockLabel>,
 }
 
 /// Why part of a transfer did not land on a worker.

@@ -12,6 +12,10 @@ fn tier() -> impl Strategy<Value = Tier> {
     prop_oneof![Just(Tier::G1), Just(Tier::G2), Just(Tier::G3)]
 }
 
+fn label() -> impl Strategy<Value = BlockLabel> {
+    (any::<u64>(), any::<Option<u64>>()).prop_map(|(hash, parent)| BlockLabel { hash, parent })
+}
+
 fn pairs(max: usize) -> impl Strategy<Value = Vec<BlockPair>> {
     prop::collection::vec((any::<u32>(), any::<u32>()), 0..max)
 }
@@ -61,26 +65,39 @@ fn message() -> impl Strategy<Value = Message> {
                     verify,
                 })
             }),
-        (0..MAX_WORLD_SIZE, 0..=MAX_TIER_BLOCKS, 0..=MAX_TIER_BLOCKS).prop_map(|(rank, a, b)| {
-            Message::Ready(Ready {
-                rank,
-                g2_blocks: a,
-                g3_blocks: b,
-            })
-        }),
+        (
+            0..MAX_WORLD_SIZE,
+            0..=MAX_TIER_BLOCKS,
+            1..=MAX_TIER_BLOCKS,
+            proptest::collection::vec((any::<u32>(), label()), 0..6)
+        )
+            .prop_map(|(rank, a, b, kept)| {
+                Message::Ready(Ready {
+                    rank,
+                    g2_blocks: a,
+                    g3_blocks: b,
+                    recovered: kept.into_iter().map(|(s, l)| (s % b as u32, l)).collect(),
+                    rejected: a % 7,
+                })
+            }),
         (any::<Option<u64>>(), text()).prop_map(|(transfer_id, message)| {
             Message::Error(ErrorReply {
                 transfer_id,
                 message,
             })
         }),
-        (any::<u64>(), tier(), tier(), pairs(40))
-            .prop_filter("distinct tiers", |(_, s, d, _)| s != d)
-            .prop_map(|(id, src, dst, pairs)| Message::Transfer(Transfer {
+        (any::<u64>(), tier(), tier(), pairs(40), label())
+            .prop_filter("distinct tiers", |(_, s, d, _, _)| s != d)
+            .prop_map(|(id, src, dst, pairs, l)| Message::Transfer(Transfer {
                 id,
                 src,
                 dst,
-                pairs
+                labels: if dst == Tier::G3 {
+                    vec![l; pairs.len()]
+                } else {
+                    Vec::new()
+                },
+                pairs,
             })),
         (
             any::<u64>(),
@@ -303,6 +320,7 @@ fn semantic_errors_are_refused_both_ways() {
         src: t,
         dst: t,
         pairs: vec![],
+        labels: vec![],
     };
     assert!(encode(&Message::Transfer(within(Tier::G2))).is_ok());
     assert!(encode(&Message::Transfer(within(Tier::G1))).is_err());
@@ -312,7 +330,23 @@ fn semantic_errors_are_refused_both_ways() {
         src: Tier::G4,
         dst: Tier::G2,
         pairs: vec![],
+        labels: vec![],
     };
+    // Labels go into G3 only, one per pair.
+    let label = BlockLabel {
+        hash: 1,
+        parent: None,
+    };
+    let labelled = |dst: Tier, n: usize| Transfer {
+        id: 1,
+        src: Tier::G2,
+        dst,
+        pairs: vec![(0, 1), (1, 2)],
+        labels: vec![label; n],
+    };
+    assert!(encode(&Message::Transfer(labelled(Tier::G3, 2))).is_ok());
+    assert!(encode(&Message::Transfer(labelled(Tier::G3, 1))).is_err());
+    assert!(encode(&Message::Transfer(labelled(Tier::G1, 2))).is_err());
     assert!(matches!(
         encode(&Message::Transfer(g4)),
         Err(ProtoError::BadTier { .. })

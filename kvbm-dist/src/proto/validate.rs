@@ -69,7 +69,18 @@ pub(crate) fn message(m: &Message) -> Result<(), ProtoError> {
         Message::Ready(r) => {
             rank(r.rank)?;
             blocks("g2 blocks", r.g2_blocks)?;
-            blocks("g3 blocks", r.g3_blocks)
+            blocks("g3 blocks", r.g3_blocks)?;
+            if let Some(&(slot, _)) = r
+                .recovered
+                .iter()
+                .find(|(s, _)| u64::from(*s) >= r.g3_blocks)
+            {
+                return Err(invalid(
+                    "recovered blocks",
+                    format!("slot {slot} beyond {} G3 blocks", r.g3_blocks),
+                ));
+            }
+            Ok(())
         }
         Message::Transfer(t) => {
             local_tier("source tier", t.src)?;
@@ -80,6 +91,17 @@ pub(crate) fn message(m: &Message) -> Result<(), ProtoError> {
                 return Err(invalid(
                     "transfer",
                     format!("source and destination are both {:?}", t.src),
+                ));
+            }
+            if !t.labels.is_empty() && (t.dst != Tier::G3 || t.labels.len() != t.pairs.len()) {
+                return Err(invalid(
+                    "block labels",
+                    format!(
+                        "{} labels for {} pairs into {:?} (one per pair, into G3 only)",
+                        t.labels.len(),
+                        t.pairs.len(),
+                        t.dst
+                    ),
                 ));
             }
             Ok(())

@@ -70,9 +70,14 @@ struct Instance {
     leader: Leader,
     workers: Vec<JoinHandle<crate::Result<()>>>,
     g2: Vec<Arc<Mutex<Option<PhysicalLayout>>>>,
-    g3: Vec<tempfile::TempDir>,
+    g3: Vec<std::path::PathBuf>,
+    _g3_owned: Vec<tempfile::TempDir>,
     _dir: tempfile::TempDir,
 }
+
+/// Where workers keep G3 across restarts: one directory per rank, and the
+/// identity.
+type Kept<'a> = (&'a [std::path::PathBuf], &'a str);
 
 /// Where the workers' G1 lives.
 #[derive(Clone, Copy, PartialEq)]
@@ -92,6 +97,11 @@ fn start(world: u32, verify: bool) -> Instance {
 
 /// [`start`] with G1 in `memory`.
 fn start_on(world: u32, verify: bool, memory: Memory) -> Instance {
+    start_in(world, verify, memory, None)
+}
+
+/// [`start_on`], G3 kept in `kept`'s directories when given.
+fn start_in(world: u32, verify: bool, memory: Memory, kept: Option<Kept<'_>>) -> Instance {
     let dir = tempfile::tempdir().unwrap();
     let block = shape(1).block_bytes() * u64::from(world);
     let mut c = config(endpoint(&dir), world);
@@ -99,14 +109,23 @@ fn start_on(world: u32, verify: bool, memory: Memory) -> Instance {
     c.g3_bytes = G3_BLOCKS * block;
     c.verify = verify;
     let pending = PendingLeader::bind(c).unwrap();
-    let (mut workers, mut g2, mut g3) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut workers, mut g2, mut g3, mut owned) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for rank in 0..world {
-        let disk = tempfile::tempdir().unwrap();
+        let disk = match kept {
+            Some((dirs, _)) => dirs[rank as usize].clone(),
+            None => {
+                let d = tempfile::tempdir().unwrap();
+                let path = d.path().to_path_buf();
+                owned.push(d);
+                path
+            }
+        };
         let (g1, probe) = g1_in(memory);
         let mut wc = WorkerConfig::new(pending.endpoint(), INSTANCE, rank, world, g1, secret());
         wc.leader_timeout = Duration::from_secs(20);
         wc.probe = Some(probe);
-        wc.g3_dir = Some(disk.path().to_path_buf());
+        wc.g3_dir = Some(disk.clone());
+        wc.g3_identity = kept.map(|(_, identity)| identity.to_string());
         let seen: Arc<Mutex<Option<PhysicalLayout>>> = Arc::default();
         let keep = Arc::clone(&seen);
         wc.g2_allocator = Some(Box::new(move |layout| {
@@ -125,6 +144,7 @@ fn start_on(world: u32, verify: bool, memory: Memory) -> Instance {
         workers,
         g2,
         g3,
+        _g3_owned: owned,
         _dir: dir,
     }
 }
@@ -181,11 +201,17 @@ impl Instance {
         )
         .unwrap();
         let offset = layout.chunk(block, 1, 0).unwrap().offset + 3;
-        let path = std::fs::read_dir(self.g3[0].path())
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .find(|p| p.is_file())
-            .unwrap();
+        // A kept G3's data file, or the only file of one that is not kept.
+        let kept = self.g3[0].join("blocks");
+        let path = if kept.exists() {
+            kept
+        } else {
+            std::fs::read_dir(&self.g3[0])
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .find(|p| p.is_file())
+                .unwrap()
+        };
         let mut file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -197,6 +223,18 @@ impl Instance {
         file.write_all_at(&byte, offset).unwrap();
         file.flush().unwrap();
         file.sync_all().unwrap();
+    }
+
+    fn copy_into_g3(
+        &self,
+        src: Tier,
+        pairs: &[(usize, usize)],
+        labels: &[kvbm_pool::tier::G3Label],
+    ) -> TransferOutcome {
+        self.leader
+            .mover()
+            .copy_into_g3(src, pairs.to_vec(), labels.to_vec(), CancelToken::new())
+            .wait()
     }
 
     fn stop(self) {
@@ -393,7 +431,7 @@ fn sums_are_replaced_on_overwrite_and_cleared_on_failure() {
         tier: Tier::G2,
         layout: PhysicalLayout::allocate_system(l, &SystemAllocator::new()).unwrap(),
     };
-    let sums = Checksums::new(&g1.layout);
+    let sums = Checksums::new(&g1.layout, crate::verify::Tracked::ALL);
     let ok = || Ok(kvbm_transfer::TransferReport::default());
     let (out, n) = sums.settle(&g1, &g2, &[(0, 1)], ok());
     assert!(out.is_ok() && n == 0);
@@ -423,4 +461,83 @@ fn sums_are_replaced_on_overwrite_and_cleared_on_failure() {
     assert_eq!(n, 1);
     assert!(out.unwrap_err().to_string().contains("checksum mismatch"));
     assert_eq!(sums.mismatches(), 1);
+}
+
+fn label(hash: u64, parent: Option<u64>) -> kvbm_pool::tier::G3Label {
+    (
+        kvbm_block::SequenceHash(hash),
+        parent.map(kvbm_block::SequenceHash),
+    )
+}
+
+/// Writes labelled blocks into a kept G3, stops, starts again on the same
+/// directories: the blocks are found on every rank and load back intact;
+/// a byte changed on disk while the engine was down is caught on load; a
+/// G3 kept under another identity gives nothing back.
+fn kept_g3_outlives_the_instance(world: u32) {
+    let dirs: Vec<tempfile::TempDir> = (0..world).map(|_| tempfile::tempdir().unwrap()).collect();
+    let paths: Vec<std::path::PathBuf> = dirs.iter().map(|d| d.path().to_path_buf()).collect();
+    let kept = Some((&paths[..], "model: tiny"));
+    let i = start_in(world, false, Memory::Host, kept);
+    assert!(i.leader.kept_g3().is_empty());
+    i.fill(&SEEDS);
+    i.copy(Tier::G1, Tier::G2, &[(1, 10), (2, 11)]).unwrap();
+    let labels = [label(100, None), label(101, Some(100))];
+    i.copy_into_g3(Tier::G2, &[(10, 3), (11, 5)], &labels)
+        .unwrap();
+    // Written without a label: not kept.
+    i.copy(Tier::G2, Tier::G3, &[(10, 7)]).unwrap();
+    i.stop();
+
+    let i = start_in(world, false, Memory::Host, kept);
+    let found: Vec<(u32, u64)> = i
+        .leader
+        .kept_g3()
+        .iter()
+        .map(|(s, l)| (*s, l.hash))
+        .collect();
+    assert_eq!(found, vec![(3, 100), (5, 101)]);
+    assert_eq!(i.leader.kept_g3()[1].1.parent, Some(100));
+    let engine = kvbm_pool::TierEngine::with_mover(
+        kvbm_pool::tier::TierEngineConfig::new(16),
+        i.leader.mover(),
+    )
+    .unwrap();
+    assert_eq!(i.leader.restore_g3(&engine), 2);
+    let g3 = engine.pool(Tier::G3).unwrap();
+    assert!(
+        g3.contains(kvbm_block::SequenceHash(100)) && g3.contains(kvbm_block::SequenceHash(101))
+    );
+    drop(engine);
+    i.copy(Tier::G3, Tier::G1, &[(3, 8), (5, 9)]).unwrap();
+    assert!(
+        i.wrong(&[(8, 11), (9, 12)]).is_empty(),
+        "kept blocks load back intact"
+    );
+    i.stop();
+
+    let i = start_in(world, false, Memory::Host, kept);
+    i.corrupt_g3(5);
+    let out = i.copy(Tier::G3, Tier::G1, &[(3, 8), (5, 9)]);
+    failed_on_checksum(out, &[(3, 8)], &[(5, 9)]);
+    assert!(i.mismatches() >= 1);
+    i.stop();
+
+    let other = Some((&paths[..], "model: other"));
+    let i = start_in(world, false, Memory::Host, other);
+    assert!(
+        i.leader.kept_g3().is_empty(),
+        "another identity reuses nothing"
+    );
+    i.stop();
+}
+
+#[test]
+fn a_kept_g3_outlives_the_instance_over_the_lent_route() {
+    kept_g3_outlives_the_instance(1);
+}
+
+#[test]
+fn a_kept_g3_outlives_the_instance_over_the_socket() {
+    kept_g3_outlives_the_instance(2);
 }

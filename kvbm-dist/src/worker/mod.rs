@@ -49,7 +49,8 @@ use crate::proto::{
     ProbeReply, Ready, TierBounds, Transfer, truncate,
 };
 use crate::transport::{DealerSocket, WakeSender, drain_disconnects, wake_pair};
-pub(crate) use tiers::Tiers;
+use kvbm_pool::Tier;
+pub(crate) use tiers::{G3Place, Tiers};
 
 /// What a worker needs to start.
 pub struct WorkerConfig {
@@ -68,6 +69,12 @@ pub struct WorkerConfig {
     pub g1: PhysicalLayout,
     /// Directory for the G3 file; without one a non-zero G3 size is refused.
     pub g3_dir: Option<PathBuf>,
+    /// Keeps G3 across restarts: what its bytes mean (the engine's model,
+    /// dtype, block size, hash scheme, parallelism). A worker started
+    /// again with the same identity and directory finds every block G3
+    /// held ([`crate::g3_store`]); `None`: G3 starts empty and its file is
+    /// removed at exit.
+    pub g3_identity: Option<String>,
     /// Moves the bytes; `None` assembles one for G1's memory
     /// ([`default_executor`]).
     pub executor: Option<Executor>,
@@ -112,6 +119,7 @@ impl WorkerConfig {
             secret,
             g1,
             g3_dir: None,
+            g3_identity: None,
             executor: None,
             #[cfg(feature = "fault-injection")]
             fault_delay: Duration::ZERO,
@@ -248,6 +256,7 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
         remote: remote::RemoteState::default(),
         tiers: Tiers::new(config.g1.clone()),
         g3_dir: config.g3_dir.clone(),
+        g3_identity: config.g3_identity.clone(),
         probe: config.probe.take(),
         g2_allocator: config.g2_allocator.take(),
         executor,
@@ -386,6 +395,7 @@ struct Worker {
     g2_allocator: Option<G2Allocator>,
     tiers: Tiers,
     g3_dir: Option<PathBuf>,
+    g3_identity: Option<String>,
     executor: Executor,
     fault_delay: Duration,
     inflight: HashMap<u64, CancelToken>,
@@ -432,12 +442,14 @@ impl Worker {
         if !self.inflight.is_empty() {
             return error_reply(None, "configure while transfers are in flight".into());
         }
-        match self.tiers.configure(
-            &c,
-            self.g3_dir.as_deref(),
-            &self.executor,
-            self.g2_allocator.as_deref(),
-        ) {
+        let g3 = self.g3_dir.as_deref().map(|dir| G3Place {
+            dir,
+            identity: self.g3_identity.as_deref(),
+        });
+        match self
+            .tiers
+            .configure(&c, g3, &self.executor, self.g2_allocator.as_deref())
+        {
             Ok(()) => {
                 // The agent exposed the G2 just replaced: peers reconnect.
                 self.remote = remote::RemoteState::default();
@@ -449,6 +461,14 @@ impl Worker {
                     rank: self.rank,
                     g2_blocks: c.g2_blocks,
                     g3_blocks: c.g3_blocks,
+                    recovered: self
+                        .tiers
+                        .recovered()
+                        .iter()
+                        .take(crate::proto::MAX_PAIRS)
+                        .map(|r| (r.slot, r.label))
+                        .collect(),
+                    rejected: self.tiers.rejected(),
                 })
             }
             Err(e) => {
@@ -523,26 +543,19 @@ impl Worker {
         if let Err(e) = bounds.check_pairs(t.src, t.dst, &t.pairs) {
             return refuse(e.to_string(), t.pairs);
         }
-        let (Some(src), Some(dst)) = (self.tiers.layout(t.src), self.tiers.layout(t.dst)) else {
+        if self.tiers.layout(t.src).is_none() || self.tiers.layout(t.dst).is_none() {
             return refuse(format!("{:?} -> {:?}: tier absent", t.src, t.dst), t.pairs);
-        };
-        let verify = match (
-            self.tiers.checksums(),
-            self.tiers.end(t.src),
-            self.tiers.end(t.dst),
-        ) {
-            (Some(sums), Some(s), Some(d)) => Some((Arc::clone(sums), s, d)),
-            _ => None,
-        };
+        }
         let cancel = CancelToken::new();
         self.inflight.insert(t.id, cancel.clone());
         let job = Job {
-            verify,
+            tiers: self.tiers.clone(),
             id: t.id,
             rank: self.rank,
-            src: src.clone(),
-            dst: dst.clone(),
+            src: t.src,
+            dst: t.dst,
             pairs: t.pairs,
+            labels: t.labels,
             cancel,
             executor: self.executor.clone(),
             acks: self.acks.clone(),
@@ -577,17 +590,15 @@ fn error_reply(transfer_id: Option<u64>, message: String) -> Message {
 
 /// One transfer on its way to the executor.
 struct Job {
-    /// Verify mode: the table and the copy's ends.
-    verify: Option<(
-        Arc<crate::verify::Checksums>,
-        crate::verify::End,
-        crate::verify::End,
-    )>,
+    /// The worker's tiers (and their checksums and G3 records).
+    tiers: Tiers,
     id: u64,
     rank: u32,
-    src: PhysicalLayout,
-    dst: PhysicalLayout,
+    src: Tier,
+    dst: Tier,
     pairs: Vec<BlockPair>,
+    /// What each block written into a kept G3 holds (or nothing).
+    labels: Vec<crate::g3_store::BlockLabel>,
     cancel: CancelToken,
     executor: Executor,
     acks: mpsc::Sender<Message>,
@@ -601,28 +612,24 @@ impl Job {
             .iter()
             .map(|&(s, d)| (s as usize, d as usize))
             .collect();
-        let handle = self
-            .executor
-            .transfer_with(&self.src, &self.dst, &pairs, self.cancel);
         let (id, rank, acks, wake) = (self.id, self.rank, self.acks, self.wake);
-        let completion = handle.into_completion();
-        match self.verify {
-            Some((sums, src, dst)) => {
-                let settled = pairs.clone();
-                sums.settle_later(src, dst, settled, completion, move |outcome, mismatches| {
-                    let mut ack = ack_of(id, rank, &pairs, outcome);
-                    if let Some(f) = &mut ack.failure {
-                        f.checksum_mismatches = mismatches;
-                    }
-                    let _ = acks.send(Message::Ack(ack));
-                    wake.wake();
-                });
-            }
-            None => completion.on_complete(move |outcome| {
-                let _ = acks.send(Message::Ack(ack_of(id, rank, &pairs, outcome)));
+        let settled = pairs.clone();
+        self.tiers.copy(
+            &self.executor,
+            self.src,
+            self.dst,
+            settled,
+            self.labels,
+            self.cancel,
+            move |outcome, mismatches| {
+                let mut ack = ack_of(id, rank, &pairs, outcome);
+                if let Some(f) = &mut ack.failure {
+                    f.checksum_mismatches = mismatches;
+                }
+                let _ = acks.send(Message::Ack(ack));
                 wake.wake();
-            }),
-        }
+            },
+        );
     }
 }
 

@@ -62,6 +62,7 @@ fn hostile_requests_are_refused_and_the_worker_carries_on() {
             src,
             dst,
             pairs,
+            labels: Vec::new(),
         })
     };
     send(&t(1, Tier::G1, Tier::G2, vec![(0, 0)]));

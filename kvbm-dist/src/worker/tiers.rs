@@ -6,15 +6,30 @@
 //! block shape; G3's blocks are padded to the disk alignment.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use kvbm_layout::{Layout, LayoutKind};
 use kvbm_pool::Tier;
+use kvbm_pool::rate_limit::{RateLimit, WARN_EVERY};
 use kvbm_transfer::memory::{DISK_ALIGNMENT, DiskAllocator, DiskOptions, IoMode, SystemAllocator};
-use kvbm_transfer::{Executor, PhysicalLayout};
+use kvbm_transfer::{
+    CancelToken, Completion, Executor, PhysicalLayout, TransferError, TransferFailure,
+    TransferOutcome,
+};
 
 use crate::error::{DistError, Result};
+use crate::g3_store::{BlockLabel, G3Store, Recovered};
 use crate::proto::{Configure, TierBounds};
-use crate::verify::{Checksums, End};
+use crate::verify::{Checksums, End, Tracked};
+
+/// Where a worker's G3 lives.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct G3Place<'a> {
+    /// Its directory.
+    pub(crate) dir: &'a Path,
+    /// Set: G3 is kept across restarts under this identity.
+    pub(crate) identity: Option<&'a str>,
+}
 
 /// Whether every chunk of G1 starts and ends on the disk alignment (device
 /// memory always counts as aligned: it reaches disk through a bounce
@@ -45,9 +60,16 @@ pub(crate) struct Tiers {
     g1: PhysicalLayout,
     g2: Option<PhysicalLayout>,
     g3: Option<PhysicalLayout>,
-    /// Verify mode: the sums of G2's and G3's blocks, shared by every
-    /// route that copies on these tiers (the worker's and a lent one).
-    checksums: Option<std::sync::Arc<Checksums>>,
+    /// The sums of G2's and G3's blocks in verify mode, of G3's where G3
+    /// is kept; shared by every route that copies on these tiers (the
+    /// worker's and a lent one).
+    checksums: Option<Arc<Checksums>>,
+    /// G3's records, where G3 is kept across restarts.
+    store: Option<Arc<G3Store>>,
+    /// The blocks a kept G3 held when it was opened.
+    recovered: Arc<[Recovered]>,
+    /// Records a kept G3 left out when opened.
+    rejected: u64,
 }
 
 impl Tiers {
@@ -57,6 +79,9 @@ impl Tiers {
             g2: None,
             g3: None,
             checksums: None,
+            store: None,
+            recovered: Arc::from(Vec::new()),
+            rejected: 0,
         }
     }
 
@@ -64,7 +89,7 @@ impl Tiers {
     pub(crate) fn configure(
         &mut self,
         c: &Configure,
-        g3_dir: Option<&Path>,
+        g3_place: Option<G3Place<'_>>,
         executor: &Executor,
         g2_allocator: Option<&(dyn Fn(Layout) -> Result<PhysicalLayout> + Send)>,
     ) -> Result<()> {
@@ -87,14 +112,16 @@ impl Tiers {
                 Some(l)
             }
         };
-        let g3 = match (c.g3_blocks, g3_dir) {
-            (0, _) => None,
+        // The old store lets go of its directory before it is opened again.
+        self.store = None;
+        let (g3, store, recovered, rejected) = match (c.g3_blocks, g3_place) {
+            (0, _) => (None, None, Vec::new(), 0),
             (_, None) => {
                 return Err(DistError::InvalidConfig(
                     "G3 requested but this worker has no disk directory".into(),
                 ));
             }
-            (n, Some(dir)) => {
+            (n, Some(place)) => {
                 let config = shape
                     .with_num_blocks(blocks(n)?)?
                     .with_alignment(DISK_ALIGNMENT)?;
@@ -103,30 +130,106 @@ impl Tiers {
                 // every host address aligned, which an engine's host
                 // tensors (a CPU engine's KV cache) need not be: then G3 is
                 // read and written through the page cache.
-                let options = DiskOptions {
-                    io_mode: if disk_aligned(&self.g1) {
-                        IoMode::Auto
-                    } else {
-                        tracing::info!("G1 is not disk-aligned host memory: G3 uses buffered I/O");
-                        IoMode::Buffered
-                    },
-                    ..DiskOptions::default()
+                let io_mode = if disk_aligned(&self.g1) {
+                    IoMode::Auto
+                } else {
+                    tracing::info!("G1 is not disk-aligned host memory: G3 uses buffered I/O");
+                    IoMode::Buffered
                 };
-                let alloc = DiskAllocator::new(dir, options)?;
-                Some(PhysicalLayout::allocate_disk(layout, &alloc)?)
+                match place.identity {
+                    Some(identity) => {
+                        let (store, g3, recovery) =
+                            G3Store::open_free(place.dir, identity, layout, io_mode)?;
+                        let rejected = recovery.rejected;
+                        (Some(g3), Some(Arc::new(store)), recovery.blocks, rejected)
+                    }
+                    None => {
+                        let options = DiskOptions {
+                            io_mode,
+                            ..DiskOptions::default()
+                        };
+                        let alloc = DiskAllocator::new(place.dir, options)?;
+                        let g3 = PhysicalLayout::allocate_disk(layout, &alloc)?;
+                        (Some(g3), None, Vec::new(), 0)
+                    }
+                }
             }
         };
         self.g2 = g2;
         self.g3 = g3;
-        // New tiers hold nothing yet: no sums carry over.
-        self.checksums = c
-            .verify
-            .then(|| std::sync::Arc::new(Checksums::new(&self.g1)));
+        // New tiers hold nothing yet, but what a kept G3 found again: its
+        // records carry the sums.
+        let tracked = Tracked {
+            g2: c.verify,
+            g3: c.verify || store.is_some(),
+        };
+        self.checksums = (tracked.g2 || tracked.g3).then(|| {
+            let sums = Checksums::new(&self.g1, tracked);
+            sums.seed(Tier::G3, recovered.iter().map(|r| (r.slot, r.sum)));
+            Arc::new(sums)
+        });
+        self.store = store;
+        self.recovered = Arc::from(recovered);
+        self.rejected = rejected;
         Ok(())
     }
 
+    /// The blocks a kept G3 held when it was opened.
+    pub(crate) fn recovered(&self) -> &[Recovered] {
+        &self.recovered
+    }
+
+    /// Records a kept G3 left out when opened.
+    pub(crate) fn rejected(&self) -> u64 {
+        self.rejected
+    }
+
+    /// Copies `pairs` from `src` to `dst` on `executor`, checks them where
+    /// checksums are kept, and records in a kept G3 the blocks `labels`
+    /// names (one per pair, or none) once they landed. Calls `done` with
+    /// the settled outcome and the number of checksum mismatches.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn copy(
+        &self,
+        executor: &Executor,
+        src: Tier,
+        dst: Tier,
+        pairs: Vec<(usize, usize)>,
+        labels: Vec<BlockLabel>,
+        cancel: CancelToken,
+        done: impl FnOnce(TransferOutcome, u32) + Send + 'static,
+    ) {
+        let (Some(s), Some(d)) = (self.end(src), self.end(dst)) else {
+            return done(failed(format!("{src:?} -> {dst:?}: tier absent"), pairs), 0);
+        };
+        let store = self.store.clone().filter(|_| dst == Tier::G3);
+        if let Some(store) = &store {
+            // A slot about to be written names nothing until it landed.
+            let slots: Vec<u32> = pairs.iter().map(|p| p.1 as u32).collect();
+            if let Err(e) = store.forget(&slots) {
+                return done(failed(format!("G3 records: {e}"), pairs), 0);
+            }
+        }
+        let completion: Completion<TransferOutcome> = executor
+            .transfer_with(&s.layout, &d.layout, &pairs, cancel)
+            .into_completion();
+        let Some(sums) = self.checksums.clone() else {
+            return completion.on_complete(move |outcome| done(outcome, 0));
+        };
+        let settled = pairs.clone();
+        let keep = store.filter(|_| labels.len() == pairs.len());
+        let table = Arc::clone(&sums);
+        sums.settle_later(s, d, settled, completion, move |outcome, mismatches| {
+            if let Some(store) = keep {
+                commit(&store, &table, &pairs, &labels, &outcome);
+            }
+            done(outcome, mismatches);
+        });
+    }
+
     /// The checksums of G2 and G3, in verify mode.
-    pub(crate) fn checksums(&self) -> Option<&std::sync::Arc<Checksums>> {
+    #[cfg(feature = "nixl")]
+    pub(crate) fn checksums(&self) -> Option<&Arc<Checksums>> {
         self.checksums.as_ref()
     }
 
@@ -178,4 +281,47 @@ fn default_g2(g1: kvbm_transfer::MemoryKind, layout: Layout) -> Result<PhysicalL
         layout,
         &SystemAllocator::new(),
     )?)
+}
+
+/// A copy of which nothing landed.
+fn failed(message: String, pairs: Vec<(usize, usize)>) -> TransferOutcome {
+    Err(Box::new(TransferFailure {
+        error: TransferError::InvalidRequest(message),
+        completed: Vec::new(),
+        failed: pairs,
+        culprit: None,
+    }))
+}
+
+/// Records in `store` the labelled blocks of a copy into G3 that landed and
+/// passed their checks.
+fn commit(
+    store: &G3Store,
+    sums: &Checksums,
+    pairs: &[(usize, usize)],
+    labels: &[BlockLabel],
+    outcome: &TransferOutcome,
+) {
+    let landed: std::collections::HashSet<(usize, usize)> = match outcome {
+        Ok(_) => pairs.iter().copied().collect(),
+        Err(f) => f.completed.iter().copied().collect(),
+    };
+    let blocks: Vec<(u32, BlockLabel, u64)> = pairs
+        .iter()
+        .zip(labels)
+        .filter(|(p, _)| landed.contains(p))
+        .filter_map(|(&(_, d), &label)| {
+            let slot = d as u32;
+            sums.get(Tier::G3, slot).map(|sum| (slot, label, sum))
+        })
+        .collect();
+    if let Err(e) = store.commit(&blocks) {
+        static WARN: RateLimit = RateLimit::new(WARN_EVERY);
+        if let Some(held_back) = WARN.check() {
+            tracing::warn!(
+                held_back,
+                "G3 records not written ({e}): those blocks will not outlive this engine"
+            );
+        }
+    }
 }

@@ -58,6 +58,8 @@ use crate::rate_limit::{RateLimit, WARN_EVERY, held_back_note};
 pub(super) struct Write {
     /// The G3 block written.
     g3: u32,
+    /// What it holds.
+    label: super::mover::G3Label,
     /// The path it counts on (G2 → G3, or G1 → G3).
     path: Path,
     /// The staging slot holding its bytes until the write ended.
@@ -178,6 +180,7 @@ pub(super) fn write(
                 complete.push(c);
                 queued.push(Write {
                     g3: g3_id,
+                    label: (v.hash, v.parent),
                     path,
                     slot,
                 });
@@ -242,11 +245,12 @@ pub(super) fn start(shared: &Arc<Shared>, batch: Vec<Write>) {
         .iter()
         .map(|w| (w.slot.ids()[0] as usize, w.g3 as usize))
         .collect();
+    let labels = batch.iter().map(|w| w.label).collect();
     let started = Instant::now();
     let waker = Arc::clone(shared);
     shared
         .mover
-        .copy(Tier::G2, Tier::G3, pairs.clone(), CancelToken::new())
+        .copy_into_g3(Tier::G2, pairs.clone(), labels, CancelToken::new())
         .on_complete(move |outcome| {
             let took = started.elapsed();
             let ok: HashSet<(usize, usize)> = match &outcome {
@@ -328,6 +332,32 @@ pub(crate) fn wait_readable(shared: &Shared, ids: &[u32]) -> Result<(), Transfer
             os_error: f.os_error,
         }),
     }
+}
+
+/// Marks the G3 slots of the reads in `outcome` that did not land (their
+/// bytes failed their checksum, or the disk failed them) as unreadable
+/// until they are written again, as a failed write leaves them: no match
+/// finds their blocks and no read tries them again. Cancelled reads are
+/// not marked. `pairs` are the read's `(G3 slot, destination)` pairs.
+pub(crate) fn reads_ended(shared: &Shared, outcome: &kvbm_transfer::TransferOutcome) {
+    let Err(f) = outcome else {
+        return;
+    };
+    if matches!(f.error, TransferError::Cancelled) || f.failed.is_empty() {
+        return;
+    }
+    let why = WriteFailed {
+        message: format!("its bytes could not be read back: {}", f.error),
+        os_error: f.error.os_error(),
+    };
+    let mut s = shared.offload.state.lock();
+    for &(g3, _) in &f.failed {
+        if let Ok(id) = u32::try_from(g3) {
+            s.writes.failed.insert(id, why.clone());
+        }
+    }
+    drop(s);
+    shared.metrics.g3_unreadable(f.failed.len() as u64);
 }
 
 /// How many of `ids` (G3 blocks, in prefix order) come before the first

@@ -12,6 +12,10 @@ use kvbm_transfer::{CancelToken, Completion, Executor, PhysicalLayout, TransferO
 
 use super::{TierError, TierLayouts};
 use crate::config::Tier;
+use kvbm_block::SequenceHash;
+
+/// What a block written into G3 holds: its sequence hash and its parent's.
+pub type G3Label = (SequenceHash, Option<SequenceHash>);
 
 /// Moves block bytes between tiers for a [`super::TierEngine`].
 ///
@@ -39,6 +43,21 @@ pub trait TierMover: Send + Sync + 'static {
         pairs: Vec<(usize, usize)>,
         cancel: CancelToken,
     ) -> Completion<TransferOutcome>;
+
+    /// [`TierMover::copy`] into G3, with what each target block holds
+    /// (`labels[i]`, its sequence hash and its parent's, for `pairs[i]`):
+    /// a mover whose G3 outlives the engine records it with the bytes, so
+    /// a restarted engine finds the block again; others ignore it.
+    fn copy_into_g3(
+        &self,
+        src: Tier,
+        pairs: Vec<(usize, usize)>,
+        labels: Vec<G3Label>,
+        cancel: CancelToken,
+    ) -> Completion<TransferOutcome> {
+        let _ = labels;
+        self.copy(src, Tier::G3, pairs, cancel)
+    }
 
     /// The tier's memory in this process, where there is one (tests and
     /// benchmarks fill and check bytes through it).

@@ -445,6 +445,9 @@ pub(crate) fn start(
                         &shared2.rates.g3
                     };
                     rate.observe_outcome(&outcome, submitted);
+                    if path == 1 {
+                        super::behind::reads_ended(&shared2, &outcome);
+                    }
                     job2.record(path, outcome);
                     job2.arrive(&shared2);
                 }),

@@ -319,7 +319,10 @@ pub(crate) fn start(shared: &Arc<Shared>, segments: &[Segment]) -> Option<Arc<Pr
     shared
         .mover
         .copy(Tier::G3, Tier::G2, pairs, prefetch.cancel.clone())
-        .on_complete(move |outcome| p2.read_ended(&shared2, outcome, started));
+        .on_complete(move |outcome| {
+            super::behind::reads_ended(&shared2, &outcome);
+            p2.read_ended(&shared2, outcome, started)
+        });
     Some(prefetch)
 }
 

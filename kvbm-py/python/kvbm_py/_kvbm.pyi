@@ -178,6 +178,7 @@ class Worker:
         secret_file: str,
         device: int | None = None,
         g3_dir: str | None = None,
+        g3_identity: str | None = None,
         instance: int = 0,
         leader_timeout_s: float = 600.0,
         transfer_delay_ms: int = 0,

@@ -22,6 +22,8 @@ _SOURCES: dict[str, tuple[tuple[str, ...], Any]] = {
     "cpu_cache_gb": (("KVBM_CPU_CACHE_GB", "DYN_KVBM_CPU_CACHE_GB"), 4.0),
     "disk_cache_gb": (("KVBM_DISK_CACHE_GB", "DYN_KVBM_DISK_CACHE_GB"), 0.0),
     "disk_cache_dir": (("KVBM_DISK_CACHE_DIR", "DYN_KVBM_DISK_CACHE_DIR"), None),
+    "disk_cache_keep": (("KVBM_DISK_CACHE_KEEP",), True),
+    "disk_cache_foreign": (("KVBM_DISK_CACHE_FOREIGN",), "remove"),
     "offload": (("KVBM_OFFLOAD",), "eager"),
     "admission": (("KVBM_ADMISSION",), "reuse_score"),
     "load_async": (("KVBM_LOAD_ASYNC",), True),
@@ -34,6 +36,10 @@ _SOURCES: dict[str, tuple[tuple[str, ...], Any]] = {
 }
 
 OFFLOAD_MODES = ("eager", "finish", "none")
+FOREIGN_POLICIES = ("remove", "keep")
+
+#: Names of the G3 directories kept across restarts, before their digest.
+KEPT_PREFIX = "kept-"
 
 #: Test hooks: keys the test suite sets, never read from the environment.
 _TEST_KEYS = ("test_corrupt_onboard", "test_fail_onboards", "test_transfer_delay_ms", "test_stats_path")
@@ -96,6 +102,14 @@ class KvbmConfig:
     disk_cache_gb: float = 0.0
     #: Directory of the G3 files; a temporary directory when unset.
     disk_cache_dir: str | None = None
+    #: G3 outlives the engine: a restarted engine of the same model and
+    #: settings finds every block it held (needs ``PYTHONHASHSEED``, see
+    #: ``docs/vllm.md``).
+    disk_cache_keep: bool = True
+    #: What happens to the kept G3 of another model or setting found in
+    #: ``disk_cache_dir`` at start (no engine using it): ``remove`` or
+    #: ``keep``.
+    disk_cache_foreign: str = "remove"
     #: When full blocks are offloaded: ``eager`` (as they fill), ``finish``
     #: (when the request finishes) or ``none``.
     offload: str = "eager"
@@ -166,6 +180,8 @@ class KvbmConfig:
             cpu_cache_gb=_as_size(values["cpu_cache_gb"], "cpu_cache_gb"),
             disk_cache_gb=_as_size(values["disk_cache_gb"], "disk_cache_gb"),
             disk_cache_dir=values["disk_cache_dir"],
+            disk_cache_keep=_as_bool(values["disk_cache_keep"], "disk_cache_keep"),
+            disk_cache_foreign=str(values["disk_cache_foreign"]),
             offload=str(values["offload"]),
             admission=str(values["admission"]),
             load_async=_as_bool(values["load_async"], "load_async"),
@@ -184,6 +200,10 @@ class KvbmConfig:
         )
         if not 0 <= cfg.metrics_port <= 65535:
             raise ValueError(f"kvbm: metrics_port={cfg.metrics_port} is not a TCP port")
+        if cfg.disk_cache_foreign not in FOREIGN_POLICIES:
+            raise ValueError(
+                f"kvbm: disk_cache_foreign={cfg.disk_cache_foreign!r}: expected one of {FOREIGN_POLICIES}"
+            )
         if cfg.offload not in OFFLOAD_MODES:
             raise ValueError(f"kvbm: offload={cfg.offload!r}: expected one of {OFFLOAD_MODES}")
         return cfg
@@ -217,11 +237,19 @@ class KvbmConfig:
         first of its processes to start draws it, the others read it."""
         return os.path.join(tempfile.gettempdir(), f"kvbm-{_digest(engine_id)}.secret")
 
+    def g3_base(self) -> str:
+        """The directory G3 directories go in."""
+        return self.disk_cache_dir or os.path.join(tempfile.gettempdir(), "kvbm-g3")
+
     def g3_dir(self, engine_id: str, rank: int) -> str | None:
         """The G3 directory of ``rank`` (created), or None without G3."""
         if self.disk_cache_gb <= 0:
             return None
-        base = self.disk_cache_dir or os.path.join(tempfile.gettempdir(), "kvbm-g3")
-        path = os.path.join(base, f"{_digest(engine_id)}-rank{rank}")
+        path = os.path.join(self.g3_base(), f"{_digest(engine_id)}-rank{rank}")
         os.makedirs(path, exist_ok=True)
         return path
+
+    def kept_g3_dir(self, identity: str, rank: int) -> str:
+        """The G3 directory of ``rank`` kept across restarts under
+        ``identity`` (the same for every engine of that identity)."""
+        return os.path.join(self.g3_base(), f"{KEPT_PREFIX}{_digest(identity)}-rank{rank}")

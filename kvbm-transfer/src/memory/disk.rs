@@ -92,7 +92,45 @@ impl DiskAllocator {
         self.allocate_reserving(len, true)
     }
 
+    /// Creates the file `name` in the directory, of at least `len` bytes,
+    /// reserved as [`DiskAllocator::allocate`] does: for a file that is
+    /// found again by its name (a G3 that outlives its process). A file of
+    /// that name already there is an error.
+    pub fn allocate_named(&self, name: &str, len: u64) -> Result<Arc<DiskFile>> {
+        let path = self.dir.join(name);
+        self.allocate_at(len, false, || {
+            let n = NEXT_FILE.fetch_add(1, Ordering::Relaxed);
+            open_file(&path, self.options.io_mode, true)
+                .map(|(file, direct)| Some((n, path.clone(), file, direct)))
+        })
+    }
+
     fn allocate_reserving(&self, len: u64, force_zero_fill: bool) -> Result<Arc<DiskFile>> {
+        self.allocate_at(len, force_zero_fill, || {
+            let n = NEXT_FILE.fetch_add(1, Ordering::Relaxed);
+            let path = self.dir.join(stale::file_name(std::process::id(), n));
+            match open_file(&path, self.options.io_mode, true) {
+                Ok((file, direct)) => Ok(Some((n, path, file, direct))),
+                // A file of an earlier process that had this pid: never
+                // reused, the next number is taken instead.
+                Err(TransferError::Alloc { source, .. })
+                    if source.kind() == io::ErrorKind::AlreadyExists =>
+                {
+                    Ok(None)
+                }
+                Err(e) => Err(e),
+            }
+        })
+    }
+
+    /// Creates a file with `create` (retried while it returns `None`),
+    /// locks it and reserves `len` bytes of it.
+    fn allocate_at(
+        &self,
+        len: u64,
+        force_zero_fill: bool,
+        mut create: impl FnMut() -> Result<Option<(u64, PathBuf, File, bool)>>,
+    ) -> Result<Arc<DiskFile>> {
         if len == 0 {
             return Err(TransferError::InvalidRequest(
                 "cannot allocate an empty disk file".into(),
@@ -103,15 +141,8 @@ impl DiskAllocator {
         // sweep for stale files never sees it unlocked.
         let dir_lock = stale::lock_dir(&self.dir, false);
         let (n, path, file, direct) = loop {
-            let n = NEXT_FILE.fetch_add(1, Ordering::Relaxed);
-            let path = self.dir.join(stale::file_name(std::process::id(), n));
-            match open_file(&path, self.options.io_mode, true) {
-                Ok((file, direct)) => break (n, path, file, direct),
-                // A file of an earlier process that had this pid: never
-                // reused, the next number is taken instead.
-                Err(TransferError::Alloc { source, .. })
-                    if source.kind() == io::ErrorKind::AlreadyExists => {}
-                Err(e) => return Err(e),
+            if let Some(made) = create()? {
+                break made;
             }
         };
         let locked = stale::try_lock(&file);

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvbm_py import Worker, instance_files
 from kvbm_py.config import KvbmConfig
+from kvbm_py.vllm import kept_g3
 from kvbm_py.vllm.common import engine_id, instance_of, log, world_size
 from kvbm_py.vllm.metadata import KvbmMetadata
 
@@ -62,6 +63,7 @@ class WorkerSide:
         self.files = instance_files.InstanceLock(self.config.files_digest(eid))
         atexit.register(self.files.release)
         specs = [(int(t.data_ptr()), list(t.shape), list(t.stride())) for t in tensors]
+        g3_dir, g3_identity = self._g3_place(eid, rank)
         self.worker = Worker(
             self.config.endpoint_for(eid),
             rank,
@@ -72,7 +74,8 @@ class WorkerSide:
             tuple(tensors),
             self.config.secret_file_for(eid),
             device=device,
-            g3_dir=self.config.g3_dir(eid, rank),
+            g3_dir=g3_dir,
+            g3_identity=g3_identity,
             instance=instance_of(eid),
             transfer_delay_ms=self.config.test_transfer_delay_ms,
         )
@@ -82,6 +85,23 @@ class WorkerSide:
             "kvbm: rank %d registered %d KV tensors of shape %s (%d bytes per block)",
             rank, len(tensors), tuple(first.shape), self.worker.block_bytes,
         )
+
+    def _g3_place(self, eid: str, rank: int) -> tuple[str | None, str | None]:
+        """The rank's G3 directory, and the identity it is kept under
+        across restarts (None: it is not kept)."""
+        if self.config.disk_cache_gb <= 0:
+            return None, None
+        if self.config.disk_cache_keep:
+            ident, why = kept_g3.identity(self.vllm_config)
+            if ident is not None:
+                kept_g3.sweep_foreign(self.config, ident)
+                return self.config.kept_g3_dir(ident, rank), ident
+            log.warning(
+                "kvbm: G3 is not kept across restarts: %s; set PYTHONHASHSEED "
+                "(e.g. PYTHONHASHSEED=0) to keep it, or disk_cache_keep=false "
+                "to silence this", why,
+            )
+        return self.config.g3_dir(eid, rank), None
 
     def bind(self, meta: KvbmMetadata) -> None:
         self._sending.update(meta.finished_sending)

@@ -1,0 +1,512 @@
+//! A G3 that outlives its process: a worker's disk tier that a restarted
+//! engine of the same identity opens again, with every block it held.
+//!
+//! One directory per rank holds:
+//! - `identity`: what the bytes mean (the engine's model, dtype, block
+//!   size, hash scheme, parallelism, given by the caller) and the block
+//!   geometry and format version added here. A directory of another
+//!   identity never has a byte reused: it is emptied and started again.
+//! - `blocks`: the data, one G3 block after another ([`PhysicalLayout`]
+//!   over one disk file, as a G3 that is not kept).
+//! - `slots`: a header, then one [`RECORD_BYTES`] record per block slot:
+//!   the block's sequence hash, its parent's, and the checksum of its bytes
+//!   ([`kvbm_transfer::checksum`]), sealed by a check over the slot number
+//!   and those fields. A record whose check fails is empty.
+//! - `lock`: held (`flock`) for as long as the store is open; a second
+//!   engine opening the same directory gets an error, never shared bytes.
+//!
+//! The order that keeps every served byte right, whatever moment a crash
+//! (a `kill -9`, a power loss) picks:
+//! 1. before a slot is written, its record is emptied ([`G3Store::forget`]);
+//! 2. the block's bytes are written;
+//! 3. once they landed, the record names the block and its checksum
+//!    ([`G3Store::commit`]).
+//!
+//! So a record names either nothing or a block whose bytes were fully
+//! written once; a torn write leaves an empty record. Bytes changed later
+//! at rest (a bad disk, a stray write) still pass the record's check:
+//! that is what the checksum is for, checked on every read out of G3, so
+//! such a block is refused and recomputed rather than served.
+//!
+//! Records go through the page cache, so a killed process loses none;
+//! [`G3Store::commit`] makes them durable (`fdatasync` of both files) at
+//! most every [`SYNC_EVERY`], and dropping the store does once more, so a
+//! power loss costs at most the blocks of the last interval.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, ErrorKind};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvbm_layout::Layout;
+use kvbm_transfer::PhysicalLayout;
+use kvbm_transfer::memory::{DiskAllocator, DiskFile, DiskOptions, IoMode, try_lock_exclusive};
+use parking_lot::Mutex;
+
+use crate::error::DistError;
+
+/// The on-disk format this code writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+/// Bytes of one slot record.
+pub const RECORD_BYTES: u64 = 32;
+/// Bytes before the first record.
+const HEADER_BYTES: u64 = 4096;
+/// Marks a `slots` file.
+const MAGIC: &[u8; 8] = b"KVBMG3SL";
+/// Longest time a committed record may stay only in the page cache.
+pub const SYNC_EVERY: Duration = Duration::from_secs(1);
+
+/// Most G3 directories of one identity and rank on one host.
+pub const MAX_SIBLINGS: u32 = 16;
+
+const IDENTITY_FILE: &str = "identity";
+const BLOCKS_FILE: &str = "blocks";
+const SLOTS_FILE: &str = "slots";
+const LOCK_FILE: &str = "lock";
+
+/// What a G3 block holds: its sequence hash and its parent's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BlockLabel {
+    /// The block's sequence hash.
+    pub hash: u64,
+    /// The sequence hash of the block before it, if any.
+    pub parent: Option<u64>,
+}
+
+/// A block found again when a store was opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Recovered {
+    /// Its G3 slot.
+    pub slot: u32,
+    /// What it holds.
+    pub label: BlockLabel,
+    /// The checksum of its bytes, as written.
+    pub sum: u64,
+}
+
+/// What opening a store found.
+#[derive(Debug, Clone, Default)]
+pub struct Recovery {
+    /// Blocks whose records are sound, in slot order.
+    pub blocks: Vec<Recovered>,
+    /// Records that were neither empty nor sound (torn or damaged): their
+    /// slots are free.
+    pub rejected: u64,
+    /// Why nothing was reused, when the directory was started afresh
+    /// (`None`: reopened).
+    pub started_fresh: Option<String>,
+    /// Time spent opening, recovery included.
+    pub took: Duration,
+}
+
+/// One rank's G3 directory, open (see the module).
+#[derive(Debug)]
+pub struct G3Store {
+    dir: PathBuf,
+    slots: File,
+    data: Arc<DiskFile>,
+    num_blocks: u32,
+    last_sync: Mutex<Instant>,
+    /// Held while open.
+    _lock: File,
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> DistError {
+    let what = what.into();
+    move |source| DistError::File { what, source }
+}
+
+/// The full identity a directory is written under: the caller's, the block
+/// geometry and the format.
+fn full_identity(identity: &str, layout: &Layout) -> String {
+    let c = layout.config();
+    format!(
+        "{}\nkvbm-g3-format: {FORMAT_VERSION}\nblocks: {}\nlayers: {}\nouter: {}\npage_size: {}\ninner: {}\ndtype_bytes: {}\nalignment: {}\nkind: {:?}\n",
+        identity.trim_end(),
+        c.num_blocks(),
+        c.num_layers(),
+        c.outer_dim(),
+        c.page_size(),
+        c.inner_dim(),
+        c.dtype_bytes(),
+        c.alignment(),
+        layout.kind(),
+    )
+}
+
+/// The check sealing a record of `slot`.
+fn seal(slot: u32, label: BlockLabel, sum: u64) -> u64 {
+    let mut h = kvbm_transfer::checksum::BlockChecksum::new();
+    h.update(&u64::from(slot).to_le_bytes());
+    h.update(&label.hash.to_le_bytes());
+    h.update(&label.parent.unwrap_or(0).to_le_bytes());
+    h.update(&[u8::from(label.parent.is_some()); 8]);
+    h.update(&sum.to_le_bytes());
+    // Never 0: an all-zero record is an empty one.
+    h.digest() | 1
+}
+
+/// The record bytes of `slot` holding `label` and `sum`.
+fn encode(slot: u32, label: BlockLabel, sum: u64) -> [u8; RECORD_BYTES as usize] {
+    let mut r = [0u8; RECORD_BYTES as usize];
+    r[0..8].copy_from_slice(&label.hash.to_le_bytes());
+    let parent = label.parent.unwrap_or(0);
+    r[8..16].copy_from_slice(&parent.to_le_bytes());
+    r[16..24].copy_from_slice(&sum.to_le_bytes());
+    // The low bit of the seal is always 1; the next one says whether there
+    // is a parent.
+    let flag = if label.parent.is_some() { 2 } else { 0 };
+    r[24..32].copy_from_slice(&((seal(slot, label, sum) & !2) | flag).to_le_bytes());
+    r
+}
+
+/// What record `r` of `slot` says: `Ok(None)` for an empty one, `Err(())`
+/// for one that is neither empty nor sound.
+fn decode(slot: u32, r: &[u8]) -> Result<Option<(BlockLabel, u64)>, ()> {
+    let word = |i: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&r[i * 8..i * 8 + 8]);
+        u64::from_le_bytes(b)
+    };
+    let (hash, parent, sum, check) = (word(0), word(1), word(2), word(3));
+    if check == 0 {
+        return if hash == 0 && parent == 0 && sum == 0 {
+            Ok(None)
+        } else {
+            Err(())
+        };
+    }
+    let label = BlockLabel {
+        hash,
+        parent: (check & 2 != 0).then_some(parent),
+    };
+    if label.parent.is_none() && parent != 0 {
+        return Err(());
+    }
+    if (seal(slot, label, sum) & !2) | (check & 2) != check {
+        return Err(());
+    }
+    Ok(Some((label, sum)))
+}
+
+fn header(num_blocks: u32) -> Vec<u8> {
+    let mut h = vec![0u8; HEADER_BYTES as usize];
+    h[0..8].copy_from_slice(MAGIC);
+    h[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    h[12..16].copy_from_slice(&num_blocks.to_le_bytes());
+    h
+}
+
+impl G3Store {
+    /// Opens the store in `dir` (created if missing) for blocks of
+    /// `layout` (a G3 layout: one file, regions aligned for the disk)
+    /// under `identity`. Reopens what a process of the same identity and
+    /// geometry left there; otherwise empties the directory first, saying
+    /// why in [`Recovery::started_fresh`] and a log line. Returns the store,
+    /// G3's memory over its data file, and what was found.
+    pub fn open(
+        dir: &Path,
+        identity: &str,
+        layout: Layout,
+        io_mode: IoMode,
+    ) -> Result<(G3Store, PhysicalLayout, Recovery), DistError> {
+        let started = Instant::now();
+        let num_blocks = u32::try_from(layout.config().num_blocks()).map_err(|_| {
+            DistError::InvalidConfig(format!(
+                "{} G3 blocks: at most {} can be kept",
+                layout.config().num_blocks(),
+                u32::MAX
+            ))
+        })?;
+        std::fs::create_dir_all(dir).map_err(io_err(format!("directory {}", dir.display())))?;
+        let lock = lock_dir(dir)?;
+        let identity = full_identity(identity, &layout);
+        let bytes = PhysicalLayout::disk_bytes(&layout, dir)?;
+        let reason = match std::fs::read_to_string(dir.join(IDENTITY_FILE)) {
+            Ok(found) if found == identity => None,
+            Ok(_) => Some("it was written under another identity".to_string()),
+            Err(e) if e.kind() == ErrorKind::NotFound => Some(String::new()),
+            Err(e) => Some(format!("its identity cannot be read ({e})")),
+        };
+        let alloc = DiskAllocator::new(
+            dir,
+            DiskOptions {
+                io_mode,
+                persist: true,
+            },
+        )?;
+        let reopened = match reason {
+            None => Self::reopen(dir, io_mode, bytes, num_blocks),
+            Some(r) => Err(r),
+        };
+        let (data, slots, blocks, rejected, started_fresh) = match reopened {
+            Ok((data, slots, blocks, rejected)) => (data, slots, blocks, rejected, None),
+            Err(reason) => {
+                if !reason.is_empty() {
+                    tracing::warn!(dir = %dir.display(), "G3 directory emptied: {reason}");
+                }
+                let (data, slots) = Self::create(dir, &alloc, &identity, bytes, num_blocks)?;
+                let reason = if reason.is_empty() {
+                    "the directory held no G3".to_string()
+                } else {
+                    reason
+                };
+                (data, slots, Vec::new(), 0, Some(reason))
+            }
+        };
+        let g3 = PhysicalLayout::on_disk_file(layout, Arc::clone(&data))?;
+        let store = G3Store {
+            dir: dir.to_path_buf(),
+            slots,
+            data,
+            num_blocks,
+            last_sync: Mutex::new(Instant::now()),
+            _lock: lock,
+        };
+        let recovery = Recovery {
+            blocks,
+            rejected,
+            started_fresh,
+            took: started.elapsed(),
+        };
+        tracing::info!(
+            dir = %dir.display(),
+            recovered = recovery.blocks.len(),
+            rejected = recovery.rejected,
+            took_ms = recovery.took.as_secs_f64() * 1e3,
+            fresh = recovery.started_fresh.as_deref().unwrap_or("no"),
+            "G3 opened"
+        );
+        Ok((store, g3, recovery))
+    }
+
+    /// [`G3Store::open`] on `dir`, or, while another engine of the same
+    /// identity holds it, on `dir.2`, `dir.3`, ... (up to [`MAX_SIBLINGS`]):
+    /// engines of one identity on one host each keep a G3 of their own,
+    /// and a restarted one takes the first that is free.
+    pub fn open_free(
+        dir: &Path,
+        identity: &str,
+        layout: Layout,
+        io_mode: IoMode,
+    ) -> Result<(G3Store, PhysicalLayout, Recovery), DistError> {
+        let mut last = None;
+        for n in 1..=MAX_SIBLINGS {
+            let candidate = if n == 1 {
+                dir.to_path_buf()
+            } else {
+                let mut name = dir.as_os_str().to_owned();
+                name.push(format!(".{n}"));
+                PathBuf::from(name)
+            };
+            match Self::open(&candidate, identity, layout.clone(), io_mode) {
+                Err(DistError::G3InUse(p)) => last = Some(p),
+                other => return other,
+            }
+        }
+        Err(DistError::G3InUse(
+            last.unwrap_or_else(|| dir.to_path_buf()),
+        ))
+    }
+
+    /// Opens the files of a directory of the right identity and reads its
+    /// records; `Err(reason)` when they do not fit.
+    #[allow(clippy::type_complexity)]
+    fn reopen(
+        dir: &Path,
+        io_mode: IoMode,
+        bytes: u64,
+        num_blocks: u32,
+    ) -> Result<(Arc<DiskFile>, File, Vec<Recovered>, u64), String> {
+        let data = DiskFile::open(dir.join(BLOCKS_FILE), io_mode)
+            .map_err(|e| format!("its data file cannot be opened ({e})"))?;
+        if data.len() < bytes {
+            data.set_persist(false);
+            return Err(format!(
+                "its data file holds {} bytes, {bytes} are needed",
+                data.len()
+            ));
+        }
+        let slots = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(dir.join(SLOTS_FILE))
+            .map_err(|e| format!("its slot records cannot be opened ({e})"))?;
+        let mut all = vec![0u8; (HEADER_BYTES + u64::from(num_blocks) * RECORD_BYTES) as usize];
+        slots
+            .read_exact_at(&mut all, 0)
+            .map_err(|e| format!("its slot records cannot be read ({e})"))?;
+        if all[..HEADER_BYTES as usize] != header(num_blocks)[..] {
+            return Err("its slot records have another format or size".into());
+        }
+        let mut blocks = Vec::new();
+        let mut rejected = 0u64;
+        for (slot, r) in all[HEADER_BYTES as usize..]
+            .chunks_exact(RECORD_BYTES as usize)
+            .enumerate()
+        {
+            let slot = slot as u32;
+            match decode(slot, r) {
+                Ok(None) => {}
+                Ok(Some((label, sum))) => blocks.push(Recovered { slot, label, sum }),
+                Err(()) => rejected += 1,
+            }
+        }
+        Ok((data, slots, blocks, rejected))
+    }
+
+    /// Empties `dir` and writes a new store: data and records first, the
+    /// identity last, so a crash while creating leaves a directory that is
+    /// started afresh again.
+    fn create(
+        dir: &Path,
+        alloc: &DiskAllocator,
+        identity: &str,
+        bytes: u64,
+        num_blocks: u32,
+    ) -> Result<(Arc<DiskFile>, File), DistError> {
+        for name in [IDENTITY_FILE, BLOCKS_FILE, SLOTS_FILE] {
+            match std::fs::remove_file(dir.join(name)) {
+                Ok(()) => {}
+                Err(e) if e.kind() == ErrorKind::NotFound => {}
+                Err(e) => return Err(io_err(format!("remove {}", dir.join(name).display()))(e)),
+            }
+        }
+        let data = alloc.allocate_named(BLOCKS_FILE, bytes)?;
+        let path = dir.join(SLOTS_FILE);
+        let slots = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(io_err(format!("create {}", path.display())))?;
+        let len = HEADER_BYTES + u64::from(num_blocks) * RECORD_BYTES;
+        slots
+            .set_len(len)
+            .and_then(|()| slots.write_all_at(&header(num_blocks), 0))
+            .and_then(|()| slots.sync_all())
+            .map_err(io_err(format!("write {}", path.display())))?;
+        let tmp = dir.join(format!("{IDENTITY_FILE}.tmp"));
+        std::fs::write(&tmp, identity)
+            .and_then(|()| File::open(&tmp)?.sync_all())
+            .and_then(|()| std::fs::rename(&tmp, dir.join(IDENTITY_FILE)))
+            .and_then(|()| File::open(dir)?.sync_all())
+            .map_err(io_err(format!(
+                "write {}",
+                dir.join(IDENTITY_FILE).display()
+            )))?;
+        Ok((data, slots))
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Blocks the store holds room for.
+    pub fn num_blocks(&self) -> u32 {
+        self.num_blocks
+    }
+
+    fn write_record(&self, slot: u32, record: &[u8]) -> io::Result<()> {
+        if slot >= self.num_blocks {
+            return Err(io::Error::new(
+                ErrorKind::InvalidInput,
+                format!("G3 slot {slot} beyond {} slots", self.num_blocks),
+            ));
+        }
+        self.slots
+            .write_all_at(record, HEADER_BYTES + u64::from(slot) * RECORD_BYTES)
+    }
+
+    /// Empties the records of `slots`: call before writing them.
+    pub fn forget(&self, slots: &[u32]) -> io::Result<()> {
+        let empty = [0u8; RECORD_BYTES as usize];
+        slots.iter().try_for_each(|&s| self.write_record(s, &empty))
+    }
+
+    /// Empties every record (the cache was reset).
+    pub fn forget_all(&self) -> io::Result<()> {
+        let zeros = vec![0u8; (u64::from(self.num_blocks) * RECORD_BYTES) as usize];
+        self.slots.write_all_at(&zeros, HEADER_BYTES)
+    }
+
+    /// Records that each `(slot, label, sum)` block landed: call once its
+    /// bytes are written. Makes the records durable when the last time was
+    /// more than [`SYNC_EVERY`] ago.
+    pub fn commit(&self, blocks: &[(u32, BlockLabel, u64)]) -> io::Result<()> {
+        for &(slot, label, sum) in blocks {
+            self.write_record(slot, &encode(slot, label, sum))?;
+        }
+        let due = {
+            let mut last = self.last_sync.lock();
+            let due = last.elapsed() >= SYNC_EVERY;
+            if due {
+                *last = Instant::now();
+            }
+            due
+        };
+        if due { self.sync() } else { Ok(()) }
+    }
+
+    /// Makes every written block and record durable.
+    pub fn sync(&self) -> io::Result<()> {
+        // SAFETY: the descriptor is the data file's, open while `self.data`
+        // lives; fdatasync reads nothing from memory.
+        let rc = unsafe { libc::fdatasync(self.data.raw_fd()) };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        self.slots.sync_data()
+    }
+
+    /// Writes a record torn after `bytes` of its bytes, as a crash in the
+    /// middle of [`G3Store::commit`] can leave it.
+    #[cfg(test)]
+    pub(crate) fn commit_torn(&self, slot: u32, label: BlockLabel, sum: u64, bytes: usize) {
+        let r = encode(slot, label, sum);
+        self.write_record(slot, &r[..bytes.min(r.len())]).unwrap();
+    }
+}
+
+impl Drop for G3Store {
+    fn drop(&mut self) {
+        if let Err(e) = self.sync() {
+            tracing::warn!(dir = %self.dir.display(), "G3 records not made durable: {e}");
+        }
+    }
+}
+
+/// Takes `dir`'s lock: an error naming the directory when another process
+/// holds it.
+fn lock_dir(dir: &Path) -> Result<File, DistError> {
+    let path = dir.join(LOCK_FILE);
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(io_err(format!("open {}", path.display())))?;
+    match try_lock_exclusive(&file) {
+        Ok(true) => Ok(file),
+        Ok(false) => Err(DistError::G3InUse(dir.to_path_buf())),
+        Err(e) => Err(io_err(format!("lock {}", path.display()))(e)),
+    }
+}
+
+/// Whether `dir` holds a G3 store that no process has open.
+pub fn is_unused_store(dir: &Path) -> bool {
+    if !dir.join(SLOTS_FILE).exists() && !dir.join(IDENTITY_FILE).exists() {
+        return false;
+    }
+    match File::open(dir.join(LOCK_FILE)) {
+        Ok(f) => try_lock_exclusive(&f).unwrap_or(false),
+        Err(_) => true,
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,283 @@
+//! The store's files across crashes: a proptest over the moment a crash
+//! stops a sequence of block writes, then units for identities and locks.
+
+use std::collections::HashMap;
+use std::fs::OpenOptions;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use kvbm_layout::{Layout, LayoutConfig, LayoutKind};
+use kvbm_transfer::PhysicalLayout;
+use kvbm_transfer::memory::{DISK_ALIGNMENT, IoMode};
+use proptest::prelude::*;
+
+use super::*;
+use crate::verify::block_sum;
+
+const BLOCKS: usize = 6;
+
+fn layout(blocks: usize) -> Layout {
+    let config = LayoutConfig::new(blocks, 2, 2, 16, 128, 2)
+        .unwrap()
+        .with_alignment(DISK_ALIGNMENT)
+        .unwrap();
+    Layout::new(config, LayoutKind::FullyContiguous).unwrap()
+}
+
+fn open(dir: &Path, identity: &str) -> (G3Store, PhysicalLayout, Recovery) {
+    G3Store::open(dir, identity, layout(BLOCKS), IoMode::Buffered).unwrap()
+}
+
+/// The bytes of the block labelled `tag`.
+fn bytes_of(tag: u64, len: usize) -> Vec<u8> {
+    let mut x = tag.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn block_bytes() -> usize {
+    layout(BLOCKS).config().block_bytes() as usize
+}
+
+/// Writes `data` over block `slot` of the store's data file (a fully
+/// contiguous layout: one extent per block).
+fn write_block(dir: &Path, g3: &PhysicalLayout, slot: u32, data: &[u8]) {
+    let stride = g3.layout().strides().block;
+    let f = OpenOptions::new()
+        .write(true)
+        .open(dir.join("blocks"))
+        .unwrap();
+    f.write_all_at(data, u64::from(slot) * stride).unwrap();
+}
+
+fn label(tag: u64) -> BlockLabel {
+    BlockLabel {
+        hash: tag,
+        parent: (!tag.is_multiple_of(3)).then_some(tag ^ 0x55),
+    }
+}
+
+/// Where in one block write a crash stops it.
+#[derive(Debug, Clone, Copy)]
+enum Crash {
+    /// Before anything.
+    Before,
+    /// After the record was emptied, before any byte.
+    AfterForget,
+    /// With this many of the block's bytes written.
+    TornData(usize),
+    /// After the bytes, before the record.
+    BeforeCommit,
+    /// With this many of the record's bytes written.
+    TornRecord(usize),
+}
+
+fn crash() -> impl Strategy<Value = Crash> {
+    prop_oneof![
+        Just(Crash::Before),
+        Just(Crash::AfterForget),
+        (0usize..16384).prop_map(Crash::TornData),
+        Just(Crash::BeforeCommit),
+        (0usize..=32).prop_map(Crash::TornRecord),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// Writes blocks into slots (some slots again), stops at a crash
+    /// point, reopens: every block found verifies and holds the bytes
+    /// written under its label, and every block committed before the crash
+    /// and not overwritten since is found.
+    #[test]
+    fn a_crash_anywhere_serves_no_wrong_byte_and_loses_no_committed_block(
+        writes in proptest::collection::vec((0u32..BLOCKS as u32, 1u64..12), 1..14),
+        crash_at in 0usize..14,
+        how in crash(),
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let len = block_bytes();
+        let mut committed: HashMap<u32, u64> = HashMap::new();
+        {
+            let (store, g3, _) = open(dir.path(), "model: m");
+            for (i, &(slot, tag)) in writes.iter().enumerate() {
+                let data = bytes_of(tag, len);
+                let sum_of = |g3: &PhysicalLayout| block_sum(g3, slot as usize).unwrap();
+                if i == crash_at.min(writes.len() - 1) {
+                    match how {
+                        Crash::Before => {}
+                        Crash::AfterForget => store.forget(&[slot]).unwrap(),
+                        Crash::TornData(n) => {
+                            store.forget(&[slot]).unwrap();
+                            write_block(dir.path(), &g3, slot, &data[..n.min(len)]);
+                        }
+                        Crash::BeforeCommit => {
+                            store.forget(&[slot]).unwrap();
+                            write_block(dir.path(), &g3, slot, &data);
+                        }
+                        Crash::TornRecord(n) => {
+                            store.forget(&[slot]).unwrap();
+                            write_block(dir.path(), &g3, slot, &data);
+                            store.commit_torn(slot, label(tag), sum_of(&g3), n);
+                        }
+                    }
+                    if !matches!(how, Crash::Before) {
+                        committed.remove(&slot);
+                    }
+                    break;
+                }
+                store.forget(&[slot]).unwrap();
+                committed.remove(&slot);
+                write_block(dir.path(), &g3, slot, &data);
+                store.commit(&[(slot, label(tag), sum_of(&g3))]).unwrap();
+                committed.insert(slot, tag);
+            }
+        }
+        let (_store, g3, recovery) = open(dir.path(), "model: m");
+        prop_assert!(recovery.started_fresh.is_none());
+        for r in &recovery.blocks {
+            let found = block_sum(&g3, r.slot as usize).unwrap();
+            prop_assert_eq!(found, r.sum, "slot {} does not verify", r.slot);
+            let mut on_disk = vec![0u8; len];
+            let f = std::fs::File::open(dir.path().join("blocks")).unwrap();
+            f.read_exact_at(&mut on_disk, u64::from(r.slot) * g3.layout().strides().block).unwrap();
+            prop_assert!(on_disk == bytes_of(r.label.hash, len), "slot {} holds other bytes", r.slot);
+            prop_assert_eq!(r.label, label(r.label.hash));
+        }
+        for (slot, tag) in &committed {
+            prop_assert!(
+                recovery.blocks.iter().any(|r| r.slot == *slot && r.label.hash == *tag),
+                "slot {} lost its committed block {}", slot, tag
+            );
+        }
+    }
+}
+
+#[test]
+fn another_identity_or_geometry_reuses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (store, g3, r) = open(dir.path(), "model: a");
+        assert_eq!(r.started_fresh.as_deref(), Some("the directory held no G3"));
+        write_block(dir.path(), &g3, 2, &bytes_of(7, block_bytes()));
+        store
+            .commit(&[(2, label(7), block_sum(&g3, 2).unwrap())])
+            .unwrap();
+    }
+    let (_, _, r) = open(dir.path(), "model: a");
+    assert_eq!(r.blocks.len(), 1);
+    assert_eq!(r.blocks[0].slot, 2);
+    drop(r);
+    let (_, _, r) = open(dir.path(), "model: b");
+    assert!(r.blocks.is_empty());
+    assert_eq!(
+        r.started_fresh.as_deref(),
+        Some("it was written under another identity")
+    );
+    // Back to the first identity: the other one emptied the directory.
+    let (_, _, r) = open(dir.path(), "model: a");
+    assert!(r.blocks.is_empty());
+    // Another block count is another geometry.
+    let (_, _, r) =
+        G3Store::open(dir.path(), "model: a", layout(BLOCKS + 1), IoMode::Buffered).unwrap();
+    assert!(r.started_fresh.is_some());
+}
+
+#[test]
+fn a_damaged_record_is_rejected_and_its_slot_is_free() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (store, g3, _) = open(dir.path(), "m");
+        for slot in [0u32, 1] {
+            write_block(
+                dir.path(),
+                &g3,
+                slot,
+                &bytes_of(9 + u64::from(slot), block_bytes()),
+            );
+            store
+                .commit(&[(
+                    slot,
+                    label(9 + u64::from(slot)),
+                    block_sum(&g3, slot as usize).unwrap(),
+                )])
+                .unwrap();
+        }
+    }
+    let f = OpenOptions::new()
+        .write(true)
+        .open(dir.path().join("slots"))
+        .unwrap();
+    f.write_all_at(&[0xff], HEADER_BYTES + RECORD_BYTES + 3)
+        .unwrap();
+    let (_, _, r) = open(dir.path(), "m");
+    assert_eq!(r.rejected, 1);
+    assert_eq!(r.blocks.len(), 1);
+    assert_eq!(r.blocks[0].slot, 0);
+}
+
+#[test]
+fn a_crash_while_creating_starts_afresh() {
+    let dir = tempfile::tempdir().unwrap();
+    drop(open(dir.path(), "m"));
+    std::fs::remove_file(dir.path().join("identity")).unwrap();
+    let (_, _, r) = open(dir.path(), "m");
+    assert!(r.started_fresh.is_some());
+}
+
+#[test]
+fn two_engines_never_open_one_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = open(dir.path(), "m");
+    let second = G3Store::open(dir.path(), "m", layout(BLOCKS), IoMode::Buffered);
+    let err = second.unwrap_err().to_string();
+    assert!(err.contains("in use by another engine"), "{err}");
+    assert!(!is_unused_store(dir.path()));
+    drop(first);
+    assert!(is_unused_store(dir.path()));
+}
+
+#[test]
+fn records_encode_and_decode() {
+    for (slot, l, sum) in [
+        (
+            0u32,
+            BlockLabel {
+                hash: 0,
+                parent: None,
+            },
+            0u64,
+        ),
+        (
+            5,
+            BlockLabel {
+                hash: u64::MAX,
+                parent: Some(0),
+            },
+            1,
+        ),
+        (
+            u32::MAX,
+            BlockLabel {
+                hash: 3,
+                parent: Some(u64::MAX),
+            },
+            u64::MAX,
+        ),
+    ] {
+        let r = encode(slot, l, sum);
+        assert_eq!(decode(slot, &r), Ok(Some((l, sum))));
+        assert_eq!(
+            decode(slot.wrapping_add(1), &r),
+            Err(()),
+            "a record moved to another slot"
+        );
+    }
+    assert_eq!(decode(1, &[0u8; 32]), Ok(None));
+}

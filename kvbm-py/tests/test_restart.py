@@ -1,0 +1,72 @@
+"""G3 outlives the engine: a vLLM engine on CPU is killed (SIGKILL) while
+it offloads; a new engine with the same configuration serves the first
+one's prompts from the G3 it left on disk, token for token the same, and a
+block damaged on disk while no engine ran is recomputed, never served."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import HERE, engine_env
+from test_engine import BLOCK_BYTES, GIB
+
+RECORD = 32
+HEADER = 4096
+
+
+def _run(model: str, tmp_path: Path, extra: dict, kill: bool = False) -> dict:
+    env = {**engine_env(tmp_path), "PYTHONHASHSEED": "0"}
+    args = [sys.executable, str(HERE / "restart_run.py"), model, json.dumps(extra)]
+    proc = subprocess.run(args + (["kill"] if kill else []), env=env, capture_output=True,
+                          text=True, timeout=600)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("KVBM_RESULT ")]
+    expected = -9 if kill else 0
+    assert proc.returncode == expected and lines, (proc.returncode, proc.stdout[-4000:] + proc.stderr[-8000:])
+    return json.loads(lines[-1][len("KVBM_RESULT "):])
+
+
+def _kept_slots(g3_dir: Path) -> list[int]:
+    """Slots whose records name a block, in the kept G3 directory."""
+    raw = (g3_dir / "slots").read_bytes()[HEADER:]
+    return [i for i in range(len(raw) // RECORD) if raw[i * RECORD + 24 : i * RECORD + 32] != bytes(8)]
+
+
+def test_kept_g3_serves_a_restarted_engine(tiny_model, tmp_path):
+    base = tmp_path / "g3"
+    extra = {
+        "cpu_cache_gb": 1.5 * BLOCK_BYTES / GIB,  # G2 holds one block: the rest goes to G3
+        "disk_cache_gb": 64 * BLOCK_BYTES / GIB,
+        "disk_cache_dir": str(base),
+        "admission": "all",
+        "offload_in_flight": 1,
+    }
+    # A foreign kept G3 nobody uses: removed at start.
+    foreign = base / "kept-0000000000000000-rank0"
+    foreign.mkdir(parents=True)
+    (foreign / "identity").write_text("model: another\n")
+    first = _run(tiny_model, tmp_path, extra, kill=True)
+    assert first["stats"]["g2_to_g3_blocks"] >= 8, first["stats"]
+    assert not foreign.exists()
+    kept = [d for d in base.iterdir() if d.name.startswith("kept-")]
+    assert len(kept) == 1 and kept[0].name.endswith("-rank0"), kept
+    slots = _kept_slots(kept[0])
+    assert len(slots) >= 8, slots
+    # Damage the bytes of the first two blocks written to G3 (G3 fills
+    # its highest slots first: the first prompts' first blocks) while no
+    # engine runs.
+    with open(kept[0] / "blocks", "r+b") as f:
+        for slot in slots[-2:]:
+            f.seek(slot * BLOCK_BYTES + 100)
+            b = f.read(1)
+            f.seek(slot * BLOCK_BYTES + 100)
+            f.write(bytes([b[0] ^ 0x5A]))
+    second = _run(tiny_model, tmp_path, extra)
+    s = second["stats"]
+    # The engine's first requests were served from the G3 the killed one
+    # left, token for token the same as computed; the damaged block was
+    # caught and recomputed.
+    assert s["g3_to_g1_blocks"] >= 4, s
+    assert second["outputs"] == first["outputs"]
+    assert s["onboard_failures"] >= 1 or s.get("verify_mismatches", 0) >= 1, (json.dumps(s), slots)
