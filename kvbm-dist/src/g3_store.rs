@@ -28,10 +28,12 @@
 //! that is what the checksum is for, checked on every read out of G3, so
 //! such a block is refused and recomputed rather than served.
 //!
-//! Records go through the page cache, so a killed process loses none;
-//! [`G3Store::commit`] makes them durable (`fdatasync` of both files) at
-//! most every [`SYNC_EVERY`], and dropping the store does once more, so a
-//! power loss costs at most the blocks of the last interval.
+//! Records go through the page cache, so a killed process loses none; a
+//! thread of the store makes data and records durable (`fdatasync` of
+//! both files) within [`SYNC_EVERY`] of a commit, off the copies' path, and
+//! dropping the store does once more. A power loss costs the blocks
+//! committed since (as misses: their records are empty or their bytes fail
+//! their checksum).
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, ErrorKind};
@@ -55,7 +57,7 @@ pub const RECORD_BYTES: u64 = 32;
 const HEADER_BYTES: u64 = 4096;
 /// Marks a `slots` file.
 const MAGIC: &[u8; 8] = b"KVBMG3SL";
-/// Longest time a committed record may stay only in the page cache.
+/// Longest time a committed record stays only in the page cache.
 pub const SYNC_EVERY: Duration = Duration::from_secs(1);
 
 /// Most G3 directories of one identity and rank on one host.
@@ -105,12 +107,70 @@ pub struct Recovery {
 #[derive(Debug)]
 pub struct G3Store {
     dir: PathBuf,
-    slots: File,
-    data: Arc<DiskFile>,
+    files: Arc<Files>,
     num_blocks: u32,
-    last_sync: Mutex<Instant>,
+    /// Makes committed records durable in the background.
+    syncer: Arc<Syncer>,
+    sync_thread: Option<std::thread::JoinHandle<()>>,
     /// Held while open.
     _lock: File,
+}
+
+/// The files whose writes are made durable together.
+#[derive(Debug)]
+struct Files {
+    slots: File,
+    data: Arc<DiskFile>,
+}
+
+impl Files {
+    fn sync(&self) -> io::Result<()> {
+        // SAFETY: the descriptor is the data file's, open while `self.data`
+        // lives; fdatasync reads nothing from memory.
+        let rc = unsafe { libc::fdatasync(self.data.raw_fd()) };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        self.slots.sync_data()
+    }
+}
+
+/// Whether records were committed since the last sync, and whether the
+/// store is closing.
+#[derive(Debug, Default)]
+struct Syncer {
+    state: Mutex<SyncState>,
+    wake: parking_lot::Condvar,
+}
+
+#[derive(Debug, Default)]
+struct SyncState {
+    dirty: bool,
+    stop: bool,
+}
+
+/// Every [`SYNC_EVERY`], makes what was committed durable (off the copies'
+/// path: a flush of the device cache can take milliseconds).
+fn sync_loop(files: Arc<Files>, syncer: Arc<Syncer>, dir: PathBuf) {
+    let warn = kvbm_pool::rate_limit::RateLimit::new(kvbm_pool::rate_limit::WARN_EVERY);
+    loop {
+        let mut st = syncer.state.lock();
+        if !st.stop {
+            syncer.wake.wait_for(&mut st, SYNC_EVERY);
+        }
+        if st.stop {
+            return;
+        }
+        if !std::mem::take(&mut st.dirty) {
+            continue;
+        }
+        drop(st);
+        if let Err(e) = files.sync()
+            && let Some(held_back) = warn.check()
+        {
+            tracing::warn!(dir = %dir.display(), held_back, "G3 records not made durable: {e}");
+        }
+    }
 }
 
 fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> DistError {
@@ -257,12 +317,21 @@ impl G3Store {
             }
         };
         let g3 = PhysicalLayout::on_disk_file(layout, Arc::clone(&data))?;
+        let files = Arc::new(Files { slots, data });
+        let syncer = Arc::new(Syncer::default());
+        let sync_thread = {
+            let (files, syncer, dir) = (Arc::clone(&files), Arc::clone(&syncer), dir.to_path_buf());
+            std::thread::Builder::new()
+                .name("kvbm-g3-sync".into())
+                .spawn(move || sync_loop(files, syncer, dir))
+                .map_err(io_err("start the G3 sync thread"))?
+        };
         let store = G3Store {
             dir: dir.to_path_buf(),
-            slots,
-            data,
+            files,
             num_blocks,
-            last_sync: Mutex::new(Instant::now()),
+            syncer,
+            sync_thread: Some(sync_thread),
             _lock: lock,
         };
         let recovery = Recovery {
@@ -417,7 +486,8 @@ impl G3Store {
                 format!("G3 slot {slot} beyond {} slots", self.num_blocks),
             ));
         }
-        self.slots
+        self.files
+            .slots
             .write_all_at(record, HEADER_BYTES + u64::from(slot) * RECORD_BYTES)
     }
 
@@ -430,36 +500,25 @@ impl G3Store {
     /// Empties every record (the cache was reset).
     pub fn forget_all(&self) -> io::Result<()> {
         let zeros = vec![0u8; (u64::from(self.num_blocks) * RECORD_BYTES) as usize];
-        self.slots.write_all_at(&zeros, HEADER_BYTES)
+        self.files.slots.write_all_at(&zeros, HEADER_BYTES)
     }
 
     /// Records that each `(slot, label, sum)` block landed: call once its
-    /// bytes are written. Makes the records durable when the last time was
-    /// more than [`SYNC_EVERY`] ago.
+    /// bytes are written. A thread of the store makes them durable within
+    /// [`SYNC_EVERY`].
     pub fn commit(&self, blocks: &[(u32, BlockLabel, u64)]) -> io::Result<()> {
         for &(slot, label, sum) in blocks {
             self.write_record(slot, &encode(slot, label, sum))?;
         }
-        let due = {
-            let mut last = self.last_sync.lock();
-            let due = last.elapsed() >= SYNC_EVERY;
-            if due {
-                *last = Instant::now();
-            }
-            due
-        };
-        if due { self.sync() } else { Ok(()) }
+        if !blocks.is_empty() {
+            self.syncer.state.lock().dirty = true;
+        }
+        Ok(())
     }
 
-    /// Makes every written block and record durable.
+    /// Makes every written block and record durable now.
     pub fn sync(&self) -> io::Result<()> {
-        // SAFETY: the descriptor is the data file's, open while `self.data`
-        // lives; fdatasync reads nothing from memory.
-        let rc = unsafe { libc::fdatasync(self.data.raw_fd()) };
-        if rc != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        self.slots.sync_data()
+        self.files.sync()
     }
 
     /// Writes a record torn after `bytes` of its bytes, as a crash in the
@@ -473,6 +532,11 @@ impl G3Store {
 
 impl Drop for G3Store {
     fn drop(&mut self) {
+        self.syncer.state.lock().stop = true;
+        self.syncer.wake.notify_all();
+        if let Some(t) = self.sync_thread.take() {
+            let _ = t.join();
+        }
         if let Err(e) = self.sync() {
             tracing::warn!(dir = %self.dir.display(), "G3 records not made durable: {e}");
         }
@@ -495,6 +559,128 @@ fn lock_dir(dir: &Path) -> Result<File, DistError> {
         Ok(false) => Err(DistError::G3InUse(dir.to_path_buf())),
         Err(e) => Err(io_err(format!("lock {}", path.display()))(e)),
     }
+}
+
+/// What a kept G3 directory holds ([`inspect`]).
+#[derive(Debug, Clone, Default)]
+pub struct Inspection {
+    /// The identity its bytes were written under.
+    pub identity: String,
+    /// Block slots it has room for.
+    pub slots: u32,
+    /// Slots whose records name a block.
+    pub blocks: u64,
+    /// Bytes of those blocks.
+    pub block_bytes: u64,
+    /// Bytes its files take on disk.
+    pub disk_bytes: u64,
+    /// Records neither empty nor sound (torn or damaged).
+    pub bad_records: u64,
+    /// With verification: slots whose bytes do not match their checksum.
+    pub bad_blocks: Vec<u32>,
+    /// Whether the bytes were read and checked.
+    pub verified: bool,
+    /// Whether an engine has it open (then its bytes are not read).
+    pub in_use: bool,
+}
+
+/// The value of `key` in an identity's `key: value` lines.
+fn identity_field<T: std::str::FromStr>(identity: &str, key: &str) -> Option<T> {
+    identity
+        .lines()
+        .rev()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(": "))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// The G3 layout an identity was written for.
+fn layout_of(identity: &str) -> Result<Layout, DistError> {
+    let field = |key: &str| {
+        identity_field::<usize>(identity, key)
+            .ok_or_else(|| DistError::InvalidConfig(format!("the identity has no valid `{key}`")))
+    };
+    if identity_field::<u32>(identity, "kvbm-g3-format") != Some(FORMAT_VERSION) {
+        return Err(DistError::InvalidConfig(format!(
+            "not written in format {FORMAT_VERSION}"
+        )));
+    }
+    let config = kvbm_layout::LayoutConfig::new(
+        field("blocks")?,
+        field("layers")?,
+        field("outer")?,
+        field("page_size")?,
+        field("inner")?,
+        field("dtype_bytes")?,
+    )?
+    .with_alignment(field("alignment")? as u64)?;
+    Ok(Layout::new(
+        config,
+        kvbm_layout::LayoutKind::FullyContiguous,
+    )?)
+}
+
+/// Lists what the kept G3 in `dir` holds: its identity, blocks and bytes,
+/// and its damaged records; with `verify`, reads every block and checks
+/// it against its record's checksum (only while no engine has it open:
+/// the directory is locked meanwhile, so none can start).
+pub fn inspect(dir: &Path, verify: bool) -> Result<Inspection, DistError> {
+    let identity = std::fs::read_to_string(dir.join(IDENTITY_FILE)).map_err(io_err(format!(
+        "read {}",
+        dir.join(IDENTITY_FILE).display()
+    )))?;
+    let layout = layout_of(&identity)?;
+    let slots = u32::try_from(layout.config().num_blocks())
+        .map_err(|_| DistError::InvalidConfig("too many blocks".into()))?;
+    let path = dir.join(SLOTS_FILE);
+    let mut all = vec![0u8; (HEADER_BYTES + u64::from(slots) * RECORD_BYTES) as usize];
+    File::open(&path)
+        .and_then(|f| f.read_exact_at(&mut all, 0))
+        .map_err(io_err(format!("read {}", path.display())))?;
+    if all[..HEADER_BYTES as usize] != header(slots)[..] {
+        return Err(DistError::InvalidConfig(format!(
+            "{} has another format or size",
+            path.display()
+        )));
+    }
+    let mut found = Vec::new();
+    let mut bad_records = 0;
+    for (slot, r) in all[HEADER_BYTES as usize..]
+        .chunks_exact(RECORD_BYTES as usize)
+        .enumerate()
+    {
+        match decode(slot as u32, r) {
+            Ok(Some((_, sum))) => found.push((slot as u32, sum)),
+            Ok(None) => {}
+            Err(()) => bad_records += 1,
+        }
+    }
+    let disk_bytes = std::fs::read_dir(dir)
+        .map_err(io_err(format!("list {}", dir.display())))?
+        .filter_map(|e| e.ok()?.metadata().ok())
+        .map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)
+        .sum();
+    let mut out = Inspection {
+        slots,
+        blocks: found.len() as u64,
+        block_bytes: found.len() as u64 * layout.config().block_bytes(),
+        disk_bytes,
+        bad_records,
+        in_use: !is_unused_store(dir),
+        ..Inspection::default()
+    };
+    if verify && !out.in_use {
+        let _lock = lock_dir(dir)?;
+        let data = DiskFile::open(dir.join(BLOCKS_FILE), IoMode::Buffered)?;
+        let g3 = PhysicalLayout::on_disk_file(layout, data)?;
+        for (slot, sum) in found {
+            if crate::verify::block_sum(&g3, slot as usize).ok() != Some(sum) {
+                out.bad_blocks.push(slot);
+            }
+        }
+        out.verified = true;
+    }
+    out.identity = identity;
+    Ok(out)
 }
 
 /// Whether `dir` holds a G3 store that no process has open.

@@ -54,6 +54,7 @@ use self::device::{DeviceSums, Prepared};
 use crate::error::DistError;
 
 mod device;
+pub(crate) mod pieces;
 
 /// Most threads one copy's hashing uses.
 const MAX_THREADS: usize = 8;

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from conftest import HERE, engine_env
 from test_engine import BLOCK_BYTES, GIB
@@ -33,6 +34,68 @@ def _kept_slots(g3_dir: Path) -> list[int]:
     return [i for i in range(len(raw) // RECORD) if raw[i * RECORD + 24 : i * RECORD + 32] != bytes(8)]
 
 
+def _cache_tool(base: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvbm_py.cache", "--verify", str(base)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def _config(model: str, **kw) -> SimpleNamespace:
+    """The parts of a vLLM configuration the kept G3's identity reads."""
+    return SimpleNamespace(
+        model_config=SimpleNamespace(model=model, revision=None, dtype="torch.bfloat16"),
+        cache_config=SimpleNamespace(cache_dtype="auto", block_size=kw.get("block_size", 32),
+                                     prefix_caching_hash_algo="sha256"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=kw.get("tp", 1), pipeline_parallel_size=1),
+    )
+
+
+def test_identity_names_what_the_bytes_mean(tmp_path, monkeypatch):
+    from kvbm_py.vllm.kept_g3 import identity
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"w" * 10)
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    none, why = identity(_config(str(model)))
+    assert none is None and "PYTHONHASHSEED" in why
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    base, _ = identity(_config(str(model)))
+    assert base is not None and base == identity(_config(str(model)))[0]
+    assert identity(_config(str(model), block_size=16))[0] != base
+    assert identity(_config(str(model), tp=2))[0] != base
+    monkeypatch.setenv("PYTHONHASHSEED", "1")
+    assert identity(_config(str(model)))[0] != base
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    # New weights at the same path are another model.
+    (model / "model.safetensors").write_bytes(b"v" * 11)
+    assert identity(_config(str(model)))[0] != base
+
+
+def test_other_identities_are_removed_or_kept_by_policy(tmp_path):
+    import fcntl
+
+    from kvbm_py.config import KvbmConfig
+    from kvbm_py.vllm.kept_g3 import sweep_foreign
+
+    cfg = KvbmConfig.from_sources({"disk_cache_gb": 1, "disk_cache_dir": str(tmp_path)}, env={})
+    ours = cfg.kept_g3_dir("mine", 0)
+    for d in (ours, ours + ".2", cfg.kept_g3_dir("old", 0), cfg.kept_g3_dir("busy", 1)):
+        os.makedirs(d)
+        Path(d, "lock").write_text("")
+    unrelated = tmp_path / "not-kvbm"
+    unrelated.mkdir()
+    busy = os.open(os.path.join(cfg.kept_g3_dir("busy", 1), "lock"), os.O_RDWR)
+    fcntl.flock(busy, fcntl.LOCK_EX)
+    keep = KvbmConfig.from_sources({"disk_cache_gb": 1, "disk_cache_dir": str(tmp_path),
+                                    "disk_cache_foreign": "keep"}, env={})
+    assert sweep_foreign(keep, "mine") == []
+    assert sweep_foreign(cfg, "mine") == [cfg.kept_g3_dir("old", 0)]
+    os.close(busy)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([os.path.basename(ours), os.path.basename(ours) + ".2",
+                           os.path.basename(cfg.kept_g3_dir("busy", 1)), "not-kvbm"]), left
+
+
 def test_kept_g3_serves_a_restarted_engine(tiny_model, tmp_path):
     base = tmp_path / "g3"
     extra = {
@@ -53,6 +116,9 @@ def test_kept_g3_serves_a_restarted_engine(tiny_model, tmp_path):
     assert len(kept) == 1 and kept[0].name.endswith("-rank0"), kept
     slots = _kept_slots(kept[0])
     assert len(slots) >= 8, slots
+    clean = _cache_tool(base)
+    assert clean.returncode == 0 and f"blocks {len(slots)} of 64" in clean.stdout, clean.stdout + clean.stderr
+    assert "verified: 0 blocks fail" in clean.stdout, clean.stdout
     # Damage the bytes of the first two blocks written to G3 (G3 fills
     # its highest slots first: the first prompts' first blocks) while no
     # engine runs.
@@ -62,6 +128,8 @@ def test_kept_g3_serves_a_restarted_engine(tiny_model, tmp_path):
             b = f.read(1)
             f.seek(slot * BLOCK_BYTES + 100)
             f.write(bytes([b[0] ^ 0x5A]))
+    damaged = _cache_tool(base)
+    assert damaged.returncode == 1 and "verified: 2 blocks fail" in damaged.stdout, damaged.stdout
     second = _run(tiny_model, tmp_path, extra)
     s = second["stats"]
     # The engine's first requests were served from the G3 the killed one

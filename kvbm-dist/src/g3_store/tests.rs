@@ -281,3 +281,55 @@ fn records_encode_and_decode() {
     }
     assert_eq!(decode(1, &[0u8; 32]), Ok(None));
 }
+
+#[test]
+fn engines_of_one_identity_keep_a_directory_each() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("rank0");
+    let (a, _, _) = G3Store::open_free(&path, "m", layout(BLOCKS), IoMode::Buffered).unwrap();
+    let (b, _, _) = G3Store::open_free(&path, "m", layout(BLOCKS), IoMode::Buffered).unwrap();
+    assert_eq!(a.dir(), path);
+    assert_eq!(b.dir(), dir.path().join("rank0.2"));
+    drop(a);
+    // A restarted engine takes the first that is free.
+    let (c, _, _) = G3Store::open_free(&path, "m", layout(BLOCKS), IoMode::Buffered).unwrap();
+    assert_eq!(c.dir(), path);
+}
+
+#[test]
+fn inspection_lists_blocks_and_finds_damaged_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (store, g3, _) = open(dir.path(), "model: m");
+        for slot in [1u32, 4] {
+            let tag = 20 + u64::from(slot);
+            write_block(dir.path(), &g3, slot, &bytes_of(tag, block_bytes()));
+            store
+                .commit(&[(slot, label(tag), block_sum(&g3, slot as usize).unwrap())])
+                .unwrap();
+        }
+        let seen = inspect(dir.path(), true).unwrap();
+        assert!(
+            seen.in_use && !seen.verified,
+            "an open store is listed, not read"
+        );
+        assert_eq!(seen.blocks, 2);
+    }
+    let clean = inspect(dir.path(), true).unwrap();
+    assert!(clean.identity.starts_with("model: m\n"));
+    assert_eq!(
+        (clean.slots, clean.blocks, clean.bad_records),
+        (BLOCKS as u32, 2, 0)
+    );
+    assert_eq!(clean.block_bytes, 2 * block_bytes() as u64);
+    assert!(clean.verified && clean.bad_blocks.is_empty());
+    assert!(clean.disk_bytes >= clean.block_bytes);
+    let f = OpenOptions::new()
+        .write(true)
+        .open(dir.path().join("blocks"))
+        .unwrap();
+    let stride = layout(BLOCKS).strides().block;
+    f.write_all_at(&[0x42], 4 * stride + 9).unwrap();
+    let damaged = inspect(dir.path(), true).unwrap();
+    assert_eq!(damaged.bad_blocks, vec![4]);
+}

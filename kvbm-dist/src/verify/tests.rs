@@ -541,3 +541,70 @@ fn a_kept_g3_outlives_the_instance_over_the_lent_route() {
 fn a_kept_g3_outlives_the_instance_over_the_socket() {
     kept_g3_outlives_the_instance(2);
 }
+
+/// A read out of G3 into host memory cut into one-block pieces: each piece
+/// is checked as it lands, and one damaged block fails alone.
+#[test]
+fn reads_checked_piece_by_piece_fail_only_the_damaged_block() {
+    let dir = tempfile::tempdir().unwrap();
+    let g1 = End {
+        tier: Tier::G1,
+        layout: g1(8),
+    };
+    let layout = Layout::new(
+        shape(8).with_alignment(DISK_ALIGNMENT).unwrap(),
+        LayoutKind::FullyContiguous,
+    )
+    .unwrap();
+    let alloc = kvbm_transfer::memory::DiskAllocator::new(dir.path(), Default::default()).unwrap();
+    let g3 = End {
+        tier: Tier::G3,
+        layout: PhysicalLayout::allocate_disk(layout, &alloc).unwrap(),
+    };
+    let executor = crate::worker::default_executor(&g1.layout).unwrap();
+    executor.register(&g3.layout).unwrap();
+    let sums = Arc::new(Checksums::new(&g1.layout, crate::verify::Tracked::ALL));
+    // Distinct bytes in G1 blocks 0..4, written to G3 and summed there.
+    for b in 0..4usize {
+        let chunk = g1.layout.layout().chunk(b, 0, 0).unwrap();
+        let addr = g1.layout.regions()[chunk.region].addr().unwrap() + chunk.offset;
+        // SAFETY: host memory owned by `g1.layout`, inside block b's first
+        // chunk; no copy runs.
+        unsafe { (addr as *mut u8).write_volatile(b as u8 + 1) };
+    }
+    let to_g3: Vec<(usize, usize)> = (0..4).map(|b| (b, b)).collect();
+    let landed = executor
+        .transfer_with(&g1.layout, &g3.layout, &to_g3, CancelToken::new())
+        .wait();
+    let (out, _) = sums.settle(&g1, &g3, &to_g3, landed);
+    out.unwrap();
+    // Damage G3 block 2 on disk.
+    let offset = g3.layout.layout().chunk(2, 1, 0).unwrap().offset + 5;
+    let file = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.is_file())
+        .unwrap();
+    let f = std::fs::OpenOptions::new().write(true).open(file).unwrap();
+    f.write_all_at(&[0x77], offset).unwrap();
+    let back: Vec<(usize, usize)> = (0..4).map(|b| (b, b + 4)).collect();
+    assert_eq!(pieces::piece_blocks(&g3, &g1, 1), 1);
+    let (tx, rx) = std::sync::mpsc::channel();
+    pieces::copy_in_pieces(
+        &sums,
+        &executor,
+        g3.clone(),
+        g1.clone(),
+        back,
+        1,
+        CancelToken::new(),
+        move |out, m| tx.send((out, m)).unwrap(),
+    );
+    let (out, mismatches) = rx.recv_timeout(Duration::from_secs(20)).unwrap();
+    let f = out.unwrap_err();
+    assert_eq!(mismatches, 1);
+    assert_eq!(f.failed, vec![(2, 6)]);
+    let mut completed = f.completed.clone();
+    completed.sort_unstable();
+    assert_eq!(completed, vec![(0, 4), (1, 5), (3, 7)]);
+}

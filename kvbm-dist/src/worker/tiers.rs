@@ -20,7 +20,7 @@ use kvbm_transfer::{
 use crate::error::{DistError, Result};
 use crate::g3_store::{BlockLabel, G3Store, Recovered};
 use crate::proto::{Configure, TierBounds};
-use crate::verify::{Checksums, End, Tracked};
+use crate::verify::{Checksums, End, Tracked, pieces};
 
 /// Where a worker's G3 lives.
 #[derive(Debug, Clone, Copy)]
@@ -208,6 +208,15 @@ impl Tiers {
             let slots: Vec<u32> = pairs.iter().map(|p| p.1 as u32).collect();
             if let Err(e) = store.forget(&slots) {
                 return done(failed(format!("G3 records: {e}"), pairs), 0);
+            }
+        }
+        if let Some(sums) = self.checksums.as_ref().filter(|c| c.checks(src, dst)) {
+            let per_piece = pieces::piece_blocks(&s, &d, pieces::PIECE_BYTES);
+            if pairs.len() > per_piece {
+                // Reads checked once landed: hashing overlaps the reading.
+                return pieces::copy_in_pieces(
+                    sums, executor, s, d, pairs, per_piece, cancel, done,
+                );
             }
         }
         let completion: Completion<TransferOutcome> = executor

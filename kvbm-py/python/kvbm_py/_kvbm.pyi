@@ -11,6 +11,12 @@ def sequence_hash(digest: bytes) -> int:
     bytes, little-endian (as kvbm-block's vLLM scheme keys a block).
     ``ValueError`` for fewer than 8 bytes."""
 
+def inspect_g3(path: str, verify: bool = False) -> dict[str, Any]:
+    """What the kept G3 directory ``path`` (one rank's) holds: ``identity``,
+    ``slots``, ``blocks``, ``block_bytes``, ``disk_bytes``, ``bad_records``,
+    and with ``verify`` (only while no engine has it open, ``in_use``)
+    ``bad_blocks``: slots whose bytes fail their checksum."""
+
 def start_metrics_server(port: int, host: str = "127.0.0.1") -> int:
     """Installs kvbm's Prometheus recorder in this process and serves the
     ``kvbm_*`` metrics over HTTP on ``host:port`` (0 picks a free port);
