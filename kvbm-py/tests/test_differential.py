@@ -103,8 +103,10 @@ def _spec_runs_selected() -> bool:
 #: some must not (the damage reaches the outputs, so the first proves
 #: something).
 CORRUPTED = {
-    "g3-damaged-verified": {"verify": True},
-    "g3-damaged-unverified": {"verify": False},
+    # A G3 kept across restarts checks every read whatever `verify` says
+    # (test_restart.py): these runs damage a G3 that is not kept.
+    "g3-damaged-verified": {"verify": True, "disk_cache_keep": False},
+    "g3-damaged-unverified": {"verify": False, "disk_cache_keep": False},
 }
 CORRUPTED_SEEDS = [7, 8, 9]
 
@@ -228,7 +230,10 @@ def _spec_selected(run: dict) -> bool:
 
 def run_process(model: str, tmp_path: Path, runs: list[dict], tp: int) -> dict:
     """Runs `runs` in one engine process; returns each run's cases by name."""
-    env = {**engine_env(tmp_path), **(TP2_ENV if tp > 1 else {})}
+    # A fixed hash seed, as a deployment that keeps G3 across restarts
+    # sets: every G3 configuration runs on a kept G3 (records, checksums
+    # on every read) unless it says otherwise.
+    env = {**engine_env(tmp_path), **(TP2_ENV if tp > 1 else {}), "PYTHONHASHSEED": "0"}
     proc = subprocess.run(
         [sys.executable, str(HERE / "differential.py"), model, json.dumps(runs)],
         env=env,

@@ -169,7 +169,9 @@ class Worker:
     FlashInfer ``[blocks, 2, block_size, heads, head]``, CPU attention
     ``[blocks, 2, block_size, inner]``, MLA ``[blocks, block_size, latent]``;
     anything else, or strides kvbm cannot address exactly, is a
-    ``ValueError`` here.
+    ``ValueError`` here. ``g3_dir`` holds G3; with ``g3_identity`` G3 is
+    kept across restarts under that identity (an engine started again
+    with the same directory and identity finds every block it held).
     """
 
     def __init__(
