@@ -5,6 +5,7 @@ block damaged on disk while no engine ran is recomputed, never served."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -138,3 +139,15 @@ def test_kept_g3_serves_a_restarted_engine(tiny_model, tmp_path):
     assert s["g3_to_g1_blocks"] >= 4, s
     assert second["outputs"] == first["outputs"]
     assert s["onboard_failures"] >= 1 or s.get("verify_mismatches", 0) >= 1, (json.dumps(s), slots)
+    assert s["g3_recovered_blocks"] == len(slots), s
+
+    # The same weights under another path are another identity: nothing
+    # is reused, and the unused G3 of the first is removed.
+    other = tmp_path / "model-copy"
+    shutil.copytree(tiny_model, other)
+    third = _run(str(other), tmp_path, extra)
+    t = third["stats"]
+    assert t["g3_recovered_blocks"] == 0 and t["g3_to_g1_blocks"] == 0, t
+    assert third["outputs"] == first["outputs"]
+    assert not kept[0].exists()
+    assert len([d for d in base.iterdir() if d.name.startswith("kept-")]) == 1
