@@ -474,11 +474,11 @@ fn label(hash: u64, parent: Option<u64>) -> kvbm_pool::tier::G3Label {
 /// directories: the blocks are found on every rank and load back intact;
 /// a byte changed on disk while the engine was down is caught on load; a
 /// G3 kept under another identity gives nothing back.
-fn kept_g3_outlives_the_instance(world: u32) {
+fn kept_g3_outlives_the_instance(world: u32, memory: Memory) {
     let dirs: Vec<tempfile::TempDir> = (0..world).map(|_| tempfile::tempdir().unwrap()).collect();
     let paths: Vec<std::path::PathBuf> = dirs.iter().map(|d| d.path().to_path_buf()).collect();
     let kept = Some((&paths[..], "model: tiny"));
-    let i = start_in(world, false, Memory::Host, kept);
+    let i = start_in(world, false, memory, kept);
     assert!(i.leader.kept_g3().is_empty());
     i.fill(&SEEDS);
     i.copy(Tier::G1, Tier::G2, &[(1, 10), (2, 11)]).unwrap();
@@ -489,7 +489,7 @@ fn kept_g3_outlives_the_instance(world: u32) {
     i.copy(Tier::G2, Tier::G3, &[(10, 7)]).unwrap();
     i.stop();
 
-    let i = start_in(world, false, Memory::Host, kept);
+    let i = start_in(world, false, memory, kept);
     let found: Vec<(u32, u64)> = i
         .leader
         .kept_g3()
@@ -516,7 +516,7 @@ fn kept_g3_outlives_the_instance(world: u32) {
     );
     i.stop();
 
-    let i = start_in(world, false, Memory::Host, kept);
+    let i = start_in(world, false, memory, kept);
     i.corrupt_g3(5);
     let out = i.copy(Tier::G3, Tier::G1, &[(3, 8), (5, 9)]);
     failed_on_checksum(out, &[(3, 8)], &[(5, 9)]);
@@ -524,7 +524,7 @@ fn kept_g3_outlives_the_instance(world: u32) {
     i.stop();
 
     let other = Some((&paths[..], "model: other"));
-    let i = start_in(world, false, Memory::Host, other);
+    let i = start_in(world, false, memory, other);
     assert!(
         i.leader.kept_g3().is_empty(),
         "another identity reuses nothing"
@@ -534,12 +534,25 @@ fn kept_g3_outlives_the_instance(world: u32) {
 
 #[test]
 fn a_kept_g3_outlives_the_instance_over_the_lent_route() {
-    kept_g3_outlives_the_instance(1);
+    kept_g3_outlives_the_instance(1, Memory::Host);
 }
 
 #[test]
 fn a_kept_g3_outlives_the_instance_over_the_socket() {
-    kept_g3_outlives_the_instance(2);
+    kept_g3_outlives_the_instance(2, Memory::Host);
+}
+
+/// The same with G1 on a GPU: the blocks bound for G3 are summed there as
+/// they leave, and the kept blocks read back are summed there as they land.
+#[cfg(feature = "cuda")]
+#[test]
+fn a_kept_g3_outlives_the_instance_with_g1_on_the_gpu() {
+    if !gpu_or_skip() {
+        return;
+    }
+    for world in [1, 2] {
+        kept_g3_outlives_the_instance(world, Memory::Gpu);
+    }
 }
 
 /// A read out of G3 into host memory cut into one-block pieces: each piece
