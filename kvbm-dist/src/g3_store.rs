@@ -251,6 +251,12 @@ fn decode(slot: u32, r: &[u8]) -> Result<Option<(BlockLabel, u64)>, ()> {
     Ok(Some((label, sum)))
 }
 
+/// Bytes of the `slots` file of a store of `num_blocks` blocks: its
+/// header and one record per block.
+pub fn record_file_bytes(num_blocks: u64) -> u64 {
+    HEADER_BYTES + num_blocks * RECORD_BYTES
+}
+
 fn header(num_blocks: u32) -> Vec<u8> {
     let mut h = vec![0u8; HEADER_BYTES as usize];
     h[0..8].copy_from_slice(MAGIC);

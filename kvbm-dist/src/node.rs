@@ -5,7 +5,8 @@
 //! ```text
 //! kvbm-dist-node worker --endpoint E --instance I --rank R --world W
 //!     --layout DESCRIPTOR_JSON [--g1-file PATH] [--g3-dir DIR]
-//!     [--host-g1] [--threads N] [--leader-timeout-ms MS] [--secret-file PATH]
+//!     [--g3-identity TEXT] [--host-g1] [--threads N]
+//!     [--leader-timeout-ms MS] [--secret-file PATH]
 //! ```
 //!
 //! (With feature `fault-injection`, `--fault-delay-ms MS` delays every
@@ -28,6 +29,12 @@
 //!
 //! Either way the worker writes and checks test patterns in G1 for the
 //! leader (its probe), so a leader can verify every rank's bytes.
+//!
+//! With `--g3-identity` (and `--g3-dir`) G3 outlives the process: a worker
+//! started again on the same directory with the same identity finds every
+//! block G3 held and reports them to its leader (see
+//! [`crate::g3_store`]); without it G3 starts empty and its file goes with
+//! the process.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -60,6 +67,9 @@ pub struct NodeArgs {
     pub g1_file: Option<PathBuf>,
     /// Directory for this worker's G3 file.
     pub g3_dir: Option<PathBuf>,
+    /// Keeps G3 in `g3_dir` across restarts under this identity (what its
+    /// bytes mean; [`WorkerConfig::g3_identity`]); `None`: G3 starts empty.
+    pub g3_identity: Option<String>,
     /// Keep a worker-allocated G1 in host memory even when a GPU is present.
     pub host_g1: bool,
     /// memcpy threads of a GPU worker's executor.
@@ -94,6 +104,7 @@ impl NodeArgs {
             layout_json: layout_json.into(),
             g1_file: None,
             g3_dir: None,
+            g3_identity: None,
             host_g1: false,
             threads: 2,
             #[cfg(feature = "fault-injection")]
@@ -148,6 +159,12 @@ impl NodeArgs {
                 "layout" => layout = Some(v),
                 "g1-file" => out.g1_file = Some(PathBuf::from(v)),
                 "g3-dir" => out.g3_dir = Some(PathBuf::from(v)),
+                "g3-identity" => {
+                    if v.trim().is_empty() {
+                        return Err(bad("--g3-identity must not be empty".into()));
+                    }
+                    out.g3_identity = Some(v);
+                }
                 "secret-file" => out.secret_file = Some(PathBuf::from(v)),
                 "threads" => {
                     out.threads = usize::try_from(num(&v)?)
@@ -167,6 +184,9 @@ impl NodeArgs {
         out.rank = rank.ok_or_else(|| need("rank"))?;
         out.world = world.ok_or_else(|| need("world"))?;
         out.layout_json = layout.ok_or_else(|| need("layout"))?;
+        if out.g3_identity.is_some() && out.g3_dir.is_none() {
+            return Err(bad("--g3-identity needs --g3-dir".into()));
+        }
         Ok(out)
     }
 
@@ -196,6 +216,10 @@ impl NodeArgs {
         if let Some(d) = &self.g3_dir {
             v.push("--g3-dir".into());
             v.push(d.display().to_string());
+        }
+        if let Some(identity) = &self.g3_identity {
+            v.push("--g3-identity".into());
+            v.push(identity.clone());
         }
         #[cfg(feature = "fault-injection")]
         if !self.fault_delay.is_zero() {
@@ -261,6 +285,7 @@ pub fn run(args: &NodeArgs, secret: InstanceSecret) -> Result<()> {
         None => own_g1(args, layout, secret)?,
     };
     config.g3_dir = args.g3_dir.clone();
+    config.g3_identity = args.g3_identity.clone();
     #[cfg(feature = "fault-injection")]
     {
         config.fault_delay = args.fault_delay;
@@ -354,6 +379,25 @@ mod tests {
     }
 
     #[test]
+    fn g3_identity_is_parsed_and_needs_a_g3_directory() {
+        let mut a = NodeArgs::new("tcp://127.0.0.1:5555", 7, 1, 2, "{}");
+        // An identity of several lines, as callers write them.
+        a.g3_identity = Some("model: tiny\ntp: rank 1 of 2".into());
+        let e = NodeArgs::parse(a.to_args()).unwrap_err().to_string();
+        assert!(e.contains("--g3-identity needs --g3-dir"), "{e}");
+        a.g3_dir = Some("/tmp/g3".into());
+        let args = a.to_args();
+        let at = args.iter().position(|v| v == "--g3-identity").unwrap();
+        assert_eq!(args[at + 1], "model: tiny\ntp: rank 1 of 2");
+        let parsed = NodeArgs::parse(args).unwrap();
+        assert_eq!(
+            parsed.g3_identity.as_deref(),
+            Some("model: tiny\ntp: rank 1 of 2")
+        );
+        assert_eq!(parsed, a);
+    }
+
+    #[test]
     fn bad_arguments_are_errors_naming_the_flag() {
         for (args, want) in [
             (&["serve"][..], "usage"),
@@ -362,6 +406,10 @@ mod tests {
             (&["worker", "--frobnicate", "1"], "--frobnicate"),
             (&["worker", "--threads", "0"], "--threads"),
             (&["worker", "--rank", "0"], "--endpoint is required"),
+            (
+                &["worker", "--g3-identity", " "],
+                "--g3-identity must not be empty",
+            ),
         ] {
             let e = NodeArgs::parse(strings(args)).unwrap_err().to_string();
             assert!(e.contains(want), "{args:?}: {e}");

@@ -8,6 +8,11 @@
 //! them acknowledged. Blocks are written and checked by the workers
 //! themselves (a probe through the leader): every onboarded block is
 //! checked on every rank, against a pattern of its hash and the rank.
+//!
+//! With a kept G3 ([`InstanceSpec::g3_identity`]) each worker keeps its G3
+//! in its rank's directory under an identity of the model shape, so an
+//! instance started again on the same [`RunDir`] finds what G3 held (the
+//! restarts of [`super::restart`]).
 
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -21,6 +26,7 @@ use kvbm_dist::node::NodeArgs;
 use kvbm_dist::proto::ProbeOp;
 use kvbm_layout::{BlockOrder, Layout, LayoutKind};
 use kvbm_pool::tier::{TierEngine, TierEngineConfig, TierMover};
+use kvbm_transfer::memory::DISK_ALIGNMENT;
 
 use parking_lot::Mutex;
 
@@ -171,6 +177,19 @@ pub struct RunDir {
 }
 
 impl RunDir {
+    /// Creates the run's directory, `dist-<pid>` under `dir`.
+    pub fn create(dir: &Path) -> Result<RunDir> {
+        let path = dir.join(format!("{DIST_PREFIX}{}", std::process::id()));
+        std::fs::create_dir_all(&path).map_err(|e| BenchError::Dir {
+            dir: dir.to_path_buf(),
+            problem: format!("cannot create {}: {e}", path.display()),
+        })?;
+        Ok(RunDir {
+            _guard: shutdown::guard_path(&path),
+            path,
+        })
+    }
+
     /// The directory.
     pub fn path(&self) -> &Path {
         &self.path
@@ -188,38 +207,83 @@ impl Drop for RunDir {
 }
 
 /// The leader and its workers. Dropped in this order: the leader (which
-/// tells the workers to exit), the workers (reaped), their directory.
+/// tells the workers to exit), the workers (reaped), their directory (once
+/// no instance started on it is left).
 pub struct Cluster {
     /// The leader.
     pub leader: Arc<Leader>,
     /// The worker processes (kept alive while this lives).
     pub workers: Arc<Mutex<Workers>>,
     /// Where the workers keep their G3 files.
-    pub run_dir: RunDir,
+    pub run_dir: Arc<RunDir>,
 }
 
-/// Starts `world` workers (`exe` is `kvbm-dist-node`) with G1 `layout` and the leader that
-/// configures them with `g2_blocks` and `g3_blocks` per worker.
-#[allow(clippy::too_many_arguments)]
-pub fn start(
-    exe: &Path,
-    world: u32,
-    layout: &Layout,
-    g2_blocks: usize,
-    g3_blocks: usize,
-    dir: &Path,
-    host_g1: bool,
-    threads: usize,
-) -> Result<Cluster> {
-    let path = dir.join(format!("{DIST_PREFIX}{}", std::process::id()));
-    std::fs::create_dir_all(&path).map_err(|e| BenchError::Dir {
-        dir: dir.to_path_buf(),
-        problem: format!("cannot create {}: {e}", path.display()),
-    })?;
-    let run_dir = RunDir {
-        _guard: shutdown::guard_path(&path),
-        path,
-    };
+/// What starts the replay's instance, the first time and after a restart.
+#[derive(Debug, Clone)]
+pub struct InstanceSpec {
+    /// The worker binary, `kvbm-dist-node`.
+    pub exe: PathBuf,
+    /// Ranks.
+    pub world: u32,
+    /// Each rank's G1 layout (its slice of every block).
+    pub rank_g1: Layout,
+    /// G2 blocks per worker.
+    pub g2_blocks: usize,
+    /// G3 blocks per worker.
+    pub g3_blocks: usize,
+    /// Keep G1 in host memory even with a GPU.
+    pub host_g1: bool,
+    /// memcpy threads per worker.
+    pub threads: usize,
+    /// Keeps every worker's G3 across restarts under this identity (the
+    /// rank is added per worker); `None`: G3 goes with its process.
+    pub g3_identity: Option<String>,
+    /// The tier engine's configuration.
+    pub tier_config: TierEngineConfig,
+}
+
+impl InstanceSpec {
+    /// Bytes of the G3 data the leader configures over all workers.
+    pub fn g3_bytes(&self) -> u64 {
+        self.g3_blocks as u64 * self.rank_g1.config().block_bytes() * u64::from(self.world)
+    }
+
+    /// Bytes of one rank's G3 data file as its worker lays it out
+    /// (disk-aligned regions, rounded up to the alignment).
+    pub fn rank_g3_file_bytes(&self) -> Result<u64> {
+        if self.g3_blocks == 0 {
+            return Ok(0);
+        }
+        let config = self
+            .rank_g1
+            .config()
+            .with_num_blocks(self.g3_blocks)?
+            .with_alignment(DISK_ALIGNMENT)?;
+        let bytes = Layout::new(config, LayoutKind::FullyContiguous)?.total_bytes();
+        Ok(bytes.div_ceil(DISK_ALIGNMENT) * DISK_ALIGNMENT)
+    }
+}
+
+/// Starts the instance `spec` describes on `run_dir`: its workers, the
+/// leader that configures them, and a fresh tier engine over the leader's
+/// mover (nothing registered in it yet).
+pub fn launch(
+    spec: &InstanceSpec,
+    run_dir: Arc<RunDir>,
+) -> Result<(TierEngine, G1Memory, Cluster)> {
+    let c = start(spec, run_dir)?;
+    let mover: Arc<dyn TierMover> = c.leader.mover();
+    let engine = TierEngine::with_mover(spec.tier_config.clone(), mover)
+        .map_err(|e| BenchError::Tier(e.to_string()))?;
+    let g1 = G1Memory::Distributed(Arc::clone(&c.leader));
+    Ok((engine, g1, c))
+}
+
+/// Starts the workers of `spec` (one `kvbm-dist-node` per rank, G3 in
+/// `run_dir/rank<r>`) and the leader that configures them.
+fn start(spec: &InstanceSpec, run_dir: Arc<RunDir>) -> Result<Cluster> {
+    let (world, layout) = (spec.world, &spec.rank_g1);
+    let (g2_blocks, g3_blocks) = (spec.g2_blocks, spec.g3_blocks);
     let bpb = layout.config().block_bytes() * u64::from(world);
     // On this host: an IPC socket in a directory only this user can enter.
     let config = LeaderConfig::new(
@@ -243,8 +307,12 @@ pub fn start(
                 layout.descriptor().to_json(),
             );
             args.g3_dir = Some(run_dir.path().join(format!("rank{rank}")));
-            args.host_g1 = host_g1;
-            args.threads = threads;
+            args.g3_identity = spec
+                .g3_identity
+                .as_ref()
+                .map(|id| format!("{}\ntp_rank: {rank} of {world}", id.trim_end()));
+            args.host_g1 = spec.host_g1;
+            args.threads = spec.threads;
             args.leader_timeout = leader_timeout;
             args
         })
@@ -252,7 +320,7 @@ pub fn start(
     let mut workers = Workers {
         ranks: Vec::new(),
         recipe: Recipe {
-            exe: exe.to_path_buf(),
+            exe: spec.exe.clone(),
             args,
             secret: pending.secret().clone(),
         },
@@ -269,16 +337,33 @@ pub fn start(
     })
 }
 
-/// The tier engine over `cfg.workers` worker processes, each holding a
-/// 1/N slice of every block (G1 per worker: GPU `rank` when built with
-/// `cuda` and present, else a host stand-in), with the leader and workers
-/// that serve it, and what G1 is, for the report.
-pub(crate) fn engine(
+/// The identity a tensor-parallel replay keeps its workers' G3 under:
+/// what a G3 block's bytes mean — the model's KV shape and each rank's
+/// slice of it, the tokens stored per block, the trace's block size and
+/// hashes, the tensor parallelism (each worker adds its rank).
+pub fn g3_identity(model: &KvModel, page: usize, block_tokens: u32, world: u32) -> String {
+    format!(
+        "engine: kvbm-bench replay\nmodel: {} ({} layers x {} planes x {} values x {} bytes)\nrank_slice: {} values\nstored_tokens_per_block: {page}\ntrace_block_tokens: {block_tokens}\nhashes: trace hash_ids\ntp_world: {world}",
+        model.name,
+        model.num_layers,
+        model.outer_dim,
+        model.inner_dim,
+        model.dtype_bytes,
+        model.inner_dim / world.max(1) as usize,
+    )
+}
+
+/// The instance of `cfg`'s tensor-parallel replay: `cfg.workers` worker
+/// processes, each holding a 1/N slice of every block (G1 per worker: GPU
+/// `rank` when built with `cuda` and present, else a host stand-in), G2
+/// and G3 of `caps`; with `keep_g3`, G3 kept under [`g3_identity`].
+pub(crate) fn spec(
     cfg: &ReplayConfig,
     tier_config: TierEngineConfig,
     page: usize,
     caps: [usize; 3],
-) -> Result<(TierEngine, G1Memory, String, Cluster)> {
+    keep_g3: bool,
+) -> Result<InstanceSpec> {
     let n = cfg.workers as usize;
     if n == 0 || !cfg.model.inner_dim.is_multiple_of(n) {
         return Err(BenchError::Config(format!(
@@ -299,25 +384,40 @@ pub(crate) fn engine(
         Some(p) => p.clone(),
         None => find_node_exe()?,
     };
-    let c = start(
-        &exe,
-        cfg.workers,
-        &rank_g1,
-        caps[1],
-        caps[2],
-        &cfg.disk_dir,
-        cfg.host_g1,
-        cfg.memcpy_threads,
-    )?;
-    let mover: Arc<dyn TierMover> = c.leader.mover();
-    let engine =
-        TierEngine::with_mover(tier_config, mover).map_err(|e| BenchError::Tier(e.to_string()))?;
-    let g1 = G1Memory::Distributed(Arc::clone(&c.leader));
-    let what = format!(
-        "{} worker processes, 1/{} of every block each (G1 per worker: GPU `rank` when built with cuda and present, else a host stand-in; each worker logs which)",
-        cfg.workers, cfg.workers
-    );
-    Ok((engine, g1, what, c))
+    Ok(InstanceSpec {
+        exe,
+        world: cfg.workers,
+        rank_g1,
+        g2_blocks: caps[1],
+        g3_blocks: caps[2],
+        host_g1: cfg.host_g1,
+        threads: cfg.memcpy_threads,
+        g3_identity: keep_g3.then(|| g3_identity(&cfg.model, page, cfg.block_tokens, cfg.workers)),
+        tier_config,
+    })
+}
+
+/// What G1 is in a tensor-parallel replay over `workers` ranks, for the
+/// report.
+pub(crate) fn g1_memory(workers: u32) -> String {
+    format!(
+        "{workers} worker processes, 1/{workers} of every block each (G1 per worker: GPU `rank` when built with cuda and present, else a host stand-in; each worker logs which)"
+    )
+}
+
+/// The tier engine over `cfg.workers` worker processes (see [`spec`]; G3
+/// not kept), with the leader and workers that serve it, and what G1 is,
+/// for the report.
+pub(crate) fn engine(
+    cfg: &ReplayConfig,
+    tier_config: TierEngineConfig,
+    page: usize,
+    caps: [usize; 3],
+) -> Result<(TierEngine, G1Memory, String, Cluster)> {
+    let spec = spec(cfg, tier_config, page, caps, false)?;
+    let run_dir = Arc::new(RunDir::create(&cfg.disk_dir)?);
+    let (engine, g1, c) = launch(&spec, run_dir)?;
+    Ok((engine, g1, g1_memory(cfg.workers), c))
 }
 
 /// Fills block `block` with `hash`'s pattern on every worker.

@@ -134,7 +134,21 @@ pub struct EngineDriver {
     pub onboard_phase: (u64, f64),
     /// Offload phases (G1 → G2 → G3, drained by `flush`): bytes and seconds.
     pub offload_phase: (u64, f64),
+    /// The last stats of the engines this driver drove before a restart
+    /// ([`EngineDriver::crash`]), oldest first.
+    pub earlier: Vec<TierStats>,
     last: TierStats,
+}
+
+/// What a driver carries over a restart: its counters, without the engine
+/// and G1 it drove ([`EngineDriver::crash`], [`EngineDriver::resume`]).
+pub struct Carried {
+    paths: [PathTotals; 5],
+    verified_blocks: u64,
+    failed_onboards: usize,
+    onboard_phase: (u64, f64),
+    offload_phase: (u64, f64),
+    earlier: Vec<TierStats>,
 }
 
 fn tier_err(e: impl std::fmt::Display) -> BenchError {
@@ -154,8 +168,54 @@ impl EngineDriver {
             failed_onboards: 0,
             onboard_phase: (0, 0.0),
             offload_phase: (0, 0.0),
+            earlier: Vec::new(),
             last,
         }
+    }
+
+    /// Drops the engine and G1 as a crash would: no flush, no goodbye
+    /// (whatever it had queued is lost with it). Returns the counters, to
+    /// go on with [`EngineDriver::resume`]; the engine's last stats join
+    /// [`EngineDriver::earlier`].
+    pub fn crash(self) -> Carried {
+        let mut earlier = self.earlier;
+        earlier.push(self.engine.stats());
+        // `engine` and `g1` are dropped here.
+        Carried {
+            paths: self.paths,
+            verified_blocks: self.verified_blocks,
+            failed_onboards: self.failed_onboards,
+            onboard_phase: self.onboard_phase,
+            offload_phase: self.offload_phase,
+            earlier,
+        }
+    }
+
+    /// Drives `engine` (a fresh one, after a restart) on with the counters
+    /// `carried` over from the last one.
+    pub fn resume(
+        engine: TierEngine,
+        g1: G1Memory,
+        trace_block_tokens: u32,
+        carried: Carried,
+    ) -> Self {
+        EngineDriver {
+            paths: carried.paths,
+            verified_blocks: carried.verified_blocks,
+            failed_onboards: carried.failed_onboards,
+            onboard_phase: carried.onboard_phase,
+            offload_phase: carried.offload_phase,
+            earlier: carried.earlier,
+            ..EngineDriver::new(engine, g1, trace_block_tokens)
+        }
+    }
+
+    /// The stats of every engine driven, oldest first: those before each
+    /// restart, then the current one's.
+    pub fn all_stats(&self) -> Vec<TierStats> {
+        let mut all = self.earlier.clone();
+        all.push(self.engine.stats());
+        all
     }
 
     /// The engine (for its stats).

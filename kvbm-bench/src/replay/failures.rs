@@ -45,6 +45,40 @@ pub(crate) fn rows(stats: &TierStats) -> Vec<FailureRow> {
         .collect()
 }
 
+/// The counters of several engines (one per restart of a replay) added
+/// up, their copy failures merged by path and cause.
+pub(crate) fn merged(all: &[TierStats]) -> TierStats {
+    let mut out = TierStats::default();
+    for s in all {
+        let add = |a: &mut [u64], b: &[u64]| a.iter_mut().zip(b).for_each(|(x, y)| *x += y);
+        add(&mut out.blocks, &s.blocks);
+        add(&mut out.bytes, &s.bytes);
+        add(&mut out.transfers, &s.transfers);
+        add(&mut out.transfer_nanos, &s.transfer_nanos);
+        add(&mut out.skipped, &s.skipped);
+        add(&mut out.hits, &s.hits);
+        for f in &s.copy_failures {
+            match out
+                .copy_failures
+                .iter_mut()
+                .find(|g| g.path == f.path && g.cause == f.cause)
+            {
+                Some(g) => g.blocks += f.blocks,
+                None => out.copy_failures.push(*f),
+            }
+        }
+        out.onboard_failures += s.onboard_failures;
+        out.requests += s.requests;
+        out.lookups += s.lookups;
+        out.queue_depth += s.queue_depth;
+        out.g3_recovered += s.g3_recovered;
+        out.g3_rejected += s.g3_rejected;
+        out.g3_unreadable += s.g3_unreadable;
+    }
+    out.copy_failures.sort_by_key(|f| f.path);
+    out
+}
+
 /// One line saying what failed, or `None` when nothing did.
 pub(crate) fn summary(
     offload_failures: u64,

@@ -10,7 +10,10 @@
 //! saving divides them by a prefill rate the user states.
 //!
 //! The data plane is kvbm-pool's tier engine, driven by
-//! [`engine::EngineDriver`]; the simulators give the references.
+//! [`engine::EngineDriver`]; the simulators give the references. The
+//! tensor-parallel replay can crash and restart its whole instance over a
+//! kept G3 ([`restart`]), next to an uninterrupted run of the same
+//! configuration.
 
 pub mod dist;
 pub mod engine;
@@ -18,28 +21,24 @@ pub mod failures;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod latency;
+mod local;
+mod refs;
+pub mod restart;
+
 use std::path::PathBuf;
 use std::time::Instant;
 
 use kvbm_layout::{BlockOrder, Layout, LayoutKind};
-use kvbm_pool::tier::{
-    LoadCost, ReuseModel, TierEngine, TierEngineConfig, TierLayouts, TierPolicy,
-};
-use kvbm_transfer::memory::{DiskAllocator, DiskOptions};
-use kvbm_transfer::{Executor, ExecutorSpec, PhysicalLayout};
+use kvbm_pool::tier::{LoadCost, TierEngineConfig, TierPolicy};
 use serde::Serialize;
 
-use self::engine::{EngineDriver, G1Memory, PATHS};
+use self::engine::{EngineDriver, PATHS};
 pub use self::failures::{FailureRow, G3Faults};
+pub use self::restart::{RestartReport, Restarts};
 use super::error::{BenchError, Result};
-use super::host_view::HostTier;
 use super::model::{KvModel, check_disk_alignment};
 use super::stats::percentile;
-use crate::sim::reuse_score::{ReuseScoreConfig, ReuseScoreTiers, ScoreModel};
-use crate::sim::{
-    BeladySim, G1Keeps, LruFeed, LruSim, LruTiers, ReplayStats, Tier, TierCapacities, TieredSim,
-    capacity_for, replay,
-};
+use crate::sim::{Tier, capacity_for};
 use kvbm_testkit::trace::{Request, TraceFacts};
 
 /// How a replay is set up.
@@ -94,6 +93,9 @@ pub struct ReplayConfig {
     /// Let the engine leave blocks to recompute whose load would be slower
     /// than recomputing them at `prefill_tokens_per_s` (its cost model).
     pub decline_slow_loads: bool,
+    /// Whole-instance restarts over a kept G3 (tensor-parallel replay
+    /// only; see [`restart`]); none by default.
+    pub restarts: Restarts,
 }
 
 /// Hits and rates of one tier.
@@ -231,6 +233,10 @@ pub struct ReplayReport {
     pub sweep: Vec<SweepPoint>,
     /// Wall time of the data-plane replay, seconds.
     pub wall_s: f64,
+    /// With restarts: what they cost against an uninterrupted run of the
+    /// same configuration.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub restarts: Option<RestartReport>,
 }
 
 /// Tokens of prefill a request's hit prefix avoids, per tier: each hit
@@ -261,163 +267,6 @@ fn phase_gbps((bytes, secs): (u64, f64)) -> f64 {
     } else {
         0.0
     }
-}
-
-/// Splits `total` blocks over the tiers in the proportions of `fractions`.
-fn split(total: usize, fractions: [f64; 3]) -> [usize; 3] {
-    let sum: f64 = fractions.iter().sum();
-    if sum <= 0.0 {
-        return [0; 3];
-    }
-    let g1 = (total as f64 * fractions[0] / sum).floor() as usize;
-    let g2 = (total as f64 * fractions[1] / sum).floor() as usize;
-    [g1, g2, total.saturating_sub(g1 + g2)]
-}
-
-fn lru_tiers_stats(requests: &[Request], block_tokens: u32, caps: [usize; 3]) -> ReplayStats {
-    let mut sim = TieredSim::new(caps[0], LruTiers::new(caps[1], caps[2], LruFeed::Victim))
-        .with_g1_keeping(G1Keeps::FullOnly);
-    replay(requests, block_tokens, &mut sim)
-}
-
-/// The tiered simulator running the engine's default reuse-score policy
-/// (its score model and history) at `caps`.
-fn reuse_stats(requests: &[Request], block_tokens: u32, caps: [usize; 3]) -> ReplayStats {
-    let tiers = TierCapacities {
-        g1: caps[0],
-        g2: caps[1],
-        g3: caps[2],
-    };
-    let engine = TierEngineConfig::new(block_tokens as usize);
-    let config = ReuseScoreConfig {
-        model: match engine.reuse_model {
-            ReuseModel::ReturnWithin { horizon } => ScoreModel::ReturnWithin { horizon },
-            // The simulator's nearest model (its weights are learned
-            // per age bucket, the engine's per use count only).
-            ReuseModel::Hyperbolic => ScoreModel::Hyperbolic { exponent: 1.0 },
-        },
-        history_factor: engine.history_factor,
-        ..ReuseScoreConfig::for_tiers(tiers)
-    };
-    let mut sim =
-        TieredSim::new(caps[0], ReuseScoreTiers::new(config)).with_g1_keeping(G1Keeps::FullOnly);
-    replay(requests, block_tokens, &mut sim)
-}
-
-fn sweep_point(requests: &[Request], cfg: &ReplayConfig, unique: usize, f: f64) -> SweepPoint {
-    let total = capacity_for(f, unique);
-    let caps = split(total, cfg.fractions);
-    SweepPoint {
-        fraction: f,
-        capacity_blocks: total,
-        tiered_reuse_pct: reuse_stats(requests, cfg.block_tokens, caps).hit_rate_pct(),
-        tiered_lru_pct: lru_tiers_stats(requests, cfg.block_tokens, caps).hit_rate_pct(),
-        lru_pct: replay(requests, cfg.block_tokens, &mut LruSim::new(total)).hit_rate_pct(),
-        belady_pct: replay(
-            requests,
-            cfg.block_tokens,
-            &mut BeladySim::new(requests, total),
-        )
-        .hit_rate_pct(),
-    }
-}
-
-/// Host tiers: G1 a host-memory stand-in, G2 system memory, a CPU
-/// executor.
-fn host_tiers(
-    cfg: &ReplayConfig,
-    g1_layout: Layout,
-    g2_layout: Option<Layout>,
-) -> Result<(G1Memory, Option<PhysicalLayout>, Executor, String)> {
-    let g2 = match g2_layout {
-        Some(l) => Some(HostTier::allocate(l)?.physical().clone()),
-        None => None,
-    };
-    let exec = if cfg.g3_faults.any() {
-        failures::faulty_executor(cfg.memcpy_threads, cfg.g3_faults)?
-    } else {
-        ExecutorSpec::host()
-            .memcpy_threads(cfg.memcpy_threads)
-            .disk(true)
-            .build()?
-    };
-    Ok((
-        G1Memory::Host(HostTier::allocate(g1_layout)?),
-        g2,
-        exec,
-        if cfg!(feature = "cuda") && !cfg.host_g1 {
-            "host-memory stand-in (engine layout, layer-separate K/V): no CUDA device found"
-        } else {
-            "host-memory stand-in (engine layout, layer-separate K/V)"
-        }
-        .to_string(),
-    ))
-}
-
-/// The engine in this process: G1 on the GPU (feature `cuda`, unless
-/// `host_g1`) or a host stand-in, G2 next to it, G3 on disk.
-fn local_engine(
-    cfg: &ReplayConfig,
-    tier_config: TierEngineConfig,
-    g1_layout: Layout,
-    g2_layout: Option<Layout>,
-    caps: [usize; 3],
-    page: usize,
-) -> Result<(TierEngine, G1Memory, String, bool)> {
-    #[cfg(feature = "cuda")]
-    let gpu = if cfg.host_g1 || cfg.g3_faults.any() {
-        None
-    } else {
-        gpu::device()
-    };
-    #[cfg(feature = "cuda")]
-    let (g1, g2, exec, g1_memory) = match &gpu {
-        Some(dev) => (
-            G1Memory::Device(gpu::DeviceTier::allocate(dev, g1_layout)?),
-            g2_layout.map(|l| gpu::pinned_layout(dev, l)).transpose()?,
-            gpu::executor(dev, cfg.memcpy_threads)?,
-            format!(
-                "GPU memory of {} (engine layout, layer-separate K/V); G2 pinned host memory",
-                dev.name()
-            ),
-        ),
-        None => host_tiers(cfg, g1_layout, g2_layout)?,
-    };
-    #[cfg(not(feature = "cuda"))]
-    let (g1, g2, exec, g1_memory) = host_tiers(cfg, g1_layout, g2_layout)?;
-    let g3 = match caps[2] {
-        0 => None,
-        n => {
-            let alloc = DiskAllocator::new(&cfg.disk_dir, DiskOptions::default())?;
-            Some(PhysicalLayout::allocate_disk(
-                Layout::new(
-                    cfg.model.layout_config(n, page)?,
-                    LayoutKind::FullyContiguous,
-                )?,
-                &alloc,
-            )?)
-        }
-    };
-    let g3_direct = g3.as_ref().is_some_and(|l| {
-        l.regions()[0]
-            .file_location()
-            .is_some_and(|(f, _)| f.is_direct())
-    });
-    let g1_physical = g1
-        .physical()
-        .ok_or_else(|| BenchError::Tier("G1 is not in this process".into()))?
-        .clone();
-    let engine = TierEngine::new(
-        tier_config,
-        TierLayouts {
-            g1: g1_physical,
-            g2,
-            g3,
-        },
-        exec,
-    )
-    .map_err(|e| BenchError::Tier(e.to_string()))?;
-    Ok((engine, g1, g1_memory, g3_direct))
 }
 
 /// What a replay's tiers are sized to, checked against the machine.
@@ -451,6 +300,12 @@ pub(crate) fn plan(cfg: &ReplayConfig) -> Result<Plan> {
     let requests = &cfg.requests;
     if requests.is_empty() {
         return Err(BenchError::Config("the workload has no requests".into()));
+    }
+    if cfg.restarts.any() && cfg.workers == 0 {
+        return Err(BenchError::Config(
+            "--restarts restarts the worker processes over their kept G3: give --workers 1 or more"
+                .into(),
+        ));
     }
     let facts = TraceFacts::of(requests);
     let page = cfg.model.scaled_page(cfg.block_tokens, cfg.scale)?;
@@ -508,19 +363,77 @@ pub(crate) fn plan(cfg: &ReplayConfig) -> Result<Plan> {
     })
 }
 
-/// Runs the replay; `progress(done, total)` is called after each request.
+/// Runs the replay; `progress(done, total)` is called after each request
+/// (with restarts over both passes, the uninterrupted reference first).
 pub fn run_replay(
     cfg: &ReplayConfig,
     mut progress: impl FnMut(usize, usize),
 ) -> Result<ReplayReport> {
+    let n = cfg.requests.len();
+    let points = cfg.restarts.points(n)?;
+    let plan = plan(cfg)?;
+    // With restarts: the same configuration without them first, as the
+    // reference (its G3 kept the same way, in a directory of its own).
+    let reference = if cfg.restarts.any() {
+        Some(data_plane(cfg, &plan, Some(Vec::new()), &mut |done| {
+            progress(done, 2 * n)
+        })?)
+    } else {
+        None
+    };
+    let before = if reference.is_some() { n } else { 0 };
+    let kept = cfg.restarts.any().then_some(points);
+    let mut pass = data_plane(cfg, &plan, kept, &mut |done| {
+        progress(before + done, before + n)
+    })?;
+    refs::fill(&mut pass.report, cfg, plan.caps, plan.facts.unique_blocks);
+    crate::shutdown::check()?;
+    if let (Some(reference), Some(log)) = (reference, pass.log) {
+        pass.report.restarts = Some(restart::report(
+            cfg.restarts,
+            &cfg.requests,
+            log,
+            &pass.per_request,
+            pass.report.verified_blocks,
+            pass.g3_unreadable,
+            &reference.per_request,
+            reference.report.verified_blocks,
+            reference.report.wall_s,
+        ));
+    }
+    Ok(pass.report)
+}
+
+/// One pass of the data plane over the trace.
+struct Pass {
+    /// Its report, the simulators' figures left at 0.
+    report: ReplayReport,
+    /// Blocks each request hit in G1, G2 and G3.
+    per_request: Vec<[u32; 3]>,
+    /// With a kept G3: its restarts and directories.
+    log: Option<restart::Log>,
+    /// G3 blocks whose read failed, over all its engines.
+    g3_unreadable: u64,
+}
+
+/// Replays the trace through the tiers once. `kept`: `None` for the
+/// plain instance; `Some(points)` for the tensor-parallel one with a kept
+/// G3, crashed and restarted before each request of `points`.
+fn data_plane(
+    cfg: &ReplayConfig,
+    plan: &Plan,
+    kept: Option<Vec<usize>>,
+    progress: &mut dyn FnMut(usize),
+) -> Result<Pass> {
     let Plan {
         facts,
         page,
         caps,
         block_bytes,
         staging,
-        tier_config,
-    } = plan(cfg)?;
+        ref tier_config,
+    } = *plan;
+    let tier_config = tier_config.clone();
     let requests = &cfg.requests;
     let g1_slots = caps[0];
     // Layouts: G1 as an engine allocates it, G2 and G3 as kvbm does.
@@ -536,9 +449,10 @@ pub fn run_replay(
             LayoutKind::FullyContiguous,
         )?),
     };
-    // Declared before the engine so that it outlives it: the leader shuts
+    // Declared before the engine so that they outlive it: the leader shuts
     // the workers down when dropped.
     let mut _cluster = None;
+    let mut restarter = None;
     let mut _g3_guard = None;
     let (engine, g1, g1_memory, g3_direct) = if cfg.workers > 0 {
         if cfg.g3_faults.any() {
@@ -547,11 +461,20 @@ pub fn run_replay(
                     .into(),
             ));
         }
-        let (engine, g1, what, c) = dist::engine(cfg, tier_config, page, caps)?;
-        _cluster = Some(c);
-        (engine, g1, what, false)
+        match kept {
+            Some(points) => {
+                let (r, engine, g1) = restart::Restarter::start(cfg, plan, points)?;
+                restarter = Some(r);
+                (engine, g1, dist::g1_memory(cfg.workers), false)
+            }
+            None => {
+                let (engine, g1, what, c) = dist::engine(cfg, tier_config, page, caps)?;
+                _cluster = Some(c);
+                (engine, g1, what, false)
+            }
+        }
     } else {
-        local_engine(cfg, tier_config, g1_layout, g2_layout, caps, page)?
+        local::local_engine(cfg, tier_config, g1_layout, g2_layout, caps, page)?
     };
     // A run stopped by force still removes its G3 file.
     if let Some((file, _)) = engine
@@ -577,17 +500,27 @@ pub fn run_replay(
     let mut onboard = Vec::new();
     let mut refs = 0u64;
     let mut prompt_tokens = 0u64;
+    let mut per_request = Vec::with_capacity(requests.len());
     for (i, r) in requests.iter().enumerate() {
         // Between requests nothing is in flight: a signal stops here.
         crate::shutdown::check()?;
+        if let Some(rs) = restarter.as_mut().filter(|rs| rs.due(i)) {
+            driver = rs.restart(driver, i)?;
+        }
         let out = driver.request(i, r)?;
+        if let Some(rs) = restarter.as_mut() {
+            rs.observe(r, &out);
+        }
         let a = tokens_avoided(r, cfg.block_tokens, &out.prefix);
+        let mut mine = [0u32; 3];
         for t in 0..3 {
             avoided[t] += a[t];
         }
         for &t in &out.prefix {
             hits[t as usize] += 1;
+            mine[t as usize] += 1;
         }
+        per_request.push(mine);
         if let Some(s) = out.onboard_secs {
             onboard.push(s);
         }
@@ -599,18 +532,16 @@ pub fn run_replay(
         ));
         refs += r.hash_ids.len() as u64;
         prompt_tokens += u64::from(r.input_length);
-        progress(i + 1, requests.len());
+        progress(i + 1);
     }
     let wall_s = start.elapsed().as_secs_f64();
     raw.finish();
+    let log = restarter.as_mut().map(|r| r.log(&driver)).transpose()?;
     let onboard_cost = latency::OnboardCost {
         raw_read_skipped: raw.skipped.take(),
         ..latency::summarise(&samples, raw.gbps)
     };
-    let sim_reuse = reuse_stats(requests, cfg.block_tokens, caps);
-
-    let sim_lru_tiers = lru_tiers_stats(requests, cfg.block_tokens, caps);
-    let stats = driver.engine().stats();
+    let stats = failures::merged(&driver.all_stats());
     let skipped: u64 = stats.skipped.iter().sum();
     let failure_rows = failures::rows(&stats);
     let (offload_failures, onboard_failures) =
@@ -621,15 +552,6 @@ pub fn run_replay(
         driver.failed_onboards,
         &failure_rows,
     );
-
-    let total_cap: usize = caps.iter().sum();
-    let lru = replay(requests, cfg.block_tokens, &mut LruSim::new(total_cap));
-    let belady = replay(
-        requests,
-        cfg.block_tokens,
-        &mut BeladySim::new(requests, total_cap),
-    );
-    crate::shutdown::check()?;
     let pct = |n: u64| {
         if refs == 0 {
             0.0
@@ -639,7 +561,7 @@ pub fn run_replay(
     };
     let names = ["G1", "G2", "G3"];
     let onboard_ms: Vec<f64> = onboard.iter().map(|s| s * 1e3).collect();
-    Ok(ReplayReport {
+    let report = ReplayReport {
         workload: cfg.workload.clone(),
         requests: requests.len(),
         block_references: refs,
@@ -711,98 +633,21 @@ pub fn run_replay(
         decline_slow_loads: cfg.decline_slow_loads,
         declined_blocks: declined,
         onboard_cost,
-        sim_reuse_hit_rate_pct: sim_reuse.hit_rate_pct(),
-        sim_lru_tiers_hit_rate_pct: sim_lru_tiers.hit_rate_pct(),
-        lru_hit_rate_pct: lru.hit_rate_pct(),
-        belady_hit_rate_pct: belady.hit_rate_pct(),
-        sweep: cfg
-            .sweep
-            .iter()
-            .map(|&f| sweep_point(requests, cfg, facts.unique_blocks, f))
-            .collect(),
+        sim_reuse_hit_rate_pct: 0.0,
+        sim_lru_tiers_hit_rate_pct: 0.0,
+        lru_hit_rate_pct: 0.0,
+        belady_hit_rate_pct: 0.0,
+        sweep: Vec::new(),
         wall_s,
+        restarts: None,
+    };
+    Ok(Pass {
+        report,
+        per_request,
+        log,
+        g3_unreadable: stats.g3_unreadable,
     })
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn request(input_length: u32, blocks: usize) -> Request {
-        Request {
-            timestamp_ms: 0,
-            input_length,
-            output_length: 1,
-            hash_ids: (0..blocks as u64).collect(),
-        }
-    }
-
-    #[test]
-    fn tokens_avoided_counts_whole_and_partial_blocks_by_tier() {
-        // 1 200 tokens in 512-token blocks: 512 + 512 + 176.
-        let r = request(1200, 3);
-        assert_eq!(tokens_avoided(&r, 512, &[]), [0, 0, 0]);
-        assert_eq!(tokens_avoided(&r, 512, &[Tier::G1]), [512, 0, 0]);
-        assert_eq!(
-            tokens_avoided(&r, 512, &[Tier::G1, Tier::G2]),
-            [512, 512, 0]
-        );
-        // The whole prompt hit: the last token is still computed.
-        assert_eq!(
-            tokens_avoided(&r, 512, &[Tier::G1, Tier::G2, Tier::G3]),
-            [512, 512, 175]
-        );
-        let exact = request(1024, 2);
-        assert_eq!(
-            tokens_avoided(&exact, 512, &[Tier::G3, Tier::G3]),
-            [0, 0, 1023]
-        );
-    }
-
-    #[test]
-    fn split_keeps_the_total_and_the_proportions() {
-        assert_eq!(split(100, [0.02, 0.06, 0.12]), [10, 30, 60]);
-        assert_eq!(split(7, [1.0, 1.0, 1.0]), [2, 2, 3]);
-        assert_eq!(split(5, [0.0, 0.0, 0.0]), [0, 0, 0]);
-        for total in 0..50 {
-            assert_eq!(split(total, [0.3, 0.2, 0.5]).iter().sum::<usize>(), total);
-        }
-    }
-
-    #[test]
-    fn bad_configuration_is_an_error_not_a_panic() {
-        let cfg = ReplayConfig {
-            workload: "test".into(),
-            requests: vec![request(1024, 2)],
-            block_tokens: 512,
-            model: super::super::MODEL_PRESETS[3],
-            scale: 64,
-            fractions: [0.5, f64::NAN, 0.5],
-            prefill_tokens_per_s: 1.0,
-            memcpy_threads: 1,
-            disk_dir: std::env::temp_dir(),
-            max_host_bytes: 1 << 30,
-            policy: TierPolicy::WriteThrough,
-            host_g1: true,
-            sweep: Vec::new(),
-            workers: 0,
-            worker_exe: None,
-            offload_in_flight: None,
-            g1_free_reserve: None,
-            g3_faults: G3Faults::default(),
-            g3_staging_bytes: 0,
-            decline_slow_loads: false,
-        };
-        assert!(matches!(
-            run_replay(&cfg, |_, _| {}),
-            Err(BenchError::Config(_))
-        ));
-        let tight = ReplayConfig {
-            fractions: [1.0, 1.0, 0.0],
-            max_host_bytes: 1,
-            ..cfg
-        };
-        let e = run_replay(&tight, |_, _| {}).unwrap_err().to_string();
-        assert!(e.contains("--scale"), "{e}");
-    }
-}
+mod tests;

@@ -71,5 +71,6 @@ pub fn tiny_replay_config(
         g3_faults: Default::default(),
         g3_staging_bytes: 0,
         decline_slow_loads: false,
+        restarts: Default::default(),
     }
 }

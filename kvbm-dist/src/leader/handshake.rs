@@ -200,6 +200,7 @@ impl Handshake<'_> {
         let mut ready = vec![false; world as usize];
         let mut kept: Vec<Vec<(u32, BlockLabel)>> = vec![Vec::new(); world as usize];
         let mut rejected_records = 0u64;
+        let mut g3_open = vec![Duration::ZERO; world as usize];
         let started = Instant::now();
         let deadline = started + self.config.handshake_timeout;
         let beat = self.config.heartbeat_interval;
@@ -214,13 +215,20 @@ impl Handshake<'_> {
                 return Err(self.timeout("ready", started, missing));
             }
             while let Some(r) = self.router.try_recv()? {
-                if let Some((rank, blocks, rejected)) =
+                if let Some((rank, blocks, rejected, open)) =
                     self.on_ready_phase_frame(r.peer, r.message, &configure)?
                 {
-                    tracing::info!(rank, kept_g3_blocks = blocks.len(), rejected, "ready");
+                    tracing::info!(
+                        rank,
+                        kept_g3_blocks = blocks.len(),
+                        rejected,
+                        g3_open_ms = open.as_secs_f64() * 1e3,
+                        "ready"
+                    );
                     ready[rank as usize] = true;
                     kept[rank as usize] = blocks;
                     rejected_records += rejected;
+                    g3_open[rank as usize] = open;
                 }
             }
             // Configured workers hear from the leader every heartbeat, so
@@ -237,7 +245,10 @@ impl Handshake<'_> {
             identities: self.hellos.values().map(|(p, _)| p.clone()).collect(),
             reference,
             configure,
-            kept_g3: kept_everywhere(kept, rejected_records),
+            kept_g3: KeptG3 {
+                g3_open,
+                ..kept_everywhere(kept, rejected_records)
+            },
         })
     }
 
@@ -312,7 +323,8 @@ impl Handshake<'_> {
                         ),
                     });
                 }
-                Ok(Some((rank, m.recovered, m.rejected)))
+                let open = Duration::from_micros(m.g3_open_us);
+                Ok(Some((rank, m.recovered, m.rejected, open)))
             }
             (Some(rank), Ok(Message::Error(e))) => Err(DistError::Worker {
                 rank,
@@ -437,12 +449,13 @@ fn kept_everywhere(per_rank: Vec<Vec<(u32, BlockLabel)>>, rejected: u64) -> Kept
     KeptG3 {
         blocks,
         rejected: rejected + partial,
+        g3_open: Vec::new(),
     }
 }
 
-/// A rank that became ready: its rank, the blocks its kept G3 holds and
-/// the records it left out.
-type ReadyRank = (u32, Vec<(u32, BlockLabel)>, u64);
+/// A rank that became ready: its rank, the blocks its kept G3 holds, the
+/// records it left out and how long its G3 took to open.
+type ReadyRank = (u32, Vec<(u32, BlockLabel)>, u64, Duration);
 
 /// What the ranks' kept G3 held at start.
 #[derive(Debug, Clone, Default)]
@@ -451,4 +464,6 @@ pub(crate) struct KeptG3 {
     pub(crate) blocks: Vec<(u32, BlockLabel)>,
     /// Blocks and records left out.
     pub(crate) rejected: u64,
+    /// How long each rank took to open its G3, in rank order.
+    pub(crate) g3_open: Vec<Duration>,
 }

@@ -459,6 +459,12 @@ impl Leader {
         &self.kept_g3.blocks
     }
 
+    /// How long each rank took to open its G3 when it became ready (a kept
+    /// G3's recovery included; zero without G3), in rank order.
+    pub fn g3_open_times(&self) -> &[Duration] {
+        &self.kept_g3.g3_open
+    }
+
     /// Registers [`Leader::kept_g3`] in `engine`'s G3 (built on this
     /// leader's mover), so its first requests hit what the last engine
     /// left on disk. Returns how many blocks it registered.

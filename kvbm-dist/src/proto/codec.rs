@@ -80,6 +80,7 @@ fn body(w: &mut Writer, message: &Message) -> Result<(), ProtoError> {
                 w.label(label);
             }
             w.u64(r.rejected);
+            w.u64(r.g3_open_us);
         }
         Message::Error(e) => {
             w.opt_u64(e.transfer_id);
@@ -246,6 +247,7 @@ fn decode_body(r: &mut Reader<'_>, kind: MessageKind) -> Result<Message, ProtoEr
                     .collect::<Result<_, ProtoError>>()?
             },
             rejected: r.u64("rejected records")?,
+            g3_open_us: r.u64("G3 open time")?,
         }),
         MessageKind::Error => Message::Error(ErrorReply {
             transfer_id: r.opt_u64("transfer id")?,

@@ -71,6 +71,9 @@ pub struct Ready {
     pub recovered: Vec<(u32, BlockLabel)>,
     /// Records its kept G3 left out when opened (torn or damaged).
     pub rejected: u64,
+    /// Microseconds it took to open G3 (a kept one's recovery included;
+    /// 0 without G3).
+    pub g3_open_us: u64,
 }
 
 /// A refusal or failure that has no better message.

@@ -78,6 +78,7 @@ fn message() -> impl Strategy<Value = Message> {
                     g3_blocks: b,
                     recovered: kept.into_iter().map(|(s, l)| (s % b as u32, l)).collect(),
                     rejected: a % 7,
+                    g3_open_us: b / 3,
                 })
             }),
         (any::<Option<u64>>(), text()).prop_map(|(transfer_id, message)| {

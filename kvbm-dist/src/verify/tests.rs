@@ -498,6 +498,10 @@ fn kept_g3_outlives_the_instance(world: u32, memory: Memory) {
         .collect();
     assert_eq!(found, vec![(3, 100), (5, 101)]);
     assert_eq!(i.leader.kept_g3()[1].1.parent, Some(100));
+    // Every rank said how long opening (and reading back) its G3 took.
+    let open = i.leader.g3_open_times();
+    assert_eq!(open.len(), world as usize);
+    assert!(open.iter().all(|d| !d.is_zero()), "{open:?}");
     let engine = kvbm_pool::TierEngine::with_mover(
         kvbm_pool::tier::TierEngineConfig::new(16),
         i.leader.mover(),

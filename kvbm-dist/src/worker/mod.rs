@@ -469,6 +469,7 @@ impl Worker {
                         .map(|r| (r.slot, r.label))
                         .collect(),
                     rejected: self.tiers.rejected(),
+                    g3_open_us: u64::try_from(self.tiers.g3_open().as_micros()).unwrap_or(u64::MAX),
                 })
             }
             Err(e) => {

@@ -7,6 +7,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use kvbm_layout::{Layout, LayoutKind};
 use kvbm_pool::Tier;
@@ -70,6 +71,8 @@ pub(crate) struct Tiers {
     recovered: Arc<[Recovered]>,
     /// Records a kept G3 left out when opened.
     rejected: u64,
+    /// How long opening G3 took (recovery included).
+    g3_open: Duration,
 }
 
 impl Tiers {
@@ -82,6 +85,7 @@ impl Tiers {
             store: None,
             recovered: Arc::from(Vec::new()),
             rejected: 0,
+            g3_open: Duration::ZERO,
         }
     }
 
@@ -114,6 +118,7 @@ impl Tiers {
         };
         // The old store lets go of its directory before it is opened again.
         self.store = None;
+        let g3_started = Instant::now();
         let (g3, store, recovered, rejected) = match (c.g3_blocks, g3_place) {
             (0, _) => (None, None, Vec::new(), 0),
             (_, None) => {
@@ -171,6 +176,11 @@ impl Tiers {
         self.store = store;
         self.recovered = Arc::from(recovered);
         self.rejected = rejected;
+        self.g3_open = if self.g3.is_some() {
+            g3_started.elapsed()
+        } else {
+            Duration::ZERO
+        };
         Ok(())
     }
 
@@ -182,6 +192,12 @@ impl Tiers {
     /// Records a kept G3 left out when opened.
     pub(crate) fn rejected(&self) -> u64 {
         self.rejected
+    }
+
+    /// How long opening G3 took at the last configure (a kept one's
+    /// recovery included; zero without G3).
+    pub(crate) fn g3_open(&self) -> Duration {
+        self.g3_open
     }
 
     /// Copies `pairs` from `src` to `dst` on `executor`, checks them where

@@ -269,6 +269,20 @@ pub struct ReplayArgs {
     /// by default; hit rates then depend on the machine's speed).
     #[arg(long)]
     pub decline_slow_loads: bool,
+    /// Crash and restart the whole instance this many times during the
+    /// replay (needs --workers): every worker SIGKILLed, the leader and the
+    /// engine dropped without a flush, then all started again on the same
+    /// G3 directories, kept under an identity of the model shape. The
+    /// points are spread evenly over the trace unless --restart-seed is
+    /// given. The same configuration runs first without restarts, in the
+    /// same invocation: the report sets the hit rate after each restart
+    /// against that run's over the same requests.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=100_000))]
+    pub restarts: u32,
+    /// Restart at points drawn at random from this seed instead (with
+    /// --restarts), no two closer than half the even spacing.
+    #[arg(long, requires = "restarts")]
+    pub restart_seed: Option<u64>,
 }
 
 /// The tier engine's G2/G3 policies.

@@ -13,7 +13,7 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvbm_bench::matrix::{MatrixConfig, matrix_cells, run_matrix};
 use kvbm_bench::offload::{GpuPath, Load, OffloadConfig, Outcome, run_offload};
-use kvbm_bench::replay::{G3Faults, ReplayConfig, ReplayReport, run_replay};
+use kvbm_bench::replay::{G3Faults, ReplayConfig, ReplayReport, Restarts, run_replay};
 use kvbm_bench::soak::{SoakConfig, run_soak};
 use kvbm_bench::{BenchError, KvModel};
 use kvbm_pool::tier::TierPolicy;
@@ -190,6 +190,7 @@ fn replay_config(
         g3_faults: G3Faults::default(),
         g3_staging_bytes: 0,
         decline_slow_loads: false,
+        restarts: Restarts::default(),
     })
 }
 
@@ -278,6 +279,11 @@ fn replay_report(cli: &Cli, args: &ReplayArgs) -> Result<ReplayReport, BenchErro
         }
         loaded.requests.truncate(n);
     }
+    if args.restart_seed.is_some() && args.restarts == 0 {
+        return Err(BenchError::Config(
+            "--restart-seed places restarts: give their number with --restarts".into(),
+        ));
+    }
     let base = replay_config(cli, loaded, &args.workload, &args.tiers)?;
     let config = ReplayConfig {
         policy: match args.policy {
@@ -299,6 +305,10 @@ fn replay_report(cli: &Cli, args: &ReplayArgs) -> Result<ReplayReport, BenchErro
         },
         g3_staging_bytes: mib_bytes(args.g3_staging_mib),
         decline_slow_loads: args.decline_slow_loads,
+        restarts: Restarts {
+            count: args.restarts,
+            seed: args.restart_seed,
+        },
         ..base
     };
     let bar = progress_bar(cli, config.requests.len() as u64, "replay");

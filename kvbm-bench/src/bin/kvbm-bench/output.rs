@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use kvbm_bench::BenchError;
 use kvbm_bench::matrix::{MatrixConfig, MatrixRow};
 use kvbm_bench::offload::OffloadReport;
-use kvbm_bench::replay::ReplayReport;
+use kvbm_bench::replay::{ReplayReport, RestartReport};
 use kvbm_bench::soak::{ProcSample, SoakReport};
 use kvbm_bench::svg::{LinePlot, Series, format_bytes};
 use kvbm_bench::table::Table;
@@ -408,7 +408,122 @@ pub fn replay(cli: &Cli, r: &ReplayReport) -> Result<(), BenchError> {
         print!("{}", t.render());
     }
     println!("  replay wall time {:.1} s", r.wall_s);
+    if let Some(rs) = &r.restarts {
+        restarts(r, rs);
+    }
     Ok(())
+}
+
+/// A ratio, or `-` where the reference hit nothing.
+fn ratio(r: Option<f64>) -> String {
+    r.map_or_else(|| "-".to_string(), |v| format!("{v:.3}"))
+}
+
+/// The restarts of a replay against its uninterrupted reference.
+fn restarts(r: &ReplayReport, rs: &RestartReport) {
+    println!();
+    println!(
+        "restarts: {} whole-instance crashes (every worker SIGKILLed, leader and engine dropped unflushed), {}; G3 kept, G1 and G2 lost",
+        rs.rows.len(),
+        match rs.seed {
+            Some(seed) => format!("points drawn from seed {seed}"),
+            None => "points spread evenly".to_string(),
+        }
+    );
+    println!(
+        "  reference: the same configuration without restarts, same invocation: {:.2} % over the trace ({:.2} % with restarts), {} blocks verified, wall {:.1} s",
+        rs.reference_hit_rate_pct,
+        r.hit_rate_pct,
+        rs.reference_verified_blocks,
+        rs.reference_wall_s
+    );
+    let mut t = Table::new([
+        "at",
+        "requests",
+        "hit %",
+        "reference %",
+        "ratio",
+        "G3 hits",
+        "ref G3 hits",
+        "G3 held",
+        "recovered",
+        "rejected",
+        "recov. wanted / hit / evicted unused",
+        "first after",
+        "1st req G3 / kept",
+        "verified",
+        "kill -> ready s (restore)",
+        "G3 open ms (ranks)",
+    ]);
+    for row in &rs.rows {
+        let s = &row.span;
+        t.row([
+            format!("{:.3} (#{})", row.at_fraction, s.first_request),
+            s.requests.to_string(),
+            format!("{:.2}", s.hit_rate_pct),
+            format!("{:.2}", s.reference_hit_rate_pct),
+            ratio(s.ratio),
+            s.g3_hits.to_string(),
+            s.reference_g3_hits.to_string(),
+            row.g3_held_at_crash.to_string(),
+            row.g3_recovered.to_string(),
+            row.g3_rejected.to_string(),
+            format!(
+                "{} / {} / {}",
+                row.recovered_referenced, row.recovered_hits, row.recovered_evicted_unreferenced
+            ),
+            row.first_recovered_hit_after
+                .map_or_else(|| "-".to_string(), |n| n.to_string()),
+            format!(
+                "{} / {}",
+                row.first_request_g3_hits, row.first_request_kept_prefix
+            ),
+            row.verified_blocks.to_string(),
+            format!("{:.3} ({:.3})", row.restart_s, row.restore_s),
+            row.g3_open_ms
+                .iter()
+                .map(|ms| format!("{ms:.1}"))
+                .collect::<Vec<_>>()
+                .join(" / "),
+        ]);
+    }
+    print!("{}", t.render());
+    for row in &rs.rows {
+        let parts: Vec<String> = row.recovery.iter().map(|&r| ratio(r)).collect();
+        println!(
+            "  restart at #{}: ratio by tenth of its span: {}",
+            row.span.first_request,
+            parts.join(" ")
+        );
+    }
+    let b = &rs.before_first_restart;
+    println!(
+        "  before the first restart ({} requests): {:.2} % against {:.2} %, ratio {}",
+        b.requests,
+        b.hit_rate_pct,
+        b.reference_hit_rate_pct,
+        ratio(b.ratio)
+    );
+    let a = &rs.after_first_restart;
+    println!(
+        "  from the first restart to the end ({} requests): {:.2} % against {:.2} %, ratio {}",
+        a.requests,
+        a.hit_rate_pct,
+        a.reference_hit_rate_pct,
+        ratio(a.ratio)
+    );
+    let d = &rs.g3_disk_end;
+    println!(
+        "  G3 directories after the run: {} directories, {} files, {} on disk ({} apparent); configured G3 {} of data ({} as laid out) + {} of records; {} blocks unreadable",
+        d.directories,
+        d.files,
+        format_bytes(d.allocated_bytes as f64),
+        format_bytes(d.apparent_bytes as f64),
+        format_bytes(rs.g3_configured_bytes as f64),
+        format_bytes(rs.g3_data_file_bytes as f64),
+        format_bytes(rs.g3_record_bytes as f64),
+        rs.g3_unreadable
+    );
 }
 
 /// The offload bench.
