@@ -338,7 +338,7 @@ pub(crate) fn wait_readable(shared: &Shared, ids: &[u32]) -> Result<(), Transfer
 /// bytes failed their checksum, or the disk failed them) as unreadable
 /// until they are written again, as a failed write leaves them: no match
 /// finds their blocks and no read tries them again. Cancelled reads are
-/// not marked. `pairs` are the read's `(G3 slot, destination)` pairs.
+/// not marked. The failed pairs are `(G3 slot, destination)`.
 pub(crate) fn reads_ended(shared: &Shared, outcome: &kvbm_transfer::TransferOutcome) {
     let Err(f) = outcome else {
         return;

@@ -11,8 +11,8 @@ use crate::pool::CompleteBlock;
 impl TierEngine {
     /// Registers the blocks a G3 kept across a restart holds, each in the
     /// slot that holds its bytes: `(slot, (hash, parent))`. Returns how many
-    /// were registered; a slot beyond G3 or taken, or a hash G3 already
-    /// holds, is skipped. `rejected` counts what the caller left out (torn
+    /// were registered; a slot beyond G3, taken or listed twice, or a hash
+    /// G3 already holds or listed twice, is skipped. `rejected` counts what the caller left out (torn
     /// records, blocks not every rank held), for the metrics. Call it
     /// before the first request.
     pub fn restore_g3(&self, blocks: &[(u32, G3Label)], rejected: u64) -> usize {
@@ -28,19 +28,46 @@ impl TierEngine {
         let Some(g3) = self.shared.g3.as_ref() else {
             return 0;
         };
-        // Parents before their children, as registration wants them.
+        // One block per slot and one slot per hash (a hash kept twice, in
+        // a slot it was evicted from and in one it went to later, comes
+        // back once).
+        let mut slots = std::collections::HashSet::with_capacity(blocks.len());
+        let mut hashes = std::collections::HashSet::with_capacity(blocks.len());
+        let blocks: Vec<(u32, G3Label)> = blocks
+            .iter()
+            .copied()
+            .filter(|&(slot, (hash, _))| slots.insert(slot) && hashes.insert(hash))
+            .collect();
+        // Parents before their children, as registration wants them: each
+        // block's depth in the kept chains, memoized (chains share
+        // prefixes and can be thousands of blocks long).
         let parent_of: HashMap<SequenceHash, Option<SequenceHash>> =
             blocks.iter().map(|&(_, (h, p))| (h, p)).collect();
-        let depth = |mut h: SequenceHash| {
-            let mut d = 0usize;
-            while let Some(Some(p)) = parent_of.get(&h) {
-                d += 1;
-                h = *p;
-                if d > parent_of.len() {
-                    break; // a cycle in damaged labels: any order will do
+        let mut depths: HashMap<SequenceHash, usize> = HashMap::with_capacity(blocks.len());
+        let mut depth = |start: SequenceHash| {
+            let mut path = Vec::new();
+            let mut h = start;
+            // The depth of the last block on `path`, the one nearest the root.
+            let base = loop {
+                if let Some(&d) = depths.get(&h) {
+                    break d + 1;
                 }
+                match parent_of.get(&h) {
+                    // A cycle in damaged labels: any order will do.
+                    Some(Some(p)) if path.len() <= parent_of.len() => {
+                        path.push(h);
+                        h = *p;
+                    }
+                    _ => {
+                        path.push(h);
+                        break 0;
+                    }
+                }
+            };
+            for (i, h) in path.iter().rev().enumerate() {
+                depths.insert(*h, base + i);
             }
-            d
+            depths[&start]
         };
         let mut ordered: Vec<(usize, u32, G3Label)> = blocks
             .iter()
@@ -68,5 +95,66 @@ impl TierEngine {
                 0
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Tier;
+    use crate::tier::KvShape;
+
+    fn engine(dir: &std::path::Path) -> TierEngine {
+        let shape = KvShape::mha(2, 1, 128);
+        let block = shape.block_bytes();
+        TierEngine::builder(shape)
+            .g1_host(4)
+            .g2_host_bytes(4 * block)
+            .g3_disk(dir, 16 * block)
+            .build()
+            .unwrap()
+    }
+
+    fn label(hash: u64, parent: Option<u64>) -> G3Label {
+        (SequenceHash(hash), parent.map(SequenceHash))
+    }
+
+    #[test]
+    fn kept_blocks_come_back_in_their_slots_children_listed_first_or_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = engine(dir.path());
+        // A chain 1 <- 2 <- 3 listed child first, a root 9, a slot beyond G3,
+        // a duplicate slot and a duplicate hash.
+        let blocks = [
+            (5, label(3, Some(2))),
+            (7, label(2, Some(1))),
+            (2, label(1, None)),
+            (11, label(9, None)),
+            (40, label(20, None)),
+            (11, label(21, None)),
+            (12, label(9, None)),
+        ];
+        let n = e.restore_g3(&blocks, 2);
+        assert_eq!(n, 4);
+        let g3 = e.pool(Tier::G3).unwrap();
+        for h in [1, 2, 3, 9] {
+            assert!(g3.contains(SequenceHash(h)), "block {h} not restored");
+        }
+        assert!(!g3.contains(SequenceHash(20)) && !g3.contains(SequenceHash(21)));
+        let stats = e.stats();
+        assert_eq!((stats.g3_recovered, stats.g3_rejected), (4, 2 + 3));
+        // The whole chain matches as a G3 prefix.
+        assert_eq!(
+            g3.cached_prefix_len(&[SequenceHash(1), SequenceHash(2), SequenceHash(3)]),
+            3
+        );
+    }
+
+    #[test]
+    fn a_cycle_in_damaged_labels_does_not_hang() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = engine(dir.path());
+        let blocks = [(0, label(1, Some(2))), (1, label(2, Some(1)))];
+        assert!(e.restore_g3(&blocks, 0) <= 2);
     }
 }
