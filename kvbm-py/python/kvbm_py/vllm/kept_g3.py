@@ -81,21 +81,20 @@ def identity(vllm_config: "VllmConfig") -> tuple[str | None, str]:
     return "\n".join(f"{k}: {v}" for k, v in fields.items()), ""
 
 
-def _unused(path: str) -> bool:
-    """Whether no process holds the kept G3 directory ``path`` open."""
+def _lock_if_unused(path: str) -> int | None:
+    """The kept G3 directory ``path``'s lock, taken, when no process holds
+    it (a descriptor to close once done with the directory); None while an
+    engine uses it."""
     try:
-        fd = os.open(os.path.join(path, "lock"), os.O_RDWR)
-    except FileNotFoundError:
-        return True
+        fd = os.open(os.path.join(path, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
     except OSError:
-        return False
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
+        return fd
     except OSError:
-        return False
-    finally:
         os.close(fd)
+        return None
 
 
 def sweep_foreign(config: KvbmConfig, ours: str) -> list[str]:
@@ -113,12 +112,20 @@ def sweep_foreign(config: KvbmConfig, ours: str) -> list[str]:
         path = os.path.join(base, name)
         if not name.startswith(KEPT_PREFIX) or name.startswith(mine + "-rank"):
             continue
-        if not os.path.isdir(path) or not _unused(path):
+        if not os.path.isdir(path):
             continue
-        if config.disk_cache_foreign == "keep":
-            log.info("kvbm: kept G3 of another model or setting left in place: %s", path)
+        # Held while the directory goes, so that an engine starting on it
+        # meanwhile finds it in use and takes a directory of its own.
+        lock = _lock_if_unused(path)
+        if lock is None:
             continue
-        shutil.rmtree(path, ignore_errors=True)
-        log.info("kvbm: kept G3 of another model or setting removed: %s", path)
-        removed.append(path)
+        try:
+            if config.disk_cache_foreign == "keep":
+                log.info("kvbm: kept G3 of another model or setting left in place: %s", path)
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("kvbm: kept G3 of another model or setting removed: %s", path)
+            removed.append(path)
+        finally:
+            os.close(lock)
     return removed
