@@ -28,21 +28,13 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 BLOCK = 32
 
 
-def scheduler_connector(llm):
-    """kvbm's scheduler-role connector inside the in-process engine core."""
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector
-
-
-def main() -> int:
-    from vllm import LLM, SamplingParams
+def build_llm(model_dir: str, extra: dict, engine_args: dict | None = None):
+    """vLLM's engine on CPU over the model in `model_dir` (prefix caching
+    on, seed 0), with kvbm's connector configured by `extra`."""
+    from vllm import LLM
     from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
 
-    model_dir, extra = sys.argv[1], json.loads(sys.argv[2])
-    engine_args = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
-    options = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
-    variants = options.get("variants", False)
-    llm = LLM(
+    return LLM(
         model=model_dir,
         skip_tokenizer_init=True,
         enforce_eager=True,
@@ -59,8 +51,24 @@ def main() -> int:
             kv_connector_extra_config=extra,
             kv_load_failure_policy="recompute",
         ),
-        **engine_args,
+        **(engine_args or {}),
     )
+
+
+def scheduler_connector(llm):
+    """kvbm's scheduler-role connector inside the in-process engine core."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def main() -> int:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    model_dir, extra = sys.argv[1], json.loads(sys.argv[2])
+    engine_args = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    options = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+    variants = options.get("variants", False)
+    llm = build_llm(model_dir, extra, engine_args)
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, detokenize=False)
     one = SamplingParams(max_tokens=1, detokenize=False)
     rng = random.Random(7)

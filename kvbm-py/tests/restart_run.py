@@ -15,11 +15,7 @@ import sys
 import threading
 import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
-BLOCK = 32
+from engine_run import BLOCK, build_llm, scheduler_connector
 
 
 def prompts(seed: int) -> list[list[int]]:
@@ -34,32 +30,14 @@ def prompts(seed: int) -> list[list[int]]:
 
 
 def main() -> int:
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     model_dir, extra = sys.argv[1], json.loads(sys.argv[2])
     kill = len(sys.argv) > 3 and sys.argv[3] == "kill"
-    llm = LLM(
-        model=model_dir,
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="bfloat16",
-        max_model_len=512,
-        max_num_seqs=4,
-        block_size=BLOCK,
-        enable_prefix_caching=True,
-        seed=0,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KvbmConnector",
-            kv_connector_module_path="kvbm_py.vllm",
-            kv_role="kv_both",
-            kv_connector_extra_config=extra,
-            kv_load_failure_policy="recompute",
-        ),
-    )
+    llm = build_llm(model_dir, extra)
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, detokenize=False)
-    side = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
+    side = scheduler_connector(llm)._scheduler
 
     def generate(batch):
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], greedy, use_tqdm=False)

@@ -44,15 +44,16 @@ fn split_keeps_the_total_and_the_proportions() {
     }
 }
 
-#[test]
-fn bad_configuration_is_an_error_not_a_panic() {
-    let cfg = ReplayConfig {
+/// A one-process replay of `requests` in 512-token blocks with tiers of
+/// `fractions`, no workers, no restarts.
+fn config(requests: Vec<Request>, fractions: [f64; 3]) -> ReplayConfig {
+    ReplayConfig {
         workload: "test".into(),
-        requests: vec![request(1024, 2)],
+        requests,
         block_tokens: 512,
         model: super::super::MODEL_PRESETS[3],
         scale: 64,
-        fractions: [0.5, f64::NAN, 0.5],
+        fractions,
         prefill_tokens_per_s: 1.0,
         memcpy_threads: 1,
         disk_dir: std::env::temp_dir(),
@@ -68,7 +69,12 @@ fn bad_configuration_is_an_error_not_a_panic() {
         g3_staging_bytes: 0,
         decline_slow_loads: false,
         restarts: Restarts::default(),
-    };
+    }
+}
+
+#[test]
+fn bad_configuration_is_an_error_not_a_panic() {
+    let cfg = config(vec![request(1024, 2)], [0.5, f64::NAN, 0.5]);
     assert!(matches!(
         run_replay(&cfg, |_, _| {}),
         Err(BenchError::Config(_))
@@ -85,30 +91,11 @@ fn bad_configuration_is_an_error_not_a_panic() {
 #[test]
 fn restarts_need_workers_and_room_in_the_trace() {
     let cfg = ReplayConfig {
-        workload: "test".into(),
-        requests: vec![request(1024, 2), request(1024, 2)],
-        block_tokens: 512,
-        model: super::super::MODEL_PRESETS[3],
-        scale: 64,
-        fractions: [0.5, 0.5, 0.5],
-        prefill_tokens_per_s: 1.0,
-        memcpy_threads: 1,
-        disk_dir: std::env::temp_dir(),
-        max_host_bytes: 1 << 30,
-        policy: TierPolicy::WriteThrough,
-        host_g1: true,
-        sweep: Vec::new(),
-        workers: 0,
-        worker_exe: None,
-        offload_in_flight: None,
-        g1_free_reserve: None,
-        g3_faults: G3Faults::default(),
-        g3_staging_bytes: 0,
-        decline_slow_loads: false,
         restarts: Restarts {
             count: 1,
             seed: None,
         },
+        ..config(vec![request(1024, 2), request(1024, 2)], [0.5, 0.5, 0.5])
     };
     let e = run_replay(&cfg, |_, _| {}).unwrap_err().to_string();
     assert!(e.contains("--restarts") && e.contains("--workers"), "{e}");
