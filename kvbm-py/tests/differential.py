@@ -32,6 +32,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from fuzz_workload import BLOCK, MAX_MODEL_LEN, MAX_TOKENS, Case, make_case, repro_case  # noqa: E402
+from engine_run import drop_prefix_cache, settle  # noqa: E402
 
 #: An engine that neither finishes nor drains in this many steps is stuck.
 MAX_STEPS = 20_000
@@ -131,17 +132,6 @@ def stuck(llm) -> str:
     return f"{shown}; {free} free blocks; holding blocks: {holders} in states {states}"
 
 
-def drop_prefix_cache(llm, reset_connector: bool = False) -> None:
-    """Steps the engine until vLLM's prefix cache can be dropped (kvbm lets
-    go of finished requests' blocks once their offloads ran, which a later
-    step reports)."""
-    for _ in range(200):
-        if llm.reset_prefix_cache(reset_connector=reset_connector):
-            return
-        llm.generate([{"prompt_token_ids": [1]}], greedy(1), use_tqdm=False)
-    raise SystemExit("reset_prefix_cache kept refusing")
-
-
 class ConnectorSide:
     """kvbm's scheduler side inside the in-process engine core: its
     counters, and a flush that lets every queued copy land."""
@@ -186,11 +176,11 @@ class OffloadSide:
         return out
 
     def flush(self) -> None:
-        for _ in range(200):
-            if self.manager.books.counts()["writing"] == 0:
-                return
-            self.llm.generate([{"prompt_token_ids": [1]}], greedy(1), use_tqdm=False)
-        raise SystemExit(f"stores still in flight after 200 steps: {self.manager.books.counts()} {self.manager.stats}")
+        settle(
+            lambda: self.manager.books.counts()["writing"] == 0,
+            lambda: self.llm.generate([{"prompt_token_ids": [1]}], greedy(1), use_tqdm=False),
+            lambda: f"stores still in flight: {self.manager.books.counts()} {self.manager.stats}",
+        )
 
 
 def scheduler_side(llm, connector: str = "KvbmConnector"):

@@ -20,6 +20,7 @@ import json
 import os
 import random
 import sys
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # unless the test says 1
@@ -55,6 +56,43 @@ def build_llm(model_dir: str, extra: dict, engine_args: dict | None = None):
     )
 
 
+#: How long a test waits for kvbm's copies to land before it calls the
+#: engine stuck. A wall-clock bound, not a count of engine steps: a step of
+#: the tiny models takes a few milliseconds, a slow disk's write far more.
+SETTLE_S = 120.0
+
+
+def settle(done, step, what) -> None:
+    """Steps the engine (`step`) until `done()` holds; an error saying
+    `what` (a text, or a function giving one) after `SETTLE_S` seconds.
+    Past the first steps it waits 10 ms between steps, so a slow copy
+    costs waiting rather than thousands of steps."""
+    deadline = time.monotonic() + SETTLE_S
+    tries = 0
+    while not done():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{what() if callable(what) else what} after {SETTLE_S:.0f} s")
+        step()
+        tries += 1
+        if tries > 20:
+            time.sleep(0.01)
+
+
+def drop_prefix_cache(llm, reset_connector: bool = False) -> None:
+    """Drops vLLM's prefix cache (and with `reset_connector` kvbm's tiers).
+    A finished request's blocks stay with vLLM until kvbm reports their
+    offloads done, which a later engine step carries: steps the engine
+    until vLLM lets go."""
+    from vllm import SamplingParams
+
+    one = SamplingParams(max_tokens=1, detokenize=False)
+    settle(
+        lambda: llm.reset_prefix_cache(reset_connector=reset_connector),
+        lambda: llm.generate([{"prompt_token_ids": [1]}], one, use_tqdm=False),
+        "reset_prefix_cache kept refusing",
+    )
+
+
 def scheduler_connector(llm):
     """kvbm's scheduler-role connector inside the in-process engine core."""
     return llm.llm_engine.engine_core.engine_core.scheduler.connector
@@ -70,7 +108,6 @@ def main() -> int:
     variants = options.get("variants", False)
     llm = build_llm(model_dir, extra, engine_args)
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, detokenize=False)
-    one = SamplingParams(max_tokens=1, detokenize=False)
     rng = random.Random(7)
     prompt = [rng.randrange(3, 512) for _ in range(4 * BLOCK + 3)]
 
@@ -78,18 +115,8 @@ def main() -> int:
         out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
         return list(out[0].outputs[0].token_ids)
 
-    def drop_prefix_cache(reset_connector=False):
-        # A finished request's blocks stay with vLLM until kvbm reports its
-        # offloads done, which a later engine step carries: step until
-        # vLLM's prefix cache can be dropped.
-        for _ in range(200):
-            if llm.reset_prefix_cache(reset_connector=reset_connector):
-                return
-            generate([1], one)
-        raise SystemExit("reset_prefix_cache kept refusing")
-
     first = generate(prompt, greedy)
-    drop_prefix_cache()
+    drop_prefix_cache(llm)
     if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
         # Let kvbm's background copies (G2 victims on their way to G3)
         # land, so what the second request finds does not depend on timing.
@@ -104,19 +131,19 @@ def main() -> int:
         }
         out = {}
         for name, tokens in cases.items():
-            drop_prefix_cache()
+            drop_prefix_cache(llm)
             kvbm.flush()
             before = kvbm.stats()["g2_to_g1_blocks"]
             loaded = generate(tokens, greedy)
             out[name] = {"loaded": loaded, "blocks": kvbm.stats()["g2_to_g1_blocks"] - before}
         for name, tokens in cases.items():
-            drop_prefix_cache()
-            drop_prefix_cache(reset_connector=True)  # kvbm's G2 and G3 too
+            drop_prefix_cache(llm)
+            drop_prefix_cache(llm, reset_connector=True)  # kvbm's G2 and G3 too
             out[name]["computed"] = generate(tokens, greedy)
         result["variants"] = out
     if options.get("corrupt"):
         side = scheduler_connector(llm)._scheduler
-        drop_prefix_cache()
+        drop_prefix_cache(llm)
         side.kvbm.flush()
         side.config = dataclasses.replace(side.config, test_corrupt_onboard=True)
         before = side.kvbm.stats()["g2_to_g1_blocks"]

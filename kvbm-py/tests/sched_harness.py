@@ -166,15 +166,18 @@ class Harness:
         )
         return finished
 
-    def run_until(self, done, max_steps: int = 400, sleep_s: float = 0.005) -> None:
+    def run_until(self, done, timeout_s: float = 60.0, sleep_s: float = 0.005) -> None:
+        """Steps until `done()` holds; fails after `timeout_s` seconds (a
+        bound in time, not steps: a copy on a loaded machine can outlast
+        hundreds of these steps), showing the last steps."""
         import time
 
-        for _ in range(max_steps):
-            if done():
-                return
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            if time.monotonic() > deadline:
+                raise AssertionError("condition not reached:\n" + "\n".join(self.log[-30:]))
             self.step()
             time.sleep(sleep_s)
-        raise AssertionError("condition not reached:\n" + "\n".join(self.log[-30:]))
 
     def idle(self) -> bool:
         return not self.sched.has_requests() and not self.sched.requests

@@ -228,8 +228,10 @@ def _spec_selected(run: dict) -> bool:
     return _spec_runs_selected()
 
 
-def run_process(model: str, tmp_path: Path, runs: list[dict], tp: int) -> dict:
-    """Runs `runs` in one engine process; returns each run's cases by name."""
+def run_process(model: str, tmp_path: Path, runs: list[dict], tp: int) -> tuple[dict, str]:
+    """Runs `runs` in one engine process; returns each finished run's
+    cases by name, and what the process said if it failed (a run after the
+    failure has no result)."""
     # A fixed hash seed, as a deployment that keeps G3 across restarts
     # sets: every G3 configuration runs on a kept G3 (records, checksums
     # on every read) unless it says otherwise.
@@ -246,26 +248,32 @@ def run_process(model: str, tmp_path: Path, runs: list[dict], tp: int) -> dict:
         if line.startswith("KVBM_RESULT "):
             r = json.loads(line[len("KVBM_RESULT ") :])
             out[r["name"]] = r["cases"]
-    missing = [r["name"] for r in runs if r["name"] not in out]
-    assert proc.returncode == 0 and not missing, (
-        f"runs without a result: {missing}\n" + proc.stdout[-4000:] + proc.stderr[-8000:]
-    )
-    return out
+    failure = ""
+    if proc.returncode != 0:
+        failure = f"exit status {proc.returncode}\n{proc.stdout[-4000:]}{proc.stderr[-8000:]}"
+    return out, failure
 
 
 @pytest.fixture(scope="session")
 def results(tiny_model, tiny_hybrid_model, tmp_path_factory):
     """Every run's cases by name, one engine process per TP size, started
-    when a test first asks for a run of that size."""
+    when a test first asks for a run of that size. A run the process never
+    finished fails its test with what the process said; the process is
+    not started again."""
     done: dict[int, dict] = {}
 
     def get(name: str, tp: int) -> tuple[dict, dict, dict]:
         if tp not in done:
             tmp = tmp_path_factory.mktemp(f"differential-tp{tp}")
             runs = _runs(tp, tmp, {"llama": tiny_model, "hybrid": tiny_hybrid_model})
-            done[tp] = {"runs": {r["name"]: r for r in runs}, "out": run_process(tiny_model, tmp, runs, tp)}
+            out, failure = run_process(tiny_model, tmp, runs, tp)
+            done[tp] = {"runs": {r["name"]: r for r in runs}, "out": out, "failure": failure}
         d = done[tp]
         run = d["runs"][name]
+        missing = [n for n in (name, _reference_of(run)) if n not in d["out"]]
+        if missing:
+            said = d["failure"] or "it exited 0 without them"
+            pytest.fail(f"{name}: no result for {missing}; the engine process (TP = {tp}): {said}")
         return d["out"][name], d["out"][_reference_of(run)], run
 
     return get
