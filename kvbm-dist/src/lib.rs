@@ -48,7 +48,7 @@
 pub mod auth;
 pub mod curve;
 pub mod error;
-pub mod g3_store;
+pub mod kept;
 pub mod leader;
 mod loan;
 pub mod node;

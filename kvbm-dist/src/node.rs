@@ -5,7 +5,7 @@
 //! ```text
 //! kvbm-dist-node worker --endpoint E --instance I --rank R --world W
 //!     --layout DESCRIPTOR_JSON [--g1-file PATH] [--g3-dir DIR]
-//!     [--g3-identity TEXT] [--host-g1] [--threads N]
+//!     [--kept-identity TEXT] [--g2-keep-dir DIR] [--host-g1] [--threads N]
 //!     [--leader-timeout-ms MS] [--secret-file PATH]
 //! ```
 //!
@@ -30,11 +30,12 @@
 //! Either way the worker writes and checks test patterns in G1 for the
 //! leader (its probe), so a leader can verify every rank's bytes.
 //!
-//! With `--g3-identity` (and `--g3-dir`) G3 outlives the process: a worker
+//! With `--kept-identity` (and `--g3-dir`) G3 outlives the process: a worker
 //! started again on the same directory with the same identity finds every
 //! block G3 held and reports them to its leader (see
-//! [`crate::g3_store`]); without it G3 starts empty and its file goes with
-//! the process.
+//! [`crate::kept`]); without it G3 starts empty and its file goes with
+//! the process. `--g2-keep-dir` (a directory in `/dev/shm`) does the same
+//! for G2.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -68,8 +69,11 @@ pub struct NodeArgs {
     /// Directory for this worker's G3 file.
     pub g3_dir: Option<PathBuf>,
     /// Keeps G3 in `g3_dir` across restarts under this identity (what its
-    /// bytes mean; [`WorkerConfig::g3_identity`]); `None`: G3 starts empty.
-    pub g3_identity: Option<String>,
+    /// bytes mean; [`WorkerConfig::kept_identity`]); `None`: G3 starts empty.
+    pub kept_identity: Option<String>,
+    /// Keeps G2 across restarts in this directory
+    /// ([`WorkerConfig::g2_keep_dir`]), under `kept_identity`.
+    pub g2_keep_dir: Option<PathBuf>,
     /// Keep a worker-allocated G1 in host memory even when a GPU is present.
     pub host_g1: bool,
     /// memcpy threads of a GPU worker's executor.
@@ -104,7 +108,8 @@ impl NodeArgs {
             layout_json: layout_json.into(),
             g1_file: None,
             g3_dir: None,
-            g3_identity: None,
+            kept_identity: None,
+            g2_keep_dir: None,
             host_g1: false,
             threads: 2,
             #[cfg(feature = "fault-injection")]
@@ -159,11 +164,12 @@ impl NodeArgs {
                 "layout" => layout = Some(v),
                 "g1-file" => out.g1_file = Some(PathBuf::from(v)),
                 "g3-dir" => out.g3_dir = Some(PathBuf::from(v)),
-                "g3-identity" => {
+                "g2-keep-dir" => out.g2_keep_dir = Some(PathBuf::from(v)),
+                "kept-identity" => {
                     if v.trim().is_empty() {
-                        return Err(bad("--g3-identity must not be empty".into()));
+                        return Err(bad("--kept-identity must not be empty".into()));
                     }
-                    out.g3_identity = Some(v);
+                    out.kept_identity = Some(v);
                 }
                 "secret-file" => out.secret_file = Some(PathBuf::from(v)),
                 "threads" => {
@@ -184,8 +190,11 @@ impl NodeArgs {
         out.rank = rank.ok_or_else(|| need("rank"))?;
         out.world = world.ok_or_else(|| need("world"))?;
         out.layout_json = layout.ok_or_else(|| need("layout"))?;
-        if out.g3_identity.is_some() && out.g3_dir.is_none() {
-            return Err(bad("--g3-identity needs --g3-dir".into()));
+        if out.kept_identity.is_some() && out.g3_dir.is_none() && out.g2_keep_dir.is_none() {
+            return Err(bad("--kept-identity needs --g3-dir or --g2-keep-dir".into()));
+        }
+        if out.g2_keep_dir.is_some() && out.kept_identity.is_none() {
+            return Err(bad("--g2-keep-dir needs --kept-identity".into()));
         }
         Ok(out)
     }
@@ -217,9 +226,13 @@ impl NodeArgs {
             v.push("--g3-dir".into());
             v.push(d.display().to_string());
         }
-        if let Some(identity) = &self.g3_identity {
-            v.push("--g3-identity".into());
+        if let Some(identity) = &self.kept_identity {
+            v.push("--kept-identity".into());
             v.push(identity.clone());
+        }
+        if let Some(d) = &self.g2_keep_dir {
+            v.push("--g2-keep-dir".into());
+            v.push(d.display().to_string());
         }
         #[cfg(feature = "fault-injection")]
         if !self.fault_delay.is_zero() {
@@ -285,7 +298,8 @@ pub fn run(args: &NodeArgs, secret: InstanceSecret) -> Result<()> {
         None => own_g1(args, layout, secret)?,
     };
     config.g3_dir = args.g3_dir.clone();
-    config.g3_identity = args.g3_identity.clone();
+    config.kept_identity = args.kept_identity.clone();
+    config.g2_keep_dir = args.g2_keep_dir.clone();
     #[cfg(feature = "fault-injection")]
     {
         config.fault_delay = args.fault_delay;
@@ -379,19 +393,27 @@ mod tests {
     }
 
     #[test]
-    fn g3_identity_is_parsed_and_needs_a_g3_directory() {
+    fn kept_identity_is_parsed_and_needs_a_g3_directory() {
         let mut a = NodeArgs::new("tcp://127.0.0.1:5555", 7, 1, 2, "{}");
         // An identity of several lines, as callers write them.
-        a.g3_identity = Some("model: tiny\ntp: rank 1 of 2".into());
+        a.kept_identity = Some("model: tiny\ntp: rank 1 of 2".into());
         let e = NodeArgs::parse(a.to_args()).unwrap_err().to_string();
-        assert!(e.contains("--g3-identity needs --g3-dir"), "{e}");
+        assert!(e.contains("--kept-identity needs --g3-dir"), "{e}");
+        a.g2_keep_dir = Some("/dev/shm/kvbm-test".into());
+        let parsed = NodeArgs::parse(a.to_args()).unwrap();
+        assert_eq!(parsed.g2_keep_dir, a.g2_keep_dir);
+        a.kept_identity = None;
+        let e = NodeArgs::parse(a.to_args()).unwrap_err().to_string();
+        assert!(e.contains("--g2-keep-dir needs --kept-identity"), "{e}");
+        a.g2_keep_dir = None;
+        a.kept_identity = Some("model: tiny\ntp: rank 1 of 2".into());
         a.g3_dir = Some("/tmp/g3".into());
         let args = a.to_args();
-        let at = args.iter().position(|v| v == "--g3-identity").unwrap();
+        let at = args.iter().position(|v| v == "--kept-identity").unwrap();
         assert_eq!(args[at + 1], "model: tiny\ntp: rank 1 of 2");
         let parsed = NodeArgs::parse(args).unwrap();
         assert_eq!(
-            parsed.g3_identity.as_deref(),
+            parsed.kept_identity.as_deref(),
             Some("model: tiny\ntp: rank 1 of 2")
         );
         assert_eq!(parsed, a);
@@ -407,8 +429,8 @@ mod tests {
             (&["worker", "--threads", "0"], "--threads"),
             (&["worker", "--rank", "0"], "--endpoint is required"),
             (
-                &["worker", "--g3-identity", " "],
-                "--g3-identity must not be empty",
+                &["worker", "--kept-identity", " "],
+                "--kept-identity must not be empty",
             ),
         ] {
             let e = NodeArgs::parse(strings(args)).unwrap_err().to_string();

@@ -17,12 +17,15 @@
 //! `g3_rejected_blocks_total` (left out at start: a record that was torn or
 //! damaged, or a block not every rank held) and `g3_unreadable_blocks_total`
 //! (blocks whose read failed, for a checksum or the disk; not read again
-//! until rewritten).
+//! until rewritten); for a G2 kept across restarts `g2_recovered_blocks_total`
+//! and `g2_rejected_blocks_total`.
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
+
+use crate::config::Tier;
 
 use kvbm_transfer::TransferError;
 use parking_lot::Mutex;
@@ -224,6 +227,10 @@ pub struct TierStats {
     /// G3 blocks whose read failed (checksum or disk), not read again
     /// until written again.
     pub g3_unreadable: u64,
+    /// G2 blocks found again at start (a G2 kept across restarts).
+    pub g2_recovered: u64,
+    /// G2 blocks left out at start, as for G3.
+    pub g2_rejected: u64,
 }
 
 impl TierStats {
@@ -299,6 +306,8 @@ pub(crate) struct EngineMetrics {
     registered_ahead: AtomicU64,
     g3_recovered: AtomicU64,
     g3_rejected: AtomicU64,
+    g2_recovered: AtomicU64,
+    g2_rejected: AtomicU64,
     g3_unreadable: AtomicU64,
 }
 
@@ -348,13 +357,20 @@ impl EngineMetrics {
         .increment(blocks);
     }
 
-    /// A kept G3 gave back `recovered` blocks at start and left out
-    /// `rejected`.
-    pub(crate) fn g3_reopened(&self, recovered: u64, rejected: u64) {
-        self.g3_recovered.fetch_add(recovered, Relaxed);
-        self.g3_rejected.fetch_add(rejected, Relaxed);
-        metrics::counter!("kvbm_g3_recovered_blocks_total").increment(recovered);
-        metrics::counter!("kvbm_g3_rejected_blocks_total").increment(rejected);
+    /// A kept G2 or G3 (`tier`) gave back `recovered` blocks at start and
+    /// left out `rejected`.
+    pub(crate) fn reopened(&self, tier: Tier, recovered: u64, rejected: u64) {
+        if tier == Tier::G2 {
+            self.g2_recovered.fetch_add(recovered, Relaxed);
+            self.g2_rejected.fetch_add(rejected, Relaxed);
+            metrics::counter!("kvbm_g2_recovered_blocks_total").increment(recovered);
+            metrics::counter!("kvbm_g2_rejected_blocks_total").increment(rejected);
+        } else {
+            self.g3_recovered.fetch_add(recovered, Relaxed);
+            self.g3_rejected.fetch_add(rejected, Relaxed);
+            metrics::counter!("kvbm_g3_recovered_blocks_total").increment(recovered);
+            metrics::counter!("kvbm_g3_rejected_blocks_total").increment(rejected);
+        }
     }
 
     /// `blocks` G3 blocks could not be read back.
@@ -449,6 +465,8 @@ impl EngineMetrics {
         s.queue_depth = self.queue_depth.load(Relaxed);
         s.g3_recovered = self.g3_recovered.load(Relaxed);
         s.g3_rejected = self.g3_rejected.load(Relaxed);
+        s.g2_recovered = self.g2_recovered.load(Relaxed);
+        s.g2_rejected = self.g2_rejected.load(Relaxed);
         s.g3_unreadable = self.g3_unreadable.load(Relaxed);
         s
     }

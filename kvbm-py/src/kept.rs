@@ -15,7 +15,7 @@ use crate::error::PyKvbmError;
 #[pyo3(signature = (path, verify = false))]
 pub fn inspect_g3(py: Python<'_>, path: PathBuf, verify: bool) -> PyResult<Py<PyDict>> {
     let seen = py
-        .detach(|| kvbm_dist::g3_store::inspect(&path, verify))
+        .detach(|| kvbm_dist::kept::inspect(&path, verify))
         .map_err(PyKvbmError::from)?;
     let d = PyDict::new(py);
     d.set_item("identity", seen.identity)?;

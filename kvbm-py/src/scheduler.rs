@@ -341,7 +341,7 @@ impl Scheduler {
             engine_config = engine_config.g3_staging_blocks(staging_blocks(&*mover, staging));
             let engine = Arc::new(TierEngine::with_mover(engine_config, mover)?);
             // What the workers' kept G3 held before this engine started.
-            leader.restore_g3(&engine);
+            leader.restore_kept(&engine);
             Ok(Inner { engine, leader })
         })?;
         Ok(Scheduler {
@@ -665,6 +665,8 @@ impl Scheduler {
         d.set_item("queue_depth", s.queue_depth)?;
         d.set_item("g3_recovered_blocks", s.g3_recovered)?;
         d.set_item("g3_rejected_blocks", s.g3_rejected)?;
+        d.set_item("g2_recovered_blocks", s.g2_recovered)?;
+        d.set_item("g2_rejected_blocks", s.g2_rejected)?;
         d.set_item("g3_unreadable_blocks", s.g3_unreadable)?;
         d.set_item("verify_mismatches", self.verify_mismatches()?)?;
         for (name, tier) in [("g2", Tier::G2), ("g3", Tier::G3)] {

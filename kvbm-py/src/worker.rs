@@ -70,7 +70,7 @@ impl Worker {
     /// long. An unsupported tensor shape or stride is a `ValueError` here,
     /// before anything runs.
     #[new]
-    #[pyo3(signature = (endpoint, rank, world_size, tensors, dtype_bytes, num_blocks, keepalive, secret_file, device = None, g3_dir = None, g3_identity = None, instance = 0, leader_timeout_s = 600.0, transfer_delay_ms = 0))]
+    #[pyo3(signature = (endpoint, rank, world_size, tensors, dtype_bytes, num_blocks, keepalive, secret_file, device = None, g3_dir = None, kept_identity = None, g2_keep_dir = None, instance = 0, leader_timeout_s = 600.0, transfer_delay_ms = 0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         endpoint: String,
@@ -83,7 +83,8 @@ impl Worker {
         secret_file: PathBuf,
         device: Option<u32>,
         g3_dir: Option<PathBuf>,
-        g3_identity: Option<String>,
+        kept_identity: Option<String>,
+        g2_keep_dir: Option<PathBuf>,
         instance: u64,
         leader_timeout_s: f64,
         transfer_delay_ms: u64,
@@ -111,7 +112,8 @@ impl Worker {
         let secret = crate::secret::shared_secret(&secret_file)?;
         let mut config = WorkerConfig::new(endpoint, instance, rank, world_size, g1, secret);
         config.g3_dir = g3_dir;
-        config.g3_identity = g3_identity;
+        config.kept_identity = kept_identity;
+        config.g2_keep_dir = g2_keep_dir;
         config.leader_timeout = Duration::from_secs_f64(leader_timeout_s);
         #[cfg(feature = "test-hooks")]
         {

@@ -151,3 +151,48 @@ def test_kept_g3_serves_a_restarted_engine(tiny_model, tmp_path):
     assert third["outputs"] == first["outputs"]
     assert not kept[0].exists()
     assert len([d for d in base.iterdir() if d.name.startswith("kept-")]) == 1
+
+
+def test_kept_g2_serves_a_restarted_engine_and_refuses_damaged_blocks(tiny_model, tmp_path):
+    from kvbm_py.config import KvbmConfig
+
+    if not os.path.isdir("/dev/shm"):
+        import pytest
+
+        pytest.skip("this host has no /dev/shm")
+    extra = {"cpu_cache_gb": 64 * BLOCK_BYTES / GIB, "cpu_cache_keep": True, "admission": "all"}
+    base = Path(KvbmConfig.g2_base())
+    before = set(base.iterdir()) if base.exists() else set()
+    try:
+        first = _run(tiny_model, tmp_path, extra, kill=True)
+        assert first["stats"]["g1_to_g2_blocks"] >= 8, first["stats"]
+        kept = [d for d in base.iterdir() if d not in before and d.name.startswith("kept-")]
+        assert len(kept) == 1 and kept[0].name.endswith("-rank0"), kept
+        slots = _kept_slots(kept[0])
+        assert len(slots) >= 8, slots
+
+        # The killed engine's G2 serves the new one from its first request.
+        second = _run(tiny_model, tmp_path, extra)
+        s = second["stats"]
+        assert second["outputs"] == first["outputs"]
+        assert s["g2_recovered_blocks"] == len(slots), s
+        assert s["g2_to_g1_blocks"] >= 4 and s["g1_to_g2_blocks"] == 0, s
+        assert s.get("onboard_failures", 0) == 0, s
+
+        # Bytes changed in host memory while no engine ran: caught by the
+        # checksums the records carry, recomputed, never served.
+        slots = _kept_slots(kept[0])
+        with open(kept[0] / "blocks", "r+b") as f:
+            for slot in slots:
+                f.seek(slot * BLOCK_BYTES + 100)
+                b = f.read(1)
+                f.seek(slot * BLOCK_BYTES + 100)
+                f.write(bytes([b[0] ^ 0x5A]))
+        third = _run(tiny_model, tmp_path, extra)
+        t = third["stats"]
+        assert third["outputs"] == first["outputs"]
+        assert t["g2_recovered_blocks"] == len(slots), t
+        assert t["onboard_failures"] >= 1 or t.get("verify_mismatches", 0) >= 1, t
+    finally:
+        for d in (set(base.iterdir()) if base.exists() else set()) - before:
+            shutil.rmtree(d, ignore_errors=True)

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use kvbm_block::SequenceHash;
 use kvbm_dist::auth::InstanceSecret;
-use kvbm_dist::g3_store::{BlockLabel, G3Store};
+use kvbm_dist::kept::{BlockLabel, KeptStore, Medium};
 use kvbm_dist::leader::{Leader, LeaderConfig, PendingLeader};
 use kvbm_dist::proto::ProbeOp;
 use kvbm_dist::worker::{self, WorkerConfig};
@@ -117,7 +117,8 @@ fn reopen(dir: &Path, blocks: usize, reps: usize) -> Result<(f64, f64, usize), E
         Ok(Layout::new(c, LayoutKind::FullyContiguous)?)
     };
     {
-        let (store, _, _) = G3Store::open(&store_dir, "study", layout()?, IoMode::Auto)?;
+        let (store, _, _) =
+            KeptStore::open(&store_dir, "study", layout()?, &Medium::Disk(IoMode::Auto))?;
         let records: Vec<(u32, BlockLabel, u64)> = (0..blocks as u32)
             .map(|s| {
                 let label = BlockLabel {
@@ -136,7 +137,8 @@ fn reopen(dir: &Path, blocks: usize, reps: usize) -> Result<(f64, f64, usize), E
             evict(&store_dir.join(f))?;
         }
         let started = Instant::now();
-        let (_, _, r) = G3Store::open(&store_dir, "study", layout()?, IoMode::Auto)?;
+        let (_, _, r) =
+            KeptStore::open(&store_dir, "study", layout()?, &Medium::Disk(IoMode::Auto))?;
         opens.push(started.elapsed().as_secs_f64());
         found = r.blocks.len();
         evict(&store_dir.join("slots"))?;
@@ -182,7 +184,7 @@ fn start(g3_dir: &Path, blocks: usize, identity: Option<&str>) -> Result<Instanc
     )?;
     let mut wc = WorkerConfig::new(pending.endpoint(), 1, 0, 1, g1, secret);
     wc.g3_dir = Some(g3_dir.to_path_buf());
-    wc.g3_identity = identity.map(str::to_string);
+    wc.kept_identity = identity.map(str::to_string);
     wc.probe = Some(Box::new(worker::memory::HostProbe));
     wc.leader_timeout = Duration::from_secs(60);
     let worker = std::thread::spawn(move || worker::run(wc));
@@ -214,7 +216,7 @@ fn write_and_read(i: &Instance, blocks: usize) -> Result<(f64, f64), Error> {
         let pairs = range.clone().map(|b| (b % 128, b)).collect();
         let labels = range.map(|b| (SequenceHash(b as u64 + 1), None)).collect();
         mover
-            .copy_into_g3(Tier::G2, pairs, labels, CancelToken::new())
+            .copy_labelled(Tier::G2, Tier::G3, pairs, labels, CancelToken::new())
             .wait()
             .map_err(|f| f.to_string())?;
     }

@@ -9,7 +9,7 @@
 //! themselves (a probe through the leader): every onboarded block is
 //! checked on every rank, against a pattern of its hash and the rank.
 //!
-//! With a kept G3 ([`InstanceSpec::g3_identity`]) each worker keeps its G3
+//! With a kept G3 ([`InstanceSpec::kept_identity`]) each worker keeps its G3
 //! in its rank's directory under an identity of the model shape, so an
 //! instance started again on the same [`RunDir`] finds what G3 held (the
 //! restarts of [`super::restart`]).
@@ -237,7 +237,7 @@ pub struct InstanceSpec {
     pub threads: usize,
     /// Keeps every worker's G3 across restarts under this identity (the
     /// rank is added per worker); `None`: G3 goes with its process.
-    pub g3_identity: Option<String>,
+    pub kept_identity: Option<String>,
     /// The tier engine's configuration.
     pub tier_config: TierEngineConfig,
 }
@@ -307,8 +307,8 @@ fn start(spec: &InstanceSpec, run_dir: Arc<RunDir>) -> Result<Cluster> {
                 layout.descriptor().to_json(),
             );
             args.g3_dir = Some(run_dir.path().join(format!("rank{rank}")));
-            args.g3_identity = spec
-                .g3_identity
+            args.kept_identity = spec
+                .kept_identity
                 .as_ref()
                 .map(|id| format!("{}\ntp_rank: {rank} of {world}", id.trim_end()));
             args.host_g1 = spec.host_g1;
@@ -341,7 +341,7 @@ fn start(spec: &InstanceSpec, run_dir: Arc<RunDir>) -> Result<Cluster> {
 /// what a G3 block's bytes mean — the model's KV shape and each rank's
 /// slice of it, the tokens stored per block, the trace's block size and
 /// hashes, the tensor parallelism (each worker adds its rank).
-pub fn g3_identity(model: &KvModel, page: usize, block_tokens: u32, world: u32) -> String {
+pub fn kept_identity(model: &KvModel, page: usize, block_tokens: u32, world: u32) -> String {
     format!(
         "engine: kvbm-bench replay\nmodel: {} ({} layers x {} planes x {} values x {} bytes)\nrank_slice: {} values\nstored_tokens_per_block: {page}\ntrace_block_tokens: {block_tokens}\nhashes: trace hash_ids\ntp_world: {world}",
         model.name,
@@ -356,7 +356,7 @@ pub fn g3_identity(model: &KvModel, page: usize, block_tokens: u32, world: u32) 
 /// The instance of `cfg`'s tensor-parallel replay: `cfg.workers` worker
 /// processes, each holding a 1/N slice of every block (G1 per worker: GPU
 /// `rank` when built with `cuda` and present, else a host stand-in), G2
-/// and G3 of `caps`; with `keep_g3`, G3 kept under [`g3_identity`].
+/// and G3 of `caps`; with `keep_g3`, G3 kept under [`kept_identity`].
 pub(crate) fn spec(
     cfg: &ReplayConfig,
     tier_config: TierEngineConfig,
@@ -392,7 +392,8 @@ pub(crate) fn spec(
         g3_blocks: caps[2],
         host_g1: cfg.host_g1,
         threads: cfg.memcpy_threads,
-        g3_identity: keep_g3.then(|| g3_identity(&cfg.model, page, cfg.block_tokens, cfg.workers)),
+        kept_identity: keep_g3
+            .then(|| kept_identity(&cfg.model, page, cfg.block_tokens, cfg.workers)),
         tier_config,
     })
 }

@@ -6,9 +6,9 @@
 //! crash does and nothing more: it SIGKILLs every worker process and drops
 //! the leader and the tier engine without a flush or a word to anyone.
 //! Then it starts a new leader and new workers on the same G3 directories
-//! (kept under an identity of the model shape, [`dist::g3_identity`]),
+//! (kept under an identity of the model shape, [`dist::kept_identity`]),
 //! builds a new engine, registers what the workers found in G3
-//! ([`kvbm_dist::leader::Leader::restore_g3`]) and goes on with the trace.
+//! ([`kvbm_dist::leader::Leader::restore_kept`]) and goes on with the trace.
 //! G1 and G2 are gone; G3 comes back. Every onboarded block is still
 //! checked on every rank against the pattern of its hash and rank.
 //!
@@ -259,7 +259,7 @@ pub struct RestartRow {
     /// started, G3 opened, leader handshake, engine built, G3 registered.
     pub restart_s: f64,
     /// Of those, registering the recovered blocks in the new engine
-    /// (`Leader::restore_g3`).
+    /// (`Leader::restore_kept`).
     pub restore_s: f64,
     /// Each rank's G3 open time (recovery included), milliseconds, as
     /// its worker reported it.
@@ -437,7 +437,7 @@ impl Restarter {
         }
         let (engine, g1, cluster) = dist::launch(&self.spec, Arc::clone(&self.run_dir))?;
         let t1 = Instant::now();
-        cluster.leader.restore_g3(&engine);
+        cluster.leader.restore_kept(&engine);
         let restore_s = t1.elapsed().as_secs_f64();
         let restart_s = t0.elapsed().as_secs_f64();
         let stats = engine.stats();
@@ -539,12 +539,12 @@ impl Restarter {
         let world = u64::from(self.spec.world);
         let blocks = self.spec.g3_blocks as u64;
         Ok(Log {
-            identity: self.spec.g3_identity.clone().unwrap_or_default(),
+            identity: self.spec.kept_identity.clone().unwrap_or_default(),
             events: self.events.clone(),
             disk_end: g3_disk(self.run_dir.path())?,
             configured_bytes: self.spec.g3_bytes(),
             data_file_bytes: self.spec.rank_g3_file_bytes()? * world,
-            record_bytes: kvbm_dist::g3_store::record_file_bytes(blocks) * world,
+            record_bytes: kvbm_dist::kept::record_file_bytes(blocks) * world,
         })
     }
 }

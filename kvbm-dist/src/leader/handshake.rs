@@ -23,7 +23,9 @@ use kvbm_pool::Tier;
 
 use crate::auth::{InstanceSecret, hello_mac_ok};
 use crate::error::{DistError, Result};
-use crate::proto::{BlockLabel, Configure, ErrorReply, Hello, Message, ProtoError, truncate};
+use crate::proto::{
+    BlockLabel, Configure, ErrorReply, Hello, Message, ProtoError, Ready, truncate,
+};
 use crate::transport::{RouterSocket, peer_name};
 
 use super::refusals::{RefusalCause, Refusals};
@@ -199,7 +201,9 @@ impl Handshake<'_> {
 
         let mut ready = vec![false; world as usize];
         let mut kept: Vec<Vec<(u32, BlockLabel)>> = vec![Vec::new(); world as usize];
+        let mut kept_g2: Vec<Vec<(u32, BlockLabel)>> = vec![Vec::new(); world as usize];
         let mut rejected_records = 0u64;
+        let mut rejected_g2 = 0u64;
         let mut g3_open = vec![Duration::ZERO; world as usize];
         let started = Instant::now();
         let deadline = started + self.config.handshake_timeout;
@@ -215,20 +219,22 @@ impl Handshake<'_> {
                 return Err(self.timeout("ready", started, missing));
             }
             while let Some(r) = self.router.try_recv()? {
-                if let Some((rank, blocks, rejected, open)) =
-                    self.on_ready_phase_frame(r.peer, r.message, &configure)?
-                {
+                if let Some(m) = self.on_ready_phase_frame(r.peer, r.message, &configure)? {
+                    let rank = m.rank as usize;
                     tracing::info!(
                         rank,
-                        kept_g3_blocks = blocks.len(),
-                        rejected,
-                        g3_open_ms = open.as_secs_f64() * 1e3,
+                        kept_g2_blocks = m.recovered_g2.len(),
+                        kept_g3_blocks = m.recovered.len(),
+                        rejected = m.rejected + m.rejected_g2,
+                        g3_open_ms = m.g3_open_us as f64 / 1e3,
                         "ready"
                     );
-                    ready[rank as usize] = true;
-                    kept[rank as usize] = blocks;
-                    rejected_records += rejected;
-                    g3_open[rank as usize] = open;
+                    ready[rank] = true;
+                    kept[rank] = m.recovered;
+                    kept_g2[rank] = m.recovered_g2;
+                    rejected_records += m.rejected;
+                    rejected_g2 += m.rejected_g2;
+                    g3_open[rank] = Duration::from_micros(m.g3_open_us);
                 }
             }
             // Configured workers hear from the leader every heartbeat, so
@@ -245,9 +251,10 @@ impl Handshake<'_> {
             identities: self.hellos.values().map(|(p, _)| p.clone()).collect(),
             reference,
             configure,
-            kept_g3: KeptG3 {
+            kept: KeptTiers {
+                g2: kept_everywhere(kept_g2, rejected_g2),
+                g3: kept_everywhere(kept, rejected_records),
                 g3_open,
-                ..kept_everywhere(kept, rejected_records)
             },
         })
     }
@@ -303,14 +310,15 @@ impl Handshake<'_> {
         }
     }
 
-    /// Handles a frame while waiting for `Ready`; returns the rank that
-    /// became ready, if one did, with the blocks its kept G3 holds.
+    /// Handles a frame while waiting for `Ready`; returns the `Ready` of
+    /// the rank that became ready, if one did (with the blocks its kept
+    /// tiers hold).
     fn on_ready_phase_frame(
         &mut self,
         peer: Vec<u8>,
         message: std::result::Result<Message, ProtoError>,
         configure: &Configure,
-    ) -> Result<Option<ReadyRank>> {
+    ) -> Result<Option<Ready>> {
         let rank = self.rank_of(&peer);
         match (rank, message) {
             (Some(rank), Ok(Message::Ready(m))) if m.rank == rank => {
@@ -323,8 +331,7 @@ impl Handshake<'_> {
                         ),
                     });
                 }
-                let open = Duration::from_micros(m.g3_open_us);
-                Ok(Some((rank, m.recovered, m.rejected, open)))
+                Ok(Some(m))
             }
             (Some(rank), Ok(Message::Error(e))) => Err(DistError::Worker {
                 rank,
@@ -429,16 +436,16 @@ mod tests {
     }
 }
 
-/// The kept G3 blocks every rank holds in the same slot under the same
-/// label (a block is whole only with every rank's slice), and how many were
-/// left out: `rejected` records the ranks refused, plus the blocks some
-/// rank lacks (counted once per rank that holds them).
-fn kept_everywhere(per_rank: Vec<Vec<(u32, BlockLabel)>>, rejected: u64) -> KeptG3 {
+/// The kept blocks of a tier every rank holds in the same slot under the
+/// same label (a block is whole only with every rank's slice), and how many
+/// were left out: `rejected` records the ranks refused, plus the blocks
+/// some rank lacks (counted once per rank that holds them).
+fn kept_everywhere(per_rank: Vec<Vec<(u32, BlockLabel)>>, rejected: u64) -> KeptTier {
     let total: usize = per_rank.iter().map(Vec::len).sum();
     let world = per_rank.len();
     let mut ranks = per_rank.into_iter();
     let Some(first) = ranks.next() else {
-        return KeptG3::default();
+        return KeptTier::default();
     };
     let mut blocks: Vec<(u32, BlockLabel)> = first;
     for other in ranks {
@@ -446,24 +453,28 @@ fn kept_everywhere(per_rank: Vec<Vec<(u32, BlockLabel)>>, rejected: u64) -> Kept
         blocks.retain(|b| theirs.contains(b));
     }
     let partial = (total - blocks.len() * world) as u64;
-    KeptG3 {
+    KeptTier {
         blocks,
         rejected: rejected + partial,
-        g3_open: Vec::new(),
     }
 }
 
-/// A rank that became ready: its rank, the blocks its kept G3 holds, the
-/// records it left out and how long its G3 took to open.
-type ReadyRank = (u32, Vec<(u32, BlockLabel)>, u64, Duration);
-
-/// What the ranks' kept G3 held at start.
+/// What the ranks' kept G2 and G3 held at start.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct KeptG3 {
+pub(crate) struct KeptTiers {
+    /// G2's, where G2 is kept.
+    pub(crate) g2: KeptTier,
+    /// G3's, where G3 is kept.
+    pub(crate) g3: KeptTier,
+    /// How long each rank took to open its G3, in rank order.
+    pub(crate) g3_open: Vec<Duration>,
+}
+
+/// What the ranks' kept copies of one tier held at start.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct KeptTier {
     /// Blocks every rank holds: `(slot, label)`.
     pub(crate) blocks: Vec<(u32, BlockLabel)>,
     /// Blocks and records left out.
     pub(crate) rejected: u64,
-    /// How long each rank took to open its G3, in rank order.
-    pub(crate) g3_open: Vec<Duration>,
 }

@@ -260,7 +260,7 @@ impl PendingLeader {
         let (wake_tx, wake_rx) = wake_pair(&self.ctx)?;
         let wake = Arc::new(wake_tx);
         let (tx, rx) = mpsc::channel();
-        let kept_g3 = std::mem::take(&mut cluster.kept_g3);
+        let kept = std::mem::take(&mut cluster.kept);
         let mut initial = cluster.status();
         initial.refused = refusals.counts();
         let status = Arc::new(StatusCell::new(initial));
@@ -293,7 +293,7 @@ impl PendingLeader {
         Ok(Leader {
             tx,
             wake,
-            kept_g3,
+            kept,
             thread: Some(thread),
             mover,
             status,
@@ -312,7 +312,7 @@ pub(crate) struct Cluster {
     pub(crate) reference: crate::proto::Hello,
     pub(crate) configure: crate::proto::Configure,
     /// What every rank's kept G3 held at start.
-    pub(crate) kept_g3: handshake::KeptG3,
+    pub(crate) kept: handshake::KeptTiers,
 }
 
 impl Cluster {
@@ -428,7 +428,7 @@ pub struct Leader {
     tx: mpsc::Sender<Command>,
     wake: Arc<WakeSender>,
     /// What every rank's kept G3 held at start.
-    kept_g3: handshake::KeptG3,
+    kept: handshake::KeptTiers,
     thread: Option<JoinHandle<()>>,
     mover: Arc<DistMover>,
     status: Arc<StatusCell>,
@@ -453,38 +453,52 @@ impl Leader {
     }
 
     /// The blocks every rank's G3 held when it was opened, where G3 is
-    /// kept across restarts (`WorkerConfig::g3_identity`): `(slot,
+    /// kept across restarts (`WorkerConfig::kept_identity`): `(slot,
     /// label)`.
     pub fn kept_g3(&self) -> &[(u32, crate::proto::BlockLabel)] {
-        &self.kept_g3.blocks
+        &self.kept.g3.blocks
+    }
+
+    /// The blocks every rank's G2 held when it was opened, where G2 is
+    /// kept across restarts (`WorkerConfig::g2_keep_dir`): `(slot, label)`.
+    pub fn kept_g2(&self) -> &[(u32, crate::proto::BlockLabel)] {
+        &self.kept.g2.blocks
     }
 
     /// How long each rank took to open its G3 when it became ready (a kept
     /// G3's recovery included; zero without G3), in rank order.
     pub fn g3_open_times(&self) -> &[Duration] {
-        &self.kept_g3.g3_open
+        &self.kept.g3_open
     }
 
-    /// Registers [`Leader::kept_g3`] in `engine`'s G3 (built on this
-    /// leader's mover), so its first requests hit what the last engine
-    /// left on disk. Returns how many blocks it registered.
-    pub fn restore_g3(&self, engine: &TierEngine) -> usize {
-        let blocks: Vec<(u32, kvbm_pool::tier::G3Label)> = self
-            .kept_g3
-            .blocks
-            .iter()
-            .map(|&(slot, l)| (slot, (SequenceHash(l.hash), l.parent.map(SequenceHash))))
-            .collect();
-        let n = engine.restore_g3(&blocks, self.kept_g3.rejected);
-        if !blocks.is_empty() || self.kept_g3.rejected > 0 {
-            tracing::info!(
-                kept = blocks.len(),
-                registered = n,
-                rejected = self.kept_g3.rejected,
-                "G3 blocks found again"
-            );
+    /// Registers [`Leader::kept_g2`] and [`Leader::kept_g3`] in `engine`'s
+    /// G2 and G3 (built on this leader's mover), so its first requests hit
+    /// what the last engine left in host memory and on disk. Returns how
+    /// many blocks it registered in each.
+    pub fn restore_kept(&self, engine: &TierEngine) -> Restored {
+        let mut restored = Restored::default();
+        for (tier, kept) in [(Tier::G2, &self.kept.g2), (Tier::G3, &self.kept.g3)] {
+            let blocks: Vec<(u32, kvbm_pool::tier::BlockLabel)> = kept
+                .blocks
+                .iter()
+                .map(|&(slot, l)| (slot, (SequenceHash(l.hash), l.parent.map(SequenceHash))))
+                .collect();
+            let n = engine.restore(tier, &blocks, kept.rejected);
+            if !blocks.is_empty() || kept.rejected > 0 {
+                tracing::info!(
+                    tier = ?tier,
+                    kept = blocks.len(),
+                    registered = n,
+                    rejected = kept.rejected,
+                    "kept blocks found again"
+                );
+            }
+            match tier {
+                Tier::G2 => restored.g2 = n,
+                _ => restored.g3 = n,
+            }
         }
-        n
+        restored
     }
 
     /// A snapshot of the instance.
@@ -565,6 +579,15 @@ pub fn evict_distributed_tiers(engine: &TierEngine) -> usize {
         .filter_map(|t| engine.pool(t))
         .map(|p| p.evict(p.capacity()))
         .sum()
+}
+
+/// How many kept blocks [`Leader::restore_kept`] registered per tier.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Restored {
+    /// In G2.
+    pub g2: usize,
+    /// In G3.
+    pub g3: usize,
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::mpsc;
 
 use kvbm_pool::Tier;
-use kvbm_pool::tier::{G3Label, TierMover};
+use kvbm_pool::tier::{BlockLabel as PoolLabel, TierMover};
 use kvbm_transfer::{
     CancelToken, Completer, Completion, TransferError, TransferFailure, TransferOutcome,
     completion_pair,
@@ -174,13 +174,14 @@ impl TierMover for DistMover {
         self.run(src, dst, pairs, Vec::new(), cancel)
     }
 
-    /// [`TierMover::copy`] into G3, the labels sent with the pairs: a
-    /// worker whose G3 outlives the engine records them.
-    fn copy_into_g3(
+    /// [`TierMover::copy`] into G2 or G3, the labels sent with the pairs:
+    /// a worker whose tier outlives the engine records them.
+    fn copy_labelled(
         &self,
         src: Tier,
+        dst: Tier,
         pairs: Vec<(usize, usize)>,
-        labels: Vec<G3Label>,
+        labels: Vec<PoolLabel>,
         cancel: CancelToken,
     ) -> Completion<TransferOutcome> {
         let labels = labels
@@ -190,13 +191,13 @@ impl TierMover for DistMover {
                 parent: parent.map(|p| p.0),
             })
             .collect();
-        self.run(src, Tier::G3, pairs, labels, cancel)
+        self.run(src, dst, pairs, labels, cancel)
     }
 }
 
 impl DistMover {
     /// Copies `pairs` on every worker (the in-process one's executor when
-    /// it lent it), with `labels` for a copy into G3.
+    /// it lent it), with `labels` for a copy into G2 or G3.
     fn run(
         &self,
         src: Tier,

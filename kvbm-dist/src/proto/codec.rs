@@ -80,6 +80,12 @@ fn body(w: &mut Writer, message: &Message) -> Result<(), ProtoError> {
                 w.label(label);
             }
             w.u64(r.rejected);
+            w.count(r.recovered_g2.len(), MAX_PAIRS, "recovered G2 blocks")?;
+            for &(slot, label) in &r.recovered_g2 {
+                w.u32(slot);
+                w.label(label);
+            }
+            w.u64(r.rejected_g2);
             w.u64(r.g3_open_us);
         }
         Message::Error(e) => {
@@ -247,6 +253,13 @@ fn decode_body(r: &mut Reader<'_>, kind: MessageKind) -> Result<Message, ProtoEr
                     .collect::<Result<_, ProtoError>>()?
             },
             rejected: r.u64("rejected records")?,
+            recovered_g2: {
+                let n = r.count(MAX_PAIRS, 4 + LABEL_BYTES, "recovered G2 blocks")?;
+                (0..n)
+                    .map(|_| Ok((r.u32("recovered slot")?, r.label()?)))
+                    .collect::<Result<_, ProtoError>>()?
+            },
+            rejected_g2: r.u64("rejected G2 records")?,
             g3_open_us: r.u64("G3 open time")?,
         }),
         MessageKind::Error => Message::Error(ErrorReply {

@@ -48,8 +48,9 @@ pub const MAGIC: [u8; 4] = *b"KVBD";
 /// an `Ack`'s failure carries the OS error number; 4: `Configure` carries
 /// the verify flag and an `Ack`'s failure its checksum mismatches; 5: a
 /// `Transfer` into G3 carries block labels and `Ready` the blocks a kept
-/// G3 held; 6: `Ready` says how long G3 took to open).
-pub const PROTOCOL_VERSION: u16 = 6;
+/// G3 held; 6: `Ready` says how long G3 took to open; 7: labels into G2
+/// too, and `Ready` the blocks a kept G2 held).
+pub const PROTOCOL_VERSION: u16 = 7;
 /// Bytes of the frame header.
 pub const HEADER_BYTES: usize = 12;
 /// Largest frame accepted (header included).

@@ -10,7 +10,7 @@
 use kvbm_layout::LayoutDescriptor;
 use kvbm_pool::Tier;
 
-pub use crate::g3_store::BlockLabel;
+pub use crate::kept::BlockLabel;
 
 /// One model instance (a leader and its workers) among several.
 pub type InstanceId = u64;
@@ -71,6 +71,10 @@ pub struct Ready {
     pub recovered: Vec<(u32, BlockLabel)>,
     /// Records its kept G3 left out when opened (torn or damaged).
     pub rejected: u64,
+    /// The same for its G2, where G2 outlives the engine.
+    pub recovered_g2: Vec<(u32, BlockLabel)>,
+    /// Records its kept G2 left out when opened.
+    pub rejected_g2: u64,
     /// Microseconds it took to open G3 (a kept one's recovery included;
     /// 0 without G3).
     pub g3_open_us: u64,
@@ -96,8 +100,9 @@ pub struct Transfer {
     pub dst: Tier,
     /// Block pairs.
     pub pairs: Vec<BlockPair>,
-    /// Into G3: what each pair's block holds (one per pair), recorded
-    /// with it where G3 outlives the engine; empty otherwise.
+    /// Into G2 or G3: what each pair's block holds (one per pair),
+    /// recorded with it where the tier outlives the engine; empty
+    /// otherwise.
     pub labels: Vec<BlockLabel>,
 }
 

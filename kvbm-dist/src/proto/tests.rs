@@ -72,12 +72,15 @@ fn message() -> impl Strategy<Value = Message> {
             proptest::collection::vec((any::<u32>(), label()), 0..6)
         )
             .prop_map(|(rank, a, b, kept)| {
+                let in_g2 = |(s, l): &(u32, _)| (a > 0).then(|| (s % a as u32, *l));
                 Message::Ready(Ready {
                     rank,
                     g2_blocks: a,
                     g3_blocks: b,
+                    recovered_g2: kept.iter().filter_map(in_g2).collect(),
                     recovered: kept.into_iter().map(|(s, l)| (s % b as u32, l)).collect(),
                     rejected: a % 7,
+                    rejected_g2: b % 5,
                     g3_open_us: b / 3,
                 })
             }),
@@ -93,7 +96,7 @@ fn message() -> impl Strategy<Value = Message> {
                 id,
                 src,
                 dst,
-                labels: if dst == Tier::G3 {
+                labels: if matches!(dst, Tier::G2 | Tier::G3) {
                     vec![l; pairs.len()]
                 } else {
                     Vec::new()

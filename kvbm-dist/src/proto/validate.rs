@@ -70,15 +70,16 @@ pub(crate) fn message(m: &Message) -> Result<(), ProtoError> {
             rank(r.rank)?;
             blocks("g2 blocks", r.g2_blocks)?;
             blocks("g3 blocks", r.g3_blocks)?;
-            if let Some(&(slot, _)) = r
-                .recovered
-                .iter()
-                .find(|(s, _)| u64::from(*s) >= r.g3_blocks)
-            {
-                return Err(invalid(
-                    "recovered blocks",
-                    format!("slot {slot} beyond {} G3 blocks", r.g3_blocks),
-                ));
+            for (what, kept, bound, tier) in [
+                ("recovered blocks", &r.recovered, r.g3_blocks, "G3"),
+                ("recovered G2 blocks", &r.recovered_g2, r.g2_blocks, "G2"),
+            ] {
+                if let Some(&(slot, _)) = kept.iter().find(|(s, _)| u64::from(*s) >= bound) {
+                    return Err(invalid(
+                        what,
+                        format!("slot {slot} beyond {bound} {tier} blocks"),
+                    ));
+                }
             }
             Ok(())
         }
@@ -93,11 +94,12 @@ pub(crate) fn message(m: &Message) -> Result<(), ProtoError> {
                     format!("source and destination are both {:?}", t.src),
                 ));
             }
-            if !t.labels.is_empty() && (t.dst != Tier::G3 || t.labels.len() != t.pairs.len()) {
+            let kept_tier = matches!(t.dst, Tier::G2 | Tier::G3);
+            if !t.labels.is_empty() && (!kept_tier || t.labels.len() != t.pairs.len()) {
                 return Err(invalid(
                     "block labels",
                     format!(
-                        "{} labels for {} pairs into {:?} (one per pair, into G3 only)",
+                        "{} labels for {} pairs into {:?} (one per pair, into G2 or G3 only)",
                         t.labels.len(),
                         t.pairs.len(),
                         t.dst

@@ -125,7 +125,7 @@ fn start_in(world: u32, verify: bool, memory: Memory, kept: Option<Kept<'_>>) ->
         wc.leader_timeout = Duration::from_secs(20);
         wc.probe = Some(probe);
         wc.g3_dir = Some(disk.clone());
-        wc.g3_identity = kept.map(|(_, identity)| identity.to_string());
+        wc.kept_identity = kept.map(|(_, identity)| identity.to_string());
         let seen: Arc<Mutex<Option<PhysicalLayout>>> = Arc::default();
         let keep = Arc::clone(&seen);
         wc.g2_allocator = Some(Box::new(move |layout| {
@@ -229,11 +229,17 @@ impl Instance {
         &self,
         src: Tier,
         pairs: &[(usize, usize)],
-        labels: &[kvbm_pool::tier::G3Label],
+        labels: &[kvbm_pool::tier::BlockLabel],
     ) -> TransferOutcome {
         self.leader
             .mover()
-            .copy_into_g3(src, pairs.to_vec(), labels.to_vec(), CancelToken::new())
+            .copy_labelled(
+                src,
+                Tier::G3,
+                pairs.to_vec(),
+                labels.to_vec(),
+                CancelToken::new(),
+            )
             .wait()
     }
 
@@ -463,7 +469,7 @@ fn sums_are_replaced_on_overwrite_and_cleared_on_failure() {
     assert_eq!(sums.mismatches(), 1);
 }
 
-fn label(hash: u64, parent: Option<u64>) -> kvbm_pool::tier::G3Label {
+fn label(hash: u64, parent: Option<u64>) -> kvbm_pool::tier::BlockLabel {
     (
         kvbm_block::SequenceHash(hash),
         parent.map(kvbm_block::SequenceHash),
@@ -507,7 +513,7 @@ fn kept_g3_outlives_the_instance(world: u32, memory: Memory) {
         i.leader.mover(),
     )
     .unwrap();
-    assert_eq!(i.leader.restore_g3(&engine), 2);
+    assert_eq!(i.leader.restore_kept(&engine).g3, 2);
     let g3 = engine.pool(Tier::G3).unwrap();
     assert!(
         g3.contains(kvbm_block::SequenceHash(100)) && g3.contains(kvbm_block::SequenceHash(101))

@@ -50,7 +50,7 @@ use crate::proto::{
 };
 use crate::transport::{DealerSocket, WakeSender, drain_disconnects, wake_pair};
 use kvbm_pool::Tier;
-pub(crate) use tiers::{G3Place, Tiers};
+pub(crate) use tiers::{Places, Tiers};
 
 /// What a worker needs to start.
 pub struct WorkerConfig {
@@ -69,12 +69,17 @@ pub struct WorkerConfig {
     pub g1: PhysicalLayout,
     /// Directory for the G3 file; without one a non-zero G3 size is refused.
     pub g3_dir: Option<PathBuf>,
-    /// Keeps G3 across restarts: what its bytes mean (the engine's model,
-    /// dtype, block size, hash scheme, parallelism). A worker started
-    /// again with the same identity and directory finds every block G3
-    /// held ([`crate::g3_store`]); `None`: G3 starts empty and its file is
-    /// removed at exit.
-    pub g3_identity: Option<String>,
+    /// Keeps G2 across restarts in this directory: it should be in a
+    /// memory-backed file system (`/dev/shm`), whose files G2's memory is
+    /// mapped from. Needs `kept_identity`.
+    pub g2_keep_dir: Option<PathBuf>,
+    /// Keeps G3 (and G2 where `g2_keep_dir` is set) across restarts: what
+    /// their bytes mean (the engine's model, dtype, block size, hash
+    /// scheme, parallelism). A worker started again with the same
+    /// identity and directories finds every block they held
+    /// ([`crate::kept`]); `None`: G3 starts empty and its file is removed
+    /// at exit.
+    pub kept_identity: Option<String>,
     /// Moves the bytes; `None` assembles one for G1's memory
     /// ([`default_executor`]).
     pub executor: Option<Executor>,
@@ -119,7 +124,8 @@ impl WorkerConfig {
             secret,
             g1,
             g3_dir: None,
-            g3_identity: None,
+            g2_keep_dir: None,
+            kept_identity: None,
             executor: None,
             #[cfg(feature = "fault-injection")]
             fault_delay: Duration::ZERO,
@@ -256,7 +262,8 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
         remote: remote::RemoteState::default(),
         tiers: Tiers::new(config.g1.clone()),
         g3_dir: config.g3_dir.clone(),
-        g3_identity: config.g3_identity.clone(),
+        g2_keep_dir: config.g2_keep_dir.clone(),
+        kept_identity: config.kept_identity.clone(),
         probe: config.probe.take(),
         g2_allocator: config.g2_allocator.take(),
         executor,
@@ -395,7 +402,8 @@ struct Worker {
     g2_allocator: Option<G2Allocator>,
     tiers: Tiers,
     g3_dir: Option<PathBuf>,
-    g3_identity: Option<String>,
+    g2_keep_dir: Option<PathBuf>,
+    kept_identity: Option<String>,
     executor: Executor,
     fault_delay: Duration,
     inflight: HashMap<u64, CancelToken>,
@@ -442,13 +450,14 @@ impl Worker {
         if !self.inflight.is_empty() {
             return error_reply(None, "configure while transfers are in flight".into());
         }
-        let g3 = self.g3_dir.as_deref().map(|dir| G3Place {
-            dir,
-            identity: self.g3_identity.as_deref(),
-        });
+        let places = Places {
+            g3_dir: self.g3_dir.as_deref(),
+            g2_keep_dir: self.g2_keep_dir.as_deref(),
+            identity: self.kept_identity.as_deref(),
+        };
         match self
             .tiers
-            .configure(&c, g3, &self.executor, self.g2_allocator.as_deref())
+            .configure(&c, places, &self.executor, self.g2_allocator.as_deref())
         {
             Ok(()) => {
                 // The agent exposed the G2 just replaced: peers reconnect.
@@ -461,14 +470,10 @@ impl Worker {
                     rank: self.rank,
                     g2_blocks: c.g2_blocks,
                     g3_blocks: c.g3_blocks,
-                    recovered: self
-                        .tiers
-                        .recovered()
-                        .iter()
-                        .take(crate::proto::MAX_PAIRS)
-                        .map(|r| (r.slot, r.label))
-                        .collect(),
-                    rejected: self.tiers.rejected(),
+                    recovered: kept_blocks(&self.tiers.g3_found().blocks),
+                    rejected: self.tiers.g3_found().rejected,
+                    recovered_g2: kept_blocks(&self.tiers.g2_found().blocks),
+                    rejected_g2: self.tiers.g2_found().rejected,
                     g3_open_us: u64::try_from(self.tiers.g3_open().as_micros()).unwrap_or(u64::MAX),
                 })
             }
@@ -599,7 +604,7 @@ struct Job {
     dst: Tier,
     pairs: Vec<BlockPair>,
     /// What each block written into a kept G3 holds (or nothing).
-    labels: Vec<crate::g3_store::BlockLabel>,
+    labels: Vec<crate::kept::BlockLabel>,
     cancel: CancelToken,
     executor: Executor,
     acks: mpsc::Sender<Message>,
@@ -669,6 +674,15 @@ fn ack_of(id: u64, rank: u32, pairs: &[(usize, usize)], outcome: TransferOutcome
             }),
         },
     }
+}
+
+/// A kept tier's blocks as `Ready` carries them.
+fn kept_blocks(blocks: &[crate::kept::Recovered]) -> Vec<(u32, crate::kept::BlockLabel)> {
+    blocks
+        .iter()
+        .take(crate::proto::MAX_PAIRS)
+        .map(|r| (r.slot, r.label))
+        .collect()
 }
 
 #[cfg(test)]

@@ -12,24 +12,39 @@ use std::time::{Duration, Instant};
 use kvbm_layout::{Layout, LayoutKind};
 use kvbm_pool::Tier;
 use kvbm_pool::rate_limit::{RateLimit, WARN_EVERY};
-use kvbm_transfer::memory::{DISK_ALIGNMENT, DiskAllocator, DiskOptions, IoMode, SystemAllocator};
+use kvbm_transfer::memory::{
+    DISK_ALIGNMENT, DiskAllocator, DiskOptions, IoMode, MemoryRegion, SystemAllocator, SystemBuffer,
+};
 use kvbm_transfer::{
     CancelToken, Completion, Executor, PhysicalLayout, TransferError, TransferFailure,
     TransferOutcome,
 };
 
 use crate::error::{DistError, Result};
-use crate::g3_store::{BlockLabel, G3Store, Recovered};
+use crate::kept::{BlockLabel, KeptStore, Medium, Recovered};
 use crate::proto::{Configure, TierBounds};
 use crate::verify::{Checksums, End, Tracked, pieces};
 
-/// Where a worker's G3 lives.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct G3Place<'a> {
-    /// Its directory.
-    pub(crate) dir: &'a Path,
-    /// Set: G3 is kept across restarts under this identity.
+/// Where a worker's G3 lives, and whether G2 and G3 are kept.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Places<'a> {
+    /// G3's directory.
+    pub(crate) g3_dir: Option<&'a Path>,
+    /// The directory of a G2 kept across restarts (in a memory-backed
+    /// file system).
+    pub(crate) g2_keep_dir: Option<&'a Path>,
+    /// Set: G3 (and G2 where it has a directory) is kept across restarts
+    /// under this identity.
     pub(crate) identity: Option<&'a str>,
+}
+
+/// What a kept tier found when it was opened.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Found {
+    /// The blocks it held.
+    pub(crate) blocks: Arc<[Recovered]>,
+    /// Records it left out.
+    pub(crate) rejected: u64,
 }
 
 /// Whether every chunk of G1 starts and ends on the disk alignment (device
@@ -65,12 +80,14 @@ pub(crate) struct Tiers {
     /// is kept; shared by every route that copies on these tiers (the
     /// worker's and a lent one).
     checksums: Option<Arc<Checksums>>,
+    /// G2's records, where G2 is kept across restarts.
+    g2_store: Option<Arc<KeptStore>>,
     /// G3's records, where G3 is kept across restarts.
-    store: Option<Arc<G3Store>>,
-    /// The blocks a kept G3 held when it was opened.
-    recovered: Arc<[Recovered]>,
-    /// Records a kept G3 left out when opened.
-    rejected: u64,
+    g3_store: Option<Arc<KeptStore>>,
+    /// What a kept G2 held when it was opened.
+    g2_found: Found,
+    /// What a kept G3 held when it was opened.
+    g3_found: Found,
     /// How long opening G3 took (recovery included).
     g3_open: Duration,
 }
@@ -82,9 +99,10 @@ impl Tiers {
             g2: None,
             g3: None,
             checksums: None,
-            store: None,
-            recovered: Arc::from(Vec::new()),
-            rejected: 0,
+            g2_store: None,
+            g3_store: None,
+            g2_found: Found::default(),
+            g3_found: Found::default(),
             g3_open: Duration::ZERO,
         }
     }
@@ -93,7 +111,7 @@ impl Tiers {
     pub(crate) fn configure(
         &mut self,
         c: &Configure,
-        g3_place: Option<G3Place<'_>>,
+        places: Places<'_>,
         executor: &Executor,
         g2_allocator: Option<&(dyn Fn(Layout) -> Result<PhysicalLayout> + Send)>,
     ) -> Result<()> {
@@ -101,32 +119,57 @@ impl Tiers {
         let blocks = |n: u64| {
             usize::try_from(n).map_err(|_| DistError::InvalidConfig(format!("{n} blocks")))
         };
-        let g2 = match c.g2_blocks {
-            0 => None,
+        // The old stores let go of their directories before they are
+        // opened again.
+        self.g2_store = None;
+        self.g3_store = None;
+        let (g2, g2_store, g2_found) = match c.g2_blocks {
+            0 => (None, None, Found::default()),
             n => {
                 let layout = Layout::new(
                     shape.with_num_blocks(blocks(n)?)?,
                     LayoutKind::FullyContiguous,
                 )?;
-                let l = match g2_allocator {
-                    Some(alloc) => alloc(layout)?,
-                    None => default_g2(self.g1.kind(), layout)?,
+                let (l, store, found) = match (places.g2_keep_dir, places.identity) {
+                    (Some(dir), Some(identity)) => {
+                        let pin = g2_pin(self.g1.kind())?;
+                        let medium = Medium::Memory {
+                            pin: pin.as_deref(),
+                        };
+                        let (store, l, recovery) =
+                            KeptStore::open_free(dir, identity, layout, &medium)?;
+                        let found = Found {
+                            blocks: Arc::from(recovery.blocks),
+                            rejected: recovery.rejected,
+                        };
+                        (l, Some(Arc::new(store)), found)
+                    }
+                    (Some(_), None) => {
+                        return Err(DistError::InvalidConfig(
+                            "a kept G2 needs the identity of what it holds".into(),
+                        ));
+                    }
+                    (None, _) => {
+                        let l = match g2_allocator {
+                            Some(alloc) => alloc(layout)?,
+                            None => default_g2(self.g1.kind(), layout)?,
+                        };
+                        (l, None, Found::default())
+                    }
                 };
                 executor.register(&l)?;
-                Some(l)
+                (Some(l), store, found)
             }
         };
-        // The old store lets go of its directory before it is opened again.
-        self.store = None;
         let g3_started = Instant::now();
-        let (g3, store, recovered, rejected) = match (c.g3_blocks, g3_place) {
+        let (g3, store, recovered, rejected) = match (c.g3_blocks, places.g3_dir) {
             (0, _) => (None, None, Vec::new(), 0),
             (_, None) => {
                 return Err(DistError::InvalidConfig(
                     "G3 requested but this worker has no disk directory".into(),
                 ));
             }
-            (n, Some(place)) => {
+            (n, Some(g3_dir)) => {
                 let config = shape
                     .with_num_blocks(blocks(n)?)?
                     .with_alignment(DISK_ALIGNMENT)?;
@@ -141,10 +184,10 @@ impl Tiers {
                     tracing::info!("G1 is not disk-aligned host memory: G3 uses buffered I/O");
                     IoMode::Buffered
                 };
-                match place.identity {
+                match places.identity {
                     Some(identity) => {
                         let (store, g3, recovery) =
-                            G3Store::open_free(place.dir, identity, layout, io_mode)?;
+                            KeptStore::open_free(g3_dir, identity, layout, &Medium::Disk(io_mode))?;
                         let rejected = recovery.rejected;
                         (Some(g3), Some(Arc::new(store)), recovery.blocks, rejected)
                     }
@@ -153,7 +196,7 @@ impl Tiers {
                             io_mode,
                             ..DiskOptions::default()
                         };
-                        let alloc = DiskAllocator::new(place.dir, options)?;
+                        let alloc = DiskAllocator::new(g3_dir, options)?;
                         let g3 = PhysicalLayout::allocate_disk(layout, &alloc)?;
                         (Some(g3), None, Vec::new(), 0)
                     }
@@ -162,20 +205,25 @@ impl Tiers {
         };
         self.g2 = g2;
         self.g3 = g3;
-        // New tiers hold nothing yet, but what a kept G3 found again: its
+        // New tiers hold nothing yet, but what kept tiers found again: their
         // records carry the sums.
         let tracked = Tracked {
-            g2: c.verify,
+            g2: c.verify || g2_store.is_some(),
             g3: c.verify || store.is_some(),
         };
         self.checksums = (tracked.g2 || tracked.g3).then(|| {
             let sums = Checksums::new(&self.g1, tracked);
+            sums.seed(Tier::G2, g2_found.blocks.iter().map(|r| (r.slot, r.sum)));
             sums.seed(Tier::G3, recovered.iter().map(|r| (r.slot, r.sum)));
             Arc::new(sums)
         });
-        self.store = store;
-        self.recovered = Arc::from(recovered);
-        self.rejected = rejected;
+        self.g2_store = g2_store;
+        self.g3_store = store;
+        self.g2_found = g2_found;
+        self.g3_found = Found {
+            blocks: Arc::from(recovered),
+            rejected,
+        };
         self.g3_open = if self.g3.is_some() {
             g3_started.elapsed()
         } else {
@@ -184,14 +232,15 @@ impl Tiers {
         Ok(())
     }
 
-    /// The blocks a kept G3 held when it was opened.
-    pub(crate) fn recovered(&self) -> &[Recovered] {
-        &self.recovered
+    /// What a kept G2 found when it was opened (nothing where G2 is not
+    /// kept).
+    pub(crate) fn g2_found(&self) -> &Found {
+        &self.g2_found
     }
 
-    /// Records a kept G3 left out when opened.
-    pub(crate) fn rejected(&self) -> u64 {
-        self.rejected
+    /// What a kept G3 found when it was opened.
+    pub(crate) fn g3_found(&self) -> &Found {
+        &self.g3_found
     }
 
     /// How long opening G3 took at the last configure (a kept one's
@@ -201,8 +250,8 @@ impl Tiers {
     }
 
     /// Copies `pairs` from `src` to `dst` on `executor`, checks them where
-    /// checksums are kept, and records in a kept G3 the blocks `labels`
-    /// names (one per pair, or none) once they landed. Calls `done` with
+    /// checksums are kept, and records in a kept G2 or G3 the blocks
+    /// `labels` names (one per pair, or none) once they landed. Calls `done` with
     /// the settled outcome and the number of checksum mismatches.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn copy(
@@ -218,12 +267,16 @@ impl Tiers {
         let (Some(s), Some(d)) = (self.end(src), self.end(dst)) else {
             return done(failed(format!("{src:?} -> {dst:?}: tier absent"), pairs), 0);
         };
-        let store = self.store.clone().filter(|_| dst == Tier::G3);
+        let store = match dst {
+            Tier::G2 => self.g2_store.clone(),
+            Tier::G3 => self.g3_store.clone(),
+            _ => None,
+        };
         if let Some(store) = &store {
             // A slot about to be written names nothing until it landed.
             let slots: Vec<u32> = pairs.iter().map(|p| p.1 as u32).collect();
             if let Err(e) = store.forget(&slots) {
-                return done(failed(format!("G3 records: {e}"), pairs), 0);
+                return done(failed(format!("{dst:?} records: {e}"), pairs), 0);
             }
         }
         if let Some(sums) = self.checksums.as_ref().filter(|c| c.checks(src, dst)) {
@@ -246,7 +299,7 @@ impl Tiers {
         let table = Arc::clone(&sums);
         sums.settle_later(s, d, settled, completion, move |outcome, mismatches| {
             if let Some(store) = keep {
-                commit(&store, &table, &pairs, &labels, &outcome);
+                commit(&store, dst, &table, &pairs, &labels, &outcome);
             }
             done(outcome, mismatches);
         });
@@ -308,6 +361,28 @@ fn default_g2(g1: kvbm_transfer::MemoryKind, layout: Layout) -> Result<PhysicalL
     )?)
 }
 
+/// How a kept G2 is pinned: in place for G1's GPU (feature `cuda`), not at
+/// all beside a host G1.
+#[allow(clippy::type_complexity)]
+fn g2_pin(
+    g1: kvbm_transfer::MemoryKind,
+) -> Result<Option<Box<dyn Fn(Arc<SystemBuffer>) -> Result<MemoryRegion>>>> {
+    #[cfg(feature = "cuda")]
+    if let kvbm_transfer::MemoryKind::Device(ordinal) = g1 {
+        use kvbm_transfer::cuda::backend::to_transfer_error;
+        use kvbm_transfer::cuda::{CudaDevice, PinnedMemory, PinnedOptions};
+        let device = CudaDevice::open(ordinal as usize).map_err(to_transfer_error)?;
+        return Ok(Some(Box::new(move |buffer| {
+            let pinned =
+                PinnedMemory::register(&device, buffer, PinnedOptions::for_device(&device))
+                    .map_err(to_transfer_error)?;
+            Ok(Arc::new(pinned).region())
+        })));
+    }
+    let _ = g1;
+    Ok(None)
+}
+
 /// A copy of which nothing landed.
 fn failed(message: String, pairs: Vec<(usize, usize)>) -> TransferOutcome {
     Err(Box::new(TransferFailure {
@@ -318,10 +393,11 @@ fn failed(message: String, pairs: Vec<(usize, usize)>) -> TransferOutcome {
     }))
 }
 
-/// Records in `store` the labelled blocks of a copy into G3 that landed and
-/// passed their checks.
+/// Records in `store` the labelled blocks of a copy into kept tier `tier`
+/// that landed and passed their checks.
 fn commit(
-    store: &G3Store,
+    store: &KeptStore,
+    tier: Tier,
     sums: &Checksums,
     pairs: &[(usize, usize)],
     labels: &[BlockLabel],
@@ -337,7 +413,7 @@ fn commit(
         .filter(|(p, _)| landed.contains(p))
         .filter_map(|(&(_, d), &label)| {
             let slot = d as u32;
-            sums.get(Tier::G3, slot).map(|sum| (slot, label, sum))
+            sums.get(tier, slot).map(|sum| (slot, label, sum))
         })
         .collect();
     if let Err(e) = store.commit(&blocks) {
@@ -345,7 +421,7 @@ fn commit(
         if let Some(held_back) = WARN.check() {
             tracing::warn!(
                 held_back,
-                "G3 records not written ({e}): those blocks will not outlive this engine"
+                "{tier:?} records not written ({e}): those blocks will not outlive this engine"
             );
         }
     }

@@ -59,7 +59,7 @@ pub(super) struct Write {
     /// The G3 block written.
     g3: u32,
     /// What it holds.
-    label: super::mover::G3Label,
+    label: super::mover::BlockLabel,
     /// The path it counts on (G2 → G3, or G1 → G3).
     path: Path,
     /// The staging slot holding its bytes until the write ended.
@@ -250,7 +250,13 @@ pub(super) fn start(shared: &Arc<Shared>, batch: Vec<Write>) {
     let waker = Arc::clone(shared);
     shared
         .mover
-        .copy_into_g3(Tier::G2, pairs.clone(), labels, CancelToken::new())
+        .copy_labelled(
+            Tier::G2,
+            Tier::G3,
+            pairs.clone(),
+            labels,
+            CancelToken::new(),
+        )
         .on_complete(move |outcome| {
             let took = started.elapsed();
             let ok: HashSet<(usize, usize)> = match &outcome {

@@ -1,31 +1,38 @@
-//! Blocks a G3 kept across a restart holds, registered again in a new
-//! engine's books (the bytes and their records are the mover's).
+//! Blocks a G2 or G3 kept across a restart holds, registered again in a
+//! new engine's books (the bytes and their records are the mover's).
 
 use std::collections::HashMap;
 
 use kvbm_block::SequenceHash;
 
-use super::{G3Label, TierEngine};
+use super::{BlockLabel, TierEngine};
+use crate::config::Tier;
 use crate::pool::CompleteBlock;
 
 impl TierEngine {
-    /// Registers the blocks a G3 kept across a restart holds, each in the
-    /// slot that holds its bytes: `(slot, (hash, parent))`. Returns how many
-    /// were registered; a slot beyond G3, taken or listed twice, or a hash
-    /// G3 already holds or listed twice, is skipped. `rejected` counts what the caller left out (torn
-    /// records, blocks not every rank held), for the metrics. Call it
-    /// before the first request.
-    pub fn restore_g3(&self, blocks: &[(u32, G3Label)], rejected: u64) -> usize {
-        let n = self.register_kept_g3(blocks);
+    /// Registers the blocks a G2 or G3 (`tier`) kept across a restart
+    /// holds, each in the slot that holds its bytes: `(slot, (hash,
+    /// parent))`. Returns how many were registered; a slot beyond the
+    /// tier's pool, taken or listed twice, or a hash the tier already holds
+    /// or listed twice, is skipped. `rejected` counts what the caller left
+    /// out (torn records, blocks not every rank held), for the metrics.
+    /// Call it before the first request, G2 first.
+    pub fn restore(&self, tier: Tier, blocks: &[(u32, BlockLabel)], rejected: u64) -> usize {
+        let n = self.register_kept(tier, blocks);
         let skipped = (blocks.len() - n) as u64;
         self.shared
             .metrics
-            .g3_reopened(n as u64, rejected + skipped);
+            .reopened(tier, n as u64, rejected + skipped);
         n
     }
 
-    fn register_kept_g3(&self, blocks: &[(u32, G3Label)]) -> usize {
-        let Some(g3) = self.shared.g3.as_ref() else {
+    fn register_kept(&self, tier: Tier, blocks: &[(u32, BlockLabel)]) -> usize {
+        let slot = match tier {
+            Tier::G2 => self.shared.g2.as_ref(),
+            Tier::G3 => self.shared.g3.as_ref(),
+            _ => None,
+        };
+        let Some(kept) = slot else {
             return 0;
         };
         // One block per slot and one slot per hash (a hash kept twice, in
@@ -33,7 +40,7 @@ impl TierEngine {
         // back once).
         let mut slots = std::collections::HashSet::with_capacity(blocks.len());
         let mut hashes = std::collections::HashSet::with_capacity(blocks.len());
-        let blocks: Vec<(u32, G3Label)> = blocks
+        let blocks: Vec<(u32, BlockLabel)> = blocks
             .iter()
             .copied()
             .filter(|&(slot, (hash, _))| slots.insert(slot) && hashes.insert(hash))
@@ -69,15 +76,15 @@ impl TierEngine {
             }
             depths[&start]
         };
-        let mut ordered: Vec<(usize, u32, G3Label)> = blocks
+        let mut ordered: Vec<(usize, u32, BlockLabel)> = blocks
             .iter()
             .map(|&(slot, label)| (depth(label.0), slot, label))
             .collect();
         ordered.sort_unstable_by_key(|&(d, slot, _)| (d, slot));
         let ids: Vec<u32> = ordered.iter().map(|&(_, slot, _)| slot).collect();
-        let label_of: HashMap<u32, G3Label> =
+        let label_of: HashMap<u32, BlockLabel> =
             ordered.iter().map(|&(_, slot, l)| (slot, l)).collect();
-        let complete: Vec<CompleteBlock> = g3
+        let complete: Vec<CompleteBlock> = kept
             .pool
             .allocate_ids(&ids)
             .into_iter()
@@ -87,11 +94,12 @@ impl TierEngine {
             })
             .collect();
         let n = complete.len();
-        // The handles drop here: the blocks wait in G3 like any others.
-        match g3.pool.register(complete) {
+        // The handles drop here: the blocks wait in the tier like any
+        // others.
+        match kept.pool.register(complete) {
             Ok(held) => held.len().min(n),
             Err(e) => {
-                tracing::warn!("G3 refused its own kept blocks: {e}");
+                tracing::warn!("{tier:?} refused its own kept blocks: {e}");
                 0
             }
         }
@@ -115,7 +123,7 @@ mod tests {
             .unwrap()
     }
 
-    fn label(hash: u64, parent: Option<u64>) -> G3Label {
+    fn label(hash: u64, parent: Option<u64>) -> BlockLabel {
         (SequenceHash(hash), parent.map(SequenceHash))
     }
 
@@ -134,7 +142,7 @@ mod tests {
             (11, label(21, None)),
             (12, label(9, None)),
         ];
-        let n = e.restore_g3(&blocks, 2);
+        let n = e.restore(Tier::G3, &blocks, 2);
         assert_eq!(n, 4);
         let g3 = e.pool(Tier::G3).unwrap();
         for h in [1, 2, 3, 9] {
@@ -155,6 +163,6 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let e = engine(dir.path());
         let blocks = [(0, label(1, Some(2))), (1, label(2, Some(1)))];
-        assert!(e.restore_g3(&blocks, 0) <= 2);
+        assert!(e.restore(Tier::G3, &blocks, 0) <= 2);
     }
 }

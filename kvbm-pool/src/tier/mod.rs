@@ -79,7 +79,7 @@ pub use config::{DEFAULT_G3_STAGING_BYTES, G3Onboard, OffloadMode, TierEngineCon
 pub use cost::LoadCost;
 pub use error::TierError;
 pub use matching::{G1Lookup, TierMatch};
-pub use mover::{G3Label, LocalMover, TierMover};
+pub use mover::{BlockLabel, LocalMover, TierMover};
 pub use onboard::{OnboardHandle, OnboardTarget, Onboarded};
 pub use request::RequestId;
 pub use shape::{Dtype, KvShape};

@@ -14,8 +14,9 @@ use super::{TierError, TierLayouts};
 use crate::config::Tier;
 use kvbm_block::SequenceHash;
 
-/// What a block written into G3 holds: its sequence hash and its parent's.
-pub type G3Label = (SequenceHash, Option<SequenceHash>);
+/// What a block written into G2 or G3 holds: its sequence hash and its
+/// parent's.
+pub type BlockLabel = (SequenceHash, Option<SequenceHash>);
 
 /// Moves block bytes between tiers for a [`super::TierEngine`].
 ///
@@ -44,19 +45,21 @@ pub trait TierMover: Send + Sync + 'static {
         cancel: CancelToken,
     ) -> Completion<TransferOutcome>;
 
-    /// [`TierMover::copy`] into G3, with what each target block holds
-    /// (`labels[i]`, its sequence hash and its parent's, for `pairs[i]`):
-    /// a mover whose G3 outlives the engine records it with the bytes, so
-    /// a restarted engine finds the block again; others ignore it.
-    fn copy_into_g3(
+    /// [`TierMover::copy`] into a pool block of G2 or G3, with what each
+    /// target block holds (`labels[i]`, its sequence hash and its
+    /// parent's, for `pairs[i]`): a mover whose tier outlives the engine
+    /// records it with the bytes, so a restarted engine finds the block
+    /// again; others ignore it.
+    fn copy_labelled(
         &self,
         src: Tier,
+        dst: Tier,
         pairs: Vec<(usize, usize)>,
-        labels: Vec<G3Label>,
+        labels: Vec<BlockLabel>,
         cancel: CancelToken,
     ) -> Completion<TransferOutcome> {
         let _ = labels;
-        self.copy(src, Tier::G3, pairs, cancel)
+        self.copy(src, dst, pairs, cancel)
     }
 
     /// The tier's memory in this process, where there is one (tests and

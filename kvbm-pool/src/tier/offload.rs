@@ -649,7 +649,13 @@ fn start_batch(
     let (slot, waker) = (Arc::clone(&outcome), Arc::clone(shared));
     shared
         .mover
-        .copy(shared.g1.tier, g2.tier, pairs.clone(), CancelToken::new())
+        .copy_labelled(
+            shared.g1.tier,
+            g2.tier,
+            pairs.clone(),
+            items.clone(),
+            CancelToken::new(),
+        )
         .on_complete(move |result| {
             *slot.lock() = Some((result, Instant::now()));
             // Taking the queue's lock orders this with the worker's check

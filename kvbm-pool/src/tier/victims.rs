@@ -18,7 +18,6 @@ use kvbm_transfer::{CancelToken, TransferOutcome};
 
 use super::offload::batch_limit;
 use super::{Shared, TierPolicy, TierSlot};
-use crate::config::Tier;
 use crate::metrics::{FailureCause, Path, SkipReason};
 use crate::policy::Evicted;
 use crate::pool::MutableBlock;
@@ -220,17 +219,16 @@ fn copy_and_register(
     items: &[(SequenceHash, Option<SequenceHash>)],
 ) {
     let started = Instant::now();
-    let outcome = match dst.tier {
-        Tier::G3 => {
-            shared
-                .mover
-                .copy_into_g3(src.tier, pairs.to_vec(), items.to_vec(), CancelToken::new())
-        }
-        _ => shared
-            .mover
-            .copy(src.tier, dst.tier, pairs.to_vec(), CancelToken::new()),
-    }
-    .wait();
+    let outcome = shared
+        .mover
+        .copy_labelled(
+            src.tier,
+            dst.tier,
+            pairs.to_vec(),
+            items.to_vec(),
+            CancelToken::new(),
+        )
+        .wait();
     let (landed, cause) = landed_pairs(path, pairs, &outcome);
     register_landed(
         shared,

@@ -169,9 +169,10 @@ class Worker:
     FlashInfer ``[blocks, 2, block_size, heads, head]``, CPU attention
     ``[blocks, 2, block_size, inner]``, MLA ``[blocks, block_size, latent]``;
     anything else, or strides kvbm cannot address exactly, is a
-    ``ValueError`` here. ``g3_dir`` holds G3; with ``g3_identity`` G3 is
+    ``ValueError`` here. ``g3_dir`` holds G3; with ``kept_identity`` G3 is
     kept across restarts under that identity (an engine started again
-    with the same directory and identity finds every block it held).
+    with the same directory and identity finds every block it held), and
+    with ``g2_keep_dir`` too (a directory in ``/dev/shm``) G2 is.
     """
 
     def __init__(
@@ -186,7 +187,8 @@ class Worker:
         secret_file: str,
         device: int | None = None,
         g3_dir: str | None = None,
-        g3_identity: str | None = None,
+        kept_identity: str | None = None,
+        g2_keep_dir: str | None = None,
         instance: int = 0,
         leader_timeout_s: float = 600.0,
         transfer_delay_ms: int = 0,

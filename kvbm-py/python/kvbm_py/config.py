@@ -24,6 +24,7 @@ _SOURCES: dict[str, tuple[tuple[str, ...], Any]] = {
     "disk_cache_dir": (("KVBM_DISK_CACHE_DIR", "DYN_KVBM_DISK_CACHE_DIR"), None),
     "disk_cache_keep": (("KVBM_DISK_CACHE_KEEP",), True),
     "disk_cache_foreign": (("KVBM_DISK_CACHE_FOREIGN",), "remove"),
+    "cpu_cache_keep": (("KVBM_CPU_CACHE_KEEP",), False),
     "offload": (("KVBM_OFFLOAD",), "eager"),
     "admission": (("KVBM_ADMISSION",), "reuse_score"),
     "load_async": (("KVBM_LOAD_ASYNC",), True),
@@ -38,8 +39,12 @@ _SOURCES: dict[str, tuple[tuple[str, ...], Any]] = {
 OFFLOAD_MODES = ("eager", "finish", "none")
 FOREIGN_POLICIES = ("remove", "keep")
 
-#: Names of the G3 directories kept across restarts, before their digest.
+#: Names of the G2 and G3 directories kept across restarts, before their
+#: digest.
 KEPT_PREFIX = "kept-"
+
+#: The memory-backed file system a kept G2 lives in.
+SHM_DIR = "/dev/shm"
 
 #: Test hooks: keys the test suite sets, never read from the environment.
 _TEST_KEYS = ("test_corrupt_onboard", "test_fail_onboards", "test_transfer_delay_ms", "test_stats_path")
@@ -52,6 +57,12 @@ _MAX_GB = float((1 << 64) // GIB)
 
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def kept_name(identity: str, rank: int) -> str:
+    """The name of the kept G2 or G3 directory of ``rank`` under
+    ``identity``."""
+    return f"{KEPT_PREFIX}{_digest(identity)}-rank{rank}"
 
 
 def _as_bool(value: Any, key: str) -> bool:
@@ -106,10 +117,15 @@ class KvbmConfig:
     #: settings finds every block it held (needs ``PYTHONHASHSEED``, see
     #: ``docs/vllm.md``).
     disk_cache_keep: bool = True
-    #: What happens to the kept G3 of another model or setting found in
-    #: ``disk_cache_dir`` at start (no engine using it): ``remove`` or
-    #: ``keep``.
+    #: What happens to the kept G2 or G3 of another model or setting found
+    #: at start (no engine using it): ``remove`` or ``keep``.
     disk_cache_foreign: str = "remove"
+    #: G2 outlives the engine process too: it lives in ``/dev/shm`` (host
+    #: memory that stays until the host restarts or it is removed), and a
+    #: restarted engine of the same model and settings finds every block it
+    #: held (needs ``PYTHONHASHSEED``; ``/dev/shm`` must hold
+    #: ``cpu_cache_gb``).
+    cpu_cache_keep: bool = False
     #: When full blocks are offloaded: ``eager`` (as they fill), ``finish``
     #: (when the request finishes) or ``none``.
     offload: str = "eager"
@@ -182,6 +198,7 @@ class KvbmConfig:
             disk_cache_dir=values["disk_cache_dir"],
             disk_cache_keep=_as_bool(values["disk_cache_keep"], "disk_cache_keep"),
             disk_cache_foreign=str(values["disk_cache_foreign"]),
+            cpu_cache_keep=_as_bool(values["cpu_cache_keep"], "cpu_cache_keep"),
             offload=str(values["offload"]),
             admission=str(values["admission"]),
             load_async=_as_bool(values["load_async"], "load_async"),
@@ -200,6 +217,11 @@ class KvbmConfig:
         )
         if not 0 <= cfg.metrics_port <= 65535:
             raise ValueError(f"kvbm: metrics_port={cfg.metrics_port} is not a TCP port")
+        if cfg.cpu_cache_keep and cfg.disk_cache_gb > 0 and not cfg.disk_cache_keep:
+            raise ValueError(
+                "kvbm: cpu_cache_keep=true with disk_cache_keep=false: a kept G2 "
+                "keeps the G3 behind it too; set disk_cache_keep=true or cpu_cache_keep=false"
+            )
         if cfg.disk_cache_foreign not in FOREIGN_POLICIES:
             raise ValueError(
                 f"kvbm: disk_cache_foreign={cfg.disk_cache_foreign!r}: expected one of {FOREIGN_POLICIES}"
@@ -252,4 +274,15 @@ class KvbmConfig:
     def kept_g3_dir(self, identity: str, rank: int) -> str:
         """The G3 directory of ``rank`` kept across restarts under
         ``identity`` (the same for every engine of that identity)."""
-        return os.path.join(self.g3_base(), f"{KEPT_PREFIX}{_digest(identity)}-rank{rank}")
+        return os.path.join(self.g3_base(), kept_name(identity, rank))
+
+    @staticmethod
+    def g2_base() -> str:
+        """The directory kept G2 directories go in: this user's, in
+        ``/dev/shm``."""
+        return os.path.join(SHM_DIR, f"kvbm-g2-{os.getuid()}")
+
+    def kept_g2_dir(self, identity: str, rank: int) -> str:
+        """The G2 directory of ``rank`` kept across restarts under
+        ``identity``."""
+        return os.path.join(self.g2_base(), kept_name(identity, rank))

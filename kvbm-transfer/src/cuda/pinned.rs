@@ -102,6 +102,9 @@ pub struct PinnedMemory {
 
 struct Inner {
     device: CudaDevice,
+    /// A caller's host buffer this memory pins in place (its bytes are
+    /// kept); `None`: an anonymous mapping of our own.
+    backing: Option<Arc<crate::memory::SystemBuffer>>,
     /// What mmap returned (before aligning), for munmap.
     raw: usize,
     ptr: *mut u8,
@@ -119,9 +122,9 @@ struct Inner {
     stats: Mutex<PinStats>,
 }
 
-// SAFETY: `ptr` is a private anonymous mapping owned by `Inner`; all access to
-// its bytes goes through raw-pointer copies, and bookkeeping is atomic or
-// behind mutexes.
+// SAFETY: `ptr` is a private anonymous mapping owned by `Inner`, or a
+// caller's buffer `Inner` holds; all access to its bytes goes through
+// raw-pointer copies, and bookkeeping is atomic or behind mutexes.
 unsafe impl Send for Inner {}
 // SAFETY: as above.
 unsafe impl Sync for Inner {}
@@ -141,6 +144,23 @@ impl PinnedMemory {
     pub fn allocate(device: &CudaDevice, len: usize, opts: PinnedOptions) -> CudaResult<Self> {
         let inner = Arc::new(Inner::map(device, len, opts)?);
         inner.pin_range(0, len)?;
+        Ok(PinnedMemory {
+            inner,
+            worker: Mutex::new(None),
+        })
+    }
+
+    /// Pins `buffer` in place, keeping its bytes (a host tier mapped from a
+    /// file that outlives the process, found again after a restart);
+    /// returns when all of it is pinned. The pinned memory keeps the buffer
+    /// alive.
+    pub fn register(
+        device: &CudaDevice,
+        buffer: Arc<crate::memory::SystemBuffer>,
+        opts: PinnedOptions,
+    ) -> CudaResult<Self> {
+        let inner = Arc::new(Inner::over(device, buffer, opts)?);
+        inner.pin_range(0, inner.len)?;
         Ok(PinnedMemory {
             inner,
             worker: Mutex::new(None),
@@ -318,10 +338,46 @@ impl Inner {
         }
         Ok(Inner {
             device: device.clone(),
+            backing: None,
             raw: raw as usize,
             ptr,
             len,
             map_len,
+            opts: PinnedOptions {
+                chunk_bytes: round_up(opts.chunk_bytes.max(HUGE_PAGE), HUGE_PAGE),
+                touch_threads: opts.touch_threads.max(1),
+                ..opts
+            },
+            pinned: AtomicUsize::new(0),
+            chunks: Mutex::new(Vec::new()),
+            stop: AtomicBool::new(false),
+            failure: Mutex::new(None),
+            progress: Condvar::new(),
+            progress_lock: Mutex::new(()),
+            stats: Mutex::new(PinStats::default()),
+        })
+    }
+
+    /// Pins `buffer` where it is (see [`PinnedMemory::register`]).
+    fn over(
+        device: &CudaDevice,
+        buffer: Arc<crate::memory::SystemBuffer>,
+        opts: PinnedOptions,
+    ) -> CudaResult<Self> {
+        if !device.inner.host_ptr_is_device_ptr {
+            return Err(CudaError::Pinning {
+                bytes: buffer.len() as usize,
+                reason: "the device cannot use host pointers of registered memory".into(),
+            });
+        }
+        let len = buffer.len() as usize;
+        Ok(Inner {
+            device: device.clone(),
+            raw: 0,
+            ptr: buffer.addr() as *mut u8,
+            len,
+            map_len: 0,
+            backing: Some(buffer),
             opts: PinnedOptions {
                 chunk_bytes: round_up(opts.chunk_bytes.max(HUGE_PAGE), HUGE_PAGE),
                 touch_threads: opts.touch_threads.max(1),
@@ -409,6 +465,7 @@ impl Inner {
         let per = round_up((b - a).div_ceil(threads), HUGE_PAGE);
         let cpus = self.opts.numa_node.and_then(node_cpus);
         let base = self.ptr as usize;
+        let keep = self.backing.is_some();
         std::thread::scope(|s| {
             let mut start = a;
             while start < b {
@@ -420,9 +477,13 @@ impl Inner {
                     }
                     let mut off = start;
                     while off < end {
-                        // SAFETY: `off` lies in [a, b), inside our private
-                        // mapping; nobody else reads these bytes yet.
-                        unsafe { ((base + off) as *mut u8).write_volatile(0) };
+                        let p = (base + off) as *mut u8;
+                        // SAFETY: `off` lies in [a, b), inside our mapping
+                        // (or the caller's buffer, which we hold); nobody
+                        // copies through it before it is pinned. A caller's
+                        // byte is written back as read, so its contents
+                        // stay.
+                        unsafe { p.write_volatile(if keep { p.read_volatile() } else { 0 }) };
                         off += PAGE;
                     }
                 });
@@ -448,8 +509,10 @@ impl Drop for Inner {
         // Unregistered before the mapping goes; no copy holds the memory
         // any more (copies hold an Arc).
         drop(chunks);
-        // SAFETY: `raw`/`map_len` are exactly what mmap returned in `map`.
-        unsafe { libc::munmap(self.raw as *mut c_void, self.map_len) };
+        if self.backing.is_none() {
+            // SAFETY: `raw`/`map_len` are exactly what mmap returned in `map`.
+            unsafe { libc::munmap(self.raw as *mut c_void, self.map_len) };
+        }
     }
 }
 

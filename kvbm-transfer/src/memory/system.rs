@@ -100,6 +100,54 @@ impl SystemAllocator {
     }
 }
 
+impl SystemBuffer {
+    /// Maps the first `len` bytes of `file` shared (`MAP_SHARED`): what is
+    /// written through the buffer is the file's, so a file in a
+    /// memory-backed file system (`/dev/shm`) keeps host memory past the
+    /// process. The file must be at least `len` bytes long. Pages are
+    /// faulted in (`MADV_POPULATE_WRITE`, which keeps their contents), so
+    /// the first copy does not pay for the faults.
+    pub fn map_shared(file: &std::fs::File, len: u64) -> Result<Arc<SystemBuffer>> {
+        let size = usize::try_from(len)
+            .ok()
+            .filter(|&s| s > 0)
+            .ok_or_else(|| {
+                TransferError::InvalidRequest(format!("cannot map {len} bytes of a file"))
+            })?;
+        let file_len = file
+            .metadata()
+            .map_err(|source| TransferError::Alloc {
+                what: "the length of a file to map".into(),
+                source,
+            })?
+            .len();
+        if file_len < len {
+            return Err(TransferError::InvalidRequest(format!(
+                "a file of {file_len} bytes cannot back {len} bytes of memory"
+            )));
+        }
+        // SAFETY: the mapping is shared with the file by design; the caller
+        // owns the file (a store holding its directory's lock), so no other
+        // process writes it while this mapping lives, and every access to
+        // the bytes goes through transfers and the unsafe views below.
+        let map = unsafe { MmapOptions::new().len(size).map_mut(file) }.map_err(|source| {
+            TransferError::Alloc {
+                what: format!("a shared mapping of {size} bytes"),
+                source,
+            }
+        })?;
+        advise_huge_quietly(&map);
+        populate_write(&map);
+        Ok(Arc::new(SystemBuffer { map }))
+    }
+}
+
+/// Asks for huge pages where the file system allows it (a `/dev/shm`
+/// mounted `huge=advise`), saying nothing where it does not.
+fn advise_huge_quietly(map: &MmapMut) {
+    let _ = map.advise(memmap2::Advice::HugePage);
+}
+
 /// Faults every page in for writing (`MADV_POPULATE_WRITE`, Linux 5.14+),
 /// or by touching one byte per page where the kernel lacks it.
 fn populate_write(map: &MmapMut) {
@@ -116,9 +164,13 @@ fn populate_write(map: &MmapMut) {
     if rc != 0 {
         let base = map.as_ptr() as *mut u8;
         for off in (0..map.len()).step_by(4096) {
-            // SAFETY: `off < len`; the mapping is fresh, zeroed, writable and
-            // not yet shared, so writing a zero is unobservable.
-            unsafe { base.add(off).write_volatile(0) };
+            // SAFETY: `off < len`; the mapping is writable and nobody else
+            // uses it yet; the byte is written back as it was read, so a
+            // shared mapping's contents stay what they were.
+            unsafe {
+                let p = base.add(off);
+                p.write_volatile(p.read_volatile());
+            }
         }
     }
 }

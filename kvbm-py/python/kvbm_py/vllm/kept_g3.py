@@ -16,7 +16,7 @@ import os
 import shutil
 from typing import TYPE_CHECKING
 
-from kvbm_py.config import KEPT_PREFIX, KvbmConfig
+from kvbm_py.config import KEPT_PREFIX, KvbmConfig, kept_name
 from kvbm_py.vllm.common import log
 
 if TYPE_CHECKING:
@@ -97,16 +97,16 @@ def _lock_if_unused(path: str) -> int | None:
         return None
 
 
-def sweep_foreign(config: KvbmConfig, ours: str) -> list[str]:
-    """Removes (or, with ``disk_cache_foreign = keep``, leaves) the kept G3
-    directories of other identities that no engine uses; logs which.
-    Returns those removed."""
-    base = config.g3_base()
+def sweep_foreign(config: KvbmConfig, ours: str, tier: str = "G3") -> list[str]:
+    """Removes (or, with ``disk_cache_foreign = keep``, leaves) the kept
+    directories of ``tier`` (G2 or G3) of other identities that no engine
+    uses; logs which. Returns those removed."""
+    base = config.g2_base() if tier == "G2" else config.g3_base()
     try:
         names = os.listdir(base)
     except FileNotFoundError:
         return []
-    mine = os.path.basename(config.kept_g3_dir(ours, 0)).rsplit("-rank", 1)[0]
+    mine = kept_name(ours, 0).rsplit("-rank", 1)[0]
     removed = []
     for name in names:
         path = os.path.join(base, name)
@@ -121,10 +121,10 @@ def sweep_foreign(config: KvbmConfig, ours: str) -> list[str]:
             continue
         try:
             if config.disk_cache_foreign == "keep":
-                log.info("kvbm: kept G3 of another model or setting left in place: %s", path)
+                log.info("kvbm: kept %s of another model or setting left in place: %s", tier, path)
                 continue
             shutil.rmtree(path, ignore_errors=True)
-            log.info("kvbm: kept G3 of another model or setting removed: %s", path)
+            log.info("kvbm: kept %s of another model or setting removed: %s", tier, path)
             removed.append(path)
         finally:
             os.close(lock)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import atexit
+import os
 from typing import TYPE_CHECKING, Any
 
 from kvbm_py import Worker, instance_files
-from kvbm_py.config import KvbmConfig
+from kvbm_py.config import SHM_DIR, KvbmConfig
 from kvbm_py.vllm import kept_g3
 from kvbm_py.vllm.common import engine_id, instance_of, log, world_size
 from kvbm_py.vllm.metadata import KvbmMetadata
@@ -63,7 +64,7 @@ class WorkerSide:
         self.files = instance_files.InstanceLock(self.config.files_digest(eid))
         atexit.register(self.files.release)
         specs = [(int(t.data_ptr()), list(t.shape), list(t.stride())) for t in tensors]
-        g3_dir, g3_identity = self._g3_place(eid, rank)
+        g3_dir, kept_identity, g2_keep_dir = self._kept_places(eid, rank)
         self.worker = Worker(
             self.config.endpoint_for(eid),
             rank,
@@ -75,7 +76,8 @@ class WorkerSide:
             self.config.secret_file_for(eid),
             device=device,
             g3_dir=g3_dir,
-            g3_identity=g3_identity,
+            kept_identity=kept_identity,
+            g2_keep_dir=g2_keep_dir,
             instance=instance_of(eid),
             transfer_delay_ms=self.config.test_transfer_delay_ms,
         )
@@ -86,22 +88,36 @@ class WorkerSide:
             rank, len(tensors), tuple(first.shape), self.worker.block_bytes,
         )
 
-    def _g3_place(self, eid: str, rank: int) -> tuple[str | None, str | None]:
-        """The rank's G3 directory, and the identity it is kept under
-        across restarts (None: it is not kept)."""
-        if self.config.disk_cache_gb <= 0:
-            return None, None
-        if self.config.disk_cache_keep:
+    def _kept_places(self, eid: str, rank: int) -> tuple[str | None, str | None, str | None]:
+        """The rank's G3 directory, the identity G3 and G2 are kept under
+        across restarts (None: neither is kept) and the directory of a kept
+        G2 (None: G2 is not kept)."""
+        c = self.config
+        keep_g3 = c.disk_cache_gb > 0 and c.disk_cache_keep
+        keep_g2 = c.cpu_cache_gb > 0 and c.cpu_cache_keep
+        ident = None
+        if keep_g3 or keep_g2:
             ident, why = kept_g3.identity(self.vllm_config)
-            if ident is not None:
-                kept_g3.sweep_foreign(self.config, ident)
-                return self.config.kept_g3_dir(ident, rank), ident
-            log.warning(
-                "kvbm: G3 is not kept across restarts: %s; set PYTHONHASHSEED "
-                "(e.g. PYTHONHASHSEED=0) to keep it, or disk_cache_keep=false "
-                "to silence this", why,
-            )
-        return self.config.g3_dir(eid, rank), None
+            if ident is None:
+                which = " and ".join(t for t, k in (("G2", keep_g2), ("G3", keep_g3)) if k)
+                log.warning(
+                    "kvbm: %s not kept across restarts: %s; set PYTHONHASHSEED "
+                    "(e.g. PYTHONHASHSEED=0) to keep it, or disk_cache_keep=false / "
+                    "cpu_cache_keep=false to silence this", which, why,
+                )
+        g2_dir = None
+        if keep_g2 and ident is not None:
+            if os.path.isdir(SHM_DIR):
+                kept_g3.sweep_foreign(c, ident, "G2")
+                g2_dir = c.kept_g2_dir(ident, rank)
+            else:
+                log.warning("kvbm: G2 is not kept across restarts: this host has no %s", SHM_DIR)
+        if c.disk_cache_gb <= 0:
+            return None, (ident if g2_dir else None), g2_dir
+        if keep_g3 and ident is not None:
+            kept_g3.sweep_foreign(c, ident)
+            return c.kept_g3_dir(ident, rank), ident, g2_dir
+        return c.g3_dir(eid, rank), None, None
 
     def bind(self, meta: KvbmMetadata) -> None:
         self._sending.update(meta.finished_sending)

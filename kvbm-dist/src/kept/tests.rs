@@ -24,8 +24,14 @@ fn layout(blocks: usize) -> Layout {
     Layout::new(config, LayoutKind::FullyContiguous).unwrap()
 }
 
-fn open(dir: &Path, identity: &str) -> (G3Store, PhysicalLayout, Recovery) {
-    G3Store::open(dir, identity, layout(BLOCKS), IoMode::Buffered).unwrap()
+fn open(dir: &Path, identity: &str) -> (KeptStore, PhysicalLayout, Recovery) {
+    KeptStore::open(
+        dir,
+        identity,
+        layout(BLOCKS),
+        &Medium::Disk(IoMode::Buffered),
+    )
+    .unwrap()
 }
 
 /// The bytes of the block labelled `tag`.
@@ -184,8 +190,13 @@ fn another_identity_or_geometry_reuses_nothing() {
     let (_, _, r) = open(dir.path(), "model: a");
     assert!(r.blocks.is_empty());
     // Another block count is another geometry.
-    let (_, _, r) =
-        G3Store::open(dir.path(), "model: a", layout(BLOCKS + 1), IoMode::Buffered).unwrap();
+    let (_, _, r) = KeptStore::open(
+        dir.path(),
+        "model: a",
+        layout(BLOCKS + 1),
+        &Medium::Disk(IoMode::Buffered),
+    )
+    .unwrap();
     assert!(r.started_fresh.is_some());
 }
 
@@ -235,7 +246,12 @@ fn a_crash_while_creating_starts_afresh() {
 fn two_engines_never_open_one_directory() {
     let dir = tempfile::tempdir().unwrap();
     let first = open(dir.path(), "m");
-    let second = G3Store::open(dir.path(), "m", layout(BLOCKS), IoMode::Buffered);
+    let second = KeptStore::open(
+        dir.path(),
+        "m",
+        layout(BLOCKS),
+        &Medium::Disk(IoMode::Buffered),
+    );
     let err = second.unwrap_err().to_string();
     assert!(err.contains("in use by another engine"), "{err}");
     assert!(!is_unused_store(dir.path()));
@@ -286,13 +302,16 @@ fn records_encode_and_decode() {
 fn engines_of_one_identity_keep_a_directory_each() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("rank0");
-    let (a, _, _) = G3Store::open_free(&path, "m", layout(BLOCKS), IoMode::Buffered).unwrap();
-    let (b, _, _) = G3Store::open_free(&path, "m", layout(BLOCKS), IoMode::Buffered).unwrap();
+    let (a, _, _) =
+        KeptStore::open_free(&path, "m", layout(BLOCKS), &Medium::Disk(IoMode::Buffered)).unwrap();
+    let (b, _, _) =
+        KeptStore::open_free(&path, "m", layout(BLOCKS), &Medium::Disk(IoMode::Buffered)).unwrap();
     assert_eq!(a.dir(), path);
     assert_eq!(b.dir(), dir.path().join("rank0.2"));
     drop(a);
     // A restarted engine takes the first that is free.
-    let (c, _, _) = G3Store::open_free(&path, "m", layout(BLOCKS), IoMode::Buffered).unwrap();
+    let (c, _, _) =
+        KeptStore::open_free(&path, "m", layout(BLOCKS), &Medium::Disk(IoMode::Buffered)).unwrap();
     assert_eq!(c.dir(), path);
 }
 
@@ -332,4 +351,77 @@ fn inspection_lists_blocks_and_finds_damaged_ones() {
     f.write_all_at(&[0x42], 4 * stride + 9).unwrap();
     let damaged = inspect(dir.path(), true).unwrap();
     assert_eq!(damaged.bad_blocks, vec![4]);
+}
+
+/// A directory in memory where the host has one (`/dev/shm`), as a kept G2
+/// lives in; a temporary directory elsewhere.
+fn memory_dir() -> tempfile::TempDir {
+    let shm = Path::new("/dev/shm");
+    if shm.is_dir() {
+        tempfile::tempdir_in(shm).unwrap()
+    } else {
+        tempfile::tempdir().unwrap()
+    }
+}
+
+/// A G2 layout: the G3 shape without the disk alignment.
+fn host_layout(blocks: usize) -> Layout {
+    let config = LayoutConfig::new(blocks, 2, 2, 16, 128, 2).unwrap();
+    Layout::new(config, LayoutKind::FullyContiguous).unwrap()
+}
+
+/// Writes `data` over block `slot` of a host tier, as a copy into it does.
+fn write_host_block(g2: &PhysicalLayout, slot: u32, data: &[u8]) {
+    let stride = g2.layout().strides().block;
+    let base = g2.regions()[0].addr().unwrap() + u64::from(slot) * stride;
+    assert!(data.len() as u64 <= stride);
+    // SAFETY: the block lies inside the mapping the layout was built over
+    // (its region is at least the layout's size), which `g2` keeps mapped;
+    // nothing else touches it during the test.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), base as *mut u8, data.len()) };
+}
+
+#[test]
+fn a_kept_g2_keeps_committed_blocks_in_memory_files_and_drops_torn_ones() {
+    let dir = memory_dir();
+    let medium = Medium::Memory { pin: None };
+    let open_g2 =
+        |identity: &str| KeptStore::open(dir.path(), identity, host_layout(BLOCKS), &medium);
+    let len = host_layout(BLOCKS).config().block_bytes() as usize;
+    {
+        let (store, g2, r) = open_g2("model: m").unwrap();
+        assert_eq!(r.started_fresh.as_deref(), Some("the directory held no G2"));
+        assert_eq!(g2.kind(), kvbm_transfer::MemoryKind::System);
+        store.forget(&[3]).unwrap();
+        write_host_block(&g2, 3, &bytes_of(11, len));
+        store
+            .commit(&[(3, label(11), block_sum(&g2, 3).unwrap())])
+            .unwrap();
+        // Killed in the middle of writing slot 4: emptied, never filled.
+        store.forget(&[4]).unwrap();
+        write_host_block(&g2, 4, &bytes_of(12, len / 2));
+    }
+    let (_store, g2, r) = open_g2("model: m").unwrap();
+    assert!(r.started_fresh.is_none(), "{:?}", r.started_fresh);
+    let found: Vec<(u32, u64)> = r.blocks.iter().map(|b| (b.slot, b.label.hash)).collect();
+    assert_eq!(found, vec![(3, 11)]);
+    assert_eq!(r.blocks[0].sum, block_sum(&g2, 3).unwrap());
+    let stride = g2.layout().strides().block;
+    let at = g2.regions()[0].addr().unwrap() + 3 * stride;
+    // SAFETY: block 3 of the mapping `g2` keeps alive; nothing writes it.
+    let kept = unsafe { std::slice::from_raw_parts(at as *const u8, len) };
+    assert!(
+        kept == bytes_of(11, len).as_slice(),
+        "the kept bytes changed"
+    );
+    // A second engine of the same identity gets an error, not the memory.
+    assert!(matches!(open_g2("model: m"), Err(DistError::G3InUse(_))));
+    drop((_store, g2));
+    // Another identity reuses nothing.
+    let (_, _, r) = open_g2("model: other").unwrap();
+    assert!(r.blocks.is_empty());
+    assert_eq!(
+        r.started_fresh.as_deref(),
+        Some("it was written under another identity")
+    );
 }

@@ -1,13 +1,16 @@
-//! A G3 that outlives its process: a worker's disk tier that a restarted
-//! engine of the same identity opens again, with every block it held.
+//! Tiers that outlive their process: a worker's G3 (disk) or G2 (host
+//! memory mapped from a file in `/dev/shm`) that a restarted engine of the
+//! same identity opens again, with every block it held.
 //!
-//! One directory per rank holds:
+//! One directory per rank and tier holds:
 //! - `identity`: what the bytes mean (the engine's model, dtype, block
 //!   size, hash scheme, parallelism, given by the caller) and the block
 //!   geometry and format version added here. A directory of another
 //!   identity never has a byte reused: it is emptied and started again.
-//! - `blocks`: the data, one G3 block after another ([`PhysicalLayout`]
-//!   over one disk file, as a G3 that is not kept).
+//! - `blocks`: the data, one block after another: a disk file for G3
+//!   ([`PhysicalLayout`] over it, as a G3 that is not kept), a file mapped
+//!   shared into the worker for G2 (its host memory, pinned in place
+//!   beside a GPU).
 //! - `slots`: a header, then one [`RECORD_BYTES`] record per block slot:
 //!   the block's sequence hash, its parent's, and the checksum of its bytes
 //!   ([`kvbm_transfer::checksum`]), sealed by a check over the slot number
@@ -17,10 +20,10 @@
 //!
 //! The order that keeps every served byte right, whatever moment a crash
 //! (a `kill -9`, a power loss) picks:
-//! 1. before a slot is written, its record is emptied ([`G3Store::forget`]);
+//! 1. before a slot is written, its record is emptied ([`KeptStore::forget`]);
 //! 2. the block's bytes are written;
 //! 3. once they landed, the record names the block and its checksum
-//!    ([`G3Store::commit`]).
+//!    ([`KeptStore::commit`]).
 //!
 //! So a record names either nothing or a block whose bytes were fully
 //! written once; a torn write leaves an empty record. Bytes changed later
@@ -28,12 +31,13 @@
 //! that is what the checksum is for, checked on every read out of G3, so
 //! such a block is refused and recomputed rather than served.
 //!
-//! Records go through the page cache, so a killed process loses none; a
-//! thread of the store makes data and records durable (`fdatasync` of
+//! Records go through the page cache, so a killed process loses none. For
+//! G3 a thread of the store makes data and records durable (`fdatasync` of
 //! both files) within [`SYNC_EVERY`] of a commit, off the copies' path, and
-//! dropping the store does once more. A power loss costs the blocks
+//! dropping the store does once more; a power loss costs the blocks
 //! committed since (as misses: their records are empty or their bytes fail
-//! their checksum).
+//! their checksum). A kept G2 lives as long as the host's memory does: it
+//! survives the engine process, not a reboot.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, ErrorKind};
@@ -44,7 +48,9 @@ use std::time::{Duration, Instant};
 
 use kvbm_layout::Layout;
 use kvbm_transfer::PhysicalLayout;
-use kvbm_transfer::memory::{DiskAllocator, DiskFile, DiskOptions, IoMode, try_lock_exclusive};
+use kvbm_transfer::memory::{
+    DiskAllocator, DiskFile, DiskOptions, IoMode, MemoryRegion, SystemBuffer, try_lock_exclusive,
+};
 use parking_lot::Mutex;
 
 use crate::error::DistError;
@@ -68,7 +74,38 @@ const BLOCKS_FILE: &str = "blocks";
 const SLOTS_FILE: &str = "slots";
 const LOCK_FILE: &str = "lock";
 
-/// What a G3 block holds: its sequence hash and its parent's.
+/// Where a kept tier's blocks live.
+pub enum Medium<'a> {
+    /// G3: a disk file, read and written with this I/O mode.
+    Disk(IoMode),
+    /// G2: a file in a memory-backed file system, mapped into this process.
+    /// `pin`, where given, makes the mapping a region the copies use
+    /// (page-locked for a GPU); without it the mapping is system memory.
+    Memory {
+        /// Pins the mapped buffer in place, keeping its bytes.
+        pin: Option<&'a dyn Fn(Arc<SystemBuffer>) -> Result<MemoryRegion, DistError>>,
+    },
+}
+
+impl std::fmt::Debug for Medium<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Medium::Disk(mode) => write!(f, "Disk({mode:?})"),
+            Medium::Memory { pin } => write!(f, "Memory {{ pinned: {} }}", pin.is_some()),
+        }
+    }
+}
+
+impl Medium<'_> {
+    fn tier(&self) -> &'static str {
+        match self {
+            Medium::Disk(_) => "G3",
+            Medium::Memory { .. } => "G2",
+        }
+    }
+}
+
+/// What a kept block holds: its sequence hash and its parent's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct BlockLabel {
     /// The block's sequence hash.
@@ -103,13 +140,13 @@ pub struct Recovery {
     pub took: Duration,
 }
 
-/// One rank's G3 directory, open (see the module).
+/// One rank's kept tier, open (see the module).
 #[derive(Debug)]
-pub struct G3Store {
+pub struct KeptStore {
     dir: PathBuf,
     files: Arc<Files>,
     num_blocks: u32,
-    /// Makes committed records durable in the background.
+    /// Makes committed records durable in the background (G3).
     syncer: Arc<Syncer>,
     sync_thread: Option<std::thread::JoinHandle<()>>,
     /// Held while open.
@@ -120,14 +157,26 @@ pub struct G3Store {
 #[derive(Debug)]
 struct Files {
     slots: File,
-    data: Arc<DiskFile>,
+    data: Data,
+}
+
+/// A store's data file.
+#[derive(Debug)]
+enum Data {
+    /// G3's blocks on disk.
+    Disk(Arc<DiskFile>),
+    /// G2's blocks, a file in memory (nothing to make durable).
+    Memory(File),
 }
 
 impl Files {
     fn sync(&self) -> io::Result<()> {
-        // SAFETY: the descriptor is the data file's, open while `self.data`
+        let Data::Disk(data) = &self.data else {
+            return Ok(());
+        };
+        // SAFETY: the descriptor is the data file's, open while `data`
         // lives; fdatasync reads nothing from memory.
-        let rc = unsafe { libc::fdatasync(self.data.raw_fd()) };
+        let rc = unsafe { libc::fdatasync(data.raw_fd()) };
         if rc != 0 {
             return Err(io::Error::last_os_error());
         }
@@ -178,12 +227,12 @@ fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> DistError {
     move |source| DistError::File { what, source }
 }
 
-/// The full identity a directory is written under: the caller's, the block
-/// geometry and the format.
-fn full_identity(identity: &str, layout: &Layout) -> String {
+/// The full identity a directory is written under: the caller's, the tier,
+/// the block geometry and the format.
+fn full_identity(identity: &str, tier: &str, layout: &Layout) -> String {
     let c = layout.config();
     format!(
-        "{}\nkvbm-g3-format: {FORMAT_VERSION}\nblocks: {}\nlayers: {}\nouter: {}\npage_size: {}\ninner: {}\ndtype_bytes: {}\nalignment: {}\nkind: {:?}\n",
+        "{}\nkvbm-kept-format: {FORMAT_VERSION}\ntier: {tier}\nblocks: {}\nlayers: {}\nouter: {}\npage_size: {}\ninner: {}\ndtype_bytes: {}\nalignment: {}\nkind: {:?}\n",
         identity.trim_end(),
         c.num_blocks(),
         c.num_layers(),
@@ -265,79 +314,102 @@ fn header(num_blocks: u32) -> Vec<u8> {
     h
 }
 
-impl G3Store {
+impl KeptStore {
     /// Opens the store in `dir` (created if missing) for blocks of
-    /// `layout` (a G3 layout: one file, regions aligned for the disk)
+    /// `layout` (one region; a G3's aligned for the disk) on `medium`,
     /// under `identity`. Reopens what a process of the same identity and
     /// geometry left there; otherwise empties the directory first, saying
     /// why in [`Recovery::started_fresh`] and a log line. Returns the store,
-    /// G3's memory over its data file, and what was found.
+    /// the tier's memory over its data file, and what was found.
     pub fn open(
         dir: &Path,
         identity: &str,
         layout: Layout,
-        io_mode: IoMode,
-    ) -> Result<(G3Store, PhysicalLayout, Recovery), DistError> {
+        medium: &Medium<'_>,
+    ) -> Result<(KeptStore, PhysicalLayout, Recovery), DistError> {
         let started = Instant::now();
+        let tier = medium.tier();
         let num_blocks = u32::try_from(layout.config().num_blocks()).map_err(|_| {
             DistError::InvalidConfig(format!(
-                "{} G3 blocks: at most {} can be kept",
+                "{} {tier} blocks: at most {} can be kept",
                 layout.config().num_blocks(),
                 u32::MAX
             ))
         })?;
+        if layout.num_regions() != 1 {
+            return Err(DistError::InvalidConfig(format!(
+                "a kept {tier} is one region, its layout has {}",
+                layout.num_regions()
+            )));
+        }
         std::fs::create_dir_all(dir).map_err(io_err(format!("directory {}", dir.display())))?;
         let lock = lock_dir(dir)?;
-        let identity = full_identity(identity, &layout);
-        let bytes = PhysicalLayout::disk_bytes(&layout, dir)?;
+        let identity = full_identity(identity, tier, &layout);
+        let bytes = match medium {
+            Medium::Disk(_) => PhysicalLayout::disk_bytes(&layout, dir)?,
+            Medium::Memory { .. } => layout.region_size(0)?,
+        };
         let reason = match std::fs::read_to_string(dir.join(IDENTITY_FILE)) {
             Ok(found) if found == identity => None,
             Ok(_) => Some("it was written under another identity".to_string()),
             Err(e) if e.kind() == ErrorKind::NotFound => Some(String::new()),
             Err(e) => Some(format!("its identity cannot be read ({e})")),
         };
-        let alloc = DiskAllocator::new(
-            dir,
-            DiskOptions {
-                io_mode,
-                persist: true,
-            },
-        )?;
         let reopened = match reason {
-            None => Self::reopen(dir, io_mode, bytes, num_blocks),
+            None => Self::reopen(dir, medium, bytes, num_blocks),
             Some(r) => Err(r),
         };
         let (data, slots, blocks, rejected, started_fresh) = match reopened {
             Ok((data, slots, blocks, rejected)) => (data, slots, blocks, rejected, None),
             Err(reason) => {
                 if !reason.is_empty() {
-                    tracing::warn!(dir = %dir.display(), "G3 directory emptied: {reason}");
+                    tracing::warn!(dir = %dir.display(), "{tier} directory emptied: {reason}");
                 }
-                let (data, slots) = Self::create(dir, &alloc, &identity, bytes, num_blocks)?;
+                let (data, slots) = Self::create(dir, medium, &identity, bytes, num_blocks)?;
                 let reason = if reason.is_empty() {
-                    "the directory held no G3".to_string()
+                    format!("the directory held no {tier}")
                 } else {
                     reason
                 };
                 (data, slots, Vec::new(), 0, Some(reason))
             }
         };
-        let g3 = PhysicalLayout::on_disk_file(layout, Arc::clone(&data))?;
+        let pin = match medium {
+            Medium::Memory { pin } => *pin,
+            Medium::Disk(_) => None,
+        };
+        let memory = match &data {
+            Data::Disk(file) => PhysicalLayout::on_disk_file(layout, Arc::clone(file))?,
+            Data::Memory(file) => {
+                let buffer = SystemBuffer::map_shared(file, bytes)?;
+                let region = match pin {
+                    Some(pin) => pin(buffer)?,
+                    None => buffer.region(),
+                };
+                PhysicalLayout::new(layout, vec![region])?
+            }
+        };
         let files = Arc::new(Files { slots, data });
         let syncer = Arc::new(Syncer::default());
-        let sync_thread = {
-            let (files, syncer, dir) = (Arc::clone(&files), Arc::clone(&syncer), dir.to_path_buf());
-            std::thread::Builder::new()
-                .name("kvbm-g3-sync".into())
-                .spawn(move || sync_loop(files, syncer, dir))
-                .map_err(io_err("start the G3 sync thread"))?
+        let sync_thread = match medium {
+            Medium::Disk(_) => {
+                let (files, syncer, dir) =
+                    (Arc::clone(&files), Arc::clone(&syncer), dir.to_path_buf());
+                Some(
+                    std::thread::Builder::new()
+                        .name("kvbm-g3-sync".into())
+                        .spawn(move || sync_loop(files, syncer, dir))
+                        .map_err(io_err("start the G3 sync thread"))?,
+                )
+            }
+            Medium::Memory { .. } => None,
         };
-        let store = G3Store {
+        let store = KeptStore {
             dir: dir.to_path_buf(),
             files,
             num_blocks,
             syncer,
-            sync_thread: Some(sync_thread),
+            sync_thread,
             _lock: lock,
         };
         let recovery = Recovery {
@@ -352,21 +424,21 @@ impl G3Store {
             rejected = recovery.rejected,
             took_ms = recovery.took.as_secs_f64() * 1e3,
             fresh = recovery.started_fresh.as_deref().unwrap_or("no"),
-            "G3 opened"
+            "{tier} opened"
         );
-        Ok((store, g3, recovery))
+        Ok((store, memory, recovery))
     }
 
-    /// [`G3Store::open`] on `dir`, or, while another engine of the same
+    /// [`KeptStore::open`] on `dir`, or, while another engine of the same
     /// identity holds it, on `dir.2`, `dir.3`, ... (up to [`MAX_SIBLINGS`]):
-    /// engines of one identity on one host each keep a G3 of their own,
+    /// engines of one identity on one host each keep a tier of their own,
     /// and a restarted one takes the first that is free.
     pub fn open_free(
         dir: &Path,
         identity: &str,
         layout: Layout,
-        io_mode: IoMode,
-    ) -> Result<(G3Store, PhysicalLayout, Recovery), DistError> {
+        medium: &Medium<'_>,
+    ) -> Result<(KeptStore, PhysicalLayout, Recovery), DistError> {
         let mut last = None;
         for n in 1..=MAX_SIBLINGS {
             let candidate = if n == 1 {
@@ -376,7 +448,7 @@ impl G3Store {
                 name.push(format!(".{n}"));
                 PathBuf::from(name)
             };
-            match Self::open(&candidate, identity, layout.clone(), io_mode) {
+            match Self::open(&candidate, identity, layout.clone(), medium) {
                 Err(DistError::G3InUse(p)) => last = Some(p),
                 other => return other,
             }
@@ -391,19 +463,38 @@ impl G3Store {
     #[allow(clippy::type_complexity)]
     fn reopen(
         dir: &Path,
-        io_mode: IoMode,
+        medium: &Medium<'_>,
         bytes: u64,
         num_blocks: u32,
-    ) -> Result<(Arc<DiskFile>, File, Vec<Recovered>, u64), String> {
-        let data = DiskFile::open(dir.join(BLOCKS_FILE), io_mode)
-            .map_err(|e| format!("its data file cannot be opened ({e})"))?;
-        if data.len() < bytes {
-            data.set_persist(false);
-            return Err(format!(
-                "its data file holds {} bytes, {bytes} are needed",
-                data.len()
-            ));
-        }
+    ) -> Result<(Data, File, Vec<Recovered>, u64), String> {
+        let data = match medium {
+            Medium::Disk(io_mode) => {
+                let data = DiskFile::open(dir.join(BLOCKS_FILE), *io_mode)
+                    .map_err(|e| format!("its data file cannot be opened ({e})"))?;
+                if data.len() < bytes {
+                    data.set_persist(false);
+                    return Err(format!(
+                        "its data file holds {} bytes, {bytes} are needed",
+                        data.len()
+                    ));
+                }
+                Data::Disk(data)
+            }
+            Medium::Memory { .. } => {
+                let file = OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(dir.join(BLOCKS_FILE))
+                    .map_err(|e| format!("its data file cannot be opened ({e})"))?;
+                let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+                if len < bytes {
+                    return Err(format!(
+                        "its data file holds {len} bytes, {bytes} are needed"
+                    ));
+                }
+                Data::Memory(file)
+            }
+        };
         let slots = OpenOptions::new()
             .read(true)
             .write(true)
@@ -437,11 +528,11 @@ impl G3Store {
     /// started afresh again.
     fn create(
         dir: &Path,
-        alloc: &DiskAllocator,
+        medium: &Medium<'_>,
         identity: &str,
         bytes: u64,
         num_blocks: u32,
-    ) -> Result<(Arc<DiskFile>, File), DistError> {
+    ) -> Result<(Data, File), DistError> {
         for name in [IDENTITY_FILE, BLOCKS_FILE, SLOTS_FILE] {
             match std::fs::remove_file(dir.join(name)) {
                 Ok(()) => {}
@@ -449,7 +540,29 @@ impl G3Store {
                 Err(e) => return Err(io_err(format!("remove {}", dir.join(name).display()))(e)),
             }
         }
-        let data = alloc.allocate_named(BLOCKS_FILE, bytes)?;
+        let data = match medium {
+            Medium::Disk(io_mode) => {
+                let options = DiskOptions {
+                    io_mode: *io_mode,
+                    persist: true,
+                };
+                Data::Disk(DiskAllocator::new(dir, options)?.allocate_named(BLOCKS_FILE, bytes)?)
+            }
+            Medium::Memory { .. } => {
+                let path = dir.join(BLOCKS_FILE);
+                let file = OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create_new(true)
+                    .open(&path)
+                    .and_then(|f| reserve(&f, bytes).map(|()| f))
+                    .map_err(io_err(format!(
+                        "reserve {bytes} bytes of memory for {}",
+                        path.display()
+                    )))?;
+                Data::Memory(file)
+            }
+        };
         let path = dir.join(SLOTS_FILE);
         let slots = OpenOptions::new()
             .read(true)
@@ -528,7 +641,7 @@ impl G3Store {
     }
 
     /// Writes a record torn after `bytes` of its bytes, as a crash in the
-    /// middle of [`G3Store::commit`] can leave it.
+    /// middle of [`KeptStore::commit`] can leave it.
     #[cfg(test)]
     pub(crate) fn commit_torn(&self, slot: u32, label: BlockLabel, sum: u64, bytes: usize) {
         let r = encode(slot, label, sum);
@@ -536,7 +649,7 @@ impl G3Store {
     }
 }
 
-impl Drop for G3Store {
+impl Drop for KeptStore {
     fn drop(&mut self) {
         self.syncer.state.lock().stop = true;
         self.syncer.wake.notify_all();
@@ -547,6 +660,22 @@ impl Drop for G3Store {
             tracing::warn!(dir = %self.dir.display(), "G3 records not made durable: {e}");
         }
     }
+}
+
+/// Gives `file` all of its `bytes` now (`posix_fallocate`): in a
+/// memory-backed file system a mapping that outgrew the memory left would
+/// fault with `SIGBUS` on first use; this fails with `ENOSPC` instead.
+fn reserve(file: &File, bytes: u64) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let len = libc::off_t::try_from(bytes)
+        .map_err(|_| io::Error::new(ErrorKind::InvalidInput, "too many bytes"))?;
+    // SAFETY: the descriptor is `file`'s, open for writing while it lives;
+    // posix_fallocate only allocates the file's blocks.
+    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) };
+    if rc != 0 {
+        return Err(io::Error::from_raw_os_error(rc));
+    }
+    Ok(())
 }
 
 /// Takes `dir`'s lock: an error naming the directory when another process

@@ -1,5 +1,5 @@
-//! What a kept G3 directory holds, read without opening it for an engine:
-//! for an operator's listing (`python -m kvbm_py.cache`).
+//! What a kept G2 or G3 directory holds, read without opening it for an
+//! engine: for an operator's listing (`python -m kvbm_py.cache`).
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -15,7 +15,7 @@ use super::{
 };
 use crate::error::DistError;
 
-/// What a kept G3 directory holds ([`inspect`]).
+/// What a kept G2 or G3 directory holds ([`inspect`]).
 #[derive(Debug, Clone, Default)]
 pub struct Inspection {
     /// The identity its bytes were written under.
@@ -53,7 +53,7 @@ fn layout_of(identity: &str) -> Result<Layout, DistError> {
         identity_field::<usize>(identity, key)
             .ok_or_else(|| DistError::InvalidConfig(format!("the identity has no valid `{key}`")))
     };
-    if identity_field::<u32>(identity, "kvbm-g3-format") != Some(FORMAT_VERSION) {
+    if identity_field::<u32>(identity, "kvbm-kept-format") != Some(FORMAT_VERSION) {
         return Err(DistError::InvalidConfig(format!(
             "not written in format {FORMAT_VERSION}"
         )));
