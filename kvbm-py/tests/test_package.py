@@ -49,6 +49,11 @@ def test_config_reads_extra_then_environment_then_defaults():
     with pytest.raises(ValueError, match="number"):
         KvbmConfig.from_sources({"cpu_cache_gb": "lots"}, {})
     assert GIB == 1 << 30
+    # A kept G2 is off by default; it keeps the G3 behind it too.
+    assert not d.cpu_cache_keep
+    assert KvbmConfig.from_sources({}, {"KVBM_CPU_CACHE_KEEP": "1"}).cpu_cache_keep
+    with pytest.raises(ValueError, match="disk_cache_keep"):
+        KvbmConfig.from_sources({"cpu_cache_keep": True, "disk_cache_gb": 1, "disk_cache_keep": False}, {})
 
 
 @pytest.fixture(autouse=True)

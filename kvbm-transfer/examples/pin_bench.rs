@@ -11,11 +11,17 @@
 //! configurations on untouched memory only: every allocation is held, and
 //! the configurations alternate for three rounds (as many as fit in three
 //! quarters of the free memory).
+//! `kept` compares, three rounds each, an anonymous allocation pinned with
+//! the defaults against a G2 kept across restarts: a file in `/dev/shm`
+//! created and reserved, then mapped and pinned in place (an engine's
+//! first start), and mapped and pinned again once the mapping is gone (a
+//! restarted engine re-attaching).
 //! Without a GPU it prints `skipped: no CUDA device`.
 
 use std::time::Instant;
 
 use kvbm_transfer::cuda::{self, CudaDevice, PinnedMemory, PinnedOptions};
+use kvbm_transfer::memory::SystemBuffer;
 
 const GIB: usize = 1 << 30;
 
@@ -87,6 +93,10 @@ fn main() {
     );
     let base = PinnedOptions::for_device(&dev);
     let len = gib * GIB;
+    if mode == "kept" {
+        kept(&dev, &base, len);
+        return;
+    }
     if mode == "fresh" {
         // Every allocation is held, so each one gets memory this machine
         // never touched; the configurations alternate, round after round.
@@ -137,5 +147,53 @@ fn main() {
                 opts.clone(),
             ));
         }
+    }
+}
+
+/// Seconds to map `file`'s first `len` bytes shared and pin them in place.
+fn pin_file(dev: &CudaDevice, file: &std::fs::File, len: usize, opts: &PinnedOptions) -> f64 {
+    let t = Instant::now();
+    let buffer = SystemBuffer::map_shared(file, len as u64).expect("shared mapping");
+    let pinned = PinnedMemory::register(dev, buffer, opts.clone()).expect("pinned in place");
+    let s = t.elapsed().as_secs_f64();
+    drop(pinned);
+    s
+}
+
+fn kept(dev: &CudaDevice, opts: &PinnedOptions, len: usize) {
+    let path =
+        std::path::Path::new("/dev/shm").join(format!("kvbm-pin-bench-{}", std::process::id()));
+    for round in 0..3 {
+        let t = Instant::now();
+        let anon = PinnedMemory::allocate(dev, len, opts.clone()).expect("pinned memory");
+        let anon_s = t.elapsed().as_secs_f64();
+        drop(anon);
+        let t = Instant::now();
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .expect("file in /dev/shm");
+        // SAFETY: the descriptor is `file`'s, open for writing.
+        let rc = unsafe {
+            libc::posix_fallocate(
+                std::os::fd::AsRawFd::as_raw_fd(&file),
+                0,
+                len as libc::off_t,
+            )
+        };
+        assert_eq!(rc, 0, "posix_fallocate: {rc}");
+        let reserve_s = t.elapsed().as_secs_f64();
+        let first_s = reserve_s + pin_file(dev, &file, len, opts);
+        let again_s = pin_file(dev, &file, len, opts);
+        println!(
+            "round {round}: {} GiB anonymous, pinned {anon_s:.3} s; kept in /dev/shm: first start {first_s:.3} s (reserve {reserve_s:.3} s, {:.2}x), re-attach {again_s:.3} s ({:.2}x)",
+            len / GIB,
+            first_s / anon_s,
+            again_s / anon_s
+        );
+        let _ = std::fs::remove_file(&path);
     }
 }

@@ -238,6 +238,9 @@ pub struct InstanceSpec {
     /// Keeps every worker's G3 across restarts under this identity (the
     /// rank is added per worker); `None`: G3 goes with its process.
     pub kept_identity: Option<String>,
+    /// Keeps every worker's G2 across restarts too, in `rank<r>` under
+    /// this directory (in `/dev/shm`), under `kept_identity`.
+    pub g2_keep_dir: Option<PathBuf>,
     /// The tier engine's configuration.
     pub tier_config: TierEngineConfig,
 }
@@ -311,6 +314,10 @@ fn start(spec: &InstanceSpec, run_dir: Arc<RunDir>) -> Result<Cluster> {
                 .kept_identity
                 .as_ref()
                 .map(|id| format!("{}\ntp_rank: {rank} of {world}", id.trim_end()));
+            args.g2_keep_dir = spec
+                .g2_keep_dir
+                .as_ref()
+                .map(|d| d.join(format!("rank{rank}")));
             args.host_g1 = spec.host_g1;
             args.threads = spec.threads;
             args.leader_timeout = leader_timeout;
@@ -394,6 +401,7 @@ pub(crate) fn spec(
         threads: cfg.memcpy_threads,
         kept_identity: keep_g3
             .then(|| kept_identity(&cfg.model, page, cfg.block_tokens, cfg.workers)),
+        g2_keep_dir: None,
         tier_config,
     })
 }

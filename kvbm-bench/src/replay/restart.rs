@@ -31,6 +31,9 @@ use kvbm_pool::tier::TierEngine;
 use serde::Serialize;
 
 use super::dist::{self, Cluster, InstanceSpec, RunDir};
+
+/// Where a kept G2 lives: host memory that outlives a process.
+const SHM_DIR: &str = "/dev/shm";
 use super::engine::{EngineDriver, G1Memory, RequestOutcome};
 use super::{Plan, ReplayConfig};
 use crate::error::{BenchError, Result};
@@ -47,6 +50,8 @@ pub struct Restarts {
     /// trace's start, nor the last and its end) closer than half the even
     /// spacing, so that every restart has requests to measure.
     pub seed: Option<u64>,
+    /// Keep G2 across the restarts too (in `/dev/shm`), not only G3.
+    pub keep_g2: bool,
 }
 
 impl Restarts {
@@ -232,6 +237,9 @@ pub struct RestartRow {
     /// G3 blocks the new engine registered from the kept G3 (its
     /// `g3_recovered`).
     pub g3_recovered: u64,
+    /// G2 blocks it registered from a kept G2 (`g2_recovered`; 0 unless
+    /// G2 is kept).
+    pub g2_recovered: u64,
     /// G3 blocks left out (its `g3_rejected`: torn or damaged records,
     /// blocks not every rank held).
     pub g3_rejected: u64,
@@ -274,6 +282,8 @@ pub struct RestartRow {
 pub struct RestartReport {
     /// The identity G3 was kept under (each worker adds its rank).
     pub identity: String,
+    /// Whether G2 was kept too.
+    pub g2_kept: bool,
     /// The seed the restart points were drawn from (`None`: spread
     /// evenly).
     pub seed: Option<u64>,
@@ -310,6 +320,7 @@ pub(crate) struct Event {
     at: usize,
     g3_held_at_crash: usize,
     g3_recovered: u64,
+    g2_recovered: u64,
     g3_rejected: u64,
     recovered_referenced: u64,
     recovered_hits: u64,
@@ -327,6 +338,7 @@ pub(crate) struct Event {
 #[derive(Debug, Clone)]
 pub(crate) struct Log {
     identity: String,
+    g2_kept: bool,
     events: Vec<Event>,
     disk_end: G3Disk,
     configured_bytes: u64,
@@ -342,6 +354,8 @@ pub(crate) struct Log {
 pub(crate) struct Restarter {
     spec: InstanceSpec,
     run_dir: Arc<RunDir>,
+    /// The kept G2's directories in `/dev/shm`, removed with the pass.
+    _g2_dir: Option<RunDir>,
     cluster: Option<Cluster>,
     points: Vec<usize>,
     next: usize,
@@ -372,12 +386,26 @@ impl Restarter {
                 "--restarts keeps G3 across restarts: give G3 some capacity (--g3)".into(),
             ));
         }
-        let spec = dist::spec(cfg, plan.tier_config.clone(), plan.page, plan.caps, true)?;
+        let mut spec = dist::spec(cfg, plan.tier_config.clone(), plan.page, plan.caps, true)?;
         let run_dir = Arc::new(RunDir::create(&cfg.disk_dir)?);
+        let g2_dir = if cfg.restarts.keep_g2 {
+            let shm = Path::new(SHM_DIR);
+            if !shm.is_dir() {
+                return Err(BenchError::Config(format!(
+                    "--restart-keep-g2 keeps G2 in {SHM_DIR}, which this host lacks"
+                )));
+            }
+            let dir = RunDir::create(shm)?;
+            spec.g2_keep_dir = Some(dir.path().to_path_buf());
+            Some(dir)
+        } else {
+            None
+        };
         let (engine, g1, cluster) = dist::launch(&spec, Arc::clone(&run_dir))?;
         let r = Restarter {
             spec,
             run_dir,
+            _g2_dir: g2_dir,
             cluster: Some(cluster),
             points,
             next: 0,
@@ -445,6 +473,7 @@ impl Restarter {
             .leader
             .kept_g3()
             .iter()
+            .chain(cluster.leader.kept_g2())
             .map(|(_, l)| l.hash)
             .collect();
         let g3_open_ms = cluster
@@ -458,6 +487,7 @@ impl Restarter {
             at: index,
             g3_held_at_crash: held,
             g3_recovered: stats.g3_recovered,
+            g2_recovered: stats.g2_recovered,
             g3_rejected: stats.g3_rejected,
             recovered_referenced: 0,
             recovered_hits: 0,
@@ -540,6 +570,7 @@ impl Restarter {
         let blocks = self.spec.g3_blocks as u64;
         Ok(Log {
             identity: self.spec.kept_identity.clone().unwrap_or_default(),
+            g2_kept: self.spec.g2_keep_dir.is_some(),
             events: self.events.clone(),
             disk_end: g3_disk(self.run_dir.path())?,
             configured_bytes: self.spec.g3_bytes(),
@@ -594,6 +625,7 @@ pub(crate) fn report(
                 .collect(),
             g3_held_at_crash: e.g3_held_at_crash,
             g3_recovered: e.g3_recovered,
+            g2_recovered: e.g2_recovered,
             g3_rejected: e.g3_rejected,
             recovered_referenced: e.recovered_referenced,
             recovered_hits: e.recovered_hits,
@@ -611,6 +643,7 @@ pub(crate) fn report(
     let first = log.events.first().map_or(n, |e| e.at);
     RestartReport {
         identity: log.identity,
+        g2_kept: log.g2_kept,
         seed: restarts.seed,
         rows,
         before_first_restart: Span::of(requests, 0..first, ours, reference),
@@ -635,11 +668,13 @@ mod tests {
         let even = Restarts {
             count: 1,
             seed: None,
+            keep_g2: false,
         };
         assert_eq!(even.points(100).unwrap(), [50]);
         let three = Restarts {
             count: 3,
             seed: None,
+            keep_g2: false,
         };
         assert_eq!(three.points(100).unwrap(), [25, 50, 75]);
         assert_eq!(three.points(4).unwrap(), [1, 2, 3]);
@@ -650,6 +685,7 @@ mod tests {
             let r = Restarts {
                 count: 20,
                 seed: Some(seed),
+                keep_g2: false,
             };
             let p = r.points(12_031).unwrap();
             assert_eq!(p.len(), 20);
@@ -661,6 +697,7 @@ mod tests {
             let few = Restarts {
                 count: 3,
                 seed: Some(seed),
+                keep_g2: false,
             };
             let p = few.points(5).unwrap();
             assert!(p.windows(2).all(|w| w[0] < w[1]), "{p:?}");
@@ -670,12 +707,14 @@ mod tests {
         let a = Restarts {
             count: 3,
             seed: Some(1),
+            keep_g2: false,
         }
         .points(1000)
         .unwrap();
         let b = Restarts {
             count: 3,
             seed: Some(2),
+            keep_g2: false,
         }
         .points(1000)
         .unwrap();
@@ -683,6 +722,7 @@ mod tests {
         let all = Restarts {
             count: 9,
             seed: Some(7),
+            keep_g2: false,
         };
         assert_eq!(all.points(10).unwrap(), (1..10).collect::<Vec<_>>());
     }

@@ -94,6 +94,7 @@ fn restarts_need_workers_and_room_in_the_trace() {
         restarts: Restarts {
             count: 1,
             seed: None,
+            keep_g2: false,
         },
         ..config(vec![request(1024, 2), request(1024, 2)], [0.5, 0.5, 0.5])
     };
@@ -104,6 +105,7 @@ fn restarts_need_workers_and_room_in_the_trace() {
         restarts: Restarts {
             count: 2,
             seed: Some(1),
+            keep_g2: false,
         },
         ..cfg
     };

@@ -75,9 +75,13 @@ struct Instance {
     _dir: tempfile::TempDir,
 }
 
-/// Where workers keep G3 across restarts: one directory per rank, and the
-/// identity.
-type Kept<'a> = (&'a [std::path::PathBuf], &'a str);
+/// Where workers keep G3 across restarts: one directory per rank, one per
+/// rank for G2 where it is kept too, and the identity.
+type Kept<'a> = (
+    &'a [std::path::PathBuf],
+    Option<&'a [std::path::PathBuf]>,
+    &'a str,
+);
 
 /// Where the workers' G1 lives.
 #[derive(Clone, Copy, PartialEq)]
@@ -112,7 +116,7 @@ fn start_in(world: u32, verify: bool, memory: Memory, kept: Option<Kept<'_>>) ->
     let (mut workers, mut g2, mut g3, mut owned) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for rank in 0..world {
         let disk = match kept {
-            Some((dirs, _)) => dirs[rank as usize].clone(),
+            Some((dirs, ..)) => dirs[rank as usize].clone(),
             None => {
                 let d = tempfile::tempdir().unwrap();
                 let path = d.path().to_path_buf();
@@ -125,7 +129,8 @@ fn start_in(world: u32, verify: bool, memory: Memory, kept: Option<Kept<'_>>) ->
         wc.leader_timeout = Duration::from_secs(20);
         wc.probe = Some(probe);
         wc.g3_dir = Some(disk.clone());
-        wc.kept_identity = kept.map(|(_, identity)| identity.to_string());
+        wc.kept_identity = kept.map(|(.., identity)| identity.to_string());
+        wc.g2_keep_dir = kept.and_then(|(_, g2, _)| Some(g2?[rank as usize].clone()));
         let seen: Arc<Mutex<Option<PhysicalLayout>>> = Arc::default();
         let keep = Arc::clone(&seen);
         wc.g2_allocator = Some(Box::new(move |layout| {
@@ -225,9 +230,10 @@ impl Instance {
         file.sync_all().unwrap();
     }
 
-    fn copy_into_g3(
+    fn copy_labelled(
         &self,
         src: Tier,
+        dst: Tier,
         pairs: &[(usize, usize)],
         labels: &[kvbm_pool::tier::BlockLabel],
     ) -> TransferOutcome {
@@ -235,7 +241,7 @@ impl Instance {
             .mover()
             .copy_labelled(
                 src,
-                Tier::G3,
+                dst,
                 pairs.to_vec(),
                 labels.to_vec(),
                 CancelToken::new(),
@@ -483,13 +489,13 @@ fn label(hash: u64, parent: Option<u64>) -> kvbm_pool::tier::BlockLabel {
 fn kept_g3_outlives_the_instance(world: u32, memory: Memory) {
     let dirs: Vec<tempfile::TempDir> = (0..world).map(|_| tempfile::tempdir().unwrap()).collect();
     let paths: Vec<std::path::PathBuf> = dirs.iter().map(|d| d.path().to_path_buf()).collect();
-    let kept = Some((&paths[..], "model: tiny"));
+    let kept = Some((&paths[..], None, "model: tiny"));
     let i = start_in(world, false, memory, kept);
     assert!(i.leader.kept_g3().is_empty());
     i.fill(&SEEDS);
     i.copy(Tier::G1, Tier::G2, &[(1, 10), (2, 11)]).unwrap();
     let labels = [label(100, None), label(101, Some(100))];
-    i.copy_into_g3(Tier::G2, &[(10, 3), (11, 5)], &labels)
+    i.copy_labelled(Tier::G2, Tier::G3, &[(10, 3), (11, 5)], &labels)
         .unwrap();
     // Written without a label: not kept.
     i.copy(Tier::G2, Tier::G3, &[(10, 7)]).unwrap();
@@ -533,7 +539,7 @@ fn kept_g3_outlives_the_instance(world: u32, memory: Memory) {
     assert!(i.mismatches() >= 1);
     i.stop();
 
-    let other = Some((&paths[..], "model: other"));
+    let other = Some((&paths[..], None, "model: other"));
     let i = start_in(world, false, memory, other);
     assert!(
         i.leader.kept_g3().is_empty(),
@@ -562,6 +568,104 @@ fn a_kept_g3_outlives_the_instance_with_g1_on_the_gpu() {
     }
     for world in [1, 2] {
         kept_g3_outlives_the_instance(world, Memory::Gpu);
+    }
+}
+
+/// A directory in memory (`/dev/shm`) where the host has one, as a kept
+/// G2 lives in; a temporary directory elsewhere.
+fn memory_dir() -> tempfile::TempDir {
+    let shm = std::path::Path::new("/dev/shm");
+    if shm.is_dir() {
+        tempfile::tempdir_in(shm).unwrap()
+    } else {
+        tempfile::tempdir().unwrap()
+    }
+}
+
+/// G2 kept too: blocks offloaded into G2 with labels come back after a
+/// restart in their slots on every rank, registered in the new engine's
+/// G2 and intact; an unlabelled write is not kept; a byte changed in the
+/// memory file while the engine was down is caught on load.
+fn kept_g2_outlives_the_instance(world: u32, memory: Memory) {
+    let g3_dirs: Vec<tempfile::TempDir> =
+        (0..world).map(|_| tempfile::tempdir().unwrap()).collect();
+    let g3: Vec<std::path::PathBuf> = g3_dirs.iter().map(|d| d.path().to_path_buf()).collect();
+    let g2_dirs: Vec<tempfile::TempDir> = (0..world).map(|_| memory_dir()).collect();
+    let g2: Vec<std::path::PathBuf> = g2_dirs.iter().map(|d| d.path().join("g2")).collect();
+    let kept = Some((&g3[..], Some(&g2[..]), "model: tiny"));
+    let i = start_in(world, false, memory, kept);
+    assert!(i.leader.kept_g2().is_empty());
+    i.fill(&SEEDS);
+    let labels = [label(100, None), label(101, Some(100))];
+    i.copy_labelled(Tier::G1, Tier::G2, &[(1, 10), (2, 11)], &labels)
+        .unwrap();
+    i.copy(Tier::G1, Tier::G2, &[(1, 12)]).unwrap();
+    i.stop();
+
+    let i = start_in(world, false, memory, kept);
+    let found: Vec<(u32, u64)> = i
+        .leader
+        .kept_g2()
+        .iter()
+        .map(|(s, l)| (*s, l.hash))
+        .collect();
+    assert_eq!(found, vec![(10, 100), (11, 101)]);
+    let engine = kvbm_pool::TierEngine::with_mover(
+        kvbm_pool::tier::TierEngineConfig::new(16),
+        i.leader.mover(),
+    )
+    .unwrap();
+    let restored = i.leader.restore_kept(&engine);
+    assert_eq!((restored.g2, restored.g3), (2, 0));
+    assert!(
+        engine
+            .pool(Tier::G2)
+            .unwrap()
+            .contains(kvbm_block::SequenceHash(101))
+    );
+    drop(engine);
+    i.copy(Tier::G2, Tier::G1, &[(10, 8), (11, 9)]).unwrap();
+    assert!(
+        i.wrong(&[(8, 11), (9, 12)]).is_empty(),
+        "kept G2 blocks load back intact"
+    );
+    i.stop();
+
+    // Damage slot 11 in every rank's memory file while no engine runs.
+    let stride = shape(1).block_bytes();
+    for dir in &g2 {
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(dir.join("blocks"))
+            .unwrap();
+        let at = 11 * stride + 7;
+        let mut b = [0u8; 1];
+        f.read_exact_at(&mut b, at).unwrap();
+        f.write_all_at(&[b[0] ^ 0x5A], at).unwrap();
+    }
+    let i = start_in(world, false, memory, kept);
+    let out = i.copy(Tier::G2, Tier::G1, &[(10, 8), (11, 9)]);
+    failed_on_checksum(out, &[(10, 8)], &[(11, 9)]);
+    i.stop();
+}
+
+#[test]
+fn a_kept_g2_outlives_the_instance() {
+    for world in [1, 2] {
+        kept_g2_outlives_the_instance(world, Memory::Host);
+    }
+}
+
+/// The same with G1 on a GPU: the kept G2 is pinned in place.
+#[cfg(feature = "cuda")]
+#[test]
+fn a_kept_g2_outlives_the_instance_with_g1_on_the_gpu() {
+    if !gpu_or_skip() {
+        return;
+    }
+    for world in [1, 2] {
+        kept_g2_outlives_the_instance(world, Memory::Gpu);
     }
 }
 

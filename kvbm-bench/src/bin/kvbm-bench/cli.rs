@@ -283,6 +283,11 @@ pub struct ReplayArgs {
     /// --restarts), no two closer than half the even spacing.
     #[arg(long, requires = "restarts")]
     pub restart_seed: Option<u64>,
+    /// Keep G2 across the restarts too (with --restarts): each worker's G2
+    /// lives in /dev/shm, as a kept G2 does in an engine, and comes back
+    /// with G3.
+    #[arg(long, requires = "restarts")]
+    pub restart_keep_g2: bool,
 }
 
 /// The tier engine's G2/G3 policies.

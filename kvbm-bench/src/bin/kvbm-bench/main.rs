@@ -308,6 +308,7 @@ fn replay_report(cli: &Cli, args: &ReplayArgs) -> Result<ReplayReport, BenchErro
         restarts: Restarts {
             count: args.restarts,
             seed: args.restart_seed,
+            keep_g2: args.restart_keep_g2,
         },
         ..base
     };

@@ -423,11 +423,16 @@ fn ratio(r: Option<f64>) -> String {
 fn restarts(r: &ReplayReport, rs: &RestartReport) {
     println!();
     println!(
-        "restarts: {} whole-instance crashes (every worker SIGKILLed, leader and engine dropped unflushed), {}; G3 kept, G1 and G2 lost",
+        "restarts: {} whole-instance crashes (every worker SIGKILLed, leader and engine dropped unflushed), {}; {}",
         rs.rows.len(),
         match rs.seed {
             Some(seed) => format!("points drawn from seed {seed}"),
             None => "points spread evenly".to_string(),
+        },
+        if rs.g2_kept {
+            "G2 and G3 kept, G1 lost"
+        } else {
+            "G3 kept, G1 and G2 lost"
         }
     );
     println!(
@@ -466,7 +471,11 @@ fn restarts(r: &ReplayReport, rs: &RestartReport) {
             s.g3_hits.to_string(),
             s.reference_g3_hits.to_string(),
             row.g3_held_at_crash.to_string(),
-            row.g3_recovered.to_string(),
+            if row.g2_recovered > 0 {
+                format!("{} + G2 {}", row.g3_recovered, row.g2_recovered)
+            } else {
+                row.g3_recovered.to_string()
+            },
             row.g3_rejected.to_string(),
             format!(
                 "{} / {} / {}",
