@@ -707,7 +707,9 @@ pub fn is_unused_store(dir: &Path) -> bool {
     }
 }
 
+mod history;
 mod inspect;
+pub use history::{HISTORY_EVERY, HistoryKeeper, HistoryWriter};
 pub use inspect::{Inspection, inspect};
 
 #[cfg(test)]

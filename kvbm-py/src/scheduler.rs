@@ -15,6 +15,7 @@ use std::sync::mpsc::Receiver;
 use std::time::Duration;
 
 use kvbm_block::{SequenceDigest, SequenceHash, VllmBlockHash};
+use kvbm_dist::kept::{HISTORY_EVERY, HistoryKeeper, HistoryWriter};
 use kvbm_dist::leader::{Leader, LeaderConfig, PendingLeader, RankState};
 use kvbm_pool::tier::{
     DEFAULT_G3_STAGING_BYTES, G1Lookup, OnboardHandle, OnboardTarget, RetentionHint, TierEngine,
@@ -168,6 +169,9 @@ fn tier_name(tier: Tier) -> &'static str {
 
 /// The pieces a [`Scheduler`] owns; dropped engine first, then leader.
 struct Inner {
+    /// Writes the engine's use history beside the kept tiers (dropped
+    /// first: it writes once more while the engine lives).
+    history: Option<HistoryWriter>,
     engine: Arc<TierEngine>,
     leader: Leader,
 }
@@ -291,8 +295,12 @@ impl Scheduler {
     /// `verify` has the workers checksum every block written into G2 or
     /// G3 and fail (for the engine to recompute) a load whose bytes no
     /// longer match; mismatches show in `stats()["verify_mismatches"]`.
+    /// `history_path`, where the workers keep G2 or G3 across restarts:
+    /// the file the engine's use history is written to every few seconds
+    /// and read back from at start, so that kept blocks rank by their
+    /// past uses.
     #[new]
-    #[pyo3(signature = (endpoint, world_size, block_size, g2_bytes, g3_bytes = 0, instance = 0, admission = "reuse_score", handshake_timeout_s = 120.0, secret_file = None, offload_in_flight = None, g3_staging_bytes = None, verify = false))]
+    #[pyo3(signature = (endpoint, world_size, block_size, g2_bytes, g3_bytes = 0, instance = 0, admission = "reuse_score", handshake_timeout_s = 120.0, secret_file = None, offload_in_flight = None, g3_staging_bytes = None, verify = false, history_path = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -308,6 +316,7 @@ impl Scheduler {
         offload_in_flight: Option<usize>,
         g3_staging_bytes: Option<u64>,
         verify: bool,
+        history_path: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         let policy = parse_policy(admission)?;
         if !(handshake_timeout_s.is_finite() && handshake_timeout_s > 0.0) {
@@ -340,9 +349,25 @@ impl Scheduler {
             let mover: Arc<dyn TierMover> = leader.mover();
             engine_config = engine_config.g3_staging_blocks(staging_blocks(&*mover, staging));
             let engine = Arc::new(TierEngine::with_mover(engine_config, mover)?);
-            // What the workers' kept G3 held before this engine started.
+            // What the workers' kept tiers held before this engine
+            // started, ranked by the history written beside them.
+            let history = history_path.map(|p| HistoryKeeper::new(p, HISTORY_EVERY));
+            if let Some(h) = &history {
+                h.load(&engine);
+            }
             leader.restore_kept(&engine);
-            Ok(Inner { engine, leader })
+            let history = history
+                .map(|h| h.spawn(&engine))
+                .transpose()
+                .map_err(|source| kvbm_dist::DistError::Io {
+                    what: "start the use-history thread",
+                    source,
+                })?;
+            Ok(Inner {
+                history,
+                engine,
+                leader,
+            })
         })?;
         Ok(Scheduler {
             inner: Mutex::new(Some(inner)),
@@ -726,6 +751,16 @@ impl Scheduler {
         Ok(kvbm_dist::leader::evict_distributed_tiers(&*self.engine()?))
     }
 
+    /// Writes the use history beside the kept tiers now (for a process
+    /// about to exit without a shutdown); whether it wrote one.
+    fn save_history(&self, py: Python<'_>) -> bool {
+        let guard = self.inner.lock();
+        let Some(writer) = guard.as_ref().and_then(|i| i.history.as_ref()) else {
+            return false;
+        };
+        py.detach(|| writer.save_now())
+    }
+
     /// Stops the tier engine and tells every worker to exit. Idempotent.
     fn shutdown(&self, py: Python<'_>) {
         let inner = self.inner.lock().take();
@@ -734,6 +769,8 @@ impl Scheduler {
         self.events.lock().take();
         if let Some(inner) = inner {
             py.detach(move || {
+                // The last write of the use history needs the engine.
+                drop(inner.history);
                 drop(inner.engine);
                 inner.leader.shutdown();
             });

@@ -113,7 +113,7 @@ def test_kept_g3_serves_a_restarted_engine(tiny_model, tmp_path):
     first = _run(tiny_model, tmp_path, extra, kill=True)
     assert first["stats"]["g2_to_g3_blocks"] >= 8, first["stats"]
     assert not foreign.exists()
-    kept = [d for d in base.iterdir() if d.name.startswith("kept-")]
+    kept = [d for d in base.iterdir() if d.name.startswith("kept-") and d.is_dir()]
     assert len(kept) == 1 and kept[0].name.endswith("-rank0"), kept
     slots = _kept_slots(kept[0])
     assert len(slots) >= 8, slots
@@ -150,7 +150,9 @@ def test_kept_g3_serves_a_restarted_engine(tiny_model, tmp_path):
     assert t["g3_recovered_blocks"] == 0 and t["g3_to_g1_blocks"] == 0, t
     assert third["outputs"] == first["outputs"]
     assert not kept[0].exists()
-    assert len([d for d in base.iterdir() if d.name.startswith("kept-")]) == 1
+    assert len([d for d in base.iterdir() if d.name.startswith("kept-") and d.is_dir()]) == 1
+    # The first identity's use history went with its G3.
+    assert not (base / (kept[0].name.rsplit("-rank", 1)[0] + ".uses")).exists()
 
 
 def test_kept_g2_serves_a_restarted_engine_and_refuses_damaged_blocks(tiny_model, tmp_path):
@@ -178,6 +180,10 @@ def test_kept_g2_serves_a_restarted_engine_and_refuses_damaged_blocks(tiny_model
         assert s["g2_recovered_blocks"] == len(slots), s
         assert s["g2_to_g1_blocks"] >= 4 and s["g1_to_g2_blocks"] == 0, s
         assert s.get("onboard_failures", 0) == 0, s
+        # The engine that exited wrote its use history beside its G2, for
+        # the next one to rank the kept blocks by.
+        uses = [p for p in base.iterdir() if p not in before and p.name.endswith(".uses")]
+        assert len(uses) == 1 and uses[0].stat().st_size > 0, uses
 
         # Bytes changed in host memory while no engine ran: caught by the
         # checksums the records carry, recomputed, never served.
@@ -195,4 +201,7 @@ def test_kept_g2_serves_a_restarted_engine_and_refuses_damaged_blocks(tiny_model
         assert t["onboard_failures"] >= 1 or t.get("verify_mismatches", 0) >= 1, t
     finally:
         for d in (set(base.iterdir()) if base.exists() else set()) - before:
-            shutil.rmtree(d, ignore_errors=True)
+            if d.is_dir():
+                shutil.rmtree(d, ignore_errors=True)
+            else:
+                d.unlink(missing_ok=True)

@@ -31,6 +31,7 @@ use kvbm_pool::tier::TierEngine;
 use serde::Serialize;
 
 use super::dist::{self, Cluster, InstanceSpec, RunDir};
+use kvbm_dist::kept::{HISTORY_EVERY, HistoryKeeper};
 
 /// Where a kept G2 lives: host memory that outlives a process.
 const SHM_DIR: &str = "/dev/shm";
@@ -240,6 +241,10 @@ pub struct RestartRow {
     /// G2 blocks it registered from a kept G2 (`g2_recovered`; 0 unless
     /// G2 is kept).
     pub g2_recovered: u64,
+    /// Blocks the use history read back at the restart remembered (the
+    /// history is written every [`HISTORY_EVERY`], so it misses what
+    /// happened since the last write).
+    pub history_blocks: usize,
     /// G3 blocks left out (its `g3_rejected`: torn or damaged records,
     /// blocks not every rank held).
     pub g3_rejected: u64,
@@ -321,6 +326,7 @@ pub(crate) struct Event {
     g3_held_at_crash: usize,
     g3_recovered: u64,
     g2_recovered: u64,
+    history_blocks: usize,
     g3_rejected: u64,
     recovered_referenced: u64,
     recovered_hits: u64,
@@ -356,6 +362,9 @@ pub(crate) struct Restarter {
     run_dir: Arc<RunDir>,
     /// The kept G2's directories in `/dev/shm`, removed with the pass.
     _g2_dir: Option<RunDir>,
+    /// The engine's use history, written beside the kept tiers as an
+    /// engine does and read back at each restart.
+    history: HistoryKeeper,
     cluster: Option<Cluster>,
     points: Vec<usize>,
     next: usize,
@@ -402,10 +411,12 @@ impl Restarter {
             None
         };
         let (engine, g1, cluster) = dist::launch(&spec, Arc::clone(&run_dir))?;
+        let history = HistoryKeeper::new(run_dir.path().join("uses"), HISTORY_EVERY);
         let r = Restarter {
             spec,
             run_dir,
             _g2_dir: g2_dir,
+            history,
             cluster: Some(cluster),
             points,
             next: 0,
@@ -418,6 +429,12 @@ impl Restarter {
             teardowns: Vec::new(),
         };
         Ok((r, engine, g1))
+    }
+
+    /// Writes the engine's use history when [`HISTORY_EVERY`] passed
+    /// since the last write (call between requests).
+    pub(crate) fn keep_history(&mut self, engine: &TierEngine) {
+        self.history.maybe_save(engine);
     }
 
     /// Whether the instance restarts before request `index`.
@@ -465,6 +482,7 @@ impl Restarter {
         }
         let (engine, g1, cluster) = dist::launch(&self.spec, Arc::clone(&self.run_dir))?;
         let t1 = Instant::now();
+        let history_blocks = self.history.load(&engine);
         cluster.leader.restore_kept(&engine);
         let restore_s = t1.elapsed().as_secs_f64();
         let restart_s = t0.elapsed().as_secs_f64();
@@ -488,6 +506,7 @@ impl Restarter {
             g3_held_at_crash: held,
             g3_recovered: stats.g3_recovered,
             g2_recovered: stats.g2_recovered,
+            history_blocks,
             g3_rejected: stats.g3_rejected,
             recovered_referenced: 0,
             recovered_hits: 0,
@@ -626,6 +645,7 @@ pub(crate) fn report(
             g3_held_at_crash: e.g3_held_at_crash,
             g3_recovered: e.g3_recovered,
             g2_recovered: e.g2_recovered,
+            history_blocks: e.history_blocks,
             g3_rejected: e.g3_rejected,
             recovered_referenced: e.recovered_referenced,
             recovered_hits: e.recovered_hits,

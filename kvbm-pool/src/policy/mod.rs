@@ -23,6 +23,7 @@ mod return_within;
 mod reuse_score;
 mod shared_history;
 mod sketch;
+mod snapshot;
 mod spill;
 mod use_history;
 
@@ -37,6 +38,7 @@ pub use return_within::ReturnTable;
 pub use reuse_score::ReuseScorePolicy;
 pub use shared_history::{MAX_PENDING_BLOCKS, SharedHistory};
 pub use sketch::CountMinSketch;
+pub use snapshot::HistorySnapshot;
 pub use spill::{Evicted, SpillRecorder, VictimLog};
 pub use use_history::{Retained, ReuseModel, ReuseWeights, Seen, USE_CLASSES, UseHistory};
 

@@ -147,6 +147,29 @@ impl ReuseWeights {
     pub fn weights(&self) -> [f64; USE_CLASSES] {
         self.weights
     }
+
+    /// The counters the weights are learned from: `reached` and the
+    /// pooled repeats.
+    pub fn counters(&self) -> ([f64; USE_CLASSES + 1], f64) {
+        (self.reached, self.repeats)
+    }
+
+    /// Weights learned from `counters` (what [`ReuseWeights::counters`]
+    /// gave); counters that are not finite and non-negative give the
+    /// defaults.
+    pub fn from_counters(reached: [f64; USE_CLASSES + 1], repeats: f64) -> Self {
+        let sane = |v: f64| v.is_finite() && v >= 0.0;
+        if !(reached.iter().all(|&v| sane(v)) && sane(repeats)) {
+            return Self::default();
+        }
+        let mut w = Self {
+            reached,
+            repeats,
+            weights: [0.0; USE_CLASSES],
+        };
+        w.refresh();
+        w
+    }
 }
 
 /// What is remembered about one block.
@@ -468,6 +491,40 @@ impl UseHistory {
         {
             t.refresh();
         }
+    }
+
+    /// Every remembered block with what is known of it, least recently
+    /// used first.
+    pub(crate) fn remembered(&self) -> impl Iterator<Item = (SequenceHash, Seen)> + '_ {
+        self.recency
+            .iter()
+            .filter_map(|h| Some((h, self.seen.get(&h)?.seen)))
+    }
+
+    /// Moves the clock and the use stamps forward to at least `now` and
+    /// `seq`.
+    pub(crate) fn advance_to(&mut self, now: u64, seq: u64) {
+        self.now = self.now.max(now);
+        self.seq = self.seq.max(seq);
+    }
+
+    /// Replaces the learned weights.
+    pub(crate) fn set_weights(&mut self, weights: ReuseWeights) {
+        self.weights = weights;
+    }
+
+    /// Remembers `hash` as `seen` unless it is remembered already, as the
+    /// most recently used block (within the capacity: the least recently
+    /// used are forgotten).
+    pub(crate) fn remember(&mut self, hash: SequenceHash, seen: Seen) {
+        if self.seen.contains_key(&hash) || self.recency.is_full() {
+            return;
+        }
+        let Some(node) = self.recency.push_back(hash) else {
+            return;
+        };
+        self.seen.insert(hash, Slot { seen, node });
+        self.forget_excess();
     }
 
     /// Forgets the least recently used block; `false` when none is left.

@@ -7,6 +7,7 @@ use kvbm_block::SequenceHash;
 
 use super::{BlockLabel, TierEngine};
 use crate::config::Tier;
+use crate::policy::HistorySnapshot;
 use crate::pool::CompleteBlock;
 
 impl TierEngine {
@@ -24,6 +25,22 @@ impl TierEngine {
             .metrics
             .reopened(tier, n as u64, rejected + skipped);
         n
+    }
+
+    /// What the engine's use history knows now: written down beside kept
+    /// tiers, it lets a restarted engine rank their blocks as this one
+    /// does ([`TierEngine::restore_history`]).
+    pub fn history_snapshot(&self) -> HistorySnapshot {
+        // Requests recorded but not applied yet count too.
+        self.shared.history.apply_pending();
+        self.shared.history.lock().snapshot()
+    }
+
+    /// Takes up a use history written by an engine of kept tiers before a
+    /// restart. Call it before [`TierEngine::restore`] and the first
+    /// request: the tiers rank blocks as they are registered.
+    pub fn restore_history(&self, snapshot: &HistorySnapshot) {
+        self.shared.history.lock().restore(snapshot);
     }
 
     fn register_kept(&self, tier: Tier, blocks: &[(u32, BlockLabel)]) -> usize {

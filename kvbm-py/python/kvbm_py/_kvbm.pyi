@@ -71,7 +71,12 @@ class Scheduler:
         offload_in_flight: int | None = None,
         g3_staging_bytes: int | None = None,
         verify: bool = False,
+        history_path: str | None = None,
     ) -> None: ...
+    def save_history(self) -> bool:
+        """Writes the use history beside the kept tiers now (it is written
+        every 10 s and at shutdown anyway); whether it wrote one."""
+        ...
     @property
     def block_size(self) -> int:
         """Tokens per block."""

@@ -43,6 +43,9 @@ FOREIGN_POLICIES = ("remove", "keep")
 #: digest.
 KEPT_PREFIX = "kept-"
 
+#: The ending of the file the use history is kept in beside kept tiers.
+HISTORY_SUFFIX = ".uses"
+
 #: The memory-backed file system a kept G2 lives in.
 SHM_DIR = "/dev/shm"
 
@@ -281,6 +284,18 @@ class KvbmConfig:
         """The directory kept G2 directories go in: this user's, in
         ``/dev/shm``."""
         return os.path.join(SHM_DIR, f"kvbm-g2-{os.getuid()}")
+
+    def kept_history_path(self, identity: str) -> str | None:
+        """The file the scheduler keeps its use history in beside the kept
+        tiers (None when neither G2 nor G3 is kept): in the G3 directory's
+        base where G3 is kept, else in the G2 one."""
+        if self.disk_cache_gb > 0 and self.disk_cache_keep:
+            base = self.g3_base()
+        elif self.cpu_cache_gb > 0 and self.cpu_cache_keep:
+            base = self.g2_base()
+        else:
+            return None
+        return os.path.join(base, kept_name(identity, 0).rsplit("-rank", 1)[0] + HISTORY_SUFFIX)
 
     def kept_g2_dir(self, identity: str, rank: int) -> str:
         """The G2 directory of ``rank`` kept across restarts under

@@ -105,8 +105,8 @@ impl SystemBuffer {
     /// written through the buffer is the file's, so a file in a
     /// memory-backed file system (`/dev/shm`) keeps host memory past the
     /// process. The file must be at least `len` bytes long. Pages are
-    /// faulted in (`MADV_POPULATE_WRITE`, which keeps their contents), so
-    /// the first copy does not pay for the faults.
+    /// faulted in on first use (pinning touches them from many threads at
+    /// once).
     pub fn map_shared(file: &std::fs::File, len: u64) -> Result<Arc<SystemBuffer>> {
         let size = usize::try_from(len)
             .ok()
@@ -137,7 +137,6 @@ impl SystemBuffer {
             }
         })?;
         advise_huge_quietly(&map);
-        populate_write(&map);
         Ok(Arc::new(SystemBuffer { map }))
     }
 }
@@ -164,13 +163,9 @@ fn populate_write(map: &MmapMut) {
     if rc != 0 {
         let base = map.as_ptr() as *mut u8;
         for off in (0..map.len()).step_by(4096) {
-            // SAFETY: `off < len`; the mapping is writable and nobody else
-            // uses it yet; the byte is written back as it was read, so a
-            // shared mapping's contents stay what they were.
-            unsafe {
-                let p = base.add(off);
-                p.write_volatile(p.read_volatile());
-            }
+            // SAFETY: `off < len`; the mapping is fresh, zeroed, writable and
+            // not yet shared, so writing a zero is unobservable.
+            unsafe { base.add(off).write_volatile(0) };
         }
     }
 }

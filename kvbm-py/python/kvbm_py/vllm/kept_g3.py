@@ -10,13 +10,14 @@ and refuses a directory written under anything else.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
 import shutil
 from typing import TYPE_CHECKING
 
-from kvbm_py.config import KEPT_PREFIX, KvbmConfig, kept_name
+from kvbm_py.config import HISTORY_SUFFIX, KEPT_PREFIX, KvbmConfig, kept_name
 from kvbm_py.vllm.common import log
 
 if TYPE_CHECKING:
@@ -111,6 +112,12 @@ def sweep_foreign(config: KvbmConfig, ours: str, tier: str = "G3") -> list[str]:
     for name in names:
         path = os.path.join(base, name)
         if not name.startswith(KEPT_PREFIX) or name.startswith(mine + "-rank"):
+            continue
+        if name.endswith(HISTORY_SUFFIX) and name != mine + HISTORY_SUFFIX:
+            # Another identity's use history: advisory, nobody holds it.
+            if config.disk_cache_foreign == "remove":
+                with contextlib.suppress(OSError):
+                    os.remove(path)
             continue
         if not os.path.isdir(path):
             continue

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvbm_py import Scheduler, instance_files, start_metrics_server
 from kvbm_py.config import KvbmConfig
+from kvbm_py.vllm import kept_g3
 from kvbm_py.vllm.common import engine_id, instance_of, log, world_size
 from kvbm_py.vllm.fence import WriteFence
 from kvbm_py.vllm.metadata import KvbmMetadata
@@ -60,6 +61,19 @@ def naming_the_size_key(error: ValueError, config: KvbmConfig) -> ValueError:
     return ValueError(f"kvbm: {key}={getattr(config, key)!r} GiB per worker: {error}")
 
 
+def _history_path(vllm_config: "VllmConfig", config: KvbmConfig) -> str | None:
+    """Where the use history is kept beside kept tiers (None when no tier
+    is kept, or it cannot be: the workers log why)."""
+    if not ((config.disk_cache_gb > 0 and config.disk_cache_keep)
+            or (config.cpu_cache_gb > 0 and config.cpu_cache_keep)):
+        return None
+    ident, _ = kept_g3.identity(vllm_config)
+    path = config.kept_history_path(ident) if ident is not None else None
+    if path is not None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    return path
+
+
 class SchedulerSide:
     """Match, onboard, offload and release over a kvbm :class:`Scheduler`."""
 
@@ -91,9 +105,13 @@ class SchedulerSide:
                 secret_file=self.secret_file,
                 offload_in_flight=config.offload_in_flight or None,
                 verify=config.verify,
+                history_path=_history_path(vllm_config, config),
             )
         except ValueError as e:
             raise naming_the_size_key(e, config) from None
+        # A process that exits without shutting the engine down still
+        # leaves its use history for the next one.
+        atexit.register(self.kvbm.save_history)
         log.info(
             "kvbm: caches ready: %d worker(s), blocks per tier %s (waited %.1f s)",
             world, dict(self.kvbm.capacity()), time.monotonic() - started,
