@@ -9,8 +9,10 @@
 //! (kept under an identity of the model shape, [`dist::kept_identity`]),
 //! builds a new engine, registers what the workers found in G3
 //! ([`kvbm_dist::leader::Leader::restore_kept`]) and goes on with the trace.
-//! G1 and G2 are gone; G3 comes back. Every onboarded block is still
-//! checked on every rank against the pattern of its hash and rank.
+//! G1 is gone; G3 comes back, G2 too with [`Restarts::keep_g2`] (in
+//! `/dev/shm`), and the engine's use history as it was last written
+//! ([`HISTORY_EVERY`]). Every onboarded block is still checked on every
+//! rank against the pattern of its hash and rank.
 //!
 //! The same invocation first replays the trace without restarts, same
 //! configuration, as the reference: the report sets each span's hit rate
