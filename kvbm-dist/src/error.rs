@@ -100,10 +100,10 @@ pub enum DistError {
         #[source]
         source: std::io::Error,
     },
-    /// A kept G3 directory is open in another engine.
-    #[error("G3 directory {0} is in use by another engine (its lock is held)")]
-    G3InUse(std::path::PathBuf),
-    /// An I/O error on a named file or directory (a G3 that is kept).
+    /// A kept G2 or G3 directory is open in another engine.
+    #[error("kept directory {0} is in use by another engine (its lock is held)")]
+    KeptInUse(std::path::PathBuf),
+    /// An I/O error on a named file or directory (a kept tier's).
     #[error("{what}: {source}")]
     File {
         /// What was being done, naming the path.

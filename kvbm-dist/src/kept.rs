@@ -28,8 +28,8 @@
 //! So a record names either nothing or a block whose bytes were fully
 //! written once; a torn write leaves an empty record. Bytes changed later
 //! at rest (a bad disk, a stray write) still pass the record's check:
-//! that is what the checksum is for, checked on every read out of G3, so
-//! such a block is refused and recomputed rather than served.
+//! that is what the checksum is for, checked on every read out of a kept
+//! tier, so such a block is refused and recomputed rather than served.
 //!
 //! Records go through the page cache, so a killed process loses none. For
 //! G3 a thread of the store makes data and records durable (`fdatasync` of
@@ -66,7 +66,7 @@ const MAGIC: &[u8; 8] = b"KVBMG3SL";
 /// Longest time a committed record stays only in the page cache.
 pub const SYNC_EVERY: Duration = Duration::from_secs(1);
 
-/// Most G3 directories of one identity and rank on one host.
+/// Most directories of one tier, identity and rank on one host.
 pub const MAX_SIBLINGS: u32 = 16;
 
 const IDENTITY_FILE: &str = "identity";
@@ -117,7 +117,7 @@ pub struct BlockLabel {
 /// A block found again when a store was opened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Recovered {
-    /// Its G3 slot.
+    /// Its slot.
     pub slot: u32,
     /// What it holds.
     pub label: BlockLabel,
@@ -449,11 +449,11 @@ impl KeptStore {
                 PathBuf::from(name)
             };
             match Self::open(&candidate, identity, layout.clone(), medium) {
-                Err(DistError::G3InUse(p)) => last = Some(p),
+                Err(DistError::KeptInUse(p)) => last = Some(p),
                 other => return other,
             }
         }
-        Err(DistError::G3InUse(
+        Err(DistError::KeptInUse(
             last.unwrap_or_else(|| dir.to_path_buf()),
         ))
     }
@@ -691,7 +691,7 @@ fn lock_dir(dir: &Path) -> Result<File, DistError> {
         .map_err(io_err(format!("open {}", path.display())))?;
     match try_lock_exclusive(&file) {
         Ok(true) => Ok(file),
-        Ok(false) => Err(DistError::G3InUse(dir.to_path_buf())),
+        Ok(false) => Err(DistError::KeptInUse(dir.to_path_buf())),
         Err(e) => Err(io_err(format!("lock {}", path.display()))(e)),
     }
 }

@@ -415,7 +415,7 @@ fn a_kept_g2_keeps_committed_blocks_in_memory_files_and_drops_torn_ones() {
         "the kept bytes changed"
     );
     // A second engine of the same identity gets an error, not the memory.
-    assert!(matches!(open_g2("model: m"), Err(DistError::G3InUse(_))));
+    assert!(matches!(open_g2("model: m"), Err(DistError::KeptInUse(_))));
     drop((_store, g2));
     // Another identity reuses nothing.
     let (_, _, r) = open_g2("model: other").unwrap();

@@ -281,7 +281,10 @@ impl Tiers {
         }
         if let Some(sums) = self.checksums.as_ref().filter(|c| c.checks(src, dst)) {
             let per_piece = pieces::piece_blocks(&s, &d, pieces::PIECE_BYTES);
-            if pairs.len() > per_piece {
+            // Pieces settle without records: a copy to be recorded in a
+            // kept tier lands whole first.
+            let recorded = store.is_some() && !labels.is_empty();
+            if pairs.len() > per_piece && !recorded {
                 // Reads checked once landed: hashing overlaps the reading.
                 return pieces::copy_in_pieces(
                     sums, executor, s, d, pairs, per_piece, cancel, done,
