@@ -74,17 +74,9 @@ fn body(w: &mut Writer, message: &Message) -> Result<(), ProtoError> {
             w.u32(r.rank);
             w.u64(r.g2_blocks);
             w.u64(r.g3_blocks);
-            w.count(r.recovered.len(), MAX_PAIRS, "recovered blocks")?;
-            for &(slot, label) in &r.recovered {
-                w.u32(slot);
-                w.label(label);
-            }
+            w.kept(&r.recovered, "recovered blocks")?;
             w.u64(r.rejected);
-            w.count(r.recovered_g2.len(), MAX_PAIRS, "recovered G2 blocks")?;
-            for &(slot, label) in &r.recovered_g2 {
-                w.u32(slot);
-                w.label(label);
-            }
+            w.kept(&r.recovered_g2, "recovered G2 blocks")?;
             w.u64(r.rejected_g2);
             w.u64(r.g3_open_us);
         }
@@ -246,19 +238,9 @@ fn decode_body(r: &mut Reader<'_>, kind: MessageKind) -> Result<Message, ProtoEr
             rank: r.u32("rank")?,
             g2_blocks: r.u64("g2 blocks")?,
             g3_blocks: r.u64("g3 blocks")?,
-            recovered: {
-                let n = r.count(MAX_PAIRS, 4 + LABEL_BYTES, "recovered blocks")?;
-                (0..n)
-                    .map(|_| Ok((r.u32("recovered slot")?, r.label()?)))
-                    .collect::<Result<_, ProtoError>>()?
-            },
+            recovered: r.kept("recovered blocks")?,
             rejected: r.u64("rejected records")?,
-            recovered_g2: {
-                let n = r.count(MAX_PAIRS, 4 + LABEL_BYTES, "recovered G2 blocks")?;
-                (0..n)
-                    .map(|_| Ok((r.u32("recovered slot")?, r.label()?)))
-                    .collect::<Result<_, ProtoError>>()?
-            },
+            recovered_g2: r.kept("recovered G2 blocks")?,
             rejected_g2: r.u64("rejected G2 records")?,
             g3_open_us: r.u64("G3 open time")?,
         }),
@@ -445,6 +427,15 @@ impl Writer {
         self.u64(label.hash);
         self.opt_u64(label.parent);
     }
+    /// A kept tier's blocks: `(slot, label)` each.
+    fn kept(&mut self, blocks: &[(u32, BlockLabel)], what: &'static str) -> Result<(), ProtoError> {
+        self.count(blocks.len(), MAX_PAIRS, what)?;
+        for &(slot, label) in blocks {
+            self.u32(slot);
+            self.label(label);
+        }
+        Ok(())
+    }
     fn pairs(&mut self, pairs: &[BlockPair]) -> Result<(), ProtoError> {
         self.count(pairs.len(), MAX_PAIRS, "pairs")?;
         self.buf.reserve(pairs.len() * 8);
@@ -578,6 +569,14 @@ impl<'a> Reader<'a> {
             hash: self.u64("block hash")?,
             parent: self.opt_u64("parent hash")?,
         })
+    }
+
+    /// What [`Writer::kept`] wrote.
+    fn kept(&mut self, what: &'static str) -> Result<Vec<(u32, BlockLabel)>, ProtoError> {
+        let n = self.count(MAX_PAIRS, 4 + LABEL_BYTES, what)?;
+        (0..n)
+            .map(|_| Ok((self.u32("kept slot")?, self.label()?)))
+            .collect()
     }
 
     fn tier(&mut self, what: &'static str) -> Result<Tier, ProtoError> {

@@ -336,10 +336,30 @@ impl Inner {
                 )
             };
         }
-        Ok(Inner {
+        Ok(Inner::new(
+            device,
+            None,
+            (raw as usize, map_len),
+            ptr,
+            len,
+            opts,
+        ))
+    }
+
+    /// Memory at `ptr` of `len` bytes, nothing pinned yet: our mapping
+    /// (`raw`, `map_len` as mmap gave them) or a caller's `backing`.
+    fn new(
+        device: &CudaDevice,
+        backing: Option<Arc<crate::memory::SystemBuffer>>,
+        (raw, map_len): (usize, usize),
+        ptr: *mut u8,
+        len: usize,
+        opts: PinnedOptions,
+    ) -> Self {
+        Inner {
             device: device.clone(),
-            backing: None,
-            raw: raw as usize,
+            backing,
+            raw,
             ptr,
             len,
             map_len,
@@ -355,7 +375,7 @@ impl Inner {
             progress: Condvar::new(),
             progress_lock: Mutex::new(()),
             stats: Mutex::new(PinStats::default()),
-        })
+        }
     }
 
     /// Pins `buffer` where it is (see [`PinnedMemory::register`]).
@@ -370,27 +390,8 @@ impl Inner {
                 reason: "the device cannot use host pointers of registered memory".into(),
             });
         }
-        let len = buffer.len() as usize;
-        Ok(Inner {
-            device: device.clone(),
-            raw: 0,
-            ptr: buffer.addr() as *mut u8,
-            len,
-            map_len: 0,
-            backing: Some(buffer),
-            opts: PinnedOptions {
-                chunk_bytes: round_up(opts.chunk_bytes.max(HUGE_PAGE), HUGE_PAGE),
-                touch_threads: opts.touch_threads.max(1),
-                ..opts
-            },
-            pinned: AtomicUsize::new(0),
-            chunks: Mutex::new(Vec::new()),
-            stop: AtomicBool::new(false),
-            failure: Mutex::new(None),
-            progress: Condvar::new(),
-            progress_lock: Mutex::new(()),
-            stats: Mutex::new(PinStats::default()),
-        })
+        let (ptr, len) = (buffer.addr() as *mut u8, buffer.len() as usize);
+        Ok(Inner::new(device, Some(buffer), (0, 0), ptr, len, opts))
     }
 
     fn notify(&self) {
