@@ -713,4 +713,4 @@ pub use history::{HISTORY_EVERY, HistoryKeeper, HistoryWriter};
 pub use inspect::{Inspection, inspect};
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -355,7 +355,7 @@ fn inspection_lists_blocks_and_finds_damaged_ones() {
 
 /// A directory in memory where the host has one (`/dev/shm`), as a kept G2
 /// lives in; a temporary directory elsewhere.
-fn memory_dir() -> tempfile::TempDir {
+pub(crate) fn memory_dir() -> tempfile::TempDir {
     let shm = Path::new("/dev/shm");
     if shm.is_dir() {
         tempfile::tempdir_in(shm).unwrap()

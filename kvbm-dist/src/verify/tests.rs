@@ -571,17 +571,6 @@ fn a_kept_g3_outlives_the_instance_with_g1_on_the_gpu() {
     }
 }
 
-/// A directory in memory (`/dev/shm`) where the host has one, as a kept
-/// G2 lives in; a temporary directory elsewhere.
-fn memory_dir() -> tempfile::TempDir {
-    let shm = std::path::Path::new("/dev/shm");
-    if shm.is_dir() {
-        tempfile::tempdir_in(shm).unwrap()
-    } else {
-        tempfile::tempdir().unwrap()
-    }
-}
-
 /// G2 kept too: blocks offloaded into G2 with labels come back after a
 /// restart in their slots on every rank, registered in the new engine's
 /// G2 and intact; an unlabelled write is not kept; a byte changed in the
@@ -590,7 +579,9 @@ fn kept_g2_outlives_the_instance(world: u32, memory: Memory) {
     let g3_dirs: Vec<tempfile::TempDir> =
         (0..world).map(|_| tempfile::tempdir().unwrap()).collect();
     let g3: Vec<std::path::PathBuf> = g3_dirs.iter().map(|d| d.path().to_path_buf()).collect();
-    let g2_dirs: Vec<tempfile::TempDir> = (0..world).map(|_| memory_dir()).collect();
+    let g2_dirs: Vec<tempfile::TempDir> = (0..world)
+        .map(|_| crate::kept::tests::memory_dir())
+        .collect();
     let g2: Vec<std::path::PathBuf> = g2_dirs.iter().map(|d| d.path().join("g2")).collect();
     let kept = Some((&g3[..], Some(&g2[..]), "model: tiny"));
     let i = start_in(world, false, memory, kept);

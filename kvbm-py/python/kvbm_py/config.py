@@ -220,7 +220,7 @@ class KvbmConfig:
         )
         if not 0 <= cfg.metrics_port <= 65535:
             raise ValueError(f"kvbm: metrics_port={cfg.metrics_port} is not a TCP port")
-        if cfg.cpu_cache_keep and cfg.disk_cache_gb > 0 and not cfg.disk_cache_keep:
+        if cfg.keeps_g2 and cfg.disk_cache_gb > 0 and not cfg.disk_cache_keep:
             raise ValueError(
                 "kvbm: cpu_cache_keep=true with disk_cache_keep=false: a kept G2 "
                 "keeps the G3 behind it too; set disk_cache_keep=true or cpu_cache_keep=false"
@@ -285,13 +285,23 @@ class KvbmConfig:
         ``/dev/shm``."""
         return os.path.join(SHM_DIR, f"kvbm-g2-{os.getuid()}")
 
+    @property
+    def keeps_g3(self) -> bool:
+        """Whether there is a G3 and it outlives the engine."""
+        return self.disk_cache_gb > 0 and self.disk_cache_keep
+
+    @property
+    def keeps_g2(self) -> bool:
+        """Whether there is a G2 and it outlives the engine process."""
+        return self.cpu_cache_gb > 0 and self.cpu_cache_keep
+
     def kept_history_path(self, identity: str) -> str | None:
         """The file the scheduler keeps its use history in beside the kept
         tiers (None when neither G2 nor G3 is kept): in the G3 directory's
         base where G3 is kept, else in the G2 one."""
-        if self.disk_cache_gb > 0 and self.disk_cache_keep:
+        if self.keeps_g3:
             base = self.g3_base()
-        elif self.cpu_cache_gb > 0 and self.cpu_cache_keep:
+        elif self.keeps_g2:
             base = self.g2_base()
         else:
             return None

@@ -64,8 +64,7 @@ def naming_the_size_key(error: ValueError, config: KvbmConfig) -> ValueError:
 def _history_path(vllm_config: "VllmConfig", config: KvbmConfig) -> str | None:
     """Where the use history is kept beside kept tiers (None when no tier
     is kept, or it cannot be: the workers log why)."""
-    if not ((config.disk_cache_gb > 0 and config.disk_cache_keep)
-            or (config.cpu_cache_gb > 0 and config.cpu_cache_keep)):
+    if not (config.keeps_g2 or config.keeps_g3):
         return None
     ident, _ = kept_g3.identity(vllm_config)
     path = config.kept_history_path(ident) if ident is not None else None

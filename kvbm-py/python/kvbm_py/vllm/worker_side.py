@@ -93,8 +93,7 @@ class WorkerSide:
         across restarts (None: neither is kept) and the directory of a kept
         G2 (None: G2 is not kept)."""
         c = self.config
-        keep_g3 = c.disk_cache_gb > 0 and c.disk_cache_keep
-        keep_g2 = c.cpu_cache_gb > 0 and c.cpu_cache_keep
+        keep_g3, keep_g2 = c.keeps_g3, c.keeps_g2
         ident = None
         if keep_g3 or keep_g2:
             ident, why = kept_g3.identity(self.vllm_config)
