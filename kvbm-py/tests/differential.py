@@ -16,8 +16,9 @@ where RUNS_JSON is a list of {"name", "extra" (object or null), "engine"
 (vLLM engine arguments), "seeds", "connector" (optional: kvbm's connector
 by name, KvbmConnector by default), "model_dir" (optional: another model
 than MODEL_DIR), "max_tokens" (optional: the most a
-case's prompts generate) and "corrupt_g3" (optional: damage every G3 block
-between the rounds)}; a negative seed -N is the reported
+case's prompts generate), "corrupt_g3" (optional: damage every G3 block
+between the rounds) and "restart" (optional: run round 2 on a new engine
+of the same configuration)}; a negative seed -N is the reported
 failure with N prompts sharing a prefix (fuzz_workload.repro_case).
 """
 
@@ -219,15 +220,10 @@ def corrupt_files(directory: str) -> int:
     return flipped
 
 
-def with_kvbm(
-    llm, seeds: list[int], max_tokens: int, corrupt_g3: str | None = None, connector: str = "KvbmConnector"
-) -> dict:
-    """Runs each case twice (see the module doc); with `corrupt_g3` (the G3
-    directory), G3's bytes are damaged between the rounds."""
-    side = scheduler_side(llm, connector)
-    # Count vLLM's preemptions, so a test can tell that it provoked some.
+def count_preemptions(llm, preempted: list[str]) -> None:
+    """Appends every request vLLM preempts to `preempted`, so that a test
+    can tell that it provoked some."""
     sched = llm.llm_engine.engine_core.engine_core.scheduler
-    preempted: list[str] = []
     preempt = sched._preempt_request
 
     def counting(request, *args, **kwargs):
@@ -235,6 +231,30 @@ def with_kvbm(
         return preempt(request, *args, **kwargs)
 
     sched._preempt_request = counting
+
+
+def counters_since(side, before: dict) -> dict:
+    """kvbm's integer counters moved since `before`."""
+    now = side.stats()
+    return {k: now[k] - before.get(k, 0) for k in now if isinstance(now[k], int)}
+
+
+def with_kvbm(
+    llm,
+    seeds: list[int],
+    max_tokens: int,
+    corrupt_g3: str | None = None,
+    connector: str = "KvbmConnector",
+    restart=None,
+):
+    """Runs each case twice (see the module doc); with `corrupt_g3` (the G3
+    directory), G3's bytes are damaged between the rounds. With `restart`
+    (a function that shuts an engine down and starts the same one again),
+    round 2 runs on a new engine, which finds round 1's blocks in the tiers
+    kept across restarts. Returns the cases and the engine last running."""
+    side = scheduler_side(llm, connector)
+    preempted: list[str] = []
+    count_preemptions(llm, preempted)
     out = {}
     for seed in seeds:
         preempted.clear()
@@ -245,11 +265,20 @@ def with_kvbm(
         # Let kvbm's background copies (G2 victims on their way to G3) land,
         # so what round 2 finds does not depend on timing.
         side.flush()
+        moved = {}
+        if restart is not None:
+            moved = counters_since(side, before)
+            llm = restart(llm)
+            side = scheduler_side(llm, connector)
+            count_preemptions(llm, preempted)
+            # A new engine's counters start at zero: the blocks it
+            # recovered at start-up count.
+            before = {}
         if corrupt_g3 is not None and not corrupt_files(corrupt_g3):
             raise SystemExit(f"no G3 file to corrupt under {corrupt_g3}")
         second, aborted2 = run_waves(llm, case, "r2")
-        after = side.stats()
-        moved = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int)}
+        for k, v in counters_since(side, before).items():
+            moved[k] = moved.get(k, 0) + v
         if isinstance(side, OffloadSide):
             moved["groups"] = side.groups
             moved["hybrid_manager"] = not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
@@ -263,7 +292,7 @@ def with_kvbm(
         # The next case starts with empty caches, vLLM's and kvbm's.
         drop_prefix_cache(llm)
         drop_prefix_cache(llm, reset_connector=True)
-    return out
+    return out, llm
 
 
 def shut_down(llm) -> None:
@@ -280,13 +309,22 @@ def main() -> int:
     model_dir, runs = sys.argv[1], json.loads(sys.argv[2])
     for run in runs:
         connector = run.get("connector", "KvbmConnector")
-        llm = build_engine(run.get("model_dir", model_dir), run["extra"], run["engine"], connector)
+
+        def start():
+            return build_engine(run.get("model_dir", model_dir), run["extra"], run["engine"], connector)
+
+        def restart(llm):
+            shut_down(llm)
+            return start()
+
+        llm = start()
         seeds, max_tokens = run["seeds"], run.get("max_tokens", MAX_TOKENS)
         if run["extra"] is None:
             result = reference(llm, seeds, max_tokens)
         else:
             corrupt = run["extra"]["disk_cache_dir"] if run.get("corrupt_g3") else None
-            result = with_kvbm(llm, seeds, max_tokens, corrupt, connector)
+            again = restart if run.get("restart") else None
+            result, llm = with_kvbm(llm, seeds, max_tokens, corrupt, connector, again)
         print("KVBM_RESULT " + json.dumps({"name": run["name"], "cases": result}), flush=True)
         shut_down(llm)
     return 0

@@ -15,8 +15,10 @@ the configuration and seed, and the command that re-runs that case alone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +65,9 @@ CONFIGS: dict[str, tuple[dict, dict, int]] = {
         {"async_scheduling": True},
         1,
     ),
+    # G2 and G3 both kept across restarts, and round 2 on a new engine
+    # that finds round 1's blocks in them.
+    "restarted-g3-kept-g2": ({"cpu_cache_keep": True, "admission": "all", "g3": 3, "restart": True}, {}, 1),
     "tp2-eager-async-g2-all": ({"cpu_cache_gb": 0.05, "admission": "all"}, {}, 2),
     "tp2-finish-sync-g3-default": ({"offload": "finish", "load_async": False, "g3": 3}, {}, 2),
     # kvbm behind vLLM's offloading connector ("route": "spec"), on the
@@ -89,7 +94,7 @@ CONFIGS: dict[str, tuple[dict, dict, int]] = {
 def _extra(keys: dict, tmp_path: Path) -> dict:
     """kvbm's keys of a configuration, with verification on (a load whose
     bytes changed since they were stored fails instead of being served)."""
-    keys = {k: v for k, v in keys.items() if k not in ("route", "model")}
+    keys = {k: v for k, v in keys.items() if k not in ("route", "model", "restart")}
     g3 = keys.pop("g3", None)
     return {**(_g3(tmp_path, g3) if g3 else {}), "verify": True, **keys}
 
@@ -181,6 +186,8 @@ def _runs(tp: int, tmp_path: Path, models: dict[str, str]) -> list[dict]:
             extra = _extra(keys, tmp_path / name)
             seeds = _seeds(list(CONFIGS).index(name))
             runs.append({"name": name, "extra": extra, "engine": engine, "seeds": seeds, **_route(keys, models)})
+            if keys.get("restart"):
+                runs[-1]["restart"] = True
             if name in LONG_OUTPUTS:
                 runs[-1]["max_tokens"] = LONG_OUTPUTS[name]
     if tp == 1:
@@ -266,7 +273,8 @@ def results(tiny_model, tiny_hybrid_model, tmp_path_factory):
         if tp not in done:
             tmp = tmp_path_factory.mktemp(f"differential-tp{tp}")
             runs = _runs(tp, tmp, {"llama": tiny_model, "hybrid": tiny_hybrid_model})
-            out, failure = run_process(tiny_model, tmp, runs, tp)
+            with _kept_g2_removed():
+                out, failure = run_process(tiny_model, tmp, runs, tp)
             done[tp] = {"runs": {r["name"]: r for r in runs}, "out": out, "failure": failure}
         d = done[tp]
         run = d["runs"][name]
@@ -277,6 +285,25 @@ def results(tiny_model, tiny_hybrid_model, tmp_path_factory):
         return d["out"][name], d["out"][_reference_of(run)], run
 
     return get
+
+
+@contextlib.contextmanager
+def _kept_g2_removed():
+    """Removes the kept G2 directories (and use histories) made inside the
+    block: they live in /dev/shm, outside pytest's temporary directories,
+    and another test's engine of the same identity would find them."""
+    from kvbm_py.config import KvbmConfig
+
+    shm = Path(KvbmConfig.g2_base())
+    before = set(shm.iterdir()) if shm.is_dir() else set()
+    try:
+        yield
+    finally:
+        for entry in (set(shm.iterdir()) if shm.is_dir() else set()) - before:
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
 
 
 def check(name: str, got: dict, want: dict, extra: dict, engine: dict) -> int:
@@ -307,6 +334,10 @@ def test_outputs_equal_the_engine_without_kvbm(name, results):
     loaded = check(name, got, want, run["extra"], run["engine"])
     # The comparison is about bytes kvbm served: it must have served some.
     assert loaded > 0, f"{name}: kvbm loaded nothing over seeds {run['seeds']}"
+    if run.get("restart"):
+        # Round 2's engines started with round 1's blocks in their kept
+        # tiers, and served some of them.
+        assert all(c["stats"].get("g2_recovered_blocks", 0) > 0 for c in got.values()), got
     if "preempting" in name:
         assert sum(c["preemptions"] for c in got.values()) > 0, f"{name}: vLLM preempted nothing"
     if "hybrid" in name:
