@@ -168,7 +168,7 @@ def test_kept_g2_serves_a_restarted_engine_and_refuses_damaged_blocks(tiny_model
     try:
         first = _run(tiny_model, tmp_path, extra, kill=True)
         assert first["stats"]["g1_to_g2_blocks"] >= 8, first["stats"]
-        kept = [d for d in base.iterdir() if d not in before and d.name.startswith("kept-")]
+        kept = [d for d in base.iterdir() if d not in before and d.name.startswith("kept-") and d.is_dir()]
         assert len(kept) == 1 and kept[0].name.endswith("-rank0"), kept
         slots = _kept_slots(kept[0])
         assert len(slots) >= 8, slots

@@ -510,7 +510,7 @@ fn data_plane(
         let out = driver.request(i, r)?;
         if let Some(rs) = restarter.as_mut() {
             rs.observe(r, &out);
-            rs.keep_history(driver.engine());
+            rs.keep_history(driver.engine(), r.timestamp_ms);
         }
         let a = tokens_avoided(r, cfg.block_tokens, &out.prefix);
         let mut mine = [0u32; 3];

@@ -11,8 +11,8 @@
 //! ([`kvbm_dist::leader::Leader::restore_kept`]) and goes on with the trace.
 //! G1 is gone; G3 comes back, G2 too with [`Restarts::keep_g2`] (in
 //! `/dev/shm`), and the engine's use history as it was last written
-//! ([`HISTORY_EVERY`]). Every onboarded block is still checked on every
-//! rank against the pattern of its hash and rank.
+//! (every [`HISTORY_EVERY`] of the trace's time). Every onboarded block is
+//! still checked on every rank against the pattern of its hash and rank.
 //!
 //! The same invocation first replays the trace without restarts, same
 //! configuration, as the reference: the report sets each span's hit rate
@@ -244,8 +244,8 @@ pub struct RestartRow {
     /// G2 is kept).
     pub g2_recovered: u64,
     /// Blocks the use history read back at the restart remembered (the
-    /// history is written every [`HISTORY_EVERY`], so it misses what
-    /// happened since the last write).
+    /// history is written every [`HISTORY_EVERY`] of trace time, so it
+    /// misses what happened since the last write).
     pub history_blocks: usize,
     /// G3 blocks left out (its `g3_rejected`: torn or damaged records,
     /// blocks not every rank held).
@@ -433,10 +433,13 @@ impl Restarter {
         Ok((r, engine, g1))
     }
 
-    /// Writes the engine's use history when [`HISTORY_EVERY`] passed
-    /// since the last write (call between requests).
-    pub(crate) fn keep_history(&mut self, engine: &TierEngine) {
-        self.history.maybe_save(engine);
+    /// Writes the engine's use history when [`HISTORY_EVERY`] of the
+    /// trace's time passed since the last write (call between requests,
+    /// with the time of the request just replayed): as often per request
+    /// as an engine serving the trace live would.
+    pub(crate) fn keep_history(&mut self, engine: &TierEngine, trace_ms: u64) {
+        self.history
+            .maybe_save(engine, std::time::Duration::from_millis(trace_ms));
     }
 
     /// Whether the instance restarts before request `index`.

@@ -2,15 +2,23 @@
 //! while it runs, read back when a restarted engine reopens them, so that
 //! it ranks their blocks by their past uses, not as blocks used once.
 //!
+//! The file is a journal: a whole snapshot, then the changes taken since
+//! (the blocks used since the last write), each a frame of its length and
+//! its checksummed encoding. A write appends the changes, so it costs what
+//! was used since, not what the history remembers, and the history can be
+//! written every second. Once the changes outgrow the snapshot they follow,
+//! a write replaces the file with one whole snapshot, through a temporary
+//! file renamed over it. A crash leaves a torn last frame at worst, and
+//! reading stops before it.
+//!
 //! Only a ranking depends on it: a missing, old or damaged file costs hits
-//! until the history is learned again, never a byte. Each write goes to a
-//! temporary file renamed over the last one, so a crash leaves the old
-//! snapshot or the new one.
+//! until the history is learned again, never a byte.
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
@@ -18,14 +26,30 @@ use kvbm_pool::TierEngine;
 use kvbm_pool::policy::HistorySnapshot;
 
 /// How often a [`HistoryKeeper`] writes the history by default.
-pub const HISTORY_EVERY: Duration = Duration::from_secs(10);
+pub const HISTORY_EVERY: Duration = Duration::from_secs(1);
+
+/// Bytes of a frame's length, before its encoding.
+const FRAME_HEAD: usize = 8;
 
 /// Writes an engine's use history to one file, at most once per interval.
 #[derive(Debug)]
 pub struct HistoryKeeper {
     path: PathBuf,
     every: Duration,
-    last: Option<Instant>,
+    last: Option<Duration>,
+    journal: Mutex<Journal>,
+}
+
+/// What the keeper wrote to its file.
+#[derive(Debug, Default)]
+struct Journal {
+    /// The history's use stamp at the last frame written; `None` until a
+    /// whole snapshot starts the file (and after a failed write).
+    seq: Option<u64>,
+    /// Bytes of that snapshot's frame.
+    base: u64,
+    /// Bytes of the changes appended after it.
+    appended: u64,
 }
 
 impl HistoryKeeper {
@@ -35,6 +59,7 @@ impl HistoryKeeper {
             path: path.into(),
             every,
             last: None,
+            journal: Mutex::new(Journal::default()),
         }
     }
 
@@ -43,35 +68,80 @@ impl HistoryKeeper {
         &self.path
     }
 
-    /// Writes `engine`'s history if the last write is `every` old (or
-    /// there was none); whether it wrote. A failed write is logged, not
-    /// returned: the history is advisory.
-    pub fn maybe_save(&mut self, engine: &TierEngine) -> bool {
-        if self.last.is_some_and(|t| t.elapsed() < self.every) {
+    /// Writes `engine`'s history if the last write is `every` old at
+    /// `now` (or there was none); whether it wrote. `now` is on the
+    /// caller's clock: the time since it started, or the time of a replayed
+    /// trace, so that a replay writes as often per request as a live
+    /// engine would. A failed write is logged, not returned: the history
+    /// is advisory.
+    pub fn maybe_save(&mut self, engine: &TierEngine, now: Duration) -> bool {
+        if self
+            .last
+            .is_some_and(|t| now.saturating_sub(t) < self.every)
+        {
             return false;
         }
-        self.last = Some(Instant::now());
+        self.last = Some(now);
         self.save(engine)
     }
 
-    /// Writes `engine`'s history now; whether it could.
+    /// Writes what changed in `engine`'s history since the last write, or
+    /// the whole history where the file must start again; whether it
+    /// could.
     pub fn save(&self, engine: &TierEngine) -> bool {
-        let bytes = engine.history_snapshot().to_bytes();
+        let mut journal = self.journal.lock();
+        let result = match journal.seq {
+            Some(seq) if journal.appended <= journal.base && self.path.exists() => {
+                let changes = engine.history_changes(seq);
+                if changes.seq == seq {
+                    return true;
+                }
+                let frame = frame(&changes);
+                self.append(&frame).map(|()| {
+                    journal.seq = Some(changes.seq);
+                    journal.appended += frame.len() as u64;
+                })
+            }
+            _ => {
+                let whole = engine.history_snapshot();
+                let frame = frame(&whole);
+                self.replace(&frame).map(|()| {
+                    *journal = Journal {
+                        seq: Some(whole.seq),
+                        base: frame.len() as u64,
+                        appended: 0,
+                    };
+                })
+            }
+        };
+        result
+            .inspect_err(|e| {
+                // A torn frame may be left: the next write starts over.
+                journal.seq = None;
+                tracing::warn!(path = %self.path.display(), "use history not written: {e}");
+            })
+            .is_ok()
+    }
+
+    fn append(&self, frame: &[u8]) -> std::io::Result<()> {
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&self.path)?
+            .write_all(frame)
+    }
+
+    fn replace(&self, frame: &[u8]) -> std::io::Result<()> {
         let mut tmp = self.path.as_os_str().to_owned();
         tmp.push(".tmp");
         let tmp = PathBuf::from(tmp);
-        match std::fs::write(&tmp, &bytes).and_then(|()| std::fs::rename(&tmp, &self.path)) {
-            Ok(()) => true,
-            Err(e) => {
-                tracing::warn!(path = %self.path.display(), "use history not written: {e}");
-                false
-            }
-        }
+        std::fs::write(&tmp, frame)?;
+        std::fs::rename(&tmp, &self.path)
     }
 
     /// Gives `engine` the history this file holds, before its kept blocks
     /// are registered; the blocks it remembers (0 for no file or one that
-    /// is damaged, which is logged).
+    /// is damaged, which is logged). A torn or damaged frame ends the
+    /// file: what came before it counts.
     pub fn load(&self, engine: &TierEngine) -> usize {
         let bytes = match std::fs::read(&self.path) {
             Ok(b) => b,
@@ -81,7 +151,11 @@ impl HistoryKeeper {
                 return 0;
             }
         };
-        match HistorySnapshot::from_bytes(&bytes) {
+        let (parts, rest) = frames(&bytes);
+        if rest > 0 {
+            tracing::debug!(path = %self.path.display(), "use history: {rest} bytes after the last whole frame ignored");
+        }
+        match HistorySnapshot::combine(parts) {
             Some(s) => {
                 engine.restore_history(&s);
                 s.blocks.len()
@@ -92,6 +166,36 @@ impl HistoryKeeper {
             }
         }
     }
+}
+
+/// `snapshot` as a frame of the journal: its encoding's length, then the
+/// encoding.
+fn frame(snapshot: &HistorySnapshot) -> Vec<u8> {
+    let body = snapshot.to_bytes();
+    let mut out = Vec::with_capacity(FRAME_HEAD + body.len());
+    out.extend_from_slice(&(body.len() as u64).to_le_bytes());
+    out.extend_from_slice(&body);
+    out
+}
+
+/// The whole frames at the start of `bytes`, and how many bytes follow
+/// them (a torn or damaged frame and whatever comes after it).
+fn frames(mut bytes: &[u8]) -> (Vec<HistorySnapshot>, usize) {
+    let mut parts = Vec::new();
+    while let Some((head, rest)) = bytes.split_first_chunk::<FRAME_HEAD>() {
+        let Some((body, after)) = usize::try_from(u64::from_le_bytes(*head))
+            .ok()
+            .and_then(|n| rest.split_at_checked(n))
+        else {
+            break;
+        };
+        let Some(part) = HistorySnapshot::from_bytes(body) else {
+            break;
+        };
+        parts.push(part);
+        bytes = after;
+    }
+    (parts, bytes.len())
 }
 
 impl HistoryKeeper {
@@ -167,7 +271,8 @@ impl Drop for HistoryWriter {
 mod tests {
     use super::*;
     use kvbm_block::SequenceHash;
-    use kvbm_pool::tier::KvShape;
+    use kvbm_pool::tier::{G1Lookup, KvShape};
+    use std::time::Instant;
 
     fn engine() -> TierEngine {
         let shape = KvShape::mha(2, 1, 128);
@@ -190,8 +295,10 @@ mod tests {
         old.restore_history(&seen.snapshot());
         assert_eq!(old.uses(SequenceHash(7)), 3);
         let mut keeper = HistoryKeeper::new(dir.path().join("uses"), Duration::from_secs(3600));
-        assert!(keeper.maybe_save(&old));
-        assert!(!keeper.maybe_save(&old), "written once per interval");
+        assert!(keeper.maybe_save(&old, Duration::ZERO));
+        let later = Duration::from_secs(3599);
+        assert!(!keeper.maybe_save(&old, later), "written once per interval");
+        assert!(keeper.maybe_save(&old, Duration::from_secs(3600)));
         let new = engine();
         assert_eq!(keeper.load(&new), 2);
         assert_eq!(new.uses(SequenceHash(7)), 3);
@@ -201,6 +308,62 @@ mod tests {
         assert_eq!(cold.uses(SequenceHash(7)), 0);
         let nothing = HistoryKeeper::new(dir.path().join("none"), HISTORY_EVERY);
         assert_eq!(nothing.load(&engine()), 0);
+    }
+
+    /// Requests `id` for `blocks` (their uses go to the history).
+    fn request(engine: &TierEngine, id: u64, blocks: &[u64]) {
+        let hashes: Vec<_> = blocks.iter().map(|&b| SequenceHash(b)).collect();
+        engine
+            .match_request(id, &hashes, 128 * hashes.len() + 1, G1Lookup::Pool)
+            .unwrap();
+        engine.release(id);
+    }
+
+    fn len(path: &Path) -> u64 {
+        std::fs::metadata(path).unwrap().len()
+    }
+
+    #[test]
+    fn changes_are_appended_until_they_outgrow_the_snapshot_and_a_torn_end_is_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("uses");
+        let live = engine();
+        let keeper = HistoryKeeper::new(&path, HISTORY_EVERY);
+        let all: Vec<u64> = (0..32).collect();
+        request(&live, 0, &all);
+        assert!(keeper.save(&live));
+        let base = len(&path);
+        // One block used since: one small frame appended.
+        request(&live, 1, &[3]);
+        assert!(keeper.save(&live));
+        assert!(len(&path) > base && len(&path) - base < base / 4);
+        // Nothing used since: nothing written.
+        let before = len(&path);
+        assert!(keeper.save(&live));
+        assert_eq!(len(&path), before);
+        // The changes outgrow the snapshot: the file starts again, whole.
+        let mut shrank = false;
+        for i in 0..64 {
+            request(&live, 2 + i, &[i % 32]);
+            let before = len(&path);
+            assert!(keeper.save(&live));
+            shrank |= len(&path) < before;
+            assert!(len(&path) <= 2 * base + base / 4, "{} bytes", len(&path));
+        }
+        assert!(shrank, "never compacted");
+        request(&live, 100, &[5]);
+        assert!(keeper.save(&live));
+        // A crash in the middle of the next append leaves part of a frame.
+        let mut torn = frame(&live.history_snapshot());
+        torn.truncate(torn.len() / 2);
+        keeper.append(&torn).unwrap();
+        let back = engine();
+        assert_eq!(keeper.load(&back), 32);
+        for b in all {
+            let h = SequenceHash(b);
+            assert_eq!(back.uses(h), live.uses(h), "block {b}");
+        }
+        assert_eq!(back.uses(SequenceHash(5)), 4);
     }
 
     #[test]

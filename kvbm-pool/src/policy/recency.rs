@@ -120,6 +120,18 @@ impl<T: Copy> Recency<T> {
         })
     }
 
+    /// Values from most to least recently used.
+    pub fn iter_rev(&self) -> impl Iterator<Item = T> + '_ {
+        let mut i = self.tail;
+        std::iter::from_fn(move || {
+            (i != NIL).then(|| {
+                let n = self.nodes[i as usize];
+                i = n.prev;
+                n.value
+            })
+        })
+    }
+
     fn link_back(&mut self, id: u32) {
         let tail = self.tail;
         {

@@ -121,23 +121,65 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     })
 }
 
+impl HistorySnapshot {
+    /// A snapshot followed by the changes taken after it
+    /// ([`UseHistory::changes_since`]), in the order they were taken, as
+    /// one snapshot: the last part's clock and weights, each block as its
+    /// latest part has it, least recently used first. `None` for no parts.
+    pub fn combine(parts: Vec<HistorySnapshot>) -> Option<HistorySnapshot> {
+        let last = parts.last()?;
+        let (now, seq, reached, repeats) = (last.now, last.seq, last.reached, last.repeats);
+        let total = parts.iter().map(|p| p.blocks.len()).sum();
+        let mut taken = std::collections::HashSet::with_capacity(total);
+        let mut blocks = Vec::with_capacity(total);
+        // Newest first, keeping each block's first (latest) entry.
+        for part in parts.into_iter().rev() {
+            for (hash, seen) in part.blocks.into_iter().rev() {
+                if taken.insert(hash) {
+                    blocks.push((hash, seen));
+                }
+            }
+        }
+        blocks.reverse();
+        Some(HistorySnapshot {
+            now,
+            seq,
+            reached,
+            repeats,
+            blocks,
+        })
+    }
+}
+
 impl UseHistory {
     /// What this history knows now.
     pub fn snapshot(&self) -> HistorySnapshot {
+        self.changes_since(0)
+    }
+
+    /// What changed since the snapshot or change whose `seq` is `seq`: the
+    /// clock, the weights and the blocks used since. It takes time in the
+    /// blocks used since, not in the blocks remembered, so a history can
+    /// be written down often; [`HistorySnapshot::combine`] puts the parts
+    /// back together.
+    pub fn changes_since(&self, seq: u64) -> HistorySnapshot {
         let (reached, repeats) = self.weights().counters();
+        let mut blocks: Vec<_> = self.used_after(seq).collect();
+        blocks.reverse();
         HistorySnapshot {
             now: self.now(),
             seq: self.seq(),
             reached,
             repeats,
-            blocks: self.remembered().collect(),
+            blocks,
         }
     }
 
     /// Takes up what `snapshot` knew, as if this history had lived through
     /// it: its clock (when ahead of this one's), learned weights and every
     /// block it remembered that this history does not (a block seen since
-    /// keeps what it has). Call it before the engine's first request.
+    /// keeps what it has), the most recently used where not all fit. Call
+    /// it before the engine's first request.
     pub fn restore(&mut self, snapshot: &HistorySnapshot) {
         self.advance_to(snapshot.now, snapshot.seq);
         self.set_weights(ReuseWeights::from_counters(
@@ -152,10 +194,66 @@ impl UseHistory {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
 
     fn h(v: u64) -> SequenceHash {
         SequenceHash(v)
+    }
+
+    proptest! {
+        /// A full snapshot and the changes taken after it, combined and
+        /// restored, give the history the old one had at the last change,
+        /// whatever it forgot in between.
+        #[test]
+        fn changes_combine_into_the_whole_history(
+            capacity in 1usize..24,
+            requests in prop::collection::vec(
+                (prop::collection::vec(0u64..40, 1..6), any::<bool>()),
+                0..60,
+            ),
+        ) {
+            let mut old = UseHistory::new(capacity);
+            let mut parts = Vec::new();
+            let mut taken: Option<u64> = None;
+            let mut take = |u: &UseHistory, parts: &mut Vec<HistorySnapshot>| {
+                let part = match taken {
+                    None => u.snapshot(),
+                    Some(seq) => u.changes_since(seq),
+                };
+                taken = Some(part.seq);
+                // Through the encoding, as the parts go to a file.
+                parts.push(HistorySnapshot::from_bytes(&part.to_bytes()).unwrap());
+            };
+            for (blocks, write) in &requests {
+                let hashes: Vec<_> = blocks.iter().map(|&b| h(b)).collect();
+                old.record_request(&hashes);
+                if *write {
+                    take(&old, &mut parts);
+                }
+            }
+            take(&old, &mut parts);
+            let whole = HistorySnapshot::combine(parts).unwrap();
+            let mut new = UseHistory::new(capacity);
+            new.restore(&whole);
+            prop_assert_eq!(new.snapshot(), old.snapshot());
+        }
+    }
+
+    #[test]
+    fn changes_hold_only_the_blocks_used_since() {
+        let mut u = UseHistory::new(64);
+        u.record_request(&[h(1), h(2)]);
+        let first = u.snapshot();
+        u.record_request(&[h(3)]);
+        u.record_request(&[h(1)]);
+        let since = u.changes_since(first.seq);
+        let blocks: Vec<_> = since.blocks.iter().map(|&(b, _)| b).collect();
+        assert_eq!(blocks, [h(3), h(1)]);
+        assert_eq!(since.now, u.now());
+        assert!(u.changes_since(since.seq).blocks.is_empty());
+        assert!(HistorySnapshot::combine(Vec::new()).is_none());
     }
 
     #[test]

@@ -493,12 +493,12 @@ impl UseHistory {
         }
     }
 
-    /// Every remembered block with what is known of it, least recently
-    /// used first.
-    pub(crate) fn remembered(&self) -> impl Iterator<Item = (SequenceHash, Seen)> + '_ {
+    /// The blocks used after use stamp `seq`, most recently used first:
+    /// the back of the recency list, which is in stamp order.
+    pub(crate) fn used_after(&self, seq: u64) -> impl Iterator<Item = (SequenceHash, Seen)> + '_ {
         self.recency
-            .iter()
-            .filter_map(|h| Some((h, self.seen.get(&h)?.seen)))
+            .iter_rev()
+            .map_while(move |h| Some((h, self.seen.get(&h)?.seen)).filter(|(_, s)| s.seq > seq))
     }
 
     /// Moves the clock and the use stamps forward to at least `now` and

@@ -31,9 +31,16 @@ impl TierEngine {
     /// tiers, it lets a restarted engine rank their blocks as this one
     /// does ([`TierEngine::restore_history`]).
     pub fn history_snapshot(&self) -> HistorySnapshot {
+        self.history_changes(0)
+    }
+
+    /// What changed in the engine's use history since the snapshot or
+    /// change whose `seq` is `seq`: cheap to take often, in proportion to
+    /// the blocks used since ([`HistorySnapshot::combine`] joins them).
+    pub fn history_changes(&self, seq: u64) -> HistorySnapshot {
         // Requests recorded but not applied yet count too.
         self.shared.history.apply_pending();
-        self.shared.history.lock().snapshot()
+        self.shared.history.lock().changes_since(seq)
     }
 
     /// Takes up a use history written by an engine of kept tiers before a

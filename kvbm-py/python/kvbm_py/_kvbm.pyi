@@ -75,7 +75,7 @@ class Scheduler:
     ) -> None: ...
     def save_history(self) -> bool:
         """Writes the use history beside the kept tiers now (it is written
-        every 10 s and at shutdown anyway); whether it wrote one."""
+        every second and at shutdown anyway); whether it wrote one."""
         ...
     @property
     def block_size(self) -> int:
