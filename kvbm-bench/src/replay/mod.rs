@@ -29,7 +29,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use kvbm_layout::{BlockOrder, Layout, LayoutKind};
-use kvbm_pool::tier::{LoadCost, TierEngineConfig, TierPolicy};
+use kvbm_pool::tier::{LoadCost, OffloadMode, TierEngineConfig, TierPolicy};
 use serde::Serialize;
 
 use self::engine::{EngineDriver, PATHS};
@@ -66,6 +66,9 @@ pub struct ReplayConfig {
     pub max_host_bytes: u64,
     /// Admission and eviction in G2 and G3.
     pub policy: TierPolicy,
+    /// When G1's blocks are copied to G2: as G1 evicts them (the engine's
+    /// default) or as they are registered.
+    pub offload_mode: OffloadMode,
     /// Keep G1 in host memory even when a GPU is present.
     pub host_g1: bool,
     /// Total capacities (fractions of distinct blocks) to sweep with the
@@ -333,6 +336,7 @@ pub(crate) fn plan(cfg: &ReplayConfig) -> Result<Plan> {
     let mut tier_config = TierEngineConfig::new(cfg.block_tokens as usize)
         .g2_policy(cfg.policy)
         .g3_policy(cfg.policy)
+        .offload_mode(cfg.offload_mode)
         .g3_staging_blocks(staging);
     if cfg.decline_slow_loads {
         // The engine counts a trace block's tokens; its bytes are those of

@@ -59,6 +59,7 @@ fn config(requests: Vec<Request>, fractions: [f64; 3]) -> ReplayConfig {
         disk_dir: std::env::temp_dir(),
         max_host_bytes: 1 << 30,
         policy: TierPolicy::WriteThrough,
+        offload_mode: OffloadMode::default(),
         host_g1: true,
         sweep: Vec::new(),
         workers: 0,

@@ -62,6 +62,7 @@ pub fn tiny_replay_config(
         disk_dir: dir.to_path_buf(),
         max_host_bytes: 1 << 30,
         policy: TierPolicy::ReuseScore,
+        offload_mode: Default::default(),
         host_g1: true,
         sweep: Vec::new(),
         workers: 0,

@@ -236,6 +236,12 @@ pub struct ReplayArgs {
     /// against capacity.
     #[arg(long)]
     pub sweep: bool,
+    /// When G1's blocks are copied to G2: as G1 evicts them, so that G2
+    /// holds only what G1 lost (the engine's default), or as they are
+    /// registered, so that G2 also holds what G1 holds, as vLLM's connector
+    /// offloads (G2 then keeps G1's blocks through a crash).
+    #[arg(long, value_enum, default_value_t = G1Offload::OnEviction)]
+    pub g1_offload: G1Offload,
     /// Offload batches the engine keeps in flight (default: the engine's).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=64))]
     pub offload_in_flight: Option<u64>,
@@ -288,6 +294,15 @@ pub struct ReplayArgs {
     /// with G3.
     #[arg(long, requires = "restarts")]
     pub restart_keep_g2: bool,
+}
+
+/// When the replayed engine copies G1's blocks to G2.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum G1Offload {
+    /// When G1 evicts them (write-back: G2 is a victim cache).
+    OnEviction,
+    /// When they are registered (write-through).
+    OnRegistration,
 }
 
 /// The tier engine's G2/G3 policies.

@@ -16,14 +16,14 @@ use kvbm_bench::offload::{GpuPath, Load, OffloadConfig, Outcome, run_offload};
 use kvbm_bench::replay::{G3Faults, ReplayConfig, ReplayReport, Restarts, run_replay};
 use kvbm_bench::soak::{SoakConfig, run_soak};
 use kvbm_bench::{BenchError, KvModel};
-use kvbm_pool::tier::TierPolicy;
+use kvbm_pool::tier::{OffloadMode, TierPolicy};
 use kvbm_testkit::trace::{
     MOONCAKE_BLOCK_TOKENS, Request, SyntheticConfig, generate_synthetic, read_mooncake,
 };
 
 use crate::cli::{
-    Cli, Command, GpuPathArg, LoadArg, OffloadArgs, Policy, ReplayArgs, SoakArgs, TierArgs,
-    TransferArgs, WorkloadArgs,
+    Cli, Command, G1Offload, GpuPathArg, LoadArg, OffloadArgs, Policy, ReplayArgs, SoakArgs,
+    TierArgs, TransferArgs, WorkloadArgs,
 };
 
 fn main() -> ExitCode {
@@ -178,6 +178,7 @@ fn replay_config(
         fractions,
         host_g1,
         policy: TierPolicy::ReuseScore,
+        offload_mode: OffloadMode::default(),
         prefill_tokens_per_s: 10_000.0,
         memcpy_threads: cli.threads.into(),
         disk_dir: cli.dir.clone(),
@@ -289,6 +290,10 @@ fn replay_report(cli: &Cli, args: &ReplayArgs) -> Result<ReplayReport, BenchErro
         policy: match args.policy {
             Policy::ReuseScore => TierPolicy::ReuseScore,
             Policy::WriteThrough => TierPolicy::WriteThrough,
+        },
+        offload_mode: match args.g1_offload {
+            G1Offload::OnEviction => OffloadMode::WriteBack,
+            G1Offload::OnRegistration => OffloadMode::WriteThrough,
         },
         prefill_tokens_per_s: args.prefill_rate,
         sweep: if args.sweep {
