@@ -1,6 +1,9 @@
-"""Shared fixtures: the tiny model, the environment vLLM runs in."""
+"""Shared fixtures: the tiny model, the environment vLLM runs in, and the
+removal of kept G2 directories a test made."""
 
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +44,23 @@ def engine_env(tmp_path: Path) -> dict:
     env.update(ENGINE_ENV)
     env["TMPDIR"] = str(tmp_path)
     return env
+
+
+@contextlib.contextmanager
+def kept_g2_removed():
+    """Yields the directory kept G2s live in (this user's, in /dev/shm) and
+    what it held before; removes what was added there when the block
+    ends. Kept G2s live outside pytest's temporary directories, and an
+    engine of the same identity in a later test would find them."""
+    from kvbm_py.config import KvbmConfig
+
+    base = Path(KvbmConfig.g2_base())
+    before = set(base.iterdir()) if base.is_dir() else set()
+    try:
+        yield base, before
+    finally:
+        for entry in (set(base.iterdir()) if base.is_dir() else set()) - before:
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)

@@ -15,17 +15,15 @@ the configuration and seed, and the command that re-runs that case alone.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import HERE, engine_env
+from conftest import HERE, engine_env, kept_g2_removed
 from fuzz_workload import MAX_TOKENS
 
 BLOCK_BYTES = 2 * 2 * 2 * 32 * 64 * 2  # layers x K/V x heads x tokens x head x bf16
@@ -273,7 +271,7 @@ def results(tiny_model, tiny_hybrid_model, tmp_path_factory):
         if tp not in done:
             tmp = tmp_path_factory.mktemp(f"differential-tp{tp}")
             runs = _runs(tp, tmp, {"llama": tiny_model, "hybrid": tiny_hybrid_model})
-            with _kept_g2_removed():
+            with kept_g2_removed():
                 out, failure = run_process(tiny_model, tmp, runs, tp)
             done[tp] = {"runs": {r["name"]: r for r in runs}, "out": out, "failure": failure}
         d = done[tp]
@@ -285,25 +283,6 @@ def results(tiny_model, tiny_hybrid_model, tmp_path_factory):
         return d["out"][name], d["out"][_reference_of(run)], run
 
     return get
-
-
-@contextlib.contextmanager
-def _kept_g2_removed():
-    """Removes the kept G2 directories (and use histories) made inside the
-    block: they live in /dev/shm, outside pytest's temporary directories,
-    and another test's engine of the same identity would find them."""
-    from kvbm_py.config import KvbmConfig
-
-    shm = Path(KvbmConfig.g2_base())
-    before = set(shm.iterdir()) if shm.is_dir() else set()
-    try:
-        yield
-    finally:
-        for entry in (set(shm.iterdir()) if shm.is_dir() else set()) - before:
-            if entry.is_dir():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.unlink(missing_ok=True)
 
 
 def check(name: str, got: dict, want: dict, extra: dict, engine: dict) -> int:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from conftest import HERE, engine_env
+from conftest import HERE, engine_env, kept_g2_removed
 from test_engine import BLOCK_BYTES, GIB
 
 RECORD = 32
@@ -156,16 +156,12 @@ def test_kept_g3_serves_a_restarted_engine(tiny_model, tmp_path):
 
 
 def test_kept_g2_serves_a_restarted_engine_and_refuses_damaged_blocks(tiny_model, tmp_path):
-    from kvbm_py.config import KvbmConfig
-
     if not os.path.isdir("/dev/shm"):
         import pytest
 
         pytest.skip("this host has no /dev/shm")
     extra = {"cpu_cache_gb": 64 * BLOCK_BYTES / GIB, "cpu_cache_keep": True, "admission": "all"}
-    base = Path(KvbmConfig.g2_base())
-    before = set(base.iterdir()) if base.exists() else set()
-    try:
+    with kept_g2_removed() as (base, before):
         first = _run(tiny_model, tmp_path, extra, kill=True)
         assert first["stats"]["g1_to_g2_blocks"] >= 8, first["stats"]
         kept = [d for d in base.iterdir() if d not in before and d.name.startswith("kept-") and d.is_dir()]
@@ -199,9 +195,3 @@ def test_kept_g2_serves_a_restarted_engine_and_refuses_damaged_blocks(tiny_model
         assert third["outputs"] == first["outputs"]
         assert t["g2_recovered_blocks"] == len(slots), t
         assert t["onboard_failures"] >= 1 or t.get("verify_mismatches", 0) >= 1, t
-    finally:
-        for d in (set(base.iterdir()) if base.exists() else set()) - before:
-            if d.is_dir():
-                shutil.rmtree(d, ignore_errors=True)
-            else:
-                d.unlink(missing_ok=True)
