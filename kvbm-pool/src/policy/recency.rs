@@ -110,23 +110,21 @@ impl<T: Copy> Recency<T> {
 
     /// Values from least to most recently used.
     pub fn iter(&self) -> impl Iterator<Item = T> + '_ {
-        let mut i = self.head;
-        std::iter::from_fn(move || {
-            (i != NIL).then(|| {
-                let n = self.nodes[i as usize];
-                i = n.next;
-                n.value
-            })
-        })
+        self.walk(self.head, |n| n.next)
     }
 
     /// Values from most to least recently used.
     pub fn iter_rev(&self) -> impl Iterator<Item = T> + '_ {
-        let mut i = self.tail;
+        self.walk(self.tail, |n| n.prev)
+    }
+
+    /// Values from node `from` on, following `step` to the next node.
+    fn walk(&self, from: u32, step: fn(&Node<T>) -> u32) -> impl Iterator<Item = T> + '_ {
+        let mut i = from;
         std::iter::from_fn(move || {
             (i != NIL).then(|| {
-                let n = self.nodes[i as usize];
-                i = n.prev;
+                let n = &self.nodes[i as usize];
+                i = step(n);
                 n.value
             })
         })

@@ -126,28 +126,24 @@ impl HistorySnapshot {
     /// ([`UseHistory::changes_since`]), in the order they were taken, as
     /// one snapshot: the last part's clock and weights, each block as its
     /// latest part has it, least recently used first. `None` for no parts.
-    pub fn combine(parts: Vec<HistorySnapshot>) -> Option<HistorySnapshot> {
-        let last = parts.last()?;
-        let (now, seq, reached, repeats) = (last.now, last.seq, last.reached, last.repeats);
-        let total = parts.iter().map(|p| p.blocks.len()).sum();
+    pub fn combine(mut parts: Vec<HistorySnapshot>) -> Option<HistorySnapshot> {
+        let mut whole = parts.pop()?;
+        let total = whole.blocks.len() + parts.iter().map(|p| p.blocks.len()).sum::<usize>();
         let mut taken = std::collections::HashSet::with_capacity(total);
         let mut blocks = Vec::with_capacity(total);
         // Newest first, keeping each block's first (latest) entry.
-        for part in parts.into_iter().rev() {
-            for (hash, seen) in part.blocks.into_iter().rev() {
+        let newest_first = std::iter::once(std::mem::take(&mut whole.blocks))
+            .chain(parts.into_iter().rev().map(|p| p.blocks));
+        for part in newest_first {
+            for (hash, seen) in part.into_iter().rev() {
                 if taken.insert(hash) {
                     blocks.push((hash, seen));
                 }
             }
         }
         blocks.reverse();
-        Some(HistorySnapshot {
-            now,
-            seq,
-            reached,
-            repeats,
-            blocks,
-        })
+        whole.blocks = blocks;
+        Some(whole)
     }
 }
 
