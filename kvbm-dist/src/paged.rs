@@ -23,20 +23,32 @@
 //! [`PagedWorker::finished`] hands out. A load whose slot fails its
 //! checksum, or whose copy fails, names the engine blocks that must not be
 //! served.
+//!
+//! **G3.** With a [`PagedDisk`], a file of slots sits behind the region
+//! (the [`disk`] module): a store can first move blocks from G2 slots to
+//! G3 slots, and a load can read blocks held in G3. Slots are then padded
+//! to the disk alignment, so a block moves to or from disk in one
+//! `O_DIRECT` request.
 
 use std::collections::HashSet;
+use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::mpsc::{Sender, channel};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind, LayoutStrides};
-use kvbm_transfer::memory::{MemoryRegion, Owner, SystemAllocator};
-use kvbm_transfer::{Executor, MemoryKind, PhysicalLayout, TransferHandle};
+use kvbm_transfer::memory::{DISK_ALIGNMENT, Owner};
+use kvbm_transfer::{Executor, PhysicalLayout};
 use parking_lot::{Condvar, Mutex};
 
 use crate::error::{DistError, Result};
-use crate::verify::block_sum;
+
+mod disk;
+mod layouts;
+mod settle;
+
+use disk::{Disk, STAGING_SLOTS, Staged};
+use settle::{Earlier, Pending};
 
 /// One KV cache group of the engine: the page tensor of each of its
 /// layers, in layer order.
@@ -66,6 +78,16 @@ pub enum PageMemory {
     Device(u32),
 }
 
+/// G3 behind the slots: a file of `slots` slots under `dir`, removed when
+/// the worker drops.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PagedDisk {
+    /// The directory the file goes in.
+    pub dir: PathBuf,
+    /// Slots of G3.
+    pub slots: usize,
+}
+
 /// What a [`PagedWorker`] is built from.
 #[derive(Debug, Clone)]
 pub struct PagedConfig {
@@ -79,6 +101,8 @@ pub struct PagedConfig {
     pub slots: usize,
     /// Bytes of one slot; at least the largest group's block.
     pub slot_bytes: u64,
+    /// G3 behind G2, if any.
+    pub disk: Option<PagedDisk>,
     /// Record a checksum of every stored slot and check it on each load.
     pub verify: bool,
 }
@@ -100,8 +124,32 @@ pub struct PageCopy {
     pub group: usize,
     /// The engine's block id in that group.
     pub block: usize,
-    /// The G2 slot.
+    /// The slot: of G2, or of G3 where `disk` is set.
     pub slot: usize,
+    /// The block is read from G3 (loads only).
+    pub disk: bool,
+}
+
+impl PageCopy {
+    /// A copy between engine block `block` of `group` and G2 slot `slot`.
+    pub fn g2(group: usize, block: usize, slot: usize) -> Self {
+        PageCopy {
+            group,
+            block,
+            slot,
+            disk: false,
+        }
+    }
+
+    /// A load of engine block `block` of `group` from G3 slot `slot`.
+    pub fn g3(group: usize, block: usize, slot: usize) -> Self {
+        PageCopy {
+            group,
+            block,
+            slot,
+            disk: true,
+        }
+    }
 }
 
 /// How a job ended.
@@ -111,24 +159,16 @@ pub struct JobReport {
     pub job: u64,
     /// Which way it copied.
     pub direction: Direction,
-    /// Bytes that landed.
+    /// Bytes that landed in the engine's pages or the slots.
     pub bytes: u64,
     /// Seconds from submission to the end of its last copy.
     pub seconds: f64,
-    /// The copies whose destination must not be used: a failed copy, or a
-    /// load from a slot that failed its checksum.
+    /// The copies whose destination must not be used: a failed copy, a
+    /// load from a slot that failed its checksum, or every copy of a
+    /// store whose demotions failed.
     pub failed: Vec<PageCopy>,
     /// The first error, when anything failed.
     pub error: Option<String>,
-}
-
-struct Pending {
-    job: u64,
-    direction: Direction,
-    copies: Vec<PageCopy>,
-    /// One transfer per group the job touches, with that group's index.
-    transfers: Vec<(usize, TransferHandle)>,
-    started: Instant,
 }
 
 #[derive(Default)]
@@ -137,12 +177,16 @@ struct Reports {
     in_flight: HashSet<u64>,
 }
 
+/// What the worker's threads share.
 struct Shared {
     g1: Vec<PhysicalLayout>,
     g2: Vec<PhysicalLayout>,
+    /// The slot region as whole slots (G2's slots, the zero slot, the
+    /// staging slots).
+    region: PhysicalLayout,
+    disk: Option<Disk>,
     /// Slots a job may name; slot `slots` is the zero slot.
     slots: usize,
-    /// The executor's clone that wipes the pages of failed loads.
     executor: Executor,
     /// The checksum of each slot's block (verify mode).
     sums: Option<Mutex<Vec<Option<u64>>>>,
@@ -150,130 +194,43 @@ struct Shared {
     settled: Condvar,
 }
 
+impl Shared {
+    /// The slot of zeros copied over the pages of a failed load.
+    fn zero_slot(&self) -> usize {
+        self.slots
+    }
+
+    /// Staging slot `i` of reads from G3.
+    fn staging_slot(&self, i: usize) -> usize {
+        self.slots + 1 + i
+    }
+}
+
 /// The worker side of a host tier whose books the engine keeps; see the
 /// module docs.
 pub struct PagedWorker {
     shared: Arc<Shared>,
-    executor: Executor,
-    queue: Option<Sender<Pending>>,
-    settler: Option<JoinHandle<()>>,
-    slot_bytes: u64,
+    settle: Option<Sender<Pending>>,
+    stage: Option<Sender<Staged>>,
+    threads: Vec<JoinHandle<()>>,
+    stride: u64,
 }
 
 fn invalid(what: impl Into<String>) -> DistError {
     DistError::InvalidConfig(what.into())
 }
 
-/// A group's pages as a G1 layout: one region per layer, block-first, one
-/// chunk of `page_bytes` per block.
-///
-/// # Safety
-/// As [`PagedWorker::new`].
-unsafe fn group_g1(
-    group: &PageGroup,
-    num_blocks: usize,
-    memory: PageMemory,
-    owner: &Owner,
-) -> Result<PhysicalLayout> {
-    if group.layers.is_empty() || group.page_bytes == 0 {
-        return Err(invalid(
-            "a KV cache group without layers or with empty pages",
-        ));
-    }
-    if group.block_stride < group.page_bytes {
-        return Err(invalid(format!(
-            "block stride {} is below the page size {}",
-            group.block_stride, group.page_bytes
-        )));
-    }
-    if group.layers.contains(&0) {
-        return Err(invalid("a page tensor at address 0"));
-    }
-    let page = usize::try_from(group.page_bytes).map_err(|_| invalid("page too large"))?;
-    let config = LayoutConfig::new(num_blocks, group.layers.len(), 1, 1, page, 1)?;
-    let strides = LayoutStrides {
-        block: group.block_stride,
-        layer: 0,
-        outer: group.page_bytes,
-    };
-    let layout = Layout::with_strides(
-        config,
-        LayoutKind::LayerSeparate(BlockOrder::BlockFirst),
-        strides,
-    )?;
-    let span = layout.region_size(0)?;
-    let kind = match memory {
-        PageMemory::Host => MemoryKind::System,
-        PageMemory::Device(ordinal) => device_kind(ordinal)?,
-    };
-    let regions = group
-        .layers
-        .iter()
-        // SAFETY: the caller guarantees `num_blocks` blocks of
-        // `block_stride` bytes of `memory` from each address, alive while
-        // `owner` is.
-        .map(|&addr| unsafe { MemoryRegion::from_raw(addr, span, kind, Some(owner.clone())) })
-        .collect();
-    Ok(PhysicalLayout::new(layout, regions)?)
-}
-
-#[cfg(feature = "cuda")]
-fn device_kind(ordinal: u32) -> Result<MemoryKind> {
-    Ok(MemoryKind::Device(ordinal))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn device_kind(_ordinal: u32) -> Result<MemoryKind> {
-    Err(invalid("device pages need kvbm built with feature `cuda`"))
-}
-
-/// The slot region: `slots * slot_bytes` of pinned memory near a GPU, or
-/// of system memory beside host pages.
-fn slot_region(memory: PageMemory, slots: usize, slot_bytes: u64) -> Result<PhysicalLayout> {
-    let config = LayoutConfig::new(slots, 1, 1, 1, slot_bytes as usize, 1)?;
-    let layout = Layout::new(config, LayoutKind::FullyContiguous)?;
-    match memory {
-        PageMemory::Host => Ok(PhysicalLayout::allocate_system(
-            layout,
-            &SystemAllocator::new(),
-        )?),
-        PageMemory::Device(_ordinal) => {
-            #[cfg(feature = "cuda")]
-            {
-                let device = kvbm_transfer::cuda::CudaDevice::open(_ordinal as usize)
-                    .map_err(kvbm_transfer::cuda::backend::to_transfer_error)?;
-                Ok(PhysicalLayout::allocate_pinned(layout, &device)?)
-            }
-            #[cfg(not(feature = "cuda"))]
-            Err(invalid("device pages need kvbm built with feature `cuda`"))
-        }
-    }
-}
-
-/// A group's view of the slot region: `[slot][layer][page]`, slot stride
-/// `slot_bytes`.
-fn group_g2(group: &PageGroup, region: &PhysicalLayout, slot_bytes: u64) -> Result<PhysicalLayout> {
-    let slots = region.layout().config().num_blocks();
-    let config = LayoutConfig::new(
-        slots,
-        group.layers.len(),
-        1,
-        1,
-        group.page_bytes as usize,
-        1,
-    )?;
-    let strides = LayoutStrides {
-        block: slot_bytes,
-        layer: group.page_bytes,
-        outer: group.page_bytes,
-    };
-    let layout = Layout::with_strides(config, LayoutKind::FullyContiguous, strides)?;
-    Ok(PhysicalLayout::new(layout, region.regions().to_vec())?)
+fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(f)
+        .map_err(|e| invalid(format!("cannot start a thread: {e}")))
 }
 
 impl PagedWorker {
-    /// Wraps the engine's page tensors, allocates the slots, builds the
-    /// executor for the pages' memory and starts the settling thread.
+    /// Wraps the engine's page tensors, allocates the slots (and G3's
+    /// file), builds the executor for the pages' memory and starts the
+    /// worker's threads.
     ///
     /// # Safety
     /// Every group's page tensors (`num_blocks * block_stride` bytes from
@@ -296,53 +253,85 @@ impl PagedWorker {
                 config.slot_bytes
             )));
         }
-        if config.slots == 0 {
+        if config.slots == 0 || config.disk.as_ref().is_some_and(|d| d.slots == 0) {
             return Err(invalid("no slots"));
         }
+        let stride = match config.disk {
+            Some(_) => config.slot_bytes.next_multiple_of(DISK_ALIGNMENT),
+            None => config.slot_bytes,
+        };
         let g1 = config
             .groups
             .iter()
             // SAFETY: forwarded from the caller.
-            .map(|g| unsafe { group_g1(g, config.num_blocks, config.memory, &owner) })
+            .map(|g| unsafe { layouts::group_g1(g, config.num_blocks, config.memory, &owner) })
             .collect::<Result<Vec<_>>>()?;
-        let executor = crate::worker::executor_spec(&g1[0])?.build()?;
-        // One slot more than asked: the zero slot, copied over the pages
-        // of a failed load.
-        let region = slot_region(config.memory, config.slots + 1, config.slot_bytes)?;
-        zero_last_slot(&region, config.slot_bytes)?;
+        let executor = crate::worker::executor_spec(&g1[0])?
+            .disk(config.disk.is_some())
+            .build()?;
+        // Past G2's slots: the zero slot, copied over the pages of a
+        // failed load, and with G3 the staging slots of its reads.
+        let staging = if config.disk.is_some() {
+            STAGING_SLOTS
+        } else {
+            0
+        };
+        let region = layouts::slot_region(config.memory, config.slots + 1 + staging, stride)?;
+        layouts::zero_slot(&region, config.slots, stride)?;
         executor.register(&region)?;
         let g2 = config
             .groups
             .iter()
-            .map(|g| group_g2(g, &region, config.slot_bytes))
+            .map(|g| layouts::group_g2(g, &region, stride))
             .collect::<Result<Vec<_>>>()?;
+        let disk = match &config.disk {
+            Some(d) => Some(Disk {
+                file: layouts::slot_file(&d.dir, d.slots, stride)?,
+                slots: d.slots,
+                sums: config.verify.then(|| Mutex::new(vec![None; d.slots])),
+            }),
+            None => None,
+        };
         let shared = Arc::new(Shared {
             g1,
             g2,
+            region,
+            disk,
             slots: config.slots,
-            executor: executor.clone(),
+            executor,
             sums: config.verify.then(|| Mutex::new(vec![None; config.slots])),
             reports: Mutex::new(Reports::default()),
             settled: Condvar::new(),
         });
-        let (queue, rx) = channel();
+        let (settle, settle_rx) = channel();
         let s = Arc::clone(&shared);
-        let settler = std::thread::Builder::new()
-            .name("kvbm-paged".into())
-            .spawn(move || settle_loop(&s, rx))
-            .map_err(|e| invalid(format!("cannot start the settling thread: {e}")))?;
+        let mut threads = vec![spawn("kvbm-paged", move || {
+            settle::settle_loop(&s, settle_rx)
+        })?];
+        let stage = match shared.disk {
+            Some(_) => {
+                let (stage, stage_rx) = channel();
+                let (s, to_settle) = (Arc::clone(&shared), settle.clone());
+                threads.push(spawn("kvbm-paged-g3", move || {
+                    disk::stage_loop(&s, stage_rx, to_settle)
+                })?);
+                Some(stage)
+            }
+            None => None,
+        };
         Ok(PagedWorker {
             shared,
-            executor,
-            queue: Some(queue),
-            settler: Some(settler),
-            slot_bytes: config.slot_bytes,
+            settle: Some(settle),
+            stage,
+            threads,
+            stride,
         })
     }
 
-    /// Bytes of one slot.
-    pub fn slot_bytes(&self) -> u64 {
-        self.slot_bytes
+    /// Bytes from one slot to the next (a slot's bytes, padded to the
+    /// disk alignment where G3 is on).
+    pub fn slot_stride(&self) -> u64 {
+        self.stride
     }
 
     /// Slots of G2.
@@ -350,61 +339,98 @@ impl PagedWorker {
         self.shared.slots
     }
 
-    /// Starts copying engine pages into slots.
-    pub fn store(&self, job: u64, copies: Vec<PageCopy>) -> Result<()> {
-        self.submit(job, Direction::Store, copies)
+    /// Slots of G3 (0 without one).
+    pub fn disk_slots(&self) -> usize {
+        self.shared.disk.as_ref().map_or(0, |d| d.slots)
     }
 
-    /// Starts copying slots into engine pages.
+    /// Starts copying engine pages into G2 slots, after moving the blocks
+    /// of `demote` (`(G2 slot, G3 slot)`) to G3.
+    pub fn store(
+        &self,
+        job: u64,
+        copies: Vec<PageCopy>,
+        demote: Vec<(usize, usize)>,
+    ) -> Result<()> {
+        self.submit(job, Direction::Store, copies, demote)
+    }
+
+    /// Starts copying slots (of G2, or of G3 where a copy says so) into
+    /// engine pages.
     pub fn load(&self, job: u64, copies: Vec<PageCopy>) -> Result<()> {
-        self.submit(job, Direction::Load, copies)
+        self.submit(job, Direction::Load, copies, Vec::new())
     }
 
-    fn submit(&self, job: u64, direction: Direction, copies: Vec<PageCopy>) -> Result<()> {
-        let groups = self.shared.g1.len();
-        let slots = self.slots();
-        for c in &copies {
-            if c.group >= groups || c.slot >= slots {
+    fn check(
+        &self,
+        job: u64,
+        direction: Direction,
+        copies: &[PageCopy],
+        demote: &[(usize, usize)],
+    ) -> Result<()> {
+        let (groups, slots, disk) = (self.shared.g1.len(), self.slots(), self.disk_slots());
+        for c in copies {
+            let bound = if c.disk { disk } else { slots };
+            if c.group >= groups || c.slot >= bound || (c.disk && direction == Direction::Store) {
                 return Err(invalid(format!(
-                    "job {job}: group {} / slot {} beyond {groups} groups / {slots} slots",
-                    c.group, c.slot
+                    "job {job}: a {direction:?} of group {} from {} slot {} beyond {groups} groups / {bound} slots",
+                    c.group,
+                    if c.disk { "G3" } else { "G2" },
+                    c.slot
                 )));
             }
         }
+        if let Some(&(from, to)) = demote
+            .iter()
+            .find(|&&(from, to)| from >= slots || to >= disk)
+        {
+            return Err(invalid(format!(
+                "job {job}: a move from G2 slot {from} to G3 slot {to} beyond {slots} / {disk} slots"
+            )));
+        }
+        Ok(())
+    }
+
+    fn submit(
+        &self,
+        job: u64,
+        direction: Direction,
+        copies: Vec<PageCopy>,
+        demote: Vec<(usize, usize)>,
+    ) -> Result<()> {
+        self.check(job, direction, &copies, &demote)?;
         if !self.shared.reports.lock().in_flight.insert(job) {
             return Err(invalid(format!("job {job} is already in flight")));
         }
         let started = Instant::now();
-        let mut transfers = Vec::new();
-        for group in 0..groups {
-            let pairs: Vec<(usize, usize)> = copies
-                .iter()
-                .filter(|c| c.group == group)
-                .map(|c| match direction {
-                    Direction::Store => (c.block, c.slot),
-                    Direction::Load => (c.slot, c.block),
-                })
-                .collect();
-            if pairs.is_empty() {
-                continue;
-            }
-            let (g1, g2) = (&self.shared.g1[group], &self.shared.g2[group]);
-            let handle = match direction {
-                Direction::Store => self.executor.transfer(g1, g2, &pairs),
-                Direction::Load => self.executor.transfer(g2, g1, &pairs),
+        let sent = if demote.is_empty() && !copies.iter().any(|c| c.disk) {
+            let transfers = settle::start(&self.shared, &self.shared.executor, direction, &copies);
+            let pending = Pending {
+                job,
+                direction,
+                copies,
+                transfers,
+                earlier: Earlier::default(),
+                started,
             };
-            transfers.push((group, handle));
-        }
-        let pending = Pending {
-            job,
-            direction,
-            copies,
-            transfers,
-            started,
+            self.settle
+                .as_ref()
+                .is_some_and(|q| q.send(pending).is_ok())
+        } else {
+            let staged = Staged {
+                job,
+                direction,
+                copies,
+                demote,
+                started,
+            };
+            self.stage.as_ref().is_some_and(|q| q.send(staged).is_ok())
         };
-        match &self.queue {
-            Some(q) if q.send(pending).is_ok() => Ok(()),
-            _ => Err(invalid("the worker is shut down")),
+        if sent {
+            Ok(())
+        } else {
+            self.shared.reports.lock().in_flight.remove(&job);
+            Err(invalid("the worker is shut down"))
         }
     }
 
@@ -421,12 +447,12 @@ impl PagedWorker {
         }
     }
 
-    /// Changes every byte of `slot` (a test's stand-in for memory that
-    /// changed at rest; each call moves the bytes further from what was
-    /// stored).
+    /// Changes every byte of G2 slot `slot` (a test's stand-in for memory
+    /// that changed at rest; each call moves the bytes further from what
+    /// was stored).
     #[cfg(feature = "fault-injection")]
     pub fn corrupt_slot(&self, slot: usize) -> Result<()> {
-        let region = &self.shared.g2[0].regions()[0];
+        let region = &self.shared.region.regions()[0];
         let addr = region
             .addr()
             .ok_or_else(|| invalid("slots without an address"))?;
@@ -437,8 +463,8 @@ impl PagedWorker {
         // the region owns; a test calls this while no job copies the slot.
         let bytes = unsafe {
             std::slice::from_raw_parts_mut(
-                (addr + slot as u64 * self.slot_bytes) as *mut u8,
-                self.slot_bytes as usize,
+                (addr + slot as u64 * self.stride) as *mut u8,
+                self.stride as usize,
             )
         };
         for b in bytes {
@@ -446,151 +472,33 @@ impl PagedWorker {
         }
         Ok(())
     }
+
+    /// Overwrites G3 slot `slot` with zeros (a test's stand-in for a disk
+    /// that changed at rest).
+    #[cfg(feature = "fault-injection")]
+    pub fn corrupt_disk_slot(&self, slot: usize) -> Result<()> {
+        let disk = self.shared.disk.as_ref().ok_or_else(|| invalid("no G3"))?;
+        if slot >= disk.slots {
+            return Err(invalid(format!("G3 slot {slot} beyond {}", disk.slots)));
+        }
+        let zeros = [(self.shared.zero_slot(), slot)];
+        self.shared
+            .executor
+            .transfer(&self.shared.region, &disk.file, &zeros)
+            .wait()
+            .map_err(|f| invalid(format!("overwriting G3 slot {slot}: {f}")))?;
+        Ok(())
+    }
 }
 
 impl Drop for PagedWorker {
     fn drop(&mut self) {
-        drop(self.queue.take());
-        if let Some(t) = self.settler.take() {
+        // The staging thread goes first: it hands jobs to the settling
+        // thread, which ends once every sender is gone.
+        drop(self.stage.take());
+        drop(self.settle.take());
+        for t in self.threads.drain(..) {
             let _ = t.join();
-        }
-    }
-}
-
-/// Settles jobs in submission order until the worker drops its sender.
-fn settle_loop(shared: &Shared, rx: Receiver<Pending>) {
-    for pending in rx {
-        let report = settle(shared, pending);
-        let mut r = shared.reports.lock();
-        r.in_flight.remove(&report.job);
-        r.done.push(report);
-        shared.settled.notify_all();
-    }
-}
-
-fn settle(shared: &Shared, p: Pending) -> JobReport {
-    let mut bytes = 0;
-    let mut failed = Vec::new();
-    let mut error = None;
-    for (group, handle) in p.transfers {
-        match handle.wait() {
-            Ok(report) => bytes += report.bytes,
-            Err(f) => {
-                error.get_or_insert_with(|| f.to_string());
-                let landed: HashSet<(usize, usize)> = f.completed.iter().copied().collect();
-                failed.extend(p.copies.iter().filter(|c| {
-                    let pair = match p.direction {
-                        Direction::Store => (c.block, c.slot),
-                        Direction::Load => (c.slot, c.block),
-                    };
-                    c.group == group && !landed.contains(&pair)
-                }));
-            }
-        }
-    }
-    if let Some(sums) = &shared.sums {
-        judge(
-            shared,
-            sums,
-            p.direction,
-            &p.copies,
-            &mut failed,
-            &mut error,
-        );
-    }
-    if p.direction == Direction::Load && !failed.is_empty() {
-        wipe(shared, &failed, &mut error);
-    }
-    let seconds = p.started.elapsed().as_secs_f64();
-    JobReport {
-        job: p.job,
-        direction: p.direction,
-        bytes,
-        seconds,
-        failed,
-        error,
-    }
-}
-
-/// Overwrites the pages a failed load wrote with zeros (from the zero
-/// slot), so bytes that failed their check never stay where the engine
-/// might read them: a request recomputed after a failed load may reuse
-/// those blocks, and a partly filled block is read whole by attention
-/// kernels that mask, not skip, the tokens beyond its end.
-fn wipe(shared: &Shared, failed: &[PageCopy], error: &mut Option<String>) {
-    for (group, (g1, g2)) in shared.g1.iter().zip(&shared.g2).enumerate() {
-        let pairs: Vec<(usize, usize)> = failed
-            .iter()
-            .filter(|c| c.group == group)
-            .map(|c| (shared.slots, c.block))
-            .collect();
-        if pairs.is_empty() {
-            continue;
-        }
-        if let Err(f) = shared.executor.transfer(g2, g1, &pairs).wait() {
-            tracing::error!("kvbm: wiping the pages of a failed load failed: {f}");
-            error.get_or_insert_with(|| format!("wiping a failed load's pages: {f}"));
-        }
-    }
-}
-
-/// Writes zeros over the last slot of `region` (host-addressable memory:
-/// system or pinned).
-fn zero_last_slot(region: &PhysicalLayout, slot_bytes: u64) -> Result<()> {
-    let slots = region.layout().config().num_blocks() as u64;
-    let r = &region.regions()[0];
-    let addr = r
-        .addr()
-        .ok_or_else(|| invalid("a slot region without an address"))?;
-    // SAFETY: the region holds `slots` slots of `slot_bytes` (its layout),
-    // host-addressable memory it owns; nothing else uses it yet.
-    unsafe {
-        std::ptr::write_bytes(
-            (addr + (slots - 1) * slot_bytes) as *mut u8,
-            0,
-            slot_bytes as usize,
-        );
-    }
-    Ok(())
-}
-
-/// Verify mode: records the sums of stored slots, and checks the slot a
-/// load read once the load ended (a slot is not written while a load
-/// reads it: the books hold it), so bytes that changed at rest in host
-/// memory are never served. The engine's pages are not read: once a
-/// load ended the engine may use them.
-fn judge(
-    shared: &Shared,
-    sums: &Mutex<Vec<Option<u64>>>,
-    direction: Direction,
-    copies: &[PageCopy],
-    failed: &mut Vec<PageCopy>,
-    error: &mut Option<String>,
-) {
-    let broken: HashSet<(usize, usize)> = failed.iter().map(|c| (c.group, c.slot)).collect();
-    for c in copies {
-        if broken.contains(&(c.group, c.slot)) {
-            if direction == Direction::Store {
-                sums.lock()[c.slot] = None;
-            }
-            continue;
-        }
-        let g2 = &shared.g2[c.group];
-        match direction {
-            Direction::Store => sums.lock()[c.slot] = block_sum(g2, c.slot).ok(),
-            Direction::Load => {
-                let got = block_sum(g2, c.slot);
-                let want = sums.lock()[c.slot];
-                if got.ok() != want || want.is_none() {
-                    failed.push(*c);
-                    error.get_or_insert_with(|| {
-                        format!(
-                            "slot {} failed its checksum: its bytes changed since they were stored",
-                            c.slot
-                        )
-                    });
-                }
-            }
         }
     }
 }

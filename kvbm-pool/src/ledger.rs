@@ -18,7 +18,18 @@
 //! ([`Ledger::commit`]), so a load never reads a slot that is still being
 //! written, and a slot is only reused after every load of its old block
 //! completed. Those two rules are what keep bytes right; the model-based
-//! test at the end of this file holds the ledger to them.
+//! tests hold the ledger to them.
+//!
+//! **A disk tier behind.** Built with [`Ledger::with_disk`], the ledger
+//! also keeps the books of a G3 of its own slots, exclusive of G2: a
+//! block the G2 policy evicts, and that G3's policy admits, is *demoted*
+//! (its bytes copied from its G2 slot to a G3 slot) by the very store
+//! that takes its G2 slot, before that store writes the slot; the
+//! [`Reservation`] names each such [`Move`]. The demoted block becomes
+//! loadable from G3 when that store is confirmed, and is gone if it
+//! fails. A load reads each block from the tier that holds it
+//! ([`Ledger::pin`] says which), and a G3 slot being read is not reused
+//! either.
 
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
@@ -30,7 +41,7 @@ use parking_lot::Mutex;
 use crate::config::{PoolConfig, Tier};
 use crate::error::PoolError;
 use crate::events::{KvEvent, KvEventBatch};
-use crate::policy::{LruPolicy, ReuseScorePolicy, SharedHistory, UseHistory};
+use crate::policy::{EvictionPolicy, LruPolicy, ReuseScorePolicy, SharedHistory, UseHistory};
 use crate::pool::{BlockPool, ImmutableBlock, MutableBlock};
 use crate::tier::{TierEngineConfig, TierPolicy};
 
@@ -39,19 +50,48 @@ use crate::tier::{TierEngineConfig, TierPolicy};
 pub enum Presence {
     /// Not held.
     Absent,
-    /// A store into its slot is in flight: not loadable yet.
+    /// A store (or a demotion) into its slot is in flight: not loadable
+    /// yet.
     Writing,
-    /// Held and loadable.
+    /// Held and loadable, in G2 or G3.
     Ready,
+}
+
+/// A block copied from one tier's slot to another's before a job's own
+/// copies run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Move {
+    /// The block.
+    pub key: SequenceHash,
+    /// Its slot in the tier it leaves (G2).
+    pub from: u32,
+    /// Its slot in the tier it enters (G3).
+    pub to: u32,
+}
+
+/// Where a load reads one block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Source {
+    /// The tier that holds it: [`Tier::G2`] or [`Tier::G3`].
+    pub tier: Tier,
+    /// Its slot in that tier.
+    pub slot: u32,
 }
 
 /// What [`Ledger::reserve`] hands out.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Reservation {
-    /// The keys to write, each with the slot to write it into, in the
+    /// The keys to write, each with the G2 slot to write it into, in the
     /// order asked.
     pub slots: Vec<(SequenceHash, u32)>,
-    /// Cached keys whose slots were taken for these (they are gone).
+    /// Blocks whose G2 slots were taken for these and that move to G3:
+    /// the worker copies each `from` its G2 slot `to` its G3 slot before
+    /// it writes any of `slots`. Each ends with the store that took its
+    /// slot: loadable from G3 once that store is confirmed, gone if it is
+    /// abandoned.
+    pub demote: Vec<Move>,
+    /// Keys no tier holds any more (evicted from G2 and not demoted, or
+    /// evicted from G3).
     pub evicted: Vec<SequenceHash>,
     /// Keys already held or being written (nothing to do for them).
     pub present: usize,
@@ -64,12 +104,16 @@ pub struct Reservation {
 /// Slot counts of a [`Ledger`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LedgerCounts {
-    /// Blocks held and loadable (those being read included).
+    /// Blocks held and loadable in G2 (those being read included).
     pub ready: usize,
-    /// Slots being written.
+    /// G2 slots being written.
     pub writing: usize,
-    /// Blocks at least one load reads.
+    /// Blocks at least one load reads (in either tier).
     pub reading: usize,
+    /// Blocks held and loadable in G3.
+    pub on_disk: usize,
+    /// G3 slots a demotion is writing.
+    pub demoting: usize,
 }
 
 /// What a ledger refuses.
@@ -83,83 +127,145 @@ pub enum LedgerError {
     Pool(#[from] PoolError),
 }
 
-/// A block being read, and by how many loads.
+/// A G2 slot handed to a store, and the demotion that rides on it.
+struct Write {
+    block: MutableBlock,
+    parent: Option<SequenceHash>,
+    /// The block that held the slot before and moves to G3 first.
+    demotes: Option<SequenceHash>,
+}
+
+/// A block being read, from which tier, and by how many loads.
 struct Reading {
     block: ImmutableBlock,
+    tier: Tier,
     loads: u32,
 }
 
 #[derive(Default)]
 struct Books {
-    writing: HashMap<SequenceHash, (MutableBlock, Option<SequenceHash>)>,
+    writing: HashMap<SequenceHash, Write>,
+    /// G3 slots receiving a demoted block, by that block's key.
+    demoting: HashMap<SequenceHash, MutableBlock>,
     reading: HashMap<SequenceHash, Reading>,
+    /// The G2 slot of every block G2 holds (a demotion's source).
+    g2_slots: HashMap<SequenceHash, u32>,
     /// Blocks whose bytes failed a load: never loaded again, and not
-    /// stored again until the pool evicted them.
+    /// stored again until their tier evicted them.
     doomed: HashSet<SequenceHash>,
 }
 
-/// The books of one tier of `capacity` slots whose copies run elsewhere;
-/// see the module docs.
-pub struct Ledger {
+/// A block a pool removed, with the G2 slot it left (for a G2 block).
+struct Removed {
+    key: SequenceHash,
+    g2_slot: Option<u32>,
+}
+
+/// One tier's pool and the events its evictions raise.
+struct SlotTier {
     pool: BlockPool,
+    events: Mutex<Receiver<KvEventBatch>>,
+}
+
+impl SlotTier {
+    fn new(
+        capacity: usize,
+        tier: Tier,
+        ranking: Box<dyn EvictionPolicy>,
+    ) -> Result<Self, LedgerError> {
+        let pool = BlockPool::with_policy(PoolConfig::new(capacity, 1, tier), ranking)?;
+        let events = Mutex::new(pool.subscribe());
+        Ok(SlotTier { pool, events })
+    }
+}
+
+/// The books of a host tier of slots, and optionally a disk tier behind
+/// it, whose copies run elsewhere; see the module docs.
+pub struct Ledger {
+    g2: SlotTier,
+    g3: Option<SlotTier>,
     policy: TierPolicy,
     history: SharedHistory,
     books: Mutex<Books>,
-    events: Mutex<Receiver<KvEventBatch>>,
-    /// Events taken out of the pool but not yet handed to the caller.
-    unread: Mutex<Vec<KvEvent>>,
+    /// Events taken out of the pools but not yet handed to the caller.
+    unread: Mutex<Vec<(Tier, KvEvent)>>,
 }
 
 impl Ledger {
-    /// Books for `capacity` slots ranked and admitted by `policy`, with
+    /// Books for `capacity` G2 slots ranked and admitted by `policy`, with
     /// the tier engine's defaults for the use history.
     pub fn new(capacity: usize, policy: TierPolicy) -> Result<Ledger, LedgerError> {
+        Ledger::with_disk(capacity, 0, policy)
+    }
+
+    /// Books for `capacity` G2 slots and `disk` G3 slots behind them (none
+    /// when 0), both ranked and admitted by `policy`.
+    pub fn with_disk(
+        capacity: usize,
+        disk: usize,
+        policy: TierPolicy,
+    ) -> Result<Ledger, LedgerError> {
         if let TierPolicy::MinUses(0) = policy {
             return Err(LedgerError::Pool(PoolError::InvalidConfig(
                 "min_uses needs at least 1",
             )));
         }
         let defaults = TierEngineConfig::new(1);
-        let ghosts = (capacity as f64 * defaults.history_factor).ceil() as usize;
+        let remembered = capacity.saturating_add(disk);
+        let ghosts = (remembered as f64 * defaults.history_factor).ceil() as usize;
         let history = SharedHistory::new(
-            UseHistory::new(capacity.saturating_add(ghosts).max(1))
+            UseHistory::new(remembered.saturating_add(ghosts).max(1))
                 .with_model(defaults.reuse_model)
                 .with_age_exponent(defaults.reuse_age_exponent)
                 .with_hint_slack(defaults.hint_slack),
         );
-        let ranking: Box<dyn crate::policy::EvictionPolicy> = match policy {
-            TierPolicy::ReuseScore => {
-                Box::new(ReuseScorePolicy::for_tier(history.clone(), Tier::G2))
-            }
-            TierPolicy::WriteThrough | TierPolicy::MinUses(_) => {
-                Box::new(LruPolicy::with_capacity(capacity))
+        let ranking = |tier: Tier, slots: usize| -> Box<dyn EvictionPolicy> {
+            match policy {
+                TierPolicy::ReuseScore => {
+                    Box::new(ReuseScorePolicy::for_tier(history.clone(), tier))
+                }
+                TierPolicy::WriteThrough | TierPolicy::MinUses(_) => {
+                    Box::new(LruPolicy::with_capacity(slots))
+                }
             }
         };
-        let pool = BlockPool::with_policy(PoolConfig::new(capacity, 1, Tier::G2), ranking)?;
-        let events = pool.subscribe();
+        let g2 = SlotTier::new(capacity, Tier::G2, ranking(Tier::G2, capacity))?;
+        let g3 = match disk {
+            0 => None,
+            n => Some(SlotTier::new(n, Tier::G3, ranking(Tier::G3, n))?),
+        };
         Ok(Ledger {
-            pool,
+            g2,
+            g3,
             policy,
             history,
             books: Mutex::new(Books::default()),
-            events: Mutex::new(events),
             unread: Mutex::new(Vec::new()),
         })
     }
 
-    /// Slots in the tier.
+    /// Slots in G2.
     pub fn capacity(&self) -> usize {
-        self.pool.capacity()
+        self.g2.pool.capacity()
+    }
+
+    /// Slots in G3 (0 without one).
+    pub fn disk_capacity(&self) -> usize {
+        self.g3.as_ref().map_or(0, |t| t.pool.capacity())
+    }
+
+    fn on_disk(&self, key: SequenceHash) -> bool {
+        self.g3.as_ref().is_some_and(|t| t.pool.contains(key))
     }
 
     /// Where `key` stands.
     pub fn presence(&self, key: SequenceHash) -> Presence {
         let books = self.books.lock();
-        if books.writing.contains_key(&key) {
+        if books.writing.contains_key(&key) || books.demoting.contains_key(&key) {
             Presence::Writing
         } else if books.doomed.contains(&key) {
             Presence::Absent
-        } else if self.pool.contains(key) {
+        } else if self.g2.pool.contains(key) || self.on_disk(key) {
             Presence::Ready
         } else {
             Presence::Absent
@@ -177,109 +283,183 @@ impl Ledger {
 
     /// Marks `keys` as just used (the ones held; the others are ignored).
     pub fn touch(&self, keys: &[SequenceHash]) {
-        self.pool.touch(keys);
+        self.g2.pool.touch(keys);
+        if let Some(g3) = &self.g3 {
+            g3.pool.touch(keys);
+        }
     }
 
-    fn admitted(&self, key: SequenceHash) -> bool {
+    fn admitted(&self, tier: &SlotTier, key: SequenceHash) -> bool {
         match self.policy {
             TierPolicy::WriteThrough => true,
             TierPolicy::MinUses(n) => self.history.lock().uses(key) >= n,
-            TierPolicy::ReuseScore => self.pool.admit(key),
+            TierPolicy::ReuseScore => tier.pool.admit(key),
         }
     }
 
-    /// Slots for the `keys` to write (each with its parent, `None` when
-    /// unknown), in order: a key already held or being written is
+    fn held(&self, books: &Books, key: SequenceHash) -> bool {
+        books.writing.contains_key(&key)
+            || books.demoting.contains_key(&key)
+            || self.g2.pool.contains(key)
+            || self.on_disk(key)
+    }
+
+    /// G2 slots for the `keys` to write (each with its parent, `None`
+    /// when unknown), in order: a key already held or being written is
     /// skipped, one the admission policy refuses is left out, and cached
-    /// blocks are evicted for the rest while any are evictable. Each
-    /// handed-out slot stays `Writing` until [`commit`](Self::commit).
+    /// blocks are evicted for the rest while any are evictable (demoted
+    /// to G3 where it admits them). Each handed-out slot stays `Writing`
+    /// until [`commit`](Self::commit).
     pub fn reserve(&self, keys: &[(SequenceHash, Option<SequenceHash>)]) -> Reservation {
         let mut out = Reservation::default();
-        // Earlier removals are not this call's evictions.
-        let _ = self.drain_events(|_| None::<()>);
         let mut books = self.books.lock();
+        // Earlier removals are not this call's evictions.
+        self.drain(&mut books);
         for &(key, parent) in keys {
-            if books.doomed.contains(&key) && !self.pool.contains(key) {
+            if books.doomed.contains(&key) && !self.g2.pool.contains(key) && !self.on_disk(key) {
                 books.doomed.remove(&key);
             }
-            if books.writing.contains_key(&key) || self.pool.contains(key) {
+            if self.held(&books, key) {
                 out.present += 1;
                 continue;
             }
-            if !self.admitted(key) {
+            if !self.admitted(&self.g2, key) {
                 out.refused += 1;
                 continue;
             }
-            match self.pool.allocate(1) {
-                Ok(mut blocks) => {
-                    let Some(block) = blocks.pop() else { break };
-                    out.slots.push((key, block.block_id()));
-                    books.writing.insert(key, (block, parent));
+            let Some(block) = self.g2.pool.allocate(1).ok().and_then(|mut b| b.pop()) else {
+                out.full += 1;
+                continue;
+            };
+            let slot = block.block_id();
+            let mut demotes = None;
+            for gone in self.drain(&mut books) {
+                // The block G2 evicted for this slot moves to G3 where it
+                // may; a block still on disk was not evicted at all.
+                let from = gone.g2_slot.filter(|&s| s == slot);
+                match from.and_then(|s| self.demote(&mut books, gone.key, s, &mut out)) {
+                    Some(m) => {
+                        out.demote.push(m);
+                        demotes = Some(gone.key);
+                    }
+                    None if self.on_disk(gone.key) => {}
+                    None => out.evicted.push(gone.key),
                 }
-                Err(_) => out.full += 1,
             }
+            out.slots.push((key, slot));
+            books.writing.insert(
+                key,
+                Write {
+                    block,
+                    parent,
+                    demotes,
+                },
+            );
         }
-        drop(books);
-        out.evicted = self.drain_events(|e| match e {
-            KvEvent::Removed { hash, .. } => Some(hash),
-            KvEvent::Stored { .. } => None,
-        });
         out
     }
 
-    /// Confirms (or, with `ok` false, abandons) the stores of `keys`: a
-    /// confirmed block becomes loadable, an abandoned slot is freed. Keys
-    /// not being written are ignored.
-    pub fn commit(&self, keys: &[SequenceHash], ok: bool) {
-        let blocks: Vec<_> = {
-            let mut books = self.books.lock();
-            keys.iter()
-                .filter_map(|k| books.writing.remove(k).map(|b| (*k, b)))
-                .collect()
-        };
-        if !ok {
-            return; // dropping the mutable handles frees the slots
+    /// A G3 slot for `key`, which G2 just evicted from slot `from`, when
+    /// G3 admits it; blocks G3 evicts for it are added to `out.evicted`.
+    fn demote(
+        &self,
+        books: &mut Books,
+        key: SequenceHash,
+        from: u32,
+        out: &mut Reservation,
+    ) -> Option<Move> {
+        let g3 = self.g3.as_ref()?;
+        if books.doomed.remove(&key) || g3.pool.contains(key) || !self.admitted(g3, key) {
+            return None;
         }
-        for (key, (block, parent)) in blocks {
+        let block = g3.pool.allocate(1).ok()?.pop()?;
+        let to = block.block_id();
+        out.evicted
+            .extend(self.drain(books).into_iter().map(|g| g.key));
+        books.demoting.insert(key, block);
+        Some(Move { key, from, to })
+    }
+
+    /// Confirms (or, with `ok` false, abandons) the stores of `keys`, and
+    /// the demotions that rode on them: a confirmed block becomes
+    /// loadable, an abandoned slot is freed and its demoted block is gone.
+    /// Keys not being written are ignored.
+    pub fn commit(&self, keys: &[SequenceHash], ok: bool) {
+        let mut books = self.books.lock();
+        for key in keys {
+            let Some(w) = books.writing.remove(key) else {
+                continue;
+            };
+            let demoted = w
+                .demotes
+                .and_then(|d| books.demoting.remove(&d).map(|b| (d, b)));
+            if !ok {
+                continue; // dropping the mutable handles frees the slots
+            }
+            let slot = w.block.block_id();
             // A fresh slot completes under any hash; should it not, the
             // slot goes back free and the block is simply not held.
-            if let Ok(complete) = block.complete(key, parent) {
-                let _ = self.pool.register_block(complete);
+            if let Ok(complete) = w.block.complete(*key, w.parent)
+                && self.g2.pool.register_block(complete).is_ok()
+            {
+                books.g2_slots.insert(*key, slot);
+            }
+            if let (Some((d, block)), Some(g3)) = (demoted, &self.g3)
+                && let Ok(complete) = block.complete(d, None)
+            {
+                let _ = g3.pool.register_block(complete);
             }
         }
     }
 
-    /// Pins `keys` for a load and returns their slots, in order. All or
-    /// nothing: a key that is not `Ready` refuses the call.
-    pub fn pin(&self, keys: &[SequenceHash]) -> Result<Vec<u32>, LedgerError> {
+    /// Pins `keys` for a load and says where each is read, in order. All
+    /// or nothing: a key that is not `Ready` refuses the call.
+    pub fn pin(&self, keys: &[SequenceHash]) -> Result<Vec<Source>, LedgerError> {
         let mut books = self.books.lock();
-        let mut taken: Vec<(SequenceHash, ImmutableBlock)> = Vec::with_capacity(keys.len());
+        let mut taken: Vec<(SequenceHash, Reading)> = Vec::with_capacity(keys.len());
         for &key in keys {
-            if books.doomed.contains(&key) {
+            if books.doomed.contains(&key) || books.writing.contains_key(&key) {
                 return Err(LedgerError::NotReady(key));
             }
             if books.reading.contains_key(&key) || taken.iter().any(|(k, _)| *k == key) {
                 continue;
             }
-            let mut held = self.pool.match_prefix(&[key]).into_blocks();
-            match held.pop() {
-                Some(block) => taken.push((key, block)),
+            let found = [(&self.g2, Tier::G2)]
+                .into_iter()
+                .chain(self.g3.as_ref().map(|t| (t, Tier::G3)))
+                .find_map(|(t, tier)| {
+                    t.pool
+                        .match_prefix(&[key])
+                        .into_blocks()
+                        .pop()
+                        .map(|b| (b, tier))
+                });
+            match found {
+                Some((block, tier)) => taken.push((
+                    key,
+                    Reading {
+                        block,
+                        tier,
+                        loads: 0,
+                    },
+                )),
                 None => return Err(LedgerError::NotReady(key)),
             }
         }
-        for (key, block) in taken {
-            books.reading.insert(key, Reading { block, loads: 0 });
-        }
-        let mut slots = Vec::with_capacity(keys.len());
+        books.reading.extend(taken);
+        let mut sources = Vec::with_capacity(keys.len());
         for key in keys {
             let r = books
                 .reading
                 .get_mut(key)
                 .ok_or(LedgerError::NotReady(*key))?;
             r.loads += 1;
-            slots.push(r.block.block_id());
+            sources.push(Source {
+                tier: r.tier,
+                slot: r.block.block_id(),
+            });
         }
-        Ok(slots)
+        Ok(sources)
     }
 
     /// Ends one load of each of `keys`; a block no load reads any more is
@@ -301,18 +481,23 @@ impl Ledger {
     /// policy evicts them.
     pub fn doom(&self, keys: &[SequenceHash]) {
         let mut books = self.books.lock();
-        books
-            .doomed
-            .extend(keys.iter().filter(|k| self.pool.contains(**k)));
+        let held: Vec<_> = keys
+            .iter()
+            .copied()
+            .filter(|k| self.g2.pool.contains(*k) || self.on_disk(*k))
+            .collect();
+        books.doomed.extend(held);
     }
 
-    /// Forgets every store and load in flight and drops every block: for
-    /// an engine that reset its offloading state and waits for the copies
-    /// in flight before it sends new ones. Returns the blocks dropped.
+    /// Forgets every store, demotion and load in flight and drops every
+    /// block: for an engine that reset its offloading state and waits for
+    /// the copies in flight before it sends new ones. Returns the blocks
+    /// dropped.
     pub fn clear(&self) -> usize {
         {
             let mut books = self.books.lock();
             books.writing.clear();
+            books.demoting.clear();
             books.reading.clear();
             books.doomed.clear();
         }
@@ -322,45 +507,67 @@ impl Ledger {
     /// Drops every cached block that no load reads and no store writes;
     /// returns how many.
     pub fn reset(&self) -> usize {
-        let n = self.pool.evict(self.pool.capacity());
-        let _ = self.drain_events(|_| None::<()>);
+        let mut n = self.g2.pool.evict(self.g2.pool.capacity());
+        if let Some(g3) = &self.g3 {
+            n += g3.pool.evict(g3.pool.capacity());
+        }
+        self.drain(&mut self.books.lock());
         n
     }
 
     /// How many slots are held ready, being written, and being read.
     pub fn counts(&self) -> LedgerCounts {
         let books = self.books.lock();
-        let c = self.pool.counts();
+        let held = |t: &SlotTier| {
+            let c = t.pool.counts();
+            c.active + c.inactive
+        };
         LedgerCounts {
-            ready: (c.active + c.inactive).saturating_sub(books.writing.len()),
+            ready: held(&self.g2).saturating_sub(books.writing.len()),
             writing: books.writing.len(),
             reading: books.reading.len(),
+            on_disk: self
+                .g3
+                .as_ref()
+                .map_or(0, |t| held(t).saturating_sub(books.demoting.len())),
+            demoting: books.demoting.len(),
         }
     }
 
-    /// The blocks stored and removed since the last call, in order:
-    /// `(stored, key)`.
-    pub fn take_events(&self) -> Vec<(bool, SequenceHash)> {
-        let _ = self.drain_events(|_| None::<()>);
+    /// The blocks stored and removed since the last call, in order: the
+    /// tier, whether it was stored (else removed), and the key.
+    pub fn take_events(&self) -> Vec<(Tier, bool, SequenceHash)> {
+        self.drain(&mut self.books.lock());
         std::mem::take(&mut *self.unread.lock())
             .into_iter()
-            .map(|e| match e {
-                KvEvent::Stored { hash, .. } => (true, hash),
-                KvEvent::Removed { hash, .. } => (false, hash),
+            .map(|(tier, e)| match e {
+                KvEvent::Stored { hash, .. } => (tier, true, hash),
+                KvEvent::Removed { hash, .. } => (tier, false, hash),
             })
             .collect()
     }
 
-    /// Moves pending pool events into `unread`, returning what `pick`
-    /// selects of them.
-    fn drain_events<T>(&self, pick: impl Fn(KvEvent) -> Option<T>) -> Vec<T> {
+    /// Moves pending pool events into `unread` and forgets the G2 slots
+    /// of removed blocks; returns the removed blocks.
+    fn drain(&self, books: &mut Books) -> Vec<Removed> {
         let mut unread = self.unread.lock();
-        let mut picked = Vec::new();
-        let events = self.events.lock();
-        while let Ok(batch) = events.try_recv() {
-            for &e in batch.iter() {
-                picked.extend(pick(e));
-                unread.push(e);
+        let mut removed = Vec::new();
+        let tiers = [(&self.g2, Tier::G2)]
+            .into_iter()
+            .chain(self.g3.as_ref().map(|t| (t, Tier::G3)));
+        for (t, tier) in tiers {
+            let events = t.events.lock();
+            while let Ok(batch) = events.try_recv() {
+                for &e in batch.iter() {
+                    if let KvEvent::Removed { hash, .. } = e {
+                        let g2_slot = match tier {
+                            Tier::G2 => books.g2_slots.remove(&hash),
+                            _ => None,
+                        };
+                        removed.push(Removed { key: hash, g2_slot });
+                    }
+                    unread.push((tier, e));
+                }
             }
         }
         // Bound what nobody reads: a caller that never takes events keeps
@@ -370,7 +577,7 @@ impl Ledger {
             let cut = unread.len() - KEEP;
             unread.drain(..cut);
         }
-        picked
+        removed
     }
 }
 

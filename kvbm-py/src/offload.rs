@@ -10,7 +10,8 @@
 use std::sync::Arc;
 
 use kvbm_block::SequenceHash;
-use kvbm_dist::paged::{PageCopy, PageGroup, PageMemory, PagedConfig, PagedWorker};
+use kvbm_dist::paged::{PageCopy, PageGroup, PageMemory, PagedConfig, PagedDisk, PagedWorker};
+use kvbm_pool::Tier;
 use kvbm_pool::ledger::{Ledger, Presence};
 use kvbm_transfer::memory::Owner;
 use pyo3::prelude::*;
@@ -42,10 +43,19 @@ fn keys_of(keys: &[Vec<u8>]) -> Result<Vec<SequenceHash>> {
 }
 
 /// What [`OffloadBooks::reserve`] returns to Python: `(index into keys,
-/// slot)` per key to write, the evicted kvbm keys, refused and full counts.
-type Reserved = (Vec<(usize, u32)>, Vec<u64>, usize, usize);
+/// slot)` per key to write, `(kvbm key, G2 slot, G3 slot)` per block to
+/// move to G3 first, the kvbm keys no tier holds any more, refused and
+/// full counts.
+type Reserved = (
+    Vec<(usize, u32)>,
+    Vec<(u64, u32, u32)>,
+    Vec<u64>,
+    usize,
+    usize,
+);
 
-/// The scheduler's books of the host tier: which block each slot holds.
+/// The scheduler's books of the host tier (and of a disk tier behind it):
+/// which block each slot holds.
 #[pyclass(module = "kvbm_py._kvbm")]
 pub struct OffloadBooks {
     ledger: Ledger,
@@ -53,23 +63,31 @@ pub struct OffloadBooks {
 
 #[pymethods]
 impl OffloadBooks {
-    /// Books for `slots` slots; `admission` is `"all"`, `"reuse_score"`
-    /// or `"min_uses:N"`.
+    /// Books for `slots` host slots and `disk_slots` disk slots behind
+    /// them (none when 0); `admission` is `"all"`, `"reuse_score"` or
+    /// `"min_uses:N"`.
     #[new]
-    #[pyo3(signature = (slots, admission = "reuse_score"))]
-    fn new(slots: usize, admission: &str) -> PyResult<Self> {
+    #[pyo3(signature = (slots, admission = "reuse_score", disk_slots = 0))]
+    fn new(slots: usize, admission: &str, disk_slots: usize) -> PyResult<Self> {
         if slots == 0 {
             return Err(PyKvbmError::Invalid("an offload tier of 0 slots".into()).into());
         }
         let policy = parse_policy(admission)?;
-        let ledger = Ledger::new(slots, policy).map_err(|e| PyKvbmError::Invalid(e.to_string()))?;
+        let ledger = Ledger::with_disk(slots, disk_slots, policy)
+            .map_err(|e| PyKvbmError::Invalid(e.to_string()))?;
         Ok(OffloadBooks { ledger })
     }
 
-    /// Slots in the tier.
+    /// Slots in the host tier.
     #[getter]
     fn slots(&self) -> usize {
         self.ledger.capacity()
+    }
+
+    /// Slots in the disk tier (0 without one).
+    #[getter]
+    fn disk_slots(&self) -> usize {
+        self.ledger.disk_capacity()
     }
 
     /// kvbm's 64-bit key of an offload key.
@@ -96,9 +114,11 @@ impl OffloadBooks {
 
     /// Slots for the keys to store, in order (each key's parent is the
     /// key before it in the list when `chained`): returns the
-    /// `(index into keys, slot)` of each key to write, the kvbm keys of the
-    /// blocks evicted for them, and how many were refused by admission or
-    /// left out because every slot is busy.
+    /// `(index into keys, slot)` of each key to write, the blocks to move
+    /// from their host slot to a disk slot before those are written (they
+    /// are loadable from disk once the store is confirmed), the kvbm keys
+    /// of the blocks no tier holds any more, and how many keys were refused
+    /// by admission or left out because every slot is busy.
     #[pyo3(signature = (keys, chained = true))]
     fn reserve(&self, keys: Vec<Vec<u8>>, chained: bool) -> PyResult<Reserved> {
         let hashes = keys_of(&keys)?;
@@ -115,6 +135,7 @@ impl OffloadBooks {
         let slots = r.slots.iter().map(|(h, s)| (index[h], *s)).collect();
         Ok((
             slots,
+            r.demote.iter().map(|m| (m.key.0, m.from, m.to)).collect(),
             r.evicted.iter().map(|h| h.0).collect(),
             r.refused,
             r.full,
@@ -127,12 +148,18 @@ impl OffloadBooks {
         Ok(())
     }
 
-    /// Pins `keys` for one load and returns their slots; `ValueError` if
-    /// any is not loadable (then nothing is pinned).
-    fn pin(&self, keys: Vec<Vec<u8>>) -> PyResult<Vec<u32>> {
-        self.ledger
+    /// Pins `keys` for one load and returns where each is read: `(on
+    /// disk, slot)`; `ValueError` if any is not loadable (then nothing is
+    /// pinned).
+    fn pin(&self, keys: Vec<Vec<u8>>) -> PyResult<Vec<(bool, u32)>> {
+        let sources = self
+            .ledger
             .pin(&keys_of(&keys)?)
-            .map_err(|e| PyKvbmError::Invalid(e.to_string()).into())
+            .map_err(|e| PyKvbmError::Invalid(e.to_string()))?;
+        Ok(sources
+            .iter()
+            .map(|s| (s.tier == Tier::G3, s.slot))
+            .collect())
     }
 
     /// Ends one load of each of `keys`.
@@ -165,24 +192,28 @@ impl OffloadBooks {
         Ok(())
     }
 
-    /// `{"ready": .., "writing": .., "reading": ..}` slot counts.
+    /// `{"ready", "writing", "reading", "on_disk", "demoting"}` slot
+    /// counts: host blocks loadable, host slots being written, blocks
+    /// being read, disk blocks loadable, disk slots being written.
     fn counts(&self) -> std::collections::HashMap<&'static str, usize> {
         let c = self.ledger.counts();
         [
             ("ready", c.ready),
             ("writing", c.writing),
             ("reading", c.reading),
+            ("on_disk", c.on_disk),
+            ("demoting", c.demoting),
         ]
         .into()
     }
 
-    /// `(stored, key)` for every block stored or removed since the last
-    /// call (kvbm keys).
-    fn take_events(&self) -> Vec<(bool, u64)> {
+    /// `(on disk, stored, key)` for every block stored or removed since
+    /// the last call (kvbm keys).
+    fn take_events(&self) -> Vec<(bool, bool, u64)> {
         self.ledger
             .take_events()
             .into_iter()
-            .map(|(s, h)| (s, h.0))
+            .map(|(t, s, h)| (t == Tier::G3, s, h.0))
             .collect()
     }
 }
@@ -202,10 +233,17 @@ pub struct PageWorker {
 /// (group, block) pairs, error)`.
 type Finished = (u64, bool, u64, f64, Vec<(usize, usize)>, Option<String>);
 
-fn copies_of(copies: Vec<(usize, usize, usize)>) -> Vec<PageCopy> {
+/// `(group, engine block, slot)` triples as copies from host slots, or
+/// from disk slots where `disk`.
+fn copies_of(copies: Vec<(usize, usize, usize)>, disk: bool) -> Vec<PageCopy> {
     copies
         .into_iter()
-        .map(|(group, block, slot)| PageCopy { group, block, slot })
+        .map(|(group, block, slot)| PageCopy {
+            group,
+            block,
+            slot,
+            disk,
+        })
         .collect()
 }
 
@@ -215,10 +253,13 @@ impl PageWorker {
     /// page bytes, block stride)`; each address must have `num_blocks`
     /// blocks of the stride behind it, alive while `keepalive` is.
     /// `device` is the CUDA ordinal of device pages, `None` for host
-    /// pages. With `verify` every stored slot's checksum is recorded and
-    /// checked when it is loaded.
+    /// pages. `disk_dir` and `disk_slots` put a disk tier of that many
+    /// slots behind the host slots, in a file of its own in that
+    /// directory. With `verify` every stored slot's checksum is recorded
+    /// and checked when it is loaded.
     #[new]
-    #[pyo3(signature = (groups, num_blocks, slots, slot_bytes, keepalive, device = None, verify = false))]
+    #[pyo3(signature = (groups, num_blocks, slots, slot_bytes, keepalive, device = None, verify = false, disk_dir = None, disk_slots = 0))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         groups: Vec<(Vec<u64>, u64, u64)>,
         num_blocks: usize,
@@ -227,6 +268,8 @@ impl PageWorker {
         keepalive: Py<PyAny>,
         device: Option<u32>,
         verify: bool,
+        disk_dir: Option<std::path::PathBuf>,
+        disk_slots: usize,
     ) -> PyResult<Self> {
         let config = PagedConfig {
             groups: groups
@@ -241,6 +284,10 @@ impl PageWorker {
             memory: device.map_or(PageMemory::Host, PageMemory::Device),
             slots,
             slot_bytes,
+            disk: disk_dir.map(|dir| PagedDisk {
+                dir,
+                slots: disk_slots,
+            }),
             verify,
         };
         let owner: Owner = Arc::new(KeepAlive(keepalive));
@@ -259,20 +306,35 @@ impl PageWorker {
         self.inner.slots()
     }
 
-    /// Starts copying `(group, engine block, slot)` pages into slots.
-    fn store(&self, job: u64, copies: Vec<(usize, usize, usize)>) -> PyResult<()> {
+    /// Starts copying `(group, engine block, host slot)` pages into host
+    /// slots, after moving the blocks of `demote` (`(host slot, disk
+    /// slot)`) to disk.
+    #[pyo3(signature = (job, copies, demote = Vec::new()))]
+    fn store(
+        &self,
+        job: u64,
+        copies: Vec<(usize, usize, usize)>,
+        demote: Vec<(usize, usize)>,
+    ) -> PyResult<()> {
         Ok(self
             .inner
-            .store(job, copies_of(copies))
+            .store(job, copies_of(copies, false), demote)
             .map_err(PyKvbmError::Dist)?)
     }
 
-    /// Starts copying slots into `(group, engine block, slot)` pages.
-    fn load(&self, job: u64, copies: Vec<(usize, usize, usize)>) -> PyResult<()> {
-        Ok(self
-            .inner
-            .load(job, copies_of(copies))
-            .map_err(PyKvbmError::Dist)?)
+    /// Starts copying host slots into `(group, engine block, host slot)`
+    /// pages and disk slots into `(group, engine block, disk slot)` pages
+    /// (`disk_copies`).
+    #[pyo3(signature = (job, copies, disk_copies = Vec::new()))]
+    fn load(
+        &self,
+        job: u64,
+        copies: Vec<(usize, usize, usize)>,
+        disk_copies: Vec<(usize, usize, usize)>,
+    ) -> PyResult<()> {
+        let mut all = copies_of(copies, false);
+        all.extend(copies_of(disk_copies, true));
+        Ok(self.inner.load(job, all).map_err(PyKvbmError::Dist)?)
     }
 
     /// Jobs ended since the last call.
@@ -293,9 +355,20 @@ impl PageWorker {
         py.detach(|| self.inner.wait(&jobs));
     }
 
-    /// Changes every byte of `slot` (tests: memory that changed at rest).
+    /// Changes every byte of host slot `slot` (tests: memory that changed
+    /// at rest).
     #[cfg(feature = "test-hooks")]
     fn corrupt_slot(&self, slot: usize) -> PyResult<()> {
         Ok(self.inner.corrupt_slot(slot).map_err(PyKvbmError::Dist)?)
+    }
+
+    /// Overwrites disk slot `slot` with zeros (tests: a disk that changed
+    /// at rest).
+    #[cfg(feature = "test-hooks")]
+    fn corrupt_disk_slot(&self, slot: usize) -> PyResult<()> {
+        Ok(self
+            .inner
+            .corrupt_disk_slot(slot)
+            .map_err(PyKvbmError::Dist)?)
     }
 }

@@ -169,7 +169,13 @@ class OffloadSide:
 
     def stats(self) -> dict:
         m = self.manager.stats
-        out = {"g1_to_g2_blocks": m["stored"], "g2_to_g1_blocks": m["loaded"], "groups": self.groups}
+        out = {
+            "g1_to_g2_blocks": m["stored"],
+            "g2_to_g1_blocks": m["loaded"] - m["loaded_from_disk"],
+            "g3_to_g1_blocks": m["loaded_from_disk"],
+            "g2_to_g3_blocks": m["demoted"],
+            "groups": self.groups,
+        }
         out.update({f"loaded_group_{g}": n for g, n in m["loaded_per_group"].items()})
         w = self._worker()
         if w is not None:

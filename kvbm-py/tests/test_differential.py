@@ -86,6 +86,9 @@ CONFIGS: dict[str, tuple[dict, dict, int]] = {
     "tp2-spec-hybrid-g2-all": (
         {"route": "spec", "model": "hybrid", "cpu_cache_gb": 0.05, "admission": "all"}, {}, 2
     ),
+    # A G2 of a few slots in front of G3: blocks move to disk as G2
+    # evicts them and are loaded from there.
+    "spec-hybrid-g3": ({"route": "spec", "model": "hybrid", "admission": "all", "g3": 8}, {}, 1),
 }
 
 
@@ -114,10 +117,12 @@ CORRUPTED = {
 CORRUPTED_SEEDS = [7, 8, 9]
 
 #: The same through the offloading spec on the hybrid model: the first
-#: block of every load is damaged in G2 just before it is read.
+#: block of every load is damaged in G2 (or in G3, where it is read from
+#: there) just before it is read.
 SPEC_CORRUPTED = {
     "spec-hybrid-damaged-verified": {"verify": True},
     "spec-hybrid-damaged-unverified": {"verify": False},
+    "spec-hybrid-g3-damaged-verified": {"verify": True, "g3": 8},
 }
 
 
@@ -199,7 +204,7 @@ def _runs(tp: int, tmp_path: Path, models: dict[str, str]) -> list[dict]:
                 {"name": n, "extra": extra, "engine": {}, "seeds": CORRUPTED_SEEDS, "corrupt_g3": True, **llama}
             )
         for n, keys in SPEC_CORRUPTED.items():
-            extra = {"cpu_cache_gb": 0.05, "admission": "all", "test_corrupt_onboard": True, **keys}
+            extra = {"cpu_cache_gb": 0.05, "admission": "all", "test_corrupt_onboard": True, **_extra(keys, tmp_path / n)}
             route = _route({"route": "spec", "model": "hybrid"}, models)
             runs.append({"name": n, "extra": extra, "engine": {}, "seeds": CORRUPTED_SEEDS, **route})
         runs = [r for r in runs if r.get("connector") != "KvbmOffloadingConnector" or _spec_selected(r)]
@@ -319,6 +324,9 @@ def test_outputs_equal_the_engine_without_kvbm(name, results):
         assert all(c["stats"].get("g2_recovered_blocks", 0) > 0 for c in got.values()), got
     if "preempting" in name:
         assert sum(c["preemptions"] for c in got.values()) > 0, f"{name}: vLLM preempted nothing"
+    if run.get("connector") and CONFIGS[name][0].get("g3"):
+        # Blocks went to G3 and came back from it.
+        assert sum(c["stats"]["g3_to_g1_blocks"] for c in got.values()) > 0, got
     if "hybrid" in name:
         # vLLM kept the hybrid manager on and built a group per attention
         # kind, and kvbm served blocks of every group.
@@ -381,6 +389,13 @@ def test_damaged_g3_blocks_reach_the_outputs_when_unverified(results):
 def test_spec_damaged_loads_are_recomputed_when_verified(results):
     got, want, _ = results("spec-hybrid-damaged-verified", 1)
     _damage_was_caught(got, want, "slot")
+
+
+@pytest.mark.skipif(not _spec_runs_selected(), reason="no configuration of the offloading spec selected")
+def test_spec_damaged_disk_loads_are_recomputed_when_verified(results):
+    got, want, _ = results("spec-hybrid-g3-damaged-verified", 1)
+    _damage_was_caught(got, want, "disk slot")
+    assert sum(c["stats"]["g3_to_g1_blocks"] for c in got.values()) > 0, got
 
 
 @pytest.mark.skipif(not _spec_runs_selected(), reason="no configuration of the offloading spec selected")

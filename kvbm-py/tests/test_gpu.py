@@ -111,11 +111,13 @@ def test_gpu_tensors_round_trip_through_pinned_g2_and_g3(tmp_path, layout):
     run_round_trip(str(tmp_path), layout)
 
 
-def run_spec_round_trip(verify: bool) -> None:
+def run_spec_round_trip(verify: bool, disk_dir: str | None = None) -> None:
     """The offloading spec's worker on device pages of two KV cache groups
     (different page sizes): stored into pinned slots, wiped, loaded back
     into other blocks byte for byte; with ``verify``, a slot changed at
-    rest fails its load (when the build has the test hooks)."""
+    rest fails its load (when the build has the test hooks). With
+    ``disk_dir`` the stored blocks move to disk slots first and are loaded
+    from there."""
     groups = [(3, 16 << 10), (2, 32 << 10)]  # (layers, page bytes)
     pages = [
         [torch.randint(-128, 127, (BLOCKS, page), dtype=torch.int8, device="cuda") for _ in range(n)]
@@ -126,6 +128,7 @@ def run_spec_round_trip(verify: bool) -> None:
         worker = kvbm_py._kvbm.PageWorker(
             [([t.data_ptr() for t in g], page, page) for g, (_, page) in zip(pages, groups)],
             BLOCKS, 8, slot_bytes, pages, device=torch.cuda.current_device(), verify=verify,
+            disk_dir=disk_dir, disk_slots=8 if disk_dir else 0,
         )
     except (ValueError, RuntimeError) as e:
         if "feature `cuda`" in str(e):
@@ -138,7 +141,15 @@ def run_spec_round_trip(verify: bool) -> None:
     for g in pages:
         for t in g:
             t.zero_()
-    worker.load(2, [(0, 5, 0), (0, 6, 1), (1, 5, 2), (1, 6, 3)])
+    loads = [(0, 5, 0), (0, 6, 1), (1, 5, 2), (1, 6, 3)]
+    if disk_dir:
+        # Slot i moves to disk slot 7 - i; the blocks come back from disk.
+        worker.store(10, [], [(i, 7 - i) for i in range(4)])
+        worker.wait([10])
+        assert all(r[1] for r in worker.finished())
+        worker.load(2, [], [(g, b, 7 - s) for g, b, s in loads])
+    else:
+        worker.load(2, loads)
     worker.wait([2])
     (job,) = worker.finished()
     assert job[1], job
@@ -146,17 +157,22 @@ def run_spec_round_trip(verify: bool) -> None:
         for t, w in zip(g, want):
             assert torch.equal(t[[5, 6]], w)
     if verify and kvbm_py._kvbm.TEST_HOOKS:
-        worker.corrupt_slot(3)
-        worker.load(3, [(1, 7, 3)])
+        if disk_dir:
+            worker.corrupt_disk_slot(4)
+            worker.load(3, [], [(1, 7, 4)])
+        else:
+            worker.corrupt_slot(3)
+            worker.load(3, [(1, 7, 3)])
         worker.wait([3])
         (job,) = worker.finished()
         assert not job[1] and job[4] == [(1, 7)], job
 
 
 @pytest.mark.parametrize("verify", [False, True])
-def test_spec_worker_round_trips_device_pages_of_two_groups(verify):
+@pytest.mark.parametrize("disk", [False, True])
+def test_spec_worker_round_trips_device_pages_of_two_groups(tmp_path, verify, disk):
     _cuda_or_skip()
-    run_spec_round_trip(verify)
+    run_spec_round_trip(verify, str(tmp_path) if disk else None)
 
 
 if __name__ == "__main__":
@@ -168,4 +184,6 @@ if __name__ == "__main__":
             run_round_trip(d, layout)
     for verify in (False, True):
         run_spec_round_trip(verify)
+        with tempfile.TemporaryDirectory() as d:
+            run_spec_round_trip(verify, d)
     print("spec worker round trips OK")

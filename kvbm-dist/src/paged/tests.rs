@@ -48,6 +48,7 @@ fn worker(e: &Engine, blocks: usize, slots: usize, verify: bool) -> PagedWorker 
         memory: PageMemory::Host,
         slots,
         slot_bytes: widest,
+        disk: None,
         verify,
     };
     // SAFETY: the buffers outlive the worker (dropped at the end of each
@@ -67,7 +68,7 @@ fn every_group_round_trips_through_shared_slots() {
     let copies = |pairs: &[(usize, usize, usize)]| {
         pairs
             .iter()
-            .map(|&(group, block, slot)| PageCopy { group, block, slot })
+            .map(|&(group, block, slot)| PageCopy::g2(group, block, slot))
             .collect::<Vec<_>>()
     };
     let stored = [(0, 1, 0), (1, 1, 1), (2, 4, 2), (0, 5, 3)];
@@ -79,7 +80,7 @@ fn every_group_round_trips_through_shared_slots() {
                 .collect()
         })
         .collect();
-    w.store(1, copies(&stored)).unwrap();
+    w.store(1, copies(&stored), vec![]).unwrap();
     w.wait(&[1]);
     let r = w.finished();
     assert_eq!(r.len(), 1);
@@ -111,12 +112,12 @@ fn a_slot_changed_at_rest_fails_its_load_in_verify_mode() {
     let blocks = 4;
     let e = engine(&HYBRID, blocks);
     let w = worker(&e, blocks, 4, true);
-    let c = |group, block, slot| PageCopy { group, block, slot };
-    w.store(7, vec![c(0, 0, 0), c(1, 1, 1)]).unwrap();
+    let c = PageCopy::g2;
+    w.store(7, vec![c(0, 0, 0), c(1, 1, 1)], vec![]).unwrap();
     w.wait(&[7]);
     assert!(w.finished()[0].failed.is_empty());
     // Flip a byte of slot 1 at rest.
-    let addr = w.shared.g2[0].regions()[0].addr().unwrap() + w.slot_bytes();
+    let addr = w.shared.region.regions()[0].addr().unwrap() + w.slot_stride();
     // SAFETY: inside the slot region, which no job copies now.
     unsafe { *(addr as *mut u8) ^= 0xff };
     w.load(8, vec![c(0, 2, 0), c(1, 3, 1)]).unwrap();
@@ -143,11 +144,14 @@ fn a_slot_changed_at_rest_fails_its_load_in_verify_mode() {
 fn bad_jobs_and_shapes_are_refused_with_an_error() {
     let e = engine(&HYBRID, 2);
     let w = worker(&e, 2, 2, false);
-    let c = |group, block, slot| PageCopy { group, block, slot };
-    assert!(w.store(1, vec![c(3, 0, 0)]).is_err());
-    assert!(w.store(1, vec![c(0, 0, 2)]).is_err());
+    let c = PageCopy::g2;
+    assert!(w.store(1, vec![c(3, 0, 0)], vec![]).is_err());
+    assert!(w.store(1, vec![c(0, 0, 2)], vec![]).is_err());
+    // No G3 to read from or move to.
+    assert!(w.load(1, vec![PageCopy::g3(0, 0, 0)]).is_err());
+    assert!(w.store(1, vec![c(0, 0, 0)], vec![(1, 0)]).is_err());
     // A block beyond the engine's is a failed copy, not a panic.
-    w.store(2, vec![c(0, 9, 0)]).unwrap();
+    w.store(2, vec![c(0, 9, 0)], vec![]).unwrap();
     w.wait(&[2]);
     assert_eq!(w.finished()[0].failed.len(), 1);
     let mut config = PagedConfig {
@@ -156,6 +160,7 @@ fn bad_jobs_and_shapes_are_refused_with_an_error() {
         memory: PageMemory::Host,
         slots: 2,
         slot_bytes: 100,
+        disk: None,
         verify: false,
     };
     // SAFETY: refused before anything is touched.
@@ -166,4 +171,151 @@ fn bad_jobs_and_shapes_are_refused_with_an_error() {
     // SAFETY: as above.
     let err = unsafe { PagedWorker::new(config, Arc::new(())) };
     assert!(err.is_err_and(|e| e.to_string().contains("stride")));
+}
+
+fn disk_worker(
+    e: &Engine,
+    blocks: usize,
+    slots: usize,
+    dir: &std::path::Path,
+    verify: bool,
+) -> PagedWorker {
+    let widest = e.groups.iter().map(PageGroup::block_bytes).max().unwrap();
+    let config = PagedConfig {
+        groups: e.groups.clone(),
+        num_blocks: blocks,
+        memory: PageMemory::Host,
+        slots,
+        slot_bytes: widest,
+        disk: Some(PagedDisk {
+            dir: dir.to_path_buf(),
+            slots,
+        }),
+        verify,
+    };
+    // SAFETY: as in `worker`.
+    unsafe { PagedWorker::new(config, Arc::new(())) }.unwrap()
+}
+
+fn settled_clean(w: &PagedWorker, job: u64) -> JobReport {
+    w.wait(&[job]);
+    let r = w.finished().pop().unwrap();
+    assert_eq!(r.job, job);
+    assert!(r.failed.is_empty() && r.error.is_none(), "{r:?}");
+    r
+}
+
+#[test]
+fn blocks_moved_to_disk_come_back_byte_for_byte_in_rounds() {
+    // More blocks than staging slots, so the load reads G3 in rounds.
+    let blocks = STAGING_SLOTS + 7;
+    let dir = tempfile::tempdir().unwrap();
+    let mut e = engine(&HYBRID, blocks);
+    let w = disk_worker(&e, blocks, blocks, dir.path(), true);
+    assert_eq!(w.slot_stride(), DISK_ALIGNMENT);
+    let stored: Vec<PageCopy> = (0..blocks).map(|i| PageCopy::g2(i % 3, i, i)).collect();
+    let before: Vec<Vec<Vec<u8>>> = stored
+        .iter()
+        .map(|c| {
+            (0..e.groups[c.group].layers.len())
+                .map(|l| page(&e, c.group, l, c.block))
+                .collect()
+        })
+        .collect();
+    w.store(1, stored.clone(), vec![]).unwrap();
+    settled_clean(&w, 1);
+    // Every block moves to G3 slot `blocks - 1 - i`; then G2 and the engine
+    // are wiped, so only G3 holds the bytes.
+    let moves: Vec<(usize, usize)> = (0..blocks).map(|i| (i, blocks - 1 - i)).collect();
+    w.store(2, vec![], moves).unwrap();
+    settled_clean(&w, 2);
+    for slot in 0..blocks {
+        layouts::zero_slot(&w.shared.region, slot, w.slot_stride()).unwrap();
+    }
+    for layer in e.buffers.iter_mut().flatten() {
+        layer.fill(0);
+    }
+    let loads: Vec<PageCopy> = stored
+        .iter()
+        .enumerate()
+        .map(|(i, c)| PageCopy::g3(c.group, blocks - 1 - i, blocks - 1 - i))
+        .collect();
+    let r = {
+        w.load(3, loads.clone()).unwrap();
+        settled_clean(&w, 3)
+    };
+    let want: u64 = stored.iter().map(|c| e.groups[c.group].block_bytes()).sum();
+    assert_eq!(r.bytes, want);
+    for (i, c) in loads.iter().enumerate() {
+        for (l, page_before) in before[i].iter().enumerate() {
+            assert_eq!(
+                &page(&e, c.group, l, c.block),
+                page_before,
+                "block {i} layer {l}"
+            );
+        }
+    }
+}
+
+#[cfg(feature = "fault-injection")]
+#[test]
+fn a_disk_slot_changed_at_rest_fails_its_load_in_verify_mode() {
+    let blocks = 4;
+    let dir = tempfile::tempdir().unwrap();
+    let e = engine(&HYBRID, blocks);
+    let w = disk_worker(&e, blocks, 4, dir.path(), true);
+    w.store(
+        1,
+        vec![PageCopy::g2(0, 0, 0), PageCopy::g2(1, 1, 1)],
+        vec![],
+    )
+    .unwrap();
+    settled_clean(&w, 1);
+    // Slots 0 and 1 move to G3 while a new store takes slot 0.
+    w.store(2, vec![PageCopy::g2(2, 2, 0)], vec![(0, 3), (1, 2)])
+        .unwrap();
+    settled_clean(&w, 2);
+    w.corrupt_disk_slot(2).unwrap();
+    w.load(3, vec![PageCopy::g3(0, 2, 3), PageCopy::g3(1, 3, 2)])
+        .unwrap();
+    w.wait(&[3]);
+    let r = w.finished().pop().unwrap();
+    assert_eq!(r.failed, vec![PageCopy::g3(1, 3, 2)]);
+    assert!(
+        r.error
+            .as_deref()
+            .unwrap()
+            .contains("G3 slot 2 failed its checksum")
+    );
+    for l in 0..2 {
+        assert_eq!(
+            page(&e, 0, l, 2),
+            page(&e, 0, l, 0),
+            "the good block landed"
+        );
+        assert!(
+            page(&e, 1, l, 3).iter().all(|&b| b == 0),
+            "layer {l} kept damaged bytes"
+        );
+    }
+    // The store that took slot 0 landed after the move read it.
+    w.load(4, vec![PageCopy::g2(2, 1, 0)]).unwrap();
+    settled_clean(&w, 4);
+    assert_eq!(page(&e, 2, 0, 1), page(&e, 2, 0, 2));
+}
+
+#[test]
+fn bad_moves_are_refused_with_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = engine(&HYBRID, 2);
+    let w = disk_worker(&e, 2, 2, dir.path(), false);
+    assert!(w.store(1, vec![], vec![(2, 0)]).is_err());
+    assert!(w.store(1, vec![], vec![(0, 2)]).is_err());
+    assert!(w.load(1, vec![PageCopy::g3(0, 0, 2)]).is_err());
+    // A G3 slot is never a store's destination.
+    assert!(w.store(1, vec![PageCopy::g3(0, 0, 0)], vec![]).is_err());
+    // The refused job id is free again.
+    w.store(1, vec![PageCopy::g2(0, 0, 0)], vec![(1, 1)])
+        .unwrap();
+    settled_clean(&w, 1);
 }

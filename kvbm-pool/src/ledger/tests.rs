@@ -34,59 +34,114 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// What the model knows: the slot of every key being written, of every
-/// ready key, and how many loads read each.
+/// What the model knows: the slot of every key being written (with the
+/// block whose demotion rides on it), of every key held in each tier and
+/// of every block being demoted, and how many loads read each key.
 #[derive(Default)]
 struct Model {
-    writing: HashMap<SequenceHash, u32>,
+    writing: HashMap<SequenceHash, (u32, Option<SequenceHash>)>,
     ready: HashMap<SequenceHash, u32>,
+    demoting: HashMap<SequenceHash, u32>,
+    on_disk: HashMap<SequenceHash, u32>,
     loads: HashMap<SequenceHash, u32>,
+}
+
+impl Model {
+    fn check_reservation(&mut self, r: &Reservation) {
+        for e in &r.evicted {
+            assert!(
+                !self.loads.contains_key(e),
+                "evicted {e:?} while a load reads it"
+            );
+            let was = self.ready.remove(e).or_else(|| self.on_disk.remove(e));
+            assert!(was.is_some(), "evicted {e:?}, which was not held");
+        }
+        let taken: HashSet<u32> = r.slots.iter().map(|s| s.1).collect();
+        for m in &r.demote {
+            assert!(
+                !self.loads.contains_key(&m.key),
+                "demoted {:?} while a load reads it",
+                m.key
+            );
+            assert_eq!(
+                self.ready.remove(&m.key),
+                Some(m.from),
+                "demoted {:?} from a slot it did not hold",
+                m.key
+            );
+            assert!(
+                taken.contains(&m.from),
+                "demoted from slot {}, which no store takes",
+                m.from
+            );
+            let busy = self.on_disk.values().chain(self.demoting.values());
+            assert!(
+                !busy.copied().any(|s| s == m.to),
+                "G3 slot {} handed out while in use",
+                m.to
+            );
+            self.demoting.insert(m.key, m.to);
+        }
+        let busy: HashSet<u32> = self.writing.values().map(|w| w.0).collect();
+        for &(key, slot) in &r.slots {
+            assert!(!busy.contains(&slot), "slot {slot} handed out twice");
+            assert!(
+                !self.ready.values().any(|&s| s == slot),
+                "slot {slot} handed out while it holds a ready block"
+            );
+            let demotes = r.demote.iter().find(|m| m.from == slot).map(|m| m.key);
+            assert!(self.writing.insert(key, (slot, demotes)).is_none());
+        }
+    }
+
+    fn commit(&mut self, keys: &[SequenceHash], ok: bool) {
+        for k in keys {
+            let Some((slot, demotes)) = self.writing.remove(k) else {
+                continue;
+            };
+            let demoted = demotes.and_then(|d| self.demoting.remove(&d).map(|s| (d, s)));
+            if ok {
+                self.ready.insert(*k, slot);
+                if let Some((d, s)) = demoted {
+                    self.on_disk.insert(d, s);
+                }
+            }
+        }
+    }
+
+    fn source(&self, k: &SequenceHash) -> Option<Source> {
+        let g2 = self.ready.get(k).map(|&slot| Source {
+            tier: Tier::G2,
+            slot,
+        });
+        g2.or_else(|| {
+            self.on_disk.get(k).map(|&slot| Source {
+                tier: Tier::G3,
+                slot,
+            })
+        })
+    }
 }
 
 fn check_step(ledger: &Ledger, m: &mut Model, op: Op) {
     match op {
         Op::Reserve(keys) => {
             let keys: Vec<_> = keys.into_iter().map(|k| (h(k), None)).collect();
-            let r = ledger.reserve(&keys);
-            for e in &r.evicted {
-                assert!(
-                    !m.loads.contains_key(e),
-                    "evicted {e:?} while a load reads it"
-                );
-                assert!(
-                    m.ready.remove(e).is_some(),
-                    "evicted {e:?}, which was not ready"
-                );
-            }
-            let busy: HashSet<u32> = m.writing.values().copied().collect();
-            for &(key, slot) in &r.slots {
-                assert!(!busy.contains(&slot), "slot {slot} handed out twice");
-                assert!(
-                    !m.ready.values().any(|&s| s == slot),
-                    "slot {slot} handed out while it holds a ready block"
-                );
-                assert!(m.writing.insert(key, slot).is_none());
-            }
+            m.check_reservation(&ledger.reserve(&keys));
         }
         Op::Commit(keys, ok) => {
             let keys: Vec<_> = keys.into_iter().map(h).collect();
             ledger.commit(&keys, ok);
-            for k in keys {
-                if let Some(slot) = m.writing.remove(&k)
-                    && ok
-                {
-                    m.ready.insert(k, slot);
-                }
-            }
+            m.commit(&keys, ok);
         }
         Op::Pin(keys) => {
             let keys: Vec<_> = keys.into_iter().map(h).collect();
-            let all_ready = keys.iter().all(|k| m.ready.contains_key(k));
+            let all_ready = keys.iter().all(|k| m.source(k).is_some());
             match ledger.pin(&keys) {
-                Ok(slots) => {
+                Ok(sources) => {
                     assert!(all_ready, "pinned a key that is not ready: {keys:?}");
-                    for (k, s) in keys.iter().zip(slots) {
-                        assert_eq!(m.ready[k], s, "the slot of {k:?} moved");
+                    for (k, s) in keys.iter().zip(sources) {
+                        assert_eq!(m.source(k), Some(s), "the slot of {k:?} moved");
                         *m.loads.entry(*k).or_default() += 1;
                     }
                 }
@@ -107,12 +162,17 @@ fn check_step(ledger: &Ledger, m: &mut Model, op: Op) {
         Op::Reset => {
             ledger.reset();
             m.ready.retain(|k, _| m.loads.contains_key(k));
+            m.on_disk.retain(|k, _| m.loads.contains_key(k));
         }
     }
-    for (k, _) in m.writing.iter() {
-        assert_eq!(ledger.presence(*k), Presence::Writing);
+    for k in m.writing.keys().chain(m.demoting.keys()) {
+        assert_eq!(
+            ledger.presence(*k),
+            Presence::Writing,
+            "{k:?} should be written"
+        );
     }
-    for (k, _) in m.ready.iter() {
+    for k in m.ready.keys().chain(m.on_disk.keys()) {
         assert_eq!(
             ledger.presence(*k),
             Presence::Ready,
@@ -121,16 +181,26 @@ fn check_step(ledger: &Ledger, m: &mut Model, op: Op) {
     }
     let c = ledger.counts();
     assert_eq!(
-        (c.ready, c.writing, c.reading),
-        (m.ready.len(), m.writing.len(), m.loads.len())
+        (c.ready, c.writing, c.reading, c.on_disk, c.demoting),
+        (
+            m.ready.len(),
+            m.writing.len(),
+            m.loads.len(),
+            m.on_disk.len(),
+            m.demoting.len()
+        )
     );
+}
+
+fn policy() -> impl Strategy<Value = TierPolicy> {
+    prop_oneof![Just(TierPolicy::WriteThrough), Just(TierPolicy::ReuseScore)]
 }
 
 proptest! {
     #[test]
     fn stores_and_loads_never_share_a_slot(
         capacity in 1usize..6,
-        policy in prop_oneof![Just(TierPolicy::WriteThrough), Just(TierPolicy::ReuseScore)],
+        policy in policy(),
         ops in prop::collection::vec(op(), 1..60),
     ) {
         let ledger = Ledger::new(capacity, policy).unwrap();
@@ -139,6 +209,69 @@ proptest! {
             check_step(&ledger, &mut m, op);
         }
     }
+
+    #[test]
+    fn demotions_and_disk_loads_never_share_a_slot(
+        capacity in 1usize..5,
+        disk in 1usize..6,
+        policy in policy(),
+        ops in prop::collection::vec(op(), 1..80),
+    ) {
+        let ledger = Ledger::with_disk(capacity, disk, policy).unwrap();
+        let mut m = Model::default();
+        for op in ops {
+            check_step(&ledger, &mut m, op);
+        }
+    }
+}
+
+#[test]
+fn an_evicted_block_moves_to_disk_with_the_store_that_took_its_slot() {
+    let ledger = Ledger::with_disk(1, 2, TierPolicy::WriteThrough).unwrap();
+    let first = ledger.reserve(&[(h(1), None)]);
+    ledger.commit(&[h(1)], true);
+    let r = ledger.reserve(&[(h(2), None)]);
+    assert_eq!(r.evicted, vec![]);
+    let m = r.demote[0];
+    assert_eq!((m.key, m.from), (h(1), first.slots[0].1));
+    // Not loadable from disk until the store that moves it is confirmed.
+    assert_eq!(ledger.presence(h(1)), Presence::Writing);
+    assert!(ledger.pin(&[h(1)]).is_err());
+    ledger.commit(&[h(2)], true);
+    let at = ledger.pin(&[h(1), h(2)]).unwrap();
+    assert_eq!(
+        at[0],
+        Source {
+            tier: Tier::G3,
+            slot: m.to
+        }
+    );
+    assert_eq!(at[1].tier, Tier::G2);
+    // A key on disk is held: not stored again.
+    ledger.unpin(&[h(1), h(2)]);
+    assert_eq!(ledger.reserve(&[(h(1), None)]).present, 1);
+}
+
+#[test]
+fn an_abandoned_store_loses_the_block_it_was_demoting() {
+    let ledger = Ledger::with_disk(1, 1, TierPolicy::WriteThrough).unwrap();
+    ledger.reserve(&[(h(1), None)]);
+    ledger.commit(&[h(1)], true);
+    assert_eq!(ledger.reserve(&[(h(2), None)]).demote.len(), 1);
+    ledger.commit(&[h(2)], false);
+    assert_eq!(ledger.presence(h(1)), Presence::Absent);
+    let c = ledger.counts();
+    assert_eq!((c.ready, c.on_disk, c.demoting), (0, 0, 0));
+}
+
+#[test]
+fn a_doomed_block_is_not_demoted() {
+    let ledger = Ledger::with_disk(1, 1, TierPolicy::WriteThrough).unwrap();
+    ledger.reserve(&[(h(1), None)]);
+    ledger.commit(&[h(1)], true);
+    ledger.doom(&[h(1)]);
+    let r = ledger.reserve(&[(h(2), None)]);
+    assert_eq!((r.demote.len(), r.evicted.clone()), (0, vec![h(1)]));
 }
 
 #[test]
@@ -149,10 +282,15 @@ fn a_block_is_loadable_only_after_its_store_is_confirmed() {
     assert_eq!(ledger.presence(h(1)), Presence::Writing);
     assert_eq!(ledger.pin(&[h(1)]), Err(LedgerError::NotReady(h(1))));
     ledger.commit(&[h(1), h(2)], true);
-    let slots = ledger.pin(&[h(1), h(2)]).unwrap();
+    let slots: Vec<u32> = ledger
+        .pin(&[h(1), h(2)])
+        .unwrap()
+        .iter()
+        .map(|s| s.slot)
+        .collect();
     assert_eq!(slots, r.slots.iter().map(|s| s.1).collect::<Vec<_>>());
     let events = ledger.take_events();
-    assert_eq!(events, vec![(true, h(1)), (true, h(2))]);
+    assert_eq!(events, vec![(Tier::G2, true, h(1)), (Tier::G2, true, h(2))]);
 }
 
 #[test]

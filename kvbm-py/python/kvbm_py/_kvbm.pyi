@@ -216,17 +216,22 @@ class Worker:
 
 class OffloadBooks:
     """The scheduler's books of the host tier behind vLLM's offloading
-    connector: which (block, KV cache group) key each of ``slots`` slots
-    holds, ranked and admitted by ``admission`` (``"all"``,
-    ``"reuse_score"`` or ``"min_uses:N"``). Keys are vLLM's offload keys
-    (block hash, then the group as 4 big-endian bytes). A slot handed out
-    by :meth:`reserve` is loadable only after :meth:`commit`, and a pinned
-    block is not evicted until :meth:`unpin`."""
+    connector, and of a disk tier of ``disk_slots`` behind it (none when
+    0): which (block, KV cache group) key each of ``slots`` slots holds,
+    ranked and admitted by ``admission`` (``"all"``, ``"reuse_score"`` or
+    ``"min_uses:N"``). Keys are vLLM's offload keys (block hash, then the
+    group as 4 big-endian bytes). A slot handed out by :meth:`reserve` is
+    loadable only after :meth:`commit`, and a pinned block is not evicted
+    until :meth:`unpin`. A block the host tier evicts moves to disk with
+    the store that takes its slot (the tiers hold disjoint blocks)."""
 
-    def __init__(self, slots: int, admission: str = "reuse_score") -> None: ...
+    def __init__(self, slots: int, admission: str = "reuse_score", disk_slots: int = 0) -> None: ...
     @property
     def slots(self) -> int:
-        """Slots in the tier."""
+        """Slots in the host tier."""
+    @property
+    def disk_slots(self) -> int:
+        """Slots in the disk tier (0 without one)."""
     @staticmethod
     def key(key: bytes) -> int:
         """kvbm's 64-bit key of an offload key."""
@@ -234,15 +239,19 @@ class OffloadBooks:
         """``0`` not held, ``1`` store in flight, ``2`` loadable."""
     def record_request(self, keys: Sequence[bytes]) -> None:
         """Records a request's keys (prefix order) for the reuse ranking."""
-    def reserve(self, keys: Sequence[bytes], chained: bool = True) -> tuple[list[tuple[int, int]], list[int], int, int]:
-        """``(index into keys, slot)`` per key to write, the kvbm keys
-        evicted for them, and how many were refused by admission or left
-        out while every slot was busy."""
+    def reserve(
+        self, keys: Sequence[bytes], chained: bool = True
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]], list[int], int, int]:
+        """``(index into keys, slot)`` per key to write, ``(kvbm key, host
+        slot, disk slot)`` per block to move to disk before those slots
+        are written (loadable from disk once the store is confirmed), the
+        kvbm keys no tier holds any more, and how many were refused by
+        admission or left out while every slot was busy."""
     def commit(self, keys: Sequence[bytes], ok: bool) -> None:
         """Confirms (``ok``) or abandons the stores of ``keys``."""
-    def pin(self, keys: Sequence[bytes]) -> list[int]:
-        """Pins ``keys`` for one load and returns their slots;
-        ``ValueError`` if any is not loadable."""
+    def pin(self, keys: Sequence[bytes]) -> list[tuple[bool, int]]:
+        """Pins ``keys`` for one load and returns ``(on disk, slot)`` for
+        each; ``ValueError`` if any is not loadable."""
     def unpin(self, keys: Sequence[bytes]) -> None:
         """Ends one load of each of ``keys``."""
     def touch(self, keys: Sequence[bytes]) -> None:
@@ -254,9 +263,10 @@ class OffloadBooks:
     def doom(self, keys: Sequence[bytes]) -> None:
         """Marks ``keys`` as damaged: never loaded again."""
     def counts(self) -> dict[str, int]:
-        """``{"ready", "writing", "reading"}`` slot counts."""
-    def take_events(self) -> list[tuple[bool, int]]:
-        """``(stored, kvbm key)`` since the last call."""
+        """``{"ready", "writing", "reading", "on_disk", "demoting"}`` slot
+        counts."""
+    def take_events(self) -> list[tuple[bool, bool, int]]:
+        """``(on disk, stored, kvbm key)`` since the last call."""
 
 class PageWorker:
     """One rank's host tier behind vLLM's offloading connector: the
@@ -264,9 +274,10 @@ class PageWorker:
     page address of each layer, the page bytes and the block stride;
     ``num_blocks`` blocks behind each address, kept alive by
     ``keepalive``) and ``slots`` host slots of ``slot_bytes`` (pinned near
-    the CUDA device ``device``, system memory when ``None``). With
-    ``verify`` every stored slot's checksum is recorded and checked after
-    each load of it."""
+    the CUDA device ``device``, system memory when ``None``), and with
+    ``disk_dir`` a disk tier of ``disk_slots`` slots in a file of its own
+    there. With ``verify`` every stored slot's checksum is recorded and
+    checked after each load of it."""
 
     def __init__(
         self,
@@ -277,18 +288,34 @@ class PageWorker:
         keepalive: Any,
         device: int | None = None,
         verify: bool = False,
+        disk_dir: str | None = None,
+        disk_slots: int = 0,
     ) -> None: ...
     @property
     def slots(self) -> int:
-        """Slots in the tier."""
-    def store(self, job: int, copies: Sequence[tuple[int, int, int]]) -> None:
-        """Starts copying ``(group, engine block, slot)`` pages into slots."""
-    def load(self, job: int, copies: Sequence[tuple[int, int, int]]) -> None:
-        """Starts copying slots into ``(group, engine block, slot)`` pages."""
+        """Slots in the host tier."""
+    def store(
+        self, job: int, copies: Sequence[tuple[int, int, int]], demote: Sequence[tuple[int, int]] = ()
+    ) -> None:
+        """Starts copying ``(group, engine block, host slot)`` pages into
+        host slots, after moving ``demote``'s ``(host slot, disk slot)``
+        blocks to disk."""
+    def load(
+        self,
+        job: int,
+        copies: Sequence[tuple[int, int, int]],
+        disk_copies: Sequence[tuple[int, int, int]] = (),
+    ) -> None:
+        """Starts copying host slots into ``(group, engine block, host
+        slot)`` pages and disk slots into ``disk_copies``' pages."""
     def finished(self) -> list[tuple[int, bool, int, float, list[tuple[int, int]], str | None]]:
         """Jobs ended since the last call: ``(job, ok, bytes, seconds,
         failed (group, block) pairs, error)``."""
     def wait(self, jobs: Sequence[int]) -> None:
         """Waits until none of ``jobs`` is in flight."""
     def corrupt_slot(self, slot: int) -> None:
-        """Test hook (feature ``test-hooks``): changes every byte of ``slot``."""
+        """Test hook (feature ``test-hooks``): changes every byte of host
+        slot ``slot``."""
+    def corrupt_disk_slot(self, slot: int) -> None:
+        """Test hook (feature ``test-hooks``): overwrites disk slot
+        ``slot`` with zeros."""

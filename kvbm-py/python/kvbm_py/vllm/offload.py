@@ -6,19 +6,22 @@ of a sliding-window group are worth keeping, Mamba state alignment, which
 prefix every group can serve) and asks a pluggable *spec* for the rest:
 
 - a manager in the scheduler (:class:`KvbmOffloadingManager`): kvbm's
-  books of the host tier (``OffloadBooks``): one slot per (block, group),
-  ranked and admitted by kvbm's default policy, a slot loadable only once
-  its store completed and never reused while a load reads it;
+  books of the host tier and of a disk tier behind it (``OffloadBooks``):
+  one slot per (block, group), ranked and admitted by kvbm's default
+  policy, a slot loadable only once its store completed and never reused
+  while a load reads it. A block the host tier evicts moves to disk (when
+  there is one and its policy admits the block) with the store that takes
+  its slot;
 - a worker in each rank (:class:`KvbmOffloadingWorker`): kvbm's copy
   engine (``PageWorker``) between the engine's page tensors of every group
-  and that rank's slots, pinned next to a GPU, with a checksum of every
-  slot in verify mode.
+  and that rank's slots, pinned next to a GPU, and that rank's file of
+  disk slots, with a checksum of every slot in verify mode.
 
 Turn it on with::
 
     {"kv_connector": "KvbmOffloadingConnector", "kv_role": "kv_both",
      "kv_load_failure_policy": "recompute",
-     "kv_connector_extra_config": {"cpu_cache_gb": 8}}
+     "kv_connector_extra_config": {"cpu_cache_gb": 8, "disk_cache_gb": 64}}
 
 ``KvbmOffloadingConnector`` is vLLM's ``OffloadingConnector`` with kvbm's
 spec and one addition: a load that fails (a copy error, or a slot that
@@ -32,6 +35,7 @@ the engine rather than serve wrong bytes.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
@@ -77,12 +81,16 @@ VLLM_KEYS = frozenset(
     }
 )
 
-#: kvbm keys this route does not serve yet, with why.
+#: kvbm keys this route does not serve, with why.
 NOT_ON_THIS_ROUTE = {
-    "disk_cache_gb": "G3 (disk) is served by KvbmConnector only so far",
     "offload": "vLLM's offloading connector decides when blocks are stored",
     "load_async": "vLLM's offloading connector always loads asynchronously",
+    "cpu_cache_keep": "its tiers start empty with each engine; KvbmConnector keeps them",
 }
+
+#: Bytes a disk slot is padded to (a block moves to or from disk in one
+#: ``O_DIRECT`` request).
+DISK_ALIGNMENT = 4096
 
 
 def _kvbm_config(extra: Mapping[str, Any]) -> KvbmConfig:
@@ -91,20 +99,33 @@ def _kvbm_config(extra: Mapping[str, Any]) -> KvbmConfig:
     for key, why in NOT_ON_THIS_ROUTE.items():
         if key in own and own[key] != getattr(KvbmConfig, key):
             raise ValueError(f"kvbm: {key}={own[key]!r} is not available with the offloading spec: {why}")
-    if cfg.disk_cache_gb > 0:
-        raise ValueError(f"kvbm: disk_cache_gb: {NOT_ON_THIS_ROUTE['disk_cache_gb']}")
+    if cfg.disk_cache_gb > 0 and "disk_cache_keep" in own and cfg.disk_cache_keep:
+        raise ValueError(
+            "kvbm: disk_cache_keep=true is not available with the offloading spec: its G3 starts "
+            "empty with each engine; KvbmConnector keeps G3 across restarts"
+        )
     return cfg
 
 
 class KvbmSlots(BlockIDsLoadStoreSpec):
-    """Where a job's blocks live in the host tier: one slot per key, in the
+    """Where a job's blocks live in kvbm's tiers: one slot per key, in the
     order of the engine's blocks in the job, with each key's KV cache group
     (its position among the offloaded groups), which the worker checks
-    against the engine's blocks before it copies anything."""
+    against the engine's blocks before it copies anything; for a load,
+    whether each slot is a disk slot; for a store, the blocks to move from
+    a host slot to a disk slot before any slot is written."""
 
-    def __init__(self, slots: list[int], groups: list[int]):
+    def __init__(
+        self,
+        slots: list[int],
+        groups: list[int],
+        disk: list[bool] | None = None,
+        demote: list[tuple[int, int]] | None = None,
+    ):
         super().__init__(slots)
         self.groups = groups
+        self.disk = disk or [False] * len(slots)
+        self.demote = demote or []
 
 
 class KvbmOffloadingSpec(OffloadingSpec):
@@ -133,6 +154,16 @@ class KvbmOffloadingSpec(OffloadingSpec):
                 f"kvbm: cpu_cache_gb={per_worker / GIB:g} GiB per worker holds no block of "
                 f"{self.slot_bytes} bytes"
             )
+        #: Disk slots per worker (0: no G3), each padded to the alignment.
+        self.disk_slots = 0
+        if self.kvbm.disk_cache_gb > 0:
+            padded = -(-self.slot_bytes // DISK_ALIGNMENT) * DISK_ALIGNMENT
+            self.disk_slots = self.kvbm.tier_bytes("disk_cache_gb", 1) // padded
+            if self.disk_slots < 1:
+                raise ValueError(
+                    f"kvbm: disk_cache_gb={self.kvbm.disk_cache_gb:g} GiB per worker holds no block of "
+                    f"{padded} bytes"
+                )
         self._manager: KvbmOffloadingManager | None = None
         self._worker: KvbmOffloadingWorker | None = None
 
@@ -151,23 +182,29 @@ class KvbmOffloadingManager(OffloadingManager):
     """The scheduler's half: kvbm's books of the host tier."""
 
     def __init__(self, spec: KvbmOffloadingSpec):
-        self.books = _kvbm.OffloadBooks(spec.slots, spec.kvbm.admission)
+        self.books = _kvbm.OffloadBooks(spec.slots, spec.kvbm.admission, spec.disk_slots)
         #: Position among the offloaded groups of each KV cache group id.
         self.group_pos = {g.group_id: i for i, g in enumerate(spec.config.groups)}
         self.events_on = spec.kv_events_config.enable_kv_cache_events
-        #: The offload key of every key the books hold, for evictions.
+        #: The offload key of every key the books hold (in either tier),
+        #: for evictions and moves to disk.
         self.names: dict[int, OffloadKey] = {}
         #: Keys seen per request (an ordered set) and not yet recorded in
         #: the use history.
         self.seen: dict[str, dict[OffloadKey, None]] = {}
         self.recorded: dict[str, set[OffloadKey]] = {}
-        #: Blocks stored, loaded, refused by admission, left out while
-        #: every slot was busy, evicted, found damaged; loads per KV cache
-        #: group.
+        #: Blocks stored, loaded (of which from disk), moved to disk,
+        #: refused by admission, left out while every slot was busy,
+        #: evicted from every tier, found damaged; loads per KV cache group.
         self.stats: dict[str, Any] = {
-            "stored": 0, "loaded": 0, "refused": 0, "full": 0, "evicted": 0, "damaged": 0,
-            "loaded_per_group": {},
+            "stored": 0, "loaded": 0, "loaded_from_disk": 0, "demoted": 0, "refused": 0, "full": 0,
+            "evicted": 0, "damaged": 0, "loaded_per_group": {},
         }
+        #: Keys moving to disk with each store job's keys (by the first
+        #: key of the job), for their events once the store is confirmed.
+        self._demoting: dict[OffloadKey, list[OffloadKey]] = {}
+        #: kvbm keys of the blocks on disk (kept for events only).
+        self.on_disk: set[int] = set()
         self._events: list[OffloadingEvent] = []
         logger.info("kvbm: offloading spec with %d host slots of %d bytes per worker", spec.slots, spec.slot_bytes)
 
@@ -196,13 +233,15 @@ class KvbmOffloadingManager(OffloadingManager):
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         keys = list(keys)
-        slots = self.books.pin(keys)
+        sources = self.books.pin(keys)
         self.stats["loaded"] += len(keys)
+        disk = [on_disk for on_disk, _ in sources]
+        self.stats["loaded_from_disk"] += sum(disk)
         per_group = self.stats["loaded_per_group"]
         groups = self._groups(keys)
         for group in groups:
             per_group[group] = per_group.get(group, 0) + 1
-        return KvbmSlots(slots, groups)
+        return KvbmSlots([slot for _, slot in sources], groups, disk=disk)
 
     def _groups(self, keys: list[OffloadKey]) -> list[int]:
         return [self.group_pos[int.from_bytes(key[-4:], "big")] for key in keys]
@@ -219,37 +258,51 @@ class KvbmOffloadingManager(OffloadingManager):
         keys = list(keys)
         self.seen.setdefault(req_context.req_id, {}).update(dict.fromkeys(keys))
         self._record(req_context)
-        placed, evicted, refused, full = self.books.reserve(keys)
+        placed, demote, evicted, refused, full = self.books.reserve(keys)
         evicted_keys = [self.names.pop(k) for k in evicted if k in self.names]
         to_store = [keys[i] for i, _ in placed]
         for key in to_store:
             self.names[_kvbm.OffloadBooks.key(key)] = key
+        demoted = [self.names[k] for k, _, _ in demote if k in self.names]
         self.stats["stored"] += len(to_store)
+        self.stats["demoted"] += len(demote)
         self.stats["refused"] += refused
         self.stats["full"] += full
         self.stats["evicted"] += len(evicted_keys)
-        self._evicted_events(evicted_keys)
-        return PrepareStoreOutput(
-            keys_to_store=to_store,
-            store_spec=KvbmSlots([slot for _, slot in placed], self._groups(to_store)),
-            evicted_keys=evicted_keys,
+        if self.events_on:
+            from_disk = [k for k in evicted if k in self.on_disk]
+            self.on_disk.difference_update(from_disk)
+            gone_from_disk = {self.names.get(k) for k in from_disk}
+            self._evicted_events([k for k in evicted_keys if k not in gone_from_disk] + demoted)
+            self._evicted_events([k for k in evicted_keys if k in gone_from_disk], Medium.STORAGE)
+            if demoted and to_store:
+                self._demoting[to_store[0]] = demoted
+        spec = KvbmSlots(
+            [slot for _, slot in placed],
+            self._groups(to_store),
+            demote=[(g2, g3) for _, g2, g3 in demote],
         )
+        return PrepareStoreOutput(keys_to_store=to_store, store_spec=spec, evicted_keys=evicted_keys)
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
         keys = list(keys)
         self.books.commit(keys, success)
+        demoted = self._demoting.pop(keys[0], []) if keys else []
         if success:
             if self.events_on and keys:
                 self._events.append(OffloadingEvent(keys=keys, medium=Medium.CPU, removed=False))
+            if demoted:
+                self._events.append(OffloadingEvent(keys=demoted, medium=Medium.STORAGE, removed=False))
+                self.on_disk.update(_kvbm.OffloadBooks.key(k) for k in demoted)
         else:
-            for key in keys:
+            for key in keys + demoted:
                 self.names.pop(_kvbm.OffloadBooks.key(key), None)
 
-    def _evicted_events(self, keys: list[OffloadKey]) -> None:
+    def _evicted_events(self, keys: list[OffloadKey], medium: Medium = Medium.CPU) -> None:
         if self.events_on and keys:
-            self._events.append(OffloadingEvent(keys=keys, medium=Medium.CPU, removed=True))
+            self._events.append(OffloadingEvent(keys=keys, medium=medium, removed=True))
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -269,8 +322,12 @@ class KvbmOffloadingManager(OffloadingManager):
         # vLLM discards its jobs in flight here and makes every worker wait
         # for them before its next copy, so their slots may be reused.
         self.books.clear()
-        self._evicted_events(list(self.names.values()))
+        on_disk = {self.names[k] for k in self.on_disk if k in self.names}
+        self._evicted_events([k for k in self.names.values() if k not in on_disk])
+        self._evicted_events(list(on_disk), Medium.STORAGE)
         self.names.clear()
+        self._demoting.clear()
+        self.on_disk.clear()
         self.seen.clear()
         self.recorded.clear()
 
@@ -287,7 +344,7 @@ class KvbmOffloadingManager(OffloadingManager):
 
 class KvbmOffloadingWorker(OffloadingWorker):
     """One rank's half: the engine's pages of every group and this rank's
-    host slots, copied by kvbm."""
+    host slots and disk slots, copied by kvbm."""
 
     def __init__(self, spec: KvbmOffloadingSpec, kv_caches: CanonicalKVCaches):
         groups, device, num_blocks = _page_groups(kv_caches)
@@ -304,6 +361,8 @@ class KvbmOffloadingWorker(OffloadingWorker):
             kv_caches,
             device=device,
             verify=spec.kvbm.verify,
+            disk_dir=_disk_dir(spec.kvbm) if spec.disk_slots else None,
+            disk_slots=spec.disk_slots,
         )
         self.test_corrupt_loads = spec.kvbm.test_corrupt_onboard
         #: KV cache groups of the engine.
@@ -318,7 +377,8 @@ class KvbmOffloadingWorker(OffloadingWorker):
         self.failed_blocks = 0
 
     @staticmethod
-    def _copies(gpu: GPULoadStoreSpec, slots: LoadStoreSpec) -> list[tuple[int, int, int]]:
+    def _copies(gpu: GPULoadStoreSpec, slots: LoadStoreSpec) -> list[tuple[int, int, int, bool]]:
+        """``(group, engine block, slot, on disk)`` per block of a job."""
         assert isinstance(slots, KvbmSlots)
         block_ids = gpu.block_ids.tolist()
         slot_ids = slots.block_ids.tolist()
@@ -328,7 +388,7 @@ class KvbmOffloadingWorker(OffloadingWorker):
         at = 0
         for group, size in enumerate(gpu.group_sizes):
             for i in range(at, at + size):
-                copies.append((group, block_ids[i], slot_ids[i]))
+                copies.append((group, block_ids[i], slot_ids[i], slots.disk[i]))
             at += size
         if [c[0] for c in copies] != slots.groups:
             # Never copy a block into another key's slot.
@@ -336,14 +396,19 @@ class KvbmOffloadingWorker(OffloadingWorker):
         return copies
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
-        self.pages.store(job_id, self._copies(src_spec, dst_spec))
+        assert isinstance(dst_spec, KvbmSlots)
+        copies = [c[:3] for c in self._copies(src_spec, dst_spec)]
+        self.pages.store(job_id, copies, dst_spec.demote)
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         copies = self._copies(dst_spec, src_spec)
         if self.test_corrupt_loads and copies:
-            self.pages.corrupt_slot(copies[0][2])
-        self.pages.load(job_id, copies)
+            _, _, slot, on_disk = copies[0]
+            (self.pages.corrupt_disk_slot if on_disk else self.pages.corrupt_slot)(slot)
+        self.pages.load(
+            job_id, [c[:3] for c in copies if not c[3]], disk_copies=[c[:3] for c in copies if c[3]]
+        )
         self.loads.add(job_id)
         return True
 
@@ -363,6 +428,14 @@ class KvbmOffloadingWorker(OffloadingWorker):
 
     def wait(self, job_ids: set[int]) -> None:
         self.pages.wait(list(job_ids))
+
+
+def _disk_dir(cfg: KvbmConfig) -> str:
+    """The directory the worker's disk slots go in (each worker's file is
+    its own, named by its process, and removed when the worker exits)."""
+    path = cfg.g3_base()
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def _page_groups(kv_caches: CanonicalKVCaches) -> tuple[list[tuple[list[int], int, int]], int | None, int]:

@@ -1,0 +1,201 @@
+//! How a job of a [`PagedWorker`](super::PagedWorker) ends: its copies
+//! are waited for, checked against the slots' checksums in verify mode,
+//! the pages of a failed load are wiped, and a [`JobReport`] is filed.
+
+use std::collections::HashSet;
+use std::sync::mpsc::Receiver;
+use std::time::Instant;
+
+use kvbm_transfer::{Executor, TransferHandle};
+use parking_lot::Mutex;
+
+use super::{Direction, JobReport, PageCopy, Shared};
+use crate::verify::block_sum;
+
+/// What a job's earlier steps (demotions, reads from G3) left: the bytes
+/// that reached the engine's pages, the copies that failed, and the
+/// first error.
+#[derive(Debug, Default)]
+pub(super) struct Earlier {
+    pub(super) bytes: u64,
+    pub(super) failed: Vec<PageCopy>,
+    pub(super) error: Option<String>,
+}
+
+impl Earlier {
+    pub(super) fn fail(
+        &mut self,
+        copies: impl IntoIterator<Item = PageCopy>,
+        error: impl FnOnce() -> String,
+    ) {
+        let before = self.failed.len();
+        self.failed.extend(copies);
+        if self.failed.len() > before {
+            self.error.get_or_insert_with(error);
+        }
+    }
+}
+
+/// A job whose copies between G1 and the slots are in flight.
+pub(super) struct Pending {
+    pub(super) job: u64,
+    pub(super) direction: Direction,
+    /// The copies between G1 and G2 slots.
+    pub(super) copies: Vec<PageCopy>,
+    /// One transfer per group the copies touch, with that group's index.
+    pub(super) transfers: Vec<(usize, TransferHandle)>,
+    pub(super) earlier: Earlier,
+    pub(super) started: Instant,
+}
+
+/// Starts every group's share of `copies` between G1 and the G2 slots.
+pub(super) fn start(
+    shared: &Shared,
+    executor: &Executor,
+    direction: Direction,
+    copies: &[PageCopy],
+) -> Vec<(usize, TransferHandle)> {
+    let mut transfers = Vec::new();
+    for (group, (g1, g2)) in shared.g1.iter().zip(&shared.g2).enumerate() {
+        let pairs: Vec<(usize, usize)> = copies
+            .iter()
+            .filter(|c| c.group == group)
+            .map(|c| match direction {
+                Direction::Store => (c.block, c.slot),
+                Direction::Load => (c.slot, c.block),
+            })
+            .collect();
+        if pairs.is_empty() {
+            continue;
+        }
+        let handle = match direction {
+            Direction::Store => executor.transfer(g1, g2, &pairs),
+            Direction::Load => executor.transfer(g2, g1, &pairs),
+        };
+        transfers.push((group, handle));
+    }
+    transfers
+}
+
+/// Settles jobs in the order they arrive until every sender is gone.
+pub(super) fn settle_loop(shared: &Shared, rx: Receiver<Pending>) {
+    for pending in rx {
+        let report = settle(shared, pending);
+        let mut r = shared.reports.lock();
+        r.in_flight.remove(&report.job);
+        r.done.push(report);
+        shared.settled.notify_all();
+    }
+}
+
+fn settle(shared: &Shared, p: Pending) -> JobReport {
+    let Earlier {
+        mut bytes,
+        failed: failed_earlier,
+        mut error,
+    } = p.earlier;
+    // This job's copies between G1 and G2 that failed (judged below with
+    // no regard to the earlier steps' slots, which are G3's).
+    let mut failed = Vec::new();
+    for (group, handle) in p.transfers {
+        match handle.wait() {
+            Ok(report) => bytes += report.bytes,
+            Err(f) => {
+                error.get_or_insert_with(|| f.to_string());
+                let landed: HashSet<(usize, usize)> = f.completed.iter().copied().collect();
+                failed.extend(p.copies.iter().filter(|c| {
+                    let pair = match p.direction {
+                        Direction::Store => (c.block, c.slot),
+                        Direction::Load => (c.slot, c.block),
+                    };
+                    c.group == group && !landed.contains(&pair)
+                }));
+            }
+        }
+    }
+    if let Some(sums) = &shared.sums {
+        judge(
+            shared,
+            sums,
+            p.direction,
+            &p.copies,
+            &mut failed,
+            &mut error,
+        );
+    }
+    failed.extend(failed_earlier);
+    if p.direction == Direction::Load && !failed.is_empty() {
+        wipe(shared, &failed, &mut error);
+    }
+    JobReport {
+        job: p.job,
+        direction: p.direction,
+        bytes,
+        seconds: p.started.elapsed().as_secs_f64(),
+        failed,
+        error,
+    }
+}
+
+/// Overwrites the pages a failed load wrote with zeros (from the zero
+/// slot), so bytes that failed their check never stay where the engine
+/// might read them: a request recomputed after a failed load may reuse
+/// those blocks, and a partly filled block is read whole by attention
+/// kernels that mask, not skip, the tokens beyond its end.
+fn wipe(shared: &Shared, failed: &[PageCopy], error: &mut Option<String>) {
+    for (group, (g1, g2)) in shared.g1.iter().zip(&shared.g2).enumerate() {
+        let pairs: Vec<(usize, usize)> = failed
+            .iter()
+            .filter(|c| c.group == group)
+            .map(|c| (shared.zero_slot(), c.block))
+            .collect();
+        if pairs.is_empty() {
+            continue;
+        }
+        if let Err(f) = shared.executor.transfer(g2, g1, &pairs).wait() {
+            tracing::error!("kvbm: wiping the pages of a failed load failed: {f}");
+            error.get_or_insert_with(|| format!("wiping a failed load's pages: {f}"));
+        }
+    }
+}
+
+/// Verify mode: records the sums of stored slots, and checks the slot a
+/// load read once the load ended (a slot is not written while a load
+/// reads it: the books hold it), so bytes that changed at rest in host
+/// memory are never served. The engine's pages are not read: once a
+/// load ended the engine may use them.
+fn judge(
+    shared: &Shared,
+    sums: &Mutex<Vec<Option<u64>>>,
+    direction: Direction,
+    copies: &[PageCopy],
+    failed: &mut Vec<PageCopy>,
+    error: &mut Option<String>,
+) {
+    let broken: HashSet<(usize, usize)> = failed.iter().map(|c| (c.group, c.slot)).collect();
+    for c in copies {
+        if broken.contains(&(c.group, c.slot)) {
+            if direction == Direction::Store {
+                sums.lock()[c.slot] = None;
+            }
+            continue;
+        }
+        let g2 = &shared.g2[c.group];
+        match direction {
+            Direction::Store => sums.lock()[c.slot] = block_sum(g2, c.slot).ok(),
+            Direction::Load => {
+                let got = block_sum(g2, c.slot);
+                let want = sums.lock()[c.slot];
+                if got.ok() != want || want.is_none() {
+                    failed.push(*c);
+                    error.get_or_insert_with(|| {
+                        format!(
+                            "slot {} failed its checksum: its bytes changed since they were stored",
+                            c.slot
+                        )
+                    });
+                }
+            }
+        }
+    }
+}
