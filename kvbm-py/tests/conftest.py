@@ -29,6 +29,16 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_mamba_model(tmp_path_factory) -> str:
+    """A tiny random Qwen3-Next-style model (linear attention + full
+    attention: a Mamba state group and a KV cache group), written once
+    per pytest run."""
+    out = tmp_path_factory.mktemp("tiny-mamba")
+    subprocess.run([sys.executable, str(HERE / "tiny_model.py"), str(out), "mamba"], check=True)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
 def tiny_hybrid_model(tmp_path_factory) -> str:
     """A tiny random Gemma-3-style model (sliding window + full attention:
     two KV cache groups), written once per pytest run."""

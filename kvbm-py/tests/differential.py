@@ -180,6 +180,7 @@ class OffloadSide:
         w = self._worker()
         if w is not None:
             out["verify_mismatches"] = w.failed_blocks
+            out["slot_bytes"], out["widest_block"] = w.slot_bytes, w.widest_block
         return out
 
     def flush(self) -> None:

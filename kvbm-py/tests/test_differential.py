@@ -89,6 +89,10 @@ CONFIGS: dict[str, tuple[dict, dict, int]] = {
     # A G2 of a few slots in front of G3: blocks move to disk as G2
     # evicts them and are loaded from there.
     "spec-hybrid-g3": ({"route": "spec", "model": "hybrid", "admission": "all", "g3": 8}, {}, 1),
+    # Linear attention (a recurrent state per request, vLLM's Mamba
+    # group) beside full attention, over G2 and G3.
+    "spec-mamba-hybrid-g3": ({"route": "spec", "model": "mamba", "admission": "all", "g3": 8}, {}, 1),
+    "tp2-spec-mamba-hybrid-g3": ({"route": "spec", "model": "mamba", "admission": "all", "g3": 8}, {}, 2),
 }
 
 
@@ -141,7 +145,13 @@ def _seeds(index: int) -> list[int]:
 #: Configurations run only when ``KVBM_FUZZ_CONFIG`` names them (a soak):
 #: the default run covers kvbm behind vLLM's offloading connector with the
 #: hybrid model and its damaged-slot runs, within CI's time.
-OPT_IN = ("spec-g2-default", "spec-hybrid-small-g2", "spec-hybrid-chunked-preempting", "tp2-spec-hybrid-g2-all")
+OPT_IN = (
+    "spec-g2-default",
+    "spec-hybrid-small-g2",
+    "spec-hybrid-chunked-preempting",
+    "tp2-spec-hybrid-g2-all",
+    "tp2-spec-mamba-hybrid-g3",
+)
 
 
 def _selected() -> list[str]:
@@ -265,7 +275,7 @@ def run_process(model: str, tmp_path: Path, runs: list[dict], tp: int) -> tuple[
 
 
 @pytest.fixture(scope="session")
-def results(tiny_model, tiny_hybrid_model, tmp_path_factory):
+def results(tiny_model, tiny_hybrid_model, tiny_mamba_model, tmp_path_factory):
     """Every run's cases by name, one engine process per TP size, started
     when a test first asks for a run of that size. A run the process never
     finished fails its test with what the process said; the process is
@@ -275,7 +285,8 @@ def results(tiny_model, tiny_hybrid_model, tmp_path_factory):
     def get(name: str, tp: int) -> tuple[dict, dict, dict]:
         if tp not in done:
             tmp = tmp_path_factory.mktemp(f"differential-tp{tp}")
-            runs = _runs(tp, tmp, {"llama": tiny_model, "hybrid": tiny_hybrid_model})
+            models = {"llama": tiny_model, "hybrid": tiny_hybrid_model, "mamba": tiny_mamba_model}
+            runs = _runs(tp, tmp, models)
             with kept_g2_removed():
                 out, failure = run_process(tiny_model, tmp, runs, tp)
             done[tp] = {"runs": {r["name"]: r for r in runs}, "out": out, "failure": failure}
@@ -334,6 +345,10 @@ def test_outputs_equal_the_engine_without_kvbm(name, results):
         assert all(s["groups"] >= 2 and s["hybrid_manager"] for s in stats), stats
         for group in range(stats[0]["groups"]):
             assert sum(s.get(f"loaded_group_{group}", 0) for s in stats) > 0, (group, stats)
+        if run.get("connector") and tp == 1:
+            # A slot is the largest group's block: vLLM lays the groups'
+            # layers over shared tensors, so no slot space goes unused.
+            assert all(s["slot_bytes"] == s["widest_block"] for s in stats), stats
 
 
 @pytest.mark.parametrize("name", list(REPRO))

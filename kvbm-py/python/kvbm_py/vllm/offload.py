@@ -364,6 +364,9 @@ class KvbmOffloadingWorker(OffloadingWorker):
             disk_dir=_disk_dir(spec.kvbm) if spec.disk_slots else None,
             disk_slots=spec.disk_slots,
         )
+        #: Bytes of a slot, and of the largest group's block (a slot holds
+        #: one block of any group).
+        self.slot_bytes, self.widest_block = spec.slot_bytes, widest
         self.test_corrupt_loads = spec.kvbm.test_corrupt_onboard
         #: KV cache groups of the engine.
         self.groups = len(groups)
