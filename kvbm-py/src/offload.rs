@@ -7,6 +7,7 @@
 //! sequence hash (its first 8 bytes, as [`sequence_hash`] reads them)
 //! mixed with the group, so the same block of two groups has two keys.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use kvbm_block::SequenceHash;
@@ -14,7 +15,10 @@ use kvbm_dist::paged::{PageCopy, PageGroup, PageMemory, PagedConfig, PagedDisk, 
 use kvbm_pool::Tier;
 use kvbm_pool::ledger::{Ledger, Presence};
 use kvbm_transfer::memory::Owner;
+use parking_lot::Mutex;
+use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::types::PyString;
 
 use crate::error::{PyKvbmError, Result};
 use crate::scheduler::{parse_policy, sequence_hash};
@@ -54,11 +58,87 @@ type Reserved = (
     usize,
 );
 
+/// The keys one request asked for: every one so far, and those not yet
+/// recorded in the use history, in the order first asked.
+#[derive(Default)]
+struct Asked {
+    all: HashSet<SequenceHash>,
+    pending: Vec<SequenceHash>,
+}
+
+/// The books and what each request asked for, shared with the lookup
+/// callable that vLLM calls key by key.
+struct Books {
+    ledger: Ledger,
+    asked: Mutex<HashMap<String, Asked>>,
+}
+
+impl Books {
+    fn note(&self, req: &str, keys: impl IntoIterator<Item = SequenceHash>) {
+        let mut asked = self.asked.lock();
+        let a = match asked.get_mut(req) {
+            Some(a) => a,
+            None => asked.entry(req.to_owned()).or_default(),
+        };
+        for k in keys {
+            if a.all.insert(k) {
+                a.pending.push(k);
+            }
+        }
+    }
+
+    fn record(&self, req: &str, forget: bool) {
+        let pending = {
+            let mut asked = self.asked.lock();
+            let pending = asked.get_mut(req).map(|a| std::mem::take(&mut a.pending));
+            if forget {
+                asked.remove(req);
+            }
+            pending.unwrap_or_default()
+        };
+        if !pending.is_empty() {
+            self.ledger.record_request(&pending);
+        }
+    }
+}
+
 /// The scheduler's books of the host tier (and of a disk tier behind it):
-/// which block each slot holds.
+/// which block each slot holds, and which keys each request asked for
+/// (the reuse ranking learns from them).
 #[pyclass(module = "kvbm_py._kvbm")]
 pub struct OffloadBooks {
-    ledger: Ledger,
+    books: Arc<Books>,
+}
+
+/// vLLM's per-key lookup as one call into the books: `(offload key,
+/// request context) -> hit or miss`, noting the key as asked for by the
+/// request. Built by [`OffloadBooks::lookup_fn`].
+#[pyclass(module = "kvbm_py._kvbm")]
+pub struct KeyLookup {
+    books: Arc<Books>,
+    hit: Py<PyAny>,
+    miss: Py<PyAny>,
+}
+
+#[pymethods]
+impl KeyLookup {
+    fn __call__(
+        &self,
+        py: Python<'_>,
+        key: &[u8],
+        req_context: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyAny>> {
+        let key = offload_key(key)?;
+        let req = req_context.getattr(intern!(py, "req_id"))?;
+        self.books.note(req.cast::<PyString>()?.to_str()?, [key]);
+        // A block whose store is in flight is not loadable yet; asking
+        // again later would hold the request back for a copy that may
+        // fail, so it counts as a miss now.
+        Ok(match self.books.ledger.presence(key) {
+            Presence::Ready => self.hit.clone_ref(py),
+            Presence::Absent | Presence::Writing => self.miss.clone_ref(py),
+        })
+    }
 }
 
 #[pymethods]
@@ -75,19 +155,47 @@ impl OffloadBooks {
         let policy = parse_policy(admission)?;
         let ledger = Ledger::with_disk(slots, disk_slots, policy)
             .map_err(|e| PyKvbmError::Invalid(e.to_string()))?;
-        Ok(OffloadBooks { ledger })
+        let books = Arc::new(Books {
+            ledger,
+            asked: Mutex::new(HashMap::new()),
+        });
+        Ok(OffloadBooks { books })
+    }
+
+    /// A callable `(offload key, request context) -> hit or miss` for
+    /// vLLM's per-key lookup: `hit` where the key is loadable, `miss`
+    /// otherwise; the key is noted as asked for by `req_context.req_id`.
+    fn lookup_fn(&self, hit: Py<PyAny>, miss: Py<PyAny>) -> KeyLookup {
+        KeyLookup {
+            books: Arc::clone(&self.books),
+            hit,
+            miss,
+        }
+    }
+
+    /// Notes `keys` as asked for by request `req`.
+    fn note(&self, req: &str, keys: Vec<Vec<u8>>) -> PyResult<()> {
+        self.books.note(req, keys_of(&keys)?);
+        Ok(())
+    }
+
+    /// Records in the use history the keys request `req` asked for since
+    /// the last call; with `finished`, forgets the request.
+    #[pyo3(signature = (req, finished = false))]
+    fn record(&self, req: &str, finished: bool) {
+        self.books.record(req, finished);
     }
 
     /// Slots in the host tier.
     #[getter]
     fn slots(&self) -> usize {
-        self.ledger.capacity()
+        self.books.ledger.capacity()
     }
 
     /// Slots in the disk tier (0 without one).
     #[getter]
     fn disk_slots(&self) -> usize {
-        self.ledger.disk_capacity()
+        self.books.ledger.disk_capacity()
     }
 
     /// kvbm's 64-bit key of an offload key.
@@ -99,17 +207,11 @@ impl OffloadBooks {
     /// `0` when the key is not held, `1` while its store is in flight,
     /// `2` when it can be loaded.
     fn lookup(&self, key: &[u8]) -> PyResult<u8> {
-        Ok(match self.ledger.presence(offload_key(key)?) {
+        Ok(match self.books.ledger.presence(offload_key(key)?) {
             Presence::Absent => 0,
             Presence::Writing => 1,
             Presence::Ready => 2,
         })
-    }
-
-    /// Records a request's keys (prefix order) for the reuse ranking.
-    fn record_request(&self, keys: Vec<Vec<u8>>) -> PyResult<()> {
-        self.ledger.record_request(&keys_of(&keys)?);
-        Ok(())
     }
 
     /// Slots for the keys to store, in order (each key's parent is the
@@ -127,7 +229,7 @@ impl OffloadBooks {
             .enumerate()
             .map(|(i, &h)| (h, (chained && i > 0).then(|| hashes[i - 1])))
             .collect();
-        let r = self.ledger.reserve(&with_parents);
+        let r = self.books.ledger.reserve(&with_parents);
         let mut index = std::collections::HashMap::with_capacity(hashes.len());
         for (i, h) in hashes.iter().enumerate() {
             index.entry(*h).or_insert(i);
@@ -144,7 +246,7 @@ impl OffloadBooks {
 
     /// Confirms (`ok`) or abandons the stores of `keys`.
     fn commit(&self, keys: Vec<Vec<u8>>, ok: bool) -> PyResult<()> {
-        self.ledger.commit(&keys_of(&keys)?, ok);
+        self.books.ledger.commit(&keys_of(&keys)?, ok);
         Ok(())
     }
 
@@ -153,6 +255,7 @@ impl OffloadBooks {
     /// pinned).
     fn pin(&self, keys: Vec<Vec<u8>>) -> PyResult<Vec<(bool, u32)>> {
         let sources = self
+            .books
             .ledger
             .pin(&keys_of(&keys)?)
             .map_err(|e| PyKvbmError::Invalid(e.to_string()))?;
@@ -164,31 +267,31 @@ impl OffloadBooks {
 
     /// Ends one load of each of `keys`.
     fn unpin(&self, keys: Vec<Vec<u8>>) -> PyResult<()> {
-        self.ledger.unpin(&keys_of(&keys)?);
+        self.books.ledger.unpin(&keys_of(&keys)?);
         Ok(())
     }
 
     /// Marks `keys` as just used.
     fn touch(&self, keys: Vec<Vec<u8>>) -> PyResult<()> {
-        self.ledger.touch(&keys_of(&keys)?);
+        self.books.ledger.touch(&keys_of(&keys)?);
         Ok(())
     }
 
     /// Drops every block no load or store uses; returns how many.
     fn reset(&self) -> usize {
-        self.ledger.reset()
+        self.books.ledger.reset()
     }
 
     /// Forgets every store and load in flight and drops every block (the
     /// engine waits for its copies in flight before it sends new ones).
     fn clear(&self) -> usize {
-        self.ledger.clear()
+        self.books.ledger.clear()
     }
 
     /// Marks `keys` as damaged: never loaded again (a load of them
     /// failed).
     fn doom(&self, keys: Vec<Vec<u8>>) -> PyResult<()> {
-        self.ledger.doom(&keys_of(&keys)?);
+        self.books.ledger.doom(&keys_of(&keys)?);
         Ok(())
     }
 
@@ -196,7 +299,7 @@ impl OffloadBooks {
     /// counts: host blocks loadable, host slots being written, blocks
     /// being read, disk blocks loadable, disk slots being written.
     fn counts(&self) -> std::collections::HashMap<&'static str, usize> {
-        let c = self.ledger.counts();
+        let c = self.books.ledger.counts();
         [
             ("ready", c.ready),
             ("writing", c.writing),
@@ -210,7 +313,8 @@ impl OffloadBooks {
     /// `(on disk, stored, key)` for every block stored or removed since
     /// the last call (kvbm keys).
     fn take_events(&self) -> Vec<(bool, bool, u64)> {
-        self.ledger
+        self.books
+            .ledger
             .take_events()
             .into_iter()
             .map(|(t, s, h)| (t == Tier::G3, s, h.0))

@@ -1,6 +1,7 @@
 """Type stubs of kvbm_py's native module (built from the kvbm-py crate)."""
 
-from typing import Any, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 __version__: str
 #: Whether this build has the test hooks (feature ``test-hooks``).
@@ -237,8 +238,15 @@ class OffloadBooks:
         """kvbm's 64-bit key of an offload key."""
     def lookup(self, key: bytes) -> int:
         """``0`` not held, ``1`` store in flight, ``2`` loadable."""
-    def record_request(self, keys: Sequence[bytes]) -> None:
-        """Records a request's keys (prefix order) for the reuse ranking."""
+    def lookup_fn(self, hit: Any, miss: Any) -> Callable[[bytes, Any], Any]:
+        """A callable ``(offload key, request context) -> hit or miss`` for
+        vLLM's per-key lookup (``hit`` where the key is loadable); notes
+        the key as asked for by ``request context.req_id``."""
+    def note(self, req: str, keys: Sequence[bytes]) -> None:
+        """Notes ``keys`` as asked for by request ``req``."""
+    def record(self, req: str, finished: bool = False) -> None:
+        """Records in the use history what ``req`` asked for since the
+        last call; ``finished`` forgets the request."""
     def reserve(
         self, keys: Sequence[bytes], chained: bool = True
     ) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]], list[int], int, int]:

@@ -186,13 +186,15 @@ class KvbmOffloadingManager(OffloadingManager):
         #: Position among the offloaded groups of each KV cache group id.
         self.group_pos = {g.group_id: i for i, g in enumerate(spec.config.groups)}
         self.events_on = spec.kv_events_config.enable_kv_cache_events
+        # vLLM asks key by key, every step a request waits: one call into
+        # the books per key, no Python frame of kvbm's (it also notes the
+        # key as asked for by the request, for the reuse ranking). A block
+        # whose store is in flight is a miss: asking again later would
+        # hold the request back for a copy that may fail.
+        self.lookup = self.books.lookup_fn(LookupResult.HIT, LookupResult.MISS)  # type: ignore[method-assign]
         #: The offload key of every key the books hold (in either tier),
         #: for evictions and moves to disk.
         self.names: dict[int, OffloadKey] = {}
-        #: Keys seen per request (an ordered set) and not yet recorded in
-        #: the use history.
-        self.seen: dict[str, dict[OffloadKey, None]] = {}
-        self.recorded: dict[str, set[OffloadKey]] = {}
         #: Blocks stored, loaded (of which from disk), moved to disk,
         #: refused by admission, left out while every slot was busy,
         #: evicted from every tier, found damaged; loads per KV cache group.
@@ -208,28 +210,9 @@ class KvbmOffloadingManager(OffloadingManager):
         self._events: list[OffloadingEvent] = []
         logger.info("kvbm: offloading spec with %d host slots of %d bytes per worker", spec.slots, spec.slot_bytes)
 
-    def _record(self, req: ReqContext) -> None:
-        pending = self.seen.pop(req.req_id, None)
-        if pending:
-            done = self.recorded.setdefault(req.req_id, set())
-            fresh = [k for k in pending if k not in done]
-            done.update(fresh)
-            self.books.record_request(fresh)
-
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        # vLLM asks key by key, every step a request waits: keep it to a
-        # dictionary insert and one call into the books.
-        seen = self.seen.get(req_context.req_id)
-        if seen is None:
-            seen = self.seen[req_context.req_id] = {}
-        seen[key] = None
-        state = self.books.lookup(key)
-        if state == 2:
-            return LookupResult.HIT
-        # A block whose store is in flight is not loadable yet; asking
-        # again later would hold the request back for a copy that may
-        # fail, so it counts as a miss now.
-        return LookupResult.MISS
+        # Replaced per instance by the books' own callable (``__init__``).
+        raise NotImplementedError
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         keys = list(keys)
@@ -256,8 +239,8 @@ class KvbmOffloadingManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         keys = list(keys)
-        self.seen.setdefault(req_context.req_id, {}).update(dict.fromkeys(keys))
-        self._record(req_context)
+        self.books.note(req_context.req_id, keys)
+        self.books.record(req_context.req_id)
         placed, demote, evicted, refused, full = self.books.reserve(keys)
         evicted_keys = [self.names.pop(k) for k in evicted if k in self.names]
         to_store = [keys[i] for i, _ in placed]
@@ -308,8 +291,7 @@ class KvbmOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self._record(req_context)
-        self.recorded.pop(req_context.req_id, None)
+        self.books.record(req_context.req_id, finished=True)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         events, self._events = self._events, []
@@ -328,8 +310,6 @@ class KvbmOffloadingManager(OffloadingManager):
         self.names.clear()
         self._demoting.clear()
         self.on_disk.clear()
-        self.seen.clear()
-        self.recorded.clear()
 
     def forget_damaged(self, keys: list[OffloadKey]) -> None:
         """Keys whose load failed: never loaded again (they read as
