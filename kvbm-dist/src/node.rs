@@ -1,6 +1,7 @@
 //! `kvbm-dist-node`: the worker process, one per GPU / tensor-parallel
-//! rank. [`main`] is the whole body of the `kvbm-dist-node` binary (built
-//! by kvbm-bench, next to the benchmark that starts it).
+//! rank. [`main`] is the whole body of this crate's `kvbm-dist-node`
+//! binary (and of the test and bench executables that start themselves as
+//! workers).
 //!
 //! ```text
 //! kvbm-dist-node worker --endpoint E --instance I --rank R --world W

@@ -3,8 +3,8 @@
 //!
 //! Builds the `cuda` feature's test executables of kvbm-transfer,
 //! kvbm-dist's test executables, kvbm-pool's `quickstart_gpu` example, and
-//! kvbm-bench's `kvbm-bench` with its worker `kvbm-dist-node` and the
-//! backend benches `cuda_bench`, `transfer_bench` and `pin_bench`
+//! kvbm-bench's `kvbm-bench` (which is also its replay's worker process)
+//! and the backend benches `cuda_bench`, `transfer_bench` and `pin_bench`
 //! (features `cuda,gemm`: the replay with G1 on the GPU, also across
 //! worker processes, the offload bench and `cuda_bench` beside a GEMM) in
 //! release mode, reads their paths from cargo's JSON messages, and copies
@@ -36,8 +36,6 @@ pub fn run(root: &Path, args: &[String]) -> Result<(), String> {
             &[
                 "--bin",
                 "kvbm-bench",
-                "--bin",
-                "kvbm-dist-node",
                 "--bin",
                 "cuda_bench",
                 "--bin",
