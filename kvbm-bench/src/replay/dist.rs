@@ -1,8 +1,9 @@
 //! Tensor-parallel replay: the tier engine's leader in this process, one
 //! worker process per rank (this executable started as `worker ...`,
 //! running kvbm-dist's worker entry point, [`kvbm_dist::node`], as its
-//! `kvbm-dist-node` binary does; see [`find_node_exe`]), each owning its G1 (GPU `rank` when built with
-//! `cuda` and the GPU exists, a host stand-in otherwise), G2 and G3.
+//! `kvbm-dist-node` binary does; see [`find_node_exe`]), each owning its
+//! G1 (GPU `rank` when built with `cuda` and the GPU exists, a host
+//! stand-in otherwise), G2 and G3.
 //!
 //! The engine runs over kvbm-dist's distributed mover, so every offload
 //! and onboard is broadcast to all workers and counts only when all of
