@@ -2,11 +2,14 @@
 //!
 //! kvbm's benchmarks and cache simulators, a product crate at the top of
 //! the stack: the `kvbm-bench` binary (`cargo run --release -p kvbm-bench
-//! -- replay`), the `kvbm-dist-node` worker binary its tensor-parallel
-//! replay starts, and the `studies` binary that prints the simulator
-//! studies' tables. This library is everything they measure and print,
-//! kept out of `main` so tests can drive it; test fixtures (trace readers,
-//! stand-ins, fault injection) come from kvbm-testkit.
+//! -- replay`; it is also the worker process its tensor-parallel replay
+//! starts, see [`replay::dist`]), the `studies` binary that prints the
+//! simulator studies' tables, and kvbm-transfer's benchmarks of the
+//! backends alone (`transfer_bench`, `cuda_bench`, `pin_bench`,
+//! `nixl_peer`, each behind the features it needs). This library is
+//! everything they measure and print, kept out of `main` so tests can
+//! drive it; test fixtures (trace readers, stand-ins, fault injection) come
+//! from kvbm-testkit.
 //!
 //! Two benchmarks answer the two questions users ask of kvbm:
 //! - [`matrix`]: how fast does kvbm move blocks between tiers, for each

@@ -145,8 +145,9 @@ fn bench(c: &mut Criterion) {
 
 criterion_group!(benches, bench);
 
-/// `worker ...`: this bench binary doubles as the worker process
-/// (`kvbm-dist-node`, built by another package); otherwise the benches.
+/// `worker ...`: this bench binary doubles as the worker process (the
+/// entry point of `kvbm-dist-node`, so it runs wherever it is copied);
+/// otherwise the benches.
 fn main() -> std::process::ExitCode {
     if std::env::args().nth(1).as_deref() == Some("worker") {
         return kvbm_dist::node::main();

@@ -1,6 +1,7 @@
 //! `kvbm-dist-node`: the worker process, one per GPU / tensor-parallel
-//! rank. [`main`] is the whole body of the `kvbm-dist-node` binary (built
-//! by kvbm-bench, next to the benchmark that starts it).
+//! rank. [`main`] is the whole body of this crate's `kvbm-dist-node`
+//! binary (and of the test and bench executables that start themselves as
+//! workers).
 //!
 //! ```text
 //! kvbm-dist-node worker --endpoint E --instance I --rank R --world W
@@ -27,8 +28,9 @@
 //!   the CUDA backend with `--threads` memcpy threads beside it), in host
 //!   memory otherwise.
 //!
-//! Either way the worker writes and checks test patterns in G1 for the
-//! leader (its probe), so a leader can verify every rank's bytes.
+//! Built with feature `probe` (a test hook: tests and benches), the worker
+//! writes and checks test patterns in G1 for the leader either way, so a
+//! leader can verify every rank's bytes.
 //!
 //! With `--kept-identity` (and `--g3-dir`) G3 outlives the process: a worker
 //! started again on the same directory with the same identity finds every
@@ -48,7 +50,9 @@ use kvbm_transfer::memory::SystemAllocator;
 
 use crate::auth::InstanceSecret;
 use crate::error::{DistError, Result};
-use crate::worker::memory::{HostProbe, SharedMapping};
+use crate::worker::memory::SharedMapping;
+#[cfg(feature = "probe")]
+use crate::worker::probe::HostProbe;
 use crate::worker::{self, WorkerConfig};
 
 /// A worker process's arguments (`kvbm-dist-node worker ...`).
@@ -291,12 +295,14 @@ pub fn run(args: &NodeArgs, secret: InstanceSecret) -> Result<()> {
         Some(path) => {
             let mapping = SharedMapping::open(path, layout.total_bytes())?;
             let g1 = Arc::new(mapping).physical_layout(layout)?;
-            let mut config = worker_config(args, g1, secret);
-            config.probe = Some(Box::new(HostProbe));
-            config
+            worker_config(args, g1, secret)
         }
         None => own_g1(args, layout, secret)?,
     };
+    #[cfg(feature = "probe")]
+    if args.g1_file.is_some() {
+        config.probe = Some(Box::new(HostProbe));
+    }
     config.g3_dir = args.g3_dir.clone();
     config.kept_identity = args.kept_identity.clone();
     config.g2_keep_dir = args.g2_keep_dir.clone();
@@ -336,7 +342,10 @@ fn own_g1(args: &NodeArgs, layout: Layout, secret: InstanceSecret) -> Result<Wor
         let g1 = DeviceG1::allocate(&dev, layout)?;
         let mut config = worker_config(args, g1.physical().clone(), secret);
         config.executor = Some(executor(args, g1.physical())?);
-        config.probe = Some(Box::new(g1.probe()));
+        #[cfg(feature = "probe")]
+        {
+            config.probe = Some(Box::new(g1.probe()));
+        }
         return Ok(config);
     }
     let why = if args.host_g1 {
@@ -354,7 +363,10 @@ fn own_g1(args: &NodeArgs, layout: Layout, secret: InstanceSecret) -> Result<Wor
     let executor = executor(args, &g1)?;
     let mut config = worker_config(args, g1, secret);
     config.executor = Some(executor);
-    config.probe = Some(Box::new(HostProbe));
+    #[cfg(feature = "probe")]
+    {
+        config.probe = Some(Box::new(HostProbe));
+    }
     Ok(config)
 }
 

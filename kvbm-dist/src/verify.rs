@@ -110,6 +110,30 @@ pub(crate) struct Checksums {
     warned: RateLimit,
 }
 
+/// Calls `f(chunk, index of its first byte in the block)` for every chunk
+/// of `block`, in layer, K/V order: the walk a block's checksum (and a test
+/// pattern, feature `probe`) follows, whatever the layout.
+pub(crate) fn for_each_chunk(
+    g1: &PhysicalLayout,
+    block: usize,
+    mut f: impl FnMut(kvbm_layout::Chunk, u64) -> Result<(), String>,
+) -> Result<(), String> {
+    let layout = g1.layout();
+    let c = *layout.config();
+    let mut i = 0u64;
+    for layer in 0..c.num_layers() {
+        for outer in 0..c.outer_dim() {
+            let chunk = layout
+                .chunk(block, layer, outer)
+                .map_err(|e| e.to_string())?;
+            let len = chunk.len;
+            f(chunk, i)?;
+            i += len;
+        }
+    }
+    Ok(())
+}
+
 /// The checksum of `block` of `layout`, over its chunks in layer, K/V
 /// order; host memory and disk files can be read, device memory cannot
 /// (see [`DeviceSums`]).
@@ -118,7 +142,7 @@ pub(crate) fn block_sum(layout: &PhysicalLayout, block: usize) -> Result<u64, St
     let mut hasher = BlockChecksum::new();
     let mut file: Option<(usize, File)> = None;
     let mut buf = Vec::new();
-    crate::worker::probe::for_each_chunk(layout, block, |chunk, _| {
+    for_each_chunk(layout, block, |chunk, _| {
         let region = layout
             .regions()
             .get(chunk.region)

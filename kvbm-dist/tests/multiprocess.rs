@@ -2,11 +2,12 @@
 //! through G1 → G2 → G3 and back, verified on every worker; a worker
 //! killed mid-transfer; the worker rejoining.
 //!
-//! The worker binary, `kvbm-dist-node`, is built by another package, so
-//! this test binary doubles as it: started with `worker ...` it runs the
-//! same entry point ([`kvbm_dist::node::main`]), and the tests start it
-//! that way. That needs its own `main`, so the tests run under a small
-//! runner (`node_harness`, `harness = false`).
+//! This test binary doubles as the worker binary, `kvbm-dist-node`:
+//! started with `worker ...` it runs the same entry point
+//! ([`kvbm_dist::node::main`]), and the tests start it that way, so the
+//! test binary runs wherever it is copied (`cargo xtask gpu`) with no path
+//! to another executable built in. That needs its own `main`, so the tests
+//! run under a small runner (`node_harness`, `harness = false`).
 
 mod node_harness;
 

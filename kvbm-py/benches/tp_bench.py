@@ -22,6 +22,11 @@ Ranks go round-robin over the visible GPUs (two ranks share one GPU on a
 one-GPU machine); ``--device cpu`` runs the same on host tensors.
 
     python kvbm-py/benches/tp_bench.py [--ranks 2] [--blocks 1000]
+
+``--transfer-delay-ms`` (the test suite's, so a kill lands mid-transfer)
+needs a wheel built with feature ``test-hooks``, as ``cargo xtask ci``
+builds it: ``maturin build --features test-hooks``. A wheel for users has
+no such hook, and the bench refuses the flag with it.
 """
 
 import argparse
@@ -63,9 +68,9 @@ def rank_main(rank, a, endpoint, secret, g3_dir, conn, barrier):
         for _ in range(a.layers)
     ]
     specs = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in layers]
+    hooks = {"transfer_delay_ms": a.transfer_delay_ms} if a.transfer_delay_ms else {}
     worker = kvbm_py.Worker(endpoint, rank, a.ranks, specs, 2, a.capacity, tuple(layers),
-                            secret, device=ordinal, g3_dir=g3_dir,
-                            transfer_delay_ms=a.transfer_delay_ms)
+                            secret, device=ordinal, g3_dir=g3_dir, **hooks)
 
     def sync():
         if dev.type == "cuda":
@@ -221,8 +226,8 @@ def main() -> int:
     ap.add_argument("--dir", default=None, help="where the G3 files go (default: a temp dir)")
     ap.add_argument("--reps", type=int, default=20, help="onboards per latency figure")
     ap.add_argument("--transfer-delay-ms", type=int, default=0,
-                    help="hold every copy back this long (a wheel with test hooks; tests "
-                         "use it so the kill lands mid-transfer)")
+                    help="hold every copy back this long (needs a wheel built with "
+                         "feature test-hooks; tests use it so the kill lands mid-transfer)")
     a = ap.parse_args()
     n = a.blocks
     a.capacity = 2 * n + 64
@@ -234,6 +239,8 @@ def main() -> int:
             return 1
     import kvbm_py
 
+    if a.transfer_delay_ms and not kvbm_py._kvbm.TEST_HOOKS:
+        ap.error("--transfer-delay-ms needs a wheel built with feature test-hooks")
     ctx = mp.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="kvbm-tp-", dir=a.dir)
     endpoint = f"ipc://{tmp}/leader.sock"

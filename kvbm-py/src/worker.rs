@@ -56,6 +56,27 @@ fn tensors_of(tensors: Vec<(u64, Vec<usize>, Vec<usize>)>) -> Vec<RawTensor> {
         .collect()
 }
 
+/// What `Worker(...)` was given, in either form of the constructor.
+struct WorkerArgs {
+    endpoint: String,
+    rank: u32,
+    world_size: u32,
+    tensors: Vec<(u64, Vec<usize>, Vec<usize>)>,
+    dtype_bytes: usize,
+    num_blocks: usize,
+    keepalive: Py<PyAny>,
+    secret_file: PathBuf,
+    device: Option<u32>,
+    g3_dir: Option<PathBuf>,
+    kept_identity: Option<String>,
+    g2_keep_dir: Option<PathBuf>,
+    instance: u64,
+    leader_timeout_s: f64,
+    /// Test hook: hold every copy back this long.
+    #[cfg(feature = "test-hooks")]
+    transfer_delay_ms: u64,
+}
+
 #[pymethods]
 impl Worker {
     /// Registers the engine's KV tensors and starts the worker.
@@ -66,9 +87,60 @@ impl Worker {
     /// `keepalive` any object that keeps the tensors alive (kvbm holds a
     /// reference as long as it may touch them). `device` is the CUDA
     /// ordinal of device tensors (feature `cuda`; G2 is then pinned memory
-    /// near it), `None` for host tensors. `transfer_delay_ms` (tests) holds every copy back that
-    /// long. An unsupported tensor shape or stride is a `ValueError` here,
-    /// before anything runs.
+    /// near it), `None` for host tensors. An unsupported tensor shape or
+    /// stride is a `ValueError` here, before anything runs.
+    #[cfg(not(feature = "test-hooks"))]
+    #[new]
+    #[pyo3(signature = (endpoint, rank, world_size, tensors, dtype_bytes, num_blocks, keepalive, secret_file, device = None, g3_dir = None, kept_identity = None, g2_keep_dir = None, instance = 0, leader_timeout_s = 600.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        endpoint: String,
+        rank: u32,
+        world_size: u32,
+        tensors: Vec<(u64, Vec<usize>, Vec<usize>)>,
+        dtype_bytes: usize,
+        num_blocks: usize,
+        keepalive: Py<PyAny>,
+        secret_file: PathBuf,
+        device: Option<u32>,
+        g3_dir: Option<PathBuf>,
+        kept_identity: Option<String>,
+        g2_keep_dir: Option<PathBuf>,
+        instance: u64,
+        leader_timeout_s: f64,
+    ) -> PyResult<Self> {
+        Self::start(WorkerArgs {
+            endpoint,
+            rank,
+            world_size,
+            tensors,
+            dtype_bytes,
+            num_blocks,
+            keepalive,
+            secret_file,
+            device,
+            g3_dir,
+            kept_identity,
+            g2_keep_dir,
+            instance,
+            leader_timeout_s,
+        })
+    }
+
+    /// Registers the engine's KV tensors and starts the worker.
+    ///
+    /// `tensors` is one `(address, shape, strides)` per attention layer, in
+    /// layer order (strides in elements), `dtype_bytes` the element size,
+    /// `num_blocks` the engine's block count (it names the block axis),
+    /// `keepalive` any object that keeps the tensors alive (kvbm holds a
+    /// reference as long as it may touch them). `device` is the CUDA
+    /// ordinal of device tensors (feature `cuda`; G2 is then pinned memory
+    /// near it), `None` for host tensors. An unsupported tensor shape or
+    /// stride is a `ValueError` here, before anything runs.
+    ///
+    /// With the test hooks (feature `test-hooks`, the test suite's wheel),
+    /// `transfer_delay_ms` holds every copy back that long.
+    #[cfg(feature = "test-hooks")]
     #[new]
     #[pyo3(signature = (endpoint, rank, world_size, tensors, dtype_bytes, num_blocks, keepalive, secret_file, device = None, g3_dir = None, kept_identity = None, g2_keep_dir = None, instance = 0, leader_timeout_s = 600.0, transfer_delay_ms = 0))]
     #[allow(clippy::too_many_arguments)]
@@ -89,67 +161,22 @@ impl Worker {
         leader_timeout_s: f64,
         transfer_delay_ms: u64,
     ) -> PyResult<Self> {
-        let tensors = tensors_of(tensors);
-        let first = tensors
-            .first()
-            .ok_or_else(|| PyKvbmError::Invalid("no KV tensors given".into()))?;
-        let format = vllm_format(&first.shape, num_blocks)?;
-        let memory = device.map_or(TensorMemory::Host, TensorMemory::Device);
-        if !(leader_timeout_s.is_finite() && leader_timeout_s > 0.0) {
-            return Err(
-                PyKvbmError::Invalid(format!("leader timeout {leader_timeout_s} s")).into(),
-            );
-        }
-        let owner: Owner = Arc::new(TensorKeepAlive(keepalive));
-        // SAFETY: the tensors' memory belongs to the engine, which keeps
-        // it allocated while the Python objects in `keepalive` live; the
-        // owner holds a reference to them as long as any region does. The
-        // engine leaves blocks alone while kvbm copies them (the connector
-        // contract: loads into freshly allocated blocks, saves of blocks
-        // held until kvbm read them).
-        let g1 = unsafe { engine_layout(&format, &tensors, dtype_bytes, memory, owner.clone()) }?;
-        let c = *g1.layout().config();
-        let secret = crate::secret::shared_secret(&secret_file)?;
-        let mut config = WorkerConfig::new(endpoint, instance, rank, world_size, g1, secret);
-        config.g3_dir = g3_dir;
-        config.kept_identity = kept_identity;
-        config.g2_keep_dir = g2_keep_dir;
-        config.leader_timeout = Duration::from_secs_f64(leader_timeout_s);
-        #[cfg(feature = "test-hooks")]
-        {
-            config.fault_delay = Duration::from_millis(transfer_delay_ms);
-        }
-        #[cfg(not(feature = "test-hooks"))]
-        if transfer_delay_ms > 0 {
-            return Err(PyKvbmError::Invalid(
-                "transfer_delay_ms is a test hook: this build has none (feature `test-hooks`)"
-                    .into(),
-            )
-            .into());
-        }
-        let exit = Arc::new(Mutex::new(Exit::Running));
-        let thread = {
-            let exit = Arc::clone(&exit);
-            std::thread::Builder::new()
-                .name(format!("kvbm-worker-{rank}"))
-                .spawn(move || {
-                    let r = worker::run(config);
-                    // The tensors stay referenced until the worker and its
-                    // layouts over them are gone.
-                    drop(owner);
-                    *exit.lock() = match r {
-                        Ok(()) => Exit::Ok,
-                        Err(e) => Exit::Failed(e.to_string()),
-                    };
-                })
-                .map_err(|e| PyKvbmError::Invalid(format!("cannot start the worker: {e}")))?
-        };
-        Ok(Worker {
-            thread: Mutex::new(Some(thread)),
-            exit,
+        Self::start(WorkerArgs {
+            endpoint,
             rank,
-            num_blocks: c.num_blocks(),
-            block_bytes: c.block_bytes(),
+            world_size,
+            tensors,
+            dtype_bytes,
+            num_blocks,
+            keepalive,
+            secret_file,
+            device,
+            g3_dir,
+            kept_identity,
+            g2_keep_dir,
+            instance,
+            leader_timeout_s,
+            transfer_delay_ms,
         })
     }
 
@@ -201,6 +228,84 @@ impl Worker {
                 let _ = t.join();
             }
             true
+        })
+    }
+}
+
+impl Worker {
+    /// The constructor's body, for both its forms.
+    fn start(args: WorkerArgs) -> PyResult<Self> {
+        let WorkerArgs {
+            endpoint,
+            rank,
+            world_size,
+            tensors,
+            dtype_bytes,
+            num_blocks,
+            keepalive,
+            secret_file,
+            device,
+            g3_dir,
+            kept_identity,
+            g2_keep_dir,
+            instance,
+            leader_timeout_s,
+            #[cfg(feature = "test-hooks")]
+            transfer_delay_ms,
+        } = args;
+        let tensors = tensors_of(tensors);
+        let first = tensors
+            .first()
+            .ok_or_else(|| PyKvbmError::Invalid("no KV tensors given".into()))?;
+        let format = vllm_format(&first.shape, num_blocks)?;
+        let memory = device.map_or(TensorMemory::Host, TensorMemory::Device);
+        if !(leader_timeout_s.is_finite() && leader_timeout_s > 0.0) {
+            return Err(
+                PyKvbmError::Invalid(format!("leader timeout {leader_timeout_s} s")).into(),
+            );
+        }
+        let owner: Owner = Arc::new(TensorKeepAlive(keepalive));
+        // SAFETY: the tensors' memory belongs to the engine, which keeps
+        // it allocated while the Python objects in `keepalive` live; the
+        // owner holds a reference to them as long as any region does. The
+        // engine leaves blocks alone while kvbm copies them (the connector
+        // contract: loads into freshly allocated blocks, saves of blocks
+        // held until kvbm read them).
+        let g1 = unsafe { engine_layout(&format, &tensors, dtype_bytes, memory, owner.clone()) }?;
+        let c = *g1.layout().config();
+        let secret = crate::secret::shared_secret(&secret_file)?;
+        let mut config = WorkerConfig::new(endpoint, instance, rank, world_size, g1, secret);
+        config.g3_dir = g3_dir;
+        config.kept_identity = kept_identity;
+        config.g2_keep_dir = g2_keep_dir;
+        config.leader_timeout = Duration::from_secs_f64(leader_timeout_s);
+        #[cfg(feature = "test-hooks")]
+        {
+            config.fault_delay = Duration::from_millis(transfer_delay_ms);
+        }
+        let exit = Arc::new(Mutex::new(Exit::Running));
+        let thread = {
+            let exit = Arc::clone(&exit);
+            std::thread::Builder::new()
+                .name(format!("kvbm-worker-{rank}"))
+                .spawn(move || {
+                    let r = worker::run(config);
+                    // The tensors stay referenced until the worker and its
+                    // layouts over them are gone.
+                    drop(owner);
+                    *exit.lock() = match r {
+                        Ok(()) => Exit::Ok,
+                        Err(e) => Exit::Failed(e.to_string()),
+                    };
+                })
+                .map_err(|e| PyKvbmError::Invalid(format!("cannot start the worker: {e}")))?
+        };
+        Ok(Worker {
+            thread: Mutex::new(Some(thread)),
+            exit,
+            rank,
+            num_blocks: c.num_blocks(),
+            block_bytes: c.block_bytes(),
         })
     }
 }

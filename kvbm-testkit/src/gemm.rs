@@ -2,9 +2,9 @@
 //! GEMM loop on its own stream, to measure copies beside the work a model
 //! keeps the SMs busy with, and what the copies cost it.
 //!
-//! It depends on cudarc alone (no kvbm-transfer types), so kvbm-transfer's
-//! own `cuda_bench` example shares it without turning kvbm-transfer's
-//! `cuda` feature on for kvbm-transfer's tests. It runs in the device's
+//! It depends on cudarc alone (no kvbm-transfer types), so it builds
+//! without kvbm-transfer's `cuda` feature; kvbm-bench's offload bench and
+//! its `cuda_bench` use it. It runs in the device's
 //! *primary* context, the one kvbm-transfer's `CudaDevice` retains, so the
 //! copies and the GEMM share the GPU the way an engine and kvbm do.
 

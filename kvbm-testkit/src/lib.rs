@@ -11,6 +11,10 @@
 //! it: it depends on no pool, no distributed layer and no command-line
 //! machinery, so a crate's tests that use it build only what they test.
 //! The benchmarks and cache simulators live in kvbm-bench.
+//!
+//! Its own tests (`tests/`) are kvbm-transfer's tests that need these
+//! fixtures: kvbm-transfer cannot depend on this crate, even for its tests,
+//! since this crate is built on it.
 
 pub mod fault;
 #[cfg(feature = "gemm")]

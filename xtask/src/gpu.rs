@@ -1,16 +1,16 @@
 //! `cargo xtask gpu [--out DIR]`: build the release binaries that run on
 //! the GPU machine (which has no cargo) and copy them into one folder.
 //!
-//! Builds the `cuda` feature's test executables and examples of
-//! kvbm-transfer, kvbm-dist's test executables, kvbm-pool's
-//! `quickstart_gpu` example, and `kvbm-bench` with its worker
-//! `kvbm-dist-node`
+//! Builds the `cuda` feature's test executables of kvbm-transfer,
+//! kvbm-dist's test executables, kvbm-pool's `quickstart_gpu` example, and
+//! kvbm-bench's `kvbm-bench` (which is also its replay's worker process)
+//! and the backend benches `cuda_bench`, `transfer_bench` and `pin_bench`
 //! (features `cuda,gemm`: the replay with G1 on the GPU, also across
-//! worker processes, the offload bench beside a GEMM) in release mode, reads
-//! their paths from cargo's JSON messages, and copies them to `DIR`
-//! (default `gpu-bin` in the workspace root, git-ignored), stripped: with debug
-//! info the set is ~470 MB, stripped ~25 MB, and what travels to the GPU
-//! machine is capped at 64 MiB. There, run the tests with
+//! worker processes, the offload bench and `cuda_bench` beside a GEMM) in
+//! release mode, reads their paths from cargo's JSON messages, and copies
+//! them to `DIR` (default `gpu-bin` in the workspace root, git-ignored),
+//! stripped: with debug info the set is ~470 MB, stripped ~25 MB, and what
+//! travels to the GPU machine is capped at 64 MiB. There, run the tests with
 //! `KVBM_REQUIRE_GPU=1` so a missing GPU fails instead of skipping.
 
 use std::path::{Path, PathBuf};
@@ -26,15 +26,23 @@ pub fn run(root: &Path, args: &[String]) -> Result<(), String> {
     std::fs::create_dir_all(&out).map_err(|e| format!("create {}: {e}", out.display()))?;
     let mut copied = 0;
     // (package, features, what to build)
-    let builds: [(&str, &str, &[&str]); 5] = [
+    let builds: [(&str, &str, &[&str]); 4] = [
         ("kvbm-transfer", "cuda", &["--tests"]),
         ("kvbm-dist", "cuda", &["--lib", "--tests"]),
-        ("kvbm-transfer", "cuda,diagnostics", &["--examples"]),
         ("kvbm-pool", "cuda", &["--example", "quickstart_gpu"]),
         (
             "kvbm-bench",
             "cuda,gemm",
-            &["--bin", "kvbm-bench", "--bin", "kvbm-dist-node"],
+            &[
+                "--bin",
+                "kvbm-bench",
+                "--bin",
+                "cuda_bench",
+                "--bin",
+                "transfer_bench",
+                "--bin",
+                "pin_bench",
+            ],
         ),
     ];
     for (package, features, what) in builds {

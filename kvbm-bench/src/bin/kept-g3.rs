@@ -193,7 +193,7 @@ fn start(g3_dir: &Path, blocks: usize, identity: Option<&str>) -> Result<Instanc
     let mut wc = WorkerConfig::new(pending.endpoint(), 1, 0, 1, g1, secret);
     wc.g3_dir = Some(g3_dir.to_path_buf());
     wc.kept_identity = identity.map(str::to_string);
-    wc.probe = Some(Box::new(worker::memory::HostProbe));
+    wc.probe = Some(Box::new(worker::probe::HostProbe));
     wc.leader_timeout = Duration::from_secs(60);
     let worker = std::thread::spawn(move || worker::run(wc));
     let leader = pending.handshake()?;

@@ -1,7 +1,9 @@
 //! Tensor-parallel replay: the tier engine's leader in this process, one
-//! worker process per rank (`kvbm-dist-node worker`, see
-//! [`kvbm_dist::node`]), each owning its G1 (GPU `rank` when built with
-//! `cuda` and the GPU exists, a host stand-in otherwise), G2 and G3.
+//! worker process per rank (this executable started as `worker ...`,
+//! running kvbm-dist's worker entry point, [`kvbm_dist::node`], as its
+//! `kvbm-dist-node` binary does; see [`find_node_exe`]), each owning its
+//! G1 (GPU `rank` when built with `cuda` and the GPU exists, a host
+//! stand-in otherwise), G2 and G3.
 //!
 //! The engine runs over kvbm-dist's distributed mover, so every offload
 //! and onboard is broadcast to all workers and counts only when all of
@@ -42,10 +44,17 @@ fn dist_err(e: impl std::fmt::Display) -> BenchError {
     BenchError::Tier(format!("kvbm-dist: {e}"))
 }
 
-/// Where the worker binary, `kvbm-dist-node`, is: `$KVBM_DIST_NODE` when
-/// set, else next to this executable (where cargo builds both binaries of
-/// this package), else next to the directory above it (a test or example
-/// executable in `deps/` or `examples/`).
+/// The first argument of a worker process's command line
+/// (`EXE worker --endpoint ...`, see [`kvbm_dist::node`]).
+pub const WORKER_ARG: &str = "worker";
+
+/// The executable the replay starts once per rank, as `EXE worker ...`:
+/// `$KVBM_DIST_NODE` when set (kvbm-dist's `kvbm-dist-node`, built with its
+/// feature `probe`: the replay checks every rank's bytes through probes),
+/// else this executable. The `kvbm-bench` binary runs as the worker when
+/// started so, built with the same features as the replay; another
+/// program that runs a replay with workers must do the same (see
+/// [`run_as_worker`]).
 pub fn find_node_exe() -> Result<PathBuf> {
     if let Some(p) = std::env::var_os("KVBM_DIST_NODE") {
         let p = PathBuf::from(p);
@@ -58,20 +67,21 @@ pub fn find_node_exe() -> Result<PathBuf> {
             )))
         };
     }
-    let exe = std::env::current_exe()
-        .map_err(|e| BenchError::Config(format!("cannot find this executable: {e}")))?;
-    let name = format!("kvbm-dist-node{}", std::env::consts::EXE_SUFFIX);
-    exe.ancestors()
-        .skip(1)
-        .take(2)
-        .map(|dir| dir.join(&name))
-        .find(|p| p.is_file())
-        .ok_or_else(|| {
-            BenchError::Config(format!(
-                "--workers needs the worker binary `kvbm-dist-node` next to {} (or its path in KVBM_DIST_NODE); build it with `cargo build --release -p kvbm-bench --bin kvbm-dist-node` (add the same --features as this build)",
-                exe.display()
-            ))
-        })
+    std::env::current_exe()
+        .map_err(|e| BenchError::Config(format!("cannot find this executable: {e}")))
+}
+
+/// When this process was started as a replay's worker (its first argument
+/// is [`WORKER_ARG`]), runs the worker ([`kvbm_dist::node::main`]) to the
+/// end and returns its exit status; `None` otherwise.
+///
+/// Call it first thing in `main`, before any other thread starts: the
+/// worker takes the instance secret out of the environment.
+pub fn run_as_worker() -> Option<std::process::ExitCode> {
+    if std::env::args_os().nth(1)? != WORKER_ARG {
+        return None;
+    }
+    Some(kvbm_dist::node::main())
 }
 
 /// How to start the worker of each rank (again, after a loss).
@@ -221,7 +231,7 @@ pub struct Cluster {
 /// What starts the replay's instance, the first time and after a restart.
 #[derive(Debug, Clone)]
 pub struct InstanceSpec {
-    /// The worker binary, `kvbm-dist-node`.
+    /// The worker executable ([`find_node_exe`]).
     pub exe: PathBuf,
     /// Ranks.
     pub world: u32,
@@ -282,7 +292,7 @@ pub fn launch(
     Ok((engine, g1, c))
 }
 
-/// Starts the workers of `spec` (one `kvbm-dist-node` per rank, G3 in
+/// Starts the workers of `spec` (one worker process per rank, G3 in
 /// `run_dir/rank<r>`) and the leader that configures them.
 fn start(spec: &InstanceSpec, run_dir: Arc<RunDir>) -> Result<Cluster> {
     let (world, layout) = (spec.world, &spec.rank_g1);

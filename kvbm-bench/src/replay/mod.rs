@@ -78,7 +78,7 @@ pub struct ReplayConfig {
     /// runs the leader here and N worker processes, each holding a 1/N
     /// slice of every block (see [`dist`]).
     pub workers: u32,
-    /// The worker binary, `kvbm-dist-node`; `None` to look for it
+    /// The worker executable; `None` for the default
     /// ([`dist::find_node_exe`]).
     pub worker_exe: Option<PathBuf>,
     /// The engine's `offload_in_flight`; `None` for its default.

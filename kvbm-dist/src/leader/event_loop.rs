@@ -27,6 +27,8 @@ use super::refusals::{RefusalCause, Refusals};
 use super::{Cluster, Command, LeaderConfig, Loss, LostHook, RankState, StatusCell};
 
 mod peers;
+#[cfg(feature = "probe")]
+mod probes;
 
 /// One rank's connection.
 struct Rank {
@@ -56,14 +58,10 @@ impl Inflight {
     }
 }
 
-/// A probe waiting for every rank's reply.
-struct PendingProbe {
-    replies: Vec<Option<Vec<u32>>>,
-    reply: mpsc::Sender<crate::error::Result<Vec<Vec<u32>>>>,
-}
-
 pub(crate) struct EventLoop {
-    probes: HashMap<u64, PendingProbe>,
+    /// Probes waiting for every rank (feature `probe`).
+    #[cfg(feature = "probe")]
+    probes: HashMap<u64, probes::PendingProbe>,
     /// The export or connect waiting for every rank (one at a time).
     peer_op: Option<peers::PendingPeerOp>,
     config: LeaderConfig,
@@ -129,6 +127,7 @@ impl EventLoop {
             wake,
             commands,
             inflight: HashMap::new(),
+            #[cfg(feature = "probe")]
             probes: HashMap::new(),
             peer_op: None,
             next_id: 1,
@@ -195,6 +194,7 @@ impl EventLoop {
         loop {
             match self.commands.try_recv() {
                 Ok(Command::Copy(c)) => self.start_copy(c),
+                #[cfg(feature = "probe")]
                 Ok(Command::Probe { op, blocks, reply }) => self.start_probe(op, blocks, reply),
                 Ok(Command::Peer { request, reply }) => self.start_peer_op(request, reply),
                 Ok(Command::RemotePull(p)) => self.start_remote_pull(p),
@@ -291,57 +291,6 @@ impl EventLoop {
         self.try_resolve(id);
     }
 
-    fn start_probe(
-        &mut self,
-        op: crate::proto::ProbeOp,
-        blocks: Vec<(u32, u64)>,
-        reply: mpsc::Sender<crate::error::Result<Vec<Vec<u32>>>>,
-    ) {
-        if let Some(rank) = self.ranks.iter().position(|r| r.state != RankState::Live) {
-            let _ = reply.send(Err(crate::error::DistError::Worker {
-                rank: rank as u32,
-                message: "not live".into(),
-            }));
-            return;
-        }
-        let id = self.next_id;
-        self.next_id += 1;
-        let message = Message::Probe(crate::proto::Probe { id, op, blocks });
-        self.probes.insert(
-            id,
-            PendingProbe {
-                replies: vec![None; self.ranks.len()],
-                reply,
-            },
-        );
-        for rank in 0..self.ranks.len() {
-            if let Err(e) = self.router.send(&self.ranks[rank].identity, &message) {
-                self.lose(rank, format!("unreachable: {e}"));
-            }
-        }
-    }
-
-    fn on_probe_reply(&mut self, rank: usize, r: crate::proto::ProbeReply) {
-        let Some(p) = self.probes.get_mut(&r.id) else {
-            return;
-        };
-        if let Some(e) = r.error {
-            if let Some(p) = self.probes.remove(&r.id) {
-                let _ = p.reply.send(Err(crate::error::DistError::Worker {
-                    rank: rank as u32,
-                    message: e,
-                }));
-            }
-            return;
-        }
-        p.replies[rank] = Some(r.mismatched);
-        if p.replies.iter().all(Option::is_some)
-            && let Some(p) = self.probes.remove(&r.id)
-        {
-            let _ = p.reply.send(Ok(p.replies.into_iter().flatten().collect()));
-        }
-    }
-
     fn rank_of(&self, peer: &[u8]) -> Option<usize> {
         self.ranks.iter().position(|r| r.identity == peer)
     }
@@ -386,6 +335,7 @@ impl EventLoop {
                 }
             }
             (Some(rank), Message::Ack(a)) => self.on_ack(rank, a),
+            #[cfg(feature = "probe")]
             (Some(rank), Message::ProbeReply(p)) => self.on_probe_reply(rank, p),
             (Some(rank), Message::PeerInfo(p)) => self.on_peer_reply(rank, Ok(p)),
             (Some(rank), Message::Error(e)) => match e.transfer_id {
@@ -633,12 +583,8 @@ impl EventLoop {
         };
         self.lost_blocks.lose_all();
         self.fail_peer_op(rank, format!("lost: {reason}"));
-        for (_, p) in self.probes.drain() {
-            let _ = p.reply.send(Err(crate::error::DistError::Worker {
-                rank: rank as u32,
-                message: format!("lost: {reason}"),
-            }));
-        }
+        #[cfg(feature = "probe")]
+        self.fail_probes(rank, &reason);
         let ids: Vec<u64> = self.inflight.keys().copied().collect();
         for &id in &ids {
             let Some(t) = self.inflight.get_mut(&id) else {

@@ -410,6 +410,7 @@ pub(crate) type LostHook = Arc<Mutex<Option<LostCallback>>>;
 /// Commands from API threads to the event loop.
 pub(crate) enum Command {
     Copy(mover::CopyRequest),
+    #[cfg(feature = "probe")]
     Probe {
         op: crate::proto::ProbeOp,
         blocks: Vec<(u32, u64)>,
@@ -526,7 +527,9 @@ impl Leader {
     /// Has every worker fill (or check) the test pattern of `(seed, rank)`
     /// in G1 blocks `(block, seed)`, through the probe it was started
     /// with. Returns, per rank, the blocks whose bytes differ (empty for a
-    /// fill). Only call it while no copy touches those blocks.
+    /// fill). Only call it while no copy touches those blocks. A test hook
+    /// (feature `probe`).
+    #[cfg(feature = "probe")]
     pub fn probe(
         &self,
         op: crate::proto::ProbeOp,

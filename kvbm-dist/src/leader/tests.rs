@@ -342,7 +342,7 @@ fn lent_executor_moves_the_bytes(worker_first: bool) {
     let start_worker = || {
         let mut c = WorkerConfig::new(endpoint(&dir), INSTANCE, 0, 1, g1(8), secret());
         c.leader_timeout = Duration::from_secs(20);
-        c.probe = Some(Box::new(worker::memory::HostProbe));
+        c.probe = Some(Box::new(worker::probe::HostProbe));
         std::thread::spawn(move || worker::run(c))
     };
     let early = worker_first.then(start_worker);

@@ -11,8 +11,10 @@ use kvbm_pool::Tier;
 use super::error::ProtoError;
 use super::schema::{
     Ack, AckFailure, BlockLabel, BlockPair, Configure, ErrorReply, Hello, Message, MessageKind,
-    PeerInfo, PeerRank, Probe, ProbeOp, ProbeReply, Ready, RemotePull, Transfer,
+    PeerInfo, PeerRank, Ready, RemotePull, Transfer,
 };
+#[cfg(feature = "probe")]
+use super::schema::{Probe, ProbeOp, ProbeReply};
 use super::validate;
 use super::{
     HEADER_BYTES, MAGIC, MAX_DESCRIPTOR_BYTES, MAX_FRAME_BYTES, MAX_NIXL_METADATA_BYTES, MAX_PAIRS,
@@ -132,6 +134,7 @@ fn body(w: &mut Writer, message: &Message) -> Result<(), ProtoError> {
             w.u8(tier_code(r.dst));
             w.pairs(&r.pairs)?;
         }
+        #[cfg(feature = "probe")]
         Message::Probe(p) => {
             w.u64(p.id);
             w.u8(match p.op {
@@ -144,6 +147,7 @@ fn body(w: &mut Writer, message: &Message) -> Result<(), ProtoError> {
                 w.u64(seed);
             }
         }
+        #[cfg(feature = "probe")]
         Message::ProbeReply(r) => {
             w.u64(r.id);
             w.u32(r.rank);
@@ -322,6 +326,7 @@ fn decode_body(r: &mut Reader<'_>, kind: MessageKind) -> Result<Message, ProtoEr
             dst: r.tier("destination tier")?,
             pairs: r.pairs("pairs")?,
         }),
+        #[cfg(feature = "probe")]
         MessageKind::Probe => {
             let id = r.u64("probe id")?;
             let op = match r.u8("probe op")? {
@@ -341,6 +346,7 @@ fn decode_body(r: &mut Reader<'_>, kind: MessageKind) -> Result<Message, ProtoEr
             }
             Message::Probe(Probe { id, op, blocks })
         }
+        #[cfg(feature = "probe")]
         MessageKind::ProbeReply => {
             let id = r.u64("probe id")?;
             let rank = r.u32("rank")?;

@@ -25,8 +25,10 @@ pub use codec::{decode, encode};
 pub use error::ProtoError;
 pub use schema::{
     Ack, AckFailure, BlockLabel, BlockPair, Configure, ErrorReply, Hello, InstanceId, Message,
-    MessageKind, PeerInfo, PeerRank, Probe, ProbeOp, ProbeReply, Ready, RemotePull, Transfer,
+    MessageKind, PeerInfo, PeerRank, Ready, RemotePull, Transfer,
 };
+#[cfg(feature = "probe")]
+pub use schema::{Probe, ProbeOp, ProbeReply};
 pub use validate::TierBounds;
 
 /// Cuts `text` to at most [`MAX_TEXT_BYTES`] on a character boundary, so

@@ -169,6 +169,7 @@ pub struct RemotePull {
 }
 
 /// What a [`Probe`] does to each block.
+#[cfg(feature = "probe")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ProbeOp {
     /// Write the block's pattern.
@@ -180,7 +181,9 @@ pub enum ProbeOp {
 /// Leader → worker: write or check test patterns in G1 blocks (benches
 /// and tests drive an engine with no real model this way; a worker
 /// without a probe refuses). The leader sends it only while no transfer
-/// touches those blocks.
+/// touches those blocks. A test hook (feature `probe`): a build without
+/// it refuses the message kind as unknown.
+#[cfg(feature = "probe")]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Probe {
     /// Names the probe in its reply.
@@ -192,7 +195,8 @@ pub struct Probe {
     pub blocks: Vec<(u32, u64)>,
 }
 
-/// Worker → leader: a probe's result.
+/// Worker → leader: a probe's result (feature `probe`).
+#[cfg(feature = "probe")]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProbeReply {
     /// The probe.
@@ -243,9 +247,11 @@ pub enum Message {
     PeerInfo(PeerInfo),
     /// Leader → worker: pull remote blocks.
     RemotePull(RemotePull),
-    /// Leader → worker: fill or check test patterns.
+    /// Leader → worker: fill or check test patterns (feature `probe`).
+    #[cfg(feature = "probe")]
     Probe(Probe),
-    /// Worker → leader: a probe's result.
+    /// Worker → leader: a probe's result (feature `probe`).
+    #[cfg(feature = "probe")]
     ProbeReply(ProbeReply),
     /// Leader → worker: describe your G2 for peers (answered with a
     /// one-rank [`PeerInfo`]).
@@ -280,9 +286,12 @@ pub enum MessageKind {
     PeerInfo = 11,
     /// [`Message::RemotePull`].
     RemotePull = 12,
-    /// [`Message::Probe`].
+    /// [`Message::Probe`] (feature `probe`; a build without it keeps the
+    /// number unused).
+    #[cfg(feature = "probe")]
     Probe = 13,
-    /// [`Message::ProbeReply`].
+    /// [`Message::ProbeReply`] (feature `probe`, as [`MessageKind::Probe`]).
+    #[cfg(feature = "probe")]
     ProbeReply = 14,
     /// [`Message::ExportPeer`].
     ExportPeer = 15,
@@ -305,7 +314,9 @@ impl MessageKind {
             10 => Shutdown,
             11 => PeerInfo,
             12 => RemotePull,
+            #[cfg(feature = "probe")]
             13 => Probe,
+            #[cfg(feature = "probe")]
             14 => ProbeReply,
             15 => ExportPeer,
             _ => return None,
@@ -329,7 +340,9 @@ impl Message {
             Message::Shutdown => MessageKind::Shutdown,
             Message::PeerInfo(_) => MessageKind::PeerInfo,
             Message::RemotePull(_) => MessageKind::RemotePull,
+            #[cfg(feature = "probe")]
             Message::Probe(_) => MessageKind::Probe,
+            #[cfg(feature = "probe")]
             Message::ProbeReply(_) => MessageKind::ProbeReply,
             Message::ExportPeer => MessageKind::ExportPeer,
         }

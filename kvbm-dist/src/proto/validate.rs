@@ -133,7 +133,9 @@ pub(crate) fn message(m: &Message) -> Result<(), ProtoError> {
             Ok(())
         }
         Message::Pong { rank: r, .. } => rank(*r),
+        #[cfg(feature = "probe")]
         Message::ProbeReply(p) => rank(p.rank),
+        #[cfg(feature = "probe")]
         Message::Probe(_) => Ok(()),
         Message::PeerInfo(p) => {
             if p.ranks.is_empty() {

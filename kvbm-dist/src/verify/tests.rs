@@ -35,7 +35,7 @@ fn g1(blocks: usize) -> PhysicalLayout {
 /// A G1 of [`G1_BLOCKS`] in `memory`, and its probe.
 fn g1_in(memory: Memory) -> (PhysicalLayout, Box<dyn crate::worker::probe::BlockProbe>) {
     match memory {
-        Memory::Host => (g1(G1_BLOCKS), Box::new(worker::memory::HostProbe)),
+        Memory::Host => (g1(G1_BLOCKS), Box::new(worker::probe::HostProbe)),
         #[cfg(feature = "cuda")]
         Memory::Gpu => {
             let dev = kvbm_transfer::cuda::CudaDevice::open(0).unwrap();

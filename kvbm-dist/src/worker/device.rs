@@ -1,6 +1,6 @@
 //! A worker's own G1 on its GPU (feature `cuda`): device memory for the
-//! engine-shaped layout and a probe that writes and checks test patterns
-//! through host copies. The worker pins G2 and assembles its executor from
+//! engine-shaped layout and (feature `probe`) a probe that writes and
+//! checks test patterns through host copies. The worker pins G2 and assembles its executor from
 //! this G1 as for any device G1 ([`super::executor_spec`]).
 //!
 //! This is what `kvbm-dist-node worker` runs on when no engine process
@@ -13,8 +13,8 @@ use kvbm_layout::Layout;
 use kvbm_transfer::PhysicalLayout;
 use kvbm_transfer::cuda::{CudaDevice, DeviceBuffer, Probe, probe};
 
-use super::memory::pattern_byte;
-use super::probe::{BlockProbe, rank_seed};
+#[cfg(feature = "probe")]
+use super::probe::{BlockProbe, pattern_byte, rank_seed};
 use crate::error::{DistError, Result};
 
 fn cuda_err(what: &str, e: impl std::fmt::Display) -> DistError {
@@ -32,6 +32,9 @@ pub fn device_at(ordinal: usize) -> Option<CudaDevice> {
 /// G1 in device memory, one buffer per layout region.
 pub struct DeviceG1 {
     physical: PhysicalLayout,
+    /// The buffers behind the regions (which keep them alive), for the
+    /// probe.
+    #[cfg(feature = "probe")]
     buffers: Vec<Arc<DeviceBuffer>>,
 }
 
@@ -49,6 +52,7 @@ impl DeviceG1 {
         let regions = buffers.iter().map(DeviceBuffer::region).collect();
         Ok(DeviceG1 {
             physical: PhysicalLayout::new(layout, regions)?,
+            #[cfg(feature = "probe")]
             buffers,
         })
     }
@@ -58,7 +62,8 @@ impl DeviceG1 {
         &self.physical
     }
 
-    /// A probe over this G1's buffers.
+    /// A probe over this G1's buffers (feature `probe`).
+    #[cfg(feature = "probe")]
     pub fn probe(&self) -> DeviceProbe {
         DeviceProbe {
             buffers: self.buffers.clone(),
@@ -67,11 +72,14 @@ impl DeviceG1 {
 }
 
 /// A [`BlockProbe`] for G1 in device memory: the host probe's pattern,
-/// written and read back one chunk at a time through host copies.
+/// written and read back one chunk at a time through host copies (feature
+/// `probe`).
+#[cfg(feature = "probe")]
 pub struct DeviceProbe {
     buffers: Vec<Arc<DeviceBuffer>>,
 }
 
+#[cfg(feature = "probe")]
 impl DeviceProbe {
     /// Calls `f(chunk's device buffer, offset in it, length, index of its
     /// first byte)` for every chunk of `block`, in layer, K/V order.
@@ -81,7 +89,7 @@ impl DeviceProbe {
         block: usize,
         mut f: impl FnMut(&DeviceBuffer, usize, usize, u64) -> std::result::Result<(), String>,
     ) -> std::result::Result<(), String> {
-        super::probe::for_each_chunk(g1, block, |chunk, start| {
+        crate::verify::for_each_chunk(g1, block, |chunk, start| {
             let buffer = self
                 .buffers
                 .get(chunk.region)
@@ -91,6 +99,7 @@ impl DeviceProbe {
     }
 }
 
+#[cfg(feature = "probe")]
 impl BlockProbe for DeviceProbe {
     fn fill(
         &self,

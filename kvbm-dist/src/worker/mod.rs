@@ -29,6 +29,7 @@
 #[cfg(feature = "cuda")]
 pub mod device;
 pub mod memory;
+#[cfg(feature = "probe")]
 pub mod probe;
 mod remote;
 mod tiers;
@@ -45,9 +46,11 @@ use crate::auth::{InstanceSecret, hello_mac, random_u64};
 use crate::curve::{self, LeaderKey};
 use crate::error::{DistError, Result};
 use crate::proto::{
-    Ack, AckFailure, BlockPair, Configure, ErrorReply, Hello, InstanceId, Message, Probe, ProbeOp,
-    ProbeReply, Ready, TierBounds, Transfer, truncate,
+    Ack, AckFailure, BlockPair, Configure, ErrorReply, Hello, InstanceId, Message, Ready,
+    TierBounds, Transfer, truncate,
 };
+#[cfg(feature = "probe")]
+use crate::proto::{Probe, ProbeOp, ProbeReply};
 use crate::transport::{DealerSocket, WakeSender, drain_disconnects, wake_pair};
 use kvbm_pool::Tier;
 pub(crate) use tiers::{Places, Tiers};
@@ -92,8 +95,10 @@ pub struct WorkerConfig {
     /// said it, so this bounds the whole start-up); once configured, the
     /// heartbeat may cut it shorter.
     pub leader_timeout: Duration,
-    /// Writes and checks test patterns in G1 for the leader (benches and
-    /// tests); without one, probes are refused.
+    /// Writes and checks test patterns in G1 for the leader (a test hook
+    /// for benches and tests, feature `probe`); without one, probes are
+    /// refused.
+    #[cfg(feature = "probe")]
     pub probe: Option<Box<dyn probe::BlockProbe>>,
     /// Allocates G2 for a layout; `None` allocates pinned memory near G1's
     /// GPU (feature `cuda`), system memory for a host G1.
@@ -132,6 +137,7 @@ impl WorkerConfig {
             leader_timeout: crate::leader::worker_leader_timeout(
                 crate::leader::DEFAULT_HANDSHAKE_TIMEOUT,
             ),
+            #[cfg(feature = "probe")]
             probe: None,
             g2_allocator: None,
         }
@@ -264,6 +270,7 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
         g3_dir: config.g3_dir.clone(),
         g2_keep_dir: config.g2_keep_dir.clone(),
         kept_identity: config.kept_identity.clone(),
+        #[cfg(feature = "probe")]
         probe: config.probe.take(),
         g2_allocator: config.g2_allocator.take(),
         executor,
@@ -398,6 +405,7 @@ struct Worker {
     world_size: u32,
     /// G4: this worker's NIXL agent over G2 and the peers it connected.
     remote: remote::RemoteState,
+    #[cfg(feature = "probe")]
     probe: Option<Box<dyn probe::BlockProbe>>,
     g2_allocator: Option<G2Allocator>,
     tiers: Tiers,
@@ -424,6 +432,7 @@ impl Worker {
                 }
                 None
             }
+            #[cfg(feature = "probe")]
             Message::Probe(p) => Some(self.probe(p)),
             Message::Ping { seq } => Some(Message::Pong {
                 seq,
@@ -487,6 +496,7 @@ impl Worker {
         }
     }
 
+    #[cfg(feature = "probe")]
     fn probe(&self, p: Probe) -> Message {
         let reply = |mismatched, error| {
             Message::ProbeReply(ProbeReply {

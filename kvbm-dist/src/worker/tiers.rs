@@ -322,6 +322,8 @@ impl Tiers {
         })
     }
 
+    /// G1, for the probe.
+    #[cfg(feature = "probe")]
     pub(crate) fn g1(&self) -> &PhysicalLayout {
         &self.g1
     }

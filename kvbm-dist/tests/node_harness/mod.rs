@@ -1,6 +1,6 @@
 //! The `main` of a test binary that doubles as the worker process,
-//! `kvbm-dist-node` (built by another package, so these tests cannot name
-//! its executable): started with `worker ...` it runs the one worker
+//! `kvbm-dist-node` (so it needs no path to that executable, and runs
+//! wherever it is copied): started with `worker ...` it runs the one worker
 //! entry point, [`kvbm_dist::node::main`]; otherwise it runs its tests.
 
 use std::process::ExitCode;

@@ -4,7 +4,7 @@ use kvbm_block::SequenceHash;
 
 use super::{BlockRef, BlockView, CountMinSketch, EvictionPolicy, LruPolicy, Victim};
 
-/// Counts every registration and match in a [`CountMinSketch`]. Eviction
+/// Counts every registration and match in a count-min sketch. Eviction
 /// takes the `sample` least recently released blocks and evicts the one
 /// seen least often (the oldest among equals); the others keep their place.
 /// Admission compares a candidate's count with that victim's: a one-off

@@ -31,16 +31,15 @@ pub use frequency::FrequencyPolicy;
 pub use hinted::RetainingPolicy;
 pub use lineage::LeafFirstPolicy;
 pub use lru::LruPolicy;
-pub use priority::{PolicyFactory, Prioritized};
+pub use priority::Prioritized;
 pub use recency::Recency;
 pub use retention::{HintClock, RetentionHint, Retentions};
-pub use return_within::ReturnTable;
 pub use reuse_score::ReuseScorePolicy;
 pub use shared_history::{MAX_PENDING_BLOCKS, SharedHistory};
-pub use sketch::CountMinSketch;
+pub(crate) use sketch::CountMinSketch;
 pub use snapshot::HistorySnapshot;
-pub use spill::{Evicted, SpillRecorder, VictimLog};
-pub use use_history::{Retained, ReuseModel, ReuseWeights, Seen, USE_CLASSES, UseHistory};
+pub(crate) use spill::{Evicted, SpillRecorder, VictimLog};
+pub use use_history::{Retained, ReuseModel, ReuseWeights, Seen, UseHistory};
 
 use std::sync::atomic::Ordering::{Acquire, Relaxed};
 

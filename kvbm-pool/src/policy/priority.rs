@@ -5,7 +5,7 @@ use kvbm_block::SequenceHash;
 use super::{BlockRef, BlockView, EvictionPolicy, Victim};
 
 /// Factory of the per-priority inner policies.
-pub type PolicyFactory = Box<dyn Fn() -> Box<dyn EvictionPolicy> + Send>;
+pub(crate) type PolicyFactory = Box<dyn Fn() -> Box<dyn EvictionPolicy> + Send>;
 
 const LEVELS: usize = 101;
 

@@ -33,7 +33,7 @@ fn age_bucket(age: u64) -> usize {
 /// Learned return statistics per use-count class and the score table
 /// derived from them.
 #[derive(Debug, Clone)]
-pub struct ReturnTable {
+pub(crate) struct ReturnTable {
     horizon: u64,
     entered: [f64; USE_CLASSES],
     returned: [[f64; AGE_BUCKETS]; USE_CLASSES],

@@ -14,7 +14,7 @@
 //! times is used again (made non-decreasing in `k`), or, with
 //! [`ReuseModel::ReturnWithin`](super::ReuseModel::ReturnWithin), the
 //! learned probability that a block of its use-count class and age is used
-//! within the next `horizon` requests ([`ReturnTable`](super::ReturnTable)).
+//! within the next `horizon` requests ([`ReturnTable`](super::return_within::ReturnTable)).
 //! The lowest score is evicted, and a block is admitted unless it scores
 //! below the block it would evict. A prompt's blocks form a chain, so a
 //! parent is used at least as often and as recently as its children and

@@ -17,7 +17,7 @@ const SEEDS: [u64; ROWS] = [
 /// `10 × width` increments every counter is halved: old popularity fades,
 /// as in TinyLFU.
 #[derive(Debug, Clone)]
-pub struct CountMinSketch {
+pub(crate) struct CountMinSketch {
     rows: Vec<u8>,
     mask: usize,
     increments: usize,

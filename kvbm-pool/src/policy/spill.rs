@@ -12,7 +12,7 @@ use super::{BlockRef, BlockView, EvictionPolicy, Victim};
 /// A block a pool just evicted. Its bytes stay intact until whoever
 /// allocates its slot writes into it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Evicted {
+pub(crate) struct Evicted {
     /// The evicted block's id (its slot in the tier's layout).
     pub id: u32,
     /// The hash it was registered under.
@@ -22,10 +22,10 @@ pub struct Evicted {
 }
 
 /// Victims recorded since the last drain.
-pub type VictimLog = Arc<Mutex<Vec<Evicted>>>;
+pub(crate) type VictimLog = Arc<Mutex<Vec<Evicted>>>;
 
 /// Records the victims of the policy it wraps into a [`VictimLog`].
-pub struct SpillRecorder {
+pub(crate) struct SpillRecorder {
     inner: Box<dyn EvictionPolicy>,
     log: VictimLog,
     /// The block the last peek named, recorded when it is popped.

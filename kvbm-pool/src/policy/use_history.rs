@@ -66,8 +66,8 @@ pub enum ReuseModel {
     /// over its age (the exponent is the history's age exponent).
     Hyperbolic,
     /// The learned probability that a block of its use-count class, unused
-    /// for its age, is used within the next `horizon` requests (see
-    /// [`ReturnTable`]): it keeps serving the returns that come after a
+    /// for its age, is used within the next `horizon` requests (learned
+    /// from the returns the history saw): it keeps serving the returns that come after a
     /// long gap, which a hyperbolic decay gives up on.
     ReturnWithin {
         /// Look-ahead window in requests.
@@ -76,7 +76,7 @@ pub enum ReuseModel {
 }
 
 /// Number of use-count classes: 1, 2, 3, and 4 or more.
-pub const USE_CLASSES: usize = 4;
+pub(crate) const USE_CLASSES: usize = 4;
 
 /// Requests between two refreshes of the learned weights.
 const REFRESH_EVERY: u64 = 256;

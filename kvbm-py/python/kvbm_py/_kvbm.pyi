@@ -179,6 +179,8 @@ class Worker:
     kept across restarts under that identity (an engine started again
     with the same directory and identity finds every block it held), and
     with ``g2_keep_dir`` too (a directory in ``/dev/shm``) G2 is.
+    ``transfer_delay_ms`` (a test hook) holds every copy back that long; only
+    a wheel built with feature ``test-hooks`` (``TEST_HOOKS``) takes it.
     """
 
     def __init__(

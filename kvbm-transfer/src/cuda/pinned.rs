@@ -14,7 +14,7 @@
 //! one registration at a time (threads registering parts of a chunk at once
 //! spend more time inside the driver and finish no sooner; see
 //! `docs/benchmarks.md`, "Pinned host memory"). [`PinnedMemory::stats`]
-//! says where the time went (`examples/pin_bench.rs`).
+//! says where the time went (kvbm-bench's `pin_bench`).
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -1,6 +1,7 @@
-//! Shared by the CUDA tests and the CUDA bench: the GPU gate, random data,
-//! and a small stand-in for kvbm-layout's FullyContiguous / LayerSeparate
-//! address math and copy planner.
+//! Shared by the CUDA tests and kvbm-bench's `cuda_bench` (which includes
+//! this file by its path): the GPU gate, random data, and a small stand-in
+//! for kvbm-layout's FullyContiguous / LayerSeparate address math and copy
+//! planner.
 #![allow(dead_code)]
 
 use kvbm_transfer::cuda::{CopyRun, CudaDevice, Probe, probe};

@@ -227,8 +227,9 @@ pub struct ReplayArgs {
     /// Tensor parallelism: run the leader here and this many worker
     /// processes (GPU `rank` each when built with `cuda`), every block
     /// sliced across them and checked on every one after each onboard.
-    /// The workers are `kvbm-dist-node` processes, found next to this
-    /// binary or at $KVBM_DIST_NODE. 0 runs everything in this process.
+    /// The workers are this binary started again as `worker ...` (or the
+    /// binary at $KVBM_DIST_NODE: kvbm-dist's `kvbm-dist-node`, built with
+    /// its feature `probe`). 0 runs everything in this process.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=64))]
     pub workers: u32,
     /// Also sweep total capacity (fractions of distinct blocks, in the

@@ -2,6 +2,10 @@
 //! through real tiers (`replay`), the tier engine's offload stream
 //! (`offload`) and the soak run of the tensor-parallel replay (`soak`). See the `kvbm_bench` library for what each
 //! measures; this binary parses arguments, shows progress and prints.
+//!
+//! Started as `kvbm-bench worker ...` (by a tensor-parallel replay, once
+//! per rank) it is a kvbm-dist worker instead, as kvbm-dist's
+//! `kvbm-dist-node` binary is: see `kvbm_bench::replay::dist`.
 
 mod cli;
 mod output;
@@ -27,6 +31,11 @@ use crate::cli::{
 };
 
 fn main() -> ExitCode {
+    // First: a worker takes the instance secret out of the environment
+    // before any thread starts.
+    if let Some(code) = kvbm_bench::replay::dist::run_as_worker() {
+        return code;
+    }
     let cli = Cli::parse();
     let level = if cli.quiet { "error" } else { "warn" };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()

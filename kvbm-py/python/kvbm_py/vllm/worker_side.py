@@ -6,7 +6,7 @@ import atexit
 import os
 from typing import TYPE_CHECKING, Any
 
-from kvbm_py import Worker, instance_files
+from kvbm_py import Worker, _kvbm, instance_files
 from kvbm_py.config import SHM_DIR, KvbmConfig
 from kvbm_py.vllm import kept_g3
 from kvbm_py.vllm.common import engine_id, instance_of, log, world_size
@@ -79,7 +79,7 @@ class WorkerSide:
             kept_identity=kept_identity,
             g2_keep_dir=g2_keep_dir,
             instance=instance_of(eid),
-            transfer_delay_ms=self.config.test_transfer_delay_ms,
+            **self._test_hooks(),
         )
         self.tensors = tensors
         self.block_axis = list(first.shape).index(num_blocks)
@@ -87,6 +87,18 @@ class WorkerSide:
             "kvbm: rank %d registered %d KV tensors of shape %s (%d bytes per block)",
             rank, len(tensors), tuple(first.shape), self.worker.block_bytes,
         )
+
+    def _test_hooks(self) -> dict[str, Any]:
+        """The worker's test hooks that the configuration sets (only a wheel
+        built with feature ``test-hooks`` takes them)."""
+        delay = self.config.test_transfer_delay_ms
+        if not delay:
+            return {}
+        if not _kvbm.TEST_HOOKS:
+            raise ValueError(
+                "kvbm: test_transfer_delay_ms needs a wheel built with feature test-hooks"
+            )
+        return {"transfer_delay_ms": delay}
 
     def _kept_places(self, eid: str, rank: int) -> tuple[str | None, str | None, str | None]:
         """The rank's G3 directory, the identity G3 and G2 are kept under

@@ -2,6 +2,9 @@
 //! no hang, a clear error naming block and path, no leaked bounce slots,
 //! and no block reported landed that did not.
 
+// kvbm-transfer's test helpers: these tests are kvbm-transfer's, kept here
+// because they need this crate's fixtures.
+#[path = "../../kvbm-transfer/tests/common/mod.rs"]
 mod common;
 
 use std::sync::Arc;

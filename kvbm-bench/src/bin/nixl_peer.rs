@@ -5,7 +5,7 @@
 //! ```text
 //! LD_LIBRARY_PATH=target/nixl-runtime/.nixl_cu13.mesonpy.libs \
 //! UCX_TLS=tcp UCX_NET_DEVICES=lo UCX_MODULES=^ib \
-//!   cargo run --release -p kvbm-transfer --features nixl --example nixl_peer
+//!   cargo run --release -p kvbm-bench --features nixl --bin nixl_peer
 //! ```
 
 use std::time::{Duration, Instant};

@@ -2,6 +2,9 @@
 //! with host memory standing in for the device (a memcpy backend that
 //! claims the CUDA row of the strategy table).
 
+// kvbm-transfer's test helpers: these tests are kvbm-transfer's, kept here
+// because they need this crate's fixtures.
+#[path = "../../kvbm-transfer/tests/common/mod.rs"]
 mod common;
 
 use std::sync::Arc;
@@ -407,7 +410,8 @@ fn cancelling_a_transfer_queued_behind_another_does_not_wait_for_it() {
     assert_eq!(a.wait().unwrap().blocks, 8);
 }
 
-#[cfg(feature = "diagnostics")]
+// The chunk trace: kvbm-transfer's feature `diagnostics`, which this
+// crate's tests turn on.
 #[test]
 fn chunk_trace_sees_every_chunk_in_order_and_no_more_slots_than_allowed() {
     use kvbm_transfer::bounce::trace::{ChunkTrace, TraceEvent, TraceSummary};

@@ -6,6 +6,9 @@
 //! another device and the device → file direction take the bounce
 //! pipeline; either way every byte lands where the pairs say.
 
+// kvbm-transfer's test helpers: these tests are kvbm-transfer's, kept here
+// because they need this crate's fixtures.
+#[path = "../../kvbm-transfer/tests/common/mod.rs"]
 mod common;
 
 use std::os::unix::fs::FileExt;

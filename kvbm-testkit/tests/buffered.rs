@@ -5,6 +5,9 @@
 //! a crash, and a cancelled page cache → device pipeline through the mapped
 //! engine writes nothing after the cancel and returns every slot.
 
+// kvbm-transfer's test helpers: these tests are kvbm-transfer's, kept here
+// because they need this crate's fixtures.
+#[path = "../../kvbm-transfer/tests/common/mod.rs"]
 mod common;
 
 use std::sync::Arc;

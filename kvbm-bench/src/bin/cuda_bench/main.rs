@@ -10,8 +10,8 @@
 //! large pinned copy measured in the same run. Byte counts come from the
 //! plan (the sum of its runs), never from hand arithmetic.
 //!
-//! `cargo run --release --example cuda_bench --features cuda [-- quick |
-//! gemm | focus | diag | gemm-timeline | probe]`; `focus` runs only the
+//! `cargo run --release -p kvbm-bench --features cuda,gemm --bin cuda_bench
+//! [-- quick | gemm | focus | diag | gemm-timeline | probe]`; `focus` runs only the
 //! rows that judge how copies start and end (8 and 32 KiB runs: one
 //! direction, both directions, beside the GEMM one copy at a time);
 //! `probe` (see `probe.rs`) the measurements behind the staged
@@ -22,7 +22,8 @@
 //! shapes make the GEMM and focus modes pin 16 GiB), `KVBM_GEMM_X`
 //! stretches the GEMM window.
 
-#[path = "../../tests/cuda_common/mod.rs"]
+// Shared with kvbm-transfer's CUDA tests.
+#[path = "../../../../kvbm-transfer/tests/cuda_common/mod.rs"]
 mod cuda_common;
 mod diag;
 mod gemm;

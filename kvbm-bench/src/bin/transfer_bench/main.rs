@@ -2,7 +2,7 @@
 //! in the same run (interleaved, several runs, median and spread).
 //!
 //! ```text
-//! cargo run --release -p kvbm-transfer --example transfer_bench -- [memcpy|disk|bounce|all] [runs] [dir]
+//! cargo run --release -p kvbm-bench --features diagnostics --bin transfer_bench -- [memcpy|disk|bounce|all] [runs] [dir]
 //! ```
 //!
 //! - memcpy: 256 non-consecutive 2 MiB blocks, LayerSeparate → FullyContiguous
