@@ -41,7 +41,9 @@ use parking_lot::Mutex;
 use crate::config::{PoolConfig, Tier};
 use crate::error::PoolError;
 use crate::events::{KvEvent, KvEventBatch};
-use crate::policy::{EvictionPolicy, LruPolicy, ReuseScorePolicy, SharedHistory, UseHistory};
+use crate::policy::{
+    EvictionPolicy, LruPolicy, RetentionHint, ReuseScorePolicy, SharedHistory, UseHistory,
+};
 use crate::pool::{BlockPool, ImmutableBlock, MutableBlock};
 use crate::tier::{TierEngineConfig, TierPolicy};
 
@@ -279,6 +281,21 @@ impl Ledger {
         if !matches!(self.policy, TierPolicy::WriteThrough) {
             self.history.lock().record_request(keys);
         }
+    }
+
+    /// Gives a retention hint for `keys` (a request's blocks, in prompt
+    /// order), as of now: with the reuse-score policy both tiers rank and
+    /// admit them by it (see [`crate::policy::retention`]); any later
+    /// request carrying a block spends its hint. Other policies ignore
+    /// hints.
+    pub fn retain(&self, keys: &[SequenceHash], hint: RetentionHint) {
+        if self.policy != TierPolicy::ReuseScore {
+            return;
+        }
+        self.history.lock().retain(keys, hint);
+        // Blocks already evictable are queued by their old rank: restamp
+        // them so they are queued again.
+        self.touch(keys);
     }
 
     /// Marks `keys` as just used (the ones held; the others are ignored).

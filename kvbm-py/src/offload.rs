@@ -14,6 +14,7 @@ use kvbm_block::SequenceHash;
 use kvbm_dist::paged::{PageCopy, PageGroup, PageMemory, PagedConfig, PagedDisk, PagedWorker};
 use kvbm_pool::Tier;
 use kvbm_pool::ledger::{Ledger, Presence};
+use kvbm_pool::policy::RetentionHint;
 use kvbm_transfer::memory::Owner;
 use parking_lot::Mutex;
 use pyo3::intern;
@@ -21,7 +22,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyString;
 
 use crate::error::{PyKvbmError, Result};
-use crate::scheduler::{parse_policy, sequence_hash};
+use crate::scheduler::{RetentionArg, parse_policy, retention_hint, sequence_hash};
 
 /// kvbm's key of one vLLM offload key (`hash || group`, the group as 4
 /// big-endian bytes).
@@ -58,12 +59,13 @@ type Reserved = (
     usize,
 );
 
-/// The keys one request asked for: every one so far, and those not yet
-/// recorded in the use history, in the order first asked.
+/// The keys one request asked for, in the order first asked, and how
+/// many of them the use history has.
 #[derive(Default)]
 struct Asked {
     all: HashSet<SequenceHash>,
-    pending: Vec<SequenceHash>,
+    order: Vec<SequenceHash>,
+    recorded: usize,
 }
 
 /// The books and what each request asked for, shared with the lookup
@@ -82,22 +84,32 @@ impl Books {
         };
         for k in keys {
             if a.all.insert(k) {
-                a.pending.push(k);
+                a.order.push(k);
             }
         }
     }
 
-    fn record(&self, req: &str, forget: bool) {
-        let pending = {
-            let mut asked = self.asked.lock();
-            let pending = asked.get_mut(req).map(|a| std::mem::take(&mut a.pending));
-            if forget {
-                asked.remove(req);
-            }
-            pending.unwrap_or_default()
-        };
-        if !pending.is_empty() {
-            self.ledger.record_request(&pending);
+    /// Records in the use history what `req` asked for since the last
+    /// call; returns the request's entry to the caller when `finished`
+    /// (then it is forgotten).
+    fn record(&self, req: &str, finished: bool) -> Option<Asked> {
+        let mut asked = self.asked.lock();
+        let a = asked.get_mut(req)?;
+        let fresh = a.order[a.recorded..].to_vec();
+        a.recorded = a.order.len();
+        let done = if finished { asked.remove(req) } else { None };
+        drop(asked);
+        if !fresh.is_empty() {
+            self.ledger.record_request(&fresh);
+        }
+        done
+    }
+
+    /// Records what finished request `req` asked for and forgets it; its
+    /// keys get `hint`, if any.
+    fn finish(&self, req: &str, hint: Option<RetentionHint>) {
+        if let (Some(asked), Some(hint)) = (self.record(req, true), hint) {
+            self.ledger.retain(&asked.order, hint);
         }
     }
 }
@@ -180,10 +192,19 @@ impl OffloadBooks {
     }
 
     /// Records in the use history the keys request `req` asked for since
-    /// the last call; with `finished`, forgets the request.
-    #[pyo3(signature = (req, finished = false))]
-    fn record(&self, req: &str, finished: bool) {
-        self.books.record(req, finished);
+    /// the last call.
+    fn record(&self, req: &str) {
+        self.books.record(req, false);
+    }
+
+    /// Records what finished request `req` asked for and forgets it; its
+    /// keys get the retention `hint` (seconds until a follow-up, or
+    /// `"done"`), if any.
+    #[pyo3(signature = (req, hint = None))]
+    fn finish(&self, req: &str, hint: Option<RetentionArg>) -> PyResult<()> {
+        let hint = hint.as_ref().map(retention_hint).transpose()?;
+        self.books.finish(req, hint);
+        Ok(())
     }
 
     /// Slots in the host tier.

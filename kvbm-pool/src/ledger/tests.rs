@@ -347,3 +347,24 @@ fn clearing_forgets_copies_in_flight() {
     assert_eq!((c.ready, c.writing, c.reading), (0, 0, 0));
     assert_eq!(ledger.reserve(&[(h(3), None), (h(4), None)]).slots.len(), 2);
 }
+
+#[test]
+fn retention_hints_rank_blocks_in_both_tiers() {
+    use std::time::Duration;
+    for (hint, first_to_go) in [
+        (RetentionHint::ReturnsWithin(Duration::from_secs(30)), h(2)),
+        (RetentionHint::Done, h(1)),
+    ] {
+        let ledger = Ledger::new(2, TierPolicy::ReuseScore).unwrap();
+        for k in [1, 2] {
+            ledger.record_request(&[h(k)]);
+            ledger.reserve(&[(h(k), None)]);
+            ledger.commit(&[h(k)], true);
+        }
+        // Block 1 is the older: without a hint it would go first.
+        ledger.retain(&[h(1)], hint);
+        ledger.record_request(&[h(3)]);
+        let r = ledger.reserve(&[(h(3), None)]);
+        assert_eq!(r.evicted, vec![first_to_go], "{hint:?}");
+    }
+}

@@ -246,9 +246,13 @@ class OffloadBooks:
         the key as asked for by ``request context.req_id``."""
     def note(self, req: str, keys: Sequence[bytes]) -> None:
         """Notes ``keys`` as asked for by request ``req``."""
-    def record(self, req: str, finished: bool = False) -> None:
+    def record(self, req: str) -> None:
         """Records in the use history what ``req`` asked for since the
-        last call; ``finished`` forgets the request."""
+        last call."""
+    def finish(self, req: str, hint: float | str | None = None) -> None:
+        """Records what finished request ``req`` asked for and forgets it;
+        its keys get the retention ``hint`` (seconds until a follow-up, or
+        ``"done"``), if any."""
     def reserve(
         self, keys: Sequence[bytes], chained: bool = True
     ) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]], list[int], int, int]:

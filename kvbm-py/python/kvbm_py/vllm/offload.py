@@ -64,6 +64,7 @@ from kvbm_py import _kvbm
 from kvbm_py.config import GIB, KvbmConfig
 from kvbm_py.vllm.common import log as logger
 from kvbm_py.vllm.plugin import SPEC_NAME, register_spec
+from kvbm_py.vllm.retention import retention_of
 
 #: Keys of ``kv_connector_extra_config`` that belong to vLLM's offloading
 #: connector, not to kvbm.
@@ -291,7 +292,9 @@ class KvbmOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self.books.record(req_context.req_id, finished=True)
+        # The retention hint a request carries (``kvbm_retention`` in its
+        # kv_transfer_params) ranks every key it asked for.
+        self.books.finish(req_context.req_id, retention_of(req_context.kv_transfer_params))
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         events, self._events = self._events, []

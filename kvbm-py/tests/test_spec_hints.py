@@ -1,0 +1,51 @@
+"""Retention hints on the offloading spec route: a request's
+``kvbm_retention`` (in its ``kv_transfer_params``) ranks the blocks it
+asked for in kvbm's books, as it does through ``KvbmConnector``. Drives
+the manager vLLM's scheduler built (the harness's), key by key."""
+
+from __future__ import annotations
+
+import pytest
+
+from sched_harness import build
+
+#: A G2 of two of the harness's 16 KiB blocks.
+TWO_SLOTS = {"cpu_cache_gb": 2.5 * 16384 / 2**30, "admission": "reuse_score"}
+
+
+def _key(n: int) -> bytes:
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    return make_offload_key(bytes([n]) * 32, 0)
+
+
+def _stored(manager, req: str, n: int, params: dict | None = None):
+    """Request `req` stores block `n` and finishes, with `params` as its
+    kv_transfer_params."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    ctx = ReqContext(req, kv_transfer_params=params)
+    out = manager.prepare_store([_key(n)], ctx)
+    manager.complete_store(out.keys_to_store, ctx)
+    manager.on_request_finished(ctx)
+    return out
+
+
+@pytest.mark.parametrize(
+    "hint, first_to_go",
+    [(None, 1), ({"returns_within_s": 30}, 2), ("done", 1)],
+)
+def test_a_hinted_request_ranks_its_blocks(tmp_path, hint, first_to_go):
+    h = build(tmp_path, dict(TWO_SLOTS), connector="KvbmOffloadingConnector")
+    try:
+        manager = h.connector.connector_scheduler.manager
+        assert manager.books.slots == 2
+        params = None if hint is None else {"kvbm_retention": hint}
+        _stored(manager, "a", 1, params)
+        _stored(manager, "b", 2)
+        # Block 1 is the older: it goes first unless its hint keeps it.
+        out = _stored(manager, "c", 3)
+        assert out.keys_to_store == [_key(3)]
+        assert out.evicted_keys == [_key(first_to_go)], (hint, out)
+    finally:
+        h.close()
