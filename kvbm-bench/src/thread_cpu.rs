@@ -154,37 +154,59 @@ mod tests {
         assert_eq!(ticks_ns("garbage"), None);
     }
 
+    /// CPU time the calling thread has used.
+    fn own_cpu() -> std::time::Duration {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime writes one timespec, which `ts` is.
+        let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+        assert_eq!(rc, 0, "the thread CPU clock reads");
+        std::time::Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+    }
+
     #[test]
     fn a_spinning_thread_shows_up_by_name_and_a_sleeping_one_does_not() {
         let Some(before) = CpuSample::now() else {
             println!("skipped: no per-thread times in /proc");
             return;
         };
+        // The spinner spins until its own CPU clock says 50 ms (however
+        // loaded the machine), says so, then blocks like the sleeper until
+        // both are sampled: each is alive at the sample (a thread that
+        // ended is gone) and the sleeper has used nothing.
+        let (spun_tx, spun_rx) = std::sync::mpsc::channel();
+        let (stop_spin, spin_stop) = std::sync::mpsc::channel::<()>();
+        let (stop_sleep, sleep_stop) = std::sync::mpsc::channel::<()>();
         let spin = std::thread::Builder::new()
             .name("cpu-test-spin".into())
-            .spawn(|| {
-                let t = Instant::now();
+            .spawn(move || {
                 let mut x = 0u64;
-                while t.elapsed().as_millis() < 150 {
+                while own_cpu() < std::time::Duration::from_millis(50) {
                     x = std::hint::black_box(x.wrapping_add(1));
                 }
+                spun_tx.send(()).expect("the test waits");
+                let _ = spin_stop.recv();
             })
             .expect("spawn");
         let sleep = std::thread::Builder::new()
             .name("cpu-test-sleep".into())
-            .spawn(|| std::thread::sleep(std::time::Duration::from_millis(150)))
+            .spawn(move || {
+                let _ = sleep_stop.recv();
+            })
             .expect("spawn");
-        // Sampled while both still run (a thread that ended is gone).
-        std::thread::sleep(std::time::Duration::from_millis(120));
+        spun_rx.recv().expect("the spinner spins");
         let after = CpuSample::now().expect("sampled before");
+        drop((stop_spin, stop_sleep));
         spin.join().expect("spin");
         sleep.join().expect("sleep");
         let mut cpu = ThreadCpu::default();
         cpu.add(&before, &after);
         let spun = cpu.cpu_secs.get("cpu-test-spin").copied().unwrap_or(0.0);
         let slept = cpu.cpu_secs.get("cpu-test-sleep").copied().unwrap_or(0.0);
-        // The spinner ran for up to 120 ms (a loaded CI box may preempt it
-        // for most of that; 5 ms is still far from a sleeper's nothing).
+        // The spinner used 50 ms (/proc counts in ticks of 10 ms or less);
+        // the sleeper nothing.
         assert!(spun > 0.005, "spinning thread used {spun} s");
         assert!(slept < 0.002, "sleeping thread used {slept} s");
         assert!(cpu.busiest(8).iter().any(|(n, _)| n == "cpu-test-spin"));

@@ -1,8 +1,10 @@
-//! The bound checks: cheap tests that pin the figures the bound study of
-//! `docs/policy-study.md` §7 rests on (the recency scorer equals LRU tiers,
-//! the oracle-tier decomposition, the calibrated use-count figures) and
-//! property tests of the scored tiers' invariants. The study tables
-//! themselves are the `studies` binary's (`src/bin/studies/bounds.rs`).
+//! The bound checks: tests of the relations the bound study of
+//! `docs/policy-study.md` §7 rests on, each figure against others computed
+//! in the same run (the recency scorer equals LRU tiers; the oracle tiers
+//! against Belady, oracle admission and the online policies; calibrated
+//! use counts in-sample and cross-fitted), and property tests of the
+//! scored tiers' invariants. The study tables themselves are the
+//! `studies` binary's (`src/bin/studies/bounds.rs`).
 
 mod bounds_support;
 mod sim_support;
@@ -12,12 +14,15 @@ use std::collections::HashSet;
 use kvbm_bench::sim::arc::ArcTiers;
 use kvbm_bench::sim::hindsight::{Feature, FeatureSet, Fit, HindsightScorer, Objective};
 use kvbm_bench::sim::online::OnlineScorer;
+use kvbm_bench::sim::reuse_score::{ReuseScoreConfig, ReuseScoreTiers};
 use kvbm_bench::sim::scored_tiers::{
     Admission, OracleScorer, RecencyScorer, ScoredConfig, ScoredTiers,
 };
 use kvbm_bench::sim::trace_index::{NO_REQUEST, TraceIndex};
-use kvbm_bench::sim::{CacheSim, KvbmTiers, LruFeed, LruTiers, TierCapacities, TieredSim};
-use kvbm_testkit::trace::{BlockId, Request};
+use kvbm_bench::sim::{
+    BeladySim, CacheSim, KvbmTiers, LruFeed, LruTiers, TierCapacities, TieredSim, replay,
+};
+use kvbm_testkit::trace::{BlockId, MOONCAKE_BLOCK_TOKENS, Request};
 use proptest::prelude::*;
 
 use bounds_support::*;
@@ -52,34 +57,78 @@ fn recency_scorer_reproduces_lru_victim_tiers() {
 }
 
 #[test]
-fn oracle_tiers_and_decomposition_are_pinned() {
-    // (config, oracle tiers with bypass, without bypass), measured once.
-    let want = [(36.51, 36.51), (36.61, 36.61), (49.80, 49.80)];
-    for ((name, f), (bypass, always)) in CONFIGS.into_iter().zip(want) {
-        let Some((requests, facts)) = sim_support::load(name) else {
-            return;
-        };
-        let caps = TierCapacities::from_fractions(f[0], f[1], f[2], facts.unique_blocks);
-        let ix = TraceIndex::new(&requests);
+fn oracle_tiers_come_close_to_belady_and_bound_the_policies() {
+    // Section 7.1, each figure against others of the same run: the oracle
+    // tiers (G2/G3 ranked by next use) with and without bypass, the
+    // single-cache Belady of the same total size, oracle admission in
+    // recency order, the best policy and tiered LRU.
+    for Loaded {
+        name,
+        fractions: f,
+        requests,
+        caps,
+        total,
+        ix,
+        ..
+    } in loaded_configs()
+    {
         let with = run_scored(&requests, &ix, caps, Admission::Strict, true, OracleScorer);
         let without = run_scored(&requests, &ix, caps, Admission::Always, true, OracleScorer);
+        let admission = run_scored(
+            &requests,
+            &ix,
+            caps,
+            Admission::Strict,
+            true,
+            OracleAdmission,
+        );
+        let belady = replay(
+            &requests,
+            MOONCAKE_BLOCK_TOKENS,
+            &mut BeladySim::new(&requests, total),
+        );
+        let best = run_tiers(
+            &requests,
+            caps.g1,
+            ReuseScoreTiers::new(ReuseScoreConfig::for_tiers(caps)),
+        );
+        let lru = run_tiers(
+            &requests,
+            caps.g1,
+            LruTiers::new(caps.g2, caps.g3, LruFeed::Victim),
+        );
+        let [with, without, admission, belady, best, lru] =
+            [&with, &without, &admission, &belady, &best, &lru].map(|s| s.hit_rate_pct());
         println!(
-            "{name} {f:?}: oracle tiers {} / no bypass {}",
-            fmt(&with),
-            fmt(&without)
+            "{name} {f:?}: oracle tiers {with:.2}, no bypass {without:.2}, oracle admission \
+             {admission:.2}, Belady {belady:.2}, best policy {best:.2}, tiered LRU {lru:.2}"
         );
-        assert!((with.hit_rate_pct() - bypass).abs() < 0.01, "{name} {f:?}");
-        assert!(
-            (without.hit_rate_pct() - always).abs() < 0.01,
-            "{name} {f:?}"
-        );
+        // Bypass as such is worth nothing once dead blocks rank lowest.
+        assert!((with - without).abs() < 0.005, "{name} {f:?}");
+        // Single-cache Belady of the same size bounds the oracle tiers,
+        // which come within 2% of it (G1 being the engine's LRU costs
+        // little); they bound every online policy in turn.
+        assert!(with <= belady && with >= 0.98 * belady, "{name} {f:?}");
+        assert!(best <= with && lru <= with, "{name} {f:?}");
+        // Oracle admission ranks no better than oracle order.
+        assert!(admission <= with, "{name} {f:?}");
+        if name == "conversation" {
+            // The whole win is knowing which blocks are dead.
+            assert!(admission >= 0.99 * with, "{name} {f:?}");
+        } else {
+            // Synthetic: knowing when blocks return is worth more than
+            // knowing which ones do.
+            assert!(with - admission > admission - lru, "{name} {f:?}");
+        }
     }
 }
 
 #[test]
-fn calibrated_use_count_figures_are_pinned() {
-    // Synthetic 1%+9% (the small trace): the use-count cells fitted on the
-    // whole trace, and each half ranked by the other half's table.
+fn calibrated_use_counts_help_in_sample_and_less_across_halves() {
+    // Synthetic 1%+9% (the small trace), section 7.3: ranked by the
+    // use-count cells fitted on the whole trace (in-sample), and each half
+    // by the other half's table (cross-fit), against recency order, the
+    // best policy and the oracle tiers of the same run.
     let (name, f) = CONFIGS[2];
     let Some((requests, facts)) = sim_support::load(name) else {
         return;
@@ -87,7 +136,7 @@ fn calibrated_use_count_figures_are_pinned() {
     let caps = TierCapacities::from_fractions(f[0], f[1], f[2], facts.unique_blocks);
     let ix = TraceIndex::new(&requests);
     let uses = FeatureSet::ladder()[1].clone();
-    for (fit, want) in [(Fit::InSample, 28.15), (Fit::CrossFit, 26.41)] {
+    let [in_sample, cross_fit] = [Fit::InSample, Fit::CrossFit].map(|fit| {
         let scorer = HindsightScorer::new(
             &ix,
             uses.clone(),
@@ -95,10 +144,35 @@ fn calibrated_use_count_figures_are_pinned() {
             fit,
             50,
         );
-        let s = run_scored(&requests, &ix, caps, Admission::TiesAdmit, true, scorer);
-        println!("{fit:?}: {}", fmt(&s));
-        assert!((s.hit_rate_pct() - want).abs() < 0.01, "{fit:?}");
-    }
+        run_scored(&requests, &ix, caps, Admission::TiesAdmit, true, scorer).hit_rate_pct()
+    });
+    let recency = run_scored(
+        &requests,
+        &ix,
+        caps,
+        Admission::TiesAdmit,
+        true,
+        RecencyScorer,
+    )
+    .hit_rate_pct();
+    let oracle =
+        run_scored(&requests, &ix, caps, Admission::Strict, true, OracleScorer).hit_rate_pct();
+    let best = run_tiers(
+        &requests,
+        caps.g1,
+        ReuseScoreTiers::new(ReuseScoreConfig::for_tiers(caps)),
+    )
+    .hit_rate_pct();
+    println!(
+        "in-sample {in_sample:.2}, cross-fit {cross_fit:.2}, recency {recency:.2}, \
+         best policy {best:.2}, oracle tiers {oracle:.2}"
+    );
+    // A table fitted on the trace it ranks is the generous bound: use
+    // counts then beat recency order by more than 2%, under the oracle.
+    assert!(in_sample > 1.02 * recency && in_sample < oracle);
+    // Carried from the other half, less of it is left: no better than
+    // the best policy.
+    assert!(cross_fit < in_sample && cross_fit <= best);
 }
 
 /// Chained traces: ids are (family, branch, depth) so every block has one

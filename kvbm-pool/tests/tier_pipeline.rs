@@ -6,12 +6,16 @@
 //! ran, and never when its pair was lost; a block in flight is not copied
 //! twice; sources stay held while their copy is in flight; `flush` waits
 //! for every batch in flight.
+//!
+//! What the worker did not do is checked once it says it has nothing left
+//! to do ([`TierEngine::wait_offload_idle`]), never after a pause.
 
 mod tier_support;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use kvbm_block::SequenceHash;
@@ -19,12 +23,12 @@ use kvbm_pool::metrics::SkipReason;
 use kvbm_pool::tier::{
     LocalMover, OffloadMode, TierEngine, TierEngineConfig, TierLayouts, TierMover, TierPolicy,
 };
-use kvbm_pool::{ImmutableBlocks, Tier};
+use kvbm_pool::{ImmutableBlocks, KvEvent, KvEventBatch, Tier};
 use kvbm_transfer::{
     CancelToken, Completer, Completion, PhysicalLayout, TransferError, TransferFailure,
     TransferOutcome, completion_pair,
 };
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use proptest::prelude::*;
 use tier_support::*;
 
@@ -42,6 +46,8 @@ struct Held {
 struct GatedMover {
     inner: LocalMover,
     held: Mutex<Vec<Held>>,
+    /// Signalled whenever a copy is held.
+    arrived: Condvar,
     /// Most G1 → G2 copies held at once.
     most: AtomicUsize,
     /// Copies are no longer held (see [`Opener`]).
@@ -65,6 +71,20 @@ impl Drop for Opener {
 impl GatedMover {
     fn held(&self) -> usize {
         self.held.lock().len()
+    }
+
+    /// Waits (at most 10 s) until `n` copies are held.
+    fn wait_held(&self, n: usize) {
+        let end = Instant::now() + Duration::from_secs(10);
+        let mut held = self.held.lock();
+        while held.len() != n {
+            let timed_out = self.arrived.wait_until(&mut held, end).timed_out();
+            assert!(
+                !timed_out || held.len() == n,
+                "timed out waiting for {n} copies in flight ({} held)",
+                held.len()
+            );
+        }
     }
 
     /// The pairs of the held copies, oldest first.
@@ -134,6 +154,7 @@ impl TierMover for GatedMover {
         let mut held = self.held.lock();
         held.push(Held { pairs, completer });
         self.most.fetch_max(held.len(), Ordering::SeqCst);
+        self.arrived.notify_all();
         completion
     }
 
@@ -170,6 +191,7 @@ fn gated_engine_with(
     let mover = Arc::new(GatedMover {
         inner: LocalMover::new(layouts, executor()).unwrap(),
         held: Mutex::new(Vec::new()),
+        arrived: Condvar::new(),
         most: AtomicUsize::new(0),
         open: AtomicBool::new(false),
     });
@@ -182,15 +204,6 @@ fn gated_engine_with(
     let engine = TierEngine::with_mover(config, Arc::clone(&mover) as Arc<dyn TierMover>).unwrap();
     let opener = Opener(Arc::clone(&mover));
     (engine, mover, opener)
-}
-
-/// Waits (at most 10 s) until `done` holds.
-fn until(what: &str, mut done: impl FnMut() -> bool) {
-    let end = Instant::now() + Duration::from_secs(10);
-    while !done() {
-        assert!(Instant::now() < end, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(1));
-    }
 }
 
 /// Whether G2 holds `hash`, and then with its bytes.
@@ -207,21 +220,31 @@ fn in_g2(engine: &TierEngine, hash: SequenceHash) -> bool {
     true
 }
 
-/// Runs every held copy until `flush` returns (it waits for the batches in
-/// flight, so it must run beside the copies); returns the pairs that ran.
+/// The hashes of the G2 `Stored` events received so far, in order.
+fn stored_order(events: &Receiver<KvEventBatch>) -> Vec<SequenceHash> {
+    events
+        .try_iter()
+        .flat_map(|batch| batch.to_vec())
+        .filter_map(|e| match e {
+            KvEvent::Stored { hash, .. } => Some(hash),
+            KvEvent::Removed { .. } => None,
+        })
+        .collect()
+}
+
+/// Runs held copies, oldest first, until the worker has nothing left to
+/// do and none is held; returns the pairs that ran. `flush` then has
+/// nothing to wait for.
 fn settle(engine: &TierEngine, mover: &GatedMover) -> Vec<(usize, usize)> {
     let mut ran = Vec::new();
-    std::thread::scope(|s| {
-        let flushed = s.spawn(|| engine.flush());
-        let end = Instant::now() + Duration::from_secs(10);
-        while !flushed.is_finished() {
-            assert!(Instant::now() < end, "flush did not return");
-            while let Some((landed, _)) = mover.run(0, false) {
-                ran.extend(landed);
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    });
+    loop {
+        engine.wait_offload_idle();
+        let Some((landed, _)) = mover.run(0, false) else {
+            break;
+        };
+        ran.extend(landed);
+    }
+    engine.flush();
     ran
 }
 
@@ -229,15 +252,17 @@ fn settle(engine: &TierEngine, mover: &GatedMover) -> Vec<(usize, usize)> {
 fn batches_overlap_up_to_the_limit_and_register_in_order() {
     let (engine, mover, _open) = gated_engine(2, 2, 16, 64);
     assert_eq!(engine.offload_batch_limit(), 2);
+    let g2_events = engine.pool(Tier::G2).unwrap().subscribe();
     let hashes = chain(3, 6);
     let blocks = compute(&engine, &hashes, None);
     let ids: Vec<usize> = (0..6)
         .map(|i| blocks.get(i).unwrap().block_id() as usize)
         .collect();
     drop(blocks);
-    until("two copies in flight", || mover.held() == 2);
-    // Three batches of two are queued; only two are in flight.
-    std::thread::sleep(Duration::from_millis(30));
+    mover.wait_held(2);
+    // Three batches of two are queued; once the worker has nothing left
+    // to do, only two are in flight.
+    engine.wait_offload_idle();
     assert_eq!(mover.held(), 2, "more batches in flight than allowed");
     let held = mover.held_pairs();
     let srcs = |k: usize| held[k].iter().map(|p| p.0).collect::<Vec<_>>();
@@ -250,12 +275,15 @@ fn batches_overlap_up_to_the_limit_and_register_in_order() {
     }
     // The second batch lands first: it waits for the first to register.
     mover.run(1, false);
-    std::thread::sleep(Duration::from_millis(30));
+    engine.wait_offload_idle();
     assert!(!in_g2(&engine, hashes[2]), "registered out of order");
     mover.run(0, false);
-    until("both batches registered", || {
-        hashes[..4].iter().all(|&h| in_g2(&engine, h))
-    });
+    engine.wait_offload_idle();
+    for &h in &hashes[..4] {
+        assert!(in_g2(&engine, h), "{h:?} landed but is not registered");
+    }
+    // G2 stored the first batch before the second.
+    assert_eq!(stored_order(&g2_events), hashes[..4].to_vec());
     settle(&engine, &mover);
     // The third batch's sources were freed before it started: cancelled.
     assert!(!in_g2(&engine, hashes[4]) && !in_g2(&engine, hashes[5]));
@@ -296,12 +324,11 @@ fn a_block_in_flight_is_not_copied_again() {
     let (engine, mover, _open) = gated_engine(2, 2, 16, 64);
     let hashes = chain(5, 2);
     let blocks = compute(&engine, &hashes, None);
-    until("the first copy in flight", || mover.held() == 1);
+    mover.wait_held(1);
     // Queue the same two blocks again while their copy is in flight.
     engine.offload((0..2).map(|i| (blocks.get(i).unwrap().downgrade(), None)));
-    until("the repeat skipped", || {
-        engine.stats().skipped[SkipReason::Present as usize] == 2
-    });
+    engine.wait_offload_idle();
+    assert_eq!(engine.stats().skipped[SkipReason::Present as usize], 2);
     assert_eq!(mover.held(), 1, "a block in flight was copied again");
     settle(&engine, &mover);
     assert!(hashes.iter().all(|&h| in_g2(&engine, h)));
@@ -313,42 +340,55 @@ fn flush_and_drop_wait_for_batches_in_flight() {
     let (engine, mover, _open) = gated_engine(3, 1, 16, 64);
     let hashes = chain(8, 3);
     drop(compute(&engine, &hashes, None));
-    until("three copies in flight", || mover.held() == 3);
+    mover.wait_held(3);
+    engine.wait_offload_idle();
+    // What flush finds when it returns: the copies still held then.
+    let entered = std::sync::Barrier::new(2);
     std::thread::scope(|s| {
-        let flushed = s.spawn(|| engine.flush());
-        std::thread::sleep(Duration::from_millis(30));
-        assert!(
-            !flushed.is_finished(),
-            "flush returned with copies in flight"
-        );
+        let flushed = s.spawn(|| {
+            entered.wait();
+            engine.flush();
+            mover.held()
+        });
+        entered.wait();
         mover.run(2, false);
         mover.run(0, true);
         mover.run(0, false);
-        flushed.join().unwrap();
+        assert_eq!(
+            flushed.join().unwrap(),
+            0,
+            "flush returned with copies in flight"
+        );
     });
     // The first batch (hashes[0]) lost its pair.
     assert!(!in_g2(&engine, hashes[0]), "a lost pair was registered");
     assert!(in_g2(&engine, hashes[1]) && in_g2(&engine, hashes[2]));
-    // Dropping the engine with a copy in flight waits for it.
+    // Dropping the engine with a copy in flight waits for it, and registers
+    // what landed.
     let more = chain(9, 1);
     drop(compute(&engine, &more, None));
-    until("a copy in flight", || mover.held() == 1);
-    let ran = AtomicUsize::new(0);
+    mover.wait_held(1);
+    let g2 = engine.pool(Tier::G2).unwrap().clone();
+    let (entered, gated) = (&entered, &*mover);
     std::thread::scope(|s| {
-        s.spawn(|| {
-            std::thread::sleep(Duration::from_millis(30));
-            // Noted before the copy completes: a drop that waited for it
-            // returns after this.
-            ran.store(1, Ordering::SeqCst);
-            assert!(mover.run(0, false).is_some());
+        let dropper = s.spawn(move || {
+            entered.wait();
+            drop(engine);
+            // Copies still held when the drop returned.
+            gated.held()
         });
-        drop(engine);
+        entered.wait();
+        assert!(mover.run(0, false).is_some());
         assert_eq!(
-            ran.load(Ordering::SeqCst),
-            1,
+            dropper.join().unwrap(),
+            0,
             "the engine was dropped before its copy ran"
         );
     });
+    assert!(
+        g2.contains(more[0]),
+        "the copy that landed during the drop was not registered"
+    );
 }
 
 #[derive(Debug, Clone)]
@@ -428,6 +468,8 @@ fn run_model(in_flight: usize, batch: usize, ops: Vec<Op>) {
             }
             _ => {}
         }
+        // Checked once the worker has done all it can.
+        engine.wait_offload_idle();
         assert!(
             mover.held() <= in_flight,
             "more batches in flight than allowed"

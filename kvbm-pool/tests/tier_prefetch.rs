@@ -31,10 +31,12 @@ fn prefetch_engine(exec: Executor, dir: &std::path::Path) -> TierEngine {
     engine
 }
 
-/// Waits (up to 10 s) until the staging area is free again and no tier
-/// holds a block, then checks every pool's books.
+/// Waits until the staging area is free again and no tier holds a block,
+/// then checks every pool's books. A stopped read gives its slots and
+/// blocks back when it ends, which the engine signals nowhere: this polls
+/// (every 5 ms, failing after [`WAIT`]).
 fn assert_settled(engine: &TierEngine) {
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + WAIT;
     loop {
         let active: Vec<usize> = [Tier::G1, Tier::G2, Tier::G3]
             .iter()
@@ -114,10 +116,9 @@ fn engine_given_blocks_get_the_staged_bytes() {
 #[test]
 fn release_during_prefetch_gives_everything_back() {
     let dir = tempdir();
-    // Every disk read takes 200 ms: the prefetch is in flight at release.
-    let exec = faulty_executor(
-        FaultRule::always(Fault::Delay(Duration::from_millis(200))).on_dir(IoDir::Read),
-    );
+    // Disk reads wait at a gate: the prefetch is in flight at release.
+    let (exec, control) = gated_reads_executor();
+    let gate = control.gate();
     let engine = prefetch_engine(exec, dir.path());
     let a = chain(3, 6);
     push_to_g3(&engine, std::slice::from_ref(&a), G2_POOL);
@@ -127,6 +128,8 @@ fn release_during_prefetch_gives_everything_back() {
         .match_request("r", &a, tokens, G1Lookup::Pool)
         .unwrap();
     assert_eq!(engine.staging_free_blocks(), STAGING - 6);
+    gate.wait_until(WAIT, |c| c.held() > 0)
+        .expect("the prefetch read reaches the disk");
     // Matching again (a scheduler asks at every step) keeps the read.
     engine
         .match_request("r", &a, tokens, G1Lookup::Pool)
@@ -136,7 +139,25 @@ fn release_during_prefetch_gives_everything_back() {
     engine
         .match_request("r", &a[..3], tokens, G1Lookup::Pool)
         .unwrap();
+    let free = engine.staging_free_blocks();
+    let g3_held = engine.pool(Tier::G3).unwrap().audit().unwrap().active;
+    assert!(free < STAGING && g3_held > 0);
     assert!(engine.release("r"));
+    // The reads are stopped but still held at the disk, where they may yet
+    // write: no slot they read into and no G3 block they read from is given
+    // back until they end.
+    assert!(gate.counts().held() > 0);
+    assert_eq!(
+        engine.staging_free_blocks(),
+        free,
+        "a slot returned under a read"
+    );
+    assert_eq!(
+        engine.pool(Tier::G3).unwrap().audit().unwrap().active,
+        g3_held,
+        "a G3 block was let go under a read"
+    );
+    gate.open();
     assert_settled(&engine);
     let end = [Tier::G1, Tier::G2, Tier::G3].map(|t| engine.pool(t).unwrap().counts());
     assert_eq!(start, end, "pool counts return to where they started");
@@ -248,9 +269,9 @@ fn the_cost_model_leaves_loads_slower_than_recompute() {
 #[test]
 fn dropping_the_engine_during_a_prefetch_is_clean() {
     let dir = tempdir();
-    let exec = faulty_executor(
-        FaultRule::always(Fault::Delay(Duration::from_millis(100))).on_dir(IoDir::Read),
-    );
+    // Disk reads wait at a gate the test holds: the prefetch stays in
+    // flight until the test lets it through.
+    let (exec, control) = gated_reads_executor();
     let engine = prefetch_engine(exec, dir.path());
     let a = chain(6, 4);
     push_to_g3(&engine, std::slice::from_ref(&a), G2_POOL);
@@ -258,10 +279,44 @@ fn dropping_the_engine_during_a_prefetch_is_clean() {
         .match_request("d", &a, 4 * BLOCK_TOKENS + 1, G1Lookup::Pool)
         .unwrap();
     assert!(engine.staging_free_blocks() < STAGING);
-    drop(engine);
-    // The read ends on its own; give it time to, with nothing left to
-    // touch.
-    std::thread::sleep(Duration::from_millis(300));
+    let gate = control.gate();
+    gate.wait_until(WAIT, |c| c.held() > 0)
+        .expect("the prefetch read reaches the disk");
+    // The memory the read writes into (the staging area is part of G2's).
+    let g2_memory: Vec<_> = engine
+        .layout(Tier::G2)
+        .unwrap()
+        .regions()
+        .iter()
+        .map(|r| std::sync::Arc::downgrade(r.owner().expect("G2 is owned memory")))
+        .collect();
+    // The drop does not wait for the read, which is still held.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        drop(engine);
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(WAIT)
+        .expect("dropping the engine waited for a prefetch read");
+    // The read may still write into that memory: it stays alive.
+    assert!(
+        g2_memory.iter().all(|m| m.upgrade().is_some()),
+        "G2's memory was freed under a read in flight"
+    );
+    // Let the read through: it ends on its own, and then the last of the
+    // engine goes with it. Nothing signals that last drop, so it is polled
+    // for (every millisecond, up to `WAIT`).
+    gate.open();
+    gate.wait_until(WAIT, |c| c.ended == c.arrived)
+        .expect("the read ends once let through");
+    let deadline = Instant::now() + WAIT;
+    while g2_memory.iter().any(|m| m.upgrade().is_some()) {
+        assert!(
+            Instant::now() < deadline,
+            "G2's memory outlived the read by {WAIT:?}"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 /// One step of the model test.

@@ -2,8 +2,9 @@
 //!
 //! Fixtures the tests and benchmarks of kvbm share, and never a dependency
 //! of a library crate: host memory standing in for a GPU ([`stand_in`]),
-//! fault injection under the disk backend ([`fault`]), a small real file
-//! system to fill up ([`small_fs`]), workload trace
+//! fault injection under the disk backend ([`fault`]), gates that hold
+//! work in flight until the test lets it through ([`gate`]), a small real
+//! file system to fill up ([`small_fs`]), workload trace
 //! readers and a synthetic workload generator ([`trace`]), and, with
 //! feature `gemm`, a GEMM loop standing in for the model ([`gemm`]).
 //!
@@ -17,6 +18,7 @@
 //! since this crate is built on it.
 
 pub mod fault;
+pub mod gate;
 #[cfg(feature = "gemm")]
 pub mod gemm;
 pub mod small_fs;

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
+use kvbm_testkit::gate::{Gate, GatedBackend};
 use kvbm_testkit::stand_in::{HostAsDevice, host_device_layout, pinned_stand_in_pool};
 use kvbm_transfer::backend::memcpy::MemcpyBackend;
 use kvbm_transfer::disk::{BufferedIo, DiskBackend, DiskConfig, EngineConfig};
@@ -44,7 +45,11 @@ struct Rig {
     pinned_pool: Arc<BouncePool>,
 }
 
-fn rig(buffered: BufferedIo, device_delay: Duration) -> Rig {
+/// How long a test waits for something it is owed before it fails.
+const WAIT: Duration = Duration::from_secs(10);
+
+/// A rig whose device copies pass `device` (an open gate: no wait).
+fn rig(buffered: BufferedIo, device: Arc<Gate>) -> Rig {
     let disk = DiskBackend::new(&DiskConfig {
         engine: EngineConfig {
             queue_depth: 4,
@@ -60,9 +65,10 @@ fn rig(buffered: BufferedIo, device_delay: Duration) -> Rig {
     let exec = Executor::builder()
         .backend(Arc::new(MemcpyBackend::new(2).unwrap()))
         .backend(Arc::new(disk))
-        .backend(Arc::new(
-            HostAsDevice::new(1).unwrap().with_delay(device_delay),
-        ))
+        .backend(Arc::new(GatedBackend::new(
+            HostAsDevice::new(1).unwrap(),
+            device,
+        )))
         .bounce_pool(system_pool.clone())
         .bounce_pool(pinned_pool.clone())
         .config(ExecutorConfig {
@@ -117,9 +123,9 @@ fn the_automatic_choice_follows_the_machine() {
     // The engine a backend runs is the one the choice names.
     let names: Vec<_> = choices()
         .into_iter()
-        .map(|c| rig(c, Duration::ZERO).disk_name.1)
+        .map(|c| rig(c, Gate::opened()).disk_name.1)
         .collect();
-    let direct = rig(BufferedIo::SameAsDirect, Duration::ZERO).disk_name.0;
+    let direct = rig(BufferedIo::SameAsDirect, Gate::opened()).disk_name.0;
     assert_eq!(names, [direct, "pread", "mapped", "mapped"]);
 }
 
@@ -140,7 +146,7 @@ proptest! {
         let all: Vec<_> = (0..24).map(|i| (i, i)).collect();
         let pairs: Vec<_> = perm.iter().enumerate().map(|(s, &d)| (s, d)).collect();
         for choice in choices() {
-            let r = rig(choice, Duration::ZERO);
+            let r = rig(choice, Gate::opened());
             let files = allocator(IoMode::Buffered);
             let (a, b) = (
                 PhysicalLayout::allocate_disk(disk_l.clone(), &files).unwrap(),
@@ -170,7 +176,7 @@ fn o_direct_files_keep_the_direct_engine() {
             threads: 2,
             streaming: false,
         },
-        Duration::ZERO,
+        Gate::opened(),
     );
     let cfg = config(12);
     let layout = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
@@ -192,7 +198,7 @@ fn a_file_truncated_under_its_mapping_fails_cleanly() {
             threads: 2,
             streaming: false,
         },
-        Duration::ZERO,
+        Gate::opened(),
     );
     let cfg = config(8);
     let layout = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
@@ -238,18 +244,15 @@ fn a_file_truncated_under_its_mapping_fails_cleanly() {
 
 #[test]
 fn cancelling_a_mapped_page_cache_to_device_pipeline() {
-    // A slow device so that the cancel lands mid-transfer.
-    common::until_caught_in_flight(&[4, 15, 60, 200], cancel_mid_transfer);
-}
-
-/// One try of the test above; false when the transfer finished first.
-fn cancel_mid_transfer(delay: Duration) -> bool {
+    // The device's copies (hop 2) wait at a gate: two chunks land, then
+    // the cancel comes with chunks read and held before the device.
+    let device = Gate::closed();
     let r = rig(
         BufferedIo::Mapped {
             threads: 2,
             streaming: false,
         },
-        delay,
+        device.clone(),
     );
     let cfg = config(40);
     let host_l = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
@@ -261,17 +264,42 @@ fn cancel_mid_transfer(delay: Duration) -> bool {
     r.exec.transfer(&src, &disk, &all).wait().unwrap();
     let dev = host_device_layout(dev_l.clone(), false).unwrap();
     let handle = r.exec.transfer(&disk, &dev, &all);
-    std::thread::sleep(delay * 3);
-    let Some(failure) = common::cancel_in_flight(handle, 40) else {
-        return false;
-    };
+    device.allow(2);
+    device
+        .wait_until(WAIT, |c| c.delivered == 2 && c.held() >= 2)
+        .expect("two chunks landed and more waiting for the device");
+    handle.request_cancel();
+    // What the device had seen when the transfer resolved.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let seen = device.clone();
+    handle.into_completion().on_complete(move |outcome| {
+        let _ = tx.send((outcome, seen.counts()));
+    });
+    // Let the held chunks through one at a time, each to its end: the
+    // transfer may resolve only once none is left.
+    while device.counts().held() > 0 {
+        device.allow(1);
+        device
+            .wait_until(WAIT, |c| c.delivered == c.passed)
+            .expect("a chunk let through ends");
+    }
+    let (outcome, device_then) = rx.recv_timeout(WAIT).expect("the transfer resolves");
+    let failure = outcome.expect_err("a cancelled transfer fails");
+    assert!(
+        matches!(failure.error, TransferError::Cancelled),
+        "{failure}"
+    );
+    assert_eq!(failure.completed.len() + failure.failed.len(), 40);
+    assert!(!failure.failed.is_empty(), "{failure}");
+    // It resolved with no device copy in flight or waiting, and none has
+    // started since: nothing reaches the device after the cancel.
+    assert_eq!(
+        device_then.running() + device_then.held(),
+        0,
+        "{device_then:?}"
+    );
     assert_eq!(r.pinned_pool.available(), r.pinned_pool.capacity());
     let after_cancel = common::snapshot(&dev);
-    std::thread::sleep(delay * 2 + Duration::from_millis(20));
-    assert!(
-        common::snapshot(&dev) == after_cancel,
-        "the device changed after cancel returned"
-    );
     common::assert_blocks_match(
         &host_l,
         &common::snapshot(&src),
@@ -279,7 +307,11 @@ fn cancel_mid_transfer(delay: Duration) -> bool {
         &after_cancel,
         &failure.completed,
     );
-    true
+    assert_eq!(
+        device.counts().arrived,
+        device_then.arrived,
+        "a device copy started after the cancel"
+    );
 }
 
 #[test]

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
+use kvbm_testkit::gate::{Gate, GatedBackend};
 use kvbm_testkit::stand_in::{HostAsDevice, host_device_layout, pinned_stand_in_pool};
 use kvbm_transfer::backend::memcpy::MemcpyBackend;
 use kvbm_transfer::disk::{DiskBackend, DiskConfig, EngineConfig};
@@ -26,7 +27,34 @@ struct Rig {
     pinned_pool: Arc<BouncePool>,
 }
 
-fn rig(slot_bytes: u64, slots: usize, per_batch: usize, batch: usize, delay: Duration) -> Rig {
+/// How long a test waits for something it is owed before it fails.
+const WAIT: Duration = Duration::from_secs(10);
+
+fn rig(slot_bytes: u64, slots: usize, per_batch: usize, batch: usize) -> Rig {
+    let gates = Gates::default();
+    rig_gated(slot_bytes, slots, per_batch, batch, &gates)
+}
+
+/// The gates in front of a gated rig's backends: open ones (that only
+/// count) unless the test closes them.
+struct Gates {
+    memcpy: Arc<Gate>,
+    disk: Arc<Gate>,
+    device: Arc<Gate>,
+}
+
+impl Default for Gates {
+    fn default() -> Self {
+        Gates {
+            memcpy: Gate::opened(),
+            disk: Gate::opened(),
+            device: Gate::opened(),
+        }
+    }
+}
+
+/// [`rig`] with every backend behind its gate of `gates`.
+fn rig_gated(slot_bytes: u64, slots: usize, per_batch: usize, batch: usize, gates: &Gates) -> Rig {
     let disk = DiskBackend::new(&DiskConfig {
         engine: EngineConfig {
             queue_depth: 4,
@@ -39,9 +67,15 @@ fn rig(slot_bytes: u64, slots: usize, per_batch: usize, batch: usize, delay: Dur
     let system_pool = BouncePool::system(slots, slot_bytes).unwrap();
     let pinned_pool = pinned_stand_in_pool(slots, slot_bytes).unwrap();
     let exec = Executor::builder()
-        .backend(Arc::new(MemcpyBackend::new(2).unwrap()))
-        .backend(Arc::new(disk))
-        .backend(Arc::new(HostAsDevice::new(1).unwrap().with_delay(delay)))
+        .backend(Arc::new(GatedBackend::new(
+            MemcpyBackend::new(2).unwrap(),
+            gates.memcpy.clone(),
+        )))
+        .backend(Arc::new(GatedBackend::new(disk, gates.disk.clone())))
+        .backend(Arc::new(GatedBackend::new(
+            HostAsDevice::new(1).unwrap(),
+            gates.device.clone(),
+        )))
         .bounce_pool(system_pool.clone())
         .bounce_pool(pinned_pool.clone())
         .config(ExecutorConfig {
@@ -69,7 +103,7 @@ fn config(blocks: usize) -> LayoutConfig {
 #[test]
 fn disk_to_disk_through_small_slots_is_byte_exact() {
     for (slot, per_batch, batch) in [(4096, 1, 3), (8192, 2, 16), (12288, 3, 5), (65536, 4, 16)] {
-        let r = rig(slot, 3, per_batch, batch, Duration::ZERO);
+        let r = rig(slot, 3, per_batch, batch);
         let cfg = config(16);
         let host_l = Layout::new(cfg, LayoutKind::LayerSeparate(BlockOrder::OuterFirst)).unwrap();
         let disk_l = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
@@ -95,7 +129,7 @@ fn disk_to_disk_through_small_slots_is_byte_exact() {
 
 #[test]
 fn device_to_disk_and_back_through_pinned_bounce() {
-    let r = rig(16384, 4, 2, 8, Duration::ZERO);
+    let r = rig(16384, 4, 2, 8);
     let cfg = config(20);
     let dev_l = Layout::new(cfg, LayoutKind::LayerSeparate(BlockOrder::OuterFirst)).unwrap();
     let disk_l = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
@@ -134,13 +168,14 @@ fn device_to_disk_and_back_through_pinned_bounce() {
 
 #[test]
 fn cancel_stops_writes_returns_slots_and_reports_landed_blocks() {
-    // Slow hop 1 so the cancel lands mid-transfer.
-    common::until_caught_in_flight(&[3, 12, 50, 200], cancel_mid_transfer);
-}
-
-/// One try of the test above; false when the transfer finished first.
-fn cancel_mid_transfer(delay: Duration) -> bool {
-    let r = rig(16384, 2, 2, 2, delay);
+    // One batch, two bounce slots of one block each. Hop 1 (the device
+    // side of device → disk) waits at a gate: two chunks go through, the
+    // next two are held, so the cancel lands with two hops in flight.
+    let gates = Gates {
+        device: Gate::closed(),
+        ..Gates::default()
+    };
+    let r = rig_gated(16384, 2, 2, 64, &gates);
     let cfg = config(64);
     let dev_l = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
     let dev = host_device_layout(dev_l.clone(), false).unwrap();
@@ -154,18 +189,45 @@ fn cancel_mid_transfer(delay: Duration) -> bool {
         .to_path_buf();
     let pairs: Vec<_> = (0..64).map(|i| (i, i)).collect();
     let handle = r.exec.transfer(&dev, &disk, &pairs);
-    std::thread::sleep(Duration::from_millis(40));
-    let Some(failure) = common::cancel_in_flight(handle, 64) else {
-        return false;
-    };
-    assert_eq!(r.pinned_pool.available(), r.pinned_pool.capacity());
-    // Nothing reaches the destination after cancel returned.
-    let after_cancel = std::fs::read(&path).unwrap();
-    std::thread::sleep(Duration::from_millis(60));
+    gates.device.allow(2);
+    gates
+        .device
+        .wait_until(WAIT, |c| c.delivered == 2 && c.held() == 2)
+        .expect("two chunks through hop 1 and two more waiting");
+    handle.request_cancel();
+    // What every backend had seen when the transfer resolved.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (device, hop2) = (gates.device.clone(), gates.disk.clone());
+    handle.into_completion().on_complete(move |outcome| {
+        let _ = tx.send((outcome, device.counts(), hop2.counts()));
+    });
+    // Let the held chunks through one at a time, each to its end: the
+    // transfer may resolve only once none is left.
+    while gates.device.counts().held() > 0 {
+        gates.device.allow(1);
+        gates
+            .device
+            .wait_until(WAIT, |c| c.delivered == c.passed)
+            .expect("a chunk let through ends");
+    }
+    let (outcome, device_then, disk_then) = rx.recv_timeout(WAIT).expect("the transfer resolves");
+    let failure = outcome.expect_err("a cancelled transfer fails");
     assert!(
-        std::fs::read(&path).unwrap() == after_cancel,
-        "destination changed after cancel returned"
+        matches!(failure.error, TransferError::Cancelled),
+        "{failure}"
     );
+    assert_eq!(failure.completed.len() + failure.failed.len(), 64);
+    assert!(!failure.failed.is_empty(), "{failure}");
+    // It resolved with no hop in flight: nothing can reach the destination
+    // after it returned.
+    assert_eq!(
+        device_then.running() + device_then.held(),
+        0,
+        "{device_then:?}"
+    );
+    assert_eq!(disk_then.running(), 0, "{disk_then:?}");
+    assert_eq!(r.pinned_pool.available(), r.pinned_pool.capacity());
+    let after_cancel = std::fs::read(&path).unwrap();
     // Blocks reported as landed really did.
     let back = common::host(dev_l.clone());
     let landed: Vec<_> = failure.completed.iter().map(|&(_, d)| (d, d)).collect();
@@ -177,7 +239,13 @@ fn cancel_mid_transfer(delay: Duration) -> bool {
         &common::snapshot(&back),
         &failure.completed,
     );
-    true
+    // Nothing was written since: no write started after the cancel
+    // returned (the read-back went through the disk backend as reads).
+    assert_eq!(gates.device.counts().arrived, device_then.arrived);
+    assert!(
+        std::fs::read(&path).unwrap() == after_cancel,
+        "destination changed after cancel returned"
+    );
 }
 
 /// Counts hop-1 submissions (the device side of device → disk).
@@ -312,7 +380,15 @@ fn dropping_the_executor_mid_transfer_lets_the_transfer_finish() {
         previous(info);
     }));
     for round in 0..4 {
-        let r = rig(8192, 2, 2, 3, Duration::ZERO);
+        // One open gate in front of all three backends: it counts their
+        // drops.
+        let gate = Gate::opened();
+        let gates = Gates {
+            memcpy: gate.clone(),
+            disk: gate.clone(),
+            device: gate.clone(),
+        };
+        let r = rig_gated(8192, 2, 2, 3, &gates);
         let cfg = config(24);
         let l = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
         let (dev, host) = (
@@ -328,55 +404,27 @@ fn dropping_the_executor_mid_transfer_lets_the_transfer_finish() {
         // worker threads.
         let a = r.exec.transfer(&dev, &d, &pairs);
         let b = r.exec.transfer(&host, &dev, &pairs[..12]);
-        drop(r);
+        drop((r, gates));
         a.wait().unwrap();
         b.wait().unwrap();
+        // Every backend is dropped in the end, on whichever thread held
+        // its last handle (and with it its worker threads, but the one
+        // that dropped it, which then only returns).
+        gate.wait_until(WAIT, |c| c.dropped == 3)
+            .expect("every backend is dropped once its transfers ended");
     }
-    // Give detached workers time to run their exit path.
-    std::thread::sleep(Duration::from_millis(100));
     assert_eq!(PANICS.load(std::sync::atomic::Ordering::SeqCst), 0);
-}
-
-/// A device stand-in whose copies wait until the test opens the gate.
-struct GatedDevice {
-    inner: HostAsDevice,
-    gate: Arc<(parking_lot::Mutex<bool>, parking_lot::Condvar)>,
-}
-
-impl TransferBackend for GatedDevice {
-    fn name(&self) -> &'static str {
-        "gated-device"
-    }
-    fn kind(&self) -> BackendKind {
-        BackendKind::Cuda
-    }
-    fn supports(&self, s: MemoryKind, d: MemoryKind) -> bool {
-        self.inner.supports(s, d)
-    }
-    fn submit(&self, job: TransferJob) -> Completion {
-        let (tx, rx) = kvbm_transfer::completion_pair();
-        let gate = self.gate.clone();
-        let done = self.inner.submit(job);
-        std::thread::spawn(move || {
-            let mut open = gate.0.lock();
-            while !*open {
-                gate.1.wait(&mut open);
-            }
-            drop(open);
-            tx.complete(done.wait());
-        });
-        rx
-    }
 }
 
 #[test]
 fn cancelling_a_transfer_queued_behind_another_does_not_wait_for_it() {
-    let gate = Arc::new((parking_lot::Mutex::new(false), parking_lot::Condvar::new()));
+    // The device's copies wait at a gate until the test opens it.
+    let gate = Gate::closed();
     let exec = Executor::builder()
-        .backend(Arc::new(GatedDevice {
-            inner: HostAsDevice::new(1).unwrap(),
-            gate: gate.clone(),
-        }))
+        .backend(Arc::new(GatedBackend::new(
+            HostAsDevice::new(1).unwrap(),
+            gate.clone(),
+        )))
         .config(ExecutorConfig {
             max_blocks_per_batch: 2,
             max_batches_in_flight: 1,
@@ -405,8 +453,8 @@ fn cancelling_a_transfer_queued_behind_another_does_not_wait_for_it() {
     assert!(f.completed.is_empty());
     assert_eq!(f.failed.len(), 8);
     // A was held at the gate all along; let it finish normally.
-    *gate.0.lock() = true;
-    gate.1.notify_all();
+    assert!(gate.counts().held() > 0);
+    gate.open();
     assert_eq!(a.wait().unwrap().blocks, 8);
 }
 
@@ -516,7 +564,7 @@ fn buffered_disk_to_disk_is_byte_exact() {
     // Many small requests, both hops on buffered files. Where the process
     // has 4 or more CPUs they run on the mapped engine's copy threads and
     // complete out of order; on fewer, inline on the io_uring ring thread.
-    let r = rig(16384, 4, 2, 7, Duration::ZERO);
+    let r = rig(16384, 4, 2, 7);
     let buffered = common::disk_allocator("buffered-two-hop", IoMode::Buffered);
     let cfg = config(48);
     let host_l = Layout::new(cfg, LayoutKind::LayerSeparate(BlockOrder::OuterFirst)).unwrap();

@@ -12,7 +12,7 @@ use cuda_common::{
 };
 use kvbm_transfer::cuda::{
     CopierConfig, CopyOptions, CopyPath, CudaCopier, CudaDevice, CudaError, CudaRegion,
-    DeviceBuffer, GpuLoad, Location, PinnedMemory, PinnedOptions, probe,
+    DeviceBuffer, GpuLoad, Location, PinnedMemory, PinnedOptions, Probe, probe,
 };
 
 /// Memory for one layout, on the device or pinned on the host.
@@ -648,9 +648,43 @@ fn staged_runs_out_of_bounds_fail_and_write_nothing_outside() {
 }
 
 #[test]
-fn probe_never_panics() {
-    // On a machine without CUDA this reports NoDriver/NoDevice; with one, a
-    // device count. Either way it returns.
+fn probe_agrees_with_opening_a_device() {
+    // On a machine without CUDA, probe reports no driver or no device and
+    // opening device 0 fails with the same typed error; with one, it
+    // reports the device count, the first and last devices open, and the
+    // next ordinal is a typed error. Either way nothing panics.
     let p = probe();
-    println!("probe: {p:?}");
+    assert_eq!(probe(), p, "probing twice gives the same answer");
+    match p {
+        Probe::Devices(n) => {
+            assert!(n >= 1, "{p:?}");
+            for ordinal in [0, n - 1] {
+                let dev = CudaDevice::open(ordinal).expect("a probed device opens");
+                assert_eq!(dev.ordinal(), ordinal);
+            }
+            let past = CudaDevice::open(n).err();
+            assert!(
+                matches!(past, Some(CudaError::NoDevice { ordinal, count }) if ordinal == n && count == n),
+                "opening device {n} of {n}: {past:?}"
+            );
+        }
+        Probe::NoDriver | Probe::NoDevice => {
+            assert!(
+                std::env::var("KVBM_REQUIRE_GPU").as_deref() != Ok("1"),
+                "KVBM_REQUIRE_GPU=1 but no CUDA device ({p:?})"
+            );
+            let err = CudaDevice::open(0).err();
+            let agrees = match p {
+                Probe::NoDriver => matches!(err, Some(CudaError::NoDriver)),
+                _ => matches!(
+                    err,
+                    Some(CudaError::NoDevice {
+                        ordinal: 0,
+                        count: 0
+                    })
+                ),
+            };
+            assert!(agrees, "probe says {p:?}, opening device 0 says {err:?}");
+        }
+    }
 }

@@ -109,9 +109,12 @@ pub(crate) fn step(name: &str, mut cmd: Command) -> Result<(), String> {
 /// and what was skipped. Zero tests is a failure: a suite that runs nothing
 /// proves nothing. The NIXL runtime is on the library path and required: a
 /// NIXL test that would skip for lack of it fails instead; so is CURVE in
-/// ZeroMQ. Tests print their output (`--show-output`) so that a GPU test
-/// that returned early on a machine without one is seen and counted as
-/// skipped.
+/// ZeroMQ, and so are the published Mooncake traces (tests find them in
+/// `shared/data/mooncake` under the checkout or a directory above it): a
+/// run where they went missing fails instead of skipping every test that
+/// reads them. Tests print their output (`--show-output`) so that a GPU
+/// test that returned early on a machine without one is seen and counted
+/// as skipped.
 fn run_tests(nixl_libs: &Path) -> Result<Tally, String> {
     let mut cmd = cargo(&["test", "--workspace", "--all-features", "--locked"]);
     cmd.args(["--", "--show-output"]);
@@ -123,6 +126,7 @@ fn run_tests(nixl_libs: &Path) -> Result<Tally, String> {
     cmd.env("LD_LIBRARY_PATH", lib_path)
         .env("KVBM_REQUIRE_NIXL", "1")
         .env("KVBM_REQUIRE_CURVE", "1")
+        .env("KVBM_REQUIRE_TRACES", "1")
         // UCX's InfiniBand module can crash at exit on machines without it.
         .env("UCX_MODULES", "^ib");
     println!("xtask ci: == test: {cmd:?}");

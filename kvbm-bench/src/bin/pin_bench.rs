@@ -1,6 +1,7 @@
 //! How fast pinned host memory becomes usable: the pinned-allocation
-//! figures of the CUDA issue (first 1 GiB usable, all 16 GiB pinned), with
-//! the time split between first-touching pages and `cuMemHostRegister`.
+//! figures of `docs/benchmarks.md` (first 1 GiB usable, all 16 GiB
+//! pinned), with the time split between first-touching pages and
+//! `cuMemHostRegister`.
 //!
 //! `pin_bench [all|fresh] [GIB]` (default `all 16`). The first allocations of a process run on
 //! memory the machine has never touched (on a VM, the host backs guest

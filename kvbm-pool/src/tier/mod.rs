@@ -564,6 +564,17 @@ impl TierEngine {
         self.shared.offload.flush();
     }
 
+    /// Blocks until the offload worker has nothing it can do now: it has
+    /// looked at its queue after this call and found no landed batch to
+    /// register and nothing it may start (queued batches wait for a place
+    /// among the batches in flight or for an onboard to end, or nothing is
+    /// queued). Copies in flight may still be running. Returns at once
+    /// when the engine shuts down. For tests that check what the worker
+    /// leaves waiting, and that it has dealt with what they queued.
+    pub fn wait_offload_idle(&self) {
+        self.shared.offload.wait_idle();
+    }
+
     /// Matches a request: the longest prefix of `hashes` in G1 (when
     /// `g1` is [`G1Lookup::Pool`]), continued in G2 then G3. The G2/G3
     /// blocks found are held for the request until

@@ -206,6 +206,11 @@ pub(super) struct QueueState {
     /// The use history's queue wants applying (the worker applies it
     /// whenever it has nothing else to do, woken or not).
     history: bool,
+    /// Callers of [`OffloadQueue::wait_idle`] so far, and how many of them
+    /// the worker has answered: it answers all of them whenever it finds
+    /// nothing to do.
+    idle_asked: u64,
+    idle_answered: u64,
     shutdown: bool,
     /// G3 write-behind: blocks in staging slots on their way to the disk.
     pub(super) writes: Writes,
@@ -300,6 +305,20 @@ impl OffloadQueue {
             self.cv.wait(&mut s);
         }
         s.clean_wanted -= 1;
+    }
+
+    /// Waits until the worker has looked at the queue after this call and
+    /// found nothing it can do now (or the engine shuts down).
+    pub(crate) fn wait_idle(&self) {
+        let mut s = self.state.lock();
+        s.idle_asked += 1;
+        let asked = s.idle_asked;
+        // Wakes the worker: a sleeping worker has nothing to do, but it
+        // answers only when it looks again.
+        self.cv.notify_all();
+        while !s.shutdown && s.idle_answered < asked {
+            self.cv.wait(&mut s);
+        }
     }
 
     /// Waits until every queued offload, write-back, background save and G3
@@ -439,6 +458,11 @@ pub(crate) fn run_worker(shared: &Arc<Shared>) {
                 }
                 if std::mem::take(&mut s.history) || shared.history.pending_blocks() > 0 {
                     break Step::History;
+                }
+                // Nothing to do: answer whoever waits for that.
+                if s.idle_answered < s.idle_asked {
+                    s.idle_answered = s.idle_asked;
+                    q.cv.notify_all();
                 }
                 q.cv.wait(&mut s);
             }

@@ -12,7 +12,7 @@ use kvbm_pool::tier::{
     G1Lookup, OffloadMode, OnboardTarget, TierEngine, TierEngineConfig, TierLayouts, TierPolicy,
 };
 use kvbm_pool::{ImmutableBlock, ImmutableBlocks, TierError};
-use kvbm_testkit::fault::{Fault, FaultRule, FaultyEngine};
+use kvbm_testkit::fault::{Fault, FaultControl, FaultRule, FaultyEngine};
 use kvbm_transfer::backend::memcpy::MemcpyBackend;
 use kvbm_transfer::disk::{DefaultEngine, DiskBackend, EngineConfig, IoDir};
 use kvbm_transfer::memory::{DiskAllocator, DiskOptions, SystemAllocator};
@@ -20,6 +20,9 @@ use kvbm_transfer::{Executor, ExecutorConfig, ExecutorSpec, PhysicalLayout};
 
 /// Tokens per block in these tests.
 pub const BLOCK_TOKENS: usize = 16;
+
+/// How long a test waits for something it is owed before it fails.
+pub const WAIT: Duration = Duration::from_secs(10);
 
 /// One layer, K and V, 16 tokens × 128 × 2 bytes: 4 KiB chunks (the disk
 /// alignment), 8 KiB blocks.
@@ -55,6 +58,21 @@ pub fn faulty_executor_with(rule: Option<FaultRule>) -> Executor {
         .config(ExecutorConfig::default())
         .build()
         .unwrap()
+}
+
+/// An executor whose disk reads wait at a gate until the test lets them
+/// through ([`FaultControl::gate`], closed at first); writes pass.
+pub fn gated_reads_executor() -> (Executor, Arc<FaultControl>) {
+    let io = FaultyEngine::new(DefaultEngine::new(&EngineConfig::default()).unwrap())
+        .with(FaultRule::always(Fault::Hold).on_dir(IoDir::Read));
+    let control = io.control();
+    let exec = Executor::builder()
+        .backend(Arc::new(MemcpyBackend::new(2).unwrap()))
+        .backend(Arc::new(DiskBackend::with_engine(io, 1 << 20)))
+        .config(ExecutorConfig::default())
+        .build()
+        .unwrap();
+    (exec, control)
 }
 
 /// An executor whose disk I/O fails as `rule` says.

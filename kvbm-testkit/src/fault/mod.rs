@@ -2,7 +2,8 @@
 //!
 //! [`FaultyEngine`] wraps any [`IoEngine`] and, following a list of
 //! [`FaultRule`]s, turns chosen operations into errors (`EIO`, `ENOSPC`,
-//! `EINTR`, `EAGAIN`), short transfers, or delays — and can make the whole
+//! `EINTR`, `EAGAIN`), short transfers, or delays, or holds them at a
+//! [`Gate`] until the test lets them through — and can make the whole
 //! disk vanish at any moment through its [`FaultControl`]. It sits exactly
 //! where the production engine sits, so the backend code that handles the
 //! faults is the code production runs.
@@ -14,9 +15,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use kvbm_transfer::Result;
-use kvbm_transfer::disk::{IoDir, IoEngine, IoOp};
+use kvbm_transfer::disk::{IoDir, IoEngine, IoOp, IoSink};
 use kvbm_transfer::memory::MemoryRegion;
 use parking_lot::Mutex;
+
+use crate::gate::Gate;
 
 /// What happens to a matched operation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,6 +31,9 @@ pub enum Fault {
     Short(u32),
     /// Runs the operation after this delay.
     Delay(Duration),
+    /// Holds the operation at the [`FaultControl::gate`] (closed until the
+    /// test opens it) and runs it when the gate lets it through.
+    Hold,
 }
 
 /// When a fault fires.
@@ -96,13 +102,27 @@ struct RuleState {
     fired: usize,
 }
 
-/// Live control over a [`FaultyEngine`]: make the disk vanish, read counts.
-#[derive(Debug, Default)]
+/// Live control over a [`FaultyEngine`]: make the disk vanish, read
+/// counts, let held operations through.
+#[derive(Debug)]
 pub struct FaultControl {
     vanished: AtomicBool,
     vanish_after: AtomicUsize,
     ops: AtomicUsize,
     injected: AtomicUsize,
+    gate: Arc<Gate>,
+}
+
+impl Default for FaultControl {
+    fn default() -> Self {
+        FaultControl {
+            vanished: AtomicBool::new(false),
+            vanish_after: AtomicUsize::new(0),
+            ops: AtomicUsize::new(0),
+            injected: AtomicUsize::new(0),
+            gate: Gate::closed(),
+        }
+    }
 }
 
 impl FaultControl {
@@ -126,6 +146,33 @@ impl FaultControl {
     /// Faults injected so far.
     pub fn injected(&self) -> usize {
         self.injected.load(Ordering::Acquire)
+    }
+
+    /// The gate that operations matched by a [`Fault::Hold`] rule wait at
+    /// (closed at first). Its counts cover those operations only: `ended`
+    /// and `delivered` count one just before and just after the
+    /// operation's result is handed on.
+    pub fn gate(&self) -> &Arc<Gate> {
+        &self.gate
+    }
+}
+
+/// Counts an operation that passed the gate as ended, then hands its
+/// result on.
+struct GateSink {
+    inner: Arc<dyn IoSink>,
+    gate: Arc<Gate>,
+}
+
+impl IoSink for GateSink {
+    fn complete(&self, token: u64, result: io::Result<usize>) {
+        self.gate.ended();
+        self.inner.complete(token, result);
+        self.gate.delivered();
+    }
+
+    fn wanted(&self) -> bool {
+        self.inner.wanted()
     }
 }
 
@@ -215,6 +262,18 @@ impl<E: IoEngine> IoEngine for FaultyEngine<E> {
                                 std::thread::sleep(d);
                                 inner.submit(vec![op]);
                             });
+                        }
+                        Fault::Hold => {
+                            let inner = self.inner.clone();
+                            let gate = &self.control.gate;
+                            op.sink = Arc::new(GateSink {
+                                inner: op.sink,
+                                gate: Arc::clone(gate),
+                            });
+                            let work = Box::new(move |_: &Arc<Gate>| inner.submit(vec![op]));
+                            if let Some(work) = gate.arrive(work) {
+                                work(gate);
+                            }
                         }
                     }
                 }

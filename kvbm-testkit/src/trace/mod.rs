@@ -12,7 +12,9 @@
 //! that needs no data files, and an agentic mode of it ([`agentic`]: tool
 //! loops with heavy-tailed pauses among chat traffic, each request knowing
 //! when its program calls next). A trace read from a file is checked for
-//! consistency across its lines ([`validate`]).
+//! consistency across its lines ([`validate`]). Tests find the published
+//! traces with [`mooncake_trace_or_skip`], which skips without them unless
+//! `KVBM_REQUIRE_TRACES=1` makes that a failure.
 
 pub mod agentic;
 pub mod mooncake;
@@ -20,7 +22,11 @@ pub mod synthetic;
 pub mod validate;
 
 pub use agentic::{AgenticConfig, AgenticTrace, NextCall, generate_agentic};
-pub use mooncake::{LineError, MooncakeReader, TraceError, read_mooncake};
+pub use mooncake::{
+    LineError, MOONCAKE_DATA_DIR, MissingTrace, MooncakeReader, REQUIRE_TRACES_ENV,
+    TRACE_SKIP_LINE, TraceError, find_mooncake_dir, mooncake_file_name, mooncake_trace_or_skip,
+    read_mooncake,
+};
 pub use synthetic::{SyntheticConfig, generate_synthetic};
 pub use validate::{ChainError, ChainValidator};
 

@@ -114,6 +114,85 @@ pub enum TraceError {
     },
 }
 
+/// Where the published Mooncake traces are kept: this directory under a
+/// checkout's root, or under any directory above it (a checkout may live
+/// deeper than the data).
+pub const MOONCAKE_DATA_DIR: &str = "shared/data/mooncake";
+
+/// Set to `1`, this makes a Mooncake trace a test needs and does not find
+/// a failure instead of a skip: a run that must cover the traces (CI)
+/// then fails when they went missing.
+pub const REQUIRE_TRACES_ENV: &str = "KVBM_REQUIRE_TRACES";
+
+/// The line a test prints when it skips for lack of a trace.
+pub const TRACE_SKIP_LINE: &str = "skipped: trace data not found";
+
+/// A Mooncake trace a test needs is not there, and
+/// [`REQUIRE_TRACES_ENV`] says that is a failure.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{REQUIRE_TRACES_ENV}=1, but {file} is not in {MOONCAKE_DATA_DIR} under {} or any directory above it",
+    from.display()
+)]
+pub struct MissingTrace {
+    /// The trace file looked for, e.g. `conversation_trace.jsonl`.
+    pub file: String,
+    /// Where the search started.
+    pub from: PathBuf,
+}
+
+/// The file of the published Mooncake trace `name`, e.g.
+/// `conversation_trace.jsonl` for `conversation`.
+pub fn mooncake_file_name(name: &str) -> String {
+    format!("{name}_trace.jsonl")
+}
+
+/// The Mooncake trace directory seen from `start`: [`MOONCAKE_DATA_DIR`]
+/// under `start` or the nearest directory above it where it holds the
+/// conversation trace.
+pub fn find_mooncake_dir(start: &Path) -> Option<PathBuf> {
+    start
+        .ancestors()
+        .map(|dir| dir.join(MOONCAKE_DATA_DIR))
+        .find(|dir| dir.join(mooncake_file_name("conversation")).is_file())
+}
+
+/// The published Mooncake trace `name` for a test that runs from `start`
+/// (its crate's directory): `<name>_trace.jsonl` in [`MOONCAKE_DATA_DIR`]
+/// under `start` or the nearest directory above it that has it. When it
+/// is nowhere, the test skips: this prints [`TRACE_SKIP_LINE`] and returns
+/// `Ok(None)`; but with [`REQUIRE_TRACES_ENV`] set to `1` it returns the
+/// error for the test to fail with. Every test that reads a published
+/// trace finds it through this function.
+pub fn mooncake_trace_or_skip(start: &Path, name: &str) -> Result<Option<PathBuf>, MissingTrace> {
+    let required = std::env::var(REQUIRE_TRACES_ENV).as_deref() == Ok("1");
+    trace_or_skip(start, name, required)
+}
+
+/// [`mooncake_trace_or_skip`], told whether the trace is required.
+fn trace_or_skip(
+    start: &Path,
+    name: &str,
+    required: bool,
+) -> Result<Option<PathBuf>, MissingTrace> {
+    let file = mooncake_file_name(name);
+    let found = start
+        .ancestors()
+        .map(|dir| dir.join(MOONCAKE_DATA_DIR).join(&file))
+        .find(|path| path.is_file());
+    match found {
+        Some(path) => Ok(Some(path)),
+        None if required => Err(MissingTrace {
+            file,
+            from: start.to_path_buf(),
+        }),
+        None => {
+            println!("{TRACE_SKIP_LINE} ({file} in {MOONCAKE_DATA_DIR})");
+            Ok(None)
+        }
+    }
+}
+
 /// serde_json's message without its position, which counts lines inside
 /// the one line given to it (always line 1); the column stays.
 fn json_message(e: &serde_json::Error) -> String {
@@ -339,5 +418,36 @@ mod tests {
         let text = format!("{line}{LINE}");
         let r = MooncakeReader::new(text.as_bytes(), "limit");
         assert_eq!(r.collect::<Result<Vec<_>, _>>().unwrap().len(), 2);
+    }
+
+    #[test]
+    fn a_trace_is_found_above_the_start_and_missing_fails_only_when_required() {
+        let root = tempfile::tempdir().unwrap();
+        let start = root.path().join("checkout/crate");
+        std::fs::create_dir_all(&start).unwrap();
+        let data = root.path().join(MOONCAKE_DATA_DIR);
+        std::fs::create_dir_all(&data).unwrap();
+        let conversation = data.join(mooncake_file_name("conversation"));
+        std::fs::write(&conversation, "").unwrap();
+        for required in [false, true] {
+            assert_eq!(
+                trace_or_skip(&start, "conversation", required).unwrap(),
+                Some(conversation.clone())
+            );
+        }
+        assert_eq!(find_mooncake_dir(&start), Some(data));
+        // The synthetic trace is not there: a skip, or the error that
+        // names it and where the search began.
+        assert_eq!(trace_or_skip(&start, "synthetic", false).unwrap(), None);
+        let e = trace_or_skip(&start, "synthetic", true).unwrap_err();
+        assert_eq!(e.file, "synthetic_trace.jsonl");
+        assert_eq!(e.from, start);
+        let message = e.to_string();
+        assert!(
+            message.starts_with(
+                "KVBM_REQUIRE_TRACES=1, but synthetic_trace.jsonl is not in shared/data/mooncake"
+            ),
+            "{message}"
+        );
     }
 }

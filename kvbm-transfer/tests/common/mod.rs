@@ -6,9 +6,7 @@ use std::ops::Range;
 
 use kvbm_layout::Layout;
 use kvbm_transfer::memory::{DiskAllocator, DiskOptions, IoMode, SystemAllocator};
-use kvbm_transfer::{
-    Executor, MemoryRegion, PhysicalLayout, TransferError, TransferFailure, TransferHandle,
-};
+use kvbm_transfer::{Executor, MemoryRegion, PhysicalLayout};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 pub fn host(layout: Layout) -> PhysicalLayout {
@@ -107,36 +105,6 @@ pub fn disk_allocator(sub: &str, io_mode: IoMode) -> DiskAllocator {
         ..Default::default()
     };
     DiskAllocator::new(bench_dir().join(sub), options).unwrap()
-}
-
-/// Runs `attempt` with ever slower devices (`delays_ms`) until one try
-/// catches its transfer in flight (returns true): on a loaded machine the
-/// test thread can oversleep a whole fast transfer, and a cancel that
-/// lands after the end tests nothing.
-pub fn until_caught_in_flight(
-    delays_ms: &[u64],
-    mut attempt: impl FnMut(std::time::Duration) -> bool,
-) {
-    for &ms in delays_ms {
-        if attempt(std::time::Duration::from_millis(ms)) {
-            return;
-        }
-    }
-    panic!("every transfer finished before its cancel: nothing was tested");
-}
-
-/// Cancels `handle` and checks what every cancel must report: the
-/// cancellation as the error and each of the `blocks` pairs either
-/// completed or failed. `None` when the transfer had ended first or every
-/// block had already landed (too late to test anything).
-pub fn cancel_in_flight(handle: TransferHandle, blocks: usize) -> Option<Box<TransferFailure>> {
-    let failure = handle.cancel().err()?;
-    assert!(
-        matches!(failure.error, TransferError::Cancelled),
-        "{failure}"
-    );
-    assert_eq!(failure.completed.len() + failure.failed.len(), blocks);
-    (!failure.failed.is_empty()).then_some(failure)
 }
 
 /// Reads `read` from `from` into the host layout `back`, then checks that

@@ -5,8 +5,8 @@
 //! 2-core box) and prints the tables of `docs/policy-study.md` §7:
 //! `cargo run --release -p kvbm-bench --bin studies -- bounds_study`
 //! (`KVBM_BOUNDS_FILTER=<text>` keeps only the rows whose label holds it).
-//! The figures the conclusion rests on are pinned by the always-run tests
-//! of `sim_bounds.rs`.
+//! The relations the conclusion rests on are checked by the always-run
+//! tests of `sim_bounds.rs`.
 
 use crate::bounds_support::*;
 use crate::sim_support;

@@ -8,7 +8,7 @@
 //! cargo run --release -p kvbm-bench --bin studies -- NAME...   # run some
 //! ```
 //!
-//! The figures their conclusions rest on are pinned by kvbm-bench's tests
+//! What their conclusions rest on is checked by kvbm-bench's tests
 //! (`sim_bounds.rs`, `sim_policy.rs`); these only print.
 
 mod agentic;

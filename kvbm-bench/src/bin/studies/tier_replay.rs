@@ -15,35 +15,16 @@
 //! not cached after it). Capacities are
 //! `floor(fraction × unique blocks)`.
 
-use std::path::PathBuf;
-
 use kvbm_block::SequenceHash;
 use kvbm_layout::{Layout, LayoutConfig, LayoutKind};
 use kvbm_pool::tier::{
     G1Lookup, OffloadMode, OnboardTarget, TierEngine, TierEngineConfig, TierLayouts, TierPolicy,
 };
 use kvbm_pool::{ImmutableBlock, ImmutableBlocks};
-use kvbm_testkit::trace::{MOONCAKE_BLOCK_TOKENS, Request, TraceFacts, read_mooncake};
+use kvbm_testkit::trace::{MOONCAKE_BLOCK_TOKENS, Request};
 
 use kvbm_transfer::memory::{DiskAllocator, DiskOptions, SystemAllocator};
 use kvbm_transfer::{Executor, ExecutorSpec, PhysicalLayout};
-
-fn mooncake_dir() -> Option<PathBuf> {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .ancestors()
-        .map(|d| d.join("shared/data/mooncake"))
-        .find(|p| p.join("conversation_trace.jsonl").is_file())
-}
-
-fn load(name: &str) -> Option<(Vec<Request>, TraceFacts)> {
-    let Some(dir) = mooncake_dir() else {
-        println!("skipped: Mooncake trace data not found (shared/data/mooncake)");
-        return None;
-    };
-    let requests = read_mooncake(dir.join(format!("{name}_trace.jsonl"))).unwrap();
-    let facts = TraceFacts::of(&requests);
-    Some((requests, facts))
-}
 
 fn capacity(fraction: f64, unique: usize) -> usize {
     (fraction * unique as f64).floor() as usize
@@ -157,7 +138,7 @@ fn run_with(
     limit: Option<usize>,
     age_exponent: f64,
 ) -> Option<Figures> {
-    let (mut requests, facts) = load(name)?;
+    let (mut requests, facts) = crate::sim_support::load(name)?;
     if let Some(l) = limit {
         requests.truncate(l);
     }
