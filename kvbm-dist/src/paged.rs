@@ -25,7 +25,7 @@
 //! served.
 //!
 //! **G3.** With a [`PagedDisk`], a file of slots sits behind the region
-//! (the [`disk`] module): a store can first move blocks from G2 slots to
+//! (`paged/disk.rs`): a store can first move blocks from G2 slots to
 //! G3 slots, and a load can read blocks held in G3. Slots are then padded
 //! to the disk alignment, so a block moves to or from disk in one
 //! `O_DIRECT` request.

@@ -124,7 +124,7 @@ pub struct OffloadBooks {
 
 /// vLLM's per-key lookup as one call into the books: `(offload key,
 /// request context) -> hit or miss`, noting the key as asked for by the
-/// request. Built by [`OffloadBooks::lookup_fn`].
+/// request. Built by `OffloadBooks.lookup_fn`.
 #[pyclass(module = "kvbm_py._kvbm")]
 pub struct KeyLookup {
     books: Arc<Books>,
