@@ -4,7 +4,7 @@
 //! The copier alone moves close to the host link's rate beside a GEMM
 //! only when two copies are kept in flight (one at a time, each staged
 //! copy's gather kernel waits alone for the SMs the GEMM holds). The tier
-//! engine offloads in batches; `TierEngineConfig::offload_in_flight` says
+//! engine offloads in batches; `TierEngineBuilder::offload_in_flight` says
 //! how many may be in flight. This bench times exactly what an engine
 //! sees: `TierEngine::offload` of N registered G1 blocks through
 //! `flush()`, over the engine's own mover (a `LocalMover` over the CUDA
@@ -22,12 +22,13 @@
 //! ratio to the device → pinned one. Each row also reports the host CPU
 //! each thread used over its timed reps (`thread_cpu`).
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use kvbm_block::SequenceHash;
 use kvbm_layout::{BlockOrder, Layout, LayoutKind};
 use kvbm_pool::metrics::TierStats;
-use kvbm_pool::tier::{OffloadMode, TierEngine, TierEngineConfig, TierLayouts, TierPolicy};
+use kvbm_pool::tier::{LocalMover, OffloadMode, TierEngine, TierLayouts, TierPolicy};
 use kvbm_pool::{ImmutableBlocks, WeakBlock};
 use kvbm_transfer::{Executor, ExecutorSpec, PhysicalLayout};
 use serde::Serialize;
@@ -285,7 +286,7 @@ impl Side {
 }
 
 #[cfg(feature = "cuda")]
-type Backend = std::sync::Arc<kvbm_transfer::cuda::CudaBackend>;
+type Backend = Arc<kvbm_transfer::cuda::CudaBackend>;
 #[cfg(not(feature = "cuda"))]
 type Backend = std::convert::Infallible;
 
@@ -593,24 +594,21 @@ fn engine_for(
     batch: usize,
     batch_bytes: Option<u64>,
 ) -> Result<TierEngine> {
-    let mut config = TierEngineConfig::new(shape.tokens)
+    let layouts = TierLayouts {
+        g1: shape.g1.clone(),
+        g2: Some(shape.g2.clone()),
+        g3: None,
+    };
+    let mover = LocalMover::new(layouts, executor).map_err(tier_err)?;
+    let mut builder = TierEngine::builder_with_mover(Arc::new(mover), shape.tokens)
         .offload_mode(OffloadMode::WriteThrough)
         .g2_policy(TierPolicy::WriteThrough)
         .offload_in_flight(in_flight)
         .offload_limits(batch, shape.blocks);
     if let Some(bytes) = batch_bytes {
-        config = config.offload_batch_bytes(bytes);
+        builder = builder.offload_batch_bytes(bytes);
     }
-    TierEngine::new(
-        config,
-        TierLayouts {
-            g1: shape.g1.clone(),
-            g2: Some(shape.g2.clone()),
-            g3: None,
-        },
-        executor,
-    )
-    .map_err(tier_err)
+    builder.build().map_err(tier_err)
 }
 
 /// The staged copies' timelines recorded since the last call.

@@ -235,7 +235,7 @@ pub fn run_soak(cfg: &SoakConfig, mut progress: impl FnMut(u64, Duration)) -> Re
         return Err(BenchError::Config("--kill-every must be positive".into()));
     }
     let p = plan(rc)?;
-    let (engine, g1, _, cluster) = dist::engine(rc, p.tier_config, p.page, p.caps)?;
+    let (engine, g1, _, cluster) = dist::engine(rc, p.knobs, p.page, p.caps)?;
     let leader = Arc::clone(&cluster.leader);
     let mut driver = EngineDriver::new(engine, g1, rc.block_tokens);
     let start_samples = sample_all(&cluster.workers);

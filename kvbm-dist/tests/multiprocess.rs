@@ -27,9 +27,7 @@ use kvbm_dist::proto::ProbeOp;
 use kvbm_dist::worker::memory::{SharedMapping, create_shared_file};
 use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
 use kvbm_pool::Tier;
-use kvbm_pool::tier::{
-    G1Lookup, OffloadMode, OnboardTarget, TierEngine, TierEngineConfig, TierMover, TierPolicy,
-};
+use kvbm_pool::tier::{G1Lookup, OffloadMode, OnboardTarget, TierEngine, TierMover, TierPolicy};
 use kvbm_transfer::{CancelToken, TransferOutcome};
 
 const WORLD: u32 = 2;
@@ -460,12 +458,13 @@ fn onboard_and_verify(
 
 fn the_tier_engine_runs_over_the_workers() {
     let (mut node, leader) = start([0, 0]);
-    let config = TierEngineConfig::new(16)
+    let engine = TierEngine::builder_with_mover(leader.mover(), 16)
         .offload_mode(OffloadMode::WriteThrough)
         .g2_policy(TierPolicy::WriteThrough)
-        .g3_policy(TierPolicy::WriteThrough);
-    let engine =
-        Arc::new(TierEngine::with_mover(config, leader.mover() as Arc<dyn TierMover>).unwrap());
+        .g3_policy(TierPolicy::WriteThrough)
+        .build()
+        .unwrap();
+    let engine = Arc::new(engine);
     let weak = Arc::downgrade(&engine);
     leader.on_worker_lost(move |_| {
         if let Some(e) = weak.upgrade() {

@@ -66,6 +66,4 @@ pub use pool::{
     PoolCounts, WeakBlock,
 };
 pub use slot::SlotManager;
-pub use tier::{
-    Dtype, KvShape, TierEngine, TierEngineBuilder, TierEngineConfig, TierError, TierLayouts,
-};
+pub use tier::{Dtype, KvShape, TierEngine, TierEngineBuilder, TierError, TierLayouts};

@@ -13,7 +13,7 @@ use kvbm_block::SequenceHash;
 use kvbm_pool::policy::{
     HintClock, Retained, RetentionHint, ReuseModel, SharedHistory, UseHistory,
 };
-use kvbm_pool::tier::{G1Lookup, TierEngineConfig};
+use kvbm_pool::tier::G1Lookup;
 use kvbm_pool::{SlotManager, Tier};
 use policy_support::{h, pool, store};
 use proptest::prelude::*;
@@ -176,7 +176,7 @@ fn a_kept_block_survives_pressure_until_its_hint_lapses() {
 fn engine_hints_keep_a_paused_prefix_and_drop_a_done_one() {
     let dir = tempdir();
     // G1 8 blocks, G2 8 blocks, no G3: three prompts of 8 compete.
-    let engine = engine(TierEngineConfig::new(BLOCK_TOKENS), 8, 8, 0, dir.path());
+    let engine = tiers(8, 8, 0, dir.path()).build().unwrap();
     let kept = chain(1, 8);
     let done = chain(2, 8);
     let run = |id: u64, hashes: &[SequenceHash], t_ms: u64, hint: Option<RetentionHint>| {
@@ -232,13 +232,7 @@ fn engine_hints_keep_a_paused_prefix_and_drop_a_done_one() {
 #[test]
 fn slot_hints_apply_when_the_slot_is_freed() {
     let dir = tempdir();
-    let engine = Arc::new(engine(
-        TierEngineConfig::new(BLOCK_TOKENS),
-        8,
-        8,
-        0,
-        dir.path(),
-    ));
+    let engine = Arc::new(tiers(8, 8, 0, dir.path()).build().unwrap());
     let slots = SlotManager::new(Arc::clone(&engine));
     let hashes = chain(3, 4);
     slots

@@ -38,7 +38,7 @@ use std::sync::Arc;
 
 use kvbm_block::SequenceHash;
 use kvbm_pool::slot::{OnboardState, SlotManager};
-use kvbm_pool::tier::{OffloadMode, TierEngineConfig, TierPolicy};
+use kvbm_pool::tier::{OffloadMode, TierPolicy};
 use kvbm_pool::{Tier, TierError};
 use proptest::prelude::*;
 use proptest::test_runner::{FileFailurePersistence, TestRunner};
@@ -373,15 +373,15 @@ struct Seen {
 
 fn run(case: Case, mode: OffloadMode, policy: TierPolicy) -> Seen {
     let dir = tempdir();
-    let mut config = TierEngineConfig::new(BLOCK_TOKENS)
+    let mut builder = tiers(G1_BLOCKS, G2_BLOCKS, G3_BLOCKS, dir.path())
         .offload_mode(mode)
         .g2_policy(policy)
         .g3_policy(policy);
     if mode == OffloadMode::WriteBack {
         // Some allocations take the reserve and save G1's victims behind.
-        config = config.g1_free_reserve(2);
+        builder = builder.g1_free_reserve(2);
     }
-    let engine = engine(config, G1_BLOCKS, G2_BLOCKS, G3_BLOCKS, dir.path());
+    let engine = builder.build().unwrap();
     let hashes = hashes_of(&case.requests);
     let prompts = case
         .requests

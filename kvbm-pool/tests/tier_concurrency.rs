@@ -10,23 +10,19 @@ mod tier_support;
 use std::sync::Arc;
 
 use kvbm_pool::slot::{OnboardState, SlotManager};
-use kvbm_pool::tier::{OffloadMode, TierEngineConfig, TierPolicy};
+use kvbm_pool::tier::{OffloadMode, TierPolicy};
 use kvbm_pool::{Tier, TierError};
 use tier_support::*;
 
 fn run(mode: OffloadMode, policy: TierPolicy) {
     let dir = tempdir();
-    let config = TierEngineConfig::new(BLOCK_TOKENS)
+    let engine = tiers(48, 48, 128, dir.path())
         .g2_policy(policy)
         .g3_policy(policy)
-        .offload_mode(mode);
-    let slots = Arc::new(SlotManager::new(Arc::new(engine(
-        config,
-        48,
-        48,
-        128,
-        dir.path(),
-    ))));
+        .offload_mode(mode)
+        .build()
+        .unwrap();
+    let slots = Arc::new(SlotManager::new(Arc::new(engine)));
     let threads: Vec<_> = (0..4u64)
         .map(|t| {
             let slots = Arc::clone(&slots);

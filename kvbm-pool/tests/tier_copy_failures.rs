@@ -207,7 +207,7 @@ fn a_sparse_g3_on_a_full_ext2_fails_with_the_kernels_enospc() {
         g2: Some(host(4)),
         g3: Some(sparse_g3(&fs.path().join("g3.blocks"), 64)),
     };
-    let engine = TierEngine::new(write_through_config(), layouts, executor()).unwrap();
+    let engine = write_through(over(layouts, executor())).build().unwrap();
     let chains = chains();
     push_to_g3(&engine, &chains, 4);
     check_failures_are_counted_and_never_hits(&engine, &chains, &control);

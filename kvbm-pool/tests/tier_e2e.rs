@@ -4,21 +4,16 @@
 mod tier_support;
 
 use kvbm_pool::metrics::{Path, SkipReason};
-use kvbm_pool::tier::{G1Lookup, OffloadMode, OnboardTarget, TierEngineConfig, TierPolicy};
+use kvbm_pool::tier::{G1Lookup, OffloadMode, OnboardTarget};
 use kvbm_pool::{KvEvent, Tier};
 use tier_support::*;
-
-fn write_through() -> TierEngineConfig {
-    TierEngineConfig::new(BLOCK_TOKENS)
-        .offload_mode(OffloadMode::WriteThrough)
-        .g2_policy(TierPolicy::WriteThrough)
-        .g3_policy(TierPolicy::WriteThrough)
-}
 
 #[test]
 fn blocks_come_back_from_g2_and_g3_byte_exact() {
     let dir = tempdir();
-    let engine = engine(write_through(), 48, 16, 64, dir.path());
+    let engine = write_through(tiers(48, 16, 64, dir.path()))
+        .build()
+        .unwrap();
     let hashes = chain(1, 40);
     // Computed in chunks of 4, released at once (cached in G1).
     for (k, part) in hashes.chunks(4).enumerate() {
@@ -77,7 +72,7 @@ fn blocks_come_back_from_g2_and_g3_byte_exact() {
 #[test]
 fn full_prompt_hit_gives_one_block_back() {
     let dir = tempdir();
-    let engine = engine(write_through(), 16, 16, 0, dir.path());
+    let engine = write_through(tiers(16, 16, 0, dir.path())).build().unwrap();
     let hashes = chain(2, 4);
     drop(compute(&engine, &hashes, None));
     engine.flush();
@@ -107,7 +102,7 @@ fn full_prompt_hit_gives_one_block_back() {
 #[test]
 fn engine_given_destinations_and_g1_count() {
     let dir = tempdir();
-    let engine = engine(write_through(), 32, 32, 0, dir.path());
+    let engine = write_through(tiers(32, 32, 0, dir.path())).build().unwrap();
     let hashes = chain(4, 6);
     drop(compute(&engine, &hashes, None));
     engine.flush();
@@ -147,7 +142,7 @@ fn engine_given_destinations_and_g1_count() {
 #[test]
 fn offload_skips_present_cancelled_and_full() {
     let dir = tempdir();
-    let engine = engine(write_through(), 16, 4, 0, dir.path());
+    let engine = write_through(tiers(16, 4, 0, dir.path())).build().unwrap();
     let hashes = chain(5, 4);
     drop(compute(&engine, &hashes, None));
     engine.flush();
@@ -184,7 +179,7 @@ fn offload_skips_present_cancelled_and_full() {
 #[test]
 fn events_report_stores_and_removals_per_tier() {
     let dir = tempdir();
-    let engine = engine(write_through(), 8, 2, 4, dir.path());
+    let engine = write_through(tiers(8, 2, 4, dir.path())).build().unwrap();
     let rx = engine.subscribe();
     let hashes = chain(9, 4);
     for (i, h) in hashes.iter().enumerate() {
@@ -215,8 +210,10 @@ fn events_report_stores_and_removals_per_tier() {
 #[test]
 fn write_back_saves_g1_victims_before_their_slots_are_reused() {
     let dir = tempdir();
-    let config = write_through().offload_mode(OffloadMode::WriteBack);
-    let engine = engine(config, 8, 32, 0, dir.path());
+    let engine = write_through(tiers(8, 32, 0, dir.path()))
+        .offload_mode(OffloadMode::WriteBack)
+        .build()
+        .unwrap();
     let hashes = chain(11, 24);
     for (k, part) in hashes.chunks(4).enumerate() {
         let parent = (k > 0).then(|| hashes[k * 4 - 1]);
@@ -258,7 +255,7 @@ fn write_back_saves_g1_victims_before_their_slots_are_reused() {
 #[test]
 fn engine_owned_g1_blocks_offload_and_come_back() {
     let dir = tempdir();
-    let engine = engine(write_through(), 16, 16, 0, dir.path());
+    let engine = write_through(tiers(16, 16, 0, dir.path())).build().unwrap();
     let g1 = engine.layout(Tier::G1).unwrap();
     let h = chain(12, 3);
     // vLLM-style: the engine owns G1 block ids 5, 6, 7 and filled them.
@@ -307,7 +304,7 @@ fn engine_owned_g1_blocks_offload_and_come_back() {
 #[test]
 fn release_after_offloads_waits_for_the_requests_own_copies() {
     let dir = tempdir();
-    let engine = engine(write_through(), 16, 16, 0, dir.path());
+    let engine = write_through(tiers(16, 16, 0, dir.path())).build().unwrap();
     let g1 = engine.layout(Tier::G1).unwrap();
     let h = chain(14, 4);
     for (k, id) in (0..4).enumerate() {

@@ -8,7 +8,7 @@ mod tier_support;
 use std::time::Duration;
 
 use kvbm_pool::metrics::Path;
-use kvbm_pool::tier::{G1Lookup, OnboardTarget, TierEngineConfig, TierPolicy};
+use kvbm_pool::tier::{G1Lookup, OnboardTarget, TierPolicy};
 use kvbm_pool::{Tier, TierError};
 use kvbm_testkit::fault::{Fault, FaultRule};
 use kvbm_transfer::disk::IoDir;
@@ -139,10 +139,11 @@ fn release_during_onboard_frees_everything() {
 fn dropped_caches_are_forgotten_and_never_saved() {
     let dir = tempdir();
     // Write-back: G1's victims go to G2 at the next allocation, G2's to G3.
-    let config = TierEngineConfig::new(BLOCK_TOKENS)
+    let engine = tiers(4, 4, 8, dir.path())
         .g2_policy(TierPolicy::WriteThrough)
-        .g3_policy(TierPolicy::WriteThrough);
-    let engine = engine(config, 4, 4, 8, dir.path());
+        .g3_policy(TierPolicy::WriteThrough)
+        .build()
+        .unwrap();
     for seed in 0..3 {
         drop(compute(&engine, &chain(seed, 4), None));
         engine.flush();

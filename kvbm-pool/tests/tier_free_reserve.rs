@@ -6,7 +6,7 @@
 mod tier_support;
 
 use kvbm_pool::metrics::Path;
-use kvbm_pool::tier::{OffloadMode, TierEngine, TierEngineConfig, TierPolicy};
+use kvbm_pool::tier::{TierEngine, TierPolicy};
 use kvbm_pool::{EvictionKind, Tier};
 use tier_support::*;
 
@@ -19,15 +19,15 @@ const G3: usize = 64;
 /// G2 victim's disk write is part of the save), G1 keeping `reserve` slots
 /// free (`None`: the automatic size).
 fn engine(reserve: Option<usize>, dir: &std::path::Path) -> TierEngine {
-    let mut config = TierEngineConfig::new(BLOCK_TOKENS)
+    // Disk writes take 100 ms: a save that reaches G3 is slow.
+    let mut builder = tiers_with(G1, G2, G3, dir, slow_writes(100))
         .g1_eviction(EvictionKind::Lru)
         .g2_policy(TierPolicy::WriteThrough)
         .g3_policy(TierPolicy::WriteThrough);
     if let Some(blocks) = reserve {
-        config = config.g1_free_reserve(blocks);
+        builder = builder.g1_free_reserve(blocks);
     }
-    // Disk writes take 100 ms: a save that reaches G3 is slow.
-    engine_with(config, G1, G2, G3, dir, slow_writes(100))
+    builder.build().unwrap()
 }
 
 /// Fills G1 and pushes blocks down to G3, then allocates one block and
@@ -37,7 +37,7 @@ fn engine(reserve: Option<usize>, dir: &std::path::Path) -> TierEngine {
 fn allocation_waited_for_the_save(reserve: Option<usize>, expected: usize) -> bool {
     let dir = tempdir();
     let engine = engine(reserve, dir.path());
-    let reserve = engine.config().g1_reserve_for(G1);
+    let reserve = engine.g1_free_reserve();
     assert_eq!(reserve, expected);
     let a = chain(11, G1 + 8);
     compute_each(&engine, &a);
@@ -92,18 +92,4 @@ fn an_explicit_reserve_is_kept_beyond_the_automatic_size() {
 #[test]
 fn without_a_reserve_the_allocation_waits_for_the_save() {
     assert!(allocation_waited_for_the_save(Some(0), 0));
-}
-
-#[test]
-fn the_reserve_is_sized_from_g1_and_capped_at_half_of_it() {
-    let auto = TierEngineConfig::new(BLOCK_TOKENS);
-    assert_eq!(auto.g1_reserve_for(81), 1);
-    assert_eq!(auto.g1_reserve_for(3_655), 57);
-    assert_eq!(auto.g1_reserve_for(1 << 20), 256);
-    assert_eq!(auto.clone().g1_free_reserve(12).g1_reserve_for(81), 12);
-    assert_eq!(auto.clone().g1_free_reserve(1_000).g1_reserve_for(81), 40);
-    let through = auto
-        .offload_mode(OffloadMode::WriteThrough)
-        .g1_free_reserve(12);
-    assert_eq!(through.g1_reserve_for(81), 0);
 }

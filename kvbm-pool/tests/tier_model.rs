@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use kvbm_block::SequenceHash;
 use kvbm_pool::slot::{OnboardState, SlotManager};
-use kvbm_pool::tier::{OffloadMode, TierEngineConfig, TierPolicy};
+use kvbm_pool::tier::{OffloadMode, TierPolicy};
 use kvbm_pool::{Tier, TierError};
 use proptest::prelude::*;
 use tier_support::*;
@@ -79,17 +79,19 @@ fn check_table(slots: &SlotManager, id: u64, hashes: &[SequenceHash]) {
 
 fn run(ops: Vec<Op>, mode: OffloadMode) {
     let dir = tempdir();
-    let config = TierEngineConfig::new(BLOCK_TOKENS)
-        .offload_mode(mode)
-        .g2_policy(TierPolicy::WriteThrough)
-        .g3_policy(TierPolicy::WriteThrough);
     // Write-back: 12 chains of up to 9 blocks overflow 64 G1 blocks, whose
     // reserve is 1 (a sixty-fourth).
     let g1 = match mode {
         OffloadMode::WriteThrough => 160,
         OffloadMode::WriteBack => 64,
     };
-    let slots = SlotManager::new(Arc::new(engine(config, g1, 256, 0, dir.path())));
+    let engine = tiers(g1, 256, 0, dir.path())
+        .offload_mode(mode)
+        .g2_policy(TierPolicy::WriteThrough)
+        .g3_policy(TierPolicy::WriteThrough)
+        .build()
+        .unwrap();
+    let slots = SlotManager::new(Arc::new(engine));
     let mut known: HashSet<SequenceHash> = HashSet::new();
     let mut live: HashMap<u64, Live> = HashMap::new();
 

@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use kvbm_pool::Tier;
 use kvbm_pool::tier::{
-    G1Lookup, LocalMover, OffloadMode, OnboardTarget, TierEngine, TierEngineConfig, TierLayouts,
-    TierMover, TierPolicy,
+    G1Lookup, LocalMover, OffloadMode, OnboardTarget, TierEngine, TierLayouts, TierMover,
+    TierPolicy,
 };
 use kvbm_transfer::{
     CancelToken, Completion, PhysicalLayout, TransferError, TransferFailure, TransferOutcome,
@@ -70,10 +70,11 @@ fn lossy_engine(dir: &std::path::Path) -> (TierEngine, Arc<LossyMover>) {
         inner: LocalMover::new(layouts, executor()).unwrap(),
         lose: AtomicBool::new(true),
     });
-    let config = TierEngineConfig::new(BLOCK_TOKENS)
+    let engine = TierEngine::builder_with_mover(Arc::clone(&mover) as _, BLOCK_TOKENS)
         .offload_mode(OffloadMode::WriteThrough)
-        .g2_policy(TierPolicy::WriteThrough);
-    let engine = TierEngine::with_mover(config, Arc::clone(&mover) as Arc<dyn TierMover>).unwrap();
+        .g2_policy(TierPolicy::WriteThrough)
+        .build()
+        .unwrap();
     (engine, mover)
 }
 

@@ -20,9 +20,7 @@ use std::time::{Duration, Instant};
 
 use kvbm_block::SequenceHash;
 use kvbm_pool::metrics::SkipReason;
-use kvbm_pool::tier::{
-    LocalMover, OffloadMode, TierEngine, TierEngineConfig, TierLayouts, TierMover, TierPolicy,
-};
+use kvbm_pool::tier::{LocalMover, OffloadMode, TierEngine, TierLayouts, TierMover, TierPolicy};
 use kvbm_pool::{ImmutableBlocks, KvEvent, KvEventBatch, Tier};
 use kvbm_transfer::{
     CancelToken, Completer, Completion, PhysicalLayout, TransferError, TransferFailure,
@@ -171,15 +169,16 @@ fn gated_engine(
     g1: usize,
     g2: usize,
 ) -> (TierEngine, Arc<GatedMover>, Opener) {
-    gated_engine_with(in_flight, batch, 0, g1, g2)
+    gated_engine_with(in_flight, batch, Some(0), g1, g2)
 }
 
 /// An engine over a gated mover: G1 and G2 of `g1` and `g2` host blocks of
-/// 8 KiB, `in_flight` batches of `batch` blocks raised to `batch_bytes`.
+/// 8 KiB, `in_flight` batches of `batch` blocks raised to `batch_bytes`
+/// (`None`: the default).
 fn gated_engine_with(
     in_flight: usize,
     batch: usize,
-    batch_bytes: u64,
+    batch_bytes: Option<u64>,
     g1: usize,
     g2: usize,
 ) -> (TierEngine, Arc<GatedMover>, Opener) {
@@ -195,13 +194,15 @@ fn gated_engine_with(
         most: AtomicUsize::new(0),
         open: AtomicBool::new(false),
     });
-    let config = TierEngineConfig::new(BLOCK_TOKENS)
+    let mut builder = TierEngine::builder_with_mover(Arc::clone(&mover) as _, BLOCK_TOKENS)
         .offload_mode(OffloadMode::WriteThrough)
         .g2_policy(TierPolicy::WriteThrough)
         .offload_limits(batch, 4096)
-        .offload_batch_bytes(batch_bytes)
         .offload_in_flight(in_flight);
-    let engine = TierEngine::with_mover(config, Arc::clone(&mover) as Arc<dyn TierMover>).unwrap();
+    if let Some(bytes) = batch_bytes {
+        builder = builder.offload_batch_bytes(bytes);
+    }
+    let engine = builder.build().unwrap();
     let opener = Opener(Arc::clone(&mover));
     (engine, mover, opener)
 }
@@ -293,28 +294,28 @@ fn batches_overlap_up_to_the_limit_and_register_in_order() {
 
 #[test]
 fn batches_in_flight_hold_at_most_a_quarter_of_g1_and_g2() {
-    let default_bytes = TierEngineConfig::new(BLOCK_TOKENS).offload_batch_bytes;
-    // (in flight, batch, bytes floor, G1, G2) → blocks per batch (of 8 KiB).
+    // (in flight, batch, bytes floor (None: the default), G1, G2) → blocks
+    // per batch (of 8 KiB).
     for (in_flight, batch, bytes, g1, g2, runs) in [
-        (1, 64, 0, 1024, 1024, 64),
-        (4, 64, 0, 1024, 1024, 64),
-        (4, 256, 0, 2048, 2048, 128),
-        (2, 64, 0, 64, 1024, 8),
-        (2, 64, 0, 1024, 96, 12),
-        (4, 64, 0, 8, 8, 1),
+        (1, 64, Some(0), 1024, 1024, 64),
+        (4, 64, Some(0), 1024, 1024, 64),
+        (4, 256, Some(0), 2048, 2048, 128),
+        (2, 64, Some(0), 64, 1024, 8),
+        (2, 64, Some(0), 1024, 96, 12),
+        (4, 64, Some(0), 8, 8, 1),
         // Raised to the floor: 256 KiB is 32 blocks; 64 MiB would be 8192,
         // capped by the quarter rule.
-        (4, 16, 256 << 10, 4096, 4096, 32),
-        (4, 64, 256 << 10, 4096, 4096, 64),
-        (4, 16, (256 << 10) + 1, 4096, 4096, 33),
-        (1, 64, default_bytes, 1024, 1024, 256),
-        (4, 64, default_bytes, 4096, 1024, 64),
+        (4, 16, Some(256 << 10), 4096, 4096, 32),
+        (4, 64, Some(256 << 10), 4096, 4096, 64),
+        (4, 16, Some((256 << 10) + 1), 4096, 4096, 33),
+        (1, 64, None, 1024, 1024, 256),
+        (4, 64, None, 4096, 1024, 64),
     ] {
         let (engine, _mover, _open) = gated_engine_with(in_flight, batch, bytes, g1, g2);
         assert_eq!(
             engine.offload_batch_limit(),
             runs,
-            "{in_flight} in flight, batches of {batch} raised to {bytes} bytes, G1 {g1}, G2 {g2}"
+            "{in_flight} in flight, batches of {batch} raised to {bytes:?} bytes, G1 {g1}, G2 {g2}"
         );
     }
 }

@@ -8,7 +8,9 @@ mod tier_support;
 use std::time::{Duration, Instant};
 
 use kvbm_pool::metrics::Path;
-use kvbm_pool::tier::{G1Lookup, LoadCost, OnboardTarget, TierEngine, TierEngineConfig};
+use kvbm_pool::tier::{
+    G1Lookup, LoadCost, MoverTiers, OnboardTarget, TierEngine, TierEngineBuilder,
+};
 use kvbm_pool::{Tier, TierError};
 use kvbm_testkit::fault::{Fault, FaultRule};
 use kvbm_transfer::Executor;
@@ -20,12 +22,15 @@ use tier_support::*;
 const STAGING: usize = 8;
 const G2_POOL: usize = 4;
 
-fn config() -> TierEngineConfig {
-    write_through_config().g3_staging_blocks(STAGING)
+/// Write-through everywhere; G1 of 64 blocks, G2 of its pool and the
+/// staging area, G3 of 64 blocks in `dir`.
+fn builder(exec: Executor, dir: &std::path::Path) -> TierEngineBuilder<MoverTiers> {
+    write_through(tiers_with(64, G2_POOL + STAGING, 64, dir, exec))
+        .g3_staging_bytes(STAGING as u64 * block_bytes())
 }
 
 fn prefetch_engine(exec: Executor, dir: &std::path::Path) -> TierEngine {
-    let engine = engine_with(config(), 64, G2_POOL + STAGING, 64, dir, exec);
+    let engine = builder(exec, dir).build().unwrap();
     assert_eq!(engine.pool(Tier::G2).unwrap().capacity(), G2_POOL);
     assert_eq!(engine.staging_free_blocks(), STAGING);
     engine
@@ -228,8 +233,10 @@ fn the_cost_model_leaves_loads_slower_than_recompute() {
     let a = chain(5, 6);
     let tokens = 6 * BLOCK_TOKENS + 1;
     // Recomputing a trillion tokens a second beats any disk.
-    let fast = config().load_cost(LoadCost::recompute_at(1e12));
-    let engine = engine_with(fast, 64, G2_POOL + STAGING, 64, dir.path(), executor());
+    let engine = builder(executor(), dir.path())
+        .load_cost(LoadCost::recompute_at(1e12))
+        .build()
+        .unwrap();
     push_to_g3(&engine, std::slice::from_ref(&a), G2_POOL);
     let m = engine
         .match_request("c", &a, tokens, G1Lookup::Pool)
@@ -249,8 +256,10 @@ fn the_cost_model_leaves_loads_slower_than_recompute() {
 
     // One token a second: every block is worth loading.
     let dir = tempdir();
-    let slow = config().load_cost(LoadCost::recompute_at(1.0));
-    let engine = engine_with(slow, 64, G2_POOL + STAGING, 64, dir.path(), executor());
+    let engine = builder(executor(), dir.path())
+        .load_cost(LoadCost::recompute_at(1.0))
+        .build()
+        .unwrap();
     push_to_g3(&engine, std::slice::from_ref(&a), G2_POOL);
     let m = engine
         .match_request("c", &a, tokens, G1Lookup::Pool)

@@ -11,7 +11,7 @@ use std::os::unix::fs::FileExt;
 
 use kvbm_block::SequenceHash;
 use kvbm_pool::metrics::Path;
-use kvbm_pool::tier::{G1Lookup, TierEngine, TierEngineConfig, TierPolicy};
+use kvbm_pool::tier::{G1Lookup, TierEngine, TierPolicy};
 use kvbm_pool::{EvictionKind, Tier};
 use kvbm_testkit::fault::{Fault, FaultRule};
 use kvbm_transfer::disk::IoDir;
@@ -27,16 +27,14 @@ const G2_POOL: usize = 4;
 
 /// Write-back (the default), every block admitted everywhere, LRU
 /// everywhere: the oldest blocks of a chain go down first.
-fn config() -> TierEngineConfig {
-    TierEngineConfig::new(BLOCK_TOKENS)
+fn wb_engine(exec: Executor, dir: &std::path::Path, g3: usize) -> TierEngine {
+    let engine = tiers_with(G1, G2_POOL + STAGING, g3, dir, exec)
         .g1_eviction(EvictionKind::Lru)
         .g2_policy(TierPolicy::WriteThrough)
         .g3_policy(TierPolicy::WriteThrough)
-        .g3_staging_blocks(STAGING)
-}
-
-fn wb_engine(exec: Executor, dir: &std::path::Path, g3: usize) -> TierEngine {
-    let engine = engine_with(config(), G1, G2_POOL + STAGING, g3, dir, exec);
+        .g3_staging_bytes(STAGING as u64 * block_bytes())
+        .build()
+        .unwrap();
     assert_eq!(engine.staging_free_blocks(), STAGING);
     engine
 }

@@ -18,8 +18,8 @@ use kvbm_block::{SequenceDigest, SequenceHash, VllmBlockHash};
 use kvbm_dist::kept::{HISTORY_EVERY, HistoryKeeper, HistoryWriter};
 use kvbm_dist::leader::{Leader, LeaderConfig, PendingLeader, RankState};
 use kvbm_pool::tier::{
-    DEFAULT_G3_STAGING_BYTES, G1Lookup, OnboardHandle, OnboardTarget, RetentionHint, TierEngine,
-    TierEngineConfig, TierMover, TierPolicy,
+    G1Lookup, OnboardHandle, OnboardTarget, RetentionHint, TierEngine, TierPolicy,
+    default_g3_staging_bytes,
 };
 use kvbm_pool::{KvEvent, KvEventBatch, Tier};
 use parking_lot::Mutex;
@@ -267,15 +267,7 @@ fn staging_bytes(g2_bytes: u64, g3_bytes: u64, asked: Option<u64>) -> u64 {
     if g3_bytes == 0 {
         return 0;
     }
-    asked.unwrap_or_else(|| DEFAULT_G3_STAGING_BYTES.min(g2_bytes / 8))
-}
-
-/// `bytes` of the leader's G2 in whole blocks.
-fn staging_blocks(mover: &dyn TierMover, bytes: u64) -> usize {
-    if mover.capacity(Tier::G2).is_none() || mover.capacity(Tier::G3).is_none() {
-        return 0;
-    }
-    usize::try_from(bytes / mover.block_bytes(Tier::G2).max(1)).unwrap_or(usize::MAX)
+    asked.unwrap_or_else(|| default_g3_staging_bytes(g2_bytes))
 }
 
 #[pymethods]
@@ -340,15 +332,16 @@ impl Scheduler {
         }
         let inner = py.detach(move || -> Result<Inner> {
             let leader = PendingLeader::bind(config)?.handshake()?;
-            let mut engine_config = TierEngineConfig::new(block_size as usize)
+            // The staging area is the last `staging` bytes of the leader's
+            // G2, in whole blocks.
+            let mut builder = TierEngine::builder_with_mover(leader.mover(), block_size as usize)
                 .g2_policy(policy)
-                .g3_policy(policy);
+                .g3_policy(policy)
+                .g3_staging_bytes(staging);
             if let Some(n) = offload_in_flight {
-                engine_config = engine_config.offload_in_flight(n);
+                builder = builder.offload_in_flight(n);
             }
-            let mover: Arc<dyn TierMover> = leader.mover();
-            engine_config = engine_config.g3_staging_blocks(staging_blocks(&*mover, staging));
-            let engine = Arc::new(TierEngine::with_mover(engine_config, mover)?);
+            let engine = Arc::new(builder.build()?);
             // What the workers' kept tiers held before this engine
             // started, ranked by the history written beside them.
             let history = history_path.map(|p| HistoryKeeper::new(p, HISTORY_EVERY));
@@ -388,7 +381,7 @@ impl Scheduler {
     /// G2 blocks set aside as the G3 prefetch's staging area (0: none).
     #[getter]
     fn g3_staging_blocks(&self) -> PyResult<usize> {
-        Ok(self.engine()?.config().g3_staging_blocks)
+        Ok(self.engine()?.g3_staging_blocks())
     }
 
     /// Staging blocks free now (the others hold G3 blocks read for

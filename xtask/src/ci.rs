@@ -144,7 +144,10 @@ fn run_tests(nixl_libs: &Path) -> Result<Tally, String> {
     cmd.env("LD_LIBRARY_PATH", lib_path)
         .env("KVBM_REQUIRE_NIXL", "1")
         .env("KVBM_REQUIRE_CURVE", "1")
-        .env("KVBM_REQUIRE_TRACES", if traces_present() { "1" } else { "0" })
+        .env(
+            "KVBM_REQUIRE_TRACES",
+            if traces_present() { "1" } else { "0" },
+        )
         // UCX's InfiniBand module can crash at exit on machines without it.
         .env("UCX_MODULES", "^ib");
     println!("xtask ci: == test: {cmd:?}");

@@ -27,15 +27,15 @@ use kvbm_dist::leader::{Leader, LeaderConfig, PRIVATE_ENDPOINT, PendingLeader};
 use kvbm_dist::node::NodeArgs;
 use kvbm_dist::proto::ProbeOp;
 use kvbm_layout::{BlockOrder, Layout, LayoutKind};
-use kvbm_pool::tier::{TierEngine, TierEngineConfig, TierMover};
+use kvbm_pool::tier::TierEngine;
 use kvbm_transfer::memory::DISK_ALIGNMENT;
 
 use parking_lot::Mutex;
 
 use super::super::error::{BenchError, Result};
 use super::super::host_view::Mismatch;
-use super::ReplayConfig;
 use super::engine::G1Memory;
+use super::{ReplayConfig, TierKnobs};
 use crate::disk_dir::DIST_PREFIX;
 use crate::model::{KvModel, check_disk_alignment};
 use crate::shutdown::{self, Guard};
@@ -251,8 +251,8 @@ pub struct InstanceSpec {
     /// Keeps every worker's G2 across restarts too, in `rank<r>` under
     /// this directory (in `/dev/shm`), under `kept_identity`.
     pub g2_keep_dir: Option<PathBuf>,
-    /// The tier engine's configuration.
-    pub tier_config: TierEngineConfig,
+    /// The tier engine's knobs.
+    pub knobs: TierKnobs,
 }
 
 impl InstanceSpec {
@@ -285,9 +285,7 @@ pub fn launch(
     run_dir: Arc<RunDir>,
 ) -> Result<(TierEngine, G1Memory, Cluster)> {
     let c = start(spec, run_dir)?;
-    let mover: Arc<dyn TierMover> = c.leader.mover();
-    let engine = TierEngine::with_mover(spec.tier_config.clone(), mover)
-        .map_err(|e| BenchError::Tier(e.to_string()))?;
+    let engine = spec.knobs.build(c.leader.mover())?;
     let g1 = G1Memory::Distributed(Arc::clone(&c.leader));
     Ok((engine, g1, c))
 }
@@ -376,7 +374,7 @@ pub fn kept_identity(model: &KvModel, page: usize, block_tokens: u32, world: u32
 /// and G3 of `caps`; with `keep_g3`, G3 kept under [`kept_identity`].
 pub(crate) fn spec(
     cfg: &ReplayConfig,
-    tier_config: TierEngineConfig,
+    knobs: TierKnobs,
     page: usize,
     caps: [usize; 3],
     keep_g3: bool,
@@ -412,7 +410,7 @@ pub(crate) fn spec(
         kept_identity: keep_g3
             .then(|| kept_identity(&cfg.model, page, cfg.block_tokens, cfg.workers)),
         g2_keep_dir: None,
-        tier_config,
+        knobs,
     })
 }
 
@@ -429,11 +427,11 @@ pub(crate) fn g1_memory(workers: u32) -> String {
 /// for the report.
 pub(crate) fn engine(
     cfg: &ReplayConfig,
-    tier_config: TierEngineConfig,
+    knobs: TierKnobs,
     page: usize,
     caps: [usize; 3],
 ) -> Result<(TierEngine, G1Memory, String, Cluster)> {
-    let spec = spec(cfg, tier_config, page, caps, false)?;
+    let spec = spec(cfg, knobs, page, caps, false)?;
     let run_dir = Arc::new(RunDir::create(&cfg.disk_dir)?);
     let (engine, g1, c) = launch(&spec, run_dir)?;
     Ok((engine, g1, g1_memory(cfg.workers), c))

@@ -2,14 +2,16 @@
 //! or a host stand-in, G2 beside it, G3 a disk file.
 
 use kvbm_layout::{Layout, LayoutKind};
-use kvbm_pool::tier::{TierEngine, TierEngineConfig, TierLayouts};
+use std::sync::Arc;
+
+use kvbm_pool::tier::{LocalMover, TierEngine, TierLayouts};
 use kvbm_transfer::memory::{DiskAllocator, DiskOptions};
 use kvbm_transfer::{Executor, ExecutorSpec, PhysicalLayout};
 
 use super::engine::G1Memory;
 #[cfg(feature = "cuda")]
 use super::gpu;
-use super::{ReplayConfig, failures};
+use super::{ReplayConfig, TierKnobs, failures};
 use crate::error::{BenchError, Result};
 use crate::host_view::HostTier;
 
@@ -49,7 +51,7 @@ fn host_tiers(
 /// `host_g1`) or a host stand-in, G2 next to it, G3 on disk.
 pub(crate) fn local_engine(
     cfg: &ReplayConfig,
-    tier_config: TierEngineConfig,
+    knobs: TierKnobs,
     g1_layout: Layout,
     g2_layout: Option<Layout>,
     caps: [usize; 3],
@@ -98,15 +100,12 @@ pub(crate) fn local_engine(
         .physical()
         .ok_or_else(|| BenchError::Tier("G1 is not in this process".into()))?
         .clone();
-    let engine = TierEngine::new(
-        tier_config,
-        TierLayouts {
-            g1: g1_physical,
-            g2,
-            g3,
-        },
-        exec,
-    )
-    .map_err(|e| BenchError::Tier(e.to_string()))?;
+    let layouts = TierLayouts {
+        g1: g1_physical,
+        g2,
+        g3,
+    };
+    let mover = LocalMover::new(layouts, exec).map_err(|e| BenchError::Tier(e.to_string()))?;
+    let engine = knobs.build(Arc::new(mover))?;
     Ok((engine, g1, g1_memory, g3_direct))
 }

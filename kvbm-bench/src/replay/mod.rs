@@ -20,6 +20,7 @@ pub mod engine;
 pub mod failures;
 #[cfg(feature = "cuda")]
 pub mod gpu;
+mod knobs;
 pub mod latency;
 mod local;
 mod refs;
@@ -29,11 +30,12 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use kvbm_layout::{BlockOrder, Layout, LayoutKind};
-use kvbm_pool::tier::{LoadCost, OffloadMode, TierEngineConfig, TierPolicy};
+use kvbm_pool::tier::{LoadCost, OffloadMode, TierPolicy};
 use serde::Serialize;
 
 use self::engine::{EngineDriver, PATHS};
 pub use self::failures::{FailureRow, G3Faults};
+pub use self::knobs::TierKnobs;
 pub use self::restart::{RestartReport, Restarts};
 use super::error::{BenchError, Result};
 use super::model::{KvModel, check_disk_alignment};
@@ -285,8 +287,8 @@ pub(crate) struct Plan {
     /// Blocks of G3 prefetch staging, allocated after G2's pool in its
     /// memory (0: none).
     pub(crate) staging: usize,
-    /// The engine's configuration.
-    pub(crate) tier_config: TierEngineConfig,
+    /// The engine's knobs.
+    pub(crate) knobs: TierKnobs,
 }
 
 /// Checks `cfg`, sizes the tiers and prepares the disk directory (cleared
@@ -333,25 +335,23 @@ pub(crate) fn plan(cfg: &ReplayConfig) -> Result<Plan> {
             cfg.max_host_bytes as f64 / (1u64 << 30) as f64
         )));
     }
-    let mut tier_config = TierEngineConfig::new(cfg.block_tokens as usize)
-        .g2_policy(cfg.policy)
-        .g3_policy(cfg.policy)
-        .offload_mode(cfg.offload_mode)
-        .g3_staging_blocks(staging);
-    if cfg.decline_slow_loads {
-        // The engine counts a trace block's tokens; its bytes are those of
-        // `page` stored tokens. Recomputing `scale` times faster keeps the
-        // comparison per stored token, as the report makes it.
-        tier_config = tier_config.load_cost(LoadCost::recompute_at(
-            cfg.prefill_tokens_per_s * f64::from(cfg.scale),
-        ));
-    }
-    if let Some(n) = cfg.g1_free_reserve {
-        tier_config = tier_config.g1_free_reserve(n);
-    }
-    if let Some(n) = cfg.offload_in_flight {
-        tier_config = tier_config.offload_in_flight(n);
-    }
+    // The engine counts a trace block's tokens; its bytes are those of
+    // `page` stored tokens. Recomputing `scale` times faster keeps the
+    // comparison per stored token, as the report makes it.
+    let load_cost = cfg
+        .decline_slow_loads
+        .then(|| LoadCost::recompute_at(cfg.prefill_tokens_per_s * f64::from(cfg.scale)));
+    let knobs = TierKnobs {
+        block_tokens: cfg.block_tokens as usize,
+        policy: cfg.policy,
+        offload_mode: cfg.offload_mode,
+        // The staging blocks after G2's pool, which the in-process replay
+        // allocates (none with workers).
+        g3_staging_bytes: staging as u64 * block_bytes,
+        load_cost,
+        g1_free_reserve: cfg.g1_free_reserve,
+        offload_in_flight: cfg.offload_in_flight,
+    };
     if caps[2] > 0 || cfg.workers > 0 {
         crate::disk_dir::prepare(&cfg.disk_dir)?;
         crate::disk_dir::remove_stale(&cfg.disk_dir)?;
@@ -363,7 +363,7 @@ pub(crate) fn plan(cfg: &ReplayConfig) -> Result<Plan> {
         caps,
         block_bytes,
         staging,
-        tier_config,
+        knobs,
     })
 }
 
@@ -435,9 +435,8 @@ fn data_plane(
         caps,
         block_bytes,
         staging,
-        ref tier_config,
+        knobs,
     } = *plan;
-    let tier_config = tier_config.clone();
     let requests = &cfg.requests;
     let g1_slots = caps[0];
     // Layouts: G1 as an engine allocates it, G2 and G3 as kvbm does.
@@ -472,13 +471,13 @@ fn data_plane(
                 (engine, g1, dist::g1_memory(cfg.workers), false)
             }
             None => {
-                let (engine, g1, what, c) = dist::engine(cfg, tier_config, page, caps)?;
+                let (engine, g1, what, c) = dist::engine(cfg, knobs, page, caps)?;
                 _cluster = Some(c);
                 (engine, g1, what, false)
             }
         }
     } else {
-        local::local_engine(cfg, tier_config, g1_layout, g2_layout, caps, page)?
+        local::local_engine(cfg, knobs, g1_layout, g2_layout, caps, page)?
     };
     // A run stopped by force still removes its G3 file.
     if let Some((file, _)) = engine
@@ -580,8 +579,8 @@ fn data_plane(
         placement: format!(
             "kvbm-pool TierEngine, G2/G3 policy {:?}, {:?} from G1 (G1 free reserve {}); G3 {}",
             cfg.policy,
-            driver.engine().config().offload_mode,
-            driver.engine().config().g1_reserve_for(caps[0]),
+            driver.engine().offload_mode(),
+            driver.engine().g1_free_reserve(),
             if cfg.workers > 0 {
                 "files on the workers (O_DIRECT where the file system allows)"
             } else if caps[2] == 0 {

@@ -2,7 +2,7 @@
 //! same capacities (tiered reuse score, tiered LRU, single LRU, Belady),
 //! and their sweep over total capacity.
 
-use kvbm_pool::tier::{ReuseModel, TierEngineConfig};
+use kvbm_pool::tier::{DEFAULT_HISTORY_FACTOR, DEFAULT_REUSE_MODEL, ReuseModel};
 
 use super::{ReplayConfig, ReplayReport, SweepPoint};
 use crate::sim::reuse_score::{ReuseScoreConfig, ReuseScoreTiers, ScoreModel};
@@ -60,15 +60,14 @@ fn reuse_stats(requests: &[Request], block_tokens: u32, caps: [usize; 3]) -> Rep
         g2: caps[1],
         g3: caps[2],
     };
-    let engine = TierEngineConfig::new(block_tokens as usize);
     let config = ReuseScoreConfig {
-        model: match engine.reuse_model {
+        model: match DEFAULT_REUSE_MODEL {
             ReuseModel::ReturnWithin { horizon } => ScoreModel::ReturnWithin { horizon },
             // The simulator's nearest model (its weights are learned
             // per age bucket, the engine's per use count only).
             ReuseModel::Hyperbolic => ScoreModel::Hyperbolic { exponent: 1.0 },
         },
-        history_factor: engine.history_factor,
+        history_factor: DEFAULT_HISTORY_FACTOR,
         ..ReuseScoreConfig::for_tiers(tiers)
     };
     let mut sim =

@@ -397,7 +397,7 @@ impl Restarter {
                 "--restarts keeps G3 across restarts: give G3 some capacity (--g3)".into(),
             ));
         }
-        let mut spec = dist::spec(cfg, plan.tier_config.clone(), plan.page, plan.caps, true)?;
+        let mut spec = dist::spec(cfg, plan.knobs, plan.page, plan.caps, true)?;
         let run_dir = Arc::new(RunDir::create(&cfg.disk_dir)?);
         let g2_dir = if cfg.restarts.keep_g2 {
             let shm = Path::new(SHM_DIR);

@@ -448,7 +448,8 @@ impl std::fmt::Debug for Leader {
 }
 
 impl Leader {
-    /// The distributed mover, for `TierEngine::with_mover` (or direct use).
+    /// The distributed mover, for [`TierEngine::builder_with_mover`] (or
+    /// direct use).
     pub fn mover(&self) -> Arc<DistMover> {
         Arc::clone(&self.mover)
     }

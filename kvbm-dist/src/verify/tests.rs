@@ -514,11 +514,9 @@ fn kept_g3_outlives_the_instance(world: u32, memory: Memory) {
     let open = i.leader.g3_open_times();
     assert_eq!(open.len(), world as usize);
     assert!(open.iter().all(|d| !d.is_zero()), "{open:?}");
-    let engine = kvbm_pool::TierEngine::with_mover(
-        kvbm_pool::tier::TierEngineConfig::new(16),
-        i.leader.mover(),
-    )
-    .unwrap();
+    let engine = kvbm_pool::TierEngine::builder_with_mover(i.leader.mover(), 16)
+        .build()
+        .unwrap();
     assert_eq!(i.leader.restore_kept(&engine).g3, 2);
     let g3 = engine.pool(Tier::G3).unwrap();
     assert!(
@@ -601,11 +599,9 @@ fn kept_g2_outlives_the_instance(world: u32, memory: Memory) {
         .map(|(s, l)| (*s, l.hash))
         .collect();
     assert_eq!(found, vec![(10, 100), (11, 101)]);
-    let engine = kvbm_pool::TierEngine::with_mover(
-        kvbm_pool::tier::TierEngineConfig::new(16),
-        i.leader.mover(),
-    )
-    .unwrap();
+    let engine = kvbm_pool::TierEngine::builder_with_mover(i.leader.mover(), 16)
+        .build()
+        .unwrap();
     let restored = i.leader.restore_kept(&engine);
     assert_eq!((restored.g2, restored.g3), (2, 0));
     assert!(

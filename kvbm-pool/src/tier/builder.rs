@@ -1,15 +1,25 @@
-//! Building a tier engine from a KV shape and tier sizes.
+//! Building a tier engine: the one way to make one.
 //!
-//! [`TierEngine::builder`] takes the model's [`KvShape`] once; every tier's
-//! layout follows from it: G1 as an engine lays it out (layer-separate,
-//! K and V planes apart) or the engine's own tensors, G2 fully contiguous
-//! in host memory (pinned when G1 is on a GPU), G3 fully contiguous in an
-//! `O_DIRECT` file with blocks padded to the disk's alignment. The
-//! executor follows from the tiers (see [`kvbm_transfer::ExecutorSpec`]).
-//! Memory that does not hold blocks of the shape is a
-//! [`TierError::ShapeMismatch`].
+//! [`TierEngine::builder`] takes the model's [`KvShape`] once and kvbm
+//! allocates every tier from it: G1 as an engine lays it out
+//! (layer-separate, K and V planes apart) or the engine's own tensors, G2
+//! fully contiguous in host memory (pinned when G1 is on a GPU), G3 fully
+//! contiguous in an `O_DIRECT` file with blocks padded to the disk's
+//! alignment. The executor follows from the tiers (see
+//! [`kvbm_transfer::ExecutorSpec`]). Memory that does not hold blocks of
+//! the shape is a [`TierError::ShapeMismatch`].
+//!
+//! [`TierEngine::builder_with_mover`] builds over memory a [`TierMover`]
+//! already owns instead: a distributed mover whose workers hold the tiers,
+//! or a [`LocalMover`](super::LocalMover) over layouts the caller
+//! allocated. Both builders take the same tuning knobs (policies, offload
+//! mode and limits, retention hints; see [`TierEngineBuilder`]); every
+//! knob's value is checked when the engine is built.
 
-use std::path::PathBuf;
+mod knobs;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use kvbm_layout::{BlockOrder, Layout, LayoutKind};
 use kvbm_transfer::memory::{
@@ -17,9 +27,11 @@ use kvbm_transfer::memory::{
 };
 use kvbm_transfer::{Executor, ExecutorSpec, MemoryKind, PhysicalLayout};
 
-use super::config::{OffloadMode, TierEngineConfig, TierPolicy};
+use super::config::{TierEngineConfig, default_g3_staging_blocks};
+use super::mover::{LocalMover, TierMover};
 use super::shape::KvShape;
-use super::{TierEngine, TierError, TierLayouts};
+use super::{TierEngine, TierError, TierLayouts, assemble};
+use crate::config::Tier;
 
 /// Where G1 comes from.
 #[derive(Debug)]
@@ -33,52 +45,100 @@ enum G1Source {
     Device(kvbm_transfer::cuda::CudaDevice, usize),
 }
 
-/// Builds a [`TierEngine`]: the KV shape, then the tiers, then
-/// [`build`](Self::build). Made by [`TierEngine::builder`].
-pub struct TierEngineBuilder {
+/// Builds a [`TierEngine`]: the tiers, then the knobs, then
+/// [`build`](Self::build). Made by [`TierEngine::builder`] (tiers kvbm
+/// allocates, [`ShapeTiers`]) or [`TierEngine::builder_with_mover`] (a
+/// mover's tiers, [`MoverTiers`]); the knobs are the same for both.
+#[derive(Debug)]
+pub struct TierEngineBuilder<T = ShapeTiers> {
+    tiers: T,
+    config: TierEngineConfig,
+    /// G3 staging bytes asked for; `None`: the default.
+    g3_staging_bytes: Option<u64>,
+}
+
+/// The tiers of a [`TierEngineBuilder`] made by [`TierEngine::builder`]:
+/// kvbm allocates them for blocks of a KV shape, as the builder's
+/// `g1_*`, [`g2_host_bytes`](TierEngineBuilder::g2_host_bytes) and
+/// [`g3_disk`](TierEngineBuilder::g3_disk) say.
+pub struct ShapeTiers {
     shape: KvShape,
     g1: Option<G1Source>,
     g2_bytes: Option<u64>,
-    /// G3 prefetch staging blocks; `None`: the default bytes' worth.
-    g3_staging: Option<usize>,
     g3: Option<(PathBuf, u64)>,
-    config: TierEngineConfig,
     executor: Option<Executor>,
 }
 
-impl std::fmt::Debug for TierEngineBuilder {
+impl std::fmt::Debug for ShapeTiers {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TierEngineBuilder")
+        f.debug_struct("ShapeTiers")
             .field("shape", &self.shape)
             .field("g1", &self.g1)
             .field("g2_bytes", &self.g2_bytes)
             .field("g3", &self.g3)
-            .field("config", &self.config)
             .field("own_executor", &self.executor.is_some())
             .finish()
     }
 }
 
+/// The tiers of a [`TierEngineBuilder`] made by
+/// [`TierEngine::builder_with_mover`]: the memory a [`TierMover`] owns.
+pub struct MoverTiers {
+    mover: Arc<dyn TierMover>,
+}
+
+impl std::fmt::Debug for MoverTiers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let cap = |t| self.mover.capacity(t);
+        f.debug_struct("MoverTiers")
+            .field("g1", &cap(Tier::G1))
+            .field("g2", &cap(Tier::G2))
+            .field("g3", &cap(Tier::G3))
+            .finish_non_exhaustive()
+    }
+}
+
 impl TierEngine {
-    /// Starts building an engine for blocks of `shape`.
-    pub fn builder(shape: KvShape) -> TierEngineBuilder {
+    /// Starts building an engine for blocks of `shape`, whose tiers kvbm
+    /// allocates: give G1 (`g1_host`, `g1_device`, `g1_engine` or
+    /// `g1_layout`), optionally G2 and G3, then the knobs.
+    pub fn builder(shape: KvShape) -> TierEngineBuilder<ShapeTiers> {
         TierEngineBuilder {
-            shape,
-            g1: None,
-            g2_bytes: None,
-            g3_staging: None,
-            g3: None,
+            tiers: ShapeTiers {
+                shape,
+                g1: None,
+                g2_bytes: None,
+                g3: None,
+                executor: None,
+            },
             config: TierEngineConfig::new(shape.tokens_per_block()),
-            executor: None,
+            g3_staging_bytes: None,
+        }
+    }
+
+    /// Starts building an engine over the memory `mover` owns, for blocks
+    /// of `block_tokens` tokens (the engine's block size; the tiers'
+    /// capacities are the mover's). Without
+    /// [`g3_staging_bytes`](TierEngineBuilder::g3_staging_bytes) the engine
+    /// has no G3 staging area: kvbm cannot tell whether the mover's G2
+    /// has room for one beyond its pool.
+    pub fn builder_with_mover(
+        mover: Arc<dyn TierMover>,
+        block_tokens: usize,
+    ) -> TierEngineBuilder<MoverTiers> {
+        TierEngineBuilder {
+            tiers: MoverTiers { mover },
+            config: TierEngineConfig::new(block_tokens),
+            g3_staging_bytes: None,
         }
     }
 }
 
-impl TierEngineBuilder {
+impl TierEngineBuilder<ShapeTiers> {
     /// G1 in host memory, `blocks` blocks laid out as an engine lays them
     /// out (for engines that run on the CPU, tests and benchmarks).
     pub fn g1_host(mut self, blocks: usize) -> Self {
-        self.g1 = Some(G1Source::Host(blocks));
+        self.tiers.g1 = Some(G1Source::Host(blocks));
         self
     }
 
@@ -86,7 +146,7 @@ impl TierEngineBuilder {
     /// as an engine lays them out.
     #[cfg(feature = "cuda")]
     pub fn g1_device(mut self, device: &kvbm_transfer::cuda::CudaDevice, blocks: usize) -> Self {
-        self.g1 = Some(G1Source::Device(device.clone(), blocks));
+        self.tiers.g1 = Some(G1Source::Device(device.clone(), blocks));
         self
     }
 
@@ -94,30 +154,20 @@ impl TierEngineBuilder {
     /// recognised by [`EngineKvCache`]. Their block shape must be the
     /// engine's KV shape.
     pub fn g1_engine(mut self, cache: EngineKvCache) -> Self {
-        self.g1 = Some(G1Source::Engine(cache.into_physical()));
+        self.tiers.g1 = Some(G1Source::Engine(cache.into_physical()));
         self
     }
 
     /// G1 is memory the caller laid out and allocated itself.
     pub fn g1_layout(mut self, layout: PhysicalLayout) -> Self {
-        self.g1 = Some(G1Source::Engine(layout));
+        self.tiers.g1 = Some(G1Source::Engine(layout));
         self
     }
 
     /// G2 in at most `bytes` of host memory (pinned when G1 is on a GPU),
     /// as many whole blocks as fit.
     pub fn g2_host_bytes(mut self, bytes: u64) -> Self {
-        self.g2_bytes = Some(bytes);
-        self
-    }
-
-    /// Host memory for `blocks` blocks of G3 prefetch staging, beyond the G2
-    /// budget (0: no prefetch; G3 blocks are read into G1 at onboard).
-    /// Without this call, [`DEFAULT_G3_STAGING_BYTES`](super::DEFAULT_G3_STAGING_BYTES)
-    /// worth when the engine has both a G2 and a G3 (see
-    /// [`TierEngineConfig::g3_staging_blocks`]).
-    pub fn g3_staging_blocks(mut self, blocks: usize) -> Self {
-        self.g3_staging = Some(blocks);
+        self.tiers.g2_bytes = Some(bytes);
         self
     }
 
@@ -127,159 +177,184 @@ impl TierEngineBuilder {
     /// the kvbm files in `dir` that no process holds locked (left by a
     /// process that was killed), so `dir` should hold only scratch files.
     pub fn g3_disk(mut self, dir: impl Into<PathBuf>, bytes: u64) -> Self {
-        self.g3 = Some((dir.into(), bytes));
-        self
-    }
-
-    /// Admission and eviction in G2.
-    pub fn g2_policy(mut self, policy: TierPolicy) -> Self {
-        self.config.g2_policy = policy;
-        self
-    }
-
-    /// Admission and eviction in G3.
-    pub fn g3_policy(mut self, policy: TierPolicy) -> Self {
-        self.config.g3_policy = policy;
-        self
-    }
-
-    /// When G1 blocks are copied to G2.
-    pub fn offload_mode(mut self, mode: OffloadMode) -> Self {
-        self.config.offload_mode = mode;
-        self
-    }
-
-    /// Write-back: keeps `blocks` G1 slots free ahead of need (at most half
-    /// of G1; 0: off) instead of the automatic size, their victims saved in
-    /// the background (see [`TierEngineConfig::g1_free_reserve`]).
-    pub fn g1_free_reserve(mut self, blocks: usize) -> Self {
-        self.config.g1_free_reserve = Some(blocks);
-        self
-    }
-
-    /// Every engine parameter at once, for experts. Its block size must be
-    /// the shape's tokens per block.
-    pub fn config(mut self, config: TierEngineConfig) -> Self {
-        self.config = config;
+        self.tiers.g3 = Some((dir.into(), bytes));
         self
     }
 
     /// Moves the bytes with `executor` instead of one assembled from the
     /// tiers, for experts (it must serve every pair of the tiers' memory).
     pub fn executor(mut self, executor: Executor) -> Self {
-        self.executor = Some(executor);
+        self.tiers.executor = Some(executor);
         self
     }
 
     /// Allocates the tiers, assembles the executor and starts the engine.
     pub fn build(self) -> Result<TierEngine, TierError> {
-        let shape = self.shape;
-        if self.config.block_size != shape.tokens_per_block() {
-            return Err(TierError::ShapeMismatch {
-                what: "the engine configuration".into(),
-                dimension: "tokens per block",
-                expected: shape.tokens_per_block(),
-                found: self.config.block_size,
-            });
-        }
-        let g1 = match self.g1 {
-            None => {
-                return Err(TierError::InvalidConfig(
-                    "no G1: call g1_host, g1_device or g1_engine".into(),
-                ));
-            }
-            Some(G1Source::Host(blocks)) => {
-                PhysicalLayout::allocate_system(engine_layout(&shape, blocks)?, &host())?
-            }
-            #[cfg(feature = "cuda")]
-            Some(G1Source::Device(device, blocks)) => {
-                PhysicalLayout::allocate_device(engine_layout(&shape, blocks)?, &device)?
-            }
-            Some(G1Source::Engine(layout)) => {
-                shape.check("G1 (the engine's memory)", layout.layout().config())?;
-                layout
-            }
-        };
-        #[cfg(feature = "cuda")]
-        let device = match g1.kind() {
-            MemoryKind::Device(ordinal) => Some(
-                kvbm_transfer::cuda::CudaDevice::open(ordinal as usize)
-                    .map_err(kvbm_transfer::cuda::backend::to_transfer_error)?,
-            ),
-            _ => None,
-        };
-        #[cfg(not(feature = "cuda"))]
-        if let MemoryKind::Device(_) = g1.kind() {
-            return Err(TierError::InvalidConfig(
-                "G1 is device memory: build kvbm-pool with feature `cuda`".into(),
-            ));
-        }
+        self.config.validate().map_err(TierError::InvalidConfig)?;
+        let ShapeTiers {
+            shape,
+            g1,
+            g2_bytes,
+            g3,
+            executor,
+        } = self.tiers;
         let mut config = self.config;
-        config.g3_staging_blocks = match (self.g2_bytes, &self.g3) {
-            (Some(g2), Some(_)) => self.g3_staging.unwrap_or(match config.g3_staging_blocks {
-                0 => super::config::default_g3_staging_blocks(g2, shape.block_bytes()),
-                n => n,
-            }),
+        config.g3_staging_blocks = match (g2_bytes, &g3) {
+            (Some(g2), Some(_)) => match self.g3_staging_bytes {
+                Some(bytes) => whole_blocks_in(bytes, shape.block_bytes()),
+                None => default_g3_staging_blocks(g2, shape.block_bytes()),
+            },
             _ => 0,
         };
-        let g2 = match self.g2_bytes {
+        let g1 = g1_memory(&shape, g1)?;
+        let device = g1_device(&g1)?;
+        let g2 = match g2_bytes {
             None => None,
-            Some(bytes) => {
-                let blocks = whole_blocks("G2", bytes, shape.block_bytes())?;
-                let layout = Layout::new(
-                    shape.layout_config(blocks + config.g3_staging_blocks)?,
-                    LayoutKind::FullyContiguous,
-                )
-                .map_err(layout_err)?;
-                #[cfg(feature = "cuda")]
-                if let Some(device) = &device {
-                    Some(PhysicalLayout::allocate_pinned(layout, device)?)
-                } else {
-                    Some(PhysicalLayout::allocate_system(layout, &host())?)
-                }
-                #[cfg(not(feature = "cuda"))]
-                Some(PhysicalLayout::allocate_system(layout, &host())?)
-            }
+            Some(bytes) => Some(g2_memory(&shape, bytes, config.g3_staging_blocks, &device)?),
         };
-        let g3 = match &self.g3 {
+        let g3 = match &g3 {
             None => None,
-            Some((dir, bytes)) => {
-                let padded = shape.block_bytes().div_ceil(DISK_ALIGNMENT) * DISK_ALIGNMENT;
-                let config = shape
-                    .layout_config(whole_blocks("G3", *bytes, padded)?)?
-                    .with_alignment(DISK_ALIGNMENT)
-                    .map_err(layout_err)?;
-                let layout =
-                    Layout::new(config, LayoutKind::FullyContiguous).map_err(layout_err)?;
-                let disk = DiskAllocator::new(dir, DiskOptions::default())?;
-                let stale = kvbm_transfer::memory::remove_stale_files(disk.dir())?;
-                if !stale.is_empty() {
-                    tracing::warn!(
-                        dir = %disk.dir().display(),
-                        files = stale.len(),
-                        "removed G3 files left by killed processes (no process held their lock)"
-                    );
-                }
-                Some(PhysicalLayout::allocate_disk(layout, &disk)?)
-            }
+            Some((dir, bytes)) => Some(g3_memory(&shape, dir, *bytes)?),
         };
-        let executor = match self.executor {
+        let executor = match executor {
             Some(e) => e,
-            None => {
-                let spec = ExecutorSpec::host();
-                #[cfg(feature = "cuda")]
-                let spec = match device {
-                    Some(d) => ExecutorSpec::device(d),
-                    None => spec,
-                };
-                spec.disk(g3.is_some()).build()?
-            }
+            None => default_executor(&device, g3.is_some())?,
         };
         for layout in [&g2].into_iter().flatten() {
             executor.register(layout)?;
         }
-        TierEngine::new(config, TierLayouts { g1, g2, g3 }, executor)
+        let mover = LocalMover::new(TierLayouts { g1, g2, g3 }, executor)?;
+        assemble::start(config, Arc::new(mover))
     }
+}
+
+impl TierEngineBuilder<MoverTiers> {
+    /// Starts the engine over the mover's tiers. The G3 staging area, when
+    /// asked for, is the staging bytes' worth of whole blocks at the end of
+    /// the mover's G2 (none without a G2 and a G3).
+    pub fn build(self) -> Result<TierEngine, TierError> {
+        let mover = self.tiers.mover;
+        let mut config = self.config;
+        config.g3_staging_blocks = match (
+            self.g3_staging_bytes,
+            mover.capacity(Tier::G2),
+            mover.capacity(Tier::G3),
+        ) {
+            (Some(bytes), Some(_), Some(_)) => whole_blocks_in(bytes, mover.block_bytes(Tier::G2)),
+            _ => 0,
+        };
+        assemble::start(config, mover)
+    }
+}
+
+/// The device G1 lives on, when it is device memory.
+#[cfg(feature = "cuda")]
+type G1Device = Option<kvbm_transfer::cuda::CudaDevice>;
+/// Without CUDA, G1 is never device memory.
+#[cfg(not(feature = "cuda"))]
+type G1Device = ();
+
+/// G1's memory: allocated for `shape`, or the engine's, checked against it.
+fn g1_memory(shape: &KvShape, source: Option<G1Source>) -> Result<PhysicalLayout, TierError> {
+    match source {
+        None => Err(TierError::InvalidConfig(
+            "no G1: call g1_host, g1_device or g1_engine".into(),
+        )),
+        Some(G1Source::Host(blocks)) => Ok(PhysicalLayout::allocate_system(
+            engine_layout(shape, blocks)?,
+            &host(),
+        )?),
+        #[cfg(feature = "cuda")]
+        Some(G1Source::Device(device, blocks)) => Ok(PhysicalLayout::allocate_device(
+            engine_layout(shape, blocks)?,
+            &device,
+        )?),
+        Some(G1Source::Engine(layout)) => {
+            shape.check("G1 (the engine's memory)", layout.layout().config())?;
+            Ok(layout)
+        }
+    }
+}
+
+/// The device G1 is on (`None`: host memory).
+#[cfg(feature = "cuda")]
+fn g1_device(g1: &PhysicalLayout) -> Result<G1Device, TierError> {
+    Ok(match g1.kind() {
+        MemoryKind::Device(ordinal) => Some(
+            kvbm_transfer::cuda::CudaDevice::open(ordinal as usize)
+                .map_err(kvbm_transfer::cuda::backend::to_transfer_error)?,
+        ),
+        _ => None,
+    })
+}
+
+/// Refuses device memory for G1 in a build without CUDA.
+#[cfg(not(feature = "cuda"))]
+fn g1_device(g1: &PhysicalLayout) -> Result<G1Device, TierError> {
+    match g1.kind() {
+        MemoryKind::Device(_) => Err(TierError::InvalidConfig(
+            "G1 is device memory: build kvbm-pool with feature `cuda`".into(),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// G2: as many whole blocks as `bytes` hold, then `staging` blocks more;
+/// pinned when G1 is on a device.
+fn g2_memory(
+    shape: &KvShape,
+    bytes: u64,
+    staging: usize,
+    device: &G1Device,
+) -> Result<PhysicalLayout, TierError> {
+    let blocks = whole_blocks("G2", bytes, shape.block_bytes())?;
+    let layout = Layout::new(
+        shape.layout_config(blocks + staging)?,
+        LayoutKind::FullyContiguous,
+    )
+    .map_err(layout_err)?;
+    #[cfg(feature = "cuda")]
+    if let Some(device) = device {
+        return Ok(PhysicalLayout::allocate_pinned(layout, device)?);
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = device;
+    Ok(PhysicalLayout::allocate_system(layout, &host())?)
+}
+
+/// G3: a file in `dir` of as many whole disk-aligned blocks as `bytes`
+/// hold, after removing the files killed processes left there.
+fn g3_memory(shape: &KvShape, dir: &Path, bytes: u64) -> Result<PhysicalLayout, TierError> {
+    let padded = shape.block_bytes().div_ceil(DISK_ALIGNMENT) * DISK_ALIGNMENT;
+    let config = shape
+        .layout_config(whole_blocks("G3", bytes, padded)?)?
+        .with_alignment(DISK_ALIGNMENT)
+        .map_err(layout_err)?;
+    let layout = Layout::new(config, LayoutKind::FullyContiguous).map_err(layout_err)?;
+    let disk = DiskAllocator::new(dir, DiskOptions::default())?;
+    let stale = kvbm_transfer::memory::remove_stale_files(disk.dir())?;
+    if !stale.is_empty() {
+        tracing::warn!(
+            dir = %disk.dir().display(),
+            files = stale.len(),
+            "removed G3 files left by killed processes (no process held their lock)"
+        );
+    }
+    Ok(PhysicalLayout::allocate_disk(layout, &disk)?)
+}
+
+/// The executor the tiers need: host copies, the device's when G1 is on
+/// one, and disk I/O with a G3.
+fn default_executor(device: &G1Device, disk: bool) -> Result<Executor, TierError> {
+    let spec = ExecutorSpec::host();
+    #[cfg(feature = "cuda")]
+    let spec = match device {
+        Some(d) => ExecutorSpec::device(d.clone()),
+        None => spec,
+    };
+    #[cfg(not(feature = "cuda"))]
+    let _ = device;
+    Ok(spec.disk(disk).build()?)
 }
 
 fn host() -> SystemAllocator {
@@ -299,6 +374,11 @@ fn engine_layout(shape: &KvShape, blocks: usize) -> Result<Layout, TierError> {
     .map_err(layout_err)
 }
 
+/// Whole blocks of `block_bytes` in `bytes` (possibly none).
+fn whole_blocks_in(bytes: u64, block_bytes: u64) -> usize {
+    usize::try_from(bytes / block_bytes.max(1)).unwrap_or(usize::MAX)
+}
+
 /// Whole blocks of `block_bytes` in `bytes`; at least one.
 fn whole_blocks(tier: &str, bytes: u64, block_bytes: u64) -> Result<usize, TierError> {
     let n = bytes / block_bytes.max(1);
@@ -314,6 +394,7 @@ fn whole_blocks(tier: &str, bytes: u64, block_bytes: u64) -> Result<usize, TierE
 mod tests {
     use super::*;
     use crate::Tier;
+    use crate::tier::TierPolicy;
 
     /// 4 KiB chunks: the disk's alignment.
     fn shape() -> KvShape {
@@ -347,7 +428,7 @@ mod tests {
             .g1_host(8)
             .g2_host_bytes(10 * block)
             .g3_disk(dir.path(), 20 * block)
-            .g3_staging_blocks(0)
+            .g3_staging_bytes(0)
             .build()
             .unwrap();
         assert_eq!(off.staging_free_blocks(), 0);
@@ -356,12 +437,6 @@ mod tests {
 
     #[test]
     fn mismatches_are_typed_errors() {
-        let err = TierEngine::builder(shape())
-            .g1_host(8)
-            .config(TierEngineConfig::new(32))
-            .build()
-            .unwrap_err();
-        assert!(matches!(err, TierError::ShapeMismatch { .. }), "{err}");
         let other = engine_layout(&shape().block_tokens(32), 4).unwrap();
         let g1 = PhysicalLayout::allocate_system(other, &host()).unwrap();
         let err = TierEngine::builder(shape())
@@ -395,5 +470,91 @@ mod tests {
             .build()
             .unwrap_err();
         assert!(err.to_string().contains("chunk size"), "{err}");
+    }
+
+    #[test]
+    fn bad_knobs_are_errors_not_panics() {
+        for builder in [
+            TierEngine::builder(shape()).g1_host(8).offload_in_flight(0),
+            TierEngine::builder(shape()).g1_host(8).hint_slack(0.5),
+            TierEngine::builder(shape()).g1_host(8).offload_limits(0, 1),
+            TierEngine::builder(shape())
+                .g1_host(8)
+                .g2_policy(TierPolicy::MinUses(0)),
+            TierEngine::builder(shape())
+                .g1_host(8)
+                .reuse_age_exponent(f64::NAN),
+        ] {
+            let err = builder.build().unwrap_err();
+            assert!(matches!(err, TierError::InvalidConfig(_)), "{err}");
+        }
+    }
+
+    /// A local mover over host G1 and G2 (`g2` blocks) and, with `dir`, a
+    /// G3 of 16 blocks there.
+    fn mover(g2: usize, dir: Option<&Path>) -> Arc<dyn TierMover> {
+        let physical = |blocks: usize| {
+            let layout = Layout::new(
+                shape().layout_config(blocks).unwrap(),
+                LayoutKind::FullyContiguous,
+            )
+            .unwrap();
+            PhysicalLayout::allocate_system(layout, &host()).unwrap()
+        };
+        let g3 = dir.map(|d| {
+            let layout = g3_layout(16);
+            let disk = DiskAllocator::new(d, DiskOptions::default()).unwrap();
+            PhysicalLayout::allocate_disk(layout, &disk).unwrap()
+        });
+        let layouts = TierLayouts {
+            g1: physical(8),
+            g2: Some(physical(g2)),
+            g3,
+        };
+        let executor = ExecutorSpec::host().disk(true).build().unwrap();
+        Arc::new(LocalMover::new(layouts, executor).unwrap())
+    }
+
+    fn g3_layout(blocks: usize) -> Layout {
+        let config = shape()
+            .layout_config(blocks)
+            .unwrap()
+            .with_alignment(DISK_ALIGNMENT)
+            .unwrap();
+        Layout::new(config, LayoutKind::FullyContiguous).unwrap()
+    }
+
+    #[test]
+    fn over_a_mover_the_staging_area_follows_from_its_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let block = shape().block_bytes();
+        let staged = TierEngine::builder_with_mover(mover(12, Some(dir.path())), 16)
+            .g3_staging_bytes(2 * block + 1)
+            .build()
+            .unwrap();
+        assert_eq!(staged.g3_staging_blocks(), 2);
+        assert_eq!(staged.staging_free_blocks(), 2);
+        assert_eq!(staged.pool(Tier::G2).unwrap().capacity(), 10);
+        // None unless asked for, and none without a G3.
+        let plain = TierEngine::builder_with_mover(mover(12, Some(dir.path())), 16)
+            .build()
+            .unwrap();
+        assert_eq!(plain.g3_staging_blocks(), 0);
+        assert_eq!(plain.pool(Tier::G2).unwrap().capacity(), 12);
+        let no_g3 = TierEngine::builder_with_mover(mover(12, None), 16)
+            .g3_staging_bytes(2 * block)
+            .build()
+            .unwrap();
+        assert_eq!(no_g3.g3_staging_blocks(), 0);
+        // The staging area must leave G2's pool a block.
+        let err = TierEngine::builder_with_mover(mover(2, Some(dir.path())), 16)
+            .g3_staging_bytes(2 * block)
+            .build()
+            .unwrap_err();
+        assert!(matches!(err, TierError::InvalidConfig(_)), "{err}");
+        let err = TierEngine::builder_with_mover(mover(2, None), 0)
+            .build()
+            .unwrap_err();
+        assert!(matches!(err, TierError::InvalidConfig(_)), "{err}");
     }
 }

@@ -35,7 +35,8 @@
 //!   recomputing it ([`LoadCost`]). Matched G2/G3 blocks are held until
 //!   onboarded or released, and the G3 ones start moving at once: they are
 //!   read into a staging area at the end of G2's memory (G3 prefetch,
-//!   `g3_staging_blocks`) while the engine allocates G1.
+//!   [`TierEngineBuilder::g3_staging_bytes`]) while the engine allocates
+//!   G1.
 //! - **Onboard.** Copies the held blocks into G1 blocks (allocated by kvbm
 //!   from its G1 pool, or given by the engine as ids) and resolves one
 //!   completion per request; staged G3 blocks are copied from their slots
@@ -46,7 +47,13 @@
 //! Reuse-score admission and eviction need to know how often each block
 //! was requested; every first match of a request records its prompt in a
 //! shared [`crate::policy::UseHistory`].
+//!
+//! An engine is made by [`TierEngine::builder`] (tiers kvbm allocates for
+//! a [`KvShape`]) or [`TierEngine::builder_with_mover`] (the tiers a
+//! [`TierMover`] owns); both take the same knobs, the one way to configure
+//! it.
 
+mod assemble;
 mod behind;
 mod builder;
 mod config;
@@ -70,12 +77,16 @@ use std::sync::mpsc::Receiver;
 use std::thread::JoinHandle;
 
 use kvbm_block::SequenceHash;
-use kvbm_transfer::{Executor, PhysicalLayout};
+use kvbm_transfer::PhysicalLayout;
 
 use parking_lot::Mutex;
 
-pub use builder::TierEngineBuilder;
-pub use config::{DEFAULT_G3_STAGING_BYTES, G3Onboard, OffloadMode, TierEngineConfig, TierPolicy};
+pub use builder::{MoverTiers, ShapeTiers, TierEngineBuilder};
+pub(crate) use config::TierEngineConfig;
+pub use config::{
+    DEFAULT_G3_STAGING_BYTES, DEFAULT_HISTORY_FACTOR, DEFAULT_REUSE_MODEL, G3Onboard, OffloadMode,
+    TierPolicy, default_g3_staging_bytes,
+};
 pub use cost::LoadCost;
 pub use error::TierError;
 pub use matching::{G1Lookup, TierMatch};
@@ -84,19 +95,16 @@ pub use onboard::{OnboardHandle, OnboardTarget, Onboarded};
 pub use request::RequestId;
 pub use shape::{Dtype, KvShape};
 
-use crate::config::{EvictionKind, PoolConfig, Tier};
+use crate::config::Tier;
 use crate::events::KvEventBatch;
 use crate::metrics::{EngineMetrics, TierStats};
-use crate::policy::{
-    EvictionPolicy, FrequencyPolicy, LeafFirstPolicy, LruPolicy, RetainingPolicy, ReuseScorePolicy,
-    SharedHistory, SpillRecorder, UseHistory, VictimLog,
-};
 pub use crate::policy::{HintClock, RetentionHint, ReuseModel};
+use crate::policy::{SharedHistory, VictimLog};
 use crate::pool::{BlockPool, CompleteBlock, ImmutableBlocks, MutableBlock, WeakBlock};
 
 /// Allocates G1 blocks, saving G1's victims to G2 first in write-back mode;
 /// then, with `top_up`, tops G1's free slots up to the reserve (see
-/// [`TierEngineConfig::g1_free_reserve`]). An onboard allocates without:
+/// [`TierEngineBuilder::g1_free_reserve`]). An onboard allocates without:
 /// the saves would compete with its copies, and run before or after its
 /// loaded blocks' G2 and G3 copies lose their rank depending on timing;
 /// the engine's next allocation tops up.
@@ -250,175 +258,26 @@ impl std::fmt::Debug for TierEngine {
     }
 }
 
-fn tier_policy(
-    policy: TierPolicy,
-    tier: Tier,
-    capacity: usize,
-    history: &SharedHistory,
-) -> Box<dyn EvictionPolicy> {
-    match policy {
-        TierPolicy::ReuseScore => Box::new(ReuseScorePolicy::for_tier(history.clone(), tier)),
-        TierPolicy::WriteThrough | TierPolicy::MinUses(_) => {
-            Box::new(LruPolicy::with_capacity(capacity))
-        }
-    }
-}
-
-fn slot(
-    mover: &dyn TierMover,
-    capacity: usize,
-    tier: Tier,
-    block_size: usize,
-    policy: Box<dyn EvictionPolicy>,
-) -> Result<TierSlot, TierError> {
-    let pool = BlockPool::with_policy(PoolConfig::new(capacity, block_size, tier), policy)?;
-    Ok(TierSlot {
-        pool,
-        tier,
-        block_bytes: mover.block_bytes(tier),
-    })
-}
-
 impl TierEngine {
-    /// Builds the engine over `layouts` (pool capacities are the layouts'
-    /// block counts), moved by `executor`, and starts its offload worker.
-    pub fn new(
-        config: TierEngineConfig,
-        layouts: TierLayouts,
-        executor: Executor,
-    ) -> Result<Self, TierError> {
-        Self::with_mover(config, Arc::new(LocalMover::new(layouts, executor)?))
+    /// When G1 blocks are copied to G2 (see
+    /// [`TierEngineBuilder::offload_mode`]).
+    pub fn offload_mode(&self) -> OffloadMode {
+        self.shared.config.offload_mode
     }
 
-    /// Builds the engine over the memory `mover` owns (pool capacities are
-    /// the mover's) and starts its offload worker.
-    pub fn with_mover(
-        config: TierEngineConfig,
-        mover: Arc<dyn TierMover>,
-    ) -> Result<Self, TierError> {
-        config.validate().map_err(TierError::InvalidConfig)?;
-        let cap = |t: Tier| mover.capacity(t);
-        let g1_capacity =
-            cap(Tier::G1).ok_or_else(|| TierError::InvalidConfig("the mover has no G1".into()))?;
-        let total: usize = [Tier::G1, Tier::G2, Tier::G3]
-            .into_iter()
-            .filter_map(cap)
-            .sum();
-        let ghosts = (total as f64 * config.history_factor).ceil() as usize;
-        let history = SharedHistory::new(
-            UseHistory::new(total.saturating_add(ghosts))
-                .with_model(config.reuse_model)
-                .with_age_exponent(config.reuse_age_exponent)
-                .with_hint_slack(config.hint_slack),
-        );
-        let hinted = Arc::new(AtomicBool::new(false));
-        let bs = config.block_size;
-        let g1_victims = (config.offload_mode == OffloadMode::WriteBack).then(VictimLog::default);
-        let g1 = {
-            let capacity = g1_capacity;
-            let pool_config = PoolConfig::new(capacity, bs, Tier::G1).eviction(config.g1_eviction);
-            let pool = match &g1_victims {
-                None => BlockPool::new(pool_config)?,
-                Some(log) => {
-                    let inner: Box<dyn EvictionPolicy> = match config.g1_eviction {
-                        EvictionKind::Lru => Box::new(LruPolicy::with_capacity(capacity)),
-                        EvictionKind::LeafFirst => {
-                            Box::new(LeafFirstPolicy::with_capacity(capacity))
-                        }
-                        EvictionKind::Frequency { sample } => {
-                            Box::new(FrequencyPolicy::new(capacity, sample))
-                        }
-                    };
-                    let inner = Box::new(RetainingPolicy::new(
-                        inner,
-                        history.clone(),
-                        Arc::clone(&hinted),
-                        config.hint_g1_within,
-                    ));
-                    let policy = Box::new(SpillRecorder::new(inner, Arc::clone(log)));
-                    BlockPool::with_policy(pool_config, policy)?
-                }
-            };
-            TierSlot {
-                pool,
-                tier: Tier::G1,
-                block_bytes: mover.block_bytes(Tier::G1),
-            }
-        };
-        let g2_victims: VictimLog = Arc::default();
-        // The staging area of G3 prefetch: the last blocks of G2's memory.
-        let staging_blocks = match (cap(Tier::G2), cap(Tier::G3)) {
-            (Some(g2), Some(_)) if config.g3_staging_blocks > 0 => {
-                if config.g3_staging_blocks >= g2 {
-                    return Err(TierError::InvalidConfig(format!(
-                        "g3_staging_blocks ({}) must leave G2's pool at least one of its {g2} blocks",
-                        config.g3_staging_blocks
-                    )));
-                }
-                config.g3_staging_blocks
-            }
-            _ => 0,
-        };
-        let staging = (staging_blocks > 0).then(|| {
-            let g2 = cap(Tier::G2).unwrap_or(0);
-            prefetch::Staging::new(g2 - staging_blocks, staging_blocks)
-        });
-        let g2 = match cap(Tier::G2).map(|c| c - staging_blocks) {
-            Some(cap) => {
-                let policy = Box::new(SpillRecorder::new(
-                    tier_policy(config.g2_policy, Tier::G2, cap, &history),
-                    Arc::clone(&g2_victims),
-                ));
-                Some(slot(&*mover, cap, Tier::G2, bs, policy)?)
-            }
-            None => None,
-        };
-        let g3 = match cap(Tier::G3) {
-            Some(cap) => Some(slot(
-                &*mover,
-                cap,
-                Tier::G3,
-                bs,
-                tier_policy(config.g3_policy, Tier::G3, cap, &history),
-            )?),
-            None => None,
-        };
-        let shared = Arc::new(Shared {
-            config,
-            g1,
-            g2,
-            g3,
-            g2_victims,
-            g1_victims,
-            g1_alloc: Mutex::new(()),
-            g1_saved: Mutex::default(),
-            mover,
-            history,
-            requests: Mutex::default(),
-            inflight: Mutex::default(),
-            offload: offload::OffloadQueue::default(),
-            engine_guards: Mutex::default(),
-            metrics: EngineMetrics::default(),
-            hinted,
-            staging,
-            rates: cost::MeasuredRates::default(),
-        });
-        let worker = {
-            let shared = Arc::clone(&shared);
-            std::thread::Builder::new()
-                .name("kvbm-offload".into())
-                .spawn(move || offload::run_worker(&shared))
-                .map_err(|e| TierError::InvalidConfig(format!("cannot start worker: {e}")))?
-        };
-        Ok(Self {
-            shared,
-            worker: Some(worker),
-        })
+    /// The G1 slots kept free ahead of need: the reserve asked for or the
+    /// automatic one, capped for this engine's G1, and 0 in write-through
+    /// mode (see [`TierEngineBuilder::g1_free_reserve`]).
+    pub fn g1_free_reserve(&self) -> usize {
+        self.shared
+            .config
+            .g1_reserve_for(self.shared.g1.pool.capacity())
     }
 
-    /// The engine's configuration.
-    pub fn config(&self) -> &TierEngineConfig {
-        &self.shared.config
+    /// Blocks of G2's memory set aside as the G3 staging area (0: none; see
+    /// [`TierEngineBuilder::g3_staging_bytes`]).
+    pub fn g3_staging_blocks(&self) -> usize {
+        self.shared.config.g3_staging_blocks
     }
 
     /// Tokens per block.

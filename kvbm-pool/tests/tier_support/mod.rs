@@ -9,7 +9,8 @@ use std::time::Duration;
 use kvbm_block::SequenceHash;
 use kvbm_layout::{Layout, LayoutConfig, LayoutKind};
 use kvbm_pool::tier::{
-    G1Lookup, OffloadMode, OnboardTarget, TierEngine, TierEngineConfig, TierLayouts, TierPolicy,
+    G1Lookup, LocalMover, MoverTiers, OffloadMode, OnboardTarget, TierEngine, TierEngineBuilder,
+    TierLayouts, TierPolicy,
 };
 use kvbm_pool::{ImmutableBlock, ImmutableBlocks, TierError};
 use kvbm_testkit::fault::{Fault, FaultControl, FaultRule, FaultyEngine};
@@ -111,48 +112,59 @@ pub fn load(engine: &TierEngine, id: &str, hashes: &[SequenceHash]) -> Result<us
     Ok(external)
 }
 
-/// An engine configuration that offloads every block and admits it to G2
-/// and G3 (write-through everywhere).
-pub fn write_through_config() -> TierEngineConfig {
-    TierEngineConfig::new(BLOCK_TOKENS)
+/// Offloads every block and admits it to G2 and G3 (write-through
+/// everywhere).
+pub fn write_through<T>(builder: TierEngineBuilder<T>) -> TierEngineBuilder<T> {
+    builder
         .offload_mode(OffloadMode::WriteThrough)
         .g2_policy(TierPolicy::WriteThrough)
         .g3_policy(TierPolicy::WriteThrough)
 }
 
-/// A [`write_through_config`] engine of 64 G1 blocks, 4 G2 blocks (so
-/// offloads go on to G3 soon) and 64 G3 blocks in `dir`, copying with
-/// `executor`.
+/// A [`write_through`] engine of 64 G1 blocks, 4 G2 blocks (so offloads
+/// go on to G3 soon) and 64 G3 blocks in `dir`, copying with `executor`.
 pub fn write_through_engine(dir: &std::path::Path, executor: Executor) -> TierEngine {
-    engine_with(write_through_config(), 64, 4, 64, dir, executor)
+    write_through(tiers_with(64, 4, 64, dir, executor))
+        .build()
+        .unwrap()
 }
 
-/// An engine over host G1/G2 and a disk G3 in `dir`.
-pub fn engine(
-    config: TierEngineConfig,
+/// Bytes of one block of [`layout_config`].
+pub fn block_bytes() -> u64 {
+    layout_config(1).block_bytes()
+}
+
+/// Host G1/G2 and a disk G3 in `dir` (a tier of 0 blocks is left out),
+/// ready for the knobs.
+pub fn tiers(
     g1: usize,
     g2: usize,
     g3: usize,
     dir: &std::path::Path,
-) -> TierEngine {
-    engine_with(config, g1, g2, g3, dir, executor())
+) -> TierEngineBuilder<MoverTiers> {
+    tiers_with(g1, g2, g3, dir, executor())
 }
 
-/// [`engine`] with an executor of your own.
-pub fn engine_with(
-    config: TierEngineConfig,
+/// [`tiers`] with an executor of your own.
+pub fn tiers_with(
     g1: usize,
     g2: usize,
     g3: usize,
     dir: &std::path::Path,
     executor: Executor,
-) -> TierEngine {
+) -> TierEngineBuilder<MoverTiers> {
     let layouts = TierLayouts {
         g1: host(g1),
         g2: (g2 > 0).then(|| host(g2)),
         g3: (g3 > 0).then(|| disk(g3, dir)),
     };
-    TierEngine::new(config, layouts, executor).unwrap()
+    over(layouts, executor)
+}
+
+/// An engine builder over `layouts`, moved by `executor`.
+pub fn over(layouts: TierLayouts, executor: Executor) -> TierEngineBuilder<MoverTiers> {
+    let mover = LocalMover::new(layouts, executor).unwrap();
+    TierEngine::builder_with_mover(Arc::new(mover), BLOCK_TOKENS)
 }
 
 /// A chain of `n` sequence hashes starting from `seed`.
@@ -272,7 +284,7 @@ pub fn compute_each(engine: &TierEngine, hashes: &[SequenceHash]) {
 }
 
 /// Computes `chains` one block at a time so every block goes on to G3 (on
-/// an engine of [`write_through_config`]), pushes G2's last `g2_blocks`
+/// an engine built with [`write_through`]), pushes G2's last `g2_blocks`
 /// out to G3 with fillers, then empties G1.
 pub fn push_to_g3(engine: &TierEngine, chains: &[Vec<SequenceHash>], g2_blocks: usize) {
     for c in chains {

@@ -20,13 +20,13 @@ use std::time::Duration;
 
 use kvbm_bench::sim::{BeladySim, LruSim, replay as sim_replay};
 use kvbm_block::SequenceHash;
-use kvbm_pool::tier::{G1Lookup, RetentionHint, TierEngine, TierEngineConfig};
+use kvbm_pool::tier::{G1Lookup, RetentionHint, TierEngine};
 use kvbm_testkit::trace::{
     AgenticConfig, AgenticTrace, MOONCAKE_BLOCK_TOKENS, NextCall, SyntheticConfig, TraceFacts,
     generate_agentic,
 };
 
-use super::tier_replay::{BLOCK_TOKENS, engine, serve};
+use super::tier_replay::{BLOCK_TOKENS, serve, tiers};
 
 /// The workload of the study, `programs` programs and as many chat
 /// conversations.
@@ -123,14 +123,14 @@ pub fn agentic_hints() {
         let run = |hints: Option<Vec<NextCall>>| {
             let dir = std::env::temp_dir().join(format!("kvbm-agentic-{}", std::process::id()));
             std::fs::create_dir_all(&dir).unwrap();
-            let mut config = TierEngineConfig::new(BLOCK_TOKENS);
+            let mut builder = tiers(caps[0], caps[1], caps[2], &dir);
             if let Some(s) = env_f64("KVBM_HINT_SLACK") {
-                config = config.hint_slack(s);
+                builder = builder.hint_slack(s);
             }
             if let Some(s) = env_f64("KVBM_HINT_G1_S") {
-                config = config.hint_g1_within(Duration::from_secs_f64(s));
+                builder = builder.hint_g1_within(Duration::from_secs_f64(s));
             }
-            let e = engine(config, caps[0], caps[1], caps[2], &dir);
+            let e = builder.build().unwrap();
             let started = std::time::Instant::now();
             let (hit, g1) = replay(&e, &trace, hints.as_deref());
             e.g1().audit().unwrap();

@@ -18,7 +18,8 @@
 use kvbm_block::SequenceHash;
 use kvbm_layout::{Layout, LayoutConfig, LayoutKind};
 use kvbm_pool::tier::{
-    G1Lookup, OffloadMode, OnboardTarget, TierEngine, TierEngineConfig, TierLayouts, TierPolicy,
+    G1Lookup, LocalMover, MoverTiers, OffloadMode, OnboardTarget, TierEngine, TierEngineBuilder,
+    TierLayouts, TierPolicy,
 };
 use kvbm_pool::{ImmutableBlock, ImmutableBlocks};
 use kvbm_testkit::trace::{MOONCAKE_BLOCK_TOKENS, Request};
@@ -146,12 +147,13 @@ fn run_with(
     let caps = fractions.map(|x| capacity(x, u));
     let dir = std::env::temp_dir().join(format!("kvbm-studies-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let config = TierEngineConfig::new(16)
+    let engine = tiers(caps[0].max(1), caps[1], caps[2], &dir)
         .g2_policy(policy)
         .g3_policy(policy)
         .offload_mode(mode)
-        .reuse_age_exponent(age_exponent);
-    let engine = engine(config, caps[0].max(1), caps[1], caps[2], &dir);
+        .reuse_age_exponent(age_exponent)
+        .build()
+        .unwrap();
     let started = std::time::Instant::now();
     let f = replay(&engine, &requests);
     println!(
@@ -242,32 +244,21 @@ fn executor() -> Executor {
     ExecutorSpec::host().disk(true).build().unwrap()
 }
 
-/// An engine over host G1/G2 and a disk G3 in `dir`.
-pub(crate) fn engine(
-    config: TierEngineConfig,
+/// Host G1/G2 and a disk G3 in `dir` (a tier of 0 blocks is left out),
+/// ready for the knobs.
+pub(crate) fn tiers(
     g1: usize,
     g2: usize,
     g3: usize,
     dir: &std::path::Path,
-) -> TierEngine {
-    engine_with(config, g1, g2, g3, dir, executor())
-}
-
-/// [`engine`] with an executor of your own.
-fn engine_with(
-    config: TierEngineConfig,
-    g1: usize,
-    g2: usize,
-    g3: usize,
-    dir: &std::path::Path,
-    executor: Executor,
-) -> TierEngine {
+) -> TierEngineBuilder<MoverTiers> {
     let layouts = TierLayouts {
         g1: host(g1),
         g2: (g2 > 0).then(|| host(g2)),
         g3: (g3 > 0).then(|| disk(g3, dir)),
     };
-    TierEngine::new(config, layouts, executor).unwrap()
+    let mover = LocalMover::new(layouts, executor()).unwrap();
+    TierEngine::builder_with_mover(std::sync::Arc::new(mover), BLOCK_TOKENS)
 }
 
 /// Byte `i` of a block named `hash`.
