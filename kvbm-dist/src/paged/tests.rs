@@ -41,6 +41,18 @@ fn page(e: &Engine, group: usize, layer: usize, block: usize) -> Vec<u8> {
 }
 
 fn worker(e: &Engine, blocks: usize, slots: usize, verify: bool) -> PagedWorker {
+    worker_over(e, blocks, slots, None, verify)
+}
+
+/// A worker over `e`'s pages, with `slots` G2 slots and, with `disk`, as
+/// many G3 slots in a file under that directory.
+fn worker_over(
+    e: &Engine,
+    blocks: usize,
+    slots: usize,
+    disk: Option<&std::path::Path>,
+    verify: bool,
+) -> PagedWorker {
     let widest = e.groups.iter().map(PageGroup::block_bytes).max().unwrap();
     let config = PagedConfig {
         groups: e.groups.clone(),
@@ -48,7 +60,10 @@ fn worker(e: &Engine, blocks: usize, slots: usize, verify: bool) -> PagedWorker 
         memory: PageMemory::Host,
         slots,
         slot_bytes: widest,
-        disk: None,
+        disk: disk.map(|dir| PagedDisk {
+            dir: dir.to_path_buf(),
+            slots,
+        }),
         verify,
     };
     // SAFETY: the buffers outlive the worker (dropped at the end of each
@@ -180,21 +195,7 @@ fn disk_worker(
     dir: &std::path::Path,
     verify: bool,
 ) -> PagedWorker {
-    let widest = e.groups.iter().map(PageGroup::block_bytes).max().unwrap();
-    let config = PagedConfig {
-        groups: e.groups.clone(),
-        num_blocks: blocks,
-        memory: PageMemory::Host,
-        slots,
-        slot_bytes: widest,
-        disk: Some(PagedDisk {
-            dir: dir.to_path_buf(),
-            slots,
-        }),
-        verify,
-    };
-    // SAFETY: as in `worker`.
-    unsafe { PagedWorker::new(config, Arc::new(())) }.unwrap()
+    worker_over(e, blocks, slots, Some(dir), verify)
 }
 
 fn settled_clean(w: &PagedWorker, job: u64) -> JobReport {
