@@ -72,9 +72,7 @@ def main() -> int:
     if a.layout == "packed":
         # Memory [blocks, tokens, heads, K|V], viewed [blocks, heads, tokens, K|V].
         layers = [
-            torch.randn(a.capacity, BLOCK, HEADS, 2 * HEAD, device=device)
-            .to(torch.bfloat16)
-            .permute(0, 2, 1, 3)
+            torch.randn(a.capacity, BLOCK, HEADS, 2 * HEAD, device=device).to(torch.bfloat16).permute(0, 2, 1, 3)
             for _ in range(LAYERS)
         ]
 
@@ -82,8 +80,7 @@ def main() -> int:
             return t[b]
     else:
         layers = [
-            torch.randn(2, a.capacity, BLOCK, HEADS, HEAD, device=device).to(torch.bfloat16)
-            for _ in range(LAYERS)
+            torch.randn(2, a.capacity, BLOCK, HEADS, HEAD, device=device).to(torch.bfloat16) for _ in range(LAYERS)
         ]
 
         def of(t, b):
@@ -95,10 +92,13 @@ def main() -> int:
     # transfer below), and the per-block copy_ loop.
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+
     def big_d2h():
         return timed(lambda: host.copy_(dev, non_blocking=True))
+
     def big_h2d():
         return timed(lambda: dev.copy_(host, non_blocking=True))
+
     big_d2h(), big_h2d()  # warm-up
     rng = random.Random(7)
     ids = list(range(a.capacity))
@@ -119,7 +119,7 @@ def main() -> int:
 
     loop_d2h = statistics.median(timed(loop_out) for _ in range(a.reps))
     loop_h2d = statistics.median(timed(loop_in) for _ in range(a.reps))
-    del stage
+    stage = None  # the staging copy is freed; the loops above are done
 
     def measure(verify: bool) -> tuple[list, list, list, list]:
         """kvbm's offload and onboard times over the repetitions (the first
@@ -128,11 +128,18 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             endpoint = f"ipc://{tmp}/leader.sock"
             gpu = torch.cuda.current_device() if device == "cuda" else None
-            worker = kvbm_py.Worker(endpoint, 0, 1, specs, 2, a.capacity, tuple(layers),
-                                    f"{tmp}/instance.secret", device=gpu)
-            sched = kvbm_py.Scheduler(endpoint, 1, BLOCK, secret_file=f"{tmp}/instance.secret",
-                                      g2_bytes=4 * n * BLOCK_BYTES, admission="all",
-                                      verify=verify)
+            worker = kvbm_py.Worker(
+                endpoint, 0, 1, specs, 2, a.capacity, tuple(layers), f"{tmp}/instance.secret", device=gpu
+            )
+            sched = kvbm_py.Scheduler(
+                endpoint,
+                1,
+                BLOCK,
+                secret_file=f"{tmp}/instance.secret",
+                g2_bytes=4 * n * BLOCK_BYTES,
+                admission="all",
+                verify=verify,
+            )
             try:
                 for rep in range(a.reps + 1):
                     hashes, parent = [], None
@@ -146,10 +153,12 @@ def main() -> int:
                     sched.release(req)
                     m = sched.match_prefix(req + "b", hashes, n * BLOCK + 1, 0)
                     assert m.g2_blocks == n, m
+
                     def onboard():
                         sched.onboard(req + "b", dst)
                         err = sched.wait_onboard(req + "b")
                         assert err is None, err
+
                     r_in = big_h2d()
                     t_in = timed(onboard)
                     for t in layers:
@@ -180,7 +189,9 @@ def main() -> int:
     # Each repetition's kvbm time against the reference timed just before it.
     ratio_out = med(r / t for r, t in zip(ref_out, out_s))
     ratio_in = med(r / t for r, t in zip(ref_in, in_s))
-    print(f"{n} blocks of {BLOCK_BYTES >> 10} KiB ({nbytes / 2**20:.0f} MiB), layout {a.layout}, medians of {a.reps}; every byte checked")
+    print(
+        f"{n} blocks of {BLOCK_BYTES >> 10} KiB ({nbytes / 2**20:.0f} MiB), layout {a.layout}, medians of {a.reps}; every byte checked"
+    )
     print(f"{'path':<28}{'G1->G2 GB/s':>12}{'G2->G1 GB/s':>12}")
     rows = [
         ("one large copy (reference)", gbps(nbytes, d2h), gbps(nbytes, h2d)),

@@ -53,9 +53,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=200, help="new requests per batch")
     ap.add_argument("--repeat", type=int, default=2000, help="calls per batch of the same request")
     ap.add_argument("--reps", type=int, default=5, help="timed batches per case")
-    ap.add_argument(
-        "--admission", default="reuse_score", help="kvbm's admission policy (the connector's default)"
-    )
+    ap.add_argument("--admission", default="reuse_score", help="kvbm's admission policy (the connector's default)")
     ap.add_argument(
         "--connector",
         default="KvbmConnector",
@@ -65,20 +63,19 @@ def main() -> int:
     args = ap.parse_args()
     warnings.simplefilter("ignore")
 
-    from sched_harness import build
     from vllm import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
+
+    from sched_harness import build
 
     blocks = args.tokens // BLOCK
     tmp = tempfile.mkdtemp(prefix="kvbm-sched-bench-")
     os.environ["TMPDIR"] = tmp
     tempfile.tempdir = tmp
     spec = args.connector == "KvbmOffloadingConnector"
-    h = build(
-        tmp, {"cpu_cache_gb": 0.05, "admission": args.admission}, num_blocks=blocks + 8, connector=args.connector
-    )
+    h = build(tmp, {"cpu_cache_gb": 0.05, "admission": args.admission}, num_blocks=blocks + 8, connector=args.connector)
     hash_fn = get_hash_fn_by_name("sha256_cbor")
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(BLOCK, hash_fn)

@@ -101,10 +101,7 @@ def main() -> int:
     slot_bytes = page * LAYERS
     n = a.blocks
     nbytes = n * slot_bytes
-    layers = [
-        torch.randint(-128, 127, (a.capacity, page), dtype=torch.int8, device="cuda")
-        for _ in range(LAYERS)
-    ]
+    layers = [torch.randint(-128, 127, (a.capacity, page), dtype=torch.int8, device="cuda") for _ in range(LAYERS)]
     slots = 4 * n + 2
     worker = _kvbm.PageWorker(
         [([t.data_ptr() for t in layers], page, page)], a.capacity, slots, slot_bytes, layers, device=0
@@ -134,6 +131,7 @@ def main() -> int:
                 host.copy_(dev, non_blocking=True)
             with torch.cuda.stream(s2):
                 dev2.copy_(host2, non_blocking=True)
+
         return timed(go)
 
     job = iter(range(1, 1 << 40))

@@ -63,14 +63,12 @@ def rank_main(rank, a, endpoint, secret, g3_dir, conn, barrier):
         torch.cuda.set_device(ordinal)
         dev = torch.device("cuda", ordinal)
     dtype = torch.bfloat16
-    layers = [
-        torch.zeros(2, a.capacity, BLOCK, a.heads, a.head_dim, dtype=dtype, device=dev)
-        for _ in range(a.layers)
-    ]
+    layers = [torch.zeros(2, a.capacity, BLOCK, a.heads, a.head_dim, dtype=dtype, device=dev) for _ in range(a.layers)]
     specs = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in layers]
     hooks = {"transfer_delay_ms": a.transfer_delay_ms} if a.transfer_delay_ms else {}
-    worker = kvbm_py.Worker(endpoint, rank, a.ranks, specs, 2, a.capacity, tuple(layers),
-                            secret, device=ordinal, g3_dir=g3_dir, **hooks)
+    worker = kvbm_py.Worker(
+        endpoint, rank, a.ranks, specs, 2, a.capacity, tuple(layers), secret, device=ordinal, g3_dir=g3_dir, **hooks
+    )
 
     def sync():
         if dev.type == "cuda":
@@ -80,8 +78,7 @@ def rank_main(rank, a, endpoint, secret, g3_dir, conn, barrier):
         g = torch.Generator(device=dev).manual_seed(seed * 131 + rank)
         idx = torch.tensor(ids, device=dev)
         for t in layers:
-            t[:, idx] = torch.randn(t[:, idx].shape, generator=g, device=dev,
-                                    dtype=torch.float32).to(dtype)
+            t[:, idx] = torch.randn(t[:, idx].shape, generator=g, device=dev, dtype=torch.float32).to(dtype)
         sync()
         return True
 
@@ -118,8 +115,7 @@ def rank_main(rank, a, endpoint, secret, g3_dir, conn, barrier):
         del d, h
         return out
 
-    handlers = {"fill": fill, "check": check, "one_copy": one_copy,
-                "block_bytes": lambda: worker.block_bytes}
+    handlers = {"fill": fill, "check": check, "one_copy": one_copy, "block_bytes": lambda: worker.block_bytes}
     conn.send(("ready", rank))
     while True:
         cmd, args = conn.recv()
@@ -138,9 +134,7 @@ class Rank:
     def __init__(self, ctx, rank, a, endpoint, secret, g3_dir, barrier):
         self.rank = rank
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=rank_main,
-                                args=(rank, a, endpoint, secret, g3_dir, child, barrier),
-                                daemon=True)
+        self.proc = ctx.Process(target=rank_main, args=(rank, a, endpoint, secret, g3_dir, child, barrier), daemon=True)
         self.proc.start()
 
     def ready(self, timeout=300):
@@ -221,13 +215,16 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=4, help="KV heads per rank")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--kill-after-ms", type=float, default=10.0,
-                    help="how long into an onboard a rank is killed")
+    ap.add_argument("--kill-after-ms", type=float, default=10.0, help="how long into an onboard a rank is killed")
     ap.add_argument("--dir", default=None, help="where the G3 files go (default: a temp dir)")
     ap.add_argument("--reps", type=int, default=20, help="onboards per latency figure")
-    ap.add_argument("--transfer-delay-ms", type=int, default=0,
-                    help="hold every copy back this long (needs a wheel built with "
-                         "feature test-hooks; tests use it so the kill lands mid-transfer)")
+    ap.add_argument(
+        "--transfer-delay-ms",
+        type=int,
+        default=0,
+        help="hold every copy back this long (needs a wheel built with "
+        "feature test-hooks; tests use it so the kill lands mid-transfer)",
+    )
     a = ap.parse_args()
     n = a.blocks
     a.capacity = 2 * n + 64
@@ -252,14 +249,22 @@ def main() -> int:
         r.ready()
     block_bytes = ranks[0].call("block_bytes")
     g2_blocks = n + n // 4
-    sched = kvbm_py.Scheduler(endpoint, a.ranks, BLOCK, secret_file=secret,
-                              g2_bytes=a.ranks * g2_blocks * block_bytes,
-                              g3_bytes=a.ranks * 2 * n * block_bytes,
-                              admission="all", handshake_timeout_s=300)
+    sched = kvbm_py.Scheduler(
+        endpoint,
+        a.ranks,
+        BLOCK,
+        secret_file=secret,
+        g2_bytes=a.ranks * g2_blocks * block_bytes,
+        g3_bytes=a.ranks * 2 * n * block_bytes,
+        admission="all",
+        handshake_timeout_s=300,
+    )
     rank_bytes = n * block_bytes
     total = rank_bytes * a.ranks
-    print(f"{a.ranks} ranks on {a.device}, {n} blocks of {block_bytes / 2**20:.2f} MiB per rank "
-          f"({rank_bytes / 2**30:.2f} GiB per rank per transfer); capacity {sched.capacity()}")
+    print(
+        f"{a.ranks} ranks on {a.device}, {n} blocks of {block_bytes / 2**20:.2f} MiB per rank "
+        f"({rank_bytes / 2**30:.2f} GiB per rank per transfer); capacity {sched.capacity()}"
+    )
     failures = []
     try:
         # 1. References.
@@ -267,12 +272,15 @@ def main() -> int:
         together = on_all(ranks, "one_copy", rank_bytes, True)
         if alone[0] is not None:
             for r, (d2h, h2d) in enumerate(alone):
-                print(f"rank {r} one large copy alone: G1->G2 {gbps(rank_bytes, d2h):.2f} GB/s, "
-                      f"G2->G1 {gbps(rank_bytes, h2d):.2f} GB/s")
+                print(
+                    f"rank {r} one large copy alone: G1->G2 {gbps(rank_bytes, d2h):.2f} GB/s, "
+                    f"G2->G1 {gbps(rank_bytes, h2d):.2f} GB/s"
+                )
             ref_out = gbps(total, max(t[0] for t in together))
             ref_in = gbps(total, max(t[1] for t in together))
-            print(f"all ranks at once, one large copy each: G1->G2 {ref_out:.2f} GB/s, "
-                  f"G2->G1 {ref_in:.2f} GB/s aggregate")
+            print(
+                f"all ranks at once, one large copy each: G1->G2 {ref_out:.2f} GB/s, G2->G1 {ref_in:.2f} GB/s aggregate"
+            )
         else:
             ref_out = ref_in = None
 
@@ -287,16 +295,20 @@ def main() -> int:
         m, err, t_in = onboard(sched, "a-in", hashes_a, dst)
         bad = on_all(ranks, "check", list(zip(src, dst)))
         sched.release("a-in")
-        print(f"G2 round trip: match {m.g2_blocks} in G2, {m.g3_blocks} in G3; error {err}; "
-              f"mismatched blocks per rank {bad}")
+        print(
+            f"G2 round trip: match {m.g2_blocks} in G2, {m.g3_blocks} in G3; error {err}; "
+            f"mismatched blocks per rank {bad}"
+        )
         if err or any(bad) or m.g2_blocks + m.g3_blocks < n - 1:
             failures.append("G2 round trip")
 
         def row(label, secs, ref):
             agg = gbps(total, secs)
             ratio = f"{agg / ref:.3f}" if ref else "-"
-            print(f"  {label:<34} {agg:8.2f} GB/s aggregate, {gbps(rank_bytes, secs):8.2f} per rank,"
-                  f" ratio to all ranks' one large copy {ratio}")
+            print(
+                f"  {label:<34} {agg:8.2f} GB/s aggregate, {gbps(rank_bytes, secs):8.2f} per rank,"
+                f" ratio to all ranks' one large copy {ratio}"
+            )
 
         row("offload G1->G2 (through the leader)", t_out, ref_out)
         row("onboard G2->G1 (through the leader)", t_in, ref_in)
@@ -310,8 +322,10 @@ def main() -> int:
         m, err, t_g3 = onboard(sched, "a-g3", hashes_a, dst)
         bad = on_all(ranks, "check", list(zip(src, dst))[: m.g2_blocks + m.g3_blocks])
         sched.release("a-g3")
-        print(f"G3 round trip: match {m.g2_blocks} in G2, {m.g3_blocks} in G3; error {err}; "
-              f"mismatched blocks per rank {bad}")
+        print(
+            f"G3 round trip: match {m.g2_blocks} in G2, {m.g3_blocks} in G3; error {err}; "
+            f"mismatched blocks per rank {bad}"
+        )
         if err or any(bad) or m.g3_blocks == 0:
             failures.append("G3 round trip")
         row("onboard G2+G3->G1 (through the leader)", t_g3, ref_in)
@@ -334,9 +348,11 @@ def main() -> int:
                     break
             times.sort()
             wire = blocks * block_bytes * a.ranks / (ref_in * 1e9) if ref_in else 0.0
-            print(f"onboard of {blocks} block(s) per rank: p50 {times[len(times) // 2] * 1e6:.0f} us, "
-                  f"max {times[-1] * 1e6:.0f} us; the bytes at the reference rate "
-                  f"{wire * 1e6:.0f} us; added by kvbm p50 {(times[len(times) // 2] - wire) * 1e6:.0f} us")
+            print(
+                f"onboard of {blocks} block(s) per rank: p50 {times[len(times) // 2] * 1e6:.0f} us, "
+                f"max {times[-1] * 1e6:.0f} us; the bytes at the reference rate "
+                f"{wire * 1e6:.0f} us; added by kvbm p50 {(times[len(times) // 2] - wire) * 1e6:.0f} us"
+            )
         bad = on_all(ranks, "check", list(zip(src[:k], dst[:k])))
         if any(bad):
             failures.append("latency onboards' bytes")
@@ -353,9 +369,11 @@ def main() -> int:
         after = sched.stats()
         sched.release("kill")
         loaded = sum(after[f"{p}_blocks"] - before[f"{p}_blocks"] for p in ("g2_to_g1", "g3_to_g1"))
-        print(f"killed rank {victim.rank} {a.kill_after_ms:.0f} ms into an onboard of {found} blocks: "
-              f"error {err!r}; blocks counted loaded {loaded}; onboard failures "
-              f"{after['onboard_failures'] - before['onboard_failures']}; ranks {sched.ranks()}")
+        print(
+            f"killed rank {victim.rank} {a.kill_after_ms:.0f} ms into an onboard of {found} blocks: "
+            f"error {err!r}; blocks counted loaded {loaded}; onboard failures "
+            f"{after['onboard_failures'] - before['onboard_failures']}; ranks {sched.ranks()}"
+        )
         if err is None:
             print("  (the onboard finished before the kill: raise --blocks or lower --kill-after-ms)")
             failures.append("kill landed after the onboard")
@@ -371,8 +389,10 @@ def main() -> int:
         m, err, t_in = onboard(sched, "d-in", hashes_d, dst)
         bad = on_all(ranks, "check", list(zip(src, dst))[: m.g2_blocks + m.g3_blocks])
         sched.release("d-in")
-        print(f"after the rejoin: {m.g2_blocks + m.g3_blocks} blocks onboarded, error {err}, "
-              f"mismatched blocks per rank {bad}")
+        print(
+            f"after the rejoin: {m.g2_blocks + m.g3_blocks} blocks onboarded, error {err}, "
+            f"mismatched blocks per rank {bad}"
+        )
         if err or any(bad) or m.g2_blocks + m.g3_blocks < n - 1:
             failures.append("transfer after the rejoin")
         row("offload after the rejoin", t_out, ref_out)

@@ -32,8 +32,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from fuzz_workload import BLOCK, MAX_MODEL_LEN, MAX_TOKENS, Case, make_case, repro_case  # noqa: E402
-from engine_run import drop_prefix_cache, settle  # noqa: E402
+from engine_run import drop_prefix_cache, settle
+from fuzz_workload import BLOCK, MAX_MODEL_LEN, MAX_TOKENS, Case, make_case, repro_case
 
 #: An engine that neither finishes nor drains in this many steps is stuck.
 MAX_STEPS = 20_000
@@ -108,9 +108,7 @@ def run_waves(llm, case: Case, tag: str) -> tuple[dict[int, list[int]], list[int
                     outputs[prompt_of[out.request_id]] = list(out.outputs[0].token_ids)
             step += 1
             if step > MAX_STEPS:
-                raise SystemExit(
-                    f"seed {case.seed}: wave {w} still running after {MAX_STEPS} steps: {stuck(llm)}"
-                )
+                raise SystemExit(f"seed {case.seed}: wave {w} still running after {MAX_STEPS} steps: {stuck(llm)}")
     for p in aborted:
         outputs.pop(p, None)
     return outputs, aborted

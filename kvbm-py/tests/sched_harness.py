@@ -152,12 +152,7 @@ class Harness:
         for outs in out.values():
             if outs.scheduler_stats is not None:
                 self.stats.append(outs.scheduler_stats)
-        finished = [
-            o.request_id
-            for outs in out.values()
-            for o in outs.outputs
-            if o.finish_reason is not None
-        ]
+        finished = [o.request_id for outs in out.values() for o in outs.outputs if o.finish_reason is not None]
         self.finished += finished
         self.log.append(
             f"scheduled={dict(so.num_scheduled_tokens)} finished={finished} "
@@ -256,9 +251,7 @@ def build(
         cache_config=cache_config,
         kv_transfer_config=kv_transfer_config,
         device_config=DeviceConfig("cpu"),
-        kv_events_config=(
-            KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
-        ),
+        kv_events_config=(KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None),
     )
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     kv_cache_config = KVCacheConfig(
@@ -267,9 +260,7 @@ def build(
         kv_cache_groups=[
             KVCacheGroupSpec(
                 layers,
-                FullAttentionSpec(
-                    block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float16
-                ),
+                FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float16),
             )
         ],
     )

@@ -28,8 +28,9 @@ class Rank:
         self.rank = rank
         self.layers = [torch.zeros(BLOCKS, 2, BLOCK, INNER, dtype=torch.float16) for _ in range(2)]
         specs = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in self.layers]
-        self.worker = kvbm_py.Worker(endpoint, rank, 2, specs, 2, BLOCKS, tuple(self.layers),
-                                     str(secret_file), g3_dir=str(g3_dir))
+        self.worker = kvbm_py.Worker(
+            endpoint, rank, 2, specs, 2, BLOCKS, tuple(self.layers), str(secret_file), g3_dir=str(g3_dir)
+        )
 
     def fill(self, block, seed):
         for layer, t in enumerate(self.layers):
@@ -45,10 +46,16 @@ def node(tmp_path):
     endpoint = f"ipc://{tmp_path}/leader.sock"
     secret = tmp_path / "instance.secret"
     ranks = [Rank(endpoint, r, tmp_path / f"g3-{r}", secret) for r in range(2)]
-    sched = kvbm_py.Scheduler(endpoint, 2, BLOCK, secret_file=str(secret),
-                              g2_bytes=2 * RANK_BLOCK_BYTES * 2,   # 2 blocks per rank
-                              g3_bytes=8 * RANK_BLOCK_BYTES * 2,   # 8 blocks per rank
-                              admission="all", handshake_timeout_s=30)
+    sched = kvbm_py.Scheduler(
+        endpoint,
+        2,
+        BLOCK,
+        secret_file=str(secret),
+        g2_bytes=2 * RANK_BLOCK_BYTES * 2,  # 2 blocks per rank
+        g3_bytes=8 * RANK_BLOCK_BYTES * 2,  # 8 blocks per rank
+        admission="all",
+        handshake_timeout_s=30,
+    )
     yield sched, ranks
     sched.shutdown()
     for r in ranks:
@@ -138,8 +145,14 @@ def test_a_g2_that_cannot_be_allocated_fails_start_up(tmp_path):
     # The most blocks a tier indexes (2^32 - 1), 64 TiB per rank: more
     # than this machine can map.
     with pytest.raises(RuntimeError) as err:
-        kvbm_py.Scheduler(endpoint, 2, BLOCK, secret_file=str(secret),
-                          g2_bytes=((1 << 32) - 1) * RANK_BLOCK_BYTES * 2, handshake_timeout_s=30)
+        kvbm_py.Scheduler(
+            endpoint,
+            2,
+            BLOCK,
+            secret_file=str(secret),
+            g2_bytes=((1 << 32) - 1) * RANK_BLOCK_BYTES * 2,
+            handshake_timeout_s=30,
+        )
     assert "G2" in str(err.value) or "alloc" in str(err.value).lower(), err.value
     for r in ranks:
         assert r.worker.join(30.0), "a worker did not stop"
@@ -152,11 +165,18 @@ def test_g3_blocks_are_read_into_staging_at_match(tmp_path):
     endpoint = f"ipc://{tmp_path}/leader.sock"
     secret = tmp_path / "instance.secret"
     ranks = [Rank(endpoint, r, tmp_path / f"g3-{r}", secret) for r in range(2)]
-    sched = kvbm_py.Scheduler(endpoint, 2, BLOCK, secret_file=str(secret),
-                              g2_bytes=4 * RANK_BLOCK_BYTES * 2,
-                              g3_bytes=8 * RANK_BLOCK_BYTES * 2,
-                              admission="all", handshake_timeout_s=30,
-                              g3_staging_bytes=2 * RANK_BLOCK_BYTES * 2, offload_in_flight=1)
+    sched = kvbm_py.Scheduler(
+        endpoint,
+        2,
+        BLOCK,
+        secret_file=str(secret),
+        g2_bytes=4 * RANK_BLOCK_BYTES * 2,
+        g3_bytes=8 * RANK_BLOCK_BYTES * 2,
+        admission="all",
+        handshake_timeout_s=30,
+        g3_staging_bytes=2 * RANK_BLOCK_BYTES * 2,
+        offload_in_flight=1,
+    )
     try:
         assert sched.capacity()["g2"] == 6
         assert sched.g3_staging_blocks == 2 and sched.staging_free_blocks() == 2
@@ -168,7 +188,7 @@ def test_g3_blocks_are_read_into_staging_at_match(tmp_path):
             sched.flush()
         assert sched.release("a")
         s = sched.stats()
-        assert s["g2_to_g3_blocks"] == 2, s   # G2's pool holds 4 of the 6
+        assert s["g2_to_g3_blocks"] == 2, s  # G2's pool holds 4 of the 6
         m = sched.match_prefix("b", hashes, 6 * BLOCK + 1, 0)
         assert (m.g2_blocks, m.g3_blocks) == (4, 2), m
         # The two G3 blocks took the two staging slots.

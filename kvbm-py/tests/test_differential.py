@@ -83,9 +83,7 @@ CONFIGS: dict[str, tuple[dict, dict, int]] = {
         {"max_num_batched_tokens": 96, "num_gpu_blocks_override": 40, "dtype": "float32"},
         1,
     ),
-    "tp2-spec-hybrid-g2-all": (
-        {"route": "spec", "model": "hybrid", "cpu_cache_gb": 0.05, "admission": "all"}, {}, 2
-    ),
+    "tp2-spec-hybrid-g2-all": ({"route": "spec", "model": "hybrid", "cpu_cache_gb": 0.05, "admission": "all"}, {}, 2),
     # A G2 of a few slots in front of G3: blocks move to disk as G2
     # evicts them and are loaded from there.
     "spec-hybrid-g3": ({"route": "spec", "model": "hybrid", "admission": "all", "g3": 8}, {}, 1),
@@ -214,20 +212,28 @@ def _runs(tp: int, tmp_path: Path, models: dict[str, str]) -> list[dict]:
                 {"name": n, "extra": extra, "engine": {}, "seeds": CORRUPTED_SEEDS, "corrupt_g3": True, **llama}
             )
         for n, keys in SPEC_CORRUPTED.items():
-            extra = {"cpu_cache_gb": 0.05, "admission": "all", "test_corrupt_onboard": True, **_extra(keys, tmp_path / n)}
+            extra = {
+                "cpu_cache_gb": 0.05,
+                "admission": "all",
+                "test_corrupt_onboard": True,
+                **_extra(keys, tmp_path / n),
+            }
             route = _route({"route": "spec", "model": "hybrid"}, models)
             runs.append({"name": n, "extra": extra, "engine": {}, "seeds": CORRUPTED_SEEDS, **route})
         runs = [r for r in runs if r.get("connector") != "KvbmOffloadingConnector" or _spec_selected(r)]
     refs: dict[str, dict] = {}
     for r in runs:
-        ref = refs.setdefault(_reference_of(r), {
-            "name": _reference_of(r),
-            "extra": None,
-            "engine": r["engine"],
-            "model_dir": r["model_dir"],
-            "seeds": [],
-            "max_tokens": r.get("max_tokens", MAX_TOKENS),
-        })
+        ref = refs.setdefault(
+            _reference_of(r),
+            {
+                "name": _reference_of(r),
+                "extra": None,
+                "engine": r["engine"],
+                "model_dir": r["model_dir"],
+                "seeds": [],
+                "max_tokens": r.get("max_tokens", MAX_TOKENS),
+            },
+        )
         ref["seeds"] = sorted(set(ref["seeds"]) | set(r["seeds"]))
     return [*refs.values(), *runs]
 

@@ -39,9 +39,7 @@ def run_engine(
 
 
 def test_prefix_onboarded_from_g2_gives_identical_output(tiny_model, tmp_path):
-    r = run_engine(
-        tiny_model, tmp_path, {"cpu_cache_gb": 0.01, "admission": "all"}, variants=True, corrupt=True
-    )
+    r = run_engine(tiny_model, tmp_path, {"cpu_cache_gb": 0.01, "admission": "all"}, variants=True, corrupt=True)
     s = r["stats"]
     # The prompt's 4 full blocks went to G2 and came back from it.
     assert s["g1_to_g2_blocks"] >= 4, s
@@ -97,8 +95,12 @@ def test_engine_core_and_worker_in_separate_processes(tiny_model, tmp_path):
     # engine-core process, the model runner (kvbm's worker) in a worker
     # process; they meet over kvbm's IPC socket.
     # Files an instance killed earlier left: removed at start.
-    for name in ("kvbm-0123456789abcdef.sock", "kvbm-0123456789abcdef.secret",
-                 "kvbm-0123456789abcdef.lock", "kvbm-fedcba9876543210.secret"):
+    for name in (
+        "kvbm-0123456789abcdef.sock",
+        "kvbm-0123456789abcdef.secret",
+        "kvbm-0123456789abcdef.lock",
+        "kvbm-fedcba9876543210.secret",
+    ):
         (tmp_path / name).write_text("x")
     extra = {"cpu_cache_gb": 0.01, "admission": "all", "test_stats_path": str(tmp_path / "stats.json")}
     r = run_engine(tiny_model, tmp_path, extra, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
@@ -110,8 +112,9 @@ def test_engine_core_and_worker_in_separate_processes(tiny_model, tmp_path):
     # but with their lock free, so the next start removes them.
     from kvbm_py.instance_files import sweep
 
-    assert not any(n.startswith(("kvbm-0123456789abcdef", "kvbm-fedcba9876543210"))
-                   for n in _instance_files(tmp_path)), _instance_files(tmp_path)
+    assert not any(
+        n.startswith(("kvbm-0123456789abcdef", "kvbm-fedcba9876543210")) for n in _instance_files(tmp_path)
+    ), _instance_files(tmp_path)
     sweep(str(tmp_path))
     assert _instance_files(tmp_path) == [], _instance_files(tmp_path)
 

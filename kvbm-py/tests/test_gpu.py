@@ -50,17 +50,12 @@ def device_layers(layout: str):
     if layout == "packed":
         # Memory [blocks, tokens, heads, K|V], viewed [blocks, heads, tokens, K|V].
         layers = [
-            torch.randn(BLOCKS, BLOCK, HEADS, 2 * HEAD, device="cuda")
-            .to(torch.bfloat16)
-            .permute(0, 2, 1, 3)
+            torch.randn(BLOCKS, BLOCK, HEADS, 2 * HEAD, device="cuda").to(torch.bfloat16).permute(0, 2, 1, 3)
             for _ in range(2)
         ]
         return layers, lambda t, b: t[b]
     # flash-attn before vLLM 0.32: [2, num_blocks, block_size, heads, head_size].
-    layers = [
-        torch.randn(2, BLOCKS, BLOCK, HEADS, HEAD, device="cuda").to(torch.bfloat16)
-        for _ in range(2)
-    ]
+    layers = [torch.randn(2, BLOCKS, BLOCK, HEADS, HEAD, device="cuda").to(torch.bfloat16) for _ in range(2)]
     return layers, lambda t, b: t[:, b]
 
 
@@ -69,16 +64,31 @@ def run_round_trip(tmp: str, layout: str) -> None:
     layers, of = device_layers(layout)
     specs = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in layers]
     try:
-        worker = kvbm_py.Worker(endpoint, 0, 1, specs, 2, BLOCKS, tuple(layers),
-                                f"{tmp}/instance.secret",
-                                device=torch.cuda.current_device(), g3_dir=f"{tmp}/g3")
+        worker = kvbm_py.Worker(
+            endpoint,
+            0,
+            1,
+            specs,
+            2,
+            BLOCKS,
+            tuple(layers),
+            f"{tmp}/instance.secret",
+            device=torch.cuda.current_device(),
+            g3_dir=f"{tmp}/g3",
+        )
     except ValueError as e:
         if "no CUDA support" in str(e):
             _skip("kvbm_py built without feature `cuda`")
         raise
-    sched = kvbm_py.Scheduler(endpoint, 1, BLOCK, secret_file=f"{tmp}/instance.secret",
-                              g2_bytes=2 * BLOCK_BYTES,
-                              g3_bytes=8 * BLOCK_BYTES, admission="all")
+    sched = kvbm_py.Scheduler(
+        endpoint,
+        1,
+        BLOCK,
+        secret_file=f"{tmp}/instance.secret",
+        g2_bytes=2 * BLOCK_BYTES,
+        g3_bytes=8 * BLOCK_BYTES,
+        admission="all",
+    )
     try:
         hashes = [hashlib.sha256(bytes([i])).digest() for i in range(4)]
         for b in range(4):  # one at a time: G2 (2 blocks) spills to G3
@@ -127,8 +137,14 @@ def run_spec_round_trip(verify: bool, disk_dir: str | None = None) -> None:
     try:
         worker = kvbm_py._kvbm.PageWorker(
             [([t.data_ptr() for t in g], page, page) for g, (_, page) in zip(pages, groups)],
-            BLOCKS, 8, slot_bytes, pages, device=torch.cuda.current_device(), verify=verify,
-            disk_dir=disk_dir, disk_slots=8 if disk_dir else 0,
+            BLOCKS,
+            8,
+            slot_bytes,
+            pages,
+            device=torch.cuda.current_device(),
+            verify=verify,
+            disk_dir=disk_dir,
+            disk_slots=8 if disk_dir else 0,
         )
     except (ValueError, RuntimeError) as e:
         if "feature `cuda`" in str(e):

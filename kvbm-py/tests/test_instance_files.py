@@ -31,12 +31,18 @@ def test_files_of_stopped_instances_go_and_a_live_ones_stay(tmp_path):
     _touch(tmp_path, "kvbm-g3", "kvbm-notadigest.sock", "other.sock")
     removed = sweep(str(tmp_path))
     assert sorted(removed) == sorted(
-        [f"kvbm-{A}.sock", f"kvbm-{A}.secret", f"kvbm-{A}.lock", f"kvbm-{A}.tmp-4242",
-         f"kvbm-{B}.sock", f"kvbm-{B}.secret", f"kvbm-{B}.lock"]
+        [
+            f"kvbm-{A}.sock",
+            f"kvbm-{A}.secret",
+            f"kvbm-{A}.lock",
+            f"kvbm-{A}.tmp-4242",
+            f"kvbm-{B}.sock",
+            f"kvbm-{B}.secret",
+            f"kvbm-{B}.lock",
+        ]
     )
     assert _left(tmp_path) == sorted(
-        ["kvbm-g3", "kvbm-notadigest.sock", "other.sock",
-         f"kvbm-{C}.lock", f"kvbm-{C}.secret", f"kvbm-{C}.sock"]
+        ["kvbm-g3", "kvbm-notadigest.sock", "other.sock", f"kvbm-{C}.lock", f"kvbm-{C}.secret", f"kvbm-{C}.sock"]
     )
     live.release()
     assert _left(tmp_path) == ["kvbm-g3", "kvbm-notadigest.sock", "other.sock"]
@@ -64,8 +70,7 @@ def test_a_lock_held_by_another_process_protects_its_files(tmp_path):
         "print('locked', flush=True)\n"
         "sys.stdin.read()\n"
     )
-    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
         assert sweep(str(tmp_path)) == []

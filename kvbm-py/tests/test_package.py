@@ -31,8 +31,12 @@ def test_block_hash_keys_are_the_first_eight_bytes_little_endian():
 
 
 def test_config_reads_extra_then_environment_then_defaults():
-    env = {"DYN_KVBM_CPU_CACHE_GB": "2", "DYN_KVBM_DISK_CACHE_GB": "8",
-           "DYN_KVBM_DISK_CACHE_DIR": "/data/kvbm", "KVBM_LOAD_ASYNC": "false"}
+    env = {
+        "DYN_KVBM_CPU_CACHE_GB": "2",
+        "DYN_KVBM_DISK_CACHE_GB": "8",
+        "DYN_KVBM_DISK_CACHE_DIR": "/data/kvbm",
+        "KVBM_LOAD_ASYNC": "false",
+    }
     c = KvbmConfig.from_sources({"cpu_cache_gb": 0.5}, env)
     assert c.cpu_cache_gb == 0.5  # extra wins
     assert (c.disk_cache_gb, c.disk_cache_dir, c.load_async) == (8.0, "/data/kvbm", False)
@@ -67,8 +71,9 @@ _SECRET = ""
 
 def _worker(tensors, num_blocks):
     specs = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in tensors]
-    return kvbm_py.Worker("ipc:///nonexistent/kvbm", 0, 1, specs, tensors[0].element_size(),
-                          num_blocks, tuple(tensors), _SECRET)
+    return kvbm_py.Worker(
+        "ipc:///nonexistent/kvbm", 0, 1, specs, tensors[0].element_size(), num_blocks, tuple(tensors), _SECRET
+    )
 
 
 def test_unknown_tensor_shapes_are_refused_at_start_up():
@@ -148,8 +153,7 @@ def test_kvbm_log_lines_reach_stderr_filtered_by_kvbm_log(spec):
     env = {k: v for k, v in os.environ.items() if k != "KVBM_LOG"}
     if spec is not None:
         env["KVBM_LOG"] = spec
-    out = subprocess.run([sys.executable, "-c", _START_STOP], capture_output=True, text=True,
-                         env=env, timeout=120)
+    out = subprocess.run([sys.executable, "-c", _START_STOP], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     verbose = spec in ("info", "kvbm_dist=info")
     # The worker's hello and the leader's handshake are info lines.
@@ -176,7 +180,10 @@ def test_sizes_kvbm_cannot_hold_name_the_key_the_value_and_the_limit():
         assert "limit" in str(e.value) or "finite" in str(e.value), e.value
     c = KvbmConfig.from_sources({"disk_cache_gb": 9e9}, {})
     assert c.tier_bytes("disk_cache_gb", 1) == int(9e9 * GIB)
-    with pytest.raises(ValueError, match=r"disk_cache_gb=9000000000.0 GiB per worker is larger than the limit of \d+ GiB with 4 workers"):
+    with pytest.raises(
+        ValueError,
+        match=r"disk_cache_gb=9000000000.0 GiB per worker is larger than the limit of \d+ GiB with 4 workers",
+    ):
         c.tier_bytes("disk_cache_gb", 4)
 
 

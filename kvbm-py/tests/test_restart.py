@@ -21,12 +21,11 @@ HEADER = 4096
 def _run(model: str, tmp_path: Path, extra: dict, kill: bool = False) -> dict:
     env = {**engine_env(tmp_path), "PYTHONHASHSEED": "0"}
     args = [sys.executable, str(HERE / "restart_run.py"), model, json.dumps(extra)]
-    proc = subprocess.run(args + (["kill"] if kill else []), env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(args + (["kill"] if kill else []), env=env, capture_output=True, text=True, timeout=600)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("KVBM_RESULT ")]
     expected = -9 if kill else 0
     assert proc.returncode == expected and lines, (proc.returncode, proc.stdout[-4000:] + proc.stderr[-8000:])
-    return json.loads(lines[-1][len("KVBM_RESULT "):])
+    return json.loads(lines[-1][len("KVBM_RESULT ") :])
 
 
 def _kept_slots(g3_dir: Path) -> list[int]:
@@ -36,16 +35,18 @@ def _kept_slots(g3_dir: Path) -> list[int]:
 
 
 def _cache_tool(base: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvbm_py.cache", "--verify", str(base)],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "kvbm_py.cache", "--verify", str(base)], capture_output=True, text=True, timeout=60
+    )
 
 
 def _config(model: str, **kw) -> SimpleNamespace:
     """The parts of a vLLM configuration the kept G3's identity reads."""
     return SimpleNamespace(
         model_config=SimpleNamespace(model=model, revision=None, dtype="torch.bfloat16"),
-        cache_config=SimpleNamespace(cache_dtype="auto", block_size=kw.get("block_size", 32),
-                                     prefix_caching_hash_algo="sha256"),
+        cache_config=SimpleNamespace(
+            cache_dtype="auto", block_size=kw.get("block_size", 32), prefix_caching_hash_algo="sha256"
+        ),
         parallel_config=SimpleNamespace(tensor_parallel_size=kw.get("tp", 1), pipeline_parallel_size=1),
     )
 
@@ -87,14 +88,21 @@ def test_other_identities_are_removed_or_kept_by_policy(tmp_path):
     unrelated.mkdir()
     busy = os.open(os.path.join(cfg.kept_g3_dir("busy", 1), "lock"), os.O_RDWR)
     fcntl.flock(busy, fcntl.LOCK_EX)
-    keep = KvbmConfig.from_sources({"disk_cache_gb": 1, "disk_cache_dir": str(tmp_path),
-                                    "disk_cache_foreign": "keep"}, env={})
+    keep = KvbmConfig.from_sources(
+        {"disk_cache_gb": 1, "disk_cache_dir": str(tmp_path), "disk_cache_foreign": "keep"}, env={}
+    )
     assert sweep_foreign(keep, "mine") == []
     assert sweep_foreign(cfg, "mine") == [cfg.kept_g3_dir("old", 0)]
     os.close(busy)
     left = sorted(p.name for p in tmp_path.iterdir())
-    assert left == sorted([os.path.basename(ours), os.path.basename(ours) + ".2",
-                           os.path.basename(cfg.kept_g3_dir("busy", 1)), "not-kvbm"]), left
+    assert left == sorted(
+        [
+            os.path.basename(ours),
+            os.path.basename(ours) + ".2",
+            os.path.basename(cfg.kept_g3_dir("busy", 1)),
+            "not-kvbm",
+        ]
+    ), left
 
 
 def test_kept_g3_serves_a_restarted_engine(tiny_model, tmp_path):

@@ -7,13 +7,11 @@ prefix-cache reset)."""
 import logging
 
 import pytest
-from sched_harness import BLOCK, build
 
 import kvbm_py
+from sched_harness import BLOCK, build
 
-needs_hooks = pytest.mark.skipif(
-    not kvbm_py._kvbm.TEST_HOOKS, reason="a wheel built without feature test-hooks"
-)
+needs_hooks = pytest.mark.skipif(not kvbm_py._kvbm.TEST_HOOKS, reason="a wheel built without feature test-hooks")
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -70,8 +68,7 @@ class _CheckedOffloads:
     def offload(self, rid, block_ids, hashes, parent=None):
         for b, key in zip(block_ids, hashes):
             assert self._h.holds_pattern(b, key), (
-                f"{rid}: block {b} handed to kvbm before its forward wrote it\n"
-                + "\n".join(self._h.log[-5:])
+                f"{rid}: block {b} handed to kvbm before its forward wrote it\n" + "\n".join(self._h.log[-5:])
             )
         self.calls.append((rid, list(block_ids)))
         return self._kvbm.offload(rid, block_ids, hashes, parent)

@@ -8,6 +8,7 @@ import time
 import urllib.request
 
 import pytest
+
 from sched_harness import BLOCK, build
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -47,9 +48,7 @@ def test_events_and_stats_follow_a_store_a_load_and_a_reset(tmp_path):
         stored = [e for e in h.events if isinstance(e, BlockStored) and e.medium == "CPU"]
         assert [e.block_hashes for e in stored] == [[ext(a.block_hashes[i])] for i in range(4)]
         assert [e.parent_block_hash for e in stored] == [None] + [ext(b) for b in a.block_hashes[:3]]
-        assert [list(e.token_ids) for e in stored] == [
-            PREFIX[i * BLOCK : (i + 1) * BLOCK] for i in range(4)
-        ]
+        assert [list(e.token_ids) for e in stored] == [PREFIX[i * BLOCK : (i + 1) * BLOCK] for i in range(4)]
         assert all(e.block_size == BLOCK for e in stored)
         s = summed(h.stats)
         assert s["g1_to_g2_blocks"] == 4, s
@@ -109,10 +108,7 @@ def test_stats_reach_vllm_prometheus_metrics(tmp_path):
         labels = {"model_name": "tiny", "engine": "0"}
         assert REGISTRY.get_sample_value("vllm:kvbm_lookup_blocks_total", labels) == 8
         assert REGISTRY.get_sample_value("vllm:kvbm_hit_blocks_total", {**labels, "tier": "g2"}) == 6
-        assert (
-            REGISTRY.get_sample_value("vllm:kvbm_bytes_total", {**labels, "path": "g2_to_g1"})
-            == 4096
-        )
+        assert REGISTRY.get_sample_value("vllm:kvbm_bytes_total", {**labels, "path": "g2_to_g1"}) == 4096
         assert KvbmStats().is_empty() and not data.is_empty()
         assert data.aggregate(KvbmStats(data={"lookup_blocks": 2})).data["lookup_blocks"] == 10
     finally:

@@ -19,11 +19,31 @@ BENCH = Path(__file__).resolve().parents[1] / "benches" / "tp_bench.py"
 @pytest.mark.skipif(not kvbm_py._kvbm.TEST_HOOKS, reason="a wheel built without feature test-hooks")
 def test_two_rank_processes_survive_a_killed_rank(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(BENCH), "--device", "cpu", "--layers", "4", "--heads", "2",
-         "--head-dim", "64", "--blocks", "128", "--reps", "3", "--kill-after-ms", "50",
-         "--transfer-delay-ms", "200",
-         "--dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(BENCH),
+            "--device",
+            "cpu",
+            "--layers",
+            "4",
+            "--heads",
+            "2",
+            "--head-dim",
+            "64",
+            "--blocks",
+            "128",
+            "--reps",
+            "3",
+            "--kill-after-ms",
+            "50",
+            "--transfer-delay-ms",
+            "200",
+            "--dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     text = out.stdout + out.stderr
     assert out.returncode == 0, text

@@ -94,9 +94,7 @@ class Scheduler:
         ``"rejoining"`` or ``"lost: <why>"``. While a rank is not live,
         copies fail (and are reported so); a lost rank's G2 and G3 bytes
         are gone."""
-    def match_prefix(
-        self, request_id: str, hashes: Sequence[bytes], prompt_tokens: int, engine_blocks: int
-    ) -> Match:
+    def match_prefix(self, request_id: str, hashes: Sequence[bytes], prompt_tokens: int, engine_blocks: int) -> Match:
         """Matches the request's block hashes (one per full block, in prompt
         order) beyond the ``engine_blocks`` the engine holds, in G2 then G3.
         When everything would hit, one block is given back so the engine
@@ -308,9 +306,7 @@ class PageWorker:
     @property
     def slots(self) -> int:
         """Slots in the host tier."""
-    def store(
-        self, job: int, copies: Sequence[tuple[int, int, int]], demote: Sequence[tuple[int, int]] = ()
-    ) -> None:
+    def store(self, job: int, copies: Sequence[tuple[int, int, int]], demote: Sequence[tuple[int, int]] = ()) -> None:
         """Starts copying ``(group, engine block, host slot)`` pages into
         host slots, after moving ``demote``'s ``(host slot, disk slot)``
         blocks to disk."""

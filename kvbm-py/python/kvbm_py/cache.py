@@ -51,11 +51,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{path}{'  (in use)' if seen['in_use'] else ''}")
         for line in seen["identity"].splitlines():
             print(f"  {line}")
-        print(f"  blocks {seen['blocks']} of {seen['slots']}, {_size(seen['block_bytes'])} "
-              f"({_size(seen['disk_bytes'])} on disk), damaged records {seen['bad_records']}")
+        print(
+            f"  blocks {seen['blocks']} of {seen['slots']}, {_size(seen['block_bytes'])} "
+            f"({_size(seen['disk_bytes'])} on disk), damaged records {seen['bad_records']}"
+        )
         if seen["verified"]:
-            print(f"  verified: {len(seen['bad_blocks'])} blocks fail their checksum"
-                  + (f" (slots {seen['bad_blocks'][:20]})" if seen["bad_blocks"] else ""))
+            print(
+                f"  verified: {len(seen['bad_blocks'])} blocks fail their checksum"
+                + (f" (slots {seen['bad_blocks'][:20]})" if seen["bad_blocks"] else "")
+            )
         elif args.verify:
             print("  not verified: an engine has it open")
         damaged |= seen["bad_records"] > 0 or bool(seen["bad_blocks"])

@@ -12,8 +12,9 @@ import hashlib
 import math
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 GIB = 1 << 30
 
@@ -170,9 +171,7 @@ class KvbmConfig:
     test_stats_path: str | None = None
 
     @classmethod
-    def from_sources(
-        cls, extra: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
-    ) -> "KvbmConfig":
+    def from_sources(cls, extra: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> KvbmConfig:
         """Reads every key from ``extra``, then ``env`` (default
         ``os.environ``), then the default. A key kvbm does not know is
         refused, naming the closest one it does (``extra`` is kvbm's own:
@@ -211,9 +210,7 @@ class KvbmConfig:
             metrics_port=int(_as_float(values["metrics_port"], "metrics_port")),
             metrics_host=str(values["metrics_host"]),
             verify=_as_bool(values["verify"], "verify"),
-            test_corrupt_onboard=_as_bool(
-                extra.get("test_corrupt_onboard", False), "test_corrupt_onboard"
-            ),
+            test_corrupt_onboard=_as_bool(extra.get("test_corrupt_onboard", False), "test_corrupt_onboard"),
             test_fail_onboards=int(extra.get("test_fail_onboards", 0)),
             test_transfer_delay_ms=int(extra.get("test_transfer_delay_ms", 0)),
             test_stats_path=extra.get("test_stats_path"),
@@ -226,9 +223,7 @@ class KvbmConfig:
                 "keeps the G3 behind it too; set disk_cache_keep=true or cpu_cache_keep=false"
             )
         if cfg.disk_cache_foreign not in FOREIGN_POLICIES:
-            raise ValueError(
-                f"kvbm: disk_cache_foreign={cfg.disk_cache_foreign!r}: expected one of {FOREIGN_POLICIES}"
-            )
+            raise ValueError(f"kvbm: disk_cache_foreign={cfg.disk_cache_foreign!r}: expected one of {FOREIGN_POLICIES}")
         if cfg.offload not in OFFLOAD_MODES:
             raise ValueError(f"kvbm: offload={cfg.offload!r}: expected one of {OFFLOAD_MODES}")
         return cfg
@@ -241,7 +236,9 @@ class KvbmConfig:
         total = int(gb * GIB) * world
         if total >= 1 << 64:
             limit = ((1 << 64) - 1) / GIB / world
-            raise ValueError(f"kvbm: {key}={gb!r} GiB per worker is larger than the limit of {limit:.0f} GiB with {world} workers")
+            raise ValueError(
+                f"kvbm: {key}={gb!r} GiB per worker is larger than the limit of {limit:.0f} GiB with {world} workers"
+            )
         return total
 
     def files_digest(self, engine_id: str) -> str:

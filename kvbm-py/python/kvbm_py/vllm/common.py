@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.kvbm_py")
 
 
-def engine_id(vllm_config: "VllmConfig") -> str:
+def engine_id(vllm_config: VllmConfig) -> str:
     """The engine instance's id, the same in every process of it."""
     kv = vllm_config.kv_transfer_config
     return str(getattr(kv, "engine_id", None) or "default")
@@ -26,7 +26,7 @@ def instance_of(engine: str) -> int:
     return int.from_bytes(hashlib.sha256(engine.encode()).digest()[:8], "little")
 
 
-def world_size(vllm_config: "VllmConfig") -> int:
+def world_size(vllm_config: VllmConfig) -> int:
     """Worker processes holding a slice of every block (TP x PP ranks)."""
     p = vllm_config.parallel_config
     return int(p.tensor_parallel_size) * int(p.pipeline_parallel_size)

@@ -17,12 +17,12 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
     import torch
+    from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
     )
-    from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["KvbmConnector", "KvbmMetadata"]
 
 
-def _check_cache_config(vllm_config: "VllmConfig", kv_cache_config: Any) -> None:
+def _check_cache_config(vllm_config: VllmConfig, kv_cache_config: Any) -> None:
     """Refuses at start-up what kvbm cannot serve correctly: several KV
     cache groups (block ids are per group) or block hashes over a block
     size other than the cache's (kvbm keys one hash per block)."""
@@ -40,9 +40,7 @@ def _check_cache_config(vllm_config: "VllmConfig", kv_cache_config: Any) -> None
         return
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     if len(groups) > 1:
-        raise ValueError(
-            f"kvbm: {len(groups)} KV cache groups (hybrid attention); kvbm serves one"
-        )
+        raise ValueError(f"kvbm: {len(groups)} KV cache groups (hybrid attention); kvbm serves one")
     block_size = int(vllm_config.cache_config.block_size)
     hash_block_size = getattr(kv_cache_config, "hash_block_size", None)
     if hash_block_size and int(hash_block_size) != block_size:
@@ -67,9 +65,9 @@ class KvbmConnector(KVConnectorBase_V1):
 
     def __init__(
         self,
-        vllm_config: "VllmConfig",
+        vllm_config: VllmConfig,
         role: KVConnectorRole,
-        kv_cache_config: "KVCacheConfig | None" = None,
+        kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
@@ -88,35 +86,29 @@ class KvbmConnector(KVConnectorBase_V1):
 
     # ---- scheduler role ----
 
-    def get_num_new_matched_tokens(
-        self, request: "Request", num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens kvbm can load beyond vLLM's ``num_computed_tokens``, and
         whether the load is asynchronous."""
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(
-        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
-    ) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Starts the onboard into the blocks vLLM allocated."""
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """Collects finished loads and releases, queues offloads."""
         assert self._scheduler is not None
         return self._scheduler.build_connector_meta(scheduler_output)
 
-    def request_finished(
-        self, request: "Request", block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Queues the request's last offloads; ``True`` (keep the blocks)
         while kvbm still reads them."""
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 
-    def take_events(self) -> "Iterable[KVCacheEvent]":
+    def take_events(self) -> Iterable[KVCacheEvent]:
         """KV events of kvbm's tiers since the last call: ``BlockStored``
         and ``BlockRemoved`` with medium ``CPU`` (G2) or ``STORAGE`` (G3).
         Empty unless vLLM publishes KV events."""
@@ -124,7 +116,7 @@ class KvbmConnector(KVConnectorBase_V1):
             return ()
         return self._scheduler.take_events()
 
-    def get_kv_connector_stats(self) -> "KVConnectorStats | None":
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """kvbm's counters since the last call (scheduler role), or
         ``None`` when nothing moved."""
         if self._scheduler is None:
@@ -135,9 +127,7 @@ class KvbmConnector(KVConnectorBase_V1):
         return None if stats.is_empty() else stats
 
     @classmethod
-    def build_kv_connector_stats(
-        cls, data: "dict[str, Any] | None" = None
-    ) -> "KVConnectorStats | None":
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         """kvbm's stats object over ``data`` (what
         :meth:`get_kv_connector_stats` sent)."""
         from kvbm_py.vllm.stats import KvbmStats
@@ -147,11 +137,11 @@ class KvbmConnector(KVConnectorBase_V1):
     @classmethod
     def build_prom_metrics(
         cls,
-        vllm_config: "VllmConfig",
+        vllm_config: VllmConfig,
         metric_types: dict,
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
-    ) -> "KVConnectorPromMetrics | None":
+    ) -> KVConnectorPromMetrics | None:
         """kvbm's ``vllm:kvbm_*`` metrics on vLLM's own Prometheus
         endpoint."""
         from kvbm_py.vllm.stats import KvbmPromMetrics
@@ -174,7 +164,7 @@ class KvbmConnector(KVConnectorBase_V1):
 
     # ---- worker role ----
 
-    def register_kv_caches(self, kv_caches: "dict[str, torch.Tensor]") -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Recognises vLLM's KV tensors as kvbm's G1 and starts the worker;
         an unsupported tensor layout is an error here."""
         assert self._worker is not None
@@ -187,24 +177,20 @@ class KvbmConnector(KVConnectorBase_V1):
             assert isinstance(connector_metadata, KvbmMetadata)
             self._worker.bind(connector_metadata)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Nothing: kvbm's workers move the bytes as the leader says."""
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing: a load has landed before its request is scheduled."""
 
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any
-    ) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         """Nothing: offloads copy whole blocks once they are computed."""
 
     def wait_for_save(self) -> None:
         """Nothing: a finished request's blocks stay allocated until its
         offloads ran (``finished_sending``)."""
 
-    def get_finished(
-        self, finished_req_ids: set[str]
-    ) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Finished sends and receives, as the scheduler side reported."""
         assert self._worker is not None
         return self._worker.get_finished()

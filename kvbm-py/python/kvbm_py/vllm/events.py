@@ -10,8 +10,9 @@ turns kvbm's events into vLLM's with them: G2 is medium ``CPU``, G3
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
@@ -90,9 +91,7 @@ class EventTracker:
                     BlockStored(
                         block_hashes=[maybe_convert_block_hash(block.block_hash)],
                         parent_block_hash=(
-                            maybe_convert_block_hash(block.parent)
-                            if block.parent is not None
-                            else None
+                            maybe_convert_block_hash(block.parent) if block.parent is not None else None
                         ),
                         token_ids=list(block.token_ids),
                         block_size=self.block_size,

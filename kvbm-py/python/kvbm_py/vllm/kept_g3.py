@@ -49,12 +49,12 @@ def _weights_fingerprint(model: str, revision: str | None) -> str:
         if isinstance(path, str):
             # .../snapshots/<commit>/config.json
             return os.path.basename(os.path.dirname(path))
-    except Exception:  # noqa: BLE001 - no hub library or no cache: revision only
+    except Exception:
         pass
     return str(revision)
 
 
-def identity(vllm_config: "VllmConfig") -> tuple[str | None, str]:
+def identity(vllm_config: VllmConfig) -> tuple[str | None, str]:
     """The identity G3 is kept under, or ``(None, why it cannot be kept)``."""
     seed = os.environ.get("PYTHONHASHSEED")
     if seed is None or seed == "random":

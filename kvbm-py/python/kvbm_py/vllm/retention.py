@@ -12,7 +12,6 @@ from typing import Any
 
 from kvbm_py.vllm.common import log
 
-
 #: The key in ``kv_transfer_params``.
 KEY = "kvbm_retention"
 
@@ -28,11 +27,7 @@ def retention_of(params: Any) -> float | str | None:
         return "done"
     if isinstance(value, dict) and set(value) == {"returns_within_s"}:
         seconds = value["returns_within_s"]
-        if (
-            isinstance(seconds, (int, float))
-            and not isinstance(seconds, bool)
-            and 0 <= seconds < 1e9
-        ):
+        if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and 0 <= seconds < 1e9:
             return float(seconds)
     log.warning("kvbm: ignoring malformed %s %r", KEY, value)
     return None

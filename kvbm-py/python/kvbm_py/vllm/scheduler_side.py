@@ -61,7 +61,7 @@ def naming_the_size_key(error: ValueError, config: KvbmConfig) -> ValueError:
     return ValueError(f"kvbm: {key}={getattr(config, key)!r} GiB per worker: {error}")
 
 
-def _history_path(vllm_config: "VllmConfig", config: KvbmConfig) -> str | None:
+def _history_path(vllm_config: VllmConfig, config: KvbmConfig) -> str | None:
     """Where the use history is kept beside kept tiers (None when no tier
     is kept, or it cannot be: the workers log why)."""
     if not (config.keeps_g2 or config.keeps_g3):
@@ -76,7 +76,7 @@ def _history_path(vllm_config: "VllmConfig", config: KvbmConfig) -> str | None:
 class SchedulerSide:
     """Match, onboard, offload and release over a kvbm :class:`Scheduler`."""
 
-    def __init__(self, vllm_config: "VllmConfig", config: KvbmConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, config: KvbmConfig) -> None:
         self.config = config
         self.block_size = int(vllm_config.cache_config.block_size)
         eid = engine_id(vllm_config)
@@ -113,7 +113,9 @@ class SchedulerSide:
         atexit.register(self.kvbm.save_history)
         log.info(
             "kvbm: caches ready: %d worker(s), blocks per tier %s (waited %.1f s)",
-            world, dict(self.kvbm.capacity()), time.monotonic() - started,
+            world,
+            dict(self.kvbm.capacity()),
+            time.monotonic() - started,
         )
         if config.metrics_port:
             port = start_metrics_server(config.metrics_port, config.metrics_host)
@@ -162,9 +164,7 @@ class SchedulerSide:
 
     # ---- matching and loading ----
 
-    def get_num_new_matched_tokens(
-        self, request: "Request", num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
         if rid in self.loading or self.load_failures.get(rid, 0) >= _LOAD_ATTEMPTS:
             return 0, False
@@ -186,10 +186,8 @@ class SchedulerSide:
             # kvbm keeps the request's keys and last answer: a request
             # matched again (it waits, step after step) costs only the
             # hashes it gained.
-            m = self.kvbm.match_prefix(
-                rid, request.block_hashes, request.num_tokens, engine_blocks
-            )
-        except Exception as e:  # noqa: BLE001 - a miss, never a failed step
+            m = self.kvbm.match_prefix(rid, request.block_hashes, request.num_tokens, engine_blocks)
+        except Exception as e:
             log.warning("kvbm: match of %s failed, computing it: %s", rid, e)
             return 0, False
         self.engine_blocks[rid] = m.engine_blocks
@@ -198,7 +196,7 @@ class SchedulerSide:
         log.debug("kvbm: %s matched %r", rid, m)
         return m.external_tokens, self.config.load_async
 
-    def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
         self.allocated_now.add(rid)
         ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
@@ -222,7 +220,7 @@ class SchedulerSide:
             copy_to = [_NO_BLOCK] * len(target)
         try:
             self.kvbm.onboard(rid, copy_to)
-        except Exception as e:  # noqa: BLE001 - reported to vLLM as failed blocks
+        except Exception as e:
             log.warning("kvbm: onboard of %s not started: %s", rid, e)
             self.pending.load_errors.extend(target)
             if is_async:
@@ -235,7 +233,7 @@ class SchedulerSide:
         if not is_async:
             self.sync_started.append(rid)
 
-    def _end_load(self, rid: str) -> "_Load | None":
+    def _end_load(self, rid: str) -> _Load | None:
         """Takes the request's load out of the books."""
         load = self.loading.pop(rid, None)
         if load is not None:
@@ -261,8 +259,7 @@ class SchedulerSide:
         load = self._end_load(rid)
         if load is None:
             return
-        log.warning("kvbm: load of %s failed, vLLM recomputes %d blocks: %s",
-                    rid, len(load.block_ids), error)
+        log.warning("kvbm: load of %s failed, vLLM recomputes %d blocks: %s", rid, len(load.block_ids), error)
         self.load_failures[rid] = self.load_failures.get(rid, 0) + 1
         # Another request may hit these blocks in vLLM's prefix cache
         # before they are recomputed: nothing copies them out until then.
@@ -273,7 +270,7 @@ class SchedulerSide:
 
     # ---- each step ----
 
-    def build_connector_meta(self, so: "SchedulerOutput") -> KvbmMetadata:
+    def build_connector_meta(self, so: SchedulerOutput) -> KvbmMetadata:
         self.fence.begin_step()
         try:
             return self._build_meta(so)
@@ -283,7 +280,7 @@ class SchedulerSide:
                 self._admission_check_at = time.monotonic() + 1.0
                 self._explain_admission()
 
-    def _build_meta(self, so: "SchedulerOutput") -> KvbmMetadata:
+    def _build_meta(self, so: SchedulerOutput) -> KvbmMetadata:
         meta, self.pending = self.pending, KvbmMetadata()
         self._run_deferred()
         failed_now: set[str] = set()
@@ -329,7 +326,7 @@ class SchedulerSide:
         self.allocated_now.clear()
         return meta
 
-    def _track_blocks(self, so: "SchedulerOutput") -> None:
+    def _track_blocks(self, so: SchedulerOutput) -> None:
         for new in so.scheduled_new_reqs:
             tracked = self.requests.get(new.req_id)
             if tracked is not None:
@@ -346,7 +343,7 @@ class SchedulerSide:
             elif new_ids:
                 tracked.block_ids.extend(new_ids[0])
 
-    def _note_writes(self, so: "SchedulerOutput") -> None:
+    def _note_writes(self, so: SchedulerOutput) -> None:
         """Tells the fence which blocks this step's forward writes: for
         each scheduled request, those its scheduled tokens fall in."""
         scheduled = so.num_scheduled_tokens
@@ -356,9 +353,7 @@ class SchedulerSide:
         for i, rid in enumerate(cached.req_ids):
             tracked = self.requests.get(rid)
             if tracked is not None:
-                self._note_range(
-                    tracked.block_ids, cached.num_computed_tokens[i], scheduled.get(rid, 0)
-                )
+                self._note_range(tracked.block_ids, cached.num_computed_tokens[i], scheduled.get(rid, 0))
 
     def _note_range(self, block_ids: list[int], computed: int, tokens: int) -> None:
         if tokens > 0:
@@ -409,7 +404,7 @@ class SchedulerSide:
         for _, rid, action in ready:
             try:
                 action()
-            except Exception as e:  # noqa: BLE001 - the blocks stay uncached
+            except Exception as e:
                 log.warning("kvbm: deferred offload of %s failed: %s", rid, e)
 
     def _forget(self, rid: str) -> None:
@@ -425,7 +420,7 @@ class SchedulerSide:
 
     # ---- the end of a request ----
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
         try:
             return self._request_finished(request, block_ids)
         finally:
@@ -446,7 +441,8 @@ class SchedulerSide:
             "kvbm: admission=%s turned down %d block(s) so far: G2 admits a block once "
             "kvbm predicts it will be used again (a prefix is kept from its second use "
             "on), which serves more hits when G2 is full; admission=all admits every block",
-            self.config.admission, refused,
+            self.config.admission,
+            refused,
         )
 
     def _write_stats(self, path: str) -> None:
@@ -455,7 +451,7 @@ class SchedulerSide:
             json.dump(dict(self.kvbm.stats()), f)
         os.replace(tmp, path)
 
-    def _request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, None]:
+    def _request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
         rid = request.request_id
         self.engine_blocks.pop(rid, None)
         self.onboarded.discard(rid)

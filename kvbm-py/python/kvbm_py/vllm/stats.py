@@ -7,8 +7,9 @@ interval, logs :meth:`KvbmStats.reduce` and feeds :class:`KvbmPromMetrics`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -25,11 +26,7 @@ COUNTERS = (
     ("onboard_failures", "onboard_failures"),
     ("offloads_skipped", "offloads_skipped"),
     ("verify_mismatches", "verify_mismatches"),
-) + tuple(
-    (f"{p}_{what}", f"{p}_{what}")
-    for p in PATHS
-    for what in ("blocks", "bytes", "transfers", "seconds")
-)
+) + tuple((f"{p}_{what}", f"{p}_{what}") for p in PATHS for what in ("blocks", "bytes", "transfers", "seconds"))
 
 
 def delta(now: Mapping[str, Any], before: Mapping[str, Any] | None) -> dict[str, float]:
@@ -53,7 +50,7 @@ class KvbmStats(KVConnectorStats):
         """Zeroes every counter."""
         self.data = {key: 0 for key, _ in COUNTERS}
 
-    def aggregate(self, other: KVConnectorStats) -> "KvbmStats":
+    def aggregate(self, other: KVConnectorStats) -> KvbmStats:
         """Adds ``other``'s counters to these (``other`` another interval
         or another engine's)."""
         if other is not None and not other.is_empty():
@@ -108,9 +105,7 @@ class KvbmPromMetrics(KVConnectorPromMetrics):
         self._hits = counter("vllm:kvbm_hit_blocks", "Prompt blocks kvbm found, per tier.", "tier")
         self._blocks = counter("vllm:kvbm_blocks", "Blocks kvbm copied, per path.", "path")
         self._bytes = counter("vllm:kvbm_bytes", "Bytes kvbm copied, per path.", "path")
-        self._seconds = counter(
-            "vllm:kvbm_transfer_seconds", "Seconds kvbm's copies took, per path.", "path"
-        )
+        self._seconds = counter("vllm:kvbm_transfer_seconds", "Seconds kvbm's copies took, per path.", "path")
         self._mismatches = counter(
             "vllm:kvbm_verify_mismatches",
             "Blocks whose bytes failed their checksum at load (verify mode); recomputed.",

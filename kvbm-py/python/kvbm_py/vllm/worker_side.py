@@ -24,7 +24,7 @@ def _rank() -> int:
         from vllm.distributed.parallel_state import get_world_group
 
         return int(get_world_group().rank_in_group)
-    except Exception:  # noqa: BLE001 - no group initialised: a lone worker
+    except Exception:
         return 0
 
 
@@ -32,18 +32,18 @@ class WorkerSide:
     """Owns the kvbm :class:`Worker` of this rank and reports each step's
     finished transfers."""
 
-    def __init__(self, vllm_config: "VllmConfig", config: KvbmConfig, kv_cache_config: Any) -> None:
+    def __init__(self, vllm_config: VllmConfig, config: KvbmConfig, kv_cache_config: Any) -> None:
         self.vllm_config = vllm_config
         self.config = config
         self.kv_cache_config = kv_cache_config
         self.worker: Worker | None = None
-        self.tensors: list["torch.Tensor"] = []
+        self.tensors: list[torch.Tensor] = []
         self.block_axis = 0
         self._sending: set[str] = set()
         self._recving: set[str] = set()
         self._errors: set[int] = set()
 
-    def register_kv_caches(self, kv_caches: "dict[str, torch.Tensor]") -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tensors = list(kv_caches.values())
         if not tensors:
             raise ValueError("kvbm: vLLM registered no KV tensors")
@@ -85,7 +85,10 @@ class WorkerSide:
         self.block_axis = list(first.shape).index(num_blocks)
         log.info(
             "kvbm: rank %d registered %d KV tensors of shape %s (%d bytes per block)",
-            rank, len(tensors), tuple(first.shape), self.worker.block_bytes,
+            rank,
+            len(tensors),
+            tuple(first.shape),
+            self.worker.block_bytes,
         )
 
     def _test_hooks(self) -> dict[str, Any]:
@@ -95,9 +98,7 @@ class WorkerSide:
         if not delay:
             return {}
         if not _kvbm.TEST_HOOKS:
-            raise ValueError(
-                "kvbm: test_transfer_delay_ms needs a wheel built with feature test-hooks"
-            )
+            raise ValueError("kvbm: test_transfer_delay_ms needs a wheel built with feature test-hooks")
         return {"transfer_delay_ms": delay}
 
     def _kept_places(self, eid: str, rank: int) -> tuple[str | None, str | None, str | None]:
@@ -114,7 +115,9 @@ class WorkerSide:
                 log.warning(
                     "kvbm: %s not kept across restarts: %s; set PYTHONHASHSEED "
                     "(e.g. PYTHONHASHSEED=0) to keep it, or disk_cache_keep=false / "
-                    "cpu_cache_keep=false to silence this", which, why,
+                    "cpu_cache_keep=false to silence this",
+                    which,
+                    why,
                 )
         g2_dir = None
         if keep_g2 and ident is not None:
