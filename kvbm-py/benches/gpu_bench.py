@@ -31,6 +31,7 @@ import time
 import torch
 
 import kvbm_py
+from kvbm_py.config import WorkerConfig
 
 LAYERS, BLOCK, HEADS, HEAD = 32, 16, 8, 128
 BLOCK_BYTES = LAYERS * 2 * BLOCK * HEADS * HEAD * 2
@@ -86,8 +87,6 @@ def main() -> int:
         def of(t, b):
             return t[:, b]
 
-    specs = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in layers]
-
     # References: one large copy each way (timed again beside every kvbm
     # transfer below), and the per-block copy_ loop.
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -127,10 +126,8 @@ def main() -> int:
         out_s, in_s, ref_out, ref_in = [], [], [], []
         with tempfile.TemporaryDirectory() as tmp:
             endpoint = f"ipc://{tmp}/leader.sock"
-            gpu = torch.cuda.current_device() if device == "cuda" else None
-            worker = kvbm_py.Worker(
-                endpoint, 0, 1, specs, 2, a.capacity, tuple(layers), f"{tmp}/instance.secret", device=gpu
-            )
+            config = WorkerConfig(endpoint, 0, 1, f"{tmp}/instance.secret")
+            worker = kvbm_py.Worker(config, layers, a.capacity)
             sched = kvbm_py.Scheduler(
                 endpoint,
                 1,
@@ -156,8 +153,7 @@ def main() -> int:
 
                     def onboard():
                         sched.onboard(req + "b", dst)
-                        err = sched.wait_onboard(req + "b")
-                        assert err is None, err
+                        sched.wait_onboard(req + "b")
 
                     r_in = big_h2d()
                     t_in = timed(onboard)

@@ -103,9 +103,7 @@ def main() -> int:
     nbytes = n * slot_bytes
     layers = [torch.randint(-128, 127, (a.capacity, page), dtype=torch.int8, device="cuda") for _ in range(LAYERS)]
     slots = 4 * n + 2
-    worker = _kvbm.PageWorker(
-        [([t.data_ptr() for t in layers], page, page)], a.capacity, slots, slot_bytes, layers, device=0
-    )
+    worker = _kvbm.PageWorker([(layers, page)], a.capacity, slots, slot_bytes)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev2 = torch.empty_like(dev)

@@ -64,11 +64,10 @@ def rank_main(rank, a, endpoint, secret, g3_dir, conn, barrier):
         dev = torch.device("cuda", ordinal)
     dtype = torch.bfloat16
     layers = [torch.zeros(2, a.capacity, BLOCK, a.heads, a.head_dim, dtype=dtype, device=dev) for _ in range(a.layers)]
-    specs = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in layers]
-    hooks = {"transfer_delay_ms": a.transfer_delay_ms} if a.transfer_delay_ms else {}
-    worker = kvbm_py.Worker(
-        endpoint, rank, a.ranks, specs, 2, a.capacity, tuple(layers), secret, device=ordinal, g3_dir=g3_dir, **hooks
-    )
+    from kvbm_py.config import WorkerConfig
+
+    config = WorkerConfig(endpoint, rank, a.ranks, secret, g3_dir=g3_dir, transfer_delay_ms=a.transfer_delay_ms)
+    worker = kvbm_py.Worker(config, layers, a.capacity)
 
     def sync():
         if dev.type == "cuda":
@@ -191,9 +190,21 @@ def onboard(sched, req, hashes, dst):
     m = sched.match_prefix(req, hashes, len(hashes) * BLOCK + 1, 0)
     t0 = time.perf_counter()
     sched.onboard(req, dst[: m.g2_blocks + m.g3_blocks])
-    err = sched.wait_onboard(req)
+    err = wait_onboard(sched, req)
     took = time.perf_counter() - t0
     return m, err, took
+
+
+def wait_onboard(sched, req):
+    """The error the request's onboard failed with; None when every block
+    landed."""
+    import kvbm_py
+
+    try:
+        sched.wait_onboard(req)
+    except kvbm_py.KvbmError as e:
+        return e
+    return None
 
 
 def wait_live(sched, timeout=120.0):
@@ -340,7 +351,7 @@ def main() -> int:
                 m = sched.match_prefix(req, hashes_c[:blocks], blocks * BLOCK + 1, 0)
                 t0 = time.perf_counter()
                 sched.onboard(req, dst[:blocks])
-                err = sched.wait_onboard(req)
+                err = wait_onboard(sched, req)
                 times.append(time.perf_counter() - t0)
                 sched.release(req)
                 if err or m.g2_blocks != blocks:
@@ -365,7 +376,7 @@ def main() -> int:
         sched.onboard("kill", dst[:found])
         time.sleep(a.kill_after_ms / 1e3)
         os.kill(victim.proc.pid, signal.SIGKILL)
-        err = sched.wait_onboard("kill")
+        err = wait_onboard(sched, "kill")
         after = sched.stats()
         sched.release("kill")
         loaded = sum(after[f"{p}_blocks"] - before[f"{p}_blocks"] for p in ("g2_to_g1", "g3_to_g1"))
@@ -377,7 +388,7 @@ def main() -> int:
         if err is None:
             print("  (the onboard finished before the kill: raise --blocks or lower --kill-after-ms)")
             failures.append("kill landed after the onboard")
-        elif f"rank {victim.rank}" not in err or loaded:
+        elif f"rank {victim.rank}" not in str(err) or loaded:
             failures.append("failed onboard report")
         victim.proc.join(10)
         ranks[-1] = Rank(ctx, victim.rank, a, endpoint, secret, g3_dirs[victim.rank], barrier)

@@ -20,9 +20,11 @@
 //! built on these.
 //!
 //! Module map: [`scheduler`], [`worker`], [`offload`], [`tensors`] (engine tensors as a
-//! kvbm layout), [`prom`] (the Prometheus exporter), [`secret`] (the instance secret both sides share),
-//! [`error`].
+//! kvbm layout), [`dlpack`] (tensors as Python hands them over), [`prom`] (the Prometheus
+//! exporter), [`secret`] (the instance secret both sides share), [`error`] (the exception
+//! classes).
 
+pub mod dlpack;
 pub mod error;
 pub mod kept;
 pub mod offload;
@@ -70,6 +72,7 @@ fn init_logging() {
 #[pymodule]
 fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     init_logging();
+    error::add_classes(m)?;
     m.add_class::<scheduler::Scheduler>()?;
     m.add_class::<scheduler::Match>()?;
     m.add_class::<worker::Worker>()?;

@@ -21,8 +21,9 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyString;
 
-use crate::error::{PyKvbmError, Result};
+use crate::error::{ErrorKind, PyKvbmError, Result};
 use crate::scheduler::{RetentionArg, parse_policy, retention_hint, sequence_hash};
+use crate::tensors::TensorMemory;
 
 /// kvbm's key of one vLLM offload key (`hash || group`, the group as 4
 /// big-endian bytes).
@@ -343,10 +344,6 @@ impl OffloadBooks {
     }
 }
 
-/// Keeps the engine's tensors (Python objects) alive as long as the
-/// worker's regions over them.
-struct KeepAlive(#[allow(dead_code)] Py<PyAny>);
-
 /// One rank's host tier: the engine's page tensors per KV cache group and
 /// `slots` host slots, copying jobs between them.
 #[pyclass(module = "kvbm_py._kvbm")]
@@ -355,8 +352,71 @@ pub struct PageWorker {
 }
 
 /// A job's end as Python sees it: `(job, ok, bytes, seconds, failed
-/// (group, block) pairs, error)`.
-type Finished = (u64, bool, u64, f64, Vec<(usize, usize)>, Option<String>);
+/// (group, block) pairs, the `TransferError` it failed with)`.
+type Finished = (u64, bool, u64, f64, Vec<(usize, usize)>, Option<PyErr>);
+
+/// The engine's page tensors of each KV cache group (`(tensors, page
+/// bytes)`) as kvbm's page groups, with the memory they are in and what
+/// keeps them alive. Each tensor is a `(num_blocks, bytes)` view, its
+/// rows contiguous, one block stride apart (the same within a group).
+fn page_groups(
+    groups: &[(Vec<Bound<'_, PyAny>>, u64)],
+    num_blocks: usize,
+) -> Result<(Vec<PageGroup>, PageMemory, Owner)> {
+    let all: Vec<Bound<'_, PyAny>> = groups.iter().flat_map(|(t, _)| t.clone()).collect();
+    let (tensors, owner) = crate::dlpack::read_all(&all)?;
+    let memory = match tensors.first().map(|t| t.memory) {
+        Some(TensorMemory::Device(ordinal)) => PageMemory::Device(ordinal),
+        Some(TensorMemory::Host) => PageMemory::Host,
+        None => return Err(PyKvbmError::Invalid("no KV cache tensors given".into())),
+    };
+    let mut tensors = tensors.into_iter();
+    let mut out = Vec::with_capacity(groups.len());
+    for (g, (layers, page_bytes)) in groups.iter().enumerate() {
+        let mut group = PageGroup {
+            layers: Vec::with_capacity(layers.len()),
+            page_bytes: *page_bytes,
+            block_stride: 0,
+        };
+        for t in tensors.by_ref().take(layers.len()) {
+            let elem = t.elem_bytes as u64;
+            let (addr, shape, strides) = (t.raw.addr, &t.raw.shape, &t.raw.strides);
+            let bytes_of = |n: usize| (n as u64).checked_mul(elem);
+            let stride = match (shape.as_slice(), strides.as_slice()) {
+                ([rows, bytes], [stride, 1])
+                    if *rows == num_blocks
+                        && bytes_of(*bytes).is_some_and(|b| b >= *page_bytes) =>
+                {
+                    bytes_of(*stride).ok_or_else(|| {
+                        PyKvbmError::Invalid(format!("KV cache group {g}: a stride of {stride}"))
+                    })?
+                }
+                _ => {
+                    return Err(PyKvbmError::Invalid(format!(
+                        "KV cache group {g}: a tensor of shape {shape:?} and strides \
+                         {strides:?} is not a ({num_blocks} blocks, {page_bytes} page bytes) view"
+                    )));
+                }
+            };
+            if group.layers.is_empty() {
+                group.block_stride = stride;
+            } else if stride != group.block_stride {
+                return Err(PyKvbmError::Invalid(format!(
+                    "KV cache group {g} mixes block strides {} and {stride}",
+                    group.block_stride
+                )));
+            }
+            group.layers.push(addr);
+        }
+        if group.layers.is_empty() {
+            return Err(PyKvbmError::Invalid(format!(
+                "KV cache group {g} has no layers"
+            )));
+        }
+        out.push(group);
+    }
+    Ok((out, memory, owner))
+}
 
 /// `(group, engine block, slot)` triples as copies from host slots, or
 /// from disk slots where `disk`.
@@ -374,39 +434,33 @@ fn copies_of(copies: Vec<(usize, usize, usize)>, disk: bool) -> Vec<PageCopy> {
 
 #[pymethods]
 impl PageWorker {
-    /// `groups` holds per KV cache group `(page addresses per layer,
-    /// page bytes, block stride)`; each address must have `num_blocks`
-    /// blocks of the stride behind it, alive while `keepalive` is.
-    /// `device` is the CUDA ordinal of device pages, `None` for host
-    /// pages. `disk_dir` and `disk_slots` put a disk tier of that many
-    /// slots behind the host slots, in a file of its own in that
-    /// directory. With `verify` every stored slot's checksum is recorded
-    /// and checked when it is loaded.
+    /// `groups` holds per KV cache group `(page tensors, page bytes)`:
+    /// one tensor per layer, any object with `__dlpack__` (a torch
+    /// tensor) viewing the layer as `(num_blocks, bytes)` with its pages
+    /// one block stride apart, every tensor of a group with the same
+    /// stride, all on the host or all on one CUDA device; kvbm keeps a
+    /// reference to each as long as it may touch its memory, and the
+    /// caller passes views whose memory spans every block's stride.
+    /// `disk_dir` and `disk_slots` put a disk tier of that many slots
+    /// behind the host slots, in a file of its own in that directory.
+    /// With `verify` every stored slot's checksum is recorded and checked
+    /// when it is loaded.
     #[new]
-    #[pyo3(signature = (groups, num_blocks, slots, slot_bytes, keepalive, device = None, verify = false, disk_dir = None, disk_slots = 0))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (groups, num_blocks, slots, slot_bytes, verify = false, disk_dir = None, disk_slots = 0))]
     fn new(
-        groups: Vec<(Vec<u64>, u64, u64)>,
+        groups: Vec<(Vec<Bound<'_, PyAny>>, u64)>,
         num_blocks: usize,
         slots: usize,
         slot_bytes: u64,
-        keepalive: Py<PyAny>,
-        device: Option<u32>,
         verify: bool,
         disk_dir: Option<std::path::PathBuf>,
         disk_slots: usize,
     ) -> PyResult<Self> {
+        let (groups, memory, owner) = page_groups(&groups, num_blocks)?;
         let config = PagedConfig {
-            groups: groups
-                .into_iter()
-                .map(|(layers, page_bytes, block_stride)| PageGroup {
-                    layers,
-                    page_bytes,
-                    block_stride,
-                })
-                .collect(),
+            groups,
             num_blocks,
-            memory: device.map_or(PageMemory::Host, PageMemory::Device),
+            memory,
             slots,
             slot_bytes,
             disk: disk_dir.map(|dir| PagedDisk {
@@ -415,12 +469,14 @@ impl PageWorker {
             }),
             verify,
         };
-        let owner: Owner = Arc::new(KeepAlive(keepalive));
         // SAFETY: the pages belong to the engine, which keeps them while
-        // the objects in `keepalive` live (the worker holds them); the
-        // Python side passes every tensor's storage, which spans its
-        // blocks (checked there). The engine leaves a block alone while a
-        // job copies it (the offloading connector's contract).
+        // the tensors live; `owner` holds them and their DLPack capsules
+        // (the worker keeps it). Every address has `num_blocks` pages of
+        // the group's stride behind it: the tensors have that many rows
+        // of that stride (checked in `page_groups`) and the caller's views
+        // span the last row's stride (checked on the Python side, which
+        // sees the storage). The engine leaves a block alone while a job
+        // copies it (the offloading connector's contract).
         let inner = unsafe { PagedWorker::new(config, owner) }.map_err(PyKvbmError::Dist)?;
         Ok(PageWorker { inner })
     }
@@ -470,7 +526,8 @@ impl PageWorker {
             .map(|r| {
                 let failed: Vec<_> = r.failed.iter().map(|c| (c.group, c.block)).collect();
                 let ok = failed.is_empty() && r.error.is_none();
-                (r.job, ok, r.bytes, r.seconds, failed, r.error)
+                let error = r.error.map(|e| ErrorKind::Transfer.new_err(e));
+                (r.job, ok, r.bytes, r.seconds, failed, error)
             })
             .collect()
     }

@@ -506,8 +506,10 @@ impl Scheduler {
 
     /// Onboards that finished since the last poll: `(loaded, failed)`,
     /// `loaded` the request ids whose every block landed, `failed` pairs of
-    /// request id and error (none of their blocks counts as loaded).
-    fn poll_onboards(&self, py: Python<'_>) -> (Vec<String>, Vec<(String, String)>) {
+    /// request id and the exception it failed with (a `TransferError`, or
+    /// a `ClosedError` once the scheduler shut down; none of their blocks
+    /// counts as loaded).
+    fn poll_onboards(&self, py: Python<'_>) -> (Vec<String>, Vec<(String, PyErr)>) {
         let done: Vec<(String, OnboardHandle)> = {
             let mut onboards = self.onboards.lock();
             let ids: Vec<String> = onboards
@@ -519,26 +521,31 @@ impl Scheduler {
                 .filter_map(|id| onboards.remove(&id).map(|h| (id, h)))
                 .collect()
         };
-        py.detach(|| {
+        let (ok, failed) = py.detach(|| {
             let (mut ok, mut failed) = (Vec::new(), Vec::new());
             for (id, handle) in done {
                 match handle.wait() {
                     Ok(_) => ok.push(id),
-                    Err(e) => failed.push((id, e.to_string())),
+                    Err(e) => failed.push((id, PyKvbmError::from(e))),
                 }
             }
             (ok, failed)
-        })
+        });
+        let failed = failed.into_iter().map(|(id, e)| (id, e.into())).collect();
+        (ok, failed)
     }
 
-    /// Waits for the request's onboard: `None` when every block landed,
-    /// else the error (nothing of it counts as loaded). A request without
-    /// an onboard in progress is an error.
-    fn wait_onboard(&self, py: Python<'_>, request_id: &str) -> PyResult<Option<String>> {
+    /// Waits for the request's onboard; returns when every block landed
+    /// and raises what it failed with otherwise (a `TransferError`;
+    /// nothing of it counts as loaded). A request without an onboard in
+    /// progress is an `InvalidArgumentError`.
+    fn wait_onboard(&self, py: Python<'_>, request_id: &str) -> PyResult<()> {
         let handle = self.onboards.lock().remove(request_id).ok_or_else(|| {
             PyKvbmError::Invalid(format!("request {request_id:?} has no onboard in progress"))
         })?;
-        Ok(py.detach(|| handle.wait().err().map(|e| e.to_string())))
+        py.detach(|| handle.wait())
+            .map(drop)
+            .map_err(|e| PyKvbmError::from(e).into())
     }
 
     /// Queues the engine's full blocks `block_ids` of `request_id`, named
@@ -622,7 +629,7 @@ impl Scheduler {
                 engine.release_after_offloads(request_id.as_str());
                 released.lock().push(request_id);
             })
-            .map_err(|e| PyKvbmError::Invalid(format!("cannot start a release: {e}")))?;
+            .map_err(|e| PyKvbmError::System(format!("cannot start a release: {e}")))?;
         Ok(())
     }
 

@@ -16,23 +16,18 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use kvbm_dist::worker::{self, WorkerConfig};
-use kvbm_transfer::memory::Owner;
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 
-use crate::error::PyKvbmError;
-use crate::tensors::{RawTensor, TensorMemory, engine_layout, vllm_format};
-
-/// Keeps the engine's tensors (Python objects) alive as long as kvbm's
-/// regions over them.
-struct TensorKeepAlive(#[allow(dead_code)] Py<PyAny>);
+use crate::error::{ErrorKind, PyKvbmError, Result};
+use crate::tensors::{RawTensor, engine_layout, vllm_format};
 
 /// How the worker thread ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Exit {
     Running,
     Ok,
-    Failed(String),
+    Failed(ErrorKind, String),
 }
 
 /// kvbm's worker-side object for one rank.
@@ -45,35 +40,29 @@ pub struct Worker {
     block_bytes: u64,
 }
 
-fn tensors_of(tensors: Vec<(u64, Vec<usize>, Vec<usize>)>) -> Vec<RawTensor> {
-    tensors
-        .into_iter()
-        .map(|(addr, shape, strides)| RawTensor {
-            addr,
-            shape,
-            strides,
-        })
-        .collect()
-}
-
-/// What `Worker(...)` was given, in either form of the constructor.
-struct WorkerArgs {
+/// A worker's settings, read from `kvbm_py.config.WorkerConfig` (or any
+/// object with its attributes).
+#[derive(FromPyObject)]
+struct Settings {
+    #[pyo3(attribute)]
     endpoint: String,
+    #[pyo3(attribute)]
     rank: u32,
+    #[pyo3(attribute)]
     world_size: u32,
-    tensors: Vec<(u64, Vec<usize>, Vec<usize>)>,
-    dtype_bytes: usize,
-    num_blocks: usize,
-    keepalive: Py<PyAny>,
+    #[pyo3(attribute)]
     secret_file: PathBuf,
-    device: Option<u32>,
-    g3_dir: Option<PathBuf>,
-    kept_identity: Option<String>,
-    g2_keep_dir: Option<PathBuf>,
+    #[pyo3(attribute)]
     instance: u64,
+    #[pyo3(attribute)]
+    g3_dir: Option<PathBuf>,
+    #[pyo3(attribute)]
+    kept_identity: Option<String>,
+    #[pyo3(attribute)]
+    g2_keep_dir: Option<PathBuf>,
+    #[pyo3(attribute)]
     leader_timeout_s: f64,
-    /// Test hook: hold every copy back this long.
-    #[cfg(feature = "test-hooks")]
+    #[pyo3(attribute)]
     transfer_delay_ms: u64,
 }
 
@@ -81,103 +70,17 @@ struct WorkerArgs {
 impl Worker {
     /// Registers the engine's KV tensors and starts the worker.
     ///
-    /// `tensors` is one `(address, shape, strides)` per attention layer, in
-    /// layer order (strides in elements), `dtype_bytes` the element size,
-    /// `num_blocks` the engine's block count (it names the block axis),
-    /// `keepalive` any object that keeps the tensors alive (kvbm holds a
-    /// reference as long as it may touch them). `device` is the CUDA
-    /// ordinal of device tensors (feature `cuda`; G2 is then pinned memory
-    /// near it), `None` for host tensors. An unsupported tensor shape or
-    /// stride is a `ValueError` here, before anything runs.
-    #[cfg(not(feature = "test-hooks"))]
+    /// `config` is a `kvbm_py.config.WorkerConfig`; `tensors` holds one
+    /// tensor per attention layer, in layer order: any object with
+    /// `__dlpack__` (a torch tensor), all on the host or all on one CUDA
+    /// device (feature `cuda`; G2 is then pinned memory near it). kvbm
+    /// keeps a reference to each as long as it may touch its memory.
+    /// `num_blocks` is the engine's block count (it names the block
+    /// axis). An unsupported tensor shape or stride is an
+    /// `InvalidArgumentError` here, before anything runs.
     #[new]
-    #[pyo3(signature = (endpoint, rank, world_size, tensors, dtype_bytes, num_blocks, keepalive, secret_file, device = None, g3_dir = None, kept_identity = None, g2_keep_dir = None, instance = 0, leader_timeout_s = 600.0))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        endpoint: String,
-        rank: u32,
-        world_size: u32,
-        tensors: Vec<(u64, Vec<usize>, Vec<usize>)>,
-        dtype_bytes: usize,
-        num_blocks: usize,
-        keepalive: Py<PyAny>,
-        secret_file: PathBuf,
-        device: Option<u32>,
-        g3_dir: Option<PathBuf>,
-        kept_identity: Option<String>,
-        g2_keep_dir: Option<PathBuf>,
-        instance: u64,
-        leader_timeout_s: f64,
-    ) -> PyResult<Self> {
-        Self::start(WorkerArgs {
-            endpoint,
-            rank,
-            world_size,
-            tensors,
-            dtype_bytes,
-            num_blocks,
-            keepalive,
-            secret_file,
-            device,
-            g3_dir,
-            kept_identity,
-            g2_keep_dir,
-            instance,
-            leader_timeout_s,
-        })
-    }
-
-    /// Registers the engine's KV tensors and starts the worker.
-    ///
-    /// `tensors` is one `(address, shape, strides)` per attention layer, in
-    /// layer order (strides in elements), `dtype_bytes` the element size,
-    /// `num_blocks` the engine's block count (it names the block axis),
-    /// `keepalive` any object that keeps the tensors alive (kvbm holds a
-    /// reference as long as it may touch them). `device` is the CUDA
-    /// ordinal of device tensors (feature `cuda`; G2 is then pinned memory
-    /// near it), `None` for host tensors. An unsupported tensor shape or
-    /// stride is a `ValueError` here, before anything runs.
-    ///
-    /// With the test hooks (feature `test-hooks`, the test suite's wheel),
-    /// `transfer_delay_ms` holds every copy back that long.
-    #[cfg(feature = "test-hooks")]
-    #[new]
-    #[pyo3(signature = (endpoint, rank, world_size, tensors, dtype_bytes, num_blocks, keepalive, secret_file, device = None, g3_dir = None, kept_identity = None, g2_keep_dir = None, instance = 0, leader_timeout_s = 600.0, transfer_delay_ms = 0))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        endpoint: String,
-        rank: u32,
-        world_size: u32,
-        tensors: Vec<(u64, Vec<usize>, Vec<usize>)>,
-        dtype_bytes: usize,
-        num_blocks: usize,
-        keepalive: Py<PyAny>,
-        secret_file: PathBuf,
-        device: Option<u32>,
-        g3_dir: Option<PathBuf>,
-        kept_identity: Option<String>,
-        g2_keep_dir: Option<PathBuf>,
-        instance: u64,
-        leader_timeout_s: f64,
-        transfer_delay_ms: u64,
-    ) -> PyResult<Self> {
-        Self::start(WorkerArgs {
-            endpoint,
-            rank,
-            world_size,
-            tensors,
-            dtype_bytes,
-            num_blocks,
-            keepalive,
-            secret_file,
-            device,
-            g3_dir,
-            kept_identity,
-            g2_keep_dir,
-            instance,
-            leader_timeout_s,
-            transfer_delay_ms,
-        })
+    fn new(config: Settings, tensors: Vec<Bound<'_, PyAny>>, num_blocks: usize) -> PyResult<Self> {
+        Ok(Self::start(config, &tensors, num_blocks)?)
     }
 
     /// This worker's rank.
@@ -203,10 +106,11 @@ impl Worker {
         *self.exit.lock() == Exit::Running
     }
 
-    /// Why the worker stopped, if it stopped on an error.
-    fn error(&self) -> Option<String> {
+    /// The error the worker stopped on (a `KvbmError`), `None` while it
+    /// runs or when it stopped cleanly.
+    fn exception(&self) -> Option<PyErr> {
         match &*self.exit.lock() {
-            Exit::Failed(e) => Some(e.clone()),
+            Exit::Failed(kind, message) => Some(kind.new_err(message.clone())),
             _ => None,
         }
     }
@@ -233,55 +137,61 @@ impl Worker {
 }
 
 impl Worker {
-    /// The constructor's body, for both its forms.
-    fn start(args: WorkerArgs) -> PyResult<Self> {
-        let WorkerArgs {
-            endpoint,
-            rank,
-            world_size,
-            tensors,
-            dtype_bytes,
-            num_blocks,
-            keepalive,
-            secret_file,
-            device,
-            g3_dir,
-            kept_identity,
-            g2_keep_dir,
-            instance,
-            leader_timeout_s,
-            #[cfg(feature = "test-hooks")]
-            transfer_delay_ms,
-        } = args;
-        let tensors = tensors_of(tensors);
+    /// The constructor's body.
+    fn start(s: Settings, tensors: &[Bound<'_, PyAny>], num_blocks: usize) -> Result<Self> {
+        if s.world_size == 0 || s.rank >= s.world_size {
+            return Err(PyKvbmError::Invalid(format!(
+                "rank {} of a world of {} workers",
+                s.rank, s.world_size
+            )));
+        }
+        if !(s.leader_timeout_s.is_finite() && s.leader_timeout_s > 0.0) {
+            return Err(PyKvbmError::Invalid(format!(
+                "leader timeout {} s",
+                s.leader_timeout_s
+            )));
+        }
+        if s.transfer_delay_ms > 0 && !cfg!(feature = "test-hooks") {
+            return Err(PyKvbmError::Invalid(
+                "transfer_delay_ms needs a wheel built with feature test-hooks".into(),
+            ));
+        }
+        let (tensors, owner) = crate::dlpack::read_all(tensors)?;
         let first = tensors
             .first()
             .ok_or_else(|| PyKvbmError::Invalid("no KV tensors given".into()))?;
-        let format = vllm_format(&first.shape, num_blocks)?;
-        let memory = device.map_or(TensorMemory::Host, TensorMemory::Device);
-        if !(leader_timeout_s.is_finite() && leader_timeout_s > 0.0) {
-            return Err(
-                PyKvbmError::Invalid(format!("leader timeout {leader_timeout_s} s")).into(),
-            );
+        let (dtype_bytes, memory) = (first.elem_bytes, first.memory);
+        if let Some((i, t)) = tensors
+            .iter()
+            .enumerate()
+            .find(|(_, t)| t.elem_bytes != dtype_bytes)
+        {
+            return Err(PyKvbmError::Invalid(format!(
+                "KV tensor {i} has elements of {} bytes, tensor 0 of {dtype_bytes}",
+                t.elem_bytes
+            )));
         }
-        let owner: Owner = Arc::new(TensorKeepAlive(keepalive));
+        let format = vllm_format(&first.raw.shape, num_blocks)?;
+        let raw: Vec<RawTensor> = tensors.into_iter().map(|t| t.raw).collect();
         // SAFETY: the tensors' memory belongs to the engine, which keeps
-        // it allocated while the Python objects in `keepalive` live; the
-        // owner holds a reference to them as long as any region does. The
+        // it allocated while the Python objects live; `owner` holds them
+        // and their DLPack capsules as long as any region does (and the
+        // worker thread holds `owner` until the layouts are gone). The
         // engine leaves blocks alone while kvbm copies them (the connector
         // contract: loads into freshly allocated blocks, saves of blocks
         // held until kvbm read them).
-        let g1 = unsafe { engine_layout(&format, &tensors, dtype_bytes, memory, owner.clone()) }?;
+        let g1 = unsafe { engine_layout(&format, &raw, dtype_bytes, memory, owner.clone()) }?;
         let c = *g1.layout().config();
-        let secret = crate::secret::shared_secret(&secret_file)?;
-        let mut config = WorkerConfig::new(endpoint, instance, rank, world_size, g1, secret);
-        config.g3_dir = g3_dir;
-        config.kept_identity = kept_identity;
-        config.g2_keep_dir = g2_keep_dir;
-        config.leader_timeout = Duration::from_secs_f64(leader_timeout_s);
+        let secret = crate::secret::shared_secret(&s.secret_file)?;
+        let rank = s.rank;
+        let mut config = WorkerConfig::new(s.endpoint, s.instance, rank, s.world_size, g1, secret);
+        config.g3_dir = s.g3_dir;
+        config.kept_identity = s.kept_identity;
+        config.g2_keep_dir = s.g2_keep_dir;
+        config.leader_timeout = Duration::from_secs_f64(s.leader_timeout_s);
         #[cfg(feature = "test-hooks")]
         {
-            config.fault_delay = Duration::from_millis(transfer_delay_ms);
+            config.fault_delay = Duration::from_millis(s.transfer_delay_ms);
         }
         let exit = Arc::new(Mutex::new(Exit::Running));
         let thread = {
@@ -289,16 +199,16 @@ impl Worker {
             std::thread::Builder::new()
                 .name(format!("kvbm-worker-{rank}"))
                 .spawn(move || {
-                    let r = worker::run(config);
+                    let r = worker::run(config).map_err(PyKvbmError::from);
                     // The tensors stay referenced until the worker and its
                     // layouts over them are gone.
                     drop(owner);
                     *exit.lock() = match r {
                         Ok(()) => Exit::Ok,
-                        Err(e) => Exit::Failed(e.to_string()),
+                        Err(e) => Exit::Failed(e.kind(), e.to_string()),
                     };
                 })
-                .map_err(|e| PyKvbmError::Invalid(format!("cannot start the worker: {e}")))?
+                .map_err(|e| PyKvbmError::System(format!("cannot start the worker: {e}")))?
         };
         Ok(Worker {
             thread: Mutex::new(Some(thread)),

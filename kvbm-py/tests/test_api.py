@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kvbm_py
+from kvbm_py.config import WorkerConfig
 
 BLOCKS, BLOCK, INNER = 16, 16, 128
 # Bytes of one block on one rank: 2 layers x K/V x 16 tokens x 128 x fp16
@@ -27,10 +28,8 @@ class Rank:
     def __init__(self, endpoint, rank, g3_dir, secret_file):
         self.rank = rank
         self.layers = [torch.zeros(BLOCKS, 2, BLOCK, INNER, dtype=torch.float16) for _ in range(2)]
-        specs = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in self.layers]
-        self.worker = kvbm_py.Worker(
-            endpoint, rank, 2, specs, 2, BLOCKS, tuple(self.layers), str(secret_file), g3_dir=str(g3_dir)
-        )
+        config = WorkerConfig(endpoint, rank, 2, str(secret_file), g3_dir=str(g3_dir))
+        self.worker = kvbm_py.Worker(config, self.layers, BLOCKS)
 
     def fill(self, block, seed):
         for layer, t in enumerate(self.layers):
@@ -58,9 +57,11 @@ def node(tmp_path):
     )
     yield sched, ranks
     sched.shutdown()
+    with pytest.raises(kvbm_py.ClosedError):
+        sched.live_requests()
     for r in ranks:
         assert r.worker.join(10.0), "a worker did not stop"
-        assert r.worker.error() is None
+        assert r.worker.exception() is None
 
 
 def test_two_ranks_round_trip_through_g2_and_g3(node):
@@ -89,7 +90,7 @@ def test_two_ranks_round_trip_through_g2_and_g3(node):
     assert (m.engine_blocks, m.g2_blocks, m.g3_blocks, m.gave_back) == (1, 2, 1, False), m
     assert m.external_tokens == 3 * BLOCK
     sched.onboard("b", [9, 10, 11])
-    assert sched.wait_onboard("b") is None
+    sched.wait_onboard("b")
     for r in ranks:
         for src, dst in [(1, 9), (2, 10), (3, 11)]:
             assert r.same(src, dst), f"rank {r.rank}: block {dst} differs from {src}"
@@ -122,16 +123,27 @@ def test_a_failed_onboard_reports_and_counts_nothing(node):
     sched.release("a")
     assert sched.match_prefix("b", hashes, 3 * BLOCK, 0).external_tokens == 2 * BLOCK
     sched.onboard("b", [12, BLOCKS + 100])  # the second target is outside G1
-    error = sched.wait_onboard("b")
-    assert error is not None and "outside" in error, error
+    with pytest.raises(kvbm_py.TransferError, match="outside"):
+        sched.wait_onboard("b")
     assert sched.stats()["onboard_failures"] == 1
     assert sched.release("b")
+    # A polled failure is the exception, not its text.
+    assert sched.match_prefix("c", hashes, 3 * BLOCK, 0).external_tokens == 2 * BLOCK
+    sched.onboard("c", [BLOCKS + 100, 12])
+    deadline = time.monotonic() + 30
+    while not (polled := sched.poll_onboards())[1]:
+        assert polled == ([], []) and time.monotonic() < deadline, polled
+        time.sleep(0.01)
+    ((rid, err),) = polled[1]
+    assert rid == "c" and isinstance(err, kvbm_py.TransferError) and "outside" in str(err), err
+    assert sched.release("c")
     # Polling finds nothing more, and bad arguments are errors, not crashes.
     assert sched.poll_onboards() == ([], [])
-    with pytest.raises(ValueError):
+    with pytest.raises(kvbm_py.InvalidArgumentError):
         sched.wait_onboard("never-matched")
-    with pytest.raises(ValueError):
+    with pytest.raises(kvbm_py.InvalidArgumentError):
         sched.offload("c", [1, 2], [hashes[0]])
+    # Still a ValueError, for callers that catch that.
     with pytest.raises(ValueError):
         kvbm_py.Scheduler("ipc:///tmp/x", 1, 16, 0, admission="sometimes")
 
@@ -144,7 +156,7 @@ def test_a_g2_that_cannot_be_allocated_fails_start_up(tmp_path):
     ranks = [Rank(endpoint, r, tmp_path / f"g3-{r}", secret) for r in range(2)]
     # The most blocks a tier indexes (2^32 - 1), 64 TiB per rank: more
     # than this machine can map.
-    with pytest.raises(RuntimeError) as err:
+    with pytest.raises(kvbm_py.KvbmError) as err:
         kvbm_py.Scheduler(
             endpoint,
             2,
@@ -195,7 +207,7 @@ def test_g3_blocks_are_read_into_staging_at_match(tmp_path):
         assert sched.staging_free_blocks() == 0
         targets = list(range(8, 14))
         sched.onboard("b", targets)
-        assert sched.wait_onboard("b") is None
+        sched.wait_onboard("b")
         for r in ranks:
             for src, dst in zip(range(6), targets):
                 assert r.same(src, dst), f"rank {r.rank}: block {dst} differs from {src}"

@@ -3,6 +3,7 @@ a block is readable only once the forward that writes it is known done."""
 
 import pytest
 
+import kvbm_py
 from kvbm_py.vllm.fence import WriteFence
 
 
@@ -55,5 +56,5 @@ def test_poisoned_blocks_stay_out_until_a_forward_rewrites_them():
 
 
 def test_no_batches_is_refused():
-    with pytest.raises(ValueError):
+    with pytest.raises(kvbm_py.InvalidArgumentError):
         WriteFence(0)

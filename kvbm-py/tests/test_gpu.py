@@ -34,6 +34,7 @@ except ImportError:
     pytest.skip("torch is not installed", allow_module_level=True)
 
 import kvbm_py  # noqa: E402
+from kvbm_py.config import WorkerConfig  # noqa: E402
 
 BLOCKS, BLOCK, HEADS, HEAD = 32, 16, 8, 128
 # One rank's block: 2 layers x K/V x 16 tokens x 8 heads x 128 x bf16.
@@ -62,21 +63,10 @@ def device_layers(layout: str):
 def run_round_trip(tmp: str, layout: str) -> None:
     endpoint = f"ipc://{tmp}/leader.sock"
     layers, of = device_layers(layout)
-    specs = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in layers]
+    config = WorkerConfig(endpoint, 0, 1, f"{tmp}/instance.secret", g3_dir=f"{tmp}/g3")
     try:
-        worker = kvbm_py.Worker(
-            endpoint,
-            0,
-            1,
-            specs,
-            2,
-            BLOCKS,
-            tuple(layers),
-            f"{tmp}/instance.secret",
-            device=torch.cuda.current_device(),
-            g3_dir=f"{tmp}/g3",
-        )
-    except ValueError as e:
+        worker = kvbm_py.Worker(config, layers, BLOCKS)
+    except kvbm_py.KvbmError as e:
         if "no CUDA support" in str(e):
             _skip("kvbm_py built without feature `cuda`")
         raise
@@ -100,7 +90,7 @@ def run_round_trip(tmp: str, layout: str) -> None:
         targets = [20, 21, 22, 23]
         t0 = time.perf_counter()
         sched.onboard("b", targets)
-        assert sched.wait_onboard("b") is None
+        sched.wait_onboard("b")
         ms = (time.perf_counter() - t0) * 1e3
         torch.cuda.synchronize()
         for t in layers:
@@ -112,7 +102,7 @@ def run_round_trip(tmp: str, layout: str) -> None:
         print(f"GPU round trip OK ({layout}): 4 blocks of {BLOCK_BYTES} bytes back in {ms:.1f} ms; {s}")
     finally:
         sched.shutdown()
-        assert worker.join(10.0) and worker.error() is None, worker.error()
+        assert worker.join(10.0) and worker.exception() is None, worker.exception()
 
 
 @pytest.mark.parametrize("layout", ["packed", "split"])
@@ -136,17 +126,15 @@ def run_spec_round_trip(verify: bool, disk_dir: str | None = None) -> None:
     slot_bytes = max(n * page for n, page in groups)
     try:
         worker = kvbm_py._kvbm.PageWorker(
-            [([t.data_ptr() for t in g], page, page) for g, (_, page) in zip(pages, groups)],
+            [(g, page) for g, (_, page) in zip(pages, groups)],
             BLOCKS,
             8,
             slot_bytes,
-            pages,
-            device=torch.cuda.current_device(),
             verify=verify,
             disk_dir=disk_dir,
             disk_slots=8 if disk_dir else 0,
         )
-    except (ValueError, RuntimeError) as e:
+    except kvbm_py.KvbmError as e:
         if "feature `cuda`" in str(e):
             _skip("kvbm_py built without feature `cuda`")
         raise
@@ -182,6 +170,7 @@ def run_spec_round_trip(verify: bool, disk_dir: str | None = None) -> None:
         worker.wait([3])
         (job,) = worker.finished()
         assert not job[1] and job[4] == [(1, 7)], job
+        assert isinstance(job[5], kvbm_py.TransferError), job
 
 
 @pytest.mark.parametrize("verify", [False, True])

@@ -1,15 +1,20 @@
 """The package alone: imports without vLLM, configuration sources, hash
-keys, and KV tensors kvbm refuses at start-up."""
+keys, the exception classes, and KV tensors kvbm takes or refuses at
+start-up."""
 
+import ctypes
+import gc
 import os
+import pickle
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
 
 import kvbm_py
-from kvbm_py.config import GIB, KvbmConfig
+from kvbm_py.config import GIB, KvbmConfig, WorkerConfig
 
 
 def test_imports_without_vllm():
@@ -26,8 +31,25 @@ def test_imports_without_vllm():
 def test_block_hash_keys_are_the_first_eight_bytes_little_endian():
     digest = bytes(range(32))
     assert kvbm_py.sequence_hash(digest) == int.from_bytes(digest[:8], "little")
-    with pytest.raises(ValueError):
+    with pytest.raises(kvbm_py.InvalidArgumentError):
         kvbm_py.sequence_hash(b"short")
+
+
+def test_errors_are_one_hierarchy_that_keeps_the_builtin_bases():
+    for name in ("InvalidArgumentError", "TransferError", "ClosedError", "KvbmTimeoutError"):
+        cls = getattr(kvbm_py, name)
+        assert issubclass(cls, kvbm_py.KvbmError) and cls.__module__ == "kvbm_py._kvbm", name
+    assert issubclass(kvbm_py.InvalidArgumentError, ValueError)
+    assert issubclass(kvbm_py.KvbmTimeoutError, TimeoutError)
+    assert not issubclass(kvbm_py.TransferError, ValueError)
+    # Raised by Rust and by the package's Python alike; they cross process
+    # boundaries (vLLM pickles a worker's exception).
+    with pytest.raises(kvbm_py.InvalidArgumentError) as err:
+        kvbm_py.sequence_hash(b"")
+    again = pickle.loads(pickle.dumps(err.value))
+    assert type(again) is kvbm_py.InvalidArgumentError and str(again) == str(err.value)
+    with pytest.raises(kvbm_py.InvalidArgumentError, match="unknown configuration key"):
+        KvbmConfig.from_sources({"cpu_cache": 1}, {})
 
 
 def test_config_reads_extra_then_environment_then_defaults():
@@ -69,11 +91,59 @@ def _secret_in_tmp(tmp_path, monkeypatch):
 _SECRET = ""
 
 
+def _config(**kwargs):
+    return WorkerConfig("ipc:///nonexistent/kvbm", 0, 1, _SECRET, **kwargs)
+
+
 def _worker(tensors, num_blocks):
-    specs = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in tensors]
-    return kvbm_py.Worker(
-        "ipc:///nonexistent/kvbm", 0, 1, specs, tensors[0].element_size(), num_blocks, tuple(tensors), _SECRET
-    )
+    return kvbm_py.Worker(_config(), tensors, num_blocks)
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+_CAPSULE_NAME = b"dltensor"
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+
+class FakeDeviceTensor:
+    """A DLPack producer of a bf16 tensor said to be in CUDA memory at a
+    made-up address, without strides (compact): kvbm's reading of a
+    capsule, without a GPU. Owns the structures its capsule points at."""
+
+    def __init__(self, shape, device_id=0, addr=0x10000):
+        self.shape = (ctypes.c_int64 * len(shape))(*shape)
+        self.managed = _DLManagedTensor()
+        t = self.managed.dl_tensor
+        t.data, t.device, t.ndim = addr, _DLDevice(2, device_id), len(shape)
+        t.dtype = _DLDataType(4, 16, 1)
+        t.shape = self.shape
+
+    def __dlpack__(self):
+        return _capsule_new(ctypes.addressof(self.managed), _CAPSULE_NAME, None)
 
 
 def test_unknown_tensor_shapes_are_refused_at_start_up():
@@ -98,12 +168,79 @@ def test_tensors_kvbm_cannot_address_exactly_are_refused():
 def test_gpu_tensors_without_a_gpu_are_a_clear_error():
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
-    t = torch.zeros(2, 4, 16, 2, 64, dtype=torch.float16)
-    spec = [(0x10000, list(t.shape), list(t.stride()))]
     # The wheel has CUDA support compiled in; libcuda is only looked for
     # now, and its absence is an error, not a crash.
-    with pytest.raises((RuntimeError, ValueError), match="(?i)cuda"):
-        kvbm_py.Worker("ipc:///nonexistent/kvbm", 0, 1, spec, 2, 4, (t,), _SECRET, device=0)
+    with pytest.raises(kvbm_py.KvbmError, match="(?i)cuda"):
+        _worker([FakeDeviceTensor([2, 4, 16, 2, 64])], 4)
+
+
+def test_tensors_are_read_through_dlpack_and_kept_alive_while_used(tmp_path):
+    # The worker reads address, shape, strides, element size and device
+    # from the tensor and holds it: the caller may drop its reference.
+    t = torch.zeros(4, 2, 16, 128, dtype=torch.float16)
+    alive = weakref.ref(t)
+    config = WorkerConfig(f"ipc://{tmp_path}/nobody.sock", 0, 1, _SECRET, leader_timeout_s=0.5)
+    w = kvbm_py.Worker(config, [t], 4)
+    assert (w.num_blocks, w.block_bytes) == (4, 2 * 16 * 128 * 2)
+    del t
+    gc.collect()
+    assert alive() is not None, "the worker let go of a tensor it addresses"
+    # Nobody leads: the worker gives up, with a typed error, and lets go.
+    assert w.join(30.0)
+    assert isinstance(w.exception(), kvbm_py.ClosedError), w.exception()
+    assert "leader" in str(w.exception())
+    del w
+    gc.collect()
+    assert alive() is None
+
+
+def test_tensor_intake_refuses_what_it_cannot_read():
+    with pytest.raises(kvbm_py.InvalidArgumentError, match="__dlpack__"):
+        _worker([[0] * 4], 4)
+    with pytest.raises(kvbm_py.InvalidArgumentError, match="no KV tensors"):
+        _worker([], 4)
+    a = torch.zeros(4, 2, 16, 128, dtype=torch.float16)
+    b = torch.zeros(4, 2, 16, 128, dtype=torch.float32)
+    with pytest.raises(kvbm_py.InvalidArgumentError, match="elements of 4 bytes"):
+        _worker([a, b], 4)
+    with pytest.raises(kvbm_py.InvalidArgumentError, match="memory"):
+        _worker([a, FakeDeviceTensor([4, 2, 16, 128])], 4)
+    with pytest.raises(kvbm_py.InvalidArgumentError, match="rank 1 of a world of 1"):
+        kvbm_py.Worker(WorkerConfig("ipc:///nonexistent/kvbm", 1, 1, _SECRET), [a], 4)
+    if not kvbm_py._kvbm.TEST_HOOKS:
+        with pytest.raises(kvbm_py.InvalidArgumentError, match="test-hooks"):
+            kvbm_py.Worker(_config(transfer_delay_ms=5), [a], 4)
+
+
+def test_the_spec_worker_takes_page_tensors_and_copies_them():
+    # Two layers' (blocks, page bytes) views of one KV cache group, rows a
+    # block stride apart (wider than the page): stored into host slots and
+    # loaded back into other blocks byte for byte.
+    layers = [torch.randint(-128, 127, (8, 96), dtype=torch.int8)[:, :64] for _ in range(2)]
+    worker = kvbm_py._kvbm.PageWorker([(layers, 64)], 8, 4, 128)
+    before = [t[[1, 2]].clone() for t in layers]
+    worker.store(1, [(0, 1, 0), (0, 2, 1)])
+    worker.wait([1])
+    assert [r[1] for r in worker.finished()] == [True]
+    worker.load(2, [(0, 5, 0), (0, 6, 1)])
+    worker.wait([2])
+    ((job, ok, nbytes, _, failed, error),) = worker.finished()
+    assert (job, ok, nbytes, failed, error) == (2, True, 4 * 64, [], None)
+    for t, want in zip(layers, before):
+        assert torch.equal(t[[5, 6]], want)
+    # Views kvbm cannot address as pages are refused, naming the group.
+    with pytest.raises(kvbm_py.InvalidArgumentError, match="group 0"):
+        kvbm_py._kvbm.PageWorker([([torch.zeros(8, 64, dtype=torch.int8).t()], 8)], 8, 4, 128)
+    with pytest.raises(kvbm_py.InvalidArgumentError, match="mixes block strides"):
+        kvbm_py._kvbm.PageWorker([([layers[0], torch.zeros(8, 64, dtype=torch.int8)], 64)], 8, 4, 128)
+
+
+def test_worker_config_is_derived_from_the_user_config():
+    c = KvbmConfig.from_sources({"test_transfer_delay_ms": 7}, {})
+    w = WorkerConfig.for_engine(c, "engine-a", 1, 2, instance=9, g3_dir="/g3")
+    assert (w.endpoint, w.secret_file) == (c.endpoint_for("engine-a"), c.secret_file_for("engine-a"))
+    assert (w.rank, w.world_size, w.instance, w.g3_dir, w.transfer_delay_ms) == (1, 2, 9, "/g3", 7)
+    assert w.kept_identity is None and w.leader_timeout_s == 600.0
 
 
 def test_vllm_finds_the_connector_by_name_after_loading_plugins():
@@ -136,11 +273,11 @@ def test_metrics_port_is_read_from_extra_or_environment():
 # A scheduler and one worker over host tensors, started and shut down.
 _START_STOP = """
 import tempfile, torch, kvbm_py
+from kvbm_py.config import WorkerConfig
 with tempfile.TemporaryDirectory() as d:
     ep = f"ipc://{d}/leader.sock"
     layers = [torch.zeros(4, 2, 16, 128, dtype=torch.float16) for _ in range(2)]
-    specs = [(t.data_ptr(), list(t.shape), list(t.stride())) for t in layers]
-    w = kvbm_py.Worker(ep, 0, 1, specs, 2, 4, tuple(layers), f"{d}/secret")
+    w = kvbm_py.Worker(WorkerConfig(ep, 0, 1, f"{d}/secret"), layers, 4)
     s = kvbm_py.Scheduler(ep, 1, 16, secret_file=f"{d}/secret", g2_bytes=4 * 16384,
                           handshake_timeout_s=30)
     s.shutdown()
@@ -196,10 +333,11 @@ def test_a_tier_larger_than_its_block_index_is_refused_at_start_up():
     assert code != _START_STOP
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
-    assert "ValueError: G3 of " in out.stderr and "blocks a tier holds: at most" in out.stderr, out.stderr[-2000:]
-    message = out.stderr.strip().splitlines()[-1].removeprefix("ValueError: ")
+    prefix = "kvbm_py._kvbm.InvalidArgumentError: "
+    assert prefix + "G3 of " in out.stderr and "blocks a tier holds: at most" in out.stderr, out.stderr[-2000:]
+    message = out.stderr.strip().splitlines()[-1].removeprefix(prefix)
     config = KvbmConfig.from_sources({"disk_cache_gb": 1e6}, {})
-    named = naming_the_size_key(ValueError(message), config)
+    named = naming_the_size_key(kvbm_py.InvalidArgumentError(message), config)
     assert str(named).startswith("kvbm: disk_cache_gb=1000000.0 GiB per worker: G3 of "), named
 
 

@@ -10,16 +10,43 @@ Two objects, thin over kvbm's Rust crates:
 
 The vLLM KV connector is :class:`kvbm_py.vllm.KvbmConnector` (importing
 :mod:`kvbm_py` itself does not import vLLM). Configuration is
-:class:`kvbm_py.config.KvbmConfig`.
+:class:`kvbm_py.config.KvbmConfig`; a worker is started with a
+:class:`kvbm_py.config.WorkerConfig`.
+
+Every error kvbm raises is a :class:`KvbmError`:
+
+* :class:`InvalidArgumentError` (also a ``ValueError``) -- an argument or
+  configuration value kvbm cannot use;
+* :class:`TransferError` -- a copy between tiers failed;
+* :class:`ClosedError` -- the object, or the peer it needs, was shut down;
+* :class:`KvbmTimeoutError` (also a ``TimeoutError``) -- a peer did not
+  answer in time.
 """
 
 from kvbm_py._kvbm import (
+    ClosedError,
+    InvalidArgumentError,
+    KvbmError,
+    KvbmTimeoutError,
     Match,
     Scheduler,
+    TransferError,
     Worker,
     __version__,
     sequence_hash,
     start_metrics_server,
 )
 
-__all__ = ["Match", "Scheduler", "Worker", "sequence_hash", "start_metrics_server", "__version__"]
+__all__ = [
+    "ClosedError",
+    "InvalidArgumentError",
+    "KvbmError",
+    "KvbmTimeoutError",
+    "Match",
+    "Scheduler",
+    "TransferError",
+    "Worker",
+    "__version__",
+    "sequence_hash",
+    "start_metrics_server",
+]

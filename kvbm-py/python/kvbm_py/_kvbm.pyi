@@ -1,16 +1,61 @@
 """Type stubs of kvbm_py's native module (built from the kvbm-py crate)."""
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, final, type_check_only
+
+from kvbm_py.config import WorkerConfig
+
+__all__ = [
+    "KvbmError",
+    "InvalidArgumentError",
+    "TransferError",
+    "ClosedError",
+    "KvbmTimeoutError",
+    "Scheduler",
+    "Match",
+    "Worker",
+    "OffloadBooks",
+    "PageWorker",
+    "sequence_hash",
+    "inspect_g3",
+    "start_metrics_server",
+    "__version__",
+    "TEST_HOOKS",
+]
 
 __version__: str
 #: Whether this build has the test hooks (feature ``test-hooks``).
 TEST_HOOKS: bool
 
+@type_check_only
+class _Tensor(Protocol):
+    """A tensor kvbm reads through DLPack (a ``torch.Tensor``, or any
+    object with ``__dlpack__`` whose capsule is an unversioned DLPack
+    tensor on the host or a CUDA device)."""
+
+    def __dlpack__(self) -> Any: ...
+
+class KvbmError(Exception):
+    """The base class of every error kvbm raises."""
+
+class InvalidArgumentError(KvbmError, ValueError):
+    """An argument or configuration value kvbm cannot use (also a
+    ``ValueError``)."""
+
+class TransferError(KvbmError):
+    """A copy between the engine's memory and kvbm's tiers failed, or the
+    memory for one could not be had."""
+
+class ClosedError(KvbmError):
+    """The object, or the peer it works with, was shut down."""
+
+class KvbmTimeoutError(KvbmError, TimeoutError):
+    """A peer did not answer in time (also a ``TimeoutError``)."""
+
 def sequence_hash(digest: bytes) -> int:
     """The 64-bit key kvbm files an engine block hash under: the first 8
     bytes, little-endian (as kvbm-block's vLLM scheme keys a block).
-    ``ValueError`` for fewer than 8 bytes."""
+    :class:`InvalidArgumentError` for fewer than 8 bytes."""
 
 def inspect_g3(path: str, verify: bool = False) -> dict[str, Any]:
     """What the kept G3 directory ``path`` (one rank's) holds: ``identity``,
@@ -23,6 +68,7 @@ def start_metrics_server(port: int, host: str = "127.0.0.1") -> int:
     ``kvbm_*`` metrics over HTTP on ``host:port`` (0 picks a free port);
     returns the port served. Later calls return the same port."""
 
+@final
 class Match:
     """The outcome of :meth:`Scheduler.match_prefix`."""
 
@@ -38,6 +84,7 @@ class Match:
     #: Tokens kvbm can load: ``(g2_blocks + g3_blocks) * block_size``.
     external_tokens: int
 
+@final
 class Scheduler:
     """kvbm's scheduler-side object: a kvbm-dist leader plus the tier engine
     (G2 host memory, G3 disk) over the leader's distributed mover.
@@ -58,8 +105,8 @@ class Scheduler:
     ``stats()["verify_mismatches"]``.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         endpoint: str,
         world_size: int,
         block_size: int,
@@ -73,7 +120,7 @@ class Scheduler:
         g3_staging_bytes: int | None = None,
         verify: bool = False,
         history_path: str | None = None,
-    ) -> None: ...
+    ) -> Scheduler: ...
     def save_history(self) -> bool:
         """Writes the use history beside the kept tiers now (it is written
         every second and at shutdown anyway); whether it wrote one."""
@@ -110,13 +157,16 @@ class Scheduler:
     def onboard(self, request_id: str, block_ids: Sequence[int]) -> None:
         """Starts copying the matched blocks into the engine's block ids
         (one per matched block, in prefix order)."""
-    def poll_onboards(self) -> tuple[list[str], list[tuple[str, str]]]:
+    def poll_onboards(self) -> tuple[list[str], list[tuple[str, KvbmError]]]:
         """Onboards finished since the last poll: ``(loaded, failed)``, the
-        failed ones with their error. A failed onboard counts nothing as
-        loaded."""
-    def wait_onboard(self, request_id: str) -> str | None:
-        """Waits for the request's onboard: ``None`` when every block
-        landed, else the error."""
+        failed ones with the exception they failed with (a
+        :class:`TransferError`, or a :class:`ClosedError` once shut down).
+        A failed onboard counts nothing as loaded."""
+    def wait_onboard(self, request_id: str) -> None:
+        """Waits for the request's onboard: returns when every block
+        landed, raises what it failed with (a :class:`TransferError`)
+        otherwise. :class:`InvalidArgumentError` for a request without an
+        onboard in progress."""
     def offload(
         self,
         request_id: str,
@@ -148,57 +198,39 @@ class Scheduler:
         """KV events since the last call: ``(stored, tier, key, parent)``,
         ``stored`` ``False`` for a removal, ``tier`` ``"g2"`` or ``"g3"``,
         ``key``/``parent`` kvbm keys (see :func:`sequence_hash`)."""
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> dict[str, Any]:
         """Counters: blocks, bytes, copies (``_transfers``) and copy seconds
         (``_seconds``) per path (``g1_to_g2``, ``g2_to_g3``, ``g2_to_g1``,
         ``g3_to_g1``, ``g1_to_g3``), skipped offloads, onboard failures,
-        matches, hits per tier, queue depth, blocks held per tier, and
+        matches, hits per tier, queue depth, blocks held per tier,
         ``verify_mismatches``: blocks that failed their checksum (0 unless
-        ``verify``)."""
+        ``verify``), and ``copy_failures_by``: failed blocks by
+        ``"path/cause"`` (a dict). The others are ints and floats."""
     def reset(self) -> int:
         """Drops every G2/G3 block no request holds; returns how many."""
     def shutdown(self) -> None:
         """Stops the tier engine and tells every worker to exit."""
 
+@final
 class Worker:
     """kvbm's worker-side object for one rank: the engine's KV tensors as
     G1 (no copy), G2 host memory and G3 disk, executing the leader's
     copies on a thread of its own.
 
-    ``tensors`` holds one ``(address, shape, strides)`` per attention layer,
-    in layer order (strides in elements); ``num_blocks`` names the block
-    axis; ``keepalive`` keeps the tensors alive as long as kvbm may touch
-    them; ``secret_file`` is where the instance secret is published. Shapes:
-    flash-attn ``[2, blocks, block_size, heads, head]``,
-    FlashInfer ``[blocks, 2, block_size, heads, head]``, CPU attention
-    ``[blocks, 2, block_size, inner]``, MLA ``[blocks, block_size, latent]``;
-    anything else, or strides kvbm cannot address exactly, is a
-    ``ValueError`` here. ``g3_dir`` holds G3; with ``kept_identity`` G3 is
-    kept across restarts under that identity (an engine started again
-    with the same directory and identity finds every block it held), and
-    with ``g2_keep_dir`` too (a directory in ``/dev/shm``) G2 is.
-    ``transfer_delay_ms`` (a test hook) holds every copy back that long; only
-    a wheel built with feature ``test-hooks`` (``TEST_HOOKS``) takes it.
+    ``config`` says where the leader is and what this rank keeps (see
+    :class:`kvbm_py.config.WorkerConfig`). ``tensors`` holds one tensor per
+    attention layer, in layer order: torch tensors (any object with
+    ``__dlpack__``), all on the host or all on one CUDA device, whose
+    address, shape, strides, element size and device kvbm reads itself
+    and which it keeps alive as long as it may touch their memory.
+    ``num_blocks`` names the block axis. Shapes: flash-attn ``[2, blocks,
+    block_size, heads, head]``, FlashInfer ``[blocks, 2, block_size, heads,
+    head]``, CPU attention ``[blocks, 2, block_size, inner]``, MLA
+    ``[blocks, block_size, latent]``; anything else, or strides kvbm cannot
+    address exactly, is an :class:`InvalidArgumentError` here.
     """
 
-    def __init__(
-        self,
-        endpoint: str,
-        rank: int,
-        world_size: int,
-        tensors: Sequence[tuple[int, Sequence[int], Sequence[int]]],
-        dtype_bytes: int,
-        num_blocks: int,
-        keepalive: Any,
-        secret_file: str,
-        device: int | None = None,
-        g3_dir: str | None = None,
-        kept_identity: str | None = None,
-        g2_keep_dir: str | None = None,
-        instance: int = 0,
-        leader_timeout_s: float = 600.0,
-        transfer_delay_ms: int = 0,
-    ) -> None: ...
+    def __new__(cls, config: WorkerConfig, tensors: Sequence[_Tensor], num_blocks: int) -> Worker: ...
     @property
     def rank(self) -> int:
         """This worker's rank."""
@@ -210,11 +242,13 @@ class Worker:
         """Bytes of one block on this rank (all layers, K and V)."""
     def is_running(self) -> bool:
         """Whether the worker still runs."""
-    def error(self) -> str | None:
-        """Why the worker stopped, if on an error."""
+    def exception(self) -> KvbmError | None:
+        """The error the worker stopped on; ``None`` while it runs or when
+        it stopped cleanly."""
     def join(self, timeout_s: float = 10.0) -> bool:
         """Waits for the worker to stop; ``True`` if it stopped."""
 
+@final
 class OffloadBooks:
     """The scheduler's books of the host tier behind vLLM's offloading
     connector, and of a disk tier of ``disk_slots`` behind it (none when
@@ -226,7 +260,7 @@ class OffloadBooks:
     until :meth:`unpin`. A block the host tier evicts moves to disk with
     the store that takes its slot (the tiers hold disjoint blocks)."""
 
-    def __init__(self, slots: int, admission: str = "reuse_score", disk_slots: int = 0) -> None: ...
+    def __new__(cls, slots: int, admission: str = "reuse_score", disk_slots: int = 0) -> OffloadBooks: ...
     @property
     def slots(self) -> int:
         """Slots in the host tier."""
@@ -263,7 +297,7 @@ class OffloadBooks:
         """Confirms (``ok``) or abandons the stores of ``keys``."""
     def pin(self, keys: Sequence[bytes]) -> list[tuple[bool, int]]:
         """Pins ``keys`` for one load and returns ``(on disk, slot)`` for
-        each; ``ValueError`` if any is not loadable."""
+        each; :class:`InvalidArgumentError` if any is not loadable."""
     def unpin(self, keys: Sequence[bytes]) -> None:
         """Ends one load of each of ``keys``."""
     def touch(self, keys: Sequence[bytes]) -> None:
@@ -280,33 +314,34 @@ class OffloadBooks:
     def take_events(self) -> list[tuple[bool, bool, int]]:
         """``(on disk, stored, kvbm key)`` since the last call."""
 
+@final
 class PageWorker:
     """One rank's host tier behind vLLM's offloading connector: the
-    engine's page tensors per KV cache group (``groups``: per group the
-    page address of each layer, the page bytes and the block stride;
-    ``num_blocks`` blocks behind each address, kept alive by
-    ``keepalive``) and ``slots`` host slots of ``slot_bytes`` (pinned near
-    the CUDA device ``device``, system memory when ``None``), and with
-    ``disk_dir`` a disk tier of ``disk_slots`` slots in a file of its own
-    there. With ``verify`` every stored slot's checksum is recorded and
-    checked after each load of it."""
+    engine's page tensors per KV cache group (``groups``: per group one
+    tensor per layer and the page bytes; each tensor a ``(num_blocks,
+    bytes)`` view of the layer, its rows one block stride apart, whose
+    memory spans every row's stride; torch tensors or any object with
+    ``__dlpack__``, kept alive by kvbm, all on the host or all on one CUDA
+    device) and ``slots`` host slots of ``slot_bytes`` (pinned near that
+    device, system memory for host tensors), and with ``disk_dir`` a disk
+    tier of ``disk_slots`` slots in a file of its own there. With
+    ``verify`` every stored slot's checksum is recorded and checked after
+    each load of it."""
 
-    def __init__(
-        self,
-        groups: Sequence[tuple[Sequence[int], int, int]],
+    def __new__(
+        cls,
+        groups: Sequence[tuple[Sequence[_Tensor], int]],
         num_blocks: int,
         slots: int,
         slot_bytes: int,
-        keepalive: Any,
-        device: int | None = None,
         verify: bool = False,
         disk_dir: str | None = None,
         disk_slots: int = 0,
-    ) -> None: ...
+    ) -> PageWorker: ...
     @property
     def slots(self) -> int:
         """Slots in the host tier."""
-    def store(self, job: int, copies: Sequence[tuple[int, int, int]], demote: Sequence[tuple[int, int]] = ()) -> None:
+    def store(self, job: int, copies: Sequence[tuple[int, int, int]], demote: Sequence[tuple[int, int]] = ...) -> None:
         """Starts copying ``(group, engine block, host slot)`` pages into
         host slots, after moving ``demote``'s ``(host slot, disk slot)``
         blocks to disk."""
@@ -314,13 +349,15 @@ class PageWorker:
         self,
         job: int,
         copies: Sequence[tuple[int, int, int]],
-        disk_copies: Sequence[tuple[int, int, int]] = (),
+        disk_copies: Sequence[tuple[int, int, int]] = ...,
     ) -> None:
         """Starts copying host slots into ``(group, engine block, host
         slot)`` pages and disk slots into ``disk_copies``' pages."""
-    def finished(self) -> list[tuple[int, bool, int, float, list[tuple[int, int]], str | None]]:
+    def finished(
+        self,
+    ) -> list[tuple[int, bool, int, float, list[tuple[int, int]], TransferError | None]]:
         """Jobs ended since the last call: ``(job, ok, bytes, seconds,
-        failed (group, block) pairs, error)``."""
+        failed (group, block) pairs, the error the job failed with)``."""
     def wait(self, jobs: Sequence[int]) -> None:
         """Waits until none of ``jobs`` is in flight."""
     def corrupt_slot(self, slot: int) -> None:

@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 
-from kvbm_py._kvbm import inspect_g3
+from kvbm_py._kvbm import KvbmError, inspect_g3
 
 
 def _stores(path: str) -> list[str]:
@@ -28,11 +28,14 @@ def _stores(path: str) -> list[str]:
 
 
 def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return str(n)
+    if n < 1024:
+        return f"{n} B"
+    size = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        size /= 1024
+        if size < 1024 or unit == "TiB":
+            break
+    return f"{size:.1f} {unit}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in [s for d in args.dirs for s in _stores(d)]:
         try:
             seen = inspect_g3(path, args.verify)
-        except (ValueError, RuntimeError) as e:
+        except KvbmError as e:
             print(f"{path}: cannot be read: {e}")
             damaged = True
             continue

@@ -1,8 +1,14 @@
 """kvbm's configuration for an engine integration.
 
-Each setting is read from the engine's connector configuration (for vLLM,
-``kv_connector_extra_config``), then from an environment variable, then
-falls back to its default. See ``docs/vllm.md`` for the table.
+:class:`KvbmConfig` holds the user's settings: each is read from the
+engine's connector configuration (for vLLM, ``kv_connector_extra_config``),
+then from an environment variable, then falls back to its default. See
+``docs/vllm.md`` for the table. :class:`WorkerConfig` is what one rank's
+:class:`kvbm_py.Worker` is started with, derived from a
+:class:`KvbmConfig` by :meth:`WorkerConfig.for_engine`.
+
+A value kvbm cannot use is an :class:`~kvbm_py.InvalidArgumentError`
+(also a ``ValueError``).
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from kvbm_py._kvbm import InvalidArgumentError
 
 GIB = 1 << 30
 
@@ -77,16 +85,16 @@ def _as_bool(value: Any, key: str) -> bool:
         return True
     if text in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"kvbm: {key}={value!r} is not a boolean")
+    raise InvalidArgumentError(f"kvbm: {key}={value!r} is not a boolean")
 
 
 def _as_float(value: Any, key: str) -> float:
     try:
         out = float(value)
     except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"kvbm: {key}={value!r} is not a number") from None
+        raise InvalidArgumentError(f"kvbm: {key}={value!r} is not a number") from None
     if not out >= 0.0 or math.isinf(out):
-        raise ValueError(f"kvbm: {key}={value!r} must be a finite number >= 0")
+        raise InvalidArgumentError(f"kvbm: {key}={value!r} must be a finite number >= 0")
     return out
 
 
@@ -94,14 +102,14 @@ def _as_size(value: Any, key: str) -> float:
     """A size in GiB per worker, no larger than kvbm can count."""
     out = _as_float(value, key)
     if out > _MAX_GB:
-        raise ValueError(f"kvbm: {key}={value!r} GiB is larger than the limit of {_MAX_GB:.0f} GiB")
+        raise InvalidArgumentError(f"kvbm: {key}={value!r} GiB is larger than the limit of {_MAX_GB:.0f} GiB")
     return out
 
 
-def _unknown_key(key: str, known: list[str]) -> ValueError:
+def _unknown_key(key: str, known: list[str]) -> InvalidArgumentError:
     near = difflib.get_close_matches(key, known, n=1)
     hint = f"; did you mean {near[0]!r}?" if near else f"; known keys: {', '.join(sorted(known))}"
-    return ValueError(f"kvbm: unknown configuration key {key!r}{hint}")
+    return InvalidArgumentError(f"kvbm: unknown configuration key {key!r}{hint}")
 
 
 @dataclass(frozen=True)
@@ -216,16 +224,18 @@ class KvbmConfig:
             test_stats_path=extra.get("test_stats_path"),
         )
         if not 0 <= cfg.metrics_port <= 65535:
-            raise ValueError(f"kvbm: metrics_port={cfg.metrics_port} is not a TCP port")
+            raise InvalidArgumentError(f"kvbm: metrics_port={cfg.metrics_port} is not a TCP port")
         if cfg.keeps_g2 and cfg.disk_cache_gb > 0 and not cfg.disk_cache_keep:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "kvbm: cpu_cache_keep=true with disk_cache_keep=false: a kept G2 "
                 "keeps the G3 behind it too; set disk_cache_keep=true or cpu_cache_keep=false"
             )
         if cfg.disk_cache_foreign not in FOREIGN_POLICIES:
-            raise ValueError(f"kvbm: disk_cache_foreign={cfg.disk_cache_foreign!r}: expected one of {FOREIGN_POLICIES}")
+            raise InvalidArgumentError(
+                f"kvbm: disk_cache_foreign={cfg.disk_cache_foreign!r}: expected one of {FOREIGN_POLICIES}"
+            )
         if cfg.offload not in OFFLOAD_MODES:
-            raise ValueError(f"kvbm: offload={cfg.offload!r}: expected one of {OFFLOAD_MODES}")
+            raise InvalidArgumentError(f"kvbm: offload={cfg.offload!r}: expected one of {OFFLOAD_MODES}")
         return cfg
 
     def tier_bytes(self, key: str, world: int) -> int:
@@ -236,7 +246,7 @@ class KvbmConfig:
         total = int(gb * GIB) * world
         if total >= 1 << 64:
             limit = ((1 << 64) - 1) / GIB / world
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"kvbm: {key}={gb!r} GiB per worker is larger than the limit of {limit:.0f} GiB with {world} workers"
             )
         return total
@@ -308,3 +318,65 @@ class KvbmConfig:
         """The G2 directory of ``rank`` kept across restarts under
         ``identity``."""
         return os.path.join(self.g2_base(), kept_name(identity, rank))
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What one rank's :class:`kvbm_py.Worker` is started with, besides the
+    engine's KV tensors.
+
+    :meth:`for_engine` derives it from the user's :class:`KvbmConfig`.
+    """
+
+    #: The leader's ZeroMQ endpoint (the scheduler side binds it).
+    endpoint: str
+    #: This worker's rank, ``0 <= rank < world_size``.
+    rank: int
+    #: Workers of the engine instance (each holds a slice of every block).
+    world_size: int
+    #: Where the instance secret is published (the first process of the
+    #: instance to start draws it; ``KVBM_INSTANCE_SECRET`` wins).
+    secret_file: str
+    #: kvbm's 64-bit id of the engine instance (the leader's must match).
+    instance: int = 0
+    #: The rank's G3 directory; None: no G3.
+    g3_dir: str | None = None
+    #: The identity G3 (and G2, with ``g2_keep_dir``) is kept across
+    #: restarts under; None: neither is kept.
+    kept_identity: str | None = None
+    #: The directory (in ``/dev/shm``) of a G2 kept across restarts.
+    g2_keep_dir: str | None = None
+    #: How long the worker waits for the leader before it gives up, s.
+    leader_timeout_s: float = 600.0
+    #: Test hook: every copy is held back this long (ms); only a wheel
+    #: built with feature ``test-hooks`` (``kvbm_py._kvbm.TEST_HOOKS``)
+    #: takes a value other than 0.
+    transfer_delay_ms: int = 0
+
+    @classmethod
+    def for_engine(
+        cls,
+        config: KvbmConfig,
+        engine_id: str,
+        rank: int,
+        world_size: int,
+        *,
+        instance: int = 0,
+        g3_dir: str | None = None,
+        kept_identity: str | None = None,
+        g2_keep_dir: str | None = None,
+    ) -> WorkerConfig:
+        """The configuration of ``rank`` of the engine instance
+        ``engine_id``: the endpoint and secret file ``config`` names for
+        it, and its test hooks."""
+        return cls(
+            endpoint=config.endpoint_for(engine_id),
+            rank=rank,
+            world_size=world_size,
+            secret_file=config.secret_file_for(engine_id),
+            instance=instance,
+            g3_dir=g3_dir,
+            kept_identity=kept_identity,
+            g2_keep_dir=g2_keep_dir,
+            transfer_delay_ms=config.test_transfer_delay_ms,
+        )

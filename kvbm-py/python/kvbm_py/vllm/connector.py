@@ -10,6 +10,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvbm_py import InvalidArgumentError
 from kvbm_py.config import KvbmConfig
 from kvbm_py.vllm.metadata import KvbmMetadata
 
@@ -40,11 +41,11 @@ def _check_cache_config(vllm_config: VllmConfig, kv_cache_config: Any) -> None:
         return
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     if len(groups) > 1:
-        raise ValueError(f"kvbm: {len(groups)} KV cache groups (hybrid attention); kvbm serves one")
+        raise InvalidArgumentError(f"kvbm: {len(groups)} KV cache groups (hybrid attention); kvbm serves one")
     block_size = int(vllm_config.cache_config.block_size)
     hash_block_size = getattr(kv_cache_config, "hash_block_size", None)
     if hash_block_size and int(hash_block_size) != block_size:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"kvbm: vLLM hashes blocks of {hash_block_size} tokens but caches blocks of "
             f"{block_size}; kvbm needs one hash per cached block"
         )
@@ -69,7 +70,9 @@ class KvbmConnector(KVConnectorBase_V1):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
+        # vLLM 0.32 always passes the cache configuration; the default is
+        # vLLM's own signature of connectors before it.
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.config = KvbmConfig.from_sources(extra)
         _check_cache_config(vllm_config, kv_cache_config)
@@ -138,7 +141,7 @@ class KvbmConnector(KVConnectorBase_V1):
     def build_prom_metrics(
         cls,
         vllm_config: VllmConfig,
-        metric_types: dict,
+        metric_types: dict[Any, Any],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:

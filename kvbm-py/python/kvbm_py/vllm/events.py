@@ -21,7 +21,7 @@ from vllm.distributed.kv_events import (
     BlockStored,
     KVCacheEvent,
 )
-from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
 #: kvbm tier -> vLLM event medium.
 MEDIUM = {"g2": MEDIUM_CPU, "g3": MEDIUM_STORAGE}
@@ -89,9 +89,9 @@ class EventTracker:
                 self._tiers.setdefault(key, set()).add(tier)
                 out.append(
                     BlockStored(
-                        block_hashes=[maybe_convert_block_hash(block.block_hash)],
+                        block_hashes=[maybe_convert_block_hash(BlockHash(block.block_hash))],
                         parent_block_hash=(
-                            maybe_convert_block_hash(block.parent) if block.parent is not None else None
+                            maybe_convert_block_hash(BlockHash(block.parent)) if block.parent is not None else None
                         ),
                         token_ids=list(block.token_ids),
                         block_size=self.block_size,
@@ -110,7 +110,7 @@ class EventTracker:
                         self._forget_later(key)
                 out.append(
                     BlockRemoved(
-                        block_hashes=[maybe_convert_block_hash(block.block_hash)],
+                        block_hashes=[maybe_convert_block_hash(BlockHash(block.block_hash))],
                         medium=medium,
                         group_idx=0,
                     )

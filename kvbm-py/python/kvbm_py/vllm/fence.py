@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from kvbm_py import InvalidArgumentError
+
 
 class WriteFence:
     """Tracks the forwards still writing engine blocks (see the module
@@ -36,7 +38,7 @@ class WriteFence:
 
     def __init__(self, concurrent_batches: int) -> None:
         if concurrent_batches < 1:
-            raise ValueError(f"kvbm: {concurrent_batches} concurrent batches")
+            raise InvalidArgumentError(f"kvbm: {concurrent_batches} concurrent batches")
         #: vLLM's ``max_concurrent_batches``: scheduled steps in flight.
         self.batches = concurrent_batches
         #: The step being built or last built (0 before the first).

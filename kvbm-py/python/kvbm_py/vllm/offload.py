@@ -60,7 +60,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from kvbm_py import _kvbm
+from kvbm_py import InvalidArgumentError, _kvbm
 from kvbm_py.config import GIB, KvbmConfig
 from kvbm_py.vllm.common import log as logger
 from kvbm_py.vllm.plugin import SPEC_NAME, register_spec
@@ -99,9 +99,9 @@ def _kvbm_config(extra: Mapping[str, Any]) -> KvbmConfig:
     cfg = KvbmConfig.from_sources(own)
     for key, why in NOT_ON_THIS_ROUTE.items():
         if key in own and own[key] != getattr(KvbmConfig, key):
-            raise ValueError(f"kvbm: {key}={own[key]!r} is not available with the offloading spec: {why}")
+            raise InvalidArgumentError(f"kvbm: {key}={own[key]!r} is not available with the offloading spec: {why}")
     if cfg.disk_cache_gb > 0 and "disk_cache_keep" in own and cfg.disk_cache_keep:
-        raise ValueError(
+        raise InvalidArgumentError(
             "kvbm: disk_cache_keep=true is not available with the offloading spec: its G3 starts "
             "empty with each engine; KvbmConnector keeps G3 across restarts"
         )
@@ -138,20 +138,20 @@ class KvbmOffloadingSpec(OffloadingSpec):
         super().__init__(config)
         self.kvbm = _kvbm_config(self.extra_config)
         if self.blocks_per_chunk != 1:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"kvbm: blocks_per_chunk={self.blocks_per_chunk}: kvbm keeps one engine block per slot"
             )
         world = max(1, config.parallel.world_size)
         self.slot_bytes = config.worker_kv_bytes_per_block
         if self.slot_bytes <= 0:
-            raise ValueError("kvbm: the engine reported 0 KV bytes per block")
+            raise InvalidArgumentError("kvbm: the engine reported 0 KV bytes per block")
         if "cpu_bytes_to_use" in self.extra_config:
             per_worker = int(self.extra_config["cpu_bytes_to_use"]) // world
         else:
             per_worker = self.kvbm.tier_bytes("cpu_cache_gb", 1)
         self.slots = per_worker // self.slot_bytes
         if self.slots < 1:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"kvbm: cpu_cache_gb={per_worker / GIB:g} GiB per worker holds no block of "
                 f"{self.slot_bytes} bytes"
             )
@@ -161,7 +161,7 @@ class KvbmOffloadingSpec(OffloadingSpec):
             padded = -(-self.slot_bytes // DISK_ALIGNMENT) * DISK_ALIGNMENT
             self.disk_slots = self.kvbm.tier_bytes("disk_cache_gb", 1) // padded
             if self.disk_slots < 1:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"kvbm: disk_cache_gb={self.kvbm.disk_cache_gb:g} GiB per worker holds no block of "
                     f"{padded} bytes"
                 )
@@ -192,7 +192,7 @@ class KvbmOffloadingManager(OffloadingManager):
         # key as asked for by the request, for the reuse ranking). A block
         # whose store is in flight is a miss: asking again later would
         # hold the request back for a copy that may fail.
-        self.lookup = self.books.lookup_fn(LookupResult.HIT, LookupResult.MISS)  # type: ignore[method-assign]
+        self.lookup = self.books.lookup_fn(LookupResult.HIT, LookupResult.MISS)  # type: ignore[method-assign, assignment]
         #: The offload key of every key the books hold (in either tier),
         #: for evictions and moves to disk.
         self.names: dict[int, OffloadKey] = {}
@@ -330,10 +330,10 @@ class KvbmOffloadingWorker(OffloadingWorker):
     host slots and disk slots, copied by kvbm."""
 
     def __init__(self, spec: KvbmOffloadingSpec, kv_caches: CanonicalKVCaches):
-        groups, device, num_blocks = _page_groups(kv_caches)
-        widest = max(page * len(layers) for layers, page, _ in groups)
+        groups, num_blocks = _page_groups(kv_caches)
+        widest = max(page * len(layers) for layers, page in groups)
         if widest > spec.slot_bytes:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"kvbm: a block of {widest} bytes exceeds the {spec.slot_bytes} bytes vLLM reported per block"
             )
         self.pages = _kvbm.PageWorker(
@@ -341,8 +341,6 @@ class KvbmOffloadingWorker(OffloadingWorker):
             num_blocks,
             spec.slots,
             spec.slot_bytes,
-            kv_caches,
-            device=device,
             verify=spec.kvbm.verify,
             disk_dir=_disk_dir(spec.kvbm) if spec.disk_slots else None,
             disk_slots=spec.disk_slots,
@@ -369,7 +367,7 @@ class KvbmOffloadingWorker(OffloadingWorker):
         block_ids = gpu.block_ids.tolist()
         slot_ids = slots.block_ids.tolist()
         if len(block_ids) != len(slot_ids):
-            raise ValueError(f"kvbm: a job of {len(block_ids)} engine blocks and {len(slot_ids)} slots")
+            raise InvalidArgumentError(f"kvbm: a job of {len(block_ids)} engine blocks and {len(slot_ids)} slots")
         copies = []
         at = 0
         for group, size in enumerate(gpu.group_sizes):
@@ -378,7 +376,7 @@ class KvbmOffloadingWorker(OffloadingWorker):
             at += size
         if [c[0] for c in copies] != slots.groups:
             # Never copy a block into another key's slot.
-            raise ValueError("kvbm: a job whose engine blocks and slots belong to different KV cache groups")
+            raise InvalidArgumentError("kvbm: a job whose engine blocks and slots belong to different KV cache groups")
         return copies
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
@@ -424,42 +422,41 @@ def _disk_dir(cfg: KvbmConfig) -> str:
     return path
 
 
-def _page_groups(kv_caches: CanonicalKVCaches) -> tuple[list[tuple[list[int], int, int]], int | None, int]:
-    """Each KV cache group as ``(page address per layer, page bytes, block
-    stride)``, the CUDA ordinal of the pages (None on the host) and the
-    engine's block count."""
+def _page_groups(kv_caches: CanonicalKVCaches) -> tuple[list[tuple[list[torch.Tensor], int]], int]:
+    """Each KV cache group as ``(page tensor per layer, page bytes)`` (kvbm
+    reads each tensor's address, block stride and device, and keeps it
+    alive) and the engine's block count."""
     tensors = [t.tensor for t in kv_caches.tensors]
     if not tensors:
-        raise ValueError("kvbm: the engine registered no KV cache tensors")
+        raise InvalidArgumentError("kvbm: the engine registered no KV cache tensors")
     devices = {t.device for t in tensors}
     if len(devices) != 1:
-        raise ValueError(f"kvbm: KV cache tensors on several devices: {sorted(map(str, devices))}")
+        raise InvalidArgumentError(f"kvbm: KV cache tensors on several devices: {sorted(map(str, devices))}")
     device = tensors[0].device
-    ordinal = None if device.type == "cpu" else (device.index or 0)
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"kvbm: KV cache tensors on {device}: kvbm copies host and CUDA memory")
+        raise InvalidArgumentError(f"kvbm: KV cache tensors on {device}: kvbm copies host and CUDA memory")
     num_blocks = tensors[0].shape[0]
     groups = []
     for g, refs in enumerate(kv_caches.group_data_refs):
         if not refs:
-            raise ValueError(f"kvbm: KV cache group {g} has no layers")
+            raise InvalidArgumentError(f"kvbm: KV cache group {g} has no layers")
         layers, pages, strides = [], set(), set()
         for ref in refs:
             t = tensors[ref.tensor_idx]
             if t.dtype != torch.int8 or t.dim() != 2 or t.stride(1) != 1 or t.shape[0] != num_blocks:
-                raise ValueError(f"kvbm: KV cache tensor {ref.tensor_idx} is not a (blocks, page bytes) view")
+                raise InvalidArgumentError(f"kvbm: KV cache tensor {ref.tensor_idx} is not a (blocks, page bytes) view")
             span = t.untyped_storage().nbytes() - t.storage_offset()
             if span < num_blocks * t.stride(0):
-                raise ValueError(f"kvbm: KV cache tensor {ref.tensor_idx} ends inside its last block's stride")
-            layers.append(t.data_ptr())
+                raise InvalidArgumentError(f"kvbm: KV cache tensor {ref.tensor_idx} ends inside its last block's stride")
+            layers.append(t)
             pages.add(ref.page_size_bytes)
             strides.add(t.stride(0))
         if len(pages) != 1 or len(strides) != 1:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"kvbm: KV cache group {g} mixes page sizes {sorted(pages)} or block strides {sorted(strides)}"
             )
-        groups.append((layers, pages.pop(), strides.pop()))
-    return groups, ordinal, num_blocks
+        groups.append((layers, pages.pop()))
+    return groups, num_blocks
 
 
 class KvbmOffloadingConnector(OffloadingConnector):
@@ -471,7 +468,7 @@ class KvbmOffloadingConnector(OffloadingConnector):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         extra.setdefault("spec_name", SPEC_NAME)
         if extra["spec_name"] != SPEC_NAME:
-            raise ValueError(f"kvbm: KvbmOffloadingConnector runs kvbm's spec, not {extra['spec_name']!r}")
+            raise InvalidArgumentError(f"kvbm: KvbmOffloadingConnector runs kvbm's spec, not {extra['spec_name']!r}")
         extra.pop("spec_module_path", None)
         register_spec()
         super().__init__(vllm_config, role, kv_cache_config)
@@ -492,7 +489,8 @@ class KvbmOffloadingConnector(OffloadingConnector):
         for models of one KV cache group; a request is right for every
         model)."""
         w = self._kvbm_worker()
-        jobs = dict(self.connector_worker._load_jobs) if w is not None else {}
+        cw = self.connector_worker
+        jobs = dict(cw._load_jobs) if w is not None and cw is not None else {}
         results = super().get_transfer_results(finished_req_ids)
         if w is not None and w.failed_loads:
             results.failed_recving |= {jobs[j] for j in w.failed_loads if j in jobs}
@@ -506,11 +504,12 @@ class KvbmOffloadingConnector(OffloadingConnector):
         damaged: list[OffloadKey] = []
         if failed:
             sched = self.connector_scheduler
+            assert sched is not None
             for job in sched._jobs.values():
                 if not job.is_store and job.req_id in failed:
                     damaged.extend(job.keys)
         super().update_connector_output(connector_output)
         if damaged:
-            manager = self.connector_scheduler.manager
+            manager = getattr(self.connector_scheduler, "manager", None)
             assert isinstance(manager, KvbmOffloadingManager)
             manager.forget_damaged(damaged)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvbm_py import Scheduler, instance_files, start_metrics_server
+from kvbm_py import InvalidArgumentError, KvbmError, Scheduler, instance_files, start_metrics_server
 from kvbm_py.config import KvbmConfig
 from kvbm_py.vllm import kept_g3
 from kvbm_py.vllm.common import engine_id, instance_of, log, world_size
@@ -20,6 +20,7 @@ from kvbm_py.vllm.retention import retention_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
@@ -52,13 +53,13 @@ class _Load:
     hashes: list[bytes] = field(default_factory=list)
 
 
-def naming_the_size_key(error: ValueError, config: KvbmConfig) -> ValueError:
+def naming_the_size_key(error: InvalidArgumentError, config: KvbmConfig) -> InvalidArgumentError:
     """``error`` from starting kvbm, with the key and value of the tier it
     finds too large (kvbm's Rust side names the tier, G2 or G3)."""
     key = {"G2": "cpu_cache_gb", "G3": "disk_cache_gb"}.get(str(error)[:2])
     if key is None:
         return error
-    return ValueError(f"kvbm: {key}={getattr(config, key)!r} GiB per worker: {error}")
+    return InvalidArgumentError(f"kvbm: {key}={getattr(config, key)!r} GiB per worker: {error}")
 
 
 def _history_path(vllm_config: VllmConfig, config: KvbmConfig) -> str | None:
@@ -106,7 +107,7 @@ class SchedulerSide:
                 verify=config.verify,
                 history_path=_history_path(vllm_config, config),
             )
-        except ValueError as e:
+        except InvalidArgumentError as e:
             raise naming_the_size_key(e, config) from None
         # A process that exits without shutting the engine down still
         # leaves its use history for the next one.
@@ -129,7 +130,7 @@ class SchedulerSide:
             self.events = EventTracker(self.block_size)
             self.kvbm.subscribe_events()
         #: kvbm's counters when vLLM last took stats.
-        self._stats_before: dict | None = None
+        self._stats_before: dict[str, Any] | None = None
         #: Whether the log said why G2 turns blocks down (or never will),
         #: and when a step next looks (at most once a second; a finished
         #: request always does).
@@ -255,7 +256,7 @@ class SchedulerSide:
         if self.config.test_corrupt_onboard and load.block_ids:
             meta.corrupt_blocks.append(load.block_ids[0])
 
-    def _failed(self, rid: str, error: str, meta: KvbmMetadata) -> None:
+    def _failed(self, rid: str, error: KvbmError, meta: KvbmMetadata) -> None:
         load = self._end_load(rid)
         if load is None:
             return
@@ -288,18 +289,19 @@ class SchedulerSide:
         for rid in self.sync_started:
             if rid not in self.loading:
                 continue
-            error = self.kvbm.wait_onboard(rid)
-            if error is None:
-                self._loaded(rid, meta)
-            else:
+            try:
+                self.kvbm.wait_onboard(rid)
+            except KvbmError as error:
                 failed_now.add(rid)
                 self._failed(rid, error, meta)
+            else:
+                self._loaded(rid, meta)
         self.sync_started = []
         done, failed = self.kvbm.poll_onboards()
         for rid in done:
             self._loaded(rid, meta)
-        for rid, error in failed:
-            self._failed(rid, error, meta)
+        for rid, failure in failed:
+            self._failed(rid, failure, meta)
         # A preempted request's blocks go back to vLLM now: stop reading
         # them before this step's forward can overwrite them.
         for rid in so.preempted_req_ids or ():
@@ -332,7 +334,7 @@ class SchedulerSide:
             if tracked is not None:
                 tracked.block_ids = list(new.block_ids[0])
         cached = so.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set()) or set()
         for i, rid in enumerate(cached.req_ids):
             tracked = self.requests.get(rid)
             if tracked is None:
@@ -484,13 +486,13 @@ class SchedulerSide:
 
     # ---- events and stats ----
 
-    def take_events(self) -> list:
+    def take_events(self) -> list[KVCacheEvent]:
         """vLLM KV events of kvbm's tiers since the last call."""
         if self.events is None:
             return []
         return self.events.convert(self.kvbm.take_events())
 
-    def take_stats(self) -> dict:
+    def take_stats(self) -> dict[str, float]:
         """What kvbm's counters moved since the last call (KvbmStats
         data)."""
         from kvbm_py.vllm.stats import delta

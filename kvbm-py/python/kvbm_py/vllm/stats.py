@@ -91,13 +91,13 @@ class KvbmPromMetrics(KVConnectorPromMetrics):
     def __init__(
         self,
         vllm_config: Any,
-        metric_types: dict,
+        metric_types: dict[Any, Any],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
-        def counter(name: str, doc: str, extra: str | None = None):
+        def counter(name: str, doc: str, extra: str | None = None) -> Any:
             names = labelnames + ([extra] if extra else [])
             return self._counter_cls(name=name, documentation=doc, labelnames=names)
 

@@ -6,8 +6,8 @@ import atexit
 import os
 from typing import TYPE_CHECKING, Any
 
-from kvbm_py import Worker, _kvbm, instance_files
-from kvbm_py.config import SHM_DIR, KvbmConfig
+from kvbm_py import InvalidArgumentError, Worker, _kvbm, instance_files
+from kvbm_py.config import SHM_DIR, KvbmConfig, WorkerConfig
 from kvbm_py.vllm import kept_g3
 from kvbm_py.vllm.common import engine_id, instance_of, log, world_size
 from kvbm_py.vllm.metadata import KvbmMetadata
@@ -46,41 +46,30 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tensors = list(kv_caches.values())
         if not tensors:
-            raise ValueError("kvbm: vLLM registered no KV tensors")
+            raise InvalidArgumentError("kvbm: vLLM registered no KV tensors")
         first = tensors[0]
         num_blocks = int(self.kv_cache_config.num_blocks)
-        device = None
-        if first.device.type == "cuda":
-            import torch
-
-            device = first.device.index
-            if device is None:
-                device = torch.cuda.current_device()
-        if first.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"kvbm: KV tensors on {first.device} are not supported")
         eid = engine_id(self.vllm_config)
         rank = _rank()
         instance_files.sweep()
         self.files = instance_files.InstanceLock(self.config.files_digest(eid))
         atexit.register(self.files.release)
-        specs = [(int(t.data_ptr()), list(t.shape), list(t.stride())) for t in tensors]
         g3_dir, kept_identity, g2_keep_dir = self._kept_places(eid, rank)
-        self.worker = Worker(
-            self.config.endpoint_for(eid),
+        if self.config.test_transfer_delay_ms and not _kvbm.TEST_HOOKS:
+            raise InvalidArgumentError("kvbm: test_transfer_delay_ms needs a wheel built with feature test-hooks")
+        worker_config = WorkerConfig.for_engine(
+            self.config,
+            eid,
             rank,
             world_size(self.vllm_config),
-            specs,
-            int(first.element_size()),
-            num_blocks,
-            tuple(tensors),
-            self.config.secret_file_for(eid),
-            device=device,
+            instance=instance_of(eid),
             g3_dir=g3_dir,
             kept_identity=kept_identity,
             g2_keep_dir=g2_keep_dir,
-            instance=instance_of(eid),
-            **self._test_hooks(),
         )
+        # kvbm reads each tensor's address, shape, strides, element size
+        # and device itself, and keeps the tensors alive.
+        self.worker = Worker(worker_config, tensors, num_blocks)
         self.tensors = tensors
         self.block_axis = list(first.shape).index(num_blocks)
         log.info(
@@ -90,16 +79,6 @@ class WorkerSide:
             tuple(first.shape),
             self.worker.block_bytes,
         )
-
-    def _test_hooks(self) -> dict[str, Any]:
-        """The worker's test hooks that the configuration sets (only a wheel
-        built with feature ``test-hooks`` takes them)."""
-        delay = self.config.test_transfer_delay_ms
-        if not delay:
-            return {}
-        if not _kvbm.TEST_HOOKS:
-            raise ValueError("kvbm: test_transfer_delay_ms needs a wheel built with feature test-hooks")
-        return {"transfer_delay_ms": delay}
 
     def _kept_places(self, eid: str, rank: int) -> tuple[str | None, str | None, str | None]:
         """The rank's G3 directory, the identity G3 and G2 are kept under
