@@ -252,7 +252,8 @@ impl TierEngineBuilder<MoverTiers> {
 type G1Device = Option<kvbm_transfer::cuda::CudaDevice>;
 /// Without CUDA, G1 is never device memory.
 #[cfg(not(feature = "cuda"))]
-type G1Device = ();
+#[derive(Clone, Copy)]
+struct G1Device;
 
 /// G1's memory: allocated for `shape`, or the engine's, checked against it.
 fn g1_memory(shape: &KvShape, source: Option<G1Source>) -> Result<PhysicalLayout, TierError> {
@@ -295,7 +296,7 @@ fn g1_device(g1: &PhysicalLayout) -> Result<G1Device, TierError> {
         MemoryKind::Device(_) => Err(TierError::InvalidConfig(
             "G1 is device memory: build kvbm-pool with feature `cuda`".into(),
         )),
-        _ => Ok(()),
+        _ => Ok(G1Device),
     }
 }
 
