@@ -42,7 +42,8 @@ use crate::config::{PoolConfig, Tier};
 use crate::error::PoolError;
 use crate::events::{KvEvent, KvEventBatch};
 use crate::policy::{
-    EvictionPolicy, LruPolicy, RetentionHint, ReuseScorePolicy, SharedHistory, UseHistory,
+    EvictionPolicy, HintClock, LruPolicy, RetentionHint, ReuseScorePolicy, SharedHistory,
+    UseHistory,
 };
 use crate::pool::{BlockPool, ImmutableBlock, MutableBlock};
 use crate::tier::{TierEngineConfig, TierPolicy};
@@ -296,6 +297,15 @@ impl Ledger {
         // Blocks already evictable are queued by their old rank: restamp
         // them so they are queued again.
         self.touch(keys);
+    }
+
+    /// Sets the hint clock to `now` (e.g. a replay's trace time, from its
+    /// start): from the first call on, hints count time by these calls
+    /// instead of the wall clock. A hint's weight depends on how many
+    /// requests arrive before it is due, so it is measured on this clock.
+    pub fn set_time(&self, now: std::time::Duration) {
+        let ms = now.as_millis().min(u128::from(u64::MAX)) as u64;
+        self.history.lock().set_clock(HintClock::Manual(ms));
     }
 
     /// Marks `keys` as just used (the ones held; the others are ignored).

@@ -1,7 +1,10 @@
 """Retention hints on the offloading spec route: a request's
-``kvbm_retention`` (in its ``kv_transfer_params``) ranks the blocks it
-asked for in kvbm's books, as it does through ``KvbmConnector``. Drives
-the manager vLLM's scheduler built (the harness's), key by key."""
+``kvbm_retention`` (in its ``kv_transfer_params``) reaches kvbm's books
+for the blocks it asked for, as it does through ``KvbmConnector``. Drives
+the manager vLLM's scheduler built (the harness's), key by key. The
+``"done"`` hint is the one whose effect does not depend on the request
+rate (how a ``returns_within_s`` hint ranks against other blocks does:
+kvbm-pool's ledger tests hold that on a fixed clock)."""
 
 from __future__ import annotations
 
@@ -31,19 +34,17 @@ def _stored(manager, req: str, n: int, params: dict | None = None):
     return out
 
 
-@pytest.mark.parametrize(
-    "hint, first_to_go",
-    [(None, 1), ({"returns_within_s": 30}, 2), ("done", 1)],
-)
+@pytest.mark.parametrize("hint, first_to_go", [(None, 1), ("done", 2)])
 def test_a_hinted_request_ranks_its_blocks(tmp_path, hint, first_to_go):
     h = build(tmp_path, dict(TWO_SLOTS), connector="KvbmOffloadingConnector")
     try:
         manager = h.connector.connector_scheduler.manager
         assert manager.books.slots == 2
         params = None if hint is None else {"kvbm_retention": hint}
-        _stored(manager, "a", 1, params)
-        _stored(manager, "b", 2)
-        # Block 1 is the older: it goes first unless its hint keeps it.
+        _stored(manager, "a", 1)
+        _stored(manager, "b", 2, params)
+        # Block 1 is the older: it goes first unless block 2's request said
+        # it is done.
         out = _stored(manager, "c", 3)
         assert out.keys_to_store == [_key(3)]
         assert out.evicted_keys == [_key(first_to_go)], (hint, out)

@@ -356,6 +356,9 @@ fn retention_hints_rank_blocks_in_both_tiers() {
         (RetentionHint::Done, h(1)),
     ] {
         let ledger = Ledger::new(2, TierPolicy::ReuseScore).unwrap();
+        // A hint's weight depends on how many requests come before it is
+        // due: on a fixed clock none do, whatever the machine's speed.
+        ledger.set_time(Duration::from_secs(1));
         for k in [1, 2] {
             ledger.record_request(&[h(k)]);
             ledger.reserve(&[(h(k), None)]);

@@ -152,8 +152,7 @@ class KvbmOffloadingSpec(OffloadingSpec):
         self.slots = per_worker // self.slot_bytes
         if self.slots < 1:
             raise InvalidArgumentError(
-                f"kvbm: cpu_cache_gb={per_worker / GIB:g} GiB per worker holds no block of "
-                f"{self.slot_bytes} bytes"
+                f"kvbm: cpu_cache_gb={per_worker / GIB:g} GiB per worker holds no block of {self.slot_bytes} bytes"
             )
         #: Disk slots per worker (0: no G3), each padded to the alignment.
         self.disk_slots = 0
@@ -162,8 +161,7 @@ class KvbmOffloadingSpec(OffloadingSpec):
             self.disk_slots = self.kvbm.tier_bytes("disk_cache_gb", 1) // padded
             if self.disk_slots < 1:
                 raise InvalidArgumentError(
-                    f"kvbm: disk_cache_gb={self.kvbm.disk_cache_gb:g} GiB per worker holds no block of "
-                    f"{padded} bytes"
+                    f"kvbm: disk_cache_gb={self.kvbm.disk_cache_gb:g} GiB per worker holds no block of {padded} bytes"
                 )
         self._manager: KvbmOffloadingManager | None = None
         self._worker: KvbmOffloadingWorker | None = None
@@ -200,8 +198,15 @@ class KvbmOffloadingManager(OffloadingManager):
         #: refused by admission, left out while every slot was busy,
         #: evicted from every tier, found damaged; loads per KV cache group.
         self.stats: dict[str, Any] = {
-            "stored": 0, "loaded": 0, "loaded_from_disk": 0, "demoted": 0, "refused": 0, "full": 0,
-            "evicted": 0, "damaged": 0, "loaded_per_group": {},
+            "stored": 0,
+            "loaded": 0,
+            "loaded_from_disk": 0,
+            "demoted": 0,
+            "refused": 0,
+            "full": 0,
+            "evicted": 0,
+            "damaged": 0,
+            "loaded_per_group": {},
         }
         #: Keys moving to disk with each store job's keys (by the first
         #: key of the job), for their events once the store is confirmed.
@@ -236,9 +241,7 @@ class KvbmOffloadingManager(OffloadingManager):
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.books.unpin(list(keys))
 
-    def prepare_store(
-        self, keys: Collection[OffloadKey], req_context: ReqContext
-    ) -> PrepareStoreOutput | None:
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
         self.books.note(req_context.req_id, keys)
         self.books.record(req_context.req_id)
@@ -268,9 +271,7 @@ class KvbmOffloadingManager(OffloadingManager):
         )
         return PrepareStoreOutput(keys_to_store=to_store, store_spec=spec, evicted_keys=evicted_keys)
 
-    def complete_store(
-        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
-    ) -> None:
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         keys = list(keys)
         self.books.commit(keys, success)
         demoted = self._demoting.pop(keys[0], []) if keys else []
@@ -390,9 +391,7 @@ class KvbmOffloadingWorker(OffloadingWorker):
         if self.test_corrupt_loads and copies:
             _, _, slot, on_disk = copies[0]
             (self.pages.corrupt_disk_slot if on_disk else self.pages.corrupt_slot)(slot)
-        self.pages.load(
-            job_id, [c[:3] for c in copies if not c[3]], disk_copies=[c[:3] for c in copies if c[3]]
-        )
+        self.pages.load(job_id, [c[:3] for c in copies if not c[3]], disk_copies=[c[:3] for c in copies if c[3]])
         self.loads.add(job_id)
         return True
 
@@ -447,7 +446,9 @@ def _page_groups(kv_caches: CanonicalKVCaches) -> tuple[list[tuple[list[torch.Te
                 raise InvalidArgumentError(f"kvbm: KV cache tensor {ref.tensor_idx} is not a (blocks, page bytes) view")
             span = t.untyped_storage().nbytes() - t.storage_offset()
             if span < num_blocks * t.stride(0):
-                raise InvalidArgumentError(f"kvbm: KV cache tensor {ref.tensor_idx} ends inside its last block's stride")
+                raise InvalidArgumentError(
+                    f"kvbm: KV cache tensor {ref.tensor_idx} ends inside its last block's stride"
+                )
             layers.append(t)
             pages.add(ref.page_size_bytes)
             strides.add(t.stride(0))
