@@ -211,7 +211,8 @@ class KvbmOffloadingManager(OffloadingManager):
         #: Keys moving to disk with each store job's keys (by the first
         #: key of the job), for their events once the store is confirmed.
         self._demoting: dict[OffloadKey, list[OffloadKey]] = {}
-        #: kvbm keys of the blocks on disk (kept for events only).
+        #: kvbm keys of the blocks on disk (an eviction from there is an
+        #: event of the disk medium).
         self.on_disk: set[int] = set()
         self._events: list[OffloadingEvent] = []
         logger.info("kvbm: offloading spec with %d host slots of %d bytes per worker", spec.slots, spec.slot_bytes)
@@ -246,24 +247,22 @@ class KvbmOffloadingManager(OffloadingManager):
         self.books.note(req_context.req_id, keys)
         self.books.record(req_context.req_id)
         placed, demote, evicted, refused, full = self.books.reserve(keys)
-        evicted_keys = [self.names.pop(k) for k in evicted if k in self.names]
+        gone = [(k, self.names.pop(k)) for k in evicted if k in self.names]
+        evicted_keys = [name for _, name in gone]
         to_store = [keys[i] for i, _ in placed]
         for key in to_store:
             self.names[_kvbm.OffloadBooks.key(key)] = key
         demoted = [self.names[k] for k, _, _ in demote if k in self.names]
+        if demoted and to_store:
+            self._demoting[to_store[0]] = demoted
         self.stats["stored"] += len(to_store)
         self.stats["demoted"] += len(demote)
         self.stats["refused"] += refused
         self.stats["full"] += full
         self.stats["evicted"] += len(evicted_keys)
-        if self.events_on:
-            from_disk = [k for k in evicted if k in self.on_disk]
-            self.on_disk.difference_update(from_disk)
-            gone_from_disk = {self.names.get(k) for k in from_disk}
-            self._evicted_events([k for k in evicted_keys if k not in gone_from_disk] + demoted)
-            self._evicted_events([k for k in evicted_keys if k in gone_from_disk], Medium.STORAGE)
-            if demoted and to_store:
-                self._demoting[to_store[0]] = demoted
+        self._evicted_events([name for k, name in gone if k not in self.on_disk] + demoted)
+        self._evicted_events([name for k, name in gone if k in self.on_disk], Medium.STORAGE)
+        self.on_disk.difference_update(k for k, _ in gone)
         spec = KvbmSlots(
             [slot for _, slot in placed],
             self._groups(to_store),
@@ -279,7 +278,8 @@ class KvbmOffloadingManager(OffloadingManager):
             if self.events_on and keys:
                 self._events.append(OffloadingEvent(keys=keys, medium=Medium.CPU, removed=False))
             if demoted:
-                self._events.append(OffloadingEvent(keys=demoted, medium=Medium.STORAGE, removed=False))
+                if self.events_on:
+                    self._events.append(OffloadingEvent(keys=demoted, medium=Medium.STORAGE, removed=False))
                 self.on_disk.update(_kvbm.OffloadBooks.key(k) for k in demoted)
         else:
             for key in keys + demoted:
