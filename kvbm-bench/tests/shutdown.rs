@@ -98,8 +98,16 @@ fn signal(child: &Child, sig: i32) {
     assert_eq!(rc, 0);
 }
 
-/// True when `file` is locked by someone else.
+/// True when `file` is locked by someone else. Checked under the
+/// directory's exclusive lock, as a sweep for stale files checks: a file
+/// is created and locked under that directory's shared lock, so this never
+/// sees one between the two steps (nor takes its lock before its owner).
 fn locked(path: &Path) -> bool {
+    let dir = File::open(path.parent().unwrap()).unwrap();
+    // SAFETY: flock on a descriptor this function owns; it blocks until
+    // no file is being created in the directory.
+    let rc = unsafe { libc::flock(dir.as_raw_fd(), libc::LOCK_EX) };
+    assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
     let f = File::open(path).unwrap();
     // SAFETY: flock on a descriptor this function owns.
     let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
