@@ -56,7 +56,6 @@ impl Staging<'_> {
     /// [`super::ending_stream`]), `None` while chunks are left (then
     /// `progress` says where to continue). The descriptor buffer the GPU
     /// reads is pushed to `keep` on the first call.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn enqueue(
         &self,
         ring: &mut Ring,
@@ -66,7 +65,10 @@ impl Staging<'_> {
         mut timeline: Option<&mut Timeline>,
         max_chunks: Option<usize>,
     ) -> CudaResult<Option<u64>> {
-        let (lane, device) = (self.lane, self.device);
+        let p = match progress {
+            Some(p) => p,
+            None => progress.insert(self.begin(ring, &plan, keep, &mut timeline)?),
+        };
         let Plan {
             runs,
             src_bases,
@@ -75,55 +77,13 @@ impl Staging<'_> {
             host,
             grouped,
         } = plan;
-        let slot_bytes = ring.slot_bytes as u64;
-        let p = match progress {
-            Some(p) => p,
-            None => {
-                // A grouped copy has one kernel whatever its chunks: full
-                // slots from the first (a ramp would spread a 128 MiB copy
-                // over 7 slots of 8, so a second copy could not be staged
-                // while the first one's kernel waits).
-                let ramp = if grouped { 0 } else { self.ramp };
-                let chunker =
-                    StagedChunker::new(runs, src_bases, dst_bases, lens, host, slot_bytes)
-                        .with_ramp(ramp);
-                if let Some(t) = timeline.as_deref_mut() {
-                    t.note_ordered();
-                }
-                // The device-side copies are written into pinned memory: an
-                // offload's kernel reads them in place (an upload would wait
-                // behind a concurrent onboard's DMA on the host-to-device
-                // engine), an onboard uploads each chunk's on its own copy
-                // stream (see `upload_descriptors`). Sized for the runs and
-                // the chunk boundaries of a copy up to LEASE_SLOTS slots; a
-                // larger copy leases more as it goes.
-                let cap = chunker.device_copies_for(LEASE_SLOTS * slot_bytes);
-                let (desc, host_ptr, gpu_ptr) = self.lease(cap)?;
-                let dev_ptr = desc.runs_ptr();
-                keep.push(Box::new(desc));
-                if let Some(t) = timeline.as_deref_mut() {
-                    t.note_set_up();
-                    t.mark_start(&lane.kernel_stream)?;
-                }
-                progress.insert(Progress {
-                    at: Some(chunker.into_cursor()),
-                    zero_table: kernel_reads(host, gpu_ptr, dev_ptr),
-                    desc_host: host_ptr,
-                    desc_gpu: kernel_reads(host, gpu_ptr, dev_ptr),
-                    cap,
-                    written: 0,
-                    lane: Arc::clone(lane),
-                    finished: false,
-                })
-            }
-        };
         let at =
             p.at.take()
                 .ok_or_else(|| CudaError::InvalidCopy("staged copy lost its place".into()))?;
+        let slot_bytes = ring.slot_bytes as u64;
         let mut chunker =
             StagedChunker::resume(runs, src_bases, dst_bases, lens, host, slot_bytes, at);
         let zero_table = p.zero_table;
-        let run_size = std::mem::size_of::<CopyRun>();
         let mut pieces: Vec<Span> = Vec::new();
         let mut chunks = 0usize;
         let mut group = Group::default();
@@ -138,103 +98,28 @@ impl Staging<'_> {
             // slots are free while its kernel waits, and a copy larger than
             // the ring keeps the link busy), and ends before the descriptors
             // move to another buffer (a group's are contiguous).
-            if group.chunks.len() >= (ring.slots.len() / 2).max(1)
-                || (p.written == p.cap && chunker.runs_left() > 0)
-            {
+            let buffer_full = p.written == p.cap && chunker.runs_left() > 0;
+            if group.chunks.len() >= (ring.slots.len() / 2).max(1) || buffer_full {
                 self.flush(ring, &mut group, host, zero_table, &mut timeline)?;
             }
-            if p.written == p.cap && chunker.runs_left() > 0 {
-                // The buffer is full (chunks launched from it still read
-                // it: it stays in `keep`); the rest goes to a fresh one.
-                let cap = chunker.runs_left() + LEASE_SLOTS as usize + 2;
-                let (desc, host_ptr, gpu_ptr) = self.lease(cap)?;
-                let dev_ptr = desc.runs_ptr();
-                keep.push(Box::new(desc));
-                let reads = kernel_reads(host, gpu_ptr, dev_ptr);
-                (p.desc_host, p.desc_gpu, p.cap, p.written) = (host_ptr, reads, cap, 0);
+            if buffer_full {
+                self.next_buffer(p, chunker.runs_left(), host, keep)?;
             }
-            let k = ring.next;
-            let slot_addr = ring.buf.ptr() + (k * ring.slot_bytes) as u64;
-            // SAFETY: entries `written..cap` lie inside the buffer (checked
-            // when it was leased), are properly aligned (ZERO_TABLE is a
-            // multiple of 8) and are not yet read by any launch: earlier
-            // chunks' launches read only entries before `written`.
-            let free = unsafe {
-                std::slice::from_raw_parts_mut(
-                    p.desc_host.add(ZERO_TABLE).cast::<CopyRun>().add(p.written),
-                    p.cap - p.written,
-                )
-            };
-            let n = chunker.next_chunk(slot_addr, free, &mut pieces)?;
-            if n == 0 {
+            let Some((k, runs_ptr, n)) =
+                self.write_chunk(ring, p, &mut chunker, host, &mut pieces)?
+            else {
                 break;
-            }
-            let runs_ptr = p.desc_gpu + (ZERO_TABLE + p.written * run_size) as u64;
-            if host == HostSide::Source {
-                // An onboard's kernel reads its descriptors from device
-                // memory, uploaded on the copy stream ahead of the chunk's
-                // DMA (see `upload_descriptors`); the fresh buffer's first
-                // upload carries its zero table.
-                let from = if p.written == 0 {
-                    0
-                } else {
-                    ZERO_TABLE + p.written * run_size
-                };
-                let to = ZERO_TABLE + (p.written + n) * run_size;
-                // SAFETY: `from..to` lies inside both sides of the leased
-                // buffer (entries below `cap`), whose host side is written
-                // and stays untouched until the copy completed.
-                unsafe { self.upload_descriptors(p.desc_host, p.desc_gpu, from, to)? };
-            }
-            p.written += n;
-            ring.next = (k + 1) % ring.slots.len();
-            if grouped {
-                self.add_to_group(ring, &mut group, k, runs_ptr, n, &pieces, host, &timeline)?;
-                continue;
-            }
-            let slot = &mut ring.slots[k];
-            let mut times = ChunkEvents::default();
-            // The descriptors written above must be visible to the GPU
-            // before the launch that reads them.
-            std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
-            let device_side = |stream: &Stream| -> CudaResult<()> {
-                // SAFETY: the chunk's copies address user device memory
-                // (each run checked against its region by the chunker) and
-                // this slot (planned to fit); the descriptors stay alive in
-                // `keep` until the copy completed.
-                unsafe {
-                    device.inner.kernel.launch(
-                        stream, self.grid, runs_ptr, n as u32, zero_table, zero_table,
-                    )
-                }
             };
-            match host {
-                HostSide::Destination => {
-                    if slot.used {
-                        lane.kernel_stream.wait(&slot.free)?;
-                    }
-                    device_side(&lane.kernel_stream)?;
-                    times.kernel_end = mark(&timeline, &lane.kernel_stream)?;
-                    slot.filled.record(&lane.kernel_stream)?;
-                    lane.copy_stream.wait(&slot.filled)?;
-                    self.dma(&pieces, host, &mut times, &timeline)?;
-                    slot.free.record(&lane.copy_stream)?;
-                }
-                HostSide::Source => {
-                    if slot.used {
-                        lane.copy_stream.wait(&slot.free)?;
-                    }
-                    self.dma(&pieces, host, &mut times, &timeline)?;
-                    slot.filled.record(&lane.copy_stream)?;
-                    lane.kernel_stream.wait(&slot.filled)?;
-                    device_side(&lane.kernel_stream)?;
-                    times.kernel_end = mark(&timeline, &lane.kernel_stream)?;
-                    slot.free.record(&lane.kernel_stream)?;
-                }
-            }
-            slot.used = true;
-            if let Some(t) = timeline.as_deref_mut() {
-                t.chunk(pieces.len(), times);
+            let chunk = Chunk {
+                slot: k,
+                runs_ptr,
+                runs: n,
+                pieces: &pieces,
+            };
+            if grouped {
+                self.add_to_group(ring, &mut group, chunk, host, &timeline)?;
+            } else {
+                self.launch_chunk(ring, chunk, host, zero_table, &mut timeline)?;
             }
         }
         self.flush(ring, &mut group, host, zero_table, &mut timeline)?;
@@ -244,34 +129,223 @@ impl Staging<'_> {
         Ok(Some(chunker.bytes()))
     }
 
-    /// Adds chunk `k` (its `n` device-side copies at `runs_ptr`, its host
-    /// `pieces`) to `group`. An onboard's DMA goes now (its kernel waits for
-    /// the group); an offload's waits for the group's kernel.
-    #[allow(clippy::too_many_arguments)]
+    /// Writes the next chunk's descriptors into the buffer (uploading an
+    /// onboard's) and its host pieces into `pieces`, and takes the ring's
+    /// next slot for it: `(slot, descriptors' address, descriptors)`, or
+    /// `None` when the copy has no chunk left.
+    fn write_chunk(
+        &self,
+        ring: &mut Ring,
+        p: &mut Progress,
+        chunker: &mut StagedChunker<'_>,
+        host: HostSide,
+        pieces: &mut Vec<Span>,
+    ) -> CudaResult<Option<(usize, u64, usize)>> {
+        let k = ring.next;
+        let slot_addr = ring.buf.ptr() + (k * ring.slot_bytes) as u64;
+        // SAFETY: entries `written..cap` lie inside the buffer (checked
+        // when it was leased), are properly aligned (ZERO_TABLE is a
+        // multiple of 8) and are not yet read by any launch: earlier
+        // chunks' launches read only entries before `written`.
+        let free = unsafe {
+            std::slice::from_raw_parts_mut(
+                p.desc_host.add(ZERO_TABLE).cast::<CopyRun>().add(p.written),
+                p.cap - p.written,
+            )
+        };
+        let n = chunker.next_chunk(slot_addr, free, pieces)?;
+        if n == 0 {
+            return Ok(None);
+        }
+        let runs_ptr = p.desc_gpu + (ZERO_TABLE + p.written * size_of::<CopyRun>()) as u64;
+        if host == HostSide::Source {
+            self.upload_chunk_descriptors(p, n)?;
+        }
+        p.written += n;
+        ring.next = (k + 1) % ring.slots.len();
+        Ok(Some((k, runs_ptr, n)))
+    }
+
+    /// A copy's first call: plans its chunks and leases the descriptor
+    /// buffer its first chunks are written into.
+    fn begin(
+        &self,
+        ring: &Ring,
+        plan: &Plan<'_>,
+        keep: &mut Vec<Box<dyn Any + Send>>,
+        timeline: &mut Option<&mut Timeline>,
+    ) -> CudaResult<Progress> {
+        // A grouped copy has one kernel whatever its chunks: full slots
+        // from the first (a ramp would spread a 128 MiB copy over 7 slots
+        // of 8, so a second copy could not be staged while the first one's
+        // kernel waits).
+        let ramp = if plan.grouped { 0 } else { self.ramp };
+        let slot_bytes = ring.slot_bytes as u64;
+        let chunker = StagedChunker::new(
+            plan.runs,
+            plan.src_bases,
+            plan.dst_bases,
+            plan.lens,
+            plan.host,
+            slot_bytes,
+        )
+        .with_ramp(ramp);
+        if let Some(t) = timeline.as_deref_mut() {
+            t.note_ordered();
+        }
+        // The device-side copies are written into pinned memory: an
+        // offload's kernel reads them in place (an upload would wait behind
+        // a concurrent onboard's DMA on the host-to-device engine), an
+        // onboard uploads each chunk's on its own copy stream (see
+        // `upload_descriptors`). Sized for the runs and the chunk
+        // boundaries of a copy up to LEASE_SLOTS slots; a larger copy
+        // leases more as it goes.
+        let cap = chunker.device_copies_for(LEASE_SLOTS * slot_bytes);
+        let (desc, host_ptr, gpu_ptr) = self.lease(cap)?;
+        let dev_ptr = desc.runs_ptr();
+        keep.push(Box::new(desc));
+        if let Some(t) = timeline.as_deref_mut() {
+            t.note_set_up();
+            t.mark_start(&self.lane.kernel_stream)?;
+        }
+        let reads = kernel_reads(plan.host, gpu_ptr, dev_ptr);
+        Ok(Progress {
+            at: Some(chunker.into_cursor()),
+            zero_table: reads,
+            desc_host: host_ptr,
+            desc_gpu: reads,
+            cap,
+            written: 0,
+            lane: Arc::clone(self.lane),
+            finished: false,
+        })
+    }
+
+    /// The descriptor buffer is full (chunks launched from it still read
+    /// it: it stays in `keep`): the rest, `runs_left` runs, goes to a
+    /// fresh one.
+    fn next_buffer(
+        &self,
+        p: &mut Progress,
+        runs_left: usize,
+        host: HostSide,
+        keep: &mut Vec<Box<dyn Any + Send>>,
+    ) -> CudaResult<()> {
+        let cap = runs_left + LEASE_SLOTS as usize + 2;
+        let (desc, host_ptr, gpu_ptr) = self.lease(cap)?;
+        let dev_ptr = desc.runs_ptr();
+        keep.push(Box::new(desc));
+        let reads = kernel_reads(host, gpu_ptr, dev_ptr);
+        (p.desc_host, p.desc_gpu, p.cap, p.written) = (host_ptr, reads, cap, 0);
+        Ok(())
+    }
+
+    /// Uploads the `n` descriptors just written for an onboard's chunk:
+    /// its kernel reads them from device memory, uploaded on the copy
+    /// stream ahead of the chunk's DMA (see `upload_descriptors`); a fresh
+    /// buffer's first upload carries its zero table.
+    fn upload_chunk_descriptors(&self, p: &Progress, n: usize) -> CudaResult<()> {
+        let run_size = size_of::<CopyRun>();
+        let from = if p.written == 0 {
+            0
+        } else {
+            ZERO_TABLE + p.written * run_size
+        };
+        let to = ZERO_TABLE + (p.written + n) * run_size;
+        // SAFETY: `from..to` lies inside both sides of the leased buffer
+        // (entries below `cap`), whose host side is written and stays
+        // untouched until the copy completed.
+        unsafe { self.upload_descriptors(p.desc_host, p.desc_gpu, from, to) }
+    }
+
+    /// Enqueues one chunk on its own: its kernel and its DMA on the lane's
+    /// two streams, ordered through its slot's events.
+    fn launch_chunk(
+        &self,
+        ring: &mut Ring,
+        chunk: Chunk<'_>,
+        host: HostSide,
+        zero_table: u64,
+        timeline: &mut Option<&mut Timeline>,
+    ) -> CudaResult<()> {
+        let lane = self.lane;
+        let slot = &mut ring.slots[chunk.slot];
+        let mut times = ChunkEvents::default();
+        // The descriptors written for the chunk must be visible to the GPU
+        // before the launch that reads them.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
+        let device_side = |stream: &Stream| -> CudaResult<()> {
+            // SAFETY: the chunk's copies address user device memory (each
+            // run checked against its region by the chunker) and this slot
+            // (planned to fit); the descriptors stay alive in `keep` until
+            // the copy completed.
+            unsafe {
+                self.device.inner.kernel.launch(
+                    stream,
+                    self.grid,
+                    chunk.runs_ptr,
+                    chunk.runs as u32,
+                    zero_table,
+                    zero_table,
+                )
+            }
+        };
+        match host {
+            HostSide::Destination => {
+                if slot.used {
+                    lane.kernel_stream.wait(&slot.free)?;
+                }
+                device_side(&lane.kernel_stream)?;
+                times.kernel_end = mark(timeline, &lane.kernel_stream)?;
+                slot.filled.record(&lane.kernel_stream)?;
+                lane.copy_stream.wait(&slot.filled)?;
+                self.dma(chunk.pieces, host, &mut times, timeline)?;
+                slot.free.record(&lane.copy_stream)?;
+            }
+            HostSide::Source => {
+                if slot.used {
+                    lane.copy_stream.wait(&slot.free)?;
+                }
+                self.dma(chunk.pieces, host, &mut times, timeline)?;
+                slot.filled.record(&lane.copy_stream)?;
+                lane.kernel_stream.wait(&slot.filled)?;
+                device_side(&lane.kernel_stream)?;
+                times.kernel_end = mark(timeline, &lane.kernel_stream)?;
+                slot.free.record(&lane.kernel_stream)?;
+            }
+        }
+        slot.used = true;
+        if let Some(t) = timeline.as_deref_mut() {
+            t.chunk(chunk.pieces.len(), times);
+        }
+        Ok(())
+    }
+
+    /// Adds `chunk` to `group`. An onboard's DMA goes now (its kernel
+    /// waits for the group); an offload's waits for the group's kernel.
     fn add_to_group(
         &self,
         ring: &mut Ring,
         group: &mut Group,
-        k: usize,
-        runs_ptr: u64,
-        n: usize,
-        pieces: &[Span],
+        chunk: Chunk<'_>,
         host: HostSide,
         timeline: &Option<&mut Timeline>,
     ) -> CudaResult<()> {
         let lane = self.lane;
         let mut times = ChunkEvents::default();
         if host == HostSide::Source {
-            let slot = &mut ring.slots[k];
+            let slot = &mut ring.slots[chunk.slot];
             if slot.used {
                 lane.copy_stream.wait(&slot.free)?;
             }
-            self.dma(pieces, host, &mut times, timeline)?;
+            self.dma(chunk.pieces, host, &mut times, timeline)?;
             slot.used = true;
         }
-        group.first.get_or_insert(runs_ptr);
-        group.runs += n;
-        group.chunks.push((k, pieces.to_vec(), times));
+        group.first.get_or_insert(chunk.runs_ptr);
+        group.runs += chunk.runs;
+        group
+            .chunks
+            .push((chunk.slot, chunk.pieces.to_vec(), times));
         Ok(())
     }
 
@@ -440,6 +514,15 @@ fn kernel_reads(host: HostSide, mapped: u64, device: u64) -> u64 {
         HostSide::Source => device,
         HostSide::Destination => mapped,
     }
+}
+
+/// One chunk of a staged copy as planned: its ring slot, its device-side
+/// copies (`runs` descriptors at `runs_ptr`) and its host-side DMA pieces.
+struct Chunk<'a> {
+    slot: usize,
+    runs_ptr: u64,
+    runs: usize,
+    pieces: &'a [Span],
 }
 
 /// Chunks whose device side goes in one kernel (see [`super::StagedJob::grouped`]):
