@@ -31,7 +31,7 @@ import time
 import torch
 
 import kvbm_py
-from kvbm_py.config import WorkerConfig
+from kvbm_py.config import SchedulerConfig, WorkerConfig
 
 LAYERS, BLOCK, HEADS, HEAD = 32, 16, 8, 128
 BLOCK_BYTES = LAYERS * 2 * BLOCK * HEADS * HEAD * 2
@@ -129,13 +129,15 @@ def main() -> int:
             config = WorkerConfig(endpoint, 0, 1, f"{tmp}/instance.secret")
             worker = kvbm_py.Worker(config, layers, a.capacity)
             sched = kvbm_py.Scheduler(
-                endpoint,
-                1,
-                BLOCK,
-                secret_file=f"{tmp}/instance.secret",
-                g2_bytes=4 * n * BLOCK_BYTES,
-                admission="all",
-                verify=verify,
+                SchedulerConfig(
+                    endpoint=endpoint,
+                    world_size=1,
+                    block_size=BLOCK,
+                    secret_file=f"{tmp}/instance.secret",
+                    g2_bytes=4 * n * BLOCK_BYTES,
+                    admission="all",
+                    verify=verify,
+                )
             )
             try:
                 for rep in range(a.reps + 1):

@@ -246,6 +246,7 @@ def main() -> int:
             print("no CUDA device; use --device cpu")
             return 1
     import kvbm_py
+    from kvbm_py.config import SchedulerConfig
 
     if a.transfer_delay_ms and not kvbm_py._kvbm.TEST_HOOKS:
         ap.error("--transfer-delay-ms needs a wheel built with feature test-hooks")
@@ -261,14 +262,16 @@ def main() -> int:
     block_bytes = ranks[0].call("block_bytes")
     g2_blocks = n + n // 4
     sched = kvbm_py.Scheduler(
-        endpoint,
-        a.ranks,
-        BLOCK,
-        secret_file=secret,
-        g2_bytes=a.ranks * g2_blocks * block_bytes,
-        g3_bytes=a.ranks * 2 * n * block_bytes,
-        admission="all",
-        handshake_timeout_s=300,
+        SchedulerConfig(
+            endpoint=endpoint,
+            world_size=a.ranks,
+            block_size=BLOCK,
+            secret_file=secret,
+            g2_bytes=a.ranks * g2_blocks * block_bytes,
+            g3_bytes=a.ranks * 2 * n * block_bytes,
+            admission="all",
+            handshake_timeout_s=300,
+        )
     )
     rank_bytes = n * block_bytes
     total = rank_bytes * a.ranks

@@ -270,47 +270,63 @@ fn staging_bytes(g2_bytes: u64, g3_bytes: u64, asked: Option<u64>) -> u64 {
     asked.unwrap_or_else(|| default_g3_staging_bytes(g2_bytes))
 }
 
+/// A scheduler's settings, read from `kvbm_py.config.SchedulerConfig` (or
+/// any object with its attributes).
+#[derive(FromPyObject)]
+struct SchedulerSettings {
+    #[pyo3(attribute)]
+    endpoint: String,
+    #[pyo3(attribute)]
+    world_size: u32,
+    #[pyo3(attribute)]
+    block_size: u32,
+    #[pyo3(attribute)]
+    g2_bytes: u64,
+    #[pyo3(attribute)]
+    g3_bytes: u64,
+    #[pyo3(attribute)]
+    instance: u64,
+    #[pyo3(attribute)]
+    admission: String,
+    #[pyo3(attribute)]
+    handshake_timeout_s: f64,
+    #[pyo3(attribute)]
+    secret_file: Option<std::path::PathBuf>,
+    #[pyo3(attribute)]
+    offload_in_flight: Option<usize>,
+    #[pyo3(attribute)]
+    g3_staging_bytes: Option<u64>,
+    #[pyo3(attribute)]
+    verify: bool,
+    #[pyo3(attribute)]
+    history_path: Option<std::path::PathBuf>,
+}
+
 #[pymethods]
 impl Scheduler {
-    /// Binds the leader on `endpoint`, waits for the workers and builds the
-    /// tier engine. `g2_bytes` and `g3_bytes` are summed over all workers;
-    /// `admission` is `all`, `reuse_score` or `min_uses:N` (G2 and G3).
-    /// The workers must hold the instance secret published at
-    /// `secret_file` (or given in `KVBM_INSTANCE_SECRET`); without either
-    /// the leader draws one no worker knows. `offload_in_flight` caps the
-    /// offload batches copying at once (kvbm's default when `None`; each
-    /// holds its G2 targets, so a G2 of very few blocks wants 1).
-    /// `g3_staging_bytes` of host memory beyond G2's (summed over workers)
-    /// receive the G3 blocks a match finds, read at once (G3 prefetch), and
-    /// the G3 writes nobody should wait for; `None`: kvbm's default when
-    /// there is a G3 (256 MiB, at most an eighth of `g2_bytes`), 0: off.
-    /// `verify` has the workers checksum every block written into G2 or
-    /// G3 and fail (for the engine to recompute) a load whose bytes no
-    /// longer match; mismatches show in `stats()["verify_mismatches"]`.
-    /// `history_path`, where the workers keep G2 or G3 across restarts:
-    /// the file the engine's use history is written to every few seconds
-    /// and read back from at start, so that kept blocks rank by their
-    /// past uses.
+    /// Binds the leader on `config.endpoint`, waits for the workers and
+    /// builds the tier engine. `config` is a
+    /// `kvbm_py.config.SchedulerConfig` (its fields say what each
+    /// setting means). A setting kvbm cannot use is an
+    /// `InvalidArgumentError` here, before anything is bound.
     #[new]
-    #[pyo3(signature = (endpoint, world_size, block_size, g2_bytes, g3_bytes = 0, instance = 0, admission = "reuse_score", handshake_timeout_s = 120.0, secret_file = None, offload_in_flight = None, g3_staging_bytes = None, verify = false, history_path = None))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        py: Python<'_>,
-        endpoint: String,
-        world_size: u32,
-        block_size: u32,
-        g2_bytes: u64,
-        g3_bytes: u64,
-        instance: u64,
-        admission: &str,
-        handshake_timeout_s: f64,
-        secret_file: Option<std::path::PathBuf>,
-        offload_in_flight: Option<usize>,
-        g3_staging_bytes: Option<u64>,
-        verify: bool,
-        history_path: Option<std::path::PathBuf>,
-    ) -> PyResult<Self> {
-        let policy = parse_policy(admission)?;
+    fn new(py: Python<'_>, config: SchedulerSettings) -> PyResult<Self> {
+        let SchedulerSettings {
+            endpoint,
+            world_size,
+            block_size,
+            g2_bytes,
+            g3_bytes,
+            instance,
+            admission,
+            handshake_timeout_s,
+            secret_file,
+            offload_in_flight,
+            g3_staging_bytes,
+            verify,
+            history_path,
+        } = config;
+        let policy = parse_policy(&admission)?;
         if !(handshake_timeout_s.is_finite() && handshake_timeout_s > 0.0) {
             return Err(
                 PyKvbmError::Invalid(format!("handshake timeout {handshake_timeout_s} s")).into(),

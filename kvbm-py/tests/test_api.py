@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvbm_py
-from kvbm_py.config import WorkerConfig
+from kvbm_py.config import SchedulerConfig, WorkerConfig
 
 BLOCKS, BLOCK, INNER = 16, 16, 128
 # Bytes of one block on one rank: 2 layers x K/V x 16 tokens x 128 x fp16
@@ -46,14 +46,16 @@ def node(tmp_path):
     secret = tmp_path / "instance.secret"
     ranks = [Rank(endpoint, r, tmp_path / f"g3-{r}", secret) for r in range(2)]
     sched = kvbm_py.Scheduler(
-        endpoint,
-        2,
-        BLOCK,
-        secret_file=str(secret),
-        g2_bytes=2 * RANK_BLOCK_BYTES * 2,  # 2 blocks per rank
-        g3_bytes=8 * RANK_BLOCK_BYTES * 2,  # 8 blocks per rank
-        admission="all",
-        handshake_timeout_s=30,
+        SchedulerConfig(
+            endpoint=endpoint,
+            world_size=2,
+            block_size=BLOCK,
+            secret_file=str(secret),
+            g2_bytes=2 * RANK_BLOCK_BYTES * 2,  # 2 blocks per rank
+            g3_bytes=8 * RANK_BLOCK_BYTES * 2,  # 8 blocks per rank
+            admission="all",
+            handshake_timeout_s=30,
+        )
     )
     yield sched, ranks
     sched.shutdown()
@@ -145,7 +147,7 @@ def test_a_failed_onboard_reports_and_counts_nothing(node):
         sched.offload("c", [1, 2], [hashes[0]])
     # Still a ValueError, for callers that catch that.
     with pytest.raises(ValueError):
-        kvbm_py.Scheduler("ipc:///tmp/x", 1, 16, 0, admission="sometimes")
+        kvbm_py.Scheduler(SchedulerConfig("ipc:///tmp/x", 1, 16, 0, admission="sometimes"))
 
 
 def test_a_g2_that_cannot_be_allocated_fails_start_up(tmp_path):
@@ -158,12 +160,14 @@ def test_a_g2_that_cannot_be_allocated_fails_start_up(tmp_path):
     # than this machine can map.
     with pytest.raises(kvbm_py.KvbmError) as err:
         kvbm_py.Scheduler(
-            endpoint,
-            2,
-            BLOCK,
-            secret_file=str(secret),
-            g2_bytes=((1 << 32) - 1) * RANK_BLOCK_BYTES * 2,
-            handshake_timeout_s=30,
+            SchedulerConfig(
+                endpoint=endpoint,
+                world_size=2,
+                block_size=BLOCK,
+                secret_file=str(secret),
+                g2_bytes=((1 << 32) - 1) * RANK_BLOCK_BYTES * 2,
+                handshake_timeout_s=30,
+            )
         )
     assert "G2" in str(err.value) or "alloc" in str(err.value).lower(), err.value
     for r in ranks:
@@ -178,16 +182,18 @@ def test_g3_blocks_are_read_into_staging_at_match(tmp_path):
     secret = tmp_path / "instance.secret"
     ranks = [Rank(endpoint, r, tmp_path / f"g3-{r}", secret) for r in range(2)]
     sched = kvbm_py.Scheduler(
-        endpoint,
-        2,
-        BLOCK,
-        secret_file=str(secret),
-        g2_bytes=4 * RANK_BLOCK_BYTES * 2,
-        g3_bytes=8 * RANK_BLOCK_BYTES * 2,
-        admission="all",
-        handshake_timeout_s=30,
-        g3_staging_bytes=2 * RANK_BLOCK_BYTES * 2,
-        offload_in_flight=1,
+        SchedulerConfig(
+            endpoint=endpoint,
+            world_size=2,
+            block_size=BLOCK,
+            secret_file=str(secret),
+            g2_bytes=4 * RANK_BLOCK_BYTES * 2,
+            g3_bytes=8 * RANK_BLOCK_BYTES * 2,
+            admission="all",
+            handshake_timeout_s=30,
+            g3_staging_bytes=2 * RANK_BLOCK_BYTES * 2,
+            offload_in_flight=1,
+        )
     )
     try:
         assert sched.capacity()["g2"] == 6

@@ -34,7 +34,7 @@ except ImportError:
     pytest.skip("torch is not installed", allow_module_level=True)
 
 import kvbm_py  # noqa: E402
-from kvbm_py.config import WorkerConfig  # noqa: E402
+from kvbm_py.config import SchedulerConfig, WorkerConfig  # noqa: E402
 
 BLOCKS, BLOCK, HEADS, HEAD = 32, 16, 8, 128
 # One rank's block: 2 layers x K/V x 16 tokens x 8 heads x 128 x bf16.
@@ -71,13 +71,15 @@ def run_round_trip(tmp: str, layout: str) -> None:
             _skip("kvbm_py built without feature `cuda`")
         raise
     sched = kvbm_py.Scheduler(
-        endpoint,
-        1,
-        BLOCK,
-        secret_file=f"{tmp}/instance.secret",
-        g2_bytes=2 * BLOCK_BYTES,
-        g3_bytes=8 * BLOCK_BYTES,
-        admission="all",
+        SchedulerConfig(
+            endpoint=endpoint,
+            world_size=1,
+            block_size=BLOCK,
+            secret_file=f"{tmp}/instance.secret",
+            g2_bytes=2 * BLOCK_BYTES,
+            g3_bytes=8 * BLOCK_BYTES,
+            admission="all",
+        )
     )
     try:
         hashes = [hashlib.sha256(bytes([i])).digest() for i in range(4)]

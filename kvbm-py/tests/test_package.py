@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kvbm_py
-from kvbm_py.config import GIB, KvbmConfig, WorkerConfig
+from kvbm_py.config import GIB, KvbmConfig, SchedulerConfig, WorkerConfig
 
 
 def test_imports_without_vllm():
@@ -273,13 +273,13 @@ def test_metrics_port_is_read_from_extra_or_environment():
 # A scheduler and one worker over host tensors, started and shut down.
 _START_STOP = """
 import tempfile, torch, kvbm_py
-from kvbm_py.config import WorkerConfig
+from kvbm_py.config import SchedulerConfig, WorkerConfig
 with tempfile.TemporaryDirectory() as d:
     ep = f"ipc://{d}/leader.sock"
     layers = [torch.zeros(4, 2, 16, 128, dtype=torch.float16) for _ in range(2)]
     w = kvbm_py.Worker(WorkerConfig(ep, 0, 1, f"{d}/secret"), layers, 4)
-    s = kvbm_py.Scheduler(ep, 1, 16, secret_file=f"{d}/secret", g2_bytes=4 * 16384,
-                          handshake_timeout_s=30)
+    s = kvbm_py.Scheduler(SchedulerConfig(ep, 1, 16, secret_file=f"{d}/secret", g2_bytes=4 * 16384,
+                                          handshake_timeout_s=30))
     s.shutdown()
     assert w.join(10.0)
 """
@@ -376,3 +376,13 @@ def test_connector_log_lines_appear_where_vllms_do():
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [l for l in (out.stdout + out.stderr).splitlines() if "kvbm:" in l]
     assert len(lines) == 1 and "INFO" in lines[0] and "caches ready (test line)" in lines[0], lines
+
+
+def test_scheduler_config_is_derived_from_the_user_config():
+    c = KvbmConfig.from_sources({"cpu_cache_gb": 0.5, "disk_cache_gb": 1, "admission": "all", "verify": True}, {})
+    s = SchedulerConfig.for_engine(c, "engine-a", 2, 16, instance=9, history_path="/h")
+    assert (s.endpoint, s.secret_file) == (c.endpoint_for("engine-a"), c.secret_file_for("engine-a"))
+    assert (s.world_size, s.block_size, s.instance, s.history_path) == (2, 16, 9, "/h")
+    # Budgets are summed over the workers.
+    assert (s.g2_bytes, s.g3_bytes) == (GIB, 2 * GIB)
+    assert (s.admission, s.verify, s.offload_in_flight, s.g3_staging_bytes) == ("all", True, None, None)

@@ -11,7 +11,8 @@ Two objects, thin over kvbm's Rust crates:
 The vLLM KV connector is :class:`kvbm_py.vllm.KvbmConnector` (importing
 :mod:`kvbm_py` itself does not import vLLM). Configuration is
 :class:`kvbm_py.config.KvbmConfig`; a worker is started with a
-:class:`kvbm_py.config.WorkerConfig`.
+:class:`kvbm_py.config.WorkerConfig`, the scheduler side with a
+:class:`kvbm_py.config.SchedulerConfig`.
 
 Every error kvbm raises is a :class:`KvbmError`:
 

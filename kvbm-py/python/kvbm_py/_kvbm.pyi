@@ -3,7 +3,7 @@
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, final, type_check_only
 
-from kvbm_py.config import WorkerConfig
+from kvbm_py.config import SchedulerConfig, WorkerConfig
 
 __all__ = [
     "KvbmError",
@@ -89,38 +89,17 @@ class Scheduler:
     """kvbm's scheduler-side object: a kvbm-dist leader plus the tier engine
     (G2 host memory, G3 disk) over the leader's distributed mover.
 
-    Construct it after every worker was started: it binds ``endpoint``,
-    waits up to ``handshake_timeout_s`` for ``world_size`` workers, sizes
-    G2 and G3 from the byte budgets (summed over all workers) and starts
-    the tier engine. ``admission`` is ``"all"``, ``"reuse_score"`` or
-    ``"min_uses:N"``. Workers prove they belong to the instance with the
-    secret published at ``secret_file`` (the first process of the instance
-    to start draws it; ``KVBM_INSTANCE_SECRET`` wins). Requests are keyed
-    by the engine's request id. With a G3, ``g3_staging_bytes`` of host
-    memory beyond ``g2_bytes`` (kvbm's default when ``None``: 256 MiB, at
-    most an eighth of ``g2_bytes``; 0: off) receive the G3 blocks a match
-    finds, read at once, and G3 writes nobody waits for. With ``verify``
-    the workers checksum every block written into G2 or G3 and fail a
-    load whose bytes no longer match (the engine recomputes it); see
-    ``stats()["verify_mismatches"]``.
+    Construct it after every worker was started, from a
+    :class:`kvbm_py.config.SchedulerConfig`: it binds the config's
+    endpoint, waits for its ``world_size`` workers (each proving it belongs
+    to the instance with the secret published at ``secret_file``), sizes G2
+    and G3 from the byte budgets and starts the tier engine. Requests are
+    keyed by the engine's request id. A setting kvbm cannot use is an
+    :class:`InvalidArgumentError`; a worker that does not come, a
+    :class:`KvbmTimeoutError`.
     """
 
-    def __new__(
-        cls,
-        endpoint: str,
-        world_size: int,
-        block_size: int,
-        g2_bytes: int,
-        g3_bytes: int = 0,
-        instance: int = 0,
-        admission: str = "reuse_score",
-        handshake_timeout_s: float = 120.0,
-        secret_file: str | None = None,
-        offload_in_flight: int | None = None,
-        g3_staging_bytes: int | None = None,
-        verify: bool = False,
-        history_path: str | None = None,
-    ) -> Scheduler: ...
+    def __new__(cls, config: SchedulerConfig) -> Scheduler: ...
     def save_history(self) -> bool:
         """Writes the use history beside the kept tiers now (it is written
         every second and at shutdown anyway); whether it wrote one."""

@@ -380,3 +380,78 @@ class WorkerConfig:
             g2_keep_dir=g2_keep_dir,
             transfer_delay_ms=config.test_transfer_delay_ms,
         )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What an engine instance's :class:`kvbm_py.Scheduler` (the leader of
+    its workers and the tier engine over them) is started with.
+
+    :meth:`for_engine` derives it from the user's :class:`KvbmConfig`.
+    Byte budgets are summed over all workers.
+    """
+
+    #: The ZeroMQ endpoint the leader binds (its workers connect to it).
+    endpoint: str
+    #: Workers of the engine instance (each holds a slice of every block).
+    world_size: int
+    #: Tokens per block.
+    block_size: int
+    #: G2 (host memory) over all workers, bytes.
+    g2_bytes: int
+    #: G3 (disk) over all workers, bytes; 0: no G3.
+    g3_bytes: int = 0
+    #: kvbm's 64-bit id of the engine instance (its workers' must match).
+    instance: int = 0
+    #: G2 and G3 admission: ``all``, ``reuse_score`` or ``min_uses:N``.
+    admission: str = "reuse_score"
+    #: How long the leader waits for every worker, s.
+    handshake_timeout_s: float = 120.0
+    #: Where the instance secret is published (the first process of the
+    #: instance to start draws it; ``KVBM_INSTANCE_SECRET`` wins). None:
+    #: the leader draws one no worker knows.
+    secret_file: str | None = None
+    #: Offload batches copying at once; None: kvbm's default. Each holds
+    #: its G2 targets, so a G2 of very few blocks wants 1.
+    offload_in_flight: int | None = None
+    #: Host memory beyond ``g2_bytes`` that receives the G3 blocks a match
+    #: finds (read at once) and holds the G3 writes nobody waits for;
+    #: None: kvbm's default with a G3 (256 MiB, at most an eighth of
+    #: ``g2_bytes``), 0: off.
+    g3_staging_bytes: int | None = None
+    #: Workers checksum every block written into G2 or G3 and fail a load
+    #: whose bytes no longer match (the engine recomputes it).
+    verify: bool = False
+    #: Where workers keep G2 or G3 across restarts: the file the use
+    #: history is written to every few seconds and read back at start, so
+    #: kept blocks rank by their past uses. None: no history is kept.
+    history_path: str | None = None
+
+    @classmethod
+    def for_engine(
+        cls,
+        config: KvbmConfig,
+        engine_id: str,
+        world_size: int,
+        block_size: int,
+        *,
+        instance: int = 0,
+        history_path: str | None = None,
+    ) -> SchedulerConfig:
+        """The configuration of the engine instance ``engine_id`` with
+        ``world_size`` workers: the endpoint, secret file, tier sizes and
+        policy ``config`` names for it."""
+        return cls(
+            endpoint=config.endpoint_for(engine_id),
+            world_size=world_size,
+            block_size=block_size,
+            g2_bytes=config.tier_bytes("cpu_cache_gb", world_size),
+            g3_bytes=config.tier_bytes("disk_cache_gb", world_size),
+            instance=instance,
+            admission=config.admission,
+            handshake_timeout_s=config.handshake_timeout_s,
+            secret_file=config.secret_file_for(engine_id),
+            offload_in_flight=config.offload_in_flight or None,
+            verify=config.verify,
+            history_path=history_path,
+        )

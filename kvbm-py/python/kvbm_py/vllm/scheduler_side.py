@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvbm_py import InvalidArgumentError, KvbmError, Scheduler, instance_files, start_metrics_server
-from kvbm_py.config import KvbmConfig
+from kvbm_py.config import KvbmConfig, SchedulerConfig
 from kvbm_py.vllm import kept_g3
 from kvbm_py.vllm.common import engine_id, instance_of, log, world_size
 from kvbm_py.vllm.fence import WriteFence
@@ -91,22 +91,16 @@ class SchedulerSide:
         started = time.monotonic()
         # Waits until every worker allocated its G2 and G3 (on its own
         # thread); a worker that could not is an error here.
-        sizes = {key: config.tier_bytes(key, world) for key in ("cpu_cache_gb", "disk_cache_gb")}
+        settings = SchedulerConfig.for_engine(
+            config,
+            eid,
+            world,
+            self.block_size,
+            instance=instance_of(eid),
+            history_path=_history_path(vllm_config, config),
+        )
         try:
-            self.kvbm = Scheduler(
-                config.endpoint_for(eid),
-                world,
-                self.block_size,
-                sizes["cpu_cache_gb"],
-                sizes["disk_cache_gb"],
-                instance=instance_of(eid),
-                admission=config.admission,
-                handshake_timeout_s=config.handshake_timeout_s,
-                secret_file=self.secret_file,
-                offload_in_flight=config.offload_in_flight or None,
-                verify=config.verify,
-                history_path=_history_path(vllm_config, config),
-            )
+            self.kvbm = Scheduler(settings)
         except InvalidArgumentError as e:
             raise naming_the_size_key(e, config) from None
         # A process that exits without shutting the engine down still
