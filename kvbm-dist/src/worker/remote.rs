@@ -188,6 +188,11 @@ impl Worker {
             .iter()
             .map(|&(s, d)| (s as usize, d as usize))
             .collect();
+        // A kept G2 slot the pull overwrites no longer holds the block its
+        // record names (the pulled block is not recorded: it is not kept).
+        if let Err(e) = self.tiers.forget_targets(Tier::G2, &pairs) {
+            return self.refuse_pull(r.id, format!("G2 records: {e}"), r.pairs);
+        }
         // Every remote descriptor and local id is checked before a read.
         let completion = match agent.pull(peer, &pairs) {
             Ok(c) => c,

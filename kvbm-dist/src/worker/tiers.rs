@@ -272,12 +272,8 @@ impl Tiers {
             Tier::G3 => self.g3_store.clone(),
             _ => None,
         };
-        if let Some(store) = &store {
-            // A slot about to be written names nothing until it landed.
-            let slots: Vec<u32> = pairs.iter().map(|p| p.1 as u32).collect();
-            if let Err(e) = store.forget(&slots) {
-                return done(failed(format!("{dst:?} records: {e}"), pairs), 0);
-            }
+        if let Err(e) = self.forget_targets(dst, &pairs) {
+            return done(failed(format!("{dst:?} records: {e}"), pairs), 0);
         }
         if let Some(sums) = self.checksums.as_ref().filter(|c| c.checks(src, dst)) {
             let per_piece = pieces::piece_blocks(&s, &d, pieces::PIECE_BYTES);
@@ -306,6 +302,27 @@ impl Tiers {
             }
             done(outcome, mismatches);
         });
+    }
+
+    /// Empties the kept records of the slots `pairs` write in `dst` (a
+    /// no-op where `dst` is not kept): a slot about to be written names
+    /// nothing until it landed and, where the copy is recorded, was
+    /// committed again.
+    pub(crate) fn forget_targets(
+        &self,
+        dst: Tier,
+        pairs: &[(usize, usize)],
+    ) -> std::io::Result<()> {
+        let store = match dst {
+            Tier::G2 => self.g2_store.as_ref(),
+            Tier::G3 => self.g3_store.as_ref(),
+            _ => None,
+        };
+        let Some(store) = store else {
+            return Ok(());
+        };
+        let slots: Vec<u32> = pairs.iter().map(|p| p.1 as u32).collect();
+        store.forget(&slots)
     }
 
     /// The checksums of G2 and G3, in verify mode.
