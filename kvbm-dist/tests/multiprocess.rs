@@ -28,6 +28,7 @@ use kvbm_dist::worker::memory::{SharedMapping, create_shared_file};
 use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
 use kvbm_pool::Tier;
 use kvbm_pool::tier::{G1Lookup, OffloadMode, OnboardTarget, TierEngine, TierMover, TierPolicy};
+use kvbm_testkit::blocks::{self, chain};
 use kvbm_transfer::{CancelToken, TransferOutcome};
 
 const WORLD: u32 = 2;
@@ -132,18 +133,7 @@ fn start(delays: [u64; 2]) -> (Node, Leader) {
 
 /// The bytes of chunk `i` of the block holding `seq` on `rank`.
 fn pattern(seq: u64, rank: u32, i: usize, len: usize) -> Vec<u8> {
-    let mut x = seq
-        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        .wrapping_add(u64::from(rank) << 32 | i as u64)
-        | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    blocks::pattern(seq ^ (u64::from(rank) << 48 | (i as u64) << 32), len)
 }
 
 fn chunks(layout: &Layout, block: usize) -> Vec<(usize, usize)> {
@@ -395,19 +385,6 @@ fn a_cancelled_transfer_reports_cancelled_and_lands_nothing_it_did_not_finish() 
     assert!(f.completed.is_empty(), "{f}");
     // The instance is still whole: cancelling is not a fault.
     assert!(leader.status().is_whole());
-}
-
-/// Hashes of a chain of `n` blocks from `seed`.
-fn chain(seed: u64, n: usize) -> Vec<SequenceHash> {
-    let mut h = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|i| {
-            h = (h ^ (i as u64 + 1))
-                .wrapping_mul(0xBF58_476D_1CE4_E5B9)
-                .rotate_left(17);
-            SequenceHash(h)
-        })
-        .collect()
 }
 
 /// The engine computes `hashes` in fresh G1 blocks (bytes written on every

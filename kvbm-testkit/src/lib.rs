@@ -1,7 +1,8 @@
 //! # kvbm-testkit
 //!
 //! Fixtures the tests and benchmarks of kvbm share, and never a dependency
-//! of a library crate: host memory standing in for a GPU ([`stand_in`]),
+//! of a library crate: block contents to check byte for byte
+//! ([`blocks`]), host memory standing in for a GPU ([`stand_in`]),
 //! fault injection under the disk backend ([`fault`]), gates that hold
 //! work in flight until the test lets it through ([`gate`]), a small real
 //! file system to fill up ([`small_fs`]), workload trace
@@ -17,6 +18,7 @@
 //! fixtures: kvbm-transfer cannot depend on this crate, even for its tests,
 //! since this crate is built on it.
 
+pub mod blocks;
 pub mod fault;
 pub mod gate;
 #[cfg(feature = "gemm")]

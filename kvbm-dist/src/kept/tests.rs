@@ -36,15 +36,7 @@ fn open(dir: &Path, identity: &str) -> (KeptStore, PhysicalLayout, Recovery) {
 
 /// The bytes of the block labelled `tag`.
 fn bytes_of(tag: u64, len: usize) -> Vec<u8> {
-    let mut x = tag.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    kvbm_testkit::blocks::pattern(tag, len)
 }
 
 fn block_bytes() -> usize {

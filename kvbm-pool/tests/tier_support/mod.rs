@@ -13,6 +13,7 @@ use kvbm_pool::tier::{
     TierLayouts, TierPolicy,
 };
 use kvbm_pool::{ImmutableBlock, ImmutableBlocks, TierError};
+pub use kvbm_testkit::blocks::{chain, fill, holds, scribble};
 use kvbm_testkit::fault::{Fault, FaultControl, FaultRule, FaultyEngine};
 use kvbm_transfer::backend::memcpy::MemcpyBackend;
 use kvbm_transfer::disk::{DefaultEngine, DiskBackend, EngineConfig, IoDir};
@@ -167,19 +168,6 @@ pub fn over(layouts: TierLayouts, executor: Executor) -> TierEngineBuilder<Mover
     TierEngine::builder_with_mover(Arc::new(mover), BLOCK_TOKENS)
 }
 
-/// A chain of `n` sequence hashes starting from `seed`.
-pub fn chain(seed: u64, n: usize) -> Vec<SequenceHash> {
-    let mut h = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|i| {
-            h = (h ^ (i as u64 + 1))
-                .wrapping_mul(0xBF58_476D_1CE4_E5B9)
-                .rotate_left(17);
-            SequenceHash(h)
-        })
-        .collect()
-}
-
 /// `n` sequence hashes continuing `parent` (a new root without one),
 /// told apart from other continuations of the same parent by `salt`: like
 /// a real sequence hash, a block's hash depends on everything before it,
@@ -196,63 +184,6 @@ pub fn branch(parent: Option<SequenceHash>, salt: u64, n: usize) -> Vec<Sequence
             SequenceHash(h)
         })
         .collect()
-}
-
-/// Byte `i` of a block named `hash`.
-fn byte_of(hash: SequenceHash, i: usize) -> u8 {
-    let x = hash.0 ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    (x ^ (x >> 29) ^ (x >> 47)) as u8
-}
-
-fn block_bytes_mut(layout: &PhysicalLayout, block: u32) -> Vec<&'static mut [u8]> {
-    let cfg = *layout.layout().config();
-    let mut out = Vec::new();
-    for layer in 0..cfg.num_layers() {
-        for outer in 0..cfg.outer_dim() {
-            let c = layout.layout().chunk(block as usize, layer, outer).unwrap();
-            let region = &layout.regions()[c.region];
-            let addr = region.addr().expect("a host region") + c.offset;
-            // SAFETY: host test memory kept alive by the engine for the
-            // whole test; each chunk lies inside its region (the layout
-            // checks it), and tests touch a block only while no transfer
-            // writes it (the block is held, unregistered or just loaded).
-            out.push(unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, c.len as usize) });
-        }
-    }
-    out
-}
-
-/// Writes the bytes of `hash` into G1 block `block`.
-pub fn fill(layout: &PhysicalLayout, block: u32, hash: SequenceHash) {
-    let mut i = 0;
-    for chunk in block_bytes_mut(layout, block) {
-        for b in chunk.iter_mut() {
-            *b = byte_of(hash, i);
-            i += 1;
-        }
-    }
-}
-
-/// Writes junk into G1 block `block`: bytes no hash's block holds, as an
-/// engine's memory may hold anything before a forward pass writes it.
-pub fn scribble(layout: &PhysicalLayout, block: u32) {
-    for chunk in block_bytes_mut(layout, block) {
-        chunk.fill(0xA5);
-    }
-}
-
-/// Whether G1 block `block` holds exactly the bytes of `hash`.
-pub fn holds(layout: &PhysicalLayout, block: u32, hash: SequenceHash) -> bool {
-    let mut i = 0;
-    for chunk in block_bytes_mut(layout, block) {
-        for b in chunk.iter() {
-            if *b != byte_of(hash, i) {
-                return false;
-            }
-            i += 1;
-        }
-    }
-    true
 }
 
 /// The engine computes `hashes` (a chain continuing `parent`) in fresh G1

@@ -22,6 +22,7 @@ use kvbm_pool::tier::{
     TierLayouts, TierPolicy,
 };
 use kvbm_pool::{ImmutableBlock, ImmutableBlocks};
+use kvbm_testkit::blocks::{fill, holds};
 use kvbm_testkit::trace::{MOONCAKE_BLOCK_TOKENS, Request};
 
 use kvbm_transfer::memory::{DiskAllocator, DiskOptions, SystemAllocator};
@@ -259,55 +260,6 @@ pub(crate) fn tiers(
     };
     let mover = LocalMover::new(layouts, executor()).unwrap();
     TierEngine::builder_with_mover(std::sync::Arc::new(mover), BLOCK_TOKENS)
-}
-
-/// Byte `i` of a block named `hash`.
-fn byte_of(hash: SequenceHash, i: usize) -> u8 {
-    let x = hash.0 ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    (x ^ (x >> 29) ^ (x >> 47)) as u8
-}
-
-fn block_bytes_mut(layout: &PhysicalLayout, block: u32) -> Vec<&'static mut [u8]> {
-    let cfg = *layout.layout().config();
-    let mut out = Vec::new();
-    for layer in 0..cfg.num_layers() {
-        for outer in 0..cfg.outer_dim() {
-            let c = layout.layout().chunk(block as usize, layer, outer).unwrap();
-            let region = &layout.regions()[c.region];
-            let addr = region.addr().expect("a host region") + c.offset;
-            // SAFETY: host memory kept alive by the engine for the whole
-            // replay; each chunk lies inside its region (the layout checks
-            // it), and the replay touches a block only while no transfer
-            // writes it (the block is held, unregistered or just loaded).
-            out.push(unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, c.len as usize) });
-        }
-    }
-    out
-}
-
-/// Writes the bytes of `hash` into G1 block `block`.
-pub(crate) fn fill(layout: &PhysicalLayout, block: u32, hash: SequenceHash) {
-    let mut i = 0;
-    for chunk in block_bytes_mut(layout, block) {
-        for b in chunk.iter_mut() {
-            *b = byte_of(hash, i);
-            i += 1;
-        }
-    }
-}
-
-/// Whether G1 block `block` holds exactly the bytes of `hash`.
-fn holds(layout: &PhysicalLayout, block: u32, hash: SequenceHash) -> bool {
-    let mut i = 0;
-    for chunk in block_bytes_mut(layout, block) {
-        for b in chunk.iter() {
-            if *b != byte_of(hash, i) {
-                return false;
-            }
-            i += 1;
-        }
-    }
-    true
 }
 
 /// The engine computes `hashes` (a chain continuing `parent`) in fresh G1
