@@ -2,15 +2,16 @@
 //! every tier with their policies, the shared use history, the G3 staging
 //! area, and the offload worker. Only the builder calls it.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use parking_lot::Mutex;
 
+use super::books::{Books, TierSlot};
 use super::config::{OffloadMode, TierEngineConfig, TierPolicy};
+use super::g1_saves::G1Saves;
 use super::mover::TierMover;
-use super::{Shared, TierEngine, TierError, TierSlot, cost, offload, prefetch};
+use super::{Shared, TierEngine, TierError, cost, offload, prefetch};
 use crate::config::{EvictionKind, PoolConfig, Tier};
 use crate::metrics::EngineMetrics;
 use crate::policy::{
@@ -66,21 +67,14 @@ pub(crate) fn start(
     };
     let shared = Arc::new(Shared {
         config,
-        g1,
-        g2,
-        g3,
-        g2_victims,
-        g1_victims,
-        g1_alloc: Mutex::new(()),
-        g1_saved: Mutex::new(HashSet::new()),
+        books: Books::new(g1, g2, g3, g2_victims, history, hinted),
+        g1_saves: G1Saves::new(g1_victims),
         mover,
-        history,
         requests: Mutex::default(),
         inflight: Mutex::default(),
         offload: offload::OffloadQueue::default(),
         engine_guards: Mutex::default(),
         metrics: EngineMetrics::default(),
-        hinted,
         staging,
         rates: cost::MeasuredRates::default(),
     });

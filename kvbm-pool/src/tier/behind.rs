@@ -137,7 +137,7 @@ pub(super) fn write(
     victims: &[Evicted],
     mut targets: Vec<MutableBlock>,
 ) {
-    let Some(g3) = shared.g3.as_ref() else {
+    let Some(g3) = shared.books.g3() else {
         return;
     };
     let ids: HashSet<u32> = targets.iter().map(MutableBlock::block_id).collect();
@@ -291,7 +291,7 @@ fn account(
     outcome: &kvbm_transfer::TransferOutcome,
     took: std::time::Duration,
 ) {
-    let bytes = shared.g3.as_ref().map_or(0, |g3| g3.block_bytes);
+    let bytes = shared.books.g3().map_or(0, |g3| g3.block_bytes);
     for path in [Path::G2ToG3, Path::G1ToG3] {
         let of_path = || batch.iter().zip(failed).filter(|(w, _)| w.path == path);
         let landed = of_path().filter(|(_, f)| f.is_none()).count() as u64;

@@ -39,21 +39,20 @@ impl TierEngine {
     /// the blocks used since ([`HistorySnapshot::combine`] joins them).
     pub fn history_changes(&self, seq: u64) -> HistorySnapshot {
         // Requests recorded but not applied yet count too.
-        self.shared.history.apply_pending();
-        self.shared.history.lock().changes_since(seq)
+        self.shared.books.history_changes(seq)
     }
 
     /// Takes up a use history written by an engine of kept tiers before a
     /// restart. Call it before [`TierEngine::restore`] and the first
     /// request: the tiers rank blocks as they are registered.
     pub fn restore_history(&self, snapshot: &HistorySnapshot) {
-        self.shared.history.lock().restore(snapshot);
+        self.shared.books.restore_history(snapshot);
     }
 
     fn register_kept(&self, tier: Tier, blocks: &[(u32, BlockLabel)]) -> usize {
         let slot = match tier {
-            Tier::G2 => self.shared.g2.as_ref(),
-            Tier::G3 => self.shared.g3.as_ref(),
+            Tier::G2 => self.shared.books.g2(),
+            Tier::G3 => self.shared.books.g3(),
             _ => None,
         };
         let Some(kept) = slot else {

@@ -153,7 +153,7 @@ pub(crate) fn match_request(
     // nothing else to do (and releases wake it), and a queue this long
     // wakes it too.
     if first_time && shared.config.uses_history() {
-        let queued = shared.history.record_later(hashes);
+        let queued = shared.books.record_use_later(hashes);
         if queued >= WAKE_AT_BLOCKS && queued - hashes.len() < WAKE_AT_BLOCKS {
             shared.offload.apply_history();
         }
@@ -161,7 +161,7 @@ pub(crate) fn match_request(
 
     let (mut g1_held, g1_blocks) = match g1 {
         G1Lookup::Pool => {
-            let held = shared.g1.pool.match_prefix(hashes);
+            let held = shared.books.g1().pool.match_prefix(hashes);
             let n = held.len();
             (held, n)
         }
@@ -174,7 +174,7 @@ pub(crate) fn match_request(
     let (mut in_g2, mut in_g3) = (0usize, 0usize);
     loop {
         let before = at;
-        for (is_g3, tier) in [(false, &shared.g2), (true, &shared.g3)] {
+        for (is_g3, tier) in [(false, shared.books.g2()), (true, shared.books.g3())] {
             let Some(tier) = tier else { continue };
             let mut run = tier.pool.match_prefix(&hashes[at..]);
             if is_g3 {
@@ -234,11 +234,11 @@ pub(crate) fn match_request(
             .iter()
             .flat_map(|seg| std::iter::repeat_n(seg.g3, seg.blocks.len()))
             .collect();
-        let bytes = |t: &Option<super::TierSlot>| t.as_ref().map_or(0, |t| t.block_bytes);
+        let bytes = |t: Option<&super::TierSlot>| t.map_or(0, |t| t.block_bytes);
         let keep = shared.config.load_cost.blocks_worth_loading(
             shared.rates.current(&shared.config.load_cost),
             bs,
-            [bytes(&shared.g2), bytes(&shared.g3)],
+            [bytes(shared.books.g2()), bytes(shared.books.g3())],
             &from_g3,
         );
         if keep < external {

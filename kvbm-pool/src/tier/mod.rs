@@ -55,11 +55,13 @@
 
 mod assemble;
 mod behind;
+mod books;
 mod builder;
 mod config;
 mod cost;
 mod error;
 mod events;
+mod g1_saves;
 mod kept;
 mod matching;
 mod mover;
@@ -70,9 +72,8 @@ mod request;
 mod shape;
 mod victims;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Receiver;
 use std::thread::JoinHandle;
 
@@ -80,6 +81,10 @@ use kvbm_block::SequenceHash;
 use kvbm_transfer::PhysicalLayout;
 
 use parking_lot::Mutex;
+
+use books::Books;
+pub(crate) use books::TierSlot;
+use g1_saves::G1Saves;
 
 pub use builder::{MoverTiers, ShapeTiers, TierEngineBuilder};
 pub(crate) use config::TierEngineConfig;
@@ -99,95 +104,7 @@ use crate::config::Tier;
 use crate::events::KvEventBatch;
 use crate::metrics::{EngineMetrics, TierStats};
 pub use crate::policy::{HintClock, RetentionHint, ReuseModel};
-use crate::policy::{SharedHistory, VictimLog};
 use crate::pool::{BlockPool, CompleteBlock, ImmutableBlocks, MutableBlock, WeakBlock};
-
-/// Allocates G1 blocks, saving G1's victims to G2 first in write-back mode;
-/// then, with `top_up`, tops G1's free slots up to the reserve (see
-/// [`TierEngineBuilder::g1_free_reserve`]). An onboard allocates without:
-/// the saves would compete with its copies, and run before or after its
-/// loaded blocks' G2 and G3 copies lose their rank depending on timing;
-/// the engine's next allocation tops up.
-pub(crate) fn allocate_g1(
-    shared: &Shared,
-    n: usize,
-    top_up: bool,
-) -> Result<Vec<MutableBlock>, TierError> {
-    let Some(log) = &shared.g1_victims else {
-        return Ok(shared.g1.pool.allocate(n)?);
-    };
-    let _serial = shared.g1_alloc.lock();
-    if shared.g1.pool.counts().free < n {
-        // Slots being cleaned are about to be free: take them rather than
-        // evict more (and so the victims do not depend on timing).
-        shared.offload.wait_cleaned();
-    }
-    let blocks = shared.g1.pool.allocate(n)?;
-    let victims = take_g1_victims(shared, log);
-    if !victims.is_empty() {
-        shared.offload.write_back(victims);
-    }
-    if top_up {
-        clean_ahead(shared, log);
-    }
-    Ok(blocks)
-}
-
-/// G1's victims logged since the last call that the engine registered for
-/// offload (or kvbm loaded); a partial block stays in G1 only. Copies G2 or
-/// G3 still hold rank by their scores again.
-fn take_g1_victims(shared: &Shared, log: &VictimLog) -> Vec<crate::policy::Evicted> {
-    let mut victims = std::mem::take(&mut *log.lock());
-    if !victims.is_empty() {
-        {
-            let mut history = shared.history.lock();
-            for v in &victims {
-                history.undemote(v.hash);
-            }
-        }
-        let mut saved = shared.g1_saved.lock();
-        victims.retain(|v| saved.remove(&v.hash));
-    }
-    victims
-}
-
-/// Evicts G1's next victims until the reserve of free slots is reached and
-/// hands them, with their slots held until their bytes are in G2, to the
-/// offload worker. Called with `g1_alloc` held.
-fn clean_ahead(shared: &Shared, log: &VictimLog) {
-    let counts = shared.g1.pool.counts();
-    let reserve = shared.config.g1_reserve_for(counts.capacity);
-    if reserve == 0 {
-        return;
-    }
-    // Slots still held by earlier saves count as free: the victims chosen
-    // then do not depend on how far the worker has got.
-    let pending = shared.offload.cleaning_slots();
-    let k = reserve
-        .saturating_sub(counts.free + pending)
-        .min(counts.inactive);
-    if k == 0 {
-        return;
-    }
-    let slots = shared.g1.pool.evict_to_allocated(k);
-    if slots.is_empty() {
-        return;
-    }
-    // Victims another thread evicted straight from the G1 pool meanwhile
-    // are on the free list, not held here: those are saved now.
-    let held: HashSet<u32> = slots.iter().map(MutableBlock::block_id).collect();
-    let (behind, now): (Vec<_>, Vec<_>) = take_g1_victims(shared, log)
-        .into_iter()
-        .partition(|v| held.contains(&v.id));
-    if !now.is_empty() {
-        shared.offload.write_back(now);
-    }
-    if behind.is_empty() {
-        // Nothing to save (partial blocks stay in G1 only): free at once.
-        return;
-    }
-    shared.offload.clean(behind, slots);
-}
 
 /// The memory of each tier. G1 is required; without G2 nothing is
 /// offloaded, and without G3 G2's victims are dropped.
@@ -201,40 +118,20 @@ pub struct TierLayouts {
     pub g3: Option<PhysicalLayout>,
 }
 
-/// One tier's books; its bytes are the mover's.
-#[derive(Debug)]
-pub(crate) struct TierSlot {
-    pub(crate) pool: BlockPool,
-    pub(crate) tier: Tier,
-    pub(crate) block_bytes: u64,
-}
-
 /// State shared by the engine, its offload worker and onboard callbacks.
 pub(crate) struct Shared {
     pub(crate) config: TierEngineConfig,
-    pub(crate) g1: TierSlot,
-    pub(crate) g2: Option<TierSlot>,
-    pub(crate) g3: Option<TierSlot>,
-    pub(crate) g2_victims: VictimLog,
-    /// G1's evictions, recorded in write-back mode only.
-    pub(crate) g1_victims: Option<VictimLog>,
-    /// Serialises G1 allocations in write-back mode, so each allocation
-    /// saves exactly the victims it made.
-    pub(crate) g1_alloc: Mutex<()>,
-    /// Write-back mode: hashes of the G1 blocks to save to G2 when G1
-    /// evicts them (registered through `register_g1`, or onboarded).
-    pub(crate) g1_saved: Mutex<HashSet<SequenceHash>>,
+    /// What each tier holds, and the use history they rank by.
+    pub(crate) books: Books,
+    /// G1's write-back saves and the G1 allocations that make them.
+    pub(crate) g1_saves: G1Saves,
     pub(crate) mover: Arc<dyn TierMover>,
-    pub(crate) history: SharedHistory,
     pub(crate) requests: Mutex<HashMap<RequestId, matching::RequestState>>,
     pub(crate) inflight: Mutex<HashMap<SequenceHash, Arc<onboard::Inflight>>>,
     pub(crate) offload: offload::OffloadQueue,
     /// Requests with engine-owned G1 blocks queued for offload.
     pub(crate) engine_guards: Mutex<HashMap<RequestId, Arc<offload::EngineGuard>>>,
     pub(crate) metrics: EngineMetrics,
-    /// Set once a retention hint was given (G1's policy forwards until
-    /// then).
-    pub(crate) hinted: Arc<AtomicBool>,
     /// The G3 staging area (G2 memory beyond G2's pool): prefetch reads
     /// land there, and write-behind keeps blocks there until written.
     pub(crate) staging: Option<Arc<prefetch::Staging>>,
@@ -271,7 +168,7 @@ impl TierEngine {
     pub fn g1_free_reserve(&self) -> usize {
         self.shared
             .config
-            .g1_reserve_for(self.shared.g1.pool.capacity())
+            .g1_reserve_for(self.shared.books.g1().pool.capacity())
     }
 
     /// Blocks of G2's memory set aside as the G3 staging area (0: none; see
@@ -289,12 +186,12 @@ impl TierEngine {
     /// then hand them back completed through
     /// [`register_g1`](Self::register_g1).
     pub fn g1(&self) -> &BlockPool {
-        &self.shared.g1.pool
+        &self.shared.books.g1().pool
     }
 
     /// The pool of `tier`, if the engine has it.
     pub fn pool(&self, tier: Tier) -> Option<&BlockPool> {
-        self.tier(tier).map(|t| &t.pool)
+        self.shared.books.slot(tier).map(|t| &t.pool)
     }
 
     /// The memory of `tier`, if it lives in this process.
@@ -307,15 +204,6 @@ impl TierEngine {
         &self.shared.mover
     }
 
-    fn tier(&self, tier: Tier) -> Option<&TierSlot> {
-        match tier {
-            Tier::G1 => Some(&self.shared.g1),
-            Tier::G2 => self.shared.g2.as_ref(),
-            Tier::G3 => self.shared.g3.as_ref(),
-            Tier::G4 => None,
-        }
-    }
-
     /// `n` G1 blocks for the engine to fill. In write-back mode the blocks
     /// G1 evicts to make room are copied to G2 before this returns (so the
     /// engine may overwrite them; the G3 writes this causes go through the
@@ -325,7 +213,7 @@ impl TierEngine {
     /// once saved). In write-through mode this is `g1().allocate(n)`. All or
     /// nothing.
     pub fn allocate_g1(&self, n: usize) -> Result<Vec<MutableBlock>, TierError> {
-        allocate_g1(&self.shared, n, true)
+        self.shared.g1_saves.allocate(&self.shared, n, true)
     }
 
     /// Registers blocks the engine completed in G1 (a parent before its
@@ -339,11 +227,11 @@ impl TierEngine {
         // what G1 holds: they end first, so the books do not depend on how
         // far the worker got (an engine registers a forward pass after its
         // allocation; the saves have ended by then). Write-through has none.
-        if self.shared.g1_victims.is_some() {
+        if self.shared.g1_saves.writes_back() {
             self.shared.offload.wait_cleaned();
         }
         let parents: Vec<Option<SequenceHash>> = blocks.iter().map(|b| b.parent()).collect();
-        let held = self.shared.g1.pool.register(blocks).map_err(|e| {
+        let held = self.shared.books.g1().pool.register(blocks).map_err(|e| {
             TierError::InvalidConfig(format!(
                 "{} blocks do not belong to the engine's G1 pool",
                 e.blocks.len()
@@ -356,9 +244,9 @@ impl TierEngine {
                 self.offload(items);
             }
             OffloadMode::WriteBack => {
-                let mut saved = self.shared.g1_saved.lock();
-                saved
-                    .extend((0..held.len()).filter_map(|i| held.get(i).map(|b| b.sequence_hash())));
+                self.shared.g1_saves.save_when_evicted(
+                    (0..held.len()).filter_map(|i| held.get(i).map(|b| b.sequence_hash())),
+                );
             }
         }
         Ok(held)
@@ -467,24 +355,7 @@ impl TierEngine {
     /// live requests stay. Call it while no offload is queued (after
     /// [`flush`](Self::flush)).
     pub fn drop_cached(&self) -> usize {
-        let shared = &self.shared;
-        let _serial = shared.g1_alloc.lock();
-        // Background saves of G1's reserve end first (what they copy is
-        // dropped below with the rest).
-        shared.offload.wait_cleaned();
-        let mut n = shared.g1.pool.evict(shared.g1.pool.capacity());
-        if let Some(log) = &shared.g1_victims {
-            let victims = std::mem::take(&mut *log.lock());
-            let mut saved = shared.g1_saved.lock();
-            for v in &victims {
-                saved.remove(&v.hash);
-            }
-        }
-        for slot in [&shared.g2, &shared.g3].into_iter().flatten() {
-            n += slot.pool.evict(slot.pool.capacity());
-        }
-        shared.g2_victims.lock().clear();
-        n
+        self.shared.g1_saves.drop_cached(&self.shared)
     }
 
     /// Gives a retention hint for `hashes` (a request's blocks, in prompt
@@ -493,24 +364,7 @@ impl TierEngine {
     /// the reuse-score policy, G1 in write-back mode. Any later request
     /// carrying a block spends its hint.
     pub fn retain(&self, hashes: &[SequenceHash], hint: RetentionHint) {
-        self.shared.hinted.store(true, Ordering::Relaxed);
-        self.shared.history.lock().retain(hashes, hint);
-        // Blocks already evictable are queued by their old rank: restamp
-        // them in the tiers that rank by hints, so they are queued again.
-        let config = &self.shared.config;
-        if config.offload_mode == OffloadMode::WriteBack {
-            self.shared.g1.pool.touch(hashes);
-        }
-        for (tier, policy) in [
-            (&self.shared.g2, config.g2_policy),
-            (&self.shared.g3, config.g3_policy),
-        ] {
-            if let Some(t) = tier
-                && policy == TierPolicy::ReuseScore
-            {
-                t.pool.touch(hashes);
-            }
-        }
+        self.shared.books.retain(&self.shared.config, hashes, hint);
     }
 
     /// Gives a retention hint for the blocks of a matched request (its
@@ -529,7 +383,7 @@ impl TierEngine {
 
     /// Where retention hints put `hash` now.
     pub fn retained(&self, hash: SequenceHash) -> crate::policy::Retained {
-        self.shared.history.lock().retained(hash)
+        self.shared.books.retained(hash)
     }
 
     /// Sets the hint clock to `now` (e.g. a replay's trace timestamp, from
@@ -538,7 +392,7 @@ impl TierEngine {
     /// earlier time only makes protections last longer).
     pub fn set_time(&self, now: std::time::Duration) {
         let ms = now.as_millis().min(u128::from(u64::MAX)) as u64;
-        self.shared.history.lock().set_clock(HintClock::Manual(ms));
+        self.shared.books.set_clock(HintClock::Manual(ms));
     }
 
     /// Forgets a request and drops everything it holds. When its onboard
@@ -548,7 +402,7 @@ impl TierEngine {
         let released = onboard::release(&self.shared, &request.into());
         // A request ended: the worker catches up with the uses recorded
         // since the history was last read.
-        if self.shared.history.pending_blocks() > 0 {
+        if self.shared.books.pending_uses() > 0 {
             self.shared.offload.apply_history();
         }
         released
@@ -570,15 +424,7 @@ impl TierEngine {
     /// Subscribes to the KV events of every tier, merged into one stream;
     /// each event names its tier. The first batches are snapshots.
     pub fn subscribe(&self) -> Receiver<KvEventBatch> {
-        let pools = [
-            Some(&self.shared.g1),
-            self.shared.g2.as_ref(),
-            self.shared.g3.as_ref(),
-        ]
-        .into_iter()
-        .flatten()
-        .map(|t| t.pool.clone())
-        .collect();
+        let pools = self.shared.books.slots().map(|t| t.pool.clone()).collect();
         events::merged(pools)
     }
 
@@ -601,7 +447,7 @@ impl TierEngine {
     /// ([`TierPolicy::ReuseScore`] or [`TierPolicy::MinUses`]): with
     /// write-through tiers this stays 0.
     pub fn uses(&self, hash: SequenceHash) -> u32 {
-        self.shared.history.lock().uses(hash)
+        self.shared.books.uses(hash)
     }
 }
 

@@ -456,7 +456,7 @@ pub(crate) fn run_worker(shared: &Arc<Shared>) {
                     shared.metrics.queue_depth(s.items.len());
                     break Step::Start(batch);
                 }
-                if std::mem::take(&mut s.history) || shared.history.pending_blocks() > 0 {
+                if std::mem::take(&mut s.history) || shared.books.pending_uses() > 0 {
                     break Step::History;
                 }
                 // Nothing to do: answer whoever waits for that.
@@ -489,7 +489,7 @@ pub(crate) fn run_worker(shared: &Arc<Shared>) {
                 drop(s);
                 q.cv.notify_all();
             }
-            Step::History => shared.history.apply_pending(),
+            Step::History => shared.books.apply_uses(),
             Step::Write(batch) => behind::start(shared, batch),
             Step::Start(batch) => {
                 let _span = tracing::debug_span!("offload_batch", blocks = batch.len()).entered();
@@ -569,7 +569,7 @@ impl Flight {
             // it not so, dropping the targets frees them unregistered.
             return;
         };
-        if let Some(g2) = shared.g2.as_ref() {
+        if let Some(g2) = shared.books.g2() {
             let took = ended.saturating_duration_since(self.started);
             let (landed, cause) = landed_pairs(Path::G1ToG2, &self.pairs, &outcome);
             register_landed(
@@ -593,10 +593,10 @@ impl Flight {
 /// in flight leave G1 room to allocate.
 pub(crate) fn batch_limit(shared: &Shared) -> usize {
     let config = &shared.config;
-    let g2 = shared.g2.as_ref().map_or(usize::MAX, |t| t.pool.capacity());
-    let smaller = g2.min(shared.g1.pool.capacity());
+    let g2 = shared.books.g2().map_or(usize::MAX, |t| t.pool.capacity());
+    let smaller = g2.min(shared.books.g1().pool.capacity());
     let quarter = smaller / 4 / config.offload_in_flight.max(1);
-    let by_bytes = match shared.g1.block_bytes {
+    let by_bytes = match shared.books.g1().block_bytes {
         0 => 0,
         b => usize::try_from(config.offload_batch_bytes.div_ceil(b)).unwrap_or(usize::MAX),
     };
@@ -610,7 +610,7 @@ fn start_batch(
     batch: Vec<Pending>,
     flying: &HashSet<SequenceHash>,
 ) -> Option<Flight> {
-    let Some(g2) = shared.g2.as_ref() else {
+    let Some(g2) = shared.books.g2() else {
         shared
             .metrics
             .skipped(SkipReason::NoTier, batch.len() as u64);
@@ -653,7 +653,7 @@ fn start_batch(
     let targets = allocate_up_to(shared, g2, sources.len());
     sources.truncate(targets.len());
     // Blocks evicted to make room still hold their bytes: save them first.
-    let victims = std::mem::take(&mut *shared.g2_victims.lock());
+    let victims = shared.books.take_g2_victims();
     spill_to_g3(shared, g2, victims);
     if targets.is_empty() {
         return None;
@@ -674,7 +674,7 @@ fn start_batch(
     shared
         .mover
         .copy_labelled(
-            shared.g1.tier,
+            shared.books.g1().tier,
             g2.tier,
             pairs.clone(),
             items.clone(),

@@ -195,7 +195,7 @@ impl OnboardJob {
         if let Some(state) = self.state.lock().as_mut() {
             for &i in &state.waited {
                 if state.waited_held[i].is_none() {
-                    let found = shared.g1.pool.match_prefix(&state.hashes[i..=i]);
+                    let found = shared.books.g1().pool.match_prefix(&state.hashes[i..=i]);
                     state.waited_held[i] = found.get(0);
                 }
             }
@@ -338,7 +338,7 @@ pub(crate) fn start(
     }
     let dst = match target {
         OnboardTarget::Blocks(ids) => Dst::Ids(ids),
-        OnboardTarget::Pool => match super::allocate_g1(shared, own.len(), false) {
+        OnboardTarget::Pool => match shared.g1_saves.allocate(shared, own.len(), false) {
             Ok(blocks) => Dst::Pool(blocks),
             Err(e) => {
                 undo_start(shared, &job, holds, prefetch, owned_inflight);
@@ -419,8 +419,8 @@ pub(crate) fn start(
         }));
     }
     let paths = [
-        (0usize, shared.g2.as_ref(), g2_pairs),
-        (1usize, shared.g3.as_ref(), g3_pairs),
+        (0usize, shared.books.g2(), g2_pairs),
+        (1usize, shared.books.g3(), g3_pairs),
     ];
     for (path, tier, pairs) in paths {
         if pairs.is_empty() {
@@ -651,17 +651,16 @@ fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
         && shared.config.offload_mode == super::OffloadMode::WriteBack
     {
         shared
-            .g1_saved
-            .lock()
-            .extend(own.iter().map(|&i| hashes[i]));
+            .g1_saves
+            .save_when_evicted(own.iter().map(|&i| hashes[i]));
         let from_g3 = &from_g3;
         let from = |g3: bool| own.iter().filter(move |&&i| from_g3[i] == g3);
-        let mut history = shared.history.lock();
-        history.demote(Tier::G2, from(false).map(|&i| hashes[i]));
         // With `KeepG2Copy` the G3 blocks go to G2 as well: their G3 copies
         // go first, and the new G2 copies keep their rank.
-        history.demote(Tier::G3, from(true).map(|&i| hashes[i]));
-        drop(history);
+        shared.books.demote_loaded(
+            from(false).map(|&i| hashes[i]),
+            from(true).map(|&i| hashes[i]),
+        );
     }
     drop(holds);
     let left = shared.offload.onboard_ended();
@@ -696,7 +695,7 @@ fn register_loaded(
         // did, the block is dropped (freed) and the request fails.
         complete.push(t.complete(hashes[i], parents[i]).ok()?);
     }
-    let registered = shared.g1.pool.register(complete).ok()?;
+    let registered = shared.books.g1().pool.register(complete).ok()?;
     let mut slots: Vec<Option<ImmutableBlock>> = (0..hashes.len()).map(|_| None).collect();
     for (k, &i) in own.iter().enumerate() {
         slots[i] = registered.get(k);
@@ -705,7 +704,7 @@ fn register_loaded(
     for &i in waited {
         slots[i] = match waited_held[i].take() {
             Some(b) => Some(b),
-            None => shared.g1.pool.match_prefix(&hashes[i..=i]).get(0),
+            None => shared.books.g1().pool.match_prefix(&hashes[i..=i]).get(0),
         };
     }
     let mut blocks = ImmutableBlocks::empty();

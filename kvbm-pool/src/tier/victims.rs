@@ -31,7 +31,7 @@ pub(super) fn admitted(
 ) -> bool {
     match policy {
         TierPolicy::WriteThrough => true,
-        TierPolicy::MinUses(n) => shared.history.lock().uses(hash) >= n,
+        TierPolicy::MinUses(n) => shared.books.uses(hash) >= n,
         TierPolicy::ReuseScore => tier.pool.admit(hash),
     }
 }
@@ -111,7 +111,7 @@ pub(super) fn save_g1_victims(
     victims: Vec<Evicted>,
     flying: &HashSet<SequenceHash>,
 ) {
-    let Some(g2) = shared.g2.as_ref() else {
+    let Some(g2) = shared.books.g2() else {
         shared
             .metrics
             .skipped(SkipReason::NoTier, victims.len() as u64);
@@ -123,38 +123,32 @@ pub(super) fn save_g1_victims(
         let part: Vec<Evicted> = victims.by_ref().take(limit).collect();
         let (part, targets, refused) =
             place_victims(shared, g2, shared.config.g2_policy, part, flying);
-        if let Some(g3) = shared.g3.as_ref()
+        if let Some(g3) = shared.books.g3()
             && !refused.is_empty()
         {
             // Refused by G2, the block is offered to G3 (as G2's own
             // victims are); a copy an onboard left there ranks again.
-            let refused: Vec<Evicted> = {
-                let mut history = shared.history.lock();
-                for v in &refused {
-                    history.clear_demoted(crate::Tier::G3, v.hash);
-                }
-                refused
-            };
+            shared.books.clear_demoted_g3(&refused);
             let none = HashSet::new();
             let (keep, g3_targets, _) =
                 place_victims(shared, g3, shared.config.g3_policy, refused, &none);
             if !g3_targets.is_empty() {
-                super::behind::write(shared, &shared.g1, Path::G1ToG3, &keep, g3_targets);
+                super::behind::write(shared, shared.books.g1(), Path::G1ToG3, &keep, g3_targets);
             }
         }
         // The blocks G2 evicted for these still hold their bytes: save
         // them before their slots are written.
-        let g2_victims = std::mem::take(&mut *shared.g2_victims.lock());
+        let g2_victims = shared.books.take_g2_victims();
         spill_to_g3(shared, g2, g2_victims);
         if !targets.is_empty() {
-            copy_victims(shared, &shared.g1, g2, Path::G1ToG2, &part, targets);
+            copy_victims(shared, shared.books.g1(), g2, Path::G1ToG2, &part, targets);
         }
     }
 }
 
 /// Copies G2's victims to G3 (those G3 admits and does not hold yet).
 pub(super) fn spill_to_g3(shared: &Shared, g2: &TierSlot, victims: Vec<Evicted>) {
-    let Some(g3) = shared.g3.as_ref() else {
+    let Some(g3) = shared.books.g3() else {
         return;
     };
     // Write-back: a victim G1 holds (loaded there from G2) comes back to G2
@@ -162,15 +156,10 @@ pub(super) fn spill_to_g3(shared: &Shared, g2: &TierSlot, victims: Vec<Evicted>)
     let write_back = shared.config.offload_mode == super::OffloadMode::WriteBack;
     let (victims, in_g1): (Vec<Evicted>, Vec<Evicted>) = victims
         .into_iter()
-        .partition(|v| !(write_back && shared.g1.pool.contains(v.hash)));
-    {
-        // A G3 copy left from an onboard is this block again: it ranks by
-        // its score once more.
-        let mut history = shared.history.lock();
-        for v in &victims {
-            history.clear_demoted(crate::Tier::G3, v.hash);
-        }
-    }
+        .partition(|v| !(write_back && shared.books.g1().pool.contains(v.hash)));
+    // A G3 copy left from an onboard is this block again: it ranks by its
+    // score once more.
+    shared.books.clear_demoted_g3(&victims);
     shared
         .metrics
         .skipped(SkipReason::Present, in_g1.len() as u64);
