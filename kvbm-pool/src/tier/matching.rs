@@ -4,8 +4,8 @@ use std::sync::Arc;
 
 use kvbm_block::SequenceHash;
 
-use super::onboard::OnboardJob;
 use super::prefetch::{self, Prefetch};
+use super::requests::{RequestState, Segment};
 use super::{RequestId, Shared, TierError};
 use crate::pool::ImmutableBlocks;
 
@@ -76,37 +76,6 @@ impl TierMatch {
     }
 }
 
-/// A run of consecutive matched blocks held in one kvbm tier.
-pub(crate) struct Segment {
-    /// `true` for G3, `false` for G2.
-    pub(crate) g3: bool,
-    pub(crate) blocks: ImmutableBlocks,
-}
-
-/// What the engine keeps per live request.
-pub(crate) struct RequestState {
-    /// The prompt's block hashes.
-    pub(crate) hashes: Vec<SequenceHash>,
-    /// Index of the first block to onboard (the G1 prefix length).
-    pub(crate) start: usize,
-    /// Held runs of G2 and G3 blocks, in prefix order.
-    pub(crate) segments: Vec<Segment>,
-    /// The onboard, once started.
-    pub(crate) onboard: Option<Arc<OnboardJob>>,
-    /// The G3 read started at match time, until the onboard takes it.
-    pub(crate) prefetch: Option<Arc<Prefetch>>,
-}
-
-impl Drop for RequestState {
-    /// A request forgotten before its onboard took its prefetch stops the
-    /// read (its slots and holds return once the read has stopped).
-    fn drop(&mut self) {
-        if let Some(p) = self.prefetch.take() {
-            p.cancel();
-        }
-    }
-}
-
 /// Keeps the first `keep` blocks of `segments` (prefix order), dropping
 /// the holds of the others; returns the G2 and G3 blocks dropped.
 fn truncate_segments(segments: &mut Vec<Segment>, keep: usize) -> [usize; 2] {
@@ -123,6 +92,41 @@ fn truncate_segments(segments: &mut Vec<Segment>, keep: usize) -> [usize; 2] {
     dropped
 }
 
+/// What a match found: the G1 prefix and the held G2/G3 runs after it.
+struct Found {
+    /// The G1 prefix, held ([`G1Lookup::Pool`] only).
+    g1_held: ImmutableBlocks,
+    /// Leading blocks in G1 (held above, or the engine's own count).
+    g1_blocks: usize,
+    /// Held runs of G2 and G3 blocks after the G1 prefix, in prefix order.
+    segments: Vec<Segment>,
+    /// Blocks in `segments` from G2 and from G3.
+    in_g2: usize,
+    in_g3: usize,
+}
+
+impl Found {
+    /// Blocks matched in all tiers together.
+    fn total(&self) -> usize {
+        self.g1_blocks + self.in_g2 + self.in_g3
+    }
+
+    /// Takes blocks dropped from `segments` (G2's, G3's) off the counts.
+    fn count_dropped(&mut self, [d2, d3]: [usize; 2]) {
+        self.in_g2 -= d2;
+        self.in_g3 -= d3;
+    }
+
+    /// Whether each external block comes from G3, in prefix order.
+    fn g3_flags(&self) -> Vec<bool> {
+        self.segments
+            .iter()
+            .flat_map(|seg| std::iter::repeat_n(seg.g3, seg.blocks.len()))
+            .collect()
+    }
+}
+
+/// Matches `request`: see [`super::TierEngine::match_request`].
 pub(crate) fn match_request(
     shared: &Arc<Shared>,
     request: RequestId,
@@ -134,49 +138,80 @@ pub(crate) fn match_request(
     // Only whole blocks can be reused: never match past the prompt.
     let usable = hashes.len().min(prompt_tokens / bs);
     let hashes = &hashes[..usable];
-
-    let first_time = {
-        let requests = shared.requests.lock();
-        match requests.get(&request) {
-            Some(state) if state.onboard.is_some() => {
-                return Err(TierError::AlreadyOnboarding(request));
-            }
-            Some(_) => false,
-            None => true,
-        }
-    };
-    // The use history feeds the reuse-score ranking and `min_uses`
-    // admission; with write-through tiers nothing reads it. Recording
-    // costs a table update per prompt block, so the request is only
-    // queued here: any reader of the history applies the queue before it
-    // reads, the offload worker applies it whenever it is awake with
-    // nothing else to do (and releases wake it), and a queue this long
-    // wakes it too.
-    if first_time && shared.config.uses_history() {
-        let queued = shared.books.record_use_later(hashes);
-        if queued >= WAKE_AT_BLOCKS && queued - hashes.len() < WAKE_AT_BLOCKS {
-            shared.offload.apply_history();
-        }
+    if shared.requests.first_match(&request)? {
+        record_use(shared, hashes);
     }
+    let mut found = find(shared, hashes, g1);
+    shared.metrics.matched(
+        hashes.len() as u64,
+        [
+            found.g1_blocks as u64,
+            found.in_g2 as u64,
+            found.in_g3 as u64,
+        ],
+    );
+    let gave_back = give_back_last(&mut found, bs, prompt_tokens);
+    let declined = decline_slow_tail(shared, &mut found);
+    if let G1Lookup::Pool = g1 {
+        found.g1_blocks = found.g1_held.len();
+    }
+    let prefetch = prefetch_for(shared, &request, &found);
+    let result = TierMatch {
+        g1: found.g1_held,
+        g1_blocks: found.g1_blocks,
+        g2_blocks: found.in_g2,
+        g3_blocks: found.in_g3,
+        gave_back,
+        declined_blocks: declined,
+        block_size: bs,
+    };
+    let state = RequestState::matched(hashes.to_vec(), found.g1_blocks, found.segments, prefetch);
+    shared.requests.insert(request, state)?;
+    Ok(result)
+}
 
-    let (mut g1_held, g1_blocks) = match g1 {
+/// Records a request's first match as a use of its blocks.
+///
+/// The use history feeds the reuse-score ranking and `min_uses`
+/// admission; with write-through tiers nothing reads it. Recording costs
+/// a table update per prompt block, so the request is only queued here:
+/// any reader of the history applies the queue before it reads, the
+/// offload worker applies it whenever it is awake with nothing else to do
+/// (and releases wake it), and a queue this long wakes it too.
+fn record_use(shared: &Shared, hashes: &[SequenceHash]) {
+    if !shared.config.uses_history() {
+        return;
+    }
+    let queued = shared.books.record_use_later(hashes);
+    if queued >= WAKE_AT_BLOCKS && queued - hashes.len() < WAKE_AT_BLOCKS {
+        shared.offload.apply_history();
+    }
+}
+
+/// The longest prefix of `hashes` in G1 (as `g1` says), continued in G2
+/// and G3 block by block: each run is taken from whichever tier holds the
+/// next block, so the prefix may alternate between them.
+fn find(shared: &Shared, hashes: &[SequenceHash], g1: G1Lookup) -> Found {
+    let (g1_held, g1_blocks) = match g1 {
         G1Lookup::Pool => {
             let held = shared.books.g1().pool.match_prefix(hashes);
             let n = held.len();
             (held, n)
         }
-        G1Lookup::Engine { blocks } => (ImmutableBlocks::empty(), blocks.min(usable)),
+        G1Lookup::Engine { blocks } => (ImmutableBlocks::empty(), blocks.min(hashes.len())),
     };
-    // Walk on in G2 and G3 block by block: each run is taken from whichever
-    // tier holds the next block, so the prefix may alternate between them.
-    let mut at = g1_blocks;
-    let mut segments: Vec<Segment> = Vec::new();
-    let (mut in_g2, mut in_g3) = (0usize, 0usize);
+    let mut found = Found {
+        g1_held,
+        g1_blocks,
+        segments: Vec::new(),
+        in_g2: 0,
+        in_g3: 0,
+    };
     loop {
-        let before = at;
+        let before = found.total();
         for (is_g3, tier) in [(false, shared.books.g2()), (true, shared.books.g3())] {
             let Some(tier) = tier else { continue };
-            let mut run = tier.pool.match_prefix(&hashes[at..]);
+            let mut run = tier.pool.match_prefix(&hashes[found.total()..]);
             if is_g3 {
                 // A block whose write to G3 failed is not there.
                 let written = super::behind::written_prefix(shared, run.block_ids());
@@ -185,112 +220,84 @@ pub(crate) fn match_request(
             if run.is_empty() {
                 continue;
             }
-            at += run.len();
             if is_g3 {
-                in_g3 += run.len();
+                found.in_g3 += run.len();
             } else {
-                in_g2 += run.len();
+                found.in_g2 += run.len();
             }
-            segments.push(Segment {
+            found.segments.push(Segment {
                 g3: is_g3,
                 blocks: run,
             });
         }
+        let at = found.total();
         if at == before || at == hashes.len() {
-            break;
+            return found;
         }
     }
-    shared.metrics.matched(
-        hashes.len() as u64,
-        [g1_blocks as u64, in_g2 as u64, in_g3 as u64],
-    );
+}
 
-    // The full-prompt rule: the engine must compute at least one token.
-    let mut gave_back = false;
-    if at > 0 && at * bs >= prompt_tokens {
-        gave_back = true;
-        if let Some(last) = segments.last_mut() {
-            if last.g3 {
-                in_g3 -= 1;
-            } else {
-                in_g2 -= 1;
-            }
-            last.blocks.truncate(last.blocks.len() - 1);
-            if last.blocks.is_empty() {
-                segments.pop();
-            }
-        } else if !g1_held.is_empty() {
-            g1_held.truncate(g1_held.len() - 1);
+/// The full-prompt rule: the engine must compute at least one token, so
+/// a match covering the whole prompt gives its last block back. Returns
+/// whether it did.
+fn give_back_last(found: &mut Found, block_size: usize, prompt_tokens: usize) -> bool {
+    let at = found.total();
+    if at == 0 || at * block_size < prompt_tokens {
+        return false;
+    }
+    if let Some(last) = found.segments.last_mut() {
+        if last.g3 {
+            found.in_g3 -= 1;
         } else {
-            // The engine's own G1 prefix covers it: its rule, not ours.
-            gave_back = false;
+            found.in_g2 -= 1;
         }
-    }
-    // Load or recompute: the cost model may leave the tail to the engine.
-    let external = in_g2 + in_g3;
-    let mut declined = 0;
-    if shared.config.load_cost.recompute_tokens_per_s.is_some() && external > 0 {
-        let from_g3: Vec<bool> = segments
-            .iter()
-            .flat_map(|seg| std::iter::repeat_n(seg.g3, seg.blocks.len()))
-            .collect();
-        let bytes = |t: Option<&super::TierSlot>| t.map_or(0, |t| t.block_bytes);
-        let keep = shared.config.load_cost.blocks_worth_loading(
-            shared.rates.current(&shared.config.load_cost),
-            bs,
-            [bytes(shared.books.g2()), bytes(shared.books.g3())],
-            &from_g3,
-        );
-        if keep < external {
-            shared.rates.declined(&shared.config.load_cost);
-            let [d2, d3] = truncate_segments(&mut segments, keep);
-            in_g2 -= d2;
-            in_g3 -= d3;
-            declined = d2 + d3;
+        last.blocks.truncate(last.blocks.len() - 1);
+        if last.blocks.is_empty() {
+            found.segments.pop();
         }
-    }
-    let g1_blocks = match g1 {
-        G1Lookup::Pool => g1_held.len(),
-        // The engine applies its own rule to its own prefix.
-        G1Lookup::Engine { .. } => g1_blocks,
-    };
-
-    let result = TierMatch {
-        g1: g1_held,
-        g1_blocks,
-        g2_blocks: in_g2,
-        g3_blocks: in_g3,
-        gave_back,
-        declined_blocks: declined,
-        block_size: bs,
-    };
-    // The disk starts now, while the engine allocates G1 — unless an
-    // earlier match of this request already reads the same blocks.
-    let prefetch = if in_g3 > 0 {
-        let earlier = match shared.requests.lock().get_mut(&request) {
-            Some(old) if old.onboard.is_none() && old.start == g1_blocks => {
-                old.prefetch.take_if(|p| p.serves(&segments))
-            }
-            _ => None,
-        };
-        earlier.or_else(|| prefetch::start(shared, &segments))
+        true
+    } else if !found.g1_held.is_empty() {
+        found.g1_held.truncate(found.g1_held.len() - 1);
+        true
     } else {
-        None
-    };
-    let state = RequestState {
-        hashes: hashes.to_vec(),
-        start: g1_blocks,
-        segments,
-        onboard: None,
-        prefetch,
-    };
-    let mut requests = shared.requests.lock();
-    if requests.get(&request).is_some_and(|s| s.onboard.is_some()) {
-        return Err(TierError::AlreadyOnboarding(request));
+        // The engine's own G1 prefix covers it: its rule, not ours.
+        false
     }
-    // A replaced match drops its holds here, after the lock is released.
-    let old = requests.insert(request, state);
-    drop(requests);
-    drop(old);
-    Ok(result)
+}
+
+/// Load or recompute: the cost model may leave the tail of the external
+/// blocks to the engine. Returns how many blocks it left.
+fn decline_slow_tail(shared: &Shared, found: &mut Found) -> usize {
+    let cost = &shared.config.load_cost;
+    let external = found.in_g2 + found.in_g3;
+    if cost.recompute_tokens_per_s.is_none() || external == 0 {
+        return 0;
+    }
+    let bytes = |t: Option<&super::TierSlot>| t.map_or(0, |t| t.block_bytes);
+    let keep = cost.blocks_worth_loading(
+        shared.rates.current(cost),
+        shared.config.block_size,
+        [bytes(shared.books.g2()), bytes(shared.books.g3())],
+        &found.g3_flags(),
+    );
+    if keep >= external {
+        return 0;
+    }
+    shared.rates.declined(cost);
+    let dropped = truncate_segments(&mut found.segments, keep);
+    found.count_dropped(dropped);
+    dropped[0] + dropped[1]
+}
+
+/// The G3 read of a match: the disk starts now, while the engine allocates
+/// G1 — unless an earlier match of this request already reads the same
+/// blocks.
+fn prefetch_for(shared: &Arc<Shared>, request: &RequestId, found: &Found) -> Option<Arc<Prefetch>> {
+    if found.in_g3 == 0 {
+        return None;
+    }
+    shared
+        .requests
+        .take_prefetch_serving(request, found.g1_blocks, &found.segments)
+        .or_else(|| prefetch::start(shared, &found.segments))
 }

@@ -69,6 +69,7 @@ mod offload;
 mod onboard;
 mod prefetch;
 mod request;
+mod requests;
 mod shape;
 mod victims;
 
@@ -126,11 +127,10 @@ pub(crate) struct Shared {
     /// G1's write-back saves and the G1 allocations that make them.
     pub(crate) g1_saves: G1Saves,
     pub(crate) mover: Arc<dyn TierMover>,
-    pub(crate) requests: Mutex<HashMap<RequestId, matching::RequestState>>,
+    /// The live requests and the guards of their engine-block offloads.
+    pub(crate) requests: requests::Requests,
     pub(crate) inflight: Mutex<HashMap<SequenceHash, Arc<onboard::Inflight>>>,
     pub(crate) offload: offload::OffloadQueue,
-    /// Requests with engine-owned G1 blocks queued for offload.
-    pub(crate) engine_guards: Mutex<HashMap<RequestId, Arc<offload::EngineGuard>>>,
     pub(crate) metrics: EngineMetrics,
     /// The G3 staging area (G2 memory beyond G2's pool): prefetch reads
     /// land there, and write-behind keeps blocks there until written.
@@ -268,13 +268,7 @@ impl TierEngine {
         request: impl Into<RequestId>,
         blocks: &[(u32, SequenceHash, Option<SequenceHash>)],
     ) {
-        let guard = Arc::clone(
-            self.shared
-                .engine_guards
-                .lock()
-                .entry(request.into())
-                .or_default(),
-        );
+        let guard = self.shared.requests.engine_guard(request.into());
         offload::enqueue_engine(&self.shared, &guard, blocks);
     }
 
@@ -286,7 +280,7 @@ impl TierEngine {
     /// until kvbm has read them.
     pub fn release_after_offloads(&self, request: impl Into<RequestId>) -> bool {
         let request = request.into();
-        let guard = self.shared.engine_guards.lock().get(&request).cloned();
+        let guard = self.shared.requests.find_engine_guard(&request);
         if let Some(g) = guard {
             // Checks now and then whether the engine is shutting down: its
             // queue then never drains.
@@ -373,9 +367,8 @@ impl TierEngine {
     /// evictable. `false` if the request is unknown.
     pub fn hint_request(&self, request: impl Into<RequestId>, hint: RetentionHint) -> bool {
         let request = request.into();
-        let hashes = match self.shared.requests.lock().get(&request) {
-            Some(state) => state.hashes.clone(),
-            None => return false,
+        let Some(hashes) = self.shared.requests.hashes(&request) else {
+            return false;
         };
         self.retain(&hashes, hint);
         true
@@ -418,7 +411,7 @@ impl TierEngine {
 
     /// Requests currently known (matched and not released).
     pub fn live_requests(&self) -> usize {
-        self.shared.requests.lock().len()
+        self.shared.requests.len()
     }
 
     /// Subscribes to the KV events of every tier, merged into one stream;

@@ -32,6 +32,7 @@ use kvbm_transfer::completion::{Completer, Completion, Outcome, completion_pair}
 use kvbm_transfer::{CancelToken, TransferError, TransferOutcome};
 use parking_lot::{Condvar, Mutex};
 
+use super::requests::{OnboardClaim, Segment};
 use super::{G3Onboard, RequestId, Shared, TierError};
 use crate::config::Tier;
 use crate::metrics::{FailureCause, Path};
@@ -158,7 +159,7 @@ struct JobState {
     /// Whether each block (indexed like `hashes`) comes from G3.
     from_g3: Vec<bool>,
     dst: Dst,
-    holds: Vec<super::matching::Segment>,
+    holds: Vec<Segment>,
     owned_inflight: Vec<(SequenceHash, Arc<Inflight>)>,
     error: Option<TransferError>,
     /// What made each path's copy (G2 → G1, G3 → G1) fail, if it did.
@@ -264,43 +265,21 @@ pub(crate) fn start(
         done_cv: Condvar::new(),
     });
 
-    // Claim the request's holds. No lock is held past this block: G1
+    // Claim the request's holds. No lock is held past this: G1
     // allocation below may wait for the offload worker, whose copies
     // complete on threads that also finish onboards.
-    let (holds, hashes, parents, sources, from_g3, prefetch) = {
-        let mut requests = shared.requests.lock();
-        let Some(state) = requests.get_mut(&request) else {
-            return Err(TierError::UnknownRequest(request));
-        };
-        if state.onboard.is_some() {
-            return Err(TierError::AlreadyOnboarding(request));
-        }
-        let mut from_g3 = Vec::new();
-        let mut sources = Vec::new();
-        for seg in &state.segments {
-            from_g3.extend(std::iter::repeat_n(seg.g3, seg.blocks.len()));
-            sources.extend_from_slice(seg.blocks.block_ids());
-        }
-        let n = sources.len();
-        if let OnboardTarget::Blocks(ids) = &target
-            && ids.len() != n
-        {
-            return Err(TierError::DestinationMismatch {
-                request,
-                expected: n,
-                given: ids.len(),
-            });
-        }
-        let range = state.start..state.start + n;
-        let hashes: Vec<SequenceHash> = state.hashes[range.clone()].to_vec();
-        let parents: Vec<Option<SequenceHash>> = range
-            .map(|i| i.checked_sub(1).map(|p| state.hashes[p]))
-            .collect();
-        let holds = std::mem::take(&mut state.segments);
-        let prefetch = state.prefetch.take();
-        state.onboard = Some(Arc::clone(&job));
-        (holds, hashes, parents, sources, from_g3, prefetch)
+    let given = match &target {
+        OnboardTarget::Blocks(ids) => Some(ids.len()),
+        OnboardTarget::Pool => None,
     };
+    let OnboardClaim {
+        holds,
+        hashes,
+        parents,
+        sources,
+        from_g3,
+        prefetch,
+    } = shared.requests.claim_for_onboard(&request, &job, given)?;
     if let Some(p) = &prefetch {
         *job.prefetch_cancel.lock() = Some(p.cancel_token().clone());
     }
@@ -512,7 +491,7 @@ fn copy_staged(
 fn undo_start(
     shared: &Shared,
     job: &Arc<OnboardJob>,
-    holds: Vec<super::matching::Segment>,
+    holds: Vec<Segment>,
     prefetch: Option<Arc<super::prefetch::Prefetch>>,
     owned_inflight: Vec<(SequenceHash, Arc<Inflight>)>,
 ) {
@@ -524,22 +503,7 @@ fn undo_start(
             }
         }
     }
-    {
-        let mut requests = shared.requests.lock();
-        match requests.get_mut(&job.request) {
-            Some(state) if state.onboard.as_ref().is_some_and(|j| Arc::ptr_eq(j, job)) => {
-                state.segments = holds;
-                state.prefetch = prefetch;
-                state.onboard = None;
-            }
-            _ => {
-                drop(holds);
-                if let Some(p) = prefetch {
-                    p.cancel();
-                }
-            }
-        }
-    }
+    shared.requests.unclaim(&job.request, job, holds, prefetch);
     *job.done.lock() = true;
     job.done_cv.notify_all();
     for (_, entry) in owned_inflight {
@@ -732,14 +696,14 @@ fn keep_g2_copies(
 }
 
 pub(crate) fn release(shared: &Shared, request: &RequestId) -> bool {
-    let guard = shared.engine_guards.lock().remove(request);
+    let guard = shared.requests.take_engine_guard(request);
     if let Some(g) = &guard {
         g.release();
     }
-    let Some(state) = shared.requests.lock().remove(request) else {
+    let Some(state) = shared.requests.remove(request) else {
         return guard.is_some();
     };
-    if let Some(job) = &state.onboard {
+    if let Some(job) = state.onboard() {
         job.released.store(true, Ordering::Release);
         if job.writes_engine_blocks {
             // The engine may reuse its blocks once we return: stop writing.

@@ -32,7 +32,7 @@ use kvbm_transfer::{CancelToken, TransferError, TransferOutcome};
 use parking_lot::Mutex;
 
 use super::Shared;
-use super::matching::Segment;
+use super::requests::Segment;
 use crate::config::Tier;
 use crate::pool::ImmutableBlock;
 use crate::rate_limit::{RateLimit, WARN_EVERY, held_back_note};
