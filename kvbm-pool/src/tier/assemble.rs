@@ -5,8 +5,6 @@
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
-use parking_lot::Mutex;
-
 use super::books::{Books, TierSlot};
 use super::config::{OffloadMode, TierEngineConfig, TierPolicy};
 use super::g1_saves::G1Saves;
@@ -71,7 +69,7 @@ pub(crate) fn start(
         g1_saves: G1Saves::new(g1_victims),
         mover,
         requests: Default::default(),
-        inflight: Mutex::default(),
+        inflight: Default::default(),
         offload: offload::OffloadQueue::default(),
         metrics: EngineMetrics::default(),
         staging,

@@ -73,15 +73,12 @@ mod requests;
 mod shape;
 mod victims;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::mpsc::Receiver;
 use std::thread::JoinHandle;
 
 use kvbm_block::SequenceHash;
 use kvbm_transfer::PhysicalLayout;
-
-use parking_lot::Mutex;
 
 use books::Books;
 pub(crate) use books::TierSlot;
@@ -129,7 +126,8 @@ pub(crate) struct Shared {
     pub(crate) mover: Arc<dyn TierMover>,
     /// The live requests and the guards of their engine-block offloads.
     pub(crate) requests: requests::Requests,
-    pub(crate) inflight: Mutex<HashMap<SequenceHash, Arc<onboard::Inflight>>>,
+    /// Onboards in flight into the G1 pool, by block.
+    pub(crate) inflight: onboard::Inflights,
     pub(crate) offload: offload::OffloadQueue,
     pub(crate) metrics: EngineMetrics,
     /// The G3 staging area (G2 memory beyond G2's pool): prefetch reads
