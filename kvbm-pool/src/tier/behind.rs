@@ -192,13 +192,13 @@ pub(super) fn write(
     let n = complete.len() as u64;
     let ids: Vec<u32> = queued.iter().map(|w| w.g3).collect();
     // Pending before a match can find them: readers wait for the write.
-    shared.offload.state.lock().writes.pending.extend(&ids);
+    shared.offload.writes().pending.extend(&ids);
     if let Err(e) = g3.pool.register(complete) {
-        let mut s = shared.offload.state.lock();
+        let mut w = shared.offload.writes();
         for id in &ids {
-            s.writes.pending.remove(id);
+            w.pending.remove(id);
         }
-        drop(s);
+        drop(w);
         tracing::warn!("G3 targets refused by their own pool: {e}");
         shared
             .metrics
@@ -206,31 +206,26 @@ pub(super) fn write(
         return;
     }
     shared.metrics.registered_ahead(n);
-    shared.offload.state.lock().writes.queued.extend(queued);
-    shared.offload.cv.notify_all();
+    shared.offload.writes().queued.extend(queued);
+    shared.offload.wake();
 }
 
 /// Before G3 slots `ids` are written again: drops queued writes to them
 /// (their blocks left G3) and waits for writes to them in flight.
 fn supersede(q: &OffloadQueue, ids: &HashSet<u32>) {
-    let mut s = q.state.lock();
-    let (dropped, kept): (Vec<Write>, Vec<Write>) = std::mem::take(&mut s.writes.queued)
+    let mut s = q.writes();
+    let (dropped, kept): (Vec<Write>, Vec<Write>) = std::mem::take(&mut s.queued)
         .into_iter()
         .partition(|w| ids.contains(&w.g3));
-    s.writes.queued = kept;
+    s.queued = kept;
     for w in &dropped {
-        s.writes.pending.remove(&w.g3);
+        s.pending.remove(&w.g3);
     }
-    while s
-        .writes
-        .flying
-        .as_ref()
-        .is_some_and(|f| !f.is_disjoint(ids))
-    {
-        q.cv.wait(&mut s);
+    while s.flying.as_ref().is_some_and(|f| !f.is_disjoint(ids)) {
+        s.wait();
     }
     for id in ids {
-        s.writes.failed.remove(id);
+        s.failed.remove(id);
     }
     drop(s);
     // The staging slots of dropped writes return here, outside the lock.
@@ -276,10 +271,8 @@ pub(super) fn start(shared: &Arc<Shared>, batch: Vec<Write>) {
             let written: Vec<u32> = batch.iter().map(|w| w.g3).collect();
             // The staging slots return before anyone learns the write ended.
             drop(batch);
-            let mut s = shared.offload.state.lock();
-            s.writes.ended(&written, &failed);
-            drop(s);
-            shared.offload.cv.notify_all();
+            shared.offload.writes().ended(&written, &failed);
+            shared.offload.wake();
         });
 }
 
@@ -318,19 +311,19 @@ fn account(
 /// one of them failed: its bytes are not there.
 pub(crate) fn wait_readable(shared: &Shared, ids: &[u32]) -> Result<(), TransferError> {
     let q = &shared.offload;
-    let mut s = q.state.lock();
-    if s.writes.pending_any(ids) {
-        s.writes.wanted += 1;
-        q.cv.notify_all();
-        while s.writes.pending_any(ids) {
-            q.cv.wait(&mut s);
+    let mut s = q.writes();
+    if s.pending_any(ids) {
+        s.wanted += 1;
+        q.wake();
+        while s.pending_any(ids) {
+            s.wait();
         }
-        s.writes.wanted -= 1;
+        s.wanted -= 1;
     }
-    if s.writes.failed.is_empty() {
+    if s.failed.is_empty() {
         return Ok(());
     }
-    match ids.iter().find_map(|id| s.writes.failed.get(id)) {
+    match ids.iter().find_map(|id| s.failed.get(id)) {
         None => Ok(()),
         Some(f) => Err(TransferError::Remote {
             origin: "G3 write-behind".into(),
@@ -356,10 +349,10 @@ pub(crate) fn reads_ended(shared: &Shared, outcome: &kvbm_transfer::TransferOutc
         message: format!("its bytes could not be read back: {}", f.error),
         os_error: f.error.os_error(),
     };
-    let mut s = shared.offload.state.lock();
+    let mut s = shared.offload.writes();
     for &(g3, _) in &f.failed {
         if let Ok(id) = u32::try_from(g3) {
-            s.writes.failed.insert(id, why.clone());
+            s.failed.insert(id, why.clone());
         }
     }
     drop(s);
@@ -369,12 +362,12 @@ pub(crate) fn reads_ended(shared: &Shared, outcome: &kvbm_transfer::TransferOutc
 /// How many of `ids` (G3 blocks, in prefix order) come before the first
 /// whose last write failed: a match stops there, as if G3 lacked it.
 pub(crate) fn written_prefix(shared: &Shared, ids: &[u32]) -> usize {
-    let s = shared.offload.state.lock();
-    if s.writes.failed.is_empty() {
+    let s = shared.offload.writes();
+    if s.failed.is_empty() {
         return ids.len();
     }
     ids.iter()
-        .position(|id| s.writes.failed.contains_key(id))
+        .position(|id| s.failed.contains_key(id))
         .unwrap_or(ids.len())
 }
 
@@ -382,17 +375,17 @@ pub(crate) fn written_prefix(shared: &Shared, ids: &[u32]) -> usize {
 /// stopping).
 pub(super) fn drain(shared: &Arc<Shared>) {
     let q = &shared.offload;
-    let mut s = q.state.lock();
+    let mut s = q.writes();
     loop {
-        while s.writes.flying.is_some() {
-            q.cv.wait(&mut s);
+        while s.flying.is_some() {
+            s.wait();
         }
-        if s.writes.queued.is_empty() {
+        if s.queued.is_empty() {
             return;
         }
-        let batch = s.writes.take();
+        let batch = s.take();
         drop(s);
         start(shared, batch);
-        s = q.state.lock();
+        s = q.writes();
     }
 }
