@@ -205,6 +205,7 @@ impl TierEngineConfig {
         reads(self.g2_policy) || reads(self.g3_policy)
     }
 
+    /// Checks the knobs; the error says which one is wrong and why.
     pub(crate) fn validate(&self) -> Result<(), String> {
         if self.block_size == 0 {
             return Err("tokens per block must be at least 1".into());

@@ -62,6 +62,7 @@ impl LoadCost {
         }
     }
 
+    /// Checks the rates given; the error says which one is wrong.
     pub(crate) fn validate(&self) -> Result<(), String> {
         let positive = |x: f64| x.is_finite() && x > 0.0;
         if let Some(r) = self.recompute_tokens_per_s
@@ -180,7 +181,9 @@ impl MeasuredRate {
 /// The engine's measured G2 → G1 and G3 read rates.
 #[derive(Debug, Default)]
 pub(crate) struct MeasuredRates {
+    /// G2 → G1 copies.
     pub(crate) g2: MeasuredRate,
+    /// G3 reads (into G1, or into the staging area).
     pub(crate) g3: MeasuredRate,
 }
 

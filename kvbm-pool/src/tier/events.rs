@@ -10,6 +10,7 @@ use std::sync::mpsc::{Receiver, channel};
 use crate::events::KvEventBatch;
 use crate::pool::BlockPool;
 
+/// The KV events of `pools`, merged into one stream.
 pub(crate) fn merged(pools: Vec<BlockPool>) -> Receiver<KvEventBatch> {
     let (tx, rx) = channel();
     for pool in pools {

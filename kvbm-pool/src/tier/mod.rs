@@ -52,6 +52,41 @@
 //! a [`KvShape`]) or [`TierEngine::builder_with_mover`] (the tiers a
 //! [`TierMover`] owns); both take the same knobs, the one way to configure
 //! it.
+//!
+//! # Who owns what
+//!
+//! `Shared` is only the wiring: each of its fields is a part that owns
+//! its state privately and is used through its methods.
+//!
+//! - `tier/books.rs` — the books: each tier's [`BlockPool`], G2's victims
+//!   not saved yet, and the use history the policies rank by. **What G2
+//!   evicts** is decided by G2's eviction policy, chosen in
+//!   `tier/assemble.rs`: by default the reuse score of
+//!   `kvbm-pool/src/policy/reuse_score.rs` (LRU, `policy/lru.rs`, for
+//!   the write-through and `min_uses` policies); where G2's victims then
+//!   go (G3, through its admission) is decided in `tier/victims.rs`.
+//! - `tier/g1_saves.rs` — write-back: which G1 blocks are saved when
+//!   evicted, the serialised G1 allocations that save them and G1's free
+//!   reserve.
+//! - `tier/requests.rs` — the request table: each live request's match,
+//!   holds and prefetch, and the guards of its engine-owned offloads.
+//! - `tier/matching.rs` — the hierarchical match and its rules (full
+//!   prompt, cost model).
+//! - `tier/onboard/` — onboarding: `mod.rs` starts and releases,
+//!   `copy.rs` **moves the bytes of an onboard** (G2 → G1, G3 → G1 and
+//!   staged copies), `job.rs` counts its copies down, `inflight.rs`
+//!   shares blocks between requests, `finish.rs` registers the loaded
+//!   blocks and resolves the completion.
+//! - `tier/offload/` — the offload pipeline: `mod.rs` the bounded queue
+//!   and what the worker does next, `worker.rs` the worker and its G1 →
+//!   G2 batches, `source.rs` what a queued offload reads from.
+//! - `tier/victims.rs` — write-back and victim caching: admitting and
+//!   copying G1's victims to G2, and G2's (or refused) victims to G3.
+//! - `tier/behind.rs` — G3 write-behind through staging slots, and which
+//!   G3 blocks may be read; `tier/prefetch.rs` — the staging area and G3
+//!   prefetch at match time.
+//! - `tier/cost.rs` — the load-or-recompute cost model and measured
+//!   rates; `tier/mover.rs` — [`TierMover`] and [`LocalMover`].
 
 mod assemble;
 mod behind;
@@ -116,19 +151,26 @@ pub struct TierLayouts {
     pub g3: Option<PhysicalLayout>,
 }
 
-/// State shared by the engine, its offload worker and onboard callbacks.
+/// The engine's parts, wired together: shared by the engine, its offload
+/// worker and onboard callbacks. Each field is a part that keeps its
+/// state private (or immutable configuration).
 pub(crate) struct Shared {
+    /// The engine's knobs, fixed at build time.
     pub(crate) config: TierEngineConfig,
     /// What each tier holds, and the use history they rank by.
     pub(crate) books: Books,
     /// G1's write-back saves and the G1 allocations that make them.
     pub(crate) g1_saves: G1Saves,
+    /// What moves the bytes between the tiers' memories.
     pub(crate) mover: Arc<dyn TierMover>,
     /// The live requests and the guards of their engine-block offloads.
     pub(crate) requests: requests::Requests,
     /// Onboards in flight into the G1 pool, by block.
     pub(crate) inflight: onboard::Inflights,
+    /// The offload queue: G1 → G2 batches, write-backs, background saves
+    /// and G3 writes, taken by the offload worker.
     pub(crate) offload: offload::OffloadQueue,
+    /// The engine's counters.
     pub(crate) metrics: EngineMetrics,
     /// The G3 staging area (G2 memory beyond G2's pool): prefetch reads
     /// land there, and write-behind keeps blocks there until written.

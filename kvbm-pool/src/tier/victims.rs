@@ -23,6 +23,7 @@ use crate::policy::Evicted;
 use crate::pool::MutableBlock;
 use crate::rate_limit::{RateLimit, WARN_EVERY, held_back_note};
 
+/// Whether `tier`'s admission `policy` takes the block `hash`.
 pub(super) fn admitted(
     shared: &Shared,
     tier: &TierSlot,

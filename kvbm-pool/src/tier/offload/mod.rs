@@ -113,6 +113,8 @@ pub(crate) struct OffloadQueue {
 }
 
 impl OffloadQueue {
+    /// The engine is dropped: nothing queued runs any more; waiting
+    /// write-backs return and background saves are dropped unsaved.
     pub(crate) fn shutdown(&self) {
         let mut s = self.state.lock();
         s.shutdown = true;

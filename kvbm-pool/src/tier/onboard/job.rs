@@ -37,7 +37,9 @@ impl Dst {
 
 /// The request's side of the onboard, taken by the finishing step.
 pub(super) struct JobState {
+    /// The hashes of the blocks to load, in prefix order.
     pub(super) hashes: Vec<SequenceHash>,
+    /// Each block's parent hash.
     pub(super) parents: Vec<Option<SequenceHash>>,
     /// Index (into `hashes`) of each block this job copies, in `dst` order.
     pub(super) own: Vec<usize>,
@@ -48,13 +50,19 @@ pub(super) struct JobState {
     pub(super) waited_held: Vec<Option<ImmutableBlock>>,
     /// Whether each block (indexed like `hashes`) comes from G3.
     pub(super) from_g3: Vec<bool>,
+    /// Where this job's copies land.
     pub(super) dst: Dst,
+    /// The request's held G2/G3 blocks, released when the job finishes.
     pub(super) holds: Vec<Segment>,
+    /// The in-flight entries of the blocks this job copies.
     pub(super) owned_inflight: Vec<(SequenceHash, Arc<Inflight>)>,
+    /// The first copy error, if any.
     pub(super) error: Option<TransferError>,
     /// What made each path's copy (G2 → G1, G3 → G1) fail, if it did.
     pub(super) failed: [Option<FailureCause>; 2],
+    /// Bytes each path (G2 → G1, G3 → G1) moved.
     pub(super) bytes: [u64; 2],
+    /// Resolves the request's completion.
     pub(super) completer: Option<Completer<Done>>,
 }
 
