@@ -34,7 +34,7 @@
 //!
 //! Write-behind takes at most half of the staging area, leaving the rest to
 //! prefetch; a block that finds no free slot (or an engine without a
-//! staging area) is written synchronously, as before.
+//! staging area) is written to G3 directly, and the worker waits for it.
 //!
 //! [`OffloadQueue::flush`]: super::offload::OffloadQueue::flush
 

@@ -11,7 +11,7 @@
 //!
 //! [`TierEngine::builder_with_mover`] builds over memory a [`TierMover`]
 //! already owns instead: a distributed mover whose workers hold the tiers,
-//! or a [`LocalMover`](super::LocalMover) over layouts the caller
+//! or a [`LocalMover`] over layouts the caller
 //! allocated. Both builders take the same tuning knobs (policies, offload
 //! mode and limits, retention hints; see [`TierEngineBuilder`]); every
 //! knob's value is checked when the engine is built.
