@@ -30,13 +30,14 @@
 //! to the disk alignment, so a block moves to or from disk in one
 //! `O_DIRECT` request.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::mpsc::{Sender, channel};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use kvbm_transfer::completion::poll_until_due;
 use kvbm_transfer::memory::{DISK_ALIGNMENT, Owner};
 use kvbm_transfer::{Executor, PhysicalLayout};
 use parking_lot::{Condvar, Mutex};
@@ -175,6 +176,9 @@ pub struct JobReport {
 struct Reports {
     done: Vec<JobReport>,
     in_flight: HashSet<u64>,
+    /// When in-flight jobs whose copies said so are due, and how long a
+    /// waiter polls after that (see [`kvbm_transfer::TransferHandle::due`]).
+    due: HashMap<u64, (Instant, Duration)>,
 }
 
 /// What the worker's threads share.
@@ -405,6 +409,10 @@ impl PagedWorker {
         let started = Instant::now();
         let sent = if demote.is_empty() && !copies.iter().any(|c| c.disk) {
             let transfers = settle::start(&self.shared, &self.shared.executor, direction, &copies);
+            let due = transfers.iter().filter_map(|(_, t)| t.due()).max();
+            if let Some(due) = due {
+                self.shared.reports.lock().due.insert(job, due);
+            }
             let pending = Pending {
                 job,
                 direction,
@@ -429,7 +437,9 @@ impl PagedWorker {
         if sent {
             Ok(())
         } else {
-            self.shared.reports.lock().in_flight.remove(&job);
+            let mut r = self.shared.reports.lock();
+            r.in_flight.remove(&job);
+            r.due.remove(&job);
             Err(invalid("the worker is shut down"))
         }
     }
@@ -439,10 +449,22 @@ impl PagedWorker {
         std::mem::take(&mut self.shared.reports.lock().done)
     }
 
-    /// Blocks until none of `jobs` is in flight.
+    /// Blocks until none of `jobs` is in flight. Where their copies said
+    /// when they are due, polls from shortly before then instead of
+    /// sleeping until the settling thread wakes this one.
     pub fn wait(&self, jobs: &[u64]) {
+        let pending = |r: &Reports| jobs.iter().any(|j| r.in_flight.contains(j));
+        let due = {
+            let r = self.shared.reports.lock();
+            jobs.iter().filter_map(|j| r.due.get(j)).max().copied()
+        };
+        if let Some((at, spin)) = due
+            && poll_until_due(at, spin, || !pending(&self.shared.reports.lock()))
+        {
+            return;
+        }
         let mut r = self.shared.reports.lock();
-        while jobs.iter().any(|j| r.in_flight.contains(j)) {
+        while pending(&r) {
             self.shared.settled.wait(&mut r);
         }
     }

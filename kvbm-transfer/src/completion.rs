@@ -108,10 +108,12 @@ impl<T: Outcome> Completer<T> {
 
     /// Says the result cannot come before `at` and will likely come soon
     /// after: a thread blocked in [`Completion::wait`] then sleeps until
-    /// `at` and polls for up to `spin` before blocking again, so it does
-    /// not pay a thread wake-up after the result arrived (on a virtual
-    /// machine a wake-up is a noticeable share of even a large copy).
-    /// Futures and callbacks are unaffected.
+    /// shortly before `at` and polls until `spin` after it before blocking
+    /// again (see [`poll_until_due`]), so it does not pay a thread wake-up
+    /// after the result arrived (on a virtual machine a wake-up is a
+    /// noticeable share of even a large copy). Futures and callbacks are
+    /// unaffected; [`Completion::map`] and the executor's transfers carry
+    /// the due time on.
     pub fn due_at(&self, at: Instant, spin: Duration) {
         let Some(shared) = &self.shared else { return };
         let mut state = shared.state.lock();
@@ -160,23 +162,52 @@ fn resolve<T: Outcome>(shared: &Shared<T>, value: T) {
     }
 }
 
-/// Sleeps until `due.at` (in short naps, so a result that came early,
-/// such as an error, is not slept through), then polls `done` for up to
-/// `due.spin`.
-fn poll_until(done: &AtomicBool, due: Due) {
+/// Sleeps until shortly before `at` (in short naps, so a result that came
+/// early, such as an error, is not slept through), polls `ready` up to
+/// `at`, then for up to `spin` more; returns whether `ready` said yes. For
+/// a thread that waits for something due at a known time (a copy's bytes
+/// at line rate) and would rather not pay a thread wake-up after it.
+///
+/// The waiter's timer slack is the kernel's default (50 µs on Linux): a
+/// sleep may end that much late. So the last [`SLEEP_MARGIN`] before `at`
+/// is polled, not slept: a copy due in 40 µs is not learnt of 50 µs after
+/// it landed.
+pub fn poll_until_due(at: Instant, spin: Duration, mut ready: impl FnMut() -> bool) -> bool {
     const NAP: Duration = Duration::from_micros(200);
     loop {
+        if ready() {
+            return true;
+        }
         let now = Instant::now();
-        if done.load(Ordering::Acquire) || now >= due.at {
+        if now >= at {
             break;
         }
-        std::thread::sleep((due.at - now).min(NAP));
+        let left = at - now;
+        if left <= SLEEP_MARGIN {
+            std::hint::spin_loop();
+            continue;
+        }
+        std::thread::sleep((left - SLEEP_MARGIN).min(NAP));
     }
-    let until = Instant::now() + due.spin;
-    while !done.load(Ordering::Acquire) && Instant::now() < until {
+    let until = Instant::now() + spin;
+    loop {
+        if ready() {
+            return true;
+        }
+        if Instant::now() >= until {
+            return false;
+        }
         std::hint::spin_loop();
     }
 }
+
+fn poll_until(done: &AtomicBool, due: Due) {
+    poll_until_due(due.at, due.spin, || done.load(Ordering::Acquire));
+}
+
+/// How long before a result's due time a blocked waiter stops sleeping
+/// and polls: more than a sleep can overrun by (the default timer slack).
+const SLEEP_MARGIN: Duration = Duration::from_micros(60);
 
 impl<T: Outcome> Completion<T> {
     /// A completion that is already resolved; costs no allocation.
@@ -219,6 +250,34 @@ impl<T: Outcome> Completion<T> {
                 }
             }
         }
+    }
+
+    /// When the result is due and how long a blocked waiter polls for it
+    /// after that, as the completer said so far (see
+    /// [`Completer::due_at`]); `None` when it did not, or when resolved.
+    pub fn due(&self) -> Option<(Instant, Duration)> {
+        match &self.inner {
+            Inner::Ready(_) => None,
+            Inner::Pending(s) => match &*s.state.lock() {
+                State::Pending { due: Some(d), .. } => Some((d.at, d.spin)),
+                _ => None,
+            },
+        }
+    }
+
+    /// The result passed through `f` (on the thread that resolves this
+    /// completion; `f` must not block), due when this one is due: a
+    /// waiter of the new completion polls as a waiter of this one would.
+    pub fn map<U: Outcome>(self, f: impl FnOnce(T) -> U + Send + 'static) -> Completion<U> {
+        if let Inner::Ready(v) = self.inner {
+            return Completion::ready(f(v.unwrap_or_else(T::abandoned)));
+        }
+        let (completer, completion) = completion_pair();
+        if let Some((at, spin)) = self.due() {
+            completer.due_at(at, spin);
+        }
+        self.on_complete(move |v| completer.complete(f(v)));
+        completion
     }
 
     /// Runs `f` with the result: right now if it is available, otherwise on
@@ -452,6 +511,22 @@ mod tests {
             assert_eq!(completion.wait().unwrap(), 7);
             t.join().unwrap();
         }
+    }
+
+    #[test]
+    fn a_mapped_completion_keeps_its_due_time_and_maps_the_result() {
+        let (completer, completion) = completion_pair::<Result<u32, TransferError>>();
+        let at = Instant::now() + Duration::from_millis(2);
+        completer.due_at(at, Duration::from_micros(50));
+        let mapped = completion.map(|r| r.map(|v| v * 2));
+        assert_eq!(mapped.due(), Some((at, Duration::from_micros(50))));
+        let t = std::thread::spawn(move || mapped.wait());
+        completer.complete(Ok(21));
+        assert_eq!(t.join().unwrap().unwrap(), 42);
+        let ready =
+            Completion::<Result<u32, TransferError>>::ready(Ok(1)).map(|r| r.map(|v| v + 1));
+        assert_eq!(ready.due(), None);
+        assert_eq!(ready.wait().unwrap(), 2);
     }
 
     #[test]

@@ -14,6 +14,7 @@
 use std::collections::HashSet;
 use std::fmt;
 use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
 
 use kvbm_layout::{RunOrder, plan_copy_ordered};
 use parking_lot::Mutex;
@@ -246,6 +247,12 @@ impl TransferHandle {
         self.completion.wait()
     }
 
+    /// When the transfer is due and how long a blocked waiter polls after
+    /// that, once its copies said (see [`Completion::due`]).
+    pub fn due(&self) -> Option<(Instant, Duration)> {
+        self.completion.due()
+    }
+
     /// Cancels and waits until nothing of the transfer is in flight any more;
     /// after this returns nothing more is written to the destination and all
     /// bounce slots are back. Reports which blocks did land.
@@ -378,6 +385,7 @@ impl Executor {
                 error: None,
                 culprit: None,
                 bytes: 0,
+                due: None,
             }),
             completer: Mutex::new(Some(completer)),
             this: this.clone(),
@@ -427,6 +435,8 @@ struct DriverState {
     error: Option<TransferError>,
     culprit: Option<(usize, usize)>,
     bytes: u64,
+    /// The latest time a batch said it is due (see [`Driver::due_at`]).
+    due: Option<Instant>,
 }
 
 struct Driver {
@@ -475,6 +485,9 @@ impl Driver {
             Ok(c) => c,
             Err(e) => Completion::ready(Err(e)),
         };
+        if let Some((at, spin)) = completion.due() {
+            self.due_at(at, spin);
+        }
         let Some(me) = self.this.upgrade() else {
             return;
         };
@@ -508,6 +521,20 @@ impl Driver {
                 exec.config.bounce_slots_per_batch,
                 exec.trace.clone(),
             )),
+        }
+    }
+
+    /// A batch said when it is due: the transfer is due no earlier than
+    /// its latest batch, so a blocked waiter polls from then.
+    fn due_at(&self, at: Instant, spin: Duration) {
+        let latest = {
+            let mut st = self.state.lock();
+            let latest = st.due.map_or(at, |d| d.max(at));
+            st.due = Some(latest);
+            latest
+        };
+        if let Some(c) = self.completer.lock().as_ref() {
+            c.due_at(latest, spin);
         }
     }
 

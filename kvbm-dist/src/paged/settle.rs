@@ -83,6 +83,7 @@ pub(super) fn settle_loop(shared: &Shared, rx: Receiver<Pending>) {
         let report = settle(shared, pending);
         let mut r = shared.reports.lock();
         r.in_flight.remove(&report.job);
+        r.due.remove(&report.job);
         r.done.push(report);
         shared.settled.notify_all();
     }

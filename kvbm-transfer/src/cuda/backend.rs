@@ -16,7 +16,7 @@ use super::error::CudaError;
 use super::memory::{CudaRegion, DeviceBuffer, ExternalDeviceMemory, Location};
 use super::pinned::PinnedMemory;
 use crate::backend::{BackendKind, Side, TransferBackend, TransferJob};
-use crate::completion::{Completion, completion_pair};
+use crate::completion::Completion;
 use crate::error::TransferError;
 use crate::memory::{MemoryKind, MemoryRegion};
 
@@ -141,11 +141,7 @@ impl TransferBackend for CudaBackend {
             .copier
             .copy_shared(Arc::clone(&job.runs), &src, &dst, opts)
         {
-            Ok(done) => {
-                let (completer, completion) = completion_pair();
-                done.on_complete(move |r| completer.complete(r.map_err(to_transfer_error)));
-                completion
-            }
+            Ok(done) => done.map(|r| r.map_err(to_transfer_error)),
             Err(e) => Completion::ready(Err(to_transfer_error(e))),
         }
     }
