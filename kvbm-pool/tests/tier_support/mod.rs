@@ -13,6 +13,8 @@ use kvbm_pool::tier::{
     TierLayouts, TierPolicy,
 };
 use kvbm_pool::{ImmutableBlock, ImmutableBlocks, TierError};
+// Each test binary uses some of them.
+#[allow(unused_imports)]
 pub use kvbm_testkit::blocks::{chain, fill, holds, scribble};
 use kvbm_testkit::fault::{Fault, FaultControl, FaultRule, FaultyEngine};
 use kvbm_transfer::backend::memcpy::MemcpyBackend;
