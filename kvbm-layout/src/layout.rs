@@ -120,6 +120,70 @@ fn invalid(reason: String) -> LayoutError {
     LayoutError::InvalidStrides { reason }
 }
 
+/// One index that moves within a region: its name, its extent and its byte
+/// stride.
+type MovingIndex<'a> = (&'a str, u64, u64);
+
+/// Checks that chunks of `chunk` bytes never overlap under the strides in
+/// `dims`, and that `outermost` has the largest stride among the indices
+/// that move, as `kind`'s index order says.
+fn check_no_overlap(
+    kind: LayoutKind,
+    dims: &[MovingIndex<'_>],
+    outermost: &str,
+    chunk: u64,
+) -> Result<()> {
+    // Non-overlap: visiting the moving indices from the smallest stride
+    // up, each stride must clear everything the smaller ones span.
+    let mut moving: Vec<MovingIndex<'_>> =
+        dims.iter().copied().filter(|&(_, n, _)| n > 1).collect();
+    moving.sort_by_key(|&(_, _, s)| s);
+    let mut extent = chunk;
+    for &(name, n, s) in &moving {
+        if s < extent {
+            return Err(invalid(format!(
+                "the {name} stride {s} is smaller than the {extent} bytes spanned by \
+                 everything inside it (chunk {chunk} bytes): chunks would overlap"
+            )));
+        }
+        extent = (n - 1)
+            .checked_mul(s)
+            .and_then(|v| v.checked_add(extent))
+            .ok_or(LayoutError::SizeOverflow {
+                what: "region size",
+            })?;
+    }
+    if let Some(&(last, _, _)) = moving.last()
+        && moving.iter().any(|&(name, _, _)| name == outermost)
+        && last != outermost
+    {
+        return Err(invalid(format!(
+            "{kind:?} needs the {outermost} index outermost (largest stride), but the \
+             {last} stride is larger"
+        )));
+    }
+    Ok(())
+}
+
+/// The bytes one region spans: every index's full extent, padding included.
+/// Errors when the region, or all `num_regions` of them, overflow.
+fn region_size(dims: &[MovingIndex<'_>], chunk: u64, num_regions: usize) -> Result<u64> {
+    let mut region_size = chunk;
+    for &(_, n, s) in dims {
+        let span = n.checked_mul(s).ok_or(LayoutError::SizeOverflow {
+            what: "region size",
+        })?;
+        region_size = region_size.max(span);
+    }
+    fits_usize(region_size, "region size")?;
+    region_size
+        .checked_mul(num_regions as u64)
+        .ok_or(LayoutError::SizeOverflow {
+            what: "layout size",
+        })?;
+    Ok(region_size)
+}
+
 impl Layout {
     /// A layout of `kind` with the default strides: chunks packed densely,
     /// every block padded to `config.alignment()`.
@@ -166,50 +230,8 @@ impl Layout {
             }
         };
 
-        // Non-overlap: visiting the moving indices from the smallest stride
-        // up, each stride must clear everything the smaller ones span.
-        let mut moving: Vec<(&str, u64, u64)> =
-            dims.iter().copied().filter(|&(_, n, _)| n > 1).collect();
-        moving.sort_by_key(|&(_, _, s)| s);
-        let mut extent = chunk;
-        for &(name, n, s) in &moving {
-            if s < extent {
-                return Err(invalid(format!(
-                    "the {name} stride {s} is smaller than the {extent} bytes spanned by \
-                     everything inside it (chunk {chunk} bytes): chunks would overlap"
-                )));
-            }
-            extent = (n - 1)
-                .checked_mul(s)
-                .and_then(|v| v.checked_add(extent))
-                .ok_or(LayoutError::SizeOverflow {
-                    what: "region size",
-                })?;
-        }
-        if let Some(&(last, _, _)) = moving.last()
-            && moving.iter().any(|&(name, _, _)| name == outermost)
-            && last != outermost
-        {
-            return Err(invalid(format!(
-                "{kind:?} needs the {outermost} index outermost (largest stride), but the \
-                 {last} stride is larger"
-            )));
-        }
-
-        // A region covers every index's full span, padding included.
-        let mut region_size = chunk;
-        for &(_, n, s) in dims {
-            let span = n.checked_mul(s).ok_or(LayoutError::SizeOverflow {
-                what: "region size",
-            })?;
-            region_size = region_size.max(span);
-        }
-        fits_usize(region_size, "region size")?;
-        region_size
-            .checked_mul(num_regions as u64)
-            .ok_or(LayoutError::SizeOverflow {
-                what: "layout size",
-            })?;
+        check_no_overlap(kind, dims, outermost, chunk)?;
+        let region_size = region_size(dims, chunk, num_regions)?;
 
         Ok(Layout {
             config,

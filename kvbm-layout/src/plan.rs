@@ -391,6 +391,96 @@ fn checked_in_dst_order<'p>(
     Ok(scratch)
 }
 
+/// What every piece of one plan shares: both layouts' address math, the
+/// layer and outer extents, how many of each one piece joins, and its bytes.
+#[derive(Clone, Copy)]
+struct PieceGrid {
+    /// The source layout's address math.
+    s: Affine,
+    /// The destination layout's address math.
+    d: Affine,
+    /// Layers per block.
+    layers: usize,
+    /// Outer (K/V) planes per layer.
+    outers: usize,
+    /// Layers one piece joins.
+    layer_step: usize,
+    /// Outer planes one piece joins.
+    outer_step: usize,
+    /// Bytes in one piece.
+    piece: u64,
+}
+
+/// Pushes every piece of `pairs` onto `runs` through `cur` (the run still
+/// growing), in the loop nest `order` names.
+fn walk_pieces(
+    order: DstOrder,
+    grid: PieceGrid,
+    pairs: &[(usize, usize)],
+    runs: &mut Vec<CopyRun>,
+    cur: &mut CopyRun,
+) {
+    let PieceGrid {
+        s,
+        d,
+        layers,
+        outers,
+        layer_step,
+        outer_step,
+        piece,
+    } = grid;
+    match order {
+        DstOrder::BlockLayerOuter => {
+            for &(sb, db) in pairs {
+                let (s0, d0) = (sb as u64 * s.block, db as u64 * d.block);
+                for l in (0..layers).step_by(layer_step) {
+                    for o in (0..outers).step_by(outer_step) {
+                        let (sr, so) = s.within_block(l, o);
+                        let (dr, dof) = d.within_block(l, o);
+                        push_piece(runs, cur, piece, sr, s0 + so, dr, d0 + dof);
+                    }
+                }
+            }
+        }
+        DstOrder::BlockOuterLayer => {
+            for &(sb, db) in pairs {
+                let (s0, d0) = (sb as u64 * s.block, db as u64 * d.block);
+                for o in 0..outers {
+                    for l in 0..layers {
+                        let (sr, so) = s.within_block(l, o);
+                        let (dr, dof) = d.within_block(l, o);
+                        push_piece(runs, cur, piece, sr, s0 + so, dr, d0 + dof);
+                    }
+                }
+            }
+        }
+        DstOrder::LayerBlockOuter => {
+            for l in 0..layers {
+                for &(sb, db) in pairs {
+                    let (s0, d0) = (sb as u64 * s.block, db as u64 * d.block);
+                    for o in (0..outers).step_by(outer_step) {
+                        let (sr, so) = s.within_block(l, o);
+                        let (dr, dof) = d.within_block(l, o);
+                        push_piece(runs, cur, piece, sr, s0 + so, dr, d0 + dof);
+                    }
+                }
+            }
+        }
+        DstOrder::LayerOuterBlock => {
+            for l in 0..layers {
+                for o in 0..outers {
+                    let (sr, so) = s.within_block(l, o);
+                    let (dr, dof) = d.within_block(l, o);
+                    for &(sb, db) in pairs {
+                        let (s0, d0) = (sb as u64 * s.block, db as u64 * d.block);
+                        push_piece(runs, cur, piece, sr, s0 + so, dr, d0 + dof);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Fills `plan` for validated pairs, walking the blocks in `pairs` order
 /// and within them the loop nest `order` (the destination's or the
 /// source's, as the pairs are sorted).
@@ -416,56 +506,16 @@ fn fill(
     let runs = &mut plan.runs;
     runs.reserve(bound);
     let mut cur = CopyRun::default();
-    match order {
-        DstOrder::BlockLayerOuter => {
-            for &(sb, db) in pairs {
-                let (s0, d0) = (sb as u64 * s.block, db as u64 * d.block);
-                for l in (0..layers).step_by(layer_step) {
-                    for o in (0..outers).step_by(outer_step) {
-                        let (sr, so) = s.within_block(l, o);
-                        let (dr, dof) = d.within_block(l, o);
-                        push_piece(runs, &mut cur, piece, sr, s0 + so, dr, d0 + dof);
-                    }
-                }
-            }
-        }
-        DstOrder::BlockOuterLayer => {
-            for &(sb, db) in pairs {
-                let (s0, d0) = (sb as u64 * s.block, db as u64 * d.block);
-                for o in 0..outers {
-                    for l in 0..layers {
-                        let (sr, so) = s.within_block(l, o);
-                        let (dr, dof) = d.within_block(l, o);
-                        push_piece(runs, &mut cur, piece, sr, s0 + so, dr, d0 + dof);
-                    }
-                }
-            }
-        }
-        DstOrder::LayerBlockOuter => {
-            for l in 0..layers {
-                for &(sb, db) in pairs {
-                    let (s0, d0) = (sb as u64 * s.block, db as u64 * d.block);
-                    for o in (0..outers).step_by(outer_step) {
-                        let (sr, so) = s.within_block(l, o);
-                        let (dr, dof) = d.within_block(l, o);
-                        push_piece(runs, &mut cur, piece, sr, s0 + so, dr, d0 + dof);
-                    }
-                }
-            }
-        }
-        DstOrder::LayerOuterBlock => {
-            for l in 0..layers {
-                for o in 0..outers {
-                    let (sr, so) = s.within_block(l, o);
-                    let (dr, dof) = d.within_block(l, o);
-                    for &(sb, db) in pairs {
-                        let (s0, d0) = (sb as u64 * s.block, db as u64 * d.block);
-                        push_piece(runs, &mut cur, piece, sr, s0 + so, dr, d0 + dof);
-                    }
-                }
-            }
-        }
-    }
+    let grid = PieceGrid {
+        s,
+        d,
+        layers,
+        outers,
+        layer_step,
+        outer_step,
+        piece,
+    };
+    walk_pieces(order, grid, pairs, runs, &mut cur);
     if cur.len != 0 {
         runs.push(cur);
     }

@@ -136,18 +136,87 @@ pub fn recognise_kv_tensors(
 ) -> Result<RecognisedLayout> {
     let axes = format.axes();
     let expected = format.describe();
-    let block_axis = find_axis(axes, KvAxis::Block, false)?.unwrap_or_default();
-    let page_axis = find_axis(axes, KvAxis::Page, false)?.unwrap_or_default();
-    let layer_axis = find_axis(axes, KvAxis::Layer, true)?;
-    let outer_axis = find_axis(axes, KvAxis::Outer, true)?;
-    if !axes.contains(&KvAxis::Inner) {
-        return Err(unsupported(format!("format {expected} has no Inner axis")));
-    }
+    let at = AxisPositions::locate(axes, &expected)?;
+    let TensorView { shape, strides } = shared_view(axes, &at, tensors, &expected)?;
+    check_chunk_packed(axes, shape, strides, &expected)?;
 
+    let config = recognised_config(axes, &at, shape, tensors.len(), dtype_bytes, &expected)?;
+    let layout_strides = LayoutStrides {
+        block: byte_stride(shape, strides, Some(at.block), dtype_bytes)?,
+        layer: byte_stride(shape, strides, at.layer, dtype_bytes)?,
+        outer: byte_stride(shape, strides, at.outer, dtype_bytes)?,
+    };
+    let outer_dim = at.outer.map_or(1, |i| shape[i]);
+    let num_blocks = shape[at.block];
+    let kind = if at.layer.is_some() {
+        LayoutKind::FullyContiguous
+    } else if outer_dim > 1 && num_blocks > 1 && layout_strides.outer > layout_strides.block {
+        LayoutKind::LayerSeparate(BlockOrder::OuterFirst)
+    } else {
+        LayoutKind::LayerSeparate(BlockOrder::BlockFirst)
+    };
+    let layout = Layout::with_strides(config, kind, layout_strides).map_err(|e| match e {
+        LayoutError::InvalidStrides { reason } => unsupported(format!(
+            "strides {strides:?} for shape {shape:?} ({expected}) cannot be addressed: {reason}"
+        )),
+        other => other,
+    })?;
+    let tensor_regions = if at.layer.is_some() {
+        vec![0]
+    } else {
+        (0..tensors.len()).collect()
+    };
+    Ok(RecognisedLayout {
+        layout,
+        tensor_regions,
+    })
+}
+
+/// Where the block, token, layer and outer axes sit in a format's axis list.
+struct AxisPositions {
+    /// The block axis.
+    block: usize,
+    /// The token-within-block axis.
+    page: usize,
+    /// The layer axis, in all-layers formats.
+    layer: Option<usize>,
+    /// The K/V axis, when the format has one.
+    outer: Option<usize>,
+}
+
+impl AxisPositions {
+    /// Finds each named axis, refusing a format that names one twice or
+    /// lacks the block, token or inner axes.
+    fn locate(axes: &[KvAxis], expected: &str) -> Result<Self> {
+        let block = find_axis(axes, KvAxis::Block, false)?.unwrap_or_default();
+        let page = find_axis(axes, KvAxis::Page, false)?.unwrap_or_default();
+        let layer = find_axis(axes, KvAxis::Layer, true)?;
+        let outer = find_axis(axes, KvAxis::Outer, true)?;
+        if !axes.contains(&KvAxis::Inner) {
+            return Err(unsupported(format!("format {expected} has no Inner axis")));
+        }
+        Ok(Self {
+            block,
+            page,
+            layer,
+            outer,
+        })
+    }
+}
+
+/// The shape and strides all `tensors` share: refuses an empty list, more
+/// than one tensor for an all-layers format, a rank that does not match the
+/// format, per-layer tensors that differ, and an empty axis.
+fn shared_view<'a>(
+    axes: &[KvAxis],
+    at: &AxisPositions,
+    tensors: &[TensorView<'a>],
+    expected: &str,
+) -> Result<TensorView<'a>> {
     let Some(first) = tensors.first() else {
         return Err(unsupported("no tensors given".into()));
     };
-    if layer_axis.is_some() && tensors.len() != 1 {
+    if at.layer.is_some() && tensors.len() != 1 {
         return Err(unsupported(format!(
             "format {expected} holds all layers in one tensor, got {} tensors",
             tensors.len()
@@ -170,14 +239,23 @@ pub fn recognise_kv_tensors(
             )));
         }
     }
-    let (shape, strides) = (first.shape, first.strides);
+    let shape = first.shape;
     if let Some(i) = shape.iter().position(|&n| n == 0) {
         return Err(unsupported(format!(
             "axis {i} of shape {shape:?} is empty; expected {expected}"
         )));
     }
+    Ok(*first)
+}
 
-    // The chunk: token and inner axes, densely packed in some stride order.
+/// Checks that the token and inner axes are packed densely, in some stride
+/// order, so each (block, layer, K/V) chunk is one contiguous byte range.
+fn check_chunk_packed(
+    axes: &[KvAxis],
+    shape: &[usize],
+    strides: &[usize],
+    expected: &str,
+) -> Result<()> {
     let mut chunk_axes: Vec<(usize, usize)> = axes
         .iter()
         .enumerate()
@@ -201,7 +279,20 @@ pub fn recognise_kv_tensors(
             .checked_mul(extent)
             .ok_or(LayoutError::SizeOverflow { what: "chunk size" })?;
     }
-    let page_size = shape[page_axis];
+    Ok(())
+}
+
+/// The layout config a tensor of `shape` describes; per-layer formats take
+/// their layer count from `num_tensors`.
+fn recognised_config(
+    axes: &[KvAxis],
+    at: &AxisPositions,
+    shape: &[usize],
+    num_tensors: usize,
+    dtype_bytes: usize,
+    expected: &str,
+) -> Result<LayoutConfig> {
+    let page_size = shape[at.page];
     let inner_dim: usize = axes
         .iter()
         .enumerate()
@@ -210,10 +301,10 @@ pub fn recognise_kv_tensors(
         .try_fold(1usize, |acc, n| acc.checked_mul(n))
         .ok_or(LayoutError::SizeOverflow { what: "inner dim" })?;
 
-    let num_blocks = shape[block_axis];
-    let outer_dim = outer_axis.map_or(1, |i| shape[i]);
-    let num_layers = layer_axis.map_or(tensors.len(), |i| shape[i]);
-    let config = LayoutConfig::new(
+    let num_blocks = shape[at.block];
+    let outer_dim = at.outer.map_or(1, |i| shape[i]);
+    let num_layers = at.layer.map_or(num_tensors, |i| shape[i]);
+    LayoutConfig::new(
         num_blocks,
         num_layers,
         outer_dim,
@@ -226,45 +317,23 @@ pub fn recognise_kv_tensors(
             "the outer (K/V) axis must have extent 1 or 2, got {n} ({expected})"
         )),
         other => other,
-    })?;
-
-    // Byte stride of an axis; an axis with one value never moves, so its
-    // stride means nothing and is recorded as 0.
-    let byte_stride = |axis: Option<usize>| -> Result<u64> {
-        match axis {
-            Some(i) if shape[i] > 1 => (strides[i] as u64)
-                .checked_mul(dtype_bytes as u64)
-                .ok_or(LayoutError::SizeOverflow { what: "stride" }),
-            _ => Ok(0),
-        }
-    };
-    let layout_strides = LayoutStrides {
-        block: byte_stride(Some(block_axis))?,
-        layer: byte_stride(layer_axis)?,
-        outer: byte_stride(outer_axis)?,
-    };
-    let kind = if layer_axis.is_some() {
-        LayoutKind::FullyContiguous
-    } else if outer_dim > 1 && num_blocks > 1 && layout_strides.outer > layout_strides.block {
-        LayoutKind::LayerSeparate(BlockOrder::OuterFirst)
-    } else {
-        LayoutKind::LayerSeparate(BlockOrder::BlockFirst)
-    };
-    let layout = Layout::with_strides(config, kind, layout_strides).map_err(|e| match e {
-        LayoutError::InvalidStrides { reason } => unsupported(format!(
-            "strides {strides:?} for shape {shape:?} ({expected}) cannot be addressed: {reason}"
-        )),
-        other => other,
-    })?;
-    let tensor_regions = if layer_axis.is_some() {
-        vec![0]
-    } else {
-        (0..tensors.len()).collect()
-    };
-    Ok(RecognisedLayout {
-        layout,
-        tensor_regions,
     })
+}
+
+/// Byte stride of `axis`; an absent axis or one with a single value never
+/// moves, so its stride means nothing and is recorded as 0.
+fn byte_stride(
+    shape: &[usize],
+    strides: &[usize],
+    axis: Option<usize>,
+    dtype_bytes: usize,
+) -> Result<u64> {
+    match axis {
+        Some(i) if shape[i] > 1 => (strides[i] as u64)
+            .checked_mul(dtype_bytes as u64)
+            .ok_or(LayoutError::SizeOverflow { what: "stride" }),
+        _ => Ok(0),
+    }
 }
 
 /// The row-major dense strides of the token and inner axes, for messages.
