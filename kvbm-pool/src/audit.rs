@@ -4,7 +4,7 @@ use std::sync::atomic::Ordering::{Acquire, Relaxed};
 
 use crate::core::PoolState;
 use crate::pool::PoolCounts;
-use crate::slab::{NO_PARENT, State};
+use crate::slab::{Entry, NO_PARENT, State};
 
 /// An invariant that does not hold.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -19,6 +19,9 @@ macro_rules! ensure {
     };
 }
 
+/// Checks every invariant that ties the slab, the free list, the registry,
+/// the inactive counter and the lineage links together, with every lock
+/// held; returns the counts the check found.
 pub(crate) fn audit(core: &PoolState) -> Result<PoolCounts, AuditError> {
     let _gate = core.gate.write();
     let registry = &core.registry;
@@ -26,6 +29,42 @@ pub(crate) fn audit(core: &PoolState) -> Result<PoolCounts, AuditError> {
     let free = core.free.lock();
     let capacity = core.slab.len();
 
+    let on_free_list = free_list_membership(&free, capacity)?;
+    let tally = tally_states(core, &on_free_list)?;
+    ensure!(
+        registry.len() == tally.registered,
+        "registry holds {} hashes but {} blocks are registered",
+        registry.len(),
+        tally.registered
+    );
+    ensure!(
+        core.inactive_raw() == tally.inactive as i64,
+        "inactive counter {} but {} blocks are inactive",
+        core.inactive_raw(),
+        tally.inactive
+    );
+    check_lineage(core, &tally.children)?;
+    let Tally {
+        free: n_free,
+        active,
+        inactive,
+        ..
+    } = tally;
+    ensure!(
+        n_free + active + inactive == capacity,
+        "counts do not add up"
+    );
+    Ok(PoolCounts {
+        capacity,
+        free: n_free,
+        active,
+        inactive,
+    })
+}
+
+/// `result[i]` says whether block `i` is on the free list; errors when the
+/// list holds an out-of-range id or one id twice.
+fn free_list_membership(free: &[u32], capacity: usize) -> Result<Vec<bool>, AuditError> {
     let mut on_free_list = vec![false; capacity];
     for &id in free.iter() {
         let i = id as usize;
@@ -33,8 +72,29 @@ pub(crate) fn audit(core: &PoolState) -> Result<PoolCounts, AuditError> {
         ensure!(!on_free_list[i], "block {id} is on the free list twice");
         on_free_list[i] = true;
     }
+    Ok(on_free_list)
+}
 
-    let mut children = vec![0u32; capacity];
+/// How many blocks the slab holds in each state, and how many live children
+/// link to each block.
+struct Tally {
+    /// Free blocks.
+    free: usize,
+    /// Blocks someone holds.
+    active: usize,
+    /// Registered blocks nobody holds.
+    inactive: usize,
+    /// Registered blocks, held or not.
+    registered: usize,
+    /// `children[i]` counts the registered blocks that link to block `i`.
+    children: Vec<u32>,
+}
+
+/// Walks the slab once, checking each block's state against the free list
+/// and the registry, and counts the states and the parent links.
+fn tally_states(core: &PoolState, on_free_list: &[bool]) -> Result<Tally, AuditError> {
+    let registry = &core.registry;
+    let mut children = vec![0u32; on_free_list.len()];
     let (mut n_free, mut active, mut inactive, mut registered) = (0, 0, 0, 0);
     for (i, e) in core.slab.iter().enumerate() {
         let id = i as u32;
@@ -69,32 +129,49 @@ pub(crate) fn audit(core: &PoolState) -> Result<PoolCounts, AuditError> {
                 } else {
                     active += 1;
                 }
-                let pid = e.cold.parent_id.load(Relaxed);
-                if pid != NO_PARENT {
-                    let p = core.slab.entry(pid);
-                    if p.state() == State::Registered
-                        && p.cold.generation.load(Relaxed) == e.cold.parent_gen.load(Relaxed)
-                    {
-                        ensure!(
-                            Some(p.hash()) == e.parent(),
-                            "block {id} links to parent {pid} of another hash"
-                        );
-                        children[pid as usize] += 1;
-                    }
-                }
+                count_parent_link(core, id, &e, &mut children)?;
             }
         }
     }
-    ensure!(
-        registry.len() == registered,
-        "registry holds {} hashes but {registered} blocks are registered",
-        registry.len()
-    );
-    ensure!(
-        core.inactive_raw() == inactive as i64,
-        "inactive counter {} but {inactive} blocks are inactive",
-        core.inactive_raw()
-    );
+    Ok(Tally {
+        free: n_free,
+        active,
+        inactive,
+        registered,
+        children,
+    })
+}
+
+/// Counts registered block `id`'s link in `children` when its parent is
+/// still the registered block it linked to; errors when that parent holds
+/// another hash than the one the block names.
+fn count_parent_link(
+    core: &PoolState,
+    id: u32,
+    e: &Entry<'_>,
+    children: &mut [u32],
+) -> Result<(), AuditError> {
+    let pid = e.cold.parent_id.load(Relaxed);
+    if pid != NO_PARENT {
+        let p = core.slab.entry(pid);
+        if p.state() == State::Registered
+            && p.cold.generation.load(Relaxed) == e.cold.parent_gen.load(Relaxed)
+        {
+            ensure!(
+                Some(p.hash()) == e.parent(),
+                "block {id} links to parent {pid} of another hash"
+            );
+            children[pid as usize] += 1;
+        }
+    }
+    Ok(())
+}
+
+/// Checks that each registered block's child count matches the links
+/// `children` counted, and that every orphan waits for a parent that is not
+/// registered and names it.
+fn check_lineage(core: &PoolState, children: &[u32]) -> Result<(), AuditError> {
+    let registry = &core.registry;
     for (i, e) in core.slab.iter().enumerate() {
         if e.state() == State::Registered {
             ensure!(
@@ -116,14 +193,5 @@ pub(crate) fn audit(core: &PoolState) -> Result<PoolCounts, AuditError> {
             "orphan {id} waits for {parent:?}, which is registered"
         );
     }
-    ensure!(
-        n_free + active + inactive == capacity,
-        "counts do not add up"
-    );
-    Ok(PoolCounts {
-        capacity,
-        free: n_free,
-        active,
-        inactive,
-    })
+    Ok(())
 }

@@ -434,6 +434,20 @@ impl PoolState {
         }
     }
 
+    /// For a batch of more than two, loads every registry slot and entry
+    /// `parts` will touch before registering any: independent loads whose
+    /// cache misses overlap.
+    fn prefetch(&self, parts: &[CompleteParts<PoolCore>]) {
+        if parts.len() > 2 {
+            let mut sink = 0u64;
+            for part in parts {
+                sink ^= self.registry.peek(part.hash);
+                sink ^= self.entry(part.id).cold.parent.load(Relaxed);
+            }
+            std::hint::black_box(sink);
+        }
+    }
+
     /// Registers complete blocks in order; returns one held id per block
     /// (the existing block for a deduplicated hash).
     pub(crate) fn register(&self, parts: &[CompleteParts<PoolCore>]) -> Vec<u32> {
@@ -447,16 +461,7 @@ impl PoolState {
         let registry = &self.registry;
         let mut policy = self.policy_if_tracking();
         let mut reactivated = 0i64;
-        if parts.len() > 2 {
-            // Load every table slot and entry the batch will touch first:
-            // independent loads whose cache misses overlap.
-            let mut sink = 0u64;
-            for part in parts {
-                sink ^= registry.peek(part.hash);
-                sink ^= self.entry(part.id).cold.parent.load(Relaxed);
-            }
-            std::hint::black_box(sink);
-        }
+        self.prefetch(parts);
         // The previous block's primary: usually the parent of the next one,
         // which then needs no registry lookup.
         let mut previous: Option<(SequenceHash, u32)> = None;
