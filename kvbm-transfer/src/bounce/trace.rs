@@ -17,6 +17,7 @@
 //! executor is built with [`crate::ExecutorBuilder::chunk_trace`];
 //! untraced pipelines pay one branch per event.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
 
@@ -289,13 +290,12 @@ impl TraceSummary {
     /// Analyses the records of [`ChunkTrace::records`].
     pub fn from_records(records: &[TraceRecord]) -> Self {
         use TraceEvent as E;
-        use std::collections::HashMap;
         let Some(first) = records.first() else {
             return TraceSummary::default();
         };
         let start = first.t_ns;
         let end = records.last().map_or(start, |r| r.t_ns);
-        let mut at: HashMap<(u32, u32, TraceEvent), u64> = HashMap::new();
+        let mut at: FirstSeen = HashMap::new();
         for r in records {
             at.entry((r.pipeline, r.chunk, r.event)).or_insert(r.t_ns);
         }
@@ -309,21 +309,80 @@ impl TraceSummary {
                 })
                 .collect()
         };
-        let handoff: Vec<u64> = records
-            .iter()
-            .filter(|r| r.event == E::Hop1End)
-            .filter_map(|r| {
-                let started = *at.get(&(r.pipeline, r.chunk, E::Hop2Start))?;
-                let prev_started = if r.chunk == 0 {
-                    0
-                } else {
-                    *at.get(&(r.pipeline, r.chunk - 1, E::Hop2Start))?
-                };
-                (prev_started <= r.t_ns).then(|| started.saturating_sub(r.t_ns))
-            })
-            .collect();
-        // Sweep the timeline with counters of hops in flight and of chunks
-        // that running pipelines have not yet started on hop 1.
+        let handoff = handoff_times(records, &at);
+        let Overlap {
+            both,
+            h1_only,
+            slot_bound,
+            other,
+            idle,
+            cpus,
+        } = Overlap::sweep(records, start);
+        let total = (end - start).max(1) as f64;
+        TraceSummary {
+            chunks: records.iter().filter(|r| r.event == E::Hop2End).count(),
+            span_ns: end - start,
+            both: both as f64 / total,
+            hop1_only: h1_only as f64 / total,
+            hop2_only_slot_bound: slot_bound as f64 / total,
+            hop2_only_tail: other as f64 / total,
+            idle: idle as f64 / total,
+            hop1_busy_ns: both + h1_only,
+            hop2_busy_ns: both + slot_bound + other,
+            hop1: Quantiles::of(span(E::Hop1Start, E::Hop1End)),
+            hop2: Quantiles::of(span(E::Hop2Start, E::Hop2End)),
+            handoff: Quantiles::of(handoff),
+            slot_wait: Quantiles::of(span(E::SlotAsked, E::SlotGranted)),
+            grant_to_hop1: Quantiles::of(span(E::SlotGranted, E::Hop1Start)),
+            cpus,
+        }
+    }
+}
+
+/// When each `(pipeline, chunk, event)` was first recorded (ns).
+type FirstSeen = HashMap<(u32, u32, TraceEvent), u64>;
+
+/// Hop 1 completed → hop 2 submitted, per chunk whose predecessor was
+/// already submitted to hop 2 when its hop 1 completed.
+fn handoff_times(records: &[TraceRecord], at: &FirstSeen) -> Vec<u64> {
+    use TraceEvent as E;
+    records
+        .iter()
+        .filter(|r| r.event == E::Hop1End)
+        .filter_map(|r| {
+            let started = *at.get(&(r.pipeline, r.chunk, E::Hop2Start))?;
+            let prev_started = if r.chunk == 0 {
+                0
+            } else {
+                *at.get(&(r.pipeline, r.chunk - 1, E::Hop2Start))?
+            };
+            (prev_started <= r.t_ns).then(|| started.saturating_sub(r.t_ns))
+        })
+        .collect()
+}
+
+/// How long (ns) the two hops overlapped over a trace's timeline, and where
+/// each hop's completions ran.
+struct Overlap {
+    /// Both hops in flight.
+    both: u64,
+    /// Only hop 1 in flight.
+    h1_only: u64,
+    /// Only hop 2 in flight while chunks still wait to start hop 1.
+    slot_bound: u64,
+    /// Only hop 2 in flight, nothing left to start.
+    other: u64,
+    /// Neither hop in flight.
+    idle: u64,
+    /// Per (hop, CPU), completions of that hop seen there, sorted.
+    cpus: Vec<(u8, u16, usize)>,
+}
+
+impl Overlap {
+    /// Sweeps the timeline from `start` with counters of hops in flight and
+    /// of chunks that running pipelines have not yet started on hop 1.
+    fn sweep(records: &[TraceRecord], start: u64) -> Self {
+        use TraceEvent as E;
         let (mut h1, mut h2, mut left) = (0i64, 0i64, 0i64);
         let (mut both, mut h1_only, mut slot_bound, mut other, mut idle) =
             (0u64, 0u64, 0u64, 0u64, 0u64);
@@ -356,25 +415,15 @@ impl TraceSummary {
                 _ => {}
             }
         }
-        let total = (end - start).max(1) as f64;
         let mut cpus: Vec<(u8, u16, usize)> =
             cpus.into_iter().map(|((h, c), n)| (h, c, n)).collect();
         cpus.sort_unstable();
-        TraceSummary {
-            chunks: records.iter().filter(|r| r.event == E::Hop2End).count(),
-            span_ns: end - start,
-            both: both as f64 / total,
-            hop1_only: h1_only as f64 / total,
-            hop2_only_slot_bound: slot_bound as f64 / total,
-            hop2_only_tail: other as f64 / total,
-            idle: idle as f64 / total,
-            hop1_busy_ns: both + h1_only,
-            hop2_busy_ns: both + slot_bound + other,
-            hop1: Quantiles::of(span(E::Hop1Start, E::Hop1End)),
-            hop2: Quantiles::of(span(E::Hop2Start, E::Hop2End)),
-            handoff: Quantiles::of(handoff),
-            slot_wait: Quantiles::of(span(E::SlotAsked, E::SlotGranted)),
-            grant_to_hop1: Quantiles::of(span(E::SlotGranted, E::Hop1Start)),
+        Overlap {
+            both,
+            h1_only,
+            slot_bound,
+            other,
+            idle,
             cpus,
         }
     }

@@ -204,37 +204,13 @@ impl DeviceChecksums {
                 sys::cuMemsetD8Async(sums.ptr(), 0, std::mem::size_of_val(&*terms), stream),
             )?;
         }
-        let mut chunks_ptr = chunks.ptr();
-        let mut n_chunks = n;
-        let mut sums_ptr = sums.ptr();
-        let mut params: [*mut c_void; 3] = [
-            (&mut chunks_ptr as *mut u64).cast(),
-            (&mut n_chunks as *mut u32).cast(),
-            (&mut sums_ptr as *mut u64).cast(),
-        ];
-        let ctas = n
-            .div_ceil(THREADS / 32)
-            .clamp(1, self.device.sm_count().max(1) * CTAS_PER_SM);
-        // SAFETY: `params` matches the kernel's signature (pointer, u32,
-        // pointer) and lives across the call; every chunk address lies in
-        // this device's memory of the table's layout (checked when the
-        // table was made), which the table keeps allocated until the
-        // synchronize below; the kernel only reads it.
-        check("cuLaunchKernel", unsafe {
-            sys::cuLaunchKernel(
-                self.func,
-                ctas,
-                1,
-                1,
-                THREADS,
-                1,
-                1,
-                0,
-                stream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        })?;
+        // SAFETY: `stream` is this device's, its context bound above;
+        // `chunks` holds the `n` chunks of `table`, whose addresses
+        // lie in this device's memory of the table's layout (checked when
+        // the table was made), which the table keeps allocated; `sums`
+        // holds one term per block; all stay alive (the scratch lock is
+        // held) until the synchronize below.
+        unsafe { self.launch(stream, chunks.ptr(), n, sums.ptr()) }?;
         // SAFETY: `terms` is valid for writes of the bytes copied; the
         // stream is synchronized before it is read.
         unsafe {
@@ -253,6 +229,56 @@ impl DeviceChecksums {
             .into_iter()
             .map(|t| checksum::finish(t, *block_bytes))
             .collect())
+    }
+
+    /// Enqueues the `block_sums` kernel on `stream`: it reads the `n`
+    /// chunks of the device table at `chunks` and adds each block's term
+    /// into the zeroed per-block sums at `sums`, with as many CTAs as keep
+    /// this device's SMs busy.
+    ///
+    /// # Safety
+    /// `stream` must belong to this device, with its context bound;
+    /// `chunks` must hold `n` [`SumChunk`]s whose addresses lie in memory of
+    /// this device, and `sums` one `u64` per block they name; all must stay
+    /// allocated, and the chunks unwritten, until the stream synchronizes.
+    unsafe fn launch(
+        &self,
+        stream: sys::CUstream,
+        chunks: u64,
+        n: u32,
+        sums: u64,
+    ) -> CudaResult<()> {
+        let mut chunks_ptr = chunks;
+        let mut n_chunks = n;
+        let mut sums_ptr = sums;
+        let mut params: [*mut c_void; 3] = [
+            (&mut chunks_ptr as *mut u64).cast(),
+            (&mut n_chunks as *mut u32).cast(),
+            (&mut sums_ptr as *mut u64).cast(),
+        ];
+        let ctas = n
+            .div_ceil(THREADS / 32)
+            .clamp(1, self.device.sm_count().max(1) * CTAS_PER_SM);
+        // SAFETY: `params` matches the kernel's signature (pointer, u32,
+        // pointer) and lives across the call; the caller keeps the chunk
+        // table, the memory its addresses name and the sums alive until the
+        // stream synchronizes; the kernel only reads the chunks.
+        check("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                self.func,
+                ctas,
+                1,
+                1,
+                THREADS,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })?;
+        Ok(())
     }
 }
 

@@ -305,6 +305,9 @@ impl CudaCopier {
         self.start(&plan, Some(runs), src, dst, opts)
     }
 
+    /// Starts a copy of `runs` (`shared` with the staging ring's feeder
+    /// when the caller shares the plan): checks it, picks its path and
+    /// lane, enqueues it and hands it to the lane's watcher.
     fn start(
         &self,
         runs: &[CopyRun],
@@ -328,13 +331,7 @@ impl CudaCopier {
         };
         // The path is chosen from the plan's start (see `PlanLook`): only a
         // staged copy goes on without a pass over the whole plan.
-        let look = PlanLook::of(runs, self.config.small_copy_bytes);
-        let mut path = opts
-            .path
-            .unwrap_or_else(|| self.choose(dir, look.n_runs, look.total));
-        if path == CopyPath::Staged && dir == Direction::DeviceToDevice {
-            path = CopyPath::Kernel;
-        }
+        let path = self.path_for(dir, runs, opts.path);
         if path == CopyPath::Staged
             && let Some(ring) = self.staged.get(dir.index())
         {
@@ -372,48 +369,14 @@ impl CudaCopier {
         let lane =
             &lanes[self.next_lane[dir.index()].fetch_add(1, Ordering::Relaxed) % lanes.len()];
         let guard = lane.state.lock().unwrap_or_else(|p| p.into_inner());
-        let mut enqueue = || -> CudaResult<&Stream> {
-            Ok(match path {
-                CopyPath::CopyEngine => {
-                    let (src_loc, dst_loc) = (src[0].location(), dst[0].location());
-                    // SAFETY: every run was bounds-checked against its
-                    // region (`check_plan`), the families cover exactly
-                    // the runs' bytes and respect registration and
-                    // allocation bounds, and the regions stay alive (in
-                    // `keep`) until the copy completed.
-                    unsafe {
-                        enqueue_strided(
-                            &self.device,
-                            self.device.has_batch_copy(),
-                            &lane.copy_stream,
-                            &families,
-                            src_loc,
-                            dst_loc,
-                        )?
-                    };
-                    &lane.copy_stream
-                }
-                CopyPath::Kernel => {
-                    // Empty runs cost the kernel nothing; no filtered copy.
-                    self.launch_part(lane, runs, &src_bases, &dst_bases, opts.load, &mut keep)?;
-                    &lane.kernel_stream
-                }
-                CopyPath::Staged => {
-                    return Err(CudaError::InvalidCopy(
-                        "staged copies go through their ring".into(),
-                    ));
-                }
-            })
-        };
-        let stream = match enqueue() {
-            Ok(s) => s,
-            Err(e) => {
-                // Part of the copy may already be on the GPU: let it drain
-                // before the regions (in `keep`) can be freed.
-                lane.drain();
-                return Err(e);
-            }
-        };
+        // SAFETY: every run was bounds-checked against its region
+        // (`check_plan`), `families` are the families of those runs, and the
+        // regions stay alive (in `keep`) until the copy completed.
+        let stream = unsafe {
+            self.enqueue_direct(
+                lane, path, runs, &families, src, dst, &src_bases, &dst_bases, opts.load, &mut keep,
+            )
+        }?;
         let completion = match lane.watcher.watch(stream, keep, spin) {
             Ok(c) => Ok(c),
             Err((e, keep)) => {
@@ -424,6 +387,86 @@ impl CudaCopier {
         };
         drop(guard);
         completion
+    }
+
+    /// The path a copy of `runs` in `dir` takes: the one `forced`, else
+    /// [`CudaCopier::choose`]'s pick from the plan's start (see
+    /// `PlanLook`); device-to-device copies never stage.
+    fn path_for(&self, dir: Direction, runs: &[CopyRun], forced: Option<CopyPath>) -> CopyPath {
+        let look = PlanLook::of(runs, self.config.small_copy_bytes);
+        let mut path = forced.unwrap_or_else(|| self.choose(dir, look.n_runs, look.total));
+        if path == CopyPath::Staged && dir == Direction::DeviceToDevice {
+            path = CopyPath::Kernel;
+        }
+        path
+    }
+
+    /// Enqueues a direct (unstaged) copy on `lane`: `families` on its copy
+    /// stream for the copy engines, or one kernel launch over `runs` on its
+    /// kernel stream; returns the stream whose completion ends the copy.
+    /// On an error, lets whatever part was enqueued drain first.
+    ///
+    /// # Safety
+    /// Every run must have been bounds-checked against its region,
+    /// `families` must cover exactly the runs' bytes and respect
+    /// registration and allocation bounds (as [`Self::families`] makes
+    /// them), and the regions must stay alive until the copy completed.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn enqueue_direct<'l>(
+        &self,
+        lane: &'l Lane,
+        path: CopyPath,
+        runs: &[CopyRun],
+        families: &[Strided],
+        src: &[Arc<dyn CudaRegion>],
+        dst: &[Arc<dyn CudaRegion>],
+        src_bases: &[u64],
+        dst_bases: &[u64],
+        load: GpuLoad,
+        keep: &mut Vec<Box<dyn Any + Send>>,
+    ) -> CudaResult<&'l Stream> {
+        let mut enqueue = || -> CudaResult<&'l Stream> {
+            Ok(match path {
+                CopyPath::CopyEngine => {
+                    let (src_loc, dst_loc) = (src[0].location(), dst[0].location());
+                    // SAFETY: as the caller promises, every run was
+                    // bounds-checked against its region, the families
+                    // cover exactly the runs' bytes and respect
+                    // registration and allocation bounds, and the regions
+                    // stay alive until the copy completed.
+                    unsafe {
+                        enqueue_strided(
+                            &self.device,
+                            self.device.has_batch_copy(),
+                            &lane.copy_stream,
+                            families,
+                            src_loc,
+                            dst_loc,
+                        )?
+                    };
+                    &lane.copy_stream
+                }
+                CopyPath::Kernel => {
+                    // Empty runs cost the kernel nothing; no filtered copy.
+                    self.launch_part(lane, runs, src_bases, dst_bases, load, keep)?;
+                    &lane.kernel_stream
+                }
+                CopyPath::Staged => {
+                    return Err(CudaError::InvalidCopy(
+                        "staged copies go through their ring".into(),
+                    ));
+                }
+            })
+        };
+        match enqueue() {
+            Ok(s) => Ok(s),
+            Err(e) => {
+                // Part of the copy may already be on the GPU: let it drain
+                // before the regions (in `keep`) can be freed.
+                lane.drain();
+                Err(e)
+            }
+        }
     }
 
     /// How the watcher polls for the end of a copy of `total` bytes asked

@@ -121,67 +121,11 @@ pub(crate) unsafe fn enqueue_strided(
     let (pitched, singles): (Vec<&Strided>, Vec<&Strided>) =
         copies.iter().partition(|c| c.height > 1);
     if batch && device.has_batch_copy_3d() && pitched.len() > 1 {
-        let operand = |ptr: u64, pitch: u64, height: u64, loc: Location| sys::CUmemcpy3DOperand {
-            type_: sys::CUmemcpy3DOperandType::CU_MEMCPY_OPERAND_TYPE_POINTER,
-            op: sys::CUmemcpy3DOperand_st__bindgen_ty_1 {
-                ptr: sys::CUmemcpy3DOperand_st__bindgen_ty_1__bindgen_ty_1 {
-                    ptr,
-                    rowLength: pitch as usize,
-                    layerHeight: height as usize,
-                    locHint: mem_location(device, loc),
-                },
-            },
-        };
-        for part in pitched.chunks(MAX_BATCH_3D) {
-            let mut ops: Vec<sys::CUDA_MEMCPY3D_BATCH_OP> = part
-                .iter()
-                .map(|c| sys::CUDA_MEMCPY3D_BATCH_OP {
-                    src: operand(c.src, c.src_pitch, c.height, src_loc),
-                    dst: operand(c.dst, c.dst_pitch, c.height, dst_loc),
-                    extent: sys::CUextent3D {
-                        width: c.width as usize,
-                        height: c.height as usize,
-                        depth: 1,
-                    },
-                    srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-                    flags: sys::CUmemcpyFlags::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE as u32,
-                })
-                .collect();
-            // SAFETY: `ops` holds `part.len()` fully initialised pointer
-            // operations the driver reads during the call; every line of
-            // every family lies inside a bounds-checked run whose memory
-            // stays alive until completion.
-            check("cuMemcpy3DBatchAsync_v2", unsafe {
-                sys::cuMemcpy3DBatchAsync_v2(ops.len(), ops.as_mut_ptr(), 0, stream.raw())
-            })?;
-        }
+        // SAFETY: the pitched families are the caller's, under its contract.
+        unsafe { enqueue_pitched_batched(device, stream, &pitched, src_loc, dst_loc) }?;
     } else {
-        for c in pitched {
-            let p = sys::CUDA_MEMCPY2D {
-                srcXInBytes: 0,
-                srcY: 0,
-                srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
-                srcHost: std::ptr::null(),
-                srcDevice: c.src,
-                srcArray: std::ptr::null_mut(),
-                srcPitch: c.src_pitch as usize,
-                dstXInBytes: 0,
-                dstY: 0,
-                dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
-                dstHost: std::ptr::null_mut::<c_void>(),
-                dstDevice: c.dst,
-                dstArray: std::ptr::null_mut(),
-                dstPitch: c.dst_pitch as usize,
-                WidthInBytes: c.width as usize,
-                Height: c.height as usize,
-            };
-            // SAFETY: `p` describes `height` lines of `width` bytes inside
-            // bounds-checked runs, alive until completion; the driver reads
-            // `p` during the call.
-            check("cuMemcpy2DAsync", unsafe {
-                sys::cuMemcpy2DAsync_v2(&p, stream.raw())
-            })?;
-        }
+        // SAFETY: the pitched families are the caller's, under its contract.
+        unsafe { enqueue_pitched_each(stream, &pitched) }?;
     }
     let singles: Vec<Span> = singles
         .iter()
@@ -193,4 +137,87 @@ pub(crate) unsafe fn enqueue_strided(
         .collect();
     // SAFETY: the single lines are lines of the caller's families.
     unsafe { enqueue_spans(device, batch, stream, &singles, src_loc, dst_loc) }
+}
+
+/// Enqueues pitched families (more than one line each) on `stream` through
+/// `cuMemcpy3DBatchAsync_v2`, [`MAX_BATCH_3D`] families per call.
+///
+/// # Safety
+/// As [`enqueue_spans`], for every line of every family.
+unsafe fn enqueue_pitched_batched(
+    device: &CudaDevice,
+    stream: &Stream,
+    pitched: &[&Strided],
+    src_loc: Location,
+    dst_loc: Location,
+) -> CudaResult<()> {
+    let operand = |ptr: u64, pitch: u64, height: u64, loc: Location| sys::CUmemcpy3DOperand {
+        type_: sys::CUmemcpy3DOperandType::CU_MEMCPY_OPERAND_TYPE_POINTER,
+        op: sys::CUmemcpy3DOperand_st__bindgen_ty_1 {
+            ptr: sys::CUmemcpy3DOperand_st__bindgen_ty_1__bindgen_ty_1 {
+                ptr,
+                rowLength: pitch as usize,
+                layerHeight: height as usize,
+                locHint: mem_location(device, loc),
+            },
+        },
+    };
+    for part in pitched.chunks(MAX_BATCH_3D) {
+        let mut ops: Vec<sys::CUDA_MEMCPY3D_BATCH_OP> = part
+            .iter()
+            .map(|c| sys::CUDA_MEMCPY3D_BATCH_OP {
+                src: operand(c.src, c.src_pitch, c.height, src_loc),
+                dst: operand(c.dst, c.dst_pitch, c.height, dst_loc),
+                extent: sys::CUextent3D {
+                    width: c.width as usize,
+                    height: c.height as usize,
+                    depth: 1,
+                },
+                srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+                flags: sys::CUmemcpyFlags::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE as u32,
+            })
+            .collect();
+        // SAFETY: `ops` holds `part.len()` fully initialised pointer
+        // operations the driver reads during the call; every line of
+        // every family lies inside a bounds-checked run whose memory
+        // stays alive until completion.
+        check("cuMemcpy3DBatchAsync_v2", unsafe {
+            sys::cuMemcpy3DBatchAsync_v2(ops.len(), ops.as_mut_ptr(), 0, stream.raw())
+        })?;
+    }
+    Ok(())
+}
+
+/// Enqueues pitched families on `stream` one `cuMemcpy2DAsync` each.
+///
+/// # Safety
+/// As [`enqueue_spans`], for every line of every family.
+unsafe fn enqueue_pitched_each(stream: &Stream, pitched: &[&Strided]) -> CudaResult<()> {
+    for c in pitched {
+        let p = sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+            srcHost: std::ptr::null(),
+            srcDevice: c.src,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: c.src_pitch as usize,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+            dstHost: std::ptr::null_mut::<c_void>(),
+            dstDevice: c.dst,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: c.dst_pitch as usize,
+            WidthInBytes: c.width as usize,
+            Height: c.height as usize,
+        };
+        // SAFETY: `p` describes `height` lines of `width` bytes inside
+        // bounds-checked runs, alive until completion; the driver reads
+        // `p` during the call.
+        check("cuMemcpy2DAsync", unsafe {
+            sys::cuMemcpy2DAsync_v2(&p, stream.raw())
+        })?;
+    }
+    Ok(())
 }
