@@ -314,6 +314,80 @@ fn header(num_blocks: u32) -> Vec<u8> {
     h
 }
 
+/// The blocks a kept tier of `layout` holds, checking that it can be kept:
+/// one region, and a block count that fits a record file's header.
+fn kept_blocks(layout: &Layout, tier: &str) -> Result<u32, DistError> {
+    let num_blocks = u32::try_from(layout.config().num_blocks()).map_err(|_| {
+        DistError::InvalidConfig(format!(
+            "{} {tier} blocks: at most {} can be kept",
+            layout.config().num_blocks(),
+            u32::MAX
+        ))
+    })?;
+    if layout.num_regions() != 1 {
+        return Err(DistError::InvalidConfig(format!(
+            "a kept {tier} is one region, its layout has {}",
+            layout.num_regions()
+        )));
+    }
+    Ok(num_blocks)
+}
+
+/// What a kept tier's directory holds once opened: its data and record
+/// files, the blocks found again, and why it started afresh (if it did).
+struct Contents {
+    /// The data file.
+    data: Data,
+    /// The record (`slots`) file.
+    slots: File,
+    /// Blocks whose records are sound, in slot order.
+    blocks: Vec<Recovered>,
+    /// Records that were neither empty nor sound.
+    rejected: u64,
+    /// Why nothing was reused (`None`: reopened).
+    started_fresh: Option<String>,
+}
+
+/// The tier's memory over its data file: the disk file itself for G3, the
+/// shared mapping of the memory file for G2 (made a region the copies use
+/// by the medium's `pin`, where it has one).
+fn tier_memory(
+    layout: Layout,
+    data: &Data,
+    medium: &Medium<'_>,
+    bytes: u64,
+) -> Result<PhysicalLayout, DistError> {
+    let pin = match medium {
+        Medium::Memory { pin } => *pin,
+        Medium::Disk(_) => None,
+    };
+    Ok(match data {
+        Data::Disk(file) => PhysicalLayout::on_disk_file(layout, Arc::clone(file))?,
+        Data::Memory(file) => {
+            let buffer = SystemBuffer::map_shared(file, bytes)?;
+            let region = match pin {
+                Some(pin) => pin(buffer)?,
+                None => buffer.region(),
+            };
+            PhysicalLayout::new(layout, vec![region])?
+        }
+    })
+}
+
+/// Starts the thread that makes a G3's records and data durable in the
+/// background (see [`sync_loop`]).
+fn start_sync_thread(
+    files: &Arc<Files>,
+    syncer: &Arc<Syncer>,
+    dir: &Path,
+) -> Result<std::thread::JoinHandle<()>, DistError> {
+    let (files, syncer, dir) = (Arc::clone(files), Arc::clone(syncer), dir.to_path_buf());
+    std::thread::Builder::new()
+        .name("kvbm-g3-sync".into())
+        .spawn(move || sync_loop(files, syncer, dir))
+        .map_err(io_err("start the G3 sync thread"))
+}
+
 impl KeptStore {
     /// Opens the store in `dir` (created if missing) for blocks of
     /// `layout` (one region; a G3's aligned for the disk) on `medium`,
@@ -329,19 +403,7 @@ impl KeptStore {
     ) -> Result<(KeptStore, PhysicalLayout, Recovery), DistError> {
         let started = Instant::now();
         let tier = medium.tier();
-        let num_blocks = u32::try_from(layout.config().num_blocks()).map_err(|_| {
-            DistError::InvalidConfig(format!(
-                "{} {tier} blocks: at most {} can be kept",
-                layout.config().num_blocks(),
-                u32::MAX
-            ))
-        })?;
-        if layout.num_regions() != 1 {
-            return Err(DistError::InvalidConfig(format!(
-                "a kept {tier} is one region, its layout has {}",
-                layout.num_regions()
-            )));
-        }
+        let num_blocks = kept_blocks(&layout, tier)?;
         std::fs::create_dir_all(dir).map_err(io_err(format!("directory {}", dir.display())))?;
         let lock = lock_dir(dir)?;
         let identity = full_identity(identity, tier, &layout);
@@ -349,59 +411,18 @@ impl KeptStore {
             Medium::Disk(_) => PhysicalLayout::disk_bytes(&layout, dir)?,
             Medium::Memory { .. } => layout.region_size(0)?,
         };
-        let reason = match std::fs::read_to_string(dir.join(IDENTITY_FILE)) {
-            Ok(found) if found == identity => None,
-            Ok(_) => Some("it was written under another identity".to_string()),
-            Err(e) if e.kind() == ErrorKind::NotFound => Some(String::new()),
-            Err(e) => Some(format!("its identity cannot be read ({e})")),
-        };
-        let reopened = match reason {
-            None => Self::reopen(dir, medium, bytes, num_blocks),
-            Some(r) => Err(r),
-        };
-        let (data, slots, blocks, rejected, started_fresh) = match reopened {
-            Ok((data, slots, blocks, rejected)) => (data, slots, blocks, rejected, None),
-            Err(reason) => {
-                if !reason.is_empty() {
-                    tracing::warn!(dir = %dir.display(), "{tier} directory emptied: {reason}");
-                }
-                let (data, slots) = Self::create(dir, medium, &identity, bytes, num_blocks)?;
-                let reason = if reason.is_empty() {
-                    format!("the directory held no {tier}")
-                } else {
-                    reason
-                };
-                (data, slots, Vec::new(), 0, Some(reason))
-            }
-        };
-        let pin = match medium {
-            Medium::Memory { pin } => *pin,
-            Medium::Disk(_) => None,
-        };
-        let memory = match &data {
-            Data::Disk(file) => PhysicalLayout::on_disk_file(layout, Arc::clone(file))?,
-            Data::Memory(file) => {
-                let buffer = SystemBuffer::map_shared(file, bytes)?;
-                let region = match pin {
-                    Some(pin) => pin(buffer)?,
-                    None => buffer.region(),
-                };
-                PhysicalLayout::new(layout, vec![region])?
-            }
-        };
+        let Contents {
+            data,
+            slots,
+            blocks,
+            rejected,
+            started_fresh,
+        } = Self::reopen_or_create(dir, medium, &identity, bytes, num_blocks)?;
+        let memory = tier_memory(layout, &data, medium, bytes)?;
         let files = Arc::new(Files { slots, data });
         let syncer = Arc::new(Syncer::default());
         let sync_thread = match medium {
-            Medium::Disk(_) => {
-                let (files, syncer, dir) =
-                    (Arc::clone(&files), Arc::clone(&syncer), dir.to_path_buf());
-                Some(
-                    std::thread::Builder::new()
-                        .name("kvbm-g3-sync".into())
-                        .spawn(move || sync_loop(files, syncer, dir))
-                        .map_err(io_err("start the G3 sync thread"))?,
-                )
-            }
+            Medium::Disk(_) => Some(start_sync_thread(&files, &syncer, dir)?),
             Medium::Memory { .. } => None,
         };
         let store = KeptStore {
@@ -427,6 +448,57 @@ impl KeptStore {
             "{tier} opened"
         );
         Ok((store, memory, recovery))
+    }
+
+    /// The files in `dir` and what they hold: reopened when they were
+    /// written under `identity` (the full one) for this geometry, else
+    /// created empty, saying why (and logging it when something was
+    /// thrown away).
+    fn reopen_or_create(
+        dir: &Path,
+        medium: &Medium<'_>,
+        identity: &str,
+        bytes: u64,
+        num_blocks: u32,
+    ) -> Result<Contents, DistError> {
+        let tier = medium.tier();
+        let reason = match std::fs::read_to_string(dir.join(IDENTITY_FILE)) {
+            Ok(found) if found == identity => None,
+            Ok(_) => Some("it was written under another identity".to_string()),
+            Err(e) if e.kind() == ErrorKind::NotFound => Some(String::new()),
+            Err(e) => Some(format!("its identity cannot be read ({e})")),
+        };
+        let reopened = match reason {
+            None => Self::reopen(dir, medium, bytes, num_blocks),
+            Some(r) => Err(r),
+        };
+        Ok(match reopened {
+            Ok((data, slots, blocks, rejected)) => Contents {
+                data,
+                slots,
+                blocks,
+                rejected,
+                started_fresh: None,
+            },
+            Err(reason) => {
+                if !reason.is_empty() {
+                    tracing::warn!(dir = %dir.display(), "{tier} directory emptied: {reason}");
+                }
+                let (data, slots) = Self::create(dir, medium, identity, bytes, num_blocks)?;
+                let reason = if reason.is_empty() {
+                    format!("the directory held no {tier}")
+                } else {
+                    reason
+                };
+                Contents {
+                    data,
+                    slots,
+                    blocks: Vec::new(),
+                    rejected: 0,
+                    started_fresh: Some(reason),
+                }
+            }
+        })
     }
 
     /// [`KeptStore::open`] on `dir`, or, while another engine of the same

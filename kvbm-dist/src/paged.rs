@@ -231,6 +231,34 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>
         .map_err(|e| invalid(format!("cannot start a thread: {e}")))
 }
 
+/// Bytes from one slot to the next: a slot's bytes, padded to the disk
+/// alignment where G3 is on. Errors when `config` has no groups or no
+/// slots, or slots too small for some group's blocks.
+fn slot_stride(config: &PagedConfig) -> Result<u64> {
+    if config.groups.is_empty() {
+        return Err(invalid("no KV cache groups"));
+    }
+    let widest = config
+        .groups
+        .iter()
+        .map(PageGroup::block_bytes)
+        .max()
+        .unwrap_or(0);
+    if config.slot_bytes < widest {
+        return Err(invalid(format!(
+            "a slot of {} bytes cannot hold a block of {widest}",
+            config.slot_bytes
+        )));
+    }
+    if config.slots == 0 || config.disk.as_ref().is_some_and(|d| d.slots == 0) {
+        return Err(invalid("no slots"));
+    }
+    Ok(match config.disk {
+        Some(_) => config.slot_bytes.next_multiple_of(DISK_ALIGNMENT),
+        None => config.slot_bytes,
+    })
+}
+
 impl PagedWorker {
     /// Wraps the engine's page tensors, allocates the slots (and G3's
     /// file), builds the executor for the pages' memory and starts the
@@ -242,28 +270,7 @@ impl PagedWorker {
     /// as the worker exists (`owner` is kept alive that long), and the
     /// engine must not touch a block's pages while a job copies them.
     pub unsafe fn new(config: PagedConfig, owner: Owner) -> Result<Self> {
-        if config.groups.is_empty() {
-            return Err(invalid("no KV cache groups"));
-        }
-        let widest = config
-            .groups
-            .iter()
-            .map(PageGroup::block_bytes)
-            .max()
-            .unwrap_or(0);
-        if config.slot_bytes < widest {
-            return Err(invalid(format!(
-                "a slot of {} bytes cannot hold a block of {widest}",
-                config.slot_bytes
-            )));
-        }
-        if config.slots == 0 || config.disk.as_ref().is_some_and(|d| d.slots == 0) {
-            return Err(invalid("no slots"));
-        }
-        let stride = match config.disk {
-            Some(_) => config.slot_bytes.next_multiple_of(DISK_ALIGNMENT),
-            None => config.slot_bytes,
-        };
+        let stride = slot_stride(&config)?;
         let g1 = config
             .groups
             .iter()
@@ -307,6 +314,12 @@ impl PagedWorker {
             reports: Mutex::new(Reports::default()),
             settled: Condvar::new(),
         });
+        Self::start(shared, stride)
+    }
+
+    /// Starts the worker's threads over `shared`: the one that settles
+    /// jobs and, with G3, the one that stages G3's reads and writes.
+    fn start(shared: Arc<Shared>, stride: u64) -> Result<Self> {
         let (settle, settle_rx) = channel();
         let s = Arc::clone(&shared);
         let mut threads = vec![spawn("kvbm-paged", move || {

@@ -411,31 +411,57 @@ impl Checksums {
             };
             judge(self.tracked, src, dst, landed[i], sums)
         });
-        let landed_set: HashSet<(usize, usize)> = landed.iter().copied().collect();
-        let mut rejected: Vec<((usize, usize), DistError)> = Vec::new();
-        {
-            let mut sums = self.sums.lock();
-            if self.tracked.of(dst.tier) {
-                for &(_, d) in pairs.iter().filter(|p| !landed_set.contains(p)) {
-                    sums.remove(&(dst.tier, slot(d)));
-                }
-            }
-            for (&pair, verdict) in landed.iter().zip(verdicts) {
-                match verdict {
-                    Ok(Some(sum)) => {
-                        sums.insert((dst.tier, slot(pair.1)), sum);
-                    }
-                    Ok(None) => {}
-                    Err(e) => {
-                        sums.remove(&(dst.tier, slot(pair.1)));
-                        rejected.push((pair, e));
-                    }
-                }
-            }
-        }
+        let rejected = self.record_verdicts(dst, pairs, &landed, verdicts);
         if rejected.is_empty() {
             return (outcome, 0);
         }
+        self.fail_rejected(pairs, landed, outcome, rejected)
+    }
+
+    /// Records the sums of the `landed` pairs' destinations as `verdicts`
+    /// (in `landed` order) say, and forgets those of the pairs that did not
+    /// land or were rejected; returns the rejected pairs with their errors.
+    fn record_verdicts(
+        &self,
+        dst: &End,
+        pairs: &[(usize, usize)],
+        landed: &[(usize, usize)],
+        verdicts: Vec<Result<Option<u64>, DistError>>,
+    ) -> Vec<((usize, usize), DistError)> {
+        let landed_set: HashSet<(usize, usize)> = landed.iter().copied().collect();
+        let mut rejected: Vec<((usize, usize), DistError)> = Vec::new();
+        let mut sums = self.sums.lock();
+        if self.tracked.of(dst.tier) {
+            for &(_, d) in pairs.iter().filter(|p| !landed_set.contains(p)) {
+                sums.remove(&(dst.tier, slot(d)));
+            }
+        }
+        for (&pair, verdict) in landed.iter().zip(verdicts) {
+            match verdict {
+                Ok(Some(sum)) => {
+                    sums.insert((dst.tier, slot(pair.1)), sum);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    sums.remove(&(dst.tier, slot(pair.1)));
+                    rejected.push((pair, e));
+                }
+            }
+        }
+        rejected
+    }
+
+    /// The copy's outcome once the `rejected` pairs (at least one) are
+    /// failed too, with the number of checksum mismatches among them; a copy
+    /// that failed on its own keeps its error, one that succeeded fails with
+    /// the first rejection. Counts and reports the rejections.
+    fn fail_rejected(
+        &self,
+        pairs: &[(usize, usize)],
+        landed: Vec<(usize, usize)>,
+        outcome: TransferOutcome,
+        rejected: Vec<((usize, usize), DistError)>,
+    ) -> (TransferOutcome, u32) {
         let mismatches = rejected
             .iter()
             .filter(|(_, e)| matches!(e, DistError::ChecksumMismatch { .. }))

@@ -17,7 +17,7 @@ use kvbm_transfer::{
 };
 
 use crate::auth::InstanceSecret;
-use crate::proto::{Ack, AckFailure, ErrorReply, Hello, Message, Transfer, truncate};
+use crate::proto::{Ack, AckFailure, ErrorReply, Hello, Message, Ready, Transfer, truncate};
 use crate::transport::{Received, RouterSocket, WakeReceiver, peer_name};
 
 use super::handshake::{admit, decode_cause, shape_difference};
@@ -321,54 +321,13 @@ impl EventLoop {
             (_, Message::Hello(h)) => self.on_hello(r.peer, h),
             (Some(_), Message::Pong { .. }) => {}
             (Some(rank), Message::Ready(m)) if self.ranks[rank].state == RankState::Rejoining => {
-                if m.rank as usize == rank
-                    && m.g2_blocks == self.configure.g2_blocks
-                    && m.g3_blocks == self.configure.g3_blocks
-                {
-                    tracing::info!(rank, "rejoined");
-                    self.ranks[rank].state = RankState::Live;
-                    self.publish();
-                } else {
-                    tracing::warn!(rank, "rejoining worker is ready with the wrong shape");
-                    let _ = self.router.send(&r.peer, &Message::Shutdown);
-                    self.lose(rank, "ready with the wrong shape".into());
-                }
+                self.on_rejoined(rank, &r.peer, &m);
             }
             (Some(rank), Message::Ack(a)) => self.on_ack(rank, a),
             #[cfg(feature = "probe")]
             (Some(rank), Message::ProbeReply(p)) => self.on_probe_reply(rank, p),
             (Some(rank), Message::PeerInfo(p)) => self.on_peer_reply(rank, Ok(p)),
-            (Some(rank), Message::Error(e)) => match e.transfer_id {
-                Some(id) => {
-                    let failed = self
-                        .inflight
-                        .get(&id)
-                        .map(|t| t.pair_set.iter().copied().collect())
-                        .unwrap_or_default();
-                    self.on_ack(
-                        rank,
-                        Ack {
-                            transfer_id: id,
-                            rank: rank as u32,
-                            completed: Vec::new(),
-                            failure: Some(AckFailure {
-                                error: e.message,
-                                failed,
-                                os_error: None,
-                                checksum_mismatches: 0,
-                            }),
-                        },
-                    );
-                }
-                None => {
-                    tracing::warn!(rank, "worker reports: {}", e.message);
-                    if self.peer_op.is_some() && self.ranks[rank].state == RankState::Live {
-                        self.on_peer_reply(rank, Err(e.message));
-                    } else if self.ranks[rank].state == RankState::Rejoining {
-                        self.lose(rank, format!("failed to rejoin: {}", e.message));
-                    }
-                }
-            },
+            (Some(rank), Message::Error(e)) => self.on_worker_error(rank, e),
             (rank, other) => {
                 let cause = if rank.is_some() {
                     RefusalCause::Malformed
@@ -377,6 +336,60 @@ impl EventLoop {
                 };
                 let detail = format!("a leader does not accept {:?} here", other.kind());
                 self.refuse(&r.peer, cause, detail);
+            }
+        }
+    }
+
+    /// A rejoining worker's `Ready`: live again when it has its rank and
+    /// the configured tier sizes, else told to exit and lost.
+    fn on_rejoined(&mut self, rank: usize, peer: &[u8], m: &Ready) {
+        if m.rank as usize == rank
+            && m.g2_blocks == self.configure.g2_blocks
+            && m.g3_blocks == self.configure.g3_blocks
+        {
+            tracing::info!(rank, "rejoined");
+            self.ranks[rank].state = RankState::Live;
+            self.publish();
+        } else {
+            tracing::warn!(rank, "rejoining worker is ready with the wrong shape");
+            let _ = self.router.send(peer, &Message::Shutdown);
+            self.lose(rank, "ready with the wrong shape".into());
+        }
+    }
+
+    /// A worker's `Error`: about a transfer, it fails all of that rank's
+    /// pairs of it; otherwise it answers the peer operation under way, or
+    /// loses a rank that was rejoining.
+    fn on_worker_error(&mut self, rank: usize, e: ErrorReply) {
+        match e.transfer_id {
+            Some(id) => {
+                let failed = self
+                    .inflight
+                    .get(&id)
+                    .map(|t| t.pair_set.iter().copied().collect())
+                    .unwrap_or_default();
+                self.on_ack(
+                    rank,
+                    Ack {
+                        transfer_id: id,
+                        rank: rank as u32,
+                        completed: Vec::new(),
+                        failure: Some(AckFailure {
+                            error: e.message,
+                            failed,
+                            os_error: None,
+                            checksum_mismatches: 0,
+                        }),
+                    },
+                );
+            }
+            None => {
+                tracing::warn!(rank, "worker reports: {}", e.message);
+                if self.peer_op.is_some() && self.ranks[rank].state == RankState::Live {
+                    self.on_peer_reply(rank, Err(e.message));
+                } else if self.ranks[rank].state == RankState::Rejoining {
+                    self.lose(rank, format!("failed to rejoin: {}", e.message));
+                }
             }
         }
     }
@@ -635,13 +648,25 @@ impl EventLoop {
         });
     }
 
+    /// What the clock brings: peer-operation timeouts, silent workers and
+    /// overdue transfers lost, cancels sent, pings sent.
     fn on_clock(&mut self) {
         let now = Instant::now();
         self.peer_op_clock(now);
-        // Silent workers. A rejoining one is setting its tiers up (G2 and
-        // G3 allocated, which takes seconds for large tiers) and answers
-        // nothing meanwhile: it gets the handshake's allowance, as at the
-        // first start.
+        self.lose_silent(now);
+        self.lose_overdue(now);
+        self.send_cancels();
+        if now >= self.next_ping {
+            self.next_ping = now + self.config.heartbeat_interval;
+            self.ping();
+        }
+    }
+
+    /// Loses the workers silent for longer than allowed. A rejoining one is
+    /// setting its tiers up (G2 and G3 allocated, which takes seconds for
+    /// large tiers) and answers nothing meanwhile: it gets the handshake's
+    /// allowance, as at the first start.
+    fn lose_silent(&mut self, now: Instant) {
         for rank in 0..self.ranks.len() {
             let r = &self.ranks[rank];
             let allowed = match r.state {
@@ -655,7 +680,11 @@ impl EventLoop {
                 self.lose(rank, format!("silent for {silent} ms"));
             }
         }
-        // Overdue transfers lose the ranks that did not answer.
+    }
+
+    /// Overdue transfers lose the ranks that did not answer them (told to
+    /// exit).
+    fn lose_overdue(&mut self, now: Instant) {
         let overdue: Vec<(u64, Vec<usize>)> = self
             .inflight
             .iter()
@@ -681,7 +710,11 @@ impl EventLoop {
                 );
             }
         }
-        // Cancelled transfers.
+    }
+
+    /// Sends `Cancel` for newly cancelled transfers to the ranks that have
+    /// not answered them yet.
+    fn send_cancels(&mut self) {
         let mut cancels = Vec::new();
         for (&id, t) in self.inflight.iter_mut() {
             if !t.cancel_sent && t.cancel.is_cancelled() {
@@ -702,18 +735,18 @@ impl EventLoop {
                 );
             }
         }
-        // Pings.
-        if now >= self.next_ping {
-            self.next_ping = now + self.config.heartbeat_interval;
-            self.ping_seq += 1;
-            let ping = Message::Ping { seq: self.ping_seq };
-            for rank in 0..self.ranks.len() {
-                if matches!(self.ranks[rank].state, RankState::Lost { .. }) {
-                    continue;
-                }
-                if let Err(e) = self.router.send(&self.ranks[rank].identity, &ping) {
-                    self.lose(rank, format!("unreachable: {e}"));
-                }
+    }
+
+    /// Pings every rank not lost; a rank that cannot be reached is lost.
+    fn ping(&mut self) {
+        self.ping_seq += 1;
+        let ping = Message::Ping { seq: self.ping_seq };
+        for rank in 0..self.ranks.len() {
+            if matches!(self.ranks[rank].state, RankState::Lost { .. }) {
+                continue;
+            }
+            if let Err(e) = self.router.send(&self.ranks[rank].identity, &ping) {
+                self.lose(rank, format!("unreachable: {e}"));
             }
         }
     }

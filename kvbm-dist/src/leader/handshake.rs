@@ -154,7 +154,23 @@ impl Handshake<'_> {
             })
     }
 
+    /// Runs the handshake: every rank's `Hello`, one `Configure` for all,
+    /// every rank's `Ready`.
     fn run(&mut self) -> Result<Cluster> {
+        self.await_hellos()?;
+        let (reference, configure) = self.configure_all()?;
+        let kept = self.await_ready(&configure)?;
+        Ok(Cluster {
+            identities: self.hellos.values().map(|(p, _)| p.clone()).collect(),
+            reference,
+            configure,
+            kept,
+        })
+    }
+
+    /// Reads frames until every rank said `Hello`; errors when the
+    /// handshake timeout passes first.
+    fn await_hellos(&mut self) -> Result<()> {
         let world = self.config.world_size;
         let started = Instant::now();
         let deadline = started + self.config.handshake_timeout;
@@ -169,8 +185,14 @@ impl Handshake<'_> {
                 self.on_hello_phase_frame(r.peer, r.message)?;
             }
         }
+        Ok(())
+    }
 
-        // Every rank must have rank 0's block shape and G1 layout.
+    /// Checks that every rank has rank 0's block shape and G1 layout, sizes
+    /// G2 and G3 and sends every rank the `Configure`; returns rank 0's
+    /// `Hello` and the `Configure`.
+    fn configure_all(&self) -> Result<(Hello, Configure)> {
+        let world = self.config.world_size;
         let reference = self.hellos[&0].1.clone();
         for (&rank, (_, h)) in &self.hellos {
             if let Some(reason) = shape_difference(&reference, h) {
@@ -198,43 +220,33 @@ impl Handshake<'_> {
         for rank in 0..world {
             self.send(rank, &Message::Configure(configure))?;
         }
+        Ok((reference, configure))
+    }
 
-        let mut ready = vec![false; world as usize];
-        let mut kept: Vec<Vec<(u32, BlockLabel)>> = vec![Vec::new(); world as usize];
-        let mut kept_g2: Vec<Vec<(u32, BlockLabel)>> = vec![Vec::new(); world as usize];
-        let mut rejected_records = 0u64;
-        let mut rejected_g2 = 0u64;
-        let mut g3_open = vec![Duration::ZERO; world as usize];
+    /// Reads frames until every rank said `Ready` to `configure`, pinging
+    /// the ranks every heartbeat meanwhile; returns what their kept tiers
+    /// hold. Errors when the handshake timeout passes first.
+    fn await_ready(&mut self, configure: &Configure) -> Result<KeptTiers> {
+        let world = self.config.world_size;
+        let mut readiness = Readiness::new(world as usize);
         let started = Instant::now();
         let deadline = started + self.config.handshake_timeout;
         let beat = self.config.heartbeat_interval;
         let mut next_ping = started + beat;
         let mut seq = 0u64;
-        while ready.iter().any(|r| !r) {
+        while readiness.ready.iter().any(|r| !r) {
             if !self.wait(
                 deadline,
                 Some(next_ping.saturating_duration_since(Instant::now())),
             )? {
-                let missing = (0..world).filter(|&r| !ready[r as usize]).collect();
+                let missing = (0..world)
+                    .filter(|&r| !readiness.ready[r as usize])
+                    .collect();
                 return Err(self.timeout("ready", started, missing));
             }
             while let Some(r) = self.router.try_recv()? {
-                if let Some(m) = self.on_ready_phase_frame(r.peer, r.message, &configure)? {
-                    let rank = m.rank as usize;
-                    tracing::info!(
-                        rank,
-                        kept_g2_blocks = m.recovered_g2.len(),
-                        kept_g3_blocks = m.recovered.len(),
-                        rejected = m.rejected + m.rejected_g2,
-                        g3_open_ms = m.g3_open_us as f64 / 1e3,
-                        "ready"
-                    );
-                    ready[rank] = true;
-                    kept[rank] = m.recovered;
-                    kept_g2[rank] = m.recovered_g2;
-                    rejected_records += m.rejected;
-                    rejected_g2 += m.rejected_g2;
-                    g3_open[rank] = Duration::from_micros(m.g3_open_us);
+                if let Some(m) = self.on_ready_phase_frame(r.peer, r.message, configure)? {
+                    readiness.note(m);
                 }
             }
             // Configured workers hear from the leader every heartbeat, so
@@ -247,16 +259,7 @@ impl Handshake<'_> {
                 }
             }
         }
-        Ok(Cluster {
-            identities: self.hellos.values().map(|(p, _)| p.clone()).collect(),
-            reference,
-            configure,
-            kept: KeptTiers {
-                g2: kept_everywhere(kept_g2, rejected_g2),
-                g3: kept_everywhere(kept, rejected_records),
-                g3_open,
-            },
-        })
+        Ok(readiness.into_kept())
     }
 
     fn on_hello_phase_frame(
@@ -468,6 +471,64 @@ pub(crate) struct KeptTiers {
     pub(crate) g3: KeptTier,
     /// How long each rank took to open its G3, in rank order.
     pub(crate) g3_open: Vec<Duration>,
+}
+
+/// The `Ready`s heard so far during the handshake, per rank.
+struct Readiness {
+    /// Whether each rank said `Ready`.
+    ready: Vec<bool>,
+    /// The blocks each rank's kept G3 holds.
+    kept: Vec<Vec<(u32, BlockLabel)>>,
+    /// The blocks each rank's kept G2 holds.
+    kept_g2: Vec<Vec<(u32, BlockLabel)>>,
+    /// G3 records the ranks left out, summed.
+    rejected_records: u64,
+    /// G2 records the ranks left out, summed.
+    rejected_g2: u64,
+    /// How long each rank took to open its G3.
+    g3_open: Vec<Duration>,
+}
+
+impl Readiness {
+    /// Nothing heard yet from `world` ranks.
+    fn new(world: usize) -> Self {
+        Readiness {
+            ready: vec![false; world],
+            kept: vec![Vec::new(); world],
+            kept_g2: vec![Vec::new(); world],
+            rejected_records: 0,
+            rejected_g2: 0,
+            g3_open: vec![Duration::ZERO; world],
+        }
+    }
+
+    /// Notes (and logs) a rank's accepted `Ready`.
+    fn note(&mut self, m: Ready) {
+        let rank = m.rank as usize;
+        tracing::info!(
+            rank,
+            kept_g2_blocks = m.recovered_g2.len(),
+            kept_g3_blocks = m.recovered.len(),
+            rejected = m.rejected + m.rejected_g2,
+            g3_open_ms = m.g3_open_us as f64 / 1e3,
+            "ready"
+        );
+        self.ready[rank] = true;
+        self.kept[rank] = m.recovered;
+        self.kept_g2[rank] = m.recovered_g2;
+        self.rejected_records += m.rejected;
+        self.rejected_g2 += m.rejected_g2;
+        self.g3_open[rank] = Duration::from_micros(m.g3_open_us);
+    }
+
+    /// What the kept tiers hold on every rank.
+    fn into_kept(self) -> KeptTiers {
+        KeptTiers {
+            g2: kept_everywhere(self.kept_g2, self.rejected_g2),
+            g3: kept_everywhere(self.kept, self.rejected_records),
+            g3_open: self.g3_open,
+        }
+    }
 }
 
 /// What the ranks' kept copies of one tier held at start.

@@ -54,6 +54,7 @@ pub(crate) fn encode_with_version(message: &Message, version: u16) -> Result<Vec
     Ok(w.buf)
 }
 
+/// Writes the body of `message`, field by field, in wire order.
 fn body(w: &mut Writer, message: &Message) -> Result<(), ProtoError> {
     match message {
         Message::Hello(h) => {
@@ -96,22 +97,7 @@ fn body(w: &mut Writer, message: &Message) -> Result<(), ProtoError> {
                 w.label(label);
             }
         }
-        Message::Ack(a) => {
-            w.u64(a.transfer_id);
-            w.u32(a.rank);
-            w.pairs(&a.completed)?;
-            match &a.failure {
-                None => w.u8(0),
-                Some(f) => {
-                    w.u8(1);
-                    w.bytes(f.error.as_bytes(), MAX_TEXT_BYTES, "ack error text")?;
-                    w.pairs(&f.failed)?;
-                    // 0: none (no OS error is numbered 0).
-                    w.u32(f.os_error.map_or(0, |e| e.max(0) as u32));
-                    w.u32(f.checksum_mismatches);
-                }
-            }
-        }
+        Message::Ack(a) => encode_ack(w, a)?,
         Message::Ping { seq } => w.u64(*seq),
         Message::Pong { seq, rank } => {
             w.u64(*seq);
@@ -119,14 +105,7 @@ fn body(w: &mut Writer, message: &Message) -> Result<(), ProtoError> {
         }
         Message::Cancel { transfer_id } => w.u64(*transfer_id),
         Message::Shutdown | Message::ExportPeer => {}
-        Message::PeerInfo(p) => {
-            w.u64(p.instance);
-            w.count(p.ranks.len(), MAX_WORLD_SIZE as usize, "peer ranks")?;
-            for r in &p.ranks {
-                w.bytes(&r.nixl_metadata, MAX_NIXL_METADATA_BYTES, "nixl metadata")?;
-                w.descriptor(&r.layout)?;
-            }
-        }
+        Message::PeerInfo(p) => encode_peer_info(w, p)?,
         Message::RemotePull(r) => {
             w.u64(r.id);
             w.u64(r.peer);
@@ -135,33 +114,77 @@ fn body(w: &mut Writer, message: &Message) -> Result<(), ProtoError> {
             w.pairs(&r.pairs)?;
         }
         #[cfg(feature = "probe")]
-        Message::Probe(p) => {
-            w.u64(p.id);
-            w.u8(match p.op {
-                ProbeOp::Fill => 1,
-                ProbeOp::Check => 2,
-            });
-            w.count(p.blocks.len(), MAX_PAIRS, "probe blocks")?;
-            for &(b, seed) in &p.blocks {
-                w.u32(b);
-                w.u64(seed);
-            }
-        }
+        Message::Probe(p) => encode_probe(w, p)?,
         #[cfg(feature = "probe")]
-        Message::ProbeReply(r) => {
-            w.u64(r.id);
-            w.u32(r.rank);
-            w.count(r.mismatched.len(), MAX_PAIRS, "mismatched blocks")?;
-            for &b in &r.mismatched {
-                w.u32(b);
-            }
-            match &r.error {
-                None => w.u8(0),
-                Some(e) => {
-                    w.u8(1);
-                    w.bytes(e.as_bytes(), MAX_TEXT_BYTES, "probe error text")?;
-                }
-            }
+        Message::ProbeReply(r) => encode_probe_reply(w, r)?,
+    }
+    Ok(())
+}
+
+/// Writes the body of an `Ack`: the pairs that landed, then the failure
+/// (flag, text, failed pairs, OS error, checksum mismatches) if any.
+fn encode_ack(w: &mut Writer, a: &Ack) -> Result<(), ProtoError> {
+    w.u64(a.transfer_id);
+    w.u32(a.rank);
+    w.pairs(&a.completed)?;
+    match &a.failure {
+        None => w.u8(0),
+        Some(f) => {
+            w.u8(1);
+            w.bytes(f.error.as_bytes(), MAX_TEXT_BYTES, "ack error text")?;
+            w.pairs(&f.failed)?;
+            // 0: none (no OS error is numbered 0).
+            w.u32(f.os_error.map_or(0, |e| e.max(0) as u32));
+            w.u32(f.checksum_mismatches);
+        }
+    }
+    Ok(())
+}
+
+/// Writes the body of a `PeerInfo`: the instance, then each rank's NIXL
+/// metadata and G2 layout.
+fn encode_peer_info(w: &mut Writer, p: &PeerInfo) -> Result<(), ProtoError> {
+    w.u64(p.instance);
+    w.count(p.ranks.len(), MAX_WORLD_SIZE as usize, "peer ranks")?;
+    for r in &p.ranks {
+        w.bytes(&r.nixl_metadata, MAX_NIXL_METADATA_BYTES, "nixl metadata")?;
+        w.descriptor(&r.layout)?;
+    }
+    Ok(())
+}
+
+/// Writes the body of a `Probe`: its id, the operation, then each block
+/// with its seed.
+#[cfg(feature = "probe")]
+fn encode_probe(w: &mut Writer, p: &Probe) -> Result<(), ProtoError> {
+    w.u64(p.id);
+    w.u8(match p.op {
+        ProbeOp::Fill => 1,
+        ProbeOp::Check => 2,
+    });
+    w.count(p.blocks.len(), MAX_PAIRS, "probe blocks")?;
+    for &(b, seed) in &p.blocks {
+        w.u32(b);
+        w.u64(seed);
+    }
+    Ok(())
+}
+
+/// Writes the body of a `ProbeReply`: its id and rank, the blocks that did
+/// not match, then the error (flag and text) if any.
+#[cfg(feature = "probe")]
+fn encode_probe_reply(w: &mut Writer, r: &ProbeReply) -> Result<(), ProtoError> {
+    w.u64(r.id);
+    w.u32(r.rank);
+    w.count(r.mismatched.len(), MAX_PAIRS, "mismatched blocks")?;
+    for &b in &r.mismatched {
+        w.u32(b);
+    }
+    match &r.error {
+        None => w.u8(0),
+        Some(e) => {
+            w.u8(1);
+            w.bytes(e.as_bytes(), MAX_TEXT_BYTES, "probe error text")?;
         }
     }
     Ok(())
@@ -211,6 +234,7 @@ pub fn decode(frame: &[u8]) -> Result<Message, ProtoError> {
     Ok(message)
 }
 
+/// Reads the body of a message of `kind`, field by field, in wire order.
 fn decode_body(r: &mut Reader<'_>, kind: MessageKind) -> Result<Message, ProtoError> {
     Ok(match kind {
         MessageKind::Hello => Message::Hello(Hello {
@@ -264,38 +288,7 @@ fn decode_body(r: &mut Reader<'_>, kind: MessageKind) -> Result<Message, ProtoEr
                     .collect::<Result<_, ProtoError>>()?
             },
         }),
-        MessageKind::Ack => {
-            let transfer_id = r.u64("transfer id")?;
-            let rank = r.u32("rank")?;
-            let completed = r.pairs("completed pairs")?;
-            let failure = match r.u8("failure flag")? {
-                0 => None,
-                1 => Some(AckFailure {
-                    error: r.text(MAX_TEXT_BYTES, "ack error text")?,
-                    failed: r.pairs("failed pairs")?,
-                    os_error: match r.u32("ack OS error")? {
-                        0 => None,
-                        n => Some(i32::try_from(n).map_err(|_| ProtoError::Invalid {
-                            what: "ack OS error",
-                            reason: format!("{n} is not an error number"),
-                        })?),
-                    },
-                    checksum_mismatches: r.u32("ack checksum mismatches")?,
-                }),
-                other => {
-                    return Err(ProtoError::Invalid {
-                        what: "failure flag",
-                        reason: format!("{other} is neither 0 nor 1"),
-                    });
-                }
-            };
-            Message::Ack(Ack {
-                transfer_id,
-                rank,
-                completed,
-                failure,
-            })
-        }
+        MessageKind::Ack => Message::Ack(decode_ack(r)?),
         MessageKind::Ping => Message::Ping { seq: r.u64("seq")? },
         MessageKind::Pong => Message::Pong {
             seq: r.u64("seq")?,
@@ -306,19 +299,7 @@ fn decode_body(r: &mut Reader<'_>, kind: MessageKind) -> Result<Message, ProtoEr
         },
         MessageKind::Shutdown => Message::Shutdown,
         MessageKind::ExportPeer => Message::ExportPeer,
-        MessageKind::PeerInfo => {
-            let instance = r.u64("instance")?;
-            // Each rank takes at least 8 bytes (two length fields).
-            let n = r.count(MAX_WORLD_SIZE as usize, 8, "peer ranks")?;
-            let mut ranks = Vec::with_capacity(n);
-            for _ in 0..n {
-                ranks.push(PeerRank {
-                    nixl_metadata: r.bytes(MAX_NIXL_METADATA_BYTES, "nixl metadata")?.to_vec(),
-                    layout: r.descriptor()?,
-                });
-            }
-            Message::PeerInfo(PeerInfo { instance, ranks })
-        }
+        MessageKind::PeerInfo => Message::PeerInfo(decode_peer_info(r)?),
         MessageKind::RemotePull => Message::RemotePull(RemotePull {
             id: r.u64("transfer id")?,
             peer: r.u64("peer instance")?,
@@ -327,51 +308,108 @@ fn decode_body(r: &mut Reader<'_>, kind: MessageKind) -> Result<Message, ProtoEr
             pairs: r.pairs("pairs")?,
         }),
         #[cfg(feature = "probe")]
-        MessageKind::Probe => {
-            let id = r.u64("probe id")?;
-            let op = match r.u8("probe op")? {
-                1 => ProbeOp::Fill,
-                2 => ProbeOp::Check,
-                other => {
-                    return Err(ProtoError::Invalid {
-                        what: "probe op",
-                        reason: format!("unknown op {other}"),
-                    });
-                }
-            };
-            let n = r.count(MAX_PAIRS, 12, "probe blocks")?;
-            let mut blocks = Vec::with_capacity(n);
-            for _ in 0..n {
-                blocks.push((r.u32("probe block")?, r.u64("probe seed")?));
-            }
-            Message::Probe(Probe { id, op, blocks })
-        }
+        MessageKind::Probe => Message::Probe(decode_probe(r)?),
         #[cfg(feature = "probe")]
-        MessageKind::ProbeReply => {
-            let id = r.u64("probe id")?;
-            let rank = r.u32("rank")?;
-            let n = r.count(MAX_PAIRS, 4, "mismatched blocks")?;
-            let mut mismatched = Vec::with_capacity(n);
-            for _ in 0..n {
-                mismatched.push(r.u32("mismatched block")?);
-            }
-            let error = match r.u8("probe error flag")? {
+        MessageKind::ProbeReply => Message::ProbeReply(decode_probe_reply(r)?),
+    })
+}
+
+/// Reads the body of an `Ack` (see [`encode_ack`]).
+fn decode_ack(r: &mut Reader<'_>) -> Result<Ack, ProtoError> {
+    let transfer_id = r.u64("transfer id")?;
+    let rank = r.u32("rank")?;
+    let completed = r.pairs("completed pairs")?;
+    let failure = match r.u8("failure flag")? {
+        0 => None,
+        1 => Some(AckFailure {
+            error: r.text(MAX_TEXT_BYTES, "ack error text")?,
+            failed: r.pairs("failed pairs")?,
+            os_error: match r.u32("ack OS error")? {
                 0 => None,
-                1 => Some(r.text(MAX_TEXT_BYTES, "probe error text")?),
-                other => {
-                    return Err(ProtoError::Invalid {
-                        what: "probe error flag",
-                        reason: format!("{other} is neither 0 nor 1"),
-                    });
-                }
-            };
-            Message::ProbeReply(ProbeReply {
-                id,
-                rank,
-                mismatched,
-                error,
-            })
+                n => Some(i32::try_from(n).map_err(|_| ProtoError::Invalid {
+                    what: "ack OS error",
+                    reason: format!("{n} is not an error number"),
+                })?),
+            },
+            checksum_mismatches: r.u32("ack checksum mismatches")?,
+        }),
+        other => {
+            return Err(ProtoError::Invalid {
+                what: "failure flag",
+                reason: format!("{other} is neither 0 nor 1"),
+            });
         }
+    };
+    Ok(Ack {
+        transfer_id,
+        rank,
+        completed,
+        failure,
+    })
+}
+
+/// Reads the body of a `PeerInfo` (see [`encode_peer_info`]).
+fn decode_peer_info(r: &mut Reader<'_>) -> Result<PeerInfo, ProtoError> {
+    let instance = r.u64("instance")?;
+    // Each rank takes at least 8 bytes (two length fields).
+    let n = r.count(MAX_WORLD_SIZE as usize, 8, "peer ranks")?;
+    let mut ranks = Vec::with_capacity(n);
+    for _ in 0..n {
+        ranks.push(PeerRank {
+            nixl_metadata: r.bytes(MAX_NIXL_METADATA_BYTES, "nixl metadata")?.to_vec(),
+            layout: r.descriptor()?,
+        });
+    }
+    Ok(PeerInfo { instance, ranks })
+}
+
+/// Reads the body of a `Probe` (see [`encode_probe`]).
+#[cfg(feature = "probe")]
+fn decode_probe(r: &mut Reader<'_>) -> Result<Probe, ProtoError> {
+    let id = r.u64("probe id")?;
+    let op = match r.u8("probe op")? {
+        1 => ProbeOp::Fill,
+        2 => ProbeOp::Check,
+        other => {
+            return Err(ProtoError::Invalid {
+                what: "probe op",
+                reason: format!("unknown op {other}"),
+            });
+        }
+    };
+    let n = r.count(MAX_PAIRS, 12, "probe blocks")?;
+    let mut blocks = Vec::with_capacity(n);
+    for _ in 0..n {
+        blocks.push((r.u32("probe block")?, r.u64("probe seed")?));
+    }
+    Ok(Probe { id, op, blocks })
+}
+
+/// Reads the body of a `ProbeReply` (see [`encode_probe_reply`]).
+#[cfg(feature = "probe")]
+fn decode_probe_reply(r: &mut Reader<'_>) -> Result<ProbeReply, ProtoError> {
+    let id = r.u64("probe id")?;
+    let rank = r.u32("rank")?;
+    let n = r.count(MAX_PAIRS, 4, "mismatched blocks")?;
+    let mut mismatched = Vec::with_capacity(n);
+    for _ in 0..n {
+        mismatched.push(r.u32("mismatched block")?);
+    }
+    let error = match r.u8("probe error flag")? {
+        0 => None,
+        1 => Some(r.text(MAX_TEXT_BYTES, "probe error text")?),
+        other => {
+            return Err(ProtoError::Invalid {
+                what: "probe error flag",
+                reason: format!("{other} is neither 0 nor 1"),
+            });
+        }
+    };
+    Ok(ProbeReply {
+        id,
+        rank,
+        mismatched,
+        error,
     })
 }
 

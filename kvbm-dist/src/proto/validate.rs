@@ -10,51 +10,13 @@ use std::collections::HashSet;
 use kvbm_pool::Tier;
 
 use super::error::ProtoError;
-use super::schema::{BlockPair, Message};
+use super::schema::{Ack, BlockPair, Hello, Message, Ready, RemotePull, Transfer};
 use super::{MAX_PAIRS, MAX_TIER_BLOCKS, MAX_WORLD_SIZE};
 
 /// Checks the invariants of one message.
 pub(crate) fn message(m: &Message) -> Result<(), ProtoError> {
     match m {
-        Message::Hello(h) => {
-            if h.world_size == 0 || h.world_size > MAX_WORLD_SIZE {
-                return Err(ProtoError::TooMany {
-                    what: "world size",
-                    value: u64::from(h.world_size),
-                    max: u64::from(MAX_WORLD_SIZE),
-                });
-            }
-            rank(h.rank)?;
-            if h.rank >= h.world_size {
-                return Err(invalid(
-                    "rank",
-                    format!("rank {} outside a world of {}", h.rank, h.world_size),
-                ));
-            }
-            // The descriptor rebuilt when it was decoded; recompute from it.
-            let config = h.layout.config;
-            if h.device_blocks != config.num_blocks() as u64 {
-                return Err(invalid(
-                    "device blocks",
-                    format!(
-                        "{} announced, the layout has {}",
-                        h.device_blocks,
-                        config.num_blocks()
-                    ),
-                ));
-            }
-            if h.bytes_per_block != config.block_bytes() {
-                return Err(invalid(
-                    "bytes per block",
-                    format!(
-                        "{} announced, the layout's blocks are {}",
-                        h.bytes_per_block,
-                        config.block_bytes()
-                    ),
-                ));
-            }
-            blocks("device blocks", h.device_blocks)
-        }
+        Message::Hello(h) => hello(h),
         Message::Configure(c) => {
             blocks("g2 blocks", c.g2_blocks)?;
             blocks("g3 blocks", c.g3_blocks)?;
@@ -66,72 +28,9 @@ pub(crate) fn message(m: &Message) -> Result<(), ProtoError> {
             }
             Ok(())
         }
-        Message::Ready(r) => {
-            rank(r.rank)?;
-            blocks("g2 blocks", r.g2_blocks)?;
-            blocks("g3 blocks", r.g3_blocks)?;
-            for (what, kept, bound, tier) in [
-                ("recovered blocks", &r.recovered, r.g3_blocks, "G3"),
-                ("recovered G2 blocks", &r.recovered_g2, r.g2_blocks, "G2"),
-            ] {
-                if let Some(&(slot, _)) = kept.iter().find(|(s, _)| u64::from(*s) >= bound) {
-                    return Err(invalid(
-                        what,
-                        format!("slot {slot} beyond {bound} {tier} blocks"),
-                    ));
-                }
-            }
-            Ok(())
-        }
-        Message::Transfer(t) => {
-            local_tier("source tier", t.src)?;
-            local_tier("destination tier", t.dst)?;
-            // Within one tier only G2 (host memory: the tier engine stages
-            // G3 writes and reads in G2 slots beyond its pool).
-            if t.src == t.dst && t.src != Tier::G2 {
-                return Err(invalid(
-                    "transfer",
-                    format!("source and destination are both {:?}", t.src),
-                ));
-            }
-            let kept_tier = matches!(t.dst, Tier::G2 | Tier::G3);
-            if !t.labels.is_empty() && (!kept_tier || t.labels.len() != t.pairs.len()) {
-                return Err(invalid(
-                    "block labels",
-                    format!(
-                        "{} labels for {} pairs into {:?} (one per pair, into G2 or G3 only)",
-                        t.labels.len(),
-                        t.pairs.len(),
-                        t.dst
-                    ),
-                ));
-            }
-            Ok(())
-        }
-        Message::Ack(a) => {
-            rank(a.rank)?;
-            let failed = a.failure.as_ref().map_or(0, |f| f.failed.len());
-            if a.completed.len() + failed > MAX_PAIRS {
-                return Err(ProtoError::TooMany {
-                    what: "acknowledged pairs",
-                    value: (a.completed.len() + failed) as u64,
-                    max: MAX_PAIRS as u64,
-                });
-            }
-            if let Some(f) = &a.failure
-                && f.checksum_mismatches as usize > f.failed.len()
-            {
-                return Err(invalid(
-                    "ack checksum mismatches",
-                    format!(
-                        "{} mismatches among {} failed pairs",
-                        f.checksum_mismatches,
-                        f.failed.len()
-                    ),
-                ));
-            }
-            Ok(())
-        }
+        Message::Ready(r) => ready(r),
+        Message::Transfer(t) => transfer(t),
+        Message::Ack(a) => ack(a),
         Message::Pong { rank: r, .. } => rank(*r),
         #[cfg(feature = "probe")]
         Message::ProbeReply(p) => rank(p.rank),
@@ -143,27 +42,147 @@ pub(crate) fn message(m: &Message) -> Result<(), ProtoError> {
             }
             Ok(())
         }
-        Message::RemotePull(r) => {
-            if !matches!(r.src, Tier::G2 | Tier::G3) {
-                return Err(ProtoError::BadTier {
-                    what: "remote source tier",
-                    code: super::codec::tier_code(r.src),
-                });
-            }
-            if !matches!(r.dst, Tier::G1 | Tier::G2) {
-                return Err(ProtoError::BadTier {
-                    what: "remote destination tier",
-                    code: super::codec::tier_code(r.dst),
-                });
-            }
-            Ok(())
-        }
+        Message::RemotePull(r) => remote_pull(r),
         Message::Error(_)
         | Message::Ping { .. }
         | Message::Cancel { .. }
         | Message::Shutdown
         | Message::ExportPeer => Ok(()),
     }
+}
+
+/// Checks a `Hello`: its rank inside its world, and the block count and
+/// size it announces against its layout.
+fn hello(h: &Hello) -> Result<(), ProtoError> {
+    if h.world_size == 0 || h.world_size > MAX_WORLD_SIZE {
+        return Err(ProtoError::TooMany {
+            what: "world size",
+            value: u64::from(h.world_size),
+            max: u64::from(MAX_WORLD_SIZE),
+        });
+    }
+    rank(h.rank)?;
+    if h.rank >= h.world_size {
+        return Err(invalid(
+            "rank",
+            format!("rank {} outside a world of {}", h.rank, h.world_size),
+        ));
+    }
+    // The descriptor rebuilt when it was decoded; recompute from it.
+    let config = h.layout.config;
+    if h.device_blocks != config.num_blocks() as u64 {
+        return Err(invalid(
+            "device blocks",
+            format!(
+                "{} announced, the layout has {}",
+                h.device_blocks,
+                config.num_blocks()
+            ),
+        ));
+    }
+    if h.bytes_per_block != config.block_bytes() {
+        return Err(invalid(
+            "bytes per block",
+            format!(
+                "{} announced, the layout's blocks are {}",
+                h.bytes_per_block,
+                config.block_bytes()
+            ),
+        ));
+    }
+    blocks("device blocks", h.device_blocks)
+}
+
+/// Checks a `Ready`: its rank, its tier sizes, and every kept slot inside
+/// its tier.
+fn ready(r: &Ready) -> Result<(), ProtoError> {
+    rank(r.rank)?;
+    blocks("g2 blocks", r.g2_blocks)?;
+    blocks("g3 blocks", r.g3_blocks)?;
+    for (what, kept, bound, tier) in [
+        ("recovered blocks", &r.recovered, r.g3_blocks, "G3"),
+        ("recovered G2 blocks", &r.recovered_g2, r.g2_blocks, "G2"),
+    ] {
+        if let Some(&(slot, _)) = kept.iter().find(|(s, _)| u64::from(*s) >= bound) {
+            return Err(invalid(
+                what,
+                format!("slot {slot} beyond {bound} {tier} blocks"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Checks a `Transfer`: local tiers, two of them unless within G2, and
+/// labels only into a kept tier, one per pair.
+fn transfer(t: &Transfer) -> Result<(), ProtoError> {
+    local_tier("source tier", t.src)?;
+    local_tier("destination tier", t.dst)?;
+    // Within one tier only G2 (host memory: the tier engine stages
+    // G3 writes and reads in G2 slots beyond its pool).
+    if t.src == t.dst && t.src != Tier::G2 {
+        return Err(invalid(
+            "transfer",
+            format!("source and destination are both {:?}", t.src),
+        ));
+    }
+    let kept_tier = matches!(t.dst, Tier::G2 | Tier::G3);
+    if !t.labels.is_empty() && (!kept_tier || t.labels.len() != t.pairs.len()) {
+        return Err(invalid(
+            "block labels",
+            format!(
+                "{} labels for {} pairs into {:?} (one per pair, into G2 or G3 only)",
+                t.labels.len(),
+                t.pairs.len(),
+                t.dst
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks an `Ack`: its rank, the pairs it names within the limit, and no
+/// more checksum mismatches than failed pairs.
+fn ack(a: &Ack) -> Result<(), ProtoError> {
+    rank(a.rank)?;
+    let failed = a.failure.as_ref().map_or(0, |f| f.failed.len());
+    if a.completed.len() + failed > MAX_PAIRS {
+        return Err(ProtoError::TooMany {
+            what: "acknowledged pairs",
+            value: (a.completed.len() + failed) as u64,
+            max: MAX_PAIRS as u64,
+        });
+    }
+    if let Some(f) = &a.failure
+        && f.checksum_mismatches as usize > f.failed.len()
+    {
+        return Err(invalid(
+            "ack checksum mismatches",
+            format!(
+                "{} mismatches among {} failed pairs",
+                f.checksum_mismatches,
+                f.failed.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a `RemotePull`: from a peer's G2 or G3 into a local G1 or G2.
+fn remote_pull(r: &RemotePull) -> Result<(), ProtoError> {
+    if !matches!(r.src, Tier::G2 | Tier::G3) {
+        return Err(ProtoError::BadTier {
+            what: "remote source tier",
+            code: super::codec::tier_code(r.src),
+        });
+    }
+    if !matches!(r.dst, Tier::G1 | Tier::G2) {
+        return Err(ProtoError::BadTier {
+            what: "remote destination tier",
+            code: super::codec::tier_code(r.dst),
+        });
+    }
+    Ok(())
 }
 
 fn invalid(what: &'static str, reason: String) -> ProtoError {

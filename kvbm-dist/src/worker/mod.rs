@@ -33,6 +33,7 @@ pub mod memory;
 pub mod probe;
 mod remote;
 mod tiers;
+mod watch;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -54,6 +55,7 @@ use crate::proto::{Probe, ProbeOp, ProbeReply};
 use crate::transport::{DealerSocket, WakeSender, drain_disconnects, wake_pair};
 use kvbm_pool::Tier;
 pub(crate) use tiers::{Places, Tiers};
+use watch::LeaderWatch;
 
 /// What a worker needs to start.
 pub struct WorkerConfig {
@@ -176,37 +178,9 @@ pub fn executor_spec(g1: &PhysicalLayout) -> Result<ExecutorSpec> {
     Ok(ExecutorSpec::host())
 }
 
-/// How often the loop looks at the clock when nothing arrives (at most).
-const TICK: Duration = Duration::from_millis(200);
 /// Heartbeat intervals without a frame after which a configured worker
 /// gives its leader up.
 pub const HEARTBEAT_MISSES: u32 = 10;
-/// The shortest silence a configured worker tolerates.
-const MIN_SILENCE: Duration = Duration::from_secs(1);
-/// How long a worker whose connection to the leader dropped still reads
-/// what arrived before (a `Shutdown`) before it exits.
-const DISCONNECT_GRACE: Duration = Duration::from_millis(300);
-
-/// How long the leader may stay silent: the leader timeout until the
-/// worker is configured, then [`HEARTBEAT_MISSES`] heartbeats.
-fn silence_limit(leader_timeout: Duration, heartbeat_ms: Option<u32>) -> Duration {
-    match heartbeat_ms {
-        None => leader_timeout,
-        Some(ms) => (Duration::from_millis(u64::from(ms)) * HEARTBEAT_MISSES)
-            .max(MIN_SILENCE)
-            .min(leader_timeout),
-    }
-}
-
-/// What to add to "the leader is gone" when nothing was ever heard over
-/// CURVE: a leader of another secret looks exactly like no leader.
-fn curve_hint(curve: bool, last_heard: Option<Instant>) -> &'static str {
-    if curve && last_heard.is_none() {
-        "; the CURVE handshake never completed: is the instance secret the leader's?"
-    } else {
-        ""
-    }
-}
 
 /// Runs a worker until the leader says `Shutdown` (`Ok`), goes silent
 /// (`Err(LeaderGone)`) or refuses it (`Err(Refused)`).
@@ -215,22 +189,8 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
         Some(e) => e,
         None => default_executor(&config.g1)?,
     };
-    let identity = format!(
-        "{:x}/{}/{:x}-{:016x}",
-        config.instance,
-        config.rank,
-        std::process::id(),
-        random_u64()?
-    );
-    // The only worker of an instance offers its leader its executor, in
-    // case the leader runs in this process (see `loan`). A worker whose
-    // copies are held back (fault injection) keeps them on the wire.
-    #[cfg(feature = "fault-injection")]
-    let held_back = !config.fault_delay.is_zero();
-    #[cfg(not(feature = "fault-injection"))]
-    let held_back = false;
-    let loan = (config.world_size == 1 && !held_back)
-        .then(|| crate::loan::Loan::offer(&config.endpoint, identity.as_bytes()));
+    let identity = worker_identity(&config)?;
+    let loan = offer_loan(&config, &identity);
     let ctx = zmq::Context::new();
     let started = Instant::now();
     let curve = if curve::used_on(&config.endpoint) {
@@ -243,8 +203,77 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
     let monitor = socket.watch_disconnects(&ctx)?;
     let (wake_tx, wake_rx) = wake_pair(&ctx)?;
     let (ack_tx, ack_rx) = mpsc::channel::<Message>();
+    socket.send(&hello(&config, &identity))?;
+    let _span = tracing::info_span!("worker", rank = config.rank).entered();
+    tracing::info!(%identity, endpoint = %config.endpoint, curve = curve.is_some(), "hello sent");
+    let mut w = Worker::new(&mut config, executor, ack_tx, Arc::new(wake_tx), loan);
+    let mut watch = LeaderWatch::new(started);
+    loop {
+        let limit = watch.silence_limit(config.leader_timeout);
+        {
+            let mut items = [
+                socket.raw().as_poll_item(zmq::POLLIN),
+                wake_rx.socket().as_poll_item(zmq::POLLIN),
+                monitor.as_poll_item(zmq::POLLIN),
+            ];
+            zmq::poll(&mut items, watch.tick().as_millis() as i64)
+                .map_err(DistError::zmq("poll"))?;
+        }
+        wake_rx.drain();
+        if drain_disconnects(&monitor) {
+            // The leader's process is gone (or closed its socket): whatever
+            // it sent before still gets read, then the worker exits
+            // instead of waiting for a heartbeat, or for whoever listens on
+            // the endpoint next.
+            watch.disconnected();
+        }
+        while let Ok(ack) = ack_rx.try_recv() {
+            if let Message::Ack(a) = &ack {
+                w.inflight.remove(&a.transfer_id);
+            }
+            socket.send(&ack)?;
+        }
+        if w.serve_frames(&socket, &mut watch)? {
+            return Ok(());
+        }
+        if let Some(why) = watch.gone(limit, &config, curve.is_some()) {
+            w.cancel_inflight();
+            tracing::warn!("{why}; exiting");
+            return Err(DistError::LeaderGone(why));
+        }
+    }
+}
+
+/// The identity a worker's socket introduces itself with: its instance,
+/// rank and process, and a random nonce so no two connections share one.
+fn worker_identity(config: &WorkerConfig) -> Result<String> {
+    Ok(format!(
+        "{:x}/{}/{:x}-{:016x}",
+        config.instance,
+        config.rank,
+        std::process::id(),
+        random_u64()?
+    ))
+}
+
+/// The only worker of an instance offers its leader its executor, in case
+/// the leader runs in this process (see `loan`). A worker whose copies are
+/// held back (fault injection) keeps them on the wire.
+fn offer_loan(config: &WorkerConfig, identity: &str) -> Option<crate::loan::Loan> {
+    #[cfg(feature = "fault-injection")]
+    let held_back = !config.fault_delay.is_zero();
+    #[cfg(not(feature = "fault-injection"))]
+    let held_back = false;
+    (config.world_size == 1 && !held_back)
+        .then(|| crate::loan::Loan::offer(&config.endpoint, identity.as_bytes()))
+}
+
+/// The `Hello` a worker introduces itself with: its place in the instance,
+/// its G1's shape and layout, and the MAC that proves it knows the
+/// instance secret.
+fn hello(config: &WorkerConfig, identity: &str) -> Message {
     let layout = config.g1.layout();
-    socket.send(&Message::Hello(Hello {
+    Message::Hello(Hello {
         instance: config.instance,
         rank: config.rank,
         world_size: config.world_size,
@@ -258,145 +287,7 @@ pub fn run(mut config: WorkerConfig) -> Result<()> {
             config.world_size,
             identity.as_bytes(),
         ),
-    }))?;
-    let _span = tracing::info_span!("worker", rank = config.rank).entered();
-    tracing::info!(%identity, endpoint = %config.endpoint, curve = curve.is_some(), "hello sent");
-    let mut w = Worker {
-        instance: config.instance,
-        rank: config.rank,
-        world_size: config.world_size,
-        remote: remote::RemoteState::default(),
-        tiers: Tiers::new(config.g1.clone()),
-        g3_dir: config.g3_dir.clone(),
-        g2_keep_dir: config.g2_keep_dir.clone(),
-        kept_identity: config.kept_identity.clone(),
-        #[cfg(feature = "probe")]
-        probe: config.probe.take(),
-        g2_allocator: config.g2_allocator.take(),
-        executor,
-        #[cfg(feature = "fault-injection")]
-        fault_delay: config.fault_delay,
-        #[cfg(not(feature = "fault-injection"))]
-        fault_delay: Duration::ZERO,
-        inflight: HashMap::new(),
-        acks: ack_tx,
-        wake: Arc::new(wake_tx),
-        loan,
-    };
-    let mut last_heard: Option<Instant> = None;
-    // When the silence limit was first seen passed: the socket gets one
-    // more grace period to deliver what is already on its way.
-    let mut silence_grace: Option<Instant> = None;
-    let mut heartbeat_ms: Option<u32> = None;
-    let mut disconnected: Option<Instant> = None;
-    loop {
-        let limit = silence_limit(config.leader_timeout, heartbeat_ms);
-        let tick = heartbeat_ms.map_or(TICK, |ms| {
-            TICK.min(Duration::from_millis(u64::from(ms.max(10))))
-        });
-        {
-            let mut items = [
-                socket.raw().as_poll_item(zmq::POLLIN),
-                wake_rx.socket().as_poll_item(zmq::POLLIN),
-                monitor.as_poll_item(zmq::POLLIN),
-            ];
-            zmq::poll(&mut items, tick.as_millis() as i64).map_err(DistError::zmq("poll"))?;
-        }
-        wake_rx.drain();
-        if drain_disconnects(&monitor) && disconnected.is_none() {
-            // The leader's process is gone (or closed its socket): whatever
-            // it sent before still gets read, then the worker exits
-            // instead of waiting for a heartbeat, or for whoever listens on
-            // the endpoint next.
-            disconnected = Some(Instant::now());
-        }
-        while let Ok(ack) = ack_rx.try_recv() {
-            if let Message::Ack(a) = &ack {
-                w.inflight.remove(&a.transfer_id);
-            }
-            socket.send(&ack)?;
-        }
-        while let Some(received) = socket.try_recv()? {
-            last_heard = Some(Instant::now());
-            silence_grace = None;
-            match received.message {
-                Ok(Message::Shutdown) => {
-                    tracing::info!("shutdown");
-                    for t in w.inflight.values() {
-                        t.cancel();
-                    }
-                    return Ok(());
-                }
-                Ok(Message::Error(e)) if heartbeat_ms.is_none() => {
-                    // Refused before being configured (a wrong secret,
-                    // instance or shape): nothing to wait for.
-                    tracing::warn!("the leader refused this worker: {}", e.message);
-                    return Err(DistError::Refused(e.message));
-                }
-                Ok(m) => {
-                    if let Message::Configure(c) = &m {
-                        heartbeat_ms = Some(c.heartbeat_ms);
-                    }
-                    if let Some(reply) = w.handle(m) {
-                        socket.send(&reply)?;
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!("refused a frame from the leader: {e}");
-                    socket.send(&Message::Error(ErrorReply {
-                        transfer_id: None,
-                        message: truncate(format!("refused frame: {e}")),
-                    }))?;
-                }
-            }
-        }
-        if let Some(t) = disconnected
-            && t.elapsed() > DISCONNECT_GRACE
-        {
-            for t in w.inflight.values() {
-                t.cancel();
-            }
-            let why = format!(
-                "the connection to the leader at {} closed{}",
-                config.endpoint,
-                curve_hint(curve.is_some(), last_heard)
-            );
-            tracing::warn!("{why}; exiting");
-            return Err(DistError::LeaderGone(why));
-        }
-        let silent = last_heard.unwrap_or(started).elapsed();
-        if silent > limit {
-            // A process that was stopped or descheduled wakes up with its
-            // leader's frames still on their way from the kernel to the
-            // socket (a `Shutdown` among them): read for one grace period
-            // before calling the leader gone.
-            let deadline = *silence_grace.get_or_insert_with(|| Instant::now() + DISCONNECT_GRACE);
-            if Instant::now() < deadline {
-                continue;
-            }
-            for t in w.inflight.values() {
-                t.cancel();
-            }
-            let why = match (last_heard, heartbeat_ms) {
-                (None, _) => format!(
-                    "no answer from the leader at {} within {:?} (leader timeout){}",
-                    config.endpoint,
-                    config.leader_timeout,
-                    curve_hint(curve.is_some(), None)
-                ),
-                (Some(_), None) => format!(
-                    "the leader at {} fell silent during the handshake for {silent:?} (leader timeout {:?})",
-                    config.endpoint, config.leader_timeout
-                ),
-                (Some(_), Some(ms)) => format!(
-                    "no heartbeat from the leader at {} for {silent:?} (pinged every {ms} ms)",
-                    config.endpoint
-                ),
-            };
-            tracing::warn!("{why}; exiting");
-            return Err(DistError::LeaderGone(why));
-        }
-    }
+    })
 }
 
 struct Worker {
@@ -422,6 +313,85 @@ struct Worker {
 }
 
 impl Worker {
+    /// A worker not yet configured: G1 from `config` (whose probe and G2
+    /// allocator it takes), no G2 or G3 yet, nothing in flight.
+    fn new(
+        config: &mut WorkerConfig,
+        executor: Executor,
+        acks: mpsc::Sender<Message>,
+        wake: Arc<WakeSender>,
+        loan: Option<crate::loan::Loan>,
+    ) -> Self {
+        Worker {
+            instance: config.instance,
+            rank: config.rank,
+            world_size: config.world_size,
+            remote: remote::RemoteState::default(),
+            tiers: Tiers::new(config.g1.clone()),
+            g3_dir: config.g3_dir.clone(),
+            g2_keep_dir: config.g2_keep_dir.clone(),
+            kept_identity: config.kept_identity.clone(),
+            #[cfg(feature = "probe")]
+            probe: config.probe.take(),
+            g2_allocator: config.g2_allocator.take(),
+            executor,
+            #[cfg(feature = "fault-injection")]
+            fault_delay: config.fault_delay,
+            #[cfg(not(feature = "fault-injection"))]
+            fault_delay: Duration::ZERO,
+            inflight: HashMap::new(),
+            acks,
+            wake,
+            loan,
+        }
+    }
+
+    /// Reads and answers every frame waiting on `socket`, noting each in
+    /// `watch`; `true` when the leader said `Shutdown` (the transfers in
+    /// flight are then cancelled). Errors when the leader refused this
+    /// worker before configuring it, or when a reply cannot be sent.
+    fn serve_frames(&mut self, socket: &DealerSocket, watch: &mut LeaderWatch) -> Result<bool> {
+        while let Some(received) = socket.try_recv()? {
+            watch.heard();
+            match received.message {
+                Ok(Message::Shutdown) => {
+                    tracing::info!("shutdown");
+                    self.cancel_inflight();
+                    return Ok(true);
+                }
+                Ok(Message::Error(e)) if !watch.configured() => {
+                    // Refused before being configured (a wrong secret,
+                    // instance or shape): nothing to wait for.
+                    tracing::warn!("the leader refused this worker: {}", e.message);
+                    return Err(DistError::Refused(e.message));
+                }
+                Ok(m) => {
+                    if let Message::Configure(c) = &m {
+                        watch.set_heartbeat(c.heartbeat_ms);
+                    }
+                    if let Some(reply) = self.handle(m) {
+                        socket.send(&reply)?;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!("refused a frame from the leader: {e}");
+                    socket.send(&Message::Error(ErrorReply {
+                        transfer_id: None,
+                        message: truncate(format!("refused frame: {e}")),
+                    }))?;
+                }
+            }
+        }
+        Ok(false)
+    }
+
+    /// Cancels every transfer in flight.
+    fn cancel_inflight(&self) {
+        for t in self.inflight.values() {
+            t.cancel();
+        }
+    }
+
     fn handle(&mut self, message: Message) -> Option<Message> {
         match message {
             Message::Configure(c) => Some(self.configure(c)),

@@ -70,6 +70,23 @@ fn disk_aligned(g1: &PhysicalLayout) -> bool {
         })
 }
 
+/// `n` blocks as a count, refused where it does not fit this machine.
+fn block_count(n: u64) -> Result<usize> {
+    usize::try_from(n).map_err(|_| DistError::InvalidConfig(format!("{n} blocks")))
+}
+
+/// A G2 or G3 as configuring opened it: its memory (none when sized 0),
+/// its records where it is kept, and what those records held.
+#[derive(Default)]
+struct OpenedTier {
+    /// The tier's memory.
+    layout: Option<PhysicalLayout>,
+    /// Its records, where it is kept across restarts.
+    store: Option<Arc<KeptStore>>,
+    /// What its records held when it was opened.
+    found: Found,
+}
+
 /// G1, and G2 / G3 once configured, with their checksums in verify mode.
 #[derive(Clone)]
 pub(crate) struct Tiers {
@@ -115,121 +132,144 @@ impl Tiers {
         executor: &Executor,
         g2_allocator: Option<&(dyn Fn(Layout) -> Result<PhysicalLayout> + Send)>,
     ) -> Result<()> {
-        let shape = *self.g1.layout().config();
-        let blocks = |n: u64| {
-            usize::try_from(n).map_err(|_| DistError::InvalidConfig(format!("{n} blocks")))
-        };
         // The old stores let go of their directories before they are
         // opened again.
         self.g2_store = None;
         self.g3_store = None;
-        let (g2, g2_store, g2_found) = match c.g2_blocks {
-            0 => (None, None, Found::default()),
-            n => {
-                let layout = Layout::new(
-                    shape.with_num_blocks(blocks(n)?)?,
-                    LayoutKind::FullyContiguous,
-                )?;
-                let (l, store, found) = match (places.g2_keep_dir, places.identity) {
-                    (Some(dir), Some(identity)) => {
-                        let pin = g2_pin(self.g1.kind())?;
-                        let medium = Medium::Memory {
-                            pin: pin.as_deref(),
-                        };
-                        let (store, l, recovery) =
-                            KeptStore::open_free(dir, identity, layout, &medium)?;
-                        let found = Found {
-                            blocks: Arc::from(recovery.blocks),
-                            rejected: recovery.rejected,
-                        };
-                        (l, Some(Arc::new(store)), found)
-                    }
-                    (Some(_), None) => {
-                        return Err(DistError::InvalidConfig(
-                            "a kept G2 needs the identity of what it holds".into(),
-                        ));
-                    }
-                    (None, _) => {
-                        let l = match g2_allocator {
-                            Some(alloc) => alloc(layout)?,
-                            None => default_g2(self.g1.kind(), layout)?,
-                        };
-                        (l, None, Found::default())
-                    }
-                };
-                executor.register(&l)?;
-                (Some(l), store, found)
-            }
+        let g2 = match c.g2_blocks {
+            0 => OpenedTier::default(),
+            n => self.open_g2(n, places, executor, g2_allocator)?,
         };
         let g3_started = Instant::now();
-        let (g3, store, recovered, rejected) = match (c.g3_blocks, places.g3_dir) {
-            (0, _) => (None, None, Vec::new(), 0),
+        let g3 = match (c.g3_blocks, places.g3_dir) {
+            (0, _) => OpenedTier::default(),
             (_, None) => {
                 return Err(DistError::InvalidConfig(
                     "G3 requested but this worker has no disk directory".into(),
                 ));
             }
-            (n, Some(g3_dir)) => {
-                let config = shape
-                    .with_num_blocks(blocks(n)?)?
-                    .with_alignment(DISK_ALIGNMENT)?;
-                let layout = Layout::new(config, LayoutKind::FullyContiguous)?;
-                // Blocks go between G3 and G1 directly. `O_DIRECT` needs
-                // every host address aligned, which an engine's host
-                // tensors (a CPU engine's KV cache) need not be: then G3 is
-                // read and written through the page cache.
-                let io_mode = if disk_aligned(&self.g1) {
-                    IoMode::Auto
-                } else {
-                    tracing::info!("G1 is not disk-aligned host memory: G3 uses buffered I/O");
-                    IoMode::Buffered
-                };
-                match places.identity {
-                    Some(identity) => {
-                        let (store, g3, recovery) =
-                            KeptStore::open_free(g3_dir, identity, layout, &Medium::Disk(io_mode))?;
-                        let rejected = recovery.rejected;
-                        (Some(g3), Some(Arc::new(store)), recovery.blocks, rejected)
-                    }
-                    None => {
-                        let options = DiskOptions {
-                            io_mode,
-                            ..DiskOptions::default()
-                        };
-                        let alloc = DiskAllocator::new(g3_dir, options)?;
-                        let g3 = PhysicalLayout::allocate_disk(layout, &alloc)?;
-                        (Some(g3), None, Vec::new(), 0)
-                    }
-                }
-            }
+            (n, Some(g3_dir)) => self.open_g3(n, g3_dir, places.identity)?,
         };
-        self.g2 = g2;
-        self.g3 = g3;
+        self.g2 = g2.layout;
+        self.g3 = g3.layout;
         // New tiers hold nothing yet, but what kept tiers found again: their
         // records carry the sums.
         let tracked = Tracked {
-            g2: c.verify || g2_store.is_some(),
-            g3: c.verify || store.is_some(),
+            g2: c.verify || g2.store.is_some(),
+            g3: c.verify || g3.store.is_some(),
         };
         self.checksums = (tracked.g2 || tracked.g3).then(|| {
             let sums = Checksums::new(&self.g1, tracked);
-            sums.seed(Tier::G2, g2_found.blocks.iter().map(|r| (r.slot, r.sum)));
-            sums.seed(Tier::G3, recovered.iter().map(|r| (r.slot, r.sum)));
+            sums.seed(Tier::G2, g2.found.blocks.iter().map(|r| (r.slot, r.sum)));
+            sums.seed(Tier::G3, g3.found.blocks.iter().map(|r| (r.slot, r.sum)));
             Arc::new(sums)
         });
-        self.g2_store = g2_store;
-        self.g3_store = store;
-        self.g2_found = g2_found;
-        self.g3_found = Found {
-            blocks: Arc::from(recovered),
-            rejected,
-        };
+        self.g2_store = g2.store;
+        self.g3_store = g3.store;
+        self.g2_found = g2.found;
+        self.g3_found = g3.found;
         self.g3_open = if self.g3.is_some() {
             g3_started.elapsed()
         } else {
             Duration::ZERO
         };
         Ok(())
+    }
+
+    /// Opens a G2 of `n` blocks of G1's shape, registered with `executor`:
+    /// kept in `places.g2_keep_dir` (what it held found again) when G2 is
+    /// kept, else from `g2_allocator` or the default for G1's memory.
+    fn open_g2(
+        &self,
+        n: u64,
+        places: Places<'_>,
+        executor: &Executor,
+        g2_allocator: Option<&(dyn Fn(Layout) -> Result<PhysicalLayout> + Send)>,
+    ) -> Result<OpenedTier> {
+        let shape = *self.g1.layout().config();
+        let layout = Layout::new(
+            shape.with_num_blocks(block_count(n)?)?,
+            LayoutKind::FullyContiguous,
+        )?;
+        let (l, store, found) = match (places.g2_keep_dir, places.identity) {
+            (Some(dir), Some(identity)) => {
+                let pin = g2_pin(self.g1.kind())?;
+                let medium = Medium::Memory {
+                    pin: pin.as_deref(),
+                };
+                let (store, l, recovery) = KeptStore::open_free(dir, identity, layout, &medium)?;
+                let found = Found {
+                    blocks: Arc::from(recovery.blocks),
+                    rejected: recovery.rejected,
+                };
+                (l, Some(Arc::new(store)), found)
+            }
+            (Some(_), None) => {
+                return Err(DistError::InvalidConfig(
+                    "a kept G2 needs the identity of what it holds".into(),
+                ));
+            }
+            (None, _) => {
+                let l = match g2_allocator {
+                    Some(alloc) => alloc(layout)?,
+                    None => default_g2(self.g1.kind(), layout)?,
+                };
+                (l, None, Found::default())
+            }
+        };
+        executor.register(&l)?;
+        Ok(OpenedTier {
+            layout: Some(l),
+            store,
+            found,
+        })
+    }
+
+    /// Opens a G3 of `n` blocks of G1's shape, padded to the disk
+    /// alignment, in `g3_dir`: kept under `identity` (what it held found
+    /// again) when there is one, else a plain disk file.
+    fn open_g3(&self, n: u64, g3_dir: &Path, identity: Option<&str>) -> Result<OpenedTier> {
+        let shape = *self.g1.layout().config();
+        let config = shape
+            .with_num_blocks(block_count(n)?)?
+            .with_alignment(DISK_ALIGNMENT)?;
+        let layout = Layout::new(config, LayoutKind::FullyContiguous)?;
+        // Blocks go between G3 and G1 directly. `O_DIRECT` needs every host
+        // address aligned, which an engine's host tensors (a CPU engine's
+        // KV cache) need not be: then G3 is read and written through the
+        // page cache.
+        let io_mode = if disk_aligned(&self.g1) {
+            IoMode::Auto
+        } else {
+            tracing::info!("G1 is not disk-aligned host memory: G3 uses buffered I/O");
+            IoMode::Buffered
+        };
+        Ok(match identity {
+            Some(identity) => {
+                let (store, g3, recovery) =
+                    KeptStore::open_free(g3_dir, identity, layout, &Medium::Disk(io_mode))?;
+                OpenedTier {
+                    layout: Some(g3),
+                    store: Some(Arc::new(store)),
+                    found: Found {
+                        blocks: Arc::from(recovery.blocks),
+                        rejected: recovery.rejected,
+                    },
+                }
+            }
+            None => {
+                let options = DiskOptions {
+                    io_mode,
+                    ..DiskOptions::default()
+                };
+                let alloc = DiskAllocator::new(g3_dir, options)?;
+                OpenedTier {
+                    layout: Some(PhysicalLayout::allocate_disk(layout, &alloc)?),
+                    store: None,
+                    found: Found::default(),
+                }
+            }
+        })
     }
 
     /// What a kept G2 found when it was opened (nothing where G2 is not
