@@ -169,9 +169,9 @@ fn resolve<T: Outcome>(shared: &Shared<T>, value: T) {
 /// at line rate) and would rather not pay a thread wake-up after it.
 ///
 /// The waiter's timer slack is the kernel's default (50 µs on Linux): a
-/// sleep may end that much late. So the last [`SLEEP_MARGIN`] before `at`
-/// is polled, not slept: a copy due in 40 µs is not learnt of 50 µs after
-/// it landed.
+/// sleep may end that much late. So the last 60 µs before `at` are
+/// polled, not slept: a copy due in 40 µs is not learnt of 50 µs after it
+/// landed.
 pub fn poll_until_due(at: Instant, spin: Duration, mut ready: impl FnMut() -> bool) -> bool {
     const NAP: Duration = Duration::from_micros(200);
     loop {
