@@ -145,97 +145,167 @@ impl SplitMix64 {
     }
 }
 
-/// Generates the workload described by `config`.
-pub fn generate_agentic(config: &AgenticConfig) -> AgenticTrace {
-    let mut rng = SplitMix64(config.seed);
-    let bt = config.block_tokens.max(1);
-    let pause = (
-        config.pause_median_ms,
-        config.pause_sigma,
-        config.max_pause_ms,
-    );
-    let mut next_id: BlockId = 0;
-    let mut fresh = || {
-        next_id += 1;
-        next_id - 1
-    };
-    let prompts: Vec<Vec<BlockId>> = (0..config.system_prompts)
-        .map(|_| (0..config.system_prompt_blocks).map(|_| fresh()).collect())
-        .collect();
-    let harmonic: f64 = (1..=prompts.len()).map(|r| 1.0 / r as f64).sum();
-    let p_continue = 1.0 - 1.0 / (config.mean_calls - 1.0).max(1.0);
+/// One request of the trace with what it is ordered by: `(timestamp,
+/// program, call, request, next)`; chat requests have program
+/// `usize::MAX`.
+type Entry = (u64, usize, usize, Request, NextCall);
 
-    // (timestamp, program, call, request, next)
-    let mut out: Vec<(u64, usize, usize, Request, NextCall)> = Vec::new();
-    let mut start = 0.0;
-    for program in 0..config.programs {
-        start += rng.exponential(config.mean_program_gap_ms);
+/// Draws the agent programs' calls, handing out fresh block ids.
+struct Programs<'a> {
+    config: &'a AgenticConfig,
+    rng: SplitMix64,
+    /// Tokens per block (at least 1).
+    bt: u32,
+    /// The next unused block id.
+    next_id: BlockId,
+    /// The agent system prompts' blocks.
+    prompts: Vec<Vec<BlockId>>,
+    /// The sum of `1 / rank` over the system prompts.
+    harmonic: f64,
+    /// The chance that a program goes on after a call (past its first).
+    p_continue: f64,
+    /// The pause distribution `(median ms, sigma, max ms)`.
+    pause: (f64, f64, f64),
+}
+
+impl<'a> Programs<'a> {
+    /// The generator for `config`, its system prompts drawn.
+    fn new(config: &'a AgenticConfig) -> Self {
+        let mut programs = Programs {
+            config,
+            rng: SplitMix64(config.seed),
+            bt: config.block_tokens.max(1),
+            next_id: 0,
+            prompts: Vec::new(),
+            harmonic: 0.0,
+            p_continue: 1.0 - 1.0 / (config.mean_calls - 1.0).max(1.0),
+            pause: (
+                config.pause_median_ms,
+                config.pause_sigma,
+                config.max_pause_ms,
+            ),
+        };
+        programs.prompts = (0..config.system_prompts)
+            .map(|_| {
+                (0..config.system_prompt_blocks)
+                    .map(|_| programs.fresh())
+                    .collect()
+            })
+            .collect();
+        programs.harmonic = (1..=programs.prompts.len()).map(|r| 1.0 / r as f64).sum();
+        programs
+    }
+
+    /// A block id not used before.
+    fn fresh(&mut self) -> BlockId {
+        self.next_id += 1;
+        self.next_id - 1
+    }
+
+    /// A system prompt's index, picked with probability proportional to
+    /// `1 / rank` (the prompts must not be empty).
+    fn pick_prompt(&mut self) -> usize {
+        let mut pick = self.rng.unit() * self.harmonic;
+        let mut chosen = self.prompts.len() - 1;
+        for r in 0..self.prompts.len() {
+            pick -= 1.0 / (r + 1) as f64;
+            if pick <= 0.0 {
+                chosen = r;
+                break;
+            }
+        }
+        chosen
+    }
+
+    /// Adds to `out` every call of program `program`, which starts at
+    /// `start` milliseconds.
+    fn program(&mut self, program: usize, start: f64, out: &mut Vec<Entry>) {
+        let (config, bt) = (self.config, self.bt);
         let mut full: Vec<BlockId> = Vec::new();
         let mut tokens = 0u32;
-        if !prompts.is_empty() {
-            let mut pick = rng.unit() * harmonic;
-            let mut chosen = prompts.len() - 1;
-            for r in 0..prompts.len() {
-                pick -= 1.0 / (r + 1) as f64;
-                if pick <= 0.0 {
-                    chosen = r;
-                    break;
-                }
-            }
-            full.extend_from_slice(&prompts[chosen]);
+        if !self.prompts.is_empty() {
+            let chosen = self.pick_prompt();
+            full.extend_from_slice(&self.prompts[chosen]);
             tokens = config.system_prompt_blocks * bt;
         }
-        tokens += rng.around(config.task_tokens).max(1);
+        tokens += self.rng.around(config.task_tokens).max(1);
         let mut at = start as u64;
         let mut call = 0;
         loop {
-            while (full.len() as u32 + 1) * bt <= tokens {
-                full.push(fresh());
-            }
-            let mut hash_ids = full.clone();
-            if !tokens.is_multiple_of(bt) {
-                hash_ids.push(fresh());
-            }
-            let output_length = rng.around(config.output_tokens).max(1);
-            let request = Request {
-                timestamp_ms: at,
-                input_length: tokens,
-                output_length,
-                hash_ids,
-            };
+            let request = self.call(&mut full, tokens, at);
+            let output_length = request.output_length;
             // At least two calls, then geometric.
-            let last = call > 0 && rng.unit() > p_continue;
+            let last = call > 0 && self.rng.unit() > self.p_continue;
             if last {
                 out.push((at, program, call, request, NextCall::Done));
                 break;
             }
-            let wait = rng.pause(pause);
+            let wait = self.rng.pause(self.pause);
             out.push((at, program, call, request, NextCall::After(wait)));
             at += wait;
             call += 1;
             tokens = tokens
                 .saturating_add(output_length)
-                .saturating_add(rng.around(config.tool_result_tokens).max(1));
+                .saturating_add(self.rng.around(config.tool_result_tokens).max(1));
         }
     }
-    // Chat traffic, its block ids moved past the agents'.
-    let offset = next_id;
+
+    /// A call at `at` whose prompt is `tokens` long: `full` (the prompt's
+    /// full blocks so far) grows to cover it, and a partial last block
+    /// gets an id of its own.
+    fn call(&mut self, full: &mut Vec<BlockId>, tokens: u32, at: u64) -> Request {
+        let bt = self.bt;
+        while (full.len() as u32 + 1) * bt <= tokens {
+            full.push(self.fresh());
+        }
+        let mut hash_ids = full.clone();
+        if !tokens.is_multiple_of(bt) {
+            hash_ids.push(self.fresh());
+        }
+        let output_length = self.rng.around(self.config.output_tokens).max(1);
+        Request {
+            timestamp_ms: at,
+            input_length: tokens,
+            output_length,
+            hash_ids,
+        }
+    }
+}
+
+/// The interleaved chat traffic, its block ids moved up by `offset` (past
+/// the agents').
+fn chat_entries(config: &AgenticConfig, bt: u32, offset: BlockId) -> Vec<Entry> {
     let chat = generate_synthetic(&SyntheticConfig {
         block_tokens: bt,
         ..config.chat.clone()
     });
-    for (i, mut r) in chat.into_iter().enumerate() {
-        for h in &mut r.hash_ids {
-            *h += offset;
-        }
-        out.push((r.timestamp_ms, usize::MAX, i, r, NextCall::Unknown));
+    chat.into_iter()
+        .enumerate()
+        .map(|(i, mut r)| {
+            for h in &mut r.hash_ids {
+                *h += offset;
+            }
+            (r.timestamp_ms, usize::MAX, i, r, NextCall::Unknown)
+        })
+        .collect()
+}
+
+/// Generates the workload described by `config`.
+pub fn generate_agentic(config: &AgenticConfig) -> AgenticTrace {
+    let mut programs = Programs::new(config);
+    let mut out: Vec<Entry> = Vec::new();
+    let mut start = 0.0;
+    for program in 0..config.programs {
+        start += programs.rng.exponential(config.mean_program_gap_ms);
+        programs.program(program, start, &mut out);
     }
+    out.extend(chat_entries(config, programs.bt, programs.next_id));
     out.sort_by_key(|(t, program, call, ..)| (*t, *program, *call));
     let (requests, next) = out.into_iter().map(|(.., r, n)| (r, n)).unzip();
     AgenticTrace {
         requests,
         next,
-        pause,
+        pause: programs.pause,
     }
 }
 
