@@ -21,7 +21,8 @@ use std::time::Instant;
 use kvbm_block::SequenceHash;
 use kvbm_pool::TierError;
 use kvbm_pool::metrics::TierStats;
-use kvbm_pool::tier::{G1Lookup, OnboardTarget, TierEngine};
+use kvbm_pool::tier::{G1Lookup, OnboardTarget, Onboarded, TierEngine, TierMatch};
+use kvbm_pool::{ImmutableBlock, MutableBlock};
 
 use super::super::error::{BenchError, Result};
 use super::super::host_view::{HostTier, Mismatch};
@@ -262,22 +263,13 @@ impl EngineDriver {
 
     /// Replays request number `index`.
     pub fn request(&mut self, index: usize, request: &Request) -> Result<RequestOutcome> {
-        let engine = &self.engine;
         let hashes: Vec<SequenceHash> = request.hash_ids.iter().map(|&h| SequenceHash(h)).collect();
-        let n = hashes.len();
-        let bs = engine.block_size();
         let id = index as u64;
         // Onboard latency runs from the match: G3 reads start there.
         let t0 = Instant::now();
-        let g3_bytes_before = engine.stats().bytes[G3_TO_G1];
-        // One token past the full blocks: hit rates count every matched
-        // full block, as the simulators do (the full-prompt give-back is
-        // accounted in the tokens avoided instead); a partial last block is
-        // never matched, so it is not recorded either.
+        let g3_bytes_before = self.engine.stats().bytes[G3_TO_G1];
         let full_end = request.full_blocks(self.trace_block_tokens);
-        let m = engine
-            .match_request(id, &hashes, full_end * bs + 1, G1Lookup::Pool)
-            .map_err(tier_err)?;
+        let m = self.match_prefix(id, &hashes, full_end)?;
         let mut out = RequestOutcome {
             declined_blocks: m.declined_blocks,
             ..RequestOutcome::default()
@@ -296,50 +288,118 @@ impl EngineDriver {
         let mut held = m.g1.into_blocks();
         let mut onboard_secs = None;
         let onboarded = if external > 0 {
-            // `onboard` returns once kvbm has allocated the G1 targets (in
-            // write-back mode, after G1's victims were saved).
-            let handle = engine.onboard(id, OnboardTarget::Pool).map_err(tier_err)?;
-            out.onboard_alloc_secs = t0.elapsed().as_secs_f64();
-            match handle.wait() {
-                Ok(done) => Some((done, t0.elapsed().as_secs_f64())),
-                // The copy failed (counted by the engine): as an engine
-                // would, compute the blocks kvbm could not deliver; they
-                // are misses.
-                Err(e @ (TierError::Onboard { .. } | TierError::SharedOnboardFailed(_))) => {
-                    tracing::warn!(request = index, "computing the prefix again: {e}");
-                    self.failed_onboards += 1;
-                    out.prefix.truncate(g1_hits);
-                    None
-                }
-                Err(e) => return Err(tier_err(e)),
-            }
+            self.onboard(index, t0, g1_hits, &mut out)?
         } else {
             None
         };
         if let Some((done, secs)) = onboarded {
             onboard_secs = Some(secs);
             out.onboard_blocks = [m.g2_blocks, m.g3_blocks];
-            out.onboard_g3_bytes = engine.stats().bytes[G3_TO_G1] - g3_bytes_before;
-            let loaded = done.blocks.into_blocks();
-            for b in &loaded {
-                let hash = b.sequence_hash().0;
-                // SAFETY: the onboard has completed and no offload is in
-                // flight (the previous request was flushed; this one has
-                // registered nothing yet), so nothing touches G1 now.
-                if let Some(mm) = unsafe { self.g1.check(b.block_id() as usize, hash)? } {
-                    return Err(BenchError::Corrupt {
-                        block: hash,
-                        path: "G2/G3->G1".into(),
-                        layer: mm.layer,
-                        outer: mm.outer,
-                        offset: mm.offset,
-                    });
-                }
-                self.verified_blocks += 1;
-            }
-            held.extend(loaded);
+            out.onboard_g3_bytes = self.engine.stats().bytes[G3_TO_G1] - g3_bytes_before;
+            held.extend(self.verify_onboarded(done)?);
         }
-        let at = held.len();
+        let (offload_start, partial_slot) = self.compute_rest(&hashes, full_end, &mut held)?;
+        if let Some(s) = onboard_secs {
+            let bytes = self.account(s);
+            self.onboard_phase.0 += bytes;
+            self.onboard_phase.1 += s;
+        }
+        drop(held);
+        drop(partial_slot);
+        self.engine.release(id);
+        let t0 = offload_start.unwrap_or_else(Instant::now);
+        self.engine.flush();
+        let secs = t0.elapsed().as_secs_f64();
+        let bytes = self.account(secs);
+        if bytes > 0 {
+            self.offload_phase.0 += bytes;
+            self.offload_phase.1 += secs;
+        }
+        out.onboard_secs = onboard_secs;
+        Ok(out)
+    }
+
+    /// Matches request `id`'s blocks `hashes`, of which the first
+    /// `full_end` are full, against G1, G2 and G3.
+    fn match_prefix(&self, id: u64, hashes: &[SequenceHash], full_end: usize) -> Result<TierMatch> {
+        let bs = self.engine.block_size();
+        // One token past the full blocks: hit rates count every matched
+        // full block, as the simulators do (the full-prompt give-back is
+        // accounted in the tokens avoided instead); a partial last block is
+        // never matched, so it is not recorded either.
+        self.engine
+            .match_request(id, hashes, full_end * bs + 1, G1Lookup::Pool)
+            .map_err(tier_err)
+    }
+
+    /// Onboards request `index`'s matched G2/G3 blocks into G1 (matched at
+    /// `t0`); returns them with the seconds since `t0`, or `None` when
+    /// the copy failed and the prefix past its `g1_hits` G1 blocks is to
+    /// be computed again.
+    fn onboard(
+        &mut self,
+        index: usize,
+        t0: Instant,
+        g1_hits: usize,
+        out: &mut RequestOutcome,
+    ) -> Result<Option<(Onboarded, f64)>> {
+        // `onboard` returns once kvbm has allocated the G1 targets (in
+        // write-back mode, after G1's victims were saved).
+        let handle = self
+            .engine
+            .onboard(index as u64, OnboardTarget::Pool)
+            .map_err(tier_err)?;
+        out.onboard_alloc_secs = t0.elapsed().as_secs_f64();
+        match handle.wait() {
+            Ok(done) => Ok(Some((done, t0.elapsed().as_secs_f64()))),
+            // The copy failed (counted by the engine): as an engine
+            // would, compute the blocks kvbm could not deliver; they
+            // are misses.
+            Err(e @ (TierError::Onboard { .. } | TierError::SharedOnboardFailed(_))) => {
+                tracing::warn!(request = index, "computing the prefix again: {e}");
+                self.failed_onboards += 1;
+                out.prefix.truncate(g1_hits);
+                Ok(None)
+            }
+            Err(e) => Err(tier_err(e)),
+        }
+    }
+
+    /// Checks the bytes of every block an onboard loaded into G1; returns
+    /// the blocks, held.
+    fn verify_onboarded(&mut self, done: Onboarded) -> Result<Vec<ImmutableBlock>> {
+        let loaded = done.blocks.into_blocks();
+        for b in &loaded {
+            let hash = b.sequence_hash().0;
+            // SAFETY: the onboard has completed and no offload is in
+            // flight (the previous request was flushed; this one has
+            // registered nothing yet), so nothing touches G1 now.
+            if let Some(mm) = unsafe { self.g1.check(b.block_id() as usize, hash)? } {
+                return Err(BenchError::Corrupt {
+                    block: hash,
+                    path: "G2/G3->G1".into(),
+                    layer: mm.layer,
+                    outer: mm.outer,
+                    offset: mm.offset,
+                });
+            }
+            self.verified_blocks += 1;
+        }
+        Ok(loaded)
+    }
+
+    /// Computes the blocks past the hit prefix `held`: the full ones up to
+    /// `full_end` are filled and registered (queuing their offloads, and
+    /// joining `held`), a partial last block takes a G1 slot. Returns when
+    /// the offloads started, if any did, and the partial block's slot.
+    fn compute_rest(
+        &self,
+        hashes: &[SequenceHash],
+        full_end: usize,
+        held: &mut Vec<ImmutableBlock>,
+    ) -> Result<(Option<Instant>, Option<MutableBlock>)> {
+        let engine = &self.engine;
+        let (n, at) = (hashes.len(), held.len());
         // Offload starts when blocks are registered; the phase ends when
         // the worker has drained.
         let mut offload_start = None;
@@ -352,7 +412,8 @@ impl EngineDriver {
                 let blocks = engine.allocate_g1(full_end - at).map_err(tier_err)?;
                 let mut complete = Vec::with_capacity(blocks.len());
                 for (b, &h) in blocks.into_iter().zip(&hashes[at..full_end]) {
-                    // SAFETY: as above; the block was just allocated to us.
+                    // SAFETY: as in `verify_onboarded`, nothing else touches G1
+                    // now; the block was just allocated to us.
                     unsafe { self.g1.fill(b.block_id() as usize, h.0)? };
                     complete.push(b.complete(h, parent).map_err(tier_err)?);
                     parent = Some(h);
@@ -380,23 +441,6 @@ impl EngineDriver {
                 partial_slot = Some(b);
             }
         }
-        if let Some(s) = onboard_secs {
-            let bytes = self.account(s);
-            self.onboard_phase.0 += bytes;
-            self.onboard_phase.1 += s;
-        }
-        drop(held);
-        drop(partial_slot);
-        self.engine.release(id);
-        let t0 = offload_start.unwrap_or_else(Instant::now);
-        self.engine.flush();
-        let secs = t0.elapsed().as_secs_f64();
-        let bytes = self.account(secs);
-        if bytes > 0 {
-            self.offload_phase.0 += bytes;
-            self.offload_phase.1 += secs;
-        }
-        out.onboard_secs = onboard_secs;
-        Ok(out)
+        Ok((offload_start, partial_slot))
     }
 }

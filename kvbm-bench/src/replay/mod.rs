@@ -33,7 +33,7 @@ use kvbm_layout::{BlockOrder, Layout, LayoutKind};
 use kvbm_pool::tier::{LoadCost, OffloadMode, TierPolicy};
 use serde::Serialize;
 
-use self::engine::{EngineDriver, PATHS};
+use self::engine::{EngineDriver, PATHS, RequestOutcome};
 pub use self::failures::{FailureRow, G3Faults};
 pub use self::knobs::TierKnobs;
 pub use self::restart::{RestartReport, Restarts};
@@ -420,28 +420,41 @@ struct Pass {
     g3_unreadable: u64,
 }
 
-/// Replays the trace through the tiers once. `kept`: `None` for the
-/// plain instance; `Some(points)` for the tensor-parallel one with a kept
-/// G3, crashed and restarted before each request of `points`.
-fn data_plane(
-    cfg: &ReplayConfig,
-    plan: &Plan,
-    kept: Option<Vec<usize>>,
-    progress: &mut dyn FnMut(usize),
-) -> Result<Pass> {
+/// What must outlive a pass's engine, dropped in this order after it: the
+/// guard that removes the G3 file of a run stopped by force, the restarter
+/// of a kept G3, and the leader and workers (the leader shuts the workers
+/// down when dropped).
+struct Instance {
+    g3_guard: Option<crate::shutdown::Guard>,
+    restarter: Option<restart::Restarter>,
+    cluster: Option<dist::Cluster>,
+}
+
+/// A pass's started engine, before a driver wraps it.
+struct Started {
+    instance: Instance,
+    engine: kvbm_pool::TierEngine,
+    g1: engine::G1Memory,
+    /// What G1 is, for the report.
+    g1_memory: String,
+    /// Whether the local G3 file is read and written with O_DIRECT.
+    g3_direct: bool,
+}
+
+/// Starts a pass's tier engine: in this process, over worker processes,
+/// or (with `kept`) over workers that restart over a kept G3 before each
+/// request of `points`.
+fn start_engine(cfg: &ReplayConfig, plan: &Plan, kept: Option<Vec<usize>>) -> Result<Started> {
     let Plan {
-        facts,
         page,
         caps,
-        block_bytes,
         staging,
         knobs,
+        ..
     } = *plan;
-    let requests = &cfg.requests;
-    let g1_slots = caps[0];
     // Layouts: G1 as an engine allocates it, G2 and G3 as kvbm does.
     let g1_layout = Layout::new(
-        cfg.model.layout_config(g1_slots.max(1), page)?,
+        cfg.model.layout_config(caps[0].max(1), page)?,
         LayoutKind::LayerSeparate(BlockOrder::OuterFirst),
     )?;
     // G2's memory holds its pool and, after it, the staging slots.
@@ -452,11 +465,11 @@ fn data_plane(
             LayoutKind::FullyContiguous,
         )?),
     };
-    // Declared before the engine so that they outlive it: the leader shuts
-    // the workers down when dropped.
-    let mut _cluster = None;
-    let mut restarter = None;
-    let mut _g3_guard = None;
+    let mut instance = Instance {
+        g3_guard: None,
+        restarter: None,
+        cluster: None,
+    };
     let (engine, g1, g1_memory, g3_direct) = if cfg.workers > 0 {
         if cfg.g3_faults.any() {
             return Err(BenchError::Config(
@@ -467,12 +480,12 @@ fn data_plane(
         match kept {
             Some(points) => {
                 let (r, engine, g1) = restart::Restarter::start(cfg, plan, points)?;
-                restarter = Some(r);
+                instance.restarter = Some(r);
                 (engine, g1, dist::g1_memory(cfg.workers), false)
             }
             None => {
                 let (engine, g1, what, c) = dist::engine(cfg, knobs, page, caps)?;
-                _cluster = Some(c);
+                instance.cluster = Some(c);
                 (engine, g1, what, false)
             }
         }
@@ -485,69 +498,166 @@ fn data_plane(
         .and_then(|l| l.regions().first())
         .and_then(|r| r.file_location())
     {
-        _g3_guard = Some(crate::shutdown::guard_path(file.path()));
+        instance.g3_guard = Some(crate::shutdown::guard_path(file.path()));
     }
-    let mut driver = EngineDriver::new(engine, g1, cfg.block_tokens);
-    // The disk's own rate, same run (before and after: the best counts);
-    // its scratch file is reserved now, beside G3, and kept to the end.
-    let mut raw = if caps[2] > 0 && cfg.workers == 0 {
-        latency::RawRead::start(&cfg.disk_dir, caps[2] as u64 * block_bytes)
-    } else {
-        latency::RawRead::default()
-    };
-    let mut samples = Vec::new();
-    let mut declined = 0u64;
-    let start = Instant::now();
-    let mut hits = [0u64; 3];
-    let mut avoided = [0u64; 3];
-    let mut onboard = Vec::new();
-    let mut refs = 0u64;
-    let mut prompt_tokens = 0u64;
-    let mut per_request = Vec::with_capacity(requests.len());
-    for (i, r) in requests.iter().enumerate() {
-        // Between requests nothing is in flight: a signal stops here.
-        crate::shutdown::check()?;
-        if let Some(rs) = restarter.as_mut().filter(|rs| rs.due(i)) {
-            driver = rs.restart(driver, i)?;
-        }
-        let out = driver.request(i, r)?;
-        if let Some(rs) = restarter.as_mut() {
-            rs.observe(r, &out);
-            rs.keep_history(driver.engine(), r.timestamp_ms);
-        }
+    Ok(Started {
+        instance,
+        engine,
+        g1,
+        g1_memory,
+        g3_direct,
+    })
+}
+
+/// What the requests of one pass add up to.
+#[derive(Default)]
+struct Tally {
+    /// Prefix hits in G1, G2 and G3.
+    hits: [u64; 3],
+    /// Prefill tokens avoided by each tier's hits.
+    avoided: [u64; 3],
+    /// Seconds of each onboard.
+    onboard: Vec<f64>,
+    /// Prompt block references.
+    refs: u64,
+    /// Prompt tokens.
+    prompt_tokens: u64,
+    /// Matched blocks the cost model left to recompute.
+    declined: u64,
+    /// Onboard latencies against recompute time.
+    samples: Vec<latency::OnboardSample>,
+    /// Blocks each request hit in G1, G2 and G3.
+    per_request: Vec<[u32; 3]>,
+}
+
+impl Tally {
+    /// Adds request `r`, whose replay came out as `out`.
+    fn add(&mut self, cfg: &ReplayConfig, page: usize, r: &Request, out: &RequestOutcome) {
         let a = tokens_avoided(r, cfg.block_tokens, &out.prefix);
         let mut mine = [0u32; 3];
-        for t in 0..3 {
-            avoided[t] += a[t];
+        for (sum, n) in self.avoided.iter_mut().zip(a) {
+            *sum += n;
         }
         for &t in &out.prefix {
-            hits[t as usize] += 1;
+            self.hits[t as usize] += 1;
             mine[t as usize] += 1;
         }
-        per_request.push(mine);
+        self.per_request.push(mine);
         if let Some(s) = out.onboard_secs {
-            onboard.push(s);
+            self.onboard.push(s);
         }
-        declined += out.declined_blocks as u64;
-        samples.extend(latency::OnboardSample::of(
-            &out,
+        self.declined += out.declined_blocks as u64;
+        self.samples.extend(latency::OnboardSample::of(
+            out,
             page,
             cfg.prefill_tokens_per_s,
         ));
-        refs += r.hash_ids.len() as u64;
-        prompt_tokens += u64::from(r.input_length);
+        self.refs += r.hash_ids.len() as u64;
+        self.prompt_tokens += u64::from(r.input_length);
+    }
+
+    /// `n` as a percentage of the block references.
+    fn pct(&self, n: u64) -> f64 {
+        if self.refs == 0 {
+            0.0
+        } else {
+            100.0 * n as f64 / self.refs as f64
+        }
+    }
+}
+
+/// Replays the trace through the tiers once. `kept`: `None` for the
+/// plain instance; `Some(points)` for the tensor-parallel one with a kept
+/// G3, crashed and restarted before each request of `points`.
+fn data_plane(
+    cfg: &ReplayConfig,
+    plan: &Plan,
+    kept: Option<Vec<usize>>,
+    progress: &mut dyn FnMut(usize),
+) -> Result<Pass> {
+    let Started {
+        mut instance,
+        engine,
+        g1,
+        g1_memory,
+        g3_direct,
+    } = start_engine(cfg, plan, kept)?;
+    let mut driver = EngineDriver::new(engine, g1, cfg.block_tokens);
+    // The disk's own rate, same run (before and after: the best counts);
+    // its scratch file is reserved now, beside G3, and kept to the end.
+    let mut raw = if plan.caps[2] > 0 && cfg.workers == 0 {
+        latency::RawRead::start(&cfg.disk_dir, plan.caps[2] as u64 * plan.block_bytes)
+    } else {
+        latency::RawRead::default()
+    };
+    let mut tally = Tally {
+        per_request: Vec::with_capacity(cfg.requests.len()),
+        ..Tally::default()
+    };
+    let start = Instant::now();
+    for (i, r) in cfg.requests.iter().enumerate() {
+        // Between requests nothing is in flight: a signal stops here.
+        crate::shutdown::check()?;
+        if let Some(rs) = instance.restarter.as_mut().filter(|rs| rs.due(i)) {
+            driver = rs.restart(driver, i)?;
+        }
+        let out = driver.request(i, r)?;
+        if let Some(rs) = instance.restarter.as_mut() {
+            rs.observe(r, &out);
+            rs.keep_history(driver.engine(), r.timestamp_ms);
+        }
+        tally.add(cfg, plan.page, r, &out);
         progress(i + 1);
     }
     let wall_s = start.elapsed().as_secs_f64();
     raw.finish();
-    let log = restarter.as_mut().map(|r| r.log(&driver)).transpose()?;
-    let onboard_cost = latency::OnboardCost {
-        raw_read_skipped: raw.skipped.take(),
-        ..latency::summarise(&samples, raw.gbps)
+    let log = instance
+        .restarter
+        .as_mut()
+        .map(|r| r.log(&driver))
+        .transpose()?;
+    let measured = Measured {
+        g1_memory,
+        g3_direct,
+        wall_s,
+        onboard_cost: latency::OnboardCost {
+            raw_read_skipped: raw.skipped.take(),
+            ..latency::summarise(&tally.samples, raw.gbps)
+        },
     };
     let stats = failures::merged(&driver.all_stats());
+    let report = pass_report(cfg, plan, &driver, &tally, &stats, measured);
+    Ok(Pass {
+        report,
+        per_request: tally.per_request,
+        log,
+        g3_unreadable: stats.g3_unreadable,
+    })
+}
+
+/// What a pass measured besides its tally, for its report.
+struct Measured {
+    /// What G1 is.
+    g1_memory: String,
+    /// Whether the local G3 file is read and written with O_DIRECT.
+    g3_direct: bool,
+    /// Wall time of the requests, seconds.
+    wall_s: f64,
+    /// Onboard latency against recompute time and the disk's raw rate.
+    onboard_cost: latency::OnboardCost,
+}
+
+/// The report of one pass (the simulators' figures left at 0).
+fn pass_report(
+    cfg: &ReplayConfig,
+    plan: &Plan,
+    driver: &EngineDriver,
+    tally: &Tally,
+    stats: &kvbm_pool::metrics::TierStats,
+    measured: Measured,
+) -> ReplayReport {
     let skipped: u64 = stats.skipped.iter().sum();
-    let failure_rows = failures::rows(&stats);
+    let failure_rows = failures::rows(stats);
     let (offload_failures, onboard_failures) =
         (stats.offload_copy_failures(), stats.onboard_copy_failures());
     let failure_summary = failures::summary(
@@ -556,71 +666,34 @@ fn data_plane(
         driver.failed_onboards,
         &failure_rows,
     );
-    let pct = |n: u64| {
-        if refs == 0 {
-            0.0
-        } else {
-            100.0 * n as f64 / refs as f64
-        }
-    };
-    let names = ["G1", "G2", "G3"];
+    let Tally {
+        hits,
+        avoided,
+        ref onboard,
+        ..
+    } = *tally;
     let onboard_ms: Vec<f64> = onboard.iter().map(|s| s * 1e3).collect();
-    let report = ReplayReport {
+    ReplayReport {
         workload: cfg.workload.clone(),
-        requests: requests.len(),
-        block_references: refs,
-        unique_blocks: facts.unique_blocks,
+        requests: cfg.requests.len(),
+        block_references: tally.refs,
+        unique_blocks: plan.facts.unique_blocks,
         block_tokens: cfg.block_tokens,
         model: cfg.model,
         scale: cfg.scale,
-        stored_tokens_per_block: page,
-        block_bytes,
-        g1_memory,
-        placement: format!(
-            "kvbm-pool TierEngine, G2/G3 policy {:?}, {:?} from G1 (G1 free reserve {}); G3 {}",
-            cfg.policy,
-            driver.engine().offload_mode(),
-            driver.engine().g1_free_reserve(),
-            if cfg.workers > 0 {
-                "files on the workers (O_DIRECT where the file system allows)"
-            } else if caps[2] == 0 {
-                "none (no G3 capacity)"
-            } else if g3_direct {
-                "O_DIRECT"
-            } else {
-                "buffered (the file system refused O_DIRECT)"
-            }
-        ),
-        tiers: (0..3)
-            .map(|t| TierHits {
-                tier: names[t],
-                capacity_blocks: caps[t],
-                hits: hits[t],
-                hit_rate_pct: pct(hits[t]),
-            })
-            .collect(),
-        hit_rate_pct: pct(hits.iter().sum()),
-        prompt_tokens,
+        stored_tokens_per_block: plan.page,
+        block_bytes: plan.block_bytes,
+        g1_memory: measured.g1_memory,
+        placement: placement(cfg, driver, plan.caps, measured.g3_direct),
+        tiers: tier_hits(tally, plan.caps),
+        hit_rate_pct: tally.pct(hits.iter().sum()),
+        prompt_tokens: tally.prompt_tokens,
         tokens_avoided_g1: avoided[0],
         tokens_avoided_kvbm: avoided[1] + avoided[2],
         prefill_tokens_per_s: cfg.prefill_tokens_per_s,
         modelled_ttft_saving_s: (avoided[1] + avoided[2]) as f64 / cfg.prefill_tokens_per_s,
         onboard_total_s: onboard.iter().sum(),
-        paths: driver
-            .paths
-            .iter()
-            .zip(PATHS)
-            .map(|(t, path)| PathReport {
-                path,
-                blocks: t.blocks,
-                bytes: t.bytes,
-                gbps: if t.timed_secs > 0.0 {
-                    t.timed_bytes as f64 / t.timed_secs / 1e9
-                } else {
-                    0.0
-                },
-            })
-            .collect(),
+        paths: path_reports(driver),
         onboard_gbps: phase_gbps(driver.onboard_phase),
         offload_gbps: phase_gbps(driver.offload_phase),
         offloads_skipped: skipped,
@@ -633,24 +706,74 @@ fn data_plane(
         onboard_p50_ms: percentile(&onboard_ms, 50.0),
         onboard_p99_ms: percentile(&onboard_ms, 99.0),
         verified_blocks: driver.verified_blocks,
-        g3_staging_blocks: staging,
+        g3_staging_blocks: plan.staging,
         decline_slow_loads: cfg.decline_slow_loads,
-        declined_blocks: declined,
-        onboard_cost,
+        declined_blocks: tally.declined,
+        onboard_cost: measured.onboard_cost,
         sim_reuse_hit_rate_pct: 0.0,
         sim_lru_tiers_hit_rate_pct: 0.0,
         lru_hit_rate_pct: 0.0,
         belady_hit_rate_pct: 0.0,
         sweep: Vec::new(),
-        wall_s,
+        wall_s: measured.wall_s,
         restarts: None,
-    };
-    Ok(Pass {
-        report,
-        per_request,
-        log,
-        g3_unreadable: stats.g3_unreadable,
-    })
+    }
+}
+
+/// What decides placement, and what G3 is, in one line.
+fn placement(
+    cfg: &ReplayConfig,
+    driver: &EngineDriver,
+    caps: [usize; 3],
+    g3_direct: bool,
+) -> String {
+    format!(
+        "kvbm-pool TierEngine, G2/G3 policy {:?}, {:?} from G1 (G1 free reserve {}); G3 {}",
+        cfg.policy,
+        driver.engine().offload_mode(),
+        driver.engine().g1_free_reserve(),
+        if cfg.workers > 0 {
+            "files on the workers (O_DIRECT where the file system allows)"
+        } else if caps[2] == 0 {
+            "none (no G3 capacity)"
+        } else if g3_direct {
+            "O_DIRECT"
+        } else {
+            "buffered (the file system refused O_DIRECT)"
+        }
+    )
+}
+
+/// Each tier's capacity, hits and hit rate.
+fn tier_hits(tally: &Tally, caps: [usize; 3]) -> Vec<TierHits> {
+    let names = ["G1", "G2", "G3"];
+    (0..3)
+        .map(|t| TierHits {
+            tier: names[t],
+            capacity_blocks: caps[t],
+            hits: tally.hits[t],
+            hit_rate_pct: tally.pct(tally.hits[t]),
+        })
+        .collect()
+}
+
+/// Each path's blocks, bytes and speed over its single-path phases.
+fn path_reports(driver: &EngineDriver) -> Vec<PathReport> {
+    driver
+        .paths
+        .iter()
+        .zip(PATHS)
+        .map(|(t, path)| PathReport {
+            path,
+            blocks: t.blocks,
+            bytes: t.bytes,
+            gbps: if t.timed_secs > 0.0 {
+                t.timed_bytes as f64 / t.timed_secs / 1e9
+            } else {
+                0.0
+            },
+        })
+        .collect()
 }
 
 #[cfg(test)]
