@@ -25,11 +25,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvbm_block::SequenceHash;
 use kvbm_layout::{BlockOrder, Layout, LayoutKind};
-use kvbm_pool::metrics::TierStats;
 use kvbm_pool::tier::{LocalMover, OffloadMode, TierEngine, TierLayouts, TierPolicy};
-use kvbm_pool::{ImmutableBlocks, WeakBlock};
 use kvbm_transfer::{Executor, ExecutorSpec, PhysicalLayout};
 use serde::Serialize;
 
@@ -37,11 +34,16 @@ use super::error::{BenchError, Result};
 use super::host_view::{HostLayoutView, HostTier};
 use super::model::KvModel;
 use super::stats::Spread;
-use super::thread_cpu::{CpuSample, ThreadCpu};
+use super::thread_cpu::ThreadCpu;
 
 #[cfg(feature = "cuda")]
 mod gpu_side;
+mod once;
 mod sustained;
+
+#[cfg(test)]
+use self::once::check_g2;
+use self::once::{Counted, offload_once, register_chain};
 
 pub use sustained::Sustained;
 
@@ -442,17 +444,70 @@ struct Rep {
     cpu: Option<ThreadCpu>,
 }
 
-#[allow(clippy::too_many_arguments)]
-fn run_row(
-    cfg: &OffloadConfig,
-    side: &Side,
-    shape: &Shape,
+/// What every rep of one row runs with.
+struct RowRun<'a> {
+    cfg: &'a OffloadConfig,
+    shape: &'a Shape,
     in_flight: usize,
     batch: usize,
     load: Load,
-    d2h: &Reference,
-) -> Result<OffloadRow> {
-    let mut row = OffloadRow {
+    /// The row's executor, shared by every rep's engine.
+    executor: Executor,
+    /// The CUDA backend behind `executor` (none on the host).
+    backend: Option<Backend>,
+    /// The GEMM busy rows run beside.
+    #[cfg(feature = "cuda")]
+    gemm: Option<&'a gpu_side::Gemm>,
+}
+
+/// What a row's reps measured, rep by rep.
+#[derive(Default)]
+struct Seen {
+    /// Each rep's offload seconds, the warm-up's too: the GEMM's alone
+    /// windows last as long as the last offload did (50 ms before the
+    /// first).
+    secs: Vec<f64>,
+    /// GB/s of each timed rep.
+    gbps: Vec<f64>,
+    /// GEMM TFLOP/s inside each timed window (busy reps).
+    tflops: Vec<f64>,
+    /// GEMM TFLOP/s around each timed window (busy reps).
+    alone: Vec<f64>,
+    /// The GEMM's loss to the offload in each timed window, percent.
+    losses: Vec<f64>,
+}
+
+impl Seen {
+    /// Adds timed rep `r`; its CPU time goes to `row`.
+    fn add(&mut self, r: &Rep, row: &mut OffloadRow) {
+        self.gbps.push(r.bytes as f64 / r.secs / 1e9);
+        if let Some(c) = &r.cpu {
+            row.cpu.get_or_insert_with(ThreadCpu::default).merge(c);
+        }
+        self.tflops.extend(r.gemm_tflops);
+        self.alone.extend(r.gemm_alone_tflops);
+        if let (Some(d), Some(a)) = (r.gemm_tflops, r.gemm_alone_tflops.filter(|a| *a > 0.0)) {
+            self.losses.push(100.0 * (1.0 - d / a));
+        }
+    }
+
+    /// Sets `row`'s GEMM figures from the timed reps (none when idle).
+    fn gemm_figures(&self, row: &mut OffloadRow) {
+        if !self.tflops.is_empty() {
+            row.gemm_during_tflops = Some(Spread::of(&self.tflops));
+        }
+        if !self.alone.is_empty() {
+            row.gemm_alone_tflops = Some(Spread::of(&self.alone));
+        }
+        if !self.losses.is_empty() {
+            row.gemm_loss_pct = Some(Spread::of(&self.losses).median);
+        }
+    }
+}
+
+/// A row of `shape` with nothing measured yet, status "ok".
+fn empty_row(shape: &Shape, in_flight: usize, batch: usize, load: Load) -> OffloadRow {
+    OffloadRow {
         tokens_per_block: shape.tokens,
         block_bytes: shape.block_bytes,
         chunk_bytes: shape.chunk_bytes,
@@ -475,7 +530,22 @@ fn run_row(
         sustained: None,
         timeline: None,
         cpu: None,
-    };
+    }
+}
+
+/// Measures one row: a warm-up rep and `cfg.reps` timed ones, each over a
+/// fresh engine, then (with `--sustain`, busy) the sustained offload.
+#[allow(clippy::too_many_arguments)]
+fn run_row(
+    cfg: &OffloadConfig,
+    side: &Side,
+    shape: &Shape,
+    in_flight: usize,
+    batch: usize,
+    load: Load,
+    d2h: &Reference,
+) -> Result<OffloadRow> {
+    let mut row = empty_row(shape, in_flight, batch, load);
     #[cfg(feature = "cuda")]
     let gemm = match (load, side) {
         (Load::Busy, Side::Gpu(g)) => match g.gemm() {
@@ -490,48 +560,63 @@ fn run_row(
         },
         _ => None,
     };
-    let mut samples = Vec::with_capacity(cfg.reps);
-    let mut tflops = Vec::new();
-    let mut alone = Vec::new();
-    let mut losses = Vec::new();
-    // Each rep's offload time; the GEMM's alone windows last as long as
-    // the last offload did (50 ms before the first).
-    let mut secs = Vec::with_capacity(cfg.reps + 1);
     // One executor for the row, as an engine keeps one: the CUDA copier's
     // pinned descriptor buffers and staging ring are set up by the warm-up
     // rep, not in every timed one (a fresh copier spent 1.5 ms on its first
     // copy on the H200 machine, 7 % of a 1 GiB rep).
     let (executor, backend) = side.executor()?;
+    let run = RowRun {
+        cfg,
+        shape,
+        in_flight,
+        batch,
+        load,
+        executor,
+        backend,
+        #[cfg(feature = "cuda")]
+        gemm,
+    };
+    let mut seen = Seen::default();
     for rep in 0..=cfg.reps {
-        let engine = engine_for(executor.clone(), shape, in_flight, batch, cfg.batch_bytes)?;
+        if !run.rep(rep, &mut row, &mut seen)? {
+            break;
+        }
+    }
+    row.gbps = Spread::of(&seen.gbps);
+    if d2h.gbps.median > 0.0 {
+        row.ratio_to_d2h = row.gbps.median / d2h.gbps.median;
+    }
+    #[cfg(feature = "cuda")]
+    run.sustain(&mut row, d2h)?;
+    seen.gemm_figures(&mut row);
+    Ok(row)
+}
+
+impl RowRun<'_> {
+    /// A fresh engine over the row's shape and executor.
+    fn engine(&self) -> Result<TierEngine> {
+        engine_for(
+            self.executor.clone(),
+            self.shape,
+            self.in_flight,
+            self.batch,
+            self.cfg.batch_bytes,
+        )
+    }
+
+    /// Runs rep `rep` (0: the warm-up) and adds what it did to `row` and
+    /// `seen`; false when it failed, which ends the row.
+    fn rep(&self, rep: usize, row: &mut OffloadRow, seen: &mut Seen) -> Result<bool> {
+        let engine = self.engine()?;
         row.batch_run = engine.offload_batch_limit();
         // SAFETY: the previous rep's engine is gone (its worker joined on
         // drop, after its flush), so nothing writes G2 now.
-        unsafe { shape.g2_view.zero(cpu_threads()) };
-        let timed = || offload_once(&engine, shape);
-        let r = match load {
-            Load::Idle => {
-                let mut r = timed()?;
-                r.backend_load = backend.as_ref().map(backend_load_name);
-                r
-            }
-            #[cfg(feature = "cuda")]
-            Load::Busy => match (gemm, backend.as_ref()) {
-                (Some(g), Some(b)) => {
-                    let window = std::time::Duration::from_secs_f64(
-                        secs.last().copied().unwrap_or(0.05f64).clamp(0.03, 1.0),
-                    );
-                    gpu_side::beside_gemm(g, b, window, timed)?
-                }
-                _ => unreachable_busy()?,
-            },
-            #[cfg(not(feature = "cuda"))]
-            Load::Busy => unreachable_busy()?,
-        };
+        unsafe { self.shape.g2_view.zero(cpu_threads()) };
+        let r = self.timed(&engine, seen)?;
         // The engine goes at the end of the rep (its worker joined, every
         // copy landed), before the next rep clears G2.
-        if cfg.timeline {
-            row.timeline = backend.as_ref().and_then(take_timeline);
+        if self.cfg.timeline {
+            row.timeline = self.backend.as_ref().and_then(take_timeline);
         }
         row.bytes_per_rep = r.bytes;
         row.copied_blocks += r.copied;
@@ -540,49 +625,64 @@ fn run_row(
         if r.backend_load.is_some() {
             row.backend_load = r.backend_load.clone();
         }
-        if let Some(f) = r.failure {
+        if let Some(f) = &r.failure {
             row.status = format!("FAILED (rep {rep}): {f}");
-            break;
+            return Ok(false);
         }
-        secs.push(r.secs);
+        seen.secs.push(r.secs);
         if rep > 0 {
-            samples.push(r.bytes as f64 / r.secs / 1e9);
-            if let Some(c) = &r.cpu {
-                row.cpu.get_or_insert_with(ThreadCpu::default).merge(c);
+            seen.add(&r, row);
+        }
+        Ok(true)
+    }
+
+    /// One timed offload through `engine`, idle or beside the GEMM.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    fn timed(&self, engine: &TierEngine, seen: &Seen) -> Result<Rep> {
+        let timed = || offload_once(engine, self.shape);
+        match self.load {
+            Load::Idle => {
+                let mut r = timed()?;
+                r.backend_load = self.backend.as_ref().map(backend_load_name);
+                Ok(r)
             }
-            tflops.extend(r.gemm_tflops);
-            alone.extend(r.gemm_alone_tflops);
-            if let (Some(d), Some(a)) = (r.gemm_tflops, r.gemm_alone_tflops.filter(|a| *a > 0.0)) {
-                losses.push(100.0 * (1.0 - d / a));
-            }
+            #[cfg(feature = "cuda")]
+            Load::Busy => match (self.gemm, self.backend.as_ref()) {
+                (Some(g), Some(b)) => {
+                    let window = std::time::Duration::from_secs_f64(
+                        seen.secs
+                            .last()
+                            .copied()
+                            .unwrap_or(0.05f64)
+                            .clamp(0.03, 1.0),
+                    );
+                    gpu_side::beside_gemm(g, b, window, timed)
+                }
+                _ => unreachable_busy(),
+            },
+            #[cfg(not(feature = "cuda"))]
+            Load::Busy => unreachable_busy(),
         }
     }
-    row.gbps = Spread::of(&samples);
-    if d2h.gbps.median > 0.0 {
-        row.ratio_to_d2h = row.gbps.median / d2h.gbps.median;
-    }
+
+    /// With `--sustain`, on a busy row that has not failed: offloads for
+    /// the span beside the GEMM and records the sustained figures.
     #[cfg(feature = "cuda")]
-    if let (Some(span), Some(g), false) = (cfg.sustain, gemm, row.failed()) {
-        let engine = engine_for(executor.clone(), shape, in_flight, batch, cfg.batch_bytes)?;
-        if let Some(b) = backend.as_ref() {
-            let r =
-                gpu_side::beside_gemm(g, b, span, || sustained::offload_for(&engine, shape, span))?;
-            match sustained::Sustained::of(&r, d2h) {
-                Ok(s) => row.sustained = Some(s),
-                Err(why) => row.status = format!("FAILED (sustained): {why}"),
+    fn sustain(&self, row: &mut OffloadRow, d2h: &Reference) -> Result<()> {
+        if let (Some(span), Some(g), false) = (self.cfg.sustain, self.gemm, row.failed()) {
+            let engine = self.engine()?;
+            if let Some(b) = self.backend.as_ref() {
+                let r = gpu_side::beside_gemm(g, b, span, || {
+                    sustained::offload_for(&engine, self.shape, span)
+                })?;
+                match sustained::Sustained::of(&r, d2h) {
+                    Ok(s) => row.sustained = Some(s),
+                    Err(why) => row.status = format!("FAILED (sustained): {why}"),
+                }
             }
         }
+        Ok(())
     }
-    if !tflops.is_empty() {
-        row.gemm_during_tflops = Some(Spread::of(&tflops));
-    }
-    if !alone.is_empty() {
-        row.gemm_alone_tflops = Some(Spread::of(&alone));
-    }
-    if !losses.is_empty() {
-        row.gemm_loss_pct = Some(Spread::of(&losses).median);
-    }
-    Ok(row)
 }
 
 /// A fresh engine over the shape's G1 and G2 (WriteThrough, no G3), moved
@@ -636,177 +736,6 @@ fn unreachable_busy() -> Result<Rep> {
     Err(BenchError::Config(
         "busy rows need a GPU and the GEMM (feature gemm)".into(),
     ))
-}
-
-/// Registers every block of the shape in G1, times `offload` of all of
-/// them through `flush`, and checks what the engine counted and what G2
-/// holds.
-fn offload_once(engine: &TierEngine, shape: &Shape) -> Result<Rep> {
-    let chain = register_chain(engine, shape.blocks, |b| {
-        SequenceHash(hash_of(shape.tokens, b))
-    })?;
-    let hashes = chain.hashes;
-    let before = engine.stats();
-    let cpu_before = CpuSample::now();
-    let t0 = Instant::now();
-    engine.offload(chain.items);
-    engine.flush();
-    let t1 = Instant::now();
-    let cpu = ThreadCpu::over(cpu_before.as_ref());
-    let secs = (t1 - t0).as_secs_f64();
-    let after = engine.stats();
-    drop(chain.held);
-    let Counted {
-        copied,
-        bytes,
-        skipped,
-    } = Counted::between(&before, &after);
-    let mut rep = Rep {
-        window: (t0, t1),
-        secs,
-        bytes,
-        copied,
-        skipped,
-        verified: 0,
-        rounds: 1,
-        gemm_tflops: None,
-        gemm_alone_tflops: None,
-        backend_load: None,
-        failure: None,
-        cpu,
-    };
-    if copied != shape.blocks as u64 || skipped != 0 {
-        rep.failure = Some(format!(
-            "the engine copied {copied} of {} blocks, skipped {skipped} ({:?}); copy failures {:?}",
-            shape.blocks, after.skipped, after.copy_failures
-        ));
-        return Ok(rep);
-    }
-    let g2 = engine
-        .pool(kvbm_pool::Tier::G2)
-        .ok_or_else(|| BenchError::Tier("the engine has no G2".into()))?;
-    let found = g2.match_prefix(&hashes).into_blocks();
-    if found.len() != hashes.len() {
-        rep.failure = Some(format!(
-            "G2 holds {} of the {} offloaded blocks",
-            found.len(),
-            hashes.len()
-        ));
-        return Ok(rep);
-    }
-    let pairs: Vec<(usize, u64)> = found
-        .iter()
-        .map(|b| (b.block_id() as usize, b.sequence_hash().0))
-        .collect();
-    match check_g2(&shape.g2_view, &pairs)? {
-        None => rep.verified = pairs.len() as u64,
-        Some(e) => rep.failure = Some(e.to_string()),
-    }
-    Ok(rep)
-}
-
-/// Fresh G1 blocks registered as one chain, ready to offload.
-struct Chain {
-    /// The blocks, held so that none is evicted before its offload starts.
-    held: ImmutableBlocks,
-    /// Their hashes, in chain order.
-    hashes: Vec<SequenceHash>,
-    /// `(block, parent)` for [`TierEngine::offload`].
-    items: Vec<(WeakBlock, Option<SequenceHash>)>,
-}
-
-/// Allocates `shape.blocks` G1 blocks and registers them as one chain,
-/// block `b` under `name(b)`.
-fn register_chain(
-    engine: &TierEngine,
-    count: usize,
-    name: impl Fn(usize) -> SequenceHash,
-) -> Result<Chain> {
-    let blocks = engine.g1().allocate(count).map_err(tier_err)?;
-    let mut complete = Vec::with_capacity(blocks.len());
-    let mut hashes = Vec::with_capacity(blocks.len());
-    let mut parents = Vec::with_capacity(blocks.len());
-    for b in blocks {
-        let h = name(b.block_id() as usize);
-        let parent = hashes.last().copied();
-        complete.push(b.complete(h, parent).map_err(tier_err)?);
-        hashes.push(h);
-        parents.push(parent);
-    }
-    let held = engine.g1().register(complete).map_err(tier_err)?;
-    let items = (0..held.len())
-        .filter_map(|i| held.get(i).map(|b| (b.downgrade(), parents[i])))
-        .collect();
-    Ok(Chain {
-        held,
-        hashes,
-        items,
-    })
-}
-
-/// What the engine counted for G1 → G2 between two readings of its stats.
-struct Counted {
-    copied: u64,
-    bytes: u64,
-    skipped: u64,
-}
-
-impl Counted {
-    fn between(before: &TierStats, after: &TierStats) -> Counted {
-        Counted {
-            copied: after.blocks[0] - before.blocks[0],
-            bytes: after.bytes[0] - before.bytes[0],
-            skipped: after
-                .skipped
-                .iter()
-                .zip(before.skipped.iter())
-                .map(|(a, b)| a - b)
-                .sum(),
-        }
-    }
-}
-
-/// Checks every `(G2 block, hash)` on several threads; the first
-/// mismatch found, as a [`BenchError::Corrupt`].
-fn check_g2(view: &HostLayoutView, pairs: &[(usize, u64)]) -> Result<Option<BenchError>> {
-    let threads = cpu_threads();
-    let per = pairs.len().div_ceil(threads).max(1);
-    let results: Vec<Result<Option<BenchError>>> = std::thread::scope(|s| {
-        let handles: Vec<_> = pairs
-            .chunks(per)
-            .map(|part| {
-                s.spawn(move || {
-                    for &(block, hash) in part {
-                        // SAFETY: the engine was flushed: no offload writes
-                        // G2 while we read it.
-                        if let Some(m) = unsafe { view.check(block, hash)? } {
-                            return Ok(Some(BenchError::Corrupt {
-                                block: hash,
-                                path: "G1->G2".into(),
-                                layer: m.layer,
-                                outer: m.outer,
-                                offset: m.offset,
-                            }));
-                        }
-                    }
-                    Ok(None)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(BenchError::Tier("a check thread panicked".into())))
-            })
-            .collect()
-    });
-    for r in results {
-        if let Some(e) = r? {
-            return Ok(Some(e));
-        }
-    }
-    Ok(None)
 }
 
 /// Host references: one large copy between two host buffers, each way
