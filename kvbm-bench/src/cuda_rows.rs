@@ -177,6 +177,47 @@ pub fn measure(
     let src = Side::allocate(gpu, Layout::new(cfg, src_kind)?, !to_device)?;
     let dst = Side::allocate(gpu, Layout::new(cfg, dst_kind)?, to_device)?;
     src.fill_all()?;
+    let (plans, bytes) = batch_plans(&src, &dst, pairs, per_batch, to_device)?;
+    let dir = if to_device {
+        Direction::HostToDevice
+    } else {
+        Direction::DeviceToHost
+    };
+    let first = plans.first().map(Vec::as_slice).unwrap_or(&[]);
+    let path = gpu
+        .copier
+        .choose(dir, first.len(), first.iter().map(|r| r.len).sum());
+    let reference = Reference::new(gpu, &src, &dst, bytes, to_device)?;
+    let mut samples = Vec::with_capacity(reps);
+    let mut refs = Vec::with_capacity(reps);
+    for rep in 0..reps.max(1) {
+        let t0 = Instant::now();
+        copy_batches(gpu, &plans, &src, &dst)?;
+        samples.push(bytes as f64 / t0.elapsed().as_secs_f64() / 1e9);
+        if rep == 0 {
+            dst.check(pairs, name)?;
+        }
+        let t0 = Instant::now();
+        reference.copy(gpu)?;
+        refs.push(bytes as f64 / t0.elapsed().as_secs_f64() / 1e9);
+    }
+    Ok(CudaMeasurement {
+        bytes,
+        samples,
+        refs,
+        path,
+    })
+}
+
+/// The copier's runs for each transfer of `per_batch` of `pairs`, and the
+/// bytes of them all.
+fn batch_plans(
+    src: &Side,
+    dst: &Side,
+    pairs: &[(usize, usize)],
+    per_batch: usize,
+    to_device: bool,
+) -> Result<(Vec<Vec<CudaRun>>, u64)> {
     let mut plans = Vec::new();
     let mut bytes = 0;
     // Runs in host order for an onboard, as kvbm-transfer's executor plans.
@@ -201,63 +242,67 @@ pub fn measure(
             .collect();
         plans.push(runs);
     }
-    let dir = if to_device {
-        Direction::HostToDevice
-    } else {
-        Direction::DeviceToHost
-    };
-    let first = plans.first().map(Vec::as_slice).unwrap_or(&[]);
-    let path = gpu
-        .copier
-        .choose(dir, first.len(), first.iter().map(|r| r.len).sum());
-    // The reference: one copy of the same bytes on the copy engines.
-    let flat = Arc::new(DeviceBuffer::new(&gpu.device, bytes as usize).map_err(cuda_err)?);
-    let host: Arc<dyn CudaRegion> = if to_device {
-        src.regions[0].clone()
-    } else {
-        dst.regions[0].clone()
-    };
-    let flat: Arc<dyn CudaRegion> = flat;
-    let one = [CudaRun {
-        src_region: 0,
-        src_offset: 0,
-        dst_region: 0,
-        dst_offset: 0,
-        len: bytes,
-    }];
-    let (rs, rd) = if to_device {
-        ([host], [flat])
-    } else {
-        ([flat], [host])
-    };
-    let mut samples = Vec::with_capacity(reps);
-    let mut refs = Vec::with_capacity(reps);
-    for rep in 0..reps.max(1) {
-        let t0 = Instant::now();
-        let mut pending: Vec<Completion> = Vec::with_capacity(plans.len());
-        for runs in &plans {
-            pending.push(
-                gpu.copier
-                    .copy(runs, &src.regions, &dst.regions, CopyOptions::default())
-                    .map_err(cuda_err)?,
-            );
-        }
-        // Wait for all of them, then report the first failure.
-        let results: Vec<_> = pending.into_iter().map(Completion::wait).collect();
-        results
-            .into_iter()
-            .collect::<std::result::Result<(), _>>()
-            .map_err(cuda_err)?;
-        samples.push(bytes as f64 / t0.elapsed().as_secs_f64() / 1e9);
-        if rep == 0 {
-            dst.check(pairs, name)?;
-        }
-        let t0 = Instant::now();
+    Ok((plans, bytes))
+}
+
+/// Starts every transfer of `plans`, waits for all of them, then reports
+/// the first failure.
+fn copy_batches(gpu: &Gpu, plans: &[Vec<CudaRun>], src: &Side, dst: &Side) -> Result<()> {
+    let mut pending: Vec<Completion> = Vec::with_capacity(plans.len());
+    for runs in plans {
+        pending.push(
+            gpu.copier
+                .copy(runs, &src.regions, &dst.regions, CopyOptions::default())
+                .map_err(cuda_err)?,
+        );
+    }
+    let results: Vec<_> = pending.into_iter().map(Completion::wait).collect();
+    results
+        .into_iter()
+        .collect::<std::result::Result<(), _>>()
+        .map_err(cuda_err)
+}
+
+/// The reference: one copy of a cell's bytes on the copy engines, between
+/// its host side and a flat device buffer.
+struct Reference {
+    one: [CudaRun; 1],
+    src: [Arc<dyn CudaRegion>; 1],
+    dst: [Arc<dyn CudaRegion>; 1],
+}
+
+impl Reference {
+    /// The reference for `bytes` of the host side of `src` → `dst`.
+    fn new(gpu: &Gpu, src: &Side, dst: &Side, bytes: u64, to_device: bool) -> Result<Reference> {
+        let flat = Arc::new(DeviceBuffer::new(&gpu.device, bytes as usize).map_err(cuda_err)?);
+        let host: Arc<dyn CudaRegion> = if to_device {
+            src.regions[0].clone()
+        } else {
+            dst.regions[0].clone()
+        };
+        let flat: Arc<dyn CudaRegion> = flat;
+        let one = [CudaRun {
+            src_region: 0,
+            src_offset: 0,
+            dst_region: 0,
+            dst_offset: 0,
+            len: bytes,
+        }];
+        let (src, dst) = if to_device {
+            ([host], [flat])
+        } else {
+            ([flat], [host])
+        };
+        Ok(Reference { one, src, dst })
+    }
+
+    /// Runs the copy and waits for it.
+    fn copy(&self, gpu: &Gpu) -> Result<()> {
         gpu.copier
             .copy(
-                &one,
-                &rs,
-                &rd,
+                &self.one,
+                &self.src,
+                &self.dst,
                 CopyOptions {
                     path: Some(CopyPath::CopyEngine),
                     ..CopyOptions::default()
@@ -265,13 +310,6 @@ pub fn measure(
             )
             .map_err(cuda_err)?
             .wait()
-            .map_err(cuda_err)?;
-        refs.push(bytes as f64 / t0.elapsed().as_secs_f64() / 1e9);
+            .map_err(cuda_err)
     }
-    Ok(CudaMeasurement {
-        bytes,
-        samples,
-        refs,
-        path,
-    })
 }

@@ -415,33 +415,84 @@ fn measure(
     if disk && let Err(e) = check_disk_alignment(&config.model, cell.tokens) {
         return Ok(cell.row(block_bytes, format!("skipped: {e}")));
     }
-    // Whole batches covering about `bytes_per_rep`.
-    let batches = (config.bytes_per_rep / (block_bytes * cell.per_batch as u64)).max(1) as usize;
-    let n = batches * cell.per_batch;
-    let cfg = config.model.layout_config(n, cell.tokens)?;
-    let exec = ExecutorSpec::host()
-        .memcpy_threads(config.memcpy_threads)
-        .disk(true)
-        .config(ExecutorConfig {
-            max_blocks_per_batch: cell.per_batch,
-            ..ExecutorConfig::default()
-        })
-        .build()?;
-    let perm = scatter(n, (cell.tokens * 31 + cell.per_batch) as u64);
-    let pairs: Vec<(usize, usize)> = (0..n).map(|i| (i, perm[i])).collect();
-    let src = HostTier::allocate(Layout::new(cfg, cell.src_kind)?)?;
-    for b in 0..n {
-        // SAFETY: no transfer has been started on `src` yet.
-        unsafe { src.fill(b, b as u64)? };
-    }
-    let mut samples = Vec::with_capacity(config.reps);
-    let mut refs = Vec::with_capacity(config.reps);
-    let mut bytes = 0;
-    let name = cell.path.name();
-    let verified;
+    let bench = HostBench::new(config, cell, block_bytes)?;
     if disk {
-        let alloc = DiskAllocator::new(&config.disk_dir, DiskOptions::default())?;
-        let file = PhysicalLayout::allocate_disk(Layout::new(cfg, FC)?, &alloc)?;
+        bench.disk(block_bytes)
+    } else {
+        bench.host(memcpy, block_bytes)
+    }
+}
+
+/// A host or disk cell ready to time: its executor, the source filled
+/// with the pattern, and the block pairs each rep copies.
+struct HostBench<'a> {
+    config: &'a MatrixConfig,
+    cell: &'a Cell,
+    /// The layout config of `n` blocks.
+    cfg: kvbm_layout::LayoutConfig,
+    /// Blocks per rep: whole batches covering about `bytes_per_rep`.
+    n: usize,
+    src: HostTier,
+    exec: Executor,
+    /// `(source block, destination block)`, destinations scattered.
+    pairs: Vec<(usize, usize)>,
+}
+
+impl<'a> HostBench<'a> {
+    /// Sets up `cell`, whose blocks are `block_bytes` long.
+    fn new(config: &'a MatrixConfig, cell: &'a Cell, block_bytes: u64) -> Result<Self> {
+        // Whole batches covering about `bytes_per_rep`.
+        let batches =
+            (config.bytes_per_rep / (block_bytes * cell.per_batch as u64)).max(1) as usize;
+        let n = batches * cell.per_batch;
+        let cfg = config.model.layout_config(n, cell.tokens)?;
+        let exec = ExecutorSpec::host()
+            .memcpy_threads(config.memcpy_threads)
+            .disk(true)
+            .config(ExecutorConfig {
+                max_blocks_per_batch: cell.per_batch,
+                ..ExecutorConfig::default()
+            })
+            .build()?;
+        let perm = scatter(n, (cell.tokens * 31 + cell.per_batch) as u64);
+        let pairs: Vec<(usize, usize)> = (0..n).map(|i| (i, perm[i])).collect();
+        let src = HostTier::allocate(Layout::new(cfg, cell.src_kind)?)?;
+        for b in 0..n {
+            // SAFETY: no transfer has been started on `src` yet.
+            unsafe { src.fill(b, b as u64)? };
+        }
+        Ok(HostBench {
+            config,
+            cell,
+            cfg,
+            n,
+            src,
+            exec,
+            pairs,
+        })
+    }
+
+    /// Copies `pairs` from `src` to `dst`; bytes and seconds.
+    fn copy(
+        &self,
+        src: &PhysicalLayout,
+        dst: &PhysicalLayout,
+        pairs: &[(usize, usize)],
+    ) -> Result<(u64, f64)> {
+        let name = self.cell.path.name();
+        timed_transfer(&self.exec, src, dst, pairs, self.cell.per_batch, name)
+    }
+
+    /// The pairs the other way round: destination to source.
+    fn inverse(&self) -> Vec<(usize, usize)> {
+        self.pairs.iter().map(|&(s, d)| (d, s)).collect()
+    }
+
+    /// Times the cell between host memory and a G3 file, each rep next to
+    /// a raw read or write of the file's size.
+    fn disk(&self, block_bytes: u64) -> Result<MatrixRow> {
+        let alloc = DiskAllocator::new(&self.config.disk_dir, DiskOptions::default())?;
+        let file = PhysicalLayout::allocate_disk(Layout::new(self.cfg, FC)?, &alloc)?;
         let file_path = file.regions()[0]
             .file_location()
             .map(|(f, _)| f.path().to_path_buf())
@@ -451,83 +502,100 @@ fn measure(
             .is_some_and(|(f, _)| f.is_direct());
         let total = file.regions()[0].len();
         // Fill the file from `src` so reads hit written extents, never holes.
-        let (b, _) = timed_transfer(&exec, src.physical(), &file, &pairs, cell.per_batch, name)?;
-        bytes = b;
-        if cell.path == TierPath::HostToDisk {
-            for _ in 0..config.reps {
-                let (b, secs) =
-                    timed_transfer(&exec, src.physical(), &file, &pairs, cell.per_batch, name)?;
-                samples.push(gbps(b, secs));
-                refs.push(reference_disk(&file_path, total, true)?);
-            }
-            // The reference overwrote the file: write it once more, read it
-            // back and check it.
-            timed_transfer(&exec, src.physical(), &file, &pairs, cell.per_batch, name)?;
-            let back = HostTier::allocate(Layout::new(cfg, FC)?)?;
-            let inverse: Vec<(usize, usize)> = pairs.iter().map(|&(s, d)| (d, s)).collect();
-            timed_transfer(
-                &exec,
-                &file,
-                back.physical(),
-                &inverse,
-                cell.per_batch,
-                name,
-            )?;
-            verified = check_all(&back, &identity(n), name)?;
+        let (bytes, _) = self.copy(self.src.physical(), &file, &self.pairs)?;
+        let (samples, refs, verified) = if self.cell.path == TierPath::HostToDisk {
+            self.disk_writes(&file, &file_path, total)?
         } else {
-            let dst = HostTier::allocate(Layout::new(cfg, cell.dst_kind)?)?;
-            let inverse: Vec<(usize, usize)> = pairs.iter().map(|&(s, d)| (d, s)).collect();
-            let mut checked = false;
-            for _ in 0..config.reps {
-                let (b, secs) =
-                    timed_transfer(&exec, &file, dst.physical(), &inverse, cell.per_batch, name)?;
-                samples.push(gbps(b, secs));
-                if !checked {
-                    checked = check_all(&dst, &identity(n), name)?;
-                }
-                refs.push(reference_disk(&file_path, total, false)?);
-            }
-            verified = checked;
-        }
-        let mut row = cell.row(block_bytes, "ok".into());
+            self.disk_reads(&file, &file_path, total)?
+        };
+        let mut row = self.cell.row(block_bytes, "ok".into());
         if !direct {
             row.status = "ok (buffered: no O_DIRECT on this file system)".into();
         }
-        return Ok(finish(row, n, bytes, &samples, &refs, verified));
+        Ok(finish(row, self.n, bytes, &samples, &refs, verified))
     }
-    let dst = HostTier::allocate(Layout::new(cfg, cell.dst_kind)?)?;
-    let mut checked = false;
-    for _ in 0..config.reps {
-        let (b, secs) = timed_transfer(
-            &exec,
-            src.physical(),
-            dst.physical(),
-            &pairs,
-            cell.per_batch,
-            name,
-        )?;
-        bytes = b;
-        samples.push(gbps(b, secs));
-        if !checked {
-            checked = check_all(&dst, &pairs, name)?;
+
+    /// The write reps into `file` (at `file_path`, `total` bytes), then
+    /// one more read back and checked: GB/s, raw GB/s, whether checked.
+    fn disk_writes(
+        &self,
+        file: &PhysicalLayout,
+        file_path: &std::path::Path,
+        total: u64,
+    ) -> Result<(Vec<f64>, Vec<f64>, bool)> {
+        let mut samples = Vec::with_capacity(self.config.reps);
+        let mut refs = Vec::with_capacity(self.config.reps);
+        for _ in 0..self.config.reps {
+            let (b, secs) = self.copy(self.src.physical(), file, &self.pairs)?;
+            samples.push(gbps(b, secs));
+            refs.push(reference_disk(file_path, total, true)?);
         }
+        // The reference overwrote the file: write it once more, read it
+        // back and check it.
+        self.copy(self.src.physical(), file, &self.pairs)?;
+        let back = HostTier::allocate(Layout::new(self.cfg, FC)?)?;
+        self.copy(file, back.physical(), &self.inverse())?;
+        let verified = check_all(&back, &identity(self.n), self.cell.path.name())?;
+        Ok((samples, refs, verified))
     }
-    // The reference copies the same number of bytes between two flat buffers.
-    let flat = config.model.layout_config(n, cell.tokens)?;
-    let a = HostTier::allocate(Layout::new(flat, FC)?)?;
-    let b = HostTier::allocate(Layout::new(flat, FC)?)?;
-    let ref_bytes = bytes.min(a.physical().regions()[0].len());
-    for _ in 0..config.reps {
-        refs.push(reference_memcpy(memcpy, &a, &b, ref_bytes)?);
+
+    /// The read reps from `file` (at `file_path`, `total` bytes), the
+    /// first checked: GB/s, raw GB/s, whether checked.
+    fn disk_reads(
+        &self,
+        file: &PhysicalLayout,
+        file_path: &std::path::Path,
+        total: u64,
+    ) -> Result<(Vec<f64>, Vec<f64>, bool)> {
+        let mut samples = Vec::with_capacity(self.config.reps);
+        let mut refs = Vec::with_capacity(self.config.reps);
+        let dst = HostTier::allocate(Layout::new(self.cfg, self.cell.dst_kind)?)?;
+        let inverse = self.inverse();
+        let mut checked = false;
+        for _ in 0..self.config.reps {
+            let (b, secs) = self.copy(file, dst.physical(), &inverse)?;
+            samples.push(gbps(b, secs));
+            if !checked {
+                checked = check_all(&dst, &identity(self.n), self.cell.path.name())?;
+            }
+            refs.push(reference_disk(file_path, total, false)?);
+        }
+        Ok((samples, refs, checked))
     }
-    Ok(finish(
-        cell.row(block_bytes, "ok".into()),
-        n,
-        bytes,
-        &samples,
-        &refs,
-        checked,
-    ))
+
+    /// Times the cell host to host, each rep next to a memcpy of the same
+    /// bytes between two flat buffers.
+    fn host(&self, memcpy: &Arc<MemcpyBackend>, block_bytes: u64) -> Result<MatrixRow> {
+        let mut samples = Vec::with_capacity(self.config.reps);
+        let mut refs = Vec::with_capacity(self.config.reps);
+        let mut bytes = 0;
+        let dst = HostTier::allocate(Layout::new(self.cfg, self.cell.dst_kind)?)?;
+        let mut checked = false;
+        for _ in 0..self.config.reps {
+            let (b, secs) = self.copy(self.src.physical(), dst.physical(), &self.pairs)?;
+            bytes = b;
+            samples.push(gbps(b, secs));
+            if !checked {
+                checked = check_all(&dst, &self.pairs, self.cell.path.name())?;
+            }
+        }
+        // The reference copies the same number of bytes between two flat buffers.
+        let flat = self.config.model.layout_config(self.n, self.cell.tokens)?;
+        let a = HostTier::allocate(Layout::new(flat, FC)?)?;
+        let b = HostTier::allocate(Layout::new(flat, FC)?)?;
+        let ref_bytes = bytes.min(a.physical().regions()[0].len());
+        for _ in 0..self.config.reps {
+            refs.push(reference_memcpy(memcpy, &a, &b, ref_bytes)?);
+        }
+        Ok(finish(
+            self.cell.row(block_bytes, "ok".into()),
+            self.n,
+            bytes,
+            &samples,
+            &refs,
+            checked,
+        ))
+    }
 }
 
 fn identity(n: usize) -> Vec<(usize, usize)> {

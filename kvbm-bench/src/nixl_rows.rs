@@ -89,6 +89,13 @@ impl Samples {
         self.gbps.push(gbps(bytes, secs));
         self.cpu_per_gib.push(cpu / (bytes as f64 / GIB));
     }
+
+    /// Adds a reference rep that moved `bytes` at `gbps` for `cpu`
+    /// CPU-seconds.
+    fn push_reference(&mut self, gbps: f64, cpu: f64, bytes: u64) {
+        self.gbps.push(gbps);
+        self.cpu_per_gib.push(cpu / (bytes as f64 / GIB));
+    }
 }
 
 fn finish(
@@ -175,86 +182,159 @@ fn disk_rows(config: &MatrixConfig, tokens: usize, per_batch: usize) -> Result<V
         Ok(b) => Arc::new(b),
         Err(e) => return Ok(skipped(e.to_string())),
     };
-    let batches = (config.bytes_per_rep / (block_bytes * per_batch as u64)).max(1) as usize;
-    let n = batches * per_batch;
-    let cfg = config.model.layout_config(n, tokens)?;
-    let exec_cfg = ExecutorConfig {
-        max_blocks_per_batch: per_batch,
-        ..ExecutorConfig::default()
-    };
-    let uring = ExecutorSpec::host()
-        .memcpy_threads(config.memcpy_threads)
-        .disk(true)
-        .config(exec_cfg.clone())
-        .build()?;
-    let nixl_exec = Executor::builder()
-        .backend(Arc::new(MemcpyBackend::new(config.memcpy_threads)?))
-        .backend(nixl)
-        .config(exec_cfg)
-        .build()?;
-    let execs = [&uring, &nixl_exec];
-    let src = HostTier::allocate(Layout::new(cfg, LayoutKind::FullyContiguous)?)?;
-    let dst = HostTier::allocate(Layout::new(cfg, LayoutKind::FullyContiguous)?)?;
-    for b in 0..n {
-        // SAFETY: no transfer has been started on `src` yet.
-        unsafe { src.fill(b, b as u64)? };
-    }
-    for e in execs {
-        e.register(src.physical())?;
-        e.register(dst.physical())?;
-    }
-    let alloc = DiskAllocator::new(&config.disk_dir, DiskOptions::default())?;
-    let file =
-        PhysicalLayout::allocate_disk(Layout::new(cfg, LayoutKind::FullyContiguous)?, &alloc)?;
-    let (file_path, total) = match file.regions()[0].file_location() {
-        Some((f, _)) => (f.path().to_path_buf(), file.regions()[0].len()),
-        None => return Err(BenchError::Config("disk layout without a file".into())),
-    };
-    let perm = scatter(n, (tokens * 31 + per_batch) as u64);
-    let out: Vec<(usize, usize)> = (0..n).map(|i| (i, perm[i])).collect();
-    let back: Vec<(usize, usize)> = out.iter().map(|&(s, d)| (d, s)).collect();
-    let (sp, dp) = (src.physical(), dst.physical());
-
+    let d = DiskBench::new(config, tokens, per_batch, block_bytes, nixl)?;
     // Writes, interleaved; the reference overwrites the file, so each
     // backend's last write is read back and checked by the same backend.
-    let mut w = [Samples::default(), Samples::default()];
-    let mut w_ref = Samples::default();
-    let mut bytes = 0;
-    for _ in 0..config.reps {
-        for (s, e) in w.iter_mut().zip(execs) {
-            let (b, secs, cpu) = timed(|| run_batches(e, sp, &file, &out, per_batch, "G2->G3"))?;
-            bytes = b;
-            s.push(b, secs, cpu);
-        }
-        let (g, _, cpu) = timed(|| reference_disk(&file_path, total, true))?;
-        w_ref.gbps.push(g);
-        w_ref.cpu_per_gib.push(cpu / (total as f64 / GIB));
-    }
+    let (w, w_ref, bytes) = d.writes(config.reps)?;
     let mut verified = [false, false];
-    for (v, e) in verified.iter_mut().zip(execs) {
-        run_batches(e, sp, &file, &out, per_batch, "G2->G3")?;
-        run_batches(e, &file, dp, &back, per_batch, "G3->G2")?;
-        *v = check_all(&dst, n, "G2->G3->G2")?;
+    for (v, e) in verified.iter_mut().zip(d.execs()) {
+        d.run(e, true)?;
+        d.run(e, false)?;
+        *v = check_all(&d.dst, d.n, "G2->G3->G2")?;
     }
     // Reads of the (now valid) file, interleaved.
-    let mut r = [Samples::default(), Samples::default()];
-    let mut r_ref = Samples::default();
-    for _ in 0..config.reps {
-        for (s, e) in r.iter_mut().zip(execs) {
-            let (b, secs, cpu) = timed(|| run_batches(e, &file, dp, &back, per_batch, "G3->G2"))?;
-            s.push(b, secs, cpu);
-        }
-        let (g, _, cpu) = timed(|| reference_disk(&file_path, total, false))?;
-        r_ref.gbps.push(g);
-        r_ref.cpu_per_gib.push(cpu / (total as f64 / GIB));
-    }
+    let (r, r_ref) = d.reads(config.reps)?;
     let mut rows = Vec::new();
     for (i, (wname, rname)) in names.into_iter().enumerate() {
         let base = |p| row(p, "raw O_DIRECT", tokens, block_bytes, per_batch);
-        rows.push(finish(base(wname), n, bytes, &w[i], &w_ref, verified[i]));
-        rows.push(finish(base(rname), n, bytes, &r[i], &r_ref, verified[i]));
+        rows.push(finish(base(wname), d.n, bytes, &w[i], &w_ref, verified[i]));
+        rows.push(finish(base(rname), d.n, bytes, &r[i], &r_ref, verified[i]));
     }
     Ok(rows)
+}
+
+/// A disk cell set up for both backends: io_uring and NIXL POSIX
+/// executors, host memory registered with both, the file, and the block
+/// pairs each way. The file and the host memory drop before the
+/// executors they are registered with.
+struct DiskBench {
+    file: PhysicalLayout,
+    dst: HostTier,
+    src: HostTier,
+    nixl: Executor,
+    uring: Executor,
+    /// Blocks per rep.
+    n: usize,
+    per_batch: usize,
+    file_path: std::path::PathBuf,
+    /// The file's bytes.
+    total: u64,
+    /// `(host block, file block)` out; the same pairs back.
+    out: Vec<(usize, usize)>,
+    back: Vec<(usize, usize)>,
+}
+
+impl DiskBench {
+    /// Sets up the cell of `tokens` per block, `block_bytes` each.
+    fn new(
+        config: &MatrixConfig,
+        tokens: usize,
+        per_batch: usize,
+        block_bytes: u64,
+        nixl: Arc<NixlDiskBackend>,
+    ) -> Result<DiskBench> {
+        let batches = (config.bytes_per_rep / (block_bytes * per_batch as u64)).max(1) as usize;
+        let n = batches * per_batch;
+        let cfg = config.model.layout_config(n, tokens)?;
+        let exec_cfg = ExecutorConfig {
+            max_blocks_per_batch: per_batch,
+            ..ExecutorConfig::default()
+        };
+        let uring = ExecutorSpec::host()
+            .memcpy_threads(config.memcpy_threads)
+            .disk(true)
+            .config(exec_cfg.clone())
+            .build()?;
+        let nixl = Executor::builder()
+            .backend(Arc::new(MemcpyBackend::new(config.memcpy_threads)?))
+            .backend(nixl)
+            .config(exec_cfg)
+            .build()?;
+        let src = HostTier::allocate(Layout::new(cfg, LayoutKind::FullyContiguous)?)?;
+        let dst = HostTier::allocate(Layout::new(cfg, LayoutKind::FullyContiguous)?)?;
+        for b in 0..n {
+            // SAFETY: no transfer has been started on `src` yet.
+            unsafe { src.fill(b, b as u64)? };
+        }
+        for e in [&uring, &nixl] {
+            e.register(src.physical())?;
+            e.register(dst.physical())?;
+        }
+        let alloc = DiskAllocator::new(&config.disk_dir, DiskOptions::default())?;
+        let file =
+            PhysicalLayout::allocate_disk(Layout::new(cfg, LayoutKind::FullyContiguous)?, &alloc)?;
+        let (file_path, total) = match file.regions()[0].file_location() {
+            Some((f, _)) => (f.path().to_path_buf(), file.regions()[0].len()),
+            None => return Err(BenchError::Config("disk layout without a file".into())),
+        };
+        let perm = scatter(n, (tokens * 31 + per_batch) as u64);
+        let out: Vec<(usize, usize)> = (0..n).map(|i| (i, perm[i])).collect();
+        let back: Vec<(usize, usize)> = out.iter().map(|&(s, d)| (d, s)).collect();
+        Ok(DiskBench {
+            file,
+            dst,
+            src,
+            nixl,
+            uring,
+            n,
+            per_batch,
+            file_path,
+            total,
+            out,
+            back,
+        })
+    }
+
+    /// The two executors, io_uring first.
+    fn execs(&self) -> [&Executor; 2] {
+        [&self.uring, &self.nixl]
+    }
+
+    /// One pass of every block through `e`: host to file (`write`) or
+    /// file to host; returns the bytes moved.
+    fn run(&self, e: &Executor, write: bool) -> Result<u64> {
+        let (sp, dp) = (self.src.physical(), self.dst.physical());
+        if write {
+            run_batches(e, sp, &self.file, &self.out, self.per_batch, "G2->G3")
+        } else {
+            run_batches(e, &self.file, dp, &self.back, self.per_batch, "G3->G2")
+        }
+    }
+
+    /// `reps` rounds of writes, each backend then the raw reference in
+    /// turn: each backend's samples, the reference's, and the bytes of
+    /// one write.
+    fn writes(&self, reps: usize) -> Result<([Samples; 2], Samples, u64)> {
+        let mut w = [Samples::default(), Samples::default()];
+        let mut w_ref = Samples::default();
+        let mut bytes = 0;
+        for _ in 0..reps {
+            for (s, e) in w.iter_mut().zip(self.execs()) {
+                let (b, secs, cpu) = timed(|| self.run(e, true))?;
+                bytes = b;
+                s.push(b, secs, cpu);
+            }
+            let (g, _, cpu) = timed(|| reference_disk(&self.file_path, self.total, true))?;
+            w_ref.push_reference(g, cpu, self.total);
+        }
+        Ok((w, w_ref, bytes))
+    }
+
+    /// `reps` rounds of reads, each backend then the raw reference in
+    /// turn: each backend's samples and the reference's.
+    fn reads(&self, reps: usize) -> Result<([Samples; 2], Samples)> {
+        let mut r = [Samples::default(), Samples::default()];
+        let mut r_ref = Samples::default();
+        for _ in 0..reps {
+            for (s, e) in r.iter_mut().zip(self.execs()) {
+                let (b, secs, cpu) = timed(|| self.run(e, false))?;
+                s.push(b, secs, cpu);
+            }
+            let (g, _, cpu) = timed(|| reference_disk(&self.file_path, self.total, false))?;
+            r_ref.push_reference(g, cpu, self.total);
+        }
+        Ok((r, r_ref))
+    }
 }
 
 /// The UCX row for one block size and batch: a pull of the matrix's
@@ -320,28 +400,33 @@ fn remote_row(
         bytes = b;
         s.push(b, secs, cpu);
         if !verified {
-            // Local block i holds remote block perm[i], filled with hash perm[i].
-            for (i, &p) in perm.iter().enumerate() {
-                // SAFETY: the pull was waited on; nothing writes `dst`.
-                if let Some(m) = unsafe { dst.check(i, p as u64)? } {
-                    return Err(BenchError::Corrupt {
-                        block: p as u64,
-                        path: "G2->G2".into(),
-                        layer: m.layer,
-                        outer: m.outer,
-                        offset: m.offset,
-                    });
-                }
-            }
+            check_pulled(&dst, &perm)?;
             verified = true;
         }
         let (g, _, cpu) = timed(|| reference_memcpy(memcpy, &src, &dst, bytes))?;
-        refs.gbps.push(g);
-        refs.cpu_per_gib.push(cpu / (bytes as f64 / GIB));
+        refs.push_reference(g, cpu, bytes);
     }
     drop(pulling);
     drop(serving);
     Ok(finish(r, n, bytes, &s, &refs, verified))
+}
+
+/// Checks that every local block `i` of `dst`, pulled from remote block
+/// `perm[i]`, holds the pattern of hash `perm[i]`.
+fn check_pulled(dst: &HostTier, perm: &[usize]) -> Result<()> {
+    for (i, &p) in perm.iter().enumerate() {
+        // SAFETY: the pull was waited on; nothing writes `dst`.
+        if let Some(m) = unsafe { dst.check(i, p as u64)? } {
+            return Err(BenchError::Corrupt {
+                block: p as u64,
+                path: "G2->G2".into(),
+                layer: m.layer,
+                outer: m.outer,
+                offset: m.offset,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Every NIXL row for the matrix's block sizes and batches.
