@@ -30,7 +30,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvbm_dist::leader::Leader;
-use kvbm_pool::metrics::SkipReason;
+use kvbm_pool::metrics::{SkipReason, TierStats};
 use parking_lot::Mutex;
 use serde::Serialize;
 
@@ -223,6 +223,65 @@ fn killer(k: Killer) -> Result<()> {
     Ok(())
 }
 
+/// The worker-killing thread, when there is one, and what it shares.
+struct KillerThread {
+    /// Set to stop the thread.
+    stop: Arc<AtomicBool>,
+    /// The kills done.
+    kills: Arc<Mutex<Vec<Kill>>>,
+    /// Kills begun.
+    started: Arc<AtomicU64>,
+    thread: Option<std::thread::JoinHandle<Result<()>>>,
+}
+
+impl KillerThread {
+    /// Starts killing a rank every `--kill-every` (no thread without it),
+    /// from `start` until `deadline`.
+    fn start(
+        cfg: &SoakConfig,
+        cluster: &dist::Cluster,
+        leader: &Arc<Leader>,
+        start: Instant,
+        deadline: Instant,
+    ) -> KillerThread {
+        let stop = Arc::new(AtomicBool::new(false));
+        let kills = Arc::new(Mutex::new(Vec::new()));
+        let started = Arc::new(AtomicU64::new(0));
+        let thread = cfg.kill_every.map(|every| {
+            let k = Killer {
+                workers: Arc::clone(&cluster.workers),
+                leader: Arc::clone(leader),
+                every,
+                rejoin_timeout: cfg.rejoin_timeout,
+                start,
+                deadline,
+                stop: Arc::clone(&stop),
+                kills: Arc::clone(&kills),
+                started: Arc::clone(&started),
+            };
+            std::thread::spawn(move || killer(k))
+        });
+        KillerThread {
+            stop,
+            kills,
+            started,
+            thread,
+        }
+    }
+
+    /// Stops the thread and waits for it; its error, if it failed.
+    fn finish(&mut self) -> Result<()> {
+        self.stop.store(true, Ordering::Relaxed);
+        match self.thread.take().map(|t| t.join()) {
+            None | Some(Ok(Ok(()))) => Ok(()),
+            Some(Ok(Err(e))) => Err(e),
+            Some(Err(_)) => Err(BenchError::Tier(
+                "the worker-killing thread panicked".into(),
+            )),
+        }
+    }
+}
+
 /// Runs the soak; `progress(served, elapsed)` is called after each request.
 pub fn run_soak(cfg: &SoakConfig, mut progress: impl FnMut(u64, Duration)) -> Result<SoakReport> {
     let rc = &cfg.replay;
@@ -243,42 +302,41 @@ pub fn run_soak(cfg: &SoakConfig, mut progress: impl FnMut(u64, Duration)) -> Re
     let deadline = start + cfg.duration;
     // Caches warm, before the first kill.
     let warm_at = start + cfg.kill_every.unwrap_or(cfg.duration / 2) / 2;
-    let stop = Arc::new(AtomicBool::new(false));
-    let kills = Arc::new(Mutex::new(Vec::new()));
-    let started = Arc::new(AtomicU64::new(0));
-    let killer = cfg.kill_every.map(|every| {
-        let k = Killer {
-            workers: Arc::clone(&cluster.workers),
-            leader: Arc::clone(&leader),
-            every,
-            rejoin_timeout: cfg.rejoin_timeout,
-            start,
-            deadline,
-            stop: Arc::clone(&stop),
-            kills: Arc::clone(&kills),
-            started: Arc::clone(&started),
-        };
-        std::thread::spawn(move || killer(k))
-    });
+    let mut killer = KillerThread::start(cfg, &cluster, &leader, start, deadline);
     let watch = Watch {
         leader: &leader,
-        kills_started: &started,
+        kills_started: &killer.started,
         cluster: &cluster,
     };
     let outcome = drive(cfg, &mut driver, &watch, deadline, warm_at, &mut progress);
-    stop.store(true, Ordering::Relaxed);
-    let killed = match killer.map(|t| t.join()) {
-        None | Some(Ok(Ok(()))) => Ok(()),
-        Some(Ok(Err(e))) => Err(e),
-        Some(Err(_)) => Err(BenchError::Tier(
-            "the worker-killing thread panicked".into(),
-        )),
-    };
+    let killed = killer.finish();
     let mut run = outcome?;
     killed?;
     let end = sample_all(&cluster.workers);
     let stats = driver.engine().stats();
-    // Copy failures by path and cause, then the onboards they failed.
+    add_failures(&mut run, &stats, &leader);
+    let kills = killer.kills.lock().clone();
+    Ok(SoakReport {
+        workload: rc.workload.clone(),
+        workers: rc.workers,
+        wall_s: start.elapsed().as_secs_f64(),
+        passes: run.passes,
+        requests_served: run.served,
+        requests_failed: run.failed,
+        blocks_verified: driver.verified_blocks,
+        mismatches: run.mismatches,
+        failures: run.failures,
+        offloads_skipped: skipped_by_reason(&stats),
+        kills,
+        start: start_samples,
+        warm: run.warm,
+        end,
+    })
+}
+
+/// Adds to `run`'s failures the engine's copy failures by path and cause,
+/// the onboards they failed, and the ranks the leader lost by cause.
+fn add_failures(run: &mut Run, stats: &TierStats, leader: &Leader) {
     for f in &stats.copy_failures {
         *run.failures
             .entry(format!("{} copy failed: {}", f.path.label(), f.cause))
@@ -295,7 +353,12 @@ pub fn run_soak(cfg: &SoakConfig, mut progress: impl FnMut(u64, Duration)) -> Re
             .entry(format!("rank lost: {cause}"))
             .or_default() += 1;
     }
-    let offloads_skipped = [
+}
+
+/// The offloads the engine skipped, by reason (reasons that never came up
+/// left out).
+fn skipped_by_reason(stats: &TierStats) -> BTreeMap<String, u64> {
+    [
         SkipReason::Present,
         SkipReason::SourceGone,
         SkipReason::NotAdmitted,
@@ -306,24 +369,7 @@ pub fn run_soak(cfg: &SoakConfig, mut progress: impl FnMut(u64, Duration)) -> Re
     .into_iter()
     .map(|r| (r.label().to_string(), stats.skipped_for(r)))
     .filter(|(_, n)| *n > 0)
-    .collect();
-    let kills = kills.lock().clone();
-    Ok(SoakReport {
-        workload: rc.workload.clone(),
-        workers: rc.workers,
-        wall_s: start.elapsed().as_secs_f64(),
-        passes: run.passes,
-        requests_served: run.served,
-        requests_failed: run.failed,
-        blocks_verified: driver.verified_blocks,
-        mismatches: run.mismatches,
-        failures: run.failures,
-        offloads_skipped,
-        kills,
-        start: start_samples,
-        warm: run.warm,
-        end,
-    })
+    .collect()
 }
 
 #[derive(Default)]

@@ -83,21 +83,86 @@ fn linear_ticks(lo: f64, hi: f64, n: usize) -> Vec<f64> {
     out
 }
 
+/// Where the plot's data lands: the axes' ranges and the plot area.
+struct Frame {
+    /// Whether x is plotted on a log2 axis.
+    log2_x: bool,
+    /// The x axis' range, in plotted (log2 where asked) units.
+    x0: f64,
+    x1: f64,
+    /// The y axis' top (it starts at 0).
+    y1: f64,
+    /// Width and height of the plot area.
+    pw: f64,
+    ph: f64,
+}
+
+impl Frame {
+    /// `x` in plotted units.
+    fn tx(&self, x: f64) -> f64 {
+        if self.log2_x { x.log2() } else { x }
+    }
+
+    /// The horizontal position of `x`.
+    fn px(&self, x: f64) -> f64 {
+        LEFT + (self.tx(x) - self.x0) / (self.x1 - self.x0) * self.pw
+    }
+
+    /// The vertical position of `y`.
+    fn py(&self, y: f64) -> f64 {
+        TOP + self.ph - y / self.y1 * self.ph
+    }
+}
+
 impl LinePlot {
     /// Renders the plot as an SVG document. Empty or non-finite data gives
     /// a plot with axes and no lines.
     pub fn render(&self) -> String {
-        let finite =
-            |p: &&(f64, f64)| p.0.is_finite() && p.1.is_finite() && (!self.log2_x || p.0 > 0.0);
+        let f = self.frame();
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="12">"#
+        );
+        let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="22" text-anchor="middle" font-size="15">{}</text>"#,
+            LEFT + f.pw / 2.0,
+            escape(&self.title)
+        );
+        self.ticks(&mut s, &f);
+        self.axes(&mut s, &f);
+        for (i, series) in self.series.iter().enumerate() {
+            self.line(&mut s, &f, i, series);
+        }
+        s.push_str("</svg>\n");
+        s
+    }
+
+    /// Whether point `p` can be drawn (finite, and positive x on a log axis).
+    fn shown(&self, p: &(f64, f64)) -> bool {
+        p.0.is_finite() && p.1.is_finite() && (!self.log2_x || p.0 > 0.0)
+    }
+
+    /// The axes' ranges that hold every point drawn.
+    fn frame(&self) -> Frame {
         let pts: Vec<(f64, f64)> = self
             .series
             .iter()
-            .flat_map(|s| s.points.iter().filter(finite).copied())
+            .flat_map(|s| s.points.iter().filter(|p| self.shown(p)).copied())
             .collect();
-        let tx = |x: f64| if self.log2_x { x.log2() } else { x };
+        let mut f = Frame {
+            log2_x: self.log2_x,
+            x0: 0.0,
+            x1: 0.0,
+            y1: 0.0,
+            pw: WIDTH - LEFT - RIGHT,
+            ph: HEIGHT - TOP - BOTTOM,
+        };
         let (mut x0, mut x1) = pts
             .iter()
-            .map(|p| tx(p.0))
+            .map(|p| f.tx(p.0))
             .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| {
                 (a.min(x), b.max(x))
             });
@@ -108,31 +173,19 @@ impl LinePlot {
             x1 = x0 + 1.0;
         }
         let y1 = pts.iter().map(|p| p.1).fold(0.0f64, f64::max);
-        let y1 = if y1 > 0.0 { y1 * 1.08 } else { 1.0 };
-        let pw = WIDTH - LEFT - RIGHT;
-        let ph = HEIGHT - TOP - BOTTOM;
-        let px = |x: f64| LEFT + (tx(x) - x0) / (x1 - x0) * pw;
-        let py = |y: f64| TOP + ph - y / y1 * ph;
+        f.y1 = if y1 > 0.0 { y1 * 1.08 } else { 1.0 };
+        (f.x0, f.x1) = (x0, x1);
+        f
+    }
 
-        let mut s = String::new();
-        let _ = writeln!(
-            s,
-            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="12">"#
-        );
-        let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
-        let _ = writeln!(
-            s,
-            r#"<text x="{}" y="22" text-anchor="middle" font-size="15">{}</text>"#,
-            LEFT + pw / 2.0,
-            escape(&self.title)
-        );
-        // Grid and y ticks.
-        for t in linear_ticks(0.0, y1, 6) {
-            let y = py(t);
+    /// The grid with its y ticks, and the x ticks.
+    fn ticks(&self, s: &mut String, f: &Frame) {
+        for t in linear_ticks(0.0, f.y1, 6) {
+            let y = f.py(t);
             let _ = writeln!(
                 s,
                 r##"<line x1="{LEFT}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#ddd"/><text x="{:.1}" y="{:.1}" text-anchor="end">{}</text>"##,
-                LEFT + pw,
+                LEFT + f.pw,
                 LEFT - 6.0,
                 y + 4.0,
                 trim_number(t)
@@ -140,14 +193,14 @@ impl LinePlot {
         }
         // X ticks: powers of two on a log axis, round numbers otherwise.
         let xticks: Vec<f64> = if self.log2_x {
-            (x0.ceil() as i64..=x1.floor() as i64)
+            (f.x0.ceil() as i64..=f.x1.floor() as i64)
                 .map(|e| 2f64.powi(e as i32))
                 .collect()
         } else {
-            linear_ticks(x0, x1, 8)
+            linear_ticks(f.x0, f.x1, 8)
         };
         for t in xticks {
-            let x = px(t);
+            let x = f.px(t);
             let label = if self.x_as_bytes {
                 format_bytes(t)
             } else {
@@ -156,11 +209,16 @@ impl LinePlot {
             let _ = writeln!(
                 s,
                 r##"<line x1="{x:.1}" y1="{TOP}" x2="{x:.1}" y2="{:.1}" stroke="#eee"/><text x="{x:.1}" y="{:.1}" text-anchor="middle">{}</text>"##,
-                TOP + ph,
-                TOP + ph + 18.0,
+                TOP + f.ph,
+                TOP + f.ph + 18.0,
                 escape(&label)
             );
         }
+    }
+
+    /// The plot area's border and the axes' labels.
+    fn axes(&self, s: &mut String, f: &Frame) {
+        let (pw, ph) = (f.pw, f.ph);
         let _ = writeln!(
             s,
             r#"<rect x="{LEFT}" y="{TOP}" width="{pw}" height="{ph}" fill="none" stroke="black"/>"#
@@ -179,38 +237,38 @@ impl LinePlot {
             TOP + ph / 2.0,
             escape(&self.y_label)
         );
-        for (i, series) in self.series.iter().enumerate() {
-            let colour = COLOURS[i % COLOURS.len()];
-            let line: Vec<String> = series
-                .points
-                .iter()
-                .filter(finite)
-                .map(|&(x, y)| format!("{:.1},{:.1}", px(x), py(y)))
-                .collect();
-            if !line.is_empty() {
-                let _ = writeln!(
-                    s,
-                    r#"<polyline fill="none" stroke="{colour}" stroke-width="2" points="{}"/>"#,
-                    line.join(" ")
-                );
-                for p in &line {
-                    let (x, y) = p.split_once(',').unwrap_or(("0", "0"));
-                    let _ = writeln!(s, r#"<circle cx="{x}" cy="{y}" r="3" fill="{colour}"/>"#);
-                }
-            }
-            let ly = TOP + 10.0 + i as f64 * 18.0;
-            let lx = LEFT + pw + 14.0;
+    }
+
+    /// Series number `i`: its line and points, and its legend entry.
+    fn line(&self, s: &mut String, f: &Frame, i: usize, series: &Series) {
+        let colour = COLOURS[i % COLOURS.len()];
+        let line: Vec<String> = series
+            .points
+            .iter()
+            .filter(|p| self.shown(p))
+            .map(|&(x, y)| format!("{:.1},{:.1}", f.px(x), f.py(y)))
+            .collect();
+        if !line.is_empty() {
             let _ = writeln!(
                 s,
-                r#"<line x1="{lx}" y1="{ly}" x2="{}" y2="{ly}" stroke="{colour}" stroke-width="3"/><text x="{}" y="{}">{}</text>"#,
-                lx + 18.0,
-                lx + 24.0,
-                ly + 4.0,
-                escape(&series.name)
+                r#"<polyline fill="none" stroke="{colour}" stroke-width="2" points="{}"/>"#,
+                line.join(" ")
             );
+            for p in &line {
+                let (x, y) = p.split_once(',').unwrap_or(("0", "0"));
+                let _ = writeln!(s, r#"<circle cx="{x}" cy="{y}" r="3" fill="{colour}"/>"#);
+            }
         }
-        s.push_str("</svg>\n");
-        s
+        let ly = TOP + 10.0 + i as f64 * 18.0;
+        let lx = LEFT + f.pw + 14.0;
+        let _ = writeln!(
+            s,
+            r#"<line x1="{lx}" y1="{ly}" x2="{}" y2="{ly}" stroke="{colour}" stroke-width="3"/><text x="{}" y="{}">{}</text>"#,
+            lx + 18.0,
+            lx + 24.0,
+            ly + 4.0,
+            escape(&series.name)
+        );
     }
 }
 
