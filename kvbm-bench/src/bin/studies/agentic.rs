@@ -80,6 +80,32 @@ fn env_f64(name: &str) -> Option<f64> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())
 }
 
+/// Replays `trace` through a tier engine of capacities `caps` (in a
+/// scratch directory of its own), with `hints` or none; the hit rate, %.
+fn run_hinted(trace: &AgenticTrace, caps: [usize; 3], hints: Option<Vec<NextCall>>) -> f64 {
+    let dir = std::env::temp_dir().join(format!("kvbm-agentic-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut builder = tiers(caps[0], caps[1], caps[2], &dir);
+    if let Some(s) = env_f64("KVBM_HINT_SLACK") {
+        builder = builder.hint_slack(s);
+    }
+    if let Some(s) = env_f64("KVBM_HINT_G1_S") {
+        builder = builder.hint_g1_within(Duration::from_secs_f64(s));
+    }
+    let e = builder.build().unwrap();
+    let started = std::time::Instant::now();
+    let (hit, g1) = replay(&e, trace, hints.as_deref());
+    e.g1().audit().unwrap();
+    eprintln!(
+        "  {caps:?} hints {}: {hit:.2}% (G1 {g1:.2}%), {:.1} s",
+        hints.is_some(),
+        started.elapsed().as_secs_f64()
+    );
+    drop(e);
+    let _ = std::fs::remove_dir_all(&dir);
+    hit
+}
+
 pub fn agentic_hints() {
     let programs = env_f64("KVBM_AGENTIC_PROGRAMS").map_or(300, |p| p as usize);
     let trace = workload(programs);
@@ -120,29 +146,7 @@ pub fn agentic_hints() {
             &mut BeladySim::new(&trace.requests, total),
         )
         .hit_rate_pct();
-        let run = |hints: Option<Vec<NextCall>>| {
-            let dir = std::env::temp_dir().join(format!("kvbm-agentic-{}", std::process::id()));
-            std::fs::create_dir_all(&dir).unwrap();
-            let mut builder = tiers(caps[0], caps[1], caps[2], &dir);
-            if let Some(s) = env_f64("KVBM_HINT_SLACK") {
-                builder = builder.hint_slack(s);
-            }
-            if let Some(s) = env_f64("KVBM_HINT_G1_S") {
-                builder = builder.hint_g1_within(Duration::from_secs_f64(s));
-            }
-            let e = builder.build().unwrap();
-            let started = std::time::Instant::now();
-            let (hit, g1) = replay(&e, &trace, hints.as_deref());
-            e.g1().audit().unwrap();
-            eprintln!(
-                "  {caps:?} hints {}: {hit:.2}% (G1 {g1:.2}%), {:.1} s",
-                hints.is_some(),
-                started.elapsed().as_secs_f64()
-            );
-            drop(e);
-            let _ = std::fs::remove_dir_all(&dir);
-            hit
-        };
+        let run = |hints: Option<Vec<NextCall>>| run_hinted(&trace, caps, hints);
         let none = run(None);
         let hinted: Vec<f64> = accuracies
             .iter()

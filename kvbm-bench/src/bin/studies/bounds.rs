@@ -24,101 +24,133 @@ use kvbm_bench::sim::{
 use kvbm_testkit::trace::MOONCAKE_BLOCK_TOKENS;
 
 pub fn bounds_study() {
-    for Loaded {
-        name,
-        fractions: f,
-        requests,
-        caps,
-        total,
-        ix,
-        ..
-    } in loaded_configs()
-    {
+    for l in loaded_configs() {
+        let Loaded {
+            name,
+            fractions: f,
+            caps,
+            ..
+        } = &l;
         println!(
             "\n### {name} {f:?} (G1 {} G2 {} G3 {})",
             caps.g1, caps.g2, caps.g3
         );
         println!("| policy | cells | hit % (G1 / G2 / G3) |");
         println!("|---|---|---|");
-        let line = |label: String, cells: String, s: ReplayStats| {
-            println!("| {label} | {cells} | {} |", fmt(&s));
-        };
         if wanted("reference") {
-            let single = |c: &mut dyn CacheSim| replay(&requests, MOONCAKE_BLOCK_TOKENS, c);
-            line(
-                "reference: single LRU".into(),
-                "".into(),
-                single(&mut LruSim::new(total)),
-            );
-            line(
-                "reference: single Belady".into(),
-                "".into(),
-                single(&mut BeladySim::new(&requests, total)),
-            );
-            line(
-                "single Belady without bypass".into(),
-                "".into(),
-                single(&mut BeladySim::without_bypass(&requests, total)),
-            );
-            line(
-                "tiered LRU victim".into(),
-                "".into(),
-                run_tiers(
-                    &requests,
-                    caps.g1,
-                    LruTiers::new(caps.g2, caps.g3, LruFeed::Victim),
-                ),
-            );
-            line(
-                "winner (reuse-score within 250)".into(),
-                "".into(),
-                run_tiers(
-                    &requests,
-                    caps.g1,
-                    ReuseScoreTiers::new(ReuseScoreConfig::for_tiers(caps)),
-                ),
-            );
+            reference_rows(&l);
         }
         if wanted("oracle") {
-            for (label, adm) in [
-                ("oracle tiers (Belady order, bypass)", Admission::Strict),
-                ("oracle tiers, no bypass", Admission::Always),
-            ] {
-                line(
-                    label.into(),
-                    "".into(),
-                    run_scored(&requests, &ix, caps, adm, true, OracleScorer),
-                );
-            }
-            line(
-                "oracle admission (used again at all), recency order".into(),
-                "".into(),
-                run_scored(
-                    &requests,
-                    &ix,
-                    caps,
-                    Admission::TiesAdmit,
-                    true,
-                    OracleAdmission,
-                ),
-            );
+            oracle_rows(&l);
         }
-        for set in FeatureSet::ladder() {
-            for (fit, support, fit_label) in [
-                (Fit::InSample, 1, "in-sample"),
-                (Fit::InSample, 50, "in-sample, cells >= 50"),
-                (Fit::CrossFit, 50, "cross-fit, cells >= 50"),
-            ] {
-                for (oname, objective) in objectives() {
-                    let label = format!("calibrated [{}] {fit_label}, {oname}", set.name);
-                    if !wanted(&label) {
-                        continue;
-                    }
-                    let scorer = HindsightScorer::new(&ix, set.clone(), objective, fit, support);
-                    let cells = scorer.cells().to_string();
-                    let s = run_scored(&requests, &ix, caps, Admission::TiesAdmit, true, scorer);
-                    line(label, cells, s);
+        calibrated_rows(&l);
+    }
+}
+
+/// One row of the study's table.
+fn table_line(label: String, cells: String, s: ReplayStats) {
+    println!("| {label} | {cells} | {} |", fmt(&s));
+}
+
+/// The references: single LRU and Belady, tiered LRU and the winner.
+fn reference_rows(l: &Loaded) {
+    let Loaded {
+        ref requests,
+        caps,
+        total,
+        ..
+    } = *l;
+    let single = |c: &mut dyn CacheSim| replay(requests, MOONCAKE_BLOCK_TOKENS, c);
+    table_line(
+        "reference: single LRU".into(),
+        "".into(),
+        single(&mut LruSim::new(total)),
+    );
+    table_line(
+        "reference: single Belady".into(),
+        "".into(),
+        single(&mut BeladySim::new(requests, total)),
+    );
+    table_line(
+        "single Belady without bypass".into(),
+        "".into(),
+        single(&mut BeladySim::without_bypass(requests, total)),
+    );
+    table_line(
+        "tiered LRU victim".into(),
+        "".into(),
+        run_tiers(
+            requests,
+            caps.g1,
+            LruTiers::new(caps.g2, caps.g3, LruFeed::Victim),
+        ),
+    );
+    table_line(
+        "winner (reuse-score within 250)".into(),
+        "".into(),
+        run_tiers(
+            requests,
+            caps.g1,
+            ReuseScoreTiers::new(ReuseScoreConfig::for_tiers(caps)),
+        ),
+    );
+}
+
+/// The oracle's tiers, with and without bypass, and oracle admission.
+fn oracle_rows(l: &Loaded) {
+    let Loaded {
+        ref requests,
+        caps,
+        ref ix,
+        ..
+    } = *l;
+    for (label, adm) in [
+        ("oracle tiers (Belady order, bypass)", Admission::Strict),
+        ("oracle tiers, no bypass", Admission::Always),
+    ] {
+        table_line(
+            label.into(),
+            "".into(),
+            run_scored(requests, ix, caps, adm, true, OracleScorer),
+        );
+    }
+    table_line(
+        "oracle admission (used again at all), recency order".into(),
+        "".into(),
+        run_scored(
+            requests,
+            ix,
+            caps,
+            Admission::TiesAdmit,
+            true,
+            OracleAdmission,
+        ),
+    );
+}
+
+/// Calibrated reuse probabilities: each feature set, fit and objective.
+fn calibrated_rows(l: &Loaded) {
+    let Loaded {
+        ref requests,
+        caps,
+        ref ix,
+        ..
+    } = *l;
+    for set in FeatureSet::ladder() {
+        for (fit, support, fit_label) in [
+            (Fit::InSample, 1, "in-sample"),
+            (Fit::InSample, 50, "in-sample, cells >= 50"),
+            (Fit::CrossFit, 50, "cross-fit, cells >= 50"),
+        ] {
+            for (oname, objective) in objectives() {
+                let label = format!("calibrated [{}] {fit_label}, {oname}", set.name);
+                if !wanted(&label) {
+                    continue;
                 }
+                let scorer = HindsightScorer::new(ix, set.clone(), objective, fit, support);
+                let cells = scorer.cells().to_string();
+                let s = run_scored(requests, ix, caps, Admission::TiesAdmit, true, scorer);
+                table_line(label, cells, s);
             }
         }
     }

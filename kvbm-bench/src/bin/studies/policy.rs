@@ -4,6 +4,7 @@
 
 use crate::sim_support;
 
+use ClassFeature::{Depth, None as CountOnly, OutputLength, SeenPrefix};
 use kvbm_bench::sim::reuse_score::{
     ClassFeature, Clock, ReuseScoreConfig, ReuseScoreTiers, ScoreModel,
 };
@@ -44,6 +45,200 @@ fn single<C: CacheSim>(requests: &[Request], mut c: C) -> ReplayStats {
     replay(requests, MOONCAKE_BLOCK_TOKENS, &mut c)
 }
 
+/// The hyperbolic score model with weight exponent `exponent`.
+fn hyp(exponent: f64) -> ScoreModel {
+    ScoreModel::Hyperbolic { exponent }
+}
+
+/// The score model of a return within `horizon`.
+fn within(horizon: u64) -> ScoreModel {
+    ScoreModel::ReturnWithin { horizon }
+}
+
+/// The reuse-score configuration `base` with these knobs.
+fn variant(
+    base: ReuseScoreConfig,
+    skip_partial: bool,
+    history_factor: f64,
+    model: ScoreModel,
+    feature: ClassFeature,
+) -> ReuseScoreConfig {
+    ReuseScoreConfig {
+        skip_partial,
+        history_factor,
+        model,
+        feature,
+        ..base
+    }
+}
+
+/// Every reuse-score variant the study runs, labelled, in table order.
+fn reuse_score_variants(caps: TierCapacities) -> Vec<(&'static str, ReuseScoreConfig)> {
+    let base = ReuseScoreConfig::for_tiers(caps);
+    let mut all = hyperbolic_variants(base);
+    all.extend(horizon_variants(base));
+    all.extend(tuned_variants(base));
+    all
+}
+
+/// The hyperbolic score: partial blocks, history and the weight's exponent,
+/// then the class features.
+fn hyperbolic_variants(base: ReuseScoreConfig) -> Vec<(&'static str, ReuseScoreConfig)> {
+    let v = |skip_partial, history_factor, model, feature| {
+        variant(base, skip_partial, history_factor, model, feature)
+    };
+    vec![
+        (
+            "reuse-score, hyperbolic, keep partial, history 1x",
+            v(false, 1.0, hyp(1.0), CountOnly),
+        ),
+        (
+            "reuse-score, hyperbolic, history 1x",
+            v(true, 1.0, hyp(1.0), CountOnly),
+        ),
+        ("reuse-score, hyperbolic", v(true, 4.0, hyp(1.0), CountOnly)),
+        (
+            "reuse-score, hyperbolic, history 16x",
+            v(true, 16.0, hyp(1.0), CountOnly),
+        ),
+        (
+            "reuse-score, hyperbolic, w^0.5",
+            v(true, 4.0, hyp(0.5), CountOnly),
+        ),
+        (
+            "reuse-score, hyperbolic, w^2",
+            v(true, 4.0, hyp(2.0), CountOnly),
+        ),
+        (
+            "reuse-score, hyperbolic, count x depth",
+            v(true, 4.0, hyp(1.0), Depth),
+        ),
+        (
+            "reuse-score, hyperbolic, count x output length",
+            v(true, 4.0, hyp(1.0), OutputLength),
+        ),
+    ]
+}
+
+/// Returns within a horizon, and densities within one.
+fn horizon_variants(base: ReuseScoreConfig) -> Vec<(&'static str, ReuseScoreConfig)> {
+    let v = |skip_partial, history_factor, model, feature| {
+        variant(base, skip_partial, history_factor, model, feature)
+    };
+    vec![
+        (
+            "reuse-score, return within 100",
+            v(true, 4.0, within(100), CountOnly),
+        ),
+        (
+            "reuse-score, return within 250 (winner)",
+            v(true, 4.0, within(250), CountOnly),
+        ),
+        (
+            "reuse-score, return within 250, keep partial",
+            v(false, 4.0, within(250), CountOnly),
+        ),
+        (
+            "reuse-score, density within 250",
+            v(
+                true,
+                4.0,
+                ScoreModel::DensityWithin { horizon: 250 },
+                CountOnly,
+            ),
+        ),
+        (
+            "reuse-score, density within 1000",
+            v(
+                true,
+                4.0,
+                ScoreModel::DensityWithin { horizon: 1000 },
+                CountOnly,
+            ),
+        ),
+        (
+            "reuse-score, density within 4000",
+            v(
+                true,
+                4.0,
+                ScoreModel::DensityWithin { horizon: 4000 },
+                CountOnly,
+            ),
+        ),
+    ]
+}
+
+/// The return-within-250 winner tuned: ghosts, history, horizon, clock,
+/// decay and class features.
+fn tuned_variants(base: ReuseScoreConfig) -> Vec<(&'static str, ReuseScoreConfig)> {
+    let v = |skip_partial, history_factor, model, feature| {
+        variant(base, skip_partial, history_factor, model, feature)
+    };
+    vec![
+        (
+            "reuse-score, return within 250, no ghosts",
+            v(true, 0.0, within(250), CountOnly),
+        ),
+        (
+            "reuse-score, return within 250, history 1x",
+            v(true, 1.0, within(250), CountOnly),
+        ),
+        (
+            "reuse-score, return within 250, history 16x",
+            v(true, 16.0, within(250), CountOnly),
+        ),
+        (
+            "reuse-score, return within 500",
+            v(true, 4.0, within(500), CountOnly),
+        ),
+        (
+            "reuse-score, return within 1000",
+            v(true, 4.0, within(1000), CountOnly),
+        ),
+        (
+            "reuse-score, return within 2000",
+            v(true, 4.0, within(2000), CountOnly),
+        ),
+        (
+            "reuse-score, return within 250, count x depth",
+            v(true, 4.0, within(250), Depth),
+        ),
+        (
+            "reuse-score, block clock, return within 6000 blocks",
+            ReuseScoreConfig {
+                clock: Clock::Blocks,
+                ..v(true, 4.0, within(6000), CountOnly)
+            },
+        ),
+        (
+            "reuse-score, return within 250, decay 0.9 per 256 requests",
+            ReuseScoreConfig {
+                decay: 0.9,
+                ..v(true, 4.0, within(250), CountOnly)
+            },
+        ),
+        (
+            "reuse-score, return within 250, decay 0.5 per 256 requests",
+            ReuseScoreConfig {
+                decay: 0.5,
+                ..v(true, 4.0, within(250), CountOnly)
+            },
+        ),
+        (
+            "reuse-score, return within 250, count x seen prefix",
+            v(true, 4.0, within(250), SeenPrefix),
+        ),
+        (
+            "reuse-score, hyperbolic, count x seen prefix",
+            v(true, 4.0, hyp(1.0), SeenPrefix),
+        ),
+        (
+            "reuse-score, return within 250, count x output length",
+            v(true, 4.0, within(250), OutputLength),
+        ),
+    ]
+}
+
 pub fn policy_study() {
     println!("| policy | trace | G1+G2+G3 | hit % | G1 / G2 / G3 % |");
     println!("|---|---|---|---|---|");
@@ -70,148 +265,7 @@ pub fn policy_study() {
             row(&format!("tiered LRU {feed:?}"), name, f, &s);
         }
         admission_study(name, f, &requests, caps);
-        let base = ReuseScoreConfig::for_tiers(caps);
-        let hyp = |exponent| ScoreModel::Hyperbolic { exponent };
-        let within = |horizon| ScoreModel::ReturnWithin { horizon };
-        let v = |skip_partial, history_factor, model, feature| ReuseScoreConfig {
-            skip_partial,
-            history_factor,
-            model,
-            feature,
-            ..base
-        };
-        use ClassFeature::{Depth, None as CountOnly, OutputLength, SeenPrefix};
-        let variants = [
-            (
-                "reuse-score, hyperbolic, keep partial, history 1x",
-                v(false, 1.0, hyp(1.0), CountOnly),
-            ),
-            (
-                "reuse-score, hyperbolic, history 1x",
-                v(true, 1.0, hyp(1.0), CountOnly),
-            ),
-            ("reuse-score, hyperbolic", v(true, 4.0, hyp(1.0), CountOnly)),
-            (
-                "reuse-score, hyperbolic, history 16x",
-                v(true, 16.0, hyp(1.0), CountOnly),
-            ),
-            (
-                "reuse-score, hyperbolic, w^0.5",
-                v(true, 4.0, hyp(0.5), CountOnly),
-            ),
-            (
-                "reuse-score, hyperbolic, w^2",
-                v(true, 4.0, hyp(2.0), CountOnly),
-            ),
-            (
-                "reuse-score, hyperbolic, count x depth",
-                v(true, 4.0, hyp(1.0), Depth),
-            ),
-            (
-                "reuse-score, hyperbolic, count x output length",
-                v(true, 4.0, hyp(1.0), OutputLength),
-            ),
-            (
-                "reuse-score, return within 100",
-                v(true, 4.0, within(100), CountOnly),
-            ),
-            (
-                "reuse-score, return within 250 (winner)",
-                v(true, 4.0, within(250), CountOnly),
-            ),
-            (
-                "reuse-score, return within 250, keep partial",
-                v(false, 4.0, within(250), CountOnly),
-            ),
-            (
-                "reuse-score, density within 250",
-                v(
-                    true,
-                    4.0,
-                    ScoreModel::DensityWithin { horizon: 250 },
-                    CountOnly,
-                ),
-            ),
-            (
-                "reuse-score, density within 1000",
-                v(
-                    true,
-                    4.0,
-                    ScoreModel::DensityWithin { horizon: 1000 },
-                    CountOnly,
-                ),
-            ),
-            (
-                "reuse-score, density within 4000",
-                v(
-                    true,
-                    4.0,
-                    ScoreModel::DensityWithin { horizon: 4000 },
-                    CountOnly,
-                ),
-            ),
-            (
-                "reuse-score, return within 250, no ghosts",
-                v(true, 0.0, within(250), CountOnly),
-            ),
-            (
-                "reuse-score, return within 250, history 1x",
-                v(true, 1.0, within(250), CountOnly),
-            ),
-            (
-                "reuse-score, return within 250, history 16x",
-                v(true, 16.0, within(250), CountOnly),
-            ),
-            (
-                "reuse-score, return within 500",
-                v(true, 4.0, within(500), CountOnly),
-            ),
-            (
-                "reuse-score, return within 1000",
-                v(true, 4.0, within(1000), CountOnly),
-            ),
-            (
-                "reuse-score, return within 2000",
-                v(true, 4.0, within(2000), CountOnly),
-            ),
-            (
-                "reuse-score, return within 250, count x depth",
-                v(true, 4.0, within(250), Depth),
-            ),
-            (
-                "reuse-score, block clock, return within 6000 blocks",
-                ReuseScoreConfig {
-                    clock: Clock::Blocks,
-                    ..v(true, 4.0, within(6000), CountOnly)
-                },
-            ),
-            (
-                "reuse-score, return within 250, decay 0.9 per 256 requests",
-                ReuseScoreConfig {
-                    decay: 0.9,
-                    ..v(true, 4.0, within(250), CountOnly)
-                },
-            ),
-            (
-                "reuse-score, return within 250, decay 0.5 per 256 requests",
-                ReuseScoreConfig {
-                    decay: 0.5,
-                    ..v(true, 4.0, within(250), CountOnly)
-                },
-            ),
-            (
-                "reuse-score, return within 250, count x seen prefix",
-                v(true, 4.0, within(250), SeenPrefix),
-            ),
-            (
-                "reuse-score, hyperbolic, count x seen prefix",
-                v(true, 4.0, hyp(1.0), SeenPrefix),
-            ),
-            (
-                "reuse-score, return within 250, count x output length",
-                v(true, 4.0, within(250), OutputLength),
-            ),
-        ];
+        let variants = reuse_score_variants(caps);
         for (label, cfg) in variants {
             if !wanted(label) {
                 continue;
