@@ -260,13 +260,10 @@ fn raw_direct(path: &std::path::Path, buf: &MemoryRegion, bytes: u64, write: boo
     }
 }
 
-fn bench_disk(runs: usize, dir: &std::path::Path) {
-    let blocks = 512; // 1 GiB of 2 MiB blocks
-    let cfg = LayoutConfig::new(blocks, 32, 2, 16, 1024, 2).unwrap();
-    let layout = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
-    let src = host(layout.clone());
-    let back = host(layout.clone());
-    let disk_cfg = DiskConfig {
+/// The disk engine's settings: queue depth from `KVBM_QD` (8 without it),
+/// `pread` forced by `KVBM_PREAD`, 2 MiB I/Os.
+fn disk_config() -> DiskConfig {
+    DiskConfig {
         engine: EngineConfig {
             queue_depth: std::env::var("KVBM_QD")
                 .ok()
@@ -276,113 +273,197 @@ fn bench_disk(runs: usize, dir: &std::path::Path) {
             ..Default::default()
         },
         max_io_bytes: 2 * MIB as u32,
-    };
-    let backend = DiskBackend::new(&disk_cfg).unwrap();
-    let (engine, qd) = (backend.engine_name(), disk_cfg.engine.queue_depth);
-    let exec = Executor::builder()
-        .backend(Arc::new(backend))
-        .build()
-        .unwrap();
-    exec.register(&src).unwrap();
-    exec.register(&back).unwrap();
-    let disk = PhysicalLayout::allocate_disk(layout.clone(), &disk_allocator(dir, IoMode::Direct))
-        .unwrap();
-    let path = disk.regions()[0]
-        .file_location()
-        .unwrap()
-        .0
-        .path()
-        .to_path_buf();
-    let bytes = layout.total_bytes();
-    let pairs: Vec<_> = (0..blocks).map(|b| (b, b)).collect();
-    let (mut w, mut wr, mut r, mut rr, mut wcpu, mut rcpu, mut wrcpu, mut rrcpu) = (
-        vec![],
-        vec![],
-        vec![],
-        vec![],
-        vec![],
-        vec![],
-        vec![],
-        vec![],
-    );
-    let gib = bytes as f64 / GIB;
-    for i in 0..runs {
-        // Alternate which of subject and reference goes first, so neither
-        // always inherits the other's write-back or cache state.
-        for first in [i % 2 == 0, i % 2 == 1] {
-            if first {
-                let (t, c) = measure(|| {
-                    exec.transfer(&src, &disk, &pairs).wait().unwrap();
-                });
-                w.push(t);
-                wcpu.push(c / gib);
-            } else {
-                let (t, c) = measure(|| raw_direct(&path, &back.regions()[0], bytes, true));
-                wr.push(t);
-                wrcpu.push(c / gib);
-            }
-        }
-        for first in [i % 2 == 0, i % 2 == 1] {
-            if first {
-                let (t, c) = measure(|| {
-                    exec.transfer(&disk, &back, &pairs).wait().unwrap();
-                });
-                r.push(t);
-                rcpu.push(c / gib);
-            } else {
-                let (t, c) = measure(|| raw_direct(&path, &back.regions()[0], bytes, false));
-                rr.push(t);
-                rrcpu.push(c / gib);
-            }
+    }
+}
+
+/// The disk bench's memory and file: 1 GiB of 2 MiB blocks in host
+/// memory (`src`, and `back` to read into) and in an `O_DIRECT` file, and
+/// the executor that moves them. The file drops first, the host memory
+/// after the executor it is registered with.
+struct DiskRig {
+    disk: PhysicalLayout,
+    exec: Executor,
+    back: PhysicalLayout,
+    src: PhysicalLayout,
+    /// The file's path, for the raw reference.
+    path: std::path::PathBuf,
+    /// Bytes of all blocks.
+    bytes: u64,
+    /// Every block to the same block.
+    pairs: Vec<(usize, usize)>,
+    /// The disk engine's name and queue depth.
+    engine: &'static str,
+    qd: u32,
+}
+
+impl DiskRig {
+    /// Allocates the memory and a file in `dir`.
+    fn new(dir: &std::path::Path) -> DiskRig {
+        let blocks = 512; // 1 GiB of 2 MiB blocks
+        let cfg = LayoutConfig::new(blocks, 32, 2, 16, 1024, 2).unwrap();
+        let layout = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
+        let src = host(layout.clone());
+        let back = host(layout.clone());
+        let disk_cfg = disk_config();
+        let backend = DiskBackend::new(&disk_cfg).unwrap();
+        let (engine, qd) = (backend.engine_name(), disk_cfg.engine.queue_depth);
+        let exec = Executor::builder()
+            .backend(Arc::new(backend))
+            .build()
+            .unwrap();
+        exec.register(&src).unwrap();
+        exec.register(&back).unwrap();
+        let disk =
+            PhysicalLayout::allocate_disk(layout.clone(), &disk_allocator(dir, IoMode::Direct))
+                .unwrap();
+        let path = disk.regions()[0]
+            .file_location()
+            .unwrap()
+            .0
+            .path()
+            .to_path_buf();
+        DiskRig {
+            disk,
+            exec,
+            back,
+            src,
+            path,
+            bytes: layout.total_bytes(),
+            pairs: (0..blocks).map(|b| (b, b)).collect(),
+            engine,
+            qd,
         }
     }
+
+    /// Host to file through the executor (`write`), or file to host.
+    fn transfer(&self, write: bool) {
+        if write {
+            self.exec.transfer(&self.src, &self.disk, &self.pairs)
+        } else {
+            self.exec.transfer(&self.disk, &self.back, &self.pairs)
+        }
+        .wait()
+        .unwrap();
+    }
+
+    /// Writes or reads the whole file with raw `O_DIRECT` I/O.
+    fn raw(&self, write: bool) {
+        raw_direct(&self.path, &self.back.regions()[0], self.bytes, write);
+    }
+
+    /// Writes the file and reads it back, then checks that `back` holds
+    /// `src`'s bytes.
+    fn verify_round_trip(&self) {
+        self.transfer(true);
+        self.transfer(false);
+        let bytes = self.bytes as usize;
+        // SAFETY: both live, no transfer running.
+        let same = unsafe {
+            std::slice::from_raw_parts(self.src.regions()[0].addr().unwrap() as *const u8, bytes)
+                == std::slice::from_raw_parts(
+                    self.back.regions()[0].addr().unwrap() as *const u8,
+                    bytes,
+                )
+        };
+        assert!(same, "disk round trip corrupted data");
+    }
+}
+
+/// Seconds and CPU-seconds per GiB of each run: the executor's writes and
+/// reads, and the raw reference's.
+#[derive(Default)]
+struct DiskTimes {
+    w: Vec<f64>,
+    wr: Vec<f64>,
+    r: Vec<f64>,
+    rr: Vec<f64>,
+    wcpu: Vec<f64>,
+    rcpu: Vec<f64>,
+    wrcpu: Vec<f64>,
+    rrcpu: Vec<f64>,
+}
+
+impl DiskTimes {
+    /// `runs` rounds of writes then reads, executor and raw reference in
+    /// alternating order.
+    fn measure(rig: &DiskRig, runs: usize) -> DiskTimes {
+        let mut d = DiskTimes::default();
+        let gib = rig.bytes as f64 / GIB;
+        for i in 0..runs {
+            // Alternate which of subject and reference goes first, so neither
+            // always inherits the other's write-back or cache state.
+            for first in [i % 2 == 0, i % 2 == 1] {
+                if first {
+                    let (t, c) = measure(|| rig.transfer(true));
+                    d.w.push(t);
+                    d.wcpu.push(c / gib);
+                } else {
+                    let (t, c) = measure(|| rig.raw(true));
+                    d.wr.push(t);
+                    d.wrcpu.push(c / gib);
+                }
+            }
+            for first in [i % 2 == 0, i % 2 == 1] {
+                if first {
+                    let (t, c) = measure(|| rig.transfer(false));
+                    d.r.push(t);
+                    d.rcpu.push(c / gib);
+                } else {
+                    let (t, c) = measure(|| rig.raw(false));
+                    d.rr.push(t);
+                    d.rrcpu.push(c / gib);
+                }
+            }
+        }
+        d
+    }
+
+    /// Prints the rates against the raw reference, the CPU cost, and
+    /// whether the disk targets were met.
+    fn print(&mut self, rig: &DiskRig) {
+        let (engine, qd, bytes) = (rig.engine, rig.qd, rig.bytes);
+        let wratio = report(
+            &format!("host→disk {engine} (2 MiB, QD {qd})"),
+            bytes,
+            &mut self.w,
+            &mut self.wr,
+            "raw O_DIRECT pwrite 2 MiB",
+        );
+        let rratio = report(
+            &format!("disk→host {engine} (2 MiB, QD {qd})"),
+            bytes,
+            &mut self.r,
+            &mut self.rr,
+            "raw O_DIRECT pread 2 MiB",
+        );
+        let (wc, rc) = (median(&mut self.wcpu), median(&mut self.rcpu));
+        println!(
+            "CPU s/GiB: write {wc:.3} (runs {}), read {rc:.3} (runs {}); raw loop write {:.3}, read {:.3}",
+            spread(&self.wcpu),
+            spread(&self.rcpu),
+            median(&mut self.wrcpu),
+            median(&mut self.rrcpu)
+        );
+        println!(
+            "disk targets: write ratio {} read ratio {} CPU {}",
+            if wratio >= 0.9 { "met" } else { "MISSED" },
+            if rratio >= 0.9 { "met" } else { "MISSED" },
+            if wc <= 0.1 && rc <= 0.1 {
+                "met"
+            } else {
+                "MISSED"
+            }
+        );
+    }
+}
+
+fn bench_disk(runs: usize, dir: &std::path::Path) {
+    let rig = DiskRig::new(dir);
+    let mut times = DiskTimes::measure(&rig, runs);
     // Verify the last round trip: disk holds `back`'s bytes from the raw
     // write... so redo a clean write/read and compare.
-    exec.transfer(&src, &disk, &pairs).wait().unwrap();
-    exec.transfer(&disk, &back, &pairs).wait().unwrap();
-    // SAFETY: both live, no transfer running.
-    let same = unsafe {
-        std::slice::from_raw_parts(
-            src.regions()[0].addr().unwrap() as *const u8,
-            bytes as usize,
-        ) == std::slice::from_raw_parts(
-            back.regions()[0].addr().unwrap() as *const u8,
-            bytes as usize,
-        )
-    };
-    assert!(same, "disk round trip corrupted data");
-    let wratio = report(
-        &format!("host→disk {engine} (2 MiB, QD {qd})"),
-        bytes,
-        &mut w,
-        &mut wr,
-        "raw O_DIRECT pwrite 2 MiB",
-    );
-    let rratio = report(
-        &format!("disk→host {engine} (2 MiB, QD {qd})"),
-        bytes,
-        &mut r,
-        &mut rr,
-        "raw O_DIRECT pread 2 MiB",
-    );
-    let (wc, rc) = (median(&mut wcpu), median(&mut rcpu));
-    println!(
-        "CPU s/GiB: write {wc:.3} (runs {}), read {rc:.3} (runs {}); raw loop write {:.3}, read {:.3}",
-        spread(&wcpu),
-        spread(&rcpu),
-        median(&mut wrcpu),
-        median(&mut rrcpu)
-    );
-    println!(
-        "disk targets: write ratio {} read ratio {} CPU {}",
-        if wratio >= 0.9 { "met" } else { "MISSED" },
-        if rratio >= 0.9 { "met" } else { "MISSED" },
-        if wc <= 0.1 && rc <= 0.1 {
-            "met"
-        } else {
-            "MISSED"
-        }
-    );
+    rig.verify_round_trip();
+    times.print(&rig);
 }
 
 /// Host memory labelled as device memory, moved by memcpy: stands in for
