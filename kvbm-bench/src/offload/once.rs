@@ -127,6 +127,8 @@ pub(super) struct Counted {
 }
 
 impl Counted {
+    /// The G1 → G2 blocks copied, their bytes and the offloads skipped
+    /// from `before` to `after`.
     pub(super) fn between(before: &TierStats, after: &TierStats) -> Counted {
         Counted {
             copied: after.blocks[0] - before.blocks[0],

@@ -457,6 +457,8 @@ impl DiskTimes {
     }
 }
 
+/// The disk rows: the backend's writes and reads against raw `O_DIRECT`
+/// ones of the same file, `runs` times, then one round trip checked.
 fn bench_disk(runs: usize, dir: &std::path::Path) {
     let rig = DiskRig::new(dir);
     let mut times = DiskTimes::measure(&rig, runs);
@@ -466,8 +468,8 @@ fn bench_disk(runs: usize, dir: &std::path::Path) {
     times.print(&rig);
 }
 
-/// Host memory labelled as device memory, moved by memcpy: stands in for
-/// the CUDA backend on a CPU machine.
+/// Runs the benches the first argument names (`all` by default) with the
+/// repetitions of the second, over files in the directory of the third.
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let what = args.get(1).map_or("all", String::as_str);
