@@ -1,0 +1,269 @@
+"""G4: a block store shared by engine instances, on Mooncake Store.
+
+What one process of an engine instance sees of it: blocks put from and got
+into host memory registered with the store, under keys that name the
+engine's identity (model, dtype, page geometry, hash scheme: whatever makes
+two instances' blocks interchangeable), the rank's slice and the block's
+sequence hash. Each block travels with the 8-byte checksum it was written
+with, so a reader verifies what it got before it serves a byte.
+
+The store is a cache other processes share, and it may disappear: its
+master can die, a client holding a share of its memory can leave. Nothing
+here raises for that. Each call says per block whether it happened, every
+failure is counted by kind, warnings are rate-limited, and after the store
+is found unreachable calls fail at once (no ~4 s timeout per call) until a
+health check a few seconds later finds it back. The client re-mounts
+itself when the master comes back; no new set-up is needed.
+
+The store client is Mooncake's Python one (``mooncake.store``, from the
+``mooncake-transfer-engine`` wheels); it releases the GIL while it works.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvbm_py._kvbm import InvalidArgumentError, KvbmError
+
+log = logging.getLogger("kvbm.g4")
+
+#: Bytes of the checksum stored beside each block.
+SUM_BYTES = 8
+
+#: Mooncake's status codes kvbm tells apart (negative values of its
+#: ``ErrorCode``).
+_NOT_FOUND = -704
+_BUFFER_TOO_SMALL = -600
+_TRANSFER_FAILED = -800
+_RPC_FAILED = -900
+_NO_SPACE = -200
+
+
+class G4Failure(enum.Enum):
+    """Why a block did not move to or from G4."""
+
+    #: The store's master did not answer.
+    UNREACHABLE = "unreachable"
+    #: The client whose memory holds the block did not serve it (it left
+    #: or crashed; the master forgets its blocks a while later).
+    TRANSFER = "transfer"
+    #: The store holds no block under that key (never put, or evicted).
+    MISSING = "missing"
+    #: The stored block is not the size asked for.
+    SIZE = "size"
+    #: The store had no room for a put.
+    FULL = "full"
+    #: Anything else the store reported.
+    OTHER = "other"
+
+
+def _failure_of(code: int) -> G4Failure:
+    if code == _RPC_FAILED:
+        return G4Failure.UNREACHABLE
+    if code == _TRANSFER_FAILED:
+        return G4Failure.TRANSFER
+    if code == _NOT_FOUND:
+        return G4Failure.MISSING
+    if code == _BUFFER_TOO_SMALL:
+        return G4Failure.SIZE
+    if code == _NO_SPACE:
+        return G4Failure.FULL
+    return G4Failure.OTHER
+
+
+@dataclass(frozen=True)
+class G4Config:
+    """Where the store is and what this process lends it."""
+
+    #: The master's RPC address, ``host:port``.
+    master: str
+    #: The metadata server: ``http://host:port/metadata`` (the master's
+    #: own, started with ``--enable_http_metadata_server``), the same for
+    #: every process of the store.
+    metadata: str
+    #: The transport between clients: ``tcp`` or ``rdma``.
+    protocol: str = "tcp"
+    #: Host memory this process lends the store, bytes (0: none; the
+    #: store's memory then lives in processes that outlive engines).
+    segment_bytes: int = 0
+    #: The client's own staging buffer for calls that pass bytes, bytes.
+    local_buffer_bytes: int = 16 << 20
+    #: The address other clients reach this one at.
+    hostname: str = "127.0.0.1"
+    #: The RDMA device names, comma-separated (``rdma`` only).
+    devices: str = ""
+    #: How long calls fail at once after the store was found unreachable
+    #: before a health check tries it again, s.
+    retry_s: float = 2.0
+
+
+def identity_digest(identity: str) -> str:
+    """The short name of an engine identity in G4's keys."""
+    return hashlib.sha256(identity.encode()).hexdigest()[:16]
+
+
+class G4Client:
+    """One process's handle on G4: puts, gets and existence queries of
+    blocks of one engine identity. Thread-safe."""
+
+    def __init__(self, config: G4Config, identity: str, store: Any | None = None) -> None:
+        """Connects to the store of ``config`` for blocks of ``identity``.
+        ``store`` is a ``MooncakeDistributedStore`` to use instead of a new
+        one. A store that cannot be set up is a :class:`KvbmError`."""
+        if not config.master or not config.metadata:
+            raise InvalidArgumentError("kvbm: G4 needs the store's master and metadata addresses")
+        if config.retry_s <= 0:
+            raise InvalidArgumentError(f"kvbm: G4 retry_s={config.retry_s!r} must be > 0")
+        self.config = config
+        self.namespace = identity_digest(identity)
+        if store is None:
+            from mooncake.store import MooncakeDistributedStore  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+            store = MooncakeDistributedStore()
+            rc = store.setup(
+                config.hostname,
+                config.metadata,
+                config.segment_bytes,
+                config.local_buffer_bytes,
+                config.protocol,
+                config.devices,
+                config.master,
+            )
+            if rc != 0:
+                raise KvbmError(f"kvbm: G4 store at {config.master} could not be set up (status {rc})")
+        self._store = store
+        self._lock = threading.Lock()
+        #: Failures by kind since the client started.
+        self.failures: Counter[G4Failure] = Counter()
+        #: Blocks put and got.
+        self.puts = 0
+        self.gets = 0
+        self._down_until = 0.0
+        self._warned: dict[G4Failure, float] = {}
+
+    def key(self, rank: int, block: bytes) -> str:
+        """The key of rank ``rank``'s slice of the block named ``block``
+        (its sequence hash)."""
+        return f"kvbm/{self.namespace}/r{rank}/{block.hex()}"
+
+    def register(self, address: int, size: int) -> None:
+        """Registers host memory that blocks are put from and got into (once,
+        before any call names it). A :class:`KvbmError` when refused."""
+        rc = self._store.register_buffer(address, size)
+        if rc != 0:
+            raise KvbmError(f"kvbm: G4 refused to register {size} bytes at {address:#x} (status {rc})")
+
+    def available(self) -> bool:
+        """Whether calls go to the store now: false for a while after it was
+        found unreachable, then true once a health check finds it back."""
+        with self._lock:
+            if time.monotonic() < self._down_until:
+                return False
+        if self._down_until and self._store.health_check() != 0:
+            self._mark_down()
+            return False
+        return True
+
+    def prefix(self, rank: int, blocks: Sequence[bytes]) -> int:
+        """How many of ``blocks`` (a prompt's sequence hashes, in order) the
+        store holds from the first on, for rank ``rank``; 0 while it is
+        unreachable."""
+        if not blocks or not self.available():
+            return 0
+        found = self._store.batch_is_exist([self.key(rank, b) for b in blocks])
+        n = 0
+        for status in found:
+            if status == 1:
+                n += 1
+                continue
+            if status < 0:
+                self._count(_failure_of(status), 1)
+            break
+        return n
+
+    def put(
+        self, rank: int, blocks: Sequence[bytes], addresses: Sequence[int], size: int, sums: Sequence[int]
+    ) -> list[G4Failure | None]:
+        """Puts rank ``rank``'s slices of ``blocks``: block ``i`` from
+        ``size`` registered bytes at ``addresses[i]``, its checksum from the
+        8 registered bytes at ``sums[i]``. Per block: ``None`` when stored
+        (or when the store already held that key), else why not."""
+        return self._move(True, rank, blocks, addresses, size, sums)
+
+    def get(
+        self, rank: int, blocks: Sequence[bytes], addresses: Sequence[int], size: int, sums: Sequence[int]
+    ) -> list[G4Failure | None]:
+        """Gets rank ``rank``'s slices of ``blocks`` into ``size`` registered
+        bytes at ``addresses[i]``, the checksum they were put with into the
+        8 registered bytes at ``sums[i]``. Per block: ``None`` when it
+        arrived whole (the caller still checks it against its checksum),
+        else why not."""
+        return self._move(False, rank, blocks, addresses, size, sums)
+
+    def _move(
+        self, put: bool, rank: int, blocks: Sequence[bytes], addresses: Sequence[int], size: int, sums: Sequence[int]
+    ) -> list[G4Failure | None]:
+        n = len(blocks)
+        if len(addresses) != n or len(sums) != n:
+            raise InvalidArgumentError(f"kvbm: {n} G4 blocks with {len(addresses)} addresses and {len(sums)} checksums")
+        if size <= 0:
+            raise InvalidArgumentError(f"kvbm: G4 block size {size}")
+        if n == 0:
+            return []
+        if not self.available():
+            self._count(G4Failure.UNREACHABLE, n)
+            return [G4Failure.UNREACHABLE] * n
+        keys = [self.key(rank, b) for b in blocks]
+        buffers = [[a, s] for a, s in zip(addresses, sums, strict=True)]
+        sizes = [[size, SUM_BYTES]] * n
+        if put:
+            codes = self._store.batch_put_from_multi_buffers(keys, buffers, sizes)
+        else:
+            codes = self._store.batch_get_into_multi_buffers(keys, buffers, sizes)
+        out: list[G4Failure | None] = []
+        for code in codes:
+            # A get reports the bytes it read, a put 0 (also for a key the
+            # store already held: the block is there).
+            ok = code == 0 if put else code == size + SUM_BYTES
+            if ok:
+                out.append(None)
+                continue
+            why = G4Failure.SIZE if (not put and code > 0) else _failure_of(code)
+            out.append(why)
+        failed = [f for f in out if f is not None]
+        for f in set(failed):
+            self._count(f, failed.count(f))
+        if put:
+            self.puts += n - len(failed)
+        else:
+            self.gets += n - len(failed)
+        return out
+
+    def _count(self, why: G4Failure, n: int) -> None:
+        if why is G4Failure.UNREACHABLE:
+            self._mark_down()
+        now = time.monotonic()
+        with self._lock:
+            self.failures[why] += n
+            if now - self._warned.get(why, -1e9) < 10.0:
+                return
+            self._warned[why] = now
+            total = self.failures[why]
+        log.warning("kvbm: G4 %s: %d block(s) so far; G1 to G3 go on serving", why.value, total)
+
+    def _mark_down(self) -> None:
+        with self._lock:
+            self._down_until = time.monotonic() + self.config.retry_s
+
+    def close(self) -> None:
+        """Leaves the store: the memory this process lent it (and the
+        blocks in it) goes."""
+        self._store.close()
