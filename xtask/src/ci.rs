@@ -5,9 +5,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 /// Debian packages the test suite needs on a fresh machine: libclang for
-/// nixl-sys's bindgen (it runs even when NIXL itself is loaded at run time)
-/// and libsodium, which gives ZeroMQ its CURVE encryption.
-const APT_PACKAGES: &[&str] = &["libclang-dev", "libsodium-dev"];
+/// nixl-sys's bindgen (it runs even when NIXL itself is loaded at run time),
+/// libsodium, which gives ZeroMQ its CURVE encryption, and libibverbs,
+/// which every binary of the Mooncake Store wheel loads (G4's tests).
+const APT_PACKAGES: &[&str] = &["libclang-dev", "libsodium-dev", "libibverbs1"];
 
 /// The NIXL runtime the `nixl` feature's tests load: the pip wheel carries
 /// `libnixl_capi.so`, its plugins (POSIX, UCX, ...) and UCX itself.
