@@ -114,32 +114,30 @@ class G4Client:
     """One process's handle on G4: puts, gets and existence queries of
     blocks of one engine identity. Thread-safe."""
 
-    def __init__(self, config: G4Config, identity: str, store: Any | None = None) -> None:
-        """Connects to the store of ``config`` for blocks of ``identity``.
-        ``store`` is a ``MooncakeDistributedStore`` to use instead of a new
-        one. A store that cannot be set up is a :class:`KvbmError`."""
+    def __init__(self, config: G4Config, identity: str) -> None:
+        """Connects to the store of ``config`` for blocks of ``identity``. A
+        store that cannot be set up is a :class:`KvbmError`."""
         if not config.master or not config.metadata:
             raise InvalidArgumentError("kvbm: G4 needs the store's master and metadata addresses")
         if config.retry_s <= 0:
             raise InvalidArgumentError(f"kvbm: G4 retry_s={config.retry_s!r} must be > 0")
         self.config = config
         self.namespace = identity_digest(identity)
-        if store is None:
-            from mooncake.store import MooncakeDistributedStore  # type: ignore[import-untyped,import-not-found,unused-ignore]
+        from mooncake.store import MooncakeDistributedStore  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
-            store = MooncakeDistributedStore()
-            rc = store.setup(
-                config.hostname,
-                config.metadata,
-                config.segment_bytes,
-                config.local_buffer_bytes,
-                config.protocol,
-                config.devices,
-                config.master,
-            )
-            if rc != 0:
-                raise KvbmError(f"kvbm: G4 store at {config.master} could not be set up (status {rc})")
-        self._store = store
+        store = MooncakeDistributedStore()
+        rc = store.setup(
+            config.hostname,
+            config.metadata,
+            config.segment_bytes,
+            config.local_buffer_bytes,
+            config.protocol,
+            config.devices,
+            config.master,
+        )
+        if rc != 0:
+            raise KvbmError(f"kvbm: G4 store at {config.master} could not be set up (status {rc})")
+        self._store: Any = store
         self._lock = threading.Lock()
         #: Failures by kind since the client started.
         self.failures: Counter[G4Failure] = Counter()
@@ -165,11 +163,16 @@ class G4Client:
         """Whether calls go to the store now: false for a while after it was
         found unreachable, then true once a health check finds it back."""
         with self._lock:
-            if time.monotonic() < self._down_until:
-                return False
-        if self._down_until and self._store.health_check() != 0:
+            down_until = self._down_until
+        if not down_until:
+            return True
+        if time.monotonic() < down_until:
+            return False
+        if self._store.health_check() != 0:
             self._mark_down()
             return False
+        with self._lock:
+            self._down_until = 0.0
         return True
 
     def prefix(self, rank: int, blocks: Sequence[bytes]) -> int:
