@@ -307,11 +307,7 @@ impl Tiers {
         let (Some(s), Some(d)) = (self.end(src), self.end(dst)) else {
             return done(failed(format!("{src:?} -> {dst:?}: tier absent"), pairs), 0);
         };
-        let store = match dst {
-            Tier::G2 => self.g2_store.clone(),
-            Tier::G3 => self.g3_store.clone(),
-            _ => None,
-        };
+        let store = self.kept(dst).cloned();
         if let Err(e) = self.forget_targets(dst, &pairs) {
             return done(failed(format!("{dst:?} records: {e}"), pairs), 0);
         }
@@ -344,6 +340,15 @@ impl Tiers {
         });
     }
 
+    /// The store that keeps `tier` across restarts, where it is kept.
+    fn kept(&self, tier: Tier) -> Option<&Arc<KeptStore>> {
+        match tier {
+            Tier::G2 => self.g2_store.as_ref(),
+            Tier::G3 => self.g3_store.as_ref(),
+            _ => None,
+        }
+    }
+
     /// Empties the kept records of the slots `pairs` write in `dst` (a
     /// no-op where `dst` is not kept): a slot about to be written names
     /// nothing until it landed and, where the copy is recorded, was
@@ -353,12 +358,7 @@ impl Tiers {
         dst: Tier,
         pairs: &[(usize, usize)],
     ) -> std::io::Result<()> {
-        let store = match dst {
-            Tier::G2 => self.g2_store.as_ref(),
-            Tier::G3 => self.g3_store.as_ref(),
-            _ => None,
-        };
-        let Some(store) = store else {
+        let Some(store) = self.kept(dst) else {
             return Ok(());
         };
         let slots: Vec<u32> = pairs.iter().map(|p| p.1 as u32).collect();

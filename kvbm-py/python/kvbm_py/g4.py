@@ -241,13 +241,14 @@ class G4Client:
                 continue
             why = G4Failure.SIZE if (not put and code > 0) else _failure_of(code)
             out.append(why)
-        failed = [f for f in out if f is not None]
-        for f in set(failed):
-            self._count(f, failed.count(f))
+        failed = Counter(f for f in out if f is not None)
+        for why, count in failed.items():
+            self._count(why, count)
+        moved = n - failed.total()
         if put:
-            self.puts += n - len(failed)
+            self.puts += moved
         else:
-            self.gets += n - len(failed)
+            self.gets += moved
         return out
 
     def _count(self, why: G4Failure, n: int) -> None:
