@@ -29,6 +29,10 @@
 //! G3 slots, and a load can read blocks held in G3. Slots are then padded
 //! to the disk alignment, so a block moves to or from disk in one
 //! `O_DIRECT` request.
+//!
+//! **G4.** A store that engines share moves blocks in and out of G2's
+//! slots itself; the worker hands it the slots' memory and checks what
+//! arrives against the sum it was published with (`paged/outside.rs`).
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -46,6 +50,7 @@ use crate::error::{DistError, Result};
 
 mod disk;
 mod layouts;
+mod outside;
 mod settle;
 
 use disk::{Disk, STAGING_SLOTS, Staged};
@@ -218,6 +223,8 @@ pub struct PagedWorker {
     stage: Option<Sender<Staged>>,
     threads: Vec<JoinHandle<()>>,
     stride: u64,
+    /// Bytes of one block of each KV cache group.
+    block_bytes: Vec<u64>,
 }
 
 fn invalid(what: impl Into<String>) -> DistError {
@@ -314,12 +321,13 @@ impl PagedWorker {
             reports: Mutex::new(Reports::default()),
             settled: Condvar::new(),
         });
-        Self::start(shared, stride)
+        let block_bytes = config.groups.iter().map(PageGroup::block_bytes).collect();
+        Self::start(shared, stride, block_bytes)
     }
 
     /// Starts the worker's threads over `shared`: the one that settles
     /// jobs and, with G3, the one that stages G3's reads and writes.
-    fn start(shared: Arc<Shared>, stride: u64) -> Result<Self> {
+    fn start(shared: Arc<Shared>, stride: u64, block_bytes: Vec<u64>) -> Result<Self> {
         let (settle, settle_rx) = channel();
         let s = Arc::clone(&shared);
         let mut threads = vec![spawn("kvbm-paged", move || {
@@ -342,6 +350,7 @@ impl PagedWorker {
             stage,
             threads,
             stride,
+            block_bytes,
         })
     }
 

@@ -338,6 +338,24 @@ impl Ledger {
     /// to G3 where it admits them). Each handed-out slot stays `Writing`
     /// until [`commit`](Self::commit).
     pub fn reserve(&self, keys: &[(SequenceHash, Option<SequenceHash>)]) -> Reservation {
+        self.reserve_admitting(keys, true)
+    }
+
+    /// G2 slots for blocks a load brings in from outside the ledger's
+    /// tiers (a store that other engines share): as [`reserve`](Self::reserve),
+    /// but without asking the admission policy, since a request is about
+    /// to use these blocks. The slots stay `Writing` until
+    /// [`commit`](Self::commit), which the caller sends once the bytes
+    /// arrived and were checked (or failed).
+    pub fn reserve_fetched(&self, keys: &[(SequenceHash, Option<SequenceHash>)]) -> Reservation {
+        self.reserve_admitting(keys, false)
+    }
+
+    fn reserve_admitting(
+        &self,
+        keys: &[(SequenceHash, Option<SequenceHash>)],
+        admit: bool,
+    ) -> Reservation {
         let mut out = Reservation::default();
         let mut books = self.books.lock();
         // Earlier removals are not this call's evictions.
@@ -350,7 +368,7 @@ impl Ledger {
                 out.present += 1;
                 continue;
             }
-            if !self.admitted(&self.g2, key) {
+            if admit && !self.admitted(&self.g2, key) {
                 out.refused += 1;
                 continue;
             }

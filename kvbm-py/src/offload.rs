@@ -243,15 +243,24 @@ impl OffloadBooks {
     /// are loadable from disk once the store is confirmed), the kvbm keys
     /// of the blocks no tier holds any more, and how many keys were refused
     /// by admission or left out because every slot is busy.
-    #[pyo3(signature = (keys, chained = true))]
-    fn reserve(&self, keys: Vec<Vec<u8>>, chained: bool) -> PyResult<Reserved> {
+    ///
+    /// With `fetched`, the keys are blocks a load brings in from G4: the
+    /// admission policy is not asked (a request is about to use them), and
+    /// the caller commits them once they arrived and were checked.
+    #[pyo3(signature = (keys, chained = true, fetched = false))]
+    fn reserve(&self, keys: Vec<Vec<u8>>, chained: bool, fetched: bool) -> PyResult<Reserved> {
         let hashes = keys_of(&keys)?;
         let with_parents: Vec<_> = hashes
             .iter()
             .enumerate()
             .map(|(i, &h)| (h, (chained && i > 0).then(|| hashes[i - 1])))
             .collect();
-        let r = self.books.ledger.reserve(&with_parents);
+        let ledger = &self.books.ledger;
+        let r = if fetched {
+            ledger.reserve_fetched(&with_parents)
+        } else {
+            ledger.reserve(&with_parents)
+        };
         let mut index = std::collections::HashMap::with_capacity(hashes.len());
         for (i, h) in hashes.iter().enumerate() {
             index.entry(*h).or_insert(i);
@@ -516,6 +525,52 @@ impl PageWorker {
         let mut all = copies_of(copies, false);
         all.extend(copies_of(disk_copies, true));
         Ok(self.inner.load(job, all).map_err(PyKvbmError::Dist)?)
+    }
+
+    /// `(address, bytes)` of the host slots (slot `i` starts `i *
+    /// slot_stride` bytes in), for a G4 client to register and move blocks
+    /// in and out of.
+    fn slot_memory(&self) -> PyResult<(u64, u64)> {
+        Ok(self.inner.slot_memory().map_err(PyKvbmError::Dist)?)
+    }
+
+    /// Bytes from one host slot to the next.
+    #[getter]
+    fn slot_stride(&self) -> u64 {
+        self.inner.slot_stride()
+    }
+
+    /// Bytes of one block of KV cache group `group` (the first bytes of a
+    /// slot holding it).
+    fn block_bytes(&self, group: usize) -> PyResult<u64> {
+        Ok(self.inner.block_bytes(group).map_err(PyKvbmError::Dist)?)
+    }
+
+    /// The checksum of the block of `group` in each of `slots` (what a
+    /// block is published to G4 with).
+    fn slot_sums(&self, py: Python<'_>, group: usize, slots: Vec<usize>) -> PyResult<Vec<u64>> {
+        let sums = py.detach(|| self.inner.slot_sums(group, &slots));
+        Ok(sums.map_err(PyKvbmError::Dist)?)
+    }
+
+    /// Checks blocks of `group` that arrived from G4, `(slot, the checksum
+    /// they were published with)` each: per slot whether it matches (one
+    /// that does not must never be loaded).
+    fn adopt(
+        &self,
+        py: Python<'_>,
+        group: usize,
+        arrived: Vec<(usize, u64)>,
+    ) -> PyResult<Vec<bool>> {
+        let good = py.detach(|| self.inner.adopt(group, &arrived));
+        Ok(good.map_err(PyKvbmError::Dist)?)
+    }
+
+    /// Moves `(host slot, disk slot)` blocks to disk and waits (without the
+    /// GIL): before a block fetched from G4 overwrites their slots.
+    fn move_to_disk(&self, py: Python<'_>, moves: Vec<(usize, usize)>) -> PyResult<()> {
+        let moved = py.detach(|| self.inner.move_to_disk(&moves));
+        Ok(moved.map_err(PyKvbmError::Dist)?)
     }
 
     /// Jobs ended since the last call.

@@ -175,15 +175,27 @@ class OffloadSide:
             "groups": self.groups,
         }
         out.update({f"loaded_group_{g}": n for g, n in m["loaded_per_group"].items()})
+        if "loaded_from_g4" in m:
+            out["g4_to_g1_blocks"] = m["loaded_from_g4"]
         w = self._worker()
         if w is not None:
             out["verify_mismatches"] = w.failed_blocks
             out["slot_bytes"], out["widest_block"] = w.slot_bytes, w.widest_block
+            if w.g4 is not None:
+                out["g4_published"], out["g4_fetched"] = w.g4.published, w.g4.fetched
+                out["g4_damaged"] = w.g4.damaged
         return out
 
+    def worker_g4_failures(self) -> dict:
+        """G4's failures in this process's worker, by kind."""
+        w = self._worker()
+        return w.g4.failures() if w is not None and w.g4 is not None else {}
+
     def flush(self) -> None:
+        w = self._worker()
+        mover = w.g4 if w is not None else None
         settle(
-            lambda: self.manager.books.counts()["writing"] == 0,
+            lambda: self.manager.books.counts()["writing"] == 0 and (mover is None or mover.idle()),
             lambda: self.llm.generate([{"prompt_token_ids": [1]}], greedy(1), use_tqdm=False),
             lambda: f"stores still in flight: {self.manager.books.counts()} {self.manager.stats}",
         )

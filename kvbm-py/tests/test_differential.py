@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -91,14 +92,31 @@ CONFIGS: dict[str, tuple[dict, dict, int]] = {
     # group) beside full attention, over G2 and G3.
     "spec-mamba-hybrid-g3": ({"route": "spec", "model": "mamba", "admission": "all", "g3": 8}, {}, 1),
     "tp2-spec-mamba-hybrid-g3": ({"route": "spec", "model": "mamba", "admission": "all", "g3": 8}, {}, 2),
+    # G4 shared through a Mooncake Store on loopback: round 2 runs on a
+    # new engine (its G1 to G3 empty) that finds round 1's blocks in G4,
+    # which lives in a process of its own.
+    "spec-hybrid-g4-shared": (
+        {"route": "spec", "model": "hybrid", "cpu_cache_gb": 0.05, "admission": "all", "g4": True, "restart": True},
+        {},
+        1,
+    ),
+    "tp2-spec-hybrid-g4-shared": (
+        {"route": "spec", "model": "hybrid", "cpu_cache_gb": 0.05, "admission": "all", "g4": True, "restart": True},
+        {},
+        2,
+    ),
 }
 
 
-def _extra(keys: dict, tmp_path: Path) -> dict:
+def _extra(keys: dict, tmp_path: Path, g4: dict | None = None) -> dict:
     """kvbm's keys of a configuration, with verification on (a load whose
-    bytes changed since they were stored fails instead of being served)."""
+    bytes changed since they were stored fails instead of being served);
+    ``g4`` holds the shared store's keys for the configurations using it."""
     keys = {k: v for k, v in keys.items() if k not in ("route", "model", "restart")}
     g3 = keys.pop("g3", None)
+    if keys.pop("g4", False):
+        assert g4 is not None, "a G4 configuration without a store"
+        keys.update(g4)
     return {**(_g3(tmp_path, g3) if g3 else {}), "verify": True, **keys}
 
 
@@ -125,6 +143,10 @@ SPEC_CORRUPTED = {
     "spec-hybrid-damaged-verified": {"verify": True},
     "spec-hybrid-damaged-unverified": {"verify": False},
     "spec-hybrid-g3-damaged-verified": {"verify": True, "g3": 8},
+    # Round 2 on a new engine, every block fetched from G4 damaged after it
+    # arrived: the check against the checksum it was put with refuses it
+    # (whatever ``verify`` says).
+    "spec-hybrid-g4-damaged": {"verify": False, "g4": True, "restart": True},
 }
 
 
@@ -184,7 +206,7 @@ def _route(keys: dict, models: dict[str, str]) -> dict:
     return out
 
 
-def _runs(tp: int, tmp_path: Path, models: dict[str, str]) -> list[dict]:
+def _runs(tp: int, tmp_path: Path, models: dict[str, str], g4: dict | None = None) -> list[dict]:
     """Every engine run of one TP size: the references first (the engine
     without kvbm over every case the others use), then each selected
     configuration (and at TP = 1 the reported failure's)."""
@@ -194,7 +216,7 @@ def _runs(tp: int, tmp_path: Path, models: dict[str, str]) -> list[dict]:
         if size == tp:
             if tp > 1:
                 engine = {**engine, "tensor_parallel_size": tp}
-            extra = _extra(keys, tmp_path / name)
+            extra = _extra(keys, tmp_path / name, g4)
             seeds = _seeds(list(CONFIGS).index(name))
             runs.append({"name": name, "extra": extra, "engine": engine, "seeds": seeds, **_route(keys, models)})
             if keys.get("restart"):
@@ -212,14 +234,18 @@ def _runs(tp: int, tmp_path: Path, models: dict[str, str]) -> list[dict]:
                 {"name": n, "extra": extra, "engine": {}, "seeds": CORRUPTED_SEEDS, "corrupt_g3": True, **llama}
             )
         for n, keys in SPEC_CORRUPTED.items():
+            if keys.get("g4") and g4 is None:
+                continue
             extra = {
                 "cpu_cache_gb": 0.05,
                 "admission": "all",
                 "test_corrupt_onboard": True,
-                **_extra(keys, tmp_path / n),
+                **_extra(keys, tmp_path / n, g4),
             }
             route = _route({"route": "spec", "model": "hybrid"}, models)
             runs.append({"name": n, "extra": extra, "engine": {}, "seeds": CORRUPTED_SEEDS, **route})
+            if keys.get("restart"):
+                runs[-1]["restart"] = True
         runs = [r for r in runs if r.get("connector") != "KvbmOffloadingConnector" or _spec_selected(r)]
     refs: dict[str, dict] = {}
     for r in runs:
@@ -281,7 +307,22 @@ def run_process(model: str, tmp_path: Path, runs: list[dict], tp: int) -> tuple[
 
 
 @pytest.fixture(scope="session")
-def results(tiny_model, tiny_hybrid_model, tiny_mamba_model, tmp_path_factory):
+def g4_store(tmp_path_factory) -> Iterator[dict | None]:
+    """The keys of a G4 store on loopback (a Mooncake master and a process
+    lending it memory, so blocks outlive the engines that put them) when a
+    selected configuration uses G4; None otherwise."""
+    if not any(CONFIGS[n][0].get("g4") for n in _selected()) and not _spec_runs_selected():
+        yield None
+        return
+    from kvbm_py.g4_local import LocalMaster
+
+    logs = tmp_path_factory.mktemp("g4")
+    with LocalMaster(log=logs / "master.log") as master, master.hold(256 << 20, log=logs / "holder.log"):
+        yield {"g4_master": master.master, "g4_metadata": master.metadata, "g4_segment_gb": 0}
+
+
+@pytest.fixture(scope="session")
+def results(tiny_model, tiny_hybrid_model, tiny_mamba_model, tmp_path_factory, g4_store):
     """Every run's cases by name, one engine process per TP size, started
     when a test first asks for a run of that size. A run the process never
     finished fails its test with what the process said; the process is
@@ -292,7 +333,7 @@ def results(tiny_model, tiny_hybrid_model, tiny_mamba_model, tmp_path_factory):
         if tp not in done:
             tmp = tmp_path_factory.mktemp(f"differential-tp{tp}")
             models = {"llama": tiny_model, "hybrid": tiny_hybrid_model, "mamba": tiny_mamba_model}
-            runs = _runs(tp, tmp, models)
+            runs = _runs(tp, tmp, models, g4_store)
             with kept_g2_removed():
                 out, failure = run_process(tiny_model, tmp, runs, tp)
             done[tp] = {"runs": {r["name"]: r for r in runs}, "out": out, "failure": failure}
@@ -335,7 +376,12 @@ def test_outputs_equal_the_engine_without_kvbm(name, results):
     loaded = check(name, got, want, run["extra"], run["engine"])
     # The comparison is about bytes kvbm served: it must have served some.
     assert loaded > 0, f"{name}: kvbm loaded nothing over seeds {run['seeds']}"
-    if run.get("restart"):
+    if run.get("restart") and CONFIGS[name][0].get("g4"):
+        # Round 2's engines started empty and served round 1's blocks from
+        # G4, every one checked against the checksum it was put with.
+        assert all(c["stats"].get("g4_to_g1_blocks", 0) > 0 for c in got.values()), got
+        assert all(c["stats"].get("g4_damaged", 0) == 0 for c in got.values()), got
+    elif run.get("restart"):
         # Round 2's engines started with round 1's blocks in their kept
         # tiers, and served some of them.
         assert all(c["stats"].get("g2_recovered_blocks", 0) > 0 for c in got.values()), got
@@ -423,3 +469,10 @@ def test_spec_damaged_disk_loads_are_recomputed_when_verified(results):
 def test_spec_damaged_loads_reach_the_outputs_when_unverified(results):
     got, want, _ = results("spec-hybrid-damaged-unverified", 1)
     _damage_reached_outputs(got, want)
+
+
+@pytest.mark.skipif(not _spec_runs_selected(), reason="no configuration of the offloading spec selected")
+def test_spec_damaged_g4_blocks_are_recomputed(results):
+    got, want, _ = results("spec-hybrid-g4-damaged", 1)
+    _damage_was_caught(got, want, "G4 block")
+    assert sum(c["stats"].get("g4_damaged", 0) for c in got.values()) > 0, got

@@ -81,7 +81,9 @@ fn store(shared: &Shared, s: Staged) -> Pending {
     }
 }
 
-fn demote(shared: &Shared, pairs: &[(usize, usize)]) -> Result<(), String> {
+/// Moves `(G2 slot, G3 slot)` blocks to G3 and waits; their sums follow
+/// them in verify mode.
+pub(super) fn demote(shared: &Shared, pairs: &[(usize, usize)]) -> Result<(), String> {
     if pairs.is_empty() {
         return Ok(());
     }

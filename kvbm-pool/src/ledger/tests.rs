@@ -15,6 +15,7 @@ fn h(k: u8) -> SequenceHash {
 #[derive(Debug, Clone)]
 enum Op {
     Reserve(Vec<u8>),
+    Fetch(Vec<u8>),
     Commit(Vec<u8>, bool),
     Pin(Vec<u8>),
     Unpin(u8),
@@ -26,6 +27,7 @@ fn op() -> impl Strategy<Value = Op> {
     let keys = || prop::collection::vec(0u8..12, 1..5);
     prop_oneof![
         3 => keys().prop_map(Op::Reserve),
+        1 => keys().prop_map(Op::Fetch),
         3 => (keys(), prop::bool::weighted(0.85)).prop_map(|(k, ok)| Op::Commit(k, ok)),
         2 => keys().prop_map(Op::Pin),
         2 => (0u8..12).prop_map(Op::Unpin),
@@ -128,6 +130,12 @@ fn check_step(ledger: &Ledger, m: &mut Model, op: Op) {
         Op::Reserve(keys) => {
             let keys: Vec<_> = keys.into_iter().map(|k| (h(k), None)).collect();
             m.check_reservation(&ledger.reserve(&keys));
+        }
+        Op::Fetch(keys) => {
+            let keys: Vec<_> = keys.into_iter().map(|k| (h(k), None)).collect();
+            let r = ledger.reserve_fetched(&keys);
+            assert_eq!(r.refused, 0, "a fetch is never refused by admission");
+            m.check_reservation(&r);
         }
         Op::Commit(keys, ok) => {
             let keys: Vec<_> = keys.into_iter().map(h).collect();
@@ -318,6 +326,20 @@ fn min_uses_admits_what_was_asked_for_often_enough() {
         Ledger::new(4, TierPolicy::MinUses(0)),
         Err(LedgerError::Pool(_))
     ));
+}
+
+#[test]
+fn a_fetched_block_skips_admission_and_is_loadable_once_committed() {
+    let ledger = Ledger::new(4, TierPolicy::MinUses(2)).unwrap();
+    assert_eq!(ledger.reserve(&[(h(1), None)]).refused, 1);
+    let r = ledger.reserve_fetched(&[(h(1), None), (h(2), Some(h(1)))]);
+    assert_eq!((r.slots.len(), r.refused), (2, 0));
+    assert_eq!(ledger.presence(h(1)), Presence::Writing);
+    assert!(ledger.pin(&[h(1)]).is_err());
+    ledger.commit(&[h(1)], true);
+    ledger.commit(&[h(2)], false);
+    assert_eq!(ledger.presence(h(1)), Presence::Ready);
+    assert_eq!(ledger.presence(h(2)), Presence::Absent);
 }
 
 #[test]

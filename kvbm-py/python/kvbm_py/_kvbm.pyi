@@ -265,13 +265,15 @@ class OffloadBooks:
         its keys get the retention ``hint`` (seconds until a follow-up, or
         ``"done"``), if any."""
     def reserve(
-        self, keys: Sequence[bytes], chained: bool = True
+        self, keys: Sequence[bytes], chained: bool = True, fetched: bool = False
     ) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]], list[int], int, int]:
         """``(index into keys, slot)`` per key to write, ``(kvbm key, host
         slot, disk slot)`` per block to move to disk before those slots
         are written (loadable from disk once the store is confirmed), the
         kvbm keys no tier holds any more, and how many were refused by
-        admission or left out while every slot was busy."""
+        admission or left out while every slot was busy. With ``fetched``
+        the keys are blocks a load brings in from G4: admission is not
+        asked."""
     def commit(self, keys: Sequence[bytes], ok: bool) -> None:
         """Confirms (``ok``) or abandons the stores of ``keys``."""
     def pin(self, keys: Sequence[bytes]) -> list[tuple[bool, int]]:
@@ -332,6 +334,21 @@ class PageWorker:
     ) -> None:
         """Starts copying host slots into ``(group, engine block, host
         slot)`` pages and disk slots into ``disk_copies``' pages."""
+    def slot_memory(self) -> tuple[int, int]:
+        """``(address, bytes)`` of the host slots, for a G4 client to
+        register."""
+    @property
+    def slot_stride(self) -> int:
+        """Bytes from one host slot to the next."""
+    def block_bytes(self, group: int) -> int:
+        """Bytes of one block of KV cache group ``group``."""
+    def slot_sums(self, group: int, slots: Sequence[int]) -> list[int]:
+        """The checksum of the block of ``group`` in each of ``slots``."""
+    def move_to_disk(self, moves: Sequence[tuple[int, int]]) -> None:
+        """Moves ``(host slot, disk slot)`` blocks to disk and waits."""
+    def adopt(self, group: int, arrived: Sequence[tuple[int, int]]) -> list[bool]:
+        """Per ``(slot, checksum)`` of a block of ``group`` that arrived
+        from G4: whether its bytes match."""
     def finished(
         self,
     ) -> list[tuple[int, bool, int, float, list[tuple[int, int]], TransferError | None]]:

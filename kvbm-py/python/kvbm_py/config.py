@@ -17,12 +17,14 @@ import difflib
 import hashlib
 import math
 import os
+import socket
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvbm_py._kvbm import InvalidArgumentError
+from kvbm_py.g4 import G4Config
 
 GIB = 1 << 30
 
@@ -43,9 +45,24 @@ _SOURCES: dict[str, tuple[tuple[str, ...], Any]] = {
     "metrics_port": (("KVBM_METRICS_PORT", "DYN_KVBM_METRICS_PORT"), 0),
     "metrics_host": (("KVBM_METRICS_HOST",), "127.0.0.1"),
     "verify": (("KVBM_VERIFY",), False),
+    "g4_master": (("KVBM_G4_MASTER", "DYN_KVBM_G4_MASTER"), None),
+    "g4_metadata": (("KVBM_G4_METADATA", "DYN_KVBM_G4_METADATA"), None),
+    "g4_protocol": (("KVBM_G4_PROTOCOL", "DYN_KVBM_G4_PROTOCOL"), "tcp"),
+    "g4_devices": (("KVBM_G4_DEVICES",), ""),
+    "g4_hostname": (("KVBM_G4_HOSTNAME",), None),
+    "g4_segment_gb": (("KVBM_G4_SEGMENT_GB", "DYN_KVBM_G4_SEGMENT_GB"), 1.0),
+    "g4_publish": (("KVBM_G4_PUBLISH", "DYN_KVBM_G4_PUBLISH"), "admissions"),
 }
 
 OFFLOAD_MODES = ("eager", "finish", "none")
+G4_PROTOCOLS = ("tcp", "rdma")
+#: Which blocks go to G4: every block G2 admits, once its store is
+#: confirmed (``admissions``), or none (``off``: this engine only reads).
+G4_PUBLISH = ("admissions", "off")
+
+#: The port of the store master's HTTP metadata server when
+#: ``g4_metadata`` is not given (``mooncake_master``'s default).
+G4_METADATA_PORT = 8080
 FOREIGN_POLICIES = ("remove", "keep")
 
 #: Names of the G2 and G3 directories kept across restarts, before their
@@ -165,6 +182,28 @@ class KvbmConfig:
     #: (``verify_mismatches``). Costs a hash of every byte offloaded and
     #: onboarded (``docs/benchmarks.md``).
     verify: bool = False
+    #: G4, a block store engine instances share (Mooncake Store): its
+    #: master's RPC address, ``host:port``; None: no G4.
+    g4_master: str | None = None
+    #: G4's metadata server, ``http://host:port/metadata``; by default the
+    #: master's own HTTP metadata server on its host, port 8080.
+    g4_metadata: str | None = None
+    #: How G4's clients move bytes between hosts: ``tcp`` or ``rdma``.
+    g4_protocol: str = "tcp"
+    #: The RDMA devices G4 uses, comma-separated (``rdma`` only; empty:
+    #: the store's choice).
+    g4_devices: str = ""
+    #: The address other hosts reach this one at for G4 transfers; by
+    #: default this host's name, or ``127.0.0.1`` when the master is on
+    #: loopback.
+    g4_hostname: str | None = None
+    #: Host memory each worker lends G4, GiB (its blocks leave with the
+    #: engine; memory lent by ``python -m kvbm_py.g4_local hold`` outlives
+    #: it). 0: the engine lends none.
+    g4_segment_gb: float = 1.0
+    #: Which blocks this engine publishes to G4: ``admissions`` (every
+    #: block G2 admits, once stored) or ``off`` (it only reads).
+    g4_publish: str = "admissions"
     #: Test hook: overwrite the first block of every onboard with zeros
     #: after it landed (proves an output comparison detects bad bytes).
     test_corrupt_onboard: bool = False
@@ -218,6 +257,13 @@ class KvbmConfig:
             metrics_port=int(_as_float(values["metrics_port"], "metrics_port")),
             metrics_host=str(values["metrics_host"]),
             verify=_as_bool(values["verify"], "verify"),
+            g4_master=values["g4_master"] or None,
+            g4_metadata=values["g4_metadata"] or None,
+            g4_protocol=str(values["g4_protocol"]),
+            g4_devices=str(values["g4_devices"] or ""),
+            g4_hostname=values["g4_hostname"] or None,
+            g4_segment_gb=_as_size(values["g4_segment_gb"], "g4_segment_gb"),
+            g4_publish=str(values["g4_publish"]),
             test_corrupt_onboard=_as_bool(extra.get("test_corrupt_onboard", False), "test_corrupt_onboard"),
             test_fail_onboards=int(extra.get("test_fail_onboards", 0)),
             test_transfer_delay_ms=int(extra.get("test_transfer_delay_ms", 0)),
@@ -236,7 +282,37 @@ class KvbmConfig:
             )
         if cfg.offload not in OFFLOAD_MODES:
             raise InvalidArgumentError(f"kvbm: offload={cfg.offload!r}: expected one of {OFFLOAD_MODES}")
+        cfg._check_g4()
         return cfg
+
+    def _check_g4(self) -> None:
+        if self.g4_protocol not in G4_PROTOCOLS:
+            raise InvalidArgumentError(f"kvbm: g4_protocol={self.g4_protocol!r}: expected one of {G4_PROTOCOLS}")
+        if self.g4_publish not in G4_PUBLISH:
+            raise InvalidArgumentError(f"kvbm: g4_publish={self.g4_publish!r}: expected one of {G4_PUBLISH}")
+        if self.g4_master is not None:
+            host, _, port = self.g4_master.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+                raise InvalidArgumentError(f"kvbm: g4_master={self.g4_master!r} is not host:port")
+        if self.g4_metadata is not None and not self.g4_metadata.startswith(("http://", "https://")):
+            raise InvalidArgumentError(
+                f"kvbm: g4_metadata={self.g4_metadata!r}: expected the metadata server's http://host:port/metadata"
+            )
+
+    def g4_store(self) -> G4Config | None:
+        """Where G4 is and what each worker lends it, or None without G4."""
+        if self.g4_master is None:
+            return None
+        host = self.g4_master.rpartition(":")[0]
+        loopback = host in ("127.0.0.1", "localhost", "::1", "[::1]")
+        return G4Config(
+            master=self.g4_master,
+            metadata=self.g4_metadata or f"http://{host}:{G4_METADATA_PORT}/metadata",
+            protocol=self.g4_protocol,
+            segment_bytes=int(self.g4_segment_gb * GIB),
+            hostname=self.g4_hostname or ("127.0.0.1" if loopback else socket.gethostname()),
+            devices=self.g4_devices,
+        )
 
     def tier_bytes(self, key: str, world: int) -> int:
         """The bytes of the tier sized by ``key`` (``cpu_cache_gb`` or

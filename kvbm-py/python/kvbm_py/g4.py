@@ -192,6 +192,23 @@ class G4Client:
             break
         return n
 
+    def held(self, world: int, blocks: Sequence[bytes]) -> list[bool] | None:
+        """Per block of ``blocks``, whether the store holds the slices of all
+        ``world`` ranks (one existence query for all of them); None when
+        the store could not answer (unreachable, or any other failure,
+        counted)."""
+        if not blocks:
+            return []
+        if not self.available():
+            return None
+        keys = [self.key(r, b) for b in blocks for r in range(world)]
+        found = self._store.batch_is_exist(keys)
+        bad = [s for s in found if s < 0]
+        if bad or len(found) != len(keys):
+            self._count(_failure_of(bad[0]) if bad else G4Failure.OTHER, len(blocks))
+            return None
+        return [all(s == 1 for s in found[i * world : (i + 1) * world]) for i in range(len(blocks))]
+
     def put(
         self, rank: int, blocks: Sequence[bytes], addresses: Sequence[int], size: int, sums: Sequence[int]
     ) -> list[G4Failure | None]:

@@ -75,6 +75,11 @@ class KvbmConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.config = KvbmConfig.from_sources(extra)
+        if self.config.g4_master is not None:
+            raise InvalidArgumentError(
+                "kvbm: g4_master: G4 on a shared store runs behind vLLM's offloading connector "
+                '("kv_connector": "KvbmOffloadingConnector"); KvbmConnector has no shared G4'
+            )
         _check_cache_config(vllm_config, kv_cache_config)
         self._scheduler = None
         self._worker = None

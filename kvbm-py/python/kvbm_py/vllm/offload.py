@@ -35,8 +35,9 @@ the engine rather than serve wrong bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -63,6 +64,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from kvbm_py import InvalidArgumentError, _kvbm
 from kvbm_py.config import GIB, KvbmConfig
 from kvbm_py.vllm.common import log as logger
+from kvbm_py.vllm.offload_g4 import G4Lookups, G4Mover, connect, g4_identity, lookup_stats
 from kvbm_py.vllm.plugin import SPEC_NAME, register_spec
 from kvbm_py.vllm.retention import retention_of
 
@@ -114,7 +116,11 @@ class KvbmSlots(BlockIDsLoadStoreSpec):
     (its position among the offloaded groups), which the worker checks
     against the engine's blocks before it copies anything; for a load,
     whether each slot is a disk slot; for a store, the blocks to move from
-    a host slot to a disk slot before any slot is written."""
+    a host slot to a disk slot before any slot is written (a load that
+    fetches from G4 may move some too). With G4: for a load, the blocks to
+    fetch into their slot first (``(index in the job, offload key)``), or
+    ``broken`` when some block found no slot (the job fails, the request is
+    recomputed); for a store, each block's offload key, to publish it."""
 
     def __init__(
         self,
@@ -122,11 +128,17 @@ class KvbmSlots(BlockIDsLoadStoreSpec):
         groups: list[int],
         disk: list[bool] | None = None,
         demote: list[tuple[int, int]] | None = None,
+        fetch: Sequence[tuple[int, bytes]] | None = None,
+        publish: Sequence[bytes] | None = None,
+        broken: bool = False,
     ):
         super().__init__(slots)
         self.groups = groups
         self.disk = disk or [False] * len(slots)
         self.demote = demote or []
+        self.fetch = list(fetch or [])
+        self.publish = list(publish or [])
+        self.broken = broken
 
 
 class KvbmOffloadingSpec(OffloadingSpec):
@@ -163,6 +175,14 @@ class KvbmOffloadingSpec(OffloadingSpec):
                 raise InvalidArgumentError(
                     f"kvbm: disk_cache_gb={self.kvbm.disk_cache_gb:g} GiB per worker holds no block of {padded} bytes"
                 )
+        #: G4's store and the identity blocks are shared under (None: no G4).
+        self.g4 = self.kvbm.g4_store()
+        self.g4_identity: str | None = None
+        if self.g4 is not None:
+            self.g4_identity, why = g4_identity(config)
+            if self.g4_identity is None:
+                logger.warning("kvbm: G4 at %s not used: %s", self.g4.master, why)
+                self.g4 = None
         self._manager: KvbmOffloadingManager | None = None
         self._worker: KvbmOffloadingWorker | None = None
 
@@ -215,23 +235,77 @@ class KvbmOffloadingManager(OffloadingManager):
         #: event of the disk medium).
         self.on_disk: set[int] = set()
         self._events: list[OffloadingEvent] = []
+        #: Keys being fetched from G4 by a load (they join the host tier
+        #: when it completes).
+        self._fetching: set[OffloadKey] = set()
+        #: Keys of the loads that failed, while vLLM completes them.
+        self.failing: set[OffloadKey] = set()
+        self.g4: G4Lookups | None = None
+        if spec.g4 is not None and spec.g4_identity is not None:
+            # The scheduler lends the store no memory: it only asks.
+            client = connect(dataclasses.replace(spec.g4, segment_bytes=0), spec.g4_identity, "scheduler")
+            if client is not None:
+                self.g4 = G4Lookups(client, max(1, spec.config.parallel.world_size))
+                self._books_lookup = self.lookup
+                self.lookup = self._lookup_with_g4  # type: ignore[method-assign]
+                self.stats["loaded_from_g4"] = 0
+                self.stats["g4_unplaced"] = 0
+        self.publish = self.g4 is not None and spec.kvbm.g4_publish == "admissions"
         logger.info("kvbm: offloading spec with %d host slots of %d bytes per worker", spec.slots, spec.slot_bytes)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         # Replaced per instance by the books' own callable (``__init__``).
         raise NotImplementedError
 
+    def _lookup_with_g4(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """A host or disk hit, else what G4 is known to hold: ``RETRY``
+        while that is being asked (see :mod:`kvbm_py.vllm.offload_g4`)."""
+        found = self._books_lookup(key, req_context)
+        if found is LookupResult.HIT or self.books.lookup(key) != 0:
+            return found
+        assert self.g4 is not None
+        held = self.g4.held(key)
+        if held is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if held else LookupResult.MISS
+
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         keys = list(keys)
-        sources = self.books.pin(keys)
+        ready = [self.g4 is None or self.books.lookup(k) == 2 for k in keys]
+        sources = iter(self.books.pin([k for k, r in zip(keys, ready, strict=True) if r]))
+        fetched = [k for k, r in zip(keys, ready, strict=True) if not r]
+        placed, demote, broken = self._reserve_fetched(fetched)
+        slots, disk, fetch = [], [], []
+        for i, (key, r) in enumerate(zip(keys, ready, strict=True)):
+            on_disk, slot = next(sources) if r else (False, placed.get(key, 0))
+            slots.append(slot)
+            disk.append(on_disk)
+            if not r and key in placed:
+                fetch.append((i, key))
         self.stats["loaded"] += len(keys)
-        disk = [on_disk for on_disk, _ in sources]
         self.stats["loaded_from_disk"] += sum(disk)
+        if fetched:
+            self.stats["loaded_from_g4"] += len(fetched)
         per_group = self.stats["loaded_per_group"]
         groups = self._groups(keys)
         for group in groups:
             per_group[group] = per_group.get(group, 0) + 1
-        return KvbmSlots([slot for _, slot in sources], groups, disk=disk)
+        return KvbmSlots(slots, groups, disk=disk, demote=demote, fetch=fetch, broken=broken)
+
+    def _reserve_fetched(self, keys: list[OffloadKey]) -> tuple[dict[OffloadKey, int], list[tuple[int, int]], bool]:
+        """Host slots for blocks a load fetches from G4: the slot of each
+        key placed, the moves to disk before they are written, and whether
+        some key found no slot (every slot busy)."""
+        if not keys:
+            return {}, [], False
+        placed, demote, evicted, _, full = self.books.reserve(keys, chained=False, fetched=True)
+        slot_of = {keys[i]: slot for i, slot in placed}
+        self._fetching.update(slot_of)
+        moved = self._evict(evicted, demote)
+        if moved and placed:
+            self._demoting[keys[placed[0][0]]] = moved
+        self.stats["g4_unplaced"] += len(keys) - len(slot_of)
+        return slot_of, [(g2, g3) for _, g2, g3 in demote], len(slot_of) < len(keys)
 
     def _groups(self, keys: list[OffloadKey]) -> list[int]:
         return [self.group_pos[int.from_bytes(key[-4:], "big")] for key in keys]
@@ -240,38 +314,67 @@ class KvbmOffloadingManager(OffloadingManager):
         self.books.touch(list(keys))
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self.books.unpin(list(keys))
+        keys = list(keys)
+        fetched = [k for k in keys if k in self._fetching]
+        if fetched:
+            # A block fetched from G4 stays in the host tier; one whose
+            # fetch failed is doomed by the failed load's report.
+            self._fetching.difference_update(fetched)
+            for key in fetched:
+                self.names[_kvbm.OffloadBooks.key(key)] = key
+            good = [k for k in fetched if k not in self.failing]
+            if good:
+                self._confirm(good, True)
+            if len(good) < len(fetched):
+                self._confirm([k for k in fetched if k in self.failing], False)
+        self.books.unpin([k for k in keys if k not in fetched])
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
         self.books.note(req_context.req_id, keys)
         self.books.record(req_context.req_id)
         placed, demote, evicted, refused, full = self.books.reserve(keys)
-        gone = [(k, self.names.pop(k)) for k in evicted if k in self.names]
-        evicted_keys = [name for _, name in gone]
         to_store = [keys[i] for i, _ in placed]
         for key in to_store:
             self.names[_kvbm.OffloadBooks.key(key)] = key
-        demoted = [self.names[k] for k, _, _ in demote if k in self.names]
+        evicted_keys = [self.names[k] for k in evicted if k in self.names]
+        demoted = self._evict(evicted, demote)
         if demoted and to_store:
             self._demoting[to_store[0]] = demoted
         self.stats["stored"] += len(to_store)
-        self.stats["demoted"] += len(demote)
         self.stats["refused"] += refused
         self.stats["full"] += full
-        self.stats["evicted"] += len(evicted_keys)
-        self._evicted_events([name for k, name in gone if k not in self.on_disk] + demoted)
-        self._evicted_events([name for k, name in gone if k in self.on_disk], Medium.STORAGE)
-        self.on_disk.difference_update(k for k, _ in gone)
         spec = KvbmSlots(
             [slot for _, slot in placed],
             self._groups(to_store),
             demote=[(g2, g3) for _, g2, g3 in demote],
+            publish=to_store if self.publish else None,
         )
         return PrepareStoreOutput(keys_to_store=to_store, store_spec=spec, evicted_keys=evicted_keys)
 
+    def _evict(self, evicted: list[int], demote: list[tuple[int, int, int]]) -> list[OffloadKey]:
+        """Books the blocks a reservation evicted from every tier and those
+        it moves to disk (their events, the counters); returns the offload
+        keys of the latter."""
+        gone = [(k, self.names.pop(k)) for k in evicted if k in self.names]
+        demoted = [self.names[k] for k, _, _ in demote if k in self.names]
+        self.stats["demoted"] += len(demote)
+        self.stats["evicted"] += len(gone)
+        self._evicted_events([name for k, name in gone if k not in self.on_disk] + demoted)
+        self._evicted_events([name for k, name in gone if k in self.on_disk], Medium.STORAGE)
+        self.on_disk.difference_update(k for k, _ in gone)
+        return demoted
+
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         keys = list(keys)
+        self._confirm(keys, success)
+        if success and self.publish and self.g4 is not None:
+            # Published once the workers' puts end: asked about afresh.
+            self.g4.drop(keys)
+
+    def _confirm(self, keys: list[OffloadKey], success: bool) -> None:
+        """Confirms (or abandons) the writes of ``keys`` into host slots and
+        the moves to disk that rode on them."""
         self.books.commit(keys, success)
         demoted = self._demoting.pop(keys[0], []) if keys else []
         if success:
@@ -313,7 +416,10 @@ class KvbmOffloadingManager(OffloadingManager):
         self._evicted_events(list(on_disk), Medium.STORAGE)
         self.names.clear()
         self._demoting.clear()
+        self._fetching.clear()
         self.on_disk.clear()
+        if self.g4 is not None:
+            self.g4.drop()
 
     def forget_damaged(self, keys: list[OffloadKey]) -> None:
         """Keys whose load failed: never loaded again (they read as
@@ -321,9 +427,25 @@ class KvbmOffloadingManager(OffloadingManager):
         slots were reused)."""
         self.books.doom(keys)
         self.stats["damaged"] += len(keys)
+        if self.g4 is not None:
+            self.g4.forget(keys)
+
+    def on_schedule_end(self, context: Any) -> None:
+        # The keys asked about this step go to G4 in one query.
+        if self.g4 is not None:
+            self.g4.flush()
+
+    def has_pending_work(self) -> bool:
+        return self.g4 is not None and self.g4.pending()
+
+    def g4_stats(self) -> dict[str, Any]:
+        """G4's counters in the scheduler: queries, their p50, failures."""
+        return lookup_stats(self.g4)
 
     def shutdown(self) -> None:
         self.names.clear()
+        if self.g4 is not None:
+            self.g4.close()
 
 
 class KvbmOffloadingWorker(OffloadingWorker):
@@ -360,6 +482,21 @@ class KvbmOffloadingWorker(OffloadingWorker):
         self.loads: set[int] = set()
         #: Blocks of failed jobs so far.
         self.failed_blocks = 0
+        #: This rank's traffic with G4 (None: no G4), whether it publishes
+        #: what it stores, and the blocks of each store job to publish once
+        #: it ended.
+        self.g4: G4Mover | None = None
+        self.publish = spec.g4 is not None and spec.kvbm.g4_publish == "admissions"
+        self._publishing: dict[int, list[tuple[int, int, bytes]]] = {}
+        #: Load jobs that fail without a copy (a block found no slot).
+        self._fail_now: list[int] = []
+        if spec.g4 is not None and spec.g4_identity is not None:
+            rank = spec.config.parallel.rank
+            client = connect(spec.g4, spec.g4_identity, f"worker of rank {rank}")
+            if client is not None:
+                self.g4 = G4Mover(client, self.pages, rank)
+                if self.test_corrupt_loads:
+                    self.g4.test_corrupt = self.pages.corrupt_slot
 
     @staticmethod
     def _copies(gpu: GPULoadStoreSpec, slots: LoadStoreSpec) -> list[tuple[int, int, int, bool]]:
@@ -383,33 +520,71 @@ class KvbmOffloadingWorker(OffloadingWorker):
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, KvbmSlots)
         copies = [c[:3] for c in self._copies(src_spec, dst_spec)]
-        self.pages.store(job_id, copies, dst_spec.demote)
+        if self.g4 is not None and self.publish and dst_spec.publish:
+            self._publishing[job_id] = [
+                (g, slot, key) for (g, _, slot), key in zip(copies, dst_spec.publish, strict=True)
+            ]
+        if self.g4 is not None and self.g4.busy(slot for _, _, slot in copies):
+            # A put to G4 still reads one of the slots: the copy waits for it.
+            self.g4.after_puts(job_id, lambda: self.pages.store(job_id, copies, dst_spec.demote))
+        else:
+            self.pages.store(job_id, copies, dst_spec.demote)
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        assert isinstance(src_spec, KvbmSlots)
         copies = self._copies(dst_spec, src_spec)
-        if self.test_corrupt_loads and copies:
+        self.loads.add(job_id)
+        if src_spec.broken or (src_spec.fetch and self.g4 is None):
+            # Some block has no slot to land in, or no G4 to come from.
+            self._fail_now.append(job_id)
+            return True
+        if self.test_corrupt_loads and copies and not src_spec.fetch:
             _, _, slot, on_disk = copies[0]
             (self.pages.corrupt_disk_slot if on_disk else self.pages.corrupt_slot)(slot)
-        self.pages.load(job_id, [c[:3] for c in copies if not c[3]], disk_copies=[c[:3] for c in copies if c[3]])
-        self.loads.add(job_id)
+
+        def start() -> None:
+            self.pages.load(job_id, [c[:3] for c in copies if not c[3]], disk_copies=[c[:3] for c in copies if c[3]])
+
+        if not src_spec.fetch:
+            start()
+            return True
+        assert self.g4 is not None
+        fetch = [(copies[i][0], copies[i][2], key) for i, key in src_spec.fetch]
+        demote = src_spec.demote
+        # Blocks leaving the slots the fetch writes move to disk first.
+        self.g4.fetch(job_id, fetch, start, before=(lambda: self.pages.move_to_disk(demote)) if demote else None)
         return True
 
     def get_finished(self) -> list[TransferResult]:
+        # (job, ok, bytes, seconds, blocks failed, why)
+        ended: list[tuple[int, bool, int, float, int, object]] = [
+            (job, ok, nbytes, seconds, len(failed), error)
+            for job, ok, nbytes, seconds, failed, error in self.pages.finished()
+        ]
+        fail_now, self._fail_now = self._fail_now, []
+        ended += [(job, False, 0, 0.0, 1, "no host slot for a block fetched from G4") for job in fail_now]
+        if self.g4 is not None:
+            ended += [(job, False, 0, 0.0, blocks, why) for job, blocks, why in self.g4.take_failed()]
         results = []
-        for job, ok, nbytes, seconds, failed, error in self.pages.finished():
+        for job, ok, nbytes, seconds, failed, error in ended:
             is_load = job in self.loads
             self.loads.discard(job)
+            publish = self._publishing.pop(job, None)
             if not ok:
-                self.failed_blocks += len(failed)
+                self.failed_blocks += failed
                 logger.warning("kvbm: %s job %d failed: %s", "load" if is_load else "store", job, error)
                 if is_load and self.report_load_errors:
                     self.failed_loads.add(job)
                     ok = True  # the request is reported failed: recomputed
+            elif publish and self.g4 is not None:
+                self.g4.publish(publish)
             results.append(TransferResult(job_id=job, success=ok, transfer_size=nbytes, transfer_time=seconds))
         return results
 
     def wait(self, job_ids: set[int]) -> None:
+        if self.g4 is not None:
+            self.g4.wait(job_ids)
         self.pages.wait(list(job_ids))
 
 
@@ -509,8 +684,12 @@ class KvbmOffloadingConnector(OffloadingConnector):
             for job in sched._jobs.values():
                 if not job.is_store and job.req_id in failed:
                     damaged.extend(job.keys)
+        manager = getattr(self.connector_scheduler, "manager", None)
+        if damaged:
+            assert isinstance(manager, KvbmOffloadingManager)
+            manager.failing.update(damaged)
         super().update_connector_output(connector_output)
         if damaged:
-            manager = getattr(self.connector_scheduler, "manager", None)
             assert isinstance(manager, KvbmOffloadingManager)
+            manager.failing.clear()
             manager.forget_damaged(damaged)

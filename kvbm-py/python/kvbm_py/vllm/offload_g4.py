@@ -1,0 +1,381 @@
+"""G4 behind vLLM's offloading connector: blocks that other engine instances
+computed, found in a store they share (Mooncake Store, :mod:`kvbm_py.g4`)
+and read into this engine's host tier; blocks this engine stores,
+published there.
+
+- In the scheduler, :class:`G4Lookups` answers whether G4 holds a key.
+  vLLM asks key by key while it schedules; a key not asked about yet is
+  answered ``RETRY`` and queued, and the keys queued during a scheduling
+  step go to the store in one existence query, on a thread of its own,
+  when the step ends. The request is asked about again the next step,
+  when the answer is known: the scheduler never waits for the store.
+- A key G4 holds is loaded like a host-tier hit, from a host slot the
+  books reserve for it: the load job names the keys to fetch first.
+- In each rank, :class:`G4Mover` runs on a thread of its own what touches
+  the store: it gets a load's fetched blocks into their slots, checks
+  each against the checksum it was published with, and only then starts
+  the load; it puts every block this rank stored (its slice of it), with
+  its checksum, once the store job ended. A slot that a put still reads is
+  not written: a job that would write it waits on that thread.
+
+A fetch that fails (the store unreachable, the block gone or short, a
+checksum that does not match) fails its load job: the engine recomputes
+the request, and the manager never asks G4 for those keys again. Nothing
+waits on the store but the thread that calls it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvbm_py import _kvbm
+from kvbm_py.g4 import SUM_BYTES, G4Client, G4Config
+from kvbm_py.vllm.common import log
+from kvbm_py.vllm.kept_g3 import _weights_fingerprint
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.config import OffloadingConfig
+
+#: How kvbm lays out an offloaded block (the concatenation of its group's
+#: layer pages, one slice per rank) and names it (vLLM's offload key);
+#: part of the identity, so a change never reads old blocks.
+G4_LAYOUT = "vllm-offload-pages-1"
+
+#: How long an answer about a key stands before G4 is asked again, s: a
+#: key missing now may be published by another engine later.
+ANSWER_TTL_S = 2.0
+
+
+def g4_identity(config: OffloadingConfig) -> tuple[str | None, str]:
+    """What makes two engines' blocks interchangeable: the model and its
+    weights, the KV dtype, every group's geometry, the parallelism and the
+    prefix hash seed. ``(None, why)`` when blocks cannot be shared."""
+    seed = os.environ.get("PYTHONHASHSEED")
+    if seed is None or seed == "random":
+        return None, (
+            "vLLM seeds its prefix hashes at random in every process unless PYTHONHASHSEED "
+            "is set (the same value in every engine), so no engine would find another's blocks"
+        )
+    p = config.parallel
+    fields = {
+        "layout": G4_LAYOUT,
+        "model": config.model.name,
+        "weights": _weights_fingerprint(config.model.name, None),
+        "kv_dtype": config.model.dtype,
+        "groups": [(g.group_id, g.tokens_per_block, len(g.layer_names)) for g in config.groups],
+        "bytes_per_block": config.worker_kv_bytes_per_block,
+        "tokens_per_hash": config.cache.tokens_per_hash,
+        "kv_cache_layout": config.kv_cache_layout,
+        "parallel": (p.world_size, p.tp_size, p.pp_size, p.pcp_size, p.dcp_size),
+        "hash_seed": hashlib.sha256(seed.encode()).hexdigest()[:16],
+    }
+    return "\n".join(f"{k}: {v}" for k, v in fields.items()), ""
+
+
+def connect(config: G4Config, identity: str, what: str) -> G4Client | None:
+    """A G4 client, or None (logged) when the store cannot be set up: the
+    engine then runs on its own tiers."""
+    try:
+        return G4Client(config, identity)
+    except Exception as e:  # the store's set-up failing must not stop the engine
+        log.warning("kvbm: G4 at %s not used by the %s: %s", config.master, what, e)
+        return None
+
+
+class G4Lookups:
+    """The scheduler's knowledge of which keys G4 holds (for every rank),
+    learnt in the background; see the module docs."""
+
+    def __init__(self, client: G4Client, world: int) -> None:
+        self.client = client
+        self.world = world
+        self._lock = threading.Lock()
+        #: key -> (held, when learnt).
+        self._answers: dict[bytes, tuple[bool, float]] = {}
+        #: Keys asked about since the last flush, and all keys not answered yet.
+        self._asked: list[bytes] = []
+        self._open: set[bytes] = set()
+        self._batches: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
+        #: Existence queries sent, and the seconds each took.
+        self.queries = 0
+        self.query_seconds: list[float] = []
+        self._thread = threading.Thread(target=self._run, name="kvbm-g4-lookup", daemon=True)
+        self._thread.start()
+
+    def held(self, key: bytes) -> bool | None:
+        """Whether G4 holds ``key``; None while that is not known yet (the
+        key is then queued for the next query)."""
+        now = time.monotonic()
+        with self._lock:
+            found = self._answers.get(key)
+            if found is not None and now - found[1] < ANSWER_TTL_S:
+                return found[0]
+            if key not in self._open:
+                self._open.add(key)
+                self._asked.append(key)
+        return None
+
+    def flush(self) -> None:
+        """Sends the keys asked about since the last call to the store (one
+        query, answered on the lookup thread)."""
+        with self._lock:
+            batch, self._asked = self._asked, []
+        if batch:
+            self._batches.put(batch)
+
+    def pending(self) -> bool:
+        """Whether keys wait for an answer (the engine keeps stepping
+        meanwhile, so the requests asking for them are asked again)."""
+        with self._lock:
+            return bool(self._open)
+
+    def forget(self, keys: Iterable[bytes]) -> None:
+        """``keys`` count as not held (a fetch of them failed)."""
+        now = time.monotonic()
+        with self._lock:
+            for key in keys:
+                self._answers[key] = (False, now)
+
+    def drop(self, keys: Iterable[bytes] | None = None) -> None:
+        """Forgets what is known about ``keys`` (all keys when None): they
+        are asked about again (this engine just published them, or reset
+        its caches)."""
+        with self._lock:
+            if keys is None:
+                self._answers.clear()
+                return
+            for key in keys:
+                self._answers.pop(key, None)
+
+    def _run(self) -> None:
+        while (batch := self._batches.get()) is not None:
+            # Mooncake's keys carry the offload key as hex: vLLM's hash and
+            # the group.
+            started = time.monotonic()
+            held = self.client.held(self.world, batch)
+            now = time.monotonic()
+            self.queries += 1
+            self.query_seconds.append(now - started)
+            del self.query_seconds[:-1024]
+            with self._lock:
+                for i, key in enumerate(batch):
+                    # An unanswered query reads as not held: the request
+                    # goes on without G4 instead of waiting for the store.
+                    self._answers[key] = (bool(held and held[i]), now)
+                    self._open.discard(key)
+                if len(self._answers) > 1 << 16:
+                    stale = [k for k, (_, at) in self._answers.items() if now - at >= ANSWER_TTL_S]
+                    for k in stale:
+                        del self._answers[k]
+
+    def close(self) -> None:
+        """Stops the lookup thread."""
+        self._batches.put(None)
+
+
+class G4Mover:
+    """One rank's traffic with G4, on a thread of its own; see the module
+    docs. ``pages`` is the rank's :class:`kvbm_py._kvbm.PageWorker`."""
+
+    def __init__(self, client: G4Client, pages: _kvbm.PageWorker, rank: int) -> None:
+        self.client, self.pages, self.rank = client, pages, rank
+        self.base, size = pages.slot_memory()
+        self.stride = pages.slot_stride
+        client.register(self.base, size)
+        #: The checksum each slot's block was published with or arrived with.
+        self.sums = (ctypes.c_uint64 * pages.slots)()
+        self.sums_base = ctypes.addressof(self.sums)
+        client.register(self.sums_base, SUM_BYTES * pages.slots)
+        self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._lock = threading.Condition()
+        #: Slots a queued or running put reads, with how many puts.
+        self._reading: Counter[int] = Counter()
+        #: Jobs whose start waits on the thread.
+        self._held: set[int] = set()
+        #: Tasks queued or running.
+        self._tasks_open = 0
+        #: ``(job, blocks, why)`` of jobs that failed on the thread.
+        self._failed: list[tuple[int, int, str]] = []
+        #: Test hook: damages a slot after its block arrived, before the
+        #: check (proves that the check bites).
+        self.test_corrupt: Callable[[int], None] | None = None
+        #: Blocks published, fetched and checked, and fetched but damaged.
+        self.published = 0
+        self.fetched = 0
+        self.damaged = 0
+        self._thread = threading.Thread(target=self._run, name="kvbm-g4-mover", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            try:
+                task()
+            finally:
+                with self._lock:
+                    self._tasks_open -= 1
+                    self._lock.notify_all()
+
+    def _queue(self, task: Callable[[], None]) -> None:
+        with self._lock:
+            self._tasks_open += 1
+        self._tasks.put(task)
+
+    def idle(self) -> bool:
+        """Whether no put, fetch or held job is queued or running."""
+        with self._lock:
+            return self._tasks_open == 0
+
+    def busy(self, slots: Iterable[int]) -> bool:
+        """Whether a put still reads any of ``slots``."""
+        with self._lock:
+            return any(self._reading[s] for s in slots)
+
+    def publish(self, blocks: Sequence[tuple[int, int, bytes]]) -> None:
+        """Puts this rank's slice of each ``(group, slot, offload key)``
+        block, with its checksum; the slots are not written until then."""
+        if not blocks:
+            return
+        with self._lock:
+            self._reading.update(slot for _, slot, _ in blocks)
+        self._queue(lambda: self._put(blocks))
+
+    def _put(self, blocks: Sequence[tuple[int, int, bytes]]) -> None:
+        try:
+            for group, items in _by_group(blocks).items():
+                slots = [slot for slot, _ in items]
+                for slot, total in zip(slots, self.pages.slot_sums(group, slots), strict=True):
+                    self.sums[slot] = total
+                failed = self.client.put(
+                    self.rank,
+                    [key for _, key in items],
+                    [self.base + slot * self.stride for slot in slots],
+                    self.pages.block_bytes(group),
+                    [self.sums_base + SUM_BYTES * slot for slot in slots],
+                )
+                self.published += sum(f is None for f in failed)
+        except Exception as e:  # a put that fails loses nothing but the copy in G4
+            log.warning("kvbm: G4 put failed: %s", e)
+        finally:
+            with self._lock:
+                self._reading.subtract(slot for _, slot, _ in blocks)
+                self._reading = +self._reading
+                self._lock.notify_all()
+
+    def after_puts(self, job: int, start: Callable[[], None]) -> None:
+        """Starts job ``job`` (``start``) on the thread, after the puts
+        queued before it ended."""
+        self._hold(job)
+        self._queue(lambda: self._release(job, start))
+
+    def fetch(
+        self,
+        job: int,
+        blocks: Sequence[tuple[int, int, bytes]],
+        start: Callable[[], None],
+        before: Callable[[], None] | None = None,
+    ) -> None:
+        """Runs ``before`` (if any), gets each ``(group, slot, offload key)``
+        block into its slot and checks it, then starts load job ``job``
+        (``start``); a block that does not arrive whole and checked, or a
+        ``before`` that raises, fails the job instead."""
+        self._hold(job)
+
+        def task() -> None:
+            if before is not None:
+                before()
+            self._fetch(job, blocks, start)
+
+        self._queue(lambda: self._release(job, task))
+
+    def fail(self, job: int, blocks: int, why: str) -> None:
+        """Reports job ``job`` as failed (``blocks`` blocks) with the next
+        results."""
+        with self._lock:
+            self._failed.append((job, blocks, why))
+
+    def _fetch(self, job: int, blocks: Sequence[tuple[int, int, bytes]], start: Callable[[], None]) -> None:
+        for group, items in _by_group(blocks).items():
+            slots = [slot for slot, _ in items]
+            failed = self.client.get(
+                self.rank,
+                [key for _, key in items],
+                [self.base + slot * self.stride for slot in slots],
+                self.pages.block_bytes(group),
+                [self.sums_base + SUM_BYTES * slot for slot in slots],
+            )
+            missing = [f for f in failed if f is not None]
+            if missing:
+                self.fail(job, len(blocks), f"G4 get: {len(missing)} block(s) {missing[0].value}")
+                return
+            if self.test_corrupt is not None:
+                self.test_corrupt(slots[0])
+            good = self.pages.adopt(group, [(slot, self.sums[slot]) for slot in slots])
+            if not all(good):
+                self.damaged += good.count(False)
+                self.fail(job, len(blocks), f"G4: {good.count(False)} block(s) failed their checksum")
+                return
+        self.fetched += len(blocks)
+        start()
+
+    def _hold(self, job: int) -> None:
+        with self._lock:
+            self._held.add(job)
+
+    def _release(self, job: int, start: Callable[[], None]) -> None:
+        try:
+            start()
+        except Exception as e:  # the job fails; the engine hears of it
+            self.fail(job, 0, str(e))
+        finally:
+            with self._lock:
+                self._held.discard(job)
+                self._lock.notify_all()
+
+    def take_failed(self) -> list[tuple[int, int, str]]:
+        """Jobs failed on the thread since the last call: ``(job, blocks,
+        why)``."""
+        with self._lock:
+            failed, self._failed = self._failed, []
+        return failed
+
+    def wait(self, jobs: Iterable[int]) -> None:
+        """Waits until every one of ``jobs`` held on the thread started (or
+        failed)."""
+        jobs = set(jobs)
+        with self._lock:
+            self._lock.wait_for(lambda: not (jobs & self._held))
+
+    def failures(self) -> dict[str, int]:
+        """G4 failures of this rank so far, by kind."""
+        return {f.value: n for f, n in self.client.failures.items()}
+
+    def close(self) -> None:
+        """Stops the thread once the tasks queued so far ran."""
+        self._tasks.put(None)
+
+
+def _by_group(blocks: Sequence[tuple[int, int, bytes]]) -> dict[int, list[tuple[int, bytes]]]:
+    out: dict[int, list[tuple[int, bytes]]] = {}
+    for group, slot, key in blocks:
+        out.setdefault(group, []).append((slot, key))
+    return out
+
+
+def lookup_stats(lookups: G4Lookups | None) -> dict[str, Any]:
+    """The scheduler's G4 counters for its stats."""
+    if lookups is None:
+        return {}
+    seconds = sorted(lookups.query_seconds)
+    return {
+        "g4_queries": lookups.queries,
+        "g4_query_p50_ms": 1e3 * seconds[len(seconds) // 2] if seconds else 0.0,
+        "g4_lookup_failures": {f.value: n for f, n in lookups.client.failures.items()},
+    }
