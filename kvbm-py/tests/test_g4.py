@@ -3,6 +3,9 @@ loopback TCP, clients in this process and in others. Blocks round-trip with
 their checksums; a missing block, another identity's block and a store
 whose master was killed are counted failures, never wrong bytes or a hang;
 the client resumes when the master comes back, without a new set-up.
+The local master (``kvbm_py.g4_local``) keeps its ports across restarts;
+blocks in a segment holder's memory outlive their writer, and a killed
+holder's blocks fail to transfer.
 
 Skips without the ``mooncake`` package, unless ``KVBM_REQUIRE_G4=1``
 (``cargo xtask ci`` installs it and sets that).
@@ -12,88 +15,41 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 if os.environ.get("KVBM_REQUIRE_G4") == "1":
-    import mooncake.store as mooncake
+    import mooncake.store  # noqa: F401
 else:
-    mooncake = pytest.importorskip("mooncake.store")
+    pytest.importorskip("mooncake.store")
 
+from kvbm_py import InvalidArgumentError, KvbmError, KvbmTimeoutError
 from kvbm_py.g4 import SUM_BYTES, G4Client, G4Config, G4Failure
+from kvbm_py.g4_local import LocalMaster, SegmentHolder
 
 BLOCK = 64 << 10
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Master:
-    """A ``mooncake_master`` on loopback, with its HTTP metadata server."""
-
-    def __init__(self, log: Path) -> None:
-        self.rpc, self.http, self.metrics = _free_port(), _free_port(), _free_port()
-        self.log = log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def config(self) -> G4Config:
-        return G4Config(
-            master=f"127.0.0.1:{self.rpc}",
-            metadata=f"http://127.0.0.1:{self.http}/metadata",
-            segment_bytes=32 << 20,
-            local_buffer_bytes=4 << 20,
-            retry_s=0.5,
-        )
-
-    def start(self) -> None:
-        exe = shutil.which("mooncake_master") or str(Path(mooncake.__file__).parent / "mooncake_master")
-        args = [
-            exe,
-            "--rpc_address=127.0.0.1",
-            f"--rpc_port={self.rpc}",
-            "--enable_http_metadata_server=true",
-            "--http_metadata_server_host=127.0.0.1",
-            f"--http_metadata_server_port={self.http}",
-            "--metrics_host=127.0.0.1",
-            f"--metrics_port={self.metrics}",
-            "--rpc_thread_num=2",
-            "--default_kv_lease_ttl=1000",
-            "--client_ttl=5",
-        ]
-        self.proc = subprocess.Popen(args, stdout=self.log.open("ab"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.rpc)) == 0:
-                    return
-            assert self.proc.poll() is None, self.log.read_text()[-2000:]
-            time.sleep(0.05)
-        raise AssertionError("the master did not listen within 30 s")
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-
 @pytest.fixture
-def master(tmp_path: Path) -> Iterator[Master]:
-    m = Master(tmp_path / "master.log")
-    m.start()
-    yield m
-    m.kill()
+def master(tmp_path: Path) -> Iterator[LocalMaster]:
+    """A master on loopback for one test; clients lend 32 MiB each, dead
+    clients and read leases expire fast."""
+    with LocalMaster(
+        segment_bytes=32 << 20,
+        local_buffer_bytes=4 << 20,
+        retry_s=0.5,
+        lease_ttl_ms=1000,
+        client_ttl_s=5,
+        rpc_threads=2,
+        log=tmp_path / "master.log",
+    ) as m:
+        yield m
 
 
 class Host:
@@ -126,7 +82,7 @@ def names(n: int, salt: str = "") -> list[bytes]:
     return [f"{salt}block-{i}".encode().ljust(32, b".") for i in range(n)]
 
 
-def test_blocks_round_trip_with_their_checksums_and_a_prefix_is_found(master: Master) -> None:
+def test_blocks_round_trip_with_their_checksums_and_a_prefix_is_found(master: LocalMaster) -> None:
     c = G4Client(master.config, "llama-8b/bf16/16")
     try:
         h = Host(c, 8)
@@ -147,7 +103,7 @@ def test_blocks_round_trip_with_their_checksums_and_a_prefix_is_found(master: Ma
 
 
 def test_a_block_put_by_one_process_is_read_by_another_and_identities_share_nothing(
-    master: Master, tmp_path: Path
+    master: LocalMaster, tmp_path: Path
 ) -> None:
     # A second process puts while it stays up (its segment holds part of
     # the pool); this one reads.
@@ -196,7 +152,7 @@ c.close()
         proc.communicate(b"", timeout=30)
 
 
-def test_a_killed_master_fails_calls_fast_and_the_client_resumes_when_it_returns(master: Master) -> None:
+def test_a_killed_master_fails_calls_fast_and_the_client_resumes_when_it_returns(master: LocalMaster) -> None:
     c = G4Client(master.config, "llama-8b/bf16/16")
     try:
         h = Host(c, 4)
@@ -214,7 +170,7 @@ def test_a_killed_master_fails_calls_fast_and_the_client_resumes_when_it_returns
         assert c.prefix(0, blocks) == 0
         assert time.monotonic() - t < 0.2, "calls wait while the store is known down"
         assert c.failures[G4Failure.UNREACHABLE] >= 3
-        master.start()
+        master.restart()
         deadline = time.monotonic() + 30
         while not c.available():
             assert time.monotonic() < deadline, "the client did not find the master back"
@@ -231,3 +187,79 @@ def test_a_killed_master_fails_calls_fast_and_the_client_resumes_when_it_returns
         assert h.holds(3, 3)
     finally:
         c.close()
+
+
+def test_a_local_master_keeps_its_ports_across_restarts_and_refuses_bad_arguments(tmp_path: Path) -> None:
+    with LocalMaster(log=tmp_path / "master.log") as m:
+        ports, pid = (m.rpc_port, m.http_port, m.metrics_port), m.pid
+        assert m.running and m.config.master == f"127.0.0.1:{m.rpc_port}"
+        assert m.config.metadata == f"http://127.0.0.1:{m.http_port}/metadata"
+        m.restart()
+        assert m.running and m.pid != pid
+        assert (m.rpc_port, m.http_port, m.metrics_port) == ports
+        m.stop()
+        assert not m.running and m.pid is None
+        m.start()
+        assert m.running
+    assert not m.running
+    for bad in (
+        {"segment_bytes": -1},
+        {"protocol": "udp"},
+        {"rpc_port": 70000},
+        {"retry_s": 0},
+        {"lease_ttl_ms": 0},
+        {"eviction_high_watermark": 1.5},
+    ):
+        with pytest.raises(InvalidArgumentError):
+            LocalMaster(**bad)  # type: ignore[arg-type]
+    with pytest.raises(KvbmError, match="exited"):
+        LocalMaster(executable="/bin/false", log=tmp_path / "false.log")
+
+
+def test_blocks_in_a_segment_holder_outlive_their_writer_and_a_killed_holder_fails_transfers(
+    master: LocalMaster, tmp_path: Path
+) -> None:
+    lender_free = replace(master.config, segment_bytes=0)
+    with master.hold(16 << 20, log=tmp_path / "holder.log") as holder:
+        assert holder.running
+        writer = G4Client(lender_free, "llama-8b/bf16/16")
+        try:
+            h = Host(writer, 4)
+            for i in range(4):
+                h.fill(i, 40 + i)
+            blocks, at, sums = names(4), [h.block(i) for i in range(4)], [h.sum(i) for i in range(4)]
+            assert writer.put(0, blocks, at, BLOCK, sums) == [None] * 4
+        finally:
+            writer.close()
+        reader = G4Client(lender_free, "llama-8b/bf16/16")
+        try:
+            h = Host(reader, 4)
+            assert reader.prefix(0, blocks) == 4, "the writer lent nothing: its blocks are in the holder"
+            at, sums = [h.block(i) for i in range(4)], [h.sum(i) for i in range(4)]
+            assert reader.get(0, blocks, at, BLOCK, sums) == [None] * 4
+            assert all(h.holds(i, 40 + i) for i in range(4))
+            holder.kill()
+            assert not holder.running
+            got = reader.get(0, blocks[:1], [h.block(0)], BLOCK, [h.sum(0)])
+            assert got[0] is not None, "a block whose holder is gone cannot arrive"
+        finally:
+            reader.close()
+
+
+def test_a_segment_holder_without_a_store_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError):
+        SegmentHolder(G4Config(master="127.0.0.1:1", metadata="http://127.0.0.1:1/metadata"), 0)
+    with LocalMaster(log=tmp_path / "master.log") as m:
+        gone = m.config
+    t = time.monotonic()
+    with pytest.raises(KvbmTimeoutError):
+        SegmentHolder(gone, 1 << 20, start_timeout_s=2.0, log=tmp_path / "holder.log")
+    assert time.monotonic() - t < 10
+    hold = [sys.executable, "-m", "kvbm_py.g4_local", "hold", f"--master={gone.master}", f"--metadata={gone.metadata}"]
+    bad = subprocess.run(
+        [*hold, "--segment-gb=0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "more than 0 bytes" in bad.stderr
