@@ -171,6 +171,7 @@ OPT_IN = (
     "spec-hybrid-chunked-preempting",
     "tp2-spec-hybrid-g2-all",
     "tp2-spec-mamba-hybrid-g3",
+    "tp2-spec-hybrid-g4-shared",
 )
 
 
