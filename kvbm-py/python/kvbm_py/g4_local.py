@@ -41,7 +41,7 @@ import weakref
 from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, TypeVar
 
 from kvbm_py._kvbm import InvalidArgumentError, KvbmError, KvbmTimeoutError
 from kvbm_py.g4 import G4Client, G4Config
@@ -152,7 +152,70 @@ class _Logs:
             self._tmp = None
 
 
-class LocalMaster:
+_C = TypeVar("_C", bound="_Child")
+
+
+class _Child:
+    """A process this one started, with the file its output goes to: what
+    :class:`LocalMaster` and :class:`SegmentHolder` share. A context
+    manager: leaving it stops the process."""
+
+    _proc: subprocess.Popen[bytes] | None
+    _logs: _Logs
+
+    @property
+    def log(self) -> Path:
+        """The file the process's output goes to."""
+        return self._logs.path
+
+    @property
+    def pid(self) -> int | None:
+        """The process id while it runs."""
+        return self._proc.pid if self.running and self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        """Whether the process is alive."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def _let_go(self) -> None:
+        # A holder also exits when its stdin ends.
+        if self._proc is not None and self._proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self._proc.stdin.close()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ends the process: SIGTERM, then SIGKILL if it has not exited
+        within ``timeout_s``."""
+        if self._proc is not None:
+            self._let_go()
+            _end(self._proc, timeout_s)
+            self._proc = None
+
+    def kill(self) -> None:
+        """Ends the process with SIGKILL, as a crash would (fault tests)."""
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.kill()
+            self._proc.wait()
+            self._let_go()
+            self._proc = None
+
+    def close(self) -> None:
+        """Stops the process and removes its temporary log, if it has one."""
+        self.stop()
+        self._logs.close()
+
+    def __enter__(self: _C) -> _C:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class LocalMaster(_Child):
     """A ``mooncake_master`` on this host, with its HTTP metadata server,
     for a single-host deployment, tests and benchmarks: started by the
     constructor, listening on ``host`` (loopback unless told), on the ports
@@ -285,21 +348,6 @@ class LocalMaster:
             retry_s=self._retry_s,
         )
 
-    @property
-    def log(self) -> Path:
-        """The file the master's output goes to."""
-        return self._logs.path
-
-    @property
-    def pid(self) -> int | None:
-        """The master's process id while it runs."""
-        return self._proc.pid if self.running and self._proc is not None else None
-
-    @property
-    def running(self) -> bool:
-        """Whether the master process is alive."""
-        return self._proc is not None and self._proc.poll() is None
-
     def start(self) -> None:
         """Starts the master on this object's ports (nothing when it runs)
         and returns once both its RPC and its metadata ports listen. A new
@@ -335,22 +383,6 @@ class LocalMaster:
                 )
             time.sleep(0.05)
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Ends the master: SIGTERM, then SIGKILL if it has not exited
-        within ``timeout_s``. :meth:`start` or :meth:`restart` brings it
-        back on the same ports."""
-        if self._proc is not None:
-            _end(self._proc, timeout_s)
-            self._proc = None
-
-    def kill(self) -> None:
-        """Ends the master with SIGKILL, as a crash would (for fault tests)."""
-        if self._proc is not None:
-            if self._proc.poll() is None:
-                self._proc.kill()
-            self._proc.wait()
-            self._proc = None
-
     def restart(self) -> None:
         """Stops the master if it runs and starts a new one on the same
         ports (it holds no blocks until clients put again)."""
@@ -362,21 +394,8 @@ class LocalMaster:
         store."""
         return SegmentHolder(self.config, segment_bytes, log=log)
 
-    def close(self) -> None:
-        """Stops the master and removes its temporary log, if it has one."""
-        self.stop()
-        self._logs.close()
 
-    def __enter__(self) -> LocalMaster:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
-    ) -> None:
-        self.close()
-
-
-class SegmentHolder:
+class SegmentHolder(_Child):
     """A process that only lends host memory to a G4 store (a
     :class:`~kvbm_py.g4.G4Client` with ``segment_bytes`` > 0 that puts and
     gets nothing), for a single-host deployment, tests and benchmarks:
@@ -475,56 +494,6 @@ class SegmentHolder:
             got += chunk
         if got != READY_LINE:
             raise KvbmError(f"kvbm: segment holder said {got!r} while starting")
-
-    @property
-    def log(self) -> Path:
-        """The file the holder's output goes to."""
-        return self._logs.path
-
-    @property
-    def pid(self) -> int | None:
-        """The holder's process id while it runs."""
-        return self._proc.pid if self.running and self._proc is not None else None
-
-    @property
-    def running(self) -> bool:
-        """Whether the holder process is alive."""
-        return self._proc is not None and self._proc.poll() is None
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Ends the holder: it leaves the store (its memory and the blocks in
-        it go), SIGKILL if it has not exited within ``timeout_s``."""
-        if self._proc is not None:
-            if self._proc.stdin is not None:
-                with contextlib.suppress(OSError):
-                    self._proc.stdin.close()
-            _end(self._proc, timeout_s)
-            self._proc = None
-
-    def kill(self) -> None:
-        """Ends the holder with SIGKILL, as a crash would (for fault tests):
-        the master learns it only when the holder's lease runs out."""
-        if self._proc is not None:
-            if self._proc.poll() is None:
-                self._proc.kill()
-            self._proc.wait()
-            if self._proc.stdin is not None:
-                with contextlib.suppress(OSError):
-                    self._proc.stdin.close()
-            self._proc = None
-
-    def close(self) -> None:
-        """Stops the holder and removes its temporary log, if it has one."""
-        self.stop()
-        self._logs.close()
-
-    def __enter__(self) -> SegmentHolder:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
-    ) -> None:
-        self.close()
 
 
 def _run_holder(args: argparse.Namespace) -> int:
