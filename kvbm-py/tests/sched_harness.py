@@ -32,7 +32,7 @@ TINY_LLAMA = {
     "num_key_value_heads": HEADS,
     "num_hidden_layers": LAYERS,
     "vocab_size": 1024,
-    "max_position_embeddings": 2048,
+    "max_position_embeddings": 8192,
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
     "hidden_act": "silu",
@@ -185,13 +185,21 @@ class Harness:
 
 
 def build(
-    tmp_path, extra: dict, num_blocks: int = 64, kv_events: bool = False, connector: str = "KvbmConnector"
+    tmp_path,
+    extra: dict,
+    num_blocks: int = 64,
+    kv_events: bool = False,
+    connector: str = "KvbmConnector",
+    max_model_len: int = 1024,
+    batched_tokens: int = 256,
 ) -> Harness:
     """vLLM's Scheduler and worker-side connector with kvbm's connector
     (`connector`: ``KvbmConnector`` or ``KvbmOffloadingConnector``)
-    configured by `extra`, over host KV tensors of `num_blocks` blocks.
-    With `kv_events`, vLLM publishes KV events (to its null publisher);
-    the harness keeps those kvbm's connector gave in `events`."""
+    configured by `extra`, over host KV tensors of `num_blocks` blocks,
+    for sequences of up to `max_model_len` tokens and `batched_tokens`
+    tokens per step. With `kv_events`, vLLM publishes KV events (to its
+    null publisher); the harness keeps those kvbm's connector gave in
+    `events`."""
     from unittest.mock import MagicMock, patch
 
     from vllm.config import (
@@ -222,12 +230,12 @@ def build(
         skip_tokenizer_init=True,
         dtype="float16",
         seed=0,
-        max_model_len=1024,
+        max_model_len=max_model_len,
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=8,
-        max_num_batched_tokens=256,
-        max_model_len=1024,
+        max_num_batched_tokens=batched_tokens,
+        max_model_len=max_model_len,
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
         disable_hybrid_kv_cache_manager=True,
