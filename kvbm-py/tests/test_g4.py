@@ -211,7 +211,7 @@ def test_a_local_master_keeps_its_ports_across_restarts_and_refuses_bad_argument
         {"eviction_high_watermark": 1.5},
     ):
         with pytest.raises(InvalidArgumentError):
-            LocalMaster(**bad)  # type: ignore[arg-type]
+            LocalMaster(**bad)
     with pytest.raises(KvbmError, match="exited"):
         LocalMaster(executable="/bin/false", log=tmp_path / "false.log")
 
