@@ -96,6 +96,11 @@ pub struct Reservation {
     /// Keys no tier holds any more (evicted from G2 and not demoted, or
     /// evicted from G3).
     pub evicted: Vec<SequenceHash>,
+    /// Every block that left G2 for these slots (demoted or not; not one
+    /// marked damaged), with the G2 slot it held: its bytes are there until
+    /// the new block is written, for a caller that publishes what G2
+    /// evicts.
+    pub vacated: Vec<(SequenceHash, u32)>,
     /// Keys already held or being written (nothing to do for them).
     pub present: usize,
     /// Keys the admission policy turned away.
@@ -382,6 +387,12 @@ impl Ledger {
                 // The block G2 evicted for this slot moves to G3 where it
                 // may; a block still on disk was not evicted at all.
                 let from = gone.g2_slot.filter(|&s| s == slot);
+                // A damaged block is not worth publishing.
+                if let Some(s) = from
+                    && !books.doomed.contains(&gone.key)
+                {
+                    out.vacated.push((gone.key, s));
+                }
                 match from.and_then(|s| self.demote(&mut books, gone.key, s, &mut out)) {
                     Some(m) => {
                         out.demote.push(m);

@@ -51,13 +51,15 @@ fn keys_of(keys: &[Vec<u8>]) -> Result<Vec<SequenceHash>> {
 /// What [`OffloadBooks::reserve`] returns to Python: `(index into keys,
 /// slot)` per key to write, `(kvbm key, G2 slot, G3 slot)` per block to
 /// move to G3 first, the kvbm keys no tier holds any more, refused and
-/// full counts.
+/// full counts, and `(kvbm key, G2 slot)` per block that left G2 for
+/// these slots.
 type Reserved = (
     Vec<(usize, u32)>,
     Vec<(u64, u32, u32)>,
     Vec<u64>,
     usize,
     usize,
+    Vec<(u64, u32)>,
 );
 
 /// The keys one request asked for, in the order first asked, and how
@@ -241,8 +243,10 @@ impl OffloadBooks {
     /// `(index into keys, slot)` of each key to write, the blocks to move
     /// from their host slot to a disk slot before those are written (they
     /// are loadable from disk once the store is confirmed), the kvbm keys
-    /// of the blocks no tier holds any more, and how many keys were refused
-    /// by admission or left out because every slot is busy.
+    /// of the blocks no tier holds any more, how many keys were refused
+    /// by admission or left out because every slot is busy, and the
+    /// `(kvbm key, G2 slot)` of every block that left G2 for these slots
+    /// (its bytes stay there until the slot is written).
     ///
     /// With `fetched`, the keys are blocks a load brings in from G4: the
     /// admission policy is not asked (a request is about to use them), and
@@ -272,6 +276,7 @@ impl OffloadBooks {
             r.evicted.iter().map(|h| h.0).collect(),
             r.refused,
             r.full,
+            r.vacated.iter().map(|(h, s)| (h.0, *s)).collect(),
         ))
     }
 
@@ -547,8 +552,14 @@ impl PageWorker {
     }
 
     /// The checksum of the block of `group` in each of `slots` (what a
-    /// block is published to G4 with).
-    fn slot_sums(&self, py: Python<'_>, group: usize, slots: Vec<usize>) -> PyResult<Vec<u64>> {
+    /// block is published to G4 with); `None` for a slot whose bytes
+    /// changed since they were stored (verify mode).
+    fn slot_sums(
+        &self,
+        py: Python<'_>,
+        group: usize,
+        slots: Vec<usize>,
+    ) -> PyResult<Vec<Option<u64>>> {
         let sums = py.detach(|| self.inner.slot_sums(group, &slots));
         Ok(sums.map_err(PyKvbmError::Dist)?)
     }

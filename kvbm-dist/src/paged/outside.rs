@@ -46,14 +46,23 @@ impl PagedWorker {
     }
 
     /// The checksum of the block of `group` in each of `slots`, the one a
-    /// verified load checks: what a block is published with. The caller
+    /// verified load checks: what a block is published with. In verify
+    /// mode a slot whose bytes no longer match the sum recorded when it
+    /// was written gets `None` (it must not be published). The caller
     /// keeps the slots unwritten meanwhile.
-    pub fn slot_sums(&self, group: usize, slots: &[usize]) -> Result<Vec<u64>> {
+    pub fn slot_sums(&self, group: usize, slots: &[usize]) -> Result<Vec<Option<u64>>> {
         self.check_slots(group, slots.iter().copied())?;
         let g2 = &self.shared.g2[group];
         slots
             .iter()
-            .map(|&s| block_sum(g2, s).map_err(invalid))
+            .map(|&s| {
+                let sum = block_sum(g2, s).map_err(invalid)?;
+                let recorded = self.shared.sums.as_ref().map(|sums| sums.lock()[s]);
+                Ok(match recorded {
+                    Some(want) if want != Some(sum) => None,
+                    _ => Some(sum),
+                })
+            })
             .collect()
     }
 

@@ -347,8 +347,8 @@ fn a_block_published_by_one_engine_is_checked_and_served_by_another() {
     a.wait(&[1]);
     assert!(a.finished()[0].failed.is_empty());
     let sums = [
-        a.slot_sums(2, &[0]).unwrap()[0],
-        a.slot_sums(0, &[1]).unwrap()[0],
+        a.slot_sums(2, &[0]).unwrap()[0].unwrap(),
+        a.slot_sums(0, &[1]).unwrap()[0].unwrap(),
     ];
     assert_ne!(sums[0], sums[1]);
 
@@ -377,6 +377,12 @@ fn a_block_published_by_one_engine_is_checked_and_served_by_another() {
     assert_eq!(r[0].failed, vec![c(0, 2, 2)]);
     assert_eq!(page(&b_pages, 2, 0, 0), page(&a_pages, 2, 0, 1));
     assert!(page(&b_pages, 0, 0, 2).iter().all(|&x| x == 0));
+
+    // A slot changed at rest is not published in verify mode.
+    let (src, _) = a.slot_memory().unwrap();
+    // SAFETY: inside A's slot 1, which no job copies now.
+    unsafe { *((src + a.slot_stride()) as *mut u8) ^= 1 };
+    assert_eq!(a.slot_sums(0, &[1]).unwrap(), vec![None]);
 
     // Slots and groups out of range are errors, not panics.
     assert!(b.slot_sums(3, &[0]).is_err());

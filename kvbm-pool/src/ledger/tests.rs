@@ -50,6 +50,21 @@ struct Model {
 
 impl Model {
     fn check_reservation(&mut self, r: &Reservation) {
+        let taken: HashSet<u32> = r.slots.iter().map(|s| s.1).collect();
+        for &(key, slot) in &r.vacated {
+            // Its bytes were still in the slot the store takes.
+            assert_eq!(self.ready.get(&key), Some(&slot), "vacated {key:?}");
+            assert!(
+                taken.contains(&slot),
+                "vacated slot {slot}, which no store takes"
+            );
+        }
+        for m in &r.demote {
+            assert!(
+                r.vacated.contains(&(m.key, m.from)),
+                "demoted {m:?} not named as vacated"
+            );
+        }
         for e in &r.evicted {
             assert!(
                 !self.loads.contains_key(e),
@@ -58,7 +73,6 @@ impl Model {
             let was = self.ready.remove(e).or_else(|| self.on_disk.remove(e));
             assert!(was.is_some(), "evicted {e:?}, which was not held");
         }
-        let taken: HashSet<u32> = r.slots.iter().map(|s| s.1).collect();
         for m in &r.demote {
             assert!(
                 !self.loads.contains_key(&m.key),
@@ -326,6 +340,21 @@ fn min_uses_admits_what_was_asked_for_often_enough() {
         Ledger::new(4, TierPolicy::MinUses(0)),
         Err(LedgerError::Pool(_))
     ));
+}
+
+#[test]
+fn a_reservation_names_the_blocks_it_took_slots_from() {
+    let ledger = Ledger::with_disk(1, 1, TierPolicy::WriteThrough).unwrap();
+    let r = ledger.reserve(&[(h(1), None)]);
+    assert!(r.vacated.is_empty());
+    ledger.commit(&[h(1)], true);
+    let slot = r.slots[0].1;
+    // Block 1 leaves G2 (to G3) for block 2, then block 2 (dropped) for 3.
+    let r = ledger.reserve(&[(h(2), None)]);
+    assert_eq!(r.vacated, vec![(h(1), slot)]);
+    ledger.commit(&[h(2)], true);
+    let r = ledger.reserve(&[(h(3), None)]);
+    assert_eq!(r.vacated, vec![(h(2), slot)]);
 }
 
 #[test]

@@ -266,12 +266,14 @@ class OffloadBooks:
         ``"done"``), if any."""
     def reserve(
         self, keys: Sequence[bytes], chained: bool = True, fetched: bool = False
-    ) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]], list[int], int, int]:
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]], list[int], int, int, list[tuple[int, int]]]:
         """``(index into keys, slot)`` per key to write, ``(kvbm key, host
         slot, disk slot)`` per block to move to disk before those slots
         are written (loadable from disk once the store is confirmed), the
         kvbm keys no tier holds any more, and how many were refused by
-        admission or left out while every slot was busy. With ``fetched``
+        admission or left out while every slot was busy, and ``(kvbm key,
+        host slot)`` per block that left the host tier for these slots (its
+        bytes stay there until the slot is written). With ``fetched``
         the keys are blocks a load brings in from G4: admission is not
         asked."""
     def commit(self, keys: Sequence[bytes], ok: bool) -> None:
@@ -342,8 +344,10 @@ class PageWorker:
         """Bytes from one host slot to the next."""
     def block_bytes(self, group: int) -> int:
         """Bytes of one block of KV cache group ``group``."""
-    def slot_sums(self, group: int, slots: Sequence[int]) -> list[int]:
-        """The checksum of the block of ``group`` in each of ``slots``."""
+    def slot_sums(self, group: int, slots: Sequence[int]) -> list[int | None]:
+        """The checksum of the block of ``group`` in each of ``slots``;
+        None where its bytes changed since they were stored (verify
+        mode)."""
     def move_to_disk(self, moves: Sequence[tuple[int, int]]) -> None:
         """Moves ``(host slot, disk slot)`` blocks to disk and waits."""
     def adopt(self, group: int, arrived: Sequence[tuple[int, int]]) -> list[bool]:

@@ -57,8 +57,10 @@ _SOURCES: dict[str, tuple[tuple[str, ...], Any]] = {
 OFFLOAD_MODES = ("eager", "finish", "none")
 G4_PROTOCOLS = ("tcp", "rdma")
 #: Which blocks go to G4: every block G2 admits, once its store is
-#: confirmed (``admissions``), or none (``off``: this engine only reads).
-G4_PUBLISH = ("admissions", "off")
+#: confirmed (``admissions``); every block that leaves G2, before its slot
+#: is written again (``evictions``); or none (``off``: this engine only
+#: reads).
+G4_PUBLISH = ("admissions", "evictions", "off")
 
 #: The port of the store master's HTTP metadata server when
 #: ``g4_metadata`` is not given (``mooncake_master``'s default).
@@ -202,7 +204,8 @@ class KvbmConfig:
     #: it). 0: the engine lends none.
     g4_segment_gb: float = 1.0
     #: Which blocks this engine publishes to G4: ``admissions`` (every
-    #: block G2 admits, once stored) or ``off`` (it only reads).
+    #: block G2 admits, once stored), ``evictions`` (every block leaving
+    #: G2) or ``off`` (it only reads).
     g4_publish: str = "admissions"
     #: Test hook: overwrite the first block of every onboard with zeros
     #: after it landed (proves an output comparison detects bad bytes).

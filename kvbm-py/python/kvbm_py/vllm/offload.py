@@ -120,7 +120,9 @@ class KvbmSlots(BlockIDsLoadStoreSpec):
     fetches from G4 may move some too). With G4: for a load, the blocks to
     fetch into their slot first (``(index in the job, offload key)``), or
     ``broken`` when some block found no slot (the job fails, the request is
-    recomputed); for a store, each block's offload key, to publish it."""
+    recomputed); for a store, each block's offload key, to publish it once
+    stored; for either, ``(group, slot, offload key)`` of the blocks leaving
+    the host tier, to publish before their slots are written."""
 
     def __init__(
         self,
@@ -131,6 +133,7 @@ class KvbmSlots(BlockIDsLoadStoreSpec):
         fetch: Sequence[tuple[int, bytes]] | None = None,
         publish: Sequence[bytes] | None = None,
         broken: bool = False,
+        publish_first: Sequence[tuple[int, int, bytes]] | None = None,
     ):
         super().__init__(slots)
         self.groups = groups
@@ -139,6 +142,7 @@ class KvbmSlots(BlockIDsLoadStoreSpec):
         self.fetch = list(fetch or [])
         self.publish = list(publish or [])
         self.broken = broken
+        self.publish_first = list(publish_first or [])
 
 
 class KvbmOffloadingSpec(OffloadingSpec):
@@ -240,6 +244,9 @@ class KvbmOffloadingManager(OffloadingManager):
         self._fetching: set[OffloadKey] = set()
         #: Keys of the loads that failed, while vLLM completes them.
         self.failing: set[OffloadKey] = set()
+        #: Blocks the last fetch reservation took host slots from, to
+        #: publish (``evictions``).
+        self._leaving: list[tuple[int, int, bytes]] = []
         self.g4: G4Lookups | None = None
         if spec.g4 is not None and spec.g4_identity is not None:
             # The scheduler lends the store no memory: it only asks.
@@ -250,7 +257,9 @@ class KvbmOffloadingManager(OffloadingManager):
                 self.lookup = self._lookup_with_g4  # type: ignore[method-assign]
                 self.stats["loaded_from_g4"] = 0
                 self.stats["g4_unplaced"] = 0
-        self.publish = self.g4 is not None and spec.kvbm.g4_publish == "admissions"
+        #: What this engine publishes to G4: ``admissions``, ``evictions``
+        #: or ``off``.
+        self.publish = spec.kvbm.g4_publish if self.g4 is not None else "off"
         logger.info("kvbm: offloading spec with %d host slots of %d bytes per worker", spec.slots, spec.slot_bytes)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -290,7 +299,8 @@ class KvbmOffloadingManager(OffloadingManager):
         groups = self._groups(keys)
         for group in groups:
             per_group[group] = per_group.get(group, 0) + 1
-        return KvbmSlots(slots, groups, disk=disk, demote=demote, fetch=fetch, broken=broken)
+        leaving, self._leaving = self._leaving, []
+        return KvbmSlots(slots, groups, disk=disk, demote=demote, fetch=fetch, broken=broken, publish_first=leaving)
 
     def _reserve_fetched(self, keys: list[OffloadKey]) -> tuple[dict[OffloadKey, int], list[tuple[int, int]], bool]:
         """Host slots for blocks a load fetches from G4: the slot of each
@@ -298,14 +308,23 @@ class KvbmOffloadingManager(OffloadingManager):
         some key found no slot (every slot busy)."""
         if not keys:
             return {}, [], False
-        placed, demote, evicted, _, full = self.books.reserve(keys, chained=False, fetched=True)
+        placed, demote, evicted, _, full, vacated = self.books.reserve(keys, chained=False, fetched=True)
         slot_of = {keys[i]: slot for i, slot in placed}
         self._fetching.update(slot_of)
+        self._leaving = self._vacated(vacated)
         moved = self._evict(evicted, demote)
         if moved and placed:
             self._demoting[keys[placed[0][0]]] = moved
         self.stats["g4_unplaced"] += len(keys) - len(slot_of)
         return slot_of, [(g2, g3) for _, g2, g3 in demote], len(slot_of) < len(keys)
+
+    def _vacated(self, vacated: list[tuple[int, int]]) -> list[tuple[int, int, bytes]]:
+        """``(group, slot, offload key)`` of the blocks a reservation took
+        host slots from, when this engine publishes evictions to G4."""
+        if self.publish != "evictions":
+            return []
+        named = [(self.names[k], slot) for k, slot in vacated if k in self.names]
+        return [(g, slot, key) for (key, slot), g in zip(named, self._groups([k for k, _ in named]), strict=True)]
 
     def _groups(self, keys: list[OffloadKey]) -> list[int]:
         return [self.group_pos[int.from_bytes(key[-4:], "big")] for key in keys]
@@ -333,7 +352,8 @@ class KvbmOffloadingManager(OffloadingManager):
         keys = list(keys)
         self.books.note(req_context.req_id, keys)
         self.books.record(req_context.req_id)
-        placed, demote, evicted, refused, full = self.books.reserve(keys)
+        placed, demote, evicted, refused, full, vacated = self.books.reserve(keys)
+        leaving = self._vacated(vacated)
         to_store = [keys[i] for i, _ in placed]
         for key in to_store:
             self.names[_kvbm.OffloadBooks.key(key)] = key
@@ -348,7 +368,8 @@ class KvbmOffloadingManager(OffloadingManager):
             [slot for _, slot in placed],
             self._groups(to_store),
             demote=[(g2, g3) for _, g2, g3 in demote],
-            publish=to_store if self.publish else None,
+            publish=to_store if self.publish == "admissions" else None,
+            publish_first=leaving,
         )
         return PrepareStoreOutput(keys_to_store=to_store, store_spec=spec, evicted_keys=evicted_keys)
 
@@ -368,7 +389,7 @@ class KvbmOffloadingManager(OffloadingManager):
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         keys = list(keys)
         self._confirm(keys, success)
-        if success and self.publish and self.g4 is not None:
+        if success and self.publish == "admissions" and self.g4 is not None:
             # Published once the workers' puts end: asked about afresh.
             self.g4.drop(keys)
 
@@ -524,6 +545,9 @@ class KvbmOffloadingWorker(OffloadingWorker):
             self._publishing[job_id] = [
                 (g, slot, key) for (g, _, slot), key in zip(copies, dst_spec.publish, strict=True)
             ]
+        if self.g4 is not None and dst_spec.publish_first:
+            # Blocks leaving these slots go to G4 before the slots are written.
+            self.g4.publish(dst_spec.publish_first)
         if self.g4 is not None and self.g4.busy(slot for _, _, slot in copies):
             # A put to G4 still reads one of the slots: the copy waits for it.
             self.g4.after_puts(job_id, lambda: self.pages.store(job_id, copies, dst_spec.demote))
@@ -550,6 +574,8 @@ class KvbmOffloadingWorker(OffloadingWorker):
             start()
             return True
         assert self.g4 is not None
+        # Blocks leaving the slots the fetch writes go to G4 first.
+        self.g4.publish(src_spec.publish_first)
         fetch = [(copies[i][0], copies[i][2], key) for i, key in src_spec.fetch]
         demote = src_spec.demote
         # Blocks leaving the slots the fetch writes move to disk first.

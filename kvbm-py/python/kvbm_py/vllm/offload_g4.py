@@ -250,12 +250,16 @@ class G4Mover:
     def _put(self, blocks: Sequence[tuple[int, int, bytes]]) -> None:
         try:
             for group, items in _by_group(blocks).items():
-                slots = [slot for slot, _ in items]
-                for slot, total in zip(slots, self.pages.slot_sums(group, slots), strict=True):
+                sums = self.pages.slot_sums(group, [slot for slot, _ in items])
+                # A slot whose bytes changed since they were stored (verify
+                # mode) is not published.
+                kept = [(slot, key, total) for (slot, key), total in zip(items, sums, strict=True) if total is not None]
+                for slot, _, total in kept:
                     self.sums[slot] = total
+                slots = [slot for slot, _, _ in kept]
                 failed = self.client.put(
                     self.rank,
-                    [key for _, key in items],
+                    [key for _, key, _ in kept],
                     [self.base + slot * self.stride for slot in slots],
                     self.pages.block_bytes(group),
                     [self.sums_base + SUM_BYTES * slot for slot in slots],
