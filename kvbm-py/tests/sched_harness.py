@@ -192,6 +192,7 @@ def build(
     connector: str = "KvbmConnector",
     max_model_len: int = 1024,
     batched_tokens: int = 256,
+    model_dir: str | None = None,
 ) -> Harness:
     """vLLM's Scheduler and worker-side connector with kvbm's connector
     (`connector`: ``KvbmConnector`` or ``KvbmOffloadingConnector``)
@@ -199,7 +200,9 @@ def build(
     for sequences of up to `max_model_len` tokens and `batched_tokens`
     tokens per step. With `kv_events`, vLLM publishes KV events (to its
     null publisher); the harness keeps those kvbm's connector gave in
-    `events`."""
+    `events`. The model's configuration is written to `model_dir` (a new
+    directory under `tmp_path` by default): harnesses given the same one
+    run the same model, as engines sharing blocks do."""
     from unittest.mock import MagicMock, patch
 
     from vllm.config import (
@@ -221,9 +224,13 @@ def build(
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    model_dir = tempfile.mkdtemp(prefix="tiny-llama-config-", dir=tmp_path)
-    with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump(TINY_LLAMA, f)
+    if model_dir is None:
+        model_dir = tempfile.mkdtemp(prefix="tiny-llama-config-", dir=tmp_path)
+    config_file = os.path.join(model_dir, "config.json")
+    if not os.path.exists(config_file):
+        os.makedirs(model_dir, exist_ok=True)
+        with open(config_file, "w") as f:
+            json.dump(TINY_LLAMA, f)
     model_config = ModelConfig(
         model=model_dir,
         tokenizer=model_dir,
