@@ -386,3 +386,29 @@ def test_scheduler_config_is_derived_from_the_user_config():
     # Budgets are summed over the workers.
     assert (s.g2_bytes, s.g3_bytes) == (GIB, 2 * GIB)
     assert (s.admission, s.verify, s.offload_in_flight, s.g3_staging_bytes) == ("all", True, None, None)
+
+
+def test_g4_keys_are_read_checked_and_derived():
+    # No G4 unless a master is named.
+    assert KvbmConfig.from_sources({}, {}).g4_store() is None
+    c = KvbmConfig.from_sources({"g4_master": "10.0.0.1:50051"}, {"DYN_KVBM_G4_SEGMENT_GB": "2"})
+    g4 = c.g4_store()
+    assert g4 is not None
+    assert (g4.master, g4.metadata) == ("10.0.0.1:50051", "http://10.0.0.1:8080/metadata")
+    assert (g4.protocol, g4.segment_bytes, c.g4_publish) == ("tcp", 2 * GIB, "admissions")
+    assert g4.hostname != "127.0.0.1"
+    # A master on loopback is reached, and reaches back, on loopback.
+    local = KvbmConfig.from_sources({}, {"KVBM_G4_MASTER": "127.0.0.1:7", "KVBM_G4_PUBLISH": "evictions"})
+    local_g4 = local.g4_store()
+    assert local_g4 is not None and local_g4.hostname == "127.0.0.1"
+    assert local.g4_publish == "evictions"
+    for bad, match in (
+        ({"g4_master": "nohost"}, "host:port"),
+        ({"g4_master": "h:99999"}, "host:port"),
+        ({"g4_protocol": "udp"}, "g4_protocol"),
+        ({"g4_publish": "sometimes"}, "g4_publish"),
+        ({"g4_metadata": "h:8080"}, "g4_metadata"),
+        ({"g4_segment_gb": -1}, "g4_segment_gb"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            KvbmConfig.from_sources(bad, {})
