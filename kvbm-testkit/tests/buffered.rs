@@ -275,15 +275,26 @@ fn cancelling_a_mapped_page_cache_to_device_pipeline() {
     handle.into_completion().on_complete(move |outcome| {
         let _ = tx.send((outcome, seen.counts()));
     });
-    // Let the held chunks through one at a time, each to its end: the
-    // transfer may resolve only once none is left.
-    while device.counts().held() > 0 {
-        device.allow(1);
-        device
-            .wait_until(WAIT, |c| c.delivered == c.passed)
-            .expect("a chunk let through ends");
-    }
-    let (outcome, device_then) = rx.recv_timeout(WAIT).expect("the transfer resolves");
+    // Let the held chunks through one at a time, each to its end, until
+    // the transfer resolves (it may only once none is left). A chunk read
+    // before the cancel can reach the gate after those held there went
+    // through, so the gate is watched until then, not emptied once.
+    let deadline = std::time::Instant::now() + WAIT;
+    let (outcome, device_then) = loop {
+        if let Ok(resolved) = rx.recv_timeout(Duration::from_millis(10)) {
+            break resolved;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the transfer resolves"
+        );
+        if device.counts().held() > 0 {
+            device.allow(1);
+            device
+                .wait_until(WAIT, |c| c.delivered == c.passed)
+                .expect("a chunk let through ends");
+        }
+    };
     let failure = outcome.expect_err("a cancelled transfer fails");
     assert!(
         matches!(failure.error, TransferError::Cancelled),
