@@ -406,15 +406,22 @@ impl PagedWorker {
                 )));
             }
         }
-        if let Some(&(from, to)) = demote
-            .iter()
-            .find(|&&(from, to)| from >= slots || to >= disk)
-        {
-            return Err(invalid(format!(
-                "job {job}: a move from G2 slot {from} to G3 slot {to} beyond {slots} / {disk} slots"
-            )));
+        match self.bad_move(demote) {
+            Some(why) => Err(invalid(format!("job {job}: {why}"))),
+            None => Ok(()),
         }
-        Ok(())
+    }
+
+    /// What is wrong with the first `(G2 slot, G3 slot)` move beyond the
+    /// tiers, if any.
+    fn bad_move(&self, moves: &[(usize, usize)]) -> Option<String> {
+        let (slots, disk) = (self.slots(), self.disk_slots());
+        let &(from, to) = moves
+            .iter()
+            .find(|&&(from, to)| from >= slots || to >= disk)?;
+        Some(format!(
+            "a move from G2 slot {from} to G3 slot {to} beyond {slots} / {disk} slots"
+        ))
     }
 
     fn submit(

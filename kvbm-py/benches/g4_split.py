@@ -23,7 +23,10 @@ hit rate is the share of prompt blocks not computed (found in G1, G2, G3
 or G4), over the requests after ``--warmup`` (none by default).
 
     PYTHONHASHSEED=0 python kvbm-py/benches/g4_split.py \\
-        [--trace ../shared/data/mooncake/conversation_trace.jsonl] [--requests N]
+        --trace conversation_trace.jsonl [--requests N]
+
+(the trace: Mooncake's public conversation trace, JSON lines with
+``hash_ids``).
 """
 
 from __future__ import annotations
@@ -49,7 +52,6 @@ BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 64 * 2
 GIB = 1 << 30
 #: Token ids a block is drawn from (the harness's model's vocabulary).
 VOCAB = 1024
-DEFAULT_TRACE = HERE.parents[2] / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
 
 
 def tokens_of(hash_ids: list[int]) -> list[int]:
@@ -88,7 +90,6 @@ def instance(args: argparse.Namespace) -> int:
     )
     gc.freeze()
     manager = h.connector.connector_scheduler.manager
-    worker = h.sched.connector  # the scheduler's; the worker is found below
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     worker = get_kv_transfer_group().connector_worker.worker
@@ -197,7 +198,7 @@ def main() -> int:
     inst.add_argument("--model-dir", required=True)
     inst.add_argument("--g4-master")
     inst.add_argument("--g4-metadata")
-    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--trace", type=Path, help="a Mooncake trace (JSON lines with hash_ids)")
     ap.add_argument("--requests", type=int, default=0, help="the first N requests (0: all)")
     ap.add_argument("--warmup", type=int, default=0, help="requests not counted")
     ap.add_argument("--g1", type=float, default=0.02)
@@ -208,7 +209,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.command == "instance":
         return instance(args)
-    if not args.trace.is_file():
+    if args.trace is None or not args.trace.is_file():
         print(f"no trace at {args.trace}", file=sys.stderr)
         return 2
     with args.trace.open() as f:

@@ -70,15 +70,8 @@ impl PagedWorker {
     /// landed: what a store does before writing slots it took from them,
     /// for blocks an outside store is about to write into those slots.
     pub fn move_to_disk(&self, moves: &[(usize, usize)]) -> Result<()> {
-        let disk = self.disk_slots();
-        if let Some(&(from, to)) = moves
-            .iter()
-            .find(|&&(from, to)| from >= self.shared.slots || to >= disk)
-        {
-            return Err(invalid(format!(
-                "a move from G2 slot {from} to G3 slot {to} beyond {} / {disk} slots",
-                self.shared.slots
-            )));
+        if let Some(why) = self.bad_move(moves) {
+            return Err(invalid(why));
         }
         super::disk::demote(&self.shared, moves).map_err(invalid)
     }

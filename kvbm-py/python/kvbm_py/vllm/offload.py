@@ -244,9 +244,6 @@ class KvbmOffloadingManager(OffloadingManager):
         self._fetching: set[OffloadKey] = set()
         #: Keys of the loads that failed, while vLLM completes them.
         self.failing: set[OffloadKey] = set()
-        #: Blocks the last fetch reservation took host slots from, to
-        #: publish (``evictions``).
-        self._leaving: list[tuple[int, int, bytes]] = []
         self.g4: G4Lookups | None = None
         if spec.g4 is not None and spec.g4_identity is not None:
             # The scheduler lends the store no memory: it only asks.
@@ -283,7 +280,7 @@ class KvbmOffloadingManager(OffloadingManager):
         ready = [self.g4 is None or self.books.lookup(k) == 2 for k in keys]
         sources = iter(self.books.pin([k for k, r in zip(keys, ready, strict=True) if r]))
         fetched = [k for k, r in zip(keys, ready, strict=True) if not r]
-        placed, demote, broken = self._reserve_fetched(fetched)
+        placed, demote, leaving, broken = self._reserve_fetched(fetched)
         slots, disk, fetch = [], [], []
         for i, (key, r) in enumerate(zip(keys, ready, strict=True)):
             on_disk, slot = next(sources) if r else (False, placed.get(key, 0))
@@ -299,24 +296,26 @@ class KvbmOffloadingManager(OffloadingManager):
         groups = self._groups(keys)
         for group in groups:
             per_group[group] = per_group.get(group, 0) + 1
-        leaving, self._leaving = self._leaving, []
         return KvbmSlots(slots, groups, disk=disk, demote=demote, fetch=fetch, broken=broken, publish_first=leaving)
 
-    def _reserve_fetched(self, keys: list[OffloadKey]) -> tuple[dict[OffloadKey, int], list[tuple[int, int]], bool]:
+    def _reserve_fetched(
+        self, keys: list[OffloadKey]
+    ) -> tuple[dict[OffloadKey, int], list[tuple[int, int]], list[tuple[int, int, bytes]], bool]:
         """Host slots for blocks a load fetches from G4: the slot of each
-        key placed, the moves to disk before they are written, and whether
-        some key found no slot (every slot busy)."""
+        key placed, the moves to disk before they are written, the blocks
+        leaving those slots to publish first, and whether some key found no
+        slot (every slot busy)."""
         if not keys:
-            return {}, [], False
+            return {}, [], [], False
         placed, demote, evicted, _, full, vacated = self.books.reserve(keys, chained=False, fetched=True)
         slot_of = {keys[i]: slot for i, slot in placed}
         self._fetching.update(slot_of)
-        self._leaving = self._vacated(vacated)
+        leaving = self._vacated(vacated)
         moved = self._evict(evicted, demote)
         if moved and placed:
             self._demoting[keys[placed[0][0]]] = moved
         self.stats["g4_unplaced"] += len(keys) - len(slot_of)
-        return slot_of, [(g2, g3) for _, g2, g3 in demote], len(slot_of) < len(keys)
+        return slot_of, [(g2, g3) for _, g2, g3 in demote], leaving, len(slot_of) < len(keys)
 
     def _vacated(self, vacated: list[tuple[int, int]]) -> list[tuple[int, int, bytes]]:
         """``(group, slot, offload key)`` of the blocks a reservation took
@@ -503,11 +502,9 @@ class KvbmOffloadingWorker(OffloadingWorker):
         self.loads: set[int] = set()
         #: Blocks of failed jobs so far.
         self.failed_blocks = 0
-        #: This rank's traffic with G4 (None: no G4), whether it publishes
-        #: what it stores, and the blocks of each store job to publish once
-        #: it ended.
+        #: This rank's traffic with G4 (None: no G4), and the blocks of each
+        #: store job to publish once it ended (the manager names them).
         self.g4: G4Mover | None = None
-        self.publish = spec.g4 is not None and spec.kvbm.g4_publish == "admissions"
         self._publishing: dict[int, list[tuple[int, int, bytes]]] = {}
         #: Load jobs that fail without a copy (a block found no slot).
         self._fail_now: list[int] = []
@@ -541,7 +538,7 @@ class KvbmOffloadingWorker(OffloadingWorker):
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, KvbmSlots)
         copies = [c[:3] for c in self._copies(src_spec, dst_spec)]
-        if self.g4 is not None and self.publish and dst_spec.publish:
+        if self.g4 is not None and dst_spec.publish:
             self._publishing[job_id] = [
                 (g, slot, key) for (g, _, slot), key in zip(copies, dst_spec.publish, strict=True)
             ]
