@@ -210,7 +210,7 @@ def main() -> int:
     if args.command == "instance":
         return instance(args)
     if args.trace is None or not args.trace.is_file():
-        print(f"no trace at {args.trace}", file=sys.stderr)
+        print(f"kvbm: no trace at {args.trace} (pass --trace, a Mooncake trace)", file=sys.stderr)
         return 2
     with args.trace.open() as f:
         trace = [json.loads(line)["hash_ids"] for line in f]
