@@ -31,8 +31,9 @@
 //! `O_DIRECT` request.
 //!
 //! **G4.** A store that engines share moves blocks in and out of G2's
-//! slots itself; the worker hands it the slots' memory and checks what
-//! arrives against the sum it was published with (`paged/outside.rs`).
+//! slots itself, each with its checksum right after it; the worker hands
+//! it the slots' memory, writes those sums and checks what arrives
+//! against the sum that came with it (`paged/outside.rs`).
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -51,6 +52,8 @@ use crate::error::{DistError, Result};
 mod disk;
 mod layouts;
 mod outside;
+
+pub use outside::SUM_BYTES;
 mod settle;
 
 use disk::{Disk, STAGING_SLOTS, Staged};
@@ -111,6 +114,9 @@ pub struct PagedConfig {
     pub disk: Option<PagedDisk>,
     /// Record a checksum of every stored slot and check it on each load.
     pub verify: bool,
+    /// Leave room after each slot's block for its checksum, so an outside
+    /// store moves the two as one object (see `paged/outside.rs`).
+    pub sum_tail: bool,
 }
 
 /// Which way a job copies.
@@ -225,6 +231,8 @@ pub struct PagedWorker {
     stride: u64,
     /// Bytes of one block of each KV cache group.
     block_bytes: Vec<u64>,
+    /// Each slot has room for a checksum after its block.
+    sum_tail: bool,
 }
 
 fn invalid(what: impl Into<String>) -> DistError {
@@ -238,9 +246,11 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>
         .map_err(|e| invalid(format!("cannot start a thread: {e}")))
 }
 
-/// Bytes from one slot to the next: a slot's bytes, padded to the disk
-/// alignment where G3 is on. Errors when `config` has no groups or no
-/// slots, or slots too small for some group's blocks.
+/// Bytes from one slot to the next: a slot's bytes (with room for a
+/// checksum after the widest block where `sum_tail` asks, padded to
+/// [`outside::TAIL_ALIGNMENT`]), padded to the disk alignment where G3 is
+/// on. Errors when `config` has no groups or no slots, or slots too small
+/// for some group's blocks.
 fn slot_stride(config: &PagedConfig) -> Result<u64> {
     if config.groups.is_empty() {
         return Err(invalid("no KV cache groups"));
@@ -260,9 +270,17 @@ fn slot_stride(config: &PagedConfig) -> Result<u64> {
     if config.slots == 0 || config.disk.as_ref().is_some_and(|d| d.slots == 0) {
         return Err(invalid("no slots"));
     }
+    let bytes = if config.sum_tail {
+        config
+            .slot_bytes
+            .max(widest + outside::SUM_BYTES)
+            .next_multiple_of(outside::TAIL_ALIGNMENT)
+    } else {
+        config.slot_bytes
+    };
     Ok(match config.disk {
-        Some(_) => config.slot_bytes.next_multiple_of(DISK_ALIGNMENT),
-        None => config.slot_bytes,
+        Some(_) => bytes.next_multiple_of(DISK_ALIGNMENT),
+        None => bytes,
     })
 }
 
@@ -322,12 +340,17 @@ impl PagedWorker {
             settled: Condvar::new(),
         });
         let block_bytes = config.groups.iter().map(PageGroup::block_bytes).collect();
-        Self::start(shared, stride, block_bytes)
+        Self::start(shared, stride, block_bytes, config.sum_tail)
     }
 
     /// Starts the worker's threads over `shared`: the one that settles
     /// jobs and, with G3, the one that stages G3's reads and writes.
-    fn start(shared: Arc<Shared>, stride: u64, block_bytes: Vec<u64>) -> Result<Self> {
+    fn start(
+        shared: Arc<Shared>,
+        stride: u64,
+        block_bytes: Vec<u64>,
+        sum_tail: bool,
+    ) -> Result<Self> {
         let (settle, settle_rx) = channel();
         let s = Arc::clone(&shared);
         let mut threads = vec![spawn("kvbm-paged", move || {
@@ -351,6 +374,7 @@ impl PagedWorker {
             threads,
             stride,
             block_bytes,
+            sum_tail,
         })
     }
 

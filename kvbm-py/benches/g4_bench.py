@@ -10,7 +10,7 @@ routes it through loopback).
 
 - put and get bandwidth through ``G4Client.put`` / ``get``: 16-token
   blocks of Llama-3.1-8B's shape per rank (32 layers x K, V x 16 tokens x 8
-  KV heads x 128 x bf16 = 2 MiB, with their 8-byte checksums), ``--batch``
+  KV heads x 128 x bf16 = 2 MiB, each followed by its 8-byte checksum), ``--batch``
   blocks per call, ``--rounds`` calls per repetition, from and into a
   registered host buffer. Reference: Mooncake's ``transfer_engine_bench``
   (the binary in the ``mooncake`` wheel) between two processes over TCP,
@@ -166,21 +166,21 @@ class TransferEngineBench:
 
 
 class Buffers:
-    """The registered host memory: ``n`` source blocks, ``n`` destination
-    blocks, and their checksums."""
+    """The registered host memory: ``n`` source blocks and ``n``
+    destination blocks, each followed by its checksum."""
 
     def __init__(self, client: G4Client, n: int, block: int) -> None:
         self.n, self.block = n, block
-        size = 2 * n * (block + SUM_BYTES)
-        self.mem = ctypes.create_string_buffer(size)
+        stride = block + SUM_BYTES
+        self.mem = ctypes.create_string_buffer(2 * n * stride)
         self.base = ctypes.addressof(self.mem)
-        client.register(self.base, size)
-        ctypes.memmove(self.base, os.urandom(n * block), n * block)
-        self.src = [self.base + i * block for i in range(n)]
-        self.dst = [self.base + (n + i) * block for i in range(n)]
-        sums = self.base + 2 * n * block
-        self.src_sums = [sums + i * SUM_BYTES for i in range(n)]
-        self.dst_sums = [sums + (n + i) * SUM_BYTES for i in range(n)]
+        client.register(self.base, 2 * n * stride)
+        for i in range(n):
+            ctypes.memmove(self.base + i * stride, os.urandom(block), block)
+        self.src = [self.base + i * stride for i in range(n)]
+        self.dst = [self.base + (n + i) * stride for i in range(n)]
+        self.src_sums = [at + block for at in self.src]
+        self.dst_sums = [at + block for at in self.dst]
 
     def stamp(self, serial: int) -> None:
         """Makes the source blocks those of batch ``serial``: each starts
@@ -279,7 +279,7 @@ def main() -> int:
                     keys = names(f"{tag}/{r}", n)
                     buf.stamp(serial0 + r)
                     t0 = time.perf_counter()
-                    got = client.put(0, keys, buf.src, block, buf.src_sums)
+                    got = client.put(0, keys, buf.src, block)
                     spent += time.perf_counter() - t0
                     assert got == [None] * n, f"put {tag}/{r}: {got}"
                     batches.append(keys)
@@ -289,7 +289,7 @@ def main() -> int:
                 spent = 0.0
                 for r, keys in enumerate(batches):
                     t0 = time.perf_counter()
-                    got = client.get(0, keys, buf.dst, block, buf.dst_sums)
+                    got = client.get(0, keys, buf.dst, block)
                     spent += time.perf_counter() - t0
                     assert got == [None] * n, f"get {r}: {got}"
                     # Between the timed calls, every returned byte checked
@@ -338,9 +338,9 @@ def main() -> int:
             for r in range(SMALL_CALLS):
                 keys = names(f"small/{r}", n)
                 t0 = time.perf_counter()
-                assert client.put(0, keys, buf.src, a.small_bytes, buf.src_sums) == [None] * n
+                assert client.put(0, keys, buf.src, a.small_bytes) == [None] * n
                 t1 = time.perf_counter()
-                assert client.get(0, keys, buf.dst, a.small_bytes, buf.dst_sums) == [None] * n
+                assert client.get(0, keys, buf.dst, a.small_bytes) == [None] * n
                 small_put.append(t1 - t0)
                 small_get.append(time.perf_counter() - t1)
             _, te_small_write = te.run("write", 1, a.small_bytes)
@@ -353,10 +353,9 @@ def main() -> int:
             base = ctypes.addressof(mem)
             small.register(base, len(mem))
             prompt = names("prompt", a.prompt)
-            addrs = [base + i * LOOKUP_BLOCK for i in range(a.prompt)]
-            sums = [base + a.prompt * LOOKUP_BLOCK + i * SUM_BYTES for i in range(a.prompt)]
+            addrs = [base + i * (LOOKUP_BLOCK + SUM_BYTES) for i in range(a.prompt)]
             for rank in (0, 1):
-                assert small.put(rank, prompt, addrs, LOOKUP_BLOCK, sums) == [None] * a.prompt
+                assert small.put(rank, prompt, addrs, LOOKUP_BLOCK) == [None] * a.prompt
             assert client.prefix(0, prompt) == a.prompt and client.prefix(1, prompt) == a.prompt
             keys = {rank: [client.key(rank, b) for b in prompt] for rank in (0, 1)}
             held = getattr(client, "held", None)

@@ -458,9 +458,11 @@ impl PageWorker {
     /// `disk_dir` and `disk_slots` put a disk tier of that many slots
     /// behind the host slots, in a file of its own in that directory.
     /// With `verify` every stored slot's checksum is recorded and checked
-    /// when it is loaded.
+    /// when it is loaded. With `sum_tail` each slot has room for a
+    /// checksum after its block, for G4 (`seal`, `adopt`).
     #[new]
-    #[pyo3(signature = (groups, num_blocks, slots, slot_bytes, verify = false, disk_dir = None, disk_slots = 0))]
+    #[pyo3(signature = (groups, num_blocks, slots, slot_bytes, verify = false, disk_dir = None, disk_slots = 0, sum_tail = false))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         groups: Vec<(Vec<Bound<'_, PyAny>>, u64)>,
         num_blocks: usize,
@@ -469,6 +471,7 @@ impl PageWorker {
         verify: bool,
         disk_dir: Option<std::path::PathBuf>,
         disk_slots: usize,
+        sum_tail: bool,
     ) -> PyResult<Self> {
         let (groups, memory, owner) = page_groups(&groups, num_blocks)?;
         let config = PagedConfig {
@@ -482,6 +485,7 @@ impl PageWorker {
                 slots: disk_slots,
             }),
             verify,
+            sum_tail,
         };
         // SAFETY: the pages belong to the engine, which keeps them while
         // the tensors live; `owner` holds them and their DLPack capsules
@@ -551,29 +555,20 @@ impl PageWorker {
         Ok(self.inner.block_bytes(group).map_err(PyKvbmError::Dist)?)
     }
 
-    /// The checksum of the block of `group` in each of `slots` (what a
-    /// block is published to G4 with); `None` for a slot whose bytes
-    /// changed since they were stored (verify mode).
-    fn slot_sums(
-        &self,
-        py: Python<'_>,
-        group: usize,
-        slots: Vec<usize>,
-    ) -> PyResult<Vec<Option<u64>>> {
-        let sums = py.detach(|| self.inner.slot_sums(group, &slots));
-        Ok(sums.map_err(PyKvbmError::Dist)?)
+    /// Writes the checksum of the block of `group` in each of `slots`
+    /// right after it (what the block is published to G4 with): per slot
+    /// whether it was sealed; not a slot whose bytes changed since they
+    /// were stored (verify mode), which must not be published.
+    fn seal(&self, py: Python<'_>, group: usize, slots: Vec<usize>) -> PyResult<Vec<bool>> {
+        let sealed = py.detach(|| self.inner.seal(group, &slots));
+        Ok(sealed.map_err(PyKvbmError::Dist)?)
     }
 
-    /// Checks blocks of `group` that arrived from G4, `(slot, the checksum
-    /// they were published with)` each: per slot whether it matches (one
-    /// that does not must never be loaded).
-    fn adopt(
-        &self,
-        py: Python<'_>,
-        group: usize,
-        arrived: Vec<(usize, u64)>,
-    ) -> PyResult<Vec<bool>> {
-        let good = py.detach(|| self.inner.adopt(group, &arrived));
+    /// Checks blocks of `group` that arrived from G4 in `slots`, each with
+    /// the checksum it was published with right after it: per slot
+    /// whether it matches (one that does not must never be loaded).
+    fn adopt(&self, py: Python<'_>, group: usize, slots: Vec<usize>) -> PyResult<Vec<bool>> {
+        let good = py.detach(|| self.inner.adopt(group, &slots));
         Ok(good.map_err(PyKvbmError::Dist)?)
     }
 

@@ -45,17 +45,15 @@ def wait_until_writable(config) -> None:
     from kvbm_py.g4 import SUM_BYTES, G4Client
 
     probe = G4Client(dataclasses.replace(config, segment_bytes=0), "kvbm-test-probe")
-    block = (ctypes.c_uint8 * 4096)()
-    sums = (ctypes.c_uint8 * SUM_BYTES)()
-    probe.register(ctypes.addressof(block), 4096)
-    probe.register(ctypes.addressof(sums), SUM_BYTES)
+    block = (ctypes.c_uint8 * (4096 + SUM_BYTES))()
+    probe.register(ctypes.addressof(block), 4096 + SUM_BYTES)
     deadline = time.monotonic() + RESUME_S
     n = 0
     try:
         while True:
             n += 1
             key = n.to_bytes(8, "big")
-            if probe.put(0, [key], [ctypes.addressof(block)], 4096, [ctypes.addressof(sums)]) == [None]:
+            if probe.put(0, [key], [ctypes.addressof(block)], 4096) == [None]:
                 return
             if time.monotonic() > deadline:
                 raise SystemExit(f"G4 took no put {RESUME_S:.0f} s after its master restarted: {probe.failures}")

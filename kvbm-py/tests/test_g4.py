@@ -53,7 +53,8 @@ def master(tmp_path: Path) -> Iterator[LocalMaster]:
 
 
 class Host:
-    """Registered host memory for ``n`` blocks and their checksums."""
+    """Registered host memory for ``n`` blocks, each followed by its
+    checksum."""
 
     def __init__(self, client: G4Client, n: int) -> None:
         self.n = n
@@ -62,10 +63,10 @@ class Host:
         client.register(self.base, n * (BLOCK + SUM_BYTES))
 
     def block(self, i: int) -> int:
-        return self.base + i * BLOCK
+        return self.base + i * (BLOCK + SUM_BYTES)
 
     def sum(self, i: int) -> int:
-        return self.base + self.n * BLOCK + i * SUM_BYTES
+        return self.block(i) + BLOCK
 
     def fill(self, i: int, seed: int) -> None:
         data = bytes((seed * 131 + j * 7) % 256 for j in range(BLOCK))
@@ -89,11 +90,11 @@ def test_blocks_round_trip_with_their_checksums_and_a_prefix_is_found(master: Lo
         blocks = names(4)
         for i in range(4):
             h.fill(i, 100 + i)
-        assert c.put(0, blocks[:3], [h.block(i) for i in range(3)], BLOCK, [h.sum(i) for i in range(3)]) == [None] * 3
+        assert c.put(0, blocks[:3], [h.block(i) for i in range(3)], BLOCK) == [None] * 3
         assert c.prefix(0, blocks) == 3
         assert c.prefix(1, blocks) == 0, "another rank's slices are other keys"
         assert c.prefix(0, blocks[3:] + blocks[:3]) == 0, "a prefix starts at the first block"
-        got = c.get(0, blocks, [h.block(4 + i) for i in range(4)], BLOCK, [h.sum(4 + i) for i in range(4)])
+        got = c.get(0, blocks, [h.block(4 + i) for i in range(4)], BLOCK)
         assert got == [None, None, None, G4Failure.MISSING]
         assert all(h.holds(4 + i, 100 + i) for i in range(3))
         assert c.failures[G4Failure.MISSING] == 1
@@ -119,10 +120,11 @@ mem = ctypes.create_string_buffer(n * (B + SUM_BYTES))
 base = ctypes.addressof(mem)
 c.register(base, n * (B + SUM_BYTES))
 for i in range(n):
-    ctypes.memmove(base + i * B, bytes((200 + i) % 256 for _ in range(B)), B)
-    ctypes.memmove(base + n * B + i * SUM_BYTES, (200 + i).to_bytes(SUM_BYTES, "little"), SUM_BYTES)
+    at = base + i * (B + SUM_BYTES)
+    ctypes.memmove(at, bytes((200 + i) % 256 for _ in range(B)), B)
+    ctypes.memmove(at + B, (200 + i).to_bytes(SUM_BYTES, "little"), SUM_BYTES)
 names = [f"block-{{i}}".encode().ljust(32, b".") for i in range(n)]
-assert c.put(0, names, [base + i * B for i in range(n)], B, [base + n * B + i * SUM_BYTES for i in range(n)]) == [None] * n
+assert c.put(0, names, [base + i * (B + SUM_BYTES) for i in range(n)], B) == [None] * n
 print("PUT", flush=True)
 sys.stdin.read()
 c.close()
@@ -140,7 +142,7 @@ c.close()
             h = Host(c, 4)
             blocks = names(4)
             assert c.prefix(0, blocks) == 4
-            assert c.get(0, blocks, [h.block(i) for i in range(4)], BLOCK, [h.sum(i) for i in range(4)]) == [None] * 4
+            assert c.get(0, blocks, [h.block(i) for i in range(4)], BLOCK) == [None] * 4
             for i in range(4):
                 assert ctypes.string_at(h.block(i), BLOCK) == bytes([(200 + i) % 256]) * BLOCK
                 assert ctypes.string_at(h.sum(i), SUM_BYTES) == (200 + i).to_bytes(SUM_BYTES, "little")
@@ -159,14 +161,14 @@ def test_a_killed_master_fails_calls_fast_and_the_client_resumes_when_it_returns
         blocks = names(2, "before-")
         h.fill(0, 1)
         h.fill(1, 2)
-        assert c.put(0, blocks, [h.block(0), h.block(1)], BLOCK, [h.sum(0), h.sum(1)]) == [None, None]
+        assert c.put(0, blocks, [h.block(0), h.block(1)], BLOCK) == [None, None]
         master.kill()
         # The first call learns it (the client's own timeout); the next
         # ones fail at once.
-        first = c.put(0, names(1, "during-"), [h.block(2)], BLOCK, [h.sum(2)])
+        first = c.put(0, names(1, "during-"), [h.block(2)], BLOCK)
         assert first == [G4Failure.UNREACHABLE]
         t = time.monotonic()
-        assert c.get(0, blocks, [h.block(2), h.block(3)], BLOCK, [h.sum(2), h.sum(3)]) == [G4Failure.UNREACHABLE] * 2
+        assert c.get(0, blocks, [h.block(2), h.block(3)], BLOCK) == [G4Failure.UNREACHABLE] * 2
         assert c.prefix(0, blocks) == 0
         assert time.monotonic() - t < 0.2, "calls wait while the store is known down"
         assert c.failures[G4Failure.UNREACHABLE] >= 3
@@ -180,10 +182,10 @@ def test_a_killed_master_fails_calls_fast_and_the_client_resumes_when_it_returns
         after = names(1, "after-")
         h.fill(2, 3)
         deadline = time.monotonic() + 30
-        while c.put(0, after, [h.block(2)], BLOCK, [h.sum(2)]) != [None]:
+        while c.put(0, after, [h.block(2)], BLOCK) != [None]:
             assert time.monotonic() < deadline, f"puts did not resume: {dict(c.failures)}"
             time.sleep(0.2)
-        assert c.get(0, after, [h.block(3)], BLOCK, [h.sum(3)]) == [None]
+        assert c.get(0, after, [h.block(3)], BLOCK) == [None]
         assert h.holds(3, 3)
     finally:
         c.close()
@@ -227,20 +229,20 @@ def test_blocks_in_a_segment_holder_outlive_their_writer_and_a_killed_holder_fai
             h = Host(writer, 4)
             for i in range(4):
                 h.fill(i, 40 + i)
-            blocks, at, sums = names(4), [h.block(i) for i in range(4)], [h.sum(i) for i in range(4)]
-            assert writer.put(0, blocks, at, BLOCK, sums) == [None] * 4
+            blocks, at = names(4), [h.block(i) for i in range(4)]
+            assert writer.put(0, blocks, at, BLOCK) == [None] * 4
         finally:
             writer.close()
         reader = G4Client(lender_free, "llama-8b/bf16/16")
         try:
             h = Host(reader, 4)
             assert reader.prefix(0, blocks) == 4, "the writer lent nothing: its blocks are in the holder"
-            at, sums = [h.block(i) for i in range(4)], [h.sum(i) for i in range(4)]
-            assert reader.get(0, blocks, at, BLOCK, sums) == [None] * 4
+            at = [h.block(i) for i in range(4)]
+            assert reader.get(0, blocks, at, BLOCK) == [None] * 4
             assert all(h.holds(i, 40 + i) for i in range(4))
             holder.kill()
             assert not holder.running
-            got = reader.get(0, blocks[:1], [h.block(0)], BLOCK, [h.sum(0)])
+            got = reader.get(0, blocks[:1], [h.block(0)], BLOCK)
             assert got[0] is not None, "a block whose holder is gone cannot arrive"
         finally:
             reader.close()

@@ -3,15 +3,24 @@
 //! A store that several engines share (G4) reads a block straight out of
 //! a G2 slot and writes one straight into it: its client is handed the
 //! slots' host memory ([`PagedWorker::slot_memory`]) and moves the bytes
-//! itself. The worker's part is the checksums: the sum a block is
-//! published with ([`PagedWorker::slot_sums`]), and the check of a block
-//! that arrived against the sum it was published with
-//! ([`PagedWorker::adopt`]) before any load may copy it into the engine's
-//! pages.
+//! itself. Each block travels with its checksum in the
+//! [`SUM_BYTES`] right after it in the slot (a worker built with
+//! `sum_tail` leaves that room), so a block and its sum are one
+//! contiguous run of memory and one object of the store. The worker's
+//! part is the checksums: it writes the sum a block is published with
+//! ([`PagedWorker::seal`]) and checks a block that arrived against the sum
+//! that came with it ([`PagedWorker::adopt`]) before any load may copy it
+//! into the engine's pages.
 
 use super::{PagedWorker, invalid};
 use crate::error::Result;
 use crate::verify::block_sum;
+
+/// Bytes of the checksum after a block in its slot (little-endian).
+pub const SUM_BYTES: u64 = 8;
+
+/// What a slot with room for a checksum is padded to.
+pub(super) const TAIL_ALIGNMENT: u64 = 256;
 
 impl PagedWorker {
     /// Where G2's slots lie in host memory: the address of slot 0 and the
@@ -37,35 +46,52 @@ impl PagedWorker {
         })
     }
 
-    fn check_slots(&self, group: usize, slots: impl IntoIterator<Item = usize>) -> Result<()> {
-        self.block_bytes(group)?;
-        match slots.into_iter().find(|&s| s >= self.shared.slots) {
-            Some(s) => Err(invalid(format!("slot {s} beyond {}", self.shared.slots))),
-            None => Ok(()),
+    /// Where the checksum after the block of `group` in `slot` lies.
+    /// Errors without `sum_tail`, for a group beyond the worker's, and for
+    /// a slot beyond G2's.
+    fn tail(&self, group: usize, slot: usize) -> Result<*mut u8> {
+        if !self.sum_tail {
+            return Err(invalid("slots without room for a checksum (sum_tail off)"));
         }
+        let bytes = self.block_bytes(group)?;
+        if slot >= self.shared.slots {
+            return Err(invalid(format!("slot {slot} beyond {}", self.shared.slots)));
+        }
+        let (base, _) = self.slot_memory()?;
+        Ok((base + slot as u64 * self.stride + bytes) as *mut u8)
     }
 
-    /// The checksum of the block of `group` in each of `slots`, the one a
-    /// verified load checks: what a block is published with. In verify
-    /// mode a slot whose bytes no longer match the sum recorded when it
-    /// was written gets `None` (it must not be published). The caller
-    /// keeps the slots unwritten meanwhile.
-    pub fn slot_sums(&self, group: usize, slots: &[usize]) -> Result<Vec<Option<u64>>> {
-        self.check_slots(group, slots.iter().copied())?;
+    /// Writes the checksum of the block of `group` in each of `slots` right
+    /// after it (the sum a verified load checks: what a block is published
+    /// with). Per slot whether it was sealed: in verify mode a slot whose
+    /// bytes no longer match the sum recorded when it was written is not
+    /// (it must not be published). The caller keeps the slots unwritten
+    /// meanwhile.
+    pub fn seal(&self, group: usize, slots: &[usize]) -> Result<Vec<bool>> {
+        let tails = slots
+            .iter()
+            .map(|&s| self.tail(group, s))
+            .collect::<Result<Vec<_>>>()?;
         let g2 = &self.shared.g2[group];
         slots
             .iter()
-            .map(|&s| {
+            .zip(tails)
+            .map(|(&s, tail)| {
                 let sum = block_sum(g2, s).map_err(invalid)?;
                 let recorded = self.shared.sums.as_ref().map(|sums| sums.lock()[s]);
-                Ok(match recorded {
-                    Some(want) if want != Some(sum) => None,
-                    _ => Some(sum),
-                })
+                if recorded.is_some_and(|want| want != Some(sum)) {
+                    return Ok(false);
+                }
+                // SAFETY: `tail` points at the SUM_BYTES after the group's
+                // block inside slot `s` of the region (room `sum_tail`
+                // left in every slot's stride), host memory the region
+                // owns; no job copies those bytes, and the caller keeps
+                // the slot's block unwritten meanwhile.
+                unsafe { (tail as *mut [u8; 8]).write_unaligned(sum.to_le_bytes()) };
+                Ok(true)
             })
             .collect()
     }
-
     /// Moves `(G2 slot, G3 slot)` blocks to G3 and waits until they
     /// landed: what a store does before writing slots it took from them,
     /// for blocks an outside store is about to write into those slots.
@@ -76,14 +102,29 @@ impl PagedWorker {
         super::disk::demote(&self.shared, moves).map_err(invalid)
     }
 
-    /// Checks blocks of `group` that arrived in slots from outside, each
-    /// `(slot, the sum it was published with)`: per slot whether its bytes
-    /// match. A slot that fails must not be loaded. In verify mode the
-    /// sums of matching slots are recorded (loads check them again) and
-    /// those of failing slots cleared.
-    pub fn adopt(&self, group: usize, arrived: &[(usize, u64)]) -> Result<Vec<bool>> {
-        self.check_slots(group, arrived.iter().map(|&(s, _)| s))?;
+    /// Checks blocks of `group` that arrived in `slots` from outside, each
+    /// with the sum it was published with right after it: per slot whether
+    /// its bytes match. A slot that fails must not be loaded. In verify
+    /// mode the sums of matching slots are recorded (loads check them
+    /// again) and those of failing slots cleared.
+    pub fn adopt(&self, group: usize, slots: &[usize]) -> Result<Vec<bool>> {
+        let tails = slots
+            .iter()
+            .map(|&s| self.tail(group, s))
+            .collect::<Result<Vec<_>>>()?;
         let g2 = &self.shared.g2[group];
+        let arrived: Vec<(usize, u64)> = slots
+            .iter()
+            .zip(tails)
+            // SAFETY: as in `seal`: the SUM_BYTES after the block inside
+            // the slot, which the caller keeps unwritten while it checks.
+            .map(|(&s, tail)| {
+                (
+                    s,
+                    u64::from_le_bytes(unsafe { (tail as *const [u8; 8]).read_unaligned() }),
+                )
+            })
+            .collect();
         let good: Vec<bool> = arrived
             .iter()
             .map(|&(slot, want)| block_sum(g2, slot).is_ok_and(|got| got == want))

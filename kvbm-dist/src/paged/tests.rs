@@ -41,17 +41,19 @@ fn page(e: &Engine, group: usize, layer: usize, block: usize) -> Vec<u8> {
 }
 
 fn worker(e: &Engine, blocks: usize, slots: usize, verify: bool) -> PagedWorker {
-    worker_over(e, blocks, slots, None, verify)
+    worker_over(e, blocks, slots, None, verify, false)
 }
 
 /// A worker over `e`'s pages, with `slots` G2 slots and, with `disk`, as
-/// many G3 slots in a file under that directory.
+/// many G3 slots in a file under that directory; with `sum_tail`, room
+/// for a checksum after each slot's block.
 fn worker_over(
     e: &Engine,
     blocks: usize,
     slots: usize,
     disk: Option<&std::path::Path>,
     verify: bool,
+    sum_tail: bool,
 ) -> PagedWorker {
     let widest = e.groups.iter().map(PageGroup::block_bytes).max().unwrap();
     let config = PagedConfig {
@@ -65,6 +67,7 @@ fn worker_over(
             slots,
         }),
         verify,
+        sum_tail,
     };
     // SAFETY: the buffers outlive the worker (dropped at the end of each
     // test, after it) and nothing else writes them during a job.
@@ -177,6 +180,7 @@ fn bad_jobs_and_shapes_are_refused_with_an_error() {
         slot_bytes: 100,
         disk: None,
         verify: false,
+        sum_tail: false,
     };
     // SAFETY: refused before anything is touched.
     let err = unsafe { PagedWorker::new(config.clone(), Arc::new(())) };
@@ -195,7 +199,7 @@ fn disk_worker(
     dir: &std::path::Path,
     verify: bool,
 ) -> PagedWorker {
-    worker_over(e, blocks, slots, Some(dir), verify)
+    worker_over(e, blocks, slots, Some(dir), verify, false)
 }
 
 fn settled_clean(w: &PagedWorker, job: u64) -> JobReport {
@@ -341,33 +345,35 @@ fn carry(a: &PagedWorker, from: usize, b: &PagedWorker, to: usize, len: u64) {
 fn a_block_published_by_one_engine_is_checked_and_served_by_another() {
     let blocks = 4;
     let a_pages = engine(&HYBRID, blocks);
-    let a = worker(&a_pages, blocks, 4, true);
+    let a = worker_over(&a_pages, blocks, 4, None, true, true);
+    assert!(a.slot_stride() >= 200 + SUM_BYTES && a.slot_stride().is_multiple_of(256));
     let c = PageCopy::g2;
     a.store(1, vec![c(2, 1, 0), c(0, 3, 1)], vec![]).unwrap();
     a.wait(&[1]);
     assert!(a.finished()[0].failed.is_empty());
-    let sums = [
-        a.slot_sums(2, &[0]).unwrap()[0].unwrap(),
-        a.slot_sums(0, &[1]).unwrap()[0].unwrap(),
-    ];
-    assert_ne!(sums[0], sums[1]);
+    assert_eq!(a.seal(2, &[0]).unwrap(), vec![true]);
+    assert_eq!(a.seal(0, &[1]).unwrap(), vec![true]);
 
-    // Another engine, its pages zero, receives both blocks into its slots
-    // 3 and 2; one byte of the second is changed on the way.
+    // Another engine, its pages zero, receives both blocks with their
+    // sums into its slots 3 and 2; one byte of the second is changed on
+    // the way.
     let mut b_pages = engine(&HYBRID, blocks);
     for group in &mut b_pages.buffers {
         for layer in group.iter_mut() {
             layer.fill(0);
         }
     }
-    let b = worker(&b_pages, blocks, 4, true);
-    carry(&a, 0, &b, 3, b.block_bytes(2).unwrap());
-    carry(&a, 1, &b, 2, b.block_bytes(0).unwrap());
-    assert_eq!(b.adopt(2, &[(3, sums[0])]).unwrap(), vec![true]);
+    let b = worker_over(&b_pages, blocks, 4, None, true, true);
+    carry(&a, 0, &b, 3, b.block_bytes(2).unwrap() + SUM_BYTES);
+    carry(&a, 1, &b, 2, b.block_bytes(0).unwrap() + SUM_BYTES);
+    assert_eq!(b.adopt(2, &[3]).unwrap(), vec![true]);
     let (dst, _) = b.slot_memory().unwrap();
     // SAFETY: inside B's slot 2, which no job copies now.
     unsafe { *((dst + 2 * b.slot_stride() + 5) as *mut u8) ^= 1 };
-    assert_eq!(b.adopt(0, &[(2, sums[1])]).unwrap(), vec![false]);
+    assert_eq!(b.adopt(0, &[2]).unwrap(), vec![false]);
+    // A block that arrived without its sum fails too.
+    carry(&a, 1, &b, 1, b.block_bytes(0).unwrap());
+    assert_eq!(b.adopt(0, &[1]).unwrap(), vec![false]);
 
     // The checked block loads byte for byte; the damaged one is refused
     // by verify mode's own check too.
@@ -382,11 +388,19 @@ fn a_block_published_by_one_engine_is_checked_and_served_by_another() {
     let (src, _) = a.slot_memory().unwrap();
     // SAFETY: inside A's slot 1, which no job copies now.
     unsafe { *((src + a.slot_stride()) as *mut u8) ^= 1 };
-    assert_eq!(a.slot_sums(0, &[1]).unwrap(), vec![None]);
+    assert_eq!(a.seal(0, &[1]).unwrap(), vec![false]);
 
-    // Slots and groups out of range are errors, not panics.
-    assert!(b.slot_sums(3, &[0]).is_err());
-    assert!(b.slot_sums(0, &[4]).is_err());
-    assert!(b.adopt(0, &[(9, 0)]).is_err());
+    // Slots and groups out of range, and a worker without room for the
+    // sums, are errors, not panics.
+    assert!(b.seal(3, &[0]).is_err());
+    assert!(b.seal(0, &[4]).is_err());
+    assert!(b.adopt(0, &[9]).is_err());
     assert!(b.move_to_disk(&[(0, 0)]).is_err(), "a move without G3");
+    let plain = worker(&b_pages, blocks, 4, true);
+    assert!(
+        plain
+            .seal(0, &[0])
+            .is_err_and(|e| e.to_string().contains("sum_tail"))
+    );
+    assert!(plain.adopt(0, &[0]).is_err());
 }

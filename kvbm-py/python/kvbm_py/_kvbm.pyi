@@ -309,7 +309,8 @@ class PageWorker:
     device, system memory for host tensors), and with ``disk_dir`` a disk
     tier of ``disk_slots`` slots in a file of its own there. With
     ``verify`` every stored slot's checksum is recorded and checked after
-    each load of it."""
+    each load of it. With ``sum_tail`` each slot has room for a checksum
+    after its block, which G4 moves with the block."""
 
     def __new__(
         cls,
@@ -320,6 +321,7 @@ class PageWorker:
         verify: bool = False,
         disk_dir: str | None = None,
         disk_slots: int = 0,
+        sum_tail: bool = False,
     ) -> PageWorker: ...
     @property
     def slots(self) -> int:
@@ -344,15 +346,16 @@ class PageWorker:
         """Bytes from one host slot to the next."""
     def block_bytes(self, group: int) -> int:
         """Bytes of one block of KV cache group ``group``."""
-    def slot_sums(self, group: int, slots: Sequence[int]) -> list[int | None]:
-        """The checksum of the block of ``group`` in each of ``slots``;
-        None where its bytes changed since they were stored (verify
-        mode)."""
+    def seal(self, group: int, slots: Sequence[int]) -> list[bool]:
+        """Writes the checksum of the block of ``group`` in each of
+        ``slots`` right after it (needs ``sum_tail``); per slot whether it
+        was sealed: not one whose bytes changed since they were stored
+        (verify mode)."""
     def move_to_disk(self, moves: Sequence[tuple[int, int]]) -> None:
         """Moves ``(host slot, disk slot)`` blocks to disk and waits."""
-    def adopt(self, group: int, arrived: Sequence[tuple[int, int]]) -> list[bool]:
-        """Per ``(slot, checksum)`` of a block of ``group`` that arrived
-        from G4: whether its bytes match."""
+    def adopt(self, group: int, slots: Sequence[int]) -> list[bool]:
+        """Per slot of ``slots`` holding a block of ``group`` that arrived
+        from G4 with its checksum after it: whether its bytes match."""
     def finished(
         self,
     ) -> list[tuple[int, bool, int, float, list[tuple[int, int]], TransferError | None]]:

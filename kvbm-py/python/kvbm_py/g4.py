@@ -5,7 +5,8 @@ into host memory registered with the store, under keys that name the
 engine's identity (model, dtype, page geometry, hash scheme: whatever makes
 two instances' blocks interchangeable), the rank's slice and the block's
 sequence hash. Each block travels with the 8-byte checksum it was written
-with, so a reader verifies what it got before it serves a byte.
+with, right after it in memory and in the store (one object, one transfer),
+so a reader verifies what it got before it serves a byte.
 
 The store is a cache other processes share, and it may disappear: its
 master can die, a client holding a share of its memory can leave. Nothing
@@ -35,7 +36,7 @@ from kvbm_py._kvbm import InvalidArgumentError, KvbmError
 
 log = logging.getLogger("kvbm.g4")
 
-#: Bytes of the checksum stored beside each block.
+#: Bytes of the checksum stored after each block.
 SUM_BYTES = 8
 
 #: Mooncake's status codes kvbm tells apart (negative values of its
@@ -209,31 +210,26 @@ class G4Client:
             return None
         return [all(s == 1 for s in found[i * world : (i + 1) * world]) for i in range(len(blocks))]
 
-    def put(
-        self, rank: int, blocks: Sequence[bytes], addresses: Sequence[int], size: int, sums: Sequence[int]
-    ) -> list[G4Failure | None]:
-        """Puts rank ``rank``'s slices of ``blocks``: block ``i`` from
-        ``size`` registered bytes at ``addresses[i]``, its checksum from the
-        8 registered bytes at ``sums[i]``. Per block: ``None`` when stored
-        (or when the store already held that key), else why not."""
-        return self._move(True, rank, blocks, addresses, size, sums)
+    def put(self, rank: int, blocks: Sequence[bytes], addresses: Sequence[int], size: int) -> list[G4Failure | None]:
+        """Puts rank ``rank``'s slices of ``blocks``: block ``i`` from the
+        registered memory at ``addresses[i]``, its ``size`` bytes followed by
+        its checksum (``SUM_BYTES``). Per block: ``None`` when stored (or
+        when the store already held that key), else why not."""
+        return self._move(True, rank, blocks, addresses, size)
 
-    def get(
-        self, rank: int, blocks: Sequence[bytes], addresses: Sequence[int], size: int, sums: Sequence[int]
-    ) -> list[G4Failure | None]:
-        """Gets rank ``rank``'s slices of ``blocks`` into ``size`` registered
-        bytes at ``addresses[i]``, the checksum they were put with into the
-        8 registered bytes at ``sums[i]``. Per block: ``None`` when it
-        arrived whole (the caller still checks it against its checksum),
-        else why not."""
-        return self._move(False, rank, blocks, addresses, size, sums)
+    def get(self, rank: int, blocks: Sequence[bytes], addresses: Sequence[int], size: int) -> list[G4Failure | None]:
+        """Gets rank ``rank``'s slices of ``blocks`` into the registered
+        memory at ``addresses[i]``: ``size`` bytes, then the checksum they
+        were put with. Per block: ``None`` when it arrived whole (the caller
+        still checks it against its checksum), else why not."""
+        return self._move(False, rank, blocks, addresses, size)
 
     def _move(
-        self, put: bool, rank: int, blocks: Sequence[bytes], addresses: Sequence[int], size: int, sums: Sequence[int]
+        self, put: bool, rank: int, blocks: Sequence[bytes], addresses: Sequence[int], size: int
     ) -> list[G4Failure | None]:
         n = len(blocks)
-        if len(addresses) != n or len(sums) != n:
-            raise InvalidArgumentError(f"kvbm: {n} G4 blocks with {len(addresses)} addresses and {len(sums)} checksums")
+        if len(addresses) != n:
+            raise InvalidArgumentError(f"kvbm: {n} G4 blocks with {len(addresses)} addresses")
         if size <= 0:
             raise InvalidArgumentError(f"kvbm: G4 block size {size}")
         if n == 0:
@@ -242,12 +238,12 @@ class G4Client:
             self._count(G4Failure.UNREACHABLE, n)
             return [G4Failure.UNREACHABLE] * n
         keys = [self.key(rank, b) for b in blocks]
-        buffers = [[a, s] for a, s in zip(addresses, sums, strict=True)]
-        sizes = [[size, SUM_BYTES]] * n
+        sizes = [size + SUM_BYTES] * n
+        addresses = list(addresses)
         if put:
-            codes = self._store.batch_put_from_multi_buffers(keys, buffers, sizes)
+            codes = self._store.batch_put_from(keys, addresses, sizes)
         else:
-            codes = self._store.batch_get_into_multi_buffers(keys, buffers, sizes)
+            codes = self._store.batch_get_into(keys, addresses, sizes)
         out: list[G4Failure | None] = []
         for code in codes:
             # A get reports the bytes it read, a put 0 (also for a key the

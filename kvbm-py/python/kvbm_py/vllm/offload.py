@@ -63,6 +63,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvbm_py import InvalidArgumentError, _kvbm
 from kvbm_py.config import GIB, KvbmConfig
+from kvbm_py.g4 import SUM_BYTES
 from kvbm_py.vllm.common import log as logger
 from kvbm_py.vllm.offload_g4 import G4Lookups, G4Mover, connect, g4_identity, lookup_stats
 from kvbm_py.vllm.plugin import SPEC_NAME, register_spec
@@ -161,24 +162,6 @@ class KvbmOffloadingSpec(OffloadingSpec):
         self.slot_bytes = config.worker_kv_bytes_per_block
         if self.slot_bytes <= 0:
             raise InvalidArgumentError("kvbm: the engine reported 0 KV bytes per block")
-        if "cpu_bytes_to_use" in self.extra_config:
-            per_worker = int(self.extra_config["cpu_bytes_to_use"]) // world
-        else:
-            per_worker = self.kvbm.tier_bytes("cpu_cache_gb", 1)
-        self.slots = per_worker // self.slot_bytes
-        if self.slots < 1:
-            raise InvalidArgumentError(
-                f"kvbm: cpu_cache_gb={per_worker / GIB:g} GiB per worker holds no block of {self.slot_bytes} bytes"
-            )
-        #: Disk slots per worker (0: no G3), each padded to the alignment.
-        self.disk_slots = 0
-        if self.kvbm.disk_cache_gb > 0:
-            padded = -(-self.slot_bytes // DISK_ALIGNMENT) * DISK_ALIGNMENT
-            self.disk_slots = self.kvbm.tier_bytes("disk_cache_gb", 1) // padded
-            if self.disk_slots < 1:
-                raise InvalidArgumentError(
-                    f"kvbm: disk_cache_gb={self.kvbm.disk_cache_gb:g} GiB per worker holds no block of {padded} bytes"
-                )
         #: G4's store and the identity blocks are shared under (None: no G4).
         self.g4 = self.kvbm.g4_store()
         self.g4_identity: str | None = None
@@ -187,6 +170,27 @@ class KvbmOffloadingSpec(OffloadingSpec):
             if self.g4_identity is None:
                 logger.warning("kvbm: G4 at %s not used: %s", self.g4.master, why)
                 self.g4 = None
+        # With G4 each slot holds a block's checksum after it (the worker
+        # pads that to a few hundred bytes).
+        room = self.slot_bytes + (SUM_BYTES if self.g4 is not None else 0)
+        if "cpu_bytes_to_use" in self.extra_config:
+            per_worker = int(self.extra_config["cpu_bytes_to_use"]) // world
+        else:
+            per_worker = self.kvbm.tier_bytes("cpu_cache_gb", 1)
+        self.slots = per_worker // room
+        if self.slots < 1:
+            raise InvalidArgumentError(
+                f"kvbm: cpu_cache_gb={per_worker / GIB:g} GiB per worker holds no block of {self.slot_bytes} bytes"
+            )
+        #: Disk slots per worker (0: no G3), each padded to the alignment.
+        self.disk_slots = 0
+        if self.kvbm.disk_cache_gb > 0:
+            padded = -(-room // DISK_ALIGNMENT) * DISK_ALIGNMENT
+            self.disk_slots = self.kvbm.tier_bytes("disk_cache_gb", 1) // padded
+            if self.disk_slots < 1:
+                raise InvalidArgumentError(
+                    f"kvbm: disk_cache_gb={self.kvbm.disk_cache_gb:g} GiB per worker holds no block of {padded} bytes"
+                )
         self._manager: KvbmOffloadingManager | None = None
         self._worker: KvbmOffloadingWorker | None = None
 
@@ -487,6 +491,7 @@ class KvbmOffloadingWorker(OffloadingWorker):
             verify=spec.kvbm.verify,
             disk_dir=_disk_dir(spec.kvbm) if spec.disk_slots else None,
             disk_slots=spec.disk_slots,
+            sum_tail=spec.g4 is not None,
         )
         #: Bytes of a slot, and of the largest group's block (a slot holds
         #: one block of any group).

@@ -15,7 +15,9 @@ published there.
   the store: it gets a load's fetched blocks into their slots, checks
   each against the checksum it was published with, and only then starts
   the load; it puts every block this rank stored (its slice of it), with
-  its checksum, once the store job ended. A slot that a put still reads is
+  its checksum, once the store job ended. A block and its checksum lie
+  together in the slot (the worker leaves room after each block) and
+  move as one object. A slot that a put still reads is
   not written: a job that would write it waits on that thread.
 
 A fetch that fails (the store unreachable, the block gone or short, a
@@ -26,7 +28,6 @@ waits on the store but the thread that calls it.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import queue
@@ -37,7 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvbm_py import _kvbm
-from kvbm_py.g4 import SUM_BYTES, G4Client, G4Config
+from kvbm_py.g4 import G4Client, G4Config
 from kvbm_py.vllm.common import log
 from kvbm_py.vllm.kept_g3 import _weights_fingerprint
 
@@ -187,13 +188,11 @@ class G4Mover:
 
     def __init__(self, client: G4Client, pages: _kvbm.PageWorker, rank: int) -> None:
         self.client, self.pages, self.rank = client, pages, rank
+        # Each slot holds a block with its checksum right after it: what a
+        # put reads and a get writes.
         self.base, size = pages.slot_memory()
         self.stride = pages.slot_stride
         client.register(self.base, size)
-        #: The checksum each slot's block was published with or arrived with.
-        self.sums = (ctypes.c_uint64 * pages.slots)()
-        self.sums_base = ctypes.addressof(self.sums)
-        client.register(self.sums_base, SUM_BYTES * pages.slots)
         self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._lock = threading.Condition()
         #: Slots a queued or running put reads, with how many puts.
@@ -250,19 +249,15 @@ class G4Mover:
     def _put(self, blocks: Sequence[tuple[int, int, bytes]]) -> None:
         try:
             for group, items in _by_group(blocks).items():
-                sums = self.pages.slot_sums(group, [slot for slot, _ in items])
+                sealed = self.pages.seal(group, [slot for slot, _ in items])
                 # A slot whose bytes changed since they were stored (verify
                 # mode) is not published.
-                kept = [(slot, key, total) for (slot, key), total in zip(items, sums, strict=True) if total is not None]
-                for slot, _, total in kept:
-                    self.sums[slot] = total
-                slots = [slot for slot, _, _ in kept]
+                kept = [item for item, ok in zip(items, sealed, strict=True) if ok]
                 failed = self.client.put(
                     self.rank,
-                    [key for _, key, _ in kept],
-                    [self.base + slot * self.stride for slot in slots],
+                    [key for _, key in kept],
+                    [self.base + slot * self.stride for slot, _ in kept],
                     self.pages.block_bytes(group),
-                    [self.sums_base + SUM_BYTES * slot for slot in slots],
                 )
                 self.published += sum(f is None for f in failed)
         except Exception as e:  # a put that fails loses nothing but the copy in G4
@@ -313,7 +308,6 @@ class G4Mover:
                 [key for _, key in items],
                 [self.base + slot * self.stride for slot in slots],
                 self.pages.block_bytes(group),
-                [self.sums_base + SUM_BYTES * slot for slot in slots],
             )
             missing = [f for f in failed if f is not None]
             if missing:
@@ -321,7 +315,7 @@ class G4Mover:
                 return
             if self.test_corrupt is not None:
                 self.test_corrupt(slots[0])
-            good = self.pages.adopt(group, [(slot, self.sums[slot]) for slot in slots])
+            good = self.pages.adopt(group, slots)
             if not all(good):
                 self.damaged += good.count(False)
                 self.fail(job, len(blocks), f"G4: {good.count(False)} block(s) failed their checksum")
