@@ -113,18 +113,13 @@ impl PagedWorker {
             .map(|&s| self.tail(group, s))
             .collect::<Result<Vec<_>>>()?;
         let g2 = &self.shared.g2[group];
-        let arrived: Vec<(usize, u64)> = slots
-            .iter()
-            .zip(tails)
+        let mut arrived = Vec::with_capacity(slots.len());
+        for (&s, tail) in slots.iter().zip(tails) {
             // SAFETY: as in `seal`: the SUM_BYTES after the block inside
             // the slot, which the caller keeps unwritten while it checks.
-            .map(|(&s, tail)| {
-                (
-                    s,
-                    u64::from_le_bytes(unsafe { (tail as *const [u8; 8]).read_unaligned() }),
-                )
-            })
-            .collect();
+            let sum = unsafe { (tail as *const [u8; 8]).read_unaligned() };
+            arrived.push((s, u64::from_le_bytes(sum)));
+        }
         let good: Vec<bool> = arrived
             .iter()
             .map(|&(slot, want)| block_sum(g2, slot).is_ok_and(|got| got == want))
