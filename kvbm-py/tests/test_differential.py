@@ -115,6 +115,15 @@ CONFIGS: dict[str, tuple[dict, dict, int]] = {
         {},
         1,
     ),
+    # G4 behind a G2 of a few slots over G3: a block fetched from G4
+    # takes a slot whose block first moves to disk, and slots leave room
+    # for the checksum G4 moves with each block (padded to the disk's
+    # alignment).
+    "spec-hybrid-g3-g4": (
+        {"route": "spec", "model": "hybrid", "admission": "all", "g3": 8, "g4": True, "restart": True},
+        {},
+        1,
+    ),
     "tp2-spec-hybrid-g4-shared": (
         {"route": "spec", "model": "hybrid", "cpu_cache_gb": 0.05, "admission": "all", "g4": True, "restart": True},
         {},
@@ -394,11 +403,14 @@ def test_outputs_equal_the_engine_without_kvbm(name, results):
     assert loaded > 0, f"{name}: kvbm loaded nothing over seeds {run['seeds']}"
     if run.get("restart") and CONFIGS[name][0].get("g4"):
         # Round 2's engines started empty and served round 1's blocks from
-        # G4 (every case, where G2 published all it stored), every one
-        # checked against the checksum it was put with.
+        # G4 (every case, where G2 published all it stored and had room
+        # for every block; a G2 of a few slots in front of G3 leaves blocks
+        # out while its slots are busy), every one checked against the
+        # checksum it was put with.
         from_g4 = [c["stats"].get("g4_to_g1_blocks", 0) for c in got.values()]
-        evictions = CONFIGS[name][0].get("g4_publish") == "evictions"
-        assert sum(from_g4) > 0 if evictions else all(n > 0 for n in from_g4), got
+        keys = CONFIGS[name][0]
+        some = keys.get("g4_publish") == "evictions" or "g3" in keys
+        assert sum(from_g4) > 0 if some else all(n > 0 for n in from_g4), got
         assert all(c["stats"].get("g4_damaged", 0) == 0 for c in got.values()), got
     elif run.get("restart"):
         # Round 2's engines started with round 1's blocks in their kept
@@ -407,8 +419,11 @@ def test_outputs_equal_the_engine_without_kvbm(name, results):
     if "preempting" in name:
         assert sum(c["preemptions"] for c in got.values()) > 0, f"{name}: vLLM preempted nothing"
     if run.get("connector") and CONFIGS[name][0].get("g3"):
-        # Blocks went to G3 and came back from it.
-        assert sum(c["stats"]["g3_to_g1_blocks"] for c in got.values()) > 0, got
+        # Blocks went to G3 and came back from it (with G4 and a restart,
+        # round 2 starts with G3 empty, and a block G2 lets go is seldom
+        # asked for again: there, blocks went to G3).
+        moved = "g2_to_g3_blocks" if CONFIGS[name][0].get("g4") else "g3_to_g1_blocks"
+        assert sum(c["stats"][moved] for c in got.values()) > 0, got
     if "hybrid" in name:
         # vLLM kept the hybrid manager on and built a group per attention
         # kind, and kvbm served blocks of every group.

@@ -505,7 +505,9 @@ class KvbmOffloadingWorker(OffloadingWorker):
         #: Load jobs that failed since the connector last asked.
         self.failed_loads: set[int] = set()
         self.loads: set[int] = set()
-        #: Blocks of failed jobs so far.
+        #: Blocks whose copy, or whose check against its checksum (G4's
+        #: too), failed so far; not loads failed for want of a block (G4's
+        #: client counts those) or of a host slot (the manager does).
         self.failed_blocks = 0
         #: This rank's traffic with G4 (None: no G4), and the blocks of each
         #: store job to publish once it ended (the manager names them).
@@ -585,15 +587,15 @@ class KvbmOffloadingWorker(OffloadingWorker):
         return True
 
     def get_finished(self) -> list[TransferResult]:
-        # (job, ok, bytes, seconds, blocks failed, why)
+        # (job, ok, bytes, seconds, blocks whose copy or check failed, why)
         ended: list[tuple[int, bool, int, float, int, object]] = [
             (job, ok, nbytes, seconds, len(failed), error)
             for job, ok, nbytes, seconds, failed, error in self.pages.finished()
         ]
         fail_now, self._fail_now = self._fail_now, []
-        ended += [(job, False, 0, 0.0, 1, "no host slot for a block fetched from G4") for job in fail_now]
+        ended += [(job, False, 0, 0.0, 0, "no host slot for a block fetched from G4") for job in fail_now]
         if self.g4 is not None:
-            ended += [(job, False, 0, 0.0, blocks, why) for job, blocks, why in self.g4.take_failed()]
+            ended += [(job, False, 0, 0.0, damaged, why) for job, damaged, why in self.g4.take_failed()]
         results = []
         for job, ok, nbytes, seconds, failed, error in ended:
             is_load = job in self.loads

@@ -217,6 +217,8 @@ class G4Mover:
         while (task := self._tasks.get()) is not None:
             try:
                 task()
+            except Exception:  # a bug of a task must not stop the tasks after it
+                log.exception("kvbm: a G4 task failed")
             finally:
                 with self._lock:
                     self._tasks_open -= 1
@@ -294,11 +296,11 @@ class G4Mover:
 
         self._queue(lambda: self._release(job, task))
 
-    def fail(self, job: int, blocks: int, why: str) -> None:
-        """Reports job ``job`` as failed (``blocks`` blocks) with the next
-        results."""
+    def fail(self, job: int, damaged: int, why: str) -> None:
+        """Reports job ``job`` as failed with the next results, ``damaged``
+        of its blocks for failing their checksum."""
         with self._lock:
-            self._failed.append((job, blocks, why))
+            self._failed.append((job, damaged, why))
 
     def _fetch(self, job: int, blocks: Sequence[tuple[int, int, bytes]], start: Callable[[], None]) -> None:
         for group, items in _by_group(blocks).items():
@@ -311,14 +313,14 @@ class G4Mover:
             )
             missing = [f for f in failed if f is not None]
             if missing:
-                self.fail(job, len(blocks), f"G4 get: {len(missing)} block(s) {missing[0].value}")
+                self.fail(job, 0, f"G4 get: {len(missing)} block(s) {missing[0].value}")
                 return
             if self.test_corrupt is not None:
                 self.test_corrupt(slots[0])
             good = self.pages.adopt(group, slots)
             if not all(good):
                 self.damaged += good.count(False)
-                self.fail(job, len(blocks), f"G4: {good.count(False)} block(s) failed their checksum")
+                self.fail(job, good.count(False), f"G4: {good.count(False)} block(s) failed their checksum")
                 return
         self.fetched += len(blocks)
         start()
@@ -338,8 +340,8 @@ class G4Mover:
                 self._lock.notify_all()
 
     def take_failed(self) -> list[tuple[int, int, str]]:
-        """Jobs failed on the thread since the last call: ``(job, blocks,
-        why)``."""
+        """Jobs failed on the thread since the last call: ``(job, blocks
+        damaged, why)``."""
         with self._lock:
             failed, self._failed = self._failed, []
         return failed
