@@ -52,9 +52,9 @@ use crate::error::{DistError, Result};
 mod disk;
 mod layouts;
 mod outside;
+mod settle;
 
 pub use outside::SUM_BYTES;
-mod settle;
 
 use disk::{Disk, STAGING_SLOTS, Staged};
 use settle::{Earlier, Pending};
