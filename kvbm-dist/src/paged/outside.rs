@@ -46,19 +46,22 @@ impl PagedWorker {
         })
     }
 
-    /// Where the checksum after the block of `group` in `slot` lies.
-    /// Errors without `sum_tail`, for a group beyond the worker's, and for
-    /// a slot beyond G2's.
-    fn tail(&self, group: usize, slot: usize) -> Result<*mut u8> {
+    /// Where the checksum after the block of `group` lies in each of
+    /// `slots`. Errors without `sum_tail`, for a group beyond the worker's,
+    /// and for a slot beyond G2's.
+    fn tails(&self, group: usize, slots: &[usize]) -> Result<Vec<*mut u8>> {
         if !self.sum_tail {
             return Err(invalid("slots without room for a checksum (sum_tail off)"));
         }
         let bytes = self.block_bytes(group)?;
-        if slot >= self.shared.slots {
-            return Err(invalid(format!("slot {slot} beyond {}", self.shared.slots)));
+        if let Some(s) = slots.iter().find(|&&s| s >= self.shared.slots) {
+            return Err(invalid(format!("slot {s} beyond {}", self.shared.slots)));
         }
         let (base, _) = self.slot_memory()?;
-        Ok((base + slot as u64 * self.stride + bytes) as *mut u8)
+        Ok(slots
+            .iter()
+            .map(|&s| (base + s as u64 * self.stride + bytes) as *mut u8)
+            .collect())
     }
 
     /// Writes the checksum of the block of `group` in each of `slots` right
@@ -68,10 +71,7 @@ impl PagedWorker {
     /// (it must not be published). The caller keeps the slots unwritten
     /// meanwhile.
     pub fn seal(&self, group: usize, slots: &[usize]) -> Result<Vec<bool>> {
-        let tails = slots
-            .iter()
-            .map(|&s| self.tail(group, s))
-            .collect::<Result<Vec<_>>>()?;
+        let tails = self.tails(group, slots)?;
         let g2 = &self.shared.g2[group];
         slots
             .iter()
@@ -92,6 +92,7 @@ impl PagedWorker {
             })
             .collect()
     }
+
     /// Moves `(G2 slot, G3 slot)` blocks to G3 and waits until they
     /// landed: what a store does before writing slots it took from them,
     /// for blocks an outside store is about to write into those slots.
@@ -108,10 +109,7 @@ impl PagedWorker {
     /// mode the sums of matching slots are recorded (loads check them
     /// again) and those of failing slots cleared.
     pub fn adopt(&self, group: usize, slots: &[usize]) -> Result<Vec<bool>> {
-        let tails = slots
-            .iter()
-            .map(|&s| self.tail(group, s))
-            .collect::<Result<Vec<_>>>()?;
+        let tails = self.tails(group, slots)?;
         let g2 = &self.shared.g2[group];
         let mut arrived = Vec::with_capacity(slots.len());
         for (&s, tail) in slots.iter().zip(tails) {

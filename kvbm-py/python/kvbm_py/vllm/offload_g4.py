@@ -213,6 +213,10 @@ class G4Mover:
         self._thread = threading.Thread(target=self._run, name="kvbm-g4-mover", daemon=True)
         self._thread.start()
 
+    def _addresses(self, slots: Iterable[int]) -> list[int]:
+        """Where each of ``slots`` (its block, then the checksum) starts."""
+        return [self.base + slot * self.stride for slot in slots]
+
     def _run(self) -> None:
         while (task := self._tasks.get()) is not None:
             try:
@@ -258,7 +262,7 @@ class G4Mover:
                 failed = self.client.put(
                     self.rank,
                     [key for _, key in kept],
-                    [self.base + slot * self.stride for slot, _ in kept],
+                    self._addresses(slot for slot, _ in kept),
                     self.pages.block_bytes(group),
                 )
                 self.published += sum(f is None for f in failed)
@@ -308,7 +312,7 @@ class G4Mover:
             failed = self.client.get(
                 self.rank,
                 [key for _, key in items],
-                [self.base + slot * self.stride for slot in slots],
+                self._addresses(slots),
                 self.pages.block_bytes(group),
             )
             missing = [f for f in failed if f is not None]
