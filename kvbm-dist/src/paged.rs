@@ -38,6 +38,7 @@
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Sender, channel};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -207,6 +208,9 @@ struct Shared {
     sums: Option<Mutex<Vec<Option<u64>>>>,
     reports: Mutex<Reports>,
     settled: Condvar,
+    /// Reports filed so far, raised after each one is (so a poller looks
+    /// at the reports only when there is something new to see).
+    filed: AtomicU64,
 }
 
 impl Shared {
@@ -338,6 +342,7 @@ impl PagedWorker {
             sums: config.verify.then(|| Mutex::new(vec![None; config.slots])),
             reports: Mutex::new(Reports::default()),
             settled: Condvar::new(),
+            filed: AtomicU64::new(0),
         });
         let block_bytes = config.groups.iter().map(PageGroup::block_bytes).collect();
         Self::start(shared, stride, block_bytes, config.sum_tail)
@@ -511,8 +516,24 @@ impl PagedWorker {
             let r = self.shared.reports.lock();
             jobs.iter().filter_map(|j| r.due.get(j)).max().copied()
         };
+        // The poll looks at the reports only when one was filed since it
+        // last did, and only tries their lock: a poller that blocked on it
+        // while the settling thread files a report would sleep until woken,
+        // which costs more than the copy's wait.
+        let seen = std::cell::Cell::new(None);
+        let settled = || {
+            let filed = Some(self.shared.filed.load(Ordering::Acquire));
+            if filed == seen.get() {
+                return false;
+            }
+            let Some(r) = self.shared.reports.try_lock() else {
+                return false;
+            };
+            seen.set(filed);
+            !pending(&r)
+        };
         if let Some((at, spin)) = due
-            && poll_until_due(at, spin, || !pending(&self.shared.reports.lock()))
+            && poll_until_due(at, spin, settled)
         {
             return;
         }

@@ -18,6 +18,9 @@
 // destination share modulo its size is used; bytes before the first aligned
 // address and after the last whole vector are copied one by one.
 //
+// A plan of up to INLINE_RUNS runs can instead travel inside the launch's
+// parameters (`kvbm_copy_inline`): nothing is uploaded before the launch.
+//
 // Build with `cargo xtask kernels`; the fatbin is committed next to this file.
 
 #include <stdint.h>
@@ -92,41 +95,82 @@ __device__ __forceinline__ void copy_bytes(const uint8_t* src, uint8_t* dst, uin
     }
 }
 
-// `per_warp` != 0: each warp is a worker (many runs in flight per CTA, for
-// small runs and small grids); 0: each CTA is a worker.
+// Who this thread works for: with `per_warp` each warp is a worker (many
+// runs in flight per CTA, for small runs and small grids), otherwise each
+// CTA is.
+struct Worker {
+    uint64_t worker, workers, tid, nthreads;
+};
+
+__device__ __forceinline__ Worker this_worker(bool per_warp) {
+    if (per_warp) {
+        const uint64_t warps_per_cta = blockDim.x / 32;
+        return {(uint64_t)blockIdx.x * warps_per_cta + threadIdx.x / 32,
+                (uint64_t)gridDim.x * warps_per_cta, threadIdx.x % 32u, 32};
+    }
+    return {blockIdx.x, gridDim.x, threadIdx.x, blockDim.x};
+}
+
+// Walks the work items of `n_runs` runs: `run_at(r)` gives run r's source,
+// destination and length, and each item copies its part of one run.
+template <typename RunAt>
+__device__ __forceinline__ void copy_items(uint64_t n_runs, Worker me, RunAt run_at) {
+    const uint64_t parts = me.workers > n_runs ? me.workers / n_runs : 1;
+    const uint64_t items = n_runs * parts;
+    for (uint64_t w = me.worker; w < items; w += me.workers) {
+        const uint8_t* src;
+        uint8_t* dst;
+        uint64_t run_len;
+        run_at(w / parts, src, dst, run_len);
+        const uint64_t part = w % parts;
+        uint64_t part_len = (run_len + parts - 1) / parts;
+        part_len = (part_len + 15) & ~(uint64_t)15;
+        const uint64_t begin = part * part_len;
+        if (begin >= run_len) continue;
+        uint64_t len = run_len - begin;
+        if (len > part_len) len = part_len;
+        copy_bytes(src + begin, dst + begin, len, me.tid, me.nthreads);
+    }
+}
+
+// `per_warp` != 0: each warp is a worker; 0: each CTA is.
 extern "C" __global__ void kvbm_copy_runs(const CopyRun* __restrict__ runs,
                                           uint32_t n_runs,
                                           const uint64_t* __restrict__ src_bases,
                                           const uint64_t* __restrict__ dst_bases,
                                           uint32_t per_warp) {
     if (n_runs == 0) return;
-    uint64_t worker, workers, tid, nthreads;
-    if (per_warp) {
-        const uint64_t warps_per_cta = blockDim.x / 32;
-        worker = (uint64_t)blockIdx.x * warps_per_cta + threadIdx.x / 32;
-        workers = (uint64_t)gridDim.x * warps_per_cta;
-        tid = threadIdx.x % 32;
-        nthreads = 32;
-    } else {
-        worker = blockIdx.x;
-        workers = gridDim.x;
-        tid = threadIdx.x;
-        nthreads = blockDim.x;
-    }
-    const uint64_t parts = workers > n_runs ? workers / n_runs : 1;
-    const uint64_t items = (uint64_t)n_runs * parts;
-    for (uint64_t w = worker; w < items; w += workers) {
-        const CopyRun run = runs[w / parts];
-        const uint64_t part = w % parts;
-        uint64_t part_len = (run.len + parts - 1) / parts;
-        part_len = (part_len + 15) & ~(uint64_t)15;
-        const uint64_t begin = part * part_len;
-        if (begin >= run.len) continue;
-        uint64_t len = run.len - begin;
-        if (len > part_len) len = part_len;
-        const uint8_t* src =
-            reinterpret_cast<const uint8_t*>(src_bases[run.src_region] + run.src_offset + begin);
-        uint8_t* dst = reinterpret_cast<uint8_t*>(dst_bases[run.dst_region] + run.dst_offset + begin);
-        copy_bytes(src, dst, len, tid, nthreads);
-    }
+    copy_items(n_runs, this_worker(per_warp != 0),
+               [&](uint64_t r, const uint8_t*& src, uint8_t*& dst, uint64_t& len) {
+                   const CopyRun run = runs[r];
+                   src = reinterpret_cast<const uint8_t*>(src_bases[run.src_region] + run.src_offset);
+                   dst = reinterpret_cast<uint8_t*>(dst_bases[run.dst_region] + run.dst_offset);
+                   len = run.len;
+               });
+}
+
+// Runs a launch carries in its parameters (see `InlineRuns`).
+#define INLINE_RUNS 64
+
+// A small plan passed by value: no descriptor upload before the launch and
+// no read of descriptors from memory in the kernel. Addresses are resolved
+// on the host. Must match `InlineRuns` on the Rust side (#[repr(C)]).
+struct InlineRuns {
+    uint64_t src[INLINE_RUNS];
+    uint64_t dst[INLINE_RUNS];
+    uint64_t len[INLINE_RUNS];
+    uint32_t n_runs;
+};
+
+static_assert(sizeof(InlineRuns) == 3 * 8 * INLINE_RUNS + 8, "InlineRuns layout must match the Rust side");
+
+// Every warp is a worker.
+extern "C" __global__ void kvbm_copy_inline(const __grid_constant__ InlineRuns plan) {
+    if (plan.n_runs == 0) return;
+    copy_items(plan.n_runs, this_worker(true),
+               [&](uint64_t r, const uint8_t*& src, uint8_t*& dst, uint64_t& len) {
+                   src = reinterpret_cast<const uint8_t*>(plan.src[r]);
+                   dst = reinterpret_cast<uint8_t*>(plan.dst[r]);
+                   len = plan.len[r];
+               });
 }

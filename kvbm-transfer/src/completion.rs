@@ -207,7 +207,7 @@ fn poll_until(done: &AtomicBool, due: Due) {
 
 /// How long before a result's due time a blocked waiter stops sleeping
 /// and polls: more than a sleep can overrun by (the default timer slack).
-const SLEEP_MARGIN: Duration = Duration::from_micros(60);
+pub(crate) const SLEEP_MARGIN: Duration = Duration::from_micros(60);
 
 impl<T: Outcome> Completion<T> {
     /// A completion that is already resolved; costs no allocation.

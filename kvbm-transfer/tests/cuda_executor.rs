@@ -249,3 +249,48 @@ fn engine_tensors_wrapped_in_place_take_an_onboard() {
         }
     }
 }
+
+#[test]
+fn a_layout_is_released_once_its_copies_ended_and_a_new_one_is_copied_right() {
+    let Some(dev) = device_or_skip() else { return };
+    let copier = Arc::new(CudaCopier::new(&dev, CopierConfig::for_device(&dev)).unwrap());
+    let exec = Executor::builder()
+        .backend(Arc::new(CudaBackend::new(copier)))
+        .build()
+        .unwrap();
+    let pool = 8;
+    let (gpu_l, host_l) = layouts(pool);
+    let host = Placed::new(&dev, host_l.clone(), false, 11);
+    // Each round a new device layout takes a lone block (the backend
+    // remembers the tables it saw): its bytes are the host's, and once the
+    // copy ended and the layout is dropped nothing holds its memory.
+    for round in 0..3u64 {
+        let gpu = Placed::new(&dev, gpu_l.clone(), true, 20 + round);
+        let (s, d) = (round as usize, pool - 1 - round as usize);
+        exec.transfer(&host.phys, &gpu.phys, &[(s, d)])
+            .wait()
+            .unwrap();
+        let (h_img, g_img) = (host.image(), gpu.image());
+        for l in 0..4 {
+            for o in 0..2 {
+                assert_eq!(
+                    chunk_bytes(&gpu_l, &g_img, d, l, o),
+                    chunk_bytes(&host_l, &h_img, s, l, o),
+                    "round {round}"
+                );
+            }
+        }
+        let Placed { phys, device, .. } = gpu;
+        drop(phys);
+        // (The threads that resolved the copy let go of it just after the
+        // waiter woke.)
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        while device.iter().any(|b| Arc::strong_count(b) > 1) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "round {round}: memory still held"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+}

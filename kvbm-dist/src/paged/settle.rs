@@ -3,6 +3,7 @@
 //! the pages of a failed load are wiped, and a [`JobReport`] is filed.
 
 use std::collections::HashSet;
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::Receiver;
 use std::time::Instant;
 
@@ -86,6 +87,8 @@ pub(super) fn settle_loop(shared: &Shared, rx: Receiver<Pending>) {
         r.due.remove(&report.job);
         r.done.push(report);
         shared.settled.notify_all();
+        drop(r);
+        shared.filed.fetch_add(1, Ordering::Release);
     }
 }
 

@@ -8,8 +8,8 @@
 //! [`PinnedMemory::region`] and [`DeviceBuffer::region`], which keep the
 //! allocation alive for as long as any region points at it.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 
 use super::copier::{CopyOptions, CopyPath, CudaCopier, GpuLoad};
 use super::error::CudaError;
@@ -26,7 +26,22 @@ pub struct CudaBackend {
     ordinal: u32,
     load: AtomicU8,
     forced: Option<CopyPath>,
+    /// Region tables of recent jobs as the copier sees them: a tier's
+    /// layout hands the same table to every job, and describing its
+    /// regions anew each time costs a lone block's copy more than its
+    /// planning.
+    tables: Mutex<Vec<Table>>,
 }
+
+/// A job's region table (held weakly: the cache keeps no memory alive)
+/// and its regions described for the copier.
+struct Table {
+    regions: Weak<[MemoryRegion]>,
+    described: Arc<[Arc<dyn CudaRegion>]>,
+}
+
+/// Region tables [`CudaBackend`] remembers.
+const TABLES: usize = 8;
 
 impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -46,6 +61,7 @@ impl CudaBackend {
             copier,
             load: AtomicU8::new(0),
             forced: None,
+            tables: Mutex::new(Vec::new()),
         }
     }
 
@@ -77,30 +93,57 @@ impl CudaBackend {
         }
     }
 
+    /// `job`'s `side` table described for the copier, from the cache when
+    /// the table was seen before. The described regions do not keep the
+    /// memory alive: the copy holds the job's table for that.
     fn regions(
         &self,
         job: &TransferJob,
         side: Side,
-    ) -> Result<Vec<Arc<dyn CudaRegion>>, TransferError> {
-        job.regions(side)
+    ) -> Result<Arc<[Arc<dyn CudaRegion>]>, TransferError> {
+        let table = match side {
+            Side::Source => &job.src,
+            Side::Destination => &job.dst,
+        };
+        let mut tables = self.tables.lock().unwrap_or_else(|p| p.into_inner());
+        // A live weak reference keeps its table's allocation, so an equal
+        // address is the same table, never a new one in its place.
+        if let Some(t) = tables
             .iter()
-            .map(|r| {
-                let location = match r.kind() {
-                    MemoryKind::Pinned => Location::PinnedHost,
-                    MemoryKind::Device(o) if o == self.ordinal => Location::Device,
-                    other => {
-                        return Err(TransferError::InvalidRequest(format!(
-                            "the CUDA backend of device {} cannot address {other:?} memory",
-                            self.ordinal
-                        )));
-                    }
-                };
-                let addr = r.addr().ok_or_else(|| {
-                    TransferError::InvalidRequest("a file region reached the CUDA backend".into())
-                })?;
-                Ok(Arc::new(JobRegion::new(r, addr, location)) as Arc<dyn CudaRegion>)
-            })
-            .collect()
+            .find(|t| std::ptr::addr_eq(t.regions.as_ptr(), Arc::as_ptr(table)))
+        {
+            return Ok(Arc::clone(&t.described));
+        }
+        let described: Arc<[Arc<dyn CudaRegion>]> = table
+            .iter()
+            .map(|r| self.describe(r))
+            .collect::<Result<_, _>>()?;
+        tables.retain(|t| t.regions.strong_count() > 0);
+        if tables.len() >= TABLES {
+            tables.remove(0);
+        }
+        tables.push(Table {
+            regions: Arc::downgrade(table),
+            described: Arc::clone(&described),
+        });
+        Ok(described)
+    }
+
+    fn describe(&self, r: &MemoryRegion) -> Result<Arc<dyn CudaRegion>, TransferError> {
+        let location = match r.kind() {
+            MemoryKind::Pinned => Location::PinnedHost,
+            MemoryKind::Device(o) if o == self.ordinal => Location::Device,
+            other => {
+                return Err(TransferError::InvalidRequest(format!(
+                    "the CUDA backend of device {} cannot address {other:?} memory",
+                    self.ordinal
+                )));
+            }
+        };
+        let addr = r.addr().ok_or_else(|| {
+            TransferError::InvalidRequest("a file region reached the CUDA backend".into())
+        })?;
+        Ok(Arc::new(JobRegion::described(r, addr, location)))
     }
 }
 
@@ -137,11 +180,16 @@ impl TransferBackend for CudaBackend {
             path: self.forced,
             load: self.gpu_load(),
         };
+        // The job's tables keep its memory alive until the copy completed.
+        let held = (Arc::clone(&job.src), Arc::clone(&job.dst));
         match self
             .copier
-            .copy_shared(Arc::clone(&job.runs), &src, &dst, opts)
+            .copy_tables(Arc::clone(&job.runs), &src, &dst, opts)
         {
-            Ok(done) => done.map(|r| r.map_err(to_transfer_error)),
+            Ok(done) => done.map(move |r| {
+                drop(held);
+                r.map_err(to_transfer_error)
+            }),
             Err(e) => Completion::ready(Err(to_transfer_error(e))),
         }
     }
@@ -173,9 +221,10 @@ pub fn to_transfer_error(e: CudaError) -> TransferError {
 }
 
 /// A job's region as the copier sees it; holds the region (and so its
-/// owner) until the copy completes.
+/// owner) until the copy completes, unless made by
+/// [`JobRegion::described`].
 pub(crate) struct JobRegion {
-    _region: MemoryRegion,
+    _region: Option<MemoryRegion>,
     addr: u64,
     len: usize,
     location: Location,
@@ -187,6 +236,15 @@ impl JobRegion {
     /// alive, and knows its allocation where the region's owner is memory
     /// this module made or wrapped.
     pub(crate) fn new(region: &MemoryRegion, addr: u64, location: Location) -> Self {
+        JobRegion {
+            _region: Some(region.clone()),
+            ..Self::described(region, addr, location)
+        }
+    }
+
+    /// [`JobRegion::new`] without holding the region: whoever copies it
+    /// must keep the region alive until the copy completed.
+    pub(crate) fn described(region: &MemoryRegion, addr: u64, location: Location) -> Self {
         let owner = region.owner();
         let allocation = owner
             .and_then(|o| o.downcast_ref::<DeviceBuffer>())
@@ -197,7 +255,7 @@ impl JobRegion {
                     .and_then(CudaRegion::allocation)
             });
         JobRegion {
-            _region: region.clone(),
+            _region: None,
             addr,
             len: region.len() as usize,
             location,

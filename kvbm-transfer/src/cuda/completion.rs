@@ -10,12 +10,12 @@
 //!
 //! The driver's wake-up after the GPU's interrupt is slow, a noticeable
 //! share of even a large copy. So for host ↔ device copies the watcher
-//! first sleeps until the copy can have ended at the earliest (its bytes at
-//! line rate, counted from the call), then polls the event: busily for a
-//! short budget (0.5 ms by default), then with short sleeps between queries
-//! (every 20 µs, with a 1 µs timer slack on the watcher thread) for at most
-//! as long again as the copy's shortest duration, and only then sleeps in
-//! the driver. The second phase is for copies that run well below line rate
+//! first sleeps until shortly before the copy can have ended at the
+//! earliest (its bytes at line rate, counted from the call), then polls the
+//! event: busily until a short budget (0.5 ms by default) past that end,
+//! then with short sleeps between queries (every 20 µs, with a 1 µs timer
+//! slack on the watcher thread) for at most as long again as the copy's
+//! shortest duration, and only then sleeps in the driver. The second phase is for copies that run well below line rate
 //! — each direction of an onboard and an offload at once, a copy behind the
 //! model's kernels — which outlast the busy budget and would otherwise pay
 //! the driver's wake-up; it costs a query per interval, not a core.
@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 use super::device::CudaDevice;
 use super::error::{CudaError, CudaResult};
 use super::handles::{Event, EventKind, Stream};
-use crate::completion::{Completer, Outcome, completion_pair};
+use crate::completion::{Completer, Outcome, SLEEP_MARGIN, completion_pair};
 
 /// The outcome of one CUDA copy: the crate's [`crate::Completion`] (a
 /// future, a blocking wait or a callback), resolved by the driver's verdict.
@@ -95,7 +95,14 @@ pub(crate) struct Watcher {
     thread: Option<JoinHandle<()>>,
     /// When the copies handed over so far can end at the earliest.
     busy_until: Mutex<Option<Instant>>,
+    /// Completion events whose copies ended, for the next copies to record
+    /// (creating and destroying an event costs driver calls on the way of
+    /// every copy).
+    spare: Arc<Mutex<Vec<Event>>>,
 }
+
+/// Most spare events a watcher keeps.
+const SPARE_EVENTS: usize = 64;
 
 impl Watcher {
     /// Starts a watcher thread named `name`; `poll_followed` says whether
@@ -104,9 +111,11 @@ impl Watcher {
     pub(crate) fn spawn(device: &CudaDevice, name: &str, poll_followed: bool) -> CudaResult<Self> {
         let (tx, rx) = channel::<Watch>();
         let device = device.clone();
+        let spare = Arc::new(Mutex::new(Vec::new()));
+        let spare_back = Arc::clone(&spare);
         let thread = std::thread::Builder::new()
             .name(name.into())
-            .spawn(move || watch_loop(&device, rx, poll_followed))
+            .spawn(move || watch_loop(&device, rx, poll_followed, &spare_back))
             .map_err(|e| CudaError::Os {
                 call: "thread spawn",
                 source: Arc::new(e),
@@ -115,6 +124,7 @@ impl Watcher {
             tx: Some(tx),
             thread: Some(thread),
             busy_until: Mutex::new(None),
+            spare,
         })
     }
 
@@ -164,7 +174,9 @@ impl Watcher {
             Completer<CudaResult<()>>,
         ),
     > {
-        let event = match Event::new(stream.device(), EventKind::Blocking) {
+        let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let event = match spare.map_or_else(|| Event::new(stream.device(), EventKind::Blocking), Ok)
+        {
             Ok(e) => e,
             Err(e) => return Err((e, keep_alive, completer)),
         };
@@ -221,7 +233,12 @@ impl Drop for Watcher {
     }
 }
 
-fn watch_loop(device: &CudaDevice, rx: Receiver<Watch>, poll_followed: bool) {
+fn watch_loop(
+    device: &CudaDevice,
+    rx: Receiver<Watch>,
+    poll_followed: bool,
+    spare: &Mutex<Vec<Event>>,
+) {
     let bound = device.bind();
     // SAFETY: PR_SET_TIMERSLACK takes an unsigned long of nanoseconds and
     // changes only this thread's timer slack (so its 20 µs polling sleeps
@@ -243,17 +260,23 @@ fn watch_loop(device: &CudaDevice, rx: Receiver<Watch>, poll_followed: bool) {
             }
             Err(e) => Err(e.clone()),
         };
-        drop(w.event);
-        drop(w.keep_alive);
+        // The copy ended: whoever waits for it learns first, and what it
+        // kept alive goes after.
+        let ok = result.is_ok();
         w.completer.complete(result);
+        drop(w.keep_alive);
+        let mut spare = spare.lock().unwrap_or_else(|p| p.into_inner());
+        if ok && spare.len() < SPARE_EVENTS {
+            spare.push(w.event);
+        }
     }
 }
 
-/// Sleeps until the earliest end, polls `event` busily for the budget,
-/// then every interval until the deadline; returns when it fired, failed,
-/// or the polling ran out (the caller then sleeps in the driver). Unless
-/// `poll_followed`, it stops polling as soon as `is_followed()` says
-/// another copy is queued behind this one.
+/// Sleeps until shortly before the earliest end, polls `event` busily
+/// until the budget past it, then every interval until the deadline;
+/// returns when it fired, failed, or the polling ran out (the caller then
+/// sleeps in the driver). Unless `poll_followed`, it stops polling as soon
+/// as `is_followed()` says another copy is queued behind this one.
 fn poll_until_done(
     event: &Event,
     poll: Poll,
@@ -266,11 +289,14 @@ fn poll_until_done(
     if cut && is_followed() {
         return;
     }
+    // Sleeping right up to the earliest end risks waking after it (a
+    // sleeping thread's wake-up on a virtual machine can outlast a small
+    // copy): sleep until shortly before, then poll.
     let now = Instant::now();
-    if poll.from > now {
-        std::thread::sleep(poll.from - now);
+    if poll.from > now + SLEEP_MARGIN {
+        std::thread::sleep(poll.from - now - SLEEP_MARGIN);
     }
-    let busy_until = Instant::now() + poll.busy;
+    let busy_until = poll.from.max(Instant::now()) + poll.busy;
     while pending() {
         if Instant::now() >= busy_until || (cut && is_followed()) {
             break;

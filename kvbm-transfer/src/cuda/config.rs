@@ -86,6 +86,12 @@ pub(crate) const IDLE_THREADS: u32 = 512;
 /// offload and an onboard kernel fit on the GPU at the same time.
 pub(crate) const IDLE_MAX_CTAS: u32 = 64;
 
+/// Kernel path, idle GPU: a warp for every this many bytes (or for every
+/// run, when that is more), up to `IDLE_MAX_CTAS`. A small copy reading
+/// pinned memory across the host link moves only as fast as it has loads in
+/// flight, so a lone block is spread wide.
+pub(crate) const IDLE_WARP_BYTES: u64 = 4 << 10;
+
 /// Kernel path, busy GPU: threads per CTA.
 pub(crate) const BUSY_THREADS: u32 = 512;
 

@@ -32,15 +32,15 @@ use std::time::{Duration, Instant};
 use super::completion::{Completion, PollPlan};
 pub use super::config::CopierConfig;
 use super::config::{
-    BUSY_THREADS, CALLER_CHUNKS, IDLE_MAX_CTAS, IDLE_THREADS, MIN_FAMILY_HEIGHT, RAMP_CHUNKS,
-    STAGED_THREADS, WAKE_POLL_INTERVAL_US,
+    BUSY_THREADS, CALLER_CHUNKS, IDLE_MAX_CTAS, IDLE_THREADS, IDLE_WARP_BYTES, MIN_FAMILY_HEIGHT,
+    RAMP_CHUNKS, STAGED_THREADS, WAKE_POLL_INTERVAL_US,
 };
 use super::device::CudaDevice;
 use super::dma::enqueue_strided;
 use super::error::{CudaError, CudaResult};
 use super::feeder::Feeder;
 use super::handles::Stream;
-use super::kernel::Grid;
+use super::kernel::{Grid, InlineRuns};
 use super::lanes::{DescPool, Lane};
 use super::memory::{CudaRegion, Location, allocation_bounds};
 use super::pinned::registration_bounds;
@@ -282,7 +282,8 @@ impl CudaCopier {
         dst: &[Arc<dyn CudaRegion>],
         opts: CopyOptions,
     ) -> CudaResult<Completion> {
-        self.start(runs, None, src, dst, opts)
+        let hold = || held(src, dst);
+        self.start(runs, None, src, dst, opts, &hold)
     }
 
     /// [`CudaCopier::copy`] of a plan the caller shares rather than lends:
@@ -302,12 +303,31 @@ impl CudaCopier {
         opts: CopyOptions,
     ) -> CudaResult<Completion> {
         let plan = Arc::clone(&runs);
-        self.start(&plan, Some(runs), src, dst, opts)
+        let hold = || held(src, dst);
+        self.start(&plan, Some(runs), src, dst, opts, &hold)
+    }
+
+    /// [`CudaCopier::copy_shared`] over region tables the caller keeps
+    /// (the CUDA backend's, reused from job to job): the copy holds the two
+    /// tables until it completes rather than a copy of each.
+    pub(crate) fn copy_tables(
+        &self,
+        runs: Arc<[CopyRun]>,
+        src: &Arc<[Arc<dyn CudaRegion>]>,
+        dst: &Arc<[Arc<dyn CudaRegion>]>,
+        opts: CopyOptions,
+    ) -> CudaResult<Completion> {
+        let plan = Arc::clone(&runs);
+        let hold = || -> Vec<Box<dyn Any + Send>> {
+            vec![Box::new(Arc::clone(src)), Box::new(Arc::clone(dst))]
+        };
+        self.start(&plan, Some(runs), src, dst, opts, &hold)
     }
 
     /// Starts a copy of `runs` (`shared` with the staging ring's feeder
     /// when the caller shares the plan): checks it, picks its path and
-    /// lane, enqueues it and hands it to the lane's watcher.
+    /// lane, enqueues it and hands it to the lane's watcher, with what
+    /// `hold` gives to keep the regions alive until it completed.
     fn start(
         &self,
         runs: &[CopyRun],
@@ -315,6 +335,7 @@ impl CudaCopier {
         src: &[Arc<dyn CudaRegion>],
         dst: &[Arc<dyn CudaRegion>],
         opts: CopyOptions,
+        hold: &dyn Fn() -> Vec<Box<dyn Any + Send>>,
     ) -> CudaResult<Completion> {
         let entered = Instant::now();
         let dir = direction(src, dst)?;
@@ -335,7 +356,18 @@ impl CudaCopier {
         if path == CopyPath::Staged
             && let Some(ring) = self.staged.get(dir.index())
         {
-            return self.staged(ring, runs, shared, src, dst, lens, dir, entered, opts.load);
+            return self.staged(
+                ring,
+                runs,
+                shared,
+                src,
+                dst,
+                lens,
+                dir,
+                entered,
+                opts.load,
+                hold(),
+            );
         }
         let (total, n_runs) = lens.check_plan(runs, None)?;
         if total == 0 {
@@ -362,8 +394,7 @@ impl CudaCopier {
             }
         )
         .entered();
-        let mut keep: Vec<Box<dyn Any + Send>> =
-            vec![Box::new(src.to_vec()), Box::new(dst.to_vec())];
+        let mut keep = hold();
         let spin = self.poll_plan(dir, entered, total);
         let lanes = &self.lanes[dir.index()];
         let lane =
@@ -495,6 +526,7 @@ impl CudaCopier {
         dir: Direction,
         entered: Instant,
         load: GpuLoad,
+        keep: Vec<Box<dyn Any + Send>>,
     ) -> CudaResult<Completion> {
         let _span = tracing::debug_span!(
             "cuda_copy",
@@ -522,7 +554,7 @@ impl CudaCopier {
             lens,
             host,
             progress: None,
-            keep: vec![Box::new(src.to_vec()), Box::new(dst.to_vec())],
+            keep,
             // (The shortest duration is set once the bytes are known.)
             spin: self.poll_plan(dir, entered, 0),
             completer,
@@ -551,14 +583,11 @@ impl CudaCopier {
         Some(super::timeline::report(t))
     }
 
-    /// Uploads `part`'s descriptors and launches the copy kernel over them
-    /// on the lane's kernel stream. (Launching the first runs ahead of the
-    /// rest, to start the GPU sooner, gained nothing; not kept. Nor did
-    /// letting the kernel read them in place from mapped pinned memory, as
-    /// the staged path does: a kernel copy beside a copy-engine copy in the
-    /// other direction moved no more either way, and a single block took
-    /// longer; not kept. See `docs/benchmarks.md`, "Choices measured and
-    /// removed".)
+    /// Launches the copy kernel over `part` on the lane's kernel stream: a
+    /// part of up to [`INLINE_RUNS`](super::kernel::INLINE_RUNS) runs
+    /// travels in the launch's parameters (a lone block's pages start
+    /// moving with no upload ahead of them); a larger one has its
+    /// descriptors uploaded first.
     fn launch_part(
         &self,
         lane: &Lane,
@@ -568,6 +597,26 @@ impl CudaCopier {
         load: GpuLoad,
         keep: &mut Vec<Box<dyn Any + Send>>,
     ) -> CudaResult<()> {
+        let total = part.iter().map(|r| r.len).sum();
+        let grid = self.kernel_grid(part.len(), total, load);
+        let inline = InlineRuns::new(part.iter().map(|r| {
+            (
+                src_bases[r.src_region as usize] + r.src_offset,
+                dst_bases[r.dst_region as usize] + r.dst_offset,
+                r.len,
+            )
+        }));
+        if let Some(plan) = inline {
+            // SAFETY: every run was bounds-checked against its region,
+            // whose base the address adds its offset to, and the regions
+            // are kept alive (in `keep`) until completion.
+            return unsafe {
+                self.device
+                    .inner
+                    .kernel
+                    .launch_inline(&lane.kernel_stream, grid, &plan)
+            };
+        }
         // SAFETY: the lease goes into `keep` before anything can fail,
         // and `keep` is released only after the copy completed (or, on an
         // error, after the lane drained).
@@ -581,8 +630,6 @@ impl CudaCopier {
             desc.table_ptr(src_bases.len()),
         );
         keep.push(Box::new(desc));
-        let total = part.iter().map(|r| r.len).sum();
-        let grid = self.kernel_grid(part.len(), total, load);
         // SAFETY: the descriptor holds `part` and both base tables in device
         // memory; every run was bounds-checked against its region, and the
         // regions and the descriptor are kept alive (in `keep`) until
@@ -641,8 +688,8 @@ impl CudaCopier {
                 threads: BUSY_THREADS,
             },
             GpuLoad::Idle => {
-                // One warp per run (or per 64 KiB), up to the cap.
-                let items = (n_runs as u64).max(total / (64 << 10)).max(1);
+                // One warp per run (or per IDLE_WARP_BYTES), up to the cap.
+                let items = (n_runs as u64).max(total / IDLE_WARP_BYTES).max(1);
                 let per_cta = u64::from(IDLE_THREADS / 32).max(1);
                 Grid {
                     ctas: items.div_ceil(per_cta).min(u64::from(IDLE_MAX_CTAS)).max(1) as u32,
@@ -651,6 +698,12 @@ impl CudaCopier {
             }
         }
     }
+}
+
+/// What a copy of `src` and `dst` keeps alive until it completed: the
+/// regions.
+fn held(src: &[Arc<dyn CudaRegion>], dst: &[Arc<dyn CudaRegion>]) -> Vec<Box<dyn Any + Send>> {
+    vec![Box::new(src.to_vec()), Box::new(dst.to_vec())]
 }
 
 /// Figures out the direction and checks the locations are consistent.

@@ -1,5 +1,6 @@
 //! Loading the committed fatbins, and launching the gather/scatter copy
-//! kernel.
+//! kernel: over a run list in device-readable memory, or, for a plan of up
+//! to [`INLINE_RUNS`] runs, over runs carried in the launch's parameters.
 //!
 //! The CUDA C source is `kernels/copy_runs.cu`; `cargo xtask kernels` rebuilds
 //! `kernels/copy_runs.fatbin` (sm_80, sm_90 and compute_90 PTX), which is
@@ -19,6 +20,51 @@ static FATBIN: &[u8] = include_bytes!("../../kernels/copy_runs.fatbin");
 
 /// Name of the kernel entry point in the fatbin.
 const ENTRY: &std::ffi::CStr = c"kvbm_copy_runs";
+
+/// Name of the entry point whose runs travel in its parameters.
+const INLINE_ENTRY: &std::ffi::CStr = c"kvbm_copy_inline";
+
+/// Most runs a launch carries in its parameters (`INLINE_RUNS` in the
+/// kernel source).
+pub(crate) const INLINE_RUNS: usize = 64;
+
+/// A plan of at most [`INLINE_RUNS`] runs, addresses resolved, passed by
+/// value to the kernel: the launch carries it, so no descriptor upload
+/// precedes the copy. Matches `InlineRuns` in the kernel source.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct InlineRuns {
+    src: [u64; INLINE_RUNS],
+    dst: [u64; INLINE_RUNS],
+    len: [u64; INLINE_RUNS],
+    n_runs: u32,
+}
+
+// The kernel source asserts the same size.
+const _: () = assert!(std::mem::size_of::<InlineRuns>() == 3 * 8 * INLINE_RUNS + 8);
+
+impl InlineRuns {
+    /// The runs `(source address, destination address, bytes)`; `None`
+    /// when there are more than [`INLINE_RUNS`].
+    pub(crate) fn new(runs: impl ExactSizeIterator<Item = (u64, u64, u64)>) -> Option<Self> {
+        if runs.len() > INLINE_RUNS {
+            return None;
+        }
+        let mut plan = InlineRuns {
+            src: [0; INLINE_RUNS],
+            dst: [0; INLINE_RUNS],
+            len: [0; INLINE_RUNS],
+            n_runs: 0,
+        };
+        for (i, (src, dst, len)) in runs.enumerate() {
+            plan.src[i] = src;
+            plan.dst[i] = dst;
+            plan.len[i] = len;
+            plan.n_runs += 1;
+        }
+        Some(plan)
+    }
+}
 
 /// A loaded fatbin, unloaded on drop; kernels hold it alive.
 pub(crate) struct Module {
@@ -82,9 +128,10 @@ impl Drop for Module {
     }
 }
 
-/// The copy kernel: its module and entry point.
+/// The copy kernel: its module and entry points.
 pub(crate) struct CopyKernel {
     func: CUfunction,
+    inline: CUfunction,
     _module: Module,
 }
 
@@ -108,8 +155,10 @@ impl CopyKernel {
     pub(crate) fn load(ctx: &Arc<CudaContext>) -> CudaResult<Self> {
         let module = Module::load(ctx, FATBIN)?;
         let func = module.function(ENTRY)?;
+        let inline = module.function(INLINE_ENTRY)?;
         Ok(CopyKernel {
             func,
+            inline,
             _module: module,
         })
     }
@@ -163,5 +212,65 @@ impl CopyKernel {
                 std::ptr::null_mut(),
             )
         })
+    }
+
+    /// Enqueues one launch copying the runs of `plan` on `stream`, each
+    /// warp a worker.
+    ///
+    /// # Safety
+    /// Every run's byte ranges must be valid device-accessible memory until
+    /// the launch completes. The stream must belong to the kernel's
+    /// context, and that context be current.
+    pub(crate) unsafe fn launch_inline(
+        &self,
+        stream: &Stream,
+        grid: Grid,
+        plan: &InlineRuns,
+    ) -> CudaResult<()> {
+        let mut plan = *plan;
+        let mut params: [*mut c_void; 1] = [(&mut plan as *mut InlineRuns).cast()];
+        // SAFETY: `params` matches the kernel's signature (one
+        // `InlineRuns` by value, the same `repr(C)` layout) and lives across
+        // the call, which copies it; the caller guarantees the memory the
+        // runs address.
+        check("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                self.inline,
+                grid.ctas.max(1),
+                1,
+                1,
+                grid.threads,
+                1,
+                1,
+                0,
+                stream.raw(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plan_travels_inline_up_to_its_capacity_and_no_further() {
+        let runs = |n: usize| {
+            (0..n as u64)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .map(|i| (i, 100 + i, 16 * (i + 1)))
+        };
+        let full = InlineRuns::new(runs(INLINE_RUNS)).expect("fits");
+        assert_eq!(full.n_runs as usize, INLINE_RUNS);
+        assert_eq!(
+            (full.src[63], full.dst[63], full.len[63]),
+            (63, 163, 16 * 64)
+        );
+        let one = InlineRuns::new(runs(1)).expect("fits");
+        assert_eq!((one.n_runs, one.len[0], one.len[1]), (1, 16, 0));
+        assert!(InlineRuns::new(runs(INLINE_RUNS + 1)).is_none());
     }
 }

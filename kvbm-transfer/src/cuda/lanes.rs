@@ -6,8 +6,9 @@
 //! whose slots are handed between the two streams with events, and the
 //! watcher thread that resolves completions. Descriptor buffers hold a
 //! kernel's run list and base tables in pinned host memory, mapped for the
-//! GPU: the kernel path uploads them to the device, the staged path lets
-//! its kernels read them in place. They are pooled and returned only after
+//! GPU: the kernel path uploads them to the device (for a plan of more runs
+//! than a launch carries in its parameters), the staged path lets its
+//! kernels read them in place. They are pooled and returned only after
 //! the copy using them completed.
 
 use std::ffi::c_void;
