@@ -177,6 +177,8 @@ class OffloadSide:
         out.update({f"loaded_group_{g}": n for g, n in m["loaded_per_group"].items()})
         if "loaded_from_g4" in m:
             out["g4_to_g1_blocks"] = m["loaded_from_g4"]
+            out["g4_unplaced"] = m["g4_unplaced"]
+        out["doomed_keys"] = m["damaged"]
         w = self._worker()
         if w is not None:
             out["verify_mismatches"] = w.failed_blocks

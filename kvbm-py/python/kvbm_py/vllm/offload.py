@@ -248,6 +248,9 @@ class KvbmOffloadingManager(OffloadingManager):
         self._fetching: set[OffloadKey] = set()
         #: Keys of the loads that failed, while vLLM completes them.
         self.failing: set[OffloadKey] = set()
+        #: Requests whose load was set to fail because a block fetched from
+        #: G4 found every host slot busy: their keys are sound, and stay.
+        self.unplaced: set[str] = set()
         self.g4: G4Lookups | None = None
         if spec.g4 is not None and spec.g4_identity is not None:
             # The scheduler lends the store no memory: it only asks.
@@ -285,6 +288,8 @@ class KvbmOffloadingManager(OffloadingManager):
         sources = iter(self.books.pin([k for k, r in zip(keys, ready, strict=True) if r]))
         fetched = [k for k, r in zip(keys, ready, strict=True) if not r]
         placed, demote, leaving, broken = self._reserve_fetched(fetched)
+        if broken:
+            self.unplaced.add(req_context.req_id)
         slots, disk, fetch = [], [], []
         for i, (key, r) in enumerate(zip(keys, ready, strict=True)):
             on_disk, slot = next(sources) if r else (False, placed.get(key, 0))
@@ -423,6 +428,7 @@ class KvbmOffloadingManager(OffloadingManager):
         # The retention hint a request carries (``kvbm_retention`` in its
         # kv_transfer_params) ranks every key it asked for.
         self.books.finish(req_context.req_id, retention_of(req_context.kv_transfer_params))
+        self.unplaced.discard(req_context.req_id)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         events, self._events = self._events, []
@@ -705,21 +711,30 @@ class KvbmOffloadingConnector(OffloadingConnector):
 
     def update_connector_output(self, connector_output: Any) -> None:
         """The scheduler's half of a failed load: the keys that request
-        was loading are never loaded again."""
+        was loading are never loaded again, unless the load failed only
+        because a block fetched from G4 found no host slot."""
         failed = connector_output.failed_recving
+        failing: list[OffloadKey] = []
         damaged: list[OffloadKey] = []
+        manager = getattr(self.connector_scheduler, "manager", None)
         if failed:
             sched = self.connector_scheduler
-            assert sched is not None
+            assert sched is not None and isinstance(manager, KvbmOffloadingManager)
             for job in sched._jobs.values():
                 if not job.is_store and job.req_id in failed:
-                    damaged.extend(job.keys)
-        manager = getattr(self.connector_scheduler, "manager", None)
-        if damaged:
+                    failing.extend(job.keys)
+                    # A load that failed only for want of a host slot
+                    # damaged nothing: its keys are not forgotten.
+                    if job.req_id not in manager.unplaced:
+                        damaged.extend(job.keys)
+            manager.unplaced.difference_update(failed)
+        if failing:
             assert isinstance(manager, KvbmOffloadingManager)
-            manager.failing.update(damaged)
+            manager.failing.update(failing)
         super().update_connector_output(connector_output)
-        if damaged:
+        if failing:
             assert isinstance(manager, KvbmOffloadingManager)
             manager.failing.clear()
+        if damaged:
+            assert isinstance(manager, KvbmOffloadingManager)
             manager.forget_damaged(damaged)
