@@ -28,10 +28,9 @@
 //! offloads in flight then costs a sleeping thread rather than a spinning
 //! one: the watcher of a stream of small offloads then uses a small
 //! fraction of a core where polling every copy keeps it busy much of the
-//! time, for the same rate (`docs/benchmarks.md`, "Choices measured and
-//! removed"). Onboards are polled whatever follows them: a request waits on
-//! each, and the driver's wake-up would add itself to the wait of every
-//! onboard but the last of a queue.
+//! time, for the same rate. Onboards are polled whatever follows them: a
+//! request waits on each, and the driver's wake-up would add itself to the
+//! wait of every onboard but the last of a queue.
 
 use std::any::Any;
 use std::collections::VecDeque;

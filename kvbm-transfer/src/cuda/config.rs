@@ -1,8 +1,7 @@
 //! The copier's settings: the few a deployment may want to change, sized
 //! from the device by [`CopierConfig::for_device`], and the fixed constants
 //! the copy paths use (`docs/benchmarks.md`, "CUDA copies between G1 and
-//! G2" and "Choices measured and removed", has the measurements behind
-//! them).
+//! G2", has the measurements behind them).
 
 use super::device::CudaDevice;
 

@@ -6,7 +6,7 @@
 //! call). When one thread submits an onboard and then an offload, the
 //! offload's first chunk reaches the GPU only after the whole onboard has
 //! been enqueued, and a copy of small runs loses a sizeable share of its
-//! time that way (`docs/benchmarks.md`, "Choices measured and removed").
+//! time that way.
 //! With a feeder per ring the two copies are enqueued by two threads at the
 //! same time. A lone copy does not wait for this thread to wake: when the
 //! ring has nothing queued, the caller enqueues the first chunks itself and

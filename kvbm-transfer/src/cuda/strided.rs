@@ -12,7 +12,7 @@
 //! a few KiB (each costs the driver a fixed time, longer than the engine
 //! needs to move the run); one per block takes a few calls, and what
 //! remains is the engine's own cost per line, which still shows at the
-//! smallest runs (`docs/benchmarks.md`, "Choices measured and removed").
+//! smallest runs.
 //!
 //! [`strided_copies`] finds the families. A family never spans a boundary
 //! in `src_bounds` / `dst_bounds` (host registration chunks, device

@@ -16,8 +16,7 @@
 //! do not come here at all where there are cores to spare: they go to the
 //! mapped engine ([`BufferedIo`](super::BufferedIo)), because in a page
 //! cache → GPU pipeline the punted reads slow to a fraction of their rate
-//! alone, with every completion on the ring thread's CPU
-//! (`docs/benchmarks.md`, "Choices measured and removed").
+//! alone, with every completion on the ring thread's CPU.
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
