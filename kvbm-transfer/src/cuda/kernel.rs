@@ -195,23 +195,9 @@ impl CopyKernel {
             (&mut per_warp as *mut u32).cast(),
         ];
         // SAFETY: `params` matches the kernel's signature (pointer, u32,
-        // pointer, pointer, u32) and lives across the call, which copies it; the
-        // caller guarantees the pointed-to memory.
-        check("cuLaunchKernel", unsafe {
-            sys::cuLaunchKernel(
-                self.func,
-                grid.ctas.max(1),
-                1,
-                1,
-                grid.threads,
-                1,
-                1,
-                0,
-                stream.raw(),
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        })
+        // pointer, pointer, u32); the caller guarantees the pointed-to
+        // memory, the stream and the context.
+        unsafe { launch(self.func, stream, grid, &mut params) }
     }
 
     /// Enqueues one launch copying the runs of `plan` on `stream`, each
@@ -230,25 +216,41 @@ impl CopyKernel {
         let mut plan = *plan;
         let mut params: [*mut c_void; 1] = [(&mut plan as *mut InlineRuns).cast()];
         // SAFETY: `params` matches the kernel's signature (one
-        // `InlineRuns` by value, the same `repr(C)` layout) and lives across
-        // the call, which copies it; the caller guarantees the memory the
-        // runs address.
-        check("cuLaunchKernel", unsafe {
-            sys::cuLaunchKernel(
-                self.inline,
-                grid.ctas.max(1),
-                1,
-                1,
-                grid.threads,
-                1,
-                1,
-                0,
-                stream.raw(),
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        })
+        // `InlineRuns` by value, the same `repr(C)` layout); the caller
+        // guarantees the memory the runs address, the stream and the
+        // context.
+        unsafe { launch(self.inline, stream, grid, &mut params) }
     }
+}
+
+/// Enqueues one launch of `func` over `grid` on `stream`.
+///
+/// # Safety
+/// `params` must point to the kernel's arguments, in its signature's order
+/// and types (the call copies them); the stream must belong to the
+/// function's context, current on this thread.
+unsafe fn launch(
+    func: CUfunction,
+    stream: &Stream,
+    grid: Grid,
+    params: &mut [*mut c_void],
+) -> CudaResult<()> {
+    // SAFETY: the caller's promise.
+    check("cuLaunchKernel", unsafe {
+        sys::cuLaunchKernel(
+            func,
+            grid.ctas.max(1),
+            1,
+            1,
+            grid.threads,
+            1,
+            1,
+            0,
+            stream.raw(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    })
 }
 
 #[cfg(test)]
