@@ -251,6 +251,10 @@ class KvbmOffloadingManager(OffloadingManager):
         #: Requests whose load was set to fail because a block fetched from
         #: G4 found every host slot busy: their keys are sound, and stay.
         self.unplaced: set[str] = set()
+        #: Hits answered this scheduling step to requests whose load is not
+        #: prepared yet: host slots their loads will pin or fill.
+        self._promised: dict[str, int] = {}
+        self._host_slots = spec.slots
         self.g4: G4Lookups | None = None
         if spec.g4 is not None and spec.g4_identity is not None:
             # The scheduler lends the store no memory: it only asks.
@@ -272,18 +276,33 @@ class KvbmOffloadingManager(OffloadingManager):
 
     def _lookup_with_g4(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """A host or disk hit, else what G4 is known to hold: ``RETRY``
-        while that is being asked (see :mod:`kvbm_py.vllm.offload_g4`)."""
+        while that is being asked (see :mod:`kvbm_py.vllm.offload_g4`). A
+        block G4 holds is a miss while no host slot is left for it: the
+        request computes it rather than fail its whole load."""
+        req = req_context.req_id
         found = self._books_lookup(key, req_context)
         if found is LookupResult.HIT or self.books.lookup(key) != 0:
+            if found is LookupResult.HIT:
+                self._promised[req] = self._promised.get(req, 0) + 1
             return found
         assert self.g4 is not None
         held = self.g4.held(key)
         if held is None:
             return LookupResult.RETRY
-        return LookupResult.HIT if held else LookupResult.MISS
+        if not held or self._free_host_slots() <= 0:
+            return LookupResult.MISS
+        self._promised[req] = self._promised.get(req, 0) + 1
+        return LookupResult.HIT
+
+    def _free_host_slots(self) -> int:
+        """Host slots a fetch from G4 could take now: those no store fills
+        and no load reads, less those promised to this step's hits."""
+        c = self.books.counts()
+        return self._host_slots - c["writing"] - c["reading"] - sum(self._promised.values())
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         keys = list(keys)
+        self._promised.pop(req_context.req_id, None)
         ready = [self.g4 is None or self.books.lookup(k) == 2 for k in keys]
         sources = iter(self.books.pin([k for k, r in zip(keys, ready, strict=True) if r]))
         fetched = [k for k, r in zip(keys, ready, strict=True) if not r]
@@ -461,7 +480,9 @@ class KvbmOffloadingManager(OffloadingManager):
             self.g4.forget(keys)
 
     def on_schedule_end(self, context: Any) -> None:
-        # The keys asked about this step go to G4 in one query.
+        # The keys asked about this step go to G4 in one query; the hits
+        # promised to requests this step did not schedule lapse.
+        self._promised.clear()
         if self.g4 is not None:
             self.g4.flush()
 

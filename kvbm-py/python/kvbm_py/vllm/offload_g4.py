@@ -10,7 +10,9 @@ published there.
   when the step ends. The request is asked about again the next step,
   when the answer is known: the scheduler never waits for the store.
 - A key G4 holds is loaded like a host-tier hit, from a host slot the
-  books reserve for it: the load job names the keys to fetch first.
+  books reserve for it: the load job names the keys to fetch first. While
+  no host slot is left for it (every slot filled by a store, read by a
+  load, or promised to this step's hits), it is a miss instead.
 - In each rank, :class:`G4Mover` runs on a thread of its own what touches
   the store: it gets a load's fetched blocks into their slots, checks
   each against the checksum it was published with, and only then starts
