@@ -19,7 +19,7 @@ use kvbm_transfer::memory::Owner;
 use parking_lot::Mutex;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::PyString;
+use pyo3::types::{PyBytes, PyList, PyString};
 
 use crate::error::{ErrorKind, PyKvbmError, Result};
 use crate::scheduler::{RetentionArg, parse_policy, retention_hint, sequence_hash};
@@ -42,6 +42,34 @@ pub fn offload_key(key: &[u8]) -> Result<SequenceHash> {
     Ok(SequenceHash(
         base ^ u64::from(group).wrapping_mul(0x9e37_79b9_7f4a_7c15),
     ))
+}
+
+/// The offload keys of `hashes[start::step]`: each block hash followed by
+/// `group` as 4 big-endian bytes, the keys vLLM's offloading connector
+/// builds one Python call at a time, built in one.
+#[pyfunction]
+pub fn offload_keys<'py>(
+    py: Python<'py>,
+    hashes: &Bound<'py, PyList>,
+    start: usize,
+    step: usize,
+    group: u32,
+) -> PyResult<Bound<'py, PyList>> {
+    if step == 0 {
+        return Err(PyKvbmError::Invalid("offload keys of every 0th block hash".into()).into());
+    }
+    let suffix = group.to_be_bytes();
+    let mut keys = Vec::with_capacity(hashes.len().saturating_sub(start).div_ceil(step));
+    for i in (start..hashes.len()).step_by(step) {
+        let item = hashes.get_item(i)?;
+        let hash = item.cast::<PyBytes>()?.as_bytes();
+        keys.push(PyBytes::new_with(py, hash.len() + suffix.len(), |key| {
+            key[..hash.len()].copy_from_slice(hash);
+            key[hash.len()..].copy_from_slice(&suffix);
+            Ok(())
+        })?);
+    }
+    PyList::new(py, keys)
 }
 
 fn keys_of(keys: &[Vec<u8>]) -> Result<Vec<SequenceHash>> {
@@ -186,6 +214,60 @@ impl OffloadBooks {
             hit,
             miss,
         }
+    }
+
+    /// How many of `keys`, from the first, are loadable: what vLLM's
+    /// prefix lookup finds asking the `lookup_fn` callable key by key,
+    /// in one call. The keys it would have asked (up to the first one not
+    /// loadable, that one included) are noted as asked for by `req`.
+    fn lookup_prefix(&self, keys: &Bound<'_, PyList>, req: &str) -> PyResult<usize> {
+        let mut asked = Vec::with_capacity(keys.len());
+        let mut hits = 0;
+        for key in keys.iter() {
+            let key = offload_key(key.cast::<PyBytes>()?.as_bytes())?;
+            asked.push(key);
+            if !matches!(self.books.ledger.presence(key), Presence::Ready) {
+                break;
+            }
+            hits += 1;
+        }
+        self.books.note(req, asked);
+        Ok(hits)
+    }
+
+    /// vLLM's sliding-window lookup in one call: scanning `keys` from the
+    /// last, the end (an index into `keys`, exclusive) of the first run of
+    /// `window` consecutive loadable keys, where a run that ends at the
+    /// last key needs `first_window` of them; when no run is long enough,
+    /// how many keys at the start are loadable. The keys it scans are
+    /// noted as asked for by `req`, as the per-key lookups note them.
+    fn lookup_window(
+        &self,
+        keys: &Bound<'_, PyList>,
+        req: &str,
+        window: usize,
+        first_window: usize,
+    ) -> PyResult<usize> {
+        let mut asked = Vec::new();
+        let (mut run, mut need) = (0, first_window);
+        let mut end = None;
+        for i in (0..keys.len()).rev() {
+            let key = offload_key(keys.get_item(i)?.cast::<PyBytes>()?.as_bytes())?;
+            asked.push(key);
+            if matches!(self.books.ledger.presence(key), Presence::Ready) {
+                run += 1;
+            } else {
+                // A gap: no shorter window to its right counts any more.
+                run = 0;
+                need = window;
+            }
+            if run == need {
+                end = Some(i + need);
+                break;
+            }
+        }
+        self.books.note(req, asked);
+        Ok(end.unwrap_or(run))
     }
 
     /// Notes `keys` as asked for by request `req`.

@@ -17,6 +17,7 @@ __all__ = [
     "OffloadBooks",
     "PageWorker",
     "sequence_hash",
+    "offload_keys",
     "inspect_g3",
     "start_metrics_server",
     "__version__",
@@ -56,6 +57,11 @@ def sequence_hash(digest: bytes) -> int:
     """The 64-bit key kvbm files an engine block hash under: the first 8
     bytes, little-endian (as kvbm-block's vLLM scheme keys a block).
     :class:`InvalidArgumentError` for fewer than 8 bytes."""
+
+def offload_keys(hashes: list[bytes], start: int, step: int, group: int) -> list[bytes]:
+    """The offload keys of ``hashes[start::step]``: each block hash followed
+    by ``group`` as 4 big-endian bytes, as vLLM's ``make_offload_key``
+    builds them. :class:`InvalidArgumentError` for a ``step`` of 0."""
 
 def inspect_g3(path: str, verify: bool = False) -> dict[str, Any]:
     """What the kept G3 directory ``path`` (one rank's) holds: ``identity``,
@@ -255,6 +261,16 @@ class OffloadBooks:
         """A callable ``(offload key, request context) -> hit or miss`` for
         vLLM's per-key lookup (``hit`` where the key is loadable); notes
         the key as asked for by ``request context.req_id``."""
+    def lookup_prefix(self, keys: list[bytes], req: str) -> int:
+        """How many of ``keys``, from the first, are loadable (vLLM's
+        prefix lookup in one call); the keys it asks, up to the first miss,
+        are noted as asked for by ``req``."""
+    def lookup_window(self, keys: list[bytes], req: str, window: int, first_window: int) -> int:
+        """vLLM's sliding-window lookup in one call: scanning ``keys`` from
+        the last, the end (exclusive) of the first run of ``window``
+        loadable keys (``first_window`` for a run ending at the last key);
+        without one, how many keys at the start are loadable. The keys
+        scanned are noted as asked for by ``req``."""
     def note(self, req: str, keys: Sequence[bytes]) -> None:
         """Notes ``keys`` as asked for by request ``req``."""
     def record(self, req: str) -> None:

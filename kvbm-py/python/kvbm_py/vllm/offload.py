@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -66,6 +66,7 @@ from kvbm_py.config import GIB, KvbmConfig
 from kvbm_py.g4 import SUM_BYTES
 from kvbm_py.vllm.common import log as logger
 from kvbm_py.vllm.offload_g4 import G4Lookups, G4Mover, connect, g4_identity, lookup_stats
+from kvbm_py.vllm.offload_lookup import KvbmConnectorScheduler
 from kvbm_py.vllm.plugin import SPEC_NAME, register_spec
 from kvbm_py.vllm.retention import retention_of
 
@@ -213,12 +214,21 @@ class KvbmOffloadingManager(OffloadingManager):
         #: Position among the offloaded groups of each KV cache group id.
         self.group_pos = {g.group_id: i for i, g in enumerate(spec.config.groups)}
         self.events_on = spec.kv_events_config.enable_kv_cache_events
-        # vLLM asks key by key, every step a request waits: one call into
-        # the books per key, no Python frame of kvbm's (it also notes the
+        # Where vLLM asks key by key (every step a request waits; see
+        # ``lookup_prefix`` for the runs asked at once): one call into the
+        # books per key, no Python frame of kvbm's (it also notes the
         # key as asked for by the request, for the reuse ranking). A block
         # whose store is in flight is a miss: asking again later would
         # hold the request back for a copy that may fail.
         self.lookup = self.books.lookup_fn(LookupResult.HIT, LookupResult.MISS)  # type: ignore[method-assign, assignment]
+        #: A run of keys asked at once (:class:`KvbmConnectorScheduler`):
+        #: ``(keys, request id) -> leading hits`` in G2 and G3. With G4 the
+        #: keys after those are asked key by key (they may be in G4).
+        self.lookup_prefix: Callable[[list[bytes], str], int] = self.books.lookup_prefix
+        #: A sliding-window group's scan from the end in one call,
+        #: ``(keys, request id, window, first window) -> end``; None with
+        #: G4, whose lookups may answer ``RETRY``: vLLM asks key by key.
+        self.lookup_window: Callable[[list[bytes], str, int, int], int] | None = self.books.lookup_window
         #: The offload key of every key the books hold (in either tier),
         #: for evictions and moves to disk.
         self.names: dict[int, OffloadKey] = {}
@@ -263,6 +273,8 @@ class KvbmOffloadingManager(OffloadingManager):
                 self.g4 = G4Lookups(client, max(1, spec.config.parallel.world_size))
                 self._books_lookup = self.lookup
                 self.lookup = self._lookup_with_g4  # type: ignore[method-assign]
+                self.lookup_prefix = self._prefix_with_g4
+                self.lookup_window = None
                 self.stats["loaded_from_g4"] = 0
                 self.stats["g4_unplaced"] = 0
         #: What this engine publishes to G4: ``admissions``, ``evictions``
@@ -293,6 +305,14 @@ class KvbmOffloadingManager(OffloadingManager):
             return LookupResult.MISS
         self._promised[req] = self._promised.get(req, 0) + 1
         return LookupResult.HIT
+
+    def _prefix_with_g4(self, keys: list[bytes], req: str) -> int:
+        """The leading hits in G2 and G3, promised host slots as
+        :meth:`_lookup_with_g4` promises them key by key."""
+        hits = self.books.lookup_prefix(keys, req)
+        if hits:
+            self._promised[req] = self._promised.get(req, 0) + hits
+        return hits
 
     def _free_host_slots(self) -> int:
         """Host slots a fetch from G4 could take now: those no store fills
@@ -705,6 +725,9 @@ class KvbmOffloadingConnector(OffloadingConnector):
         extra.pop("spec_module_path", None)
         register_spec()
         super().__init__(vllm_config, role, kv_cache_config)
+        if self.connector_scheduler is not None:
+            # The same state; key building and lookups in batches.
+            self.connector_scheduler.__class__ = KvbmConnectorScheduler
 
     def _kvbm_worker(self) -> KvbmOffloadingWorker | None:
         w = getattr(getattr(self, "connector_worker", None), "worker", None)

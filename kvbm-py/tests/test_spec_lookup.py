@@ -1,0 +1,120 @@
+"""kvbm's batched steps in the scheduler half of vLLM's offloading
+connector (``kvbm_py.vllm.offload_lookup``) give what vLLM's own steps
+give, on randomized requests: the same offload keys for every group (several groups, several hashes per chunk, keys added as
+a request grows), and the same prefix hits and sliding-window ends,
+through the scheduler vLLM built, as asking the books key by key. A failing case names its seed."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from sched_harness import build
+
+SEEDS = range(20)
+
+
+def _state(cls, groups, hashes: list[bytes]):
+    from vllm.v1.kv_offload.base import ReqContext
+
+    req = SimpleNamespace(block_hashes=hashes, kv_transfer_params=None)
+    config = SimpleNamespace(kv_group_configs=groups)
+    return cls(config=config, req=req, req_context=ReqContext("r"), offloading_context=None)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_offload_keys_are_vllms_keys_for_every_group(seed):
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        GroupOffloadConfig,
+        RequestOffloadState,
+    )
+
+    from kvbm_py.vllm.offload_lookup import KvbmRequestState
+
+    rng = random.Random(seed)
+    groups = []
+    for idx in rng.sample(range(6), rng.randint(1, 4)):
+        per_chunk = rng.choice([1, 1, 2, 4])
+        groups.append(
+            GroupOffloadConfig(
+                group_idx=idx,
+                tokens_per_block=16,
+                tokens_per_chunk=16 * per_chunk,
+                hashes_per_chunk=per_chunk,
+                kv_event_group_spec=None,
+                sliding_window_size_in_chunks=None,
+                kv_cache_spec=None,
+                manager_cls=None,
+            )
+        )
+    hashes: list[bytes] = []
+    ours, theirs = _state(KvbmRequestState, groups, hashes), _state(RequestOffloadState, groups, hashes)
+    for _ in range(rng.randint(1, 6)):
+        # The request grows by some blocks between calls (a prompt, then
+        # decoded tokens); both states read the same hashes.
+        hashes.extend(rng.randbytes(32) for _ in range(rng.randint(0, 40)))
+        ours.update_offload_keys()
+        theirs.update_offload_keys()
+        for g, (a, b) in enumerate(zip(ours.group_states, theirs.group_states, strict=True)):
+            assert a.offload_keys == b.offload_keys, f"seed {seed}: group {g} keys differ"
+
+
+def test_offload_keys_refuse_a_step_of_zero():
+    from kvbm_py import InvalidArgumentError, _kvbm
+
+    with pytest.raises(InvalidArgumentError):
+        _kvbm.offload_keys([bytes(32)], 0, 0, 0)
+    with pytest.raises(TypeError):
+        _kvbm.offload_keys(["not bytes"], 0, 1, 0)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_lookups_in_one_call_find_what_key_by_key_finds(tmp_path, seed):
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+
+    from kvbm_py.vllm.offload_lookup import KvbmConnectorScheduler, KvbmRequestState
+
+    rng = random.Random(seed)
+    h = build(tmp_path, {"cpu_cache_gb": 64 * 16384 / 2**30, "admission": "all"}, connector="KvbmOffloadingConnector")
+    try:
+        sched = h.connector.connector_scheduler
+        assert isinstance(sched, KvbmConnectorScheduler)
+        # A request's state builds its keys as vLLM does.
+        r = h.new_request("r", [rng.randrange(1, 1000) for _ in range(rng.randrange(16, 400))], 1)
+        h.connector.on_new_request(r)
+        h.connector.get_num_new_matched_tokens(r, 0)
+        state = sched._req_status["r"]
+        assert isinstance(state, KvbmRequestState)
+        assert state.group_states[0].offload_keys == [make_offload_key(b, 0) for b in r.block_hashes]
+        manager = sched.manager
+        keys = [make_offload_key(rng.randbytes(32), 0) for _ in range(48)]
+        # Some blocks stored, some with their store still in flight (a
+        # miss until it completes), the rest never stored.
+        stored = [k for k in keys if rng.random() < 0.8]
+        ctx = ReqContext("writer")
+        out = manager.prepare_store(stored, ctx)
+        done = [k for k in out.keys_to_store if rng.random() < 0.9]
+        if done:
+            manager.complete_store(done, ctx)
+        group = sched.config.kv_group_configs[0]
+        for start in (0, rng.randrange(len(keys))):
+            run = keys[start:]
+            ours = sched._maximal_prefix_lookup(run, ReqContext("a"), None, group, start)
+            theirs = OffloadingConnectorScheduler._maximal_prefix_lookup(
+                sched, run, ReqContext("b"), None, group, start
+            )
+            assert ours == theirs, f"seed {seed}: {ours} hits in one call, {theirs} key by key"
+        # A sliding-window group's scan from the end, over windows shorter
+        # and longer than the runs of hits.
+        for _ in range(8):
+            run = keys[rng.randrange(len(keys)) :]
+            window = rng.randint(1, 6)
+            first = rng.choice([None, window, window + rng.randint(1, 3)])
+            ours = sched._sliding_window_lookup(run, window, ReqContext("a"), first)
+            theirs = OffloadingConnectorScheduler._sliding_window_lookup(sched, run, window, ReqContext("b"), first)
+            assert ours == theirs, f"seed {seed}: window {window}/{first}: {ours} in one call, {theirs} key by key"
+    finally:
+        h.close()
