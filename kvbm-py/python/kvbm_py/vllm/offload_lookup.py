@@ -4,17 +4,17 @@ asked for a run of keys at once.
 vLLM's ``OffloadingConnectorScheduler`` builds a request's offload keys
 one Python call at a time, records each key's token position for its own
 managers, and asks its manager about the keys one by one, every step a
-request waits: about 100 µs of vLLM's scheduler for a 4,096-token prompt
-of 256 blocks before kvbm's books are asked anything. Behind
-``KvbmOffloadingConnector`` vLLM's group logic stays, and two of its steps
-are kvbm's, with the same results:
+request waits: a cost of the scheduler's that grows with the prompt
+(``docs/benchmarks.md`` has it against vLLM's own offloading). Behind
+``KvbmOffloadingConnector`` vLLM's group logic stays, and three of its
+steps are kvbm's, with the same results:
 
 - a request's new offload keys are built in one call
   (:func:`kvbm_py._kvbm.offload_keys`); their token positions are not
   recorded, as kvbm's books never read them (they order a request's keys
   by the request's list of them);
-- the prefix lookup of a full-attention group and the scan from the end
-  of a sliding-window group are one call into the books each
+- the prefix lookup of a full-attention group, and the scan from the end
+  of a sliding-window group, are one call into the books each
   (``OffloadBooks.lookup_prefix``, ``OffloadBooks.lookup_window``), which
   note the keys asked for as the per-key lookups do. With G4 behind the
   books (whose lookups may answer ``RETRY``), the keys after the books'
@@ -60,7 +60,7 @@ class KvbmRequestState(RequestOffloadState):
 
 
 class KvbmConnectorScheduler(OffloadingConnectorScheduler):
-    """vLLM's scheduler half with kvbm's key building and prefix lookup.
+    """vLLM's scheduler half with kvbm's key building and lookups.
     It holds no state of its own: the instance vLLM built takes this
     class, and each request's state takes :class:`KvbmRequestState`."""
 
