@@ -22,15 +22,16 @@ start-up objects land inside the timed calls. Build the wheel with
 ``maturin build --release`` for meaningful figures.
 
     python kvbm-py/benches/sched_bench.py [--tokens 4096] [--requests 200] [--reps 5]
-        [--admission reuse_score|all] [--connector KvbmOffloadingConnector]
+        [--admission reuse_score|all] [--connector KvbmOffloadingConnector [--window TOKENS]]
 
 ``--connector KvbmOffloadingConnector`` measures kvbm behind vLLM's
 offloading connector (vLLM's scheduler half, with a request's keys built
-and a full-attention prefix asked in one call each,
-``kvbm_py.vllm.offload_lookup``); its G2 hit is set up in the books alone.
-Its reference, in the same run, is vLLM's own offloading on the same
-requests: vLLM's scheduler half as vLLM ships it and its own manager
-(``CPUOffloadingManager``, LRU, as many slots) swapped in for kvbm's.
+and each group's lookup made in one call, ``kvbm_py.vllm.offload_lookup``);
+its G2 hit is set up in the books alone. ``--window`` makes the model
+hybrid: a full-attention group and a sliding-window group (both asked for
+a hit). The reference, in the same run, is vLLM's own offloading on the
+same requests: vLLM's scheduler half as vLLM ships it, with its own
+manager (``CPUOffloadingManager``, LRU, as many slots) for kvbm's.
 """
 
 from __future__ import annotations
@@ -64,7 +65,15 @@ def main() -> int:
         choices=["KvbmConnector", "KvbmOffloadingConnector"],
         help="kvbm's own connector, or kvbm behind vLLM's offloading connector",
     )
+    ap.add_argument(
+        "--window",
+        type=int,
+        help="tokens: the second layer a sliding-window group of this window, the hybrid manager on "
+        "(with --connector KvbmOffloadingConnector)",
+    )
     args = ap.parse_args()
+    if args.window is not None and args.connector != "KvbmOffloadingConnector":
+        ap.error("--window needs --connector KvbmOffloadingConnector (KvbmConnector serves one KV cache group)")
     warnings.simplefilter("ignore")
 
     from vllm import SamplingParams
@@ -79,7 +88,13 @@ def main() -> int:
     os.environ["TMPDIR"] = tmp
     tempfile.tempdir = tmp
     spec = args.connector == "KvbmOffloadingConnector"
-    h = build(tmp, {"cpu_cache_gb": 0.05, "admission": args.admission}, num_blocks=blocks + 8, connector=args.connector)
+    h = build(
+        tmp,
+        {"cpu_cache_gb": 0.05, "admission": args.admission},
+        num_blocks=blocks + 8,
+        connector=args.connector,
+        sliding_window=args.window,
+    )
     hash_fn = get_hash_fn_by_name("sha256_cbor")
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(BLOCK, hash_fn)
@@ -154,7 +169,8 @@ def main() -> int:
 
             manager = conn.connector_scheduler.manager
             ctx = ReqContext("seed")
-            out = manager.prepare_store([make_offload_key(b, 0) for b in seed.block_hashes], ctx)
+            groups = [g.group_idx for g in conn.connector_scheduler.config.kv_group_configs]
+            out = manager.prepare_store([make_offload_key(b, g) for g in groups for b in seed.block_hashes], ctx)
             manager.complete_store(out.keys_to_store, ctx)
         else:
             # Its blocks written to G1 and offloaded through kvbm.
@@ -190,7 +206,8 @@ def main() -> int:
 
     print(
         f"get_num_new_matched_tokens through {args.connector}, {args.tokens}-token prompt "
-        f"({blocks} blocks of {BLOCK}), admission {args.admission}:"
+        f"({blocks} blocks of {BLOCK}), admission {args.admission}"
+        + (f", a full-attention and a {args.window}-token sliding-window group:" if args.window else ":")
     )
     ok = True
     for i, (name, xs, target) in enumerate(rows):

@@ -193,6 +193,7 @@ def build(
     max_model_len: int = 1024,
     batched_tokens: int = 256,
     model_dir: str | None = None,
+    sliding_window: int | None = None,
 ) -> Harness:
     """vLLM's Scheduler and worker-side connector with kvbm's connector
     (`connector`: ``KvbmConnector`` or ``KvbmOffloadingConnector``)
@@ -202,7 +203,9 @@ def build(
     null publisher); the harness keeps those kvbm's connector gave in
     `events`. The model's configuration is written to `model_dir` (a new
     directory under `tmp_path` by default): harnesses given the same one
-    run the same model, as engines sharing blocks do."""
+    run the same model, as engines sharing blocks do. With
+    `sliding_window` (tokens), the second layer is a sliding-window layer
+    of its own KV cache group, with vLLM's hybrid manager on."""
     from unittest.mock import MagicMock, patch
 
     from vllm.config import (
@@ -221,7 +224,7 @@ def build(
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
     if model_dir is None:
@@ -245,7 +248,7 @@ def build(
         max_model_len=max_model_len,
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
-        disable_hybrid_kv_cache_manager=True,
+        disable_hybrid_kv_cache_manager=sliding_window is None,
     )
     cache_config = CacheConfig(
         block_size=BLOCK,
@@ -269,16 +272,15 @@ def build(
         kv_events_config=(KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None),
     )
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                layers,
-                FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float16),
-            )
-        ],
-    )
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float16)
+    if sliding_window is None:
+        groups = [KVCacheGroupSpec(layers, full)]
+    else:
+        window = SlidingWindowSpec(
+            block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float16, sliding_window=sliding_window
+        )
+        groups = [KVCacheGroupSpec(layers[:1], full), KVCacheGroupSpec(layers[1:], window)]
+    kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     vllm_config.cache_config.num_gpu_blocks = num_blocks
 
     # The worker first (vLLM's bootstrap, TP = 1), then its KV tensors

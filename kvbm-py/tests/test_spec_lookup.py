@@ -1,8 +1,11 @@
 """kvbm's batched steps in the scheduler half of vLLM's offloading
 connector (``kvbm_py.vllm.offload_lookup``) give what vLLM's own steps
-give, on randomized requests: the same offload keys for every group (several groups, several hashes per chunk, keys added as
-a request grows), and the same prefix hits and sliding-window ends,
-through the scheduler vLLM built, as asking the books key by key. A failing case names its seed."""
+give, on randomized requests: the same offload keys for every group
+(several groups, several hashes per chunk, keys added as a request
+grows); the same prefix hits and sliding-window ends, through the
+scheduler vLLM built, as asking the books key by key; and, for a model of
+a full-attention and a sliding-window group, the same matched tokens as
+vLLM's own scheduler half. A failing case names its seed."""
 
 from __future__ import annotations
 
@@ -116,5 +119,51 @@ def test_lookups_in_one_call_find_what_key_by_key_finds(tmp_path, seed):
             ours = sched._sliding_window_lookup(run, window, ReqContext("a"), first)
             theirs = OffloadingConnectorScheduler._sliding_window_lookup(sched, run, window, ReqContext("b"), first)
             assert ours == theirs, f"seed {seed}: window {window}/{first}: {ours} in one call, {theirs} key by key"
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_hybrid_request_matches_as_vllm_matches_it(tmp_path, seed):
+    """A full-attention and a sliding-window group (vLLM's hybrid manager
+    on), blocks of either group stored with gaps: a request's matched
+    tokens are what vLLM's own scheduler half finds for the same prompt."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+
+    from kvbm_py.vllm.offload_lookup import KvbmConnectorScheduler
+
+    rng = random.Random(seed)
+    window = rng.choice([32, 64, 128])
+    h = build(
+        tmp_path,
+        {"cpu_cache_gb": 256 * 16384 / 2**30, "admission": "all"},
+        num_blocks=128,
+        connector="KvbmOffloadingConnector",
+        sliding_window=window,
+    )
+    try:
+        conn = h.connector
+        sched = conn.connector_scheduler
+        groups = [g.group_idx for g in sched.config.kv_group_configs]
+        assert len(groups) == 2 and isinstance(sched, KvbmConnectorScheduler)
+        prompt = [rng.randrange(3, 1000) for _ in range(16 * rng.randint(2, 40) + rng.randrange(16))]
+        seed_req = h.new_request("seed", prompt, 1)
+        gap = rng.random() * 0.3
+        keys = [make_offload_key(b, g) for g in groups for b in seed_req.block_hashes if rng.random() >= gap]
+        manager = sched.manager
+        out = manager.prepare_store(keys, ReqContext("seed"))
+        manager.complete_store(out.keys_to_store, ReqContext("seed"))
+        for i in range(3):
+            computed = 16 * rng.randrange(len(prompt) // 16)
+            got = []
+            for half in (KvbmConnectorScheduler, OffloadingConnectorScheduler):
+                sched.__class__ = half
+                r = h.new_request(f"{half.__name__}-{i}", prompt, 1)
+                conn.on_new_request(r)
+                got.append(conn.get_num_new_matched_tokens(r, computed))
+                conn.request_finished(r, [])
+            sched.__class__ = KvbmConnectorScheduler
+            assert got[0] == got[1], f"seed {seed}: {computed} computed, window {window}: kvbm {got[0]}, vLLM {got[1]}"
     finally:
         h.close()
