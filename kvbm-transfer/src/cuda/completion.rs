@@ -15,10 +15,11 @@
 //! event: busily until a short budget (0.5 ms by default) past that end,
 //! then with short sleeps between queries (every 20 µs, with a 1 µs timer
 //! slack on the watcher thread) for at most as long again as the copy's
-//! shortest duration, and only then sleeps in the driver. The second phase is for copies that run well below line rate
-//! — each direction of an onboard and an offload at once, a copy behind the
-//! model's kernels — which outlast the busy budget and would otherwise pay
-//! the driver's wake-up; it costs a query per interval, not a core.
+//! shortest duration, and only then sleeps in the driver. The second phase
+//! is for copies that run well below line rate — each direction of an
+//! onboard and an offload at once, a copy behind the model's kernels —
+//! which outlast the busy budget and would otherwise pay the driver's
+//! wake-up; it costs a query per interval, not a core.
 //!
 //! Offloads (and device-to-device copies): only the last copy handed to a
 //! watcher is polled. A copy with another queued behind it on its lane
