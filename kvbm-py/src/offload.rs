@@ -72,6 +72,11 @@ pub fn offload_keys<'py>(
     PyList::new(py, keys)
 }
 
+/// kvbm's key of an offload key in a Python list (a `bytes`).
+fn listed_key(key: &Bound<'_, PyAny>) -> PyResult<SequenceHash> {
+    Ok(offload_key(key.cast::<PyBytes>()?.as_bytes())?)
+}
+
 fn keys_of(keys: &[Vec<u8>]) -> Result<Vec<SequenceHash>> {
     keys.iter().map(|k| offload_key(k)).collect()
 }
@@ -136,6 +141,13 @@ impl Books {
         done
     }
 
+    /// Whether `key` can be loaded now. A block whose store is in flight
+    /// cannot: asking again later would hold the request back for a copy
+    /// that may fail, so every lookup counts it a miss.
+    fn loadable(&self, key: SequenceHash) -> bool {
+        matches!(self.ledger.presence(key), Presence::Ready)
+    }
+
     /// Records what finished request `req` asked for and forgets it; its
     /// keys get `hint`, if any.
     fn finish(&self, req: &str, hint: Option<RetentionHint>) {
@@ -174,12 +186,10 @@ impl KeyLookup {
         let key = offload_key(key)?;
         let req = req_context.getattr(intern!(py, "req_id"))?;
         self.books.note(req.cast::<PyString>()?.to_str()?, [key]);
-        // A block whose store is in flight is not loadable yet; asking
-        // again later would hold the request back for a copy that may
-        // fail, so it counts as a miss now.
-        Ok(match self.books.ledger.presence(key) {
-            Presence::Ready => self.hit.clone_ref(py),
-            Presence::Absent | Presence::Writing => self.miss.clone_ref(py),
+        Ok(if self.books.loadable(key) {
+            self.hit.clone_ref(py)
+        } else {
+            self.miss.clone_ref(py)
         })
     }
 }
@@ -224,9 +234,9 @@ impl OffloadBooks {
         let mut asked = Vec::with_capacity(keys.len());
         let mut hits = 0;
         for key in keys.iter() {
-            let key = offload_key(key.cast::<PyBytes>()?.as_bytes())?;
+            let key = listed_key(&key)?;
             asked.push(key);
-            if !matches!(self.books.ledger.presence(key), Presence::Ready) {
+            if !self.books.loadable(key) {
                 break;
             }
             hits += 1;
@@ -252,9 +262,9 @@ impl OffloadBooks {
         let (mut run, mut need) = (0, first_window);
         let mut end = None;
         for i in (0..keys.len()).rev() {
-            let key = offload_key(keys.get_item(i)?.cast::<PyBytes>()?.as_bytes())?;
+            let key = listed_key(&keys.get_item(i)?)?;
             asked.push(key);
-            if matches!(self.books.ledger.presence(key), Presence::Ready) {
+            if self.books.loadable(key) {
                 run += 1;
             } else {
                 // A gap: no shorter window to its right counts any more.
