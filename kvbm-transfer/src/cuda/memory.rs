@@ -104,6 +104,14 @@ impl DeviceBuffer {
                 data.as_ptr().cast::<c_void>(),
                 data.len(),
             )
+        })?;
+        // From pageable memory the call returns once `data` is staged, its
+        // DMA to the buffer maybe still running on the default stream; a
+        // copy on another stream right after could be overwritten by it.
+        // SAFETY: the context is current (bound above); the null stream is
+        // the default stream the copy ran on.
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(std::ptr::null_mut())
         })
     }
 
