@@ -5,13 +5,25 @@
 //! split the block pairs into batches of at most `max_blocks_per_batch`,
 //! plan each batch with kvbm-layout's copy planner, and run it on a
 //! registered one-hop file route if it takes the batch, else directly on
-//! one backend or as a two-hop pipeline. A global limit bounds the batches
-//! in flight across all transfers; batches beyond it wait in a FIFO and are
-//! started by the completion that frees a permit. The transfer resolves
-//! when every batch has; a failure reports which blocks did land, which did
-//! not, and the first error — it never reports success.
+//! one backend or as a two-hop pipeline. A limit per direction (source
+//! kind → destination kind) bounds the batches in flight across all
+//! transfers that way; batches beyond it wait in a FIFO and are started by
+//! the completion that frees a permit. Each direction has a limit of its
+//! own so that a transfer one way (an onboard a request waits for) never
+//! queues behind another way's batches (a large offload), whose copies run
+//! on other links or engines.
+//!
+//! The caller's thread plans and starts a transfer's first batch; the
+//! executor's planning thread plans and starts the others meanwhile. So a
+//! transfer of many batches returns once its first copy is under way, not
+//! after every batch was planned: less time in the caller (an engine's
+//! step), and an onboard asked for right after an offload starts sooner.
+//!
+//! The transfer resolves when every batch has; a failure reports which
+//! blocks did land, which did not, and the first error — it never reports
+//! success.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -30,6 +42,7 @@ use crate::limiter::{Limiter, Permit};
 use crate::memory::{Location, MemoryKind};
 use crate::physical::PhysicalLayout;
 use crate::pipeline::{TraceSink, two_hop};
+use crate::pool::WorkerPool;
 use crate::strategy::{Capabilities, Strategy, select_strategy};
 
 /// Executor settings.
@@ -37,7 +50,8 @@ use crate::strategy::{Capabilities, Strategy, select_strategy};
 pub struct ExecutorConfig {
     /// Largest number of blocks planned and submitted as one unit.
     pub max_blocks_per_batch: usize,
-    /// Batches in flight at once, over all transfers.
+    /// Batches in flight at once in each direction (source kind →
+    /// destination kind), over all transfers that way.
     pub max_batches_in_flight: usize,
     /// Bounce slots one two-hop batch may hold at once (2 = double
     /// buffering).
@@ -125,9 +139,14 @@ impl ExecutorBuilder {
             backends: self.backends.iter().map(|b| b.kind()).collect(),
             bounce_pools: self.bounce.iter().map(|b| b.kind()).collect(),
         };
+        let planner = WorkerPool::new("kvbm-plan", 1).map_err(|source| TransferError::Alloc {
+            what: "the executor's planning thread".into(),
+            source,
+        })?;
         Ok(Executor {
             inner: Arc::new(Inner {
-                limiter: Limiter::new(self.config.max_batches_in_flight),
+                limiters: Mutex::new(HashMap::new()),
+                planner,
                 backends: self.backends,
                 bounce: self.bounce,
                 caps,
@@ -144,12 +163,24 @@ struct Inner {
     bounce: Vec<Arc<BouncePool>>,
     caps: Capabilities,
     config: ExecutorConfig,
-    limiter: Arc<Limiter>,
+    /// The in-flight limit of each direction, made when first used.
+    limiters: Mutex<HashMap<(MemoryKind, MemoryKind), Arc<Limiter>>>,
+    /// Plans and starts every batch of a transfer but its first.
+    planner: WorkerPool,
     trace: TraceSink,
     route: Option<Arc<dyn FileRoute>>,
 }
 
 impl Inner {
+    /// The in-flight limit of transfers from `src` to `dst`.
+    fn limiter(&self, src: MemoryKind, dst: MemoryKind) -> Arc<Limiter> {
+        self.limiters
+            .lock()
+            .entry((src, dst))
+            .or_insert_with(|| Limiter::new(self.config.max_batches_in_flight))
+            .clone()
+    }
+
     fn backend(&self, kind: BackendKind) -> Result<&Arc<dyn TransferBackend>> {
         self.backends
             .iter()
@@ -168,7 +199,7 @@ impl Inner {
 }
 
 /// Moves blocks between physical layouts. Cheap to clone; clones share
-/// backends, bounce pools and the in-flight limit.
+/// backends, bounce pools, the in-flight limits and the planning thread.
 #[derive(Clone)]
 pub struct Executor {
     inner: Arc<Inner>,
@@ -390,16 +421,22 @@ impl Executor {
             completer: Mutex::new(Some(completer)),
             this: this.clone(),
         });
-        for batch in batches {
+        let limiter = self.inner.limiter(src.kind(), dst.kind());
+        for (i, batch) in batches.into_iter().enumerate() {
             let d = driver.clone();
-            self.inner
-                .limiter
-                .acquire(&cancel, move |permit| d.run_batch(batch, permit));
+            limiter.acquire(&cancel, move |permit| {
+                if i == 0 {
+                    d.run_batch(batch, permit);
+                } else {
+                    let exec = Arc::clone(&d.exec);
+                    exec.planner.spawn(move || d.run_batch(batch, permit));
+                }
+            });
         }
         TransferHandle {
             completion,
             cancel,
-            limiter: Some(self.inner.limiter.clone()),
+            limiter: Some(limiter),
         }
     }
 }

@@ -1,6 +1,7 @@
-//! A counting limiter with callback waiters: the executor's global bound on
-//! batches in flight. A batch that finds no permit is queued (FIFO) and
-//! started by whoever returns one — no thread waits and nothing spins. A
+//! A counting limiter with callback waiters: the executor's bound on
+//! batches in flight in one direction. A batch that finds no permit is
+//! queued (FIFO) and started by whoever returns one — no thread waits and
+//! nothing spins. A
 //! queued batch whose transfer was cancelled can be flushed out without a
 //! permit ([`Limiter::flush_cancelled`]), so cancelling never waits for
 //! other transfers' batches.

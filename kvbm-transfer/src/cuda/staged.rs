@@ -199,8 +199,14 @@ impl StagedRing {
         borrowed: bool,
     ) -> CudaResult<()> {
         let lane = &*self.lane;
-        let mut guard = lane.state.lock().unwrap_or_else(|p| p.into_inner());
-        if caller_chunks > 0 && !job.grouped && self.queued.load(Ordering::Acquire) == 0 {
+        let grouped = job.grouped;
+        let idle = || caller_chunks > 0 && !grouped && self.queued.load(Ordering::Acquire) == 0;
+        // With copies queued the lane is not even locked: the feeder holds
+        // it while it enqueues a whole copy, so a caller that waited for it
+        // here would wait for every queued copy's enqueue. An idle ring is
+        // asked again under the lock.
+        let locked = idle().then(|| lane.state.lock().unwrap_or_else(|p| p.into_inner()));
+        if let Some(mut guard) = locked.filter(|_| idle()) {
             let ring = guard.ring.as_mut();
             match self.enqueue_job(ring, &mut job, plan, Some(caller_chunks)) {
                 Ok(None) => {}
@@ -229,7 +235,6 @@ impl StagedRing {
             // borrowed plan is copied, without holding the lane (the
             // feeder needs it meanwhile).
             self.queued.fetch_add(1, Ordering::AcqRel);
-            drop(guard);
             if borrowed && let Err(e) = self.own_plan(&mut job, plan) {
                 // Nothing of it is on the GPU: no draining needed.
                 self.queued.fetch_sub(1, Ordering::AcqRel);
