@@ -280,6 +280,31 @@ impl Ledger {
         }
     }
 
+    /// How many of `keys`, from the first, are [`Presence::Ready`]: what
+    /// asking [`Ledger::presence`] key by key up to the first that is not
+    /// would count, with one look at the books and at each tier's pool for
+    /// a run of keys it holds.
+    pub fn ready_prefix(&self, keys: &[SequenceHash]) -> usize {
+        let books = self.books.lock();
+        let mut held = 0;
+        loop {
+            held += self.g2.pool.cached_prefix_len(&keys[held..]);
+            if held < keys.len() && self.on_disk(keys[held]) {
+                held += 1;
+            } else {
+                break;
+            }
+        }
+        keys[..held]
+            .iter()
+            .position(|k| {
+                books.writing.contains_key(k)
+                    || books.demoting.contains_key(k)
+                    || books.doomed.contains(k)
+            })
+            .unwrap_or(held)
+    }
+
     /// Records that a request asked for `keys` (its blocks in prefix
     /// order): the reuse ranking and `min_uses` admission learn from it.
     /// Call it once per request.

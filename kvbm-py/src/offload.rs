@@ -72,6 +72,10 @@ pub fn offload_keys<'py>(
     PyList::new(py, keys)
 }
 
+/// The most keys `OffloadBooks.lookup_prefix` reads and asks the books
+/// about at a time.
+const MAX_PREFIX_RUN: usize = 64;
+
 /// kvbm's key of an offload key in a Python list (a `bytes`).
 fn listed_key(key: &Bound<'_, PyAny>) -> PyResult<SequenceHash> {
     Ok(offload_key(key.cast::<PyBytes>()?.as_bytes())?)
@@ -233,13 +237,28 @@ impl OffloadBooks {
     fn lookup_prefix(&self, keys: &Bound<'_, PyList>, req: &str) -> PyResult<usize> {
         let mut asked = Vec::with_capacity(keys.len());
         let mut hits = 0;
-        for key in keys.iter() {
-            let key = listed_key(&key)?;
-            asked.push(key);
-            if !self.books.loadable(key) {
+        // A run of keys at a time, one look at the books per run. Runs
+        // start short and double, so a miss at the first key reads few
+        // keys past it, and a long hit takes few looks.
+        let mut keys = keys.iter();
+        let mut len = 2;
+        loop {
+            let run = asked.len();
+            for key in keys.by_ref().take(len) {
+                asked.push(listed_key(&key)?);
+            }
+            if asked.len() == run {
                 break;
             }
-            hits += 1;
+            len = (2 * len).min(MAX_PREFIX_RUN);
+            let ready = self.books.ledger.ready_prefix(&asked[run..]);
+            hits += ready;
+            if run + ready < asked.len() {
+                // The first key not loadable is noted, as a per-key
+                // lookup would have asked it; none after it.
+                asked.truncate(run + ready + 1);
+                break;
+            }
         }
         self.books.note(req, asked);
         Ok(hits)

@@ -201,6 +201,7 @@ fn check_step(ledger: &Ledger, m: &mut Model, op: Op) {
             "{k:?} should be ready"
         );
     }
+    check_ready_prefix(ledger, m);
     let c = ledger.counts();
     assert_eq!(
         (c.ready, c.writing, c.reading, c.on_disk, c.demoting),
@@ -212,6 +213,28 @@ fn check_step(ledger: &Ledger, m: &mut Model, op: Op) {
             m.demoting.len()
         )
     );
+}
+
+/// `ready_prefix` counts what asking `presence` key by key would, over
+/// runs of keys that start with the ready ones (G2's and G3's mixed) and
+/// over every key in both orders.
+fn check_ready_prefix(ledger: &Ledger, m: &Model) {
+    let mut ready: Vec<SequenceHash> = m.ready.keys().chain(m.on_disk.keys()).copied().collect();
+    ready.sort_by_key(|k| std::cmp::Reverse(k.0));
+    let all: Vec<SequenceHash> = (0..12).map(h).collect();
+    let rest = all.iter().filter(|k| !ready.contains(k)).copied();
+    let runs = [
+        ready.iter().copied().chain(rest).collect::<Vec<_>>(),
+        all.clone(),
+        all.iter().rev().copied().collect(),
+    ];
+    for keys in runs {
+        let one_by_one = keys
+            .iter()
+            .take_while(|k| ledger.presence(**k) == Presence::Ready)
+            .count();
+        assert_eq!(ledger.ready_prefix(&keys), one_by_one, "over {keys:?}");
+    }
 }
 
 fn policy() -> impl Strategy<Value = TierPolicy> {
