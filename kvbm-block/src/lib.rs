@@ -12,7 +12,7 @@ pub mod lifecycle;
 pub mod sequence;
 pub mod tokens;
 
-pub use hash::{BlockHash, SequenceHash};
+pub use hash::{BlockHash, BuildSequenceHasher, SequenceHash, SequenceHasherFn};
 pub use hash::{DynamoXxh3, HashError, SequenceDigest, SequenceHasher, VllmBlockHash, VllmSha256};
 pub use sequence::{BlockRef, TokenBlockSequence, sequence_hashes};
 pub use tokens::Token;

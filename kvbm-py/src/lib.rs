@@ -28,6 +28,7 @@ pub mod dlpack;
 pub mod error;
 pub mod kept;
 pub mod offload;
+pub mod offload_keys;
 pub mod prom;
 pub mod scheduler;
 pub mod secret;
@@ -78,8 +79,8 @@ fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<worker::Worker>()?;
     m.add_class::<offload::OffloadBooks>()?;
     m.add_class::<offload::PageWorker>()?;
+    m.add_class::<offload_keys::OffloadKeys>()?;
     m.add_function(wrap_pyfunction!(sequence_hash, m)?)?;
-    m.add_function(wrap_pyfunction!(offload::offload_keys, m)?)?;
     m.add_function(wrap_pyfunction!(kept::inspect_g3, m)?)?;
     m.add_function(wrap_pyfunction!(prom::start_metrics_server, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -10,7 +10,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use kvbm_block::SequenceHash;
+use kvbm_block::{BuildSequenceHasher, SequenceHash};
 use kvbm_dist::paged::{PageCopy, PageGroup, PageMemory, PagedConfig, PagedDisk, PagedWorker};
 use kvbm_pool::Tier;
 use kvbm_pool::ledger::{Ledger, Presence};
@@ -19,9 +19,10 @@ use kvbm_transfer::memory::Owner;
 use parking_lot::Mutex;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyString};
+use pyo3::types::{PyBytes, PyString};
 
 use crate::error::{ErrorKind, PyKvbmError, Result};
+use crate::offload_keys::OffloadKeys;
 use crate::scheduler::{RetentionArg, parse_policy, retention_hint, sequence_hash};
 use crate::tensors::TensorMemory;
 
@@ -44,37 +45,16 @@ pub fn offload_key(key: &[u8]) -> Result<SequenceHash> {
     ))
 }
 
-/// The offload keys of `hashes[start::step]`: each block hash followed by
-/// `group` as 4 big-endian bytes, the keys vLLM's offloading connector
-/// builds one Python call at a time, built in one.
-#[pyfunction]
-pub fn offload_keys<'py>(
-    py: Python<'py>,
-    hashes: &Bound<'py, PyList>,
-    start: usize,
-    step: usize,
-    group: u32,
-) -> PyResult<Bound<'py, PyList>> {
-    if step == 0 {
-        return Err(PyKvbmError::Invalid("offload keys of every 0th block hash".into()).into());
+/// The kvbm keys of a sequence of offload keys: an [`OffloadKeys`] read
+/// in place, any other (a list of `bytes`) key by key.
+fn kvbm_keys(keys: &Bound<'_, PyAny>) -> PyResult<Vec<SequenceHash>> {
+    if let Ok(k) = keys.cast::<OffloadKeys>()
+        && let Some(kvbm) = k.borrow().with_kvbm(<[SequenceHash]>::to_vec)
+    {
+        return Ok(kvbm);
     }
-    let suffix = group.to_be_bytes();
-    let mut keys = Vec::with_capacity(hashes.len().saturating_sub(start).div_ceil(step));
-    for i in (start..hashes.len()).step_by(step) {
-        let item = hashes.get_item(i)?;
-        let hash = item.cast::<PyBytes>()?.as_bytes();
-        keys.push(PyBytes::new_with(py, hash.len() + suffix.len(), |key| {
-            key[..hash.len()].copy_from_slice(hash);
-            key[hash.len()..].copy_from_slice(&suffix);
-            Ok(())
-        })?);
-    }
-    PyList::new(py, keys)
+    keys.try_iter()?.map(|k| listed_key(&k?)).collect()
 }
-
-/// The most keys `OffloadBooks.lookup_prefix` reads and asks the books
-/// about at a time.
-const MAX_PREFIX_RUN: usize = 64;
 
 /// kvbm's key of an offload key in a Python list (a `bytes`).
 fn listed_key(key: &Bound<'_, PyAny>) -> PyResult<SequenceHash> {
@@ -103,7 +83,7 @@ type Reserved = (
 /// many of them the use history has.
 #[derive(Default)]
 struct Asked {
-    all: HashSet<SequenceHash>,
+    all: HashSet<SequenceHash, BuildSequenceHasher>,
     order: Vec<SequenceHash>,
     recorded: usize,
 }
@@ -234,33 +214,11 @@ impl OffloadBooks {
     /// prefix lookup finds asking the `lookup_fn` callable key by key,
     /// in one call. The keys it would have asked (up to the first one not
     /// loadable, that one included) are noted as asked for by `req`.
-    fn lookup_prefix(&self, keys: &Bound<'_, PyList>, req: &str) -> PyResult<usize> {
-        let mut asked = Vec::with_capacity(keys.len());
-        let mut hits = 0;
-        // A run of keys at a time, one look at the books per run. Runs
-        // start short and double, so a miss at the first key reads few
-        // keys past it, and a long hit takes few looks.
-        let mut keys = keys.iter();
-        let mut len = 2;
-        loop {
-            let run = asked.len();
-            for key in keys.by_ref().take(len) {
-                asked.push(listed_key(&key)?);
-            }
-            if asked.len() == run {
-                break;
-            }
-            len = (2 * len).min(MAX_PREFIX_RUN);
-            let ready = self.books.ledger.ready_prefix(&asked[run..]);
-            hits += ready;
-            if run + ready < asked.len() {
-                // The first key not loadable is noted, as a per-key
-                // lookup would have asked it; none after it.
-                asked.truncate(run + ready + 1);
-                break;
-            }
-        }
-        self.books.note(req, asked);
+    fn lookup_prefix(&self, keys: &Bound<'_, PyAny>, req: &str) -> PyResult<usize> {
+        let keys = kvbm_keys(keys)?;
+        let hits = self.books.ledger.ready_prefix(&keys);
+        self.books
+            .note(req, keys[..keys.len().min(hits + 1)].iter().copied());
         Ok(hits)
     }
 
@@ -272,16 +230,16 @@ impl OffloadBooks {
     /// noted as asked for by `req`, as the per-key lookups note them.
     fn lookup_window(
         &self,
-        keys: &Bound<'_, PyList>,
+        keys: &Bound<'_, PyAny>,
         req: &str,
         window: usize,
         first_window: usize,
     ) -> PyResult<usize> {
+        let keys = kvbm_keys(keys)?;
         let mut asked = Vec::new();
         let (mut run, mut need) = (0, first_window);
         let mut end = None;
-        for i in (0..keys.len()).rev() {
-            let key = listed_key(&keys.get_item(i)?)?;
+        for (i, &key) in keys.iter().enumerate().rev() {
             asked.push(key);
             if self.books.loadable(key) {
                 run += 1;

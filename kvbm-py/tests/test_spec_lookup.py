@@ -64,13 +64,63 @@ def test_offload_keys_are_vllms_keys_for_every_group(seed):
             assert a.offload_keys == b.offload_keys, f"seed {seed}: group {g} keys differ"
 
 
-def test_offload_keys_refuse_a_step_of_zero():
+@pytest.mark.parametrize("seed", SEEDS)
+def test_offload_keys_behave_as_vllms_list_of_them(seed):
+    """Every way vLLM's scheduler reads a request's keys (length, indexes,
+    slices of slices, iteration, a key appended to a slice) gives what its
+    list of ``bytes`` gives, as the keys grow."""
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    from kvbm_py import _kvbm
+
+    rng = random.Random(seed)
+    group = rng.randrange(8)
+    keys = _kvbm.OffloadKeys(group)
+    hashes: list[bytes] = []
+    step = rng.choice([1, 2, 4])
+    for _ in range(rng.randint(1, 5)):
+        hashes.extend(rng.randbytes(32) for _ in range(rng.randint(0, 30)))
+        keys.extend_hashes(hashes, step * len(keys) + step - 1, step)
+        model = [make_offload_key(h, group) for h in hashes[step - 1 :: step]]
+        assert len(keys) == len(model) and list(keys) == model and keys == model, f"seed {seed}"
+        n = len(model)
+        for _ in range(20):
+            i = rng.randrange(-n - 2, n + 2)
+            if -n <= i < n:
+                assert keys[i] == model[i], f"seed {seed}: key {i}"
+                assert keys[i] is keys[i], f"seed {seed}: key {i} made twice"
+            else:
+                with pytest.raises(IndexError):
+                    keys[i]
+            a, b = rng.randrange(-n - 2, n + 3), rng.randrange(-n - 2, n + 3)
+            view, want = keys[a:b], model[a:b]
+            assert list(view) == want and len(view) == len(want), f"seed {seed}: [{a}:{b}]"
+            c, d = rng.randrange(-3, 4), rng.randrange(-3, 4)
+            assert list(view[c:d]) == want[c:d] and list(view[::-1]) == want[::-1], f"seed {seed}"
+            tail = rng.randbytes(36)
+            view.append(tail)
+            want.append(tail)
+            assert list(view) == want and view[-1] == tail and len(view) == len(want), f"seed {seed}"
+        assert list(keys) == model, f"seed {seed}: a slice's append reached the list"
+
+
+def test_offload_keys_refuse_bad_input():
     from kvbm_py import InvalidArgumentError, _kvbm
 
+    keys = _kvbm.OffloadKeys(0)
     with pytest.raises(InvalidArgumentError):
-        _kvbm.offload_keys([bytes(32)], 0, 0, 0)
+        keys.extend_hashes([bytes(32)], 0, 0)
     with pytest.raises(TypeError):
-        _kvbm.offload_keys(["not bytes"], 0, 1, 0)
+        keys.extend_hashes(["not bytes"], 0, 1)
+    with pytest.raises(InvalidArgumentError):
+        keys.extend_hashes([bytes(8), bytes(4)], 0, 1)  # kvbm reads a key from 8 bytes
+    assert len(keys) == 0, "a refused extend adds no key"
+    keys.extend_hashes([bytes(8)], 0, 1)
+    with pytest.raises(InvalidArgumentError):
+        keys.append(bytes(12))  # the list grows from block hashes only
+    with pytest.raises(InvalidArgumentError):
+        keys[0:1].extend_hashes([bytes(8)], 0, 1)
+    assert len(keys) == 1
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -10,9 +10,8 @@
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
-use std::hash::{BuildHasherDefault, Hasher};
 
-use kvbm_block::SequenceHash;
+use kvbm_block::{BuildSequenceHasher, SequenceHash};
 
 use super::recency::BlockRecency;
 use super::retention::{HintClock, RetentionHint, Retentions};
@@ -20,34 +19,9 @@ use super::return_within::ReturnTable;
 use super::shared_history::SharedHistory;
 use crate::config::Tier;
 
-/// Hasher of the history's [`SequenceHash`] keys. The values are uniformly
-/// distributed already, so one multiply spreads them over the table;
-/// SipHash would cost more than the rest of a lookup, and the history is
-/// updated for every block of every matched request.
-#[derive(Clone, Copy, Default)]
-struct SeqHasher(u64);
-
-/// Odd multiplier (2^64 / golden ratio) of [`SeqHasher`].
-const SPREAD: u64 = 0x9E37_79B9_7F4A_7C15;
-
-impl Hasher for SeqHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(SPREAD);
-        }
-    }
-
-    fn write_u64(&mut self, x: u64) {
-        self.0 = (self.0 ^ x ^ (x >> 32)).wrapping_mul(SPREAD);
-    }
-}
-
-/// A map keyed by sequence hash, hashed by [`SeqHasher`].
-type SeqMap<V> = HashMap<SequenceHash, V, BuildHasherDefault<SeqHasher>>;
+/// A map keyed by sequence hash (the history is updated for every block
+/// of every matched request).
+type SeqMap<V> = HashMap<SequenceHash, V, BuildSequenceHasher>;
 
 /// The bit of `tier` in a demotion mask (G2 and G3 only).
 fn tier_bit(tier: Tier) -> u8 {

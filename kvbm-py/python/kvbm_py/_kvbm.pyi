@@ -1,7 +1,7 @@
 """Type stubs of kvbm_py's native module (built from the kvbm-py crate)."""
 
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol, final, type_check_only
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, final, overload, type_check_only
 
 from kvbm_py.config import SchedulerConfig, WorkerConfig
 
@@ -15,9 +15,9 @@ __all__ = [
     "Match",
     "Worker",
     "OffloadBooks",
+    "OffloadKeys",
     "PageWorker",
     "sequence_hash",
-    "offload_keys",
     "inspect_g3",
     "start_metrics_server",
     "__version__",
@@ -57,11 +57,6 @@ def sequence_hash(digest: bytes) -> int:
     """The 64-bit key kvbm files an engine block hash under: the first 8
     bytes, little-endian (as kvbm-block's vLLM scheme keys a block).
     :class:`InvalidArgumentError` for fewer than 8 bytes."""
-
-def offload_keys(hashes: list[bytes], start: int, step: int, group: int) -> list[bytes]:
-    """The offload keys of ``hashes[start::step]``: each block hash followed
-    by ``group`` as 4 big-endian bytes, as vLLM's ``make_offload_key``
-    builds them. :class:`InvalidArgumentError` for a ``step`` of 0."""
 
 def inspect_g3(path: str, verify: bool = False) -> dict[str, Any]:
     """What the kept G3 directory ``path`` (one rank's) holds: ``identity``,
@@ -234,6 +229,31 @@ class Worker:
         """Waits for the worker to stop; ``True`` if it stopped."""
 
 @final
+class OffloadKeys:
+    """A request's offload keys of one KV cache group, standing in for
+    vLLM's list of them: extended from the request's block hashes in one
+    call, a slice of it a view of the same keys, each key a ``bytes``
+    object (the block hash, then the group as 4 big-endian bytes) only
+    once it is read. ``OffloadBooks``' lookups read a view's keys without
+    making them."""
+
+    def __new__(cls, group: int) -> OffloadKeys: ...
+    def extend_hashes(self, hashes: list[bytes], start: int, step: int) -> None:
+        """Appends the keys of ``hashes[start::step]``. A list only, not a
+        slice; :class:`InvalidArgumentError` for a ``step`` of 0 or a hash
+        shorter than 8 bytes."""
+    def append(self, key: bytes) -> None:
+        """Appends ``key`` to a slice (the list grows from block hashes
+        only: :class:`InvalidArgumentError`)."""
+    def __len__(self) -> int: ...
+    @overload
+    def __getitem__(self, index: int, /) -> bytes: ...
+    @overload
+    def __getitem__(self, index: slice, /) -> OffloadKeys | list[bytes]: ...
+    def __iter__(self) -> Iterator[bytes]: ...
+    def __eq__(self, other: object, /) -> bool: ...
+
+@final
 class OffloadBooks:
     """The scheduler's books of the host tier behind vLLM's offloading
     connector, and of a disk tier of ``disk_slots`` behind it (none when
@@ -261,11 +281,11 @@ class OffloadBooks:
         """A callable ``(offload key, request context) -> hit or miss`` for
         vLLM's per-key lookup (``hit`` where the key is loadable); notes
         the key as asked for by ``request context.req_id``."""
-    def lookup_prefix(self, keys: list[bytes], req: str) -> int:
+    def lookup_prefix(self, keys: list[bytes] | OffloadKeys, req: str) -> int:
         """How many of ``keys``, from the first, are loadable (vLLM's
         prefix lookup in one call); the keys it asks, up to the first miss,
         are noted as asked for by ``req``."""
-    def lookup_window(self, keys: list[bytes], req: str, window: int, first_window: int) -> int:
+    def lookup_window(self, keys: list[bytes] | OffloadKeys, req: str, window: int, first_window: int) -> int:
         """vLLM's sliding-window lookup in one call: scanning ``keys`` from
         the last, the end (exclusive) of the first run of ``window``
         loadable keys (``first_window`` for a run ending at the last key);

@@ -9,10 +9,12 @@ request waits: a cost of the scheduler's that grows with the prompt
 ``KvbmOffloadingConnector`` vLLM's group logic stays, and three of its
 steps are kvbm's, with the same results:
 
-- a request's new offload keys are built in one call
-  (:func:`kvbm_py._kvbm.offload_keys`); their token positions are not
-  recorded, as kvbm's books never read them (they order a request's keys
-  by the request's list of them);
+- a request's keys of each group are a :class:`kvbm_py._kvbm.OffloadKeys`
+  in place of vLLM's list: extended from the request's block hashes in
+  one call, its slices views of the same keys, each key a ``bytes``
+  object only once vLLM reads it (the lookups below read none). Their
+  token positions are not recorded, as kvbm's books never read them (they
+  order a request's keys by the request's list of them);
 - the prefix lookup of a full-attention group, and the scan from the end
   of a sliding-window group, are one call into the books each
   (``OffloadBooks.lookup_prefix``, ``OffloadBooks.lookup_window``), which
@@ -40,8 +42,8 @@ from kvbm_py import _kvbm
 
 
 class KvbmRequestState(RequestOffloadState):
-    """vLLM's offloading state of one request, with its offload keys built
-    in one call per group."""
+    """vLLM's offloading state of one request, its offload keys of each
+    group an :class:`~kvbm_py._kvbm.OffloadKeys` extended in one call."""
 
     __slots__ = ()
 
@@ -52,11 +54,20 @@ class KvbmRequestState(RequestOffloadState):
         # vLLM's block hashes are bytes; its offload keys too.
         hashes = cast(list[bytes], self.req.block_hashes)
         for config, group in zip(self.config.kv_group_configs, self.group_states, strict=True):
+            # vLLM types the keys as its list; they are an OffloadKeys
+            # once this class made them.
+            held: object = group.offload_keys
+            if isinstance(held, _kvbm.OffloadKeys):
+                keys = held
+            else:
+                # vLLM's own list (empty, or made before this class took
+                # over): the same keys, rebuilt from the first hash.
+                keys = _kvbm.OffloadKeys(config.group_idx)
+                group.offload_keys = cast(list[OffloadKey], cast(object, keys))
             step = config.hashes_per_chunk
-            start = step * len(group.offload_keys) + step - 1
+            start = step * len(keys) + step - 1
             if start < len(hashes):
-                keys = _kvbm.offload_keys(hashes, start, step, config.group_idx)
-                group.offload_keys.extend(cast(list[OffloadKey], keys))
+                keys.extend_hashes(hashes, start, step)
 
 
 class KvbmConnectorScheduler(OffloadingConnectorScheduler):
@@ -79,7 +90,7 @@ class KvbmConnectorScheduler(OffloadingConnectorScheduler):
         lookup_prefix = getattr(self.manager, "lookup_prefix", None)
         if lookup_prefix is None:
             return super()._maximal_prefix_lookup(keys, req_context, req, group_config, start_chunk_idx)
-        keys = keys if isinstance(keys, list) else list(keys)
+        keys = keys if isinstance(keys, list | _kvbm.OffloadKeys) else list(keys)
         hits: int = lookup_prefix(keys, req_context.req_id)
         tracker = self._events_tracker
         if tracker.self_describing_enabled:
@@ -102,7 +113,7 @@ class KvbmConnectorScheduler(OffloadingConnectorScheduler):
         lookup_window = getattr(self.manager, "lookup_window", None)
         if lookup_window is None:
             return super()._sliding_window_lookup(keys, sliding_window_size, req_context, initial_window_size)
-        keys = keys if isinstance(keys, list) else list(keys)
+        keys = keys if isinstance(keys, list | _kvbm.OffloadKeys) else list(keys)
         end: int = lookup_window(
             keys, req_context.req_id, sliding_window_size, initial_window_size or sliding_window_size
         )
