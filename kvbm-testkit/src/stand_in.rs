@@ -6,7 +6,8 @@
 //! the same bounce pipeline they take with a real GPU; like a device,
 //! `submit` returns at once and an optional delay makes the "device" slow.
 //! [`host_device_layout`] and [`pinned_stand_in_pool`] give it memory
-//! labelled `Device(0)` and `Pinned` that is plain system memory.
+//! labelled `Device(0)` and `Pinned` that is plain system memory;
+//! [`gated_stand_in_executor`] an executor whose copies wait at a gate.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,9 +16,11 @@ use kvbm_layout::Layout;
 use kvbm_transfer::backend::memcpy::MemcpyBackend;
 use kvbm_transfer::memory::SystemAllocator;
 use kvbm_transfer::{
-    BackendKind, BouncePool, Completion, MemoryKind, MemoryRegion, PhysicalLayout, Result,
-    TransferBackend, TransferJob,
+    BackendKind, BouncePool, Completion, Executor, ExecutorConfig, MemoryKind, MemoryRegion,
+    PhysicalLayout, Result, TransferBackend, TransferJob,
 };
+
+use crate::gate::{Gate, GatedBackend};
 
 /// A memcpy backend that answers for device memory (see the module docs).
 pub struct HostAsDevice {
@@ -112,4 +115,26 @@ pub fn pinned_stand_in_pool(slots: usize, slot_bytes: u64) -> Result<Arc<BounceP
     let region =
         unsafe { MemoryRegion::from_raw(buf.addr(), buf.len(), MemoryKind::Pinned, Some(buf)) };
     BouncePool::new(region, slot_bytes)
+}
+
+/// An executor whose one backend is a [`HostAsDevice`] behind `gate`:
+/// host ↔ "device" transfers in batches of `batch` blocks, at most
+/// `in_flight` batches in flight each way, each copy held at the gate
+/// until the test lets it through.
+pub fn gated_stand_in_executor(
+    gate: &Arc<Gate>,
+    batch: usize,
+    in_flight: usize,
+) -> Result<Executor> {
+    Executor::builder()
+        .backend(Arc::new(GatedBackend::new(
+            HostAsDevice::new(1)?,
+            gate.clone(),
+        )))
+        .config(ExecutorConfig {
+            max_blocks_per_batch: batch,
+            max_batches_in_flight: in_flight,
+            bounce_slots_per_batch: 1,
+        })
+        .build()
 }

@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvbm_layout::{Layout, LayoutConfig, LayoutKind};
-use kvbm_testkit::gate::{Gate, GatedBackend};
-use kvbm_testkit::stand_in::{HostAsDevice, host_device_layout};
+use kvbm_testkit::gate::Gate;
+use kvbm_testkit::stand_in::{HostAsDevice, gated_stand_in_executor, host_device_layout};
 use kvbm_transfer::{
     BackendKind, Completion, Executor, ExecutorConfig, MemoryKind, TransferBackend, TransferJob,
 };
@@ -25,18 +25,7 @@ const WAIT: Duration = Duration::from_secs(10);
 #[test]
 fn an_onboard_does_not_queue_behind_an_offloads_batches() {
     let gate = Gate::closed();
-    let exec = Executor::builder()
-        .backend(Arc::new(GatedBackend::new(
-            HostAsDevice::new(1).unwrap(),
-            gate.clone(),
-        )))
-        .config(ExecutorConfig {
-            max_blocks_per_batch: 1,
-            max_batches_in_flight: 1,
-            bounce_slots_per_batch: 1,
-        })
-        .build()
-        .unwrap();
+    let exec = gated_stand_in_executor(&gate, 1, 1).unwrap();
     let cfg = LayoutConfig::new(8, 2, 2, 16, 128, 2).unwrap();
     let layout = Layout::new(cfg, LayoutKind::FullyContiguous).unwrap();
     let device = host_device_layout(layout.clone(), true).unwrap();

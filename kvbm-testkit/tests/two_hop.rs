@@ -12,7 +12,9 @@ use std::time::Duration;
 
 use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind};
 use kvbm_testkit::gate::{Gate, GatedBackend};
-use kvbm_testkit::stand_in::{HostAsDevice, host_device_layout, pinned_stand_in_pool};
+use kvbm_testkit::stand_in::{
+    HostAsDevice, gated_stand_in_executor, host_device_layout, pinned_stand_in_pool,
+};
 use kvbm_transfer::backend::memcpy::MemcpyBackend;
 use kvbm_transfer::disk::{DiskBackend, DiskConfig, EngineConfig};
 use kvbm_transfer::memory::{DiskAllocator, IoMode};
@@ -420,18 +422,7 @@ fn dropping_the_executor_mid_transfer_lets_the_transfer_finish() {
 fn cancelling_a_transfer_queued_behind_another_does_not_wait_for_it() {
     // The device's copies wait at a gate until the test opens it.
     let gate = Gate::closed();
-    let exec = Executor::builder()
-        .backend(Arc::new(GatedBackend::new(
-            HostAsDevice::new(1).unwrap(),
-            gate.clone(),
-        )))
-        .config(ExecutorConfig {
-            max_blocks_per_batch: 2,
-            max_batches_in_flight: 1,
-            bounce_slots_per_batch: 1,
-        })
-        .build()
-        .unwrap();
+    let exec = gated_stand_in_executor(&gate, 2, 1).unwrap();
     let l = Layout::new(config(8), LayoutKind::FullyContiguous).unwrap();
     let (a_src, b_src, dst) = (
         host_device_layout(l.clone(), false).unwrap(),
