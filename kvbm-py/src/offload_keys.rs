@@ -9,8 +9,7 @@
 //! needs the keys' kvbm keys. [`OffloadKeys`] stands in for the list:
 //!
 //! - it is extended from the request's block hashes in one call, with no
-//!   Python object made per key (it holds the hashes, as vLLM's keys
-//!   would copy them);
+//!   Python object made per key (it keeps a reference to each hash);
 //! - a slice of it is a view of the same keys (a view also takes keys
 //!   appended to it, as vLLM appends a partial tail's key to a slice),
 //!   and `OffloadBooks`' lookups read a view's kvbm keys directly;
