@@ -8,10 +8,12 @@ page per block. ``--heads 8`` gives 64 KiB pages (the 8B model at TP = 1),
 
 Measured in one run, each against a reference timed right before it (the
 ratio is the median of the repetitions' ratios):
-- vLLM 0.32's own copy path over the same pages (one ``cuMemcpyBatchAsync``
-  over every page, as its CPU offloading worker issues it), as a ratio to
-  the same large copy; its Triton gather kernel (host to device, pages
-  under 28 KiB) is not re-created here;
+- vLLM 0.32's own copy path over the same pages, as a ratio to the same
+  large copy: one ``cuMemcpyBatchAsync`` over every page, as its CPU
+  offloading worker issues it; and, for pages under 28 KiB host to device
+  (the path vLLM takes there), its Triton kernel re-created: 12 programs,
+  each copying whole pages one after another in 8-byte words, the page
+  address arrays moved to the GPU with every call (needs ``triton``);
 - offload (store job + wait) and onboard (load job + wait) of ``--blocks``
   random blocks, against one large pinned <-> device copy of the same
   bytes each way;
@@ -85,6 +87,46 @@ class BatchCopy:
         if rc != 0:
             raise RuntimeError(f"cuMemcpyBatchAsync: CUresult {rc}")
         self.stream.synchronize()
+
+
+class TritonPages:
+    """vLLM 0.32's host-to-device path for pages under 28 KiB, re-created:
+    a Triton kernel on 12 programs, each taking every 12th page and
+    copying it in 8-byte words, in chunks of the page size rounded up to a
+    power of two (at most 8 KiB); the address and size arrays go to the
+    GPU with every call, as vLLM sends them."""
+
+    PROGRAMS, MAX_CHUNK, MAX_PAGE = 12, 8192, 28 * 1024
+
+    def __init__(self):
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def pages(src, dst, sizes, n, CHUNK: tl.constexpr):
+            words = tl.arange(0, CHUNK // 8)
+            page = tl.program_id(0)
+            while page < n:
+                s = tl.load(src + page).to(tl.pointer_type(tl.int64))
+                d = tl.load(dst + page).to(tl.pointer_type(tl.int64))
+                count = tl.load(sizes + page) // 8
+                for at in range(0, count, CHUNK // 8):
+                    i = at + words
+                    tl.store(d + i, tl.load(s + i, mask=i < count, other=0), mask=i < count)
+                page += tl.num_programs(0)
+
+        self.kernel, self.next_pow2 = pages, triton.next_power_of_2
+
+    def prepare(self, dsts: list[int], srcs: list[int], size: int) -> tuple:
+        """The call's arguments, on the host as vLLM keeps them."""
+        n = len(dsts)
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64).pin_memory()  # noqa: E731
+        return as_tensor(srcs), as_tensor(dsts), as_tensor([size] * n), n, min(self.next_pow2(size), self.MAX_CHUNK)
+
+    def __call__(self, args: tuple) -> None:
+        src, dst, sizes, n, chunk = args
+        on_gpu = [t.to("cuda", non_blocking=True) for t in (src, dst, sizes)]
+        self.kernel[(min(self.PROGRAMS, n),)](*on_gpu, n, CHUNK=chunk)
 
 
 def main() -> int:
@@ -201,6 +243,27 @@ def main() -> int:
         vllm_out.append(ref / timed(lambda: batch(out_args)))
         ref = big_h2d()
         vllm_in.append(ref / timed(lambda: batch(in_args)))
+    # Its Triton path onboards pages under 28 KiB.
+    triton_in: list[float] = []
+    if page < TritonPages.MAX_PAGE:
+        try:
+            pages = TritonPages()
+        except ImportError:
+            pages = None
+        if pages is not None:
+            tri_args = pages.prepare(pages_dev(dst), pages_host, page)
+            pages(tri_args)  # compile and warm up
+            for _ in range(a.reps):
+                ref = big_h2d()
+                triton_in.append(ref / timed(lambda: pages(tri_args)))
+            # Its pages land where they belong: the destination blocks,
+            # cleared, hold the source blocks' bytes again.
+            to, back = torch.tensor(dst, device="cuda"), torch.tensor(src, device="cuda")
+            for l in layers:
+                l[to] = 0
+            timed(lambda: pages(tri_args))
+            for l in layers:
+                assert torch.equal(l[to], l[back]), "vLLM's Triton path loaded other bytes"
 
     # One block alone.
     line_out = nbytes / statistics.median(big_d2h() for _ in range(5))
@@ -209,7 +272,7 @@ def main() -> int:
     lone_in = statistics.median(run("load", [(0, dst[0], 3 * n)]) for _ in range(20))
 
     med = statistics.median
-    print(f"pages of {page // 1024} KiB, {n} blocks of {slot_bytes >> 20} MiB, every loaded byte checked")
+    print(f"pages of {page // 1024} KiB, {n} blocks of {slot_bytes >> 10} KiB, every loaded byte checked")
     print(f"offload: {med(rates_out):.1f} GB/s, {med(ratios_out):.2f} of one large copy")
     print(f"onboard: {med(rates_in):.1f} GB/s, {med(ratios_in):.2f} of one large copy")
     print(f"both at once: {med(ratios_both):.2f} of two large copies at once")
@@ -217,6 +280,11 @@ def main() -> int:
         f"vLLM's batch copy: offload {med(vllm_out):.2f}, onboard {med(vllm_in):.2f} of one large copy; "
         f"kvbm is {med(ratios_out) / med(vllm_out):.2f}x / {med(ratios_in) / med(vllm_in):.2f}x"
     )
+    if triton_in:
+        print(
+            f"vLLM's Triton path (onboard, pages under 28 KiB): {med(triton_in):.2f} of one large copy; "
+            f"kvbm is {med(ratios_in) / med(triton_in):.2f}x"
+        )
     print(
         f"one block: offload {lone_out * 1e3:.3f} ms ({lone_out * line_out / slot_bytes:.1f}x its bytes at line rate), "
         f"onboard {lone_in * 1e3:.3f} ms ({lone_in * line_in / slot_bytes:.1f}x)"
