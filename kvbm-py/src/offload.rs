@@ -49,7 +49,7 @@ pub fn offload_key(key: &[u8]) -> Result<SequenceHash> {
 /// in place, any other (a list of `bytes`) key by key.
 fn kvbm_keys(keys: &Bound<'_, PyAny>) -> PyResult<Vec<SequenceHash>> {
     if let Ok(k) = keys.cast::<OffloadKeys>()
-        && let Some(kvbm) = k.borrow().with_kvbm(<[SequenceHash]>::to_vec)
+        && let Some(kvbm) = k.borrow().kvbm_keys()
     {
         return Ok(kvbm);
     }

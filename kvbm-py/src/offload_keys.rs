@@ -72,27 +72,31 @@ pub struct OffloadKeys {
 }
 
 impl OffloadKeys {
+    /// Keys of the range of `keys` (this sequence's, locked), not counting
+    /// appended ones.
+    fn range_of(&self, keys: &Keys) -> (usize, usize) {
+        self.range.unwrap_or((0, keys.kvbm.len()))
+    }
+
     /// Keys of the range, not counting appended ones.
     fn base_len(&self) -> usize {
-        match self.range {
-            Some((start, end)) => end - start,
-            None => self.keys.lock().kvbm.len(),
-        }
+        let (start, end) = self.range_of(&self.keys.lock());
+        end - start
     }
 
     fn start(&self) -> usize {
         self.range.map_or(0, |(start, _)| start)
     }
 
-    /// `f` of the kvbm keys this sequence holds, in order; `None` when
-    /// keys were appended to it (those are read as `bytes`).
-    pub(crate) fn with_kvbm<R>(&self, f: impl FnOnce(&[SequenceHash]) -> R) -> Option<R> {
+    /// The kvbm keys this sequence holds, in order; `None` when keys were
+    /// appended to it (those are read as `bytes`).
+    pub(crate) fn kvbm_keys(&self) -> Option<Vec<SequenceHash>> {
         if !self.appended.is_empty() {
             return None;
         }
         let keys = self.keys.lock();
-        let (start, end) = self.range.unwrap_or((0, keys.kvbm.len()));
-        Some(f(&keys.kvbm[start..end]))
+        let (start, end) = self.range_of(&keys);
+        Some(keys.kvbm[start..end].to_vec())
     }
 
     /// Item `i` (`0 <= i < len`).
@@ -108,10 +112,10 @@ impl OffloadKeys {
     /// Every item, as a list.
     fn items<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let list = PyList::empty(py);
-        let start = self.start();
         {
             let mut keys = self.keys.lock();
-            for i in start..start + self.base_len_locked(&keys) {
+            let (start, end) = self.range_of(&keys);
+            for i in start..end {
                 list.append(keys.bytes(py, i)?)?;
             }
         }
@@ -119,13 +123,6 @@ impl OffloadKeys {
             list.append(k.bind(py))?;
         }
         Ok(list)
-    }
-
-    fn base_len_locked(&self, keys: &Keys) -> usize {
-        match self.range {
-            Some((start, end)) => end - start,
-            None => keys.kvbm.len(),
-        }
     }
 }
 
