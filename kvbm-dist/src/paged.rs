@@ -28,7 +28,11 @@
 //! (`paged/disk.rs`): a store can first move blocks from G2 slots to
 //! G3 slots, and a load can read blocks held in G3. Slots are then padded
 //! to the disk alignment, so a block moves to or from disk in one
-//! `O_DIRECT` request.
+//! `O_DIRECT` request. A G3 kept across restarts ([`PagedDisk::kept`]) is
+//! a [`KeptStore`](crate::kept::KeptStore): every block moved there is
+//! recorded with its checksum once it landed, a restarted worker reports
+//! the blocks it found ([`PagedWorker::kept`]) for the books to take up,
+//! and every read from it is checked against its checksum.
 //!
 //! **G4.** A store that engines share moves blocks in and out of G2's
 //! slots itself, each with its checksum right after it; the worker hands
@@ -57,7 +61,7 @@ mod settle;
 
 pub use outside::SUM_BYTES;
 
-use disk::{Disk, STAGING_SLOTS, Staged};
+use disk::{Disk, STAGING_SLOTS, Stage, Staged};
 use settle::{Earlier, Pending};
 
 /// One KV cache group of the engine: the page tensor of each of its
@@ -89,13 +93,60 @@ pub enum PageMemory {
 }
 
 /// G3 behind the slots: a file of `slots` slots under `dir`, removed when
-/// the worker drops.
+/// the worker drops unless it is kept.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PagedDisk {
-    /// The directory the file goes in.
+    /// The directory the file goes in; for a kept G3, the rank's kept
+    /// directory (or, while another engine holds it, its first free
+    /// sibling).
     pub dir: PathBuf,
     /// Slots of G3.
     pub slots: usize,
+    /// Keeps G3 across restarts under this identity (what the bytes mean:
+    /// model, dtype, hash scheme, parallelism; the slot geometry is added):
+    /// a restarted worker of the same identity finds every block recorded
+    /// in it. `None`: G3 starts empty and its file is removed on drop.
+    pub kept: Option<String>,
+}
+
+/// What a kept G3 held when the worker opened it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KeptDisk {
+    /// The directory opened.
+    pub dir: PathBuf,
+    /// `(G3 slot, key)` of every block whose record is sound.
+    pub blocks: Vec<(u32, u64)>,
+    /// Records that were torn or damaged (their slots are free).
+    pub rejected: u64,
+    /// Why the directory was started afresh; `None`: reopened.
+    pub started_fresh: Option<String>,
+}
+
+/// A block moved from a G2 slot to a G3 slot before the slot is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DiskMove {
+    /// The G2 slot it leaves.
+    pub from: usize,
+    /// The G3 slot it enters.
+    pub to: usize,
+    /// Its KV cache group (a kept G3 records the checksum of the group's
+    /// block).
+    pub group: usize,
+    /// The books' key of the block, recorded in a kept G3.
+    pub key: u64,
+}
+
+impl DiskMove {
+    /// A move of the block `key` of `group` from G2 slot `from` to G3 slot
+    /// `to`.
+    pub fn new(from: usize, to: usize, group: usize, key: u64) -> Self {
+        DiskMove {
+            from,
+            to,
+            group,
+            key,
+        }
+    }
 }
 
 /// What a [`PagedWorker`] is built from.
@@ -230,8 +281,10 @@ impl Shared {
 pub struct PagedWorker {
     shared: Arc<Shared>,
     settle: Option<Sender<Pending>>,
-    stage: Option<Sender<Staged>>,
+    stage: Option<Sender<Stage>>,
     threads: Vec<JoinHandle<()>>,
+    /// What a kept G3 held when it was opened.
+    kept: Option<KeptDisk>,
     stride: u64,
     /// Bytes of one block of each KV cache group.
     block_bytes: Vec<u64>,
@@ -324,13 +377,12 @@ impl PagedWorker {
             .iter()
             .map(|g| layouts::group_g2(g, &region, stride))
             .collect::<Result<Vec<_>>>()?;
-        let disk = match &config.disk {
-            Some(d) => Some(Disk {
-                file: layouts::slot_file(&d.dir, d.slots, stride)?,
-                slots: d.slots,
-                sums: config.verify.then(|| Mutex::new(vec![None; d.slots])),
-            }),
-            None => None,
+        let (disk, kept) = match &config.disk {
+            Some(d) => {
+                let (disk, kept) = disk::open(d, stride, config.verify)?;
+                (Some(disk), kept)
+            }
+            None => (None, None),
         };
         let shared = Arc::new(Shared {
             g1,
@@ -345,7 +397,9 @@ impl PagedWorker {
             filed: AtomicU64::new(0),
         });
         let block_bytes = config.groups.iter().map(PageGroup::block_bytes).collect();
-        Self::start(shared, stride, block_bytes, config.sum_tail)
+        let mut worker = Self::start(shared, stride, block_bytes, config.sum_tail)?;
+        worker.kept = kept;
+        Ok(worker)
     }
 
     /// Starts the worker's threads over `shared`: the one that settles
@@ -377,6 +431,7 @@ impl PagedWorker {
             settle: Some(settle),
             stage,
             threads,
+            kept: None,
             stride,
             block_bytes,
             sum_tail,
@@ -399,14 +454,28 @@ impl PagedWorker {
         self.shared.disk.as_ref().map_or(0, |d| d.slots)
     }
 
+    /// What the kept G3 held when the worker opened it (`None` without a
+    /// kept G3): the books take these blocks up before the first job.
+    pub fn kept(&self) -> Option<&KeptDisk> {
+        self.kept.as_ref()
+    }
+
+    /// Empties every record of a kept G3 (the engine's cache was reset):
+    /// after the jobs submitted before, so a restarted worker finds none
+    /// of the blocks held now. A no-op without a kept G3.
+    pub fn forget_kept(&self) -> Result<()> {
+        if self.kept.is_none() {
+            return Ok(());
+        }
+        match self.stage.as_ref() {
+            Some(q) if q.send(Stage::ForgetKept).is_ok() => Ok(()),
+            _ => Err(invalid("the worker is shut down")),
+        }
+    }
+
     /// Starts copying engine pages into G2 slots, after moving the blocks
-    /// of `demote` (`(G2 slot, G3 slot)`) to G3.
-    pub fn store(
-        &self,
-        job: u64,
-        copies: Vec<PageCopy>,
-        demote: Vec<(usize, usize)>,
-    ) -> Result<()> {
+    /// of `demote` to G3.
+    pub fn store(&self, job: u64, copies: Vec<PageCopy>, demote: Vec<DiskMove>) -> Result<()> {
         self.submit(job, Direction::Store, copies, demote)
     }
 
@@ -421,7 +490,7 @@ impl PagedWorker {
         job: u64,
         direction: Direction,
         copies: &[PageCopy],
-        demote: &[(usize, usize)],
+        demote: &[DiskMove],
     ) -> Result<()> {
         let (groups, slots, disk) = (self.shared.g1.len(), self.slots(), self.disk_slots());
         for c in copies {
@@ -441,15 +510,16 @@ impl PagedWorker {
         }
     }
 
-    /// What is wrong with the first `(G2 slot, G3 slot)` move beyond the
-    /// tiers, if any.
-    fn bad_move(&self, moves: &[(usize, usize)]) -> Option<String> {
-        let (slots, disk) = (self.slots(), self.disk_slots());
-        let &(from, to) = moves
+    /// What is wrong with the first move beyond the tiers or the groups,
+    /// if any.
+    fn bad_move(&self, moves: &[DiskMove]) -> Option<String> {
+        let (slots, disk, groups) = (self.slots(), self.disk_slots(), self.shared.g2.len());
+        let m = moves
             .iter()
-            .find(|&&(from, to)| from >= slots || to >= disk)?;
+            .find(|m| m.from >= slots || m.to >= disk || m.group >= groups)?;
         Some(format!(
-            "a move from G2 slot {from} to G3 slot {to} beyond {slots} / {disk} slots"
+            "a move of group {} from G2 slot {} to G3 slot {} beyond {groups} groups / {slots} / {disk} slots",
+            m.group, m.from, m.to
         ))
     }
 
@@ -458,7 +528,7 @@ impl PagedWorker {
         job: u64,
         direction: Direction,
         copies: Vec<PageCopy>,
-        demote: Vec<(usize, usize)>,
+        demote: Vec<DiskMove>,
     ) -> Result<()> {
         self.check(job, direction, &copies, &demote)?;
         if !self.shared.reports.lock().in_flight.insert(job) {
@@ -490,7 +560,9 @@ impl PagedWorker {
                 demote,
                 started,
             };
-            self.stage.as_ref().is_some_and(|q| q.send(staged).is_ok())
+            self.stage
+                .as_ref()
+                .is_some_and(|q| q.send(Stage::Job(staged)).is_ok())
         };
         if sent {
             Ok(())

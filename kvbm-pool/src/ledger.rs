@@ -557,6 +557,47 @@ impl Ledger {
         }
     }
 
+    /// Takes up the blocks a G3 kept across a restart holds, each in the
+    /// slot that holds its bytes: `(G3 slot, key)`. A slot beyond G3, one
+    /// listed twice or already held, and a key listed twice or already
+    /// held, are skipped. Returns the blocks that became loadable. Call it
+    /// before the first store.
+    pub fn restore_disk(&self, blocks: &[(u32, SequenceHash)]) -> Vec<(u32, SequenceHash)> {
+        let Some(g3) = &self.g3 else {
+            return Vec::new();
+        };
+        let capacity = g3.pool.capacity();
+        let (mut slots, mut keys) = (HashSet::new(), HashSet::new());
+        let blocks: Vec<(u32, SequenceHash)> = blocks
+            .iter()
+            .copied()
+            .filter(|&(slot, key)| {
+                (slot as usize) < capacity
+                    && !g3.pool.contains(key)
+                    && !self.g2.pool.contains(key)
+                    && slots.insert(slot)
+                    && keys.insert(key)
+            })
+            .collect();
+        let key_of: HashMap<u32, SequenceHash> = blocks.iter().copied().collect();
+        let ids: Vec<u32> = blocks.iter().map(|&(slot, _)| slot).collect();
+        let complete: Vec<_> = g3
+            .pool
+            .allocate_ids(&ids)
+            .into_iter()
+            .filter_map(|b| {
+                let key = key_of[&b.block_id()];
+                b.complete(key, None).ok()
+            })
+            .collect();
+        // The handles drop at once: the blocks wait in G3 like any others.
+        drop(g3.pool.register(complete));
+        blocks
+            .into_iter()
+            .filter(|&(_, key)| g3.pool.contains(key))
+            .collect()
+    }
+
     /// Marks `keys` as damaged (a load of them failed): they are never
     /// loaded again and read as absent; their slots come back when the
     /// policy evicts them.

@@ -11,7 +11,9 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use kvbm_block::{BuildSequenceHasher, SequenceHash};
-use kvbm_dist::paged::{PageCopy, PageGroup, PageMemory, PagedConfig, PagedDisk, PagedWorker};
+use kvbm_dist::paged::{
+    DiskMove, PageCopy, PageGroup, PageMemory, PagedConfig, PagedDisk, PagedWorker,
+};
 use kvbm_pool::Tier;
 use kvbm_pool::ledger::{Ledger, Presence};
 use kvbm_pool::policy::RetentionHint;
@@ -349,6 +351,23 @@ impl OffloadBooks {
         ))
     }
 
+    /// Takes up the blocks a disk tier kept across a restart holds,
+    /// `(disk slot, kvbm key)` each: they are loadable from their slots.
+    /// Returns those taken up (not a slot or key listed twice, nor a slot
+    /// beyond the tier). Call it before the first store.
+    fn restore_disk(&self, blocks: Vec<(u32, u64)>) -> Vec<(u32, u64)> {
+        let blocks: Vec<(u32, SequenceHash)> = blocks
+            .into_iter()
+            .map(|(s, k)| (s, SequenceHash(k)))
+            .collect();
+        self.books
+            .ledger
+            .restore_disk(&blocks)
+            .into_iter()
+            .map(|(s, k)| (s, k.0))
+            .collect()
+    }
+
     /// Confirms (`ok`) or abandons the stores of `keys`.
     fn commit(&self, keys: Vec<Vec<u8>>, ok: bool) -> PyResult<()> {
         self.books.ledger.commit(&keys_of(&keys)?, ok);
@@ -501,6 +520,14 @@ fn page_groups(
     Ok((out, memory, owner))
 }
 
+/// `(host slot, disk slot, group, kvbm key)` tuples as moves to disk.
+fn moves_of(moves: Vec<(usize, usize, usize, u64)>) -> Vec<DiskMove> {
+    moves
+        .into_iter()
+        .map(|(from, to, group, key)| DiskMove::new(from, to, group, key))
+        .collect()
+}
+
 /// `(group, engine block, slot)` triples as copies from host slots, or
 /// from disk slots where `disk`.
 fn copies_of(copies: Vec<(usize, usize, usize)>, disk: bool) -> Vec<PageCopy> {
@@ -525,14 +552,17 @@ impl PageWorker {
     /// reference to each as long as it may touch its memory, and the
     /// caller passes views whose memory spans every block's stride.
     /// `disk_dir` and `disk_slots` put a disk tier of that many slots
-    /// behind the host slots, in a file of its own in that directory.
-    /// With `verify` every stored slot's checksum is recorded and checked
-    /// when it is loaded. With `sum_tail` each slot has room for a
-    /// checksum after its block, for G4 (`seal`, `adopt`).
+    /// behind the host slots, in a file of its own in that directory;
+    /// with `disk_kept` (an identity) the disk tier is kept across
+    /// restarts in `disk_dir` (see `kept`). With `verify` every stored
+    /// slot's checksum is recorded and checked when it is loaded. With
+    /// `sum_tail` each slot has room for a checksum after its block, for
+    /// G4 (`seal`, `adopt`).
     #[new]
-    #[pyo3(signature = (groups, num_blocks, slots, slot_bytes, verify = false, disk_dir = None, disk_slots = 0, sum_tail = false))]
+    #[pyo3(signature = (groups, num_blocks, slots, slot_bytes, verify = false, disk_dir = None, disk_slots = 0, sum_tail = false, disk_kept = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
+        py: Python<'_>,
         groups: Vec<(Vec<Bound<'_, PyAny>>, u64)>,
         num_blocks: usize,
         slots: usize,
@@ -541,6 +571,7 @@ impl PageWorker {
         disk_dir: Option<std::path::PathBuf>,
         disk_slots: usize,
         sum_tail: bool,
+        disk_kept: Option<String>,
     ) -> PyResult<Self> {
         let (groups, memory, owner) = page_groups(&groups, num_blocks)?;
         let config = PagedConfig {
@@ -552,6 +583,7 @@ impl PageWorker {
             disk: disk_dir.map(|dir| PagedDisk {
                 dir,
                 slots: disk_slots,
+                kept: disk_kept,
             }),
             verify,
             sum_tail,
@@ -564,8 +596,31 @@ impl PageWorker {
         // span the last row's stride (checked on the Python side, which
         // sees the storage). The engine leaves a block alone while a job
         // copies it (the offloading connector's contract).
-        let inner = unsafe { PagedWorker::new(config, owner) }.map_err(PyKvbmError::Dist)?;
+        let inner = py
+            .detach(|| unsafe { PagedWorker::new(config, owner) })
+            .map_err(PyKvbmError::Dist)?;
         Ok(PageWorker { inner })
+    }
+
+    /// What the kept disk tier held when the worker opened it: `(directory,
+    /// [(disk slot, kvbm key)], torn or damaged records, why it started
+    /// afresh or None)`; None without a kept disk tier.
+    #[allow(clippy::type_complexity)]
+    fn kept(&self) -> Option<(String, Vec<(u32, u64)>, u64, Option<String>)> {
+        self.inner.kept().map(|k| {
+            (
+                k.dir.to_string_lossy().into_owned(),
+                k.blocks.clone(),
+                k.rejected,
+                k.started_fresh.clone(),
+            )
+        })
+    }
+
+    /// Empties every record of the kept disk tier after the jobs submitted
+    /// before (the engine's cache was reset); a no-op without one.
+    fn forget_kept(&self) -> PyResult<()> {
+        Ok(self.inner.forget_kept().map_err(PyKvbmError::Dist)?)
     }
 
     /// Slots in the tier.
@@ -576,17 +631,17 @@ impl PageWorker {
 
     /// Starts copying `(group, engine block, host slot)` pages into host
     /// slots, after moving the blocks of `demote` (`(host slot, disk
-    /// slot)`) to disk.
+    /// slot, group, kvbm key)`) to disk.
     #[pyo3(signature = (job, copies, demote = Vec::new()))]
     fn store(
         &self,
         job: u64,
         copies: Vec<(usize, usize, usize)>,
-        demote: Vec<(usize, usize)>,
+        demote: Vec<(usize, usize, usize, u64)>,
     ) -> PyResult<()> {
         Ok(self
             .inner
-            .store(job, copies_of(copies, false), demote)
+            .store(job, copies_of(copies, false), moves_of(demote))
             .map_err(PyKvbmError::Dist)?)
     }
 
@@ -641,9 +696,11 @@ impl PageWorker {
         Ok(good.map_err(PyKvbmError::Dist)?)
     }
 
-    /// Moves `(host slot, disk slot)` blocks to disk and waits (without the
-    /// GIL): before a block fetched from G4 overwrites their slots.
-    fn move_to_disk(&self, py: Python<'_>, moves: Vec<(usize, usize)>) -> PyResult<()> {
+    /// Moves `(host slot, disk slot, group, kvbm key)` blocks to disk and
+    /// waits (without the GIL): before a block fetched from G4 overwrites
+    /// their slots.
+    fn move_to_disk(&self, py: Python<'_>, moves: Vec<(usize, usize, usize, u64)>) -> PyResult<()> {
+        let moves = moves_of(moves);
         let moved = py.detach(|| self.inner.move_to_disk(&moves));
         Ok(moved.map_err(PyKvbmError::Dist)?)
     }

@@ -172,6 +172,7 @@ class OffloadSide:
             "g2_to_g1_blocks": m["loaded"] - m["loaded_from_disk"],
             "g3_to_g1_blocks": m["loaded_from_disk"],
             "g2_to_g3_blocks": m["demoted"],
+            "g3_recovered_blocks": m["recovered"],
             "groups": self.groups,
         }
         out.update({f"loaded_group_{g}": n for g, n in m["loaded_per_group"].items()})

@@ -149,8 +149,9 @@ def run_spec_round_trip(verify: bool, disk_dir: str | None = None) -> None:
             t.zero_()
     loads = [(0, 5, 0), (0, 6, 1), (1, 5, 2), (1, 6, 3)]
     if disk_dir:
-        # Slot i moves to disk slot 7 - i; the blocks come back from disk.
-        worker.store(10, [], [(i, 7 - i) for i in range(4)])
+        # Slot i (group i // 2) moves to disk slot 7 - i under key 100 + i;
+        # the blocks come back from disk.
+        worker.store(10, [], [(i, 7 - i, i // 2, 100 + i) for i in range(4)])
         worker.wait([10])
         assert all(r[1] for r in worker.finished())
         worker.load(2, [], [(g, b, 7 - s) for g, b, s in loads])

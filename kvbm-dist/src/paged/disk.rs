@@ -9,27 +9,87 @@
 //! copies it into the engine's pages as any G2 load. Both run on a thread
 //! of the worker, one job after another, and hand the job on to the
 //! settling thread once its engine copies are under way.
+//!
+//! **Kept.** A G3 kept across restarts keeps a record per slot
+//! ([`KeptStore`]): a slot's record is emptied before a move writes it and
+//! names the block and its checksum once the move landed, so a record
+//! names either nothing or bytes that were fully written. Its checksums
+//! are always on (a restarted worker takes them from the records), and a
+//! slot that fails its check loses its record.
 
 use std::collections::HashSet;
 use std::sync::mpsc::{Receiver, Sender};
 use std::time::Instant;
 
 use kvbm_transfer::PhysicalLayout;
+use kvbm_transfer::memory::DiskOptions;
 use parking_lot::Mutex;
 
 use super::settle::{Earlier, Pending, start};
-use super::{Direction, PageCopy, Shared};
+use super::{Direction, DiskMove, KeptDisk, PageCopy, PagedDisk, Shared, layouts};
+use crate::error::Result;
+use crate::kept::{BlockLabel, KeptStore, Medium};
 use crate::verify::block_sum;
 
 /// Staging slots in the region for reads from G3: a load of more blocks
 /// than this reads them in rounds.
 pub(super) const STAGING_SLOTS: usize = 32;
 
-/// The slot file and, in verify mode, the checksum of each slot's block.
+/// The slot file and, in verify mode or when kept, the checksum of each
+/// slot's block.
 pub(super) struct Disk {
     pub(super) file: PhysicalLayout,
     pub(super) slots: usize,
     pub(super) sums: Option<Mutex<Vec<Option<u64>>>>,
+    /// The slots' records, when G3 is kept across restarts.
+    pub(super) kept: Option<KeptStore>,
+}
+
+/// Opens G3 as `d` says, its slots `stride` bytes apart: a file removed on
+/// drop, or a kept store reopened with the blocks its records name (then
+/// also returned, for the books).
+pub(super) fn open(d: &PagedDisk, stride: u64, verify: bool) -> Result<(Disk, Option<KeptDisk>)> {
+    let Some(identity) = &d.kept else {
+        let disk = Disk {
+            file: layouts::slot_file(&d.dir, d.slots, stride)?,
+            slots: d.slots,
+            sums: verify.then(|| Mutex::new(vec![None; d.slots])),
+            kept: None,
+        };
+        return Ok((disk, None));
+    };
+    let layout = layouts::whole_slots(d.slots, stride)?;
+    let medium = Medium::Disk(DiskOptions::default().io_mode);
+    let (store, file, recovery) = KeptStore::open_free(&d.dir, identity, layout, &medium)?;
+    let mut sums = vec![None; d.slots];
+    let mut blocks = Vec::with_capacity(recovery.blocks.len());
+    for r in &recovery.blocks {
+        if let Some(sum) = sums.get_mut(r.slot as usize) {
+            *sum = Some(r.sum);
+            blocks.push((r.slot, r.label.hash));
+        }
+    }
+    let found = KeptDisk {
+        dir: store.dir().to_path_buf(),
+        blocks,
+        rejected: recovery.rejected,
+        started_fresh: recovery.started_fresh,
+    };
+    let disk = Disk {
+        file,
+        slots: d.slots,
+        sums: Some(Mutex::new(sums)),
+        kept: Some(store),
+    };
+    Ok((disk, Some(found)))
+}
+
+/// What the staging thread is handed, in order.
+pub(super) enum Stage {
+    /// A job to run.
+    Job(Staged),
+    /// Empty every record of a kept G3 (after the jobs handed before).
+    ForgetKept,
 }
 
 /// A job that moves bytes to or from G3 before its engine copies.
@@ -37,15 +97,22 @@ pub(super) struct Staged {
     pub(super) job: u64,
     pub(super) direction: Direction,
     pub(super) copies: Vec<PageCopy>,
-    /// `(G2 slot, G3 slot)` of each block to move to G3 first (stores).
-    pub(super) demote: Vec<(usize, usize)>,
+    /// The blocks to move to G3 first (stores).
+    pub(super) demote: Vec<DiskMove>,
     pub(super) started: Instant,
 }
 
 /// Runs staged jobs in order until the worker drops its sender, handing
 /// each to the settling thread.
-pub(super) fn stage_loop(shared: &Shared, rx: Receiver<Staged>, settle: Sender<Pending>) {
-    for s in rx {
+pub(super) fn stage_loop(shared: &Shared, rx: Receiver<Stage>, settle: Sender<Pending>) {
+    for item in rx {
+        let s = match item {
+            Stage::Job(s) => s,
+            Stage::ForgetKept => {
+                forget_all(shared);
+                continue;
+            }
+        };
         let pending = match s.direction {
             Direction::Store => store(shared, s),
             Direction::Load => load(shared, s),
@@ -81,23 +148,70 @@ fn store(shared: &Shared, s: Staged) -> Pending {
     }
 }
 
-/// Moves `(G2 slot, G3 slot)` blocks to G3 and waits; their sums follow
-/// them in verify mode.
-pub(super) fn demote(shared: &Shared, pairs: &[(usize, usize)]) -> Result<(), String> {
-    if pairs.is_empty() {
+/// Empties every record of a kept G3 (logged when it fails: the blocks
+/// then come back after a restart, each still checked).
+fn forget_all(shared: &Shared) {
+    let Some(kept) = shared.disk.as_ref().and_then(|d| d.kept.as_ref()) else {
+        return;
+    };
+    if let Err(e) = kept.forget_all() {
+        tracing::warn!(dir = %kept.dir().display(), "G3 records not emptied: {e}");
+    }
+}
+
+/// Moves blocks to G3 and waits. Their sums follow them: the sum recorded
+/// when the block was stored in verify mode, else (a kept G3) the sum of
+/// the block in its G2 slot; a kept G3 records each block once it landed.
+pub(super) fn demote(shared: &Shared, moves: &[DiskMove]) -> Result<(), String> {
+    if moves.is_empty() {
         return Ok(());
     }
     let disk = shared.disk.as_ref().ok_or("a demotion without G3")?;
+    if let Some(kept) = &disk.kept {
+        let slots: Vec<u32> = moves.iter().map(|m| m.to as u32).collect();
+        kept.forget(&slots)
+            .map_err(|e| format!("emptying {} G3 records: {e}", slots.len()))?;
+    }
+    let pairs: Vec<(usize, usize)> = moves.iter().map(|m| (m.from, m.to)).collect();
     shared
         .executor
-        .transfer(&shared.region, &disk.file, pairs)
+        .transfer(&shared.region, &disk.file, &pairs)
         .wait()
         .map_err(|f| format!("moving {} blocks to G3: {f}", pairs.len()))?;
-    if let (Some(from), Some(to)) = (&shared.sums, &disk.sums) {
-        let from = from.lock();
+    let Some(to) = &disk.sums else {
+        return Ok(());
+    };
+    let sums: Vec<Option<u64>> = match &shared.sums {
+        Some(from) => {
+            let from = from.lock();
+            moves.iter().map(|m| from[m.from]).collect()
+        }
+        None => moves
+            .iter()
+            .map(|m| block_sum(&shared.g2[m.group], m.from).ok())
+            .collect(),
+    };
+    {
         let mut to = to.lock();
-        for &(g2, g3) in pairs {
-            to[g3] = from[g2];
+        for (m, &sum) in moves.iter().zip(&sums) {
+            to[m.to] = sum;
+        }
+    }
+    if let Some(kept) = &disk.kept {
+        let records: Vec<(u32, BlockLabel, u64)> = moves
+            .iter()
+            .zip(&sums)
+            .filter_map(|(m, sum)| {
+                let label = BlockLabel {
+                    hash: m.key,
+                    parent: None,
+                };
+                sum.map(|sum| (m.to as u32, label, sum))
+            })
+            .collect();
+        // A record not written loses the block at a restart, nothing more.
+        if let Err(e) = kept.commit(&records) {
+            tracing::warn!(dir = %kept.dir().display(), "G3 records not written: {e}");
         }
     }
     Ok(())
@@ -157,6 +271,10 @@ fn read_round(shared: &Shared, round: &[PageCopy], earlier: &mut Earlier) {
         if let Some(sums) = &disk.sums {
             let want = sums.lock()[c.slot];
             if want.is_none() || block_sum(&shared.g2[c.group], staging(i)).ok() != want {
+                if let Some(kept) = &disk.kept {
+                    // Not found again after a restart either.
+                    let _ = kept.forget(&[c.slot as u32]);
+                }
                 earlier.fail([*c], || {
                     format!(
                         "G3 slot {} failed its checksum: its bytes changed since they were stored",

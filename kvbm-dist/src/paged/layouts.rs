@@ -75,7 +75,7 @@ fn device_kind(_ordinal: u32) -> Result<MemoryKind> {
 }
 
 /// `slots` whole slots of `stride` bytes, one chunk each.
-fn whole_slots(slots: usize, stride: u64) -> Result<Layout> {
+pub(super) fn whole_slots(slots: usize, stride: u64) -> Result<Layout> {
     let config = LayoutConfig::new(slots, 1, 1, 1, stride as usize, 1)?;
     Ok(Layout::new(config, LayoutKind::FullyContiguous)?)
 }

@@ -93,10 +93,10 @@ impl PagedWorker {
             .collect()
     }
 
-    /// Moves `(G2 slot, G3 slot)` blocks to G3 and waits until they
-    /// landed: what a store does before writing slots it took from them,
-    /// for blocks an outside store is about to write into those slots.
-    pub fn move_to_disk(&self, moves: &[(usize, usize)]) -> Result<()> {
+    /// Moves blocks to G3 and waits until they landed: what a store does
+    /// before writing slots it took from them, for blocks an outside store
+    /// is about to write into those slots.
+    pub fn move_to_disk(&self, moves: &[super::DiskMove]) -> Result<()> {
         if let Some(why) = self.bad_move(moves) {
             return Err(invalid(why));
         }

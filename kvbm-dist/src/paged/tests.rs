@@ -65,6 +65,7 @@ fn worker_over(
         disk: disk.map(|dir| PagedDisk {
             dir: dir.to_path_buf(),
             slots,
+            kept: None,
         }),
         verify,
         sum_tail,
@@ -167,7 +168,10 @@ fn bad_jobs_and_shapes_are_refused_with_an_error() {
     assert!(w.store(1, vec![c(0, 0, 2)], vec![]).is_err());
     // No G3 to read from or move to.
     assert!(w.load(1, vec![PageCopy::g3(0, 0, 0)]).is_err());
-    assert!(w.store(1, vec![c(0, 0, 0)], vec![(1, 0)]).is_err());
+    assert!(
+        w.store(1, vec![c(0, 0, 0)], vec![DiskMove::new(1, 0, 0, 1)])
+            .is_err()
+    );
     // A block beyond the engine's is a failed copy, not a panic.
     w.store(2, vec![c(0, 9, 0)], vec![]).unwrap();
     w.wait(&[2]);
@@ -231,7 +235,10 @@ fn blocks_moved_to_disk_come_back_byte_for_byte_in_rounds() {
     settled_clean(&w, 1);
     // Every block moves to G3 slot `blocks - 1 - i`; then G2 and the engine
     // are wiped, so only G3 holds the bytes.
-    let moves: Vec<(usize, usize)> = (0..blocks).map(|i| (i, blocks - 1 - i)).collect();
+    let moves: Vec<DiskMove> = stored
+        .iter()
+        .map(|c| DiskMove::new(c.slot, blocks - 1 - c.slot, c.group, c.slot as u64))
+        .collect();
     w.store(2, vec![], moves).unwrap();
     settled_clean(&w, 2);
     for slot in 0..blocks {
@@ -277,8 +284,8 @@ fn a_disk_slot_changed_at_rest_fails_its_load_in_verify_mode() {
     .unwrap();
     settled_clean(&w, 1);
     // Slots 0 and 1 move to G3 while a new store takes slot 0.
-    w.store(2, vec![PageCopy::g2(2, 2, 0)], vec![(0, 3), (1, 2)])
-        .unwrap();
+    let moves = vec![DiskMove::new(0, 3, 0, 10), DiskMove::new(1, 2, 1, 11)];
+    w.store(2, vec![PageCopy::g2(2, 2, 0)], moves).unwrap();
     settled_clean(&w, 2);
     w.corrupt_disk_slot(2).unwrap();
     w.load(3, vec![PageCopy::g3(0, 2, 3), PageCopy::g3(1, 3, 2)])
@@ -314,13 +321,18 @@ fn bad_moves_are_refused_with_an_error() {
     let dir = tempfile::tempdir().unwrap();
     let e = engine(&HYBRID, 2);
     let w = disk_worker(&e, 2, 2, dir.path(), false);
-    assert!(w.store(1, vec![], vec![(2, 0)]).is_err());
-    assert!(w.store(1, vec![], vec![(0, 2)]).is_err());
+    let mv = |from, to, group| vec![DiskMove::new(from, to, group, 7)];
+    assert!(w.store(1, vec![], mv(2, 0, 0)).is_err());
+    assert!(w.store(1, vec![], mv(0, 2, 0)).is_err());
+    assert!(
+        w.store(1, vec![], mv(0, 0, 3)).is_err(),
+        "a group beyond the worker's"
+    );
     assert!(w.load(1, vec![PageCopy::g3(0, 0, 2)]).is_err());
     // A G3 slot is never a store's destination.
     assert!(w.store(1, vec![PageCopy::g3(0, 0, 0)], vec![]).is_err());
     // The refused job id is free again.
-    w.store(1, vec![PageCopy::g2(0, 0, 0)], vec![(1, 1)])
+    w.store(1, vec![PageCopy::g2(0, 0, 0)], mv(1, 1, 0))
         .unwrap();
     settled_clean(&w, 1);
 }
@@ -395,7 +407,8 @@ fn a_block_published_by_one_engine_is_checked_and_served_by_another() {
     assert!(b.seal(3, &[0]).is_err());
     assert!(b.seal(0, &[4]).is_err());
     assert!(b.adopt(0, &[9]).is_err());
-    assert!(b.move_to_disk(&[(0, 0)]).is_err(), "a move without G3");
+    let to_disk = [DiskMove::new(0, 0, 0, 1)];
+    assert!(b.move_to_disk(&to_disk).is_err(), "a move without G3");
     let plain = worker(&b_pages, blocks, 4, true);
     assert!(
         plain
@@ -403,4 +416,236 @@ fn a_block_published_by_one_engine_is_checked_and_served_by_another() {
             .is_err_and(|e| e.to_string().contains("sum_tail"))
     );
     assert!(plain.adopt(0, &[0]).is_err());
+}
+
+/// A worker over `e`'s pages with `slots` G2 slots and as many G3 slots
+/// kept in `dir` under `identity`.
+fn kept_worker(e: &Engine, slots: usize, dir: &std::path::Path, identity: &str) -> PagedWorker {
+    let widest = e.groups.iter().map(PageGroup::block_bytes).max().unwrap();
+    let config = PagedConfig {
+        groups: e.groups.clone(),
+        num_blocks: e.buffers[0][0].len() / e.groups[0].block_stride as usize,
+        memory: PageMemory::Host,
+        slots,
+        slot_bytes: widest,
+        disk: Some(PagedDisk {
+            dir: dir.to_path_buf(),
+            slots,
+            kept: Some(identity.into()),
+        }),
+        verify: false,
+        sum_tail: false,
+    };
+    // SAFETY: as in `worker_over`.
+    unsafe { PagedWorker::new(config, Arc::new(())) }.unwrap()
+}
+
+/// An engine of `blocks` blocks whose pages are all zero.
+fn zeroed(blocks: usize) -> Engine {
+    let mut e = engine(&HYBRID, blocks);
+    for layer in e.buffers.iter_mut().flatten() {
+        layer.fill(0);
+    }
+    e
+}
+
+/// Stores engine block `i` of group `i % 3` into G2 slot `i` for each of
+/// `blocks`, then moves each to G3 slot `to(i)` under key `100 + i`.
+fn store_and_move(w: &PagedWorker, blocks: &[usize], to: impl Fn(usize) -> usize, job: u64) {
+    let stored: Vec<PageCopy> = blocks.iter().map(|&i| PageCopy::g2(i % 3, i, i)).collect();
+    w.store(job, stored, vec![]).unwrap();
+    settled_clean(w, job);
+    let moves = blocks
+        .iter()
+        .map(|&i| DiskMove::new(i, to(i), i % 3, 100 + i as u64))
+        .collect();
+    w.store(job + 1, vec![], moves).unwrap();
+    settled_clean(w, job + 1);
+}
+
+fn sorted(mut blocks: Vec<(u32, u64)>) -> Vec<(u32, u64)> {
+    blocks.sort_unstable();
+    blocks
+}
+
+#[test]
+fn a_kept_g3_is_found_again_after_a_restart_byte_for_byte() {
+    let blocks = 6;
+    let dir = tempfile::tempdir().unwrap();
+    let kept = dir.path().join("rank0");
+    let e = engine(&HYBRID, blocks);
+    {
+        let a = kept_worker(&e, blocks, &kept, "model a");
+        assert!(a.kept().unwrap().blocks.is_empty());
+        assert!(a.kept().unwrap().started_fresh.is_some());
+        store_and_move(&a, &[0, 1, 2, 4], |i| blocks - 1 - i, 1);
+    }
+    // A new worker over other pages (all zero) finds every block where it
+    // was moved, and loads each byte for byte, unverified: a kept G3
+    // checks every read.
+    let e2 = zeroed(blocks);
+    let b = kept_worker(&e2, blocks, &kept, "model a");
+    let found = b.kept().unwrap().clone();
+    assert_eq!(found.started_fresh, None);
+    assert_eq!(found.dir, kept);
+    assert_eq!(
+        sorted(found.blocks),
+        vec![(1, 104), (3, 102), (4, 101), (5, 100)]
+    );
+    let loads: Vec<PageCopy> = [0, 1, 2, 4]
+        .iter()
+        .map(|&i| PageCopy::g3(i % 3, i, blocks - 1 - i))
+        .collect();
+    b.load(9, loads.clone()).unwrap();
+    settled_clean(&b, 9);
+    for c in &loads {
+        for l in 0..e.groups[c.group].layers.len() {
+            assert_eq!(
+                page(&e2, c.group, l, c.block),
+                page(&e, c.group, l, c.block)
+            );
+        }
+    }
+    // While B holds the directory another engine of the same identity
+    // gets a directory of its own.
+    let other = kept_worker(&e2, blocks, &kept, "model a");
+    assert_ne!(other.kept().unwrap().dir, kept);
+    assert!(other.kept().unwrap().blocks.is_empty());
+    drop((b, other));
+    // Another identity reuses nothing.
+    let c = kept_worker(&e2, blocks, &kept, "model b");
+    let found = c.kept().unwrap();
+    assert!(
+        found.blocks.is_empty() && found.started_fresh.is_some(),
+        "{found:?}"
+    );
+}
+
+#[test]
+fn a_moved_over_or_forgotten_slot_is_not_found_again() {
+    let blocks = 6;
+    let dir = tempfile::tempdir().unwrap();
+    let e = engine(&HYBRID, blocks);
+    {
+        let a = kept_worker(&e, blocks, dir.path(), "m");
+        store_and_move(&a, &[0, 1], |i| i, 1);
+        // The cache is reset: what was moved before is forgotten, what
+        // is moved after is kept; a move into slot 0 names its new block.
+        a.forget_kept().unwrap();
+        store_and_move(&a, &[3], |_| 0, 3);
+        store_and_move(&a, &[2], |_| 4, 5);
+    }
+    let b = kept_worker(&zeroed(blocks), blocks, dir.path(), "m");
+    assert_eq!(
+        sorted(b.kept().unwrap().blocks.clone()),
+        vec![(0, 103), (4, 102)]
+    );
+    // Without a kept G3 there is nothing to forget.
+    let plain = worker(&e, blocks, 2, false);
+    plain.forget_kept().unwrap();
+    assert!(plain.kept().is_none());
+}
+
+#[cfg(feature = "fault-injection")]
+#[test]
+fn a_kept_block_changed_at_rest_is_refused_and_forgotten() {
+    let blocks = 4;
+    let dir = tempfile::tempdir().unwrap();
+    let e = engine(&HYBRID, blocks);
+    {
+        let a = kept_worker(&e, blocks, dir.path(), "m");
+        store_and_move(&a, &[0, 1], |i| i + 2, 1);
+    }
+    let e2 = zeroed(blocks);
+    {
+        let b = kept_worker(&e2, blocks, dir.path(), "m");
+        b.corrupt_disk_slot(3).unwrap();
+        b.load(1, vec![PageCopy::g3(0, 0, 2), PageCopy::g3(1, 1, 3)])
+            .unwrap();
+        b.wait(&[1]);
+        let r = b.finished().pop().unwrap();
+        assert_eq!(r.failed, vec![PageCopy::g3(1, 1, 3)]);
+        assert_eq!(page(&e2, 0, 0, 0), page(&e, 0, 0, 0));
+        assert!(page(&e2, 1, 0, 1).iter().all(|&x| x == 0));
+    }
+    let c = kept_worker(&e2, blocks, dir.path(), "m");
+    assert_eq!(c.kept().unwrap().blocks, vec![(2, 100)]);
+}
+
+/// A step of the kept G3's model-based test.
+#[derive(Debug, Clone)]
+enum KeptStep {
+    /// Engine block `block` stored and moved to G3 slot `to`.
+    Move { block: usize, to: usize },
+    /// The cache reset.
+    Forget,
+    /// The worker dropped and opened again.
+    Restart,
+}
+
+fn kept_step(blocks: usize) -> impl proptest::strategy::Strategy<Value = KeptStep> {
+    use proptest::prelude::*;
+    prop_oneof![
+        6 => (0..blocks, 0..blocks).prop_map(|(block, to)| KeptStep::Move { block, to }),
+        1 => Just(KeptStep::Forget),
+        2 => Just(KeptStep::Restart),
+    ]
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
+
+    /// After any run of moves, resets and restarts, a reopened kept G3
+    /// names exactly the last block moved into each slot since the last
+    /// reset, and each loads byte for byte.
+    #[test]
+    fn a_reopened_kept_g3_names_the_last_block_moved_into_each_slot(
+        steps in proptest::collection::vec(kept_step(5), 1..16)
+    ) {
+        let blocks = 5;
+        let dir = tempfile::tempdir().unwrap();
+        let e = engine(&HYBRID, blocks);
+        let mut model: std::collections::BTreeMap<u32, u64> = Default::default();
+        let mut w = Some(kept_worker(&e, blocks, dir.path(), "m"));
+        let mut job = 1;
+        for step in steps.into_iter().chain([KeptStep::Restart]) {
+            match step {
+                KeptStep::Move { block, to } => {
+                    store_and_move(w.as_ref().unwrap(), &[block], |_| to, job);
+                    job += 2;
+                    model.insert(to as u32, 100 + block as u64);
+                }
+                KeptStep::Forget => {
+                    w.as_ref().unwrap().forget_kept().unwrap();
+                    model.clear();
+                }
+                KeptStep::Restart => {
+                    drop(w.take());
+                    let e2 = zeroed(blocks);
+                    let r = kept_worker(&e2, blocks, dir.path(), "m");
+                    let found: Vec<(u32, u64)> = model.iter().map(|(&s, &k)| (s, k)).collect();
+                    proptest::prop_assert_eq!(sorted(r.kept().unwrap().blocks.clone()), found);
+                    let loads: Vec<PageCopy> = model
+                        .iter()
+                        .map(|(&slot, &key)| {
+                            let b = (key - 100) as usize;
+                            PageCopy::g3(b % 3, b, slot as usize)
+                        })
+                        .collect();
+                    // One load per engine block (a block moved twice is
+                    // loaded once).
+                    let mut seen = std::collections::HashSet::new();
+                    let loads: Vec<PageCopy> = loads.into_iter().filter(|c| seen.insert(c.block)).collect();
+                    r.load(job, loads.clone()).unwrap();
+                    settled_clean(&r, job);
+                    job += 1;
+                    for c in &loads {
+                        proptest::prop_assert_eq!(page(&e2, c.group, 0, c.block), page(&e, c.group, 0, c.block));
+                    }
+                    drop(r);
+                    w = Some(kept_worker(&e, blocks, dir.path(), "m"));
+                }
+            }
+        }
+    }
 }

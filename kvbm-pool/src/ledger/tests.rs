@@ -445,3 +445,38 @@ fn retention_hints_rank_blocks_in_both_tiers() {
         assert_eq!(r.evicted, vec![first_to_go], "{hint:?}");
     }
 }
+
+#[test]
+fn blocks_a_kept_disk_held_are_loadable_from_their_slots_and_evictable() {
+    let ledger = Ledger::with_disk(1, 3, TierPolicy::WriteThrough).unwrap();
+    // Slot 5 is beyond G3, slot 0 and key 1 are listed twice.
+    let n = ledger.restore_disk(&[(2, h(1)), (0, h(2)), (5, h(3)), (0, h(4)), (1, h(1))]);
+    assert_eq!(n, vec![(2, h(1)), (0, h(2))]);
+    assert_eq!(ledger.counts().on_disk, 2);
+    assert_eq!(ledger.ready_prefix(&[h(1), h(2), h(3)]), 2);
+    let sources = ledger.pin(&[h(2), h(1)]).unwrap();
+    let at = |slot| Source {
+        tier: Tier::G3,
+        slot,
+    };
+    assert_eq!(sources, vec![at(0), at(2)]);
+    ledger.unpin(&[h(1), h(2)]);
+    // A key already held is not taken up again, and the free slot 1 is
+    // what the next demotion gets.
+    assert!(ledger.restore_disk(&[(1, h(1))]).is_empty());
+    let r = ledger.reserve(&[(h(7), None)]);
+    ledger.commit(&[h(7)], true);
+    let r2 = ledger.reserve(&[(h(8), None)]);
+    assert!(r.demote.is_empty());
+    assert_eq!(
+        r2.demote,
+        vec![Move {
+            key: h(7),
+            from: 0,
+            to: 1
+        }]
+    );
+    // Without a disk tier nothing is taken up.
+    let no_disk = Ledger::new(2, TierPolicy::WriteThrough).unwrap();
+    assert!(no_disk.restore_disk(&[(0, h(1))]).is_empty());
+}

@@ -312,6 +312,11 @@ class OffloadBooks:
         bytes stay there until the slot is written). With ``fetched``
         the keys are blocks a load brings in from G4: admission is not
         asked."""
+    def restore_disk(self, blocks: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Takes up the blocks a disk tier kept across a restart holds,
+        ``(disk slot, kvbm key)`` each: they are loadable from their slots.
+        Returns those taken up (not a slot or key listed twice, nor a slot
+        beyond the tier). Call it before the first store."""
     def commit(self, keys: Sequence[bytes], ok: bool) -> None:
         """Confirms (``ok``) or abandons the stores of ``keys``."""
     def pin(self, keys: Sequence[bytes]) -> list[tuple[bool, int]]:
@@ -343,10 +348,12 @@ class PageWorker:
     ``__dlpack__``, kept alive by kvbm, all on the host or all on one CUDA
     device) and ``slots`` host slots of ``slot_bytes`` (pinned near that
     device, system memory for host tensors), and with ``disk_dir`` a disk
-    tier of ``disk_slots`` slots in a file of its own there. With
-    ``verify`` every stored slot's checksum is recorded and checked after
-    each load of it. With ``sum_tail`` each slot has room for a checksum
-    after its block, which G4 moves with the block."""
+    tier of ``disk_slots`` slots in a file of its own there; with
+    ``disk_kept`` (an identity) that tier is kept across restarts in
+    ``disk_dir`` (see :meth:`kept`). With ``verify`` every stored slot's
+    checksum is recorded and checked after each load of it. With
+    ``sum_tail`` each slot has room for a checksum after its block, which
+    G4 moves with the block."""
 
     def __new__(
         cls,
@@ -358,14 +365,28 @@ class PageWorker:
         disk_dir: str | None = None,
         disk_slots: int = 0,
         sum_tail: bool = False,
+        disk_kept: str | None = None,
     ) -> PageWorker: ...
     @property
     def slots(self) -> int:
         """Slots in the host tier."""
-    def store(self, job: int, copies: Sequence[tuple[int, int, int]], demote: Sequence[tuple[int, int]] = ...) -> None:
+    def kept(self) -> tuple[str, list[tuple[int, int]], int, str | None] | None:
+        """What the kept disk tier held when the worker opened it:
+        ``(directory, [(disk slot, kvbm key)], torn or damaged records, why
+        it started afresh or None)``; None without a kept disk tier."""
+    def forget_kept(self) -> None:
+        """Empties every record of the kept disk tier after the jobs
+        submitted before (the engine's cache was reset); a no-op without
+        one."""
+    def store(
+        self,
+        job: int,
+        copies: Sequence[tuple[int, int, int]],
+        demote: Sequence[tuple[int, int, int, int]] = ...,
+    ) -> None:
         """Starts copying ``(group, engine block, host slot)`` pages into
-        host slots, after moving ``demote``'s ``(host slot, disk slot)``
-        blocks to disk."""
+        host slots, after moving ``demote``'s ``(host slot, disk slot,
+        group, kvbm key)`` blocks to disk."""
     def load(
         self,
         job: int,
@@ -387,8 +408,9 @@ class PageWorker:
         ``slots`` right after it (needs ``sum_tail``); per slot whether it
         was sealed: not one whose bytes changed since they were stored
         (verify mode)."""
-    def move_to_disk(self, moves: Sequence[tuple[int, int]]) -> None:
-        """Moves ``(host slot, disk slot)`` blocks to disk and waits."""
+    def move_to_disk(self, moves: Sequence[tuple[int, int, int, int]]) -> None:
+        """Moves ``(host slot, disk slot, group, kvbm key)`` blocks to disk
+        and waits."""
     def adopt(self, group: int, slots: Sequence[int]) -> list[bool]:
         """Per slot of ``slots`` holding a block of ``group`` that arrived
         from G4 with its checksum after it: whether its bytes match."""

@@ -15,7 +15,10 @@ prefix every group can serve) and asks a pluggable *spec* for the rest:
 - a worker in each rank (:class:`KvbmOffloadingWorker`): kvbm's copy
   engine (``PageWorker``) between the engine's page tensors of every group
   and that rank's slots, pinned next to a GPU, and that rank's file of
-  disk slots, with a checksum of every slot in verify mode.
+  disk slots, with a checksum of every slot in verify mode. The disk tier
+  is kept across restarts (``disk_cache_keep``, on by default, with
+  ``PYTHONHASHSEED`` set): a restarted engine serves what it held (see
+  :mod:`kvbm_py.vllm.offload_kept`).
 
 Turn it on with::
 
@@ -30,22 +33,21 @@ engine recomputes the request (with ``kv_load_failure_policy:
 "recompute"``), and its keys are never loaded again. vLLM's own name works too
 (``"kv_connector": "OffloadingConnector"`` with ``"spec_name": "kvbm"``),
 but vLLM 0.32's connector takes no failed job: there a failed load stops
-the engine rather than serve wrong bytes.
+the engine rather than serve wrong bytes; and its disk tier starts empty
+with each engine (the ranks' reports of a kept disk tier reach only
+``KvbmOffloadingConnector``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_offload.base import (
-    BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
-    GPULoadStoreSpec,
     LoadStoreSpec,
     LookupResult,
     Medium,
@@ -57,7 +59,6 @@ from vllm.v1.kv_offload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
-    TransferResult,
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
@@ -65,8 +66,10 @@ from kvbm_py import InvalidArgumentError, _kvbm
 from kvbm_py.config import GIB, KvbmConfig
 from kvbm_py.g4 import SUM_BYTES
 from kvbm_py.vllm.common import log as logger
-from kvbm_py.vllm.offload_g4 import G4Lookups, G4Mover, connect, g4_identity, lookup_stats
+from kvbm_py.vllm.offload_g4 import G4Lookups, connect, g4_identity, lookup_stats
+from kvbm_py.vllm.offload_kept import KeptG3Found, KeptNames, common_blocks, kept_identity, reports_of
 from kvbm_py.vllm.offload_lookup import KvbmConnectorScheduler
+from kvbm_py.vllm.offload_worker import KvbmOffloadingWorker, KvbmSlots
 from kvbm_py.vllm.plugin import SPEC_NAME, register_spec
 from kvbm_py.vllm.retention import retention_of
 
@@ -90,7 +93,7 @@ VLLM_KEYS = frozenset(
 NOT_ON_THIS_ROUTE = {
     "offload": "vLLM's offloading connector decides when blocks are stored",
     "load_async": "vLLM's offloading connector always loads asynchronously",
-    "cpu_cache_keep": "its tiers start empty with each engine; KvbmConnector keeps them",
+    "cpu_cache_keep": "its host tier starts empty with each engine (its disk tier is kept); KvbmConnector keeps both",
 }
 
 #: Bytes a disk slot is padded to (a block moves to or from disk in one
@@ -104,47 +107,7 @@ def _kvbm_config(extra: Mapping[str, Any]) -> KvbmConfig:
     for key, why in NOT_ON_THIS_ROUTE.items():
         if key in own and own[key] != getattr(KvbmConfig, key):
             raise InvalidArgumentError(f"kvbm: {key}={own[key]!r} is not available with the offloading spec: {why}")
-    if cfg.disk_cache_gb > 0 and "disk_cache_keep" in own and cfg.disk_cache_keep:
-        raise InvalidArgumentError(
-            "kvbm: disk_cache_keep=true is not available with the offloading spec: its G3 starts "
-            "empty with each engine; KvbmConnector keeps G3 across restarts"
-        )
     return cfg
-
-
-class KvbmSlots(BlockIDsLoadStoreSpec):
-    """Where a job's blocks live in kvbm's tiers: one slot per key, in the
-    order of the engine's blocks in the job, with each key's KV cache group
-    (its position among the offloaded groups), which the worker checks
-    against the engine's blocks before it copies anything; for a load,
-    whether each slot is a disk slot; for a store, the blocks to move from
-    a host slot to a disk slot before any slot is written (a load that
-    fetches from G4 may move some too). With G4: for a load, the blocks to
-    fetch into their slot first (``(index in the job, offload key)``), or
-    ``broken`` when some block found no slot (the job fails, the request is
-    recomputed); for a store, each block's offload key, to publish it once
-    stored; for either, ``(group, slot, offload key)`` of the blocks leaving
-    the host tier, to publish before their slots are written."""
-
-    def __init__(
-        self,
-        slots: list[int],
-        groups: list[int],
-        disk: list[bool] | None = None,
-        demote: list[tuple[int, int]] | None = None,
-        fetch: Sequence[tuple[int, bytes]] | None = None,
-        publish: Sequence[bytes] | None = None,
-        broken: bool = False,
-        publish_first: Sequence[tuple[int, int, bytes]] | None = None,
-    ):
-        super().__init__(slots)
-        self.groups = groups
-        self.disk = disk or [False] * len(slots)
-        self.demote = demote or []
-        self.fetch = list(fetch or [])
-        self.publish = list(publish or [])
-        self.broken = broken
-        self.publish_first = list(publish_first or [])
 
 
 class KvbmOffloadingSpec(OffloadingSpec):
@@ -192,6 +155,12 @@ class KvbmOffloadingSpec(OffloadingSpec):
                 raise InvalidArgumentError(
                     f"kvbm: disk_cache_gb={self.kvbm.disk_cache_gb:g} GiB per worker holds no block of {padded} bytes"
                 )
+        #: The identity the disk tier is kept across restarts under (None:
+        #: it starts empty with each engine, for ``not_kept_why``).
+        self.kept_identity: str | None = None
+        self.not_kept_why = ""
+        if self.disk_slots and self.kvbm.disk_cache_keep:
+            self.kept_identity, self.not_kept_why = kept_identity(config)
         self._manager: KvbmOffloadingManager | None = None
         self._worker: KvbmOffloadingWorker | None = None
 
@@ -244,8 +213,18 @@ class KvbmOffloadingManager(OffloadingManager):
             "full": 0,
             "evicted": 0,
             "damaged": 0,
+            "recovered": 0,
+            "recovered_rejected": 0,
             "loaded_per_group": {},
         }
+        #: Ranks of the engine (each reports its kept disk tier).
+        self.world = max(1, spec.config.parallel.world_size)
+        #: The offload keys of the blocks on a kept disk tier (None: the
+        #: disk tier is not kept), and whether the ranks must empty their
+        #: records with the next step (the cache was reset).
+        self.kept_names: KeptNames | None = None
+        self._forget_kept = False
+        self._disk_slots = spec.disk_slots
         #: Keys moving to disk with each store job's keys (by the first
         #: key of the job), for their events once the store is confirmed.
         self._demoting: dict[OffloadKey, list[OffloadKey]] = {}
@@ -348,7 +327,7 @@ class KvbmOffloadingManager(OffloadingManager):
 
     def _reserve_fetched(
         self, keys: list[OffloadKey]
-    ) -> tuple[dict[OffloadKey, int], list[tuple[int, int]], list[tuple[int, int, bytes]], bool]:
+    ) -> tuple[dict[OffloadKey, int], list[tuple[int, int, int, int]], list[tuple[int, int, bytes]], bool]:
         """Host slots for blocks a load fetches from G4: the slot of each
         key placed, the moves to disk before they are written, the blocks
         leaving those slots to publish first, and whether some key found no
@@ -363,7 +342,7 @@ class KvbmOffloadingManager(OffloadingManager):
         if moved and placed:
             self._demoting[keys[placed[0][0]]] = moved
         self.stats["g4_unplaced"] += len(keys) - len(slot_of)
-        return slot_of, [(g2, g3) for _, g2, g3 in demote], leaving, len(slot_of) < len(keys)
+        return slot_of, self._moves(demote), leaving, len(slot_of) < len(keys)
 
     def _vacated(self, vacated: list[tuple[int, int]]) -> list[tuple[int, int, bytes]]:
         """``(group, slot, offload key)`` of the blocks a reservation took
@@ -414,24 +393,80 @@ class KvbmOffloadingManager(OffloadingManager):
         spec = KvbmSlots(
             [slot for _, slot in placed],
             self._groups(to_store),
-            demote=[(g2, g3) for _, g2, g3 in demote],
+            demote=self._moves(demote),
             publish=to_store if self.publish == "admissions" else None,
             publish_first=leaving,
         )
         return PrepareStoreOutput(keys_to_store=to_store, store_spec=spec, evicted_keys=evicted_keys)
 
+    def _moves(self, demote: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
+        """``(host slot, disk slot, group, kvbm key)`` of each block a
+        reservation moves to disk."""
+        names = [self.names.get(k) for k, _, _ in demote]
+        groups = iter(self._groups([n for n in names if n is not None]))
+        return [(g2, g3, next(groups) if n is not None else 0, k) for (k, g2, g3), n in zip(demote, names, strict=True)]
+
     def _evict(self, evicted: list[int], demote: list[tuple[int, int, int]]) -> list[OffloadKey]:
         """Books the blocks a reservation evicted from every tier and those
-        it moves to disk (their events, the counters); returns the offload
-        keys of the latter."""
+        it moves to disk (their events, the counters; the names of the
+        latter beside a kept disk tier); returns the offload keys of the
+        latter."""
         gone = [(k, self.names.pop(k)) for k in evicted if k in self.names]
         demoted = [self.names[k] for k, _, _ in demote if k in self.names]
+        if self.kept_names is not None and demote:
+            self._name_kept([(k, self.names[k]) for k, _, _ in demote if k in self.names])
         self.stats["demoted"] += len(demote)
         self.stats["evicted"] += len(gone)
         self._evicted_events([name for k, name in gone if k not in self.on_disk] + demoted)
         self._evicted_events([name for k, name in gone if k in self.on_disk], Medium.STORAGE)
         self.on_disk.difference_update(k for k, _ in gone)
         return demoted
+
+    def _name_kept(self, moved: list[tuple[int, bytes]]) -> None:
+        """Writes the names of blocks moving to the kept disk tier; the
+        file is written anew with just the blocks on disk once it holds
+        many more entries than the tier has slots."""
+        assert self.kept_names is not None
+        self.kept_names.append(moved)
+        if self.kept_names.appended > 4 * self._disk_slots + 1024:
+            held = set(self.on_disk) | {k for k, _ in moved}
+            held.update(self.books.key(k) for keys in self._demoting.values() for k in keys)
+            self.kept_names.rewrite({k: self.names[k] for k in held if k in self.names})
+
+    def restore_kept(self, found: Mapping[Any, KeptG3Found | None]) -> None:
+        """Takes up the blocks every rank's kept disk tier holds in the
+        same slot, reported by the ranks' workers at start (see
+        :mod:`kvbm_py.vllm.offload_kept`); call it before the first
+        request."""
+        reports, why = reports_of(found, self.world)
+        if not reports:
+            if any(f is not None for f in found.values()):
+                logger.warning("kvbm: the kept disk tier is not taken up: %s", why)
+            return
+        blocks, rejected = common_blocks(reports)
+        taken = self.books.restore_disk(blocks)
+        self.kept_names = KeptNames(reports[0].directory, fresh=reports[0].started_fresh is not None)
+        known = self.kept_names.read()
+        named = {k: OffloadKey(known[k]) for _, k in taken if k in known}
+        self.kept_names.rewrite(named)
+        self.names.update(named)
+        self.on_disk.update(k for _, k in taken)
+        self.stats["recovered"] += len(taken)
+        self.stats["recovered_rejected"] += rejected + len(blocks) - len(taken)
+        if self.events_on and named:
+            self._events.append(OffloadingEvent(keys=list(named.values()), medium=Medium.STORAGE, removed=False))
+        logger.info(
+            "kvbm: took up %d blocks of the kept disk tier (%d left out, %d without a name)",
+            len(taken),
+            self.stats["recovered_rejected"],
+            len(taken) - len(named),
+        )
+
+    def take_forget_kept(self) -> bool:
+        """Whether the ranks must empty their kept records with the next
+        step (once: the cache was reset since the last call)."""
+        forget, self._forget_kept = self._forget_kept, False
+        return forget
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         keys = list(keys)
@@ -487,6 +522,10 @@ class KvbmOffloadingManager(OffloadingManager):
         self._demoting.clear()
         self._fetching.clear()
         self.on_disk.clear()
+        if self.kept_names is not None:
+            # The ranks empty their records with the next step's metadata.
+            self._forget_kept = True
+            self.kept_names.rewrite({})
         if self.g4 is not None:
             self.g4.drop()
 
@@ -515,201 +554,10 @@ class KvbmOffloadingManager(OffloadingManager):
 
     def shutdown(self) -> None:
         self.names.clear()
+        if self.kept_names is not None:
+            self.kept_names.close()
         if self.g4 is not None:
             self.g4.close()
-
-
-class KvbmOffloadingWorker(OffloadingWorker):
-    """One rank's half: the engine's pages of every group and this rank's
-    host slots and disk slots, copied by kvbm."""
-
-    def __init__(self, spec: KvbmOffloadingSpec, kv_caches: CanonicalKVCaches):
-        groups, num_blocks = _page_groups(kv_caches)
-        widest = max(page * len(layers) for layers, page in groups)
-        if widest > spec.slot_bytes:
-            raise InvalidArgumentError(
-                f"kvbm: a block of {widest} bytes exceeds the {spec.slot_bytes} bytes vLLM reported per block"
-            )
-        self.pages = _kvbm.PageWorker(
-            groups,
-            num_blocks,
-            spec.slots,
-            spec.slot_bytes,
-            verify=spec.kvbm.verify,
-            disk_dir=_disk_dir(spec.kvbm) if spec.disk_slots else None,
-            disk_slots=spec.disk_slots,
-            sum_tail=spec.g4 is not None,
-        )
-        #: Bytes of a slot, and of the largest group's block (a slot holds
-        #: one block of any group).
-        self.slot_bytes, self.widest_block = spec.slot_bytes, widest
-        self.test_corrupt_loads = spec.kvbm.test_corrupt_onboard
-        #: KV cache groups of the engine.
-        self.groups = len(groups)
-        #: Whether a failed load is reported as a failed request (set by
-        #: :class:`KvbmOffloadingConnector`); else it fails the job.
-        self.report_load_errors = False
-        #: Load jobs that failed since the connector last asked.
-        self.failed_loads: set[int] = set()
-        self.loads: set[int] = set()
-        #: Blocks whose copy, or whose check against its checksum (G4's
-        #: too), failed so far; not loads failed for want of a block (G4's
-        #: client counts those) or of a host slot (the manager does).
-        self.failed_blocks = 0
-        #: This rank's traffic with G4 (None: no G4), and the blocks of each
-        #: store job to publish once it ended (the manager names them).
-        self.g4: G4Mover | None = None
-        self._publishing: dict[int, list[tuple[int, int, bytes]]] = {}
-        #: Load jobs that fail without a copy (a block found no slot).
-        self._fail_now: list[int] = []
-        if spec.g4 is not None and spec.g4_identity is not None:
-            rank = spec.config.parallel.rank
-            client = connect(spec.g4, spec.g4_identity, f"worker of rank {rank}")
-            if client is not None:
-                self.g4 = G4Mover(client, self.pages, rank)
-                if self.test_corrupt_loads:
-                    self.g4.test_corrupt = self.pages.corrupt_slot
-
-    @staticmethod
-    def _copies(gpu: GPULoadStoreSpec, slots: LoadStoreSpec) -> list[tuple[int, int, int, bool]]:
-        """``(group, engine block, slot, on disk)`` per block of a job."""
-        assert isinstance(slots, KvbmSlots)
-        block_ids = gpu.block_ids.tolist()
-        slot_ids = slots.block_ids.tolist()
-        if len(block_ids) != len(slot_ids):
-            raise InvalidArgumentError(f"kvbm: a job of {len(block_ids)} engine blocks and {len(slot_ids)} slots")
-        copies = []
-        at = 0
-        for group, size in enumerate(gpu.group_sizes):
-            for i in range(at, at + size):
-                copies.append((group, block_ids[i], slot_ids[i], slots.disk[i]))
-            at += size
-        if [c[0] for c in copies] != slots.groups:
-            # Never copy a block into another key's slot.
-            raise InvalidArgumentError("kvbm: a job whose engine blocks and slots belong to different KV cache groups")
-        return copies
-
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
-        assert isinstance(dst_spec, KvbmSlots)
-        copies = [c[:3] for c in self._copies(src_spec, dst_spec)]
-        if self.g4 is not None and dst_spec.publish:
-            self._publishing[job_id] = [
-                (g, slot, key) for (g, _, slot), key in zip(copies, dst_spec.publish, strict=True)
-            ]
-        if self.g4 is not None and dst_spec.publish_first:
-            # Blocks leaving these slots go to G4 before the slots are written.
-            self.g4.publish(dst_spec.publish_first)
-        if self.g4 is not None and self.g4.busy(slot for _, _, slot in copies):
-            # A put to G4 still reads one of the slots: the copy waits for it.
-            self.g4.after_puts(job_id, lambda: self.pages.store(job_id, copies, dst_spec.demote))
-        else:
-            self.pages.store(job_id, copies, dst_spec.demote)
-        return True
-
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
-        assert isinstance(src_spec, KvbmSlots)
-        copies = self._copies(dst_spec, src_spec)
-        self.loads.add(job_id)
-        if src_spec.broken or (src_spec.fetch and self.g4 is None):
-            # Some block has no slot to land in, or no G4 to come from.
-            self._fail_now.append(job_id)
-            return True
-        if self.test_corrupt_loads and copies and not src_spec.fetch:
-            _, _, slot, on_disk = copies[0]
-            (self.pages.corrupt_disk_slot if on_disk else self.pages.corrupt_slot)(slot)
-
-        def start() -> None:
-            self.pages.load(job_id, [c[:3] for c in copies if not c[3]], disk_copies=[c[:3] for c in copies if c[3]])
-
-        if not src_spec.fetch:
-            start()
-            return True
-        assert self.g4 is not None
-        # Blocks leaving the slots the fetch writes go to G4 first.
-        self.g4.publish(src_spec.publish_first)
-        fetch = [(copies[i][0], copies[i][2], key) for i, key in src_spec.fetch]
-        demote = src_spec.demote
-        # Blocks leaving the slots the fetch writes move to disk first.
-        self.g4.fetch(job_id, fetch, start, before=(lambda: self.pages.move_to_disk(demote)) if demote else None)
-        return True
-
-    def get_finished(self) -> list[TransferResult]:
-        # (job, ok, bytes, seconds, blocks whose copy or check failed, why)
-        ended: list[tuple[int, bool, int, float, int, object]] = [
-            (job, ok, nbytes, seconds, len(failed), error)
-            for job, ok, nbytes, seconds, failed, error in self.pages.finished()
-        ]
-        fail_now, self._fail_now = self._fail_now, []
-        ended += [(job, False, 0, 0.0, 0, "no host slot for a block fetched from G4") for job in fail_now]
-        if self.g4 is not None:
-            ended += [(job, False, 0, 0.0, damaged, why) for job, damaged, why in self.g4.take_failed()]
-        results = []
-        for job, ok, nbytes, seconds, failed, error in ended:
-            is_load = job in self.loads
-            self.loads.discard(job)
-            publish = self._publishing.pop(job, None)
-            if not ok:
-                self.failed_blocks += failed
-                logger.warning("kvbm: %s job %d failed: %s", "load" if is_load else "store", job, error)
-                if is_load and self.report_load_errors:
-                    self.failed_loads.add(job)
-                    ok = True  # the request is reported failed: recomputed
-            elif publish and self.g4 is not None:
-                self.g4.publish(publish)
-            results.append(TransferResult(job_id=job, success=ok, transfer_size=nbytes, transfer_time=seconds))
-        return results
-
-    def wait(self, job_ids: set[int]) -> None:
-        if self.g4 is not None:
-            self.g4.wait(job_ids)
-        self.pages.wait(list(job_ids))
-
-
-def _disk_dir(cfg: KvbmConfig) -> str:
-    """The directory the worker's disk slots go in (each worker's file is
-    its own, named by its process, and removed when the worker exits)."""
-    path = cfg.g3_base()
-    os.makedirs(path, exist_ok=True)
-    return path
-
-
-def _page_groups(kv_caches: CanonicalKVCaches) -> tuple[list[tuple[list[torch.Tensor], int]], int]:
-    """Each KV cache group as ``(page tensor per layer, page bytes)`` (kvbm
-    reads each tensor's address, block stride and device, and keeps it
-    alive) and the engine's block count."""
-    tensors = [t.tensor for t in kv_caches.tensors]
-    if not tensors:
-        raise InvalidArgumentError("kvbm: the engine registered no KV cache tensors")
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise InvalidArgumentError(f"kvbm: KV cache tensors on several devices: {sorted(map(str, devices))}")
-    device = tensors[0].device
-    if device.type not in ("cpu", "cuda"):
-        raise InvalidArgumentError(f"kvbm: KV cache tensors on {device}: kvbm copies host and CUDA memory")
-    num_blocks = tensors[0].shape[0]
-    groups = []
-    for g, refs in enumerate(kv_caches.group_data_refs):
-        if not refs:
-            raise InvalidArgumentError(f"kvbm: KV cache group {g} has no layers")
-        layers, pages, strides = [], set(), set()
-        for ref in refs:
-            t = tensors[ref.tensor_idx]
-            if t.dtype != torch.int8 or t.dim() != 2 or t.stride(1) != 1 or t.shape[0] != num_blocks:
-                raise InvalidArgumentError(f"kvbm: KV cache tensor {ref.tensor_idx} is not a (blocks, page bytes) view")
-            span = t.untyped_storage().nbytes() - t.storage_offset()
-            if span < num_blocks * t.stride(0):
-                raise InvalidArgumentError(
-                    f"kvbm: KV cache tensor {ref.tensor_idx} ends inside its last block's stride"
-                )
-            layers.append(t)
-            pages.add(ref.page_size_bytes)
-            strides.add(t.stride(0))
-        if len(pages) != 1 or len(strides) != 1:
-            raise InvalidArgumentError(
-                f"kvbm: KV cache group {g} mixes page sizes {sorted(pages)} or block strides {sorted(strides)}"
-            )
-        groups.append((layers, pages.pop()))
-    return groups, num_blocks
 
 
 class KvbmOffloadingConnector(OffloadingConnector):
@@ -732,6 +580,38 @@ class KvbmOffloadingConnector(OffloadingConnector):
     def _kvbm_worker(self) -> KvbmOffloadingWorker | None:
         w = getattr(getattr(self, "connector_worker", None), "worker", None)
         return w if isinstance(w, KvbmOffloadingWorker) else None
+
+    def get_handshake_metadata(self) -> KeptG3Found | None:
+        """What this rank's kept disk tier held at start (None: it is not
+        kept): vLLM gathers every rank's and hands them to
+        :meth:`set_xfer_handshake_metadata_pp_aware` before the first
+        request."""
+        w = self._kvbm_worker()
+        return w.kept if w is not None else None
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """The scheduler takes up the blocks of every rank's kept disk
+        tier."""
+        manager = getattr(self.connector_scheduler, "manager", None)
+        if isinstance(manager, KvbmOffloadingManager):
+            manager.restore_kept(metadata)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        """vLLM's metadata, marked for the ranks to empty their kept
+        records when the cache was reset since the last step."""
+        meta = super().build_connector_meta(scheduler_output)
+        manager = getattr(self.connector_scheduler, "manager", None)
+        if isinstance(manager, KvbmOffloadingManager) and manager.take_forget_kept():
+            meta.kvbm_forget_kept = True  # type: ignore[attr-defined]
+        return meta
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """vLLM's step metadata; a rank empties its kept records when the
+        scheduler marked it so."""
+        super().bind_connector_metadata(connector_metadata)
+        w = self._kvbm_worker()
+        if w is not None and getattr(connector_metadata, "kvbm_forget_kept", False):
+            w.pages.forget_kept()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)

@@ -30,8 +30,6 @@ waits on the store but the thread that calls it.
 
 from __future__ import annotations
 
-import hashlib
-import os
 import queue
 import threading
 import time
@@ -42,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 from kvbm_py import _kvbm
 from kvbm_py.g4 import G4Client, G4Config
 from kvbm_py.vllm.common import log
-from kvbm_py.vllm.kept_g3 import _weights_fingerprint
+from kvbm_py.vllm.offload_kept import spec_identity
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.config import OffloadingConfig
@@ -58,29 +56,16 @@ ANSWER_TTL_S = 2.0
 
 
 def g4_identity(config: OffloadingConfig) -> tuple[str | None, str]:
-    """What makes two engines' blocks interchangeable: the model and its
-    weights, the KV dtype, every group's geometry, the parallelism and the
-    prefix hash seed. ``(None, why)`` when blocks cannot be shared."""
-    seed = os.environ.get("PYTHONHASHSEED")
-    if seed is None or seed == "random":
+    """What makes two engines' blocks interchangeable (see
+    :func:`~kvbm_py.vllm.offload_kept.spec_identity`). ``(None, why)`` when
+    blocks cannot be shared."""
+    identity = spec_identity(config, G4_LAYOUT)
+    if identity is None:
         return None, (
             "vLLM seeds its prefix hashes at random in every process unless PYTHONHASHSEED "
             "is set (the same value in every engine), so no engine would find another's blocks"
         )
-    p = config.parallel
-    fields = {
-        "layout": G4_LAYOUT,
-        "model": config.model.name,
-        "weights": _weights_fingerprint(config.model.name, None),
-        "kv_dtype": config.model.dtype,
-        "groups": [(g.group_id, g.tokens_per_block, len(g.layer_names)) for g in config.groups],
-        "bytes_per_block": config.worker_kv_bytes_per_block,
-        "tokens_per_hash": config.cache.tokens_per_hash,
-        "kv_cache_layout": config.kv_cache_layout,
-        "parallel": (p.world_size, p.tp_size, p.pp_size, p.pcp_size, p.dcp_size),
-        "hash_seed": hashlib.sha256(seed.encode()).hexdigest()[:16],
-    }
-    return "\n".join(f"{k}: {v}" for k, v in fields.items()), ""
+    return identity, ""
 
 
 def connect(config: G4Config, identity: str, what: str) -> G4Client | None:

@@ -1,0 +1,169 @@
+"""The disk tier behind vLLM's offloading connector, kept across a restart:
+driven through vLLM's real Scheduler and worker-side connector (the
+harness's fabricated forward writes each block's pattern), with the
+ranks' reports handed to the scheduler as vLLM's engine core hands them
+(the connector handshake)."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+
+from sched_harness import BLOCK, build
+
+BLOCK_BYTES = 16384
+#: A G2 of two blocks in front of a disk tier of 32.
+KEPT = {
+    "cpu_cache_gb": 2.5 * BLOCK_BYTES / 2**30,
+    "disk_cache_gb": 32.5 * BLOCK_BYTES / 2**30,
+    "admission": "all",
+}
+
+
+def _start(tmp_path, model_dir):
+    """A harness over the kept disk tier in `tmp_path`, and what its worker
+    found there, handed to its scheduler as the engine core hands it."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    extra = {**KEPT, "disk_cache_dir": str(tmp_path / "g3")}
+    h = build(tmp_path, extra, kv_events=True, connector="KvbmOffloadingConnector", model_dir=model_dir)
+    found = get_kv_transfer_group().get_handshake_metadata()
+    h.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): found})
+    return h, found
+
+
+def _stop(h) -> None:
+    h.close()
+    # The worker lets go of its directory once it is collected.
+    gc.collect()
+
+
+def _run(h, prompts: dict[str, list[int]]) -> None:
+    for rid, prompt in prompts.items():
+        h.request(rid, prompt, 1)
+    manager = h.connector.connector_scheduler.manager
+    h.run_until(lambda: h.idle() and manager.books.counts()["writing"] == 0)
+
+
+def _ready(h, rid: str, prompt: list[int]) -> None:
+    """Runs `rid` again and checks every full block of it holds its bytes."""
+    r = h.request(rid, prompt, 1)
+    hashes = list(r.block_hashes)
+    blocks: list[int] = []
+
+    def held() -> bool:
+        if rid in h.sched.requests:
+            blocks[:] = h.block_ids(rid)
+        return rid in h.finished
+
+    h.run_until(held)
+    for b, block_hash in zip(blocks, hashes, strict=False):
+        assert h.holds_pattern(b, block_hash), f"block {b} of {rid} holds other bytes"
+
+
+def test_a_restarted_engine_serves_its_kept_disk_tier_and_a_reset_empties_it(tmp_path, monkeypatch):
+    from vllm.v1.kv_offload.base import Medium
+
+    # Block hashes are the same in every engine only with a fixed seed.
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    model_dir = str(tmp_path / "model")
+    rng = random.Random(3)
+    prompts = {f"p{i}": [rng.randrange(1, 1000) for _ in range(4 * BLOCK + 3)] for i in range(4)}
+
+    a, found = _start(tmp_path, model_dir)
+    try:
+        assert found is not None and found.blocks == [] and found.started_fresh is not None
+        # One after another: each store finds the slots the last one filled
+        # ready, and moves their blocks to disk.
+        for rid, prompt in prompts.items():
+            _run(a, {rid: prompt})
+        demoted = a.connector.connector_scheduler.manager.stats["demoted"]
+        assert demoted > 0, a.connector.connector_scheduler.manager.stats
+    finally:
+        _stop(a)
+
+    b, found = _start(tmp_path, model_dir)
+    try:
+        manager = b.connector.connector_scheduler.manager
+        assert found is not None and found.started_fresh is None
+        assert manager.stats["recovered"] == len(found.blocks) > 0
+        # The blocks found are announced as on disk, by their offload keys.
+        announced = [e for e in manager.take_events() if e.medium == Medium.STORAGE and not e.removed]
+        assert sum(len(e.keys) for e in announced) == len(found.blocks)
+        # The first prompt's blocks come back from disk, byte for byte.
+        _ready(b, "again", prompts["p0"])
+        assert manager.stats["loaded_from_disk"] > 0, manager.stats
+        # A reset empties the records once the next step reached the worker.
+        assert b.sched.reset_prefix_cache(reset_connector=True)
+        _run(b, {"short": [5] * (BLOCK - 1)})
+    finally:
+        _stop(b)
+
+    c, found = _start(tmp_path, model_dir)
+    try:
+        assert found is not None and found.blocks == [], found
+        assert c.connector.connector_scheduler.manager.stats["recovered"] == 0
+    finally:
+        _stop(c)
+
+
+def test_blocks_not_every_rank_holds_are_left_out(tmp_path):
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    from kvbm_py import _kvbm
+    from kvbm_py.vllm.offload_kept import KeptG3Found, KeptNames, common_blocks, reports_of
+
+    key = [make_offload_key(bytes([n]) * 32, 0) for n in range(4)]
+    k = [_kvbm.OffloadBooks.key(x) for x in key]
+    rank0 = KeptG3Found(str(tmp_path / "r0"), [(0, k[0]), (1, k[1]), (2, k[2])], 1, None)
+    rank1 = KeptG3Found(str(tmp_path / "r1"), [(0, k[0]), (1, k[3]), (2, k[2])], 0, None)
+    blocks, rejected = common_blocks([rank0, rank1])
+    assert blocks == [(0, k[0]), (2, k[2])]
+    # One torn record, and slot 1 names two blocks.
+    assert rejected == 1 + 2
+    # Rank 0's report comes first whatever order vLLM hands them in.
+    assert reports_of({1: rank1, 0: rank0}, 2) == ([rank0, rank1], "")
+    reports, why = reports_of({0: rank0, 1: None}, 2)
+    assert reports == [] and "1 of 2" in why
+
+    # The names file: appended, read back (a torn last entry ignored),
+    # written anew, and removed when the records started afresh.
+    (tmp_path / "r0").mkdir()
+    names = KeptNames(str(tmp_path / "r0"), fresh=False)
+    names.append([(k[0], key[0]), (k[1], key[1])])
+    names.close()
+    with open(names.path, "ab") as f:
+        f.write(k[2].to_bytes(8, "little") + bytes([36]) + key[2][:10])
+    assert names.read() == {k[0]: key[0], k[1]: key[1]}
+    names.rewrite({k[1]: key[1]})
+    assert names.read() == {k[1]: key[1]}
+    assert KeptNames(str(tmp_path / "r0"), fresh=True).read() == {}
+
+
+def test_the_disk_tier_is_not_kept_without_a_fixed_hash_seed(tmp_path, monkeypatch):
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    extra = {**KEPT, "disk_cache_dir": str(tmp_path / "g3")}
+    h = build(tmp_path, extra, connector="KvbmOffloadingConnector")
+    try:
+        assert get_kv_transfer_group().get_handshake_metadata() is None
+    finally:
+        _stop(h)
+    # Nor when the user says so.
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    h = build(tmp_path, {**extra, "disk_cache_keep": False}, connector="KvbmOffloadingConnector")
+    try:
+        assert get_kv_transfer_group().get_handshake_metadata() is None
+    finally:
+        _stop(h)
+
+
+@pytest.mark.parametrize("key", ["cpu_cache_keep"])
+def test_a_kept_host_tier_is_refused_with_why(tmp_path, key):
+    from kvbm_py import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="KvbmConnector keeps both"):
+        build(tmp_path, {**KEPT, key: True}, connector="KvbmOffloadingConnector")
