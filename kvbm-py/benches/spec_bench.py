@@ -286,8 +286,8 @@ def main() -> int:
             f"kvbm is {med(ratios_in) / med(triton_in):.2f}x"
         )
     print(
-        f"one block: offload {lone_out * 1e3:.3f} ms ({lone_out * line_out / slot_bytes:.1f}x its bytes at line rate), "
-        f"onboard {lone_in * 1e3:.3f} ms ({lone_in * line_in / slot_bytes:.1f}x)"
+        f"one block: offload {lone_out * 1e3:.3f} ms ({lone_out * line_out / slot_bytes:.2f}x its bytes at line rate), "
+        f"onboard {lone_in * 1e3:.3f} ms ({lone_in * line_in / slot_bytes:.2f}x)"
     )
     return 0
 
