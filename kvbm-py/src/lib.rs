@@ -82,6 +82,7 @@ fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<offload_keys::OffloadKeys>()?;
     m.add_function(wrap_pyfunction!(sequence_hash, m)?)?;
     m.add_function(wrap_pyfunction!(kept::inspect_g3, m)?)?;
+    m.add_function(wrap_pyfunction!(kept::kept_common, m)?)?;
     m.add_function(wrap_pyfunction!(prom::start_metrics_server, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // Whether this build has the test hooks (feature `test-hooks`).

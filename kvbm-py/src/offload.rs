@@ -352,20 +352,22 @@ impl OffloadBooks {
     }
 
     /// Takes up the blocks a disk tier kept across a restart holds,
-    /// `(disk slot, kvbm key)` each: they are loadable from their slots.
-    /// Returns those taken up (not a slot or key listed twice, nor a slot
-    /// beyond the tier). Call it before the first store.
-    fn restore_disk(&self, blocks: Vec<(u32, u64)>) -> Vec<(u32, u64)> {
-        let blocks: Vec<(u32, SequenceHash)> = blocks
+    /// `(disk slot, kvbm key)` entries packed as `PageWorker.kept` gives
+    /// them: they are loadable from their slots. Returns the keys taken up
+    /// (not a slot or key listed twice, nor a slot beyond the tier). Call
+    /// it before the first store.
+    fn restore_disk(&self, blocks: &[u8]) -> PyResult<Vec<u64>> {
+        let blocks: Vec<(u32, SequenceHash)> = crate::kept::unpack_kept(blocks)?
             .into_iter()
             .map(|(s, k)| (s, SequenceHash(k)))
             .collect();
-        self.books
+        Ok(self
+            .books
             .ledger
             .restore_disk(&blocks)
             .into_iter()
-            .map(|(s, k)| (s, k.0))
-            .collect()
+            .map(|(_, k)| k.0)
+            .collect())
     }
 
     /// Confirms (`ok`) or abandons the stores of `keys`.
@@ -603,14 +605,15 @@ impl PageWorker {
     }
 
     /// What the kept disk tier held when the worker opened it: `(directory,
-    /// [(disk slot, kvbm key)], torn or damaged records, why it started
-    /// afresh or None)`; None without a kept disk tier.
+    /// (disk slot, kvbm key) entries packed (see `kept_common`), torn or
+    /// damaged records, why it started afresh or None)`; None without a
+    /// kept disk tier.
     #[allow(clippy::type_complexity)]
-    fn kept(&self) -> Option<(String, Vec<(u32, u64)>, u64, Option<String>)> {
+    fn kept(&self, py: Python<'_>) -> Option<(String, Py<PyBytes>, u64, Option<String>)> {
         self.inner.kept().map(|k| {
             (
                 k.dir.to_string_lossy().into_owned(),
-                k.blocks.clone(),
+                PyBytes::new(py, &crate::kept::pack_kept(&k.blocks)).unbind(),
                 k.rejected,
                 k.started_fresh.clone(),
             )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import random
+import struct
 
 import pytest
 
@@ -66,6 +67,8 @@ def _ready(h, rid: str, prompt: list[int]) -> None:
 def test_a_restarted_engine_serves_its_kept_disk_tier_and_a_reset_empties_it(tmp_path, monkeypatch):
     from vllm.v1.kv_offload.base import Medium
 
+    from kvbm_py.vllm.offload_kept import KEPT_ENTRY_BYTES
+
     # Block hashes are the same in every engine only with a fixed seed.
     monkeypatch.setenv("PYTHONHASHSEED", "0")
     model_dir = str(tmp_path / "model")
@@ -74,7 +77,7 @@ def test_a_restarted_engine_serves_its_kept_disk_tier_and_a_reset_empties_it(tmp
 
     a, found = _start(tmp_path, model_dir)
     try:
-        assert found is not None and found.blocks == [] and found.started_fresh is not None
+        assert found is not None and found.blocks == b"" and found.started_fresh is not None
         # One after another: each store finds the slots the last one filled
         # ready, and moves their blocks to disk.
         for rid, prompt in prompts.items():
@@ -88,10 +91,11 @@ def test_a_restarted_engine_serves_its_kept_disk_tier_and_a_reset_empties_it(tmp
     try:
         manager = b.connector.connector_scheduler.manager
         assert found is not None and found.started_fresh is None
-        assert manager.stats["recovered"] == len(found.blocks) > 0
+        kept = len(found.blocks) // KEPT_ENTRY_BYTES
+        assert manager.stats["recovered"] == kept > 0
         # The blocks found are announced as on disk, by their offload keys.
         announced = [e for e in manager.take_events() if e.medium == Medium.STORAGE and not e.removed]
-        assert sum(len(e.keys) for e in announced) == len(found.blocks)
+        assert sum(len(e.keys) for e in announced) == kept
         # The first prompt's blocks come back from disk, byte for byte.
         _ready(b, "again", prompts["p0"])
         assert manager.stats["loaded_from_disk"] > 0, manager.stats
@@ -103,7 +107,7 @@ def test_a_restarted_engine_serves_its_kept_disk_tier_and_a_reset_empties_it(tmp
 
     c, found = _start(tmp_path, model_dir)
     try:
-        assert found is not None and found.blocks == [], found
+        assert found is not None and found.blocks == b"", found
         assert c.connector.connector_scheduler.manager.stats["recovered"] == 0
     finally:
         _stop(c)
@@ -112,21 +116,27 @@ def test_a_restarted_engine_serves_its_kept_disk_tier_and_a_reset_empties_it(tmp
 def test_blocks_not_every_rank_holds_are_left_out(tmp_path):
     from vllm.v1.kv_offload.base import make_offload_key
 
-    from kvbm_py import _kvbm
+    from kvbm_py import InvalidArgumentError, _kvbm
     from kvbm_py.vllm.offload_kept import KeptG3Found, KeptNames, common_blocks, reports_of
 
     key = [make_offload_key(bytes([n]) * 32, 0) for n in range(4)]
     k = [_kvbm.OffloadBooks.key(x) for x in key]
-    rank0 = KeptG3Found(str(tmp_path / "r0"), [(0, k[0]), (1, k[1]), (2, k[2])], 1, None)
-    rank1 = KeptG3Found(str(tmp_path / "r1"), [(0, k[0]), (1, k[3]), (2, k[2])], 0, None)
+
+    def packed(*entries: tuple[int, int]) -> bytes:
+        return b"".join(struct.pack("<IQ", slot, kvbm) for slot, kvbm in entries)
+
+    rank0 = KeptG3Found(str(tmp_path / "r0"), packed((2, k[2]), (0, k[0]), (1, k[1])), 1, None)
+    rank1 = KeptG3Found(str(tmp_path / "r1"), packed((0, k[0]), (1, k[3]), (2, k[2])), 0, None)
     blocks, rejected = common_blocks([rank0, rank1])
-    assert blocks == [(0, k[0]), (2, k[2])]
+    assert blocks == packed((0, k[0]), (2, k[2]))
     # One torn record, and slot 1 names two blocks.
     assert rejected == 1 + 2
     # Rank 0's report comes first whatever order vLLM hands them in.
     assert reports_of({1: rank1, 0: rank0}, 2) == ([rank0, rank1], "")
     reports, why = reports_of({0: rank0, 1: None}, 2)
     assert reports == [] and "1 of 2" in why
+    with pytest.raises(InvalidArgumentError, match="whole 12-byte entries"):
+        _kvbm.kept_common([b"\0" * 13])
 
     # The names file: appended, read back (a torn last entry ignored),
     # written anew, and removed when the records started afresh.

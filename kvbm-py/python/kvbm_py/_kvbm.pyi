@@ -19,6 +19,7 @@ __all__ = [
     "PageWorker",
     "sequence_hash",
     "inspect_g3",
+    "kept_common",
     "start_metrics_server",
     "__version__",
     "TEST_HOOKS",
@@ -63,6 +64,12 @@ def inspect_g3(path: str, verify: bool = False) -> dict[str, Any]:
     ``slots``, ``blocks``, ``block_bytes``, ``disk_bytes``, ``bad_records``,
     and with ``verify`` (only while no engine has it open, ``in_use``)
     ``bad_blocks``: slots whose bytes fail their checksum."""
+
+def kept_common(reports: Sequence[bytes]) -> tuple[bytes, int]:
+    """The ``(slot, key)`` entries every one of ``reports`` names (each
+    packed as :meth:`PageWorker.kept` gives them: 12 bytes an entry, the
+    slot then the key, little-endian), packed in slot order, and how many
+    distinct entries some report named but not every one."""
 
 def start_metrics_server(port: int, host: str = "127.0.0.1") -> int:
     """Installs kvbm's Prometheus recorder in this process and serves the
@@ -312,11 +319,12 @@ class OffloadBooks:
         bytes stay there until the slot is written). With ``fetched``
         the keys are blocks a load brings in from G4: admission is not
         asked."""
-    def restore_disk(self, blocks: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    def restore_disk(self, blocks: bytes) -> list[int]:
         """Takes up the blocks a disk tier kept across a restart holds,
-        ``(disk slot, kvbm key)`` each: they are loadable from their slots.
-        Returns those taken up (not a slot or key listed twice, nor a slot
-        beyond the tier). Call it before the first store."""
+        ``(disk slot, kvbm key)`` entries packed as :meth:`PageWorker.kept`
+        gives them: they are loadable from their slots. Returns the keys
+        taken up (not a slot or key listed twice, nor a slot beyond the
+        tier). Call it before the first store."""
     def commit(self, keys: Sequence[bytes], ok: bool) -> None:
         """Confirms (``ok``) or abandons the stores of ``keys``."""
     def pin(self, keys: Sequence[bytes]) -> list[tuple[bool, int]]:
@@ -370,10 +378,11 @@ class PageWorker:
     @property
     def slots(self) -> int:
         """Slots in the host tier."""
-    def kept(self) -> tuple[str, list[tuple[int, int]], int, str | None] | None:
+    def kept(self) -> tuple[str, bytes, int, str | None] | None:
         """What the kept disk tier held when the worker opened it:
-        ``(directory, [(disk slot, kvbm key)], torn or damaged records, why
-        it started afresh or None)``; None without a kept disk tier."""
+        ``(directory, (disk slot, kvbm key) entries packed (see
+        :func:`kept_common`), torn or damaged records, why it started
+        afresh or None)``; None without a kept disk tier."""
     def forget_kept(self) -> None:
         """Empties every record of the kept disk tier after the jobs
         submitted before (the engine's cache was reset); a no-op without

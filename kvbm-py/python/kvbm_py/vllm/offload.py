@@ -67,7 +67,14 @@ from kvbm_py.config import GIB, KvbmConfig
 from kvbm_py.g4 import SUM_BYTES
 from kvbm_py.vllm.common import log as logger
 from kvbm_py.vllm.offload_g4 import G4Lookups, connect, g4_identity, lookup_stats
-from kvbm_py.vllm.offload_kept import KeptG3Found, KeptNames, common_blocks, kept_identity, reports_of
+from kvbm_py.vllm.offload_kept import (
+    KEPT_ENTRY_BYTES,
+    KeptG3Found,
+    KeptNames,
+    common_blocks,
+    kept_identity,
+    reports_of,
+)
 from kvbm_py.vllm.offload_lookup import KvbmConnectorScheduler
 from kvbm_py.vllm.offload_worker import KvbmOffloadingWorker, KvbmSlots
 from kvbm_py.vllm.plugin import SPEC_NAME, register_spec
@@ -447,12 +454,12 @@ class KvbmOffloadingManager(OffloadingManager):
         taken = self.books.restore_disk(blocks)
         self.kept_names = KeptNames(reports[0].directory, fresh=reports[0].started_fresh is not None)
         known = self.kept_names.read()
-        named = {k: OffloadKey(known[k]) for _, k in taken if k in known}
+        named = {k: OffloadKey(known[k]) for k in taken if k in known}
         self.kept_names.rewrite(named)
         self.names.update(named)
-        self.on_disk.update(k for _, k in taken)
+        self.on_disk.update(taken)
         self.stats["recovered"] += len(taken)
-        self.stats["recovered_rejected"] += rejected + len(blocks) - len(taken)
+        self.stats["recovered_rejected"] += rejected + len(blocks) // KEPT_ENTRY_BYTES - len(taken)
         if self.events_on and named:
             self._events.append(OffloadingEvent(keys=list(named.values()), medium=Medium.STORAGE, removed=False))
         logger.info(

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 
+from kvbm_py import _kvbm
 from kvbm_py.config import KvbmConfig
 from kvbm_py.vllm.kept_g3 import _weights_fingerprint, sweep_foreign
 
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
 #: an offload key); changes when that does, so old directories are not
 #: reused.
 KEPT_LAYOUT = "kvbm-offload-kept-1"
+
+#: Bytes of one ``(slot, key)`` entry of a packed report.
+KEPT_ENTRY_BYTES = 12
 
 #: The file of offload keys beside rank 0's records.
 NAMES_FILE = "offload-keys"
@@ -104,46 +108,25 @@ class KeptG3Found(KVConnectorHandshakeMetadata):
 
     #: The directory the worker opened.
     directory: str
-    #: ``(disk slot, kvbm key)`` of each block whose record is sound.
-    blocks: list[tuple[int, int]]
+    #: ``(disk slot, kvbm key)`` of each block whose record is sound,
+    #: packed (see :func:`kvbm_py._kvbm.kept_common`).
+    blocks: bytes
     #: Records that were torn or damaged.
     rejected: int
     #: Why the directory was started afresh (None: it was reopened).
     started_fresh: str | None
 
     @classmethod
-    def of(cls, kept: tuple[str, list[tuple[int, int]], int, str | None] | None) -> KeptG3Found | None:
+    def of(cls, kept: tuple[str, bytes, int, str | None] | None) -> KeptG3Found | None:
         """From ``PageWorker.kept()``."""
         return None if kept is None else cls(*kept)
 
 
-@dataclasses.dataclass
-class TakenUp:
-    """What the manager took up from the ranks' kept disk tiers."""
-
-    #: ``(disk slot, kvbm key)`` of the blocks every rank held.
-    blocks: list[tuple[int, int]]
-    #: Blocks left out: records torn or damaged, or a block not every rank
-    #: held in that slot.
-    rejected: int
-    #: Rank 0's file of offload keys (None: the ranks' reports did not
-    #: cover the engine, nothing is kept).
-    names: KeptNames | None
-
-
-def common_blocks(found: Sequence[KeptG3Found]) -> tuple[list[tuple[int, int]], int]:
-    """The ``(slot, key)`` blocks every rank's report names, in slot order,
-    and how many records were left out (torn, damaged, or not on every
-    rank)."""
-    if not found:
-        return [], 0
-    common = set(found[0].blocks)
-    every = set(found[0].blocks)
-    for f in found[1:]:
-        common &= set(f.blocks)
-        every |= set(f.blocks)
-    rejected = sum(f.rejected for f in found) + len(every) - len(common)
-    return sorted(common), rejected
+def common_blocks(found: Sequence[KeptG3Found]) -> tuple[bytes, int]:
+    """The blocks every rank's report names, packed in slot order, and how
+    many records were left out (torn, damaged, or not on every rank)."""
+    common, partial = _kvbm.kept_common([f.blocks for f in found])
+    return common, partial + sum(f.rejected for f in found)
 
 
 def reports_of(found: Mapping[Any, KeptG3Found | None], world: int) -> tuple[list[KeptG3Found], str]:
