@@ -150,3 +150,52 @@ def test_a_waiting_request_sees_blocks_stored_after_its_first_match(tmp_path):
         assert h.kvbm.live_requests() == 0
     finally:
         h.close()
+
+
+def test_the_spec_routes_counters_reach_vllm_offloading_metrics(tmp_path):
+    """Behind vLLM's offloading connector kvbm's counters ride vLLM's own
+    offloading stats: summed over the steps' stats they give what the
+    manager counted, and vLLM's Prometheus plumbing exports them."""
+    from prometheus_client import REGISTRY
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
+    two_slots = {"cpu_cache_gb": 2.5 * BLOCK_BYTES / 2**30, "admission": "all"}
+    h = build(tmp_path, two_slots, connector="KvbmOffloadingConnector")
+    try:
+        manager = h.connector.connector_scheduler.manager
+        h.request("A", PREFIX + [5], 1)
+        h.run_until(lambda: h.idle() and manager.books.counts()["writing"] == 0)
+        assert h.sched.reset_prefix_cache()
+        h.request("B", PREFIX + [6], 1)
+        gone(h, "B")
+        h.step()
+        total = OffloadingConnectorStats()
+        for st in h.stats:
+            if st.kv_connector_stats:
+                total.aggregate(OffloadingConnectorStats(data=st.kv_connector_stats))
+        got = total.reduce()
+        m = manager.stats
+        assert m["stored"] > 0 and m["loaded"] > 0, m
+        counted = {
+            "vllm:kvbm_offload_stored_blocks": m["stored"],
+            "vllm:kvbm_offload_loaded_blocks:('G2',)": m["loaded"],
+            "vllm:kvbm_offload_skipped_blocks:('full',)": m["full"],
+            "vllm:kvbm_offload_evicted_blocks": m["evicted"],
+        }
+        assert {k: got.get(k, 0) for k in counted} == counted, got
+        held = manager.books.counts()
+        assert got["vllm:kvbm_offload_held_blocks:('G2',)"] == held["ready"], (got, held)
+        # A step that moved nothing reports nothing of kvbm's.
+        assert manager.get_stats() is None
+
+        prom = KVConnectorProm(h.vllm_config, ["model_name", "engine"], {0: ["tiny", "0"]})
+        prom.observe(total.data, 0)
+        labels = {"model_name": "tiny", "engine": "0"}
+        assert REGISTRY.get_sample_value("vllm:kvbm_offload_stored_blocks_total", labels) == m["stored"]
+        loaded = REGISTRY.get_sample_value("vllm:kvbm_offload_loaded_blocks_total", {**labels, "tier": "G2"})
+        assert loaded == m["loaded"]
+        g2 = REGISTRY.get_sample_value("vllm:kvbm_offload_held_blocks", {**labels, "tier": "G2"})
+        assert g2 == held["ready"]
+    finally:
+        h.close()

@@ -76,6 +76,7 @@ from kvbm_py.vllm.offload_kept import (
     reports_of,
 )
 from kvbm_py.vllm.offload_lookup import KvbmConnectorScheduler
+from kvbm_py.vllm.offload_stats import StatsDelta, metric_definitions
 from kvbm_py.vllm.offload_worker import KvbmOffloadingWorker, KvbmSlots
 from kvbm_py.vllm.plugin import SPEC_NAME, register_spec
 from kvbm_py.vllm.retention import retention_of
@@ -171,6 +172,12 @@ class KvbmOffloadingSpec(OffloadingSpec):
         self._manager: KvbmOffloadingManager | None = None
         self._worker: KvbmOffloadingWorker | None = None
 
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """kvbm's counters, which vLLM registers with its offloading
+        metrics (see :mod:`kvbm_py.vllm.offload_stats`)."""
+        return dict(metric_definitions())
+
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             self._manager = KvbmOffloadingManager(self)
@@ -232,6 +239,7 @@ class KvbmOffloadingManager(OffloadingManager):
         self.kept_names: KeptNames | None = None
         self._forget_kept = False
         self._disk_slots = spec.disk_slots
+        self._stats_delta = StatsDelta()
         #: Keys moving to disk with each store job's keys (by the first
         #: key of the job), for their events once the store is confirmed.
         self._demoting: dict[OffloadKey, list[OffloadKey]] = {}
@@ -554,6 +562,11 @@ class KvbmOffloadingManager(OffloadingManager):
 
     def has_pending_work(self) -> bool:
         return self.g4 is not None and self.g4.pending()
+
+    def get_stats(self) -> Any:
+        """What kvbm's counters moved since the last call, and the blocks
+        each tier holds, as vLLM's offloading stats (None: nothing moved)."""
+        return self._stats_delta.take(self.stats, self.books.counts())
 
     def g4_stats(self) -> dict[str, Any]:
         """G4's counters in the scheduler: queries, their p50, failures."""
