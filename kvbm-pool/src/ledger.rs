@@ -42,8 +42,8 @@ use crate::config::{PoolConfig, Tier};
 use crate::error::PoolError;
 use crate::events::{KvEvent, KvEventBatch};
 use crate::policy::{
-    EvictionPolicy, HintClock, LruPolicy, RetentionHint, ReuseScorePolicy, SharedHistory,
-    UseHistory,
+    EvictionPolicy, HintClock, HistorySnapshot, HistorySource, LruPolicy, RetentionHint,
+    ReuseScorePolicy, SharedHistory, UseHistory,
 };
 use crate::pool::{BlockPool, ImmutableBlock, MutableBlock};
 use crate::tier::{TierEngineConfig, TierPolicy};
@@ -705,3 +705,17 @@ impl Ledger {
 
 #[cfg(test)]
 mod tests;
+
+/// The ledger's use history, written beside a kept disk tier and taken up
+/// by a restarted engine before the kept blocks are registered.
+impl HistorySource for Ledger {
+    fn history_changes(&self, seq: u64) -> HistorySnapshot {
+        // Requests recorded but not applied yet count too.
+        self.history.apply_pending();
+        self.history.lock().changes_since(seq)
+    }
+
+    fn restore_history(&self, snapshot: &HistorySnapshot) {
+        self.history.lock().restore(snapshot);
+    }
+}

@@ -11,12 +11,13 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use kvbm_block::{BuildSequenceHasher, SequenceHash};
+use kvbm_dist::kept::{HISTORY_EVERY, HistoryKeeper, HistoryWriter};
 use kvbm_dist::paged::{
     DiskMove, PageCopy, PageGroup, PageMemory, PagedConfig, PagedDisk, PagedWorker,
 };
 use kvbm_pool::Tier;
 use kvbm_pool::ledger::{Ledger, Presence};
-use kvbm_pool::policy::RetentionHint;
+use kvbm_pool::policy::{HistorySnapshot, HistorySource, RetentionHint};
 use kvbm_transfer::memory::Owner;
 use parking_lot::Mutex;
 use pyo3::intern;
@@ -149,6 +150,19 @@ impl Books {
 #[pyclass(module = "kvbm_py._kvbm")]
 pub struct OffloadBooks {
     books: Arc<Books>,
+    /// Writes the use history beside a kept disk tier (see `keep_history`).
+    history: Mutex<Option<HistoryWriter>>,
+}
+
+/// The books' use history, kept beside a kept disk tier.
+impl HistorySource for Books {
+    fn history_changes(&self, seq: u64) -> HistorySnapshot {
+        self.ledger.history_changes(seq)
+    }
+
+    fn restore_history(&self, snapshot: &HistorySnapshot) {
+        self.ledger.restore_history(snapshot)
+    }
 }
 
 /// vLLM's per-key lookup as one call into the books: `(offload key,
@@ -198,7 +212,10 @@ impl OffloadBooks {
             ledger,
             asked: Mutex::new(HashMap::new()),
         });
-        Ok(OffloadBooks { books })
+        Ok(OffloadBooks {
+            books,
+            history: Mutex::new(None),
+        })
     }
 
     /// A callable `(offload key, request context) -> hit or miss` for
@@ -368,6 +385,28 @@ impl OffloadBooks {
             .into_iter()
             .map(|(_, k)| k.0)
             .collect())
+    }
+
+    /// Keeps the use history in the file `path` beside a kept disk tier:
+    /// takes up what it holds (call it before `restore_disk`, so the kept
+    /// blocks rank by their past uses), then writes it every second on a
+    /// thread and once more at `close_history`. Returns the blocks the
+    /// file remembered (0 for none, or a damaged file, which is logged).
+    fn keep_history(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<usize> {
+        let keeper = HistoryKeeper::new(path, HISTORY_EVERY);
+        let remembered = py.detach(|| keeper.load(&*self.books));
+        let writer = keeper.spawn(&self.books).map_err(|e| {
+            PyKvbmError::Invalid(format!("cannot start the use-history thread: {e}"))
+        })?;
+        *self.history.lock() = Some(writer);
+        Ok(remembered)
+    }
+
+    /// Writes the use history a last time and stops its thread (a no-op
+    /// without `keep_history`).
+    fn close_history(&self, py: Python<'_>) {
+        let writer = self.history.lock().take();
+        py.detach(|| drop(writer));
     }
 
     /// Confirms (`ok`) or abandons the stores of `keys`.

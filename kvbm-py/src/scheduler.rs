@@ -362,7 +362,7 @@ impl Scheduler {
             // started, ranked by the history written beside them.
             let history = history_path.map(|p| HistoryKeeper::new(p, HISTORY_EVERY));
             if let Some(h) = &history {
-                h.load(&engine);
+                h.load(&*engine);
             }
             leader.restore_kept(&engine);
             let history = history

@@ -86,6 +86,9 @@ def test_a_restarted_engine_serves_its_kept_disk_tier_and_a_reset_empties_it(tmp
         assert demoted > 0, a.connector.connector_scheduler.manager.stats
     finally:
         _stop(a)
+    # The engine wrote its use history beside the kept tier when it stopped.
+    uses = list((tmp_path / "g3").glob("*.uses"))
+    assert len(uses) == 1 and uses[0].stat().st_size > 0, list((tmp_path / "g3").iterdir())
 
     b, found = _start(tmp_path, model_dir)
     try:

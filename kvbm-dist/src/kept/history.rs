@@ -22,8 +22,7 @@ use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
-use kvbm_pool::TierEngine;
-use kvbm_pool::policy::HistorySnapshot;
+use kvbm_pool::policy::{HistorySnapshot, HistorySource};
 
 /// How often a [`HistoryKeeper`] writes the history by default.
 pub const HISTORY_EVERY: Duration = Duration::from_secs(1);
@@ -31,7 +30,8 @@ pub const HISTORY_EVERY: Duration = Duration::from_secs(1);
 /// Bytes of a frame's length, before its encoding.
 const FRAME_HEAD: usize = 8;
 
-/// Writes an engine's use history to one file, at most once per interval.
+/// Writes an engine's use history (its tier engine's, or its ledger's) to
+/// one file, at most once per interval.
 #[derive(Debug)]
 pub struct HistoryKeeper {
     path: PathBuf,
@@ -74,7 +74,7 @@ impl HistoryKeeper {
     /// trace, so that a replay writes as often per request as a live
     /// engine would. A failed write is logged, not returned: the history
     /// is advisory.
-    pub fn maybe_save(&mut self, engine: &TierEngine, now: Duration) -> bool {
+    pub fn maybe_save(&mut self, engine: &dyn HistorySource, now: Duration) -> bool {
         if self
             .last
             .is_some_and(|t| now.saturating_sub(t) < self.every)
@@ -88,7 +88,7 @@ impl HistoryKeeper {
     /// Writes what changed in `engine`'s history since the last write, or
     /// the whole history where the file must start again; whether it
     /// could.
-    pub fn save(&self, engine: &TierEngine) -> bool {
+    pub fn save(&self, engine: &dyn HistorySource) -> bool {
         let mut journal = self.journal.lock();
         let result = match journal.seq {
             Some(seq) if journal.appended <= journal.base && self.path.exists() => {
@@ -142,7 +142,7 @@ impl HistoryKeeper {
     /// are registered; the blocks it remembers (0 for no file or one that
     /// is damaged, which is logged). A torn or damaged frame ends the
     /// file: what came before it counts.
-    pub fn load(&self, engine: &TierEngine) -> usize {
+    pub fn load(&self, engine: &dyn HistorySource) -> usize {
         let bytes = match std::fs::read(&self.path) {
             Ok(b) => b,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return 0,
@@ -201,10 +201,14 @@ fn frames(mut bytes: &[u8]) -> (Vec<HistorySnapshot>, usize) {
 impl HistoryKeeper {
     /// Writes `engine`'s history every interval on a thread of its own,
     /// and once more when the writer is dropped (while the engine lives).
-    pub fn spawn(self, engine: &Arc<TierEngine>) -> std::io::Result<HistoryWriter> {
+    pub fn spawn<E: HistorySource + 'static>(
+        self,
+        engine: &Arc<E>,
+    ) -> std::io::Result<HistoryWriter> {
         let stop = Arc::new((Mutex::new(false), Condvar::new()));
         let keeper = Arc::new(self);
-        let engine = Arc::downgrade(engine);
+        let engine: Arc<dyn HistorySource> = Arc::<E>::clone(engine);
+        let engine = Arc::downgrade(&engine);
         let (flag, k, e) = (Arc::clone(&stop), Arc::clone(&keeper), engine.clone());
         let thread = std::thread::Builder::new()
             .name("kvbm-history".into())
@@ -218,7 +222,11 @@ impl HistoryKeeper {
     }
 }
 
-fn write_loop(keeper: &HistoryKeeper, engine: &Weak<TierEngine>, stop: &(Mutex<bool>, Condvar)) {
+fn write_loop(
+    keeper: &HistoryKeeper,
+    engine: &Weak<dyn HistorySource>,
+    stop: &(Mutex<bool>, Condvar),
+) {
     loop {
         let stopping = {
             let mut s = stop.0.lock();
@@ -230,7 +238,7 @@ fn write_loop(keeper: &HistoryKeeper, engine: &Weak<TierEngine>, stop: &(Mutex<b
         let Some(engine) = engine.upgrade() else {
             return;
         };
-        keeper.save(&engine);
+        keeper.save(&*engine);
         if stopping {
             return;
         }
@@ -242,7 +250,7 @@ fn write_loop(keeper: &HistoryKeeper, engine: &Weak<TierEngine>, stop: &(Mutex<b
 #[derive(Debug)]
 pub struct HistoryWriter {
     keeper: Arc<HistoryKeeper>,
-    engine: Weak<TierEngine>,
+    engine: Weak<dyn HistorySource>,
     stop: Arc<(Mutex<bool>, Condvar)>,
     thread: Option<JoinHandle<()>>,
 }
@@ -253,7 +261,7 @@ impl HistoryWriter {
     pub fn save_now(&self) -> bool {
         self.engine
             .upgrade()
-            .is_some_and(|engine| self.keeper.save(&engine))
+            .is_some_and(|engine| self.keeper.save(&*engine))
     }
 }
 
@@ -271,6 +279,7 @@ impl Drop for HistoryWriter {
 mod tests {
     use super::*;
     use kvbm_block::SequenceHash;
+    use kvbm_pool::TierEngine;
     use kvbm_pool::tier::{G1Lookup, KvShape};
     use std::time::Instant;
 

@@ -480,3 +480,39 @@ fn blocks_a_kept_disk_held_are_loadable_from_their_slots_and_evictable() {
     let no_disk = Ledger::new(2, TierPolicy::WriteThrough).unwrap();
     assert!(no_disk.restore_disk(&[(0, h(1))]).is_empty());
 }
+
+/// Which of two blocks a kept disk tier holds is evicted first, when a
+/// restarted ledger takes them up with `history` (or without one).
+fn evicted_after_restart(history: Option<&HistorySnapshot>) -> Vec<SequenceHash> {
+    let ledger = Ledger::with_disk(1, 2, TierPolicy::ReuseScore).unwrap();
+    if let Some(h) = history {
+        ledger.restore_history(h);
+    }
+    ledger.restore_disk(&[(0, h(1)), (1, h(2))]);
+    // Two new blocks through a G2 of one slot: the first moves to disk,
+    // which must let one kept block go.
+    let mut evicted = Vec::new();
+    for k in [7, 8] {
+        ledger.record_request(&[h(k)]);
+        let r = ledger.reserve(&[(h(k), None)]);
+        ledger.commit(&[h(k)], true);
+        evicted.extend(r.evicted);
+    }
+    evicted
+}
+
+#[test]
+fn a_restored_history_ranks_kept_blocks_by_their_past_uses() {
+    // Before the restart block 2 was asked for once, then block 1 five
+    // times.
+    let before = Ledger::with_disk(1, 2, TierPolicy::ReuseScore).unwrap();
+    before.record_request(&[h(2)]);
+    for _ in 0..5 {
+        before.record_request(&[h(1)]);
+    }
+    let history = before.history_snapshot();
+    let again = HistorySnapshot::from_bytes(&history.to_bytes()).unwrap();
+    assert_eq!(evicted_after_restart(Some(&again)), vec![h(2)]);
+    // Without it the two look alike, and the one taken up first goes.
+    assert_eq!(evicted_after_restart(None), vec![h(1)]);
+}

@@ -37,7 +37,7 @@ pub use retention::{HintClock, RetentionHint, Retentions};
 pub use reuse_score::ReuseScorePolicy;
 pub use shared_history::{MAX_PENDING_BLOCKS, SharedHistory};
 pub(crate) use sketch::CountMinSketch;
-pub use snapshot::HistorySnapshot;
+pub use snapshot::{HistorySnapshot, HistorySource};
 pub(crate) use spill::{Evicted, SpillRecorder, VictimLog};
 pub use use_history::{Retained, ReuseModel, ReuseWeights, Seen, UseHistory};
 

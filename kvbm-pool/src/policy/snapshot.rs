@@ -18,6 +18,23 @@ const ENTRY_BYTES: usize = 8 + 4 + 8 + 8;
 /// Bytes of the fixed part before the entries.
 const HEAD_BYTES: usize = 8 + 8 + 8 + 8 * (USE_CLASSES + 1) + 8 + 8;
 
+/// Books that keep a use history another process can write down and a
+/// restarted engine take up: the tier engine, and the ledger of an engine
+/// that keeps its own books.
+pub trait HistorySource: Send + Sync {
+    /// The whole history now.
+    fn history_snapshot(&self) -> HistorySnapshot {
+        self.history_changes(0)
+    }
+
+    /// What changed since the snapshot or change whose `seq` is `seq`.
+    fn history_changes(&self, seq: u64) -> HistorySnapshot;
+
+    /// Takes up a history written before a restart; call it before the
+    /// kept blocks are registered, so they rank by it.
+    fn restore_history(&self, snapshot: &HistorySnapshot);
+}
+
 /// What a [`UseHistory`] knows, as it was when taken.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HistorySnapshot {

@@ -7,7 +7,7 @@ use kvbm_block::SequenceHash;
 
 use super::{BlockLabel, TierEngine};
 use crate::config::Tier;
-use crate::policy::HistorySnapshot;
+use crate::policy::{HistorySnapshot, HistorySource};
 use crate::pool::CompleteBlock;
 
 impl TierEngine {
@@ -126,6 +126,20 @@ impl TierEngine {
                 0
             }
         }
+    }
+}
+
+impl HistorySource for TierEngine {
+    fn history_snapshot(&self) -> HistorySnapshot {
+        TierEngine::history_snapshot(self)
+    }
+
+    fn history_changes(&self, seq: u64) -> HistorySnapshot {
+        TierEngine::history_changes(self, seq)
+    }
+
+    fn restore_history(&self, snapshot: &HistorySnapshot) {
+        TierEngine::restore_history(self, snapshot)
     }
 }
 

@@ -325,6 +325,14 @@ class OffloadBooks:
         gives them: they are loadable from their slots. Returns the keys
         taken up (not a slot or key listed twice, nor a slot beyond the
         tier). Call it before the first store."""
+    def keep_history(self, path: str) -> int:
+        """Keeps the use history in the file ``path`` beside a kept disk
+        tier: takes up what it holds (call it before :meth:`restore_disk`,
+        so the kept blocks rank by their past uses), then writes it every
+        second on a thread and once more at :meth:`close_history`. Returns
+        the blocks the file remembered."""
+    def close_history(self) -> None:
+        """Writes the use history a last time and stops its thread."""
     def commit(self, keys: Sequence[bytes], ok: bool) -> None:
         """Confirms (``ok``) or abandons the stores of ``keys``."""
     def pin(self, keys: Sequence[bytes]) -> list[tuple[bool, int]]:

@@ -239,6 +239,8 @@ class KvbmOffloadingManager(OffloadingManager):
         self.kept_names: KeptNames | None = None
         self._forget_kept = False
         self._disk_slots = spec.disk_slots
+        #: The file the use history is kept in beside a kept disk tier.
+        self._history_path = spec.kvbm.kept_history_path(spec.kept_identity) if spec.kept_identity else None
         self._stats_delta = StatsDelta()
         #: Keys moving to disk with each store job's keys (by the first
         #: key of the job), for their events once the store is confirmed.
@@ -459,6 +461,10 @@ class KvbmOffloadingManager(OffloadingManager):
                 logger.warning("kvbm: the kept disk tier is not taken up: %s", why)
             return
         blocks, rejected = common_blocks(reports)
+        remembered = 0
+        if self._history_path is not None:
+            # Before the blocks are registered: they rank by their past uses.
+            remembered = self.books.keep_history(self._history_path)
         taken = self.books.restore_disk(blocks)
         self.kept_names = KeptNames(reports[0].directory, fresh=reports[0].started_fresh is not None)
         known = self.kept_names.read()
@@ -471,10 +477,12 @@ class KvbmOffloadingManager(OffloadingManager):
         if self.events_on and named:
             self._events.append(OffloadingEvent(keys=list(named.values()), medium=Medium.STORAGE, removed=False))
         logger.info(
-            "kvbm: took up %d blocks of the kept disk tier (%d left out, %d without a name)",
+            "kvbm: took up %d blocks of the kept disk tier (%d left out, %d without a name; "
+            "a use history of %d blocks)",
             len(taken),
             self.stats["recovered_rejected"],
             len(taken) - len(named),
+            remembered,
         )
 
     def take_forget_kept(self) -> bool:
@@ -576,6 +584,7 @@ class KvbmOffloadingManager(OffloadingManager):
         self.names.clear()
         if self.kept_names is not None:
             self.kept_names.close()
+        self.books.close_history()
         if self.g4 is not None:
             self.g4.close()
 
