@@ -173,15 +173,10 @@ pub(super) fn demote(shared: &Shared, moves: &[DiskMove]) -> Result<(), String> 
             .map_err(|e| format!("emptying {} G3 records: {e}", slots.len()))?;
     }
     let pairs: Vec<(usize, usize)> = moves.iter().map(|m| (m.from, m.to)).collect();
-    shared
-        .executor
-        .transfer(&shared.region, &disk.file, &pairs)
-        .wait()
-        .map_err(|f| format!("moving {} blocks to G3: {f}", pairs.len()))?;
-    let Some(to) = &disk.sums else {
-        return Ok(());
-    };
-    let sums: Vec<Option<u64>> = match &shared.sums {
+    let moving = shared.executor.transfer(&shared.region, &disk.file, &pairs);
+    // The sums are taken while the blocks move: the G2 slots are only read
+    // by the move, and nothing writes them before this returns.
+    let sums: Option<Vec<Option<u64>>> = disk.sums.as_ref().map(|_| match &shared.sums {
         Some(from) => {
             let from = from.lock();
             moves.iter().map(|m| from[m.from]).collect()
@@ -190,6 +185,12 @@ pub(super) fn demote(shared: &Shared, moves: &[DiskMove]) -> Result<(), String> 
             .iter()
             .map(|m| block_sum(&shared.g2[m.group], m.from).ok())
             .collect(),
+    });
+    moving
+        .wait()
+        .map_err(|f| format!("moving {} blocks to G3: {f}", pairs.len()))?;
+    let (Some(to), Some(sums)) = (&disk.sums, sums) else {
+        return Ok(());
     };
     {
         let mut to = to.lock();
