@@ -606,6 +606,21 @@ class KvbmOffloadingConnector(OffloadingConnector):
             # The same state; key building and lookups in batches.
             self.connector_scheduler.__class__ = KvbmConnectorScheduler
 
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        """vLLM's offloading metrics with kvbm's spec's: the process that
+        exports them (vLLM's front end) never made a connector, so its
+        configuration may not name the spec yet."""
+        vllm_config.kv_transfer_config.kv_connector_extra_config.setdefault("spec_name", SPEC_NAME)
+        register_spec()
+        return super().build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def _kvbm_worker(self) -> KvbmOffloadingWorker | None:
         w = getattr(getattr(self, "connector_worker", None), "worker", None)
         return w if isinstance(w, KvbmOffloadingWorker) else None
