@@ -129,8 +129,8 @@ pub struct DiskMove {
     pub from: usize,
     /// The G3 slot it enters.
     pub to: usize,
-    /// Its KV cache group (a kept G3 records the checksum of the group's
-    /// block).
+    /// Its KV cache group (in verify mode the group's block in its G2
+    /// slot is checked before a kept G3 records it).
     pub group: usize,
     /// The books' key of the block, recorded in a kept G3.
     pub key: u64,

@@ -89,6 +89,11 @@ def test_a_restarted_engine_serves_its_kept_disk_tier_and_a_reset_empties_it(tmp
     # The engine wrote its use history beside the kept tier when it stopped.
     uses = list((tmp_path / "g3").glob("*.uses"))
     assert len(uses) == 1 and uses[0].stat().st_size > 0, list((tmp_path / "g3").iterdir())
+    # The store's own reader finds every kept block sound.
+    from kvbm_py import _kvbm
+
+    seen = _kvbm.inspect_g3(found.directory, True)
+    assert seen["verified"] and seen["blocks"] > 0 and seen["bad_blocks"] == [], seen
 
     b, found = _start(tmp_path, model_dir)
     try:

@@ -14,8 +14,10 @@
 //! ([`KeptStore`]): a slot's record is emptied before a move writes it and
 //! names the block and its checksum once the move landed, so a record
 //! names either nothing or bytes that were fully written. Its checksums
-//! are always on (a restarted worker takes them from the records), and a
-//! slot that fails its check loses its record.
+//! are always on (a restarted worker takes them from the records) and are
+//! taken over the whole slot, as the store's layout and `python -m
+//! kvbm_py.cache --verify` read it; a slot that fails its check loses its
+//! record.
 
 use std::collections::HashSet;
 use std::sync::mpsc::{Receiver, Sender};
@@ -159,9 +161,10 @@ fn forget_all(shared: &Shared) {
     }
 }
 
-/// Moves blocks to G3 and waits. Their sums follow them: the sum recorded
-/// when the block was stored in verify mode, else (a kept G3) the sum of
-/// the block in its G2 slot; a kept G3 records each block once it landed.
+/// Moves blocks to G3 and waits. Their sums follow them: in verify mode
+/// the sum recorded when the block was stored; for a kept G3 the sum of
+/// the whole G2 slot (in verify mode only where the block still matches
+/// its sum), recorded once the block landed.
 pub(super) fn demote(shared: &Shared, moves: &[DiskMove]) -> Result<(), String> {
     if moves.is_empty() {
         return Ok(());
@@ -176,16 +179,29 @@ pub(super) fn demote(shared: &Shared, moves: &[DiskMove]) -> Result<(), String> 
     let moving = shared.executor.transfer(&shared.region, &disk.file, &pairs);
     // The sums are taken while the blocks move: the G2 slots are only read
     // by the move, and nothing writes them before this returns.
-    let sums: Option<Vec<Option<u64>>> = disk.sums.as_ref().map(|_| match &shared.sums {
-        Some(from) => {
-            let from = from.lock();
-            moves.iter().map(|m| from[m.from]).collect()
-        }
-        None => moves
-            .iter()
-            .map(|m| block_sum(&shared.g2[m.group], m.from).ok())
-            .collect(),
+    let stored: Option<Vec<Option<u64>>> = shared.sums.as_ref().map(|from| {
+        let from = from.lock();
+        moves.iter().map(|m| from[m.from]).collect()
     });
+    let sums: Option<Vec<Option<u64>>> = match (&disk.kept, stored) {
+        (None, stored) => stored,
+        (Some(_), stored) => Some(
+            moves
+                .iter()
+                .enumerate()
+                .map(|(i, m)| {
+                    // In verify mode a block changed at rest in G2 is not
+                    // recorded: its load fails and it is recomputed.
+                    let intact = stored.as_ref().is_none_or(|s| {
+                        s[i].is_some() && block_sum(&shared.g2[m.group], m.from).ok() == s[i]
+                    });
+                    intact
+                        .then(|| block_sum(&shared.region, m.from).ok())
+                        .flatten()
+                })
+                .collect(),
+        ),
+    };
     moving
         .wait()
         .map_err(|f| format!("moving {} blocks to G3: {f}", pairs.len()))?;
@@ -271,7 +287,12 @@ fn read_round(shared: &Shared, round: &[PageCopy], earlier: &mut Earlier) {
         }
         if let Some(sums) = &disk.sums {
             let want = sums.lock()[c.slot];
-            if want.is_none() || block_sum(&shared.g2[c.group], staging(i)).ok() != want {
+            // A kept G3 sums whole slots, an unkept one the group's block.
+            let got = match disk.kept {
+                Some(_) => block_sum(&shared.region, staging(i)),
+                None => block_sum(&shared.g2[c.group], staging(i)),
+            };
+            if want.is_none() || got.ok() != want {
                 if let Some(kept) = &disk.kept {
                     // Not found again after a restart either.
                     let _ = kept.forget(&[c.slot as u32]);

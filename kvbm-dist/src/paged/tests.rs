@@ -421,6 +421,17 @@ fn a_block_published_by_one_engine_is_checked_and_served_by_another() {
 /// A worker over `e`'s pages with `slots` G2 slots and as many G3 slots
 /// kept in `dir` under `identity`.
 fn kept_worker(e: &Engine, slots: usize, dir: &std::path::Path, identity: &str) -> PagedWorker {
+    kept_worker_over(e, slots, dir, identity, false)
+}
+
+/// [`kept_worker`], in verify mode where `verify`.
+fn kept_worker_over(
+    e: &Engine,
+    slots: usize,
+    dir: &std::path::Path,
+    identity: &str,
+    verify: bool,
+) -> PagedWorker {
     let widest = e.groups.iter().map(PageGroup::block_bytes).max().unwrap();
     let config = PagedConfig {
         groups: e.groups.clone(),
@@ -433,7 +444,7 @@ fn kept_worker(e: &Engine, slots: usize, dir: &std::path::Path, identity: &str) 
             slots,
             kept: Some(identity.into()),
         }),
-        verify: false,
+        verify,
         sum_tail: false,
     };
     // SAFETY: as in `worker_over`.
@@ -480,6 +491,11 @@ fn a_kept_g3_is_found_again_after_a_restart_byte_for_byte() {
         assert!(a.kept().unwrap().started_fresh.is_some());
         store_and_move(&a, &[0, 1, 2, 4], |i| blocks - 1 - i, 1);
     }
+    // What the store's own reader finds: four blocks, each matching the
+    // sum in its record.
+    let seen = crate::kept::inspect(&kept, true).unwrap();
+    assert_eq!((seen.blocks, seen.bad_records), (4, 0));
+    assert!(seen.verified && seen.bad_blocks.is_empty(), "{seen:?}");
     // A new worker over other pages (all zero) finds every block where it
     // was moved, and loads each byte for byte, unverified: a kept G3
     // checks every read.
@@ -648,4 +664,28 @@ proptest::proptest! {
             }
         }
     }
+}
+
+#[cfg(feature = "fault-injection")]
+#[test]
+fn in_verify_mode_a_block_changed_in_g2_is_not_kept() {
+    let blocks = 4;
+    let dir = tempfile::tempdir().unwrap();
+    let e = engine(&HYBRID, blocks);
+    {
+        let a = kept_worker_over(&e, blocks, dir.path(), "m", true);
+        let stored = vec![PageCopy::g2(0, 0, 0), PageCopy::g2(1, 1, 1)];
+        a.store(1, stored, vec![]).unwrap();
+        settled_clean(&a, 1);
+        a.corrupt_slot(1).unwrap();
+        let moves = vec![DiskMove::new(0, 2, 0, 100), DiskMove::new(1, 3, 1, 101)];
+        a.store(2, vec![], moves).unwrap();
+        settled_clean(&a, 2);
+        // Its load from G3 fails as it would have from G2.
+        a.load(3, vec![PageCopy::g3(1, 2, 3)]).unwrap();
+        a.wait(&[3]);
+        assert_eq!(a.finished()[0].failed, vec![PageCopy::g3(1, 2, 3)]);
+    }
+    let b = kept_worker(&zeroed(blocks), blocks, dir.path(), "m");
+    assert_eq!(b.kept().unwrap().blocks, vec![(2, 100)]);
 }
