@@ -703,9 +703,6 @@ impl Ledger {
     }
 }
 
-#[cfg(test)]
-mod tests;
-
 /// The ledger's use history, written beside a kept disk tier and taken up
 /// by a restarted engine before the kept blocks are registered.
 impl HistorySource for Ledger {
@@ -719,3 +716,6 @@ impl HistorySource for Ledger {
         self.history.lock().restore(snapshot);
     }
 }
+
+#[cfg(test)]
+mod tests;
