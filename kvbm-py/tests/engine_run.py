@@ -29,9 +29,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 BLOCK = 32
 
 
-def build_llm(model_dir: str, extra: dict, engine_args: dict | None = None):
+def build_llm(model_dir: str, extra: dict, engine_args: dict | None = None, connector: str = "KvbmConnector"):
     """vLLM's engine on CPU over the model in `model_dir` (prefix caching
-    on, seed 0), with kvbm's connector configured by `extra`."""
+    on, seed 0), with kvbm's `connector` configured by `extra`."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -46,8 +46,8 @@ def build_llm(model_dir: str, extra: dict, engine_args: dict | None = None):
         enable_prefix_caching=True,
         seed=0,
         kv_transfer_config=KVTransferConfig(
-            kv_connector="KvbmConnector",
-            kv_connector_module_path="kvbm_py.vllm",
+            kv_connector=connector,
+            kv_connector_module_path="kvbm_py.vllm" if connector == "KvbmConnector" else "kvbm_py.vllm.offload",
             kv_role="kv_both",
             kv_connector_extra_config=extra,
             kv_load_failure_policy="recompute",

@@ -4,7 +4,9 @@ Generates a set of prompts sharing prefixes (all at once), waits for kvbm's
 offloads, prints the outputs and kvbm's counters as one JSON line; with
 KILL, then starts another wave of prompts and kills its own process
 (SIGKILL) while their blocks are on their way to G3, as a crash would.
-usage: python restart_run.py MODEL_DIR EXTRA_CONFIG_JSON [kill]
+With SPEC, kvbm runs behind vLLM's offloading connector
+(``KvbmOffloadingConnector``), and the counters are its manager's.
+usage: python restart_run.py MODEL_DIR EXTRA_CONFIG_JSON [kill] [spec]
 """
 
 import json
@@ -34,18 +36,45 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
 
     model_dir, extra = sys.argv[1], json.loads(sys.argv[2])
-    kill = len(sys.argv) > 3 and sys.argv[3] == "kill"
-    llm = build_llm(model_dir, extra)
+    kill, spec = "kill" in sys.argv[3:], "spec" in sys.argv[3:]
+    llm = build_llm(model_dir, extra, connector="KvbmOffloadingConnector" if spec else "KvbmConnector")
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, detokenize=False)
-    side = scheduler_connector(llm)._scheduler
 
     def generate(batch):
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], greedy, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    outputs = generate(prompts(1))
-    side.kvbm.flush()
-    result = {"outputs": outputs, "stats": dict(side.kvbm.stats())}
+    if spec:
+        manager = scheduler_connector(llm).connector_scheduler.manager
+
+        def stats() -> dict:
+            return dict(manager.stats)
+
+        def flush() -> None:
+            # Steps until no store is in flight (each step lets copies land).
+            deadline = time.monotonic() + 60
+            while manager.books.counts()["writing"] and time.monotonic() < deadline:
+                generate([[1]])
+    else:
+        side = scheduler_connector(llm)._scheduler
+
+        def stats() -> dict:
+            return dict(side.kvbm.stats())
+
+        flush = side.kvbm.flush
+
+    if spec:
+        # One prompt at a time: vLLM's offloading connector stores a
+        # step's blocks at once, so each store then finds the slots the
+        # last one filled ready and moves their blocks to disk.
+        outputs = []
+        for p in prompts(1):
+            outputs += generate([p])
+            flush()
+    else:
+        outputs = generate(prompts(1))
+        flush()
+    result = {"outputs": outputs, "stats": stats()}
     print("KVBM_RESULT " + json.dumps(result), flush=True)
     if kill:
         # A second wave, killed while it computes and offloads.

@@ -18,10 +18,11 @@ RECORD = 32
 HEADER = 4096
 
 
-def _run(model: str, tmp_path: Path, extra: dict, kill: bool = False) -> dict:
+def _run(model: str, tmp_path: Path, extra: dict, kill: bool = False, spec: bool = False) -> dict:
     env = {**engine_env(tmp_path), "PYTHONHASHSEED": "0"}
     args = [sys.executable, str(HERE / "restart_run.py"), model, json.dumps(extra)]
-    proc = subprocess.run(args + (["kill"] if kill else []), env=env, capture_output=True, text=True, timeout=600)
+    args += (["kill"] if kill else []) + (["spec"] if spec else [])
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("KVBM_RESULT ")]
     expected = -9 if kill else 0
     assert proc.returncode == expected and lines, (proc.returncode, proc.stdout[-4000:] + proc.stderr[-8000:])
@@ -161,6 +162,54 @@ def test_kept_g3_serves_a_restarted_engine(tiny_model, tmp_path):
     assert len([d for d in base.iterdir() if d.name.startswith("kept-") and d.is_dir()]) == 1
     # The first identity's use history went with its G3.
     assert not (base / (kept[0].name.rsplit("-rank", 1)[0] + ".uses")).exists()
+
+
+def test_kept_g3_behind_the_offloading_connector_serves_a_restarted_engine(tiny_hybrid_model, tmp_path):
+    """The same on a hybrid model behind ``KvbmOffloadingConnector``: a G2
+    of a few slots in front of G3, the engine killed while it offloads."""
+    base = tmp_path / "g3"
+    extra = {
+        "cpu_cache_gb": 8.5 * BLOCK_BYTES / GIB,
+        "disk_cache_gb": 64 * BLOCK_BYTES / GIB,
+        "disk_cache_dir": str(base),
+        "admission": "all",
+    }
+    first = _run(tiny_hybrid_model, tmp_path, extra, kill=True, spec=True)
+    assert first["stats"]["demoted"] >= 8, first["stats"]
+    kept = [d for d in base.iterdir() if d.name.startswith("kept-") and d.is_dir()]
+    assert len(kept) == 1 and kept[0].name.endswith("-rank0"), kept
+    slots = _kept_slots(kept[0])
+    assert len(slots) >= 8, slots
+    clean = _cache_tool(base)
+    assert clean.returncode == 0 and "verified: 0 blocks fail" in clean.stdout, clean.stdout + clean.stderr
+
+    # Every block the killed engine recorded is taken up, and its first
+    # prompts are served from them, token for token the same as computed.
+    second = _run(tiny_hybrid_model, tmp_path, extra, spec=True)
+    s = second["stats"]
+    assert s["recovered"] == len(slots), (s, slots)
+    assert second["outputs"] == first["outputs"]
+    assert s["loaded_from_disk"] >= 4 and s["damaged"] == 0, s
+
+    # Every kept block damaged on disk while no engine runs: the store's
+    # reader finds them, and the next engine catches each block it loads
+    # and recomputes it, outputs still the same.
+    slots = _kept_slots(kept[0])
+    identity = (kept[0] / "identity").read_text()
+    stride = int(next(line for line in identity.splitlines() if line.startswith("inner: ")).split()[1])
+    with open(kept[0] / "blocks", "r+b") as f:
+        for slot in slots:
+            f.seek(slot * stride + 100)
+            b = f.read(1)
+            f.seek(slot * stride + 100)
+            f.write(bytes([b[0] ^ 0x5A]))
+    found = _cache_tool(base)
+    assert found.returncode == 1 and f"verified: {len(slots)} blocks fail" in found.stdout, found.stdout
+    third = _run(tiny_hybrid_model, tmp_path, extra, spec=True)
+    t = third["stats"]
+    assert t["recovered"] == len(slots), (t, slots)
+    assert third["outputs"] == first["outputs"]
+    assert t["damaged"] >= 1, t
 
 
 def test_kept_g2_serves_a_restarted_engine_and_refuses_damaged_blocks(tiny_model, tmp_path):
