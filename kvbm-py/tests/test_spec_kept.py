@@ -179,6 +179,23 @@ def test_the_disk_tier_is_not_kept_without_a_fixed_hash_seed(tmp_path, monkeypat
         _stop(h)
 
 
+def test_vllms_own_connector_name_keeps_no_disk_tier(tmp_path, monkeypatch):
+    """Behind vLLM's own ``OffloadingConnector`` (``"spec_name": "kvbm"``)
+    nothing takes a kept disk tier up, so none is kept: the worker's G3 is
+    a file of its own, removed at exit."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    extra = {**KEPT, "disk_cache_dir": str(tmp_path / "g3"), "spec_name": "kvbm"}
+    h = build(tmp_path, extra, connector="OffloadingConnector")
+    try:
+        worker = get_kv_transfer_group().connector_worker.worker
+        assert worker.kept is None and worker.pages.kept() is None
+    finally:
+        _stop(h)
+    assert not [p for p in (tmp_path / "g3").iterdir() if p.name.startswith("kept-")]
+
+
 @pytest.mark.parametrize("key", ["cpu_cache_keep"])
 def test_a_kept_host_tier_is_refused_with_why(tmp_path, key):
     from kvbm_py import InvalidArgumentError

@@ -97,6 +97,11 @@ VLLM_KEYS = frozenset(
     }
 )
 
+#: Set in the extra config by :class:`KvbmOffloadingConnector`, the one
+#: route whose scheduler takes up a kept disk tier (vLLM's own
+#: ``OffloadingConnector`` hands it no report of one).
+TAKES_UP_KEPT = "kvbm_takes_up_kept"
+
 #: kvbm keys this route does not serve, with why.
 NOT_ON_THIS_ROUTE = {
     "offload": "vLLM's offloading connector decides when blocks are stored",
@@ -110,7 +115,7 @@ DISK_ALIGNMENT = 4096
 
 
 def _kvbm_config(extra: Mapping[str, Any]) -> KvbmConfig:
-    own = {k: v for k, v in extra.items() if k not in VLLM_KEYS}
+    own = {k: v for k, v in extra.items() if k not in VLLM_KEYS and k != TAKES_UP_KEPT}
     cfg = KvbmConfig.from_sources(own)
     for key, why in NOT_ON_THIS_ROUTE.items():
         if key in own and own[key] != getattr(KvbmConfig, key):
@@ -168,7 +173,13 @@ class KvbmOffloadingSpec(OffloadingSpec):
         self.kept_identity: str | None = None
         self.not_kept_why = ""
         if self.disk_slots and self.kvbm.disk_cache_keep:
-            self.kept_identity, self.not_kept_why = kept_identity(config)
+            if self.extra_config.get(TAKES_UP_KEPT):
+                self.kept_identity, self.not_kept_why = kept_identity(config)
+            else:
+                self.not_kept_why = (
+                    "vLLM's own OffloadingConnector hands kvbm no report of a kept disk tier; "
+                    "use KvbmOffloadingConnector to keep it"
+                )
         self._manager: KvbmOffloadingManager | None = None
         self._worker: KvbmOffloadingWorker | None = None
 
@@ -600,6 +611,7 @@ class KvbmOffloadingConnector(OffloadingConnector):
         if extra["spec_name"] != SPEC_NAME:
             raise InvalidArgumentError(f"kvbm: KvbmOffloadingConnector runs kvbm's spec, not {extra['spec_name']!r}")
         extra.pop("spec_module_path", None)
+        extra[TAKES_UP_KEPT] = True
         register_spec()
         super().__init__(vllm_config, role, kv_cache_config)
         if self.connector_scheduler is not None:
