@@ -35,6 +35,17 @@ def _kept_slots(g3_dir: Path) -> list[int]:
     return [i for i in range(len(raw) // RECORD) if raw[i * RECORD + 24 : i * RECORD + 32] != bytes(8)]
 
 
+def _damage(kept_dir: Path, slots: list[int], stride: int) -> None:
+    """Flips one byte of each of `slots` in the kept directory's data file
+    (slots `stride` bytes apart), as a disk or memory that changed at rest."""
+    with open(kept_dir / "blocks", "r+b") as f:
+        for slot in slots:
+            f.seek(slot * stride + 100)
+            b = f.read(1)
+            f.seek(slot * stride + 100)
+            f.write(bytes([b[0] ^ 0x5A]))
+
+
 def _cache_tool(base: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "kvbm_py.cache", "--verify", str(base)], capture_output=True, text=True, timeout=60
@@ -132,12 +143,7 @@ def test_kept_g3_serves_a_restarted_engine(tiny_model, tmp_path):
     # Damage the bytes of the first two blocks written to G3 (G3 fills
     # its highest slots first: the first prompts' first blocks) while no
     # engine runs.
-    with open(kept[0] / "blocks", "r+b") as f:
-        for slot in slots[-2:]:
-            f.seek(slot * BLOCK_BYTES + 100)
-            b = f.read(1)
-            f.seek(slot * BLOCK_BYTES + 100)
-            f.write(bytes([b[0] ^ 0x5A]))
+    _damage(kept[0], slots[-2:], BLOCK_BYTES)
     damaged = _cache_tool(base)
     assert damaged.returncode == 1 and "verified: 2 blocks fail" in damaged.stdout, damaged.stdout
     second = _run(tiny_model, tmp_path, extra)
@@ -197,12 +203,7 @@ def test_kept_g3_behind_the_offloading_connector_serves_a_restarted_engine(tiny_
     slots = _kept_slots(kept[0])
     identity = (kept[0] / "identity").read_text()
     stride = int(next(line for line in identity.splitlines() if line.startswith("inner: ")).split()[1])
-    with open(kept[0] / "blocks", "r+b") as f:
-        for slot in slots:
-            f.seek(slot * stride + 100)
-            b = f.read(1)
-            f.seek(slot * stride + 100)
-            f.write(bytes([b[0] ^ 0x5A]))
+    _damage(kept[0], slots, stride)
     found = _cache_tool(base)
     assert found.returncode == 1 and f"verified: {len(slots)} blocks fail" in found.stdout, found.stdout
     third = _run(tiny_hybrid_model, tmp_path, extra, spec=True)
@@ -241,12 +242,7 @@ def test_kept_g2_serves_a_restarted_engine_and_refuses_damaged_blocks(tiny_model
         # Bytes changed in host memory while no engine ran: caught by the
         # checksums the records carry, recomputed, never served.
         slots = _kept_slots(kept[0])
-        with open(kept[0] / "blocks", "r+b") as f:
-            for slot in slots:
-                f.seek(slot * BLOCK_BYTES + 100)
-                b = f.read(1)
-                f.seek(slot * BLOCK_BYTES + 100)
-                f.write(bytes([b[0] ^ 0x5A]))
+        _damage(kept[0], slots, BLOCK_BYTES)
         third = _run(tiny_model, tmp_path, extra)
         t = third["stats"]
         assert third["outputs"] == first["outputs"]
