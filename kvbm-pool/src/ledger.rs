@@ -566,34 +566,20 @@ impl Ledger {
         let Some(g3) = &self.g3 else {
             return Vec::new();
         };
-        let capacity = g3.pool.capacity();
-        let (mut slots, mut keys) = (HashSet::new(), HashSet::new());
-        let blocks: Vec<(u32, SequenceHash)> = blocks
+        // G3 is exclusive of G2: a key G2 holds is not taken up again.
+        let labels: Vec<(u32, (SequenceHash, Option<SequenceHash>))> = blocks
             .iter()
-            .copied()
-            .filter(|&(slot, key)| {
-                (slot as usize) < capacity
-                    && !g3.pool.contains(key)
-                    && !self.g2.pool.contains(key)
-                    && slots.insert(slot)
-                    && keys.insert(key)
-            })
+            .filter(|&&(_, key)| !self.g2.pool.contains(key) && !g3.pool.contains(key))
+            .map(|&(slot, key)| (slot, (key, None)))
             .collect();
-        let key_of: HashMap<u32, SequenceHash> = blocks.iter().copied().collect();
-        let ids: Vec<u32> = blocks.iter().map(|&(slot, _)| slot).collect();
-        let complete: Vec<_> = g3
-            .pool
-            .allocate_ids(&ids)
+        crate::tier::kept::register_in_slots(&g3.pool, Tier::G3, &labels);
+        // Which took: the first listing of each slot and key, as
+        // registration keeps them.
+        let (mut slots, mut keys) = (HashSet::new(), HashSet::new());
+        labels
             .into_iter()
-            .filter_map(|b| {
-                let key = key_of[&b.block_id()];
-                b.complete(key, None).ok()
-            })
-            .collect();
-        // The handles drop at once: the blocks wait in G3 like any others.
-        drop(g3.pool.register(complete));
-        blocks
-            .into_iter()
+            .filter(|&(slot, (key, _))| slots.insert(slot) && keys.insert(key))
+            .map(|(slot, (key, _))| (slot, key))
             .filter(|&(_, key)| g3.pool.contains(key))
             .collect()
     }

@@ -87,5 +87,6 @@ fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // Whether this build has the test hooks (feature `test-hooks`).
     m.add("TEST_HOOKS", cfg!(feature = "test-hooks"))?;
+    m.add("KEPT_ENTRY_BYTES", kept::KEPT_ENTRY_BYTES)?;
     Ok(())
 }

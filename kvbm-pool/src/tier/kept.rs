@@ -8,7 +8,7 @@ use kvbm_block::SequenceHash;
 use super::{BlockLabel, TierEngine};
 use crate::config::Tier;
 use crate::policy::{HistorySnapshot, HistorySource};
-use crate::pool::CompleteBlock;
+use crate::pool::{BlockPool, CompleteBlock};
 
 impl TierEngine {
     /// Registers the blocks a G2 or G3 (`tier`) kept across a restart
@@ -58,73 +58,85 @@ impl TierEngine {
         let Some(kept) = slot else {
             return 0;
         };
-        // One block per slot and one slot per hash (a hash kept twice, in
-        // a slot it was evicted from and in one it went to later, comes
-        // back once).
-        let mut slots = std::collections::HashSet::with_capacity(blocks.len());
-        let mut hashes = std::collections::HashSet::with_capacity(blocks.len());
-        let blocks: Vec<(u32, BlockLabel)> = blocks
-            .iter()
-            .copied()
-            .filter(|&(slot, (hash, _))| slots.insert(slot) && hashes.insert(hash))
-            .collect();
-        // Parents before their children, as registration wants them: each
-        // block's depth in the kept chains, memoized (chains share
-        // prefixes and can be thousands of blocks long).
-        let parent_of: HashMap<SequenceHash, Option<SequenceHash>> =
-            blocks.iter().map(|&(_, (h, p))| (h, p)).collect();
-        let mut depths: HashMap<SequenceHash, usize> = HashMap::with_capacity(blocks.len());
-        let mut depth = |start: SequenceHash| {
-            let mut path = Vec::new();
-            let mut h = start;
-            // The depth of the last block on `path`, the one nearest the root.
-            let base = loop {
-                if let Some(&d) = depths.get(&h) {
-                    break d + 1;
-                }
-                match parent_of.get(&h) {
-                    // A cycle in damaged labels: any order will do.
-                    Some(Some(p)) if path.len() <= parent_of.len() => {
-                        path.push(h);
-                        h = *p;
-                    }
-                    _ => {
-                        path.push(h);
-                        break 0;
-                    }
-                }
-            };
-            for (i, h) in path.iter().rev().enumerate() {
-                depths.insert(*h, base + i);
+        register_in_slots(&kept.pool, tier, blocks)
+    }
+}
+
+/// Registers in `pool` the blocks a tier kept across a restart holds,
+/// each in the slot that holds its bytes (`(slot, (hash, parent))`),
+/// parents before their children; a slot or hash listed twice comes back
+/// once, and a slot the pool does not have free is skipped. Returns how
+/// many were registered.
+pub(crate) fn register_in_slots(
+    pool: &BlockPool,
+    tier: Tier,
+    blocks: &[(u32, BlockLabel)],
+) -> usize {
+    // One block per slot and one slot per hash (a hash kept twice, in
+    // a slot it was evicted from and in one it went to later, comes
+    // back once).
+    let mut slots = std::collections::HashSet::with_capacity(blocks.len());
+    let mut hashes = std::collections::HashSet::with_capacity(blocks.len());
+    let blocks: Vec<(u32, BlockLabel)> = blocks
+        .iter()
+        .copied()
+        .filter(|&(slot, (hash, _))| slots.insert(slot) && hashes.insert(hash))
+        .collect();
+    // Parents before their children, as registration wants them: each
+    // block's depth in the kept chains, memoized (chains share
+    // prefixes and can be thousands of blocks long).
+    let parent_of: HashMap<SequenceHash, Option<SequenceHash>> =
+        blocks.iter().map(|&(_, (h, p))| (h, p)).collect();
+    let mut depths: HashMap<SequenceHash, usize> = HashMap::with_capacity(blocks.len());
+    let mut depth = |start: SequenceHash| {
+        let mut path = Vec::new();
+        let mut h = start;
+        // The depth of the last block on `path`, the one nearest the root.
+        let base = loop {
+            if let Some(&d) = depths.get(&h) {
+                break d + 1;
             }
-            depths[&start]
+            match parent_of.get(&h) {
+                // A cycle in damaged labels: any order will do.
+                Some(Some(p)) if path.len() <= parent_of.len() => {
+                    path.push(h);
+                    h = *p;
+                }
+                _ => {
+                    path.push(h);
+                    break 0;
+                }
+            }
         };
-        let mut ordered: Vec<(usize, u32, BlockLabel)> = blocks
-            .iter()
-            .map(|&(slot, label)| (depth(label.0), slot, label))
-            .collect();
-        ordered.sort_unstable_by_key(|&(d, slot, _)| (d, slot));
-        let ids: Vec<u32> = ordered.iter().map(|&(_, slot, _)| slot).collect();
-        let label_of: HashMap<u32, BlockLabel> =
-            ordered.iter().map(|&(_, slot, l)| (slot, l)).collect();
-        let complete: Vec<CompleteBlock> = kept
-            .pool
-            .allocate_ids(&ids)
-            .into_iter()
-            .filter_map(|t| {
-                let (hash, parent) = label_of[&t.block_id()];
-                t.complete(hash, parent).ok()
-            })
-            .collect();
-        let n = complete.len();
-        // The handles drop here: the blocks wait in the tier like any
-        // others.
-        match kept.pool.register(complete) {
-            Ok(held) => held.len().min(n),
-            Err(e) => {
-                tracing::warn!("{tier:?} refused its own kept blocks: {e}");
-                0
-            }
+        for (i, h) in path.iter().rev().enumerate() {
+            depths.insert(*h, base + i);
+        }
+        depths[&start]
+    };
+    let mut ordered: Vec<(usize, u32, BlockLabel)> = blocks
+        .iter()
+        .map(|&(slot, label)| (depth(label.0), slot, label))
+        .collect();
+    ordered.sort_unstable_by_key(|&(d, slot, _)| (d, slot));
+    let ids: Vec<u32> = ordered.iter().map(|&(_, slot, _)| slot).collect();
+    let label_of: HashMap<u32, BlockLabel> =
+        ordered.iter().map(|&(_, slot, l)| (slot, l)).collect();
+    let complete: Vec<CompleteBlock> = pool
+        .allocate_ids(&ids)
+        .into_iter()
+        .filter_map(|t| {
+            let (hash, parent) = label_of[&t.block_id()];
+            t.complete(hash, parent).ok()
+        })
+        .collect();
+    let n = complete.len();
+    // The handles drop here: the blocks wait in the tier like any
+    // others.
+    match pool.register(complete) {
+        Ok(held) => held.len().min(n),
+        Err(e) => {
+            tracing::warn!("{tier:?} refused its own kept blocks: {e}");
+            0
         }
     }
 }

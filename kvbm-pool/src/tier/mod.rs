@@ -97,7 +97,7 @@ mod cost;
 mod error;
 mod events;
 mod g1_saves;
-mod kept;
+pub(crate) mod kept;
 mod matching;
 mod mover;
 mod offload;

@@ -23,11 +23,15 @@ __all__ = [
     "start_metrics_server",
     "__version__",
     "TEST_HOOKS",
+    "KEPT_ENTRY_BYTES",
 ]
 
 __version__: str
 #: Whether this build has the test hooks (feature ``test-hooks``).
 TEST_HOOKS: bool
+#: Bytes of one ``(slot, key)`` entry of a packed kept report (see
+#: :func:`kept_common`).
+KEPT_ENTRY_BYTES: int
 
 @type_check_only
 class _Tensor(Protocol):

@@ -45,8 +45,8 @@ if TYPE_CHECKING:
 #: reused.
 KEPT_LAYOUT = "kvbm-offload-kept-1"
 
-#: Bytes of one ``(slot, key)`` entry of a packed report.
-KEPT_ENTRY_BYTES = 12
+#: Bytes of one ``(slot, key)`` entry of a packed report (kvbm's).
+KEPT_ENTRY_BYTES: int = _kvbm.KEPT_ENTRY_BYTES
 
 #: The file of offload keys beside rank 0's records.
 NAMES_FILE = "offload-keys"
