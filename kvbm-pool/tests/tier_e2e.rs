@@ -321,3 +321,40 @@ fn release_after_offloads_waits_for_the_requests_own_copies() {
     // A request with nothing queued is released at once.
     assert!(!engine.release_after_offloads("never-seen"));
 }
+
+/// A request released while its onboard copies into kvbm's G1 leaves its
+/// targets held until the copies end; `flush` waits for that, so a flushed
+/// engine holds nothing.
+#[test]
+fn flush_waits_for_a_released_requests_onboard() {
+    let dir = tempdir();
+    // Disk reads wait at a gate: the onboard is in flight at release.
+    let (exec, control) = gated_reads_executor();
+    let gate = control.gate();
+    let engine = write_through_engine(dir.path(), exec);
+    let a = chain(15, 3);
+    push_to_g3(&engine, std::slice::from_ref(&a), 4);
+    let m = engine
+        .match_request("r", &a, 3 * BLOCK_TOKENS + 1, G1Lookup::Pool)
+        .unwrap();
+    assert_eq!(m.g3_blocks, 3);
+    drop(m);
+    let handle = engine.onboard("r", OnboardTarget::Pool).unwrap();
+    gate.wait_until(std::time::Duration::from_secs(10), |c| c.held() > 0)
+        .expect("the onboard's read reaches the disk");
+    drop(handle);
+    assert!(engine.release("r"));
+    assert_eq!(engine.live_requests(), 0);
+    assert!(engine.g1().audit().unwrap().active > 0, "targets held");
+    std::thread::scope(|s| {
+        let flushed = s.spawn(|| engine.flush());
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert!(!flushed.is_finished(), "flush returned under a read");
+        gate.open();
+        flushed.join().unwrap();
+    });
+    for t in [Tier::G1, Tier::G2, Tier::G3] {
+        let counts = engine.pool(t).unwrap().audit().unwrap();
+        assert_eq!(counts.active, 0, "{t:?} holds blocks after a flush");
+    }
+}

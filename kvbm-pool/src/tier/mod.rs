@@ -338,9 +338,11 @@ impl TierEngine {
         offload::batch_limit(&self.shared)
     }
 
-    /// Blocks until every queued offload has been processed and every
-    /// block left in the staging area for G3 has been written (for tests,
-    /// benchmarks and orderly shutdown).
+    /// Blocks until every queued offload has been processed, every block
+    /// left in the staging area for G3 has been written and every onboard
+    /// in flight has ended, a released request's too: its G1 targets are
+    /// held until its copies end (for tests, benchmarks and orderly
+    /// shutdown).
     pub fn flush(&self) {
         self.shared.offload.flush();
     }

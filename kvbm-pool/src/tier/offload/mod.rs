@@ -212,11 +212,15 @@ impl OffloadQueue {
     }
 
     /// Waits until every queued offload, write-back, background save and G3
-    /// write has run.
+    /// write has run, and every onboard in flight has ended.
     pub(crate) fn flush(&self) {
         let mut s = self.state.lock();
         while !s.shutdown
-            && (s.working > 0 || s.cleaning_slots > 0 || !s.items.is_empty() || s.writes.busy())
+            && (s.working > 0
+                || s.cleaning_slots > 0
+                || s.onboards > 0
+                || !s.items.is_empty()
+                || s.writes.busy())
         {
             self.cv.wait(&mut s);
         }

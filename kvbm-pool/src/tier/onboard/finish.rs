@@ -23,10 +23,13 @@ pub(super) fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
     let dst = std::mem::replace(&mut state.dst, Dst::Ids(Vec::new()));
     let waited_held = std::mem::take(&mut state.waited_held);
     let result = match (state.error.take(), dst) {
-        (Some(source), _) => Err(TierError::Onboard {
-            request: job.request().clone(),
-            source,
-        }),
+        (Some(source), _) => {
+            drop(waited_held);
+            Err(TierError::Onboard {
+                request: job.request().clone(),
+                source,
+            })
+        }
         (None, Dst::Ids(_)) => Ok(Onboarded {
             blocks: ImmutableBlocks::empty(),
             count: state.hashes.len(),
@@ -50,8 +53,6 @@ pub(super) fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
         ..
     } = state;
     drop(holds);
-    let left = shared.offload.onboard_ended();
-    shared.metrics.onboards_in_flight(left);
     job.mark_done();
     for (_, entry) in owned_inflight {
         entry.finish();
@@ -60,6 +61,10 @@ pub(super) fn finish(shared: &Arc<Shared>, job: &Arc<OnboardJob>) {
     if let Some(c) = completer {
         c.complete(Done(result));
     }
+    // Last: a flush waits for it, so nothing the job held is still held
+    // (a released request's loaded blocks, its G1 targets) once it returns.
+    let left = shared.offload.onboard_ended();
+    shared.metrics.onboards_in_flight(left);
 }
 
 /// Blocks the job copied from G2 and from G3.
