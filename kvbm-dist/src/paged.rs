@@ -34,6 +34,17 @@
 //! the blocks it found ([`PagedWorker::kept`]) for the books to take up,
 //! and every read from it is checked against its checksum.
 //!
+//! **Kept G2.** With [`PagedConfig::host_keep`] the slots live in a file
+//! of a memory-backed file system (`/dev/shm`), mapped into the worker
+//! (and pinned in place beside a GPU), with a record per slot
+//! ([`KeptStore`](crate::kept::KeptStore)): a store empties its slots'
+//! records before its copies start and names each block with the sum of
+//! its bytes once they landed, a block that arrives from outside (G4)
+//! leaves its slot unrecorded, and every load checks its slot's sum. A
+//! restarted worker reports the blocks its records name
+//! ([`PagedWorker::kept_host`]); they outlive the engine process, not a
+//! reboot.
+//!
 //! **G4.** A store that engines share moves blocks in and out of G2's
 //! slots itself, each with its checksum right after it; the worker hands
 //! it the slots' memory, writes those sums and checks what arrives
@@ -61,6 +72,7 @@ mod settle;
 
 pub use outside::SUM_BYTES;
 
+use crate::kept::KeptStore;
 use disk::{Disk, STAGING_SLOTS, Stage, Staged};
 use settle::{Earlier, Pending};
 
@@ -109,12 +121,25 @@ pub struct PagedDisk {
     pub kept: Option<String>,
 }
 
-/// What a kept G3 held when the worker opened it.
+/// G2 kept across restarts: where its slots and records live, and what
+/// they hold.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PagedKeep {
+    /// The rank's kept G2 directory in a memory-backed file system (or,
+    /// while another engine holds it, its first free sibling).
+    pub dir: PathBuf,
+    /// What the bytes mean (model, dtype, hash scheme, parallelism; the
+    /// slot geometry is added): a restarted worker of the same identity
+    /// finds every block recorded in it.
+    pub identity: String,
+}
+
+/// What a kept tier (G2 or G3) held when the worker opened it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct KeptDisk {
+pub struct KeptFound {
     /// The directory opened.
     pub dir: PathBuf,
-    /// `(G3 slot, key)` of every block whose record is sound.
+    /// `(slot, key)` of every block whose record is sound.
     pub blocks: Vec<(u32, u64)>,
     /// Records that were torn or damaged (their slots are free).
     pub rejected: u64,
@@ -169,6 +194,9 @@ pub struct PagedConfig {
     /// Leave room after each slot's block for its checksum, so an outside
     /// store moves the two as one object (see `paged/outside.rs`).
     pub sum_tail: bool,
+    /// Keeps G2 across restarts (checksums always on); `None`: G2 starts
+    /// empty.
+    pub host_keep: Option<PagedKeep>,
 }
 
 /// Which way a job copies.
@@ -192,6 +220,9 @@ pub struct PageCopy {
     pub slot: usize,
     /// The block is read from G3 (loads only).
     pub disk: bool,
+    /// The books' key of the block, recorded in a kept G2 once a store of
+    /// it landed (stores only; `None`: not recorded).
+    pub key: Option<u64>,
 }
 
 impl PageCopy {
@@ -202,6 +233,7 @@ impl PageCopy {
             block,
             slot,
             disk: false,
+            key: None,
         }
     }
 
@@ -212,6 +244,15 @@ impl PageCopy {
             block,
             slot,
             disk: true,
+            key: None,
+        }
+    }
+
+    /// This copy, naming the block `key` for a kept G2.
+    pub fn keyed(self, key: u64) -> Self {
+        PageCopy {
+            key: Some(key),
+            ..self
         }
     }
 }
@@ -255,8 +296,12 @@ struct Shared {
     /// Slots a job may name; slot `slots` is the zero slot.
     slots: usize,
     executor: Executor,
-    /// The checksum of each slot's block (verify mode).
+    /// The checksum of each slot's block (verify mode, or G2 kept).
     sums: Option<Mutex<Vec<Option<u64>>>>,
+    /// The slots' records, when G2 is kept across restarts.
+    host_kept: Option<KeptStore>,
+    /// The kept G2's resets so far (see `settle::record`).
+    kept_epoch: Mutex<u64>,
     reports: Mutex<Reports>,
     settled: Condvar,
     /// Reports filed so far, raised after each one is (so a poller looks
@@ -284,7 +329,9 @@ pub struct PagedWorker {
     stage: Option<Sender<Stage>>,
     threads: Vec<JoinHandle<()>>,
     /// What a kept G3 held when it was opened.
-    kept: Option<KeptDisk>,
+    kept: Option<KeptFound>,
+    /// What a kept G2 held when it was opened.
+    kept_host: Option<KeptFound>,
     stride: u64,
     /// Bytes of one block of each KV cache group.
     block_bytes: Vec<u64>,
@@ -369,7 +416,22 @@ impl PagedWorker {
         } else {
             0
         };
-        let region = layouts::slot_region(config.memory, config.slots + 1 + staging, stride)?;
+        let all_slots = config.slots + 1 + staging;
+        let (region, host_kept, kept_host) = match &config.host_keep {
+            Some(keep) => {
+                let mut k = layouts::kept_slot_region(keep, config.memory, all_slots, stride)?;
+                // Records of the zero and staging slots name nothing.
+                k.found
+                    .blocks
+                    .retain(|&(slot, _)| (slot as usize) < config.slots);
+                (k.region, Some(k.store), Some((k.found, k.sums)))
+            }
+            None => (
+                layouts::slot_region(config.memory, all_slots, stride)?,
+                None,
+                None,
+            ),
+        };
         layouts::zero_slot(&region, config.slots, stride)?;
         executor.register(&region)?;
         let g2 = config
@@ -391,7 +453,17 @@ impl PagedWorker {
             disk,
             slots: config.slots,
             executor,
-            sums: config.verify.then(|| Mutex::new(vec![None; config.slots])),
+            sums: (config.verify || host_kept.is_some()).then(|| {
+                let mut sums = vec![None; config.slots];
+                for &(slot, sum) in kept_host.iter().flat_map(|k| &k.1) {
+                    if let Some(s) = sums.get_mut(slot as usize) {
+                        *s = Some(sum);
+                    }
+                }
+                Mutex::new(sums)
+            }),
+            host_kept,
+            kept_epoch: Mutex::new(0),
             reports: Mutex::new(Reports::default()),
             settled: Condvar::new(),
             filed: AtomicU64::new(0),
@@ -399,6 +471,7 @@ impl PagedWorker {
         let block_bytes = config.groups.iter().map(PageGroup::block_bytes).collect();
         let mut worker = Self::start(shared, stride, block_bytes, config.sum_tail)?;
         worker.kept = kept;
+        worker.kept_host = kept_host.map(|(found, _)| found);
         Ok(worker)
     }
 
@@ -432,6 +505,7 @@ impl PagedWorker {
             stage,
             threads,
             kept: None,
+            kept_host: None,
             stride,
             block_bytes,
             sum_tail,
@@ -456,17 +530,33 @@ impl PagedWorker {
 
     /// What the kept G3 held when the worker opened it (`None` without a
     /// kept G3): the books take these blocks up before the first job.
-    pub fn kept(&self) -> Option<&KeptDisk> {
+    pub fn kept(&self) -> Option<&KeptFound> {
         self.kept.as_ref()
     }
 
-    /// Empties every record of a kept G3 (the engine's cache was reset):
-    /// after the jobs submitted before, so a restarted worker finds none
-    /// of the blocks held now. A no-op without a kept G3.
+    /// What the kept G2 held when the worker opened it (`None` without a
+    /// kept G2): the books take these blocks up before the first job.
+    pub fn kept_host(&self) -> Option<&KeptFound> {
+        self.kept_host.as_ref()
+    }
+
+    /// Empties every record of a kept G2 and G3 (the engine's cache was
+    /// reset): after the jobs submitted before, so a restarted worker
+    /// finds none of the blocks held now. A no-op without a kept tier.
     pub fn forget_kept(&self) -> Result<()> {
+        if let Some(kept) = &self.shared.host_kept {
+            // Stores submitted before record nothing once they land (they
+            // see the new epoch); those after record as usual.
+            let mut epoch = self.shared.kept_epoch.lock();
+            *epoch += 1;
+            kept.forget_all()
+                .map_err(|e| invalid(format!("emptying the G2 records: {e}")))?;
+        }
         if self.kept.is_none() {
             return Ok(());
         }
+        // G3's records are emptied on the staging thread, after the moves
+        // handed to it before.
         match self.stage.as_ref() {
             Some(q) if q.send(Stage::ForgetKept).is_ok() => Ok(()),
             _ => Err(invalid("the worker is shut down")),
@@ -534,6 +624,22 @@ impl PagedWorker {
         if !self.shared.reports.lock().in_flight.insert(job) {
             return Err(invalid(format!("job {job} is already in flight")));
         }
+        let epoch = *self.shared.kept_epoch.lock();
+        if direction == Direction::Store
+            && let Some(kept) = &self.shared.host_kept
+        {
+            // Before any byte of a slot is written, its record names
+            // nothing.
+            let slots: Vec<u32> = copies.iter().map(|c| c.slot as u32).collect();
+            if let Err(e) = kept.forget(&slots) {
+                let mut r = self.shared.reports.lock();
+                r.in_flight.remove(&job);
+                return Err(invalid(format!(
+                    "job {job}: emptying {} G2 records: {e}",
+                    slots.len()
+                )));
+            }
+        }
         let started = Instant::now();
         let sent = if demote.is_empty() && !copies.iter().any(|c| c.disk) {
             let transfers = settle::start(&self.shared, &self.shared.executor, direction, &copies);
@@ -548,6 +654,7 @@ impl PagedWorker {
                 transfers,
                 earlier: Earlier::default(),
                 started,
+                epoch,
             };
             self.settle
                 .as_ref()
@@ -559,6 +666,7 @@ impl PagedWorker {
                 copies,
                 demote,
                 started,
+                epoch,
             };
             self.stage
                 .as_ref()
@@ -671,5 +779,7 @@ impl Drop for PagedWorker {
     }
 }
 
+#[cfg(test)]
+mod host_kept_tests;
 #[cfg(test)]
 mod tests;

@@ -557,22 +557,44 @@ impl Ledger {
         }
     }
 
+    /// Takes up the blocks a G2 kept across a restart holds, each in the
+    /// slot that holds its bytes: `(G2 slot, key)`; skips and returns as
+    /// [`Self::restore_disk`]. Call it before that: a key both kept tiers
+    /// hold (moved to G3 just before the restart, its G2 slot not yet
+    /// written again) is then served from G2, and G3's copy left out.
+    pub fn restore_host(&self, blocks: &[(u32, SequenceHash)]) -> Vec<(u32, SequenceHash)> {
+        self.restore_in(&self.g2.pool, Tier::G2, blocks)
+    }
+
     /// Takes up the blocks a G3 kept across a restart holds, each in the
     /// slot that holds its bytes: `(G3 slot, key)`. A slot beyond G3, one
     /// listed twice or already held, and a key listed twice or already
-    /// held, are skipped. Returns the blocks that became loadable. Call it
-    /// before the first store.
+    /// held (in G2 or G3), are skipped. Returns the blocks that became
+    /// loadable. Call it before the first store.
     pub fn restore_disk(&self, blocks: &[(u32, SequenceHash)]) -> Vec<(u32, SequenceHash)> {
-        let Some(g3) = &self.g3 else {
-            return Vec::new();
+        match &self.g3 {
+            Some(g3) => self.restore_in(&g3.pool, Tier::G3, blocks),
+            None => Vec::new(),
+        }
+    }
+
+    /// Registers kept `(slot, key)` blocks in `pool` (tier `tier`); G2 and
+    /// G3 stay exclusive: a key either holds is not taken up again.
+    fn restore_in(
+        &self,
+        pool: &BlockPool,
+        tier: Tier,
+        blocks: &[(u32, SequenceHash)],
+    ) -> Vec<(u32, SequenceHash)> {
+        let held = |key| {
+            self.g2.pool.contains(key) || self.g3.as_ref().is_some_and(|g| g.pool.contains(key))
         };
-        // G3 is exclusive of G2: a key G2 holds is not taken up again.
         let labels: Vec<(u32, (SequenceHash, Option<SequenceHash>))> = blocks
             .iter()
-            .filter(|&&(_, key)| !self.g2.pool.contains(key) && !g3.pool.contains(key))
+            .filter(|&&(_, key)| !held(key))
             .map(|&(slot, key)| (slot, (key, None)))
             .collect();
-        crate::tier::kept::register_in_slots(&g3.pool, Tier::G3, &labels);
+        crate::tier::kept::register_in_slots(pool, tier, &labels);
         // Which took: the first listing of each slot and key, as
         // registration keeps them.
         let (mut slots, mut keys) = (HashSet::new(), HashSet::new());
@@ -580,7 +602,7 @@ impl Ledger {
             .into_iter()
             .filter(|&(slot, (key, _))| slots.insert(slot) && keys.insert(key))
             .map(|(slot, (key, _))| (slot, key))
-            .filter(|&(_, key)| g3.pool.contains(key))
+            .filter(|&(_, key)| pool.contains(key))
             .collect()
     }
 

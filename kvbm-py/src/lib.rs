@@ -12,7 +12,7 @@
 //!   host memory and G3 on disk, executing the leader's copies.
 //!
 //! - [`OffloadBooks`](offload::OffloadBooks) and
-//!   [`PageWorker`](offload::PageWorker): kvbm as the backend of vLLM's
+//!   [`PageWorker`](page_worker::PageWorker): kvbm as the backend of vLLM's
 //!   offloading connector, the books in the scheduler and the copies in
 //!   each rank.
 //!
@@ -29,6 +29,7 @@ pub mod error;
 pub mod kept;
 pub mod offload;
 pub mod offload_keys;
+pub mod page_worker;
 pub mod prom;
 pub mod scheduler;
 pub mod secret;
@@ -78,7 +79,7 @@ fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::Match>()?;
     m.add_class::<worker::Worker>()?;
     m.add_class::<offload::OffloadBooks>()?;
-    m.add_class::<offload::PageWorker>()?;
+    m.add_class::<page_worker::PageWorker>()?;
     m.add_class::<offload_keys::OffloadKeys>()?;
     m.add_function(wrap_pyfunction!(sequence_hash, m)?)?;
     m.add_function(wrap_pyfunction!(kept::inspect_g3, m)?)?;

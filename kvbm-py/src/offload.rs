@@ -1,6 +1,6 @@
-//! The two halves of kvbm as a backend of vLLM's offloading connector:
-//! [`OffloadBooks`] (kvbm-pool's [`Ledger`]) in the scheduler and
-//! [`PageWorker`] (kvbm-dist's [`PagedWorker`]) in each rank.
+//! The scheduler's half of kvbm as a backend of vLLM's offloading
+//! connector: [`OffloadBooks`] (kvbm-pool's [`Ledger`]); the ranks' half is
+//! [`PageWorker`](crate::page_worker::PageWorker).
 //!
 //! Keys are vLLM's offload keys: a block hash followed by the 4-byte
 //! big-endian KV cache group index. kvbm files one under the block's
@@ -12,22 +12,17 @@ use std::sync::Arc;
 
 use kvbm_block::{BuildSequenceHasher, SequenceHash};
 use kvbm_dist::kept::{HISTORY_EVERY, HistoryKeeper, HistoryWriter};
-use kvbm_dist::paged::{
-    DiskMove, PageCopy, PageGroup, PageMemory, PagedConfig, PagedDisk, PagedWorker,
-};
 use kvbm_pool::Tier;
 use kvbm_pool::ledger::{Ledger, Presence};
 use kvbm_pool::policy::{HistorySnapshot, HistorySource, RetentionHint};
-use kvbm_transfer::memory::Owner;
 use parking_lot::Mutex;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 
-use crate::error::{ErrorKind, PyKvbmError, Result};
+use crate::error::{PyKvbmError, Result};
 use crate::offload_keys::OffloadKeys;
 use crate::scheduler::{RetentionArg, parse_policy, retention_hint, sequence_hash};
-use crate::tensors::TensorMemory;
 
 /// kvbm's key of one vLLM offload key (`hash || group`, the group as 4
 /// big-endian bytes).
@@ -387,6 +382,24 @@ impl OffloadBooks {
             .collect())
     }
 
+    /// Takes up the blocks a host tier kept across a restart holds, as
+    /// `restore_disk` (`(host slot, kvbm key)` entries packed as
+    /// `PageWorker.kept_host` gives them). Call it before `restore_disk`: a
+    /// key both tiers hold is served from the host tier.
+    fn restore_host(&self, blocks: &[u8]) -> PyResult<Vec<u64>> {
+        let blocks: Vec<(u32, SequenceHash)> = crate::kept::unpack_kept(blocks)?
+            .into_iter()
+            .map(|(s, k)| (s, SequenceHash(k)))
+            .collect();
+        Ok(self
+            .books
+            .ledger
+            .restore_host(&blocks)
+            .into_iter()
+            .map(|(_, k)| k.0)
+            .collect())
+    }
+
     /// Keeps the use history in the file `path` beside a kept disk tier:
     /// takes up what it holds (call it before `restore_disk`, so the kept
     /// blocks rank by their past uses), then writes it every second on a
@@ -484,302 +497,5 @@ impl OffloadBooks {
             .into_iter()
             .map(|(t, s, h)| (t == Tier::G3, s, h.0))
             .collect()
-    }
-}
-
-/// One rank's host tier: the engine's page tensors per KV cache group and
-/// `slots` host slots, copying jobs between them.
-#[pyclass(module = "kvbm_py._kvbm")]
-pub struct PageWorker {
-    inner: PagedWorker,
-}
-
-/// A job's end as Python sees it: `(job, ok, bytes, seconds, failed
-/// (group, block) pairs, the `TransferError` it failed with)`.
-type Finished = (u64, bool, u64, f64, Vec<(usize, usize)>, Option<PyErr>);
-
-/// The engine's page tensors of each KV cache group (`(tensors, page
-/// bytes)`) as kvbm's page groups, with the memory they are in and what
-/// keeps them alive. Each tensor is a `(num_blocks, bytes)` view, its
-/// rows contiguous, one block stride apart (the same within a group).
-fn page_groups(
-    groups: &[(Vec<Bound<'_, PyAny>>, u64)],
-    num_blocks: usize,
-) -> Result<(Vec<PageGroup>, PageMemory, Owner)> {
-    let all: Vec<Bound<'_, PyAny>> = groups.iter().flat_map(|(t, _)| t.clone()).collect();
-    let (tensors, owner) = crate::dlpack::read_all(&all)?;
-    let memory = match tensors.first().map(|t| t.memory) {
-        Some(TensorMemory::Device(ordinal)) => PageMemory::Device(ordinal),
-        Some(TensorMemory::Host) => PageMemory::Host,
-        None => return Err(PyKvbmError::Invalid("no KV cache tensors given".into())),
-    };
-    let mut tensors = tensors.into_iter();
-    let mut out = Vec::with_capacity(groups.len());
-    for (g, (layers, page_bytes)) in groups.iter().enumerate() {
-        let mut group = PageGroup {
-            layers: Vec::with_capacity(layers.len()),
-            page_bytes: *page_bytes,
-            block_stride: 0,
-        };
-        for t in tensors.by_ref().take(layers.len()) {
-            let elem = t.elem_bytes as u64;
-            let (addr, shape, strides) = (t.raw.addr, &t.raw.shape, &t.raw.strides);
-            let bytes_of = |n: usize| (n as u64).checked_mul(elem);
-            let stride = match (shape.as_slice(), strides.as_slice()) {
-                ([rows, bytes], [stride, 1])
-                    if *rows == num_blocks
-                        && bytes_of(*bytes).is_some_and(|b| b >= *page_bytes) =>
-                {
-                    bytes_of(*stride).ok_or_else(|| {
-                        PyKvbmError::Invalid(format!("KV cache group {g}: a stride of {stride}"))
-                    })?
-                }
-                _ => {
-                    return Err(PyKvbmError::Invalid(format!(
-                        "KV cache group {g}: a tensor of shape {shape:?} and strides \
-                         {strides:?} is not a ({num_blocks} blocks, {page_bytes} page bytes) view"
-                    )));
-                }
-            };
-            if group.layers.is_empty() {
-                group.block_stride = stride;
-            } else if stride != group.block_stride {
-                return Err(PyKvbmError::Invalid(format!(
-                    "KV cache group {g} mixes block strides {} and {stride}",
-                    group.block_stride
-                )));
-            }
-            group.layers.push(addr);
-        }
-        if group.layers.is_empty() {
-            return Err(PyKvbmError::Invalid(format!(
-                "KV cache group {g} has no layers"
-            )));
-        }
-        out.push(group);
-    }
-    Ok((out, memory, owner))
-}
-
-/// `(host slot, disk slot, group, kvbm key)` tuples as moves to disk.
-fn moves_of(moves: Vec<(usize, usize, usize, u64)>) -> Vec<DiskMove> {
-    moves
-        .into_iter()
-        .map(|(from, to, group, key)| DiskMove::new(from, to, group, key))
-        .collect()
-}
-
-/// `(group, engine block, slot)` triples as copies from host slots, or
-/// from disk slots where `disk`.
-fn copies_of(copies: Vec<(usize, usize, usize)>, disk: bool) -> Vec<PageCopy> {
-    copies
-        .into_iter()
-        .map(|(group, block, slot)| PageCopy {
-            group,
-            block,
-            slot,
-            disk,
-        })
-        .collect()
-}
-
-#[pymethods]
-impl PageWorker {
-    /// `groups` holds per KV cache group `(page tensors, page bytes)`:
-    /// one tensor per layer, any object with `__dlpack__` (a torch
-    /// tensor) viewing the layer as `(num_blocks, bytes)` with its pages
-    /// one block stride apart, every tensor of a group with the same
-    /// stride, all on the host or all on one CUDA device; kvbm keeps a
-    /// reference to each as long as it may touch its memory, and the
-    /// caller passes views whose memory spans every block's stride.
-    /// `disk_dir` and `disk_slots` put a disk tier of that many slots
-    /// behind the host slots, in a file of its own in that directory;
-    /// with `disk_kept` (an identity) the disk tier is kept across
-    /// restarts in `disk_dir` (see `kept`). With `verify` every stored
-    /// slot's checksum is recorded and checked when it is loaded. With
-    /// `sum_tail` each slot has room for a checksum after its block, for
-    /// G4 (`seal`, `adopt`).
-    #[new]
-    #[pyo3(signature = (groups, num_blocks, slots, slot_bytes, verify = false, disk_dir = None, disk_slots = 0, sum_tail = false, disk_kept = None))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        py: Python<'_>,
-        groups: Vec<(Vec<Bound<'_, PyAny>>, u64)>,
-        num_blocks: usize,
-        slots: usize,
-        slot_bytes: u64,
-        verify: bool,
-        disk_dir: Option<std::path::PathBuf>,
-        disk_slots: usize,
-        sum_tail: bool,
-        disk_kept: Option<String>,
-    ) -> PyResult<Self> {
-        let (groups, memory, owner) = page_groups(&groups, num_blocks)?;
-        let config = PagedConfig {
-            groups,
-            num_blocks,
-            memory,
-            slots,
-            slot_bytes,
-            disk: disk_dir.map(|dir| PagedDisk {
-                dir,
-                slots: disk_slots,
-                kept: disk_kept,
-            }),
-            verify,
-            sum_tail,
-        };
-        // SAFETY: the pages belong to the engine, which keeps them while
-        // the tensors live; `owner` holds them and their DLPack capsules
-        // (the worker keeps it). Every address has `num_blocks` pages of
-        // the group's stride behind it: the tensors have that many rows
-        // of that stride (checked in `page_groups`) and the caller's views
-        // span the last row's stride (checked on the Python side, which
-        // sees the storage). The engine leaves a block alone while a job
-        // copies it (the offloading connector's contract).
-        let inner = py
-            .detach(|| unsafe { PagedWorker::new(config, owner) })
-            .map_err(PyKvbmError::Dist)?;
-        Ok(PageWorker { inner })
-    }
-
-    /// What the kept disk tier held when the worker opened it: `(directory,
-    /// (disk slot, kvbm key) entries packed (see `kept_common`), torn or
-    /// damaged records, why it started afresh or None)`; None without a
-    /// kept disk tier.
-    #[allow(clippy::type_complexity)]
-    fn kept(&self, py: Python<'_>) -> Option<(String, Py<PyBytes>, u64, Option<String>)> {
-        self.inner.kept().map(|k| {
-            (
-                k.dir.to_string_lossy().into_owned(),
-                PyBytes::new(py, &crate::kept::pack_kept(&k.blocks)).unbind(),
-                k.rejected,
-                k.started_fresh.clone(),
-            )
-        })
-    }
-
-    /// Empties every record of the kept disk tier after the jobs submitted
-    /// before (the engine's cache was reset); a no-op without one.
-    fn forget_kept(&self) -> PyResult<()> {
-        Ok(self.inner.forget_kept().map_err(PyKvbmError::Dist)?)
-    }
-
-    /// Slots in the tier.
-    #[getter]
-    fn slots(&self) -> usize {
-        self.inner.slots()
-    }
-
-    /// Starts copying `(group, engine block, host slot)` pages into host
-    /// slots, after moving the blocks of `demote` (`(host slot, disk
-    /// slot, group, kvbm key)`) to disk.
-    #[pyo3(signature = (job, copies, demote = Vec::new()))]
-    fn store(
-        &self,
-        job: u64,
-        copies: Vec<(usize, usize, usize)>,
-        demote: Vec<(usize, usize, usize, u64)>,
-    ) -> PyResult<()> {
-        Ok(self
-            .inner
-            .store(job, copies_of(copies, false), moves_of(demote))
-            .map_err(PyKvbmError::Dist)?)
-    }
-
-    /// Starts copying host slots into `(group, engine block, host slot)`
-    /// pages and disk slots into `(group, engine block, disk slot)` pages
-    /// (`disk_copies`).
-    #[pyo3(signature = (job, copies, disk_copies = Vec::new()))]
-    fn load(
-        &self,
-        job: u64,
-        copies: Vec<(usize, usize, usize)>,
-        disk_copies: Vec<(usize, usize, usize)>,
-    ) -> PyResult<()> {
-        let mut all = copies_of(copies, false);
-        all.extend(copies_of(disk_copies, true));
-        Ok(self.inner.load(job, all).map_err(PyKvbmError::Dist)?)
-    }
-
-    /// `(address, bytes)` of the host slots (slot `i` starts `i *
-    /// slot_stride` bytes in), for a G4 client to register and move blocks
-    /// in and out of.
-    fn slot_memory(&self) -> PyResult<(u64, u64)> {
-        Ok(self.inner.slot_memory().map_err(PyKvbmError::Dist)?)
-    }
-
-    /// Bytes from one host slot to the next.
-    #[getter]
-    fn slot_stride(&self) -> u64 {
-        self.inner.slot_stride()
-    }
-
-    /// Bytes of one block of KV cache group `group` (the first bytes of a
-    /// slot holding it).
-    fn block_bytes(&self, group: usize) -> PyResult<u64> {
-        Ok(self.inner.block_bytes(group).map_err(PyKvbmError::Dist)?)
-    }
-
-    /// Writes the checksum of the block of `group` in each of `slots`
-    /// right after it (what the block is published to G4 with): per slot
-    /// whether it was sealed; not a slot whose bytes changed since they
-    /// were stored (verify mode), which must not be published.
-    fn seal(&self, py: Python<'_>, group: usize, slots: Vec<usize>) -> PyResult<Vec<bool>> {
-        let sealed = py.detach(|| self.inner.seal(group, &slots));
-        Ok(sealed.map_err(PyKvbmError::Dist)?)
-    }
-
-    /// Checks blocks of `group` that arrived from G4 in `slots`, each with
-    /// the checksum it was published with right after it: per slot
-    /// whether it matches (one that does not must never be loaded).
-    fn adopt(&self, py: Python<'_>, group: usize, slots: Vec<usize>) -> PyResult<Vec<bool>> {
-        let good = py.detach(|| self.inner.adopt(group, &slots));
-        Ok(good.map_err(PyKvbmError::Dist)?)
-    }
-
-    /// Moves `(host slot, disk slot, group, kvbm key)` blocks to disk and
-    /// waits (without the GIL): before a block fetched from G4 overwrites
-    /// their slots.
-    fn move_to_disk(&self, py: Python<'_>, moves: Vec<(usize, usize, usize, u64)>) -> PyResult<()> {
-        let moves = moves_of(moves);
-        let moved = py.detach(|| self.inner.move_to_disk(&moves));
-        Ok(moved.map_err(PyKvbmError::Dist)?)
-    }
-
-    /// Jobs ended since the last call.
-    fn finished(&self) -> Vec<Finished> {
-        self.inner
-            .finished()
-            .into_iter()
-            .map(|r| {
-                let failed: Vec<_> = r.failed.iter().map(|c| (c.group, c.block)).collect();
-                let ok = failed.is_empty() && r.error.is_none();
-                let error = r.error.map(|e| ErrorKind::Transfer.new_err(e));
-                (r.job, ok, r.bytes, r.seconds, failed, error)
-            })
-            .collect()
-    }
-
-    /// Waits until none of `jobs` is in flight (without the GIL).
-    fn wait(&self, py: Python<'_>, jobs: Vec<u64>) {
-        py.detach(|| self.inner.wait(&jobs));
-    }
-
-    /// Changes every byte of host slot `slot` (tests: memory that changed
-    /// at rest).
-    #[cfg(feature = "test-hooks")]
-    fn corrupt_slot(&self, slot: usize) -> PyResult<()> {
-        Ok(self.inner.corrupt_slot(slot).map_err(PyKvbmError::Dist)?)
-    }
-
-    /// Overwrites disk slot `slot` with zeros (tests: a disk that changed
-    /// at rest).
-    #[cfg(feature = "test-hooks")]
-    fn corrupt_disk_slot(&self, slot: usize) -> PyResult<()> {
-        Ok(self
-            .inner
-            .corrupt_disk_slot(slot)
-            .map_err(PyKvbmError::Dist)?)
     }
 }

@@ -28,7 +28,7 @@ use kvbm_transfer::memory::DiskOptions;
 use parking_lot::Mutex;
 
 use super::settle::{Earlier, Pending, start};
-use super::{Direction, DiskMove, KeptDisk, PageCopy, PagedDisk, Shared, layouts};
+use super::{Direction, DiskMove, KeptFound, PageCopy, PagedDisk, Shared, layouts};
 use crate::error::Result;
 use crate::kept::{BlockLabel, KeptStore, Medium};
 use crate::verify::block_sum;
@@ -50,7 +50,7 @@ pub(super) struct Disk {
 /// Opens G3 as `d` says, its slots `stride` bytes apart: a file removed on
 /// drop, or a kept store reopened with the blocks its records name (then
 /// also returned, for the books).
-pub(super) fn open(d: &PagedDisk, stride: u64, verify: bool) -> Result<(Disk, Option<KeptDisk>)> {
+pub(super) fn open(d: &PagedDisk, stride: u64, verify: bool) -> Result<(Disk, Option<KeptFound>)> {
     let Some(identity) = &d.kept else {
         let disk = Disk {
             file: layouts::slot_file(&d.dir, d.slots, stride)?,
@@ -71,7 +71,7 @@ pub(super) fn open(d: &PagedDisk, stride: u64, verify: bool) -> Result<(Disk, Op
             blocks.push((r.slot, r.label.hash));
         }
     }
-    let found = KeptDisk {
+    let found = KeptFound {
         dir: store.dir().to_path_buf(),
         blocks,
         rejected: recovery.rejected,
@@ -102,6 +102,8 @@ pub(super) struct Staged {
     /// The blocks to move to G3 first (stores).
     pub(super) demote: Vec<DiskMove>,
     pub(super) started: Instant,
+    /// The kept G2's resets before it was submitted.
+    pub(super) epoch: u64,
 }
 
 /// Runs staged jobs in order until the worker drops its sender, handing
@@ -147,6 +149,7 @@ fn store(shared: &Shared, s: Staged) -> Pending {
         transfers,
         earlier,
         started: s.started,
+        epoch: s.epoch,
     }
 }
 
@@ -251,6 +254,7 @@ fn load(shared: &Shared, s: Staged) -> Pending {
         transfers,
         earlier,
         started: s.started,
+        epoch: s.epoch,
     }
 }
 

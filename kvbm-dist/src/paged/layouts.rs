@@ -8,8 +8,9 @@ use kvbm_layout::{BlockOrder, Layout, LayoutConfig, LayoutKind, LayoutStrides};
 use kvbm_transfer::memory::{DiskAllocator, DiskOptions, MemoryRegion, Owner, SystemAllocator};
 use kvbm_transfer::{MemoryKind, PhysicalLayout};
 
-use super::{PageGroup, PageMemory, invalid};
+use super::{KeptFound, PageGroup, PageMemory, PagedKeep, invalid};
 use crate::error::Result;
+use crate::kept::{KeptStore, Medium};
 
 /// A group's pages as a G1 layout: one region per layer, block-first, one
 /// chunk of `page_bytes` per block.
@@ -100,6 +101,61 @@ pub(super) fn slot_region(memory: PageMemory, slots: usize, stride: u64) -> Resu
             Err(invalid("device pages need kvbm built with feature `cuda`"))
         }
     }
+}
+
+/// A kept G2's slot region, opened.
+pub(super) struct KeptRegion {
+    /// The slots' records.
+    pub(super) store: KeptStore,
+    /// The slots.
+    pub(super) region: PhysicalLayout,
+    /// What the records name, for the books.
+    pub(super) found: KeptFound,
+    /// `(slot, checksum)` of each recorded block.
+    pub(super) sums: Vec<(u32, u64)>,
+}
+
+/// The slot region of a kept G2: `slots` slots of `stride` bytes in a
+/// [`KeptStore`] in `keep.dir`, mapped (and pinned in place beside a GPU),
+/// with what its records name.
+pub(super) fn kept_slot_region(
+    keep: &PagedKeep,
+    memory: PageMemory,
+    slots: usize,
+    stride: u64,
+) -> Result<KeptRegion> {
+    let kind = match memory {
+        PageMemory::Host => MemoryKind::System,
+        PageMemory::Device(ordinal) => device_kind(ordinal)?,
+    };
+    let pin = crate::worker::g2_pin(kind)?;
+    let medium = Medium::Memory {
+        pin: pin.as_deref(),
+    };
+    let (store, region, recovery) = KeptStore::open_free(
+        &keep.dir,
+        &keep.identity,
+        whole_slots(slots, stride)?,
+        &medium,
+    )?;
+    let blocks = recovery
+        .blocks
+        .iter()
+        .map(|r| (r.slot, r.label.hash))
+        .collect();
+    let sums = recovery.blocks.iter().map(|r| (r.slot, r.sum)).collect();
+    let found = KeptFound {
+        dir: store.dir().to_path_buf(),
+        blocks,
+        rejected: recovery.rejected,
+        started_fresh: recovery.started_fresh,
+    };
+    Ok(KeptRegion {
+        store,
+        region,
+        found,
+        sums,
+    })
 }
 
 /// The slot file: `slots` slots of `stride` bytes (a multiple of the disk

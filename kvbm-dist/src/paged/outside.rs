@@ -103,11 +103,27 @@ impl PagedWorker {
         super::disk::demote(&self.shared, moves).map_err(invalid)
     }
 
+    /// Empties the records of `slots` in a kept G2, before something
+    /// outside the worker writes them (a block fetched from G4 is not kept
+    /// across a restart); a no-op without a kept G2.
+    pub fn unrecord(&self, slots: &[usize]) -> Result<()> {
+        let Some(kept) = &self.shared.host_kept else {
+            return Ok(());
+        };
+        if let Some(s) = slots.iter().find(|&&s| s >= self.shared.slots) {
+            return Err(invalid(format!("slot {s} beyond {}", self.shared.slots)));
+        }
+        let ids: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
+        kept.forget(&ids)
+            .map_err(|e| invalid(format!("emptying {} G2 records: {e}", ids.len())))
+    }
+
     /// Checks blocks of `group` that arrived in `slots` from outside, each
     /// with the sum it was published with right after it: per slot whether
     /// its bytes match. A slot that fails must not be loaded. In verify
-    /// mode the sums of matching slots are recorded (loads check them
-    /// again) and those of failing slots cleared.
+    /// mode (or with G2 kept) the sums of matching slots are recorded
+    /// (loads check them again) and those of failing slots cleared. A kept
+    /// G2 does not record them (see [`Self::unrecord`]).
     pub fn adopt(&self, group: usize, slots: &[usize]) -> Result<Vec<bool>> {
         let tails = self.tails(group, slots)?;
         let g2 = &self.shared.g2[group];

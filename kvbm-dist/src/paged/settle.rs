@@ -11,6 +11,7 @@ use kvbm_transfer::{Executor, TransferHandle};
 use parking_lot::Mutex;
 
 use super::{Direction, JobReport, PageCopy, Shared};
+use crate::kept::BlockLabel;
 use crate::verify::block_sum;
 
 /// What a job's earlier steps (demotions, reads from G3) left: the bytes
@@ -47,6 +48,9 @@ pub(super) struct Pending {
     pub(super) transfers: Vec<(usize, TransferHandle)>,
     pub(super) earlier: Earlier,
     pub(super) started: Instant,
+    /// The kept G2's resets before the job was submitted: a store of an
+    /// earlier epoch than the current one records nothing.
+    pub(super) epoch: u64,
 }
 
 /// Starts every group's share of `copies` between G1 and the G2 slots.
@@ -127,6 +131,9 @@ fn settle(shared: &Shared, p: Pending) -> JobReport {
             &mut error,
         );
     }
+    if p.direction == Direction::Store {
+        record(shared, p.epoch, &p.copies, &failed, &mut error);
+    }
     failed.extend(failed_earlier);
     if p.direction == Direction::Load && !failed.is_empty() {
         wipe(shared, &failed, &mut error);
@@ -160,6 +167,48 @@ fn wipe(shared: &Shared, failed: &[PageCopy], error: &mut Option<String>) {
             tracing::error!("kvbm: wiping the pages of a failed load failed: {f}");
             error.get_or_insert_with(|| format!("wiping a failed load's pages: {f}"));
         }
+    }
+}
+
+/// A kept G2: names each stored block that landed, with the sum `judge`
+/// took, in its slot's record (emptied before the store started), unless
+/// the tier was reset since the store was submitted.
+fn record(
+    shared: &Shared,
+    epoch: u64,
+    copies: &[PageCopy],
+    failed: &[PageCopy],
+    error: &mut Option<String>,
+) {
+    let (Some(kept), Some(sums)) = (&shared.host_kept, &shared.sums) else {
+        return;
+    };
+    let broken: HashSet<usize> = failed.iter().map(|c| c.slot).collect();
+    let sums = sums.lock();
+    let landed: Vec<(u32, BlockLabel, u64)> = copies
+        .iter()
+        .filter(|c| !broken.contains(&c.slot))
+        .filter_map(|c| {
+            let (key, sum) = (c.key?, sums[c.slot]?);
+            let label = BlockLabel {
+                hash: key,
+                parent: None,
+            };
+            Some((c.slot as u32, label, sum))
+        })
+        .collect();
+    drop(sums);
+    // Held while the records are written: a reset waits for them, or they
+    // see it.
+    let current = shared.kept_epoch.lock();
+    if *current != epoch {
+        return;
+    }
+    if let Err(e) = kept.commit(&landed) {
+        // The records stay empty: the blocks are served now, not after a
+        // restart.
+        tracing::warn!(dir = %kept.dir().display(), "G2 records not written: {e}");
+        error.get_or_insert_with(|| format!("writing {} G2 records: {e}", landed.len()));
     }
 }
 

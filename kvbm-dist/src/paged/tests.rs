@@ -8,12 +8,12 @@ use super::*;
 
 /// Host "engine" tensors: per group, one buffer per layer of
 /// `blocks * stride` bytes, filled with a pattern unique to each byte.
-struct Engine {
-    buffers: Vec<Vec<Vec<u8>>>,
-    groups: Vec<PageGroup>,
+pub(super) struct Engine {
+    pub(super) buffers: Vec<Vec<Vec<u8>>>,
+    pub(super) groups: Vec<PageGroup>,
 }
 
-fn engine(shapes: &[(usize, u64, u64)], blocks: usize) -> Engine {
+pub(super) fn engine(shapes: &[(usize, u64, u64)], blocks: usize) -> Engine {
     let mut buffers = Vec::new();
     let mut groups = Vec::new();
     for (g, &(layers, page, stride)) in shapes.iter().enumerate() {
@@ -34,7 +34,7 @@ fn engine(shapes: &[(usize, u64, u64)], blocks: usize) -> Engine {
     Engine { buffers, groups }
 }
 
-fn page(e: &Engine, group: usize, layer: usize, block: usize) -> Vec<u8> {
+pub(super) fn page(e: &Engine, group: usize, layer: usize, block: usize) -> Vec<u8> {
     let g = &e.groups[group];
     let start = block * g.block_stride as usize;
     e.buffers[group][layer][start..start + g.page_bytes as usize].to_vec()
@@ -69,6 +69,7 @@ fn worker_over(
         }),
         verify,
         sum_tail,
+        host_keep: None,
     };
     // SAFETY: the buffers outlive the worker (dropped at the end of each
     // test, after it) and nothing else writes them during a job.
@@ -77,7 +78,7 @@ fn worker_over(
 
 /// A sliding-window group of 2 layers with padded pages, a full-attention
 /// group of 2 layers, and a state group of 1 layer with larger pages.
-const HYBRID: [(usize, u64, u64); 3] = [(2, 96, 128), (2, 128, 128), (1, 200, 256)];
+pub(super) const HYBRID: [(usize, u64, u64); 3] = [(2, 96, 128), (2, 128, 128), (1, 200, 256)];
 
 #[test]
 fn every_group_round_trips_through_shared_slots() {
@@ -185,6 +186,7 @@ fn bad_jobs_and_shapes_are_refused_with_an_error() {
         disk: None,
         verify: false,
         sum_tail: false,
+        host_keep: None,
     };
     // SAFETY: refused before anything is touched.
     let err = unsafe { PagedWorker::new(config.clone(), Arc::new(())) };
@@ -206,7 +208,7 @@ fn disk_worker(
     worker_over(e, blocks, slots, Some(dir), verify, false)
 }
 
-fn settled_clean(w: &PagedWorker, job: u64) -> JobReport {
+pub(super) fn settled_clean(w: &PagedWorker, job: u64) -> JobReport {
     w.wait(&[job]);
     let r = w.finished().pop().unwrap();
     assert_eq!(r.job, job);
@@ -446,13 +448,14 @@ fn kept_worker_over(
         }),
         verify,
         sum_tail: false,
+        host_keep: None,
     };
     // SAFETY: as in `worker_over`.
     unsafe { PagedWorker::new(config, Arc::new(())) }.unwrap()
 }
 
 /// An engine of `blocks` blocks whose pages are all zero.
-fn zeroed(blocks: usize) -> Engine {
+pub(super) fn zeroed(blocks: usize) -> Engine {
     let mut e = engine(&HYBRID, blocks);
     for layer in e.buffers.iter_mut().flatten() {
         layer.fill(0);
@@ -474,7 +477,7 @@ fn store_and_move(w: &PagedWorker, blocks: &[usize], to: impl Fn(usize) -> usize
     settled_clean(w, job + 1);
 }
 
-fn sorted(mut blocks: Vec<(u32, u64)>) -> Vec<(u32, u64)> {
+pub(super) fn sorted(mut blocks: Vec<(u32, u64)>) -> Vec<(u32, u64)> {
     blocks.sort_unstable();
     blocks
 }

@@ -54,7 +54,7 @@ use crate::proto::{
 use crate::proto::{Probe, ProbeOp, ProbeReply};
 use crate::transport::{DealerSocket, WakeSender, drain_disconnects, wake_pair};
 use kvbm_pool::Tier;
-pub(crate) use tiers::{Places, Tiers};
+pub(crate) use tiers::{Places, Tiers, g2_pin};
 use watch::LeaderWatch;
 
 /// What a worker needs to start.

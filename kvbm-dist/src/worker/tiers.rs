@@ -426,7 +426,7 @@ fn default_g2(g1: kvbm_transfer::MemoryKind, layout: Layout) -> Result<PhysicalL
 /// How a kept G2 is pinned: in place for G1's GPU (feature `cuda`), not at
 /// all beside a host G1.
 #[allow(clippy::type_complexity)]
-fn g2_pin(
+pub(crate) fn g2_pin(
     g1: kvbm_transfer::MemoryKind,
 ) -> Result<Option<Box<dyn Fn(Arc<SystemBuffer>) -> Result<MemoryRegion>>>> {
     #[cfg(feature = "cuda")]

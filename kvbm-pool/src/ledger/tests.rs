@@ -481,6 +481,29 @@ fn blocks_a_kept_disk_held_are_loadable_from_their_slots_and_evictable() {
     assert!(no_disk.restore_disk(&[(0, h(1))]).is_empty());
 }
 
+#[test]
+fn blocks_a_kept_host_tier_held_come_first_and_stay_exclusive_of_disk() {
+    let ledger = Ledger::with_disk(3, 3, TierPolicy::WriteThrough).unwrap();
+    // Slot 3 is beyond G2; key 1 was moved to disk just before the
+    // restart, its G2 slot not yet written again.
+    let host = ledger.restore_host(&[(1, h(1)), (3, h(5)), (0, h(3))]);
+    assert_eq!(host, vec![(1, h(1)), (0, h(3))]);
+    let disk = ledger.restore_disk(&[(0, h(1)), (2, h(2))]);
+    assert_eq!(disk, vec![(2, h(2))]);
+    assert_eq!(ledger.counts().on_disk, 1);
+    let sources = ledger.pin(&[h(1), h(2), h(3)]).unwrap();
+    let at = |tier, slot| Source { tier, slot };
+    assert_eq!(
+        sources,
+        vec![at(Tier::G2, 1), at(Tier::G3, 2), at(Tier::G2, 0)]
+    );
+    ledger.unpin(&[h(1), h(2), h(3)]);
+    // The free G2 slot is what the next store gets.
+    let r = ledger.reserve(&[(h(7), None)]);
+    assert_eq!(r.slots, vec![(h(7), 2)]);
+    assert!(r.evicted.is_empty() && r.demote.is_empty(), "{r:?}");
+}
+
 /// Which of two blocks a kept disk tier holds is evicted first, when a
 /// restarted ledger takes them up with `history` (or without one).
 fn evicted_after_restart(history: Option<&HistorySnapshot>) -> Vec<SequenceHash> {

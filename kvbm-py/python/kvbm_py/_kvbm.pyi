@@ -323,6 +323,11 @@ class OffloadBooks:
         bytes stay there until the slot is written). With ``fetched``
         the keys are blocks a load brings in from G4: admission is not
         asked."""
+    def restore_host(self, blocks: bytes) -> list[int]:
+        """Takes up the blocks a host tier kept across a restart holds, as
+        :meth:`restore_disk` (entries as :meth:`PageWorker.kept_host` gives
+        them). Call it before :meth:`restore_disk`: a key both tiers hold
+        is served from the host tier."""
     def restore_disk(self, blocks: bytes) -> list[int]:
         """Takes up the blocks a disk tier kept across a restart holds,
         ``(disk slot, kvbm key)`` entries packed as :meth:`PageWorker.kept`
@@ -373,7 +378,9 @@ class PageWorker:
     ``disk_dir`` (see :meth:`kept`). With ``verify`` every stored slot's
     checksum is recorded and checked after each load of it. With
     ``sum_tail`` each slot has room for a checksum after its block, which
-    G4 moves with the block."""
+    G4 moves with the block. With ``host_kept`` (``(directory, identity)``,
+    the directory in a memory-backed file system) the host slots are kept
+    across restarts there (see :meth:`kept_host`)."""
 
     def __new__(
         cls,
@@ -386,6 +393,7 @@ class PageWorker:
         disk_slots: int = 0,
         sum_tail: bool = False,
         disk_kept: str | None = None,
+        host_kept: tuple[str, str] | None = None,
     ) -> PageWorker: ...
     @property
     def slots(self) -> int:
@@ -395,19 +403,29 @@ class PageWorker:
         ``(directory, (disk slot, kvbm key) entries packed (see
         :func:`kept_common`), torn or damaged records, why it started
         afresh or None)``; None without a kept disk tier."""
+    def kept_host(self) -> tuple[str, bytes, int, str | None] | None:
+        """What the kept host tier held when the worker opened it, as
+        :meth:`kept` says of the disk tier (``(host slot, kvbm key)``
+        entries); None without a kept host tier."""
     def forget_kept(self) -> None:
-        """Empties every record of the kept disk tier after the jobs
-        submitted before (the engine's cache was reset); a no-op without
-        one."""
+        """Empties every record of the kept tiers (the engine's cache was
+        reset): stores submitted before record nothing, and the disk
+        tier's records go after the moves submitted before; a no-op
+        without a kept tier."""
     def store(
         self,
         job: int,
         copies: Sequence[tuple[int, int, int]],
         demote: Sequence[tuple[int, int, int, int]] = ...,
+        keys: Sequence[int] | None = None,
     ) -> None:
         """Starts copying ``(group, engine block, host slot)`` pages into
         host slots, after moving ``demote``'s ``(host slot, disk slot,
-        group, kvbm key)`` blocks to disk."""
+        group, kvbm key)`` blocks to disk. ``keys`` (one kvbm key per copy)
+        names the blocks in a kept host tier's records."""
+    def unrecord(self, slots: Sequence[int]) -> None:
+        """Empties the kept host tier's records of ``slots`` before a block
+        from G4 is written into them; a no-op without a kept host tier."""
     def load(
         self,
         job: int,
