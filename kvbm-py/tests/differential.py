@@ -172,7 +172,8 @@ class OffloadSide:
             "g2_to_g1_blocks": m["loaded"] - m["loaded_from_disk"],
             "g3_to_g1_blocks": m["loaded_from_disk"],
             "g2_to_g3_blocks": m["demoted"],
-            "g3_recovered_blocks": m["recovered"],
+            "g2_recovered_blocks": m["recovered_host"],
+            "g3_recovered_blocks": m["recovered"] - m["recovered_host"],
             "groups": self.groups,
         }
         out.update({f"loaded_group_{g}": n for g, n in m["loaded_per_group"].items()})

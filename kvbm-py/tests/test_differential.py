@@ -91,6 +91,13 @@ CONFIGS: dict[str, tuple[dict, dict, int]] = {
     # The same, round 2 on a new engine that takes up the blocks round 1
     # left in the kept disk tier.
     "spec-hybrid-g3-kept": ({"route": "spec", "model": "hybrid", "admission": "all", "g3": 8, "restart": True}, {}, 1),
+    # Both tiers kept: round 2's engine takes up round 1's host tier (from
+    # /dev/shm) and its disk tier.
+    "spec-hybrid-g2-kept": (
+        {"route": "spec", "model": "hybrid", "admission": "all", "g3": 8, "cpu_cache_keep": True, "restart": True},
+        {},
+        1,
+    ),
     # Linear attention (a recurrent state per request, vLLM's Mamba
     # group) beside full attention, over G2 and G3.
     "spec-mamba-hybrid-g3": ({"route": "spec", "model": "mamba", "admission": "all", "g3": 8}, {}, 1),
@@ -132,10 +139,15 @@ CONFIGS: dict[str, tuple[dict, dict, int]] = {
         {},
         2,
     ),
-    # The kept disk tier at TP = 2: each rank's worker, in a process of its
+    # The kept tiers at TP = 2: each rank's worker, in a process of its
     # own, reports its records to the scheduler.
     "tp2-spec-hybrid-g3-kept": (
         {"route": "spec", "model": "hybrid", "admission": "all", "g3": 8, "restart": True},
+        {},
+        2,
+    ),
+    "tp2-spec-hybrid-g2-kept": (
+        {"route": "spec", "model": "hybrid", "admission": "all", "g3": 8, "cpu_cache_keep": True, "restart": True},
         {},
         2,
     ),
@@ -210,6 +222,7 @@ OPT_IN = (
     "tp2-spec-mamba-hybrid-g3",
     "tp2-spec-hybrid-g4-shared",
     "tp2-spec-hybrid-g3-kept",
+    "tp2-spec-hybrid-g2-kept",
 )
 
 
@@ -432,20 +445,19 @@ def test_outputs_equal_the_engine_without_kvbm(name, results):
     elif run.get("restart"):
         # Round 2's engines started with round 1's blocks in their kept
         # tiers, and served some of them. Behind the offloading connector
-        # only the disk tier is kept: a case whose blocks all fit in G2
-        # (none moved to disk) has nothing to find.
-        recovered = "g3_recovered_blocks" if run.get("connector") else "g2_recovered_blocks"
+        # without a kept host tier only the disk tier is kept: a case whose
+        # blocks all fit in G2 (none moved to disk) has nothing to find.
         spec = bool(run.get("connector"))
-        counts = {
-            seed: (c["stats"].get(recovered, 0), c["stats"]["g2_to_g3_blocks"] if spec else 1)
-            for seed, c in got.items()
-        }
+        host = not spec or bool(CONFIGS[name][0].get("cpu_cache_keep"))
+        recovered = "g2_recovered_blocks" if host else "g3_recovered_blocks"
+        moved = "g1_to_g2_blocks" if host else "g2_to_g3_blocks"
+        counts = {seed: (c["stats"].get(recovered, 0), c["stats"][moved] if spec else 1) for seed, c in got.items()}
         assert all(n > 0 for n, moved in counts.values() if moved > 0), f"{name}: recovered, moved to G3: {counts}"
         assert sum(n for n, _ in counts.values()) > 0, f"{name}: recovered, moved to G3: {counts}"
         if spec:
             # Each case ends with a reset that empties the kept records:
-            # a case finds no block an earlier case moved to disk.
-            assert all(n <= moved for n, moved in counts.values()), f"{name}: recovered, moved to G3: {counts}"
+            # a case finds no block an earlier case stored.
+            assert all(n <= stored for n, stored in counts.values()), f"{name}: recovered, stored: {counts}"
     if "preempting" in name:
         assert sum(c["preemptions"] for c in got.values()) > 0, f"{name}: vLLM preempted nothing"
     if run.get("connector") and CONFIGS[name][0].get("g3"):

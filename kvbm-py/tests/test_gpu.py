@@ -183,6 +183,54 @@ def test_spec_worker_round_trips_device_pages_of_two_groups(tmp_path, verify, di
     run_spec_round_trip(verify, str(tmp_path) if disk else None)
 
 
+def run_spec_kept_host_round_trip(directory: str) -> None:
+    """The spec's worker with its pinned slots kept in ``directory`` (a
+    file mapped and registered with the GPU in place): blocks stored from
+    device pages by one worker are reported by the next over the same
+    directory and loaded back byte for byte."""
+    import gc
+    import struct
+
+    page = 16 << 10
+    pages = [torch.randint(-128, 127, (BLOCKS, page), dtype=torch.int8, device="cuda") for _ in range(2)]
+    before = [t[[1, 2, 3]].clone() for t in pages]
+
+    def worker(tensors: list[torch.Tensor]) -> kvbm_py._kvbm.PageWorker:
+        try:
+            return kvbm_py._kvbm.PageWorker([(tensors, page)], BLOCKS, 8, 2 * page, host_kept=(directory, "gpu test"))
+        except kvbm_py.KvbmError as e:
+            if "feature `cuda`" in str(e):
+                _skip("kvbm_py built without feature `cuda`")
+            raise
+
+    a = worker(pages)
+    a.store(1, [(0, 1, 4), (0, 2, 5), (0, 3, 6)], keys=[101, 102, 103])
+    a.wait([1])
+    assert all(r[1] for r in a.finished())
+    del a
+    gc.collect()
+    for t in pages:
+        t.zero_()
+    b = worker(pages)
+    found = b.kept_host()
+    assert found is not None and found[3] is None, found
+    entries = sorted(struct.iter_unpack("<IQ", found[1]))
+    assert entries == [(4, 101), (5, 102), (6, 103)], entries
+    b.load(2, [(0, 5, 4), (0, 6, 5), (0, 7, 6)])
+    b.wait([2])
+    (job,) = b.finished()
+    assert job[1], job
+    for t, want in zip(pages, before):
+        assert torch.equal(t[[5, 6, 7]], want)
+
+
+def test_spec_worker_keeps_pinned_slots_across_a_restart(tmp_path):
+    _cuda_or_skip()
+    shm = "/dev/shm"
+    with tempfile.TemporaryDirectory(dir=shm if os.path.isdir(shm) else None) as d:
+        run_spec_kept_host_round_trip(os.path.join(d, "g2"))
+
+
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         print("no CUDA device")
@@ -194,4 +242,6 @@ if __name__ == "__main__":
         run_spec_round_trip(verify)
         with tempfile.TemporaryDirectory() as d:
             run_spec_round_trip(verify, d)
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
+        run_spec_kept_host_round_trip(os.path.join(d, "g2"))
     print("spec worker round trips OK")

@@ -248,3 +248,39 @@ def test_kept_g2_serves_a_restarted_engine_and_refuses_damaged_blocks(tiny_model
         assert third["outputs"] == first["outputs"]
         assert t["g2_recovered_blocks"] == len(slots), t
         assert t["onboard_failures"] >= 1 or t.get("verify_mismatches", 0) >= 1, t
+
+
+def test_kept_g2_behind_the_offloading_connector_serves_a_restarted_engine(tiny_hybrid_model, tmp_path):
+    """The hybrid model behind ``KvbmOffloadingConnector`` with
+    ``cpu_cache_keep``: the engine killed while it offloads leaves its host
+    slots in /dev/shm, the next takes up every recorded block and serves
+    its first prompts from them; bytes changed there while no engine ran
+    are caught and recomputed."""
+    if not os.path.isdir("/dev/shm"):
+        import pytest
+
+        pytest.skip("this host has no /dev/shm")
+    extra = {"cpu_cache_gb": 64 * BLOCK_BYTES / GIB, "cpu_cache_keep": True, "admission": "all"}
+    with kept_g2_removed() as (base, before):
+        first = _run(tiny_hybrid_model, tmp_path, extra, kill=True, spec=True)
+        assert first["stats"]["stored"] >= 8, first["stats"]
+        kept = [d for d in base.iterdir() if d not in before and d.name.startswith("kept-") and d.is_dir()]
+        assert len(kept) == 1 and kept[0].name.endswith("-rank0"), kept
+        slots = _kept_slots(kept[0])
+        assert len(slots) >= 8, slots
+
+        second = _run(tiny_hybrid_model, tmp_path, extra, spec=True)
+        s = second["stats"]
+        assert s["recovered_host"] == s["recovered"] == len(slots), (s, slots)
+        assert second["outputs"] == first["outputs"]
+        assert s["loaded"] >= 4 and s["loaded_from_disk"] == 0 and s["damaged"] == 0, s
+
+        slots = _kept_slots(kept[0])
+        identity = (kept[0] / "identity").read_text()
+        stride = int(next(line for line in identity.splitlines() if line.startswith("inner: ")).split()[1])
+        _damage(kept[0], slots, stride)
+        third = _run(tiny_hybrid_model, tmp_path, extra, spec=True)
+        t = third["stats"]
+        assert t["recovered"] == len(slots), (t, slots)
+        assert third["outputs"] == first["outputs"]
+        assert t["damaged"] >= 1, t

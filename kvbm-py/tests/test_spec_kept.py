@@ -1,4 +1,4 @@
-"""The disk tier behind vLLM's offloading connector, kept across a restart:
+"""The tiers behind vLLM's offloading connector, kept across a restart:
 driven through vLLM's real Scheduler and worker-side connector (the
 harness's fabricated forward writes each block's pattern), with the
 ranks' reports handed to the scheduler as vLLM's engine core hands them
@@ -23,12 +23,13 @@ KEPT = {
 }
 
 
-def _start(tmp_path, model_dir):
-    """A harness over the kept disk tier in `tmp_path`, and what its worker
-    found there, handed to its scheduler as the engine core hands it."""
+def _start(tmp_path, model_dir, **more):
+    """A harness over the kept disk tier in `tmp_path` (and `more` config),
+    and what its worker found there, handed to its scheduler as the engine
+    core hands it."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    extra = {**KEPT, "disk_cache_dir": str(tmp_path / "g3")}
+    extra = {**KEPT, "disk_cache_dir": str(tmp_path / "g3"), **more}
     h = build(tmp_path, extra, kv_events=True, connector="KvbmOffloadingConnector", model_dir=model_dir)
     found = get_kv_transfer_group().get_handshake_metadata()
     h.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): found})
@@ -77,6 +78,8 @@ def test_a_restarted_engine_serves_its_kept_disk_tier_and_a_reset_empties_it(tmp
 
     a, found = _start(tmp_path, model_dir)
     try:
+        assert found is not None and found.host is None
+        found = found.disk
         assert found is not None and found.blocks == b"" and found.started_fresh is not None
         # One after another: each store finds the slots the last one filled
         # ready, and moves their blocks to disk.
@@ -98,6 +101,7 @@ def test_a_restarted_engine_serves_its_kept_disk_tier_and_a_reset_empties_it(tmp
     b, found = _start(tmp_path, model_dir)
     try:
         manager = b.connector.connector_scheduler.manager
+        found = found.disk
         assert found is not None and found.started_fresh is None
         kept = len(found.blocks) // KEPT_ENTRY_BYTES
         assert manager.stats["recovered"] == kept > 0
@@ -115,7 +119,7 @@ def test_a_restarted_engine_serves_its_kept_disk_tier_and_a_reset_empties_it(tmp
 
     c, found = _start(tmp_path, model_dir)
     try:
-        assert found is not None and found.blocks == b"", found
+        assert found is not None and found.disk is not None and found.disk.blocks == b"", found
         assert c.connector.connector_scheduler.manager.stats["recovered"] == 0
     finally:
         _stop(c)
@@ -125,7 +129,7 @@ def test_blocks_not_every_rank_holds_are_left_out(tmp_path):
     from vllm.v1.kv_offload.base import make_offload_key
 
     from kvbm_py import InvalidArgumentError, _kvbm
-    from kvbm_py.vllm.offload_kept import KeptG3Found, KeptNames, common_blocks, reports_of
+    from kvbm_py.vllm.offload_kept import KeptFound, KeptNames, KeptTier, common_blocks, reports_of
 
     key = [make_offload_key(bytes([n]) * 32, 0) for n in range(4)]
     k = [_kvbm.OffloadBooks.key(x) for x in key]
@@ -133,15 +137,18 @@ def test_blocks_not_every_rank_holds_are_left_out(tmp_path):
     def packed(*entries: tuple[int, int]) -> bytes:
         return b"".join(struct.pack("<IQ", slot, kvbm) for slot, kvbm in entries)
 
-    rank0 = KeptG3Found(str(tmp_path / "r0"), packed((2, k[2]), (0, k[0]), (1, k[1])), 1, None)
-    rank1 = KeptG3Found(str(tmp_path / "r1"), packed((0, k[0]), (1, k[3]), (2, k[2])), 0, None)
+    rank0 = KeptTier(str(tmp_path / "r0"), packed((2, k[2]), (0, k[0]), (1, k[1])), 1, None)
+    rank1 = KeptTier(str(tmp_path / "r1"), packed((0, k[0]), (1, k[3]), (2, k[2])), 0, None)
     blocks, rejected = common_blocks([rank0, rank1])
     assert blocks == packed((0, k[0]), (2, k[2]))
     # One torn record, and slot 1 names two blocks.
     assert rejected == 1 + 2
     # Rank 0's report comes first whatever order vLLM hands them in.
-    assert reports_of({1: rank1, 0: rank0}, 2) == ([rank0, rank1], "")
-    reports, why = reports_of({0: rank0, 1: None}, 2)
+    found = {1: KeptFound(host=None, disk=rank1), 0: KeptFound(host=rank0, disk=rank0)}
+    assert reports_of(found, 2, "disk") == ([rank0, rank1], "")
+    reports, why = reports_of(found, 2, "host")
+    assert reports == [] and "1 of 2 ranks reported a kept host tier" in why
+    reports, why = reports_of({0: found[0], 1: None}, 2, "disk")
     assert reports == [] and "1 of 2" in why
     with pytest.raises(InvalidArgumentError, match="whole 12-byte entries"):
         _kvbm.kept_common([b"\0" * 13])
@@ -196,9 +203,62 @@ def test_vllms_own_connector_name_keeps_no_disk_tier(tmp_path, monkeypatch):
     assert not [p for p in (tmp_path / "g3").iterdir() if p.name.startswith("kept-")]
 
 
-@pytest.mark.parametrize("key", ["cpu_cache_keep"])
-def test_a_kept_host_tier_is_refused_with_why(tmp_path, key):
-    from kvbm_py import InvalidArgumentError
+def test_a_restarted_engine_serves_its_kept_host_tier_and_a_reset_empties_it(tmp_path, monkeypatch):
+    """With ``cpu_cache_keep`` the host slots live in ``/dev/shm``: a
+    restarted engine takes up what every rank's host records name (before
+    its disk tier), announces it, and loads it byte for byte; blocks moved
+    to disk come back from there; a reset empties both."""
+    from vllm.v1.kv_offload.base import Medium
 
-    with pytest.raises(InvalidArgumentError, match="KvbmConnector keeps both"):
-        build(tmp_path, {**KEPT, key: True}, connector="KvbmOffloadingConnector")
+    from conftest import kept_g2_removed
+    from kvbm_py.vllm.offload_kept import KEPT_ENTRY_BYTES
+
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    model_dir = str(tmp_path / "model")
+    rng = random.Random(5)
+    prompts = {f"p{i}": [rng.randrange(1, 1000) for _ in range(4 * BLOCK + 3)] for i in range(4)}
+    # A host tier of six blocks: the last prompts stay there, the first
+    # ones move to disk.
+    more = {"cpu_cache_keep": True, "cpu_cache_gb": 6.5 * BLOCK_BYTES / 2**30}
+    with kept_g2_removed():
+        a, found = _start(tmp_path, model_dir, **more)
+        try:
+            assert found is not None and found.host is not None and found.disk is not None
+            assert found.host.blocks == b"" and found.host.started_fresh is not None
+            assert found.host.directory.startswith("/dev/shm") or not __import__("os").path.isdir("/dev/shm")
+            for rid, prompt in prompts.items():
+                _run(a, {rid: prompt})
+            stats = a.connector.connector_scheduler.manager.stats
+            assert stats["stored"] > 6 and stats["demoted"] > 0, stats
+        finally:
+            _stop(a)
+
+        b, found = _start(tmp_path, model_dir, **more)
+        try:
+            manager = b.connector.connector_scheduler.manager
+            assert found is not None and found.host is not None and found.host.started_fresh is None
+            host = len(found.host.blocks) // KEPT_ENTRY_BYTES
+            assert manager.stats["recovered_host"] == host > 0, manager.stats
+            assert manager.stats["recovered"] > host, manager.stats
+            # The blocks found in the host tier are announced as there.
+            announced = [e for e in manager.take_events() if e.medium == Medium.CPU and not e.removed]
+            assert sum(len(e.keys) for e in announced) == host
+            # The last prompt's blocks come back from the host tier, byte
+            # for byte (read from memory the last engine wrote), the first
+            # one's from disk.
+            _ready(b, "last", prompts["p3"])
+            loaded = manager.stats["loaded"] - manager.stats["loaded_from_disk"]
+            assert loaded > 0, manager.stats
+            _ready(b, "first", prompts["p0"])
+            assert manager.stats["loaded_from_disk"] > 0, manager.stats
+            assert b.sched.reset_prefix_cache(reset_connector=True)
+            _run(b, {"short": [5] * (BLOCK - 1)})
+        finally:
+            _stop(b)
+
+        c, found = _start(tmp_path, model_dir, **more)
+        try:
+            assert found is not None and found.host is not None and found.host.blocks == b"", found
+            assert c.connector.connector_scheduler.manager.stats["recovered"] == 0
+        finally:
+            _stop(c)

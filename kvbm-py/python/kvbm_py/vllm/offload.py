@@ -17,7 +17,8 @@ prefix every group can serve) and asks a pluggable *spec* for the rest:
   and that rank's slots, pinned next to a GPU, and that rank's file of
   disk slots, with a checksum of every slot in verify mode. The disk tier
   is kept across restarts (``disk_cache_keep``, on by default, with
-  ``PYTHONHASHSEED`` set): a restarted engine serves what it held (see
+  ``PYTHONHASHSEED`` set), and with ``cpu_cache_keep`` the host tier too:
+  a restarted engine serves what it held (see
   :mod:`kvbm_py.vllm.offload_kept`).
 
 Turn it on with::
@@ -33,8 +34,8 @@ engine recomputes the request (with ``kv_load_failure_policy:
 "recompute"``), and its keys are never loaded again. vLLM's own name works too
 (``"kv_connector": "OffloadingConnector"`` with ``"spec_name": "kvbm"``),
 but vLLM 0.32's connector takes no failed job: there a failed load stops
-the engine rather than serve wrong bytes; and its disk tier starts empty
-with each engine (the ranks' reports of a kept disk tier reach only
+the engine rather than serve wrong bytes; and its tiers start empty
+with each engine (the ranks' reports of kept tiers reach only
 ``KvbmOffloadingConnector``).
 """
 
@@ -69,8 +70,9 @@ from kvbm_py.vllm.common import log as logger
 from kvbm_py.vllm.offload_g4 import G4Lookups, connect, g4_identity, lookup_stats
 from kvbm_py.vllm.offload_kept import (
     KEPT_ENTRY_BYTES,
-    KeptG3Found,
+    KeptFound,
     KeptNames,
+    KeptTier,
     common_blocks,
     kept_identity,
     reports_of,
@@ -98,15 +100,14 @@ VLLM_KEYS = frozenset(
 )
 
 #: Set in the extra config by :class:`KvbmOffloadingConnector`, the one
-#: route whose scheduler takes up a kept disk tier (vLLM's own
-#: ``OffloadingConnector`` hands it no report of one).
+#: route whose scheduler takes up kept tiers (vLLM's own
+#: ``OffloadingConnector`` hands it no report of them).
 TAKES_UP_KEPT = "kvbm_takes_up_kept"
 
 #: kvbm keys this route does not serve, with why.
 NOT_ON_THIS_ROUTE = {
     "offload": "vLLM's offloading connector decides when blocks are stored",
     "load_async": "vLLM's offloading connector always loads asynchronously",
-    "cpu_cache_keep": "its host tier starts empty with each engine (its disk tier is kept); KvbmConnector keeps both",
 }
 
 #: Bytes a disk slot is padded to (a block moves to or from disk in one
@@ -168,18 +169,22 @@ class KvbmOffloadingSpec(OffloadingSpec):
                 raise InvalidArgumentError(
                     f"kvbm: disk_cache_gb={self.kvbm.disk_cache_gb:g} GiB per worker holds no block of {padded} bytes"
                 )
-        #: The identity the disk tier is kept across restarts under (None:
-        #: it starts empty with each engine, for ``not_kept_why``).
+        #: The identity the kept tiers are kept across restarts under (None:
+        #: every tier starts empty with each engine, for ``not_kept_why``),
+        #: and which tiers are kept.
         self.kept_identity: str | None = None
         self.not_kept_why = ""
-        if self.disk_slots and self.kvbm.disk_cache_keep:
+        if (self.disk_slots and self.kvbm.disk_cache_keep) or self.kvbm.cpu_cache_keep:
             if self.extra_config.get(TAKES_UP_KEPT):
                 self.kept_identity, self.not_kept_why = kept_identity(config)
             else:
                 self.not_kept_why = (
-                    "vLLM's own OffloadingConnector hands kvbm no report of a kept disk tier; "
-                    "use KvbmOffloadingConnector to keep it"
+                    "vLLM's own OffloadingConnector hands kvbm no report of kept tiers; "
+                    "use KvbmOffloadingConnector to keep them"
                 )
+        kept = self.kept_identity is not None
+        self.keeps_disk = kept and bool(self.disk_slots) and self.kvbm.disk_cache_keep
+        self.keeps_host = kept and self.kvbm.cpu_cache_keep
         self._manager: KvbmOffloadingManager | None = None
         self._worker: KvbmOffloadingWorker | None = None
 
@@ -239,18 +244,23 @@ class KvbmOffloadingManager(OffloadingManager):
             "evicted": 0,
             "damaged": 0,
             "recovered": 0,
+            "recovered_host": 0,
             "recovered_rejected": 0,
             "loaded_per_group": {},
         }
-        #: Ranks of the engine (each reports its kept disk tier).
+        #: Ranks of the engine (each reports its kept tiers).
         self.world = max(1, spec.config.parallel.world_size)
-        #: The offload keys of the blocks on a kept disk tier (None: the
-        #: disk tier is not kept), and whether the ranks must empty their
-        #: records with the next step (the cache was reset).
+        #: The offload keys of the blocks on a kept disk tier and in a kept
+        #: host tier (None: that tier is not kept), and whether the ranks
+        #: must empty their records with the next step (the cache was
+        #: reset).
         self.kept_names: KeptNames | None = None
+        self.kept_host_names: KeptNames | None = None
         self._forget_kept = False
-        self._disk_slots = spec.disk_slots
-        #: The file the use history is kept in beside a kept disk tier.
+        self._disk_slots, self._host_slots = spec.disk_slots, spec.slots
+        #: Whether stores name their blocks for a kept host tier's records.
+        self._keep_host = spec.keeps_host
+        #: The file the use history is kept in beside the kept tiers.
         self._history_path = spec.kvbm.kept_history_path(spec.kept_identity) if spec.kept_identity else None
         self._stats_delta = StatsDelta()
         #: Keys moving to disk with each store job's keys (by the first
@@ -409,8 +419,10 @@ class KvbmOffloadingManager(OffloadingManager):
         placed, demote, evicted, refused, full, vacated = self.books.reserve(keys)
         leaving = self._vacated(vacated)
         to_store = [keys[i] for i, _ in placed]
-        for key in to_store:
-            self.names[_kvbm.OffloadBooks.key(key)] = key
+        kvbm_keys = [_kvbm.OffloadBooks.key(key) for key in to_store]
+        self.names.update(zip(kvbm_keys, to_store, strict=True))
+        if self.kept_host_names is not None and to_store:
+            self._name_host(list(zip(kvbm_keys, to_store, strict=True)))
         evicted_keys = [self.names[k] for k in evicted if k in self.names]
         demoted = self._evict(evicted, demote)
         if demoted and to_store:
@@ -424,6 +436,7 @@ class KvbmOffloadingManager(OffloadingManager):
             demote=self._moves(demote),
             publish=to_store if self.publish == "admissions" else None,
             publish_first=leaving,
+            keys=kvbm_keys if self._keep_host else None,
         )
         return PrepareStoreOutput(keys_to_store=to_store, store_spec=spec, evicted_keys=evicted_keys)
 
@@ -461,40 +474,70 @@ class KvbmOffloadingManager(OffloadingManager):
             held.update(self.books.key(k) for keys in self._demoting.values() for k in keys)
             self.kept_names.rewrite({k: self.names[k] for k in held if k in self.names})
 
-    def restore_kept(self, found: Mapping[Any, KeptG3Found | None]) -> None:
-        """Takes up the blocks every rank's kept disk tier holds in the
-        same slot, reported by the ranks' workers at start (see
-        :mod:`kvbm_py.vllm.offload_kept`); call it before the first
-        request."""
-        reports, why = reports_of(found, self.world)
-        if not reports:
-            if any(f is not None for f in found.values()):
-                logger.warning("kvbm: the kept disk tier is not taken up: %s", why)
+    def _name_host(self, stored: list[tuple[int, bytes]]) -> None:
+        """Writes the names of blocks stored in the kept host tier; the
+        file is written anew with just the blocks in the host tier once it
+        holds many more entries than the tier has slots."""
+        assert self.kept_host_names is not None
+        self.kept_host_names.append(stored)
+        if self.kept_host_names.appended > 4 * self._host_slots + 1024:
+            self.kept_host_names.rewrite({k: n for k, n in self.names.items() if k not in self.on_disk})
+
+    def restore_kept(self, found: Mapping[Any, KeptFound | None]) -> None:
+        """Takes up the blocks every rank's kept tiers hold in the same
+        slot, reported by the ranks' workers at start (see
+        :mod:`kvbm_py.vllm.offload_kept`), host tier first; call it before
+        the first request."""
+        host, host_why = reports_of(found, self.world, "host")
+        disk, disk_why = reports_of(found, self.world, "disk")
+        for reports, why, tier in ((host, host_why, "host"), (disk, disk_why, "disk")):
+            if not reports and any(getattr(f, tier, None) is not None for f in found.values()):
+                logger.warning("kvbm: the kept %s tier is not taken up: %s", tier, why)
+        if not host and not disk:
             return
-        blocks, rejected = common_blocks(reports)
         remembered = 0
         if self._history_path is not None:
             # Before the blocks are registered: they rank by their past uses.
             remembered = self.books.keep_history(self._history_path)
-        taken = self.books.restore_disk(blocks)
-        self.kept_names = KeptNames(reports[0].directory, fresh=reports[0].started_fresh is not None)
-        known = self.kept_names.read()
+        if host:
+            self.kept_host_names = self._take_up(host, self.books.restore_host, on_disk=False)
+        if disk:
+            self.kept_names = self._take_up(disk, self.books.restore_disk, on_disk=True)
+        logger.info(
+            "kvbm: took up %d blocks of the kept tiers (%d left out; a use history of %d blocks)",
+            self.stats["recovered"],
+            self.stats["recovered_rejected"],
+            remembered,
+        )
+
+    def _take_up(self, reports: list[KeptTier], restore: Callable[[bytes], list[int]], on_disk: bool) -> KeptNames:
+        """Registers the blocks every rank's kept tier of ``reports`` holds
+        in the same slot (``restore``), names and announces those whose
+        offload keys rank 0's names file holds; returns that file."""
+        blocks, rejected = common_blocks(reports)
+        taken = restore(blocks)
+        names = KeptNames(reports[0].directory, fresh=reports[0].started_fresh is not None)
+        known = names.read()
         named = {k: OffloadKey(known[k]) for k in taken if k in known}
-        self.kept_names.rewrite(named)
+        names.rewrite(named)
         self.names.update(named)
-        self.on_disk.update(taken)
+        if on_disk:
+            self.on_disk.update(taken)
+        else:
+            self.stats["recovered_host"] += len(taken)
         self.stats["recovered"] += len(taken)
         self.stats["recovered_rejected"] += rejected + len(blocks) // KEPT_ENTRY_BYTES - len(taken)
         if self.events_on and named:
-            self._events.append(OffloadingEvent(keys=list(named.values()), medium=Medium.STORAGE, removed=False))
+            medium = Medium.STORAGE if on_disk else Medium.CPU
+            self._events.append(OffloadingEvent(keys=list(named.values()), medium=medium, removed=False))
         logger.info(
-            "kvbm: took up %d blocks of the kept disk tier (%d left out, %d without a name; "
-            "a use history of %d blocks)",
+            "kvbm: took up %d blocks of the kept %s tier in %s (%d without a name)",
             len(taken),
-            self.stats["recovered_rejected"],
+            "disk" if on_disk else "host",
+            reports[0].directory,
             len(taken) - len(named),
-            remembered,
         )
+        return names
 
     def take_forget_kept(self) -> bool:
         """Whether the ranks must empty their kept records with the next
@@ -556,10 +599,12 @@ class KvbmOffloadingManager(OffloadingManager):
         self._demoting.clear()
         self._fetching.clear()
         self.on_disk.clear()
-        if self.kept_names is not None:
-            # The ranks empty their records with the next step's metadata.
-            self._forget_kept = True
-            self.kept_names.rewrite({})
+        for names in (self.kept_names, self.kept_host_names):
+            if names is not None:
+                # The ranks empty their records with the next step's
+                # metadata.
+                self._forget_kept = True
+                names.rewrite({})
         if self.g4 is not None:
             self.g4.drop()
 
@@ -593,8 +638,9 @@ class KvbmOffloadingManager(OffloadingManager):
 
     def shutdown(self) -> None:
         self.names.clear()
-        if self.kept_names is not None:
-            self.kept_names.close()
+        for names in (self.kept_names, self.kept_host_names):
+            if names is not None:
+                names.close()
         self.books.close_history()
         if self.g4 is not None:
             self.g4.close()
@@ -637,17 +683,17 @@ class KvbmOffloadingConnector(OffloadingConnector):
         w = getattr(getattr(self, "connector_worker", None), "worker", None)
         return w if isinstance(w, KvbmOffloadingWorker) else None
 
-    def get_handshake_metadata(self) -> KeptG3Found | None:
-        """What this rank's kept disk tier held at start (None: it is not
-        kept): vLLM gathers every rank's and hands them to
+    def get_handshake_metadata(self) -> KeptFound | None:
+        """What this rank's kept tiers held at start (None: none is kept):
+        vLLM gathers every rank's and hands them to
         :meth:`set_xfer_handshake_metadata_pp_aware` before the first
         request."""
         w = self._kvbm_worker()
         return w.kept if w is not None else None
 
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
-        """The scheduler takes up the blocks of every rank's kept disk
-        tier."""
+        """The scheduler takes up the blocks of every rank's kept
+        tiers."""
         manager = getattr(self.connector_scheduler, "manager", None)
         if isinstance(manager, KvbmOffloadingManager):
             manager.restore_kept(metadata)

@@ -296,6 +296,8 @@ class G4Mover:
     def _fetch(self, job: int, blocks: Sequence[tuple[int, int, bytes]], start: Callable[[], None]) -> None:
         for group, items in _by_group(blocks).items():
             slots = [slot for slot, _ in items]
+            # A kept host tier's records of these slots go before the bytes.
+            self.pages.unrecord(slots)
             failed = self.client.get(
                 self.rank,
                 [key for _, key in items],

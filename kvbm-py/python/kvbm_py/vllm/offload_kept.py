@@ -1,22 +1,25 @@
-"""The disk tier behind vLLM's offloading connector, kept across restarts.
+"""The tiers behind vLLM's offloading connector, kept across restarts.
 
-Each rank's worker keeps its disk slots in a kept G3 directory (kvbm's
-records: a slot names a block only once its bytes landed, with their
-checksum, and every read from it is checked against that checksum). At
-start each worker reports what its records name (:class:`KeptG3Found`)
-through vLLM's connector handshake: the engine gathers the reports of
-every rank once the KV caches are registered, before the first request,
-and hands them to the scheduler's connector. The manager then takes up
-the blocks that every rank holds in the same slot; a block some rank
-lacks (an engine killed while the ranks moved it) is left out, and its
-slot is written again later, its records emptied first.
+Each rank's worker keeps its disk slots in a kept G3 directory and, with
+``cpu_cache_keep``, its host slots in a kept G2 directory in
+``/dev/shm`` (kvbm's records: a slot names a block only once its bytes
+landed, with their checksum, and every read from it is checked against
+that checksum). At start each worker reports what its records name
+(:class:`KeptFound`) through vLLM's connector handshake: the engine
+gathers the reports of every rank once the KV caches are registered,
+before the first request, and hands them to the scheduler's connector.
+The manager then takes up the blocks that every rank holds in the same
+slot, host tier first; a block some rank lacks (an engine killed while
+the ranks copied it) is left out, and its slot is written again later,
+its records emptied first.
 
 vLLM's events name a block by its offload key, which the records do not
 hold (they hold kvbm's 64-bit key). The manager writes the offload key of
-each block it moves to disk into a file beside rank 0's records
-(:class:`KeptNames`), so a restarted engine announces the blocks it found
-and, later, those it evicts. The file only names blocks: a block without
-a name is still served, and only its events are left out.
+each block it stores into a file beside rank 0's host records, and of
+each it moves to disk beside rank 0's disk records (:class:`KeptNames`),
+so a restarted engine announces the blocks it found and, later, those it
+evicts. The file only names blocks: a block without a name is still
+served, and only its events are left out.
 
 A reset of the engine's cache (``reset_prefix_cache`` with the connector)
 empties every rank's records too, after the copies submitted before it.
@@ -102,14 +105,23 @@ def kept_dir(config: KvbmConfig, identity: str, rank: int) -> str:
     return config.kept_g3_dir(identity, rank)
 
 
+def kept_host_dir(config: KvbmConfig, identity: str, rank: int) -> str:
+    """The kept host tier's directory of ``rank`` in ``/dev/shm`` (the
+    first free sibling is taken while another engine holds it), after the
+    kept host tiers of other identities that no engine uses were swept."""
+    sweep_foreign(config, identity, "G2")
+    return config.kept_g2_dir(identity, rank)
+
+
 @dataclasses.dataclass
-class KeptG3Found(KVConnectorHandshakeMetadata):
-    """What one rank's kept disk tier held when its worker opened it."""
+class KeptTier:
+    """What one rank's kept tier (host or disk) held when its worker
+    opened it."""
 
     #: The directory the worker opened.
     directory: str
-    #: ``(disk slot, kvbm key)`` of each block whose record is sound,
-    #: packed (see :func:`kvbm_py._kvbm.kept_common`).
+    #: ``(slot, kvbm key)`` of each block whose record is sound, packed
+    #: (see :func:`kvbm_py._kvbm.kept_common`).
     blocks: bytes
     #: Records that were torn or damaged.
     rejected: int
@@ -117,32 +129,45 @@ class KeptG3Found(KVConnectorHandshakeMetadata):
     started_fresh: str | None
 
     @classmethod
-    def of(cls, kept: tuple[str, bytes, int, str | None] | None) -> KeptG3Found | None:
-        """From ``PageWorker.kept()``."""
+    def of(cls, kept: tuple[str, bytes, int, str | None] | None) -> KeptTier | None:
+        """From ``PageWorker.kept()`` or ``PageWorker.kept_host()``."""
         return None if kept is None else cls(*kept)
 
 
-def common_blocks(found: Sequence[KeptG3Found]) -> tuple[bytes, int]:
+@dataclasses.dataclass
+class KeptFound(KVConnectorHandshakeMetadata):
+    """What one rank's kept tiers held when its worker opened them (None:
+    that tier is not kept)."""
+
+    #: The host tier (G2).
+    host: KeptTier | None
+    #: The disk tier (G3).
+    disk: KeptTier | None
+
+
+def common_blocks(found: Sequence[KeptTier]) -> tuple[bytes, int]:
     """The blocks every rank's report names, packed in slot order, and how
     many records were left out (torn, damaged, or not on every rank)."""
     common, partial = _kvbm.kept_common([f.blocks for f in found])
     return common, partial + sum(f.rejected for f in found)
 
 
-def reports_of(found: Mapping[Any, KeptG3Found | None], world: int) -> tuple[list[KeptG3Found], str]:
-    """Rank 0's report first and every other rank's, or ``([], why)`` when
-    they do not cover all ``world`` ranks (a rank without a kept disk tier:
-    nothing is taken up)."""
-    reports = [(rank, f) for rank, f in found.items() if isinstance(f, KeptG3Found)]
+def reports_of(found: Mapping[Any, KeptFound | None], world: int, tier: str) -> tuple[list[KeptTier], str]:
+    """Rank 0's report of its kept ``tier`` (``host`` or ``disk``) first
+    and every other rank's, or ``([], why)`` when they do not cover all
+    ``world`` ranks (a rank without that kept tier: nothing of it is taken
+    up)."""
+    reports = [(rank, getattr(f, tier)) for rank, f in found.items() if isinstance(f, KeptFound)]
+    reports = [(rank, r) for rank, r in reports if r is not None]
     if len(reports) != world:
-        return [], f"{len(reports)} of {world} ranks reported a kept disk tier"
+        return [], f"{len(reports)} of {world} ranks reported a kept {tier} tier"
     reports.sort(key=lambda rf: rf[0])
     return [f for _, f in reports], ""
 
 
 class KeptNames:
-    """The offload key of each block moved to a kept disk tier, appended
-    to a file beside rank 0's records: per block its kvbm key (8 bytes,
+    """The offload key of each block stored in a kept tier, appended to a
+    file beside rank 0's records: per block its kvbm key (8 bytes,
     little-endian), the key's length (1 byte) and the key. A torn last
     entry is ignored when read."""
 

@@ -25,7 +25,7 @@ from kvbm_py import InvalidArgumentError, _kvbm
 from kvbm_py.config import KvbmConfig
 from kvbm_py.vllm.common import log as logger
 from kvbm_py.vllm.offload_g4 import G4Mover, connect
-from kvbm_py.vllm.offload_kept import KeptG3Found, kept_dir
+from kvbm_py.vllm.offload_kept import KeptFound, KeptTier, kept_dir, kept_host_dir
 
 if TYPE_CHECKING:
     from kvbm_py.vllm.offload import KvbmOffloadingSpec
@@ -44,7 +44,9 @@ class KvbmSlots(BlockIDsLoadStoreSpec):
     ``broken`` when some block found no slot (the job fails, the request is
     recomputed); for a store, each block's offload key, to publish it once
     stored; for either, ``(group, slot, offload key)`` of the blocks leaving
-    the host tier, to publish before their slots are written."""
+    the host tier, to publish before their slots are written. For a
+    store into a kept host tier, each block's kvbm key (``keys``), which
+    its slot's record names once it landed."""
 
     def __init__(
         self,
@@ -56,6 +58,7 @@ class KvbmSlots(BlockIDsLoadStoreSpec):
         publish: Sequence[bytes] | None = None,
         broken: bool = False,
         publish_first: Sequence[tuple[int, int, bytes]] | None = None,
+        keys: list[int] | None = None,
     ):
         super().__init__(slots)
         self.groups = groups
@@ -65,6 +68,7 @@ class KvbmSlots(BlockIDsLoadStoreSpec):
         self.publish = list(publish or [])
         self.broken = broken
         self.publish_first = list(publish_first or [])
+        self.keys = keys
 
 
 class KvbmOffloadingWorker(OffloadingWorker):
@@ -80,12 +84,17 @@ class KvbmOffloadingWorker(OffloadingWorker):
             )
         rank = spec.config.parallel.rank
         disk_dir = None
-        if spec.disk_slots and spec.kept_identity is not None:
+        if spec.keeps_disk and spec.kept_identity is not None:
             disk_dir = kept_dir(spec.kvbm, spec.kept_identity, rank)
         elif spec.disk_slots:
             if spec.not_kept_why:
                 logger.warning("kvbm: the disk tier starts empty with each engine: %s", spec.not_kept_why)
             disk_dir = _disk_dir(spec.kvbm)
+        host_kept = None
+        if spec.keeps_host and spec.kept_identity is not None:
+            host_kept = (kept_host_dir(spec.kvbm, spec.kept_identity, rank), spec.kept_identity)
+        elif spec.kvbm.cpu_cache_keep and spec.not_kept_why:
+            logger.warning("kvbm: the host tier starts empty with each engine: %s", spec.not_kept_why)
         self.pages = _kvbm.PageWorker(
             groups,
             num_blocks,
@@ -95,19 +104,25 @@ class KvbmOffloadingWorker(OffloadingWorker):
             disk_dir=disk_dir,
             disk_slots=spec.disk_slots,
             sum_tail=spec.g4 is not None,
-            disk_kept=spec.kept_identity if spec.disk_slots else None,
+            disk_kept=spec.kept_identity if spec.keeps_disk else None,
+            host_kept=host_kept,
         )
-        #: What this rank's kept disk tier held at start, for the manager
-        #: (None: the disk tier is not kept).
-        self.kept = KeptG3Found.of(self.pages.kept())
-        if self.kept is not None:
-            logger.info(
-                "kvbm: rank %d's disk tier in %s holds %d blocks (%s)",
-                rank,
-                self.kept.directory,
-                len(self.kept.blocks),
-                self.kept.started_fresh or "reopened",
-            )
+        #: What this rank's kept tiers held at start, for the manager
+        #: (None: no tier is kept).
+        self.kept: KeptFound | None = None
+        host, disk = KeptTier.of(self.pages.kept_host()), KeptTier.of(self.pages.kept())
+        if host is not None or disk is not None:
+            self.kept = KeptFound(host=host, disk=disk)
+        for tier, found in (("host", host), ("disk", disk)):
+            if found is not None:
+                logger.info(
+                    "kvbm: rank %d's %s tier in %s holds %d blocks (%s)",
+                    rank,
+                    tier,
+                    found.directory,
+                    len(found.blocks) // _kvbm.KEPT_ENTRY_BYTES,
+                    found.started_fresh or "reopened",
+                )
         #: Bytes of a slot, and of the largest group's block (a slot holds
         #: one block of any group).
         self.slot_bytes, self.widest_block = spec.slot_bytes, widest
@@ -168,9 +183,9 @@ class KvbmOffloadingWorker(OffloadingWorker):
             self.g4.publish(dst_spec.publish_first)
         if self.g4 is not None and self.g4.busy(slot for _, _, slot in copies):
             # A put to G4 still reads one of the slots: the copy waits for it.
-            self.g4.after_puts(job_id, lambda: self.pages.store(job_id, copies, dst_spec.demote))
+            self.g4.after_puts(job_id, lambda: self.pages.store(job_id, copies, dst_spec.demote, dst_spec.keys))
         else:
-            self.pages.store(job_id, copies, dst_spec.demote)
+            self.pages.store(job_id, copies, dst_spec.demote, dst_spec.keys)
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
