@@ -189,6 +189,19 @@ impl KeyLookup {
     }
 }
 
+/// Unpacks `(slot, kvbm key)` entries (see `kept_common`), takes them up
+/// with `take` and returns the keys taken up.
+fn restore(
+    blocks: &[u8],
+    take: impl FnOnce(&[(u32, SequenceHash)]) -> Vec<(u32, SequenceHash)>,
+) -> PyResult<Vec<u64>> {
+    let blocks: Vec<(u32, SequenceHash)> = crate::kept::unpack_kept(blocks)?
+        .into_iter()
+        .map(|(s, k)| (s, SequenceHash(k)))
+        .collect();
+    Ok(take(&blocks).into_iter().map(|(_, k)| k.0).collect())
+}
+
 #[pymethods]
 impl OffloadBooks {
     /// Books for `slots` host slots and `disk_slots` disk slots behind
@@ -369,17 +382,7 @@ impl OffloadBooks {
     /// (not a slot or key listed twice, nor a slot beyond the tier). Call
     /// it before the first store.
     fn restore_disk(&self, blocks: &[u8]) -> PyResult<Vec<u64>> {
-        let blocks: Vec<(u32, SequenceHash)> = crate::kept::unpack_kept(blocks)?
-            .into_iter()
-            .map(|(s, k)| (s, SequenceHash(k)))
-            .collect();
-        Ok(self
-            .books
-            .ledger
-            .restore_disk(&blocks)
-            .into_iter()
-            .map(|(_, k)| k.0)
-            .collect())
+        restore(blocks, |b| self.books.ledger.restore_disk(b))
     }
 
     /// Takes up the blocks a host tier kept across a restart holds, as
@@ -387,17 +390,7 @@ impl OffloadBooks {
     /// `PageWorker.kept_host` gives them). Call it before `restore_disk`: a
     /// key both tiers hold is served from the host tier.
     fn restore_host(&self, blocks: &[u8]) -> PyResult<Vec<u64>> {
-        let blocks: Vec<(u32, SequenceHash)> = crate::kept::unpack_kept(blocks)?
-            .into_iter()
-            .map(|(s, k)| (s, SequenceHash(k)))
-            .collect();
-        Ok(self
-            .books
-            .ledger
-            .restore_host(&blocks)
-            .into_iter()
-            .map(|(_, k)| k.0)
-            .collect())
+        restore(blocks, |b| self.books.ledger.restore_host(b))
     }
 
     /// Keeps the use history in the file `path` beside a kept disk tier:

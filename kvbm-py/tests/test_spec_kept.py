@@ -186,20 +186,27 @@ def test_the_disk_tier_is_not_kept_without_a_fixed_hash_seed(tmp_path, monkeypat
         _stop(h)
 
 
-def test_vllms_own_connector_name_keeps_no_disk_tier(tmp_path, monkeypatch):
+def test_vllms_own_connector_name_keeps_no_tier(tmp_path, monkeypatch):
     """Behind vLLM's own ``OffloadingConnector`` (``"spec_name": "kvbm"``)
-    nothing takes a kept disk tier up, so none is kept: the worker's G3 is
-    a file of its own, removed at exit."""
+    nothing takes kept tiers up, so none is kept: the worker's G3 is a file
+    of its own, removed at exit, and its G2 is plain memory."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
+    from conftest import kept_g2_removed
+    from kvbm_py.vllm.plugin import register_spec
+
+    # What the wheel's vLLM plugin does in an engine.
+    register_spec()
     monkeypatch.setenv("PYTHONHASHSEED", "0")
-    extra = {**KEPT, "disk_cache_dir": str(tmp_path / "g3"), "spec_name": "kvbm"}
-    h = build(tmp_path, extra, connector="OffloadingConnector")
-    try:
-        worker = get_kv_transfer_group().connector_worker.worker
-        assert worker.kept is None and worker.pages.kept() is None
-    finally:
-        _stop(h)
+    extra = {**KEPT, "disk_cache_dir": str(tmp_path / "g3"), "spec_name": "kvbm", "cpu_cache_keep": True}
+    with kept_g2_removed() as (base, before):
+        h = build(tmp_path, extra, connector="OffloadingConnector")
+        try:
+            worker = get_kv_transfer_group().connector_worker.worker
+            assert worker.kept is None and worker.pages.kept() is None and worker.pages.kept_host() is None
+        finally:
+            _stop(h)
+        assert not (set(base.iterdir()) if base.is_dir() else set()) - before
     assert not [p for p in (tmp_path / "g3").iterdir() if p.name.startswith("kept-")]
 
 

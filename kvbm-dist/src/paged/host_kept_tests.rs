@@ -4,7 +4,9 @@
 
 use std::sync::Arc;
 
-use super::tests::{Engine, HYBRID, engine, page, settled_clean, sorted, zeroed};
+use super::tests::{
+    Engine, HYBRID, assert_same_pages, engine, page, settled_clean, sorted, zeroed,
+};
 use super::*;
 use crate::kept::tests::memory_dir;
 
@@ -85,14 +87,7 @@ fn a_kept_g2_is_found_again_after_a_restart_byte_for_byte() {
         .collect();
     b.load(9, loads.clone()).unwrap();
     settled_clean(&b, 9);
-    for c in &loads {
-        for l in 0..e.groups[c.group].layers.len() {
-            assert_eq!(
-                page(&e2, c.group, l, c.block),
-                page(&e, c.group, l, c.block)
-            );
-        }
-    }
+    assert_same_pages(&e2, &e, &loads);
     // A slot nothing was recorded in is never served.
     b.load(10, vec![PageCopy::g2(0, 3, 2)]).unwrap();
     b.wait(&[10]);

@@ -477,6 +477,21 @@ fn store_and_move(w: &PagedWorker, blocks: &[usize], to: impl Fn(usize) -> usize
     settled_clean(w, job + 1);
 }
 
+/// Every page the copies name holds the same bytes in `a` as in `b`.
+pub(super) fn assert_same_pages(a: &Engine, b: &Engine, copies: &[PageCopy]) {
+    for c in copies {
+        for l in 0..a.groups[c.group].layers.len() {
+            assert_eq!(
+                page(a, c.group, l, c.block),
+                page(b, c.group, l, c.block),
+                "group {} block {} layer {l}",
+                c.group,
+                c.block
+            );
+        }
+    }
+}
+
 pub(super) fn sorted(mut blocks: Vec<(u32, u64)>) -> Vec<(u32, u64)> {
     blocks.sort_unstable();
     blocks
@@ -517,14 +532,7 @@ fn a_kept_g3_is_found_again_after_a_restart_byte_for_byte() {
         .collect();
     b.load(9, loads.clone()).unwrap();
     settled_clean(&b, 9);
-    for c in &loads {
-        for l in 0..e.groups[c.group].layers.len() {
-            assert_eq!(
-                page(&e2, c.group, l, c.block),
-                page(&e, c.group, l, c.block)
-            );
-        }
-    }
+    assert_same_pages(&e2, &e, &loads);
     // While B holds the directory another engine of the same identity
     // gets a directory of its own.
     let other = kept_worker(&e2, blocks, &kept, "model a");
