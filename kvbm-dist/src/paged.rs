@@ -29,21 +29,20 @@
 //! G3 slots, and a load can read blocks held in G3. Slots are then padded
 //! to the disk alignment, so a block moves to or from disk in one
 //! `O_DIRECT` request. A G3 kept across restarts ([`PagedDisk::kept`]) is
-//! a [`KeptStore`](crate::kept::KeptStore): every block moved there is
-//! recorded with its checksum once it landed, a restarted worker reports
-//! the blocks it found ([`PagedWorker::kept`]) for the books to take up,
-//! and every read from it is checked against its checksum.
+//! a [`KeptStore`]: every block moved there is recorded with its checksum
+//! once it landed, a restarted worker reports the blocks it found
+//! ([`PagedWorker::kept`]) for the books to take up, and every read from
+//! it is checked against its checksum.
 //!
 //! **Kept G2.** With [`PagedConfig::host_keep`] the slots live in a file
 //! of a memory-backed file system (`/dev/shm`), mapped into the worker
 //! (and pinned in place beside a GPU), with a record per slot
-//! ([`KeptStore`](crate::kept::KeptStore)): a store empties its slots'
-//! records before its copies start and names each block with the sum of
-//! its bytes once they landed, a block that arrives from outside (G4)
-//! leaves its slot unrecorded, and every load checks its slot's sum. A
-//! restarted worker reports the blocks its records name
-//! ([`PagedWorker::kept_host`]); they outlive the engine process, not a
-//! reboot.
+//! ([`KeptStore`]): a store empties its slots' records before its copies
+//! start and names each block with the sum of its bytes once they landed,
+//! a block that arrives from outside (G4) leaves its slot unrecorded, and
+//! every load checks its slot's sum. A restarted worker reports the
+//! blocks its records name ([`PagedWorker::kept_host`]); they outlive the
+//! engine process, not a reboot.
 //!
 //! **G4.** A store that engines share moves blocks in and out of G2's
 //! slots itself, each with its checksum right after it; the worker hands

@@ -163,3 +163,105 @@ fn a_kept_g2_slot_changed_at_rest_is_refused() {
         assert!(page(&e2, 1, l, 1).iter().all(|&x| x == 0));
     }
 }
+
+/// One step of the kept G2's model test.
+#[derive(Debug, Clone)]
+enum HostStep {
+    /// Engine block `block` stored into slot `slot` under its key, or
+    /// without one.
+    Store {
+        block: usize,
+        slot: usize,
+        keyed: bool,
+    },
+    /// Something outside the worker is about to write `slot` (a G4 fetch).
+    Unrecord { slot: usize },
+    /// The cache reset.
+    Forget,
+    /// The worker dropped and opened again.
+    Restart,
+}
+
+fn host_step(blocks: usize) -> impl proptest::strategy::Strategy<Value = HostStep> {
+    use proptest::prelude::*;
+    prop_oneof![
+        6 => (0..blocks, 0..blocks, proptest::bool::weighted(0.85))
+            .prop_map(|(block, slot, keyed)| HostStep::Store { block, slot, keyed }),
+        1 => (0..blocks).prop_map(|slot| HostStep::Unrecord { slot }),
+        1 => Just(HostStep::Forget),
+        2 => Just(HostStep::Restart),
+    ]
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
+
+    /// After any run of stores (keyed or not), slots given to the outside,
+    /// resets and restarts, a reopened kept G2 names exactly the last
+    /// block stored under a key into each slot since it was last reset,
+    /// written without a key or given to the outside, and each of them
+    /// loads byte for byte.
+    #[test]
+    fn a_reopened_kept_g2_names_the_last_keyed_block_stored_in_each_slot(
+        steps in proptest::collection::vec(host_step(5), 1..20)
+    ) {
+        let blocks = 5;
+        let dir = memory_dir();
+        let kept = dir.path().join("g2");
+        let e = engine(&HYBRID, blocks);
+        let mut model: std::collections::BTreeMap<u32, u64> = Default::default();
+        let mut w = Some(host_kept_worker(&e, blocks, &kept, "m", None));
+        let mut job = 1;
+        for step in steps.into_iter().chain([HostStep::Restart]) {
+            let worker = w.as_ref().unwrap();
+            match step {
+                HostStep::Store { block, slot, keyed } => {
+                    let copy = PageCopy::g2(block % 3, block, slot);
+                    let copy = if keyed { copy.keyed(100 + block as u64) } else { copy };
+                    worker.store(job, vec![copy], vec![]).unwrap();
+                    settled_clean(worker, job);
+                    job += 1;
+                    if keyed {
+                        model.insert(slot as u32, 100 + block as u64);
+                    } else {
+                        model.remove(&(slot as u32));
+                    }
+                }
+                HostStep::Unrecord { slot } => {
+                    worker.unrecord(&[slot]).unwrap();
+                    model.remove(&(slot as u32));
+                }
+                HostStep::Forget => {
+                    worker.forget_kept().unwrap();
+                    model.clear();
+                }
+                HostStep::Restart => {
+                    drop(w.take());
+                    let e2 = zeroed(blocks);
+                    let r = host_kept_worker(&e2, blocks, &kept, "m", None);
+                    let want: Vec<(u32, u64)> = model.iter().map(|(&s, &k)| (s, k)).collect();
+                    proptest::prop_assert_eq!(found(&r), want);
+                    // One load per engine block (a block stored twice is
+                    // loaded from one of its slots).
+                    let mut seen = std::collections::HashSet::new();
+                    let loads: Vec<PageCopy> = model
+                        .iter()
+                        .map(|(&slot, &key)| {
+                            let b = (key - 100) as usize;
+                            PageCopy::g2(b % 3, b, slot as usize)
+                        })
+                        .filter(|c| seen.insert(c.block))
+                        .collect();
+                    r.load(job, loads.clone()).unwrap();
+                    settled_clean(&r, job);
+                    job += 1;
+                    for c in &loads {
+                        proptest::prop_assert_eq!(page(&e2, c.group, 0, c.block), page(&e, c.group, 0, c.block));
+                    }
+                    drop(r);
+                    w = Some(host_kept_worker(&e, blocks, &kept, "m", None));
+                }
+            }
+        }
+    }
+}
