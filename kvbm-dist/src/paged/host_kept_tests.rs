@@ -5,7 +5,8 @@
 use std::sync::Arc;
 
 use super::tests::{
-    Engine, HYBRID, assert_same_pages, engine, page, settled_clean, sorted, zeroed,
+    Engine, HYBRID, assert_same_pages, engine, load_and_compare, page, settled_clean, sorted,
+    zeroed,
 };
 use super::*;
 use crate::kept::tests::memory_dir;
@@ -241,23 +242,8 @@ proptest::proptest! {
                     let r = host_kept_worker(&e2, blocks, &kept, "m", None);
                     let want: Vec<(u32, u64)> = model.iter().map(|(&s, &k)| (s, k)).collect();
                     proptest::prop_assert_eq!(found(&r), want);
-                    // One load per engine block (a block stored twice is
-                    // loaded from one of its slots).
-                    let mut seen = std::collections::HashSet::new();
-                    let loads: Vec<PageCopy> = model
-                        .iter()
-                        .map(|(&slot, &key)| {
-                            let b = (key - 100) as usize;
-                            PageCopy::g2(b % 3, b, slot as usize)
-                        })
-                        .filter(|c| seen.insert(c.block))
-                        .collect();
-                    r.load(job, loads.clone()).unwrap();
-                    settled_clean(&r, job);
+                    load_and_compare(&r, &model, false, job, &e2, &e)?;
                     job += 1;
-                    for c in &loads {
-                        proptest::prop_assert_eq!(page(&e2, c.group, 0, c.block), page(&e, c.group, 0, c.block));
-                    }
                     drop(r);
                     w = Some(host_kept_worker(&e, blocks, &kept, "m", None));
                 }

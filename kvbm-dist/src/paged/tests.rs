@@ -492,6 +492,39 @@ pub(super) fn assert_same_pages(a: &Engine, b: &Engine, copies: &[PageCopy]) {
     }
 }
 
+/// Loads, as job `job` of `w`, one block per engine block the model
+/// names (`slot → key`, key `100 + block`; a block in two slots is loaded
+/// from one) from G3 where `disk`, else from G2, into `to`'s pages, and
+/// checks each against `from`'s.
+pub(super) fn load_and_compare(
+    w: &PagedWorker,
+    model: &std::collections::BTreeMap<u32, u64>,
+    disk: bool,
+    job: u64,
+    to: &Engine,
+    from: &Engine,
+) -> Result<(), proptest::test_runner::TestCaseError> {
+    let mut seen = std::collections::HashSet::new();
+    let loads: Vec<PageCopy> = model
+        .iter()
+        .map(|(&slot, &key)| {
+            let b = (key - 100) as usize;
+            let copy = if disk { PageCopy::g3 } else { PageCopy::g2 };
+            copy(b % 3, b, slot as usize)
+        })
+        .filter(|c| seen.insert(c.block))
+        .collect();
+    w.load(job, loads.clone()).unwrap();
+    settled_clean(w, job);
+    for c in &loads {
+        proptest::prop_assert_eq!(
+            page(to, c.group, 0, c.block),
+            page(from, c.group, 0, c.block)
+        );
+    }
+    Ok(())
+}
+
 pub(super) fn sorted(mut blocks: Vec<(u32, u64)>) -> Vec<(u32, u64)> {
     blocks.sort_unstable();
     blocks
@@ -652,23 +685,8 @@ proptest::proptest! {
                     let r = kept_worker(&e2, blocks, dir.path(), "m");
                     let found: Vec<(u32, u64)> = model.iter().map(|(&s, &k)| (s, k)).collect();
                     proptest::prop_assert_eq!(sorted(r.kept().unwrap().blocks.clone()), found);
-                    let loads: Vec<PageCopy> = model
-                        .iter()
-                        .map(|(&slot, &key)| {
-                            let b = (key - 100) as usize;
-                            PageCopy::g3(b % 3, b, slot as usize)
-                        })
-                        .collect();
-                    // One load per engine block (a block moved twice is
-                    // loaded once).
-                    let mut seen = std::collections::HashSet::new();
-                    let loads: Vec<PageCopy> = loads.into_iter().filter(|c| seen.insert(c.block)).collect();
-                    r.load(job, loads.clone()).unwrap();
-                    settled_clean(&r, job);
+                    load_and_compare(&r, &model, true, job, &e2, &e)?;
                     job += 1;
-                    for c in &loads {
-                        proptest::prop_assert_eq!(page(&e2, c.group, 0, c.block), page(&e, c.group, 0, c.block));
-                    }
                     drop(r);
                     w = Some(kept_worker(&e, blocks, dir.path(), "m"));
                 }
