@@ -416,17 +416,20 @@ impl PagedWorker {
             0
         };
         let all_slots = config.slots + 1 + staging;
-        let (region, host_kept, kept_host) = match &config.host_keep {
+        let (region, host_kept, kept_host, kept_sums) = match &config.host_keep {
             Some(keep) => {
-                let mut k = layouts::kept_slot_region(keep, config.memory, all_slots, stride)?;
-                // Records of the zero and staging slots name nothing.
-                k.found
-                    .blocks
-                    .retain(|&(slot, _)| (slot as usize) < config.slots);
-                (k.region, Some(k.store), Some((k.found, k.sums)))
+                let k = layouts::kept_slot_region(
+                    keep,
+                    config.memory,
+                    config.slots,
+                    all_slots,
+                    stride,
+                )?;
+                (k.region, Some(k.store), Some(k.found), Some(k.sums))
             }
             None => (
                 layouts::slot_region(config.memory, all_slots, stride)?,
+                None,
                 None,
                 None,
             ),
@@ -452,15 +455,10 @@ impl PagedWorker {
             disk,
             slots: config.slots,
             executor,
-            sums: (config.verify || host_kept.is_some()).then(|| {
-                let mut sums = vec![None; config.slots];
-                for &(slot, sum) in kept_host.iter().flat_map(|k| &k.1) {
-                    if let Some(s) = sums.get_mut(slot as usize) {
-                        *s = Some(sum);
-                    }
-                }
-                Mutex::new(sums)
-            }),
+            sums: match kept_sums {
+                Some(sums) => Some(Mutex::new(sums)),
+                None => config.verify.then(|| Mutex::new(vec![None; config.slots])),
+            },
             host_kept,
             kept_epoch: Mutex::new(0),
             reports: Mutex::new(Reports::default()),
@@ -470,7 +468,7 @@ impl PagedWorker {
         let block_bytes = config.groups.iter().map(PageGroup::block_bytes).collect();
         let mut worker = Self::start(shared, stride, block_bytes, config.sum_tail)?;
         worker.kept = kept;
-        worker.kept_host = kept_host.map(|(found, _)| found);
+        worker.kept_host = kept_host;
         Ok(worker)
     }
 
@@ -623,7 +621,10 @@ impl PagedWorker {
         if !self.shared.reports.lock().in_flight.insert(job) {
             return Err(invalid(format!("job {job} is already in flight")));
         }
-        let epoch = *self.shared.kept_epoch.lock();
+        let epoch = match self.shared.host_kept {
+            Some(_) => *self.shared.kept_epoch.lock(),
+            None => 0,
+        };
         if direction == Direction::Store
             && let Some(kept) = &self.shared.host_kept
         {

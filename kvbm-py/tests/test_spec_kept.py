@@ -49,6 +49,12 @@ def _run(h, prompts: dict[str, list[int]]) -> None:
     h.run_until(lambda: h.idle() and manager.books.counts()["writing"] == 0)
 
 
+def _announced(manager, medium) -> int:
+    """Blocks the manager's events since the last call say are stored on
+    ``medium``."""
+    return sum(len(e.keys) for e in manager.take_events() if e.medium == medium and not e.removed)
+
+
 def _ready(h, rid: str, prompt: list[int]) -> None:
     """Runs `rid` again and checks every full block of it holds its bytes."""
     r = h.request(rid, prompt, 1)
@@ -106,8 +112,7 @@ def test_a_restarted_engine_serves_its_kept_disk_tier_and_a_reset_empties_it(tmp
         kept = len(found.blocks) // KEPT_ENTRY_BYTES
         assert manager.stats["recovered"] == kept > 0
         # The blocks found are announced as on disk, by their offload keys.
-        announced = [e for e in manager.take_events() if e.medium == Medium.STORAGE and not e.removed]
-        assert sum(len(e.keys) for e in announced) == kept
+        assert _announced(manager, Medium.STORAGE) == kept
         # The first prompt's blocks come back from disk, byte for byte.
         _ready(b, "again", prompts["p0"])
         assert manager.stats["loaded_from_disk"] > 0, manager.stats
@@ -248,8 +253,7 @@ def test_a_restarted_engine_serves_its_kept_host_tier_and_a_reset_empties_it(tmp
             assert manager.stats["recovered_host"] == host > 0, manager.stats
             assert manager.stats["recovered"] > host, manager.stats
             # The blocks found in the host tier are announced as there.
-            announced = [e for e in manager.take_events() if e.medium == Medium.CPU and not e.removed]
-            assert sum(len(e.keys) for e in announced) == host
+            assert _announced(manager, Medium.CPU) == host
             # The last prompt's blocks come back from the host tier, byte
             # for byte (read from memory the last engine wrote), the first
             # one's from disk.

@@ -63,20 +63,7 @@ pub(super) fn open(d: &PagedDisk, stride: u64, verify: bool) -> Result<(Disk, Op
     let layout = layouts::whole_slots(d.slots, stride)?;
     let medium = Medium::Disk(DiskOptions::default().io_mode);
     let (store, file, recovery) = KeptStore::open_free(&d.dir, identity, layout, &medium)?;
-    let mut sums = vec![None; d.slots];
-    let mut blocks = Vec::with_capacity(recovery.blocks.len());
-    for r in &recovery.blocks {
-        if let Some(sum) = sums.get_mut(r.slot as usize) {
-            *sum = Some(r.sum);
-            blocks.push((r.slot, r.label.hash));
-        }
-    }
-    let found = KeptFound {
-        dir: store.dir().to_path_buf(),
-        blocks,
-        rejected: recovery.rejected,
-        started_fresh: recovery.started_fresh,
-    };
+    let (found, sums) = layouts::recovered(&store, recovery, d.slots);
     let disk = Disk {
         file,
         slots: d.slots,

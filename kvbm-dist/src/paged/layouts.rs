@@ -10,7 +10,7 @@ use kvbm_transfer::{MemoryKind, PhysicalLayout};
 
 use super::{KeptFound, PageGroup, PageMemory, PagedKeep, invalid};
 use crate::error::Result;
-use crate::kept::{KeptStore, Medium};
+use crate::kept::{KeptStore, Medium, Recovery};
 
 /// A group's pages as a G1 layout: one region per layer, block-first, one
 /// chunk of `page_bytes` per block.
@@ -111,17 +111,43 @@ pub(super) struct KeptRegion {
     pub(super) region: PhysicalLayout,
     /// What the records name, for the books.
     pub(super) found: KeptFound,
-    /// `(slot, checksum)` of each recorded block.
-    pub(super) sums: Vec<(u32, u64)>,
+    /// The checksum of each slot's recorded block.
+    pub(super) sums: Vec<Option<u64>>,
 }
 
-/// The slot region of a kept G2: `slots` slots of `stride` bytes in a
+/// What a kept store's records name in its first `slots` slots: the
+/// report for the books, and each slot's checksum.
+pub(super) fn recovered(
+    store: &KeptStore,
+    recovery: Recovery,
+    slots: usize,
+) -> (KeptFound, Vec<Option<u64>>) {
+    let mut sums = vec![None; slots];
+    let mut blocks = Vec::with_capacity(recovery.blocks.len());
+    for r in &recovery.blocks {
+        if let Some(sum) = sums.get_mut(r.slot as usize) {
+            *sum = Some(r.sum);
+            blocks.push((r.slot, r.label.hash));
+        }
+    }
+    let found = KeptFound {
+        dir: store.dir().to_path_buf(),
+        blocks,
+        rejected: recovery.rejected,
+        started_fresh: recovery.started_fresh,
+    };
+    (found, sums)
+}
+
+/// The slot region of a kept G2: `all` slots of `stride` bytes in a
 /// [`KeptStore`] in `keep.dir`, mapped (and pinned in place beside a GPU),
-/// with what its records name.
+/// with what its records name in the first `slots` (the zero and staging
+/// slots after them hold no block).
 pub(super) fn kept_slot_region(
     keep: &PagedKeep,
     memory: PageMemory,
     slots: usize,
+    all: usize,
     stride: u64,
 ) -> Result<KeptRegion> {
     let kind = match memory {
@@ -135,21 +161,10 @@ pub(super) fn kept_slot_region(
     let (store, region, recovery) = KeptStore::open_free(
         &keep.dir,
         &keep.identity,
-        whole_slots(slots, stride)?,
+        whole_slots(all, stride)?,
         &medium,
     )?;
-    let blocks = recovery
-        .blocks
-        .iter()
-        .map(|r| (r.slot, r.label.hash))
-        .collect();
-    let sums = recovery.blocks.iter().map(|r| (r.slot, r.sum)).collect();
-    let found = KeptFound {
-        dir: store.dir().to_path_buf(),
-        blocks,
-        rejected: recovery.rejected,
-        started_fresh: recovery.started_fresh,
-    };
+    let (found, sums) = recovered(&store, recovery, slots);
     Ok(KeptRegion {
         store,
         region,
