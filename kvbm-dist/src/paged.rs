@@ -19,10 +19,10 @@
 //! **Jobs.** [`PagedWorker::store`] and [`PagedWorker::load`] start every
 //! group's copy at once and return; a thread of the worker settles each
 //! job when all its copies ended, in verify mode records (store) or checks
-//! (load) the slots' sums, and files a [`JobReport`] that
-//! [`PagedWorker::finished`] hands out. A load whose slot fails its
-//! checksum, or whose copy fails, names the engine blocks that must not be
-//! served.
+//! (load) each block's sum (taken on the GPU where the pages are device
+//! memory), and files a [`JobReport`] that [`PagedWorker::finished`]
+//! hands out. A load whose block fails its checksum, or whose copy fails,
+//! names the engine blocks that must not be served.
 //!
 //! **G3.** With a [`PagedDisk`], a file of slots sits behind the region
 //! (`paged/disk.rs`): a store can first move blocks from G2 slots to
@@ -65,6 +65,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::error::{DistError, Result};
 
 mod disk;
+mod g1_sums;
 mod layouts;
 mod outside;
 mod settle;
@@ -72,6 +73,7 @@ mod settle;
 pub use outside::SUM_BYTES;
 
 use crate::kept::KeptStore;
+use crate::verify::DeviceSums;
 use disk::{Disk, STAGING_SLOTS, Stage, Staged};
 use settle::{Earlier, Pending};
 
@@ -297,6 +299,8 @@ struct Shared {
     executor: Executor,
     /// The checksum of each slot's block (verify mode, or G2 kept).
     sums: Option<Mutex<Vec<Option<u64>>>>,
+    /// Sums G1 blocks on the GPU, with checksums on and device pages.
+    g1_sums: Option<DeviceSums>,
     /// The slots' records, when G2 is kept across restarts.
     host_kept: Option<KeptStore>,
     /// The kept G2's resets so far (see `settle::record`).
@@ -448,6 +452,11 @@ impl PagedWorker {
             }
             None => (None, None),
         };
+        let sums = match kept_sums {
+            Some(sums) => Some(Mutex::new(sums)),
+            None => config.verify.then(|| Mutex::new(vec![None; config.slots])),
+        };
+        let g1_sums = sums.as_ref().and_then(|_| DeviceSums::for_g1(&g1[0]));
         let shared = Arc::new(Shared {
             g1,
             g2,
@@ -455,10 +464,8 @@ impl PagedWorker {
             disk,
             slots: config.slots,
             executor,
-            sums: match kept_sums {
-                Some(sums) => Some(Mutex::new(sums)),
-                None => config.verify.then(|| Mutex::new(vec![None; config.slots])),
-            },
+            sums,
+            g1_sums,
             host_kept,
             kept_epoch: Mutex::new(0),
             reports: Mutex::new(Reports::default()),

@@ -50,7 +50,7 @@ use kvbm_transfer::checksum::BlockChecksum;
 use kvbm_transfer::{Completion, PhysicalLayout, TransferError, TransferFailure, TransferOutcome};
 use parking_lot::Mutex;
 
-use self::device::{DeviceSums, Prepared};
+pub(crate) use self::device::{DeviceSums, Prepared};
 use crate::error::DistError;
 
 mod device;

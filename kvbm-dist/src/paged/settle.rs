@@ -1,18 +1,25 @@
 //! How a job of a [`PagedWorker`](super::PagedWorker) ends: its copies
-//! are waited for, checked against the slots' checksums in verify mode,
-//! the pages of a failed load are wiped, and a [`JobReport`] is filed.
+//! are waited for, checked against the slots' checksums with checksums on
+//! (summed on the GPU for device pages, `g1_sums.rs`), the pages of a
+//! failed load are wiped, and a [`JobReport`] is filed.
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::Receiver;
 use std::time::Instant;
 
+use kvbm_pool::rate_limit::{RateLimit, held_back_note};
 use kvbm_transfer::{Executor, TransferHandle};
 use parking_lot::Mutex;
 
+use super::g1_sums::G1Sums;
 use super::{Direction, JobReport, PageCopy, Shared};
 use crate::kept::BlockLabel;
-use crate::verify::block_sum;
+use crate::verify::{DeviceSums, block_sum};
+
+/// At most one warning every few seconds that the GPU could not sum a
+/// job's blocks.
+static GPU_SUMS_FAILED: RateLimit = RateLimit::new(kvbm_pool::rate_limit::WARN_EVERY);
 
 /// What a job's earlier steps (demotions, reads from G3) left: the bytes
 /// that reached the engine's pages, the copies that failed, and the
@@ -102,6 +109,27 @@ fn settle(shared: &Shared, p: Pending) -> JobReport {
         failed: failed_earlier,
         mut error,
     } = p.earlier;
+    // With checksums on and the pages on a GPU, the G1 blocks are summed
+    // there: a store's sources while its copies run (the engine leaves
+    // them alone until the job ends), a load's destinations once they
+    // landed.
+    let gpu = shared
+        .sums
+        .as_ref()
+        .and(shared.g1_sums.as_ref())
+        .map(|device| (device, G1Sums::prepare(device, &shared.g1, &p.copies)));
+    let take = |gpu: &Option<(&DeviceSums, Result<G1Sums, String>)>| {
+        gpu.as_ref().map(|(device, prepared)| {
+            prepared
+                .as_ref()
+                .map_err(Clone::clone)
+                .and_then(|g| g.take(device))
+        })
+    };
+    let early = match p.direction {
+        Direction::Store => take(&gpu),
+        Direction::Load => None,
+    };
     // This job's copies between G1 and G2 that failed (judged below with
     // no regard to the earlier steps' slots, which are G3's).
     let mut failed = Vec::new();
@@ -122,11 +150,16 @@ fn settle(shared: &Shared, p: Pending) -> JobReport {
         }
     }
     if let Some(sums) = &shared.sums {
+        let on_gpu = match p.direction {
+            Direction::Store => early,
+            Direction::Load => take(&gpu),
+        };
         judge(
             shared,
             sums,
             p.direction,
             &p.copies,
+            on_gpu,
             &mut failed,
             &mut error,
         );
@@ -212,39 +245,57 @@ fn record(
     }
 }
 
-/// Verify mode: records the sums of stored slots, and checks the slot a
-/// load read once the load ended (a slot is not written while a load
-/// reads it: the books hold it), so bytes that changed at rest in host
-/// memory are never served. The engine's pages are not read: once a
-/// load ended the engine may use them.
+/// With checksums on: records the sum of each stored block for its slot,
+/// and checks each loaded block against its slot's sum once the load
+/// ended (a slot is not written while a load reads it: the books hold
+/// it), so bytes that changed at rest in host memory are never served.
+/// `on_gpu` holds the sums of the copies' G1 blocks where the GPU took
+/// them (indexed like `copies`); otherwise the host sums the slots.
 fn judge(
     shared: &Shared,
     sums: &Mutex<Vec<Option<u64>>>,
     direction: Direction,
     copies: &[PageCopy],
+    on_gpu: Option<Result<Vec<u64>, String>>,
     failed: &mut Vec<PageCopy>,
     error: &mut Option<String>,
 ) {
+    let on_gpu = match on_gpu {
+        Some(Ok(taken)) => Some(taken),
+        Some(Err(e)) => {
+            if let Some(held_back) = GPU_SUMS_FAILED.check() {
+                tracing::warn!(
+                    "kvbm: the GPU could not sum a job's blocks ({e}); the host sums its slots{}",
+                    held_back_note(held_back)
+                );
+            }
+            None
+        }
+        None => None,
+    };
     let broken: HashSet<(usize, usize)> = failed.iter().map(|c| (c.group, c.slot)).collect();
-    for c in copies {
+    for (i, c) in copies.iter().enumerate() {
         if broken.contains(&(c.group, c.slot)) {
             if direction == Direction::Store {
                 sums.lock()[c.slot] = None;
             }
             continue;
         }
-        let g2 = &shared.g2[c.group];
+        let got = match &on_gpu {
+            Some(taken) => Ok(taken[i]),
+            None => block_sum(&shared.g2[c.group], c.slot),
+        };
         match direction {
-            Direction::Store => sums.lock()[c.slot] = block_sum(g2, c.slot).ok(),
+            Direction::Store => sums.lock()[c.slot] = got.ok(),
             Direction::Load => {
-                let got = block_sum(g2, c.slot);
                 let want = sums.lock()[c.slot];
                 if got.ok() != want || want.is_none() {
                     failed.push(*c);
                     error.get_or_insert_with(|| {
                         format!(
-                            "slot {} failed its checksum: its bytes changed since they were stored",
-                            c.slot
+                            "block {} loaded from slot {} failed its checksum: \
+                             its bytes are not those stored",
+                            c.block, c.slot
                         )
                     });
                 }
