@@ -303,8 +303,9 @@ struct Shared {
     g1_sums: Option<DeviceSums>,
     /// The slots' records, when G2 is kept across restarts.
     host_kept: Option<KeptStore>,
-    /// The kept G2's resets so far (see `settle::record`).
-    kept_epoch: Mutex<u64>,
+    /// Whether the kept tiers still record the blocks that land in them;
+    /// a reset stops them for good ([`PagedWorker::stop_keeping`]).
+    keeping: Mutex<bool>,
     reports: Mutex<Reports>,
     settled: Condvar,
     /// Reports filed so far, raised after each one is (so a poller looks
@@ -467,7 +468,7 @@ impl PagedWorker {
             sums,
             g1_sums,
             host_kept,
-            kept_epoch: Mutex::new(0),
+            keeping: Mutex::new(true),
             reports: Mutex::new(Reports::default()),
             settled: Condvar::new(),
             filed: AtomicU64::new(0),
@@ -544,18 +545,23 @@ impl PagedWorker {
         self.kept_host.as_ref()
     }
 
-    /// Empties every record of a kept G2 and G3 (the engine's cache was
-    /// reset): after the jobs submitted before, so a restarted worker
-    /// finds none of the blocks held now. A no-op without a kept tier.
-    pub fn forget_kept(&self) -> Result<()> {
+    /// Empties every record of a kept G2 and G3 and records nothing in
+    /// them from now on, for jobs submitted before as well: the engine's
+    /// cache was reset, and what it computes after a reset may come from
+    /// other weights than those a restarted engine loads (vLLM resets the
+    /// cache around an in-place weight update). A restarted worker finds
+    /// none of the blocks; the tiers go on serving this engine. A no-op
+    /// without a kept tier.
+    pub fn stop_keeping(&self) -> Result<()> {
+        let mut keeping = self.shared.keeping.lock();
+        *keeping = false;
         if let Some(kept) = &self.shared.host_kept {
-            // Stores submitted before record nothing once they land (they
-            // see the new epoch); those after record as usual.
-            let mut epoch = self.shared.kept_epoch.lock();
-            *epoch += 1;
+            // Under the lock: a store that landed before wrote its records
+            // (emptied here), one that lands after sees the tier stopped.
             kept.forget_all()
                 .map_err(|e| invalid(format!("emptying the G2 records: {e}")))?;
         }
+        drop(keeping);
         if self.kept.is_none() {
             return Ok(());
         }
@@ -628,10 +634,6 @@ impl PagedWorker {
         if !self.shared.reports.lock().in_flight.insert(job) {
             return Err(invalid(format!("job {job} is already in flight")));
         }
-        let epoch = match self.shared.host_kept {
-            Some(_) => *self.shared.kept_epoch.lock(),
-            None => 0,
-        };
         if direction == Direction::Store
             && let Some(kept) = &self.shared.host_kept
         {
@@ -661,7 +663,6 @@ impl PagedWorker {
                 transfers,
                 earlier: Earlier::default(),
                 started,
-                epoch,
             };
             self.settle
                 .as_ref()
@@ -673,7 +674,6 @@ impl PagedWorker {
                 copies,
                 demote,
                 started,
-                epoch,
             };
             self.stage
                 .as_ref()

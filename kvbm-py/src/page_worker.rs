@@ -222,12 +222,13 @@ impl PageWorker {
         self.inner.kept_host().map(|k| kept_report(py, k))
     }
 
-    /// Empties every record of the kept tiers (the engine's cache was
-    /// reset): stores submitted before record nothing, and the disk
-    /// tier's records go after the moves submitted before; a no-op
-    /// without a kept tier.
-    fn forget_kept(&self) -> PyResult<()> {
-        Ok(self.inner.forget_kept().map_err(PyKvbmError::Dist)?)
+    /// Empties every record of the kept tiers and records nothing in them
+    /// from now on (the engine's cache was reset: what it computes next
+    /// may come from other weights than a restarted engine loads): stores
+    /// submitted before record nothing, and the disk tier's records go
+    /// after the moves submitted before; a no-op without a kept tier.
+    fn stop_keeping(&self) -> PyResult<()> {
+        Ok(self.inner.stop_keeping().map_err(PyKvbmError::Dist)?)
     }
 
     /// Slots in the tier.

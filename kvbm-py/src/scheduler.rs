@@ -762,9 +762,17 @@ impl Scheduler {
     }
 
     /// Drops every G2 and G3 block no request holds (an engine's cache
-    /// reset); returns how many.
+    /// reset), and keeps nothing stored from now on in tiers kept across
+    /// restarts (what the engine computes next may come from other
+    /// weights than a restarted engine loads); returns how many.
     fn reset(&self) -> PyResult<usize> {
-        Ok(kvbm_dist::leader::evict_distributed_tiers(&*self.engine()?))
+        let engine = {
+            let inner = self.inner.lock();
+            let inner = inner.as_ref().ok_or(PyKvbmError::Closed("the scheduler"))?;
+            inner.leader.mover().stop_keeping();
+            Arc::clone(&inner.engine)
+        };
+        Ok(kvbm_dist::leader::evict_distributed_tiers(&engine))
     }
 
     /// Writes the use history beside the kept tiers now (for a process

@@ -56,6 +56,18 @@ def engine_env(tmp_path: Path) -> dict:
     return env
 
 
+#: Bytes of one slot's record in a kept tier's ``slots`` file, and of the
+#: header before the first.
+KEPT_RECORD, KEPT_HEADER = 32, 4096
+
+
+def kept_slots(kept_dir: Path) -> list[int]:
+    """Slots whose records name a block, in a kept tier's directory."""
+    raw = (kept_dir / "slots").read_bytes()[KEPT_HEADER:]
+    n = KEPT_RECORD
+    return [i for i in range(len(raw) // n) if raw[i * n + 24 : i * n + 32] != bytes(8)]
+
+
 @contextlib.contextmanager
 def kept_g2_removed():
     """Yields the directory kept G2s live in (this user's, in /dev/shm) and

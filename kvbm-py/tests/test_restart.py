@@ -11,11 +11,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from conftest import HERE, engine_env, kept_g2_removed
+from conftest import HERE, engine_env, kept_g2_removed, kept_slots
 from test_engine import BLOCK_BYTES, GIB
-
-RECORD = 32
-HEADER = 4096
 
 
 def _run(model: str, tmp_path: Path, extra: dict, kill: bool = False, spec: bool = False) -> dict:
@@ -27,12 +24,6 @@ def _run(model: str, tmp_path: Path, extra: dict, kill: bool = False, spec: bool
     expected = -9 if kill else 0
     assert proc.returncode == expected and lines, (proc.returncode, proc.stdout[-4000:] + proc.stderr[-8000:])
     return json.loads(lines[-1][len("KVBM_RESULT ") :])
-
-
-def _kept_slots(g3_dir: Path) -> list[int]:
-    """Slots whose records name a block, in the kept G3 directory."""
-    raw = (g3_dir / "slots").read_bytes()[HEADER:]
-    return [i for i in range(len(raw) // RECORD) if raw[i * RECORD + 24 : i * RECORD + 32] != bytes(8)]
 
 
 def _damage(kept_dir: Path, slots: list[int], stride: int) -> None:
@@ -135,7 +126,7 @@ def test_kept_g3_serves_a_restarted_engine(tiny_model, tmp_path):
     assert not foreign.exists()
     kept = [d for d in base.iterdir() if d.name.startswith("kept-") and d.is_dir()]
     assert len(kept) == 1 and kept[0].name.endswith("-rank0"), kept
-    slots = _kept_slots(kept[0])
+    slots = kept_slots(kept[0])
     assert len(slots) >= 8, slots
     clean = _cache_tool(base)
     assert clean.returncode == 0 and f"blocks {len(slots)} of 64" in clean.stdout, clean.stdout + clean.stderr
@@ -184,7 +175,7 @@ def test_kept_g3_behind_the_offloading_connector_serves_a_restarted_engine(tiny_
     assert first["stats"]["demoted"] >= 8, first["stats"]
     kept = [d for d in base.iterdir() if d.name.startswith("kept-") and d.is_dir()]
     assert len(kept) == 1 and kept[0].name.endswith("-rank0"), kept
-    slots = _kept_slots(kept[0])
+    slots = kept_slots(kept[0])
     assert len(slots) >= 8, slots
     clean = _cache_tool(base)
     assert clean.returncode == 0 and "verified: 0 blocks fail" in clean.stdout, clean.stdout + clean.stderr
@@ -200,7 +191,7 @@ def test_kept_g3_behind_the_offloading_connector_serves_a_restarted_engine(tiny_
     # Every kept block damaged on disk while no engine runs: the store's
     # reader finds them, and the next engine catches each block it loads
     # and recomputes it, outputs still the same.
-    slots = _kept_slots(kept[0])
+    slots = kept_slots(kept[0])
     identity = (kept[0] / "identity").read_text()
     stride = int(next(line for line in identity.splitlines() if line.startswith("inner: ")).split()[1])
     _damage(kept[0], slots, stride)
@@ -224,7 +215,7 @@ def test_kept_g2_serves_a_restarted_engine_and_refuses_damaged_blocks(tiny_model
         assert first["stats"]["g1_to_g2_blocks"] >= 8, first["stats"]
         kept = [d for d in base.iterdir() if d not in before and d.name.startswith("kept-") and d.is_dir()]
         assert len(kept) == 1 and kept[0].name.endswith("-rank0"), kept
-        slots = _kept_slots(kept[0])
+        slots = kept_slots(kept[0])
         assert len(slots) >= 8, slots
 
         # The killed engine's G2 serves the new one from its first request.
@@ -241,7 +232,7 @@ def test_kept_g2_serves_a_restarted_engine_and_refuses_damaged_blocks(tiny_model
 
         # Bytes changed in host memory while no engine ran: caught by the
         # checksums the records carry, recomputed, never served.
-        slots = _kept_slots(kept[0])
+        slots = kept_slots(kept[0])
         _damage(kept[0], slots, BLOCK_BYTES)
         third = _run(tiny_model, tmp_path, extra)
         t = third["stats"]
@@ -266,7 +257,7 @@ def test_kept_g2_behind_the_offloading_connector_serves_a_restarted_engine(tiny_
         assert first["stats"]["stored"] >= 8, first["stats"]
         kept = [d for d in base.iterdir() if d not in before and d.name.startswith("kept-") and d.is_dir()]
         assert len(kept) == 1 and kept[0].name.endswith("-rank0"), kept
-        slots = _kept_slots(kept[0])
+        slots = kept_slots(kept[0])
         assert len(slots) >= 8, slots
 
         second = _run(tiny_hybrid_model, tmp_path, extra, spec=True)
@@ -275,7 +266,7 @@ def test_kept_g2_behind_the_offloading_connector_serves_a_restarted_engine(tiny_
         assert second["outputs"] == first["outputs"]
         assert s["loaded"] >= 4 and s["loaded_from_disk"] == 0 and s["damaged"] == 0, s
 
-        slots = _kept_slots(kept[0])
+        slots = kept_slots(kept[0])
         identity = (kept[0] / "identity").read_text()
         stride = int(next(line for line in identity.splitlines() if line.startswith("inner: ")).split()[1])
         _damage(kept[0], slots, stride)

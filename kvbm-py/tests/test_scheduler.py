@@ -199,6 +199,65 @@ def test_reset_prefix_cache_with_kvbm_holding_nothing(harness):
     assert h.scheduled["B"] == len(PREFIX) + 1  # nothing left to load
 
 
+def test_a_reset_stops_the_kept_disk_tier(tmp_path, monkeypatch):
+    """A ``reset_prefix_cache(reset_connector=True)`` keeps nothing stored
+    after it in a kept G3 (the engine's weights may change after a
+    reset): a restarted engine loads none of the blocks stored after the
+    reset (those before stay recorded where no later block took their
+    slot)."""
+    import gc
+
+    from conftest import kept_slots
+
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    block_bytes = 16384
+    extra = {
+        "cpu_cache_gb": 2.5 * block_bytes / 2**30,  # G2 holds two blocks: the rest goes to G3
+        "disk_cache_gb": 64.5 * block_bytes / 2**30,
+        "disk_cache_dir": str(tmp_path / "g3"),
+        "admission": "all",
+    }
+    model_dir = str(tmp_path / "model")
+    prompt = {n: [n] * (4 * BLOCK) + [1] for n in (7, 8, 9, 10)}
+
+    def start():
+        return build(tmp_path, extra, model_dir=model_dir)
+
+    def serve(h, rid, n):
+        h.request(rid, prompt[n], 1)
+        offloaded(h, rid)
+
+    def stop(h):
+        h.close()
+        gc.collect()
+
+    a = start()
+    try:
+        serve(a, "before-1", 7)
+        serve(a, "before-2", 8)
+        kept = a.kvbm.stats()["g2_to_g3_blocks"]
+        (kept_dir,) = (tmp_path / "g3").glob("kept-*-rank0")
+        # Keeping works: every block moved to G3 is recorded.
+        assert kept >= 4 and len(kept_slots(kept_dir)) == kept, (kept, kept_slots(kept_dir))
+        assert a.sched.reset_prefix_cache(reset_connector=True)
+        serve(a, "after-1", 9)
+        serve(a, "after-2", 10)
+        assert a.kvbm.stats()["g2_to_g3_blocks"] >= kept + 4, a.kvbm.stats()
+    finally:
+        stop(a)
+    b = start()
+    try:
+        assert b.kvbm.stats()["g3_recovered_blocks"] <= kept, b.kvbm.stats()
+        # The prompts stored after the reset are computed whole: none of
+        # their blocks was kept.
+        for n in (9, 10):
+            serve(b, f"again-{n}", n)
+            assert b.scheduled[f"again-{n}"] == len(prompt[n]), b.log
+        assert b.kvbm.stats()["g3_to_g1_blocks"] == 0, b.kvbm.stats()
+    finally:
+        stop(b)
+
+
 def test_two_requests_sharing_a_prefix_load_it_once(harness):
     h = harness
     h.request("A", PREFIX + [5], 1)

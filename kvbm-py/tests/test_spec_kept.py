@@ -116,9 +116,13 @@ def test_a_restarted_engine_serves_its_kept_disk_tier_and_a_reset_empties_it(tmp
         # The first prompt's blocks come back from disk, byte for byte.
         _ready(b, "again", prompts["p0"])
         assert manager.stats["loaded_from_disk"] > 0, manager.stats
-        # A reset empties the records once the next step reached the worker.
+        # A reset empties the records once the next step reached the
+        # worker, and the tier keeps nothing stored after it (the engine's
+        # weights may have changed): those blocks are served, not kept.
         assert b.sched.reset_prefix_cache(reset_connector=True)
-        _run(b, {"short": [5] * (BLOCK - 1)})
+        stored = manager.stats["stored"]
+        _run(b, {"after": [5] * (4 * BLOCK + 1)})
+        assert manager.stats["stored"] > stored, manager.stats
     finally:
         _stop(b)
 
@@ -262,14 +266,19 @@ def test_a_restarted_engine_serves_its_kept_host_tier_and_a_reset_empties_it(tmp
             assert loaded > 0, manager.stats
             _ready(b, "first", prompts["p0"])
             assert manager.stats["loaded_from_disk"] > 0, manager.stats
+            # A reset empties both tiers' records and stops them: the
+            # blocks stored after it are not kept.
             assert b.sched.reset_prefix_cache(reset_connector=True)
-            _run(b, {"short": [5] * (BLOCK - 1)})
+            stored = manager.stats["stored"]
+            _run(b, {"after": [5] * (4 * BLOCK + 1)})
+            assert manager.stats["stored"] > stored, manager.stats
         finally:
             _stop(b)
 
         c, found = _start(tmp_path, model_dir, **more)
         try:
             assert found is not None and found.host is not None and found.host.blocks == b"", found
+            assert found.disk is not None and found.disk.blocks == b"", found
             assert c.connector.connector_scheduler.manager.stats["recovered"] == 0
         finally:
             _stop(c)

@@ -7,6 +7,7 @@
 //! same blocks); a block's bytes are summed over workers.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 
 use kvbm_pool::Tier;
@@ -44,6 +45,9 @@ pub struct DistMover {
     /// executor (see `loan`).
     local: Option<RouteSlot>,
     status: Arc<StatusCell>,
+    /// Whether copies into kept tiers still carry their labels (a reset
+    /// stops it: [`DistMover::stop_keeping`]).
+    keeping: AtomicBool,
 }
 
 impl std::fmt::Debug for DistMover {
@@ -93,7 +97,19 @@ impl DistMover {
                 g3: cluster.configure.g3_blocks,
             },
             block_bytes: cluster.reference.bytes_per_block.saturating_mul(world),
+            keeping: AtomicBool::new(true),
         }
+    }
+
+    /// From now on a copy into a kept tier records nothing, so a restarted
+    /// engine finds none of the blocks stored after this call: the
+    /// engine's cache was reset, and what it computes after a reset may
+    /// come from other weights than those a restarted engine loads (vLLM
+    /// resets the cache around an in-place weight update). The records
+    /// written before stay: their blocks came from the weights the engine
+    /// started with. A slot written from now on loses its record.
+    pub fn stop_keeping(&self) {
+        self.keeping.store(false, Ordering::Release);
     }
 
     fn check(&self, src: Tier, dst: Tier, pairs: &[(usize, usize)]) -> Result<(), String> {
@@ -184,8 +200,10 @@ impl TierMover for DistMover {
         labels: Vec<PoolLabel>,
         cancel: CancelToken,
     ) -> Completion<TransferOutcome> {
+        let keeping = self.keeping.load(Ordering::Acquire);
         let labels = labels
             .into_iter()
+            .filter(|_| keeping)
             .map(|(hash, parent)| BlockLabel {
                 hash: hash.0,
                 parent: parent.map(|p| p.0),

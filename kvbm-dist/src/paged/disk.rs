@@ -89,8 +89,6 @@ pub(super) struct Staged {
     /// The blocks to move to G3 first (stores).
     pub(super) demote: Vec<DiskMove>,
     pub(super) started: Instant,
-    /// The kept G2's resets before it was submitted.
-    pub(super) epoch: u64,
 }
 
 /// Runs staged jobs in order until the worker drops its sender, handing
@@ -136,7 +134,6 @@ fn store(shared: &Shared, s: Staged) -> Pending {
         transfers,
         earlier,
         started: s.started,
-        epoch: s.epoch,
     }
 }
 
@@ -204,7 +201,11 @@ pub(super) fn demote(shared: &Shared, moves: &[DiskMove]) -> Result<(), String> 
             to[m.to] = sum;
         }
     }
-    if let Some(kept) = &disk.kept {
+    // Read on this thread, which empties the records of a reset after the
+    // moves handed to it before: a move that sees the tier keeping is
+    // recorded before the reset empties it.
+    let keeping = *shared.keeping.lock();
+    if let Some(kept) = disk.kept.as_ref().filter(|_| keeping) {
         let records: Vec<(u32, BlockLabel, u64)> = moves
             .iter()
             .zip(&sums)
@@ -241,7 +242,6 @@ fn load(shared: &Shared, s: Staged) -> Pending {
         transfers,
         earlier,
         started: s.started,
-        epoch: s.epoch,
     }
 }
 

@@ -123,16 +123,20 @@ fn a_slot_written_over_unrecorded_or_reset_is_not_found_again() {
     let b = host_kept_worker(&e, blocks, &g2, "m", Some(&g3));
     assert_eq!(found(&b), vec![(0, 100), (1, 104)]);
     // A reset empties the records of both kept tiers, after the jobs
-    // before it: the block stored just before is forgotten too.
+    // before it (the block stored just before is forgotten too), and
+    // stops them: what is stored or moved after is not recorded.
     store_keyed(&b, &[5], |_| 3, 3);
     let moves = vec![DiskMove::new(0, 4, 0, 100)];
     b.store(4, vec![], moves).unwrap();
     settled_clean(&b, 4);
-    b.forget_kept().unwrap();
+    b.stop_keeping().unwrap();
     store_keyed(&b, &[3], |_| 5, 5);
+    let moves = vec![DiskMove::new(5, 1, 0, 103)];
+    b.store(6, vec![], moves).unwrap();
+    settled_clean(&b, 6);
     drop(b);
     let c = host_kept_worker(&e, blocks, &g2, "m", Some(&g3));
-    assert_eq!(found(&c), vec![(5, 103)]);
+    assert!(found(&c).is_empty());
     assert!(c.kept().unwrap().blocks.is_empty());
 }
 
@@ -177,8 +181,8 @@ enum HostStep {
     },
     /// Something outside the worker is about to write `slot` (a G4 fetch).
     Unrecord { slot: usize },
-    /// The cache reset.
-    Forget,
+    /// The cache reset: the worker keeps nothing more.
+    Stop,
     /// The worker dropped and opened again.
     Restart,
 }
@@ -189,7 +193,7 @@ fn host_step(blocks: usize) -> impl proptest::strategy::Strategy<Value = HostSte
         6 => (0..blocks, 0..blocks, proptest::bool::weighted(0.85))
             .prop_map(|(block, slot, keyed)| HostStep::Store { block, slot, keyed }),
         1 => (0..blocks).prop_map(|slot| HostStep::Unrecord { slot }),
-        1 => Just(HostStep::Forget),
+        1 => Just(HostStep::Stop),
         2 => Just(HostStep::Restart),
     ]
 }
@@ -199,9 +203,9 @@ proptest::proptest! {
 
     /// After any run of stores (keyed or not), slots given to the outside,
     /// resets and restarts, a reopened kept G2 names exactly the last
-    /// block stored under a key into each slot since it was last reset,
-    /// written without a key or given to the outside, and each of them
-    /// loads byte for byte.
+    /// block stored into each slot where it was stored under a key,
+    /// before the worker's reset (if any), and not given to the outside
+    /// since; each of them loads byte for byte.
     #[test]
     fn a_reopened_kept_g2_names_the_last_keyed_block_stored_in_each_slot(
         steps in proptest::collection::vec(host_step(5), 1..20)
@@ -212,6 +216,7 @@ proptest::proptest! {
         let e = engine(&HYBRID, blocks);
         let mut model: std::collections::BTreeMap<u32, u64> = Default::default();
         let mut w = Some(host_kept_worker(&e, blocks, &kept, "m", None));
+        let mut stopped = false;
         let mut job = 1;
         for step in steps.into_iter().chain([HostStep::Restart]) {
             let worker = w.as_ref().unwrap();
@@ -222,7 +227,7 @@ proptest::proptest! {
                     worker.store(job, vec![copy], vec![]).unwrap();
                     settled_clean(worker, job);
                     job += 1;
-                    if keyed {
+                    if keyed && !stopped {
                         model.insert(slot as u32, 100 + block as u64);
                     } else {
                         model.remove(&(slot as u32));
@@ -232,9 +237,10 @@ proptest::proptest! {
                     worker.unrecord(&[slot]).unwrap();
                     model.remove(&(slot as u32));
                 }
-                HostStep::Forget => {
-                    worker.forget_kept().unwrap();
+                HostStep::Stop => {
+                    worker.stop_keeping().unwrap();
                     model.clear();
+                    stopped = true;
                 }
                 HostStep::Restart => {
                     drop(w.take());
@@ -246,6 +252,7 @@ proptest::proptest! {
                     job += 1;
                     drop(r);
                     w = Some(host_kept_worker(&e, blocks, &kept, "m", None));
+                    stopped = false;
                 }
             }
         }

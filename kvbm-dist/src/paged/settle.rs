@@ -55,9 +55,6 @@ pub(super) struct Pending {
     pub(super) transfers: Vec<(usize, TransferHandle)>,
     pub(super) earlier: Earlier,
     pub(super) started: Instant,
-    /// The kept G2's resets before the job was submitted: a store of an
-    /// earlier epoch than the current one records nothing.
-    pub(super) epoch: u64,
 }
 
 /// Starts every group's share of `copies` between G1 and the G2 slots.
@@ -165,7 +162,7 @@ fn settle(shared: &Shared, p: Pending) -> JobReport {
         );
     }
     if p.direction == Direction::Store {
-        record(shared, p.epoch, &p.copies, &failed, &mut error);
+        record(shared, &p.copies, &failed, &mut error);
     }
     failed.extend(failed_earlier);
     if p.direction == Direction::Load && !failed.is_empty() {
@@ -205,14 +202,8 @@ fn wipe(shared: &Shared, failed: &[PageCopy], error: &mut Option<String>) {
 
 /// A kept G2: names each stored block that landed, with the sum `judge`
 /// took, in its slot's record (emptied before the store started), unless
-/// the tier was reset since the store was submitted.
-fn record(
-    shared: &Shared,
-    epoch: u64,
-    copies: &[PageCopy],
-    failed: &[PageCopy],
-    error: &mut Option<String>,
-) {
+/// the tier stopped keeping.
+fn record(shared: &Shared, copies: &[PageCopy], failed: &[PageCopy], error: &mut Option<String>) {
     let (Some(kept), Some(sums)) = (&shared.host_kept, &shared.sums) else {
         return;
     };
@@ -233,8 +224,8 @@ fn record(
     drop(sums);
     // Held while the records are written: a reset waits for them, or they
     // see it.
-    let current = shared.kept_epoch.lock();
-    if *current != epoch {
+    let keeping = shared.keeping.lock();
+    if !*keeping {
         return;
     }
     if let Err(e) = kept.commit(&landed) {

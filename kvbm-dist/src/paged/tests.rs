@@ -582,27 +582,32 @@ fn a_kept_g3_is_found_again_after_a_restart_byte_for_byte() {
 }
 
 #[test]
-fn a_moved_over_or_forgotten_slot_is_not_found_again() {
+fn a_moved_over_or_reset_slot_is_not_found_again() {
     let blocks = 6;
     let dir = tempfile::tempdir().unwrap();
     let e = engine(&HYBRID, blocks);
     {
         let a = kept_worker(&e, blocks, dir.path(), "m");
         store_and_move(&a, &[0, 1], |i| i, 1);
-        // The cache is reset: what was moved before is forgotten, what
-        // is moved after is kept; a move into slot 0 names its new block.
-        a.forget_kept().unwrap();
+        // A move into slot 0 names its new block.
         store_and_move(&a, &[3], |_| 0, 3);
-        store_and_move(&a, &[2], |_| 4, 5);
     }
-    let b = kept_worker(&zeroed(blocks), blocks, dir.path(), "m");
-    assert_eq!(
-        sorted(b.kept().unwrap().blocks.clone()),
-        vec![(0, 103), (4, 102)]
-    );
-    // Without a kept G3 there is nothing to forget.
+    {
+        let b = kept_worker(&zeroed(blocks), blocks, dir.path(), "m");
+        assert_eq!(
+            sorted(b.kept().unwrap().blocks.clone()),
+            vec![(0, 103), (1, 101)]
+        );
+        // The cache is reset: what was moved before is forgotten, and
+        // what is moved after is not kept either.
+        b.stop_keeping().unwrap();
+        store_and_move(&b, &[2], |_| 4, 5);
+    }
+    let c = kept_worker(&zeroed(blocks), blocks, dir.path(), "m");
+    assert!(c.kept().unwrap().blocks.is_empty());
+    // Without a kept G3 there is nothing to stop.
     let plain = worker(&e, blocks, 2, false);
-    plain.forget_kept().unwrap();
+    plain.stop_keeping().unwrap();
     assert!(plain.kept().is_none());
 }
 
@@ -637,8 +642,8 @@ fn a_kept_block_changed_at_rest_is_refused_and_forgotten() {
 enum KeptStep {
     /// Engine block `block` stored and moved to G3 slot `to`.
     Move { block: usize, to: usize },
-    /// The cache reset.
-    Forget,
+    /// The cache reset: the worker keeps nothing more.
+    Stop,
     /// The worker dropped and opened again.
     Restart,
 }
@@ -647,7 +652,7 @@ fn kept_step(blocks: usize) -> impl proptest::strategy::Strategy<Value = KeptSte
     use proptest::prelude::*;
     prop_oneof![
         6 => (0..blocks, 0..blocks).prop_map(|(block, to)| KeptStep::Move { block, to }),
-        1 => Just(KeptStep::Forget),
+        1 => Just(KeptStep::Stop),
         2 => Just(KeptStep::Restart),
     ]
 }
@@ -656,8 +661,9 @@ proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
 
     /// After any run of moves, resets and restarts, a reopened kept G3
-    /// names exactly the last block moved into each slot since the last
-    /// reset, and each loads byte for byte.
+    /// names exactly the last block moved into each slot, where it was
+    /// moved before the worker's reset (if any), and each loads byte for
+    /// byte.
     #[test]
     fn a_reopened_kept_g3_names_the_last_block_moved_into_each_slot(
         steps in proptest::collection::vec(kept_step(5), 1..16)
@@ -667,17 +673,23 @@ proptest::proptest! {
         let e = engine(&HYBRID, blocks);
         let mut model: std::collections::BTreeMap<u32, u64> = Default::default();
         let mut w = Some(kept_worker(&e, blocks, dir.path(), "m"));
+        let mut stopped = false;
         let mut job = 1;
         for step in steps.into_iter().chain([KeptStep::Restart]) {
             match step {
                 KeptStep::Move { block, to } => {
                     store_and_move(w.as_ref().unwrap(), &[block], |_| to, job);
                     job += 2;
-                    model.insert(to as u32, 100 + block as u64);
+                    if stopped {
+                        model.remove(&(to as u32));
+                    } else {
+                        model.insert(to as u32, 100 + block as u64);
+                    }
                 }
-                KeptStep::Forget => {
-                    w.as_ref().unwrap().forget_kept().unwrap();
+                KeptStep::Stop => {
+                    w.as_ref().unwrap().stop_keeping().unwrap();
                     model.clear();
+                    stopped = true;
                 }
                 KeptStep::Restart => {
                     drop(w.take());
@@ -689,6 +701,7 @@ proptest::proptest! {
                     job += 1;
                     drop(r);
                     w = Some(kept_worker(&e, blocks, dir.path(), "m"));
+                    stopped = false;
                 }
             }
         }

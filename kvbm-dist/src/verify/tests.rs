@@ -556,6 +556,45 @@ fn a_kept_g3_outlives_the_instance_over_the_socket() {
     kept_g3_outlives_the_instance(2, Memory::Host);
 }
 
+/// After a reset ([`DistMover::stop_keeping`](crate::leader::DistMover::stop_keeping))
+/// a kept G3 records nothing more: a restarted instance finds the blocks
+/// written before it, not one written after it, nor one written over
+/// after it.
+fn a_kept_g3_records_nothing_after_a_reset(world: u32) {
+    let dirs: Vec<tempfile::TempDir> = (0..world).map(|_| tempfile::tempdir().unwrap()).collect();
+    let paths: Vec<std::path::PathBuf> = dirs.iter().map(|d| d.path().to_path_buf()).collect();
+    let kept = Some((&paths[..], None, "model: tiny"));
+    let i = start_in(world, false, Memory::Host, kept);
+    i.fill(&SEEDS);
+    i.copy(Tier::G1, Tier::G2, &[(1, 10), (2, 11)]).unwrap();
+    let labels = [label(100, None), label(101, Some(100))];
+    i.copy_labelled(Tier::G2, Tier::G3, &[(10, 3), (11, 5)], &labels)
+        .unwrap();
+    i.leader.mover().stop_keeping();
+    i.copy_labelled(Tier::G2, Tier::G3, &[(10, 7), (11, 5)], &labels)
+        .unwrap();
+    i.stop();
+    let i = start_in(world, false, Memory::Host, kept);
+    let found: Vec<(u32, u64)> = i
+        .leader
+        .kept_g3()
+        .iter()
+        .map(|(s, l)| (*s, l.hash))
+        .collect();
+    assert_eq!(found, vec![(3, 100)]);
+    i.stop();
+}
+
+#[test]
+fn a_kept_g3_records_nothing_after_a_reset_over_the_lent_route() {
+    a_kept_g3_records_nothing_after_a_reset(1);
+}
+
+#[test]
+fn a_kept_g3_records_nothing_after_a_reset_over_the_socket() {
+    a_kept_g3_records_nothing_after_a_reset(2);
+}
+
 /// The same with G1 on a GPU: the blocks bound for G3 are summed there as
 /// they leave, and the kept blocks read back are summed there as they land.
 #[cfg(feature = "cuda")]

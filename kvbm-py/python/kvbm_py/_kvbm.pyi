@@ -198,7 +198,9 @@ class Scheduler:
         ``verify``), and ``copy_failures_by``: failed blocks by
         ``"path/cause"`` (a dict). The others are ints and floats."""
     def reset(self) -> int:
-        """Drops every G2/G3 block no request holds; returns how many."""
+        """Drops every G2/G3 block no request holds, and keeps nothing
+        stored from now on in tiers kept across restarts (the engine's
+        weights may change after a reset); returns how many."""
     def shutdown(self) -> None:
         """Stops the tier engine and tells every worker to exit."""
 
@@ -407,11 +409,13 @@ class PageWorker:
         """What the kept host tier held when the worker opened it, as
         :meth:`kept` says of the disk tier (``(host slot, kvbm key)``
         entries); None without a kept host tier."""
-    def forget_kept(self) -> None:
-        """Empties every record of the kept tiers (the engine's cache was
-        reset): stores submitted before record nothing, and the disk
-        tier's records go after the moves submitted before; a no-op
-        without a kept tier."""
+    def stop_keeping(self) -> None:
+        """Empties every record of the kept tiers and records nothing in
+        them from now on (the engine's cache was reset: what it computes
+        next may come from other weights than a restarted engine loads):
+        stores submitted before record nothing, and the disk tier's
+        records go after the moves submitted before; a no-op without a
+        kept tier."""
     def store(
         self,
         job: int,

@@ -256,7 +256,7 @@ class KvbmOffloadingManager(OffloadingManager):
         #: reset).
         self.kept_names: KeptNames | None = None
         self.kept_host_names: KeptNames | None = None
-        self._forget_kept = False
+        self._stop_keeping = False
         self._disk_slots, self._host_slots = spec.disk_slots, spec.slots
         #: Whether stores name their blocks for a kept host tier's records.
         self._keep_host = spec.keeps_host
@@ -539,11 +539,12 @@ class KvbmOffloadingManager(OffloadingManager):
         )
         return names
 
-    def take_forget_kept(self) -> bool:
-        """Whether the ranks must empty their kept records with the next
-        step (once: the cache was reset since the last call)."""
-        forget, self._forget_kept = self._forget_kept, False
-        return forget
+    def take_stop_keeping(self) -> bool:
+        """Whether the ranks must empty their kept records and keep nothing
+        more, with the next step (once: the cache was reset since the last
+        call)."""
+        stop, self._stop_keeping = self._stop_keeping, False
+        return stop
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         keys = list(keys)
@@ -599,12 +600,22 @@ class KvbmOffloadingManager(OffloadingManager):
         self._demoting.clear()
         self._fetching.clear()
         self.on_disk.clear()
-        for names in (self.kept_names, self.kept_host_names):
-            if names is not None:
-                # The ranks empty their records with the next step's
-                # metadata.
-                self._forget_kept = True
-                names.rewrite({})
+        if self.kept_names is not None or self.kept_host_names is not None:
+            # The ranks empty their records with the next step's metadata
+            # and keep nothing more: vLLM resets the cache around an
+            # in-place weight update, after which the blocks would come
+            # from other weights than those a restarted engine loads.
+            self._stop_keeping = True
+            self._keep_host = False
+            for names in (self.kept_names, self.kept_host_names):
+                if names is not None:
+                    names.rewrite({})
+                    names.close()
+            self.kept_names = self.kept_host_names = None
+            logger.info(
+                "kvbm: the cache was reset; the kept tiers keep nothing more until the engine restarts "
+                "(the blocks computed from now on may come from other weights than a restart loads)"
+            )
         if self.g4 is not None:
             self.g4.drop()
 
@@ -699,21 +710,21 @@ class KvbmOffloadingConnector(OffloadingConnector):
             manager.restore_kept(metadata)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
-        """vLLM's metadata, marked for the ranks to empty their kept
-        records when the cache was reset since the last step."""
+        """vLLM's metadata, marked for the ranks to stop keeping when the
+        cache was reset since the last step."""
         meta = super().build_connector_meta(scheduler_output)
         manager = getattr(self.connector_scheduler, "manager", None)
-        if isinstance(manager, KvbmOffloadingManager) and manager.take_forget_kept():
-            meta.kvbm_forget_kept = True  # type: ignore[attr-defined]
+        if isinstance(manager, KvbmOffloadingManager) and manager.take_stop_keeping():
+            meta.kvbm_stop_keeping = True  # type: ignore[attr-defined]
         return meta
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
-        """vLLM's step metadata; a rank empties its kept records when the
-        scheduler marked it so."""
+        """vLLM's step metadata; a rank empties its kept records and keeps
+        nothing more when the scheduler marked it so."""
         super().bind_connector_metadata(connector_metadata)
         w = self._kvbm_worker()
-        if w is not None and getattr(connector_metadata, "kvbm_forget_kept", False):
-            w.pages.forget_kept()
+        if w is not None and getattr(connector_metadata, "kvbm_stop_keeping", False):
+            w.pages.stop_keeping()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)

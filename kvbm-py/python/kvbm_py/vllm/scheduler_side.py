@@ -498,6 +498,11 @@ class SchedulerSide:
 
     def reset_cache(self) -> bool:
         self.kvbm.reset()
+        if self.config.keeps_g2 or self.config.keeps_g3:
+            log.info(
+                "kvbm: the cache was reset; the kept tiers keep nothing stored from now on until the engine "
+                "restarts (the blocks computed now may come from other weights than a restart loads)"
+            )
         return True
 
     def shutdown(self) -> None:
