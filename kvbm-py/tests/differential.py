@@ -267,12 +267,15 @@ def with_kvbm(
     corrupt_g3: str | None = None,
     connector: str = "KvbmConnector",
     restart=None,
+    keeps: bool = False,
 ):
     """Runs each case twice (see the module doc); with `corrupt_g3` (the G3
     directory), G3's bytes are damaged between the rounds. With `restart`
     (a function that shuts an engine down and starts the same one again),
     round 2 runs on a new engine, which finds round 1's blocks in the tiers
-    kept across restarts. Returns the cases and the engine last running."""
+    kept across restarts; where that is what the run tests (`keeps`), each
+    later case starts on a new engine too. Returns the cases and the
+    engine last running."""
     side = scheduler_side(llm, connector)
     preempted: list[str] = []
     count_preemptions(llm, preempted)
@@ -313,6 +316,15 @@ def with_kvbm(
         # The next case starts with empty caches, vLLM's and kvbm's.
         drop_prefix_cache(llm)
         drop_prefix_cache(llm, reset_connector=True)
+        if restart is not None and keeps and seed != seeds[-1]:
+            # A reset stops the kept tiers until the engine restarts: the
+            # next case's blocks are kept by a new engine. The reset
+            # reaches the workers with the next step, which empties their
+            # records first.
+            llm.generate([{"prompt_token_ids": [1]}], greedy(1), use_tqdm=False)
+            llm = restart(llm)
+            side = scheduler_side(llm, connector)
+            count_preemptions(llm, preempted)
     return out, llm
 
 
@@ -345,7 +357,10 @@ def main() -> int:
         else:
             corrupt = run["extra"]["disk_cache_dir"] if run.get("corrupt_g3") else None
             again = restart if run.get("restart") else None
-            result, llm = with_kvbm(llm, seeds, max_tokens, corrupt, connector, again)
+            # Runs with G4 test what a new engine finds there, not in its
+            # own kept tiers.
+            keeps = not any(k.startswith("g4_") for k in run["extra"])
+            result, llm = with_kvbm(llm, seeds, max_tokens, corrupt, connector, again, keeps)
         print("KVBM_RESULT " + json.dumps({"name": run["name"], "cases": result}), flush=True)
         shut_down(llm)
     return 0
