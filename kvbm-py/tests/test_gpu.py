@@ -187,7 +187,8 @@ def run_spec_kept_host_round_trip(directory: str) -> None:
     """The spec's worker with its pinned slots kept in ``directory`` (a
     file mapped and registered with the GPU in place): blocks stored from
     device pages by one worker are reported by the next over the same
-    directory and loaded back byte for byte."""
+    directory and loaded back byte for byte; a slot changed at rest fails
+    its load (when the build has the test hooks)."""
     import gc
     import struct
 
@@ -222,6 +223,16 @@ def run_spec_kept_host_round_trip(directory: str) -> None:
     assert job[1], job
     for t, want in zip(pages, before):
         assert torch.equal(t[[5, 6, 7]], want)
+    if kvbm_py._kvbm.TEST_HOOKS:
+        # A kept slot changed at rest: its load is checked on the GPU
+        # against the sum the first worker recorded, and fails.
+        b.corrupt_slot(6)
+        b.load(3, [(0, 8, 5), (0, 9, 6)])
+        b.wait([3])
+        (job,) = b.finished()
+        assert not job[1] and job[4] == [(0, 9)], job
+        for t, want in zip(pages, before):
+            assert torch.equal(t[8], want[1])
 
 
 def test_spec_worker_keeps_pinned_slots_across_a_restart(tmp_path):

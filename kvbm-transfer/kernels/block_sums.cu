@@ -1,13 +1,17 @@
 // Block checksums of device memory, for verify mode.
 //
-// Computes, for each chunk descriptor, the sum of the terms of the chunk's
-// bytes as kvbm-transfer's `checksum` module defines them, and adds it to
-// the sum of the descriptor's block. Terms add (mod 2^64), so any thread
-// may sum any words in any order; the host finishes each block's sum.
+// Computes, for each descriptor (a piece of one chunk of a block), the sum
+// of the terms of the piece's bytes as kvbm-transfer's `checksum` module
+// defines them, and adds it to the sum of the descriptor's block. Terms add
+// (mod 2^64), so any thread may sum any words in any order; the host
+// finishes each block's sum. A piece starts `first` words into its chunk
+// (the host cuts chunks into pieces so that a lone block still keeps
+// hundreds of warps busy), and each word is keyed by its place in the
+// chunk.
 //
 // Work split: one warp per descriptor at a time, grid-striding over
 // descriptors; each lane reads 16-byte vectors (8-byte words where the
-// chunk is only 8-byte aligned, single bytes where it is not even that).
+// piece is only 8-byte aligned, single bytes where it is not even that).
 //
 // Build with `cargo xtask kernels`; the fatbin is committed next to this file.
 
@@ -15,8 +19,9 @@
 
 // Must match `SumChunk` in kvbm-transfer (#[repr(C)], 24 bytes).
 struct SumChunk {
-    uint64_t addr;
-    uint64_t len;
+    uint64_t addr;   // the piece's first byte
+    uint32_t len;    // bytes in the piece
+    uint32_t first;  // words of the chunk before the piece
     uint32_t block;
     uint32_t chunk;
 };
@@ -48,7 +53,7 @@ __device__ __forceinline__ uint64_t word_bytes(const uint8_t* p, uint64_t len, u
     return w;
 }
 
-// This lane's share of the terms of one chunk.
+// This lane's share of the terms of one piece.
 __device__ __forceinline__ uint64_t chunk_terms(const SumChunk& c, uint32_t lane, uint32_t lanes) {
     const uint8_t* p = reinterpret_cast<const uint8_t*>(c.addr);
     const uint64_t words = (c.len + 7) / 8;
@@ -71,8 +76,8 @@ __device__ __forceinline__ uint64_t chunk_terms(const SumChunk& c, uint32_t lane
                 if (at < nvec) {
                     const uint64_t w0 = ((uint64_t)r[u].y << 32) | r[u].x;
                     const uint64_t w1 = ((uint64_t)r[u].w << 32) | r[u].z;
-                    sum += term(w0, key_of(c.chunk, 2 * at));
-                    sum += term(w1, key_of(c.chunk, 2 * at + 1));
+                    sum += term(w0, key_of(c.chunk, c.first + 2 * at));
+                    sum += term(w1, key_of(c.chunk, c.first + 2 * at + 1));
                 }
             }
         }
@@ -80,11 +85,11 @@ __device__ __forceinline__ uint64_t chunk_terms(const SumChunk& c, uint32_t lane
     } else if ((c.addr & 7) == 0) {
         const uint64_t* w = reinterpret_cast<const uint64_t*>(p);
         const uint64_t whole = c.len / 8;
-        for (uint64_t j = lane; j < whole; j += lanes) sum += term(w[j], key_of(c.chunk, j));
+        for (uint64_t j = lane; j < whole; j += lanes) sum += term(w[j], key_of(c.chunk, c.first + j));
         first = whole;
     }
     for (uint64_t j = first + lane; j < words; j += lanes) {
-        sum += term(word_bytes(p, c.len, j), key_of(c.chunk, j));
+        sum += term(word_bytes(p, c.len, j), key_of(c.chunk, c.first + j));
     }
     return sum;
 }

@@ -1,6 +1,6 @@
-//! Block checksums taken on the GPU equal the host's, on every layout kind
-//! and on chunks at every alignment (16-, 8- and 1-byte), and change with
-//! the bytes.
+//! Block checksums taken on the GPU equal the host's, on every layout kind,
+//! on chunks at every alignment (16-, 8- and 1-byte) and on chunks summed
+//! in several pieces, and change with the bytes.
 //!
 //! Without a GPU each test prints `skipped: no CUDA device` and passes; with
 //! `KVBM_REQUIRE_GPU=1` a missing GPU fails.
@@ -56,7 +56,7 @@ fn host_sum(layout: &Layout, images: &[Vec<u8>], block: usize) -> u64 {
 }
 
 /// Layouts whose chunks are 16-byte aligned (bf16 pages), 8-byte aligned
-/// and unaligned (odd chunk lengths back to back).
+/// and unaligned (odd chunk lengths back to back), small and large.
 fn layouts() -> Vec<Layout> {
     let cfg = |blocks, layers, outer, page, inner, dtype| {
         LayoutConfig::new(blocks, layers, outer, page, inner, dtype).unwrap()
@@ -74,6 +74,11 @@ fn layouts() -> Vec<Layout> {
         )
         .unwrap(),
         Layout::new(cfg(16, 3, 2, 3, 5, 1), LayoutKind::FullyContiguous).unwrap(),
+        // Chunks the GPU sums in pieces: 64 KiB ones, and odd 8,481-byte
+        // ones back to back (pieces at every alignment, a partial last
+        // word).
+        Layout::new(cfg(6, 2, 2, 256, 128, 2), LayoutKind::FullyContiguous).unwrap(),
+        Layout::new(cfg(6, 2, 2, 33, 257, 1), LayoutKind::FullyContiguous).unwrap(),
     ]
 }
 

@@ -5,15 +5,23 @@
 //! bytes over PCIe. [`DeviceChecksums`] sums blocks of a layout in this
 //! device's memory with the `block_sums` kernel (`kernels/block_sums.cu`),
 //! to the same values [`crate::checksum`] gives on the host.
+//!
+//! A call waits for the GPU, so its latency is what a caller pays: the
+//! chunk table goes up and the sums come back through pinned memory (a
+//! copy from or into pageable memory is staged by the driver and waited
+//! for in its own, sleeping way), and the caller polls an event after the
+//! download rather than sleeping until the driver wakes it, which on a
+//! virtual machine costs more than the whole pass over a lone block.
 
 use std::ffi::c_void;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::{self, CUfunction};
 use parking_lot::Mutex;
 
 use super::device::CudaDevice;
 use super::error::{CudaError, CudaResult, check};
-use super::handles::Stream;
+use super::handles::{Event, EventKind, HostAlloc, Stream};
 use super::kernel::Module;
 use super::memory::{CudaRegion, DeviceBuffer};
 use crate::checksum;
@@ -24,27 +32,43 @@ use crate::physical::PhysicalLayout;
 static FATBIN: &[u8] = include_bytes!("../../kernels/block_sums.fatbin");
 /// Name of the kernel entry point in the fatbin.
 const ENTRY: &std::ffi::CStr = c"kvbm_block_sums";
-/// Threads per CTA (eight warps; a warp sums one chunk at a time).
+/// Threads per CTA (eight warps; a warp sums one piece at a time).
 const THREADS: u32 = 256;
 /// CTAs per SM at most.
 const CTAS_PER_SM: u32 = 4;
+/// The smallest piece a chunk is cut into (a warp's one pass of loads).
+const MIN_PIECE: u64 = 4 << 10;
+/// The largest piece: a chunk of any size fits the kernel's 32-bit
+/// lengths once cut.
+const MAX_PIECE: u64 = 1 << 20;
+/// How long a call polls its event busily before it naps between polls.
+const SPIN: Duration = Duration::from_millis(1);
+/// The nap between polls after that.
+const NAP: Duration = Duration::from_micros(20);
 
-/// One chunk to sum: the kernel's `SumChunk`.
+/// One piece of a chunk to sum: the kernel's `SumChunk`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 struct SumChunk {
+    /// The piece's first byte.
     addr: u64,
-    len: u64,
+    /// Bytes in the piece.
+    len: u32,
+    /// Words of the chunk before the piece.
+    first: u32,
     block: u32,
     chunk: u32,
 }
 
 const _: () = assert!(std::mem::size_of::<SumChunk>() == 24);
 
-/// Device scratch: the chunk table and the per-block sums.
+/// Scratch: the chunk table and the per-block sums on the device, and the
+/// pinned host memory both pass through (the table on its way up, then
+/// the sums on their way back: the stream orders the two).
 struct Scratch {
     chunks: Option<DeviceBuffer>,
     sums: Option<DeviceBuffer>,
+    host: Option<HostAlloc>,
 }
 
 /// The chunks of some blocks of a device layout, ready to be summed: one
@@ -63,6 +87,8 @@ pub struct DeviceChecksums {
     device: CudaDevice,
     func: CUfunction,
     stream: Stream,
+    /// Recorded after a call's download; polled.
+    done: Event,
     scratch: Mutex<Scratch>,
     _module: Module,
 }
@@ -92,9 +118,11 @@ impl DeviceChecksums {
             device: device.clone(),
             func,
             stream: Stream::new(device, least)?,
+            done: Event::new(device, EventKind::Order)?,
             scratch: Mutex::new(Scratch {
                 chunks: None,
                 sums: None,
+                host: None,
             }),
             _module: module,
         })
@@ -120,6 +148,10 @@ impl DeviceChecksums {
             )));
         }
         let c = *layout.layout().config();
+        let piece = piece_bytes(
+            blocks.len() as u64 * c.block_bytes(),
+            u64::from(self.device.sm_count().max(1) * CTAS_PER_SM * (THREADS / 32)),
+        );
         let mut chunks = Vec::with_capacity(blocks.len() * c.chunks_per_block());
         for (i, &block) in blocks.iter().enumerate() {
             let mut index = 0u32;
@@ -139,12 +171,13 @@ impl DeviceChecksums {
                                 chunk.region
                             ))
                         })?;
-                    chunks.push(SumChunk {
-                        addr: base + chunk.offset,
-                        len: chunk.len,
-                        block: i as u32,
-                        chunk: index,
-                    });
+                    cut(
+                        &mut chunks,
+                        base + chunk.offset,
+                        chunk.len,
+                        piece,
+                        (i as u32, index),
+                    )?;
                     index += 1;
                 }
             }
@@ -171,64 +204,98 @@ impl DeviceChecksums {
         }
         let n = u32::try_from(table.len())
             .map_err(|_| CudaError::InvalidCopy(format!("{} chunks in one call", table.len())))?;
-        let mut terms = vec![0u64; *blocks];
+        let table_bytes = std::mem::size_of_val(table.as_slice());
+        let sums_bytes = *blocks * std::mem::size_of::<u64>();
         let mut guard = self.scratch.lock();
         let scratch = &mut *guard;
-        let chunks = grown(
-            &mut scratch.chunks,
-            &self.device,
-            std::mem::size_of_val(table.as_slice()),
-        )?;
-        let sums = grown(
-            &mut scratch.sums,
-            &self.device,
-            std::mem::size_of_val(&*terms),
-        )?;
+        let chunks = grown(&mut scratch.chunks, &self.device, table_bytes)?;
+        let sums = grown(&mut scratch.sums, &self.device, sums_bytes)?;
+        let host = grown_host(&mut scratch.host, &self.device, table_bytes.max(sums_bytes))?;
+        // SAFETY: `host` holds at least `table_bytes` bytes (grown above)
+        // and no copy uses it now (the last call waited for its own).
+        unsafe {
+            std::ptr::copy_nonoverlapping(table.as_ptr().cast::<u8>(), host.host_ptr(), table_bytes)
+        };
+        // An error after the first copy was queued drains the stream
+        // before the scratch is let go: nothing queued still reads or
+        // writes it when the next call fills it.
+        let queued = self.queue(chunks, sums, host, n, table_bytes, sums_bytes);
+        if queued.is_err() {
+            self.stream.drain();
+        }
+        queued?;
+        let mut terms = vec![0u64; *blocks];
+        // SAFETY: the download of `sums_bytes` into `host` ended (the
+        // event fired without error); `terms` holds as many bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                host.host_ptr(),
+                terms.as_mut_ptr().cast::<u8>(),
+                sums_bytes,
+            )
+        };
+        Ok(terms
+            .into_iter()
+            .map(|t| checksum::finish(t, *block_bytes))
+            .collect())
+    }
+
+    /// Queues one call's upload of the table from `host`, the zeroing of
+    /// `sums`, the kernel and the download of the sums into `host`, and
+    /// waits for them (see [`DeviceChecksums::sums`]).
+    fn queue(
+        &self,
+        chunks: &DeviceBuffer,
+        sums: &DeviceBuffer,
+        host: &HostAlloc,
+        n: u32,
+        table_bytes: usize,
+        sums_bytes: usize,
+    ) -> CudaResult<()> {
         self.device.bind()?;
         let stream = self.stream.raw();
-        // SAFETY: `chunks` and `sums` hold at least the bytes copied (grown
-        // above) and stay alive (the scratch lock is held) until the
-        // stream synchronizes below; `table` and `terms` live as long.
+        // SAFETY: `chunks`, `sums` and `host` hold at least the bytes
+        // copied (the caller grew them) and stay alive (the caller holds
+        // the scratch lock) until the event below fired, or the caller
+        // drained the stream; the download into `host` is queued behind
+        // the upload from it.
         unsafe {
             check(
                 "cuMemcpyHtoDAsync",
                 sys::cuMemcpyHtoDAsync_v2(
                     chunks.ptr(),
-                    table.as_ptr().cast::<c_void>(),
-                    std::mem::size_of_val(table.as_slice()),
+                    host.host_ptr().cast::<c_void>(),
+                    table_bytes,
                     stream,
                 ),
             )?;
             check(
                 "cuMemsetD8Async",
-                sys::cuMemsetD8Async(sums.ptr(), 0, std::mem::size_of_val(&*terms), stream),
+                sys::cuMemsetD8Async(sums.ptr(), 0, sums_bytes, stream),
             )?;
         }
         // SAFETY: `stream` is this device's, its context bound above;
-        // `chunks` holds the `n` chunks of `table`, whose addresses
-        // lie in this device's memory of the table's layout (checked when
-        // the table was made), which the table keeps allocated; `sums`
-        // holds one term per block; all stay alive (the scratch lock is
-        // held) until the synchronize below.
+        // `chunks` receives the `n` chunks of the caller's table (uploaded
+        // above), whose addresses lie in this device's memory of the
+        // table's layout (checked when the table was made), which the
+        // table keeps allocated; `sums` holds one term per block; all stay
+        // alive (the caller holds the scratch lock) until the event below
+        // fired.
         unsafe { self.launch(stream, chunks.ptr(), n, sums.ptr()) }?;
-        // SAFETY: `terms` is valid for writes of the bytes copied; the
-        // stream is synchronized before it is read.
+        // SAFETY: as above.
         unsafe {
             check(
                 "cuMemcpyDtoHAsync",
                 sys::cuMemcpyDtoHAsync_v2(
-                    terms.as_mut_ptr().cast::<c_void>(),
+                    host.host_ptr().cast::<c_void>(),
                     sums.ptr(),
-                    std::mem::size_of_val(&*terms),
+                    sums_bytes,
                     stream,
                 ),
             )?;
-            check("cuStreamSynchronize", sys::cuStreamSynchronize(stream))?;
         }
-        Ok(terms
-            .into_iter()
-            .map(|t| checksum::finish(t, *block_bytes))
-            .collect())
+        self.done.record(&self.stream)?;
+        wait_for(&self.done)
     }
 
     /// Enqueues the `block_sums` kernel on `stream`: it reads the `n`
@@ -282,6 +349,74 @@ impl DeviceChecksums {
     }
 }
 
+/// Bytes per piece when `total` bytes are summed by at most `warps` warps
+/// at once: enough pieces to give every warp one, none below
+/// [`MIN_PIECE`] or above [`MAX_PIECE`], a multiple of 16 so every piece
+/// keeps its chunk's alignment.
+fn piece_bytes(total: u64, warps: u64) -> u64 {
+    total
+        .div_ceil(warps.max(1))
+        .clamp(MIN_PIECE, MAX_PIECE)
+        .next_multiple_of(16)
+}
+
+/// Appends the pieces of the chunk of `len` bytes at `addr`, `(block,
+/// chunk)` of the table, each of at most `piece` bytes (a multiple of 16,
+/// so every piece but the last holds whole words).
+fn cut(
+    out: &mut Vec<SumChunk>,
+    addr: u64,
+    len: u64,
+    piece: u64,
+    (block, chunk): (u32, u32),
+) -> CudaResult<()> {
+    let too_long = || CudaError::InvalidCopy(format!("a chunk of {len} bytes"));
+    // An empty chunk adds no term: it needs no piece.
+    let mut at = 0;
+    while at < len {
+        let n = piece.min(len - at);
+        out.push(SumChunk {
+            addr: addr + at,
+            len: u32::try_from(n).map_err(|_| too_long())?,
+            first: u32::try_from(at / 8).map_err(|_| too_long())?,
+            block,
+            chunk,
+        });
+        at += n;
+    }
+    Ok(())
+}
+
+/// Waits until the work before `event`'s last recording ended: polls it,
+/// busily for [`SPIN`], then with [`NAP`]s between polls; its error if the
+/// work failed.
+fn wait_for(event: &Event) -> CudaResult<()> {
+    let start = Instant::now();
+    while event.is_pending() {
+        if start.elapsed() < SPIN {
+            std::hint::spin_loop();
+        } else {
+            std::thread::sleep(NAP);
+        }
+    }
+    // Returns at once now, with the stream's error if it failed.
+    event.synchronize()
+}
+
+/// `buf`, reallocated when it holds fewer than `len` bytes.
+fn grown_host<'a>(
+    buf: &'a mut Option<HostAlloc>,
+    device: &CudaDevice,
+    len: usize,
+) -> CudaResult<&'a HostAlloc> {
+    if buf.as_ref().is_none_or(|b| b.len() < len) {
+        *buf = None;
+        *buf = Some(HostAlloc::new(device, len.next_power_of_two())?);
+    }
+    buf.as_ref()
+        .ok_or_else(|| CudaError::InvalidCopy("no scratch buffer".into()))
+}
+
 /// `buf`, reallocated when it holds fewer than `len` bytes.
 fn grown<'a>(
     buf: &'a mut Option<DeviceBuffer>,
@@ -294,4 +429,41 @@ fn grown<'a>(
     }
     buf.as_ref()
         .ok_or_else(|| CudaError::InvalidCopy("no scratch buffer".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_give_every_warp_work_within_their_bounds() {
+        // A lone 2 MiB block on 132 SMs: pieces of the smallest size.
+        assert_eq!(piece_bytes(2 << 20, 132 * 32), MIN_PIECE);
+        // A large batch: about one piece per warp, a multiple of 16.
+        let p = piece_bytes(512 << 20, 4224);
+        assert!(
+            p.is_multiple_of(16) && (512u64 << 20).div_ceil(p) <= 4224,
+            "{p}"
+        );
+        assert_eq!(piece_bytes(1 << 40, 1), MAX_PIECE);
+        assert_eq!(piece_bytes(0, 0), MIN_PIECE);
+    }
+
+    #[test]
+    fn a_chunk_is_cut_into_pieces_that_cover_it_in_order() {
+        for len in [0u64, 7, 16, 4096, 4100, 10_000, 65_536] {
+            let mut out = Vec::new();
+            cut(&mut out, 0x1000, len, 4096, (3, 5)).unwrap();
+            assert_eq!(out.iter().map(|p| u64::from(p.len)).sum::<u64>(), len);
+            let mut at = 0;
+            for p in &out {
+                assert_eq!((p.addr, p.block, p.chunk), (0x1000 + at, 3, 5));
+                assert_eq!(u64::from(p.first) * 8, at, "a piece starts on a word");
+                at += u64::from(p.len);
+            }
+            // Every piece but the last is whole words and keeps alignment.
+            let whole = out.len().saturating_sub(1);
+            assert!(out[..whole].iter().all(|p| p.len.is_multiple_of(16)));
+        }
+    }
 }
