@@ -482,6 +482,15 @@ fn label(hash: u64, parent: Option<u64>) -> kvbm_pool::tier::BlockLabel {
     )
 }
 
+/// `(slot, hash)` of every block the instance's kept G3 held at start.
+fn kept_g3_of(i: &Instance) -> Vec<(u32, u64)> {
+    i.leader
+        .kept_g3()
+        .iter()
+        .map(|(s, l)| (*s, l.hash))
+        .collect()
+}
+
 /// Writes labelled blocks into a kept G3, stops, starts again on the same
 /// directories: the blocks are found on every rank and load back intact;
 /// a byte changed on disk while the engine was down is caught on load; a
@@ -502,13 +511,7 @@ fn kept_g3_outlives_the_instance(world: u32, memory: Memory) {
     i.stop();
 
     let i = start_in(world, false, memory, kept);
-    let found: Vec<(u32, u64)> = i
-        .leader
-        .kept_g3()
-        .iter()
-        .map(|(s, l)| (*s, l.hash))
-        .collect();
-    assert_eq!(found, vec![(3, 100), (5, 101)]);
+    assert_eq!(kept_g3_of(&i), vec![(3, 100), (5, 101)]);
     assert_eq!(i.leader.kept_g3()[1].1.parent, Some(100));
     // Every rank said how long opening (and reading back) its G3 took.
     let open = i.leader.g3_open_times();
@@ -575,13 +578,7 @@ fn a_kept_g3_records_nothing_after_a_reset(world: u32) {
         .unwrap();
     i.stop();
     let i = start_in(world, false, Memory::Host, kept);
-    let found: Vec<(u32, u64)> = i
-        .leader
-        .kept_g3()
-        .iter()
-        .map(|(s, l)| (*s, l.hash))
-        .collect();
-    assert_eq!(found, vec![(3, 100)]);
+    assert_eq!(kept_g3_of(&i), vec![(3, 100)]);
     i.stop();
 }
 

@@ -208,9 +208,21 @@ impl DeviceChecksums {
         let sums_bytes = *blocks * std::mem::size_of::<u64>();
         let mut guard = self.scratch.lock();
         let scratch = &mut *guard;
-        let chunks = grown(&mut scratch.chunks, &self.device, table_bytes)?;
-        let sums = grown(&mut scratch.sums, &self.device, sums_bytes)?;
-        let host = grown_host(&mut scratch.host, &self.device, table_bytes.max(sums_bytes))?;
+        let device = &self.device;
+        let on_device = |n| DeviceBuffer::new(device, n);
+        let chunks = grown(
+            &mut scratch.chunks,
+            table_bytes,
+            DeviceBuffer::len,
+            on_device,
+        )?;
+        let sums = grown(&mut scratch.sums, sums_bytes, DeviceBuffer::len, on_device)?;
+        let host = grown(
+            &mut scratch.host,
+            table_bytes.max(sums_bytes),
+            HostAlloc::len,
+            |n| HostAlloc::new(device, n),
+        )?;
         // SAFETY: `host` holds at least `table_bytes` bytes (grown above)
         // and no copy uses it now (the last call waited for its own).
         unsafe {
@@ -403,29 +415,17 @@ fn wait_for(event: &Event) -> CudaResult<()> {
     event.synchronize()
 }
 
-/// `buf`, reallocated when it holds fewer than `len` bytes.
-fn grown_host<'a>(
-    buf: &'a mut Option<HostAlloc>,
-    device: &CudaDevice,
+/// `buf`, replaced by `make(len)` (`len` rounded up to a power of two)
+/// when it holds fewer than `len` bytes (`held` says how many it holds).
+fn grown<B>(
+    buf: &mut Option<B>,
     len: usize,
-) -> CudaResult<&'a HostAlloc> {
-    if buf.as_ref().is_none_or(|b| b.len() < len) {
+    held: fn(&B) -> usize,
+    make: impl FnOnce(usize) -> CudaResult<B>,
+) -> CudaResult<&B> {
+    if buf.as_ref().is_none_or(|b| held(b) < len) {
         *buf = None;
-        *buf = Some(HostAlloc::new(device, len.next_power_of_two())?);
-    }
-    buf.as_ref()
-        .ok_or_else(|| CudaError::InvalidCopy("no scratch buffer".into()))
-}
-
-/// `buf`, reallocated when it holds fewer than `len` bytes.
-fn grown<'a>(
-    buf: &'a mut Option<DeviceBuffer>,
-    device: &CudaDevice,
-    len: usize,
-) -> CudaResult<&'a DeviceBuffer> {
-    if buf.as_ref().is_none_or(|b| b.len() < len) {
-        *buf = None;
-        *buf = Some(DeviceBuffer::new(device, len.next_power_of_two())?);
+        *buf = Some(make(len.next_power_of_two())?);
     }
     buf.as_ref()
         .ok_or_else(|| CudaError::InvalidCopy("no scratch buffer".into()))
