@@ -251,9 +251,9 @@ class KvbmOffloadingManager(OffloadingManager):
         #: Ranks of the engine (each reports its kept tiers).
         self.world = max(1, spec.config.parallel.world_size)
         #: The offload keys of the blocks on a kept disk tier and in a kept
-        #: host tier (None: that tier is not kept), and whether the ranks
-        #: must empty their records with the next step (the cache was
-        #: reset).
+        #: host tier (None: that tier is not kept, or no longer: the cache
+        #: was reset), and whether the ranks must empty their records and
+        #: stop keeping with the next step.
         self.kept_names: KeptNames | None = None
         self.kept_host_names: KeptNames | None = None
         self._stop_keeping = False
