@@ -636,9 +636,10 @@ impl PagedWorker {
         }
         if direction == Direction::Store
             && let Some(kept) = &self.shared.host_kept
+            && *self.shared.keeping.lock()
         {
             // Before any byte of a slot is written, its record names
-            // nothing.
+            // nothing (once the tier stopped keeping, no record does).
             let slots: Vec<u32> = copies.iter().map(|c| c.slot as u32).collect();
             if let Err(e) = kept.forget(&slots) {
                 let mut r = self.shared.reports.lock();

@@ -49,6 +49,18 @@ def _run(h, prompts: dict[str, list[int]]) -> None:
     h.run_until(lambda: h.idle() and manager.books.counts()["writing"] == 0)
 
 
+def _reset_then_store(h) -> None:
+    """Resets the connector, then stores a new prompt: the reset empties
+    the kept records once the next step reached the workers, and the
+    tiers keep nothing stored after it (the engine's weights may have
+    changed): those blocks are served, not kept."""
+    manager = h.connector.connector_scheduler.manager
+    assert h.sched.reset_prefix_cache(reset_connector=True)
+    stored = manager.stats["stored"]
+    _run(h, {"after": [5] * (4 * BLOCK + 1)})
+    assert manager.stats["stored"] > stored, manager.stats
+
+
 def _announced(manager, medium) -> int:
     """Blocks the manager's events since the last call say are stored on
     ``medium``."""
@@ -116,13 +128,7 @@ def test_a_restarted_engine_serves_its_kept_disk_tier_and_a_reset_empties_it(tmp
         # The first prompt's blocks come back from disk, byte for byte.
         _ready(b, "again", prompts["p0"])
         assert manager.stats["loaded_from_disk"] > 0, manager.stats
-        # A reset empties the records once the next step reached the
-        # worker, and the tier keeps nothing stored after it (the engine's
-        # weights may have changed): those blocks are served, not kept.
-        assert b.sched.reset_prefix_cache(reset_connector=True)
-        stored = manager.stats["stored"]
-        _run(b, {"after": [5] * (4 * BLOCK + 1)})
-        assert manager.stats["stored"] > stored, manager.stats
+        _reset_then_store(b)
     finally:
         _stop(b)
 
@@ -266,12 +272,7 @@ def test_a_restarted_engine_serves_its_kept_host_tier_and_a_reset_empties_it(tmp
             assert loaded > 0, manager.stats
             _ready(b, "first", prompts["p0"])
             assert manager.stats["loaded_from_disk"] > 0, manager.stats
-            # A reset empties both tiers' records and stops them: the
-            # blocks stored after it are not kept.
-            assert b.sched.reset_prefix_cache(reset_connector=True)
-            stored = manager.stats["stored"]
-            _run(b, {"after": [5] * (4 * BLOCK + 1)})
-            assert manager.stats["stored"] > stored, manager.stats
+            _reset_then_store(b)
         finally:
             _stop(b)
 

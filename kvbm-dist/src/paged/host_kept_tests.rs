@@ -5,8 +5,7 @@
 use std::sync::Arc;
 
 use super::tests::{
-    Engine, HYBRID, assert_same_pages, engine, load_and_compare, page, settled_clean, sorted,
-    zeroed,
+    Engine, HYBRID, KeptModel, assert_same_pages, engine, page, settled_clean, sorted, zeroed,
 };
 use super::*;
 use crate::kept::tests::memory_dir;
@@ -214,9 +213,8 @@ proptest::proptest! {
         let dir = memory_dir();
         let kept = dir.path().join("g2");
         let e = engine(&HYBRID, blocks);
-        let mut model: std::collections::BTreeMap<u32, u64> = Default::default();
+        let mut model = KeptModel::default();
         let mut w = Some(host_kept_worker(&e, blocks, &kept, "m", None));
-        let mut stopped = false;
         let mut job = 1;
         for step in steps.into_iter().chain([HostStep::Restart]) {
             let worker = w.as_ref().unwrap();
@@ -227,32 +225,24 @@ proptest::proptest! {
                     worker.store(job, vec![copy], vec![]).unwrap();
                     settled_clean(worker, job);
                     job += 1;
-                    if keyed && !stopped {
-                        model.insert(slot as u32, 100 + block as u64);
-                    } else {
-                        model.remove(&(slot as u32));
-                    }
+                    model.wrote(slot, keyed.then_some(100 + block as u64));
                 }
                 HostStep::Unrecord { slot } => {
                     worker.unrecord(&[slot]).unwrap();
-                    model.remove(&(slot as u32));
+                    model.forgot(slot);
                 }
                 HostStep::Stop => {
                     worker.stop_keeping().unwrap();
-                    model.clear();
-                    stopped = true;
+                    model.stop();
                 }
                 HostStep::Restart => {
                     drop(w.take());
                     let e2 = zeroed(blocks);
                     let r = host_kept_worker(&e2, blocks, &kept, "m", None);
-                    let want: Vec<(u32, u64)> = model.iter().map(|(&s, &k)| (s, k)).collect();
-                    proptest::prop_assert_eq!(found(&r), want);
-                    load_and_compare(&r, &model, false, job, &e2, &e)?;
+                    model.check_reopened(&r, found(&r), false, job, &e2, &e)?;
                     job += 1;
                     drop(r);
                     w = Some(host_kept_worker(&e, blocks, &kept, "m", None));
-                    stopped = false;
                 }
             }
         }

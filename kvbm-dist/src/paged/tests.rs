@@ -492,37 +492,74 @@ pub(super) fn assert_same_pages(a: &Engine, b: &Engine, copies: &[PageCopy]) {
     }
 }
 
-/// Loads, as job `job` of `w`, one block per engine block the model
-/// names (`slot → key`, key `100 + block`; a block in two slots is loaded
-/// from one) from G3 where `disk`, else from G2, into `to`'s pages, and
-/// checks each against `from`'s.
-pub(super) fn load_and_compare(
-    w: &PagedWorker,
-    model: &std::collections::BTreeMap<u32, u64>,
-    disk: bool,
-    job: u64,
-    to: &Engine,
-    from: &Engine,
-) -> Result<(), proptest::test_runner::TestCaseError> {
-    let mut seen = std::collections::HashSet::new();
-    let loads: Vec<PageCopy> = model
-        .iter()
-        .map(|(&slot, &key)| {
-            let b = (key - 100) as usize;
-            let copy = if disk { PageCopy::g3 } else { PageCopy::g2 };
-            copy(b % 3, b, slot as usize)
-        })
-        .filter(|c| seen.insert(c.block))
-        .collect();
-    w.load(job, loads.clone()).unwrap();
-    settled_clean(w, job);
-    for c in &loads {
-        proptest::prop_assert_eq!(
-            page(to, c.group, 0, c.block),
-            page(from, c.group, 0, c.block)
-        );
+/// What a kept tier's records must name in the model tests: each slot's
+/// last block written under a key, unless its record was emptied since or
+/// the worker stopped keeping after it opened.
+#[derive(Default)]
+pub(super) struct KeptModel {
+    slots: std::collections::BTreeMap<u32, u64>,
+    stopped: bool,
+}
+
+impl KeptModel {
+    /// `slot` was written: named `key` while the worker keeps, else by
+    /// nothing.
+    pub(super) fn wrote(&mut self, slot: usize, key: Option<u64>) {
+        match key.filter(|_| !self.stopped) {
+            Some(key) => self.slots.insert(slot as u32, key),
+            None => self.slots.remove(&(slot as u32)),
+        };
     }
-    Ok(())
+
+    /// `slot`'s record was emptied.
+    pub(super) fn forgot(&mut self, slot: usize) {
+        self.slots.remove(&(slot as u32));
+    }
+
+    /// The worker stopped keeping: every record emptied, none written.
+    pub(super) fn stop(&mut self) {
+        self.slots.clear();
+        self.stopped = true;
+    }
+
+    /// A restart: `w`, opened over engine `to`, found exactly the model's
+    /// blocks (`found`, as `(slot, key)`, key `100 + block`), and each loads
+    /// from its slot (of G3 with `disk`; a block in two slots from one) byte
+    /// for byte as `from` holds it (job `job`). The worker opened next
+    /// keeps again.
+    pub(super) fn check_reopened(
+        &mut self,
+        w: &PagedWorker,
+        found: Vec<(u32, u64)>,
+        disk: bool,
+        job: u64,
+        to: &Engine,
+        from: &Engine,
+    ) -> Result<(), proptest::test_runner::TestCaseError> {
+        self.stopped = false;
+        let want: Vec<(u32, u64)> = self.slots.iter().map(|(&s, &k)| (s, k)).collect();
+        proptest::prop_assert_eq!(sorted(found), want);
+        let mut seen = std::collections::HashSet::new();
+        let loads: Vec<PageCopy> = self
+            .slots
+            .iter()
+            .map(|(&slot, &key)| {
+                let b = (key - 100) as usize;
+                let copy = if disk { PageCopy::g3 } else { PageCopy::g2 };
+                copy(b % 3, b, slot as usize)
+            })
+            .filter(|c| seen.insert(c.block))
+            .collect();
+        w.load(job, loads.clone()).unwrap();
+        settled_clean(w, job);
+        for c in &loads {
+            proptest::prop_assert_eq!(
+                page(to, c.group, 0, c.block),
+                page(from, c.group, 0, c.block)
+            );
+        }
+        Ok(())
+    }
 }
 
 pub(super) fn sorted(mut blocks: Vec<(u32, u64)>) -> Vec<(u32, u64)> {
@@ -671,37 +708,29 @@ proptest::proptest! {
         let blocks = 5;
         let dir = tempfile::tempdir().unwrap();
         let e = engine(&HYBRID, blocks);
-        let mut model: std::collections::BTreeMap<u32, u64> = Default::default();
+        let mut model = KeptModel::default();
         let mut w = Some(kept_worker(&e, blocks, dir.path(), "m"));
-        let mut stopped = false;
         let mut job = 1;
         for step in steps.into_iter().chain([KeptStep::Restart]) {
             match step {
                 KeptStep::Move { block, to } => {
                     store_and_move(w.as_ref().unwrap(), &[block], |_| to, job);
                     job += 2;
-                    if stopped {
-                        model.remove(&(to as u32));
-                    } else {
-                        model.insert(to as u32, 100 + block as u64);
-                    }
+                    model.wrote(to, Some(100 + block as u64));
                 }
                 KeptStep::Stop => {
                     w.as_ref().unwrap().stop_keeping().unwrap();
-                    model.clear();
-                    stopped = true;
+                    model.stop();
                 }
                 KeptStep::Restart => {
                     drop(w.take());
                     let e2 = zeroed(blocks);
                     let r = kept_worker(&e2, blocks, dir.path(), "m");
-                    let found: Vec<(u32, u64)> = model.iter().map(|(&s, &k)| (s, k)).collect();
-                    proptest::prop_assert_eq!(sorted(r.kept().unwrap().blocks.clone()), found);
-                    load_and_compare(&r, &model, true, job, &e2, &e)?;
+                    let found = r.kept().unwrap().blocks.clone();
+                    model.check_reopened(&r, found, true, job, &e2, &e)?;
                     job += 1;
                     drop(r);
                     w = Some(kept_worker(&e, blocks, dir.path(), "m"));
-                    stopped = false;
                 }
             }
         }
