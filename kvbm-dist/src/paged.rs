@@ -64,12 +64,14 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::error::{DistError, Result};
 
+mod assemble;
 mod disk;
 mod g1_sums;
 mod layouts;
 mod outside;
 mod settle;
 
+pub use assemble::{Piece, Shards};
 pub use outside::SUM_BYTES;
 
 use crate::kept::KeptStore;
@@ -341,6 +343,8 @@ pub struct PagedWorker {
     block_bytes: Vec<u64>,
     /// Each slot has room for a checksum after its block.
     sum_tail: bool,
+    /// Where shards published by another parallelism are assembled.
+    assembly: assemble::Assembly,
 }
 
 fn invalid(what: impl Into<String>) -> DistError {
@@ -514,6 +518,7 @@ impl PagedWorker {
             stride,
             block_bytes,
             sum_tail,
+            assembly: Default::default(),
         })
     }
 
@@ -787,6 +792,8 @@ impl Drop for PagedWorker {
     }
 }
 
+#[cfg(test)]
+mod assemble_tests;
 #[cfg(test)]
 mod host_kept_tests;
 #[cfg(test)]

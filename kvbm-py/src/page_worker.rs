@@ -4,6 +4,7 @@
 
 use kvbm_dist::paged::{
     DiskMove, PageCopy, PageGroup, PageMemory, PagedConfig, PagedDisk, PagedKeep, PagedWorker,
+    Piece, Shards,
 };
 use kvbm_transfer::memory::Owner;
 use pyo3::prelude::*;
@@ -310,6 +311,45 @@ impl PageWorker {
     /// whether it matches (one that does not must never be loaded).
     fn adopt(&self, py: Python<'_>, group: usize, slots: Vec<usize>) -> PyResult<Vec<bool>> {
         let good = py.detach(|| self.inner.adopt(group, &slots));
+        Ok(good.map_err(PyKvbmError::Dist)?)
+    }
+
+    /// `(address, bytes)` of host memory that shards published by an
+    /// engine of another parallelism are read into before
+    /// :meth:`assemble` (made on the first call; later calls may not ask
+    /// for more).
+    fn assembly_memory(&self, bytes: u64) -> PyResult<(u64, u64)> {
+        Ok(self
+            .inner
+            .assembly_memory(bytes)
+            .map_err(PyKvbmError::Dist)?)
+    }
+
+    /// Assembles blocks of `group` in `slots` from their shards in the
+    /// assembly memory: block `k`'s bundle of `shard_count` shards of
+    /// `shard_bytes` bytes, each followed by its checksum, after `k`
+    /// bundles; each shard is checked against its checksum, then
+    /// `(src, dst, bytes)` `pieces` are copied from the bundle into the
+    /// block and the slot is sealed. Per slot whether it was assembled (one
+    /// that was not must never be loaded).
+    fn assemble(
+        &self,
+        py: Python<'_>,
+        group: usize,
+        slots: Vec<usize>,
+        shard_count: usize,
+        shard_bytes: u64,
+        pieces: Vec<(u64, u64, u64)>,
+    ) -> PyResult<Vec<bool>> {
+        let shards = Shards {
+            count: shard_count,
+            bytes: shard_bytes,
+        };
+        let pieces: Vec<Piece> = pieces
+            .into_iter()
+            .map(|(src, dst, len)| Piece { src, dst, len })
+            .collect();
+        let good = py.detach(|| self.inner.assemble(group, &slots, shards, &pieces));
         Ok(good.map_err(PyKvbmError::Dist)?)
     }
 

@@ -49,7 +49,7 @@ impl PagedWorker {
     /// Where the checksum after the block of `group` lies in each of
     /// `slots`. Errors without `sum_tail`, for a group beyond the worker's,
     /// and for a slot beyond G2's.
-    fn tails(&self, group: usize, slots: &[usize]) -> Result<Vec<*mut u8>> {
+    pub(super) fn tails(&self, group: usize, slots: &[usize]) -> Result<Vec<*mut u8>> {
         if !self.sum_tail {
             return Err(invalid("slots without room for a checksum (sum_tail off)"));
         }

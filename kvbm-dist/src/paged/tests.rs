@@ -47,7 +47,7 @@ fn worker(e: &Engine, blocks: usize, slots: usize, verify: bool) -> PagedWorker 
 /// A worker over `e`'s pages, with `slots` G2 slots and, with `disk`, as
 /// many G3 slots in a file under that directory; with `sum_tail`, room
 /// for a checksum after each slot's block.
-fn worker_over(
+pub(super) fn worker_over(
     e: &Engine,
     blocks: usize,
     slots: usize,

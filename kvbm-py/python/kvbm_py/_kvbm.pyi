@@ -457,6 +457,22 @@ class PageWorker:
     def adopt(self, group: int, slots: Sequence[int]) -> list[bool]:
         """Per slot of ``slots`` holding a block of ``group`` that arrived
         from G4 with its checksum after it: whether its bytes match."""
+    def assembly_memory(self, bytes: int) -> tuple[int, int]:
+        """``(address, bytes)`` of host memory that shards published by an
+        engine of another parallelism are read into (made on the first
+        call)."""
+    def assemble(
+        self,
+        group: int,
+        slots: Sequence[int],
+        shard_count: int,
+        shard_bytes: int,
+        pieces: Sequence[tuple[int, int, int]],
+    ) -> list[bool]:
+        """Per slot of ``slots``: whether its block of ``group`` was
+        assembled from its bundle of shards in the assembly memory (each
+        checked against its checksum, then ``(src, dst, bytes)`` pieces
+        copied and the slot sealed)."""
     def finished(
         self,
     ) -> list[tuple[int, bool, int, float, list[tuple[int, int]], TransferError | None]]:
