@@ -180,6 +180,7 @@ class OffloadSide:
         if "loaded_from_g4" in m:
             out["g4_to_g1_blocks"] = m["loaded_from_g4"]
             out["g4_unplaced"] = m["g4_unplaced"]
+            out["g4_from_other_splits"] = m["g4_from_other_splits"]
         out["doomed_keys"] = m["damaged"]
         w = self._worker()
         if w is not None:

@@ -105,9 +105,11 @@ CONFIGS: dict[str, tuple[dict, dict, int]] = {
     # G4 shared through a Mooncake Store on loopback: round 2 runs on a
     # new engine (its G1 to G3 empty) that finds round 1's blocks in G4,
     # which lives in a process of its own.
+    # In float32, as the engines of another tensor-parallel size that read
+    # its blocks (below).
     "spec-hybrid-g4-shared": (
         {"route": "spec", "model": "hybrid", "cpu_cache_gb": 0.05, "admission": "all", "g4": True, "restart": True},
-        {},
+        {"dtype": "float32"},
         1,
     ),
     # The same with G2 publishing only what it evicts: round 2 finds the
@@ -138,6 +140,25 @@ CONFIGS: dict[str, tuple[dict, dict, int]] = {
         {"route": "spec", "model": "hybrid", "cpu_cache_gb": 0.05, "admission": "all", "g4": True, "restart": True},
         {},
         2,
+    ),
+    # Engines of another tensor-parallel size share G4 (READS_FROM): at
+    # TP = 2, cases whose blocks spec-hybrid-g4-shared published at TP = 1
+    # (each rank assembles its half of every block from the one shard TP =
+    # 1 published), and cases of its own; then at TP = 1, those cases
+    # (each block assembled from the two shards TP = 2 published). In
+    # float32: the KV another parallelism computed differs from an
+    # engine's own in rounding (TP = 2 adds the ranks' partial sums), and
+    # in bfloat16 that flips a greedy token of the tiny random model now
+    # and then; in float32 it does not.
+    "tp2-spec-hybrid-g4-from-tp1": (
+        {"route": "spec", "model": "hybrid", "cpu_cache_gb": 0.05, "admission": "all", "g4": True},
+        {"dtype": "float32"},
+        2,
+    ),
+    "spec-hybrid-g4-from-tp2": (
+        {"route": "spec", "model": "hybrid", "cpu_cache_gb": 0.05, "admission": "all", "g4": True},
+        {"dtype": "float32"},
+        1,
     ),
     # The kept tiers at TP = 2: each rank's worker, in a process of its
     # own, reports its records to the scheduler.
@@ -199,6 +220,32 @@ SPEC_CORRUPTED = {
 }
 
 
+#: Configurations that read what another published to G4 at another
+#: tensor-parallel size: they run two of its cases (and two of their own),
+#: in an engine process started after its.
+READS_FROM = {
+    "tp2-spec-hybrid-g4-from-tp1": "spec-hybrid-g4-shared",
+    "spec-hybrid-g4-from-tp2": "tp2-spec-hybrid-g4-from-tp1",
+}
+
+#: The engine process of the configurations that do not run in the one of
+#: their TP size: after the TP = 2 process.
+PROCESS = {"spec-hybrid-g4-from-tp2": "1 after 2"}
+
+
+def _process(name: str) -> int | str:
+    return PROCESS.get(name, CONFIGS[name][2])
+
+
+def _seeds_of(name: str) -> list[int]:
+    """A configuration's seeds; a reader's start with two of its writer's."""
+    own = _seeds(list(CONFIGS).index(name))
+    if name not in READS_FROM:
+        return own
+    theirs = _seeds(list(CONFIGS).index(READS_FROM[name]))
+    return list(dict.fromkeys(theirs[:2] + own[:2]))
+
+
 def _seeds(index: int) -> list[int]:
     """The seeds of configuration `index`: ``KVBM_FUZZ_SEEDS`` if set (a
     failure's, to run it alone), else ``KVBM_FUZZ_CASES`` from
@@ -232,6 +279,11 @@ def _selected() -> list[str]:
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         raise ValueError(f"KVBM_FUZZ_CONFIG: unknown {unknown}; known: {list(CONFIGS)}")
+    for name in list(names):
+        while name in READS_FROM:
+            name = READS_FROM[name]
+            if name not in names:
+                names.insert(0, name)
     return names
 
 
@@ -258,24 +310,26 @@ def _route(keys: dict, models: dict[str, str]) -> dict:
     return out
 
 
-def _runs(tp: int, tmp_path: Path, models: dict[str, str], g4: dict | None = None) -> list[dict]:
-    """Every engine run of one TP size: the references first (the engine
-    without kvbm over every case the others use), then each selected
-    configuration (and at TP = 1 the reported failure's)."""
+def _runs(process: int | str, tmp_path: Path, models: dict[str, str], g4: dict | None = None) -> list[dict]:
+    """Every engine run of one engine process (one per TP size, and those
+    of PROCESS): the references first (the engine without kvbm over every
+    case the others use), then each selected configuration (and in the TP
+    = 1 process the reported failure's)."""
     runs = []
+    tp = CONFIGS[next(n for n in CONFIGS if _process(n) == process)][2]
     for name in _selected():
         keys, engine, size = CONFIGS[name]
-        if size == tp:
+        if _process(name) == process:
             if tp > 1:
                 engine = {**engine, "tensor_parallel_size": tp}
             extra = _extra(keys, tmp_path / name, g4)
-            seeds = _seeds(list(CONFIGS).index(name))
+            seeds = _seeds_of(name)
             runs.append({"name": name, "extra": extra, "engine": engine, "seeds": seeds, **_route(keys, models)})
             if keys.get("restart"):
                 runs[-1]["restart"] = True
             if name in LONG_OUTPUTS:
                 runs[-1]["max_tokens"] = LONG_OUTPUTS[name]
-    if tp == 1:
+    if process == 1:
         llama = _route({}, models)
         runs += [
             {"name": n, "extra": x, "engine": {}, "seeds": [-int(n.split("-")[1])], **llama} for n, x in REPRO.items()
@@ -375,26 +429,31 @@ def g4_store(tmp_path_factory) -> Iterator[dict | None]:
 
 @pytest.fixture(scope="session")
 def results(tiny_model, tiny_hybrid_model, tiny_mamba_model, tmp_path_factory, g4_store):
-    """Every run's cases by name, one engine process per TP size, started
-    when a test first asks for a run of that size. A run the process never
-    finished fails its test with what the process said; the process is
-    not started again."""
-    done: dict[int, dict] = {}
+    """Every run's cases by name, one engine process per TP size (and
+    those of PROCESS), started when a test first asks for one of its runs,
+    after the processes of the configurations its runs read from. A run
+    the process never finished fails its test with what the process said;
+    the process is not started again."""
+    done: dict[int | str, dict] = {}
 
     def get(name: str, tp: int) -> tuple[dict, dict, dict]:
-        if tp not in done:
-            tmp = tmp_path_factory.mktemp(f"differential-tp{tp}")
+        process = _process(name) if name in CONFIGS else tp
+        if process not in done:
+            for n in _selected():
+                if _process(n) == process and n in READS_FROM and _process(READS_FROM[n]) != process:
+                    get(READS_FROM[n], CONFIGS[READS_FROM[n]][2])
+            tmp = tmp_path_factory.mktemp(f"differential-{process}".replace(" ", "-"))
             models = {"llama": tiny_model, "hybrid": tiny_hybrid_model, "mamba": tiny_mamba_model}
-            runs = _runs(tp, tmp, models, g4_store)
+            runs = _runs(process, tmp, models, g4_store)
             with kept_g2_removed():
-                out, failure = run_process(tiny_model, tmp, runs, tp)
-            done[tp] = {"runs": {r["name"]: r for r in runs}, "out": out, "failure": failure}
-        d = done[tp]
+                out, failure = run_process(tiny_model, tmp, runs, CONFIGS[name][2] if name in CONFIGS else tp)
+            done[process] = {"runs": {r["name"]: r for r in runs}, "out": out, "failure": failure}
+        d = done[process]
         run = d["runs"][name]
         missing = [n for n in (name, _reference_of(run)) if n not in d["out"]]
         if missing:
             said = d["failure"] or "it exited 0 without them"
-            pytest.fail(f"{name}: no result for {missing}; the engine process (TP = {tp}): {said}")
+            pytest.fail(f"{name}: no result for {missing}; the engine process ({process}): {said}")
         return d["out"][name], d["out"][_reference_of(run)], run
 
     return get
@@ -428,6 +487,14 @@ def test_outputs_equal_the_engine_without_kvbm(name, results):
     loaded = check(name, got, want, run["extra"], run["engine"])
     # The comparison is about bytes kvbm served: it must have served some.
     assert loaded > 0, f"{name}: kvbm loaded nothing over seeds {run['seeds']}"
+    if name in READS_FROM:
+        # Every case the other engine computed loaded blocks it published,
+        # assembled from shards of its split (checked against their
+        # checksums: a failed check fails the load, which check() refuses).
+        theirs = {str(seed) for seed in _seeds(list(CONFIGS).index(READS_FROM[name]))[:2]}
+        assembled = {seed: c["stats"].get("g4_from_other_splits", 0) for seed, c in got.items() if seed in theirs}
+        assert assembled and all(n > 0 for n in assembled.values()), f"{name}: from the other split: {assembled}"
+        assert all(c["stats"].get("g4_damaged", 0) == 0 for c in got.values()), got
     if run.get("restart") and CONFIGS[name][0].get("g4"):
         # Round 2's engines started empty and served round 1's blocks from
         # G4 (every case, where G2 published all it stored and had room

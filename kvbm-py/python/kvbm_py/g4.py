@@ -3,8 +3,9 @@
 What one process of an engine instance sees of it: blocks put from and got
 into host memory registered with the store, under keys that name the
 engine's identity (model, dtype, page geometry, hash scheme: whatever makes
-two instances' blocks interchangeable), the rank's slice and the block's
-sequence hash. Each block travels with the 8-byte checksum it was written
+two instances' blocks interchangeable), the part of the block (a rank's
+slice, or a shard: ``kvbm_py.vllm.g4_shards``) and the block's sequence
+hash. Each block travels with the 8-byte checksum it was written
 with, right after it in memory and in the store (one object, one transfer),
 so a reader verifies what it got before it serves a byte.
 
@@ -35,6 +36,9 @@ from typing import Any
 from kvbm_py._kvbm import InvalidArgumentError, KvbmError
 
 log = logging.getLogger("kvbm.g4")
+
+#: A part of a block in G4: a rank's slice (the rank), or a named part.
+Part = int | str
 
 #: Bytes of the checksum stored after each block.
 SUM_BYTES = 8
@@ -148,10 +152,11 @@ class G4Client:
         self._down_until = 0.0
         self._warned: dict[G4Failure, float] = {}
 
-    def key(self, rank: int, block: bytes) -> str:
-        """The key of rank ``rank``'s slice of the block named ``block``
-        (its sequence hash)."""
-        return f"kvbm/{self.namespace}/r{rank}/{block.hex()}"
+    def key(self, part: Part, block: bytes) -> str:
+        """The key of part ``part`` of the block named ``block`` (its
+        sequence hash): a rank's slice (the rank) or a named part."""
+        name = part if isinstance(part, str) else f"r{part}"
+        return f"kvbm/{self.namespace}/{name}/{block.hex()}"
 
     def register(self, address: int, size: int) -> None:
         """Registers host memory that blocks are put from and got into (once,
@@ -176,13 +181,13 @@ class G4Client:
             self._down_until = 0.0
         return True
 
-    def prefix(self, rank: int, blocks: Sequence[bytes]) -> int:
+    def prefix(self, part: Part, blocks: Sequence[bytes]) -> int:
         """How many of ``blocks`` (a prompt's sequence hashes, in order) the
-        store holds from the first on, for rank ``rank``; 0 while it is
+        store holds from the first on, for part ``part``; 0 while it is
         unreachable."""
         if not blocks or not self.available():
             return 0
-        found = self._store.batch_is_exist([self.key(rank, b) for b in blocks])
+        found = self._store.batch_is_exist([self.key(part, b) for b in blocks])
         n = 0
         for status in found:
             if status == 1:
@@ -193,41 +198,79 @@ class G4Client:
             break
         return n
 
-    def held(self, world: int, blocks: Sequence[bytes]) -> list[bool] | None:
-        """Per block of ``blocks``, whether the store holds the slices of all
-        ``world`` ranks (one existence query for all of them); None when
-        the store could not answer (unreachable, or any other failure,
+    def held(self, parts: Sequence[Part], blocks: Sequence[bytes]) -> list[bool] | None:
+        """Per block of ``blocks``, whether the store holds all its
+        ``parts`` (one existence query for all of them); None when the
+        store could not answer (unreachable, or any other failure,
         counted)."""
-        if not blocks:
+        found = self.exist([self.key(p, b) for b in blocks for p in parts])
+        if found is None:
+            return None
+        n = len(parts)
+        return [all(found[i * n : (i + 1) * n]) for i in range(len(blocks))]
+
+    def exist(self, keys: Sequence[str]) -> list[bool] | None:
+        """Per key, whether the store holds it (one query); None when the
+        store could not answer (unreachable, or any other failure, counted
+        once per key)."""
+        if not keys:
             return []
         if not self.available():
             return None
-        keys = [self.key(r, b) for b in blocks for r in range(world)]
-        found = self._store.batch_is_exist(keys)
+        found = self._store.batch_is_exist(list(keys))
         bad = [s for s in found if s < 0]
         if bad or len(found) != len(keys):
-            self._count(_failure_of(bad[0]) if bad else G4Failure.OTHER, len(blocks))
+            self._count(_failure_of(bad[0]) if bad else G4Failure.OTHER, len(keys))
             return None
-        return [all(s == 1 for s in found[i * world : (i + 1) * world]) for i in range(len(blocks))]
+        return [s == 1 for s in found]
 
-    def put(self, rank: int, blocks: Sequence[bytes], addresses: Sequence[int], size: int) -> list[G4Failure | None]:
-        """Puts rank ``rank``'s slices of ``blocks``: block ``i`` from the
-        registered memory at ``addresses[i]``, its ``size`` bytes followed by
-        its checksum (``SUM_BYTES``). Per block: ``None`` when stored (or
-        when the store already held that key), else why not."""
-        return self._move(True, rank, blocks, addresses, size)
+    def layout_key(self, name: str) -> str:
+        """The key of what :meth:`put_layout` publishes under ``name``."""
+        return f"kvbm/{self.namespace}/layout/{name}"
 
-    def get(self, rank: int, blocks: Sequence[bytes], addresses: Sequence[int], size: int) -> list[G4Failure | None]:
-        """Gets rank ``rank``'s slices of ``blocks`` into the registered
-        memory at ``addresses[i]``: ``size`` bytes, then the checksum they
-        were put with. Per block: ``None`` when it arrived whole (the caller
-        still checks it against its checksum), else why not."""
-        return self._move(False, rank, blocks, addresses, size)
+    def put_layout(self, name: str, data: bytes) -> bool:
+        """Publishes ``data`` under ``name`` beside the blocks, pinned: the
+        store does not evict it (a master that restarts forgets it, so a
+        writer publishes it again from time to time). Whether it is there."""
+        from mooncake.store import ReplicateConfig  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
-    def _move(
-        self, put: bool, rank: int, blocks: Sequence[bytes], addresses: Sequence[int], size: int
-    ) -> list[G4Failure | None]:
-        n = len(blocks)
+        if not self.available():
+            return False
+        config = ReplicateConfig()
+        config.with_hard_pin = True
+        rc = int(self._store.upsert(self.layout_key(name), data, config))
+        if rc != 0:
+            self._count(_failure_of(rc), 1)
+        return rc == 0
+
+    def get_layout(self, name: str) -> bytes | None:
+        """What :meth:`put_layout` published under ``name``; None when the
+        store does not hold it or cannot answer."""
+        if not self.available():
+            return None
+        data = self._store.get(self.layout_key(name))
+        return bytes(data) if data else None
+
+    def put(self, part: Part, blocks: Sequence[bytes], addresses: Sequence[int], size: int) -> list[G4Failure | None]:
+        """Puts part ``part`` of ``blocks``: block ``i`` from the registered
+        memory at ``addresses[i]``, its ``size`` bytes followed by its
+        checksum (``SUM_BYTES``). Per block: ``None`` when stored (or when
+        the store already held that key), else why not."""
+        return self._move(True, [self.key(part, b) for b in blocks], addresses, size)
+
+    def get(self, part: Part, blocks: Sequence[bytes], addresses: Sequence[int], size: int) -> list[G4Failure | None]:
+        """Gets part ``part`` of ``blocks`` into the registered memory at
+        ``addresses[i]``: ``size`` bytes, then the checksum they were put
+        with. Per block: ``None`` when it arrived whole (the caller still
+        checks it against its checksum), else why not."""
+        return self._move(False, [self.key(part, b) for b in blocks], addresses, size)
+
+    def get_keys(self, keys: Sequence[str], addresses: Sequence[int], size: int) -> list[G4Failure | None]:
+        """As :meth:`get`, for keys of any parts (:meth:`key`)."""
+        return self._move(False, list(keys), addresses, size)
+
+    def _move(self, put: bool, keys: list[str], addresses: Sequence[int], size: int) -> list[G4Failure | None]:
+        n = len(keys)
         if len(addresses) != n:
             raise InvalidArgumentError(f"kvbm: {n} G4 blocks with {len(addresses)} addresses")
         if size <= 0:
@@ -237,7 +280,6 @@ class G4Client:
         if not self.available():
             self._count(G4Failure.UNREACHABLE, n)
             return [G4Failure.UNREACHABLE] * n
-        keys = [self.key(rank, b) for b in blocks]
         sizes = [size + SUM_BYTES] * n
         addresses = list(addresses)
         if put:

@@ -67,6 +67,7 @@ from kvbm_py import InvalidArgumentError, _kvbm
 from kvbm_py.config import GIB, KvbmConfig
 from kvbm_py.g4 import SUM_BYTES
 from kvbm_py.vllm.common import log as logger
+from kvbm_py.vllm.g4_shards import SHARDS_KEY, G4Parts, shards_of
 from kvbm_py.vllm.offload_g4 import G4Lookups, connect, g4_identity, lookup_stats
 from kvbm_py.vllm.offload_kept import (
     KEPT_ENTRY_BYTES,
@@ -116,7 +117,7 @@ DISK_ALIGNMENT = 4096
 
 
 def _kvbm_config(extra: Mapping[str, Any]) -> KvbmConfig:
-    own = {k: v for k, v in extra.items() if k not in VLLM_KEYS and k != TAKES_UP_KEPT}
+    own = {k: v for k, v in extra.items() if k not in VLLM_KEYS and k not in (TAKES_UP_KEPT, SHARDS_KEY)}
     cfg = KvbmConfig.from_sources(own)
     for key, why in NOT_ON_THIS_ROUTE.items():
         if key in own and own[key] != getattr(KvbmConfig, key):
@@ -143,8 +144,11 @@ class KvbmOffloadingSpec(OffloadingSpec):
         #: G4's store and the identity blocks are shared under (None: no G4).
         self.g4 = self.kvbm.g4_store()
         self.g4_identity: str | None = None
+        #: Each group's shards at this parallelism (None: each group is
+        #: published per rank); see :mod:`kvbm_py.vllm.g4_shards`.
+        self.g4_shards = self.extra_config.get(SHARDS_KEY)
         if self.g4 is not None:
-            self.g4_identity, why = g4_identity(config)
+            self.g4_identity, why = g4_identity(config, self.g4_parts(0))
             if self.g4_identity is None:
                 logger.warning("kvbm: G4 at %s not used: %s", self.g4.master, why)
                 self.g4 = None
@@ -187,6 +191,10 @@ class KvbmOffloadingSpec(OffloadingSpec):
         self.keeps_host = kept and self.kvbm.cpu_cache_keep
         self._manager: KvbmOffloadingManager | None = None
         self._worker: KvbmOffloadingWorker | None = None
+
+    def g4_parts(self, rank: int) -> G4Parts:
+        """The names of rank ``rank``'s parts of each group's blocks in G4."""
+        return G4Parts.of(self.config, self.g4_shards, rank)
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
@@ -287,12 +295,13 @@ class KvbmOffloadingManager(OffloadingManager):
             # The scheduler lends the store no memory: it only asks.
             client = connect(dataclasses.replace(spec.g4, segment_bytes=0), spec.g4_identity, "scheduler")
             if client is not None:
-                self.g4 = G4Lookups(client, max(1, spec.config.parallel.world_size))
+                self.g4 = G4Lookups(client, spec.g4_parts(0), self.group_pos)
                 self._books_lookup = self.lookup
                 self.lookup = self._lookup_with_g4  # type: ignore[method-assign]
                 self.lookup_prefix = self._prefix_with_g4
                 self.lookup_window = None
                 self.stats["loaded_from_g4"] = 0
+                self.stats["g4_from_other_splits"] = 0
                 self.stats["g4_unplaced"] = 0
         #: What this engine publishes to G4: ``admissions``, ``evictions``
         #: or ``off``.
@@ -352,11 +361,12 @@ class KvbmOffloadingManager(OffloadingManager):
             slots.append(slot)
             disk.append(on_disk)
             if not r and key in placed:
-                fetch.append((i, key))
+                fetch.append((i, key, self.g4.split(key) if self.g4 is not None else 0))
         self.stats["loaded"] += len(keys)
         self.stats["loaded_from_disk"] += sum(disk)
         if fetched:
             self.stats["loaded_from_g4"] += len(fetched)
+            self.stats["g4_from_other_splits"] += sum(1 for f in fetch if f[2])
         per_group = self.stats["loaded_per_group"]
         groups = self._groups(keys)
         for group in groups:
@@ -669,6 +679,8 @@ class KvbmOffloadingConnector(OffloadingConnector):
             raise InvalidArgumentError(f"kvbm: KvbmOffloadingConnector runs kvbm's spec, not {extra['spec_name']!r}")
         extra.pop("spec_module_path", None)
         extra[TAKES_UP_KEPT] = True
+        if kv_cache_config is not None:
+            extra[SHARDS_KEY] = shards_of(vllm_config, kv_cache_config)
         register_spec()
         super().__init__(vllm_config, role, kv_cache_config)
         if self.connector_scheduler is not None:

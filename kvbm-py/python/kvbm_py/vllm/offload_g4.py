@@ -7,8 +7,11 @@ published there.
   vLLM asks key by key while it schedules; a key not asked about yet is
   answered ``RETRY`` and queued, and the keys queued during a scheduling
   step go to the store in one existence query, on a thread of its own,
-  when the step ends. The request is asked about again the next step,
-  when the answer is known: the scheduler never waits for the store.
+  when the step ends (with a second one for the keys this engine's own
+  parts miss, in the splits engines of other parallelisms publish:
+  :mod:`kvbm_py.vllm.g4_shards`). The request is asked about again the
+  next step, when the answer is known: the scheduler never waits for the
+  store.
 - A key G4 holds is loaded like a host-tier hit, from a host slot the
   books reserve for it: the load job names the keys to fetch first. While
   no host slot is left for it (every slot filled by a store, read by a
@@ -16,8 +19,10 @@ published there.
 - In each rank, :class:`G4Mover` runs on a thread of its own what touches
   the store: it gets a load's fetched blocks into their slots, checks
   each against the checksum it was published with, and only then starts
-  the load; it puts every block this rank stored (its slice of it), with
-  its checksum, once the store job ended. A block and its checksum lie
+  the load (a block held in another split is assembled from the shards
+  holding this rank's share, each checked first); it puts every block
+  this rank stored (its part of it), with its checksum, once the store
+  job ended, and its page layouts beside them. A block and its checksum lie
   together in the slot (the worker leaves room after each block) and
   move as one object. A slot that a put still reads is
   not written: a job that would write it waits on that thread.
@@ -30,6 +35,7 @@ waits on the store but the thread that calls it.
 
 from __future__ import annotations
 
+import ctypes
 import queue
 import threading
 import time
@@ -38,34 +44,44 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvbm_py import _kvbm
-from kvbm_py.g4 import G4Client, G4Config
+from kvbm_py.g4 import SUM_BYTES, G4Client, G4Config
 from kvbm_py.vllm.common import log
+from kvbm_py.vllm.g4_shards import G4Parts, PageLayout, Plan, plan, shard_name
 from kvbm_py.vllm.offload_kept import spec_identity
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.config import OffloadingConfig
 
 #: How kvbm lays out an offloaded block (the concatenation of its group's
-#: layer pages, one slice per rank) and names it (vLLM's offload key);
-#: part of the identity, so a change never reads old blocks.
-G4_LAYOUT = "vllm-offload-pages-1"
+#: layer pages, in parts: :mod:`kvbm_py.vllm.g4_shards`) and names it
+#: (vLLM's offload key); part of the identity, so a change never reads old
+#: blocks.
+G4_LAYOUT = "vllm-offload-pages-2"
 
 #: How long an answer about a key stands before G4 is asked again, s: a
 #: key missing now may be published by another engine later.
 ANSWER_TTL_S = 2.0
 
+#: How often a rank publishes its page layouts again while it publishes
+#: blocks, s (a master that restarted lost them).
+LAYOUT_EVERY_S = 2.0
 
-def g4_identity(config: OffloadingConfig) -> tuple[str | None, str]:
+#: Blocks of the largest bundle of shards the assembly memory holds.
+ASSEMBLY_BLOCKS = 16
+
+
+def g4_identity(config: OffloadingConfig, parts: G4Parts) -> tuple[str | None, str]:
     """What makes two engines' blocks interchangeable (see
-    :func:`~kvbm_py.vllm.offload_kept.spec_identity`). ``(None, why)`` when
-    blocks cannot be shared."""
-    identity = spec_identity(config, G4_LAYOUT)
+    :func:`~kvbm_py.vllm.offload_kept.spec_identity`), whatever their
+    parallelism: the parts say which. ``(None, why)`` when blocks cannot
+    be shared."""
+    identity = spec_identity(config, G4_LAYOUT, parallel=False)
     if identity is None:
         return None, (
             "vLLM seeds its prefix hashes at random in every process unless PYTHONHASHSEED "
             "is set (the same value in every engine), so no engine would find another's blocks"
         )
-    return identity, ""
+    return f"{identity}\ncanonical_pages: {list(parts.canonical)}", ""
 
 
 def connect(config: G4Config, identity: str, what: str) -> G4Client | None:
@@ -82,12 +98,18 @@ class G4Lookups:
     """The scheduler's knowledge of which keys G4 holds (for every rank),
     learnt in the background; see the module docs."""
 
-    def __init__(self, client: G4Client, world: int) -> None:
+    def __init__(self, client: G4Client, parts: G4Parts, group_pos: dict[int, int]) -> None:
         self.client = client
-        self.world = world
+        #: The parts of each group's blocks, and which group a key is of.
+        self.parts, self.group_pos = parts, group_pos
+        self._group_ids = {pos: gid for gid, pos in group_pos.items()}
+        #: Per group, the other splits some engine published layouts of
+        #: (only those are asked for blocks), and when that was learnt.
+        self._splits: dict[int, tuple[tuple[int, ...], float]] = {}
         self._lock = threading.Lock()
-        #: key -> (held, when learnt).
-        self._answers: dict[bytes, tuple[bool, float]] = {}
+        #: key -> (held, when learnt, the split it is held in: 0 for this
+        #: engine's own parts).
+        self._answers: dict[bytes, tuple[bool, float, int]] = {}
         #: Keys asked about since the last flush, and all keys not answered yet.
         self._asked: list[bytes] = []
         self._open: set[bytes] = set()
@@ -125,12 +147,19 @@ class G4Lookups:
         with self._lock:
             return bool(self._open)
 
+    def split(self, key: bytes) -> int:
+        """The split of another parallelism whose shards a key G4 holds is
+        read from; 0 when it is read from this engine's own parts."""
+        with self._lock:
+            found = self._answers.get(key)
+        return found[2] if found is not None else 0
+
     def forget(self, keys: Iterable[bytes]) -> None:
         """``keys`` count as not held (a fetch of them failed)."""
         now = time.monotonic()
         with self._lock:
             for key in keys:
-                self._answers[key] = (False, now)
+                self._answers[key] = (False, now, 0)
 
     def drop(self, keys: Iterable[bytes] | None = None) -> None:
         """Forgets what is known about ``keys`` (all keys when None): they
@@ -148,21 +177,76 @@ class G4Lookups:
             # Mooncake's keys carry the offload key as hex: vLLM's hash and
             # the group.
             started = time.monotonic()
-            held = self.client.held(self.world, batch)
+            found = self._ask(batch)
             now = time.monotonic()
             self.queries += 1
             self.query_seconds.append(now - started)
             del self.query_seconds[:-1024]
             with self._lock:
-                for i, key in enumerate(batch):
+                for key, split in zip(batch, found, strict=True):
                     # An unanswered query reads as not held: the request
                     # goes on without G4 instead of waiting for the store.
-                    self._answers[key] = (bool(held and held[i]), now)
+                    self._answers[key] = (split is not None, now, split or 0)
                     self._open.discard(key)
                 if len(self._answers) > 1 << 16:
-                    stale = [k for k, (_, at) in self._answers.items() if now - at >= ANSWER_TTL_S]
+                    stale = [k for k, (_, at, _) in self._answers.items() if now - at >= ANSWER_TTL_S]
                     for k in stale:
                         del self._answers[k]
+
+    def _ask(self, batch: list[bytes]) -> list[int | None]:
+        """Per key, where G4 holds all its parts: 0 in this engine's own
+        parts, else the split of another parallelism whose shards hold it
+        (asked in a second query, for keys missing in the first); None
+        when it does not (or could not answer)."""
+        groups = [self.group_pos.get(int.from_bytes(key[-4:], "big"), 0) for key in batch]
+        asked = [(i, (0, self.parts.own[g])) for i, g in enumerate(groups)]
+        found: list[int | None] = [None] * len(batch)
+        for _ in range(2):
+            keys = [self.client.key(p, batch[i]) for i, (_, parts) in asked for p in parts]
+            held = self.client.exist(keys)
+            if held is None:
+                break
+            at = 0
+            for i, (split, parts) in asked:
+                if found[i] is None and all(held[at : at + len(parts)]):
+                    found[i] = split
+                at += len(parts)
+            # Keys missing in this engine's parts: any other split some
+            # engine publishes.
+            asked = [
+                (i, (d, tuple(shard_name(d, h) for h in range(d))))
+                for i, g in enumerate(groups)
+                if found[i] is None
+                for d in self._published_splits(g)
+            ]
+            if not asked:
+                break
+        return found
+
+    def _published_splits(self, group: int) -> tuple[int, ...]:
+        """The other splits of ``group`` whose every share's layout is in
+        G4 (engines of that split publish), learnt again every
+        :data:`ANSWER_TTL_S`: a fleet of one parallelism asks nothing
+        more."""
+        now = time.monotonic()
+        known = self._splits.get(group)
+        if known is not None and now - known[1] < ANSWER_TTL_S:
+            return known[0]
+        others = self.parts.others[group]
+        names = [
+            [self.client.layout_key(f"{shard_name(d, h)}/g{self._group_ids[group]}") for h in range(d)] for d in others
+        ]
+        held = self.client.exist([k for keys in names for k in keys]) if others else []
+        splits: tuple[int, ...] = ()
+        if held is not None:
+            at, found = 0, []
+            for d, keys in zip(others, names, strict=True):
+                if all(held[at : at + len(keys)]):
+                    found.append(d)
+                at += len(keys)
+            splits = tuple(found)
+        self._splits[group] = (splits, now)
+        return splits
 
     def close(self) -> None:
         """Stops the lookup thread."""
@@ -173,8 +257,25 @@ class G4Mover:
     """One rank's traffic with G4, on a thread of its own; see the module
     docs. ``pages`` is the rank's :class:`kvbm_py._kvbm.PageWorker`."""
 
-    def __init__(self, client: G4Client, pages: _kvbm.PageWorker, rank: int) -> None:
-        self.client, self.pages, self.rank = client, pages, rank
+    def __init__(
+        self,
+        client: G4Client,
+        pages: _kvbm.PageWorker,
+        parts: G4Parts,
+        layouts: Sequence[PageLayout | None],
+        group_ids: Sequence[int],
+    ) -> None:
+        """``parts`` name this rank's part of each group's blocks;
+        ``layouts`` say how its pages of each sharded group lie in the
+        canonical page (None for the others); ``group_ids`` are vLLM's ids
+        of the groups."""
+        self.client, self.pages, self.parts = client, pages, parts
+        self.layouts, self.group_ids = list(layouts), list(group_ids)
+        #: When this rank's layouts are published again, and the plans
+        #: learnt for reading another split's shards, by (group, split).
+        self._layouts_due = 0.0
+        self._plans: dict[tuple[int, int], Plan] = {}
+        self._assembly: tuple[int, int] | None = None
         # Each slot holds a block with its checksum right after it: what a
         # put reads and a get writes.
         self.base, size = pages.slot_memory()
@@ -193,9 +294,11 @@ class G4Mover:
         #: Test hook: damages a slot after its block arrived, before the
         #: check (proves that the check bites).
         self.test_corrupt: Callable[[int], None] | None = None
-        #: Blocks published, fetched and checked, and fetched but damaged.
+        #: Blocks published, fetched and checked (of them, assembled from
+        #: another parallelism's shards), and fetched but damaged.
         self.published = 0
         self.fetched = 0
+        self.assembled = 0
         self.damaged = 0
         self._thread = threading.Thread(target=self._run, name="kvbm-g4-mover", daemon=True)
         self._thread.start()
@@ -241,13 +344,16 @@ class G4Mover:
 
     def _put(self, blocks: Sequence[tuple[int, int, bytes]]) -> None:
         try:
+            self._publish_layouts()
             for group, items in _by_group(blocks).items():
+                if not self.parts.publishes[group]:
+                    continue  # another rank holds the same share and puts it
                 sealed = self.pages.seal(group, [slot for slot, _ in items])
                 # A slot whose bytes changed since they were stored (verify
                 # mode) is not published.
                 kept = [item for item, ok in zip(items, sealed, strict=True) if ok]
                 failed = self.client.put(
-                    self.rank,
+                    self.parts.mine[group],
                     [key for _, key in kept],
                     self._addresses(slot for slot, _ in kept),
                     self.pages.block_bytes(group),
@@ -270,14 +376,16 @@ class G4Mover:
     def fetch(
         self,
         job: int,
-        blocks: Sequence[tuple[int, int, bytes]],
+        blocks: Sequence[tuple[int, int, bytes, int]],
         start: Callable[[], None],
         before: Callable[[], None] | None = None,
     ) -> None:
-        """Runs ``before`` (if any), gets each ``(group, slot, offload key)``
-        block into its slot and checks it, then starts load job ``job``
-        (``start``); a block that does not arrive whole and checked, or a
-        ``before`` that raises, fails the job instead."""
+        """Runs ``before`` (if any), gets each ``(group, slot, offload key,
+        split)`` block into its slot and checks it (split 0: from this
+        engine's own parts; else assembled from the shards of that split),
+        then starts load job ``job`` (``start``); a block that does not
+        arrive whole and checked, or a ``before`` that raises, fails the job
+        instead."""
         self._hold(job)
 
         def task() -> None:
@@ -293,30 +401,126 @@ class G4Mover:
         with self._lock:
             self._failed.append((job, damaged, why))
 
-    def _fetch(self, job: int, blocks: Sequence[tuple[int, int, bytes]], start: Callable[[], None]) -> None:
-        for group, items in _by_group(blocks).items():
+    def _fetch(self, job: int, blocks: Sequence[tuple[int, int, bytes, int]], start: Callable[[], None]) -> None:
+        by_split: dict[tuple[int, int], list[tuple[int, bytes]]] = {}
+        for group, slot, key, split in blocks:
+            by_split.setdefault((group, split), []).append((slot, key))
+        for (group, split), items in by_split.items():
             slots = [slot for slot, _ in items]
             # A kept host tier's records of these slots go before the bytes.
             self.pages.unrecord(slots)
+            if split:
+                if not self._assemble(job, group, split, items):
+                    return
+                continue
             failed = self.client.get(
-                self.rank,
+                self.parts.mine[group],
                 [key for _, key in items],
                 self._addresses(slots),
                 self.pages.block_bytes(group),
             )
-            missing = [f for f in failed if f is not None]
-            if missing:
-                self.fail(job, 0, f"G4 get: {len(missing)} block(s) {missing[0].value}")
+            if not self._arrived(job, failed):
                 return
             if self.test_corrupt is not None:
                 self.test_corrupt(slots[0])
-            good = self.pages.adopt(group, slots)
-            if not all(good):
-                self.damaged += good.count(False)
-                self.fail(job, good.count(False), f"G4: {good.count(False)} block(s) failed their checksum")
+            if not self._checked(job, self.pages.adopt(group, slots)):
                 return
         self.fetched += len(blocks)
         start()
+
+    def _arrived(self, job: int, failed: Sequence[Any]) -> bool:
+        missing = [f for f in failed if f is not None]
+        if missing:
+            self.fail(job, 0, f"G4 get: {len(missing)} block(s) {missing[0].value}")
+        return not missing
+
+    def _checked(self, job: int, good: list[bool]) -> bool:
+        if not all(good):
+            self.damaged += good.count(False)
+            self.fail(job, good.count(False), f"G4: {good.count(False)} block(s) failed their checksum")
+        return all(good)
+
+    def _assemble(self, job: int, group: int, split: int, items: list[tuple[int, bytes]]) -> bool:
+        """Reads the shards of split ``split`` that hold this rank's share of
+        each ``(slot, offload key)`` block of ``group`` into the assembly
+        memory and assembles each block in its slot."""
+        p = self._plan(group, split)
+        if p is None:
+            self.fail(job, 0, f"G4: no published layout relates split {split} to this rank's pages")
+            return False
+        base, size = self._assembly_memory()
+        bundle = len(p.shares) * (p.shard_bytes + SUM_BYTES)
+        per = size // bundle
+        if per == 0:
+            self.fail(job, 0, f"G4: a bundle of {bundle} bytes exceeds the assembly memory")
+            return False
+        for at in range(0, len(items), per):
+            chunk = items[at : at + per]
+            keys, addresses = [], []
+            for k, (_, key) in enumerate(chunk):
+                for i, share in enumerate(p.shares):
+                    keys.append(self.client.key(shard_name(split, share), key))
+                    addresses.append(base + k * bundle + i * (p.shard_bytes + SUM_BYTES))
+            if not self._arrived(job, self.client.get_keys(keys, addresses, p.shard_bytes)):
+                return False
+            if self.test_corrupt is not None:
+                # The first shard's first byte changes on the way.
+                ctypes.c_ubyte.from_address(base).value ^= 0xFF
+            slots = [slot for slot, _ in chunk]
+            good = self.pages.assemble(group, slots, len(p.shares), p.shard_bytes, list(p.pieces))
+            if not self._checked(job, good):
+                return False
+            self.assembled += len(chunk)
+        return True
+
+    def _plan(self, group: int, split: int) -> Plan | None:
+        """How this rank's share of ``group``'s blocks is built from split
+        ``split``'s shards, from the layouts their writers published
+        (learnt once; None while they are not found)."""
+        found = self._plans.get((group, split))
+        mine = self.layouts[group]
+        if found is not None or mine is None:
+            return found
+        writers = {}
+        for share in range(split):
+            data = self.client.get_layout(f"{shard_name(split, share)}/g{self.group_ids[group]}")
+            layout = PageLayout.from_bytes(data) if data else None
+            if layout is None:
+                return None
+            writers[share] = layout
+        found = plan(mine, writers, SUM_BYTES)
+        if found is not None:
+            self._plans[(group, split)] = found
+        return found
+
+    def _assembly_memory(self) -> tuple[int, int]:
+        """The worker's assembly memory, made and registered with G4 on
+        first use: room for :data:`ASSEMBLY_BLOCKS` of the largest bundle of
+        shards any split can need (a share of the canonical page no larger
+        than the smaller split's)."""
+        if self._assembly is None:
+            largest = 0
+            for g, layout in enumerate(self.layouts):
+                s = self.parts.shards[g]
+                if layout is None or not s:
+                    continue
+                for d in self.parts.others[g]:
+                    data = layout.canonical * len(layout.runs) // min(d, s)
+                    largest = max(largest, data + SUM_BYTES * max(1, d // s))
+            self._assembly = self.pages.assembly_memory(ASSEMBLY_BLOCKS * max(1, largest))
+            self.client.register(*self._assembly)
+        return self._assembly
+
+    def _publish_layouts(self) -> None:
+        """Publishes how this rank's pages of each sharded group lie in the
+        canonical page, at first and every :data:`LAYOUT_EVERY_S` after."""
+        now = time.monotonic()
+        if now < self._layouts_due:
+            return
+        self._layouts_due = now + LAYOUT_EVERY_S
+        for g, layout in enumerate(self.layouts):
+            if layout is not None and self.parts.publishes[g]:
+                self.client.put_layout(f"{self.parts.mine[g]}/g{self.group_ids[g]}", layout.to_bytes())
 
     def _hold(self, job: int) -> None:
         with self._lock:

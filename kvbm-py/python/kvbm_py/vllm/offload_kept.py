@@ -59,10 +59,11 @@ NAMES_FILE = "offload-keys"
 _MAX_NAME = 255
 
 
-def spec_identity(config: OffloadingConfig, layout: str) -> str | None:
+def spec_identity(config: OffloadingConfig, layout: str, parallel: bool = True) -> str | None:
     """What makes blocks stored under ``layout`` by two engines (or by one
     engine before and after a restart) interchangeable: the model and its
-    weights, the KV dtype, every group's geometry, the parallelism and the
+    weights, the KV dtype, every group's geometry, the parallelism (unless
+    ``parallel`` is false: the caller names it where it matters) and the
     prefix hash seed. None when vLLM seeds its prefix hashes at random
     (``PYTHONHASHSEED`` unset): no block would be found again."""
     seed = os.environ.get("PYTHONHASHSEED")
@@ -81,6 +82,8 @@ def spec_identity(config: OffloadingConfig, layout: str) -> str | None:
         "parallel": (p.world_size, p.tp_size, p.pp_size, p.pcp_size, p.dcp_size),
         "hash_seed": hashlib.sha256(seed.encode()).hexdigest()[:16],
     }
+    if not parallel:
+        del fields["parallel"], fields["bytes_per_block"]
     return "\n".join(f"{k}: {v}" for k, v in fields.items())
 
 

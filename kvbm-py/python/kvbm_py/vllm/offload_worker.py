@@ -24,6 +24,7 @@ from vllm.v1.kv_offload.base import (
 from kvbm_py import InvalidArgumentError, _kvbm
 from kvbm_py.config import KvbmConfig
 from kvbm_py.vllm.common import log as logger
+from kvbm_py.vllm.g4_shards import PageLayout
 from kvbm_py.vllm.offload_g4 import G4Mover, connect
 from kvbm_py.vllm.offload_kept import KeptFound, KeptTier, kept_dir, kept_host_dir
 
@@ -40,10 +41,12 @@ class KvbmSlots(BlockIDsLoadStoreSpec):
     a host slot to a disk slot before any slot is written (``(host slot,
     disk slot, group, kvbm key)``; a load that fetches from G4 may move
     some too). With G4: for a load, the blocks to
-    fetch into their slot first (``(index in the job, offload key)``), or
-    ``broken`` when some block found no slot (the job fails, the request is
-    recomputed); for a store, each block's offload key, to publish it once
-    stored; for either, ``(group, slot, offload key)`` of the blocks leaving
+    fetch into their slot first (``(index in the job, offload key,
+    split)``: the split of another parallelism whose shards a block is
+    assembled from, 0 for this engine's own parts), or ``broken`` when
+    some block found no slot (the job fails, the request is recomputed);
+    for a store, each block's offload key, to publish it once stored; for
+    either, ``(group, slot, offload key)`` of the blocks leaving
     the host tier, to publish before their slots are written. For a
     store into a kept host tier, each block's kvbm key (``keys``), which
     its slot's record names once it landed."""
@@ -54,7 +57,7 @@ class KvbmSlots(BlockIDsLoadStoreSpec):
         groups: list[int],
         disk: list[bool] | None = None,
         demote: list[tuple[int, int, int, int]] | None = None,
-        fetch: Sequence[tuple[int, bytes]] | None = None,
+        fetch: Sequence[tuple[int, bytes, int]] | None = None,
         publish: Sequence[bytes] | None = None,
         broken: bool = False,
         publish_first: Sequence[tuple[int, int, bytes]] | None = None,
@@ -146,9 +149,22 @@ class KvbmOffloadingWorker(OffloadingWorker):
         #: Load jobs that fail without a copy (a block found no slot).
         self._fail_now: list[int] = []
         if spec.g4 is not None and spec.g4_identity is not None:
-            client = connect(spec.g4, spec.g4_identity, f"worker of rank {rank}")
+            parts = spec.g4_parts(rank)
+            layouts = [
+                PageLayout.of_refs(refs, s) if s else None
+                for refs, s in zip(kv_caches.group_data_refs, parts.shards, strict=True)
+            ]
+            client = None
+            if any(s and layout is None for s, layout in zip(parts.shards, layouts, strict=True)):
+                # The scheduler names shards this rank cannot relate to its
+                # pages: it neither publishes nor reads any (its loads from
+                # G4 fail and are recomputed).
+                logger.warning("kvbm: G4 not used by rank %d: vLLM's page mappings do not match its shards", rank)
+            else:
+                client = connect(spec.g4, spec.g4_identity, f"worker of rank {rank}")
             if client is not None:
-                self.g4 = G4Mover(client, self.pages, rank)
+                group_ids = [g.group_id for g in spec.config.groups]
+                self.g4 = G4Mover(client, self.pages, parts, layouts, group_ids)
                 if self.test_corrupt_loads:
                     self.g4.test_corrupt = self.pages.corrupt_slot
 
@@ -209,7 +225,7 @@ class KvbmOffloadingWorker(OffloadingWorker):
         assert self.g4 is not None
         # Blocks leaving the slots the fetch writes go to G4 first.
         self.g4.publish(src_spec.publish_first)
-        fetch = [(copies[i][0], copies[i][2], key) for i, key in src_spec.fetch]
+        fetch = [(copies[i][0], copies[i][2], key, split) for i, key, split in src_spec.fetch]
         demote = src_spec.demote
         # Blocks leaving the slots the fetch writes move to disk first.
         self.g4.fetch(job_id, fetch, start, before=(lambda: self.pages.move_to_disk(demote)) if demote else None)
