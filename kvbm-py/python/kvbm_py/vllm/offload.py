@@ -680,7 +680,10 @@ class KvbmOffloadingConnector(OffloadingConnector):
         extra.pop("spec_module_path", None)
         extra[TAKES_UP_KEPT] = True
         if kv_cache_config is not None:
-            extra[SHARDS_KEY] = shards_of(vllm_config, kv_cache_config)
+            try:
+                extra[SHARDS_KEY] = shards_of(vllm_config, kv_cache_config)
+            except Exception as e:  # an engine it cannot read runs without shards
+                logger.warning("kvbm: G4 publishes every group per rank: %s", e)
         register_spec()
         super().__init__(vllm_config, role, kv_cache_config)
         if self.connector_scheduler is not None:
