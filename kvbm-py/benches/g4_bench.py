@@ -377,7 +377,7 @@ def main() -> int:
                 cases["r2"].append(t4 - t3)
                 if held is not None:
                     t5 = time.perf_counter()
-                    held(2, prompt)
+                    held((0, 1), prompt)
                     cases["h2"].append(time.perf_counter() - t5)
             small.close()
         finally:
