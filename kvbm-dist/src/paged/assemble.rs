@@ -79,27 +79,32 @@ impl PagedWorker {
         if bytes == 0 {
             return Err(invalid("an assembly memory of 0 bytes"));
         }
-        let memory = match self.assembly.get() {
-            Some(m) => m,
-            None => {
-                let made = layouts::slot_region(PageMemory::Host, 1, bytes)?;
-                // Another thread may have made it meanwhile; its memory wins.
-                let _ = self.assembly.set(made);
-                self.assembly
-                    .get()
-                    .ok_or_else(|| invalid("no assembly memory"))?
-            }
-        };
-        let size = memory.regions()[0].len();
+        if self.assembly.get().is_none() {
+            let made = layouts::slot_region(PageMemory::Host, 1, bytes)?;
+            // Another thread may have made it meanwhile; its memory wins.
+            let _ = self.assembly.set(made);
+        }
+        let (addr, size) = self.assembly()?;
         if bytes > size {
             return Err(invalid(format!(
                 "assembly memory of {bytes} bytes asked for, {size} made"
             )));
         }
-        let addr = memory.regions()[0]
+        Ok((addr, size))
+    }
+
+    /// `(address, bytes)` of the assembly memory; an error before it is
+    /// made.
+    fn assembly(&self) -> Result<(u64, u64)> {
+        let memory = self
+            .assembly
+            .get()
+            .ok_or_else(|| invalid("no assembly memory"))?;
+        let region = &memory.regions()[0];
+        let addr = region
             .addr()
             .ok_or_else(|| invalid("assembly memory without a host address"))?;
-        Ok((addr, size))
+        Ok((addr, region.len()))
     }
 
     /// Assembles the blocks of `group` in `slots` from their shards in the
@@ -130,14 +135,7 @@ impl PagedWorker {
             )));
         }
         check_pieces(pieces, shards, block)?;
-        let memory = self
-            .assembly
-            .get()
-            .ok_or_else(|| invalid("no assembly memory"))?;
-        let base = memory.regions()[0]
-            .addr()
-            .ok_or_else(|| invalid("assembly memory without a host address"))?;
-        let size = memory.regions()[0].len();
+        let (base, size) = self.assembly()?;
         if slots.len() as u64 * shards.bundle() > size {
             return Err(invalid(format!(
                 "{} bundles of {} bytes beyond the assembly memory's {size}",

@@ -203,11 +203,20 @@ class G4Client:
         ``parts`` (one existence query for all of them); None when the
         store could not answer (unreachable, or any other failure,
         counted)."""
-        found = self.exist([self.key(p, b) for b in blocks for p in parts])
+        return self.all_held([[self.key(p, b) for p in parts] for b in blocks])
+
+    def all_held(self, sets: Sequence[Sequence[str]]) -> list[bool] | None:
+        """Per set of keys, whether the store holds every key of it (one
+        existence query for all the sets); None when the store could not
+        answer (as :meth:`exist`)."""
+        found = self.exist([k for keys in sets for k in keys])
         if found is None:
             return None
-        n = len(parts)
-        return [all(found[i * n : (i + 1) * n]) for i in range(len(blocks))]
+        out, at = [], 0
+        for keys in sets:
+            out.append(all(found[at : at + len(keys)]))
+            at += len(keys)
+        return out
 
     def exist(self, keys: Sequence[str]) -> list[bool] | None:
         """Per key, whether the store holds it (one query); None when the

@@ -202,15 +202,12 @@ class G4Lookups:
         asked = [(i, (0, self.parts.own[g])) for i, g in enumerate(groups)]
         found: list[int | None] = [None] * len(batch)
         for _ in range(2):
-            keys = [self.client.key(p, batch[i]) for i, (_, parts) in asked for p in parts]
-            held = self.client.exist(keys)
+            held = self.client.all_held([[self.client.key(p, batch[i]) for p in parts] for i, (_, parts) in asked])
             if held is None:
                 break
-            at = 0
-            for i, (split, parts) in asked:
-                if found[i] is None and all(held[at : at + len(parts)]):
+            for (i, (split, _)), whole in zip(asked, held, strict=True):
+                if found[i] is None and whole:
                     found[i] = split
-                at += len(parts)
             # Keys missing in this engine's parts: any other split some
             # engine publishes.
             asked = [
@@ -233,18 +230,11 @@ class G4Lookups:
         if known is not None and now - known[1] < ANSWER_TTL_S:
             return known[0]
         others = self.parts.others[group]
-        names = [
-            [self.client.layout_key(f"{shard_name(d, h)}/g{self._group_ids[group]}") for h in range(d)] for d in others
-        ]
-        held = self.client.exist([k for keys in names for k in keys]) if others else []
-        splits: tuple[int, ...] = ()
-        if held is not None:
-            at, found = 0, []
-            for d, keys in zip(others, names, strict=True):
-                if all(held[at : at + len(keys)]):
-                    found.append(d)
-                at += len(keys)
-            splits = tuple(found)
+        gid = self._group_ids[group]
+        held = self.client.all_held(
+            [[self.client.layout_key(f"{shard_name(d, h)}/g{gid}") for h in range(d)] for d in others]
+        )
+        splits = tuple(d for d, whole in zip(others, held or [False] * len(others), strict=True) if whole)
         self._splits[group] = (splits, now)
         return splits
 
