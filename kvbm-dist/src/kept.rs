@@ -691,7 +691,9 @@ impl KeptStore {
     /// Empties every record (the cache was reset).
     pub fn forget_all(&self) -> io::Result<()> {
         let zeros = vec![0u8; (u64::from(self.num_blocks) * RECORD_BYTES) as usize];
-        self.files.slots.write_all_at(&zeros, HEADER_BYTES)
+        self.files.slots.write_all_at(&zeros, HEADER_BYTES)?;
+        self.syncer.state.lock().dirty = true;
+        Ok(())
     }
 
     /// Records that each `(slot, label, sum)` block landed: call once its

@@ -1,6 +1,7 @@
 //! A leader (this process) and two worker processes on loopback: bytes
 //! through G1 → G2 → G3 and back, verified on every worker; a worker
-//! killed mid-transfer; the worker rejoining.
+//! killed mid-transfer; the worker rejoining; a reset reaching a worker
+//! that rejoins after it.
 //!
 //! This test binary doubles as the worker binary, `kvbm-dist-node`:
 //! started with `worker ...` it runs the same entry point
@@ -52,6 +53,8 @@ struct Node {
     endpoint: String,
     secret: InstanceSecret,
     workers: Vec<Option<Child>>,
+    /// The identity G3 is kept across restarts under (`None`: not kept).
+    kept: Option<&'static str>,
 }
 
 impl Node {
@@ -75,6 +78,12 @@ impl Node {
             .args(["--g3-dir", g3.to_str().unwrap()])
             .args(["--fault-delay-ms", &fault_delay_ms.to_string()])
             .args(["--leader-timeout-ms", "60000"])
+            .args(
+                self.kept
+                    .map(|identity| ["--kept-identity", identity])
+                    .into_iter()
+                    .flatten(),
+            )
             .spawn()
             .expect("start kvbm-dist-node");
         self.workers[rank as usize] = Some(child);
@@ -102,7 +111,15 @@ impl Drop for Node {
 
 /// Starts the leader and both workers (`delays[rank]` of fault delay).
 fn start(delays: [u64; 2]) -> (Node, Leader) {
-    let dir = tempfile::tempdir().unwrap();
+    start_in(tempfile::tempdir().unwrap(), delays, None)
+}
+
+/// [`start`] in `dir`, G3 kept under `kept` where given.
+fn start_in(
+    dir: tempfile::TempDir,
+    delays: [u64; 2],
+    kept: Option<&'static str>,
+) -> (Node, Leader) {
     let endpoint = format!("ipc://{}", dir.path().join("leader").display());
     let layout = g1_layout();
     let bpb = layout.config().block_bytes();
@@ -122,6 +139,7 @@ fn start(delays: [u64; 2]) -> (Node, Leader) {
         dir,
         layout,
         workers: vec![None, None],
+        kept,
     };
     for rank in 0..WORLD {
         create_shared_file(&node.g1_file(rank), &node.layout).unwrap();
@@ -332,6 +350,73 @@ fn a_worker_killed_mid_transfer_fails_it_and_can_rejoin() {
     }
 }
 
+/// A reset empties the kept G3 of every worker, of one lost at the time
+/// too: it hears of the reset when it rejoins. Each rank's records, opened
+/// again once the instance stopped, name no block.
+fn a_reset_reaches_a_worker_that_rejoins_after_it() {
+    const IDENTITY: &str = "model: tiny";
+    let (mut node, leader) = start_in(tempfile::tempdir().unwrap(), [0, 0], Some(IDENTITY));
+    let mover = leader.mover();
+    for b in 0..2 {
+        fill(&node, b, 300 + b as u64);
+    }
+    copy(&mover, Tier::G1, Tier::G2, vec![(0, 0), (1, 1)]).unwrap();
+    let labels = chain(7, 2).into_iter().map(|h| (h, None)).collect();
+    let (tx, rx) = mpsc::channel();
+    mover
+        .copy_labelled(
+            Tier::G2,
+            Tier::G3,
+            vec![(0, 3), (1, 5)],
+            labels,
+            CancelToken::new(),
+        )
+        .on_complete(move |o| {
+            let _ = tx.send(o);
+        });
+    rx.recv_timeout(WAIT).expect("a copy hung").unwrap();
+    node.kill(1);
+    assert!(
+        leader.wait_for(WAIT, |s| matches!(s.ranks[1], RankState::Lost { .. })),
+        "{:?}",
+        leader.status()
+    );
+    mover.stop_keeping();
+    node.spawn(1, 0);
+    assert!(leader.wait_whole(WAIT), "{:?}", leader.status());
+    leader.shutdown();
+    for rank in 0..WORLD {
+        if let Some(mut c) = node.workers[rank as usize].take() {
+            assert!(wait_exit(&mut c).success(), "rank {rank}");
+        }
+    }
+    let shape = *node.layout.config();
+    let g3 = Layout::new(
+        shape
+            .with_num_blocks(G3_BLOCKS as usize)
+            .unwrap()
+            .with_alignment(kvbm_transfer::memory::DISK_ALIGNMENT)
+            .unwrap(),
+        LayoutKind::FullyContiguous,
+    )
+    .unwrap();
+    for rank in 0..WORLD {
+        let dir = node.dir.path().join(format!("g3-rank{rank}"));
+        let medium = kvbm_dist::kept::Medium::Disk(kvbm_transfer::memory::IoMode::Auto);
+        let (_, _, found) =
+            kvbm_dist::kept::KeptStore::open_free(&dir, IDENTITY, g3.clone(), &medium).unwrap();
+        assert_eq!(
+            found.started_fresh, None,
+            "rank {rank}'s records were reopened"
+        );
+        assert!(
+            found.blocks.is_empty(),
+            "rank {rank} still names {:?}",
+            found.blocks
+        );
+    }
+}
+
 fn signal(node: &Node, rank: u32, sig: &str) {
     let pid = node.workers[rank as usize].as_ref().unwrap().id();
     let ok = Command::new("kill")
@@ -499,7 +584,7 @@ fn wait_exit(c: &mut Child) -> std::process::ExitStatus {
 }
 
 /// Every test, by name.
-const TESTS: [(&str, fn()); 5] = [
+const TESTS: [(&str, fn()); 6] = [
     (
         "bytes_round_trip_through_every_tier_on_every_worker",
         bytes_round_trip_through_every_tier_on_every_worker,
@@ -519,6 +604,10 @@ const TESTS: [(&str, fn()); 5] = [
     (
         "the_tier_engine_runs_over_the_workers",
         the_tier_engine_runs_over_the_workers,
+    ),
+    (
+        "a_reset_reaches_a_worker_that_rejoins_after_it",
+        a_reset_reaches_a_worker_that_rejoins_after_it,
     ),
 ];
 

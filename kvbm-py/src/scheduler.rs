@@ -762,9 +762,10 @@ impl Scheduler {
     }
 
     /// Drops every G2 and G3 block no request holds (an engine's cache
-    /// reset), and keeps nothing stored from now on in tiers kept across
-    /// restarts (what the engine computes next may come from other
-    /// weights than a restarted engine loads); returns how many.
+    /// reset), empties the records of the tiers kept across restarts and
+    /// keeps nothing stored from now on (what the engine computes next may
+    /// come from other weights than a restarted engine loads); returns how
+    /// many blocks it dropped.
     fn reset(&self) -> PyResult<usize> {
         let engine = {
             let inner = self.inner.lock();

@@ -84,6 +84,9 @@ pub(crate) struct EventLoop {
     status: Arc<StatusCell>,
     hook: LostHook,
     block_bytes: u64,
+    /// Whether the workers' kept tiers still record blocks (a reset stops
+    /// them, and a worker that rejoins after it is told so again).
+    keeping: bool,
 }
 
 impl EventLoop {
@@ -134,6 +137,7 @@ impl EventLoop {
             ping_seq: 0,
             status,
             hook,
+            keeping: true,
         }
     }
 
@@ -198,6 +202,7 @@ impl EventLoop {
                 Ok(Command::Probe { op, blocks, reply }) => self.start_probe(op, blocks, reply),
                 Ok(Command::Peer { request, reply }) => self.start_peer_op(request, reply),
                 Ok(Command::RemotePull(p)) => self.start_remote_pull(p),
+                Ok(Command::StopKeeping) => self.stop_keeping(),
                 Ok(Command::Shutdown) | Err(mpsc::TryRecvError::Disconnected) => return false,
                 Err(mpsc::TryRecvError::Empty) => return true,
             }
@@ -340,14 +345,38 @@ impl EventLoop {
         }
     }
 
+    /// Tells every worker that is not lost to empty its kept records and
+    /// record nothing more; a worker lost now hears it when it rejoins.
+    fn stop_keeping(&mut self) {
+        self.keeping = false;
+        for rank in 0..self.ranks.len() {
+            if matches!(self.ranks[rank].state, RankState::Lost { .. }) {
+                continue;
+            }
+            if let Err(e) = self
+                .router
+                .send(&self.ranks[rank].identity, &Message::StopKeeping)
+            {
+                self.lose(rank, format!("unreachable: {e}"));
+            }
+        }
+    }
+
     /// A rejoining worker's `Ready`: live again when it has its rank and
-    /// the configured tier sizes, else told to exit and lost.
+    /// the configured tier sizes (told to stop keeping when the cache was
+    /// reset), else told to exit and lost.
     fn on_rejoined(&mut self, rank: usize, peer: &[u8], m: &Ready) {
         if m.rank as usize == rank
             && m.g2_blocks == self.configure.g2_blocks
             && m.g3_blocks == self.configure.g3_blocks
         {
             tracing::info!(rank, "rejoined");
+            if !self.keeping
+                && let Err(e) = self.router.send(peer, &Message::StopKeeping)
+            {
+                self.lose(rank, format!("unreachable: {e}"));
+                return;
+            }
             self.ranks[rank].state = RankState::Live;
             self.publish();
         } else {

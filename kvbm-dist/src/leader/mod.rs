@@ -421,6 +421,9 @@ pub(crate) enum Command {
         reply: mpsc::Sender<Result<crate::proto::PeerInfo>>,
     },
     RemotePull(remote::PullRequest),
+    /// The engine's cache was reset: every worker empties its kept
+    /// records and records nothing more.
+    StopKeeping,
     Shutdown,
 }
 

@@ -101,15 +101,20 @@ impl DistMover {
         }
     }
 
-    /// From now on a copy into a kept tier records nothing, so a restarted
-    /// engine finds none of the blocks stored after this call: the
+    /// From now on a copy into a kept tier records nothing, and every
+    /// worker empties its kept records (one that is lost now, when it
+    /// rejoins), so a restarted engine finds none of the blocks: the
     /// engine's cache was reset, and what it computes after a reset may
     /// come from other weights than those a restarted engine loads (vLLM
-    /// resets the cache around an in-place weight update). The records
-    /// written before stay: their blocks came from the weights the engine
-    /// started with. A slot written from now on loses its record.
+    /// resets the cache around an in-place weight update), while what it
+    /// stored before may be from weights a restarted engine no longer
+    /// loads. The tiers go on serving this engine. Returns at once; the
+    /// workers empty their records in order with the copies sent before.
     pub fn stop_keeping(&self) {
         self.keeping.store(false, Ordering::Release);
+        if self.tx.send(Command::StopKeeping).is_ok() {
+            self.wake.wake();
+        }
     }
 
     fn check(&self, src: Tier, dst: Tier, pairs: &[(usize, usize)]) -> Result<(), String> {

@@ -104,7 +104,7 @@ fn body(w: &mut Writer, message: &Message) -> Result<(), ProtoError> {
             w.u32(*rank);
         }
         Message::Cancel { transfer_id } => w.u64(*transfer_id),
-        Message::Shutdown | Message::ExportPeer => {}
+        Message::Shutdown | Message::ExportPeer | Message::StopKeeping => {}
         Message::PeerInfo(p) => encode_peer_info(w, p)?,
         Message::RemotePull(r) => {
             w.u64(r.id);
@@ -299,6 +299,7 @@ fn decode_body(r: &mut Reader<'_>, kind: MessageKind) -> Result<Message, ProtoEr
         },
         MessageKind::Shutdown => Message::Shutdown,
         MessageKind::ExportPeer => Message::ExportPeer,
+        MessageKind::StopKeeping => Message::StopKeeping,
         MessageKind::PeerInfo => Message::PeerInfo(decode_peer_info(r)?),
         MessageKind::RemotePull => Message::RemotePull(RemotePull {
             id: r.u64("transfer id")?,

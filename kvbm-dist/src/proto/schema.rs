@@ -1,7 +1,8 @@
 //! The messages.
 //!
 //! Leader → worker: [`Configure`], [`Transfer`], [`RemotePull`], `Ping`,
-//! `Cancel`, `Shutdown`, `ExportPeer`, and [`PeerInfo`] (connect to a peer).
+//! `Cancel`, `Shutdown`, `ExportPeer`, `StopKeeping`, and [`PeerInfo`]
+//! (connect to a peer).
 //! A worker answers `ExportPeer` and a [`PeerInfo`] with its own one-rank
 //! [`PeerInfo`] (or an [`ErrorReply`]). Worker → leader: [`Hello`], [`Ready`], [`Ack`],
 //! `Pong`, [`ErrorReply`]. Leader ↔ leader: [`PeerInfo`]. Either side may
@@ -256,6 +257,9 @@ pub enum Message {
     /// Leader → worker: describe your G2 for peers (answered with a
     /// one-rank [`PeerInfo`]).
     ExportPeer,
+    /// Leader → worker: the engine's cache was reset; empty the records
+    /// of the tiers kept across restarts and record nothing more.
+    StopKeeping,
 }
 
 /// The kind byte of each message.
@@ -295,6 +299,8 @@ pub enum MessageKind {
     ProbeReply = 14,
     /// [`Message::ExportPeer`].
     ExportPeer = 15,
+    /// [`Message::StopKeeping`].
+    StopKeeping = 16,
 }
 
 impl MessageKind {
@@ -319,6 +325,7 @@ impl MessageKind {
             #[cfg(feature = "probe")]
             14 => ProbeReply,
             15 => ExportPeer,
+            16 => StopKeeping,
             _ => return None,
         })
     }
@@ -345,6 +352,7 @@ impl Message {
             #[cfg(feature = "probe")]
             Message::ProbeReply(_) => MessageKind::ProbeReply,
             Message::ExportPeer => MessageKind::ExportPeer,
+            Message::StopKeeping => MessageKind::StopKeeping,
         }
     }
 }

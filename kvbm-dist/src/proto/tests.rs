@@ -125,6 +125,7 @@ fn message() -> impl Strategy<Value = Message> {
         any::<u64>().prop_map(|transfer_id| Message::Cancel { transfer_id }),
         Just(Message::Shutdown),
         Just(Message::ExportPeer),
+        Just(Message::StopKeeping),
         (
             any::<u64>(),
             prop::collection::vec(

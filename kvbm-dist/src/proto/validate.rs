@@ -47,7 +47,8 @@ pub(crate) fn message(m: &Message) -> Result<(), ProtoError> {
         | Message::Ping { .. }
         | Message::Cancel { .. }
         | Message::Shutdown
-        | Message::ExportPeer => Ok(()),
+        | Message::ExportPeer
+        | Message::StopKeeping => Ok(()),
     }
 }
 

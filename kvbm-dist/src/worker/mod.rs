@@ -410,6 +410,17 @@ impl Worker {
             }),
             Message::RemotePull(r) => self.remote_pull(r),
             Message::ExportPeer => Some(self.export_peer()),
+            Message::StopKeeping => {
+                // Nothing to answer: the leader goes on either way, and a
+                // record left behind names a block stored before the reset.
+                match self.tiers.stop_keeping() {
+                    Ok(()) => {
+                        tracing::info!("the cache was reset: the kept tiers record nothing more")
+                    }
+                    Err(e) => tracing::error!("the cache was reset, but {e}"),
+                }
+                None
+            }
             Message::PeerInfo(p) => Some(self.connect_peer(p)),
             Message::Error(e) => {
                 tracing::warn!(transfer = ?e.transfer_id, "leader reports: {}", e.message);

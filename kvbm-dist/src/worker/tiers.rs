@@ -19,6 +19,7 @@ use kvbm_transfer::{
     CancelToken, Completion, Executor, PhysicalLayout, TransferError, TransferFailure,
     TransferOutcome,
 };
+use parking_lot::Mutex;
 
 use crate::error::{DistError, Result};
 use crate::kept::{BlockLabel, KeptStore, Medium, Recovered};
@@ -107,6 +108,11 @@ pub(crate) struct Tiers {
     g3_found: Found,
     /// How long opening G3 took (recovery included).
     g3_open: Duration,
+    /// Whether the kept tiers still record the blocks that land in them; a
+    /// reset stops them for good ([`Tiers::stop_keeping`]). Shared by every
+    /// clone (the worker's routes and a lent one); held while records are
+    /// written, so a reset waits for them or they see it.
+    keeping: Arc<Mutex<bool>>,
 }
 
 impl Tiers {
@@ -121,6 +127,7 @@ impl Tiers {
             g2_found: Found::default(),
             g3_found: Found::default(),
             g3_open: Duration::ZERO,
+            keeping: Arc::new(Mutex::new(true)),
         }
     }
 
@@ -168,6 +175,11 @@ impl Tiers {
         self.g3_store = g3.store;
         self.g2_found = g2.found;
         self.g3_found = g3.found;
+        if !*self.keeping.lock() {
+            // Configured again after a reset: what the records held is not
+            // kept either.
+            self.forget_kept()?;
+        }
         self.g3_open = if self.g3.is_some() {
             g3_started.elapsed()
         } else {
@@ -272,6 +284,34 @@ impl Tiers {
         })
     }
 
+    /// From now on the kept tiers record nothing, and their records are
+    /// emptied now: the engine's cache was reset, and what it computes
+    /// after a reset may come from other weights than those a restarted
+    /// engine loads (vLLM resets the cache around an in-place weight
+    /// update), so a restarted worker finds none of the blocks. The tiers
+    /// go on serving this engine. A no-op where no tier is kept.
+    pub(crate) fn stop_keeping(&self) -> Result<()> {
+        let mut keeping = self.keeping.lock();
+        *keeping = false;
+        // Under the lock: a copy that landed before wrote its records
+        // (emptied here), one that lands after sees the tiers stopped.
+        self.forget_kept()?;
+        drop(keeping);
+        Ok(())
+    }
+
+    /// Empties every record of the kept tiers.
+    fn forget_kept(&self) -> Result<()> {
+        for (tier, store) in [(Tier::G2, &self.g2_store), (Tier::G3, &self.g3_store)] {
+            if let Some(store) = store {
+                store.forget_all().map_err(|e| {
+                    DistError::InvalidConfig(format!("emptying the {tier:?} records: {e}"))
+                })?;
+            }
+        }
+        Ok(())
+    }
+
     /// What a kept G2 found when it was opened (nothing where G2 is not
     /// kept).
     pub(crate) fn g2_found(&self) -> &Found {
@@ -332,9 +372,13 @@ impl Tiers {
         let settled = pairs.clone();
         let keep = store.filter(|_| labels.len() == pairs.len());
         let table = Arc::clone(&sums);
+        let keeping = Arc::clone(&self.keeping);
         sums.settle_later(s, d, settled, completion, move |outcome, mismatches| {
             if let Some(store) = keep {
-                commit(&store, dst, &table, &pairs, &labels, &outcome);
+                let keeping = keeping.lock();
+                if *keeping {
+                    commit(&store, dst, &table, &pairs, &labels, &outcome);
+                }
             }
             done(outcome, mismatches);
         });
@@ -361,6 +405,10 @@ impl Tiers {
         let Some(store) = self.kept(dst) else {
             return Ok(());
         };
+        if !*self.keeping.lock() {
+            // A reset emptied every record, and none is written since.
+            return Ok(());
+        }
         let slots: Vec<u32> = pairs.iter().map(|p| p.1 as u32).collect();
         store.forget(&slots)
     }

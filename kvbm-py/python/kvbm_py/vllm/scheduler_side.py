@@ -500,8 +500,8 @@ class SchedulerSide:
         self.kvbm.reset()
         if self.config.keeps_g2 or self.config.keeps_g3:
             log.info(
-                "kvbm: the cache was reset; the kept tiers keep nothing stored from now on until the engine "
-                "restarts (the blocks computed now may come from other weights than a restart loads)"
+                "kvbm: the cache was reset; the kept tiers forget what they held and keep nothing stored "
+                "from now on until the engine restarts (the weights may change around a reset)"
             )
         return True
 
