@@ -14,6 +14,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -184,6 +185,16 @@ class Harness:
         kv_transfer_state._KV_CONNECTOR_AGENT = None
 
 
+class _Backend:
+    """The fabricated model's attention backend: only its name."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def get_name(self) -> str:
+        return self.name
+
+
 def build(
     tmp_path,
     extra: dict,
@@ -194,6 +205,7 @@ def build(
     batched_tokens: int = 256,
     model_dir: str | None = None,
     sliding_window: int | None = None,
+    heads_outer: bool = False,
 ) -> Harness:
     """vLLM's Scheduler and worker-side connector with kvbm's connector
     (`connector`: ``KvbmConnector`` or ``KvbmOffloadingConnector``)
@@ -205,7 +217,13 @@ def build(
     directory under `tmp_path` by default): harnesses given the same one
     run the same model, as engines sharing blocks do. With
     `sliding_window` (tokens), the second layer is a sliding-window layer
-    of its own KV cache group, with vLLM's hybrid manager on."""
+    of its own KV cache group, with vLLM's hybrid manager on. The KV
+    tensors keep each block's K, then its V (``[blocks, 2, block size,
+    heads * head size]``), or with `heads_outer` pack K and V per head
+    (``[blocks, heads, block size, 2 * head size]``, as vLLM's CPU
+    backend): the same shape here, read otherwise. The fabricated model's
+    layers name a backend for each (``HARNESS_KV_SPLIT``,
+    ``HARNESS_HEADS_PACKED``), where vLLM's own layers name theirs."""
     from unittest.mock import MagicMock, patch
 
     from vllm.config import (
@@ -290,7 +308,14 @@ def build(
     tp.broadcast_object.side_effect = lambda value, src=0: value
     with patch("vllm.distributed.parallel_state.get_tp_group", return_value=tp):
         ensure_kv_transfer_initialized(vllm_config, kv_cache_config)
-    tensors = [torch.zeros(num_blocks, 2, BLOCK, HEADS * HEAD, dtype=torch.float16) for _ in layers]
+    if heads_outer:
+        tensors = [torch.zeros(num_blocks, HEADS, BLOCK, 2 * HEAD, dtype=torch.float16) for _ in layers]
+    else:
+        tensors = [torch.zeros(num_blocks, 2, BLOCK, HEADS * HEAD, dtype=torch.float16) for _ in layers]
+    backend = _Backend("HARNESS_HEADS_PACKED" if heads_outer else "HARNESS_KV_SPLIT")
+    vllm_config.compilation_config.static_forward_context = {
+        layer: SimpleNamespace(attn_backend=backend) for layer in layers
+    }
     get_kv_transfer_group().register_kv_caches(dict(zip(layers, tensors)))
     sched = Scheduler(
         vllm_config=vllm_config,

@@ -262,6 +262,47 @@ def test_a_reset_stops_the_kept_disk_tier(tmp_path, monkeypatch):
         stop(b)
 
 
+def test_an_engine_laying_kv_out_otherwise_reuses_no_kept_block(tmp_path, monkeypatch):
+    """The same model, weights and block size, but KV tensors that lay a
+    block's bytes out otherwise (another attention backend): a kept G3's
+    blocks would be read as other values, so a restart with such tensors
+    starts G3 afresh and computes every prompt, while a restart with the
+    same layout serves them."""
+    import gc
+
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    block_bytes = 16384
+    extra = {
+        "cpu_cache_gb": 2.5 * block_bytes / 2**30,  # G2 holds two blocks: the rest goes to G3
+        "disk_cache_gb": 64.5 * block_bytes / 2**30,
+        "disk_cache_dir": str(tmp_path / "g3"),
+        "admission": "all",
+    }
+    model_dir = str(tmp_path / "model")
+    prompt = {n: [n] * (4 * BLOCK) + [1] for n in (7, 8)}
+
+    def run(heads_outer: bool, then=None) -> dict:
+        h = build(tmp_path, extra, model_dir=model_dir, heads_outer=heads_outer)
+        try:
+            recovered = h.kvbm.stats()["g3_recovered_blocks"]
+            for n, p in prompt.items():
+                h.request(f"p{n}", p, 1)
+                offloaded(h, f"p{n}")
+            return {"recovered": recovered, "scheduled": dict(h.scheduled), "stats": h.kvbm.stats()}
+        finally:
+            h.close()
+            gc.collect()
+
+    first = run(False)
+    assert first["stats"]["g2_to_g3_blocks"] >= 4, first
+    same = run(False)
+    assert same["recovered"] > 0, same
+    other = run(True)
+    assert other["recovered"] == 0, other
+    assert other["scheduled"] == {f"p{n}": len(p) for n, p in prompt.items()}, other
+    assert other["stats"]["g3_to_g1_blocks"] == 0, other
+
+
 def test_two_requests_sharing_a_prefix_load_it_once(harness):
     h = harness
     h.request("A", PREFIX + [5], 1)

@@ -23,14 +23,22 @@ KEPT = {
 }
 
 
-def _start(tmp_path, model_dir, **more):
+def _start(tmp_path, model_dir, heads_outer=False, **more):
     """A harness over the kept disk tier in `tmp_path` (and `more` config),
     and what its worker found there, handed to its scheduler as the engine
-    core hands it."""
+    core hands it; its KV tensors pack K and V per head with
+    `heads_outer`."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     extra = {**KEPT, "disk_cache_dir": str(tmp_path / "g3"), **more}
-    h = build(tmp_path, extra, kv_events=True, connector="KvbmOffloadingConnector", model_dir=model_dir)
+    h = build(
+        tmp_path,
+        extra,
+        kv_events=True,
+        connector="KvbmOffloadingConnector",
+        model_dir=model_dir,
+        heads_outer=heads_outer,
+    )
     found = get_kv_transfer_group().get_handshake_metadata()
     h.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): found})
     return h, found
@@ -138,6 +146,36 @@ def test_a_restarted_engine_serves_its_kept_disk_tier_and_a_reset_empties_it(tmp
         assert c.connector.connector_scheduler.manager.stats["recovered"] == 0
     finally:
         _stop(c)
+
+
+def test_an_engine_laying_kv_out_otherwise_reuses_no_kept_block(tmp_path, monkeypatch):
+    """The same model, weights and block size, but KV tensors that lay a
+    block's bytes out otherwise (another attention backend): the kept disk
+    tier's blocks would be read as other values, so a restart with such
+    tensors starts the tier afresh and computes every prompt, while a
+    restart with the same layout serves the blocks."""
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    model_dir = str(tmp_path / "model")
+    prompts = {f"p{i}": [i + 1] * (4 * BLOCK + 3) for i in range(4)}
+    a, _ = _start(tmp_path, model_dir)
+    try:
+        for rid, prompt in prompts.items():
+            _run(a, {rid: prompt})
+        assert a.connector.connector_scheduler.manager.stats["demoted"] > 0
+    finally:
+        _stop(a)
+    same, found = _start(tmp_path, model_dir)
+    try:
+        assert found.disk.started_fresh is None and found.disk.blocks
+    finally:
+        _stop(same)
+    other, found = _start(tmp_path, model_dir, heads_outer=True)
+    try:
+        assert found.disk.started_fresh is not None and found.disk.blocks == b"", found.disk
+        _run(other, {"again": prompts["p0"]})
+        assert other.scheduled["again"] == len(prompts["p0"]), other.log
+    finally:
+        _stop(other)
 
 
 def test_blocks_not_every_rank_holds_are_left_out(tmp_path):

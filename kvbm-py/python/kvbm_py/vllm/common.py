@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -30,3 +31,40 @@ def world_size(vllm_config: VllmConfig) -> int:
     """Worker processes holding a slice of every block (TP x PP ranks)."""
     p = vllm_config.parallel_config
     return int(p.tensor_parallel_size) * int(p.pipeline_parallel_size)
+
+
+def kv_encoding(kv_caches: Mapping[str, Any], num_blocks: int, vllm_config: Any) -> str:
+    """How the engine's KV tensors lay a block's bytes out: the attention
+    backends vLLM built for their layers, and per kind of tensor its shape
+    with the block axis (the first of ``num_blocks``) named ``B``, the
+    order of its axes in memory (outermost first) and its element type.
+    What the weights, dtype and block size leave open: a backend that lays
+    K and V, heads or tokens out otherwise reads other values from the same
+    bytes (two layouts can share a shape), so blocks kept across a restart
+    are reused only under the same encoding."""
+    context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+    backends: set[str] = set()
+    for layer in kv_caches:
+        get_name = getattr(getattr(context.get(layer), "attn_backend", None), "get_name", None)
+        if callable(get_name):
+            backends.add(str(get_name()))
+    kinds: set[str] = set()
+    stack = list(kv_caches.values())
+    while stack:
+        t = stack.pop()
+        if isinstance(t, (list, tuple)):
+            stack.extend(t)
+            continue
+        shape, strides = tuple(t.shape), tuple(t.stride())
+        block_axis = shape.index(num_blocks) if num_blocks in shape else -1
+        dims = ["B" if i == block_axis else str(d) for i, d in enumerate(shape)]
+        # Ties (axes of one element) keep their place.
+        order = sorted(range(len(shape)), key=lambda i: (-strides[i], i))
+        kinds.add(f"{'x'.join(dims)} order {','.join(map(str, order))} {t.dtype}")
+    return f"backends {','.join(sorted(backends)) or 'unknown'}; tensors {'; '.join(sorted(kinds))}"
+
+
+def with_encoding(identity: str, encoding: str | None) -> str:
+    """``identity`` with the engine's KV encoding (see :func:`kv_encoding`)
+    as one more line, where it is known."""
+    return identity if encoding is None else f"{identity}\nkv_encoding: {encoding}"

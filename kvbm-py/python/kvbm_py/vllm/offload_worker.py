@@ -24,6 +24,7 @@ from vllm.v1.kv_offload.base import (
 from kvbm_py import InvalidArgumentError, _kvbm
 from kvbm_py.config import KvbmConfig
 from kvbm_py.vllm.common import log as logger
+from kvbm_py.vllm.common import with_encoding
 from kvbm_py.vllm.g4_shards import PageLayout
 from kvbm_py.vllm.offload_g4 import G4Mover, connect
 from kvbm_py.vllm.offload_kept import KeptFound, KeptTier, kept_dir, kept_host_dir
@@ -93,9 +94,14 @@ class KvbmOffloadingWorker(OffloadingWorker):
             if spec.not_kept_why:
                 logger.warning("kvbm: the disk tier starts empty with each engine: %s", spec.not_kept_why)
             disk_dir = _disk_dir(spec.kvbm)
+        # What the kept tiers' records are checked against: the identity,
+        # and how this rank's tensors lay a block out.
+        kept_identity = None
         host_kept = None
-        if spec.keeps_host and spec.kept_identity is not None:
-            host_kept = (kept_host_dir(spec.kvbm, spec.kept_identity, rank), spec.kept_identity)
+        if spec.kept_identity is not None:
+            kept_identity = with_encoding(spec.kept_identity, spec.kv_encoding)
+            if spec.keeps_host:
+                host_kept = (kept_host_dir(spec.kvbm, spec.kept_identity, rank), kept_identity)
         elif spec.kvbm.cpu_cache_keep and spec.not_kept_why:
             logger.warning("kvbm: the host tier starts empty with each engine: %s", spec.not_kept_why)
         self.pages = _kvbm.PageWorker(
@@ -107,7 +113,7 @@ class KvbmOffloadingWorker(OffloadingWorker):
             disk_dir=disk_dir,
             disk_slots=spec.disk_slots,
             sum_tail=spec.g4 is not None,
-            disk_kept=spec.kept_identity if spec.keeps_disk else None,
+            disk_kept=kept_identity if spec.keeps_disk else None,
             host_kept=host_kept,
         )
         #: What this rank's kept tiers held at start, for the manager

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from kvbm_py import InvalidArgumentError, Worker, _kvbm, instance_files
 from kvbm_py.config import SHM_DIR, KvbmConfig, WorkerConfig
 from kvbm_py.vllm import kept_g3
-from kvbm_py.vllm.common import engine_id, instance_of, log, world_size
+from kvbm_py.vllm.common import engine_id, instance_of, kv_encoding, log, with_encoding, world_size
 from kvbm_py.vllm.metadata import KvbmMetadata
 
 if TYPE_CHECKING:
@@ -55,6 +55,8 @@ class WorkerSide:
         self.files = instance_files.InstanceLock(self.config.files_digest(eid))
         atexit.register(self.files.release)
         g3_dir, kept_identity, g2_keep_dir = self._kept_places(eid, rank)
+        if kept_identity is not None:
+            kept_identity = with_encoding(kept_identity, kv_encoding(kv_caches, num_blocks, self.vllm_config))
         if self.config.test_transfer_delay_ms and not _kvbm.TEST_HOOKS:
             raise InvalidArgumentError("kvbm: test_transfer_delay_ms needs a wheel built with feature test-hooks")
         worker_config = WorkerConfig.for_engine(
