@@ -66,6 +66,8 @@ use crate::error::{DistError, Result};
 
 mod assemble;
 mod disk;
+#[cfg(feature = "fault-injection")]
+mod faults;
 mod g1_sums;
 mod layouts;
 mod outside;
@@ -197,6 +199,11 @@ pub struct PagedConfig {
     /// Leave room after each slot's block for its checksum, so an outside
     /// store moves the two as one object (see `paged/outside.rs`).
     pub sum_tail: bool,
+    /// What those checksums are combined with (exclusive or) on their way
+    /// out and back: engines that lay a block's bytes out otherwise use
+    /// other salts, so one never takes another's block for its own (its
+    /// checksum fails). 0 for none.
+    pub tail_salt: u64,
     /// Keeps G2 across restarts (checksums always on); `None`: G2 starts
     /// empty.
     pub host_keep: Option<PagedKeep>,
@@ -343,6 +350,8 @@ pub struct PagedWorker {
     block_bytes: Vec<u64>,
     /// Each slot has room for a checksum after its block.
     sum_tail: bool,
+    /// What the checksums after the blocks are salted with.
+    tail_salt: u64,
     /// Where shards published by another parallelism are assembled.
     assembly: assemble::Assembly,
 }
@@ -479,6 +488,7 @@ impl PagedWorker {
         });
         let block_bytes = config.groups.iter().map(PageGroup::block_bytes).collect();
         let mut worker = Self::start(shared, stride, block_bytes, config.sum_tail)?;
+        worker.tail_salt = config.tail_salt;
         worker.kept = kept;
         worker.kept_host = kept_host;
         Ok(worker)
@@ -518,6 +528,7 @@ impl PagedWorker {
             stride,
             block_bytes,
             sum_tail,
+            tail_salt: 0,
             assembly: Default::default(),
         })
     }
@@ -734,49 +745,6 @@ impl PagedWorker {
         while pending(&r) {
             self.shared.settled.wait(&mut r);
         }
-    }
-
-    /// Changes every byte of G2 slot `slot` (a test's stand-in for memory
-    /// that changed at rest; each call moves the bytes further from what
-    /// was stored).
-    #[cfg(feature = "fault-injection")]
-    pub fn corrupt_slot(&self, slot: usize) -> Result<()> {
-        let region = &self.shared.region.regions()[0];
-        let addr = region
-            .addr()
-            .ok_or_else(|| invalid("slots without an address"))?;
-        if slot >= self.slots() {
-            return Err(invalid(format!("slot {slot} beyond {}", self.slots())));
-        }
-        // SAFETY: the slot lies inside the region (checked), host memory
-        // the region owns; a test calls this while no job copies the slot.
-        let bytes = unsafe {
-            std::slice::from_raw_parts_mut(
-                (addr + slot as u64 * self.stride) as *mut u8,
-                self.stride as usize,
-            )
-        };
-        for b in bytes {
-            *b = b.wrapping_add(0x41);
-        }
-        Ok(())
-    }
-
-    /// Overwrites G3 slot `slot` with zeros (a test's stand-in for a disk
-    /// that changed at rest).
-    #[cfg(feature = "fault-injection")]
-    pub fn corrupt_disk_slot(&self, slot: usize) -> Result<()> {
-        let disk = self.shared.disk.as_ref().ok_or_else(|| invalid("no G3"))?;
-        if slot >= disk.slots {
-            return Err(invalid(format!("G3 slot {slot} beyond {}", disk.slots)));
-        }
-        let zeros = [(self.shared.zero_slot(), slot)];
-        self.shared
-            .executor
-            .transfer(&self.shared.region, &disk.file, &zeros)
-            .wait()
-            .map_err(|f| invalid(format!("overwriting G3 slot {slot}: {f}")))?;
-        Ok(())
     }
 }
 

@@ -159,11 +159,12 @@ impl PageWorker {
     /// restarts in `disk_dir` (see `kept`). With `verify` every stored
     /// slot's checksum is recorded and checked when it is loaded. With
     /// `sum_tail` each slot has room for a checksum after its block, for
-    /// G4 (`seal`, `adopt`). With `host_kept` (`(directory, identity)`,
+    /// G4 (`seal`, `adopt`), salted with `tail_salt` (engines that lay a
+    /// block out otherwise take other salts). With `host_kept` (`(directory, identity)`,
     /// the directory in a memory-backed file system) the host slots are
     /// kept across restarts there (see `kept_host`).
     #[new]
-    #[pyo3(signature = (groups, num_blocks, slots, slot_bytes, verify = false, disk_dir = None, disk_slots = 0, sum_tail = false, disk_kept = None, host_kept = None))]
+    #[pyo3(signature = (groups, num_blocks, slots, slot_bytes, verify = false, disk_dir = None, disk_slots = 0, sum_tail = false, disk_kept = None, host_kept = None, tail_salt = 0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -177,6 +178,7 @@ impl PageWorker {
         sum_tail: bool,
         disk_kept: Option<String>,
         host_kept: Option<(std::path::PathBuf, String)>,
+        tail_salt: u64,
     ) -> PyResult<Self> {
         let (groups, memory, owner) = page_groups(&groups, num_blocks)?;
         let config = PagedConfig {
@@ -192,6 +194,7 @@ impl PageWorker {
             }),
             verify,
             sum_tail,
+            tail_salt,
             host_keep: host_kept.map(|(dir, identity)| PagedKeep { dir, identity }),
         };
         // SAFETY: the pages belong to the engine, which keeps them while

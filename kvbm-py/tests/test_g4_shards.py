@@ -142,9 +142,10 @@ def shards_info(tp: int) -> dict:
 
 class Rank:
     """One rank of an engine at ``tp`` ranks: its pages (block 1 holds
-    its share of ``canonical``), its page worker and its G4 traffic."""
+    its share of ``canonical``), its page worker (checksums salted with
+    ``salt``, as its attention backends say) and its G4 traffic."""
 
-    def __init__(self, master: LocalMaster, tp: int, rank: int, canonical: bytes | None) -> None:
+    def __init__(self, master: LocalMaster, tp: int, rank: int, canonical: bytes | None, salt: int = 0) -> None:
         self.layout = layout(FORM, tp, rank)
         page = self.layout.page
         self.layers = [torch.zeros((2, page), dtype=torch.int8) for _ in range(LAYERS)]
@@ -152,7 +153,9 @@ class Rank:
             mine = local(self.layout, canonical)
             for i, t in enumerate(self.layers):
                 t[1] = torch.frombuffer(bytearray(mine[i * page : (i + 1) * page]), dtype=torch.int8)
-        self.pages = _kvbm.PageWorker([(self.layers, page)], 2, 4, page * LAYERS, verify=True, sum_tail=True)
+        self.pages = _kvbm.PageWorker(
+            [(self.layers, page)], 2, 4, page * LAYERS, verify=True, sum_tail=True, tail_salt=salt
+        )
         self.parts = G4Parts.of(_config("m", tp=tp), shards_info(tp), rank)
         from kvbm_py.g4 import G4Client
 
@@ -244,4 +247,29 @@ def test_shards_of_one_split_are_assembled_by_ranks_of_another(master):
         assert not any(readers[0].block(0)[: len(readers[0].layers[0][0])])
     finally:
         for r in everyone:
+            r.close()
+
+
+def test_blocks_of_an_engine_laying_kv_out_otherwise_are_refused(master):
+    """Engines whose attention backends lay pages out otherwise salt their
+    checksums otherwise: a block one published fails the other's checks,
+    read in its own split or assembled from another, and its pages stay
+    zero, while a reader of the same backends takes it."""
+    canonical = random.Random(8).randbytes(CANONICAL * LAYERS)
+    key = b"s" * 32 + (0).to_bytes(4, "big")
+    writers = [Rank(master, 2, r, canonical, salt=11) for r in range(2)]
+    same = Rank(master, 1, 0, None, salt=11)
+    others = [Rank(master, 1, 0, None, salt=12), Rank(master, 2, 0, None, salt=12)]
+    try:
+        for w in writers:
+            w.publish(key)
+        ok, failed = same.load(key, 2)
+        assert ok and not failed and same.block(0) == canonical
+        for reader, split in zip(others, (2, 0), strict=True):
+            ok, failed = reader.load(key, split)
+            assert not ok and failed and failed[0][1] >= 1, failed
+            assert reader.mover.damaged >= 1
+            assert not any(reader.block(0))
+    finally:
+        for r in [*writers, same, *others]:
             r.close()

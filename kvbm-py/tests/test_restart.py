@@ -91,20 +91,24 @@ def test_the_kv_encoding_names_how_a_block_is_laid_out():
     split = {f"l{i}": torch.zeros(10, 2, 16, 128, dtype=torch.float16) for i in range(2)}
     base = kv_encoding(split, 10, engine("A", "A"))
     assert base == kv_encoding(split, 10, engine("A", "A"))
-    assert "backends A;" in base and "Bx2x16x128 order 0,1,2,3 torch.float16" in base
+    assert "backends A;" in str(base) and "Bx2x16x128 order 0,1,2,3 torch.float16" in str(base)
+    # The salt of blocks shared with other engines names the backends only
+    # (the shapes change with the parallelism).
+    assert base.salt() == kv_encoding({"l0": torch.zeros(10, 1, 16, 128)}, 10, engine("A")).salt() != 0
+    assert kv_encoding(split, 10, engine("B", "B")).salt() not in (0, base.salt())
     # Two layouts of one shape: the backends tell them apart.
     assert kv_encoding(split, 10, engine("B", "B")) != base
     # K and V outermost in memory, blocks inside: another order.
     outer = {n: torch.zeros(2, 10, 16, 128, dtype=torch.float16).transpose(0, 1) for n in split}
-    assert "order 1,0,2,3" in kv_encoding(outer, 10, engine("A", "A"))
+    assert "order 1,0,2,3" in str(kv_encoding(outer, 10, engine("A", "A")))
     # Another element type, another shape.
     assert kv_encoding({n: t.to(torch.bfloat16) for n, t in split.items()}, 10, engine("A", "A")) != base
     assert kv_encoding({n: torch.zeros(10, 2, 16, 2, 64) for n in split}, 10, engine("A", "A")) != base
     # A layer of several tensors (Mamba state), and no layers vLLM built.
     state = {"m": [torch.zeros(10, 4, 8), torch.zeros(10, 16)]}
-    assert kv_encoding(state, 10, SimpleNamespace()) == (
-        "backends unknown; tensors Bx16 order 0,1 torch.float32; Bx4x8 order 0,1,2 torch.float32"
-    )
+    unknown = kv_encoding(state, 10, SimpleNamespace())
+    assert str(unknown) == "backends unknown; tensors Bx16 order 0,1 torch.float32; Bx4x8 order 0,1,2 torch.float32"
+    assert unknown.salt() == 0
 
 
 def test_other_identities_are_removed_or_kept_by_policy(tmp_path):

@@ -147,7 +147,8 @@ impl PagedWorker {
         let mut good = Vec::with_capacity(slots.len());
         for (k, (&slot, tail)) in slots.iter().zip(tails).enumerate() {
             let bundle = base + k as u64 * shards.bundle();
-            if !(0..shards.count).all(|i| shard_matches(bundle, i, shards, layers)) {
+            if !(0..shards.count).all(|i| shard_matches(bundle, i, shards, layers, self.tail_salt))
+            {
                 good.push(None);
                 continue;
             }
@@ -171,7 +172,7 @@ impl PagedWorker {
             let sum = block_sum(g2, slot).map_err(invalid)?;
             // SAFETY: as in `seal`: the SUM_BYTES after the group's block
             // inside the slot, which no job copies meanwhile.
-            unsafe { (tail as *mut [u8; 8]).write_unaligned(sum.to_le_bytes()) };
+            unsafe { (tail as *mut [u8; 8]).write_unaligned((sum ^ self.tail_salt).to_le_bytes()) };
             good.push(Some(sum));
         }
         if let Some(sums) = &self.shared.sums {
@@ -185,8 +186,9 @@ impl PagedWorker {
 }
 
 /// Whether shard `i` of the bundle at `bundle` matches the checksum after
-/// it: its bytes as `layers` chunks, as the writer's slot held them.
-fn shard_matches(bundle: u64, i: usize, shards: Shards, layers: u64) -> bool {
+/// it, salted with `salt`: its bytes as `layers` chunks, as the writer's
+/// slot held them.
+fn shard_matches(bundle: u64, i: usize, shards: Shards, layers: u64, salt: u64) -> bool {
     let start = bundle + i as u64 * shards.stride();
     // SAFETY: the shard and its checksum lie inside the bundle, which
     // `assemble` checked lies in the assembly memory; only read.
@@ -196,7 +198,7 @@ fn shard_matches(bundle: u64, i: usize, shards: Shards, layers: u64) -> bool {
     for chunk in data.chunks_exact((shards.bytes / layers) as usize) {
         h.update(chunk);
     }
-    <[u8; 8]>::try_from(sum).is_ok_and(|sum| u64::from_le_bytes(sum) == h.digest())
+    <[u8; 8]>::try_from(sum).is_ok_and(|sum| u64::from_le_bytes(sum) ^ salt == h.digest())
 }
 
 /// Errors unless `pieces` read inside single shards' bytes and write

@@ -33,6 +33,7 @@ fn host_kept_worker(
         }),
         verify: false,
         sum_tail: false,
+        tail_salt: 0,
         host_keep: Some(PagedKeep {
             dir: dir.to_path_buf(),
             identity: identity.into(),

@@ -10,7 +10,10 @@
 //! part is the checksums: it writes the sum a block is published with
 //! ([`PagedWorker::seal`]) and checks a block that arrived against the sum
 //! that came with it ([`PagedWorker::adopt`]) before any load may copy it
-//! into the engine's pages.
+//! into the engine's pages. A sum travels salted with the worker's
+//! [`PagedConfig::tail_salt`](super::PagedConfig::tail_salt): a block
+//! published by an engine that lays its bytes out otherwise fails the
+//! check, however sound its bytes.
 
 use super::{PagedWorker, invalid};
 use crate::error::Result;
@@ -87,7 +90,9 @@ impl PagedWorker {
                 // left in every slot's stride), host memory the region
                 // owns; no job copies those bytes, and the caller keeps
                 // the slot's block unwritten meanwhile.
-                unsafe { (tail as *mut [u8; 8]).write_unaligned(sum.to_le_bytes()) };
+                unsafe {
+                    (tail as *mut [u8; 8]).write_unaligned((sum ^ self.tail_salt).to_le_bytes())
+                };
                 Ok(true)
             })
             .collect()
@@ -132,7 +137,7 @@ impl PagedWorker {
             // SAFETY: as in `seal`: the SUM_BYTES after the block inside
             // the slot, which the caller keeps unwritten while it checks.
             let sum = unsafe { (tail as *const [u8; 8]).read_unaligned() };
-            arrived.push((s, u64::from_le_bytes(sum)));
+            arrived.push((s, u64::from_le_bytes(sum) ^ self.tail_salt));
         }
         let good: Vec<bool> = arrived
             .iter()

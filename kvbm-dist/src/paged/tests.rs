@@ -55,6 +55,19 @@ pub(super) fn worker_over(
     verify: bool,
     sum_tail: bool,
 ) -> PagedWorker {
+    salted_worker(e, blocks, slots, disk, verify, sum_tail, 0)
+}
+
+/// [`worker_over`], the checksums after the blocks salted with `salt`.
+fn salted_worker(
+    e: &Engine,
+    blocks: usize,
+    slots: usize,
+    disk: Option<&std::path::Path>,
+    verify: bool,
+    sum_tail: bool,
+    salt: u64,
+) -> PagedWorker {
     let widest = e.groups.iter().map(PageGroup::block_bytes).max().unwrap();
     let config = PagedConfig {
         groups: e.groups.clone(),
@@ -69,6 +82,7 @@ pub(super) fn worker_over(
         }),
         verify,
         sum_tail,
+        tail_salt: salt,
         host_keep: None,
     };
     // SAFETY: the buffers outlive the worker (dropped at the end of each
@@ -186,6 +200,7 @@ fn bad_jobs_and_shapes_are_refused_with_an_error() {
         disk: None,
         verify: false,
         sum_tail: false,
+        tail_salt: 0,
         host_keep: None,
     };
     // SAFETY: refused before anything is touched.
@@ -420,6 +435,26 @@ fn a_block_published_by_one_engine_is_checked_and_served_by_another() {
     assert!(plain.adopt(0, &[0]).is_err());
 }
 
+/// A block published by an engine that lays its bytes out otherwise (its
+/// sums salted otherwise) fails the check of the engine that receives it,
+/// whatever its bytes, while one of the same salt passes.
+#[test]
+fn a_block_published_under_another_salt_is_refused() {
+    let blocks = 4;
+    let pages = engine(&HYBRID, blocks);
+    let a = salted_worker(&pages, blocks, 4, None, false, true, 0x5a17);
+    a.store(1, vec![PageCopy::g2(0, 3, 1)], vec![]).unwrap();
+    a.wait(&[1]);
+    assert!(a.finished()[0].failed.is_empty());
+    assert_eq!(a.seal(0, &[1]).unwrap(), vec![true]);
+    let len = a.block_bytes(0).unwrap() + SUM_BYTES;
+    for (salt, verdict) in [(0x5a17, true), (0x5a18, false), (0, false)] {
+        let b = salted_worker(&pages, blocks, 4, None, true, true, salt);
+        carry(&a, 1, &b, 2, len);
+        assert_eq!(b.adopt(0, &[2]).unwrap(), vec![verdict], "salt {salt:#x}");
+    }
+}
+
 /// A worker over `e`'s pages with `slots` G2 slots and as many G3 slots
 /// kept in `dir` under `identity`.
 fn kept_worker(e: &Engine, slots: usize, dir: &std::path::Path, identity: &str) -> PagedWorker {
@@ -448,6 +483,7 @@ fn kept_worker_over(
         }),
         verify,
         sum_tail: false,
+        tail_salt: 0,
         host_keep: None,
     };
     // SAFETY: as in `worker_over`.

@@ -380,7 +380,9 @@ class PageWorker:
     ``disk_dir`` (see :meth:`kept`). With ``verify`` every stored slot's
     checksum is recorded and checked after each load of it. With
     ``sum_tail`` each slot has room for a checksum after its block, which
-    G4 moves with the block. With ``host_kept`` (``(directory, identity)``,
+    G4 moves with the block, salted with ``tail_salt`` (engines that lay a
+    block out otherwise take other salts, so one never takes another's
+    block for its own). With ``host_kept`` (``(directory, identity)``,
     the directory in a memory-backed file system) the host slots are kept
     across restarts there (see :meth:`kept_host`)."""
 
@@ -396,6 +398,7 @@ class PageWorker:
         sum_tail: bool = False,
         disk_kept: str | None = None,
         host_kept: tuple[str, str] | None = None,
+        tail_salt: int = 0,
     ) -> PageWorker: ...
     @property
     def slots(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from collections.abc import Mapping
@@ -33,15 +34,36 @@ def world_size(vllm_config: VllmConfig) -> int:
     return int(p.tensor_parallel_size) * int(p.pipeline_parallel_size)
 
 
-def kv_encoding(kv_caches: Mapping[str, Any], num_blocks: int, vllm_config: Any) -> str:
-    """How the engine's KV tensors lay a block's bytes out: the attention
-    backends vLLM built for their layers, and per kind of tensor its shape
-    with the block axis (the first of ``num_blocks``) named ``B``, the
-    order of its axes in memory (outermost first) and its element type.
-    What the weights, dtype and block size leave open: a backend that lays
-    K and V, heads or tokens out otherwise reads other values from the same
-    bytes (two layouts can share a shape), so blocks kept across a restart
-    are reused only under the same encoding."""
+@dataclasses.dataclass(frozen=True)
+class KvEncoding:
+    """How the engine's KV tensors lay a block's bytes out (see
+    :func:`kv_encoding`)."""
+
+    #: The attention backends vLLM built for the layers (empty: unknown).
+    backends: tuple[str, ...]
+    #: Per kind of tensor: its shape with the block axis named ``B``, the
+    #: order of its axes in memory (outermost first) and its element type.
+    tensors: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"backends {','.join(self.backends) or 'unknown'}; tensors {'; '.join(self.tensors)}"
+
+    def salt(self) -> int:
+        """What the checksums of blocks shared with other engines are
+        salted with: the backends, which lay the canonical pages out the
+        same way at any parallelism; 0 where they are unknown."""
+        if not self.backends:
+            return 0
+        return int.from_bytes(hashlib.sha256(",".join(self.backends).encode()).digest()[:8], "little") or 1
+
+
+def kv_encoding(kv_caches: Mapping[str, Any], num_blocks: int, vllm_config: Any) -> KvEncoding:
+    """How the engine's KV tensors ``kv_caches`` (vLLM's, by layer) lay a
+    block's bytes out. What the weights, dtype and block size leave open: a
+    backend that lays K and V, heads or tokens out otherwise reads other
+    values from the same bytes (two layouts can share a shape), so blocks
+    are reused across a restart, or taken from another engine, only under
+    the same encoding."""
     context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
     backends: set[str] = set()
     for layer in kv_caches:
@@ -61,10 +83,10 @@ def kv_encoding(kv_caches: Mapping[str, Any], num_blocks: int, vllm_config: Any)
         # Ties (axes of one element) keep their place.
         order = sorted(range(len(shape)), key=lambda i: (-strides[i], i))
         kinds.add(f"{'x'.join(dims)} order {','.join(map(str, order))} {t.dtype}")
-    return f"backends {','.join(sorted(backends)) or 'unknown'}; tensors {'; '.join(sorted(kinds))}"
+    return KvEncoding(tuple(sorted(backends)), tuple(sorted(kinds)))
 
 
-def with_encoding(identity: str, encoding: str | None) -> str:
-    """``identity`` with the engine's KV encoding (see :func:`kv_encoding`)
-    as one more line, where it is known."""
+def with_encoding(identity: str, encoding: KvEncoding | None) -> str:
+    """``identity`` with the engine's KV encoding as one more line, where
+    it is known."""
     return identity if encoding is None else f"{identity}\nkv_encoding: {encoding}"

@@ -66,7 +66,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from kvbm_py import InvalidArgumentError, _kvbm
 from kvbm_py.config import GIB, KvbmConfig
 from kvbm_py.g4 import SUM_BYTES
-from kvbm_py.vllm.common import kv_encoding
+from kvbm_py.vllm.common import KvEncoding, kv_encoding
 from kvbm_py.vllm.common import log as logger
 from kvbm_py.vllm.g4_shards import SHARDS_KEY, G4Parts, shards_of
 from kvbm_py.vllm.offload_g4 import G4Lookups, connect, g4_identity, lookup_stats
@@ -190,8 +190,8 @@ class KvbmOffloadingSpec(OffloadingSpec):
         kept = self.kept_identity is not None
         self.keeps_disk = kept and bool(self.disk_slots) and self.kvbm.disk_cache_keep
         self.keeps_host = kept and self.kvbm.cpu_cache_keep
-        #: How the rank's KV tensors lay a block out (the kept tiers' identity names it; None: unknown).
-        self.kv_encoding: str | None = None
+        #: How the rank's KV tensors lay a block out (kept tiers and G4 check it; None: unknown).
+        self.kv_encoding: KvEncoding | None = None
         self._manager: KvbmOffloadingManager | None = None
         self._worker: KvbmOffloadingWorker | None = None
 

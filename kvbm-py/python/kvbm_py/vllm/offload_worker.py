@@ -113,6 +113,8 @@ class KvbmOffloadingWorker(OffloadingWorker):
             disk_dir=disk_dir,
             disk_slots=spec.disk_slots,
             sum_tail=spec.g4 is not None,
+            # Blocks of engines that lay them out otherwise fail their checks.
+            tail_salt=spec.kv_encoding.salt() if spec.kv_encoding is not None else 0,
             disk_kept=kept_identity if spec.keeps_disk else None,
             host_kept=host_kept,
         )
