@@ -200,6 +200,18 @@ def test_reset_prefix_cache_with_kvbm_holding_nothing(harness):
     assert h.scheduled["B"] == len(PREFIX) + 1  # nothing left to load
 
 
+def _kept_g3(tmp_path) -> dict:
+    """A G2 of two 16 KiB blocks in front of a G3 kept in `tmp_path` (the
+    rest goes there), every block admitted."""
+    block_bytes = 16384
+    return {
+        "cpu_cache_gb": 2.5 * block_bytes / 2**30,
+        "disk_cache_gb": 64.5 * block_bytes / 2**30,
+        "disk_cache_dir": str(tmp_path / "g3"),
+        "admission": "all",
+    }
+
+
 def test_a_reset_stops_the_kept_disk_tier(tmp_path, monkeypatch):
     """A ``reset_prefix_cache(reset_connector=True)`` empties a kept G3's
     records and keeps nothing stored after it (the engine's weights may
@@ -210,13 +222,7 @@ def test_a_reset_stops_the_kept_disk_tier(tmp_path, monkeypatch):
     from conftest import kept_slots
 
     monkeypatch.setenv("PYTHONHASHSEED", "0")
-    block_bytes = 16384
-    extra = {
-        "cpu_cache_gb": 2.5 * block_bytes / 2**30,  # G2 holds two blocks: the rest goes to G3
-        "disk_cache_gb": 64.5 * block_bytes / 2**30,
-        "disk_cache_dir": str(tmp_path / "g3"),
-        "admission": "all",
-    }
+    extra = _kept_g3(tmp_path)
     model_dir = str(tmp_path / "model")
     prompt = {n: [n] * (4 * BLOCK) + [1] for n in (7, 8, 9, 10)}
 
@@ -271,17 +277,11 @@ def test_an_engine_laying_kv_out_otherwise_reuses_no_kept_block(tmp_path, monkey
     import gc
 
     monkeypatch.setenv("PYTHONHASHSEED", "0")
-    block_bytes = 16384
-    extra = {
-        "cpu_cache_gb": 2.5 * block_bytes / 2**30,  # G2 holds two blocks: the rest goes to G3
-        "disk_cache_gb": 64.5 * block_bytes / 2**30,
-        "disk_cache_dir": str(tmp_path / "g3"),
-        "admission": "all",
-    }
+    extra = _kept_g3(tmp_path)
     model_dir = str(tmp_path / "model")
     prompt = {n: [n] * (4 * BLOCK) + [1] for n in (7, 8)}
 
-    def run(heads_outer: bool, then=None) -> dict:
+    def run(heads_outer: bool) -> dict:
         h = build(tmp_path, extra, model_dir=model_dir, heads_outer=heads_outer)
         try:
             recovered = h.kvbm.stats()["g3_recovered_blocks"]
