@@ -51,7 +51,7 @@ use kvbm_transfer::PhysicalLayout;
 use kvbm_transfer::memory::{
     DiskAllocator, DiskFile, DiskOptions, IoMode, MemoryRegion, SystemBuffer, try_lock_exclusive,
 };
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
 use crate::error::DistError;
 
@@ -149,6 +149,10 @@ pub struct KeptStore {
     /// Makes committed records durable in the background (G3).
     syncer: Arc<Syncer>,
     sync_thread: Option<std::thread::JoinHandle<()>>,
+    /// Whether the store still records blocks ([`KeptStore::stop`] ends
+    /// it); read while records are written, so a stop waits for them or
+    /// they see it.
+    keeping: RwLock<bool>,
     /// Held while open.
     _lock: File,
 }
@@ -243,61 +247,6 @@ fn full_identity(identity: &str, tier: &str, layout: &Layout) -> String {
         c.alignment(),
         layout.kind(),
     )
-}
-
-/// The check sealing a record of `slot`.
-fn seal(slot: u32, label: BlockLabel, sum: u64) -> u64 {
-    let mut h = kvbm_transfer::checksum::BlockChecksum::new();
-    h.update(&u64::from(slot).to_le_bytes());
-    h.update(&label.hash.to_le_bytes());
-    h.update(&label.parent.unwrap_or(0).to_le_bytes());
-    h.update(&[u8::from(label.parent.is_some()); 8]);
-    h.update(&sum.to_le_bytes());
-    // Never 0: an all-zero record is an empty one.
-    h.digest() | 1
-}
-
-/// The record bytes of `slot` holding `label` and `sum`.
-fn encode(slot: u32, label: BlockLabel, sum: u64) -> [u8; RECORD_BYTES as usize] {
-    let mut r = [0u8; RECORD_BYTES as usize];
-    r[0..8].copy_from_slice(&label.hash.to_le_bytes());
-    let parent = label.parent.unwrap_or(0);
-    r[8..16].copy_from_slice(&parent.to_le_bytes());
-    r[16..24].copy_from_slice(&sum.to_le_bytes());
-    // The low bit of the seal is always 1; the next one says whether there
-    // is a parent.
-    let flag = if label.parent.is_some() { 2 } else { 0 };
-    r[24..32].copy_from_slice(&((seal(slot, label, sum) & !2) | flag).to_le_bytes());
-    r
-}
-
-/// What record `r` of `slot` says: `Ok(None)` for an empty one, `Err(())`
-/// for one that is neither empty nor sound.
-fn decode(slot: u32, r: &[u8]) -> Result<Option<(BlockLabel, u64)>, ()> {
-    let word = |i: usize| {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(&r[i * 8..i * 8 + 8]);
-        u64::from_le_bytes(b)
-    };
-    let (hash, parent, sum, check) = (word(0), word(1), word(2), word(3));
-    if check == 0 {
-        return if hash == 0 && parent == 0 && sum == 0 {
-            Ok(None)
-        } else {
-            Err(())
-        };
-    }
-    let label = BlockLabel {
-        hash,
-        parent: (check & 2 != 0).then_some(parent),
-    };
-    if label.parent.is_none() && parent != 0 {
-        return Err(());
-    }
-    if (seal(slot, label, sum) & !2) | (check & 2) != check {
-        return Err(());
-    }
-    Ok(Some((label, sum)))
 }
 
 /// Bytes of the `slots` file of a store of `num_blocks` blocks: its
@@ -431,6 +380,7 @@ impl KeptStore {
             num_blocks,
             syncer,
             sync_thread,
+            keeping: RwLock::new(true),
             _lock: lock,
         };
         let recovery = Recovery {
@@ -683,13 +633,22 @@ impl KeptStore {
     }
 
     /// Empties the records of `slots`: call before writing them.
+    /// A no-op once the store stopped (no record names anything).
     pub fn forget(&self, slots: &[u32]) -> io::Result<()> {
+        if !*self.keeping.read() {
+            return Ok(());
+        }
         let empty = [0u8; RECORD_BYTES as usize];
         slots.iter().try_for_each(|&s| self.write_record(s, &empty))
     }
 
-    /// Empties every record (the cache was reset).
-    pub fn forget_all(&self) -> io::Result<()> {
+    /// Empties every record, and from now on records nothing: the engine's
+    /// cache was reset, and the blocks it holds may come from other
+    /// weights than those a restarted engine loads. A commit that ran
+    /// before is emptied here; one that runs after writes nothing.
+    pub fn stop(&self) -> io::Result<()> {
+        let mut keeping = self.keeping.write();
+        *keeping = false;
         let zeros = vec![0u8; (u64::from(self.num_blocks) * RECORD_BYTES) as usize];
         self.files.slots.write_all_at(&zeros, HEADER_BYTES)?;
         self.syncer.state.lock().dirty = true;
@@ -699,7 +658,12 @@ impl KeptStore {
     /// Records that each `(slot, label, sum)` block landed: call once its
     /// bytes are written. A thread of the store makes them durable within
     /// [`SYNC_EVERY`].
+    /// A no-op once the store stopped.
     pub fn commit(&self, blocks: &[(u32, BlockLabel, u64)]) -> io::Result<()> {
+        let keeping = self.keeping.read();
+        if !*keeping {
+            return Ok(());
+        }
         for &(slot, label, sum) in blocks {
             self.write_record(slot, &encode(slot, label, sum))?;
         }
@@ -783,8 +747,10 @@ pub fn is_unused_store(dir: &Path) -> bool {
 
 mod history;
 mod inspect;
+mod record;
 pub use history::{HISTORY_EVERY, HistoryKeeper, HistoryWriter};
 pub use inspect::{Inspection, inspect};
+use record::{decode, encode};
 
 #[cfg(test)]
 pub(crate) mod tests;

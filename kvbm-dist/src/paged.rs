@@ -310,11 +310,9 @@ struct Shared {
     sums: Option<Mutex<Vec<Option<u64>>>>,
     /// Sums G1 blocks on the GPU, with checksums on and device pages.
     g1_sums: Option<DeviceSums>,
-    /// The slots' records, when G2 is kept across restarts.
+    /// The slots' records, when G2 is kept across restarts (a reset stops
+    /// them for good: [`PagedWorker::stop_keeping`]).
     host_kept: Option<KeptStore>,
-    /// Whether the kept tiers still record the blocks that land in them;
-    /// a reset stops them for good ([`PagedWorker::stop_keeping`]).
-    keeping: Mutex<bool>,
     reports: Mutex<Reports>,
     settled: Condvar,
     /// Reports filed so far, raised after each one is (so a poller looks
@@ -481,14 +479,13 @@ impl PagedWorker {
             sums,
             g1_sums,
             host_kept,
-            keeping: Mutex::new(true),
             reports: Mutex::new(Reports::default()),
             settled: Condvar::new(),
             filed: AtomicU64::new(0),
         });
         let block_bytes = config.groups.iter().map(PageGroup::block_bytes).collect();
-        let mut worker = Self::start(shared, stride, block_bytes, config.sum_tail)?;
-        worker.tail_salt = config.tail_salt;
+        let tail = (config.sum_tail, config.tail_salt);
+        let mut worker = Self::start(shared, stride, block_bytes, tail)?;
         worker.kept = kept;
         worker.kept_host = kept_host;
         Ok(worker)
@@ -496,11 +493,12 @@ impl PagedWorker {
 
     /// Starts the worker's threads over `shared`: the one that settles
     /// jobs and, with G3, the one that stages G3's reads and writes.
+    /// `(sum_tail, tail_salt)` as [`PagedConfig`] says.
     fn start(
         shared: Arc<Shared>,
         stride: u64,
         block_bytes: Vec<u64>,
-        sum_tail: bool,
+        (sum_tail, tail_salt): (bool, u64),
     ) -> Result<Self> {
         let (settle, settle_rx) = channel();
         let s = Arc::clone(&shared);
@@ -528,7 +526,7 @@ impl PagedWorker {
             stride,
             block_bytes,
             sum_tail,
-            tail_salt: 0,
+            tail_salt,
             assembly: Default::default(),
         })
     }
@@ -569,15 +567,12 @@ impl PagedWorker {
     /// none of the blocks; the tiers go on serving this engine. A no-op
     /// without a kept tier.
     pub fn stop_keeping(&self) -> Result<()> {
-        let mut keeping = self.shared.keeping.lock();
-        *keeping = false;
         if let Some(kept) = &self.shared.host_kept {
-            // Under the lock: a store that landed before wrote its records
-            // (emptied here), one that lands after sees the tier stopped.
-            kept.forget_all()
+            // A store that landed before wrote its records (emptied here),
+            // one that lands after records nothing (see `KeptStore::stop`).
+            kept.stop()
                 .map_err(|e| invalid(format!("emptying the G2 records: {e}")))?;
         }
-        drop(keeping);
         if self.kept.is_none() {
             return Ok(());
         }
@@ -652,10 +647,10 @@ impl PagedWorker {
         }
         if direction == Direction::Store
             && let Some(kept) = &self.shared.host_kept
-            && *self.shared.keeping.lock()
         {
             // Before any byte of a slot is written, its record names
-            // nothing (once the tier stopped keeping, no record does).
+            // nothing (once the tier stopped keeping, no record does and
+            // this writes none).
             let slots: Vec<u32> = copies.iter().map(|c| c.slot as u32).collect();
             if let Err(e) = kept.forget(&slots) {
                 let mut r = self.shared.reports.lock();

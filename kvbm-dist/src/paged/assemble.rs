@@ -26,7 +26,7 @@ use std::sync::OnceLock;
 use kvbm_transfer::PhysicalLayout;
 use kvbm_transfer::checksum::BlockChecksum;
 
-use super::outside::SUM_BYTES;
+use super::outside::{SUM_BYTES, sum_of, tail_of};
 use super::{PageMemory, PagedWorker, invalid, layouts};
 use crate::error::Result;
 use crate::verify::block_sum;
@@ -172,7 +172,7 @@ impl PagedWorker {
             let sum = block_sum(g2, slot).map_err(invalid)?;
             // SAFETY: as in `seal`: the SUM_BYTES after the group's block
             // inside the slot, which no job copies meanwhile.
-            unsafe { (tail as *mut [u8; 8]).write_unaligned((sum ^ self.tail_salt).to_le_bytes()) };
+            unsafe { (tail as *mut [u8; 8]).write_unaligned(tail_of(sum, self.tail_salt)) };
             good.push(Some(sum));
         }
         if let Some(sums) = &self.shared.sums {
@@ -198,7 +198,7 @@ fn shard_matches(bundle: u64, i: usize, shards: Shards, layers: u64, salt: u64) 
     for chunk in data.chunks_exact((shards.bytes / layers) as usize) {
         h.update(chunk);
     }
-    <[u8; 8]>::try_from(sum).is_ok_and(|sum| u64::from_le_bytes(sum) ^ salt == h.digest())
+    <[u8; 8]>::try_from(sum).is_ok_and(|sum| sum_of(sum, salt) == h.digest())
 }
 
 /// Errors unless `pieces` read inside single shards' bytes and write

@@ -77,7 +77,8 @@ pub(super) fn open(d: &PagedDisk, stride: u64, verify: bool) -> Result<(Disk, Op
 pub(super) enum Stage {
     /// A job to run.
     Job(Staged),
-    /// Empty every record of a kept G3 (after the jobs handed before).
+    /// Empty every record of a kept G3 and record nothing more (after the
+    /// jobs handed before).
     ForgetKept,
 }
 
@@ -98,7 +99,7 @@ pub(super) fn stage_loop(shared: &Shared, rx: Receiver<Stage>, settle: Sender<Pe
         let s = match item {
             Stage::Job(s) => s,
             Stage::ForgetKept => {
-                forget_all(shared);
+                stop_kept(shared);
                 continue;
             }
         };
@@ -137,13 +138,14 @@ fn store(shared: &Shared, s: Staged) -> Pending {
     }
 }
 
-/// Empties every record of a kept G3 (logged when it fails: the blocks
-/// then come back after a restart, each still checked).
-fn forget_all(shared: &Shared) {
+/// Empties every record of a kept G3 and records nothing in it from now
+/// on (logged when emptying fails: the blocks then come back after a
+/// restart, each still checked).
+fn stop_kept(shared: &Shared) {
     let Some(kept) = shared.disk.as_ref().and_then(|d| d.kept.as_ref()) else {
         return;
     };
-    if let Err(e) = kept.forget_all() {
+    if let Err(e) = kept.stop() {
         tracing::warn!(dir = %kept.dir().display(), "G3 records not emptied: {e}");
     }
 }
@@ -201,11 +203,10 @@ pub(super) fn demote(shared: &Shared, moves: &[DiskMove]) -> Result<(), String> 
             to[m.to] = sum;
         }
     }
-    // Read on this thread, which empties the records of a reset after the
-    // moves handed to it before: a move that sees the tier keeping is
-    // recorded before the reset empties it.
-    let keeping = *shared.keeping.lock();
-    if let Some(kept) = disk.kept.as_ref().filter(|_| keeping) {
+    // Recorded on this thread, which stops the store at a reset after the
+    // moves handed to it before: a move recorded before is emptied then,
+    // one after records nothing.
+    if let Some(kept) = disk.kept.as_ref() {
         let records: Vec<(u32, BlockLabel, u64)> = moves
             .iter()
             .zip(&sums)

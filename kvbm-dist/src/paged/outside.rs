@@ -25,6 +25,17 @@ pub const SUM_BYTES: u64 = 8;
 /// What a slot with room for a checksum is padded to.
 pub(super) const TAIL_ALIGNMENT: u64 = 256;
 
+/// The bytes after a block that carry its checksum `sum` salted with
+/// `salt` (see [`PagedConfig::tail_salt`](super::PagedConfig::tail_salt)).
+pub(super) fn tail_of(sum: u64, salt: u64) -> [u8; 8] {
+    (sum ^ salt).to_le_bytes()
+}
+
+/// The checksum the bytes after a block carry, salted with `salt`.
+pub(super) fn sum_of(tail: [u8; 8], salt: u64) -> u64 {
+    u64::from_le_bytes(tail) ^ salt
+}
+
 impl PagedWorker {
     /// Where G2's slots lie in host memory: the address of slot 0 and the
     /// bytes of all [`slots`](Self::slots) slots, one
@@ -90,9 +101,7 @@ impl PagedWorker {
                 // left in every slot's stride), host memory the region
                 // owns; no job copies those bytes, and the caller keeps
                 // the slot's block unwritten meanwhile.
-                unsafe {
-                    (tail as *mut [u8; 8]).write_unaligned((sum ^ self.tail_salt).to_le_bytes())
-                };
+                unsafe { (tail as *mut [u8; 8]).write_unaligned(tail_of(sum, self.tail_salt)) };
                 Ok(true)
             })
             .collect()
@@ -137,7 +146,7 @@ impl PagedWorker {
             // SAFETY: as in `seal`: the SUM_BYTES after the block inside
             // the slot, which the caller keeps unwritten while it checks.
             let sum = unsafe { (tail as *const [u8; 8]).read_unaligned() };
-            arrived.push((s, u64::from_le_bytes(sum) ^ self.tail_salt));
+            arrived.push((s, sum_of(sum, self.tail_salt)));
         }
         let good: Vec<bool> = arrived
             .iter()

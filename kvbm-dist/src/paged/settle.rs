@@ -222,12 +222,7 @@ fn record(shared: &Shared, copies: &[PageCopy], failed: &[PageCopy], error: &mut
         })
         .collect();
     drop(sums);
-    // Held while the records are written: a reset waits for them, or they
-    // see it.
-    let keeping = shared.keeping.lock();
-    if !*keeping {
-        return;
-    }
+    // After a reset the store records nothing (`KeptStore::stop`).
     if let Err(e) = kept.commit(&landed) {
         // The records stay empty: the blocks are served now, not after a
         // restart.

@@ -7,6 +7,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use kvbm_layout::{Layout, LayoutKind};
@@ -19,7 +20,6 @@ use kvbm_transfer::{
     CancelToken, Completion, Executor, PhysicalLayout, TransferError, TransferFailure,
     TransferOutcome,
 };
-use parking_lot::Mutex;
 
 use crate::error::{DistError, Result};
 use crate::kept::{BlockLabel, KeptStore, Medium, Recovered};
@@ -108,11 +108,9 @@ pub(crate) struct Tiers {
     g3_found: Found,
     /// How long opening G3 took (recovery included).
     g3_open: Duration,
-    /// Whether the kept tiers still record the blocks that land in them; a
-    /// reset stops them for good ([`Tiers::stop_keeping`]). Shared by every
-    /// clone (the worker's routes and a lent one); held while records are
-    /// written, so a reset waits for them or they see it.
-    keeping: Arc<Mutex<bool>>,
+    /// Set once a reset stopped the kept tiers ([`Tiers::stop_keeping`]):
+    /// tiers opened again after it are stopped too.
+    stopped: Arc<AtomicBool>,
 }
 
 impl Tiers {
@@ -127,7 +125,7 @@ impl Tiers {
             g2_found: Found::default(),
             g3_found: Found::default(),
             g3_open: Duration::ZERO,
-            keeping: Arc::new(Mutex::new(true)),
+            stopped: Arc::default(),
         }
     }
 
@@ -175,10 +173,10 @@ impl Tiers {
         self.g3_store = g3.store;
         self.g2_found = g2.found;
         self.g3_found = g3.found;
-        if !*self.keeping.lock() {
+        if self.stopped.load(Ordering::Acquire) {
             // Configured again after a reset: what the records held is not
             // kept either.
-            self.forget_kept()?;
+            self.stop_stores()?;
         }
         self.g3_open = if self.g3.is_some() {
             g3_started.elapsed()
@@ -291,20 +289,17 @@ impl Tiers {
     /// update), so a restarted worker finds none of the blocks. The tiers
     /// go on serving this engine. A no-op where no tier is kept.
     pub(crate) fn stop_keeping(&self) -> Result<()> {
-        let mut keeping = self.keeping.lock();
-        *keeping = false;
-        // Under the lock: a copy that landed before wrote its records
-        // (emptied here), one that lands after sees the tiers stopped.
-        self.forget_kept()?;
-        drop(keeping);
-        Ok(())
+        self.stopped.store(true, Ordering::Release);
+        self.stop_stores()
     }
 
-    /// Empties every record of the kept tiers.
-    fn forget_kept(&self) -> Result<()> {
+    /// Stops the kept tiers' stores: a copy that landed before wrote its
+    /// records (emptied here), one that lands after records nothing (see
+    /// [`KeptStore::stop`]).
+    fn stop_stores(&self) -> Result<()> {
         for (tier, store) in [(Tier::G2, &self.g2_store), (Tier::G3, &self.g3_store)] {
             if let Some(store) = store {
-                store.forget_all().map_err(|e| {
+                store.stop().map_err(|e| {
                     DistError::InvalidConfig(format!("emptying the {tier:?} records: {e}"))
                 })?;
             }
@@ -372,13 +367,9 @@ impl Tiers {
         let settled = pairs.clone();
         let keep = store.filter(|_| labels.len() == pairs.len());
         let table = Arc::clone(&sums);
-        let keeping = Arc::clone(&self.keeping);
         sums.settle_later(s, d, settled, completion, move |outcome, mismatches| {
             if let Some(store) = keep {
-                let keeping = keeping.lock();
-                if *keeping {
-                    commit(&store, dst, &table, &pairs, &labels, &outcome);
-                }
+                commit(&store, dst, &table, &pairs, &labels, &outcome);
             }
             done(outcome, mismatches);
         });
@@ -405,10 +396,6 @@ impl Tiers {
         let Some(store) = self.kept(dst) else {
             return Ok(());
         };
-        if !*self.keeping.lock() {
-            // A reset emptied every record, and none is written since.
-            return Ok(());
-        }
         let slots: Vec<u32> = pairs.iter().map(|p| p.1 as u32).collect();
         store.forget(&slots)
     }

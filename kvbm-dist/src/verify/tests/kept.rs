@@ -11,6 +11,14 @@ fn label(hash: u64, parent: Option<u64>) -> kvbm_pool::tier::BlockLabel {
     )
 }
 
+/// A G3 directory per rank of `world`: the directories, removed when
+/// dropped, and their paths.
+fn kept_dirs(world: u32) -> (Vec<tempfile::TempDir>, Vec<std::path::PathBuf>) {
+    let dirs: Vec<tempfile::TempDir> = (0..world).map(|_| tempfile::tempdir().unwrap()).collect();
+    let paths = dirs.iter().map(|d| d.path().to_path_buf()).collect();
+    (dirs, paths)
+}
+
 /// `(slot, hash)` of every block the instance's kept G3 held at start.
 fn kept_g3_of(i: &Instance) -> Vec<(u32, u64)> {
     i.leader
@@ -25,8 +33,7 @@ fn kept_g3_of(i: &Instance) -> Vec<(u32, u64)> {
 /// a byte changed on disk while the engine was down is caught on load; a
 /// G3 kept under another identity gives nothing back.
 fn kept_g3_outlives_the_instance(world: u32, memory: Memory) {
-    let dirs: Vec<tempfile::TempDir> = (0..world).map(|_| tempfile::tempdir().unwrap()).collect();
-    let paths: Vec<std::path::PathBuf> = dirs.iter().map(|d| d.path().to_path_buf()).collect();
+    let (_dirs, paths) = kept_dirs(world);
     let kept = Some((&paths[..], None, "model: tiny"));
     let i = start_in(world, false, memory, kept);
     assert!(i.leader.kept_g3().is_empty());
@@ -94,8 +101,7 @@ fn a_kept_g3_outlives_the_instance_over_the_socket() {
 /// written after it, nor one written over after it; the instance itself
 /// goes on reading them.
 fn a_kept_g3_records_nothing_after_a_reset(world: u32) {
-    let dirs: Vec<tempfile::TempDir> = (0..world).map(|_| tempfile::tempdir().unwrap()).collect();
-    let paths: Vec<std::path::PathBuf> = dirs.iter().map(|d| d.path().to_path_buf()).collect();
+    let (_dirs, paths) = kept_dirs(world);
     let kept = Some((&paths[..], None, "model: tiny"));
     let i = start_in(world, false, Memory::Host, kept);
     i.fill(&SEEDS);
@@ -160,8 +166,7 @@ proptest::proptest! {
         world in 1u32..=2,
         steps in proptest::collection::vec(kept_step(), 1..10),
     ) {
-        let dirs: Vec<tempfile::TempDir> = (0..world).map(|_| tempfile::tempdir().unwrap()).collect();
-        let paths: Vec<std::path::PathBuf> = dirs.iter().map(|d| d.path().to_path_buf()).collect();
+        let (_dirs, paths) = kept_dirs(world);
         let kept = Some((&paths[..], None, "model: tiny"));
         let begin = || {
             let i = start_in(world, false, Memory::Host, kept);
@@ -224,9 +229,7 @@ fn a_kept_g3_outlives_the_instance_with_g1_on_the_gpu() {
 /// G2 and intact; an unlabelled write is not kept; a byte changed in the
 /// memory file while the engine was down is caught on load.
 fn kept_g2_outlives_the_instance(world: u32, memory: Memory) {
-    let g3_dirs: Vec<tempfile::TempDir> =
-        (0..world).map(|_| tempfile::tempdir().unwrap()).collect();
-    let g3: Vec<std::path::PathBuf> = g3_dirs.iter().map(|d| d.path().to_path_buf()).collect();
+    let (_g3_dirs, g3) = kept_dirs(world);
     let g2_dirs: Vec<tempfile::TempDir> = (0..world)
         .map(|_| crate::kept::tests::memory_dir())
         .collect();

@@ -25,7 +25,12 @@ def engine_id(vllm_config: VllmConfig) -> str:
 
 def instance_of(engine: str) -> int:
     """kvbm's 64-bit instance id for an engine id."""
-    return int.from_bytes(hashlib.sha256(engine.encode()).digest()[:8], "little")
+    return digest64(engine)
+
+
+def digest64(text: str) -> int:
+    """A 64-bit digest of ``text``, the same in every process."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
 
 
 def world_size(vllm_config: VllmConfig) -> int:
@@ -54,7 +59,7 @@ class KvEncoding:
         same way at any parallelism; 0 where they are unknown."""
         if not self.backends:
             return 0
-        return int.from_bytes(hashlib.sha256(",".join(self.backends).encode()).digest()[:8], "little") or 1
+        return digest64(",".join(self.backends)) or 1
 
 
 def kv_encoding(kv_caches: Mapping[str, Any], num_blocks: int, vllm_config: Any) -> KvEncoding:
