@@ -11,11 +11,12 @@
 //! plan (the sum of its runs), never from hand arithmetic.
 //!
 //! `cargo run --release -p kvbm-bench --features cuda,gemm --bin cuda_bench
-//! [-- quick | gemm | focus | diag | gemm-timeline | probe]`; `focus` runs only the
+//! [-- quick | gemm | focus | diag | gemm-timeline | probe | lone]`; `focus` runs only the
 //! rows that judge how copies start and end (8 and 32 KiB runs: one
 //! direction, both directions, beside the GEMM one copy at a time);
 //! `probe` (see `probe.rs`) the measurements behind the staged
-//! path's start; `gemm-timeline` the timelines of busy staged copies beside
+//! path's start; `lone` (see `lone.rs`) one block alone through each path
+//! that can take it; `gemm-timeline` the timelines of busy staged copies beside
 //! the GEMM (`diag.rs`). `-sh` rows hand the plan over shared
 //! (`copy_shared`) instead of lending it. `KVBM_SHAPES` keeps some run
 //! sizes and placements in any mode (`"32:1-alloc 8:layer-alloc"`; 256 KiB
@@ -27,6 +28,7 @@
 mod cuda_common;
 mod diag;
 mod gemm;
+mod lone;
 mod probe;
 
 use gemm::interfere;
@@ -412,6 +414,10 @@ fn main() {
     }
     if std::env::args().any(|a| a == "probe") {
         probe::run(&dev);
+        return;
+    }
+    if std::env::args().any(|a| a == "lone") {
+        lone::run(&dev);
         return;
     }
     let started = Instant::now();
