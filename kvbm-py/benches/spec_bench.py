@@ -19,7 +19,9 @@ ratio is the median of the repetitions' ratios):
   bytes each way;
 - both directions at once (a store of one batch while another loads),
   against two large copies at once on two streams;
-- one block alone each way, against its bytes at the large copy's rate.
+- one block alone each way (job + wait), against its bytes at the large
+  copy's rate and, taking turns, one copy of its bytes contiguous on both
+  sides, plus its wait; vLLM's batch copy of its pages against the same.
 Every loaded byte is checked against what was stored.
 
     python kvbm-py/benches/spec_bench.py [--heads 8] [--blocks 256] [--reps 9]
@@ -38,6 +40,9 @@ import torch
 from kvbm_py import _kvbm
 
 LAYERS, TOKENS, HEAD = 32, 16, 128
+
+# Turns timed for one block alone, after warm-up.
+LONE_REPS = 41
 
 
 class _Location(ctypes.Structure):
@@ -265,11 +270,28 @@ def main() -> int:
             for l in layers:
                 assert torch.equal(l[to], l[back]), "vLLM's Triton path loaded other bytes"
 
-    # One block alone.
+    # One block alone, taking turns with one copy of its bytes (contiguous
+    # on both sides, the way `gpu_bench.py --blocks 1` times its
+    # reference) and vLLM's batch copy of its pages.
     line_out = nbytes / statistics.median(big_d2h() for _ in range(5))
     line_in = nbytes / statistics.median(big_h2d() for _ in range(5))
-    lone_out = statistics.median(run("store", [(0, src[0], 3 * n)]) for _ in range(20))
-    lone_in = statistics.median(run("load", [(0, dst[0], 3 * n)]) for _ in range(20))
+    one_dev, one_host = dev[:slot_bytes], host[:slot_bytes]
+    lone_args = {
+        "store": batch.prepare(pages_host[:LAYERS], pages_dev(src[:1]), page, True),
+        "load": batch.prepare(pages_dev(dst[:1]), pages_host[:LAYERS], page, False),
+    }
+    lone: dict[str, list[tuple[float, float, float]]] = {"store": [], "load": []}
+    for rep in range(LONE_REPS + 5):
+        for kind, block in (("store", src[0]), ("load", dst[0])):
+            if kind == "store":
+                one = timed(lambda: one_host.copy_(one_dev, non_blocking=True))
+            else:
+                one = timed(lambda: one_dev.copy_(one_host, non_blocking=True))
+            t = run(kind, [(0, block, 3 * n)])
+            args = lone_args[kind]
+            theirs = timed(lambda: batch(args))
+            if rep >= 5:
+                lone[kind].append((t, one, theirs))
 
     med = statistics.median
     print(f"pages of {page // 1024} KiB, {n} blocks of {slot_bytes >> 10} KiB, every loaded byte checked")
@@ -285,10 +307,14 @@ def main() -> int:
             f"vLLM's Triton path (onboard, pages under 28 KiB): {med(triton_in):.2f} of one large copy; "
             f"kvbm is {med(ratios_in) / med(triton_in):.2f}x"
         )
-    print(
-        f"one block: offload {lone_out * 1e3:.3f} ms ({lone_out * line_out / slot_bytes:.2f}x its bytes at line rate), "
-        f"onboard {lone_in * 1e3:.3f} ms ({lone_in * line_in / slot_bytes:.2f}x)"
-    )
+    for kind, name, line in (("store", "offload", line_out), ("load", "onboard", line_in)):
+        t = med(x[0] for x in lone[kind])
+        one = med(x[0] / x[1] for x in lone[kind])
+        theirs = med(x[2] / x[1] for x in lone[kind])
+        print(
+            f"one block, {name} + wait: {t * 1e3:.3f} ms, {t * line / slot_bytes:.2f}x its bytes at the large "
+            f"copy's rate, {one:.2f}x one copy of its bytes (vLLM's batch copy of its pages: {theirs:.2f}x)"
+        )
     return 0
 
 
