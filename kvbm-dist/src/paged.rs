@@ -484,8 +484,13 @@ impl PagedWorker {
             filed: AtomicU64::new(0),
         });
         let block_bytes = config.groups.iter().map(PageGroup::block_bytes).collect();
-        let tail = (config.sum_tail, config.tail_salt);
-        let mut worker = Self::start(shared, stride, block_bytes, tail)?;
+        let mut worker = Self::start(
+            shared,
+            stride,
+            block_bytes,
+            config.sum_tail,
+            config.tail_salt,
+        )?;
         worker.kept = kept;
         worker.kept_host = kept_host;
         Ok(worker)
@@ -493,12 +498,13 @@ impl PagedWorker {
 
     /// Starts the worker's threads over `shared`: the one that settles
     /// jobs and, with G3, the one that stages G3's reads and writes.
-    /// `(sum_tail, tail_salt)` as [`PagedConfig`] says.
+    /// `sum_tail` and `tail_salt` as [`PagedConfig`] says.
     fn start(
         shared: Arc<Shared>,
         stride: u64,
         block_bytes: Vec<u64>,
-        (sum_tail, tail_salt): (bool, u64),
+        sum_tail: bool,
+        tail_salt: u64,
     ) -> Result<Self> {
         let (settle, settle_rx) = channel();
         let s = Arc::clone(&shared);

@@ -185,16 +185,6 @@ class Harness:
         kv_transfer_state._KV_CONNECTOR_AGENT = None
 
 
-class _Backend:
-    """The fabricated model's attention backend: only its name."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def get_name(self) -> str:
-        return self.name
-
-
 def build(
     tmp_path,
     extra: dict,
@@ -312,7 +302,8 @@ def build(
         tensors = [torch.zeros(num_blocks, HEADS, BLOCK, 2 * HEAD, dtype=torch.float16) for _ in layers]
     else:
         tensors = [torch.zeros(num_blocks, 2, BLOCK, HEADS * HEAD, dtype=torch.float16) for _ in layers]
-    backend = _Backend("HARNESS_HEADS_PACKED" if heads_outer else "HARNESS_KV_SPLIT")
+    name = "HARNESS_HEADS_PACKED" if heads_outer else "HARNESS_KV_SPLIT"
+    backend = SimpleNamespace(get_name=lambda: name)
     vllm_config.compilation_config.static_forward_context = {
         layer: SimpleNamespace(attn_backend=backend) for layer in layers
     }

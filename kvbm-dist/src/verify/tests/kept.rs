@@ -21,11 +21,12 @@ fn kept_dirs(world: u32) -> (Vec<tempfile::TempDir>, Vec<std::path::PathBuf>) {
 
 /// `(slot, hash)` of every block the instance's kept G3 held at start.
 fn kept_g3_of(i: &Instance) -> Vec<(u32, u64)> {
-    i.leader
-        .kept_g3()
-        .iter()
-        .map(|(s, l)| (*s, l.hash))
-        .collect()
+    slot_hashes(i.leader.kept_g3())
+}
+
+/// `(slot, hash)` of every kept block of `found`.
+fn slot_hashes(found: &[(u32, crate::proto::BlockLabel)]) -> Vec<(u32, u64)> {
+    found.iter().map(|(s, l)| (*s, l.hash)).collect()
 }
 
 /// Writes labelled blocks into a kept G3, stops, starts again on the same
@@ -245,13 +246,7 @@ fn kept_g2_outlives_the_instance(world: u32, memory: Memory) {
     i.stop();
 
     let i = start_in(world, false, memory, kept);
-    let found: Vec<(u32, u64)> = i
-        .leader
-        .kept_g2()
-        .iter()
-        .map(|(s, l)| (*s, l.hash))
-        .collect();
-    assert_eq!(found, vec![(10, 100), (11, 101)]);
+    assert_eq!(slot_hashes(i.leader.kept_g2()), vec![(10, 100), (11, 101)]);
     let engine = kvbm_pool::TierEngine::builder_with_mover(i.leader.mover(), 16)
         .build()
         .unwrap();
