@@ -140,13 +140,7 @@ fn gather_on_copy_engines(
     let gather = Case::new(runs, shape.dev_regions.clone(), vec![dense.clone()]);
     let host_len = off.bytes as usize;
     let dma = Case::new(
-        vec![CopyRun {
-            src_region: 0,
-            src_offset: 0,
-            dst_region: 0,
-            dst_offset: 0,
-            len: off.bytes,
-        }],
+        one_run(off.bytes),
         vec![dense2.clone()],
         vec![window(arena, GIB, host_len)],
     );

@@ -21,9 +21,10 @@ pub(crate) fn run(dev: &CudaDevice) {
     let refs = references(dev, &copier, 5);
     let arena = filled_arena(dev, 64 << 20);
     let idle = GpuLoad::Idle;
+    let engines = opts(Some(CopyPath::CopyEngine), idle);
     let rows = [
         ("kernel", opts(Some(CopyPath::Kernel), idle)),
-        ("engines", opts(Some(CopyPath::CopyEngine), idle)),
+        ("engines", engines),
         ("auto", opts(None, idle)),
     ];
     println!(
@@ -50,35 +51,25 @@ pub(crate) fn run(dev: &CudaDevice) {
         let flat = Arc::new(DeviceBuffer::new(dev, dl.block_bytes()).expect("flat"));
         let flat_r: Vec<Arc<dyn CudaRegion>> = vec![flat];
         for d in [Direction::HostToDevice, Direction::DeviceToHost] {
-            let (case, dma, line) = match d {
-                Direction::HostToDevice => (
-                    Case::new(
-                        plan(&hl, &dl, &[(3, 9)]),
-                        host_regions.clone(),
-                        dev_regions.clone(),
-                    ),
-                    Case::new(
-                        one_run(dl.block_bytes()),
-                        host_regions.clone(),
-                        flat_r.clone(),
-                    ),
-                    refs.h2d,
-                ),
-                _ => (
-                    Case::new(
-                        plan(&dl, &hl, &[(9, 3)]),
-                        dev_regions.clone(),
-                        host_regions.clone(),
-                    ),
-                    Case::new(
-                        one_run(dl.block_bytes()),
-                        flat_r.clone(),
-                        host_regions.clone(),
-                    ),
-                    refs.d2h,
-                ),
+            // Host and device sides, in the copy's order.
+            let to_dev = d == Direction::HostToDevice;
+            let ordered = |host: &Vec<Arc<dyn CudaRegion>>, device: &Vec<Arc<dyn CudaRegion>>| {
+                if to_dev {
+                    (host.clone(), device.clone())
+                } else {
+                    (device.clone(), host.clone())
+                }
             };
-            let ce = opts(Some(CopyPath::CopyEngine), idle);
+            let (src, dst) = ordered(&host_regions, &dev_regions);
+            let (from, to, pair) = if to_dev {
+                (&hl, &dl, (3, 9))
+            } else {
+                (&dl, &hl, (9, 3))
+            };
+            let case = Case::new(plan(from, to, &[pair]), src, dst);
+            let (src, dst) = ordered(&host_regions, &flat_r);
+            let dma = Case::new(one_run(dl.block_bytes() as u64), src, dst);
+            let line = if to_dev { refs.h2d } else { refs.d2h };
             let at_line = case.bytes as f64 / (line * 1e9) * 1e6;
             // Taking turns: each round times every row once.
             let mut times = vec![Vec::with_capacity(REPS); rows.len() + 1];
@@ -91,7 +82,7 @@ pub(crate) fn run(dev: &CudaDevice) {
                     }
                 }
                 let t = Instant::now();
-                dma.run(&copier, ce);
+                dma.run(&copier, engines);
                 if round >= 10 {
                     times[rows.len()].push(t.elapsed().as_secs_f64() * 1e6);
                 }
@@ -128,15 +119,4 @@ pub(crate) fn run(dev: &CudaDevice) {
             }
         }
     }
-}
-
-/// One run of `len` bytes from offset 0 to offset 0.
-fn one_run(len: usize) -> Vec<CopyRun> {
-    vec![CopyRun {
-        src_region: 0,
-        src_offset: 0,
-        dst_region: 0,
-        dst_offset: 0,
-        len: len as u64,
-    }]
 }

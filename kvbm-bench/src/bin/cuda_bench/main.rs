@@ -97,6 +97,18 @@ fn window(mem: &Arc<PinnedMemory>, offset: usize, len: usize) -> Arc<dyn CudaReg
     })
 }
 
+/// One contiguous run of `len` bytes, from the start of the first source
+/// region to the start of the first destination region.
+fn one_run(len: u64) -> Vec<CopyRun> {
+    vec![CopyRun {
+        src_region: 0,
+        src_offset: 0,
+        dst_region: 0,
+        dst_offset: 0,
+        len,
+    }]
+}
+
 fn median(mut v: Vec<f64>) -> (f64, f64, f64) {
     v.sort_by(|a, b| a.total_cmp(b));
     (v[v.len() / 2], v[0], v[v.len() - 1])
